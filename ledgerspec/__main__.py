@@ -1,0 +1,5 @@
+import sys
+
+from ledgerspec.faces.cli import main
+
+sys.exit(main())

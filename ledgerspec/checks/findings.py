@@ -1,0 +1,33 @@
+"""Findings: what a rule reports about a document."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ERROR = "error"
+WARNING = "warning"
+INFO = "info"
+SEVERITY_ORDER = {ERROR: 0, WARNING: 1, INFO: 2}
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    severity: str
+    pointer: str
+    message: str
+    line: int = 1
+    column: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A rule's raw report: where and what; the validator adds the position."""
+
+    pointer: str
+    message: str
+    severity: str | None = None  # overrides the rule's default severity

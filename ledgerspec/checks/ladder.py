@@ -1,0 +1,231 @@
+"""The status ladder: INSUFFICIENT DATA < CALCULATED < CANDIDATE < VALIDATED.
+
+:func:`supported_status` computes the highest status the evidence in a document supports, with
+the reasons that hold it down. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.document import Document
+from ledgerspec.contract.values import EXACT_SOURCES, Value
+
+LADDER = F.STATUSES
+RANK = {s: i for i, s in enumerate(LADDER)}
+
+
+@dataclass
+class StatusResult:
+    status: str
+    reasons: list[str] = field(default_factory=list)
+    intake_complete: bool = False
+    best_peak: int | None = None
+    best_peak_from: str | None = None
+
+
+def _dotted(path: tuple[str, ...]) -> str:
+    return ".".join(path)
+
+
+def minimum_intake_gaps(doc: Document) -> list[str]:
+    """The fields of the minimum intake that are missing, UNKNOWN or CONFIGURATION-SPECIFIC."""
+    gaps: list[str] = []
+
+    def need(*path: str) -> None:
+        v = doc.get(*path)
+        if v.unknown:
+            gaps.append(f"{_dotted(path)} is {_state(v)}")
+
+    def need_one(*paths: tuple[str, ...]) -> None:
+        if all(doc.get(*p).unknown for p in paths):
+            gaps.append(" or ".join(_dotted(p) for p in paths) + " is " + _state(doc.get(*paths[0])))
+
+    need("identity", "model_id")
+    need_one(("identity", "revision"), ("identity", "config_sha256"))
+    need("method", "kind")
+    need("method", "rank")
+    need_one(("method", "target_modules"), ("method", "target_parameters"))
+    need("base_model", "loaded_dtype")
+    if is_qlora(doc):
+        for key in ("type", "double_quant", "compute_dtype", "storage_dtype"):
+            need("base_model", "quantization", key)
+    need("adapter", "dtype")
+    need("workload", "microbatch")
+    need_one(("workload", "max_length"), ("workload", "sequence_p95"))
+    need("optimizer", "name")
+    name = doc.get("optimizer", "name").text()
+    if name and optimizer_is_bnb(name):
+        if optimizer_bits(name) is None and doc.get("optimizer", "bits").unknown:
+            gaps.append(f"optimizer.bits does not follow from the name {name!r} and is not given")
+    need("memory_options", "gradient_checkpointing")
+    return gaps
+
+
+def _state(v: Value) -> str:
+    if not v.present:
+        return "missing"
+    return v.source or "UNKNOWN"
+
+
+def is_qlora(doc: Document) -> bool:
+    kind = doc.get("method", "kind").text()
+    return kind == "QLoRA" or doc.get("base_model", "quantized").switch() is True
+
+
+def optimizer_is_bnb(name: str) -> bool:
+    n = name.lower()
+    return "8bit" in n or "paged" in n or "bnb" in n or "32bit" in n
+
+
+def optimizer_bits(name: str) -> int | None:
+    m = re.search(r"(8|32)bit", name.lower())
+    return int(m.group(1)) if m else None
+
+
+def assumption_inputs(doc: Document) -> list[str]:
+    out = []
+    for section in F.INPUT_SECTION_NAMES:
+        sec = F.lookup(doc.kind or "ledger", (section,))
+        if sec is None:
+            continue
+        for path, f in F.walk(sec.children, (section,)):
+            if f.kind != F.OBJECT and doc.get(*path).effective_source(f.figure) == "ASSUMPTION":
+                out.append(_dotted(path))
+    return out
+
+
+def best_peak(doc: Document) -> tuple[int | None, str | None]:
+    """The strongest available peak figure: measured device/reserved/allocated, then estimate, then sums."""
+    for section, key in (("metrics", "device_peak"), ("metrics", "peak_reserved"), ("metrics", "peak_allocated"),
+                         ("phases", "steady_state_peak")):
+        v = doc.get(section, key)
+        if v.source == "MEASURED" and v.size() is not None:
+            return v.size(), f"{section}.{key} (MEASURED)"
+    est = doc.get("x-estimate", "peak_allocated")
+    if est.source in EXACT_SOURCES and est.size() is not None:
+        return est.size(), "x-estimate.peak_allocated"
+    pilot = [doc.get("pilot", k) for k in ("device_peak", "peak_reserved", "peak_allocated")]
+    for v in pilot:
+        if v.source == "MEASURED" and v.size() is not None:
+            return v.size(), "pilot (MEASURED)"
+    parts = [doc.get("ledger", k) for k in ("frozen_base", "adapter", "gradients", "optimizer", "activations")]
+    if all(p.size() is not None and p.source in EXACT_SOURCES for p in parts):
+        total = sum(p.size() or 0 for p in parts)
+        tmp = doc.get("ledger", "temporary")
+        if tmp.size() is not None:
+            total += tmp.size() or 0
+        return total, "sum of ledger components"
+    return None, None
+
+
+def _activation_figure(doc: Document) -> bool:
+    act = doc.get("ledger", "activations")
+    if act.source in ("CALCULATED", "MEASURED") and act.size() is not None:
+        return True
+    return any(doc.get("pilot", k).source == "MEASURED" for k in ("peak_allocated", "peak_reserved", "device_peak"))
+
+
+def supported_status(doc: Document) -> StatusResult:
+    """The highest status the evidence supports, with the reasons that hold it down."""
+    gaps = minimum_intake_gaps(doc)
+    res = StatusResult(LADDER[0], intake_complete=not gaps)
+    res.best_peak, res.best_peak_from = best_peak(doc)
+    if gaps:
+        res.reasons = [f"minimum intake: {g}" for g in gaps]
+        return res
+    if doc.kind == "intake":
+        res.reasons = ["an intake holds no ledger figures: `ledgerspec resolve FILE -o LEDGER` turns it into a "
+                       "ledger"]
+        return res
+
+    # -- CALCULATED -------------------------------------------------------------------------------
+    weak = []
+    for key in ("frozen_base", "adapter", "gradients", "optimizer"):
+        v = doc.get("ledger", key)
+        src = v.effective_source(True)
+        if src not in EXACT_SOURCES or v.size() is None:
+            weak.append(f"ledger.{key} is {src if v.present else 'missing'}")
+    if weak:
+        res.reasons = [f"CALCULATED needs exact figures: {w}" for w in weak]
+        return res
+    res.status = "CALCULATED"
+
+    # -- CANDIDATE --------------------------------------------------------------------------------
+    held: list[str] = []
+    target = doc.get("result", "target_device", "memory").size()
+    if target is None:
+        held.append("CANDIDATE needs result.target_device.memory")
+    if not _activation_figure(doc):
+        held.append("CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
+                    "or MEASURED")
+    if res.best_peak is None:
+        held.append("CANDIDATE needs a peak figure (a measurement, an estimate, or every ledger component)")
+    elif target is not None and res.best_peak > target:
+        held.append(f"best peak ({res.best_peak_from}) = {res.best_peak} B does not fit the target device "
+                    f"({target} B)")
+    if doc.get("result", "fits").switch() is False:
+        held.append("result.fits is false")
+    if held:
+        res.reasons = held
+        return res
+    res.status = "CANDIDATE"
+
+    # -- VALIDATED --------------------------------------------------------------------------------
+    held = [f"ASSUMPTION in an intake field caps the status at CANDIDATE: {p}" for p in assumption_inputs(doc)]
+    held += validated_gaps(doc)
+    if held:
+        res.reasons = held
+        return res
+    res.status = "VALIDATED"
+    return res
+
+
+def validated_gaps(doc: Document) -> list[str]:
+    gaps: list[str] = []
+    for _, f in F.walk(F.PHASES.children, ("phases",)):
+        if doc.get("phases", f.name).source != "MEASURED":
+            gaps.append(f"VALIDATED needs phases.{f.name} MEASURED")
+    for key in ("peak_allocated", "peak_reserved", "device_peak"):
+        if doc.get("metrics", key).source != "MEASURED":
+            gaps.append(f"VALIDATED needs metrics.{key} MEASURED")
+    if doc.get("result", "oom").switch() is not False:
+        gaps.append("VALIDATED needs result.oom: false")
+    steps = doc.get("measurement", "steps").integer()
+    if steps is None or steps < 2:
+        gaps.append("VALIDATED needs measurement.steps >= 2 (repeated representative steps)")
+    device = doc.get("measurement", "device").text()
+    if device == "cpu":
+        gaps.append("measurement.device is cpu: a CPU run never validates GPU memory")
+    needed = ["torch", "transformers", "peft"]
+    if is_qlora(doc) or (doc.get("optimizer", "name").text() or "").lower().find("8bit") >= 0:
+        needed.append("bitsandbytes")
+    for key in needed:
+        if doc.get("software", key).unknown:
+            gaps.append(f"VALIDATED needs software.{key}")
+    if doc.get("software", "cuda").unknown and doc.get("software", "rocm").unknown:
+        gaps.append("VALIDATED needs software.cuda or software.rocm")
+    if not doc.section("comparison") or doc.get("comparison", "known_explanation").unknown:
+        gaps.append("VALIDATED needs comparison filled, with known_explanation")
+    for section in F.INPUT_SECTION_NAMES:
+        sec = F.lookup(doc.kind or "ledger", (section,))
+        if sec is None:
+            continue
+        for path, f in F.walk(sec.children, (section,)):
+            v = doc.get(*path)
+            if f.kind != F.OBJECT and v.present and v.unknown:
+                gaps.append(f"VALIDATED needs no UNKNOWN in the intake: {_dotted(path)}")
+    if doc.get("memory_options", "activation_offload").switch():
+        for key in ("host_peak", "step_time_s"):
+            if doc.get("metrics", key).source != "MEASURED":
+                gaps.append(f"activation offload: VALIDATED needs metrics.{key} MEASURED")
+    gpus = doc.get("parallelism", "gpu_count").integer()
+    if gpus is not None and gpus > 1:
+        peaks = doc.get("parallelism", "per_rank_peak")
+        items = peaks.raw if peaks.form == "plain" and isinstance(peaks.raw, list) else []
+        measured = [Value.of(i) for i in items if Value.of(i).source == "MEASURED"]
+        if len(items) != gpus or len(measured) != gpus:
+            gaps.append(f"gpu_count {gpus}: VALIDATED needs one MEASURED parallelism.per_rank_peak per rank")
+    return gaps

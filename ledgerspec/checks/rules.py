@@ -1,0 +1,266 @@
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue"). One function per rule, named after it.
+
+Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
+:class:`~ledgerspec.checks.findings.Hit`; the validator adds positions and severities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ledgerspec.checks.context import Context, ptr
+from ledgerspec.checks.findings import ERROR, INFO, WARNING, Hit
+from ledgerspec.checks.ladder import RANK, is_qlora
+from ledgerspec.checks.registry import rule
+from ledgerspec.contract import dtypes
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.units import format_size
+
+
+def _dotted(path: tuple[str, ...]) -> str:
+    return ".".join(path)
+
+
+@rule("LS001", ERROR, "declared status above the status the evidence supports",
+      "lower `status` to the supported one (`ledgerspec validate --fix` does it) or add the missing evidence",
+      example="status: VALIDATED   # with no measurement")
+def ls001_status_above_supported(ctx: Context) -> Iterator[Hit]:
+    declared = ctx.get("status").text()
+    if declared in RANK and RANK[declared] > RANK[ctx.status.status]:
+        why = "; ".join(ctx.status.reasons[:3])
+        more = f" (+{len(ctx.status.reasons) - 3} more)" if len(ctx.status.reasons) > 3 else ""
+        yield Hit(ptr("status"), f"declared status {declared} is above the supported status "
+                  f"{ctx.status.status}: {why}{more}")
+
+
+@rule("LS002", INFO, "field is UNKNOWN or CONFIGURATION-SPECIFIC",
+      "find the value (run `ledgerspec resolve` for derivable figures) or leave it: it holds the status down",
+      example="revision: UNKNOWN")
+def ls002_unknown_field(ctx: Context) -> Iterator[Hit]:
+    for path, _field, v in ctx.fields():
+        if v.source in ("UNKNOWN", "CONFIGURATION-SPECIFIC"):
+            yield Hit(ptr(*path), f"{_dotted(path)} is {v.source}")
+
+
+@rule("LS003", "error / warning", "ASSUMPTION without a note (error); every ASSUMPTION is listed (warning)",
+      "say in `note` why the value is assumed, or replace it with a VERIFIED/MEASURED value",
+      example="dtype: {value: bf16, source: ASSUMPTION}")
+def ls003_assumption(ctx: Context) -> Iterator[Hit]:
+    for path, _field, v in ctx.fields():
+        if v.source != "ASSUMPTION":
+            continue
+        if not v.note:
+            yield Hit(ptr(*path), f"{_dotted(path)} is an ASSUMPTION without a note", ERROR)
+        else:
+            yield Hit(ptr(*path), f"{_dotted(path)} is an ASSUMPTION: {v.note}", WARNING)
+
+
+@rule("LS004", WARNING, "memory figure without a source (treated as ASSUMPTION)",
+      "write the long form {value: ..., source: CALCULATED|MEASURED|..., method: ...}",
+      example="ledger:\n  adapter: 80MB")
+def ls004_figure_without_source(ctx: Context) -> Iterator[Hit]:
+    for path, field, v in ctx.fields():
+        if not field.figure or v.form != "plain":
+            continue
+        if field.kind == F.FIGURES and len(path) == 2:
+            continue  # the list itself; its items are checked
+        yield Hit(ptr(*path), f"{_dotted(path)} = {v.raw!r} has no source; it counts as an ASSUMPTION")
+
+
+@rule("LS010", ERROR, "global_batch is not microbatch x gradient_accumulation x dp_world_size",
+      "fix global_batch or the factors; accumulation is sequential and is not an activation batch",
+      example="workload: {microbatch: 2, gradient_accumulation: 8, dp_world_size: 1, global_batch: 32}")
+def ls010_global_batch(ctx: Context) -> Iterator[Hit]:
+    vals = [ctx.get("workload", k).integer() for k in
+            ("microbatch", "gradient_accumulation", "dp_world_size", "global_batch")]
+    mb, ga, dp, gb = vals
+    if mb is not None and ga is not None and dp is not None and gb is not None and mb * ga * dp != gb:
+        yield Hit(ptr("workload", "global_batch"), f"global_batch {gb} != microbatch {mb} x "
+                  f"gradient_accumulation {ga} x dp_world_size {dp} = {mb * ga * dp}")
+
+
+@rule("LS011", WARNING, "only max_length given: no sequence_p50/p95 and packing unknown",
+      "add sequence_p50/sequence_p95 of the tokenized data and say whether packing is on",
+      example="workload: {max_length: 2048, microbatch: 1}")
+def ls011_max_length_only(ctx: Context) -> Iterator[Hit]:
+    if (ctx.get("workload", "max_length").known and ctx.get("workload", "sequence_p50").unknown
+            and ctx.get("workload", "sequence_p95").unknown and ctx.switch("workload", "packing") is None):
+        yield Hit(ptr("workload", "max_length"), "only max_length is known: max_length is not the workload "
+                  "(no sequence_p50/p95, packing unknown)")
+
+
+@rule("LS020", ERROR, "gradients counted for more parameters than are trainable (frozen base with gradients)",
+      "in LoRA/QLoRA only adapter tensors have gradients; count gradients for method.trainable_parameters",
+      example="method: {trainable_parameters: {value: 4194304, source: VERIFIED}}\n"
+              "gradients: {parameters: {value: 6738415616, source: ASSUMPTION, note: all params}}")
+def ls020_frozen_base_has_gradients(ctx: Context) -> Iterator[Hit]:
+    if ctx.get("method", "kind").text() not in ("LoRA", "QLoRA"):
+        return
+    grads = ctx.get("gradients", "parameters").integer()
+    trainable = ctx.get("method", "trainable_parameters").integer()
+    if grads is not None and trainable is not None and grads > trainable:
+        total = ctx.get("identity", "total_parameters").integer()
+        extra = " (that is every model parameter: the frozen base was counted)" if total == grads else ""
+        yield Hit(ptr("gradients", "parameters"), f"gradients.parameters {grads:,} exceeds "
+                  f"method.trainable_parameters {trainable:,}{extra}; the frozen base has no gradients in "
+                  f"{ctx.get('method', 'kind').text()}")
+
+
+@rule("LS021", WARNING, "optimized parameters differ from trainable parameters",
+      "check requires_grad and optimizer.param_groups: the optimizer must hold exactly the trainable tensors",
+      example="optimizer: {optimized_parameters: {value: 6738415616, source: ASSUMPTION, note: x}}")
+def ls021_optimized_vs_trainable(ctx: Context) -> Iterator[Hit]:
+    opt = ctx.get("optimizer", "optimized_parameters").integer()
+    trainable = ctx.get("method", "trainable_parameters").integer()
+    if opt is not None and trainable is not None and opt != trainable:
+        yield Hit(ptr("optimizer", "optimized_parameters"), f"optimizer.optimized_parameters {opt:,} != "
+                  f"method.trainable_parameters {trainable:,}")
+
+
+@rule("LS022", ERROR, "adapter or gradient bytes do not equal parameters x dtype size",
+      "ledger.adapter = trainable_parameters x adapter.dtype bytes; ledger.gradients = gradients.parameters x "
+      "gradients.dtype bytes (write dtype `mixed` when tensors differ, with the breakdown)",
+      example="adapter: {dtype: float32}\nledger: {adapter: {value: 1000, source: CALCULATED, method: x}}")
+def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
+    checks = (("adapter", ("method", "trainable_parameters"), ("adapter", "dtype")),
+              ("gradients", ("gradients", "parameters"), ("gradients", "dtype")))
+    for key, count_path, dtype_path in checks:
+        figure = ctx.get("ledger", key).size()
+        count = ctx.get(*count_path).integer()
+        dtype = ctx.get(*dtype_path).text()
+        size = dtypes.itemsize(dtype) if dtype else None
+        if figure is None or count is None or size is None:
+            continue
+        if figure != count * size:
+            yield Hit(ptr("ledger", key), f"ledger.{key} = {figure:,} B but {_dotted(count_path)} {count:,} x "
+                      f"{size} B ({dtype}) = {count * size:,} B ({format_size(count * size)})")
+
+
+@rule("LS030", ERROR, "QLoRA described only by bits: quant type / double quant / compute dtype / storage dtype "
+      "missing", "give base_model.quantization type, double_quant, compute_dtype and storage_dtype (or write "
+      "UNKNOWN to say you know they are missing)", example="method: {kind: QLoRA}\nbase_model: {quantization: "
+      "{bits: 4}}")
+def ls030_qlora_only_bits(ctx: Context) -> Iterator[Hit]:
+    if not is_qlora(ctx.doc):
+        return
+    missing = [k for k in ("type", "double_quant", "compute_dtype", "storage_dtype")
+               if not ctx.get("base_model", "quantization", k).present]
+    if missing:
+        where = ptr("base_model", "quantization") if ctx.doc.section("base_model").get("quantization") is not None \
+            else ptr("method", "kind")
+        yield Hit(where, "QLoRA without " + ", ".join(f"quantization.{k}" for k in missing) +
+                  ": '4-bit' alone does not determine the base storage")
+
+
+@rule("LS031", ERROR, "activations or temporary CALCULATED/ASSUMPTION while the status claims VALIDATED",
+      "a VALIDATED ledger takes activations and temporary memory from the measurement",
+      example="status: VALIDATED\nledger: {activations: {value: 1GB, source: CALCULATED, method: estimate}}")
+def ls031_validated_needs_measured(ctx: Context) -> Iterator[Hit]:
+    if ctx.get("status").text() != "VALIDATED":
+        return
+    for key in ("activations", "temporary"):
+        v = ctx.get("ledger", key)
+        src = v.effective_source(True) if v.present else None
+        if src in ("CALCULATED", "ASSUMPTION"):
+            yield Hit(ptr("ledger", key), f"ledger.{key} is {src} but the status claims VALIDATED")
+
+
+@rule("LS040", ERROR, "peak_reserved below peak_allocated (impossible)",
+      "reserved memory includes allocated memory; check which figure went where",
+      example="metrics: {peak_allocated: {value: 10GB, source: MEASURED}, peak_reserved: {value: 9GB, "
+              "source: MEASURED}}")
+def ls040_reserved_below_allocated(ctx: Context) -> Iterator[Hit]:
+    alloc = ctx.get("metrics", "peak_allocated").size()
+    reserved = ctx.get("metrics", "peak_reserved").size()
+    if alloc is not None and reserved is not None and reserved < alloc:
+        yield Hit(ptr("metrics", "peak_reserved"), f"peak_reserved {format_size(reserved)} < peak_allocated "
+                  f"{format_size(alloc)}")
+
+
+def _offload_or_sharding(ctx: Context) -> bool:
+    sharding = ctx.get("memory_options", "sharding").text()
+    return bool(ctx.switch("memory_options", "cpu_offload") or ctx.switch("memory_options", "activation_offload")
+                or ctx.switch("parallelism", "cpu_offload") or (sharding not in (None, "none")))
+
+
+@rule("LS041", WARNING, "calculated subtotal above the measured peak without offload or sharding",
+      "a resident component cannot exceed the peak: recheck the calculation (dtype? counted twice?) or the "
+      "measurement", example="comparison: {calculated_subtotal: {value: 20GB, source: CALCULATED, method: x}, "
+      "measured_peak: {value: 15GB, source: MEASURED}}")
+def ls041_subtotal_above_measured(ctx: Context) -> Iterator[Hit]:
+    calc = ctx.get("comparison", "calculated_subtotal").size()
+    meas = ctx.get("comparison", "measured_peak").size()
+    if calc is not None and meas is not None and calc > meas and not _offload_or_sharding(ctx):
+        yield Hit(ptr("comparison", "calculated_subtotal"), f"calculated_subtotal {format_size(calc)} > "
+                  f"measured_peak {format_size(meas)} with no offload or sharding")
+
+
+@rule("LS042", WARNING, "comparison difference without known_explanation",
+      "say what explains the difference (activations, temporaries, allocator, context)",
+      example="comparison: {difference: {value: 3GB, source: CALCULATED, method: x}}")
+def ls042_difference_unexplained(ctx: Context) -> Iterator[Hit]:
+    if ctx.get("comparison", "difference").known and ctx.get("comparison", "known_explanation").unknown:
+        yield Hit(ptr("comparison", "difference"), "comparison.difference without comparison.known_explanation")
+
+
+@rule("LS050", "error when measured, else info", "activation offload ON without host_peak, offload_mode, "
+      "step_time_s", "record metrics.host_peak, memory_options.offload_mode and metrics.step_time_s: offload "
+      "moves memory to the host and costs time", example="memory_options: {activation_offload: ON}")
+def ls050_offload_evidence(ctx: Context) -> Iterator[Hit]:
+    if ctx.switch("memory_options", "activation_offload") is not True:
+        return
+    missing = [p for p in (("metrics", "host_peak"), ("memory_options", "offload_mode"),
+                           ("metrics", "step_time_s")) if ctx.get(*p).unknown]
+    if missing:
+        yield Hit(ptr("memory_options", "activation_offload"), "activation offload is ON without " +
+                  ", ".join(_dotted(p) for p in missing), ERROR if ctx.measured() else INFO)
+
+
+@rule("LS060", "error when measured, else warning", "several GPUs without placements and one per-rank peak "
+      "per rank (or a single total summed across GPUs)", "give parameter/gradient/optimizer placement and "
+      "parallelism.per_rank_peak as a list with one figure per rank; N GPUs are not one device of N x memory",
+      example="parallelism: {gpu_count: 2, per_rank_peak: {value: 96GB, source: ASSUMPTION, note: total}}")
+def ls060_multi_gpu(ctx: Context) -> Iterator[Hit]:
+    gpus = ctx.get("parallelism", "gpu_count").integer()
+    if gpus is None or gpus <= 1:
+        return
+    sev = ERROR if ctx.measured() else WARNING
+    missing = [k for k in ("parameter_placement", "gradient_placement", "optimizer_placement")
+               if ctx.get("parallelism", k).unknown]
+    if missing:
+        yield Hit(ptr("parallelism", "gpu_count"), f"gpu_count {gpus} without " +
+                  ", ".join(f"parallelism.{k}" for k in missing), sev)
+    peaks = ctx.get("parallelism", "per_rank_peak")
+    if peaks.form == "plain" and isinstance(peaks.raw, list):
+        if len(peaks.raw) != gpus:
+            yield Hit(ptr("parallelism", "per_rank_peak"), f"per_rank_peak has {len(peaks.raw)} figures for "
+                      f"{gpus} ranks", sev)
+    elif peaks.present and peaks.known:
+        yield Hit(ptr("parallelism", "per_rank_peak"), "per_rank_peak is a single figure: memory is per rank, "
+                  "a total summed across GPUs is not a per-rank peak", sev)
+    else:
+        yield Hit(ptr("parallelism", "gpu_count"), f"gpu_count {gpus} without parallelism.per_rank_peak "
+                  "(one figure per rank)", sev)
+
+
+@rule("LS070", ERROR, "MEASURED figures with no software versions or no measurement.device",
+      "record software.torch/transformers/peft (and cuda) and measurement.device: a measurement is only "
+      "reproducible on its stack", example="metrics: {peak_allocated: {value: 10GB, source: MEASURED}}")
+def ls070_measured_without_stack(ctx: Context) -> Iterator[Hit]:
+    measured = [path for path, _f, v in ctx.fields() if v.source == "MEASURED"]
+    if not measured:
+        return
+    first = ptr(*measured[0])
+    if not any(ctx.get("software", k).known for k in ("torch", "transformers", "peft", "cuda", "rocm")):
+        yield Hit(first, f"{len(measured)} MEASURED figure(s) but no software versions")
+    if ctx.get("measurement", "device").unknown:
+        yield Hit(first, f"{len(measured)} MEASURED figure(s) but no measurement.device")
+
+
+@rule("LS080", ERROR, "result.oom true without oom_phase",
+      "record the phase where OOM happened (load, forward, backward, optimizer_step, ...): it points at the "
+      "component to fix", example="result: {oom: true}")
+def ls080_oom_without_phase(ctx: Context) -> Iterator[Hit]:
+    if ctx.switch("result", "oom") is True and ctx.get("result", "oom_phase").unknown:
+        yield Hit(ptr("result", "oom"), "result.oom is true but result.oom_phase is not given")
+

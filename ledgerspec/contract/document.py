@@ -1,0 +1,117 @@
+"""The document model: a loaded ledger or intake, its round-trip tree and its positions."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.loader import parse, read_text, to_plain
+from ledgerspec.contract.values import Value
+from ledgerspec.errors import LedgerspecError
+
+HEADER_RE = re.compile(r"^(?P<kind>[a-z]+)/v(?P<version>[0-9]+)$")
+
+
+@dataclass
+class Document:
+    """A ledgerspec document. ``data`` is the round-trip tree (comments kept), ``plain`` a JSON copy."""
+
+    path: str
+    text: str
+    data: Any
+    plain: dict[str, Any]
+    kind: str | None = None
+    version: int | None = None
+    _cache: dict[tuple[str, ...], Value] = field(default_factory=dict, repr=False)
+
+    # -- reading --------------------------------------------------------------------------------
+    def get(self, *path: str) -> Value:
+        """The value at ``path`` (section, key, ...), in any of the three forms."""
+        cached = self._cache.get(path)
+        if cached is not None:
+            return cached
+        node: Any = self.plain
+        present = True
+        for part in path:
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            else:
+                present = False
+                break
+        value = Value.of(node, present)
+        self._cache[path] = value
+        return value
+
+    def section(self, name: str) -> dict[str, Any]:
+        node = self.plain.get(name)
+        return node if isinstance(node, dict) else {}
+
+    def field(self, *path: str) -> F.Field | None:
+        return F.lookup(self.kind or "ledger", path)
+
+    # -- positions ------------------------------------------------------------------------------
+    def position(self, pointer: str) -> tuple[int, int]:
+        """1-based (line, column) of the node at a JSON Pointer; the nearest existing ancestor if absent."""
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in pointer.split("/")[1:]] if pointer else []
+        node: Any = self.data
+        line, col = 1, 1
+        for part in parts:
+            try:
+                if isinstance(node, dict):
+                    if part not in node:
+                        break
+                    ln, cl = node.lc.key(part)  # type: ignore[attr-defined]
+                    line, col = ln + 1, cl + 1
+                    node = node[part]
+                elif isinstance(node, list):
+                    i = int(part)
+                    ln, cl = node.lc.item(i)  # type: ignore[attr-defined]
+                    line, col = ln + 1, cl + 1
+                    node = node[i]
+                else:
+                    break
+            except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+                break
+        return line, col
+
+    def invalidate(self) -> None:
+        self._cache.clear()
+
+
+def pointer(*path: str | int) -> str:
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def from_text(text: str, display: str = "<input>") -> Document:
+    data = parse(text, display)
+    return _build(display, text, data)
+
+
+def load(path: str | os.PathLike[str], display: str | None = None) -> Document:
+    """Load a ledger or intake file; raises :class:`LedgerspecError` with FILE:LINE:COL on bad input."""
+    shown = display or str(path)
+    text = read_text(Path(path), shown)
+    return from_text(text, shown)
+
+
+def _build(display: str, text: str, data: Any) -> Document:
+    if data is None:
+        raise LedgerspecError("empty document", display, 1, 1, rule="load",
+                              hint="start with `ledgerspec: ledger/v1` (see `ledgerspec init`)")
+    if not isinstance(data, dict):
+        what = "a list" if isinstance(data, list) else f"a {type(data).__name__}"
+        raise LedgerspecError(f"the document is {what}, not a mapping", display, 1, 1, rule="load",
+                              hint="a ledger is a mapping that starts with `ledgerspec: ledger/v1`")
+    plain = to_plain(data, display)
+    doc = Document(display, text, data, plain)
+    header = plain.get("ledgerspec")
+    if isinstance(header, str):
+        m = HEADER_RE.match(header.strip())
+        if m and m.group("kind") in F.KINDS:
+            doc.kind = m.group("kind")
+            doc.version = int(m.group("version"))
+    return doc

@@ -1,0 +1,209 @@
+"""Setting figures in a round-trip tree: long form with provenance, comments kept, precedence respected.
+
+Used by ``resolve``, ``estimate`` and ``measure``. A value is never replaced by a weaker one: a MEASURED
+or VERIFIED figure stays unless the new one is at least as strong (MEASURED > VERIFIED > CALCULATED >
+ASSUMPTION > unknown). Sections and keys are inserted in catalogue order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.document import Document, pointer
+from ledgerspec.contract.units import format_size
+from ledgerspec.contract.values import SOURCE_RANK, Value
+
+
+@dataclass(frozen=True)
+class Change:
+    pointer: str
+    old: Any
+    new: Any
+    skipped: str | None = None  # why the change was not applied
+
+
+def _order(doc: Document, parent_path: tuple[str, ...]) -> list[str]:
+    kind = doc.kind or "ledger"
+    fields = F.top_fields(kind) if not parent_path else (
+        (F.lookup(kind, parent_path) or F.Field("", F.OBJECT, "")).children)
+    names = [f.name for f in fields]
+    return (["ledgerspec", *names] if not parent_path else names)
+
+
+def _ensure_map(doc: Document, path: tuple[str, ...]) -> CommentedMap:
+    node: Any = doc.data
+    for i, part in enumerate(path):
+        child = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(child, dict):
+            child = CommentedMap()
+            _insert(doc, node, path[:i], part, child)
+        node = child
+    return node
+
+
+def _insert(doc: Document, mapping: CommentedMap, parent_path: tuple[str, ...], key: str, value: Any) -> None:
+    if key in mapping:
+        mapping[key] = value
+        return
+    order = _order(doc, parent_path)
+    pos = len(mapping)
+    if key in order:
+        rank = order.index(key)
+        for i, existing in enumerate(mapping):
+            if existing in order and order.index(existing) > rank:
+                pos = i
+                break
+    mapping.insert(pos, key, value)
+
+
+def long_form(value: Any, source: str, method: str | None = None, note: str | None = None,
+              extra: dict[str, Any] | None = None) -> CommentedMap:
+    m = CommentedMap()
+    m["value"] = value
+    m["source"] = source
+    if method:
+        m["method"] = method
+    if note:
+        m["note"] = note
+    for k, v in (extra or {}).items():
+        m[k] = v
+    m.fa.set_flow_style()
+    return m
+
+
+def set_figure(doc: Document, path: tuple[str, ...], value: Any, source: str, method: str | None = None,
+               note: str | None = None, size_comment: bool | None = None, force: bool = False) -> Change | None:
+    """Write ``value`` at ``path`` in long form. Returns the change, or None when nothing changed."""
+    where = pointer(*path)
+    current = doc.get(*path)
+    if current.present and not force:
+        old_rank = SOURCE_RANK.get(current.effective_source(True), 0)
+        new_rank = SOURCE_RANK.get(source, 0)
+        if current.known and old_rank > new_rank:
+            return Change(where, current.raw, value, skipped=f"kept {current.effective_source(True)} value")
+        if current.form == "long" and current.value == value and current.source == source and \
+                (method is None or current.method == method):
+            return None
+    parent = _ensure_map(doc, path[:-1])
+    key = path[-1]
+    old = parent.get(key)
+    if isinstance(old, CommentedMap) and current.form == "long":
+        old_copy = dict(old)
+        old["value"] = value
+        old["source"] = source
+        if method:
+            old["method"] = method
+        elif "method" in old and source != current.source:
+            del old["method"]
+        if note:
+            old["note"] = note
+        elif "note" in old and source != current.source:
+            del old["note"]
+        node = old
+        old_raw: Any = old_copy
+    else:
+        node = long_form(value, source, method, note)
+        old_raw = old
+        _insert(doc, parent, path[:-1], key, node)
+    field = F.lookup(doc.kind or "ledger", path)
+    want_comment = size_comment if size_comment is not None else bool(
+        field and field.kind in (F.MEMORY, F.SIZE) and isinstance(value, int))
+    if want_comment and isinstance(value, int):
+        _set_eol_comment(parent, key, format_size(value))
+    doc.invalidate()
+    _sync_plain(doc, path, _plain(node))
+    return Change(where, old_raw, value)
+
+
+def set_plain(doc: Document, path: tuple[str, ...], value: Any, force: bool = False) -> Change | None:
+    """Write a plain (declared) value, e.g. ``identity.architecture``; never replaces a known value unless forced."""
+    current = doc.get(*path)
+    if current.present and current.known and not force:
+        if current.value == value:
+            return None
+        return Change(pointer(*path), current.raw, value, skipped="kept the declared value")
+    parent = _ensure_map(doc, path[:-1])
+    old = parent.get(path[-1])
+    if isinstance(value, list):
+        seq = CommentedSeq(value)
+        seq.fa.set_flow_style()
+        value_node: Any = seq
+    elif isinstance(value, dict):
+        value_node = CommentedMap(value)
+        value_node.fa.set_flow_style()
+    else:
+        value_node = value
+    _insert(doc, parent, path[:-1], path[-1], value_node)
+    doc.invalidate()
+    _sync_plain(doc, path, value)
+    return Change(pointer(*path), old, value)
+
+
+def set_extension(doc: Document, path: tuple[str, ...], value: Any) -> Change | None:
+    """Replace an ``x-`` extension block wholesale (tool-owned data such as ``x-breakdown``)."""
+    parent = _ensure_map(doc, path[:-1])
+    old = parent.get(path[-1])
+    if _plain(old) == value:
+        return None
+    node = _to_node(value)
+    _insert(doc, parent, path[:-1], path[-1], node)
+    doc.invalidate()
+    _sync_plain(doc, path, value)
+    return Change(pointer(*path), old, value)
+
+
+def _to_node(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, dict):
+        m = CommentedMap()
+        for k, v in value.items():
+            m[k] = _to_node(v, depth + 1)
+        if depth >= 2 or (depth >= 1 and all(not isinstance(v, dict | list) for v in value.values())):
+            m.fa.set_flow_style()
+        return m
+    if isinstance(value, list):
+        s = CommentedSeq([_to_node(v, depth + 1) for v in value])
+        if all(not isinstance(v, dict | list) for v in value):
+            s.fa.set_flow_style()
+        return s
+    return value
+
+
+def _set_eol_comment(parent: CommentedMap, key: str, text: str) -> None:
+    existing = parent.ca.items.get(key)
+    if existing and existing[2] is not None:
+        old = existing[2].value.strip()
+        if old.startswith("#") and not _is_size_comment(old[1:].strip()):
+            return  # a user's comment: keep it
+        existing[2] = None
+    parent.yaml_add_eol_comment(text, key)
+
+
+def _is_size_comment(text: str) -> bool:
+    parts = text.split()
+    return len(parts) == 2 and parts[1] in ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def _plain(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {str(k): _plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _sync_plain(doc: Document, path: tuple[str, ...], value: Any) -> None:
+    node = doc.plain
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[path[-1]] = value
+
+
+__all__ = ["Change", "Value", "long_form", "set_extension", "set_figure", "set_plain"]

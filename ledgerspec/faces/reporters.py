@@ -1,0 +1,103 @@
+"""Output formats for ``validate``: a registry of reporters (text, json, github, sarif)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TextIO
+
+from ledgerspec import __version__
+from ledgerspec.checks.findings import ERROR, INFO, WARNING
+from ledgerspec.checks.validate import Report
+
+Reporter = Callable[[list[Report], TextIO, bool], None]
+REPORTERS: dict[str, Reporter] = {}
+
+
+def reporter(name: str) -> Callable[[Reporter], Reporter]:
+    def register(fn: Reporter) -> Reporter:
+        REPORTERS[name] = fn
+        return fn
+
+    return register
+
+
+@reporter("text")
+def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
+    for r in reports:
+        for f in r.findings:
+            if f.severity == INFO and not verbose:
+                continue
+            out.write(f"{r.path}:{f.line}:{f.column}: {f.rule} {f.severity}: {f.message}\n")
+        if r.supported_status is not None:
+            declared = r.declared_status or "none declared"
+            out.write(f"{r.path}: {r.kind}/v1, status {r.supported_status} (declared: {declared})"
+                      f"{'' if r.ok else ', INVALID'}\n")
+            if verbose or (r.declared_status and r.declared_status != r.supported_status):
+                for reason in r.reasons:
+                    out.write(f"  - {reason}\n")
+    infos = sum(1 for r in reports for f in r.findings if f.severity == INFO)
+    if infos and not verbose:
+        out.write(f"({infos} info finding(s) hidden; -v shows them)\n")
+
+
+@reporter("json")
+def json_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
+    json.dump({"files": [r.to_json() for r in reports]}, out, indent=2, ensure_ascii=False)
+    out.write("\n")
+
+
+def _gh_escape(text: str, prop: bool = False) -> str:
+    text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    if prop:
+        text = text.replace(":", "%3A").replace(",", "%2C")
+    return text
+
+
+@reporter("github")
+def github_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
+    """GitHub Actions workflow commands: ::error file=...,line=...,col=...,title=...::message"""
+    level = {ERROR: "error", WARNING: "warning", INFO: "notice"}
+    for r in reports:
+        for f in r.findings:
+            if f.severity == INFO and not verbose:
+                continue
+            props = f"file={_gh_escape(r.path, True)},line={f.line},col={f.column},title={_gh_escape(f.rule, True)}"
+            out.write(f"::{level[f.severity]} {props}::{_gh_escape(f.message)}\n")
+
+
+@reporter("sarif")
+def sarif_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
+    """SARIF 2.1.0 for code scanning."""
+    from ledgerspec.checks.registry import all_rules
+
+    rules = all_rules()
+    extra = [("schema", "document does not match the JSON Schema"), ("header", "unknown document kind/version"),
+             ("load", "file cannot be read as a ledger")]
+    descriptors = [{"id": r.id, "name": r.id, "shortDescription": {"text": r.title},
+                    "help": {"text": r.hint},
+                    "defaultConfiguration": {"level": _sarif_level(r.severity.split(" ")[0])}} for r in rules]
+    descriptors += [{"id": i, "name": i, "shortDescription": {"text": t},
+                     "defaultConfiguration": {"level": "error"}} for i, t in extra]
+    index = {d["id"]: n for n, d in enumerate(descriptors)}
+    results = []
+    for r in reports:
+        for f in r.findings:
+            results.append({
+                "ruleId": f.rule, "ruleIndex": index.get(f.rule, 0), "level": _sarif_level(f.severity),
+                "message": {"text": f.message},
+                "locations": [{"physicalLocation": {
+                    "artifactLocation": {"uri": r.path.replace("\\", "/")},
+                    "region": {"startLine": f.line, "startColumn": f.column}},
+                    "logicalLocations": [{"fullyQualifiedName": f.pointer or "/"}]}],
+            })
+    sarif = {"$schema": "https://json.schemastore.org/sarif-2.1.0.json", "version": "2.1.0",
+             "runs": [{"tool": {"driver": {"name": "ledgerspec", "version": __version__,
+                                           "informationUri": "https://ledgerspec.dev", "rules": descriptors}},
+                       "results": results}]}
+    json.dump(sarif, out, indent=2)
+    out.write("\n")
+
+
+def _sarif_level(severity: str) -> str:
+    return {ERROR: "error", WARNING: "warning", INFO: "note"}.get(severity, "warning")

@@ -1,0 +1,58 @@
+"""``ledgerspec validate``: load each file, validate, optionally fix the status, report."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from ledgerspec.checks.findings import ERROR, Finding
+from ledgerspec.checks.validate import Report, validate
+from ledgerspec.contract.document import Document, from_text, load
+from ledgerspec.contract.loader import decode
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.faces.reporters import REPORTERS
+
+
+def _load(path: str) -> Document:
+    if path == "-":
+        return from_text(decode(sys.stdin.buffer.read(), "<stdin>"), "<stdin>")
+    return load(path)
+
+
+def run_validate(paths: list[str], fmt: str = "text", fix: bool = False, verbose: bool = False,
+                 out: TextIO = sys.stdout) -> int:
+    reports: list[Report] = []
+    code = EXIT_OK
+    for path in paths:
+        try:
+            doc = _load(path)
+        except LedgerspecError as exc:
+            code = max(code, exc.exit_code)
+            reports.append(Report(exc.path or path, None, None, None, [],
+                                  [Finding(exc.rule, ERROR, "", exc.message + (f" (hint: {exc.hint})" if exc.hint
+                                                                                 else ""),
+                                           exc.line or 1, exc.column or 1)]))
+            continue
+        report = validate(doc)
+        if fix and path != "-":
+            report = _fix(doc, report, path)
+        reports.append(report)
+        if not report.ok:
+            code = max(code, EXIT_FINDINGS)
+    REPORTERS[fmt](reports, out, verbose)
+    return code
+
+
+def _fix(doc: Document, report: Report, path: str) -> Report:
+    from ledgerspec.checks.fix import fix_status
+    from ledgerspec.contract.writer import atomic_write, render
+
+    if not fix_status(doc, report):
+        return report
+    atomic_write(path, render(doc.data, doc.text))
+    fixed = validate(load(path))
+    print(f"{path}: status lowered from {report.declared_status} to {fixed.declared_status}", file=sys.stderr)
+    return fixed
+
+
+__all__ = ["EXIT_USAGE", "run_validate"]
