@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 ERROR = "error"
@@ -21,7 +21,9 @@ class Finding:
     column: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The JSON report's finding, keys in the spec's order."""
+        return {"rule": self.rule, "severity": self.severity, "pointer": self.pointer, "line": self.line,
+                "column": self.column, "message": self.message}
 
 
 @dataclass(frozen=True)

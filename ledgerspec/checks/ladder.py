@@ -92,7 +92,11 @@ def assumption_inputs(doc: Document) -> list[str]:
         if sec is None:
             continue
         for path, f in F.walk(sec.children, (section,)):
-            if f.kind != F.OBJECT and doc.get(*path).effective_source(f.figure) == "ASSUMPTION":
+            v = doc.get(*path)
+            if f.kind == F.FIGURES and v.form == "plain" and isinstance(v.raw, list):
+                out += [f"{_dotted(path)}[{i}]" for i, item in enumerate(v.raw)
+                        if Value.of(item).effective_source(True) == "ASSUMPTION"]
+            elif f.kind != F.OBJECT and v.effective_source(f.figure) == "ASSUMPTION":
                 out.append(_dotted(path))
     return out
 
@@ -185,6 +189,11 @@ def supported_status(doc: Document) -> StatusResult:
 
 def validated_gaps(doc: Document) -> list[str]:
     gaps: list[str] = []
+    device = doc.get("measurement", "device").text()
+    if device == "cpu":
+        gaps.append("measurement.device is cpu: a CPU run never validates GPU memory")
+    elif device is None:
+        gaps.append("VALIDATED needs measurement.device: cuda (a measurement on the GPU)")
     for _, f in F.walk(F.PHASES.children, ("phases",)):
         if doc.get("phases", f.name).source != "MEASURED":
             gaps.append(f"VALIDATED needs phases.{f.name} MEASURED")
@@ -196,11 +205,8 @@ def validated_gaps(doc: Document) -> list[str]:
     steps = doc.get("measurement", "steps").integer()
     if steps is None or steps < 2:
         gaps.append("VALIDATED needs measurement.steps >= 2 (repeated representative steps)")
-    device = doc.get("measurement", "device").text()
-    if device == "cpu":
-        gaps.append("measurement.device is cpu: a CPU run never validates GPU memory")
     needed = ["torch", "transformers", "peft"]
-    if is_qlora(doc) or (doc.get("optimizer", "name").text() or "").lower().find("8bit") >= 0:
+    if is_qlora(doc) or optimizer_is_bnb(doc.get("optimizer", "name").text() or ""):
         needed.append("bitsandbytes")
     for key in needed:
         if doc.get("software", key).unknown:

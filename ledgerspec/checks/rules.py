@@ -15,6 +15,7 @@ from ledgerspec.checks.registry import rule
 from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.units import format_size
+from ledgerspec.contract.values import Value
 
 
 def _dotted(path: tuple[str, ...]) -> str:
@@ -35,7 +36,7 @@ def ls001_status_above_supported(ctx: Context) -> Iterator[Hit]:
 
 @rule("LS002", INFO, "field is UNKNOWN or CONFIGURATION-SPECIFIC",
       "find the value (run `ledgerspec resolve` for derivable figures) or leave it: it holds the status down",
-      example="revision: UNKNOWN")
+      example="identity:\n  revision: UNKNOWN")
 def ls002_unknown_field(ctx: Context) -> Iterator[Hit]:
     for path, _field, v in ctx.fields():
         if v.source in ("UNKNOWN", "CONFIGURATION-SPECIFIC"):
@@ -44,7 +45,7 @@ def ls002_unknown_field(ctx: Context) -> Iterator[Hit]:
 
 @rule("LS003", "error / warning", "ASSUMPTION without a note (error); every ASSUMPTION is listed (warning)",
       "say in `note` why the value is assumed, or replace it with a VERIFIED/MEASURED value",
-      example="dtype: {value: bf16, source: ASSUMPTION}")
+      example="adapter:\n  dtype: {value: bfloat16, source: ASSUMPTION}")
 def ls003_assumption(ctx: Context) -> Iterator[Hit]:
     for path, _field, v in ctx.fields():
         if v.source != "ASSUMPTION":
@@ -63,7 +64,7 @@ def ls004_figure_without_source(ctx: Context) -> Iterator[Hit]:
         if not field.figure or v.form != "plain":
             continue
         if field.kind == F.FIGURES and len(path) == 2:
-            continue  # the list itself; its items are checked
+            continue  # the list itself (a schema error when not a list); its items are checked
         yield Hit(ptr(*path), f"{_dotted(path)} = {v.raw!r} has no source; it counts as an ASSUMPTION")
 
 
@@ -91,24 +92,30 @@ def ls011_max_length_only(ctx: Context) -> Iterator[Hit]:
 
 @rule("LS020", ERROR, "gradients counted for more parameters than are trainable (frozen base with gradients)",
       "in LoRA/QLoRA only adapter tensors have gradients; count gradients for method.trainable_parameters",
-      example="method: {trainable_parameters: {value: 4194304, source: VERIFIED}}\n"
+      example="method: {kind: LoRA, trainable_parameters: {value: 4194304, source: VERIFIED}}\n"
               "gradients: {parameters: {value: 6738415616, source: ASSUMPTION, note: all params}}")
 def ls020_frozen_base_has_gradients(ctx: Context) -> Iterator[Hit]:
-    if ctx.get("method", "kind").text() not in ("LoRA", "QLoRA"):
+    kind = ctx.get("method", "kind").text()
+    if kind not in ("LoRA", "QLoRA"):
         return
     grads = ctx.get("gradients", "parameters").integer()
     trainable = ctx.get("method", "trainable_parameters").integer()
-    if grads is not None and trainable is not None and grads > trainable:
-        total = ctx.get("identity", "total_parameters").integer()
+    total = ctx.get("identity", "total_parameters").integer()
+    if grads is None:
+        return
+    if trainable is not None and grads > trainable:
         extra = " (that is every model parameter: the frozen base was counted)" if total == grads else ""
         yield Hit(ptr("gradients", "parameters"), f"gradients.parameters {grads:,} exceeds "
-                  f"method.trainable_parameters {trainable:,}{extra}; the frozen base has no gradients in "
-                  f"{ctx.get('method', 'kind').text()}")
+                  f"method.trainable_parameters {trainable:,}{extra}; the frozen base has no gradients in {kind}")
+    elif trainable is None and total is not None and grads >= total:
+        yield Hit(ptr("gradients", "parameters"), f"gradients.parameters {grads:,} counts every model parameter "
+                  f"(identity.total_parameters {total:,}); the frozen base has no gradients in {kind}")
 
 
 @rule("LS021", WARNING, "optimized parameters differ from trainable parameters",
       "check requires_grad and optimizer.param_groups: the optimizer must hold exactly the trainable tensors",
-      example="optimizer: {optimized_parameters: {value: 6738415616, source: ASSUMPTION, note: x}}")
+      example="method: {trainable_parameters: {value: 4194304, source: VERIFIED}}\n"
+              "optimizer: {optimized_parameters: {value: 6738415616, source: ASSUMPTION, note: all params}}")
 def ls021_optimized_vs_trainable(ctx: Context) -> Iterator[Hit]:
     opt = ctx.get("optimizer", "optimized_parameters").integer()
     trainable = ctx.get("method", "trainable_parameters").integer()
@@ -120,7 +127,8 @@ def ls021_optimized_vs_trainable(ctx: Context) -> Iterator[Hit]:
 @rule("LS022", ERROR, "adapter or gradient bytes do not equal parameters x dtype size",
       "ledger.adapter = trainable_parameters x adapter.dtype bytes; ledger.gradients = gradients.parameters x "
       "gradients.dtype bytes (write dtype `mixed` when tensors differ, with the breakdown)",
-      example="adapter: {dtype: float32}\nledger: {adapter: {value: 1000, source: CALCULATED, method: x}}")
+      example="method: {trainable_parameters: {value: 4194304, source: VERIFIED}}\nadapter: {dtype: float32}\n"
+              "ledger: {adapter: {value: 1000, source: CALCULATED, method: x}}")
 def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
     checks = (("adapter", ("method", "trainable_parameters"), ("adapter", "dtype")),
               ("gradients", ("gradients", "parameters"), ("gradients", "dtype")))
@@ -235,6 +243,16 @@ def ls060_multi_gpu(ctx: Context) -> Iterator[Hit]:
         if len(peaks.raw) != gpus:
             yield Hit(ptr("parallelism", "per_rank_peak"), f"per_rank_peak has {len(peaks.raw)} figures for "
                       f"{gpus} ranks", sev)
+        ranks = [Value.of(item).size() for item in peaks.raw]
+        known = [r for r in ranks if r is not None]
+        if known and len(known) == len(ranks):
+            worst = max(known)
+            for key in ("peak_allocated", "peak_reserved", "device_peak"):
+                total = ctx.get("metrics", key).size()
+                if total is not None and total > worst:
+                    yield Hit(ptr("metrics", key), f"metrics.{key} ({format_size(total)}) exceeds every per-rank "
+                              f"peak (worst rank {format_size(worst)}): a total summed across GPUs is not a "
+                              "device figure; metrics holds the worst rank", sev)
     elif peaks.present and peaks.known:
         yield Hit(ptr("parallelism", "per_rank_peak"), "per_rank_peak is a single figure: memory is per rank, "
                   "a total summed across GPUs is not a per-rank peak", sev)
@@ -253,7 +271,7 @@ def ls070_measured_without_stack(ctx: Context) -> Iterator[Hit]:
     first = ptr(*measured[0])
     if not any(ctx.get("software", k).known for k in ("torch", "transformers", "peft", "cuda", "rocm")):
         yield Hit(first, f"{len(measured)} MEASURED figure(s) but no software versions")
-    if ctx.get("measurement", "device").unknown:
+    if ctx.kind == "ledger" and ctx.get("measurement", "device").unknown:  # an intake has no measurement
         yield Hit(first, f"{len(measured)} MEASURED figure(s) but no measurement.device")
 
 

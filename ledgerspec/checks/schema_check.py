@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,10 +11,11 @@ from ledgerspec.checks.findings import ERROR, Hit
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, pointer
 from ledgerspec.contract.schema import validator
-from ledgerspec.contract.units import UnitError, parse_size
+from ledgerspec.contract.units import SIZE_PATTERN, UnitError, parse_size
 from ledgerspec.contract.values import UNKNOWN_WORDS
 
 _LONG_KEYS = ("value", "source", "note", "method")
+_SIZE_RE = re.compile(SIZE_PATTERN)
 
 
 def schema_hits(doc: Document) -> Iterator[Hit]:
@@ -26,6 +28,26 @@ def schema_hits(doc: Document) -> Iterator[Hit]:
         if key not in seen:
             seen.add(key)
             yield hit
+    yield from _size_hits(doc, kind)
+
+
+def _size_hits(doc: Document, kind: str) -> Iterator[Hit]:
+    """Sizes the schema's pattern admits but no byte count matches: fractions of a byte, over 1 EiB."""
+    for path, field in F.walk(F.top_fields(kind)):
+        if field.kind not in (F.MEMORY, F.SIZE, F.FIGURES):
+            continue
+        node: Any = doc.plain
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        items = list(enumerate(node)) if field.kind == F.FIGURES and isinstance(node, list) else [(None, node)]
+        for i, item in items:
+            value = item.get("value") if isinstance(item, dict) else item
+            if isinstance(value, str) and _SIZE_RE.match(value):
+                try:
+                    parse_size(value)
+                except UnitError as exc:
+                    where = (*path, str(i)) if i is not None else path
+                    yield Hit(pointer(*where), f"{'.'.join(where)}: {exc}", ERROR)
 
 
 def _explain(kind: str, path: tuple[str, ...], err: Any) -> Hit:
@@ -91,6 +113,9 @@ def _expected_plain(field: F.Field, value: Any, long_form: bool = False) -> str:
             parse_size(value)
         except UnitError as exc:
             return str(exc)
+        if k == F.FIGURES:
+            return (f"{got} is a single figure; write a list with one figure per rank (a total summed across "
+                    "GPUs is not a per-rank peak)")
         return f"{got} is not a size; write integer bytes or a number with a unit"
     if k == F.FIGURES:
         return "expected a list of sizes, one per rank (each plain, UNKNOWN, or long form)"

@@ -3,8 +3,10 @@
 ruamel.yaml's round-trip mode keeps comments, key order and quoting for later write-back.
 On top of it this module refuses what a ledger never needs and an attacker might use:
 anchors and aliases (alias bombs), explicit tags (``!!python/object``), duplicate keys,
-multiple documents, non-UTF-8 bytes, very deep nesting and very large files. Each refusal is
-one :class:`~ledgerspec.errors.LedgerspecError` with FILE:LINE:COL.
+multiple documents, non-UTF-8 bytes, very deep nesting, very large files or node counts (which
+bound the parse time), values that cannot be constructed (impossible dates, integers too long to
+print) and strings that cannot be written back as UTF-8 (lone surrogates). Each refusal is one
+:class:`~ledgerspec.errors.LedgerspecError` with FILE:LINE:COL.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.composer import Composer
+from ruamel.yaml.constructor import RoundTripConstructor
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from ruamel.yaml.events import AliasEvent, MappingStartEvent, ScalarEvent, SequenceStartEvent
+from ruamel.yaml.nodes import ScalarNode
+from ruamel.yaml.reader import ReaderError
+from ruamel.yaml.representer import RoundTripRepresenter
 
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
@@ -26,6 +32,10 @@ from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 MAX_FILE_BYTES = 1 << 20
 #: mappings/sequences nested deeper than this are refused
 MAX_DEPTH = 32
+#: documents with more YAML nodes than this are refused (a full ledger has ~2,000; this bounds parse time)
+MAX_NODES = 20_000
+#: integers longer than this many bits are refused (sizes stop at 2**60; counts at 10**15)
+MAX_INT_BITS = 256
 
 
 class _Refused(YAMLError):
@@ -36,13 +46,22 @@ class _Refused(YAMLError):
         self.hint = hint
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class SafeComposer(Composer):
-    """A composer that refuses aliases, anchors, explicit tags and deep nesting."""
+    """A composer that refuses aliases, anchors, explicit tags, merge keys, non-scalar keys, deep nesting and
+    documents with too many nodes."""
 
     _depth = 0
+    _nodes = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.parser.peek_event()
+        self._nodes += 1
+        if self._nodes > MAX_NODES:
+            raise _Refused(f"more than {MAX_NODES} YAML nodes", event.start_mark,
+                           "a ledger has a few thousand values at most; is this the right file?")
         if isinstance(event, AliasEvent):
             raise _Refused("aliases (*name) are not allowed in ledger files", event.start_mark,
                            "write the value out in full")
@@ -65,6 +84,78 @@ class SafeComposer(Composer):
                 self._depth -= 1
         return super().compose_node(parent, index)
 
+    def compose_mapping_node(self, anchor: Any) -> Any:
+        node = super().compose_mapping_node(anchor)
+        for key, _ in node.value:
+            if not isinstance(key, ScalarNode):
+                raise _Refused("a list or mapping used as a key", key.start_mark, "keys are plain names")
+            if key.tag == _MERGE_TAG:
+                raise _Refused("merge keys (<<) are not allowed in ledger files", key.start_mark,
+                               "write the keys out in full")
+        return node
+
+
+class SafeConstructor(RoundTripConstructor):
+    """A round-trip constructor that turns a value it cannot build into a refusal at the value's position."""
+
+    def construct_non_recursive_object(self, node: Any, tag: str | None = None) -> Any:
+        try:
+            return super().construct_non_recursive_object(node, tag)
+        except (ValueError, OverflowError, TypeError, ArithmeticError) as exc:
+            raise _Refused(_unreadable(node, exc), node.start_mark, _UNREADABLE_HINT) from None
+
+
+class SourceFloat(float):
+    """A float that remembers how it was written, so write-back re-emits ``1_000.5`` or ``1.0e+400`` as is."""
+
+    source: str
+
+
+class SourceInt(int):
+    """An int written in a form ruamel would not reproduce (``+5``, ``-0``)."""
+
+    source: str
+
+
+def _construct_float(constructor: Any, node: Any) -> Any:
+    value = SourceFloat(RoundTripConstructor.construct_yaml_float(constructor, node))
+    value.source = node.value
+    return value
+
+
+def _construct_int(constructor: Any, node: Any) -> Any:
+    value = RoundTripConstructor.construct_yaml_int(constructor, node)
+    if type(value) is int and str(value) != node.value:
+        value = SourceInt(value)
+        value.source = node.value
+    return value
+
+
+SafeConstructor.add_constructor("tag:yaml.org,2002:float", _construct_float)
+SafeConstructor.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+class SafeRepresenter(RoundTripRepresenter):
+    """Re-emits numbers read from the file exactly as they were written (ruamel rounds some floats)."""
+
+
+def _represent_source(representer: Any, data: Any) -> Any:
+    tag = "tag:yaml.org,2002:float" if isinstance(data, float) else "tag:yaml.org,2002:int"
+    return representer.represent_scalar(tag, data.source)
+
+
+SafeRepresenter.add_representer(SourceFloat, _represent_source)
+SafeRepresenter.add_representer(SourceInt, _represent_source)
+
+_UNREADABLE_HINT = "quote the value to keep it as text, or write it as the field expects"
+
+
+def _unreadable(node: Any, exc: BaseException) -> str:
+    text = str(getattr(node, "value", ""))
+    shown = text if len(text) <= 40 else f"{text[:37]}... ({len(text)} characters)"
+    reason = str(exc).split(";")[0].split("\n")[0]
+    return f"cannot read the value {shown!r}: {reason}"
+
 
 def _implicit(event: Any) -> bool:
     implicit = getattr(event, "implicit", None)
@@ -77,6 +168,8 @@ def _implicit(event: Any) -> bool:
 def make_yaml() -> YAML:
     yaml = YAML(typ="rt")
     yaml.Composer = SafeComposer
+    yaml.Constructor = SafeConstructor
+    yaml.Representer = SafeRepresenter
     yaml.preserve_quotes = True
     yaml.allow_duplicate_keys = False
     yaml.width = 4096
@@ -140,6 +233,8 @@ def parse(text: str, display: str) -> Any:
         raise _error(display, exc.message, exc.mark, exc.hint) from None
     except MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
+        if exc.context_mark is not None and ("end of stream" in str(exc.problem) or "<stream end>" in str(exc.problem)):
+            mark = exc.context_mark  # an unclosed quote or bracket: point at where it was opened
         message = " ".join(str(p) for p in (exc.context, exc.problem) if p) or "invalid YAML"
         hint = None
         if "duplicate key" in message:
@@ -150,11 +245,31 @@ def parse(text: str, display: str) -> Any:
         elif "expected a single document" in message:
             hint = "a ledger file holds one YAML document"
         raise _error(display, message, mark, hint) from None
+    except ReaderError as exc:
+        line, col = _line_col_of_text(text, exc.position)
+        raise LedgerspecError(_reader_message(exc), display, line, col, rule="load",
+                              hint="remove the control character, or write it as an escape in a double-quoted "
+                              "string") from None
     except YAMLError as exc:
-        raise LedgerspecError(f"invalid YAML: {exc}".splitlines()[0], display, rule="load") from None
-    except (RecursionError, ValueError, OverflowError) as exc:
-        raise LedgerspecError(f"unreadable value: {type(exc).__name__}: {exc}"[:200], display, rule="load") from None
+        raise LedgerspecError(f"invalid YAML: {exc}".splitlines()[0], display, 1, 1, rule="load") from None
+    except (RecursionError, ValueError, OverflowError, TypeError) as exc:
+        raise LedgerspecError(f"unreadable value: {type(exc).__name__}: {exc}".splitlines()[0][:200], display,
+                              1, 1, rule="load") from None
     return data
+
+
+def _reader_message(exc: ReaderError) -> str:
+    char = exc.character
+    code = ord(char) if isinstance(char, str | bytes) and len(char) == 1 else char
+    shown = f"U+{code:04X}" if isinstance(code, int) else repr(code)
+    return f"control character {shown} is not allowed in YAML ({exc.reason})"
+
+
+def _line_col_of_text(text: str, position: Any) -> tuple[int, int]:
+    if not isinstance(position, int) or position < 0:
+        return 1, 1
+    before = text[:position]
+    return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
 
 
 def _dup_key(exc: MarkedYAMLError) -> str:
@@ -170,33 +285,57 @@ def _error(display: str, message: str, mark: Any, hint: str | None) -> Ledgerspe
     return LedgerspecError(message.strip(), display, line, col, rule="load", hint=hint, exit_code=EXIT_USAGE)
 
 
-def to_plain(node: Any, display: str = "<input>", where: Any = None) -> Any:
+def to_plain(node: Any, display: str = "<input>", where: tuple[int, int] = (1, 1)) -> Any:
     """A JSON-compatible copy of a round-trip tree (dict/list/str/int/float/bool/None).
 
-    Dates become ISO strings, non-string keys are refused with their position.
+    Dates become ISO strings. Non-string keys, integers over :data:`MAX_INT_BITS` bits and strings
+    that UTF-8 cannot encode (lone surrogates from ``\\ud800`` escapes) are refused with their position.
     """
     if isinstance(node, dict):
         out: dict[str, Any] = {}
         for k, v in node.items():
             if not isinstance(k, str):
                 line, col = _key_pos(node, k)
-                raise LedgerspecError(f"key {k!r} is not a string", display, line, col, rule="load",
+                raise LedgerspecError(f"key {_short(k)} is not a string", display, line, col, rule="load",
                                       hint="quote the key")
-            out[str(k)] = to_plain(v, display, node)
+            _check_text(k, display, _key_pos(node, k))
+            out[str(k)] = to_plain(v, display, _value_pos(node, k, where))
         return out
     if isinstance(node, list):
-        return [to_plain(v, display, node) for v in node]
+        return [to_plain(v, display, _item_pos(node, i, where)) for i, v in enumerate(node)]
     if isinstance(node, bool) or node is None:
         return node
     if isinstance(node, int):
+        if node.bit_length() > MAX_INT_BITS:
+            raise LedgerspecError(f"integer of about {int(node.bit_length() * 0.30103) + 1} digits is too large",
+                                  display, *where, rule="load", hint="sizes are at most 2**60 bytes; check the value")
         return int(node)
     if isinstance(node, float):
         return float(node)
     if isinstance(node, str):
+        _check_text(node, display, where)
         return str(node)
     if isinstance(node, _dt.date | _dt.datetime):
         return node.isoformat()
     return str(node)
+
+
+def _check_text(text: str, display: str, where: tuple[int | None, int | None]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LedgerspecError(f"string holds a lone surrogate U+{ord(text[exc.start]):04X}, which UTF-8 cannot "
+                              "encode", display, *where, rule="load",
+                              hint="write the character itself, or a full \\U escape") from None
+
+
+def _short(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to print
+        text = "<a very large number>"
+    text = text.replace("ordereddict(", "mapping(").replace("CommentedSeq(", "list(")
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _key_pos(mapping: Any, key: Any) -> tuple[int | None, int | None]:
@@ -205,3 +344,19 @@ def _key_pos(mapping: Any, key: Any) -> tuple[int | None, int | None]:
         return line + 1, col + 1
     except Exception:
         return None, None
+
+
+def _value_pos(mapping: Any, key: Any, fallback: tuple[int, int]) -> tuple[int, int]:
+    try:
+        line, col = mapping.lc.value(key)
+        return line + 1, col + 1
+    except Exception:
+        return fallback
+
+
+def _item_pos(seq: Any, index: int, fallback: tuple[int, int]) -> tuple[int, int]:
+    try:
+        line, col = seq.lc.item(index)
+        return line + 1, col + 1
+    except Exception:
+        return fallback

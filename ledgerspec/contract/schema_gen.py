@@ -137,9 +137,14 @@ def document_schema(kind: str) -> dict[str, Any]:
                       "provenance, measurements and the supported status.",
             "intake": "What a user hands over to size a server for LoRA/QLoRA fine-tuning: model, method, dtypes, "
                       "workload, optimizer, memory options and pilot results if any."}[kind]
+    # The shared definitions are bundled as an embedded resource (JSON Schema 2020-12, section 9.3) under
+    # their own $id, so `$ref: defs.v1.json#...` resolves offline in any validator (check-jsonschema, editors)
+    # without fetching BASE_URI. schema/defs.v1.json is the same resource, standalone.
+    bundled = {k: v for k, v in defs_schema().items() if k != "$schema"}
     return {"$schema": DRAFT, "$id": f"{BASE_URI}{kind}.v1.json", "title": title, "description": desc,
             "type": "object", "required": ["ledgerspec"], "properties": props,
-            "patternProperties": _EXT, "additionalProperties": False}
+            "patternProperties": _EXT, "additionalProperties": False,
+            "$defs": {"shared": bundled}}
 
 
 def all_schemas() -> dict[str, dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from typing import Any
 
@@ -50,8 +51,24 @@ def skeleton_text(kind: str = "ledger") -> str:
     return "\n".join([*head, *_lines(F.top_fields(kind), 0, ())]) + "\n"
 
 
-def skeleton(from_intake: Document | None = None) -> str:
-    """A ledger skeleton; with ``from_intake``, its intake sections are copied in (comments kept)."""
+def rebase(config_path: str, intake_path: str, output: str | None) -> str:
+    """``identity.config_path`` is relative to its document: re-express it relative to the new one."""
+    if os.path.isabs(config_path) or intake_path.startswith("<"):
+        return config_path
+    target = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(intake_path)), config_path))
+    here = os.path.dirname(os.path.abspath(output)) if output else os.getcwd()
+    return os.path.relpath(target, here).replace(os.sep, "/")
+
+
+def skeleton(from_intake: Document | None = None, output: str | None = None) -> str:
+    """A ledger skeleton; with ``from_intake``, the values of its intake sections are copied in.
+
+    The skeleton's guidance comments stay; comments written beside keys in the intake do not travel
+    (only those inside a copied nested mapping do).
+
+    ``output`` is where the ledger will be written (standard output: the current folder), so that a
+    relative ``identity.config_path`` still points at the same file.
+    """
     text = skeleton_text("ledger")
     if from_intake is None:
         return text
@@ -66,6 +83,9 @@ def skeleton(from_intake: Document | None = None) -> str:
                 data[key][sub] = subvalue
         else:
             data[key] = value
+    config_path = from_intake.get("identity", "config_path").text()
+    if config_path and from_intake.get("identity", "config_path").form == "plain":
+        data["identity"]["config_path"] = rebase(config_path, from_intake.path, output)
     pilot = src.get("pilot")
     if isinstance(pilot, dict):
         for sub in ("peak_allocated", "peak_reserved", "device_peak"):

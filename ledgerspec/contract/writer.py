@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
-
-from ruamel.yaml.util import load_yaml_guess_indent
 
 from ledgerspec.contract.loader import make_yaml
 from ledgerspec.errors import LedgerspecError
@@ -17,13 +16,8 @@ from ledgerspec.errors import LedgerspecError
 def render(data: Any, original_text: str) -> str:
     """Dump ``data`` in the style of ``original_text`` (indentation, line endings, a leading BOM)."""
     yaml = make_yaml()
-    try:
-        _, indent, block_seq_indent = load_yaml_guess_indent(original_text)
-    except Exception:
-        indent, block_seq_indent = 2, 0
-    indent = indent or 2
-    block_seq_indent = block_seq_indent or 0
-    yaml.indent(mapping=indent, sequence=indent + block_seq_indent, offset=block_seq_indent)
+    mapping, sequence, offset = guess_indent(original_text)
+    yaml.indent(mapping=mapping, sequence=sequence, offset=offset)
     buf = io.StringIO()
     yaml.dump(data, buf)
     text = buf.getvalue()
@@ -32,15 +26,54 @@ def render(data: Any, original_text: str) -> str:
     return text
 
 
+_KEY_ONLY = re.compile(r"""^[^#'"\s][^#'"]*:\s*(#.*)?$""")
+
+
+def guess_indent(text: str) -> tuple[int, int, int]:
+    """``(mapping, sequence, offset)`` as ``YAML.indent()`` takes them, read off ``text`` (default 2, 2, 0).
+
+    ``mapping``: a nested key's indent relative to its parent key; ``sequence``: a block-sequence item's
+    content relative to its parent key; ``offset``: the dash relative to the parent key.
+    """
+    mapping: int | None = None
+    sequence: int | None = None
+    offset = 0
+    parent: int | None = None  # indent of the last `key:` line with its value on the next lines
+    for line in text.splitlines():
+        body = line.lstrip(" ")
+        if not body.strip() or body.startswith("#"):
+            continue
+        lead = len(line) - len(body)
+        dash = body.startswith("- ")
+        if parent is not None and (lead > parent or (dash and lead == parent)):
+            if dash and sequence is None:
+                after = body[1:]
+                offset = lead - parent
+                sequence = offset + 1 + len(after) - len(after.lstrip(" "))
+            elif not dash and mapping is None:
+                mapping = lead - parent
+        if mapping is not None and sequence is not None:
+            break
+        while body.startswith("- "):  # `- key:` opens a mapping at the key's column
+            rest = body[1:].lstrip(" ")
+            lead, body = lead + len(body) - len(rest), rest
+        parent = lead if _KEY_ONLY.match(body) else None
+    mapping = mapping or 2
+    return mapping, max(sequence or mapping, offset + 2), offset
+
+
 def atomic_write(path: str | os.PathLike[str], text: str) -> None:
     """Replace ``path`` with ``text`` atomically (temp file in the same folder, fsync, rename)."""
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")
-    mode = None
     try:
         mode = target.stat().st_mode & 0o7777
-    except FileNotFoundError:
-        pass
+    except FileNotFoundError:  # a new file gets the usual 0666 & ~umask, not mkstemp's 0600
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    if target.is_dir():
+        raise LedgerspecError("is a folder", str(path), rule="write", hint="give a file name")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:
@@ -50,8 +83,7 @@ def atomic_write(path: str | os.PathLike[str], text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
         try:

@@ -152,13 +152,23 @@ def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trus
                    "is it a causal language model transformers knows?") from None
 
 
-def inject_adapters(doc: Document, model: Any) -> Any:
-    """Inject the exact adapters with PEFT; PEFT's errors become one-line errors at ``method``."""
+def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
+    """Inject the exact adapters with PEFT; PEFT's errors become one-line errors at ``method``.
+
+    ``on_meta=True`` creates the adapter tensors on the meta device (``low_cpu_mem_usage``): shapes and
+    dtypes without memory or init time, for counting. Adapters then keep PEFT's creation dtype (float32).
+    """
+    import warnings
+
     from peft import get_peft_model
 
     cfg = lora_config(doc)
     try:
-        return get_peft_model(model, cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if on_meta:
+                return get_peft_model(model, cfg, low_cpu_mem_usage=True)
+            return get_peft_model(model, cfg)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         msg = _one_line(exc)
         where: tuple[str, ...] = ("method", "target_modules") if "target" in msg.lower() else ("method",)

@@ -72,7 +72,7 @@ def _init(args: argparse.Namespace) -> int:
     if intake is not None and intake.kind != "intake":
         raise LedgerspecError(f"--from expects an intake/v1 document, got {intake.plain.get('ledgerspec')!r}",
                               args.from_intake, *intake.position("/ledgerspec"), rule="init")
-    text = skeleton(intake)
+    text = skeleton(intake, args.output)
     if args.output:
         if Path(args.output).exists() and not args.force:
             raise LedgerspecError("file exists", args.output, rule="init", hint="pass --force to overwrite")
@@ -104,7 +104,7 @@ def _load_extensions() -> None:
         return
     import importlib
 
-    for name in ("resolve_cmd", "estimate_cmd", "measure_cmd", "report_cmd"):
+    for name in ("resolve_cmd", "estimate_cmd", "measure_cmd", "report_cmd", "shard_cmd"):
         try:
             module = importlib.import_module(f"ledgerspec.faces.{name}")
         except ModuleNotFoundError as exc:

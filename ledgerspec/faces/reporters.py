@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 from ledgerspec import __version__
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
@@ -83,14 +83,18 @@ def sarif_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
     results = []
     for r in reports:
         for f in r.findings:
-            results.append({
-                "ruleId": f.rule, "ruleIndex": index.get(f.rule, 0), "level": _sarif_level(f.severity),
+            result: dict[str, Any] = {"ruleId": f.rule}
+            if f.rule in index:
+                result["ruleIndex"] = index[f.rule]
+            result.update({
+                "level": _sarif_level(f.severity),
                 "message": {"text": f.message},
                 "locations": [{"physicalLocation": {
                     "artifactLocation": {"uri": r.path.replace("\\", "/")},
                     "region": {"startLine": f.line, "startColumn": f.column}},
                     "logicalLocations": [{"fullyQualifiedName": f.pointer or "/"}]}],
             })
+            results.append(result)
     sarif = {"$schema": "https://json.schemastore.org/sarif-2.1.0.json", "version": "2.1.0",
              "runs": [{"tool": {"driver": {"name": "ledgerspec", "version": __version__,
                                            "informationUri": "https://ledgerspec.dev", "rules": descriptors}},

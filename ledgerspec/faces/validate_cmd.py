@@ -44,12 +44,18 @@ def run_validate(paths: list[str], fmt: str = "text", fix: bool = False, verbose
 
 
 def _fix(doc: Document, report: Report, path: str) -> Report:
-    from ledgerspec.checks.fix import fix_status
-    from ledgerspec.contract.writer import atomic_write, render
+    """Lower the declared status in place (atomic write, BOM kept); return the report of the new file."""
+    from pathlib import Path
 
-    if not fix_status(doc, report):
+    from ledgerspec.checks.fix import fixed_text
+    from ledgerspec.contract.writer import atomic_write
+
+    text = fixed_text(doc, report)
+    if text is None:
         return report
-    atomic_write(path, render(doc.data, doc.text))
+    if Path(path).read_bytes().startswith(b"\xef\xbb\xbf"):
+        text = "\ufeff" + text
+    atomic_write(path, text)
     fixed = validate(load(path))
     print(f"{path}: status lowered from {report.declared_status} to {fixed.declared_status}", file=sys.stderr)
     return fixed

@@ -1,0 +1,273 @@
+"""``estimate``: one simulated training step under ``FakeTensorMode``: activations and phase peaks, no GPU.
+
+The exact workload of the document (:class:`ledgerspec.derivations.workload.Workload`: model from
+its config, QLoRA layout, adapters, optimizer, gradient checkpointing, synthetic batches) is built
+on the meta device and materialised as fake tensors on the CPU; every tensor an op produces is
+counted by :class:`ledgerspec.derivations.tracker.MemoryTracker`. Two modelling layers make the CPU
+trace say what a CUDA GPU would allocate:
+
+- attention runs through :mod:`ledgerspec.derivations.attention_model` (the declared CUDA kernel's
+  saved tensors and backward buffers, not the CPU kernel's);
+- 4-bit layers run through :mod:`ledgerspec.derivations.estimate_qlora` (bitsandbytes' storage and
+  its CUDA dequantization temporaries).
+
+Phases follow the measurement protocol: after load, after adapter injection, after optimizer init,
+forward (+ loss) peak, backward peak, optimizer-step peak of the first step, and the peak of a
+second, steady-state step (two micro-steps per step when accumulating, because gradients are alive
+during the second micro-step's forward). Depth is handled by :mod:`ledgerspec.derivations.extrapolate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledgerspec.contract.document import Document, pointer
+from ledgerspec.derivations.estimate_fit import PHASES, Fit, fit
+from ledgerspec.derivations.extrapolate import Plan, extend_all, plan, with_layers
+from ledgerspec.errors import EXIT_FINDINGS, LedgerspecError
+
+#: the CUDA caching allocator rounds every block up to a multiple of this (c10/cuda/CUDACachingAllocator.cpp)
+CUDA_ALLOCATION_GRANULARITY = 512
+COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+TARGETS = ("cuda", "cpu")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Estimate:
+    """The predicted memory of one configuration (bytes allocated by PyTorch tensors)."""
+
+    phases: dict[str, int]
+    activations: int
+    components: dict[str, int]
+    plan: Plan
+    attention: str
+    target: str
+    seconds: float
+    method: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_allocated(self) -> int:
+        return max(self.phases.values())
+
+    def fit(self, device_memory: int) -> Fit:
+        return fit(self.phases, device_memory)
+
+
+def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
+    line, col = doc.position(pointer(*path))
+    return LedgerspecError(message, doc.path, line, col, rule="estimate", hint=hint, exit_code=EXIT_FINDINGS)
+
+
+_MEASURE_HINT = "run `ledgerspec measure` on a GPU (or --device cpu) instead"
+
+
+def _tracker(target: str) -> Any:
+    from ledgerspec.derivations.tracker import MemoryTracker
+
+    return MemoryTracker(granularity=CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1)
+
+
+def _estimate_workload_class() -> Any:
+    """The shared :class:`Workload`, plus the two CUDA modelling layers applied right after ``prepare``."""
+    import contextlib
+
+    import torch
+
+    from ledgerspec.derivations.workload import Workload
+
+    class EstimateWorkload(Workload):
+        """``prepare`` as the measurement does, then 4-bit layers as bytes and attention as the CUDA kernel."""
+
+        def __init__(self, doc: Document, spec: Any, source: Any, attention: str, target: str) -> None:
+            build_spec = spec.changed(attention="sdpa") if attention.startswith("flash_attention") else spec
+            super().__init__(doc, build_spec, source)
+            self.declared_attention = attention
+            self.target = target
+            self.stack = contextlib.ExitStack()
+
+        def prepare(self) -> None:
+            super().prepare()
+            if self.spec.quant is not None:
+                from ledgerspec.derivations.estimate_qlora import model_4bit_layers
+
+                model_4bit_layers(self.model, getattr(torch, self.spec.loaded_dtype))
+            if self.target == "cuda":
+                from ledgerspec.derivations.attention_model import cuda_attention
+
+                self.stack.enter_context(cuda_attention(self.model, self.declared_attention))
+
+    return EstimateWorkload
+
+
+def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[str, int]:
+    """One simulated protocol run (:func:`ledgerspec.derivations.protocol.run_protocol` with fake tensors).
+
+    Accumulation runs two micro-steps, not all of them: from the second micro-step on, the gradients are
+    allocated and every micro-step allocates the same tensors, so the peaks are those of the full run.
+    """
+    from ledgerspec.derivations.protocol import TrackerBackend, run_protocol
+    from ledgerspec.derivations.tracker import by_component
+
+    if spec.quant is not None and target == "cpu":
+        raise _err(doc, ("method", "kind"), "a CPU-target estimate of QLoRA is not supported",
+                   "estimate QLoRA for the CUDA target, or measure it")
+    run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
+    workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target)
+    backend = TrackerBackend(fake=True, granularity=CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1)
+    with workload.stack:
+        result = run_protocol(workload, backend, device="cpu", steps=1)
+    if result.oom or not result.complete:  # no limit is set: cannot happen, but never report a partial run
+        raise _err(doc, ("identity",), f"the simulated step stopped early ({result.oom_message})", _MEASURE_HINT)
+    out = {name: rec.figure for name, rec in result.phases.items()}
+    out["activations"] = result.activations_saved or 0
+    held = by_component(result.phases["after_adapter_injection"].census)
+    grads = by_component(result.phases["backward_peak"].census)
+    state = by_component(result.phases["optimizer_step_peak"].census)
+    out["component.frozen_base"] = held.get("frozen_base", 0)
+    out["component.adapter"] = held.get("adapter", 0)
+    out["component.gradients"] = grads.get("gradients", 0)
+    out["component.optimizer"] = state.get("optimizer", 0)
+    return out
+
+
+def _fail(doc: Document, exc: BaseException, architecture: str | None) -> LedgerspecError:
+    """A trace failure as one clear line: which op or architecture, and what to do instead."""
+    from ledgerspec.derivations.attention_model import UnsupportedAttention
+
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if isinstance(exc, UnsupportedAttention):
+        return _err(doc, ("software", "attention_implementation"), f"cannot model this attention: {text}",
+                    _MEASURE_HINT)
+    name = type(exc).__name__
+    op = getattr(exc, "func", None) or getattr(exc, "op", None)
+    if op is not None or name in ("UnsupportedFakeTensorException", "DynamicOutputShapeException",
+                                  "DataDependentOutputException", "UnsupportedOperatorException"):
+        which = f"op {op}" if op is not None else "an op"
+        return _err(doc, ("identity",), f"{which} has no fake-tensor kernel, the step cannot be simulated "
+                    f"({name}: {text})", _MEASURE_HINT)
+    arch = architecture or "this architecture"
+    return _err(doc, ("identity",), f"{arch} cannot be traced under FakeTensorMode ({name}: {text})",
+                _MEASURE_HINT)
+
+
+def method_text(est_plan: Plan, attention: str, target: str, quant: bool) -> str:
+    from ledgerspec.derivations.attention_model import method_text as attention_method
+    from ledgerspec.derivations.workload import METHOD_NOTES
+
+    parts = [
+        "ledgerspec estimate: one training step plus a steady-state step simulated under torch FakeTensorMode "
+        "(exact model, adapters, optimizer, checkpointing; no GPU), every tensor storage counted by a dispatch-level "
+        "tracker",
+        est_plan.describe(),
+        attention_method(attention) if target == "cuda" else "attention: the CPU kernels (target cpu)",
+    ]
+    if quant:
+        parts.append("4-bit layers: bitsandbytes storage exact, CUDA dequantize+linear temporaries counted")
+    if target == "cuda":
+        parts.append("each allocation rounded up to 512 B as the CUDA caching allocator does")
+    parts.append(METHOD_NOTES)
+    parts.append("limits: PyTorch tensors only (no CUDA context, cuBLAS workspace, allocator caching or "
+                 "fragmentation, NCCL); activations = bytes held from forward to backward of the first micro-step")
+    return "; ".join(parts)
+
+
+def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress: Progress | None = None,
+             offline: bool = True) -> Estimate:
+    """The estimate of ``doc``. ``layers``: ``auto`` (extrapolate when possible) or ``full``."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}")
+    started = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    say("loading the model config")
+    from ledgerspec.derivations.build import ModelSource, load_config
+    from ledgerspec.derivations.workload import WorkloadSpec
+
+    if doc.kind not in ("ledger", "intake"):
+        raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
+    spec = WorkloadSpec.from_document(doc)
+    _check_attention(doc, spec.attention)
+    source = load_config(doc, offline=offline)
+    config = source.config
+    try:
+        est_plan = plan(config)
+    except ValueError:
+        raise _err(doc, ("identity",), f"{source.architecture or 'this model'} has no num_hidden_layers: not a "
+                   "decoder stack the estimate can trace", _MEASURE_HINT) from None
+    if layers == "full":
+        est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
+
+    def run(n: int | None) -> dict[str, int]:
+        src = source if n is None else ModelSource(with_layers(config, n), source.config_file, source.sha256,
+                                                   source.architecture)
+        say(f"tracing {n or est_plan.layers} layers")
+        try:
+            return trace(doc, spec, src, target)
+        except LedgerspecError:
+            raise
+        except Exception as exc:  # any failure inside torch/transformers: one clear line, never a wrong number
+            raise _fail(doc, exc, source.architecture) from None
+
+    if est_plan.probes is None:
+        figures = run(None)
+    else:
+        n1, n2 = est_plan.probes
+        figures = extend_all(run(n1), run(n2), n1, n2, est_plan.layers)
+    phases = {k: figures[k] for k in PHASES}
+    components = {k: figures[f"component.{k}"] for k in COMPONENTS}
+    components["activations"] = figures["activations"]
+    method = method_text(est_plan, spec.attention, target, spec.quant is not None)
+    return Estimate(phases, figures["activations"], components, est_plan, spec.attention, target,
+                    time.perf_counter() - started, method)
+
+
+def _check_attention(doc: Document, attention: str) -> None:
+    from ledgerspec.derivations.attention_model import KNOWN
+
+    if attention not in KNOWN:
+        raise _err(doc, ("software", "attention_implementation"),
+                   f"attention implementation {attention!r} is not modelled by the estimate "
+                   f"(modelled: {', '.join(KNOWN)})", _MEASURE_HINT)
+
+
+def device_memory_of(doc: Document) -> int | None:
+    """The target device memory declared in ``result.target_device.memory``, if any."""
+    return doc.get("result", "target_device", "memory").size()
+
+
+def write_back(doc: Document, est: Estimate, device_memory: int | None, from_flag: bool) -> list[Any]:
+    """Record the estimate in a ledger: ``ledger.activations``, ``x-estimate`` and, with a device, the fit.
+
+    ``temporary`` is never written (MEASURED only). A stronger ``ledger.activations`` (MEASURED) is kept.
+    """
+    from ledgerspec import __version__
+    from ledgerspec.contract.writeback import set_extension, set_figure, set_plain
+
+    changes: list[Any] = []
+    changes.append(set_figure(doc, ("ledger", "activations"), est.activations, "CALCULATED", method=est.method))
+    block: dict[str, Any] = {
+        "source": "CALCULATED",
+        "peak_allocated": {"value": est.peak_allocated, "source": "CALCULATED",
+                           "method": "maximum of the predicted phase peaks (bytes allocated by PyTorch tensors)"},
+        "phases": dict(est.phases),
+        "components": dict(est.components),
+        "target": est.target,
+        "attention_implementation": est.attention,
+        "layers": est.plan.describe(),
+        "tool": f"ledgerspec {__version__}",
+    }
+    if device_memory is not None:
+        verdict = est.fit(device_memory)
+        block.update({"device_memory": device_memory, "fits": verdict.fits, "headroom": verdict.headroom})
+        if verdict.oom_phase:
+            block["oom_phase"] = verdict.oom_phase
+        if from_flag:
+            changes.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
+        changes.append(set_plain(doc, ("result", "fits"), verdict.fits, force=True))
+    changes.append(set_extension(doc, ("x-estimate",), block))
+    return [c for c in changes if c is not None]

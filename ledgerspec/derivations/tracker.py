@@ -1,0 +1,322 @@
+"""Tensor memory accounting: a dispatch-level tracker and a census of the long-lived training state.
+
+Two tools, both working for real tensors (CPU or CUDA) and for fake tensors (``FakeTensorMode``):
+
+* :func:`census` walks a model and its optimizer and counts the bytes of unique storages by
+  category (frozen base parameters, buffers, quantization state, adapter, gradients, optimizer
+  state). It is exact for what it walks and costs one pass over the parameters.
+* :class:`MemoryTracker` is a ``TorchDispatchMode`` that sees every tensor produced by an op while
+  it is active, registers each new storage once (views share storages and are not double counted)
+  and learns of its release through a ``weakref.finalize`` on the storage. It keeps the current and
+  peak bytes, the bytes per category at the peak, and can turn exceeding a budget into a simulated
+  out-of-memory error.
+
+Categories (:data:`CATEGORIES`): an allocation gets a provisional label from the tracker's
+``context`` when it is made (``activations`` during forward, ``temporary`` during backward, ...);
+:meth:`MemoryTracker.reclassify` relabels the storages a census recognises with their exact
+category, and a post-accumulate-grad hook relabels each gradient the moment autograd stores it.
+What the tracker cannot see: memory allocated inside a kernel without going through the dispatcher
+(e.g. the CPU flash-attention kernel's scratch buffers), and memory outside PyTorch (bitsandbytes
+paged buffers, CUDA context, cuBLAS workspaces).
+
+Imports torch only inside functions and methods (the dispatch mode class is created on first use).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+#: tracker categories; the first six map onto ledger components (see :data:`LEDGER_COMPONENT`)
+CATEGORIES = ("frozen_params", "buffers", "quant_state", "adapter", "gradients", "optimizer", "activations",
+              "temporary")
+#: which ledger component each category belongs to
+LEDGER_COMPONENT = {"frozen_params": "frozen_base", "buffers": "frozen_base", "quant_state": "frozen_base",
+                    "adapter": "adapter", "gradients": "gradients", "optimizer": "optimizer",
+                    "activations": "activations", "temporary": "temporary"}
+
+SIMULATED_OOM_MARKER = "ledgerspec simulated out of memory"
+
+
+class SimulatedOOM(RuntimeError):
+    """The tracked tensor bytes went over ``--memory-limit`` (a simulated out-of-memory, not a real one)."""
+
+
+def by_component(categories: dict[str, int]) -> dict[str, int]:
+    """Fold tracker categories into ledger components (frozen_base, adapter, gradients, ...)."""
+    out: dict[str, int] = {}
+    for cat, n in categories.items():
+        comp = LEDGER_COMPONENT.get(cat, cat)
+        out[comp] = out.get(comp, 0) + n
+    return out
+
+
+# -- census ---------------------------------------------------------------------------------------------------------
+
+
+def _storage_key(t: Any) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+def _storage_nbytes(t: Any) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def quant_state_tensors(qs: Any) -> Iterator[Any]:
+    """The tensors a bitsandbytes ``QuantState`` holds (absmax, code, offset, and the nested state)."""
+    import torch
+
+    if qs is None:
+        return
+    for name in ("absmax", "code", "offset"):
+        t = getattr(qs, name, None)
+        if isinstance(t, torch.Tensor):
+            yield t
+    nested = getattr(qs, "state2", None)
+    if nested is not None and nested is not qs:
+        yield from quant_state_tensors(nested)
+
+
+def _optimizer_tensors(optimizer: Any) -> Iterator[Any]:
+    import torch
+
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif isinstance(v, dict | list | tuple):  # e.g. bitsandbytes keeps some state in containers
+                items = v.values() if isinstance(v, dict) else v
+                for w in items:
+                    if isinstance(w, torch.Tensor):
+                        yield w
+
+
+def census_storages(model: Any, optimizer: Any = None, device_type: str | None = None) -> dict[int, tuple[str, int]]:
+    """Every storage the model and optimizer hold: ``{storage key: (category, nbytes)}``.
+
+    A storage reachable in two ways counts once, in the first category found in this order:
+    adapter/frozen parameters, quantization state, buffers, gradients, optimizer state.
+    ``device_type`` (e.g. ``"cuda"``) counts only tensors on that kind of device (AdamW keeps its
+    ``step`` scalars on the host).
+    """
+    import torch
+
+    seen: dict[int, tuple[str, int]] = {}
+
+    def add(t: Any, cat: str) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        if device_type is not None and t.device.type != device_type:
+            return
+        key = _storage_key(t)
+        if key not in seen:
+            seen[key] = (cat, _storage_nbytes(t))
+
+    if model is not None:
+        params = list(model.parameters())
+        for p in params:
+            add(p, "adapter" if p.requires_grad else "frozen_params")
+        for p in params:
+            for t in quant_state_tensors(getattr(p, "quant_state", None)):
+                add(t, "quant_state")
+        for b in model.buffers():
+            add(b, "buffers")
+        for p in params:
+            if p.grad is not None:
+                add(p.grad, "gradients")
+    for t in _optimizer_tensors(optimizer):
+        add(t, "optimizer")
+    return seen
+
+
+def census(model: Any, optimizer: Any = None, device_type: str | None = None) -> dict[str, int]:
+    """Bytes of unique storages by category for the model (parameters, buffers, quant state, grads) and optimizer."""
+    out = dict.fromkeys(CATEGORIES[:6], 0)
+    for cat, n in census_storages(model, optimizer, device_type).values():
+        out[cat] += n
+    return out
+
+
+# -- the tracker ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    category: str
+
+
+@dataclass
+class TrackerSnapshot:
+    """Totals at one moment: ``current`` bytes and bytes by category."""
+
+    current: int
+    categories: dict[str, int] = field(default_factory=dict)
+
+
+@cache
+def _mode_class() -> Any:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _TrackingMode(TorchDispatchMode):
+        def __init__(self, tracker: MemoryTracker) -> None:
+            super().__init__()
+            self.tracker = tracker
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            self.tracker._register_outputs(out)
+            return out
+
+    return _TrackingMode
+
+
+class MemoryTracker:
+    """Counts the bytes of live tensor storages created while active (real or fake tensors).
+
+    Use as a context manager (inside a ``FakeTensorMode`` for fake tensors: enter the fake mode
+    first). ``context`` is the provisional category of new allocations. ``limit`` (bytes) makes an
+    allocation that brings the total above it raise :class:`SimulatedOOM`. ``granularity`` rounds each
+    storage up to a multiple of it (512 models the CUDA caching allocator's rounding, which
+    ``max_memory_allocated`` counts; 1, the default, counts exact bytes; empty storages stay 0).
+    """
+
+    def __init__(self, limit: int | None = None, granularity: int = 1) -> None:
+        if granularity < 1:
+            raise ValueError("granularity must be >= 1")
+        self._mode = _mode_class()(self)
+        self.limit = limit
+        self.granularity = granularity
+        self.context = "temporary"
+        self._live: dict[int, _Entry] = {}
+        self._totals: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.current = 0
+        self.peak = 0
+        self.peak_categories: dict[str, int] = dict(self._totals)
+        self._hooks: list[Any] = []
+
+    # -- dispatch ------------------------------------------------------------------------------------------------
+    def __enter__(self) -> MemoryTracker:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def _register_outputs(self, out: Any) -> None:
+        import torch
+
+        if isinstance(out, torch.Tensor):
+            self._register(out)
+        elif isinstance(out, list | tuple):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._register(o)
+                elif isinstance(o, list | tuple):
+                    self._register_outputs(o)
+
+    def _register(self, t: Any) -> None:
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = int(storage._cdata)
+        nbytes = int(storage.nbytes())
+        if self.granularity > 1:
+            nbytes = -(-nbytes // self.granularity) * self.granularity
+        entry = self._live.get(key)
+        if entry is not None:
+            if entry.nbytes != nbytes:  # resize_ / set_ changed the storage in place
+                self._add(entry.category, nbytes - entry.nbytes)
+                entry.nbytes = nbytes
+                self._check_peak()
+            return
+        self._live[key] = _Entry(nbytes, self.context)
+        weakref.finalize(storage, self._release, key)
+        self._add(self.context, nbytes)
+        self._check_peak()
+
+    def _release(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._add(entry.category, -entry.nbytes)
+
+    def _add(self, category: str, nbytes: int) -> None:
+        self._totals[category] = self._totals.get(category, 0) + nbytes
+        self.current += nbytes
+
+    def _check_peak(self) -> None:
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_categories = dict(self._totals)
+        if self.limit is not None and self.current > self.limit:
+            raise SimulatedOOM(f"{SIMULATED_OOM_MARKER}: tracked tensors need {self.current} B, over the "
+                               f"--memory-limit of {self.limit} B")
+
+    # -- queries -------------------------------------------------------------------------------------------------
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current total."""
+        self.peak = self.current
+        self.peak_categories = dict(self._totals)
+
+    def categories(self) -> dict[str, int]:
+        """Live bytes by category now."""
+        return dict(self._totals)
+
+    def snapshot(self) -> TrackerSnapshot:
+        return TrackerSnapshot(self.current, self.categories())
+
+    # -- classification ------------------------------------------------------------------------------------------
+    def track_existing(self, tensors: Iterable[Any], category: str) -> None:
+        """Register tensors created before the tracker was active (counted from now on)."""
+        saved = self.context
+        self.context = category
+        try:
+            for t in tensors:
+                self._register(t)
+        finally:
+            self.context = saved
+
+    def reclassify(self, model: Any, optimizer: Any = None, stale: Iterable[str] = ()) -> None:
+        """Relabel every storage the census recognises; storages still labelled ``stale`` become ``temporary``."""
+        known = census_storages(model, optimizer)
+        stale_set = set(stale)
+        for key, entry in self._live.items():
+            hit = known.get(key)
+            new = hit[0] if hit else ("temporary" if entry.category in stale_set else entry.category)
+            if new != entry.category:
+                self._totals[entry.category] -= entry.nbytes
+                self._totals[new] = self._totals.get(new, 0) + entry.nbytes
+                entry.category = new
+
+    def label(self, tensor: Any, category: str) -> None:
+        """Give one live tensor's storage an exact category (no-op for a storage the tracker never saw)."""
+        entry = self._live.get(_storage_key(tensor))
+        if entry is not None and entry.category != category:
+            self._totals[entry.category] -= entry.nbytes
+            self._totals[category] = self._totals.get(category, 0) + entry.nbytes
+            entry.category = category
+
+    def watch_gradients(self, model: Any) -> None:
+        """Label each trainable parameter's ``.grad`` as ``gradients`` as soon as autograd stores it."""
+        self.unwatch()
+        for p in model.parameters():
+            if p.requires_grad:  # never on frozen parameters: they get no gradient
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, p: Any) -> None:
+        if p.grad is not None:
+            self.label(p.grad, "gradients")
+
+    def unwatch(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+__all__ = ["CATEGORIES", "LEDGER_COMPONENT", "SIMULATED_OOM_MARKER", "MemoryTracker", "SimulatedOOM",
+           "TrackerSnapshot", "by_component", "census", "census_storages", "quant_state_tensors"]

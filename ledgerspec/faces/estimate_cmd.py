@@ -1,0 +1,112 @@
+"""``ledgerspec estimate FILE [--device-memory SIZE] [-o OUT] [--sweep NAME=V1,V2 ...] [--target cuda|cpu]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "estimate", help="GPU-free activation and phase-peak estimate from a simulated training step",
+        description="Simulate one training step (and a steady-state step) of the exact configuration under "
+                    "FakeTensorMode; fill ledger.activations and x-estimate; say whether it fits a device. "
+                    "Exit 1 when a device memory is given and the prediction does not fit.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--device-memory", metavar="SIZE", help="target device memory, e.g. 24GiB or 80GB")
+    p.add_argument("-o", "--output", metavar="OUT", help="write the updated ledger here instead of in place")
+    p.add_argument("--sweep", nargs="+", metavar="NAME=V1,V2",
+                   help="print the Memory Sensitivity Matrix over these inputs (microbatch, max_length, "
+                        "gradient_checkpointing, rank, optimizer, attention_implementation); writes nothing")
+    p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
+                   help="the device whose kernels are modelled (cpu: the CPU's own kernels, for checks)")
+    p.add_argument("--full", action="store_true", help="trace every layer instead of extrapolating (slower)")
+    p.add_argument("--dry-run", action="store_true", help="print the estimate, write nothing")
+    p.set_defaults(run=run_estimate)
+
+
+def _size(text: str) -> int:
+    from ledgerspec.contract.units import UnitError, parse_size
+
+    try:
+        value = parse_size(text)
+    except UnitError as exc:
+        raise LedgerspecError(f"--device-memory {text!r}: {exc}", rule="estimate",
+                              hint="e.g. 24GiB, 80GB", exit_code=EXIT_USAGE) from None
+    if value is None or value <= 0:
+        raise LedgerspecError(f"--device-memory {text!r} must be a positive size", rule="estimate",
+                              exit_code=EXIT_USAGE)
+    return int(value)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    from ledgerspec.contract.document import load
+
+    doc = load(args.file)
+    device = _size(args.device_memory) if args.device_memory else None
+    if args.sweep:
+        return _run_sweep(doc, args, device)
+    writes = not args.dry_run
+    if doc.kind == "intake" and writes and args.output:
+        line, col = doc.position("/ledgerspec")
+        raise LedgerspecError("an intake holds no ledger figures: resolve it into a ledger first", doc.path, line,
+                              col, rule="estimate", hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
+                              exit_code=EXIT_USAGE)
+    from ledgerspec.derivations.estimate import device_memory_of, estimate, write_back
+
+    est = estimate(doc, target=args.target, layers="full" if args.full else "auto")
+    target_memory = device if device is not None else device_memory_of(doc)
+    _print(est, target_memory)
+    code = EXIT_OK
+    if target_memory is not None and not est.fit(target_memory).fits:
+        code = EXIT_FINDINGS
+    if doc.kind == "intake":
+        print(f"{args.file}: an intake: nothing written (resolve it into a ledger to record the estimate)",
+              file=sys.stderr)
+        return code
+    if not writes:
+        return code
+    from ledgerspec.contract.writer import atomic_write, render
+
+    changes = write_back(doc, est, target_memory, from_flag=device is not None)
+    for ch in changes:
+        if ch.skipped:
+            print(f"{args.file}: kept {ch.pointer}: {ch.skipped}", file=sys.stderr)
+    target = args.output or args.file
+    atomic_write(target, render(doc.data, doc.text))
+    print(f"{target}: estimate written (ledger.activations, x-estimate)", file=sys.stderr)
+    return code
+
+
+def _print(est: Any, device: int | None) -> None:
+    from ledgerspec.contract.units import format_size
+
+    out = sys.stdout
+    print(f"predicted memory ({est.target} kernels, attention {est.attention}; {est.plan.describe()}):", file=out)
+    for key, value in est.phases.items():
+        print(f"  {key:<24}{format_size(value):>12}  {value:,} B", file=out)
+    print(f"  {'activations':<24}{format_size(est.activations):>12}  {est.activations:,} B", file=out)
+    print(f"  {'peak allocated':<24}{format_size(est.peak_allocated):>12}  {est.peak_allocated:,} B", file=out)
+    if device is not None:
+        verdict = est.fit(device)
+        print(f"  {verdict.sentence()}", file=out)
+        print("  (allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)",
+              file=out)
+    print(f"  time: {est.seconds:.1f} s", file=out)
+
+
+def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
+    from ledgerspec.derivations import sweep
+    from ledgerspec.derivations.estimate import device_memory_of, estimate
+
+    axes = sweep.parse_axes(args.sweep)
+    target_memory = device if device is not None else device_memory_of(doc)
+    rows = []
+    for point in sweep.grid(axes):
+        est = estimate(sweep.apply(doc, point), target=args.target, layers="full" if args.full else "auto")
+        rows.append((point, est.peak_allocated))
+    sys.stdout.write(sweep.render(rows, axes, doc, target_memory))
+    return EXIT_OK

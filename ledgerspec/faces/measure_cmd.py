@@ -1,0 +1,82 @@
+"""``ledgerspec measure`` and ``ledgerspec triage``: argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from ledgerspec.contract.units import UnitError, format_size, parse_size
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+
+
+def register(sub: Any) -> None:
+    m = sub.add_parser("measure", help="run the measurement protocol (child process) and write MEASURED figures")
+    m.add_argument("file", metavar="FILE")
+    m.add_argument("--device", choices=("cuda", "cpu"), default="cpu",
+                   help="cuda: allocator counters + NVML; cpu: tensor-level tracking (never VALIDATED)")
+    m.add_argument("--steps", type=int, default=2, help="repeated representative steps for the steady state (>= 2)")
+    m.add_argument("-o", "--output", metavar="OUT", help="write the measured ledger here instead of in place")
+    m.add_argument("--memory-limit", metavar="SIZE",
+                   help="cpu only: a simulated out-of-memory when tracked tensors exceed SIZE (e.g. 2MiB)")
+    m.set_defaults(run=_measure)
+
+    t = sub.add_parser("triage", help="fill the OOM Triage Worksheet by controlled measurements")
+    t.add_argument("file", metavar="FILE")
+    t.add_argument("--device", choices=("cuda", "cpu"), default="cpu")
+    t.add_argument("--steps", type=int, default=2)
+    t.add_argument("-o", "--output", metavar="OUT", help="write the worksheet here instead of in place")
+    t.add_argument("--memory-limit", metavar="SIZE", help="cpu only: the simulated device memory")
+    t.set_defaults(run=_triage)
+
+
+def _limit(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except UnitError as exc:
+        raise LedgerspecError(f"--memory-limit: {exc}", rule="usage", exit_code=EXIT_USAGE) from None
+
+
+def _command(name: str, args: argparse.Namespace) -> str:
+    parts = [name, args.file, "--device", args.device, "--steps", str(args.steps)]
+    if args.output:
+        parts += ["-o", args.output]
+    if args.memory_limit:
+        parts += ["--memory-limit", args.memory_limit]
+    return "ledgerspec " + shlex.join(parts)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    from ledgerspec.derivations.measure import measure
+
+    outcome = measure(args.file, device=args.device, steps=args.steps, output=args.output,
+                      memory_limit=_limit(args.memory_limit), command=_command("measure", args))
+    r = outcome.result
+    err = sys.stderr
+    for note in outcome.notes:
+        print(f"{outcome.path}: note: {note}", file=err)
+    if r.oom:
+        kind = "simulated out-of-memory" if r.simulated_oom else "out of memory"
+        print(f"{outcome.path}: {kind} in phase {r.oom_phase} ({r.oom_message})", file=err)
+        if r.snapshot_path:
+            print(f"{outcome.path}: allocator snapshot saved to {r.snapshot_path} (open it at "
+                  "https://pytorch.org/memory_viz)", file=err)
+    peak = r.peak_allocated()
+    print(f"{outcome.path}: measured on {r.backend}: peak allocated "
+          f"{format_size(peak) if peak is not None else 'n/a'}; supported status {outcome.status}", file=err)
+    for reason in outcome.reasons[:3]:
+        print(f"  - {reason}", file=err)
+    return EXIT_FINDINGS if r.oom else EXIT_OK
+
+
+def _triage(args: argparse.Namespace) -> int:
+    from ledgerspec.derivations.triage import triage
+
+    outcome = triage(args.file, device=args.device, steps=args.steps, output=args.output,
+                     memory_limit=_limit(args.memory_limit))
+    for line in outcome.summary():
+        print(line)
+    return EXIT_OK

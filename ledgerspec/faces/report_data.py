@@ -1,0 +1,244 @@
+"""What ``ledgerspec report`` shows, read from the core API (``Document``, ``validate``) and nothing else.
+
+This module only gathers: every figure, source and status comes from :class:`Document`,
+:func:`~ledgerspec.checks.validate.validate` and the ladder's :func:`best_peak`. The terminal and
+HTML renderers (``report_terminal``, ``report_html``) draw this data and compute nothing of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ledgerspec.checks.findings import ERROR, INFO, WARNING, Finding
+from ledgerspec.checks.ladder import best_peak
+from ledgerspec.checks.validate import Report, validate
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.document import Document
+from ledgerspec.contract.units import format_size
+from ledgerspec.contract.values import Value
+from ledgerspec.errors import LedgerspecError
+
+#: the memory components of the ledger, in the order they stack
+COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
+COMPONENT_LABELS = {"frozen_base": "frozen base", "adapter": "adapter", "gradients": "gradients",
+                    "optimizer": "optimizer state", "activations": "activations", "temporary": "temporary/runtime",
+                    "calculated_subtotal": "calculated subtotal"}
+#: one letter per component, for the plain-text bar
+COMPONENT_CODES = {"frozen_base": "B", "adapter": "A", "gradients": "G", "optimizer": "O", "activations": "X",
+                   "temporary": "T"}
+#: provenance words in the order of the legend; DECLARED is a plain configuration input (no source written)
+PROVENANCE = ("MEASURED", "VERIFIED", "CALCULATED", "ASSUMPTION", "CONFIGURATION-SPECIFIC", "UNKNOWN", "DECLARED")
+PHASE_LABELS = {"after_load": "after load", "after_adapter_injection": "after adapter injection",
+                "after_optimizer_init": "after optimizer init", "forward_peak": "forward peak",
+                "backward_peak": "backward peak", "optimizer_step_peak": "optimizer-step peak",
+                "steady_state_peak": "steady-state peak"}
+ESTIMATE = "x-estimate"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One field as the report shows it."""
+
+    path: tuple[str, ...]
+    display: str  # the value as a reader wants it (sizes with units, counts with separators)
+    source: str  # the effective provenance word (see PROVENANCE)
+    nbytes: int | None = None  # for memory figures
+    detail: str = ""  # `method` or `note`
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+
+@dataclass(frozen=True)
+class PhasePoint:
+    name: str
+    label: str
+    measured: Entry | None
+    estimated: Entry | None
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A calculated (or estimated) figure beside the measured one it is compared with."""
+
+    label: str
+    calculated: Entry | None
+    measured: Entry | None
+
+
+@dataclass
+class ReportData:
+    path: str
+    kind: str
+    title: str | None
+    declared_status: str | None
+    supported_status: str
+    reasons: list[str]
+    findings: list[Finding]
+    components: list[Entry]  # the ledger section: the six components, then the subtotal
+    figures: list[Entry]  # every other present figure except phases (parameter counts, metrics, comparison ...)
+    inputs: list[Entry]  # the configuration inputs (intake sections, figures left out) as written
+    capacity: int | None  # the device the components are drawn against
+    capacity_label: str | None
+    peak: int | None  # the strongest peak figure (the ladder's best_peak)
+    peak_label: str | None
+    phases: list[PhasePoint] = field(default_factory=list)
+    pairs: list[Pair] = field(default_factory=list)
+    explanation: str | None = None
+
+    @property
+    def segments(self) -> list[Entry]:
+        """The stacked bar: the components with a known size, in stacking order."""
+        return [e for e in self.components if e.name in COMPONENTS and e.nbytes is not None]
+
+    @property
+    def missing(self) -> list[Entry]:
+        """Components left out of the bar because their size is not known."""
+        return [e for e in self.components if e.name in COMPONENTS and e.nbytes is None]
+
+    @property
+    def stacked_total(self) -> int:
+        return sum(e.nbytes or 0 for e in self.segments)
+
+    def count(self, severity: str) -> int:
+        return sum(1 for f in self.findings if f.severity == severity)
+
+    @property
+    def has_phases(self) -> bool:
+        return any(p.measured is not None or p.estimated is not None for p in self.phases)
+
+
+def entry(doc: Document, path: tuple[str, ...], f: F.Field | None = None) -> Entry:
+    """Read ``path`` from ``doc`` into an :class:`Entry` (value, provenance, bytes when it is a size)."""
+    f = f if f is not None else doc.field(*path)
+    v = doc.get(*path)
+    figure = f.figure if f is not None else True
+    kind = f.kind if f is not None else F.MEMORY
+    source = v.effective_source(figure)
+    nbytes = v.size() if kind in (F.MEMORY, F.SIZE) else None
+    return Entry(path, _display(v, kind, nbytes), source, nbytes, v.method or v.note or "")
+
+
+def _display(v: Value, kind: str, nbytes: int | None) -> str:
+    if not v.present:
+        return "missing"
+    if v.unknown:
+        return v.source or "UNKNOWN"
+    if nbytes is not None:
+        return format_size(nbytes)
+    if kind == F.COUNT and v.integer() is not None:
+        return f"{v.integer():,}"
+    value = v.value
+    if isinstance(value, bool):
+        return "true" if value else "false"  # as YAML writes it
+    if isinstance(value, list):
+        return ", ".join(str(x) for x in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {x}" for k, x in value.items())
+    return str(value)
+
+
+def _present_leaves(doc: Document, sections: tuple[F.Field, ...]) -> list[tuple[tuple[str, ...], F.Field]]:
+    out = []
+    for path, f in F.walk(sections):
+        if f.kind != F.OBJECT and doc.get(*path).present:
+            out.append((path, f))
+    return out
+
+
+def _estimate(doc: Document, key: str) -> Entry | None:
+    """A predicted figure of ``ledgerspec estimate``: ``x-estimate.KEY`` or ``x-estimate.phases.KEY``."""
+    for path in ((ESTIMATE, key), (ESTIMATE, "phases", key)):
+        if doc.get(*path).present:
+            return entry(doc, path, F.Field(key, F.MEMORY, ""))
+    return None
+
+
+def _measured(doc: Document, *path: str) -> Entry | None:
+    e = entry(doc, path)
+    return e if e.source == "MEASURED" else None
+
+
+def gather(doc: Document, report: Report | None = None) -> ReportData:
+    """Everything the report shows about ``doc``; raises :class:`LedgerspecError` for a bad header."""
+    report = report if report is not None else validate(doc)
+    if report.supported_status is None or doc.kind is None:
+        first = report.findings[0] if report.findings else None
+        raise LedgerspecError(first.message if first else "not a ledgerspec document", doc.path,
+                              first.line if first else 1, first.column if first else 1,
+                              rule=first.rule if first else "header")
+    kind = doc.kind
+    ledger_field = F.lookup("ledger", ("ledger",))
+    assert ledger_field is not None
+    components = [entry(doc, ("ledger", f.name), f) for f in ledger_field.children]
+
+    sections = tuple(f for f in F.top_fields(kind) if f.kind == F.OBJECT and f.name not in ("ledger", "phases"))
+    leaves = _present_leaves(doc, sections)
+    inputs = [entry(doc, p, f) for p, f in leaves if p[0] in F.INPUT_SECTION_NAMES and not f.figure]
+    figures = [entry(doc, p, f) for p, f in leaves if f.figure and f.kind != F.FIGURES]
+    for i, item in enumerate(_per_rank(doc)):
+        figures.append(_item_entry(item, i))
+
+    capacity, capacity_label = _capacity(doc)
+    peak, peak_label = best_peak(doc)
+    phases = [PhasePoint(name, PHASE_LABELS.get(name, name), _measured(doc, "phases", name), _estimate(doc, name))
+              for name in PHASE_LABELS]
+    title = doc.get("title").text()
+    return ReportData(
+        path=doc.path, kind=kind, title=title, declared_status=report.declared_status,
+        supported_status=report.supported_status, reasons=list(report.reasons), findings=list(report.findings),
+        components=components, figures=figures, inputs=inputs, capacity=capacity, capacity_label=capacity_label,
+        peak=peak, peak_label=peak_label, phases=phases, pairs=_pairs(doc, phases),
+        explanation=doc.get("comparison", "known_explanation").text())
+
+
+def _per_rank(doc: Document) -> list[object]:
+    v = doc.get("parallelism", "per_rank_peak")
+    return list(v.raw) if v.form == "plain" and isinstance(v.raw, list) else []
+
+
+def _item_entry(item: object, i: int) -> Entry:
+    v = Value.of(item)
+    nbytes = v.size()
+    return Entry(("parallelism", "per_rank_peak", str(i)), _display(v, F.MEMORY, nbytes), v.effective_source(True),
+                 nbytes, v.method or v.note or "")
+
+
+def _capacity(doc: Document) -> tuple[int | None, str | None]:
+    """The device to draw against: the target device, else the device that was measured."""
+    target = doc.get("result", "target_device", "memory")
+    if target.size() is not None:
+        name = doc.get("result", "target_device", "name").text()
+        return target.size(), f"target device{f' {name}' if name else ''}"
+    measured = doc.get("measurement", "device_memory")
+    if measured.size() is not None:
+        name = doc.get("measurement", "device_name").text()
+        return measured.size(), f"measured device{f' {name}' if name else ''}"
+    return None, None
+
+
+def _pairs(doc: Document, phases: list[PhasePoint]) -> list[Pair]:
+    """Calculated or estimated figures beside their measured counterparts (only where a measurement exists)."""
+    pairs: list[Pair] = []
+    subtotal = doc.get("comparison", "calculated_subtotal")
+    calc = entry(doc, ("comparison", "calculated_subtotal")) if subtotal.present else \
+        entry(doc, ("ledger", "calculated_subtotal"))
+    measured_peak = _measured(doc, "comparison", "measured_peak")
+    if measured_peak is not None:
+        pairs.append(Pair("calculated subtotal vs measured peak", calc, measured_peak))
+    for p in phases:
+        if p.measured is not None:
+            pairs.append(Pair(p.label, p.estimated, p.measured))
+    for key in ("peak_allocated", "peak_reserved", "device_peak"):
+        measured = _measured(doc, "metrics", key)
+        if measured is not None:
+            pairs.append(Pair(key.replace("_", " "), _estimate(doc, key), measured))
+    return pairs
+
+
+SEVERITIES = (ERROR, WARNING, INFO)
