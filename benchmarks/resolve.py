@@ -114,7 +114,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median reported)")
     args = ap.parse_args()
-    info = machine()
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -134,6 +133,7 @@ def main() -> int:
             rows.append((label, name, ow, orss, aw, arss, where))
             print(f"{name}: ledgerspec {ow:.2f}s {orss / 2**20:.0f} MiB | accelerate {aw:.2f}s "
                   f"{arss / 2**20:.0f} MiB | ratio {ow / aw:.2f}", flush=True)
+    info = machine()  # after the runs: a child inherits the parent's peak RSS mark across fork + exec
     lines = [
         "# `ledgerspec resolve` vs Accelerate's meta-device sizing", "",
         f"Machine: {info}.", "",

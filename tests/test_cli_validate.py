@@ -59,7 +59,7 @@ def test_unreadable_file_gets_exit_2_and_one_line_naming_it(cli: CliRunner, tmp_
     path.write_bytes("ledgerspec: ledger/v1\ntitle: caf\xe9\n".encode("latin-1"))
     code, out, err = cli("validate", path)
     assert code == 2
-    assert re.search(rf"^{re.escape(str(path))}:2:\d+: load error: invalid UTF-8", out, re.M), out
+    assert re.search(rf"^{re.escape(str(path))}:2:\d+: load: error: invalid UTF-8", out, re.M), out
     assert "Traceback" not in out + err
 
 
@@ -73,7 +73,7 @@ def test_usage_errors_exit_2(cli: CliRunner, args: tuple[str, ...]) -> None:
 def test_text_format_names_file_line_and_rule(cli: CliRunner) -> None:
     _, out, _ = cli("validate", BAD_FILE)
     line = line_of(BAD_FILE, "  parameters:", after="gradients:")
-    assert f"{BAD_FILE}:{line}:3: LS020 error: gradients.parameters 7,000,000,000 exceeds" in out
+    assert f"{BAD_FILE}:{line}:3: LS020: error: gradients.parameters 7,000,000,000 exceeds" in out
     assert "INVALID" in out and "info finding(s) hidden" in out
     assert "LS002" not in out  # info is shown with -v only
     assert "LS002" in cli("validate", "-v", BAD_FILE)[1]

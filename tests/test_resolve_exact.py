@@ -71,6 +71,10 @@ CASES = [
     Case("qlora-fp4-dq-bf16-adamw", "llama_gqa", {"rank": 8, "target_modules": ["q_proj", "v_proj"],
                                                   "modules_to_save": ["lm_head"]}, "adamw_torch",
          quant={"type": "fp4", "double_quant": True, "storage_dtype": "bfloat16"}, prepare=True),
+    Case("int8-base-lora-qv", "llama_gqa", {"rank": 8, "target_modules": ["q_proj", "v_proj"]}, "adamw_torch",
+         quant={"type": "int8"}),
+    Case("int8-base-bias-prepare", "qwen2_tied_bias", {"rank": 4, "target_modules": "all-linear"}, "adamw_8bit",
+         quant={"type": "int8"}, prepare=True, min_8bit_size=256),
     Case("qlora-nf4-moe", "mixtral_tiny", {"rank": 4, "target_modules": ["q_proj", "o_proj"]}, "paged_adamw_32bit",
          quant={"type": "nf4", "double_quant": True, "storage_dtype": "uint8"}),
 ]
@@ -101,9 +105,13 @@ def _base_model(case: Case, tmp: Path) -> Any:
         return model
     model.save_pretrained(tmp / "ckpt")
     q = case.quant
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q["type"],
-                             bnb_4bit_use_double_quant=q["double_quant"], bnb_4bit_compute_dtype=torch.bfloat16,
-                             bnb_4bit_quant_storage=DTYPES[q["storage_dtype"]])
+    if q["type"] == "int8":
+        bnb = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q["type"],
+                                 bnb_4bit_use_double_quant=q["double_quant"],
+                                 bnb_4bit_compute_dtype=torch.bfloat16,
+                                 bnb_4bit_quant_storage=DTYPES[q["storage_dtype"]])
     model = AutoModelForCausalLM.from_pretrained(tmp / "ckpt", quantization_config=bnb, dtype=DTYPES[case.loaded],
                                                  device_map="cpu")
     if case.prepare:
@@ -192,7 +200,12 @@ def count_real_stack(case: Case, tmp: Path) -> Counted:
         opt.step()
     frozen_params = [p for p in model.parameters() if not p.requires_grad]
     assert all(p.grad is None for p in frozen_params), "a frozen tensor got a gradient"
-    frozen = frozen_params + [t for p in frozen_params for t in _quant_state_tensors(p)] + list(model.buffers())
+    int8_state = [t for m in model.modules() for t in (getattr(getattr(m, "state", None), "SCB", None),
+                                                        getattr(getattr(m, "state", None), "CB", None),
+                                                        getattr(getattr(m, "weight", None), "SCB", None))
+                  if isinstance(t, torch.Tensor)]  # LLM.int8 row scales (CB aliases the int8 weight)
+    frozen = (frozen_params + [t for p in frozen_params for t in _quant_state_tensors(p)] + int8_state
+              + list(model.buffers()))
     fused_or_capturable = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
     state = [v for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)
              and (k != "step" or fused_or_capturable)]  # torch keeps the step scalar on the host otherwise
@@ -214,7 +227,9 @@ def _document(case: Case, tmp: Path) -> str:
     lines += ["base_model:", f"  loaded_dtype: {case.loaded}"]
     if case.prepare:
         lines.append("  prepare_for_kbit_training: true")
-    if case.quant:
+    if case.quant and case.quant["type"] == "int8":
+        lines.append("  quantization: {type: int8, bits: 8}")
+    elif case.quant:
         q = case.quant
         lines.append(f"  quantization: {{type: {q['type']}, double_quant: {str(q['double_quant']).lower()}, "
                      f"compute_dtype: bfloat16, storage_dtype: {q['storage_dtype']}}}")

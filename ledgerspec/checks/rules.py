@@ -61,8 +61,8 @@ def ls003_assumption(ctx: Context) -> Iterator[Hit]:
       example="ledger:\n  adapter: 80MB")
 def ls004_figure_without_source(ctx: Context) -> Iterator[Hit]:
     for path, field, v in ctx.fields():
-        if not field.figure or v.form != "plain":
-            continue
+        if not field.figure or v.form != "plain" or isinstance(v.raw, dict):
+            continue  # a mapping here is a malformed long form: the schema check reports it
         if field.kind == F.FIGURES and len(path) == 2:
             continue  # the list itself (a schema error when not a list); its items are checked
         yield Hit(ptr(*path), f"{_dotted(path)} = {v.raw!r} has no source; it counts as an ASSUMPTION")

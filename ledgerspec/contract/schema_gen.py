@@ -38,7 +38,7 @@ def defs_schema() -> dict[str, Any]:
             "required": ["source"],
             "properties": {
                 "value": {"description": "The value itself."},
-                "source": {"$ref": "#/$defs/source"},
+                "source": {"$ref": "#/$defs/source", "description": "Where the value came from (provenance word)."},
                 "note": {"type": "string", "description": "Why (required for ASSUMPTION)."},
                 "method": {"type": "string", "description": "How the value was obtained (formula, tool, "
                            "command)."},
@@ -103,7 +103,7 @@ def field_schema(field: F.Field) -> dict[str, Any]:
         return {"description": field.description, **_object(field.children)}
     if field.kind == F.FIGURES:
         item = {"anyOf": [_ref("size"), _ref("unknownWord"),
-                          {"$ref": f"{DEFS_FILE}#/$defs/longForm", "properties": {"value": _ref("size")}}]}
+                          {"$ref": f"{DEFS_FILE}#/$defs/longForm", "properties": {"value": _long_value(_ref("size"))}}]}
         return {"description": field.description,
                 "anyOf": [{"type": "array", "items": item}, _ref("unknownWord"), _ref("longForm")]}
     plain = _plain(field)
@@ -111,7 +111,11 @@ def field_schema(field: F.Field) -> dict[str, Any]:
         return {"description": field.description}
     return {"description": field.description,
             "anyOf": [plain, _ref("unknownWord"),
-                      {"$ref": f"{DEFS_FILE}#/$defs/longForm", "properties": {"value": plain}}]}
+                      {"$ref": f"{DEFS_FILE}#/$defs/longForm", "properties": {"value": _long_value(plain)}}]}
+
+
+def _long_value(plain: dict[str, Any]) -> dict[str, Any]:
+    return {"description": "The value inside the long form; the same type as the plain value.", **plain}
 
 
 def _object(children: tuple[F.Field, ...]) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def _fused_function() -> Any:
             # q: (b, h, s, d); k, v: (b, hk, s_k, d) - the layout transformers hands over
             b, h, s, _ = q.shape
             out = torch.empty((b, s, h, v.shape[-1]), dtype=q.dtype, device=q.device)
-            lse_len = s if kernel == "flash" else _round(s, 32)
+            lse_len = _round(s, 32) if kernel == "efficient" else s
             lse = torch.empty((b, h, lse_len), dtype=torch.float32, device=q.device)
             ctx.kernel = kernel
             ctx.save_for_backward(q, k, v, out, lse)
@@ -110,7 +110,9 @@ def _fused_function() -> Any:
             dq = torch.empty_like(q)
             dk = torch.empty_like(k)
             dv = torch.empty_like(v)
-            if ctx.kernel == "flash":
+            if ctx.kernel == "cpu_flash":
+                pass  # the CPU kernel's scratch buffers are allocated inside the kernel, unseen by any tracker
+            elif ctx.kernel == "flash":
                 s_r = _round(s, 128)
                 d_r = _round(d, 32) if d <= 128 else _round(d, 64)
                 softmax_d = torch.empty((b, h, s_r), dtype=torch.float32, device=q.device)
@@ -176,6 +178,26 @@ def _sdpa_model(module: Any, query: Any, key: Any, value: Any, attention_mask: A
     return _fused().apply(query, key, value, choice.kernel), None
 
 
+def _sdpa_cpu_model(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
+                    scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """SDPA as the CPU runs it (target cpu, for checks against ``measure --device cpu``): PyTorch's CPU flash
+    kernel keeps the output and an fp32 log-sum-exp; transformers repeats k/v only when a mask is given."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedAttention("sdpa does not support attention logit soft-capping (e.g. Gemma2): transformers "
+                                   "raises on it; declare eager or flash_attention_2")
+    if attention_mask is not None:  # with a mask the fake dispatch takes the same (math) path as the CPU
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1 and query.shape[-1] > 256:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return _fused().apply(query, key, value, "cpu_flash"), None
+
+
 def _flash_model(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
                  scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
     if attention_mask is not None and attention_mask.dim() == 2:
@@ -210,10 +232,11 @@ def _configs(model: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def cuda_attention(model: Any, implementation: str) -> Iterator[str]:
-    """Route every attention call of ``model`` to the CUDA memory model of ``implementation``.
+def cuda_attention(model: Any, implementation: str, target: str = "cuda") -> Iterator[str]:
+    """Route every attention call of ``model`` to the memory model of ``implementation`` on ``target``.
 
-    Yields the registry key in use. ``eager`` is left alone (already device-independent).
+    Yields the registry key in use. ``eager`` is left alone (already device-independent). ``target="cpu"``
+    models PyTorch's CPU SDPA kernel instead (the fake-tensor trace would otherwise take the math path).
     """
     if implementation not in KNOWN:
         raise UnsupportedAttention(f"attention implementation {implementation!r} is not modelled "
@@ -221,11 +244,14 @@ def cuda_attention(model: Any, implementation: str) -> Iterator[str]:
     if implementation == EAGER:
         yield EAGER
         return
+    if target == "cpu" and implementation != SDPA:
+        raise UnsupportedAttention(f"{implementation} does not run on the CPU")
     from transformers.masking_utils import flash_attention_mask, sdpa_mask
 
     attn, masks = _registry()
-    key = _KEY + implementation
-    fn: Callable[..., Any] = _sdpa_model if implementation == SDPA else _flash_model
+    key = _KEY + implementation + ("_cpu" if target == "cpu" else "")
+    fn: Callable[..., Any] = (_sdpa_cpu_model if target == "cpu" else _sdpa_model) if implementation == SDPA \
+        else _flash_model
     attn.register(key, fn)
     masks.register(key, sdpa_mask if implementation == SDPA else flash_attention_mask)
     configs = _configs(model)

@@ -63,7 +63,7 @@ def bnb4_bytes(numel: int, double_quant: bool, storage_itemsize: int = 1,
     """Exact bytes of one bitsandbytes 4-bit weight of ``numel`` logical elements.
 
     >>> bnb4_bytes(4096 * 4096, double_quant=False).total
-    8650816
+    9437248
     """
     if numel < 0 or storage_itemsize < 1 or blocksize < 1:
         raise ValueError("numel >= 0, storage_itemsize >= 1 and blocksize >= 1 are required")

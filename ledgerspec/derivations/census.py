@@ -101,6 +101,7 @@ class Census:
     prepare_for_kbit: bool
     adapter_dtype: str
     timings: dict[str, float] = field(default_factory=dict)
+    biases_in_compute_dtype: int = 0  # biases of 4-bit layers, cast to compute_dtype by their first forward
 
     @property
     def trainable(self) -> list[TensorRecord]:
@@ -220,7 +221,8 @@ def census(doc: Document, source: ModelSource, progress: Progress | None = None,
     timings["count"] = time.perf_counter() - t
     arch = type(model).__name__
     return Census(arch, total, tensors, breakdown, plan, prepare,
-                  dtypes.canonical(adapter_dtype_name) or adapter_dtype_name, timings)
+                  dtypes.canonical(adapter_dtype_name) or adapter_dtype_name, timings,
+                  biases_in_compute_dtype=len(biases) if plan.kind == "bnb4" else 0)
 
 
 _ADAPTER_DICTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")

@@ -19,8 +19,9 @@ during the second micro-step's forward). Depth is handled by :mod:`ledgerspec.de
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,10 +74,36 @@ def _tracker(target: str) -> Any:
     return MemoryTracker(granularity=CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1)
 
 
+@contextlib.contextmanager
+def _unpacked_rows() -> Iterator[None]:
+    """Let transformers see the synthetic rows as unpacked, as it does with real tensors.
+
+    ``masking_utils.find_packed_sequence_indices`` decides from the values of ``position_ids`` whether a row
+    packs several sequences; on a fake tensor it cannot look and assumes packing, which builds an explicit
+    4-D mask (and changes the attention kernel). The workload's rows are one sequence each (positions
+    ``0..s-1``), for which the real function returns None: the replacement allocates the same intermediates
+    and returns None.
+    """
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def unpacked(position_ids: Any) -> None:
+        import torch
+
+        first = position_ids[:, :1] - 1
+        (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+        return None
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def _estimate_workload_class() -> Any:
     """The shared :class:`Workload`, plus the two CUDA modelling layers applied right after ``prepare``."""
-    import contextlib
-
     import torch
 
     from ledgerspec.derivations.workload import Workload
@@ -85,7 +112,9 @@ def _estimate_workload_class() -> Any:
         """``prepare`` as the measurement does, then 4-bit layers as bytes and attention as the CUDA kernel."""
 
         def __init__(self, doc: Document, spec: Any, source: Any, attention: str, target: str) -> None:
-            build_spec = spec.changed(attention="sdpa") if attention.startswith("flash_attention") else spec
+            # FlashAttention is not installed on the CPU: build with eager (every architecture has it); the
+            # attention calls are routed to the FlashAttention model in ``prepare``
+            build_spec = spec.changed(attention="eager") if attention.startswith("flash_attention") else spec
             super().__init__(doc, build_spec, source)
             self.declared_attention = attention
             self.target = target
@@ -97,10 +126,10 @@ def _estimate_workload_class() -> Any:
                 from ledgerspec.derivations.estimate_qlora import model_4bit_layers
 
                 model_4bit_layers(self.model, getattr(torch, self.spec.loaded_dtype))
-            if self.target == "cuda":
-                from ledgerspec.derivations.attention_model import cuda_attention
+            from ledgerspec.derivations.attention_model import cuda_attention
 
-                self.stack.enter_context(cuda_attention(self.model, self.declared_attention))
+            self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
+            self.stack.enter_context(_unpacked_rows())
 
     return EstimateWorkload
 
@@ -165,7 +194,8 @@ def method_text(est_plan: Plan, attention: str, target: str, quant: bool) -> str
         "(exact model, adapters, optimizer, checkpointing; no GPU), every tensor storage counted by a dispatch-level "
         "tracker",
         est_plan.describe(),
-        attention_method(attention) if target == "cuda" else "attention: the CPU kernels (target cpu)",
+        attention_method(attention) if target == "cuda" else
+        "attention: the CPU kernels (target cpu; SDPA as PyTorch's CPU flash kernel: output + fp32 log-sum-exp)",
     ]
     if quant:
         parts.append("4-bit layers: bitsandbytes storage exact, CUDA dequantize+linear temporaries counted")

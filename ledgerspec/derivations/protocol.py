@@ -150,6 +150,7 @@ class _DeviceSampler:
     def __init__(self, device_index: int, interval: float = 0.002) -> None:
         self.interval = interval
         self.source = "none"
+        self.driver: str | None = None
         self._peak = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -511,10 +512,10 @@ def _phases(run: _Run, steps: int) -> None:
     for i in range(spec.accumulation):
         run.micro_step(spec.seq_worst, i == 0, peaks, cats, extra)
     elapsed = time.perf_counter() - t0
+    held_census = census(w.model, w.optimizer, b.census_device)
     for key, name in (("forward", "forward_peak"), ("backward", "backward_peak")):
         run.r.phases[name] = PhaseRecord(name, peaks[key], peaks[key], b.current(), extra.get(f"{key}:reserved"),
-                                         extra.get(f"{key}:device"), cats.get(key), census(w.model, w.optimizer, b.census_device),
-                                         elapsed)
+                                         extra.get(f"{key}:device"), cats.get(key), held_census, elapsed)
 
     t0 = run.start("optimizer_step", "optimizer")
     w.optimizer_step()
@@ -542,9 +543,11 @@ def _phases(run: _Run, steps: int) -> None:
     best = max(peaks, key=lambda k: peaks[k]) if peaks else "step"
     reserved = [v for k, v in extra.items() if k.endswith(":reserved") and v is not None]
     device = [v for k, v in extra.items() if k.endswith(":device") and v is not None]
+    top = max(peaks.values())
     run.r.phases["steady_state_peak"] = PhaseRecord(
-        "steady_state_peak", max(peaks.values()), max(peaks.values()), b.current(), max(reserved) if reserved else None,
-        max(device) if device else None, cats.get(best), census(w.model, w.optimizer, b.census_device), time.perf_counter() - t_all)
+        "steady_state_peak", top, top, b.current(), max(reserved) if reserved else None,
+        max(device) if device else None, cats.get(best), census(w.model, w.optimizer, b.census_device),
+        time.perf_counter() - t_all)
     run.r.step_time_s = sum(times) / len(times) if times else None
 
 

@@ -149,7 +149,9 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
         parts.append(f"{n_q} Linear weights LLM.int8: int8 data + fp32 row scales = {f.frozen_quantized_bytes:,} B")
     rest = [t for t in frozen if not t.quantized and not t.buffer]
     parts.append(f"unquantized frozen parameters {_dtype_mix(rest) or 'none'}"
-                 + (" (fp32 after prepare_model_for_kbit_training)" if c.prepare_for_kbit else ""))
+                 + (" (fp32 after prepare_model_for_kbit_training)" if c.prepare_for_kbit else "")
+                 + (f", {c.biases_in_compute_dtype} biases of 4-bit layers in compute_dtype (Linear4bit.forward "
+                    "casts them on the first call)" if c.biases_in_compute_dtype else ""))
     buffers = [t for t in frozen if t.buffer]
     non_persistent = sum(1 for t in buffers if not t.persistent)
     parts.append(f"buffers {f.frozen_buffer_bytes:,} B ({len(buffers)} tensors, {non_persistent} non-persistent "

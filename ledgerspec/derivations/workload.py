@@ -108,7 +108,8 @@ class WorkloadSpec:
             q = ("base_model", "quantization")
             qtype = (text(*q, "type") or "").lower()
             if qtype not in ("nf4", "fp4"):
-                raise _err(doc, (*q, "type"), f"measure supports 4-bit nf4/fp4 quantization, got {qtype or 'nothing'!r}")
+                raise _err(doc, (*q, "type"),
+                           f"measure supports 4-bit nf4/fp4 quantization, got {qtype or 'nothing'!r}")
             double = doc.get(*q, "double_quant").switch()
             if double is None:
                 raise _err(doc, (*q, "double_quant"), "base_model.quantization.double_quant must be true or false")
@@ -215,11 +216,15 @@ class Workload:
         if spec.quant is not None:
             self._replace_with_4bit(base)
         if spec.prepare_kbit:
+            import warnings
+
             from peft import prepare_model_for_kbit_training
 
-            base = prepare_model_for_kbit_training(
-                base, use_gradient_checkpointing=spec.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": spec.reentrant})
+            with warnings.catch_warnings():  # transformers 5 deprecates the name PEFT still calls
+                warnings.simplefilter("ignore", FutureWarning)
+                base = prepare_model_for_kbit_training(
+                    base, use_gradient_checkpointing=spec.gradient_checkpointing,
+                    gradient_checkpointing_kwargs={"use_reentrant": spec.reentrant})
         self.model = inject_adapters(self.doc, base)
         if spec.quant is not None:
             self._prewarm_bnb()
@@ -234,14 +239,15 @@ class Workload:
         assert q is not None
         bnb_config = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
-            bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype), bnb_4bit_quant_storage=getattr(torch, q.storage_dtype),
+            bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype),
+            bnb_4bit_quant_storage=getattr(torch, q.storage_dtype),
             llm_int8_skip_modules=list(q.skip_modules) if q.skip_modules is not None else None)
         skip = HfQuantizer.get_modules_to_not_convert(base, bnb_config.llm_int8_skip_modules,
                                                       getattr(base, "_keep_in_fp32_modules", None))
         replace_with_bnb_linear(base, modules_to_not_convert=skip, quantization_config=bnb_config)
         for module in base.modules():
             w = getattr(module, "weight", None)
-            if _is_4bit(w) and q.blocksize:
+            if w is not None and _is_4bit(w) and q.blocksize:
                 w.blocksize = q.blocksize
         base.is_loaded_in_4bit = True  # what transformers' quantizer sets; PEFT's kbit preparation reads it
         base.config.quantization_config = bnb_config
@@ -384,7 +390,6 @@ class Workload:
             opt = Adafactor(params, lr=LEARNING_RATE, scale_parameter=False, relative_step=False)
         else:
             import bitsandbytes as bnb
-
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             bits = 32 if name.endswith("32bit") else 8

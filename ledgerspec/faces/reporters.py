@@ -28,7 +28,7 @@ def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
         for f in r.findings:
             if f.severity == INFO and not verbose:
                 continue
-            out.write(f"{r.path}:{f.line}:{f.column}: {f.rule} {f.severity}: {f.message}\n")
+            out.write(f"{r.path}:{f.line}:{f.column}: {f.rule}: {f.severity}: {f.message}\n")
         if r.supported_status is not None:
             declared = r.declared_status or "none declared"
             out.write(f"{r.path}: {r.kind}/v1, status {r.supported_status} (declared: {declared})"

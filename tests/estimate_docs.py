@@ -1,0 +1,51 @@
+"""Ledger texts for the estimate tests: tiny real-architecture configs under tests/data/estimate/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ledgerspec.contract.document import Document, from_text
+
+DATA = Path(__file__).resolve().parent / "data" / "estimate"
+ARCHS = ("tiny-llama-gqa", "tiny-qwen2", "tiny-mistral", "tiny-gemma2")
+
+
+def ledger_text(arch: str = "tiny-llama-gqa", attention: str = "sdpa", checkpointing: bool = False,
+                dtype: str = "bfloat16", microbatch: int = 2, seq: int = 128, accumulation: int = 1,
+                optimizer: str = "adamw_torch", targets: str = "[q_proj, v_proj]", extra: str = "") -> str:
+    return f"""ledgerspec: ledger/v1
+status: CALCULATED
+title: {arch}, LoRA r=4, {dtype}, {attention}
+identity:
+  model_id: tests/{arch}
+  config_sha256: UNKNOWN
+  config_path: {arch}/config.json
+software:
+  attention_implementation: {attention}
+method:
+  kind: LoRA
+  rank: 4
+  alpha: 8
+  dropout: 0.0
+  target_modules: {targets}
+  bias: none
+base_model:
+  loaded_dtype: {dtype}
+  quantized: false
+adapter:
+  dtype: float32
+workload:
+  max_length: {seq}
+  packing: false
+  microbatch: {microbatch}
+  gradient_accumulation: {accumulation}
+optimizer:
+  name: {optimizer}
+memory_options:
+  gradient_checkpointing: {str(checkpointing).lower()}
+{extra}"""
+
+
+def ledger(**kwargs: object) -> Document:
+    """A document whose path sits in tests/data/estimate/ (config_path resolves there); nothing is written."""
+    return from_text(ledger_text(**kwargs), str(DATA / "test.ledger.yaml"))  # type: ignore[arg-type]
