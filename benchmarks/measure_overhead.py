@@ -125,16 +125,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both arms (default 1)")
     args = ap.parse_args(argv)
     import warnings
 
     import torch
+
+    torch.set_num_threads(args.threads)
 
     warnings.simplefilter("ignore")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("measure_overhead: no CUDA device", file=sys.stderr)
         return 2
     dtype = "bfloat16" if args.device == "cuda" else "float32"
+    load_before = os.getloadavg()[0]
     rows: list[tuple[str, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
@@ -145,14 +149,15 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):  # interleaved, so drift hits both alike
                 bare.append(unmeasured(path, args.device, args.steps))
                 meas.append(measured(path, args.device, args.steps))
-            rows.append((name, statistics.median(bare), statistics.median(meas)))
+            rows.append((name, min(bare), min(meas)))
             print(f"{name}: unmeasured {rows[-1][1] * 1e3:.1f} ms, measured {rows[-1][2] * 1e3:.1f} ms", flush=True)
     lines = [f"# Measurement overhead ({args.device})", "",
-             f"Machine: {machine()}", "",
+             f"Machine: {machine()}; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} "
+             "after (other jobs on the host make single timings noisy: compare rows, not absolute times)", "",
              f"Command: `python benchmarks/measure_overhead.py --device {args.device} --steps {args.steps} "
-             f"--repeats {args.repeats}`", "",
-             "Per configuration: the median over repeats of the mean time of one training step (LoRA r=16 q/k/v/o, "
-             f"AdamW, {dtype}), unmeasured vs inside the measurement protocol's steady state.", "",
+             f"--repeats {args.repeats} --threads {args.threads}`", "",
+             "Per configuration: the best (minimum) over interleaved repeats of the mean time of one training step "
+             f"(LoRA r=16 q/k/v/o, AdamW, {dtype}), unmeasured vs inside the measurement protocol's steady state.", "",
              "| config (hidden, layers, seq) | unmeasured step | measured step | overhead |",
              "| --- | --- | --- | --- |"]
     for name, bare_t, meas_t in rows:

@@ -10,20 +10,20 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ledgerspec.contract.document import load  # noqa: E402
-from ledgerspec.derivations.estimate import estimate  # noqa: E402
-from ledgerspec.derivations.estimate_fit import PHASES  # noqa: E402
-from tests.conftest import EXAMPLES, CliRunner  # noqa: E402
-from tests.estimate_docs import DATA, ledger, ledger_text  # noqa: E402
+from ledgerspec.contract.document import load
+from ledgerspec.derivations.estimate import estimate
+from ledgerspec.derivations.estimate_fit import PHASES
+from tests.conftest import EXAMPLES, CliRunner
+from tests.estimate_docs import DATA, ledger, ledger_text
 
 # -- exact on the CPU: the simulation against a real CPU measurement ------------------------------------------------
 
-CPU_CASES = [
-    {"arch": "tiny-llama-gqa", "dtype": "float32"},
-    {"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 3},
-    {"arch": "tiny-qwen2", "attention": "eager", "microbatch": 1, "seq": 100},
-    {"arch": "tiny-mistral", "seq": 96, "targets": "all-linear"},
-    {"arch": "tiny-gemma2", "attention": "eager", "checkpointing": True},
+CPU_CASES = [  # sequences of 80 tokens: longer than the sliding window (64) of Mistral and Gemma2
+    {"arch": "tiny-llama-gqa", "dtype": "float32", "seq": 80},
+    {"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 2, "microbatch": 1, "seq": 80},
+    {"arch": "tiny-qwen2", "attention": "eager", "microbatch": 1, "seq": 80},
+    {"arch": "tiny-mistral", "seq": 80, "microbatch": 1, "targets": "all-linear"},
+    {"arch": "tiny-gemma2", "attention": "eager", "checkpointing": True, "microbatch": 1, "seq": 80},
 ]
 
 
@@ -242,3 +242,9 @@ def test_bad_device_memory_is_a_usage_error(tmp_path: Path, cli: CliRunner) -> N
     path = _copy(tmp_path, ledger_text())
     code, _, err = cli("estimate", path, "--device-memory", "lots")
     assert code == 2 and "--device-memory" in err
+
+
+def test_an_incomplete_intake_is_refused_with_its_gaps(cli: CliRunner) -> None:
+    code, _, err = cli("estimate", EXAMPLES / "14b-qlora.intake.yaml")
+    assert code == 1
+    assert "incomplete configuration" in err and "method.rank is UNKNOWN" in err and "workload.microbatch" in err

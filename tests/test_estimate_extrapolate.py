@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ledgerspec.derivations.estimate import estimate  # noqa: E402
-from ledgerspec.derivations.extrapolate import extend, layer_period, plan, with_layers  # noqa: E402
-from tests.estimate_docs import ledger  # noqa: E402
+from ledgerspec.derivations.estimate import estimate
+from ledgerspec.derivations.extrapolate import extend, layer_period, plan, with_layers
+from tests.estimate_docs import ledger
 
 # Gemma2 soft-caps attention logits, which SDPA refuses: it trains with eager or FlashAttention-2
 CASES = [("tiny-llama-gqa", "sdpa"), ("tiny-qwen2", "sdpa"), ("tiny-mistral", "sdpa"), ("tiny-gemma2", "eager"),

@@ -1,4 +1,4 @@
-"""4-bit layers under fake tensors: the stand-in stores exactly what bitsandbytes stores, and allocates its temporaries."""
+"""4-bit layers under fake tensors: the stand-in stores what bitsandbytes stores and allocates its temporaries."""
 
 from __future__ import annotations
 

@@ -120,6 +120,14 @@ def test_simulated_oom_lands_in_forward_and_leaves_the_source_intact(cli: CliRun
     assert got.get("x-measure", "oom", "simulated").value is True
     report = _validate_json(cli, out)
     assert not [f for f in report["findings"] if f["rule"] in ("LS070", "LS080")]
+    # measuring again without the limit replaces everything the failed run wrote
+    code, _, err = cli("measure", str(out))
+    assert code == 0, err
+    again = load(out)
+    assert again.get("result", "oom").switch() is False and not again.get("result", "oom_phase").present
+    assert again.get("phases", "steady_state_peak").source == "MEASURED"
+    assert not again.get("x-measure", "oom").present
+    assert "simulated" not in str(again.get("measurement", "protocol").value)
 
 
 def test_a_failure_in_the_child_leaves_the_ledger_untouched(cli: CliRunner, tmp_path: Path) -> None:
@@ -210,3 +218,27 @@ def test_triage_fills_the_worksheet_and_the_sensitivity_matrix(cli: CliRunner, r
     assert rows["optimizer_changed"]["change"] == "optimizer adamw_torch -> adamw_8bit"
     # the triage does not rewrite the measurement sections
     assert not got.get("phases").present
+
+
+# -- the GPU check ----------------------------------------------------------------------------------------------------
+
+
+def test_gpu_check_ledgers_are_complete_workloads(repo_root: Path) -> None:
+    from ledgerspec.derivations.workload import WorkloadSpec
+
+    cases = sorted((repo_root / "examples" / "configs" / "qwen2.5-0.5b" / "gpu-check").glob("*.yaml"))
+    assert len(cases) == 4
+    specs = [WorkloadSpec.from_document(load(c)) for c in cases]
+    assert {s.gradient_checkpointing for s in specs} == {True, False}
+    assert {s.quant is not None for s in specs} == {True, False}
+
+
+def test_gpu_check_fails_clearly_without_cuda(repo_root: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run([sys.executable, str(repo_root / "scripts" / "gpu-check")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr

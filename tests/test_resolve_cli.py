@@ -145,3 +145,21 @@ def test_intake_without_o_is_a_usage_error(work: Path, cli) -> None:
     assert code == 2
     assert err.startswith(f"{path}:2:") and "-o" in err
     assert path.read_bytes() == before
+
+
+def test_modules_to_save_makes_the_adapter_dtype_mixed_and_the_ledger_valid(work: Path, cli) -> None:
+    path = work / "ledger_commented.yaml"
+    text = path.read_text().replace("  target_modules: [q_proj, v_proj]\n",
+                                    "  target_modules: [q_proj, v_proj]\n  modules_to_save: [lm_head]\n")
+    text = text.replace("  adapter: {value: 123, source: MEASURED}\n", "  adapter: UNKNOWN\n")
+    path.write_text(text)
+    assert cli("resolve", path)[0] == 0
+    doc = load(str(path))
+    assert doc.get("adapter", "dtype").value == "mixed"  # fp32 LoRA + the bf16 lm_head copy
+    assert doc.get("adapter", "x-lora-dtype").value == "float32"
+    assert doc.get("gradients", "dtype").value == "mixed"
+    lora = 2 * 8 * ((64 + 64) + (64 + 32))
+    assert doc.get("ledger", "adapter").value == lora * 4 + 128 * 64 * 2
+    code, out, _ = cli("validate", path)
+    assert code == 0, out
+    assert cli("resolve", "--check", path)[0] == 0  # idempotent with the mixed dtype too

@@ -210,8 +210,7 @@ def census(doc: Document, source: ModelSource, progress: Progress | None = None,
     t = time.perf_counter()
     say("injecting adapters with PEFT")
     peft_model = inject_adapters(doc, model, on_meta=True)
-    adapter_dtype_name = doc.get("adapter", "dtype").text() or "float32"
-    adapter_dtype = torch_dtype(doc, ("adapter", "dtype"), "float32")
+    adapter_dtype_name, adapter_dtype = lora_dtype(doc)
     adapter_ids = _cast_adapters(peft_model, adapter_dtype)
     timings["inject"] = time.perf_counter() - t
 
@@ -223,6 +222,16 @@ def census(doc: Document, source: ModelSource, progress: Progress | None = None,
     return Census(arch, total, tensors, breakdown, plan, prepare,
                   dtypes.canonical(adapter_dtype_name) or adapter_dtype_name, timings,
                   biases_in_compute_dtype=len(biases) if plan.kind == "bnb4" else 0)
+
+
+def lora_dtype(doc: Document) -> tuple[str, Any]:
+    """The dtype of the LoRA tensors: ``adapter.dtype``, or ``adapter.x-lora-dtype`` when that says ``mixed``
+    (fp32 LoRA plus a bf16 ``modules_to_save`` copy, say). Default float32: PEFT's autocast."""
+    path: tuple[str, ...] = ("adapter", "dtype")
+    if (doc.get(*path).text() or "").strip().lower() == "mixed":
+        path = ("adapter", "x-lora-dtype")
+    name = doc.get(*path).text() or "float32"
+    return name, torch_dtype(doc, path, "float32")
 
 
 _ADAPTER_DICTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")

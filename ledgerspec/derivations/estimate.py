@@ -220,6 +220,7 @@ def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress
 
     if doc.kind not in ("ledger", "intake"):
         raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
+    _check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
     _check_attention(doc, spec.attention)
     source = load_config(doc, offline=offline)
@@ -254,6 +255,18 @@ def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress
     method = method_text(est_plan, spec.attention, target, spec.quant is not None)
     return Estimate(phases, figures["activations"], components, est_plan, spec.attention, target,
                     time.perf_counter() - started, method)
+
+
+def _check_intake(doc: Document) -> None:
+    """The simulation needs the minimum intake (the model's identity may be a local config instead)."""
+    from ledgerspec.checks.ladder import minimum_intake_gaps
+
+    local = doc.get("identity", "config_path").known
+    gaps = [g for g in minimum_intake_gaps(doc) if not (local and g.startswith("identity."))]
+    if gaps:
+        first = gaps[0].split(" ")[0].split(".")
+        raise _err(doc, tuple(first), f"cannot simulate an incomplete configuration: {'; '.join(gaps)}",
+                   f"fill the minimum intake (`ledgerspec validate {doc.path} -v` lists it)")
 
 
 def _check_attention(doc: Document, attention: str) -> None:

@@ -128,6 +128,11 @@ def _child_main(request_file: str, result_file: str) -> int:
 
     warnings.simplefilter("ignore")
     req = Request(**json.loads(Path(request_file).read_text(encoding="utf-8")))
+    if req.device == "cpu":
+        import torch
+
+        # tracked bytes do not depend on the thread count; one thread avoids OpenMP spin-waits on a busy host
+        torch.set_num_threads(1)
     try:
         out = run_request(req)
         payload: dict[str, Any] = {"result": out.result.to_json(), "software": out.software}
@@ -234,6 +239,7 @@ def write_back(doc: Document, out: ChildOutput, command: str) -> list[str]:
 
     r = out.result
     notes: list[str] = []
+    _forget_previous_measurement(doc)
     held_m, peak_m = _methods(r)
     shape = (f"microbatch {r.microbatch} x {r.seq_worst} tokens (worst), {r.accumulation} micro-step(s); "
              f"steady state {r.steps} steps at {r.seq_typical} tokens")
@@ -270,7 +276,10 @@ def write_back(doc: Document, out: ChildOutput, command: str) -> list[str]:
         set_figure(doc, ("metrics", "step_time_s"), round(r.step_time_s, 6), "MEASURED",
                    f"mean wall time of a steady-state step{timing}", size_comment=False, force=True)
     _write_measurement(doc, r, command)
-    _write_software(doc, out.software, notes)
+    software = dict(out.software)
+    if r.device.get("driver"):
+        software["driver"] = str(r.device["driver"])
+    _write_software(doc, software, notes)
     _write_comparison(doc, r, notes)
     _write_result(doc, r)
     set_extension(doc, ("x-measure",), _extension(r))
@@ -365,6 +374,29 @@ def explain(doc: Document, r: Any) -> str | None:
             f"the difference is activations ({act}) and temporaries at the peak phase {top.name}")
 
 
+#: what a measurement owns: a new one replaces all of it (a human's comparison.known_explanation is kept)
+_OWNED = {"phases": None, "metrics": None, "measurement": None,
+          "comparison": ("calculated_subtotal", "measured_peak", "difference"), "result": ("oom", "oom_phase")}
+
+
+def _forget_previous_measurement(doc: Document) -> None:
+    """Drop the figures of an earlier measurement, so that none of them outlives this one (e.g. a cuda
+    ``peak_reserved`` next to a cpu run, or a ``forward_peak`` the new run never reached)."""
+    for section, keys in _OWNED.items():
+        node, plain = doc.data.get(section), doc.plain.get(section)
+        if not isinstance(node, dict):
+            continue
+        for key in list(node):
+            if keys is None or key in keys:
+                del node[key]
+                if isinstance(plain, dict):
+                    plain.pop(key, None)
+    if "x-measure" in doc.data:
+        del doc.data["x-measure"]
+        doc.plain.pop("x-measure", None)
+    doc.invalidate()
+
+
 def _write_result(doc: Document, r: Any) -> None:
     if r.oom and r.simulated_oom:
         set_figure(doc, ("result", "oom"), True, "MEASURED", note=f"simulated: tracked tensors exceeded "
@@ -373,12 +405,6 @@ def _write_result(doc: Document, r: Any) -> None:
         set_plain(doc, ("result", "oom"), bool(r.oom), force=True)
     if r.oom:
         set_plain(doc, ("result", "oom_phase"), r.oom_phase, force=True)
-    elif doc.get("result", "oom_phase").present:
-        node = doc.data.get("result")
-        if isinstance(node, dict) and "oom_phase" in node:
-            del node["oom_phase"]
-            doc.plain.get("result", {}).pop("oom_phase", None)
-            doc.invalidate()
 
 
 def _extension(r: Any) -> dict[str, Any]:

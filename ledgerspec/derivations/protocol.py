@@ -147,7 +147,7 @@ class TrackerBackend(Backend):
 class _DeviceSampler:
     """Samples device-level used memory in a thread: NVML per-process if possible, else device-wide."""
 
-    def __init__(self, device_index: int, interval: float = 0.002) -> None:
+    def __init__(self, device_index: int, interval: float = 0.005) -> None:
         self.interval = interval
         self.source = "none"
         self.driver: str | None = None
@@ -242,13 +242,17 @@ class CudaBackend(Backend):
         torch.cuda.set_device(self.index)
         torch.cuda.init()
         if self.record_history:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            # python stacks only: C++ stack capture on every allocation would slow the step down
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
         self.sampler = _DeviceSampler(self.index)
         self.sampler.start()
         try:
             yield
         finally:
             self.sampler.stop()
+            if self.record_history:
+                with contextlib.suppress(Exception):  # keep the history for an OOM snapshot taken before this
+                    torch.cuda.memory._record_memory_history(enabled=None)
 
     def _sync(self) -> None:
         import torch

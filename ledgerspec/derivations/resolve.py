@@ -213,6 +213,10 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
     if sha256:
         changes.append(set_plain(doc, ("identity", "config_sha256"), sha256))
     changes.append(set_figure(doc, ("identity", "total_parameters"), f.total_parameters, "VERIFIED", m["total"]))
+    if len({t.dtype for t in c.trainable}) > 1:  # e.g. fp32 LoRA + a bf16 modules_to_save copy (see LS022)
+        changes.append(set_extension(doc, ("adapter", "x-lora-dtype"), c.adapter_dtype))
+        if (doc.get("adapter", "dtype").text() or "").lower() != "mixed":
+            changes.append(set_plain(doc, ("adapter", "dtype"), "mixed", force=True))
     changes.append(set_figure(doc, ("method", "trainable_parameters"), f.trainable_parameters, "VERIFIED",
                               m["trainable"]))
     changes.append(set_extension(doc, ("method", "x-breakdown"), [r.as_dict() for r in c.breakdown]))

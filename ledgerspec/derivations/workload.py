@@ -198,7 +198,12 @@ class Workload:
 
     # -- 1. on the meta device ------------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Build base + quantization layout + adapters on the meta device (no memory is used)."""
+        """Build base + quantization layout + adapters on the meta device (no memory is used).
+
+        Idempotent: a caller may prepare first, adjust the meta model (e.g. patch attention), then run the protocol.
+        """
+        if self.model is not None:
+            return
         import torch
         from transformers import AutoModelForCausalLM
 
