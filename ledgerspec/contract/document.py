@@ -82,6 +82,31 @@ class Document:
         self._cache.clear()
 
 
+def rebase(config_path: str, doc_path: str, new_path: str | None) -> str:
+    """A path relative to the document at ``doc_path``, re-expressed relative to ``new_path`` (None: the cwd)."""
+    if os.path.isabs(config_path) or doc_path.startswith("<"):
+        return config_path
+    target = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(doc_path)), config_path))
+    here = os.path.dirname(os.path.abspath(new_path)) if new_path else os.getcwd()
+    return os.path.relpath(target, here).replace(os.sep, "/")
+
+
+def relocate(doc: Document, new_path: str) -> None:
+    """Make ``doc`` live at ``new_path`` (``-o OUT``): a relative ``identity.config_path`` is rewritten so it
+    still names the same file; its comments and quoting style are kept."""
+    if os.path.abspath(new_path) == os.path.abspath(doc.path) or doc.path.startswith("<"):
+        return
+    identity: Any = doc.data.get("identity") if isinstance(doc.data, dict) else None
+    old = identity.get("config_path") if isinstance(identity, dict) else None
+    if isinstance(identity, dict) and isinstance(old, str) and old.strip() not in ("UNKNOWN", "CONFIGURATION-SPECIFIC"):
+        new = rebase(old, doc.path, new_path)
+        if new != old:
+            identity["config_path"] = type(old)(new) if type(old) is not str else new
+            doc.plain["identity"]["config_path"] = new
+            doc.invalidate()
+    doc.path = new_path
+
+
 def pointer(*path: str | int) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import textwrap
 from typing import Any
 
 from ledgerspec.contract import fields as F
-from ledgerspec.contract.document import Document, from_text
+from ledgerspec.contract.document import Document, from_text, rebase
 from ledgerspec.contract.writer import render
 
 _WIDTH = 100
@@ -49,15 +48,6 @@ def skeleton_text(kind: str = "ledger") -> str:
         "title: UNKNOWN",
     ]
     return "\n".join([*head, *_lines(F.top_fields(kind), 0, ())]) + "\n"
-
-
-def rebase(config_path: str, intake_path: str, output: str | None) -> str:
-    """``identity.config_path`` is relative to its document: re-express it relative to the new one."""
-    if os.path.isabs(config_path) or intake_path.startswith("<"):
-        return config_path
-    target = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(intake_path)), config_path))
-    here = os.path.dirname(os.path.abspath(output)) if output else os.getcwd()
-    return os.path.relpath(target, here).replace(os.sep, "/")
 
 
 def skeleton(from_intake: Document | None = None, output: str | None = None) -> str:

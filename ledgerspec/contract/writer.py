@@ -75,6 +75,10 @@ def atomic_write(path: str | os.PathLike[str], text: str) -> None:
     if target.is_dir():
         raise LedgerspecError("is a folder", str(path), rule="write", hint="give a file name")
     try:
+        folder.mkdir(parents=True, exist_ok=True)  # `-o out/new.ledger.yaml` creates out/
+    except OSError as exc:
+        raise LedgerspecError(f"cannot create the folder {folder}: {exc.strerror}", str(path), rule="write") from None
+    try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:
         raise LedgerspecError(f"cannot write: {exc.strerror}", str(path), rule="write") from None

@@ -209,6 +209,7 @@ def make_request(doc: Document, device: str, steps: int, memory_limit: int | Non
 def measure(path: str, device: str = "cpu", steps: int = 2, output: str | None = None,
             memory_limit: int | None = None, command: str | None = None) -> Outcome:
     """Measure the ledger at ``path`` and write the results into it (or into ``output``)."""
+    from ledgerspec.contract.document import relocate
     from ledgerspec.contract.writer import atomic_write, render
 
     doc = load_ledger(path)
@@ -218,6 +219,7 @@ def measure(path: str, device: str = "cpu", steps: int = 2, output: str | None =
     out = run_child(req)
     notes = write_back(doc, out, command or f"ledgerspec measure {path} --device {device} --steps {steps}")
     status, reasons = _settle_status(doc)
+    relocate(doc, target)
     atomic_write(target, render(doc.data, doc.text))
     return Outcome(target, out.result, status, reasons, notes)
 

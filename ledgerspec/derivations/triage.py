@@ -189,6 +189,7 @@ def matrix(baseline: Trial, trials: dict[str, Trial], skipped: dict[str, str]) -
 def triage(path: str, device: str = "cpu", steps: int = 2, output: str | None = None,
            memory_limit: int | None = None) -> TriageOutcome:
     """Run the baseline and the controlled tests; write ``triage`` and ``x-sensitivity`` into the ledger."""
+    from ledgerspec.contract.document import relocate
     from ledgerspec.contract.writer import atomic_write, render
     from ledgerspec.derivations.workload import WorkloadSpec
 
@@ -209,6 +210,7 @@ def triage(path: str, device: str = "cpu", steps: int = 2, output: str | None = 
     for key, text in outcome.hypothesis.items():
         set_plain(doc, ("triage", "hypothesis", key), text, force=True)
     set_extension(doc, ("x-sensitivity",), matrix(baseline, trials, skipped))
+    relocate(doc, output or path)
     atomic_write(output or path, render(doc.data, doc.text))
     return outcome
 

@@ -69,6 +69,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         return code
     if not writes:
         return code
+    from ledgerspec.contract.document import relocate
     from ledgerspec.contract.writer import atomic_write, render
 
     changes = write_back(doc, est, target_memory, from_flag=device is not None)
@@ -76,6 +77,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         if ch.skipped:
             print(f"{args.file}: kept {ch.pointer}: {ch.skipped}", file=sys.stderr)
     target = args.output or args.file
+    relocate(doc, target)
     atomic_write(target, render(doc.data, doc.text))
     print(f"{target}: estimate written (ledger.activations, x-estimate)", file=sys.stderr)
     return code

@@ -72,6 +72,12 @@ def run_resolve(args: argparse.Namespace) -> int:
     finally:
         progress.done()
     target = args.output or args.file
+    if args.output:  # the ledger moves: keep a relative identity.config_path pointing at the same file
+        from ledgerspec.contract.document import relocate
+        from ledgerspec.contract.writer import render
+
+        relocate(result.doc, args.output)
+        result.text = render(result.doc.data, doc.text)
     if args.verbose:
         _report(result, started)
     for ch in result.skipped:

@@ -48,6 +48,12 @@ def run_shard(args: argparse.Namespace) -> int:
             return EXIT_FINDINGS
         return EXIT_OK
     target = args.output or args.file
+    if args.output:  # the ledger moves: keep a relative identity.config_path pointing at the same file
+        from ledgerspec.contract.document import relocate
+        from ledgerspec.contract.writer import render
+
+        relocate(doc, args.output)
+        result.text = render(doc.data, doc.text)
     if result.change is not None or args.output:
         atomic_write(target, result.text)
     return EXIT_OK
