@@ -6,6 +6,7 @@ Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 from ledgerspec.checks.context import Context, ptr
@@ -282,3 +283,46 @@ def ls080_oom_without_phase(ctx: Context) -> Iterator[Hit]:
     if ctx.switch("result", "oom") is True and ctx.get("result", "oom_phase").unknown:
         yield Hit(ptr("result", "oom"), "result.oom is true but result.oom_phase is not given")
 
+
+
+@rule("LS005", WARNING, "CALCULATED figure without a `method`",
+      "say how the figure was derived (formula, tool, command) in `method`: a calculation nobody can repeat is an "
+      "assumption", example="ledger:\n  adapter: {value: 16777216, source: CALCULATED}")
+def ls005_calculated_without_method(ctx: Context) -> Iterator[Hit]:
+    for path, field, v in ctx.fields():
+        if field.figure and v.form == "long" and v.source == "CALCULATED" and not v.method:
+            yield Hit(ptr(*path), f"{_dotted(path)} is CALCULATED without a method")
+
+
+#: the universal shortcuts of the method article (spec: "Why the ledger exists"), as (pattern, what, why)
+_SHORTCUTS = (
+    (r"(?:\bx|\*|×)\s*1\.\d+\b", "a flat overhead factor (subtotal x 1.1)",
+     "no universal factor turns a subtotal into a peak: activations and temporaries are measured or estimated"),
+    (r"0\.5\s*(?:bytes?|B)\b|(?:\bx|\*|×)\s*0\.5\b", "params x 0.5 byte",
+     "4-bit x parameters is only the packed payload: absmax constants, unquantized layers, adapters, gradients, "
+     "optimizer and activations come on top"),
+    (r"\b(?:rank|r)\s*(?:x|\*|×)\s*alpha\b", "rank x alpha",
+     "lora_alpha scales the update; it is not a memory multiplier"),
+    (r"/\s*(?:n|\d+)\s*gpus?\b|divided by (?:the number of )?gpus", "VRAM / N GPUs",
+     "memory is per rank and depends on placement: single-GPU memory / N is not a sharding formula"),
+    (r"25\s*%[^.;]*adam|adam[^.;]*25\s*%", "8-bit Adam = 25 % of Adam",
+     "tensors under min_8bit_size keep 32-bit state and blockwise absmax adds bytes: compute it per tensor"),
+    (r"checkpointing[^.;]*[-−]\s*\d+\s*%|[-−]\s*\d+\s*%[^.;]*checkpointing", "checkpointing = -N %",
+     "what checkpointing saves depends on the model and workload: estimate or measure it"),
+    (r"accumulat\w*[^.;]*(?:=|equals?|as)\s*(?:an?\s+)?activation batch", "accumulation = activation batch",
+     "gradient accumulation runs micro-steps one after another: the activation batch is the microbatch"),
+)
+SHORTCUTS: tuple[tuple[re.Pattern[str], str, str], ...] = tuple(
+    (re.compile(p, re.IGNORECASE), what, why) for p, what, why in _SHORTCUTS)
+
+
+@rule("LS090", WARNING, "a figure derived with one of the article's universal shortcuts",
+      "derive the figure from the exact configuration (`ledgerspec resolve`, `estimate`, `measure`) instead of "
+      "a rule of thumb", example="ledger:\n  temporary: {value: 2GB, source: ASSUMPTION, note: subtotal x 1.10}")
+def ls090_universal_shortcut(ctx: Context) -> Iterator[Hit]:
+    for path, _field, v in ctx.fields():
+        text = " ".join(t for t in (v.method, v.note) if t)
+        for pattern, what, why in SHORTCUTS:
+            if text and pattern.search(text):
+                yield Hit(ptr(*path), f"{_dotted(path)} uses the shortcut '{what}': {why}")
+                break
