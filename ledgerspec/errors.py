@@ -12,6 +12,8 @@ from dataclasses import dataclass
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
+#: an unexpected exception: a bug in ledgerspec, never the user's input (sysexits EX_SOFTWARE)
+EXIT_INTERNAL = 70
 
 
 @dataclass

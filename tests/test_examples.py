@@ -26,6 +26,7 @@ EXPECTED = [
     ("llama-2-7b-lora.intake.yaml", True, "INSUFFICIENT DATA", "INSUFFICIENT DATA"),
     ("llama-2-7b-qlora.intake.yaml", True, "INSUFFICIENT DATA", "INSUFFICIENT DATA"),
     ("llama-2-7b-lora.ledger.yaml", True, "CALCULATED", "CALCULATED"),
+    ("llama-2-7b-lora.estimated.ledger.yaml", True, "INSUFFICIENT DATA", "CANDIDATE"),
     ("downgraded.ledger.yaml", False, "VALIDATED", "CANDIDATE"),
     ("naive-article-audit.ledger.yaml", False, "CALCULATED", "INSUFFICIENT DATA"),
 ]

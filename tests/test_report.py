@@ -118,6 +118,25 @@ def test_plain_bar_letters_match_component_sizes(cli: CliRunner) -> None:
     assert abs(bar.count("B") - 60 * (sizes["frozen_base"] or 0) / total) < 1
 
 
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "rich"])
+def test_method_strings_wrap_and_are_never_cut(cli: CliRunner, plain: bool) -> None:
+    """Every method string of the ledger is in the report whole (wrapped over lines, no "…")."""
+    path = EXAMPLES / "llama-2-7b-lora.ledger.yaml"
+    code, out, _ = cli("report", path, *(["--plain"] if plain else []))
+    assert code == 0
+    assert "…" not in out
+    table = out.split("memory components (ledger)")[1].split("configuration inputs")[0]
+    assert max(len(line.rstrip()) for line in table.splitlines()) <= 120  # wrapped to the width, not overflowing
+    words = " ".join(out.split())  # a wrapped cell reads as one run of words, column by column
+    ledger = raw_yaml(path)["ledger"]
+    methods = [str(v["method"]) for v in ledger.values() if isinstance(v, dict) and v.get("method")]
+    assert methods, "the example has method strings"
+    for m in methods:
+        first, last = " ".join(m.split()[:4]), " ".join(m.split()[-3:])
+        assert first in words and last in words, m  # the start and the end of each method, both shown
+    assert any(len(m) > 70 for m in methods)  # at least one that the old 70-character cut truncated
+
+
 def test_report_does_not_import_torch() -> None:
     code = ("import sys; from ledgerspec.faces.cli import main; "
             f"rc = main(['report', '--plain', {str(EXAMPLES / 'llama-2-7b-lora.ledger.yaml')!r}]); "
@@ -295,10 +314,17 @@ def test_bad_documents_are_one_line_errors(cli: CliRunner, tmp_path: Path, text:
     assert err.startswith(str(src)) and expect in err
 
 
-def test_html_into_missing_folder_is_an_error(cli: CliRunner, tmp_path: Path) -> None:
+def test_html_into_missing_folder_creates_it(cli: CliRunner, tmp_path: Path) -> None:
     code, _out, err = cli("report", EXAMPLES / "llama-2-7b-lora.ledger.yaml", "--html", tmp_path / "no" / "r.html")
+    assert code == 0, err
+    assert (tmp_path / "no" / "r.html").read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+
+
+def test_html_that_cannot_be_written_is_an_error(cli: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x", encoding="utf-8")  # a folder path that runs through a file
+    code, _out, err = cli("report", EXAMPLES / "llama-2-7b-lora.ledger.yaml", "--html", tmp_path / "a-file" / "r.html")
     assert code == 2
-    assert "Traceback" not in err and "cannot write" in err
+    assert "Traceback" not in err and "cannot create the folder" in err and "r.html" in err
 
 
 def test_html_write_is_atomic_and_replaces(cli: CliRunner, tmp_path: Path) -> None:

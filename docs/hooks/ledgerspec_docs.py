@@ -8,8 +8,6 @@ Markers in the Markdown pages are replaced when the site is built:
 - ``<!-- ledgerspec:gallery -->``: every file in ``examples/`` with its validation result and its HTML
   report (written next to the page as ``reports/NAME.html``);
 - ``<!-- ledgerspec:cli -->``: ``ledgerspec COMMAND --help`` for every command of this build.
-
-Pages another issue owns but that have not landed yet get a generated placeholder, so the nav stays valid.
 """
 
 from __future__ import annotations
@@ -27,22 +25,8 @@ SCHEMA = ROOT / "schema"
 EXAMPLES = ROOT / "examples"
 log = logging.getLogger("mkdocs.hooks.ledgerspec")
 
-#: pages written by other work items; a placeholder stands in until they exist
-PENDING_PAGES = {
-    "estimate.md": ("Estimate", "`ledgerspec estimate`: the GPU-free activation and phase-peak estimate"),
-    "naive-article-audit.md": ("Audit of the naive article",
-                               "the audit of the naive article, component by component"),
-}
-
-
 # -- files ------------------------------------------------------------------------------------------
 def on_files(files: Files, config: Any) -> Files:
-    for name, (title, what) in PENDING_PAGES.items():
-        if files.get_file_from_path(name) is None:
-            log.info("ledgerspec: %s is not written yet; a placeholder stands in", name)
-            files.append(File.generated(config, name, content=f"# {title}\n\nThis page will describe {what}. "
-                                        "It is written together with that feature and is not part of this "
-                                        "build yet.\n"))
     for path in example_files():
         files.append(File.generated(config, f"reports/{path.stem}.html", content=example_report_html(path)))
     return files

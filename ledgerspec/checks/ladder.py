@@ -7,6 +7,7 @@ the reasons that hold it down. Pure: no I/O, no torch.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ledgerspec.contract import fields as F
@@ -85,19 +86,24 @@ def optimizer_bits(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def assumption_inputs(doc: Document) -> list[str]:
-    out = []
+def input_fields(doc: Document) -> Iterator[tuple[tuple[str, ...], F.Field, Value]]:
+    """Every field of the input sections (what an intake holds), with its value in ``doc``."""
     for section in F.INPUT_SECTION_NAMES:
         sec = F.lookup(doc.kind or "ledger", (section,))
         if sec is None:
             continue
         for path, f in F.walk(sec.children, (section,)):
-            v = doc.get(*path)
-            if f.kind == F.FIGURES and v.form == "plain" and isinstance(v.raw, list):
-                out += [f"{_dotted(path)}[{i}]" for i, item in enumerate(v.raw)
-                        if Value.of(item).effective_source(True) == "ASSUMPTION"]
-            elif f.kind != F.OBJECT and v.effective_source(f.figure) == "ASSUMPTION":
-                out.append(_dotted(path))
+            yield path, f, doc.get(*path)
+
+
+def assumption_inputs(doc: Document) -> list[str]:
+    out = []
+    for path, f, v in input_fields(doc):
+        if f.kind == F.FIGURES and v.form == "plain" and isinstance(v.raw, list):
+            out += [f"{_dotted(path)}[{i}]" for i, item in enumerate(v.raw)
+                    if Value.of(item).effective_source(True) == "ASSUMPTION"]
+        elif f.kind != F.OBJECT and v.effective_source(f.figure) == "ASSUMPTION":
+            out.append(_dotted(path))
     return out
 
 
@@ -215,14 +221,9 @@ def validated_gaps(doc: Document) -> list[str]:
         gaps.append("VALIDATED needs software.cuda or software.rocm")
     if not doc.section("comparison") or doc.get("comparison", "known_explanation").unknown:
         gaps.append("VALIDATED needs comparison filled, with known_explanation")
-    for section in F.INPUT_SECTION_NAMES:
-        sec = F.lookup(doc.kind or "ledger", (section,))
-        if sec is None:
-            continue
-        for path, f in F.walk(sec.children, (section,)):
-            v = doc.get(*path)
-            if f.kind != F.OBJECT and v.present and v.unknown:
-                gaps.append(f"VALIDATED needs no UNKNOWN in the intake: {_dotted(path)}")
+    for path, f, v in input_fields(doc):
+        if f.kind != F.OBJECT and v.present and v.unknown:
+            gaps.append(f"VALIDATED needs no UNKNOWN in the intake: {_dotted(path)}")
     if doc.get("memory_options", "activation_offload").switch():
         for key in ("host_peak", "step_time_s"):
             if doc.get("metrics", key).source != "MEASURED":

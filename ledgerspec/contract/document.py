@@ -11,7 +11,7 @@ from typing import Any
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.loader import parse, read_text, to_plain
 from ledgerspec.contract.values import Value
-from ledgerspec.errors import LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
 HEADER_RE = re.compile(r"^(?P<kind>[a-z]+)/v(?P<version>[0-9]+)$")
 
@@ -111,6 +111,24 @@ def pointer(*path: str | int) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
+def error_at(doc: Document, path: tuple[str, ...], message: str, *, rule: str, hint: str | None = None,
+             exit_code: int = EXIT_FINDINGS) -> LedgerspecError:
+    """A :class:`LedgerspecError` at the position of ``path`` in ``doc`` (its nearest existing ancestor)."""
+    line, col = doc.position(pointer(*path))
+    return LedgerspecError(message, doc.path, line, col, rule=rule, hint=hint, exit_code=exit_code)
+
+
+def set_path(node: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """``node[a][b]...[z] = value`` for ``path`` (a, b, ..., z), creating (or replacing non-mapping) parents."""
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[path[-1]] = value
+
+
 def from_text(text: str, display: str = "<input>") -> Document:
     data = parse(text, display)
     return _build(display, text, data)
@@ -121,6 +139,16 @@ def load(path: str | os.PathLike[str], display: str | None = None) -> Document:
     shown = display or str(path)
     text = read_text(Path(path), shown)
     return from_text(text, shown)
+
+
+def load_ledger(path: str, command: str) -> Document:
+    """Load ``path`` for a command that writes ledger figures into it: an intake (or anything else) is refused."""
+    doc = load(path)
+    if doc.kind != "ledger":
+        raise error_at(doc, ("ledgerspec",), f"{command} writes into a ledger/v1 document, got "
+                       f"{doc.plain.get('ledgerspec')!r}", rule=command, exit_code=EXIT_USAGE,
+                       hint="turn an intake into a ledger first: `ledgerspec resolve INTAKE -o LEDGER`")
+    return doc
 
 
 def _build(display: str, text: str, data: Any) -> Document:

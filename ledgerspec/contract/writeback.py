@@ -13,7 +13,7 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from ledgerspec.contract import fields as F
-from ledgerspec.contract.document import Document, pointer
+from ledgerspec.contract.document import Document, pointer, set_path
 from ledgerspec.contract.units import format_size
 from ledgerspec.contract.values import SOURCE_RANK, Value
 
@@ -179,7 +179,10 @@ def _set_eol_comment(parent: CommentedMap, key: str, text: str) -> None:
         if old.startswith("#") and not _is_size_comment(old[1:].strip()):
             return  # a user's comment: keep it
         existing[2] = None
-    parent.yaml_add_eol_comment(text, key)
+    # column 0 + a leading space: two spaces after the value, never aligned to a neighbour's (often far) comment
+    parent.yaml_add_eol_comment(text, key, column=0)
+    token = parent.ca.items[key][2]
+    token.value = " " + token.value
 
 
 def _is_size_comment(text: str) -> bool:
@@ -196,14 +199,7 @@ def _plain(node: Any) -> Any:
 
 
 def _sync_plain(doc: Document, path: tuple[str, ...], value: Any) -> None:
-    node = doc.plain
-    for part in path[:-1]:
-        nxt = node.get(part)
-        if not isinstance(nxt, dict):
-            nxt = {}
-            node[part] = nxt
-        node = nxt
-    node[path[-1]] = value
+    set_path(doc.plain, path, value)
 
 
 __all__ = ["Change", "Value", "long_form", "set_extension", "set_figure", "set_plain"]

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ledgerspec.contract.document import Document, relocate
 from ledgerspec.contract.loader import make_yaml
 from ledgerspec.errors import LedgerspecError
 
@@ -68,7 +69,7 @@ def atomic_write(path: str | os.PathLike[str], text: str) -> None:
     folder = target.parent if str(target.parent) else Path(".")
     try:
         mode = target.stat().st_mode & 0o7777
-    except FileNotFoundError:  # a new file gets the usual 0666 & ~umask, not mkstemp's 0600
+    except (FileNotFoundError, NotADirectoryError):  # a new file gets the usual 0666 & ~umask, not mkstemp's 0600
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
@@ -89,9 +90,33 @@ def atomic_write(path: str | os.PathLike[str], text: str) -> None:
             os.fsync(fh.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):  # a full disk, a quota, a target replaced by a folder meanwhile
+            raise LedgerspecError(f"cannot write: {exc.strerror or exc}", str(path), rule="write") from None
         raise
+
+
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Fail early (before minutes of work) when :func:`atomic_write` could not write ``path``; changes nothing."""
+    target = Path(path)
+    if target.is_dir():
+        raise LedgerspecError("is a folder", str(path), rule="write", hint="give a file name")
+    folder = target.parent.absolute()
+    while not folder.exists() and folder != folder.parent:  # atomic_write creates missing folders
+        folder = folder.parent
+    if not folder.is_dir():
+        raise LedgerspecError(f"cannot create the folder {target.parent}: {folder} is a file", str(path),
+                              rule="write", hint="choose another output path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise LedgerspecError(f"cannot write: no write permission in {folder}", str(path), rule="write")
+
+
+def save(doc: Document, target: str) -> None:
+    """Write ``doc`` to ``target`` (its own file or ``-o OUT``), comments and style kept: a relative
+    ``identity.config_path`` is rebased so it still names the same config, then the file is replaced atomically."""
+    relocate(doc, target)
+    atomic_write(target, render(doc.data, doc.text))

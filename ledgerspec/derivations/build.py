@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract import dtypes
-from ledgerspec.contract.document import Document, pointer
-from ledgerspec.errors import EXIT_FINDINGS, LedgerspecError
+from ledgerspec.contract.document import Document, error_at
+from ledgerspec.derivations.quiet import quiet_bitsandbytes
+from ledgerspec.errors import LedgerspecError
 
 
 def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None,
          rule: str = "resolve") -> LedgerspecError:
-    line, col = doc.position(pointer(*path))
-    return LedgerspecError(message, doc.path, line, col, rule=rule, hint=hint, exit_code=EXIT_FINDINGS)
+    return error_at(doc, path, message, rule=rule, hint=hint)
 
 
 @dataclass
@@ -34,33 +34,62 @@ class ModelSource:
     architecture: str | None
 
 
+def config_file(doc: Document, trust_remote_code: bool = False) -> tuple[Path, bytes, dict[str, Any]] | None:
+    """The local ``config.json`` named by ``identity.config_path`` (relative to the document): its path, bytes and
+    JSON object, checked with the standard library only (no torch); None when the document names none."""
+    cfg_path = doc.get("identity", "config_path").text()
+    if not cfg_path:
+        return None
+    base = Path(doc.path).parent if not doc.path.startswith("<") else Path.cwd()  # <stdin>, <input>
+    p = (base / cfg_path).resolve()
+    file: Path = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise _err(doc, ("identity", "config_path"), f"no config.json at {file}",
+                   "config_path is relative to the ledger file; point it at a config.json or its folder")
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise _err(doc, ("identity", "config_path"), f"cannot read {file}: {exc.strerror}") from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _err(doc, ("identity", "config_path"), f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _err(doc, ("identity", "config_path"), f"{file} is not a JSON object")
+    if data.get("auto_map") and not trust_remote_code:
+        raise _err(doc, ("identity", "config_path"), "this model needs remote code (auto_map in config.json)",
+                   "pass --trust-remote-code if you trust it")
+    return file, raw, data
+
+
+def lora_rank(doc: Document) -> int:
+    """``method.rank``, an integer >= 1 (a one-line error otherwise)."""
+    value = doc.get("method", "rank")
+    rank = value.integer()
+    if rank is None or rank < 1:
+        raise _err(doc, ("method", "rank"), f"method.rank must be an integer >= 1, got {value.raw!r}")
+    return rank
+
+
+def preflight(doc: Document, trust_remote_code: bool = False) -> None:
+    """The checks of :func:`load_config` and :func:`lora_config` that need no torch, for a parent process to fail
+    fast before it starts a child that imports torch."""
+    config_file(doc, trust_remote_code)
+    lora_rank(doc)
+
+
 def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = False) -> ModelSource:
     """The model config named by ``identity.config_path`` (relative to the document) or ``model_id``+``revision``."""
+    local = config_file(doc, trust_remote_code)
     from transformers import AutoConfig
 
-    cfg_path = doc.get("identity", "config_path").text()
-    if cfg_path:
-        base = Path(doc.path).parent if doc.path not in ("<input>", "<stdin>") else Path.cwd()
-        p = (base / cfg_path).resolve()
-        file: Path = p / "config.json" if p.is_dir() else p
-        if not file.is_file():
-            raise _err(doc, ("identity", "config_path"), f"no config.json at {file}",
-                       "config_path is relative to the ledger file; point it at a config.json or its folder")
-        raw = file.read_bytes()
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _err(doc, ("identity", "config_path"), f"{file} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise _err(doc, ("identity", "config_path"), f"{file} is not a JSON object")
-        if data.get("auto_map") and not trust_remote_code:
-            raise _err(doc, ("identity", "config_path"), "this model needs remote code (auto_map in config.json)",
-                       "pass --trust-remote-code if you trust it")
+    if local is not None:
+        file, raw, data = local
         try:
             config = AutoConfig.from_pretrained(str(file.parent) if file.name == "config.json" else str(file),
                                                 trust_remote_code=trust_remote_code)
         except (ValueError, KeyError, OSError) as exc:
-            raise _err(doc, ("identity", "config_path"), f"transformers cannot read {file}: {_one_line(exc)}",
+            raise _err(doc, ("identity", "config_path"), f"transformers cannot read {file}: {one_line(exc)}",
                        "is model_type a transformers architecture? (custom code needs --trust-remote-code)"
                        ) from None
         archs = data.get("architectures") or []
@@ -74,9 +103,11 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     if offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
+        # local_files_only: HF_HUB_OFFLINE is read when huggingface_hub is imported, which may have happened
+        config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code,
+                                            local_files_only=offline)
     except Exception as exc:  # transformers raises OSError/ValueError/EnvironmentError variants
-        msg = _one_line(exc)
+        msg = one_line(exc)
         hint = "set identity.config_path to a local config.json (nothing is downloaded with --offline)"
         if "trust_remote_code" in msg:
             hint = "pass --trust-remote-code if you trust this model's code"
@@ -86,31 +117,36 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     return ModelSource(config, str(name_or_path) if name_or_path else None, None, archs[0] if archs else None)
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300]
+
+
+def dtype_name(doc: Document, path: tuple[str, ...], default: str | None = None, rule: str = "resolve") -> str:
+    """The canonical dtype name at ``path`` (``bf16`` -> ``bfloat16``); one-line error for a name no table knows."""
+    name = doc.get(*path).text() or default
+    canon = dtypes.canonical(name) if name else None
+    if canon is None:
+        raise _err(doc, path, f"unknown dtype {name!r}", "use float32, bfloat16, float16 (or fp32, bf16, fp16)",
+                   rule=rule)
+    return canon
 
 
 def torch_dtype(doc: Document, path: tuple[str, ...], default: str | None = None) -> Any:
     import torch
 
-    name = doc.get(*path).text() or default
-    canon = dtypes.canonical(name) if name else None
-    if canon is None:
-        raise _err(doc, path, f"unknown dtype {name!r}", "use float32, bfloat16, float16 (or fp32, bf16, fp16)")
-    return getattr(torch, canon)
+    return getattr(torch, dtype_name(doc, path, default))
 
 
 def lora_config(doc: Document) -> Any:
     """The exact ``peft.LoraConfig`` of ``method``."""
+    quiet_bitsandbytes()
     from peft import LoraConfig
 
     def m(*path: str) -> Any:
         return doc.get(*path)
 
-    rank = m("method", "rank").integer()
-    if rank is None or rank < 1:
-        raise _err(doc, ("method", "rank"), f"method.rank must be an integer >= 1, got {m('method', 'rank').raw!r}")
+    rank = lora_rank(doc)
     targets = m("method", "target_modules").value if m("method", "target_modules").known else None
     params = m("method", "target_parameters").value if m("method", "target_parameters").known else None
     if targets is None and params is None:
@@ -135,7 +171,7 @@ def lora_config(doc: Document) -> Any:
     try:
         return LoraConfig(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise _err(doc, ("method",), f"PEFT rejects this LoRA recipe: {_one_line(exc)}") from None
+        raise _err(doc, ("method",), f"PEFT rejects this LoRA recipe: {one_line(exc)}") from None
 
 
 def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trust_remote_code: bool = False) -> Any:
@@ -148,7 +184,7 @@ def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trus
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(source.config, dtype=dtype, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError) as exc:
-        raise _err(doc, ("identity",), f"transformers cannot build this architecture: {_one_line(exc)}",
+        raise _err(doc, ("identity",), f"transformers cannot build this architecture: {one_line(exc)}",
                    "is it a causal language model transformers knows?") from None
 
 
@@ -158,6 +194,7 @@ def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
     ``on_meta=True`` creates the adapter tensors on the meta device (``low_cpu_mem_usage``): shapes and
     dtypes without memory or init time, for counting. Adapters then keep PEFT's creation dtype (float32).
     """
+    quiet_bitsandbytes()
     import warnings
 
     from peft import get_peft_model
@@ -170,7 +207,7 @@ def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
                 return get_peft_model(model, cfg, low_cpu_mem_usage=True)
             return get_peft_model(model, cfg)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-        msg = _one_line(exc)
+        msg = one_line(exc)
         where: tuple[str, ...] = ("method", "target_modules") if "target" in msg.lower() else ("method",)
         hint = "check module names against the architecture (e.g. q_proj, v_proj, or all-linear)" \
             if "target" in msg.lower() else None

@@ -9,6 +9,7 @@ trainable or frozen, quantized or not. Imports torch & co. only inside functions
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable
@@ -19,7 +20,9 @@ from ledgerspec.contract import dtypes
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.bnb_storage import BNB4_BLOCKSIZE, QuantizedBytes, bnb4_bytes, int8_bytes
 from ledgerspec.derivations.build import ModelSource, _err, build_meta_model, inject_adapters, torch_dtype
+from ledgerspec.derivations.quiet import quiet_bitsandbytes
 
+#: a status callback: ``progress("reading the model config")``
 Progress = Callable[[str], None]
 
 
@@ -59,10 +62,7 @@ class TensorRecord:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -239,6 +239,7 @@ _ADAPTER_DICTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "l
 
 def _cast_adapters(model: Any, dtype: Any) -> set[int]:
     """Give LoRA tensors their real dtype (PEFT's ``autocast_adapter_dtype`` keeps them fp32 by default)."""
+    quiet_bitsandbytes()
     from peft.tuners.lora import LoraLayer
 
     ids: set[int] = set()
@@ -291,6 +292,7 @@ def _pattern(name: str) -> str:
 
 def _breakdown(model: Any, adapter_ids: set[int]) -> list[BreakdownRow]:
     """Group the trainable tensors by owning module pattern, kind, base shape and rank."""
+    quiet_bitsandbytes()
     from peft.tuners.lora import LoraLayer
 
     groups: dict[tuple[str, str, tuple[int, ...], int | None], list[int]] = {}

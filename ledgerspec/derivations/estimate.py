@@ -21,21 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledgerspec.contract.document import Document, pointer
+from ledgerspec.contract.document import Document, error_at
+from ledgerspec.derivations.census import Progress
 from ledgerspec.derivations.estimate_fit import PHASES, Fit, fit
 from ledgerspec.derivations.extrapolate import Plan, extend_all, plan, with_layers
-from ledgerspec.errors import EXIT_FINDINGS, LedgerspecError
+from ledgerspec.errors import LedgerspecError
 
 #: the CUDA caching allocator rounds every block up to a multiple of this (c10/cuda/CUDACachingAllocator.cpp)
 CUDA_ALLOCATION_GRANULARITY = 512
 COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
 TARGETS = ("cuda", "cpu")
 
-Progress = Callable[[str], None]
 
 
 @dataclass
@@ -61,8 +61,7 @@ class Estimate:
 
 
 def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
-    line, col = doc.position(pointer(*path))
-    return LedgerspecError(message, doc.path, line, col, rule="estimate", hint=hint, exit_code=EXIT_FINDINGS)
+    return error_at(doc, path, message, rule="estimate", hint=hint)
 
 
 _MEASURE_HINT = "run `ledgerspec measure` on a GPU (or --device cpu) instead"
@@ -290,6 +289,7 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
     """
     from ledgerspec import __version__
     from ledgerspec.contract.writeback import set_extension, set_figure, set_plain
+    from ledgerspec.derivations.subtotal import write_subtotal
 
     changes: list[Any] = []
     changes.append(set_figure(doc, ("ledger", "activations"), est.activations, "CALCULATED", method=est.method))
@@ -313,4 +313,5 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
             changes.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
         changes.append(set_plain(doc, ("result", "fits"), verdict.fits, force=True))
     changes.append(set_extension(doc, ("x-estimate",), block))
+    changes.append(write_subtotal(doc))  # now with activations, as `resolve` would write it
     return [c for c in changes if c is not None]

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ledgerspec.derivations.quiet import quiet_bitsandbytes
+
 #: rows above which bitsandbytes' CUDA gemm_4bit always takes the dequantize + F.linear path
 CUDA_DEQUANT_MIN_ROWS = 1536
 
@@ -113,6 +115,7 @@ def fake_4bit_linear_class() -> Any:
 
 def model_4bit_layers(model: Any, weight_dtype: Any) -> int:
     """Replace every ``bnb.nn.Linear4bit`` in ``model`` (on meta) by :class:`Fake4bitLinear`; returns how many."""
+    quiet_bitsandbytes()
     import bitsandbytes as bnb
 
     cls = fake_4bit_linear_class()

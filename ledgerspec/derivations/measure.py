@@ -25,7 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ledgerspec.contract.document import Document, from_text, load
+from ledgerspec.contract import document
+from ledgerspec.contract.document import Document, from_text
 from ledgerspec.contract.units import format_size
 from ledgerspec.contract.writeback import set_extension, set_figure, set_plain
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
@@ -34,6 +35,10 @@ PROTOCOL = "ledgerspec-measure/1"
 #: relative tolerance within which a measured static component "matches" the calculated one
 MATCH_TOLERANCE = 0.01
 SOFTWARE_PACKAGES = ("torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate")
+
+
+class MeasurementCrash(RuntimeError):
+    """The child raised an unexpected exception (the CLI reports it as an internal error)."""
 
 
 @dataclass
@@ -174,24 +179,21 @@ def run_child(req: Request, timeout: float | None = None) -> ChildOutput:
         payload = json.loads(Path(res_file).read_text(encoding="utf-8"))
     if "error" in payload:
         raise LedgerspecError(**payload["error"])
-    if "crash" in payload:
-        raise LedgerspecError(f"the measurement crashed: {payload['crash']}", req.doc_path, rule="measure",
-                              exit_code=EXIT_FINDINGS, hint="run the same configuration with `python -m "
-                              "ledgerspec.derivations.measure --child` to see the traceback")
+    if "crash" in payload:  # an unexpected exception in the child: ledgerspec's bug, not the ledger's
+        if os.environ.get("LEDGERSPEC_DEBUG", "").strip() not in ("", "0"):
+            sys.stderr.write(stderr)  # the child's traceback
+        raise MeasurementCrash(f"the measurement process crashed: {payload['crash']}")
     return ChildOutput(ProtocolResult.from_json(payload["result"]), payload.get("software", {}))
 
 
-def load_ledger(path: str) -> Document:
-    doc = load(path)
-    if doc.kind != "ledger":
-        raise LedgerspecError(f"measure writes into a ledger/v1 document, got {doc.plain.get('ledgerspec')!r}", path,
-                              *doc.position("/ledgerspec"), rule="measure",
-                              hint="turn an intake into a ledger first: `ledgerspec resolve INTAKE -o LEDGER`")
-    return doc
+def load_ledger(path: str, command: str = "measure") -> Document:
+    """The ledger at ``path``; an intake is refused (measurements are written into a ledger)."""
+    return document.load_ledger(path, command)
 
 
 def make_request(doc: Document, device: str, steps: int, memory_limit: int | None, snapshot_path: str | None,
                  spec: Any = None) -> Request:
+    from ledgerspec.derivations.build import preflight
     from ledgerspec.derivations.workload import WorkloadSpec
 
     if device not in ("cpu", "cuda"):
@@ -203,24 +205,24 @@ def make_request(doc: Document, device: str, steps: int, memory_limit: int | Non
         raise LedgerspecError("--memory-limit simulates an out-of-memory on the cpu backend only", rule="measure",
                               exit_code=EXIT_USAGE, hint="on cuda the device's own memory is the limit")
     spec = spec or WorkloadSpec.from_document(doc)
+    preflight(doc)  # a missing or broken config.json, rank 0: before a child imports torch
     return Request(doc.text, os.path.abspath(doc.path), spec.to_json(), device, steps, memory_limit, snapshot_path)
 
 
 def measure(path: str, device: str = "cpu", steps: int = 2, output: str | None = None,
             memory_limit: int | None = None, command: str | None = None) -> Outcome:
     """Measure the ledger at ``path`` and write the results into it (or into ``output``)."""
-    from ledgerspec.contract.document import relocate
-    from ledgerspec.contract.writer import atomic_write, render
+    from ledgerspec.contract.writer import check_writable, save
 
     doc = load_ledger(path)
     target = output or path
+    check_writable(target)  # before minutes of measuring
     snapshot = str(Path(target).with_suffix("")) + ".oom-snapshot.pickle" if device == "cuda" else None
     req = make_request(doc, device, steps, memory_limit, snapshot)
     out = run_child(req)
     notes = write_back(doc, out, command or f"ledgerspec measure {path} --device {device} --steps {steps}")
     status, reasons = _settle_status(doc)
-    relocate(doc, target)
-    atomic_write(target, render(doc.data, doc.text))
+    save(doc, target)
     return Outcome(target, out.result, status, reasons, notes)
 
 
@@ -459,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-__all__ = ["Outcome", "Request", "explain", "load_ledger", "make_request", "measure", "run_child",
+__all__ = ["MeasurementCrash", "Outcome", "Request", "explain", "load_ledger", "make_request", "measure", "run_child",
            "run_request", "write_back"]
 
 if __name__ == "__main__":

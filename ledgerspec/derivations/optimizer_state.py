@@ -21,6 +21,7 @@ the library code (torch 2.13 ``torch.optim``, transformers ``Adafactor``, bitsan
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -100,10 +101,7 @@ class TensorShape:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -11,18 +11,16 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ruamel.yaml.comments import CommentedMap
 
 from ledgerspec.contract.document import Document
-from ledgerspec.contract.values import EXACT_SOURCES
 from ledgerspec.contract.writeback import Change, set_extension, set_figure, set_plain
 from ledgerspec.contract.writer import render
 from ledgerspec.derivations.build import _err
-from ledgerspec.derivations.census import Census, TensorRecord, census
+from ledgerspec.derivations.census import Census, Progress, TensorRecord, census
 from ledgerspec.derivations.optimizer_state import (
     DEFAULT_MIN_8BIT_SIZE,
     OPTIMIZERS,
@@ -32,8 +30,8 @@ from ledgerspec.derivations.optimizer_state import (
     optimizer_spec,
     state_bytes,
 )
-
-Progress = Callable[[str], None]
+from ledgerspec.derivations.quiet import quiet_bitsandbytes
+from ledgerspec.derivations.subtotal import write_subtotal
 
 
 @dataclass
@@ -172,22 +170,6 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
     return m
 
 
-_SUBTOTAL_PARTS = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
-
-
-def _subtotal(doc: Document) -> tuple[int, str] | None:
-    total = 0
-    used = []
-    for key in _SUBTOTAL_PARTS:
-        v = doc.get("ledger", key)
-        size = v.size()
-        if size is None or v.effective_source(True) not in EXACT_SOURCES:
-            if key in ("activations", "temporary"):
-                continue
-            return None
-        total += size
-        used.append(key)
-    return total, "sum of ledger." + " + ".join(used) + " (not a peak: no overhead factor)"
 
 
 def _switch_to_ledger(doc: Document) -> Change:
@@ -235,9 +217,7 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
     changes.append(set_figure(doc, ("ledger", "gradients"), f.gradient_bytes, "CALCULATED", m["ledger_gradients"]))
     if f.optimizer is not None:
         changes.append(set_figure(doc, ("ledger", "optimizer"), f.optimizer.device, "CALCULATED", m["optimizer"]))
-    sub = _subtotal(doc)
-    if sub is not None:
-        changes.append(set_figure(doc, ("ledger", "calculated_subtotal"), sub[0], "CALCULATED", sub[1]))
+    changes.append(write_subtotal(doc))
     return [ch for ch in changes if ch is not None]
 
 
@@ -251,6 +231,7 @@ def _import_stack(progress: Progress, without_bitsandbytes: bool = False) -> Non
     progress("importing torch, transformers, peft")
     if without_bitsandbytes and "bitsandbytes" not in sys.modules and "peft" not in sys.modules:
         sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # find_spec() -> None: PEFT skips it
+    quiet_bitsandbytes()
     import torch  # noqa: F401
     import transformers  # noqa: F401
     from peft import LoraConfig  # noqa: F401

@@ -1,7 +1,9 @@
 """Write the calculated per-rank state into a document: ``parallelism.x-per-rank`` (CALCULATED figures).
 
 FSDP2 per-rank figures for each rank plus ZeRO-1/2/3 (without and with CPU offload) for comparison, each a
-long-form figure ``{value, source: CALCULATED, method}``. The declared ``parallelism`` inputs are not touched.
+long-form figure ``{value, source: CALCULATED, method}``. With ``estimate=True`` an ``estimate`` block is added:
+each rank's predicted phases from a simulated FSDP2 step (:mod:`ledgerspec.derivations.sharding_estimate`) and,
+given a device memory, the fit verdict. The declared ``parallelism`` inputs are not touched.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class ShardResult:
     extension: dict[str, Any]
     change: Change | None
     text: str
+    estimate: Any = None  # sharding_estimate.ShardEstimate with estimate=True
+    device_memory: int | None = None
 
 
 def _fig(value: int, method: str) -> dict[str, Any]:
@@ -120,9 +124,14 @@ def compute(doc: Document, descs: list[S.ParamDesc], world: int) -> tuple[S.Fsdp
     return plan, zero
 
 
-def shard(doc: Document, nproc: int | None = None, offline: bool = True,
-          trust_remote_code: bool = False) -> ShardResult:
-    """Calculate the per-rank state of ``doc`` and write it into the document (in memory)."""
+def shard(doc: Document, nproc: int | None = None, offline: bool = True, trust_remote_code: bool = False,
+          estimate: bool = False, target: str = "cuda", device_memory: int | None = None,
+          layers: str = "auto") -> ShardResult:
+    """Calculate the per-rank state of ``doc`` and write it into the document (in memory).
+
+    ``estimate``: also simulate each rank's FSDP2 step and predict its phases; ``device_memory`` (default
+    ``result.target_device.memory``) gives the fit verdict of every rank.
+    """
     from ledgerspec.derivations.sharding_model import document_descriptors
 
     world = world_size(doc, nproc)
@@ -136,5 +145,13 @@ def shard(doc: Document, nproc: int | None = None, offline: bool = True,
         raise _err(doc, ("base_model",), str(exc)) from None
     plan, zero = compute(doc, descs, world)
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
+    est = None
+    if estimate:
+        from ledgerspec.derivations.sharding_estimate import estimate_per_rank, extension_block
+
+        if device_memory is None:
+            device_memory = doc.get("result", "target_device", "memory").size()
+        est = estimate_per_rank(doc, world, descs, target=target, layers=layers, offline=offline)
+        ext["estimate"] = extension_block(est, device_memory)
     change = set_extension(doc, EXTENSION, ext)
-    return ShardResult(plan, zero, ext, change, render(doc.data, doc.text))
+    return ShardResult(plan, zero, ext, change, render(doc.data, doc.text), est, device_memory)

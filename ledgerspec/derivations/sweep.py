@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ledgerspec.contract.document import Document
+from ledgerspec.contract.document import Document, set_path
 from ledgerspec.contract.values import Value
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
@@ -96,14 +96,7 @@ def apply(doc: Document, point: dict[str, Any]) -> Document:
     plain = copy.deepcopy(doc.plain)
     for name, value in point.items():
         path, _ = AXES[name]
-        node = plain
-        for part in path[:-1]:
-            nxt = node.get(part)
-            if not isinstance(nxt, dict):
-                nxt = {}
-                node[part] = nxt
-            node = nxt
-        node[path[-1]] = value
+        set_path(plain, path, value)
         if name == "max_length":
             workload = plain.get("workload", {})
             for key in ("sequence_p50", "sequence_p95"):

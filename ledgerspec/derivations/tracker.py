@@ -57,12 +57,18 @@ def by_component(categories: dict[str, int]) -> dict[str, int]:
 # -- census ---------------------------------------------------------------------------------------------------------
 
 
+def _plain(t: Any) -> Any:
+    """A DTensor's local shard, else ``t``: a DTensor's own storage is a wrapper's, sized like the global tensor."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 def _storage_key(t: Any) -> int:
-    return int(t.untyped_storage()._cdata)
+    return int(_plain(t).untyped_storage()._cdata)
 
 
 def _storage_nbytes(t: Any) -> int:
-    return int(t.untyped_storage().nbytes())
+    return int(_plain(t).untyped_storage().nbytes())
 
 
 def quant_state_tensors(qs: Any) -> Iterator[Any]:
@@ -221,6 +227,7 @@ class MemoryTracker:
                     self._register_outputs(o)
 
     def _register(self, t: Any) -> None:
+        t = _plain(t)
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()

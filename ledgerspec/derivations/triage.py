@@ -189,11 +189,11 @@ def matrix(baseline: Trial, trials: dict[str, Trial], skipped: dict[str, str]) -
 def triage(path: str, device: str = "cpu", steps: int = 2, output: str | None = None,
            memory_limit: int | None = None) -> TriageOutcome:
     """Run the baseline and the controlled tests; write ``triage`` and ``x-sensitivity`` into the ledger."""
-    from ledgerspec.contract.document import relocate
-    from ledgerspec.contract.writer import atomic_write, render
+    from ledgerspec.contract.writer import check_writable, save
     from ledgerspec.derivations.workload import WorkloadSpec
 
-    doc = load_ledger(path)
+    doc = load_ledger(path, "triage")
+    check_writable(output or path)  # before minutes of measuring
     spec = WorkloadSpec.from_document(doc)
     changes, skipped = controlled_changes(spec)
     jobs = {"baseline": ("as declared", spec), **changes}
@@ -210,8 +210,7 @@ def triage(path: str, device: str = "cpu", steps: int = 2, output: str | None = 
     for key, text in outcome.hypothesis.items():
         set_plain(doc, ("triage", "hypothesis", key), text, force=True)
     set_extension(doc, ("x-sensitivity",), matrix(baseline, trials, skipped))
-    relocate(doc, output or path)
-    atomic_write(output or path, render(doc.data, doc.text))
+    save(doc, output or path)
     return outcome
 
 

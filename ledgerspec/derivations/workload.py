@@ -40,10 +40,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ledgerspec.contract import dtypes
-from ledgerspec.contract.document import Document, pointer
-from ledgerspec.derivations.build import ModelSource, inject_adapters, load_config
-from ledgerspec.errors import EXIT_FINDINGS, LedgerspecError
+from ledgerspec.contract.document import Document, error_at
+from ledgerspec.derivations.build import ModelSource, dtype_name, inject_adapters, load_config, one_line
+from ledgerspec.derivations.quiet import quiet_bitsandbytes
+from ledgerspec.errors import LedgerspecError
 
 #: optimizer names this workload can build (the transformers Trainer's names, plus plain ``adam``)
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adam", "sgd", "adamw_8bit", "adamw_bnb_8bit",
@@ -55,8 +55,7 @@ LEARNING_RATE = 2e-4  # any value: memory does not depend on it
 
 
 def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
-    line, col = doc.position(pointer(*path))
-    return LedgerspecError(message, doc.path, line, col, rule="measure", hint=hint, exit_code=EXIT_FINDINGS)
+    return error_at(doc, path, message, rule="measure", hint=hint)
 
 
 @dataclass(frozen=True)
@@ -95,11 +94,7 @@ class WorkloadSpec:
             return doc.get(*path).text()
 
         def dtype(path: tuple[str, ...], default: str | None = None) -> str:
-            name = text(*path) or default
-            canon = dtypes.canonical(name) if name else None
-            if canon is None:
-                raise _err(doc, path, f"unknown dtype {name!r}", "use float32, bfloat16 or float16")
-            return canon
+            return dtype_name(doc, path, default, rule="measure")
 
         loaded = dtype(("base_model", "loaded_dtype"), "float32")
         quant = None
@@ -118,7 +113,7 @@ class WorkloadSpec:
                 qtype, double, dtype((*q, "compute_dtype")), dtype((*q, "storage_dtype"), "uint8"),
                 doc.get(*q, "blocksize").integer(),
                 tuple([skip.value] if isinstance(skip.value, str) else skip.value) if skip.known else None)
-        adapter = text("adapter", "dtype")
+        adapter = dtype(("adapter", "dtype")) if text("adapter", "dtype") else None  # None: PEFT's float32
         opt = (text("optimizer", "name") or "").strip().lower()
         if opt not in OPTIMIZERS:
             raise _err(doc, ("optimizer", "name"), f"measure cannot build optimizer {opt or 'nothing'!r}",
@@ -138,7 +133,7 @@ class WorkloadSpec:
         acc = doc.get("workload", "gradient_accumulation").integer() or 1
         worst, typical = sequence_shapes(doc)
         return cls(loaded, quant, bool(doc.get("base_model", "prepare_for_kbit_training").switch()),
-                   dtypes.canonical(adapter) if adapter else None, opt,
+                   adapter, opt,
                    doc.get("optimizer", "min_8bit_size").integer(), gc, kind_gc.startswith("reentrant"), attention,
                    mb, max(acc, 1), worst, typical)
 
@@ -216,11 +211,12 @@ class Workload:
                 base = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.loaded_dtype),
                                                         attn_implementation=spec.attention)
         except (ValueError, KeyError, ImportError) as exc:
-            raise _err(self.doc, ("identity",), f"transformers cannot build this model: {_one_line(exc)}",
+            raise _err(self.doc, ("identity",), f"transformers cannot build this model: {one_line(exc)}",
                        "check software.attention_implementation and the architecture") from None
         if spec.quant is not None:
             self._replace_with_4bit(base)
         if spec.prepare_kbit:
+            quiet_bitsandbytes()
             import warnings
 
             from peft import prepare_model_for_kbit_training
@@ -235,6 +231,7 @@ class Workload:
             self._prewarm_bnb()
 
     def _replace_with_4bit(self, base: Any) -> None:
+        quiet_bitsandbytes()
         import torch
         from transformers import BitsAndBytesConfig
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
@@ -259,6 +256,7 @@ class Workload:
 
     def _prewarm_bnb(self) -> None:
         """Build bitsandbytes' cached quantization maps with real tensors (fake tensors cannot build them)."""
+        quiet_bitsandbytes()
         import bitsandbytes.functional as bnbf
         import torch
 
@@ -325,6 +323,7 @@ class Workload:
         if hit is not None:  # tied weights stay tied
             return hit
         if _is_4bit(p):
+            quiet_bitsandbytes()
             import bitsandbytes as bnb
 
             dense = torch.empty(p.shape, dtype=getattr(torch, self.spec.loaded_dtype), device=device)
@@ -394,6 +393,7 @@ class Workload:
 
             opt = Adafactor(params, lr=LEARNING_RATE, scale_parameter=False, relative_step=False)
         else:
+            quiet_bitsandbytes()
             import bitsandbytes as bnb
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -445,11 +445,6 @@ class Workload:
 
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
 
 
 __all__ = ["ATTENTION", "METHOD_NOTES", "OPTIMIZERS", "QuantSpec", "Workload", "WorkloadSpec", "sequence_shapes"]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ledgerspec import __version__
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, LedgerspecError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,6 +98,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return EXIT_FINDINGS
+    except Exception as exc:  # a bug in ledgerspec (or a library), not in the user's file
+        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+            raise
+        print(internal_error_line(args.command, exc), file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+#: set to 1 to see the traceback of an internal error instead of its one-line summary
+DEBUG_ENV = "LEDGERSPEC_DEBUG"
+
+
+def internal_error_line(command: str, exc: BaseException) -> str:
+    """One line for an unexpected exception: says it is ledgerspec's fault, not the input's."""
+    text = (str(exc).strip().splitlines() or [""])[0][:200]
+    what = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return (f"ledgerspec: internal-error: `ledgerspec {command}` failed unexpectedly ({what}) (hint: this is a bug "
+            f"in ledgerspec, not a problem with your file: please report it; re-run with {DEBUG_ENV}=1 for the "
+            "traceback)")
 
 
 def _load_extensions() -> None:

@@ -55,8 +55,11 @@ def run_estimate(args: argparse.Namespace) -> int:
         raise LedgerspecError("an intake holds no ledger figures: resolve it into a ledger first", doc.path, line,
                               col, rule="estimate", hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
                               exit_code=EXIT_USAGE)
+    from ledgerspec.contract.writer import check_writable, save
     from ledgerspec.derivations.estimate import device_memory_of, estimate, write_back
 
+    if writes and doc.kind != "intake":
+        check_writable(args.output or args.file)  # before the simulated step
     est = estimate(doc, target=args.target, layers="full" if args.full else "auto")
     target_memory = device if device is not None else device_memory_of(doc)
     _print(est, target_memory)
@@ -69,16 +72,12 @@ def run_estimate(args: argparse.Namespace) -> int:
         return code
     if not writes:
         return code
-    from ledgerspec.contract.document import relocate
-    from ledgerspec.contract.writer import atomic_write, render
-
     changes = write_back(doc, est, target_memory, from_flag=device is not None)
     for ch in changes:
         if ch.skipped:
             print(f"{args.file}: kept {ch.pointer}: {ch.skipped}", file=sys.stderr)
     target = args.output or args.file
-    relocate(doc, target)
-    atomic_write(target, render(doc.data, doc.text))
+    save(doc, target)
     print(f"{target}: estimate written (ledger.activations, x-estimate)", file=sys.stderr)
     return code
 

@@ -20,6 +20,9 @@ def register(sub: Any) -> None:
     m.add_argument("-o", "--output", metavar="OUT", help="write the measured ledger here instead of in place")
     m.add_argument("--memory-limit", metavar="SIZE",
                    help="cpu only: a simulated out-of-memory when tracked tensors exceed SIZE (e.g. 2MiB)")
+    m.add_argument("--nproc", type=int, metavar="N",
+                   help="measure every rank of an FSDP2 run under torchrun with N processes (gloo on cpu, nccl on "
+                   "cuda); writes parallelism.per_rank_peak and the worst rank into metrics")
     m.set_defaults(run=_measure)
 
     t = sub.add_parser("triage", help="fill the OOM Triage Worksheet by controlled measurements")
@@ -46,10 +49,14 @@ def _command(name: str, args: argparse.Namespace) -> str:
         parts += ["-o", args.output]
     if args.memory_limit:
         parts += ["--memory-limit", args.memory_limit]
+    if getattr(args, "nproc", None) is not None:
+        parts += ["--nproc", str(args.nproc)]
     return "ledgerspec " + shlex.join(parts)
 
 
 def _measure(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        return _measure_ranks(args)
     from ledgerspec.derivations.measure import measure
 
     outcome = measure(args.file, device=args.device, steps=args.steps, output=args.output,
@@ -70,6 +77,26 @@ def _measure(args: argparse.Namespace) -> int:
     for reason in outcome.reasons[:3]:
         print(f"  - {reason}", file=err)
     return EXIT_FINDINGS if r.oom else EXIT_OK
+
+
+def _measure_ranks(args: argparse.Namespace) -> int:
+    from ledgerspec.derivations.measure_dist import measure_dist
+
+    if args.memory_limit:
+        raise LedgerspecError("--memory-limit is not supported with --nproc: a simulated OOM on one rank would leave "
+                              "the others waiting in a collective", args.file, rule="usage", exit_code=EXIT_USAGE)
+    outcome = measure_dist(args.file, args.nproc, device=args.device, steps=args.steps, output=args.output,
+                           command=_command("measure", args))
+    err = sys.stderr
+    for note in outcome.notes:
+        print(f"{outcome.path}: note: {note}", file=err)
+    for out in outcome.ranks:
+        print(f"{outcome.path}: rank {out.rank}: peak allocated {format_size(out.peak)}", file=err)
+    print(f"{outcome.path}: measured {len(outcome.ranks)} FSDP2 ranks on {outcome.result.backend}: worst rank "
+          f"{format_size(outcome.worst)}; supported status {outcome.status}", file=err)
+    for reason in outcome.reasons[:3]:
+        print(f"  - {reason}", file=err)
+    return EXIT_OK
 
 
 def _triage(args: argparse.Namespace) -> int:

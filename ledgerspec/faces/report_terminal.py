@@ -6,6 +6,7 @@ renderers draw the same :class:`~ledgerspec.faces.report_data.ReportData`; neith
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -20,12 +21,14 @@ RICH_STYLES = {"MEASURED": "green", "VERIFIED": "blue", "CALCULATED": "magenta",
 STATUS_STYLES = {"INSUFFICIENT DATA": "bold red", "CALCULATED": "bold magenta", "CANDIDATE": "bold blue",
                  "VALIDATED": "bold green"}
 BAR_WIDTH = 60
-_DETAIL = 70
+#: width of the plain-text report; the method / note column wraps within it (never truncated)
+PLAIN_WIDTH = 120
+_MIN_DETAIL = 40
 
 
-def _short(text: str, n: int = _DETAIL) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[: n - 1] + "…"
+def _flat(text: str) -> str:
+    """One line: a method string is read whole, wrapped by the table, never cut."""
+    return " ".join(text.split())
 
 
 def _status_line(d: ReportData) -> str:
@@ -66,7 +69,7 @@ def _inputs_summary(d: ReportData) -> tuple[str, list[Entry]]:
 
 def _input_line(e: Entry) -> str:
     value = "" if e.display == e.source else f"{e.display} "
-    return f"{e.key}: {value}[{e.source}]" + (f" {_short(e.detail, 60)}" if e.detail else "")
+    return f"{e.key}: {value}[{e.source}]" + (f" {_flat(e.detail)}" if e.detail else "")
 
 
 def _finding_line(d: ReportData) -> str:
@@ -84,7 +87,7 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH) -> None:
         for r in d.reasons:
             w(f"  - {r}\n")
     w("\nmemory components (ledger)\n")
-    rows = [(COMPONENT_LABELS.get(e.name, e.name), e.display, e.source, _short(e.detail)) for e in d.components]
+    rows = [(COMPONENT_LABELS.get(e.name, e.name), e.display, e.source, _flat(e.detail)) for e in d.components]
     _plain_table(out, ("component", "value", "source", "method / note"), rows)
     bar = layout(d)
     if bar is not None:
@@ -108,11 +111,11 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH) -> None:
     if d.figures:
         w("\nother figures\n")
         _plain_table(out, ("field", "value", "source", "method / note"),
-                     [(e.key, e.display, e.source, _short(e.detail)) for e in d.figures])
+                     [(e.key, e.display, e.source, _flat(e.detail)) for e in d.figures])
     head, notable = _inputs_summary(d)
     w(f"\n{head}\n")
     for e in notable:
-        w(f"  {_input_line(e)}\n")
+        w(textwrap.fill(_input_line(e), PLAIN_WIDTH, initial_indent="  ", subsequent_indent="    ") + "\n")
     if d.has_phases:
         w("\nphases (estimated vs measured)\n")
         _plain_table(out, ("phase", "estimated", "measured"),
@@ -125,9 +128,16 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH) -> None:
 
 
 def _plain_table(out: TextIO, head: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell; the last column wraps to fit :data:`PLAIN_WIDTH`."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    left = 2 + sum(w + 2 for w in widths[:-1])
+    last = max(_MIN_DETAIL, PLAIN_WIDTH - left)
     for row in (head, *rows):
-        out.write("  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip() + "\n")
+        lines = textwrap.wrap(row[-1], last, break_long_words=True, break_on_hyphens=False) or [""]
+        cells = [c.ljust(widths[i]) for i, c in enumerate(row[:-1])]
+        out.write(("  " + "  ".join([*cells, lines[0]])).rstrip() + "\n")
+        for more in lines[1:]:
+            out.write(" " * left + more + "\n")
 
 
 # -- rich -------------------------------------------------------------------------------------------
@@ -154,10 +164,11 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
             console.print(Text(f"  - {r}"))
 
     table = Table(title="memory components (ledger)", title_justify="left", box=SIMPLE_HEAD)
-    for col in ("component", "value", "source", "method / note"):
-        table.add_column(col, overflow="fold")
+    for col in ("component", "value", "source"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("method / note", overflow="fold")  # wraps: the method is meant to be read whole
     for e in d.components:
-        table.add_row(COMPONENT_LABELS.get(e.name, e.name), e.display, _src(e.source), _short(e.detail))
+        table.add_row(COMPONENT_LABELS.get(e.name, e.name), e.display, _src(e.source), _flat(e.detail))
     console.print()
     console.print(table)
 
@@ -189,10 +200,12 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
 
     if d.figures:
         t = Table(title="other figures", title_justify="left", box=SIMPLE_HEAD)
-        for col in ("field", "value", "source", "method / note"):
-            t.add_column(col, overflow="fold")
+        t.add_column("field", overflow="fold")
+        for col in ("value", "source"):
+            t.add_column(col, no_wrap=True)
+        t.add_column("method / note", overflow="fold")
         for e in d.figures:
-            t.add_row(e.key, e.display, _src(e.source), _short(e.detail))
+            t.add_row(e.key, e.display, _src(e.source), _flat(e.detail))
         console.print()
         console.print(t)
     head_line, notable = _inputs_summary(d)
@@ -204,7 +217,7 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
             row.append(f"{e.display} ")
         row.append_text(_src(e.source))
         if e.detail:
-            row.append(f" {_short(e.detail, 60)}")
+            row.append(f" {_flat(e.detail)}")
         console.print(row)
     if d.has_phases:
         t = Table(title="phases (estimated vs measured)", title_justify="left", box=SIMPLE_HEAD)

@@ -63,8 +63,11 @@ def run_resolve(args: argparse.Namespace) -> int:
         raise LedgerspecError("an intake is resolved into a new ledger: give -o OUT", doc.path, line, col,
                               rule="resolve", hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
                               exit_code=EXIT_USAGE)
+    from ledgerspec.contract.writer import check_writable
     from ledgerspec.derivations.resolve import resolve
 
+    if not (args.check or args.dry_run):
+        check_writable(args.output or args.file)  # before the model is built
     progress = _Progress(args.verbose)
     try:
         result = resolve(doc, offline=args.offline, trust_remote_code=args.trust_remote_code, progress=progress,

@@ -1,7 +1,9 @@
-"""``ledgerspec shard FILE [--nproc N] [-o OUT] [--check] [--offline] [--trust-remote-code]``.
+"""``ledgerspec shard FILE [--nproc N] [--estimate [--device-memory SIZE] [--target cuda|cpu]] [-o OUT] [--check]``.
 
 Calculates what each rank holds under FSDP2 (``fully_shard`` per decoder layer + root), with ZeRO-1/2/3 for
-comparison, prints a per-rank table and writes ``parallelism.x-per-rank`` into the document.
+comparison, prints a per-rank table and writes ``parallelism.x-per-rank`` into the document. ``--estimate``
+also simulates each rank's FSDP2 training step (fake tensors, fake process group) and predicts its peak, with
+the fit verdict against ``--device-memory`` or ``result.target_device.memory``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
 
 
 def register(subparsers: Any) -> None:
@@ -21,6 +23,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file would change")
     p.add_argument("--offline", action="store_true", help="never touch the network (HF_HUB_OFFLINE)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (auto_map)")
+    p.add_argument("--estimate", action="store_true",
+                   help="also predict each rank's phases: a simulated FSDP2 step per rank (fake tensors, no GPU)")
+    p.add_argument("--device-memory", metavar="SIZE", help="with --estimate: memory of ONE device, e.g. 24GiB "
+                   "(default: result.target_device.memory)")
+    p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
+                   help="with --estimate: model a CUDA GPU (attention kernels, 512 B rounding) or the CPU")
+    p.add_argument("--layers", choices=("auto", "full"), default="auto",
+                   help="with --estimate: extrapolate from two probe depths (auto) or simulate every layer")
     p.set_defaults(run=run_shard)
 
 
@@ -31,7 +41,12 @@ def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.sharding_ledger import shard
 
     doc = load(args.file)
-    result = shard(doc, nproc=args.nproc, offline=args.offline, trust_remote_code=args.trust_remote_code)
+    memory = _size(args.device_memory, args.file) if args.device_memory else None
+    if (memory is not None or args.target != "cuda" or args.layers != "auto") and not args.estimate:
+        raise LedgerspecError("--device-memory, --target and --layers need --estimate", args.file, rule="usage",
+                              exit_code=EXIT_USAGE)
+    result = shard(doc, nproc=args.nproc, offline=args.offline, trust_remote_code=args.trust_remote_code,
+                   estimate=args.estimate, target=args.target, device_memory=memory, layers=args.layers)
     plan = result.plan
     print(f"FSDP2 on {plan.world_size} ranks, reshard_after_forward={str(plan.reshard_after_forward).lower()}")
     print(f"{'rank':>4}  {'frozen':>11}  {'adapter':>11}  {'gradients':>11}  {'optimizer':>11}  {'gathered':>11}  "
@@ -41,7 +56,13 @@ def run_shard(args: argparse.Namespace) -> int:
         print(f"{rs.rank:>4}  " + "  ".join(f"{format_size(v):>11}" for v in cells))
     for key, z in result.zero.items():
         print(f"{key:>13}: device {format_size(z.device_total)} per rank, host {format_size(z.host)}")
-    print("(model state only: activations and temporaries come from `ledgerspec estimate` / `measure`)")
+    code = EXIT_OK
+    if result.estimate is None:
+        print("(model state only: `--estimate` predicts each rank's peak with activations and temporaries)")
+    else:
+        _print_estimate(result.estimate, result.device_memory)
+        if result.device_memory is not None and not all(f.fits for f in result.estimate.fits(result.device_memory)):
+            code = EXIT_FINDINGS  # as `ledgerspec estimate`: written, but it does not fit
     if args.check:
         if result.change is not None:
             print(f"{args.file}: would change parallelism.x-per-rank; run `ledgerspec shard`", file=sys.stderr)
@@ -56,4 +77,27 @@ def run_shard(args: argparse.Namespace) -> int:
         result.text = render(doc.data, doc.text)
     if result.change is not None or args.output:
         atomic_write(target, result.text)
-    return EXIT_OK
+    return code
+
+
+def _size(text: str, path: str) -> int:
+    from ledgerspec.contract.units import UnitError, parse_size
+
+    try:
+        return parse_size(text)
+    except UnitError as exc:
+        raise LedgerspecError(f"--device-memory: {exc}", path, rule="usage", exit_code=EXIT_USAGE) from None
+
+
+def _print_estimate(est: Any, device_memory: int | None) -> None:
+    from ledgerspec.contract.units import format_size
+
+    print(f"estimate ({est.target}, simulated FSDP2 step per rank, {est.plan.describe()}):")
+    fits = est.fits(device_memory) if device_memory is not None else None
+    for i, r in enumerate(est.ranks):
+        verdict = f"; {fits[i].sentence()}" if fits is not None else ""
+        print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} (activations {format_size(r.activations)})"
+              f"{verdict}")
+    if fits is not None and device_memory is not None:
+        answer = "fits" if all(f.fits for f in fits) else "does NOT fit"
+        print(f"{est.world_size} x {format_size(device_memory)}: {answer} (worst rank {format_size(est.worst)})")
