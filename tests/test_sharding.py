@@ -179,3 +179,15 @@ def test_shard_with_an_8bit_optimizer_says_why(tmp_path: Path, cli: CliRunner) -
     path.write_text(path.read_text().replace("name: adamw_torch", "name: adamw_8bit"))
     code, _out, err = cli("shard", path, "--offline")
     assert code == 1 and "optimizer" in err and "Traceback" not in err
+
+
+def test_shard_sizes_an_intake_but_never_writes_into_it(tmp_path: Path) -> None:
+    from tests.conftest import EXAMPLES, run_cli
+
+    shutil.copytree(EXAMPLES, tmp_path / "examples")
+    intake = tmp_path / "examples" / "llama-2-7b-lora.intake.yaml"
+    before = intake.read_bytes()
+    code, out, err = run_cli("shard", str(intake), "--nproc", "2")
+    assert code == 0, err
+    assert "FSDP2 on 2 ranks" in out and "an intake: nothing written" in err
+    assert intake.read_bytes() == before

@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
 def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load
     from ledgerspec.contract.units import format_size
-    from ledgerspec.contract.writer import atomic_write
+    from ledgerspec.contract.writer import save
     from ledgerspec.derivations.sharding_ledger import shard
 
     doc = load(args.file)
@@ -63,20 +63,17 @@ def run_shard(args: argparse.Namespace) -> int:
         _print_estimate(result.estimate, result.device_memory)
         if result.device_memory is not None and not all(f.fits for f in result.estimate.fits(result.device_memory)):
             code = EXIT_FINDINGS  # as `ledgerspec estimate`: written, but it does not fit
+    if doc.kind == "intake":  # as `ledgerspec estimate`: an intake is sized, not written into
+        print(f"{args.file}: an intake: nothing written (resolve it into a ledger to record the per-rank figures)",
+              file=sys.stderr)
+        return code
     if args.check:
         if result.change is not None:
             print(f"{args.file}: would change parallelism.x-per-rank; run `ledgerspec shard`", file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_OK
-    target = args.output or args.file
-    if args.output:  # the ledger moves: keep a relative identity.config_path pointing at the same file
-        from ledgerspec.contract.document import relocate
-        from ledgerspec.contract.writer import render
-
-        relocate(doc, args.output)
-        result.text = render(doc.data, doc.text)
     if result.change is not None or args.output:
-        atomic_write(target, result.text)
+        save(doc, args.output or args.file)
     return code
 
 
