@@ -384,8 +384,7 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
 def measure_dist(path: str, nproc: int, device: str = "cpu", steps: int = 2, output: str | None = None,
                  command: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S) -> DistOutcome:
     """Measure the ledger at ``path`` on ``nproc`` FSDP2 ranks and write the results into it (or ``output``)."""
-    from ledgerspec.contract.document import relocate
-    from ledgerspec.contract.writer import atomic_write, render
+    from ledgerspec.contract.writer import save
     from ledgerspec.derivations.measure import _settle_status, load_ledger
 
     doc = load_ledger(path)
@@ -395,8 +394,7 @@ def measure_dist(path: str, nproc: int, device: str = "cpu", steps: int = 2, out
     notes = write_back(doc, outs, command or f"ledgerspec measure {path} --nproc {nproc} --device {device} "
                        f"--steps {steps}", req.reshard_after_forward)
     status, reasons = _settle_status(doc)
-    relocate(doc, target)
-    atomic_write(target, render(doc.data, doc.text))
+    save(doc, target)
     return DistOutcome(target, worst_rank(outs), outs, status, reasons, notes)
 
 
