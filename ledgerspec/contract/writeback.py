@@ -57,7 +57,46 @@ def _insert(doc: Document, mapping: CommentedMap, parent_path: tuple[str, ...], 
             if existing in order and order.index(existing) > rank:
                 pos = i
                 break
+    appended_after = list(mapping)[-1] if pos == len(mapping) and len(mapping) else None
     mapping.insert(pos, key, value)
+    if appended_after is not None and not _is_block(value):
+        _move_trailing_lines(mapping, appended_after, key)
+
+
+def _is_block(value: Any) -> bool:
+    return isinstance(value, CommentedMap | CommentedSeq) and not value.fa.flow_style()
+
+
+def _eol_slot(container: Any, key: Any) -> tuple[list[Any], int] | None:
+    """Where ruamel keeps the end-of-line comment of ``key``: (the ca.items entry, its index)."""
+    entry = container.ca.items.get(key)
+    if entry is None:
+        return None
+    index = 2 if isinstance(container, CommentedMap) else 0
+    return (entry, index) if len(entry) > index and entry[index] is not None else None
+
+
+def _move_trailing_lines(mapping: CommentedMap, previous: str, key: str) -> None:
+    """A key appended at the end of a block goes before the blank lines (and the next section's comments) that
+    ruamel keeps in the previous last key's end-of-line comment, so the layout of the file stays as it was."""
+    container: Any = mapping
+    last: Any = previous
+    while _is_block(container[last]) and len(container[last]):  # the trailing lines sit on the deepest last node
+        container = container[last]
+        last = list(container)[-1] if isinstance(container, CommentedMap) else len(container) - 1
+    slot = _eol_slot(container, last)
+    if slot is None:
+        return
+    entry, index = slot
+    head, sep, tail = entry[index].value.partition("\n")
+    if not sep or not tail:
+        return
+    if head.strip():
+        entry[index].value = head + "\n"
+    else:
+        entry[index] = None
+    mapping.yaml_add_eol_comment("#", key, column=0)
+    mapping.ca.items[key][2].value = "\n" + tail
 
 
 def long_form(value: Any, source: str, method: str | None = None, note: str | None = None,
@@ -174,15 +213,18 @@ def _to_node(value: Any, depth: int = 0) -> Any:
 
 def _set_eol_comment(parent: CommentedMap, key: str, text: str) -> None:
     existing = parent.ca.items.get(key)
+    tail = ""
     if existing and existing[2] is not None:
-        old = existing[2].value.strip()
+        head, _, tail = existing[2].value.partition("\n")
+        old = head.strip()
         if old.startswith("#") and not _is_size_comment(old[1:].strip()):
             return  # a user's comment: keep it
         existing[2] = None
-    # column 0 + a leading space: two spaces after the value, never aligned to a neighbour's (often far) comment
+    # column 0 + a leading space: two spaces after the value, never aligned to a neighbour's (often far) comment;
+    # the lines that followed the old comment (blank lines, the next section's comments) stay
     parent.yaml_add_eol_comment(text, key, column=0)
     token = parent.ca.items[key][2]
-    token.value = " " + token.value
+    token.value = " " + token.value.rstrip("\n") + "\n" + tail
 
 
 def _is_size_comment(text: str) -> bool:
