@@ -218,7 +218,7 @@ def _set_eol_comment(parent: CommentedMap, key: str, text: str) -> None:
         head, _, tail = existing[2].value.partition("\n")
         old = head.strip()
         if old.startswith("#") and not _is_size_comment(old[1:].strip()):
-            return  # a user's comment: keep it
+            text = old  # a user's comment: keep it (re-placed two spaces after the new value)
         existing[2] = None
     # column 0 + a leading space: two spaces after the value, never aligned to a neighbour's (often far) comment;
     # the lines that followed the old comment (blank lines, the next section's comments) stay
