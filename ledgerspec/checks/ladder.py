@@ -131,11 +131,18 @@ def best_peak(doc: Document) -> tuple[int | None, str | None]:
     return None, None
 
 
+_PILOT_PEAKS = ("peak_allocated", "peak_reserved", "device_peak")
+
+
 def _activation_figure(doc: Document) -> bool:
+    """A CALCULATED estimate or a MEASURED pilot (spec: CANDIDATE). A ledger holds a pilot's peaks in ``metrics``
+    (``init --from`` puts them there): a measured peak includes the activations of the run it measured."""
     act = doc.get("ledger", "activations")
     if act.source in ("CALCULATED", "MEASURED") and act.size() is not None:
         return True
-    return any(doc.get("pilot", k).source == "MEASURED" for k in ("peak_allocated", "peak_reserved", "device_peak"))
+    section = "pilot" if doc.kind == "intake" else "metrics"
+    return any(doc.get(section, k).source == "MEASURED" and doc.get(section, k).size() is not None
+               for k in _PILOT_PEAKS)
 
 
 def supported_status(doc: Document) -> StatusResult:
@@ -170,7 +177,7 @@ def supported_status(doc: Document) -> StatusResult:
         held.append("CANDIDATE needs result.target_device.memory")
     if not _activation_figure(doc):
         held.append("CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
-                    "or MEASURED")
+                    "or MEASURED, or a MEASURED pilot peak in metrics")
     if res.best_peak is None:
         held.append("CANDIDATE needs a peak figure (a measurement, an estimate, or every ledger component)")
     elif target is not None and res.best_peak > target:

@@ -136,7 +136,8 @@ SafeConstructor.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 class SafeRepresenter(RoundTripRepresenter):
-    """Re-emits numbers read from the file exactly as they were written (ruamel rounds some floats)."""
+    """Re-emits numbers read from the file exactly as they were written (ruamel rounds some floats), and quotes
+    the words a YAML 1.1 reader (PyYAML) would turn into booleans."""
 
 
 def _represent_source(representer: Any, data: Any) -> Any:
@@ -144,8 +145,40 @@ def _represent_source(representer: Any, data: Any) -> Any:
     return representer.represent_scalar(tag, data.source)
 
 
+#: plain words that YAML 1.1 resolves to booleans (ruamel, a YAML 1.2 reader, keeps them as strings)
+YAML11_BOOL_WORDS = frozenset("y Y yes Yes YES n N no No NO true True TRUE false False FALSE on On ON off Off OFF"
+                              .split())
+
+
+class PlainWord(str):
+    """One of :data:`YAML11_BOOL_WORDS` that the file itself wrote bare: written back bare, as the user wrote it."""
+
+
+def _construct_str(constructor: Any, node: Any) -> Any:
+    value = RoundTripConstructor.construct_yaml_str(constructor, node)
+    if type(value) is str and node.style is None and value in YAML11_BOOL_WORDS:
+        return PlainWord(value)
+    return value
+
+
+def _represent_str(representer: Any, data: str) -> Any:
+    """A string like ``ON`` or ``no`` that a tool writes is quoted: the spec requires it of every tool that writes
+    such words, so that a YAML 1.1 reader gets the string and not a boolean. (Words the file already held bare
+    are :class:`PlainWord` and keep their style: write-back preserves the user's quoting.)"""
+    if data in YAML11_BOOL_WORDS:
+        return representer.represent_scalar("tag:yaml.org,2002:str", data, style="'")
+    return RoundTripRepresenter.represent_str(representer, data)
+
+
+def _represent_plain_word(representer: Any, data: PlainWord) -> Any:
+    return RoundTripRepresenter.represent_str(representer, data)
+
+
+SafeConstructor.add_constructor("tag:yaml.org,2002:str", _construct_str)
 SafeRepresenter.add_representer(SourceFloat, _represent_source)
 SafeRepresenter.add_representer(SourceInt, _represent_source)
+SafeRepresenter.add_representer(str, _represent_str)
+SafeRepresenter.add_representer(PlainWord, _represent_plain_word)
 
 _UNREADABLE_HINT = "quote the value to keep it as text, or write it as the field expects"
 

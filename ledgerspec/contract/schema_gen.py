@@ -89,10 +89,10 @@ def _plain(field: F.Field) -> dict[str, Any]:
         return {"enum": list(field.enum)}
     if k == F.STRINGS:
         return _ref("strings")
-    if k == F.INTMAP:
-        return {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}}
+    if k == F.INTMAP:  # module pattern -> rank; `x-` keys are extensions here too
+        return {"type": "object", "patternProperties": _EXT, "additionalProperties": {"type": "integer", "minimum": 1}}
     if k == F.NUMMAP:
-        return {"type": "object", "additionalProperties": {"type": "number"}}
+        return {"type": "object", "patternProperties": _EXT, "additionalProperties": {"type": "number"}}
     if k == F.ANY:
         return {}
     raise ValueError(f"no plain schema for kind {k}")

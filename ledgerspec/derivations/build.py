@@ -164,7 +164,7 @@ def lora_config(doc: Document) -> Any:
         kwargs["target_parameters"] = [params] if isinstance(params, str) else list(params)
     for key, peft_key in (("rank_pattern", "rank_pattern"), ("alpha_pattern", "alpha_pattern")):
         if m("method", key).known and isinstance(m("method", key).value, dict):
-            kwargs[peft_key] = dict(m("method", key).value)
+            kwargs[peft_key] = {k: v for k, v in m("method", key).value.items() if not str(k).startswith("x-")}
     mts = m("method", "modules_to_save")
     if mts.known:
         kwargs["modules_to_save"] = [mts.value] if isinstance(mts.value, str) else list(mts.value)

@@ -280,14 +280,26 @@ def write_back(doc: Document, out: ChildOutput, command: str) -> list[str]:
         set_figure(doc, ("metrics", "step_time_s"), round(r.step_time_s, 6), "MEASURED",
                    f"mean wall time of a steady-state step{timing}", size_comment=False, force=True)
     _write_measurement(doc, r, command)
-    software = dict(out.software)
-    if r.device.get("driver"):
-        software["driver"] = str(r.device["driver"])
-    _write_software(doc, software, notes)
+    _write_software(doc, _software(out), notes)
     _write_comparison(doc, r, notes)
     _write_result(doc, r)
     set_extension(doc, ("x-measure",), _extension(r))
+    if r.snapshot_path:
+        notes.append(f"memory snapshot of the OOM saved to {r.snapshot_path} (drop it on https://pytorch.org/memory_viz)")
     return notes
+
+
+def _software(out: ChildOutput) -> dict[str, str]:
+    """The child's package versions, completed on cuda from the backend's device record (driver, CUDA, GPU name)."""
+    r = out.result
+    software = dict(out.software)
+    if r.backend == "cuda":
+        for key, dev_key in (("driver", "driver"), ("cuda", "cuda"), ("gpu_name", "device_name")):
+            if r.device.get(dev_key) and not software.get(key):
+                software[key] = str(r.device[dev_key])
+    elif r.device.get("driver"):
+        software["driver"] = str(r.device["driver"])
+    return software
 
 
 def _write_measurement(doc: Document, r: Any, command: str) -> None:
@@ -432,10 +444,15 @@ def _extension(r: Any) -> dict[str, Any]:
     if r.oom:
         ext["oom"] = {"phase": r.oom_phase, "during": r.oom_during, "message": r.oom_message,
                       "simulated": r.simulated_oom, "peak_when_failed": r.failed_phase_peak}
+        for key, value in (("reserved_when_failed", getattr(r, "failed_phase_reserved", None)),
+                           ("device_when_failed", getattr(r, "failed_phase_device", None))):
+            if value is not None:
+                ext["oom"][key] = value
         if r.snapshot_path:
             ext["oom"]["snapshot"] = r.snapshot_path
-    if r.device.get("device_memory_source"):
-        ext["device_memory_source"] = r.device["device_memory_source"]
+    for key in ("device_memory_source", "memory_history"):
+        if r.device.get(key):
+            ext[key] = r.device[key]
     return ext
 
 

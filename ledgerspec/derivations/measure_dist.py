@@ -141,10 +141,12 @@ def _rank_main(request_file: str, out_dir: str) -> int:
     req = DistRequest(**json.loads(Path(request_file).read_text(encoding="utf-8")))
     use_cuda = req.device == "cuda"
     if use_cuda:
-        if not torch.cuda.is_available():
-            payload: dict[str, Any] = {"error": {
-                "message": "--device cuda: no CUDA device is available (torch.cuda.is_available() is false)",
-                "path": req.doc_path, "rule": "measure", "hint": "use --device cpu", "exit_code": EXIT_USAGE}}
+        problem = cuda_rank_problem(torch.cuda.is_available(), torch.cuda.device_count(),
+                                    int(os.environ.get("LOCAL_RANK", "0")), req.nproc)
+        if problem is not None:
+            payload: dict[str, Any] = {"error": {"message": problem, "path": req.doc_path, "rule": "measure",
+                                                 "hint": "use --device cpu (gloo) or fewer ranks",
+                                                 "exit_code": EXIT_USAGE}}
             _write(out_dir, int(os.environ.get("RANK", "0")), payload)
             return 1
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -175,6 +177,16 @@ def _rank_main(request_file: str, out_dir: str) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def cuda_rank_problem(available: bool, device_count: int, local_rank: int, nproc: int) -> str | None:
+    """Why this rank cannot run on its own GPU (nccl needs one GPU per rank: two ranks on one GPU fail), or None."""
+    if not available:
+        return "--device cuda: no CUDA device is available (torch.cuda.is_available() is false)"
+    if local_rank >= device_count or nproc > device_count:  # every rank says so, none waits in a collective
+        return (f"--nproc {nproc} --device cuda needs one GPU per rank (nccl), but this node has {device_count} "
+                f"visible GPU(s)")
+    return None
 
 
 def _write(out_dir: str, rank: int, payload: dict[str, Any]) -> None:

@@ -144,163 +144,248 @@ class TrackerBackend(Backend):
         return {"device": "cpu", "device_name": platform.processor() or platform.machine()}
 
 
-class _DeviceSampler:
-    """Samples device-level used memory in a thread: NVML per-process if possible, else device-wide."""
+#: what a CUDA out-of-memory looks like when it is not a ``torch.cuda.OutOfMemoryError`` (case-insensitive):
+#: ``CUDA error: out of memory`` from a kernel launch or NCCL, cuBLAS failing to allocate its workspace
+CUDA_OOM_MESSAGES = ("out of memory", "cublas_status_alloc_failed", "cudaerrormemoryallocation")
 
-    def __init__(self, device_index: int, interval: float = 0.005) -> None:
+
+def _torch_cuda() -> Any:
+    import torch
+
+    return torch.cuda
+
+
+def _import_nvml() -> Any:
+    """The ``pynvml`` module of nvidia-ml-py, or None when it is not installed."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+def _nvml_handle(nvml: Any, cuda: Any, index: int) -> Any:
+    """The NVML handle of torch's device ``index``: by UUID (right under CUDA_VISIBLE_DEVICES), else by index."""
+    with contextlib.suppress(Exception):
+        uuid = str(cuda.get_device_properties(index).uuid)
+        for candidate in ((uuid,) if uuid.startswith(("GPU-", "MIG-")) else ("GPU-" + uuid, "MIG-" + uuid)):
+            with contextlib.suppress(Exception):
+                return nvml.nvmlDeviceGetHandleByUUID(candidate)
+    nvml_index = index
+    with contextlib.suppress(Exception):  # torch's own mapping through CUDA_VISIBLE_DEVICES
+        nvml_index = int(cuda._get_nvml_device_index(index))
+    return nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+
+
+def _driver_from_proc() -> str | None:
+    """The NVIDIA kernel driver version from /proc (Linux), when NVML is not available."""
+    import re
+    from pathlib import Path
+
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
+    return m.group(1) if m else None
+
+
+class _DeviceSampler:
+    """Device-level used memory, sampled in a thread between :meth:`reset` and :meth:`peak`.
+
+    Sources, best first: NVML's used memory of THIS process on the device
+    (``nvmlDeviceGetComputeRunningProcesses``; the process must be listed with a known
+    ``usedGpuMemory``: in a container with its own PID namespace NVML reports host PIDs and the
+    process is not found, and some drivers report N/A = None); else NVML's device-wide used memory
+    (``nvmlDeviceGetMemoryInfo``: other processes on the device count too); else, without
+    nvidia-ml-py, the driver's device-wide figure (``cudaMemGetInfo``). :attr:`source` says which.
+    A peak is None until one sample succeeded (never a made-up 0).
+    """
+
+    def __init__(self, cuda: Any, device_index: int, interval: float = 0.005, nvml: Any = None) -> None:
+        self.cuda = cuda
+        self.index = device_index
         self.interval = interval
         self.source = "none"
         self.driver: str | None = None
-        self._peak = 0
+        self._nvml: Any = None  # set when nvmlInit succeeded (nvmlShutdown at stop)
+        self._lock = threading.Lock()
+        self._epoch = 0  # a sample read before a reset must not land after it
+        self._peak: int | None = None
+        self.samples = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._read = self._make_reader(device_index)
+        self._read = self._make_reader(_import_nvml() if nvml is None else nvml)
 
-    def _make_reader(self, index: int) -> Any:
-        import torch
-
-        pid = os.getpid()
-        try:
-            import pynvml  # nvidia-ml-py
-
-            pynvml.nvmlInit()
+    def _make_reader(self, nvml: Any) -> Any:
+        cuda, index, pid = self.cuda, self.index, os.getpid()
+        cuda.synchronize(index)  # creates the CUDA context: from here on the process is listed by NVML
+        if nvml is not None:
             try:
-                uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
-                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-            except Exception:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self.driver = _text(pynvml.nvmlSystemGetDriverVersion())
+                nvml.nvmlInit()
+                self._nvml = nvml
+                handle = _nvml_handle(nvml, cuda, index)
+                self.driver = _text(nvml.nvmlSystemGetDriverVersion())
 
-            def per_process() -> int | None:
-                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == pid and proc.usedGpuMemory is not None:
-                        return int(proc.usedGpuMemory)
-                return None
+                def per_process() -> int | None:
+                    for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                        if int(proc.pid) == pid:
+                            used = proc.usedGpuMemory
+                            return None if used is None else int(used)
+                    return None
 
-            torch.cuda.synchronize(index)
-            if per_process() is not None:
-                self.source = "NVML per-process used memory"
-                return per_process
-            self.source = "NVML device used memory (the process was not listed: other processes count too)"
-            return lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-        except Exception:  # no nvidia-ml-py, no NVML: the driver's device-wide figure
-            self.driver = None
-            self.source = "cudaMemGetInfo device-wide used memory (nvidia-ml-py not available)"
+                if per_process() is not None:
+                    self.source = "NVML per-process used memory (nvmlDeviceGetComputeRunningProcesses)"
+                    return per_process
+                self.source = ("NVML device-wide used memory (nvmlDeviceGetMemoryInfo; this process was not listed "
+                               "with its own figure, so other processes on the device count too)")
+                return lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+            except Exception:  # NVML present but not usable (no driver library, permissions): the CUDA figure
+                pass
+        self.driver = self.driver or _driver_from_proc()
+        self.source = "cudaMemGetInfo device-wide used memory (total - free; nvidia-ml-py not available)"
 
-            def device_wide() -> int:
-                free, total = torch.cuda.mem_get_info(index)
-                return int(total - free)
+        def device_wide() -> int:
+            free, total = cuda.mem_get_info(index)
+            return int(total - free)
 
-            return device_wide
+        return device_wide
 
     def sample(self) -> None:
+        with self._lock:
+            epoch = self._epoch
         try:
             value = self._read()
         except Exception:
             return
-        if value is not None and value > self._peak:
-            self._peak = value
+        if value is None:
+            return
+        with self._lock:
+            self.samples += 1
+            if epoch == self._epoch and (self._peak is None or value > self._peak):
+                self._peak = int(value)
 
     def reset(self) -> None:
-        self._peak = 0
+        with self._lock:
+            self._epoch += 1
+            self._peak = None
         self.sample()
 
-    def peak(self) -> int:
+    def peak(self) -> int | None:
         self.sample()
-        return self._peak
+        with self._lock:
+            return self._peak
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.sample()
             self._stop.wait(self.interval)
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="ledgerspec-nvml", daemon=True)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="ledgerspec-device-sampler", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2)
+            self._thread.join(timeout=5)
+        if self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+            self._nvml = None
 
 
 class CudaBackend(Backend):
-    """``torch.cuda`` allocator counters per phase, device-level memory from NVML sampled in a thread."""
+    """``torch.cuda`` caching-allocator counters per phase; device-level memory sampled in a thread.
+
+    ``cuda`` is the ``torch.cuda`` module (default) or a stand-in with the same functions, ``nvml``
+    the ``pynvml`` module (default: imported when the session starts; None when absent): the tests
+    inject fakes to check the plumbing without a GPU.
+    """
 
     name = "cuda"
     census_device = "cuda"
 
-    def __init__(self, device_index: int = 0, record_history: bool = True) -> None:
+    def __init__(self, device_index: int = 0, record_history: bool = True, *, cuda: Any = None, nvml: Any = None,
+                 sample_interval: float = 0.005) -> None:
         self.index = device_index
         self.record_history = record_history
+        self._cuda = cuda
+        self._nvml = nvml
+        self.sample_interval = sample_interval
         self.sampler: _DeviceSampler | None = None
+        self.recording = False
+        self.history_problem: str | None = None  # why no memory history is recorded (no OOM snapshot then)
+
+    @property
+    def cuda(self) -> Any:
+        return self._cuda if self._cuda is not None else _torch_cuda()
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        import torch
-
-        torch.cuda.set_device(self.index)
-        torch.cuda.init()
+        cuda = self.cuda
+        cuda.set_device(self.index)
+        cuda.init()
         if self.record_history:
-            # python stacks only: C++ stack capture on every allocation would slow the step down
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
-        self.sampler = _DeviceSampler(self.index)
-        self.sampler.start()
+            # before the first allocation, so an OOM snapshot has the whole history; python stacks only:
+            # C++ stack capture on every allocation would slow the step down
+            try:
+                cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=200_000)
+                self.recording = True
+            except Exception as exc:  # a private API: an older torch has another signature; measure without it
+                self.history_problem = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
         try:
+            self.sampler = _DeviceSampler(cuda, self.index, self.sample_interval, self._nvml)
+            self.sampler.start()
             yield
         finally:
-            self.sampler.stop()
-            if self.record_history:
-                with contextlib.suppress(Exception):  # keep the history for an OOM snapshot taken before this
-                    torch.cuda.memory._record_memory_history(enabled=None)
-
-    def _sync(self) -> None:
-        import torch
-
-        torch.cuda.synchronize(self.index)
+            if self.sampler is not None:
+                self.sampler.stop()
+            if self.recording:
+                with contextlib.suppress(Exception):  # an OOM snapshot was taken before this
+                    cuda.memory._record_memory_history(enabled=None)
+                self.recording = False
 
     def reset_peak(self) -> None:
-        import torch
-
-        self._sync()
-        torch.cuda.reset_peak_memory_stats(self.index)
+        cuda = self.cuda
+        cuda.synchronize(self.index)
+        cuda.reset_peak_memory_stats(self.index)
         if self.sampler is not None:
             self.sampler.reset()
 
     def peak(self) -> int:
-        import torch
-
-        self._sync()
-        return int(torch.cuda.max_memory_allocated(self.index))
+        cuda = self.cuda
+        cuda.synchronize(self.index)
+        return int(cuda.max_memory_allocated(self.index))
 
     def current(self) -> int:
-        import torch
-
-        self._sync()
-        return int(torch.cuda.memory_allocated(self.index))
+        cuda = self.cuda
+        cuda.synchronize(self.index)
+        return int(cuda.memory_allocated(self.index))
 
     def reserved_peak(self) -> int | None:
-        import torch
-
-        return int(torch.cuda.max_memory_reserved(self.index))
+        return int(self.cuda.max_memory_reserved(self.index))
 
     def device_peak(self) -> int | None:
         return self.sampler.peak() if self.sampler is not None else None
 
     def oom_kind(self, exc: BaseException) -> str | None:
-        import torch
-
-        if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in str(exc):
+        oom_type = getattr(self.cuda, "OutOfMemoryError", None)  # torch.cuda's exists in every torch >= 1.13
+        if isinstance(oom_type, type) and isinstance(exc, oom_type):
             return "cuda"
-        return None
+        text = str(exc).lower()
+        return "cuda" if any(m in text for m in CUDA_OOM_MESSAGES) else None
 
     def on_oom(self, snapshot_path: str | None) -> str | None:
-        import torch
-
-        if not snapshot_path or not self.record_history:
+        if not snapshot_path or not self.recording:
             return None
         try:
-            torch.cuda.memory._dump_snapshot(snapshot_path)
+            self.cuda.memory._dump_snapshot(snapshot_path)
         except Exception:
             return None
         return snapshot_path
@@ -308,10 +393,16 @@ class CudaBackend(Backend):
     def device_info(self) -> dict[str, Any]:
         import torch
 
-        props = torch.cuda.get_device_properties(self.index)
-        return {"device": "cuda", "device_name": props.name, "device_memory": int(props.total_memory),
-                "cuda": torch.version.cuda, "driver": getattr(self.sampler, "driver", None),
-                "device_memory_source": self.sampler.source if self.sampler else None}
+        cuda = self.cuda
+        props = cuda.get_device_properties(self.index)
+        sampler = self.sampler
+        return {"device": "cuda", "device_name": str(props.name), "device_memory": int(props.total_memory),
+                "cuda": torch.version.cuda,
+                "driver": sampler.driver if sampler is not None else _driver_from_proc(),
+                "device_memory_source": sampler.source if sampler is not None else None,
+                "memory_history": ("recorded (an OOM saves a snapshot)" if self.recording else
+                                   f"not recorded: {self.history_problem}" if self.history_problem else
+                                   "not recorded")}
 
 
 def _text(x: Any) -> str:
@@ -355,6 +446,8 @@ class ProtocolResult:
     simulated_oom: bool = False
     memory_limit: int | None = None
     failed_phase_peak: int | None = None
+    failed_phase_reserved: int | None = None  # cuda: max_memory_reserved of the failed phase
+    failed_phase_device: int | None = None  # cuda: device-level peak of the failed phase
     failed_categories: dict[str, int] | None = None  # tracker categories at the peak of the failed phase
     failed_census: dict[str, int] | None = None
     activations_saved: int | None = None
@@ -375,11 +468,16 @@ class ProtocolResult:
         return max(peaks) if peaks else None
 
     def peak_reserved(self) -> int | None:
+        """Maximum over the phases (the failed one included, as in :meth:`peak_allocated`: reserved >= allocated)."""
         vals = [r.reserved_peak for r in self.phases.values() if r.reserved_peak is not None]
+        if self.failed_phase_reserved is not None:
+            vals.append(self.failed_phase_reserved)
         return max(vals) if vals else None
 
     def device_peak(self) -> int | None:
         vals = [r.device_peak for r in self.phases.values() if r.device_peak is not None]
+        if self.failed_phase_device is not None:
+            vals.append(self.failed_phase_device)
         return max(vals) if vals else None
 
     def to_json(self) -> dict[str, Any]:
@@ -479,15 +577,26 @@ def run_protocol(workload: Workload, backend: Backend, device: str = "cpu", step
             result.oom_during = run.where
             result.simulated_oom = kind == "simulated"
             result.oom_message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            result.failed_phase_peak = backend.peak()
-            result.failed_categories = backend.peak_categories()
-            result.failed_census = census(workload.model, workload.optimizer, backend.census_device)
             del exc
+            # after a device error a read can fail too: the OOM stays the result, the figure stays unknown
+            result.failed_phase_peak = _read_after_oom(backend.peak)
+            result.failed_phase_reserved = _read_after_oom(backend.reserved_peak)
+            result.failed_phase_device = _read_after_oom(backend.device_peak)
+            result.failed_categories = backend.peak_categories()
+            result.failed_census = _read_after_oom(
+                lambda: census(workload.model, workload.optimizer, backend.census_device))
             result.snapshot_path = backend.on_oom(snapshot_path)
         result.device = backend.device_info()
     result.trainable_parameters = workload.trainable_parameters() if workload.model is not None else None
     result.host_peak = _host_peak()
     return result
+
+
+def _read_after_oom(read: Any) -> Any:
+    try:
+        return read()
+    except Exception:
+        return None
 
 
 def _phases(run: _Run, steps: int) -> None:
