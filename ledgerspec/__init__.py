@@ -23,7 +23,7 @@ def load(path: str) -> Document:
 
 
 def validate(doc: Document) -> Report:
-    """Validate a loaded document: schema, rules LS001-LS080, and the supported status."""
+    """Validate a loaded document: schema, rules LS001-LS090, and the supported status."""
     from ledgerspec.checks.validate import validate as _validate
 
     return _validate(doc)

@@ -1,4 +1,4 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue"). One function per rule, named after it.
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005 and LS090. One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
 :class:`~ledgerspec.checks.findings.Hit`; the validator adds positions and severities.
