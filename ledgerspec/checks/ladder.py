@@ -27,7 +27,7 @@ class StatusResult:
     best_peak_from: str | None = None
 
 
-def _dotted(path: tuple[str, ...]) -> str:
+def dotted(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
 
@@ -38,11 +38,11 @@ def minimum_intake_gaps(doc: Document) -> list[str]:
     def need(*path: str) -> None:
         v = doc.get(*path)
         if v.unknown:
-            gaps.append(f"{_dotted(path)} is {_state(v)}")
+            gaps.append(f"{dotted(path)} is {_state(v)}")
 
     def need_one(*paths: tuple[str, ...]) -> None:
         if all(doc.get(*p).unknown for p in paths):
-            gaps.append(" or ".join(_dotted(p) for p in paths) + " is " + _state(doc.get(*paths[0])))
+            gaps.append(" or ".join(dotted(p) for p in paths) + " is " + _state(doc.get(*paths[0])))
 
     need("identity", "model_id")
     need_one(("identity", "revision"), ("identity", "config_sha256"))
@@ -100,10 +100,10 @@ def assumption_inputs(doc: Document) -> list[str]:
     out = []
     for path, f, v in input_fields(doc):
         if f.kind == F.FIGURES and v.form == "plain" and isinstance(v.raw, list):
-            out += [f"{_dotted(path)}[{i}]" for i, item in enumerate(v.raw)
+            out += [f"{dotted(path)}[{i}]" for i, item in enumerate(v.raw)
                     if Value.of(item).effective_source(True) == "ASSUMPTION"]
         elif f.kind != F.OBJECT and v.effective_source(f.figure) == "ASSUMPTION":
-            out.append(_dotted(path))
+            out.append(dotted(path))
     return out
 
 
@@ -230,7 +230,7 @@ def validated_gaps(doc: Document) -> list[str]:
         gaps.append("VALIDATED needs comparison filled, with known_explanation")
     for path, f, v in input_fields(doc):
         if f.kind != F.OBJECT and v.present and v.unknown:
-            gaps.append(f"VALIDATED needs no UNKNOWN in the intake: {_dotted(path)}")
+            gaps.append(f"VALIDATED needs no UNKNOWN in the intake: {dotted(path)}")
     if doc.get("memory_options", "activation_offload").switch():
         for key in ("host_peak", "step_time_s"):
             if doc.get("metrics", key).source != "MEASURED":

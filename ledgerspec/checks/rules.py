@@ -11,16 +11,12 @@ from collections.abc import Iterator
 
 from ledgerspec.checks.context import Context, ptr
 from ledgerspec.checks.findings import ERROR, INFO, WARNING, Hit
-from ledgerspec.checks.ladder import RANK, is_qlora
+from ledgerspec.checks.ladder import RANK, dotted, is_qlora
 from ledgerspec.checks.registry import rule
 from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.units import format_size
 from ledgerspec.contract.values import Value
-
-
-def _dotted(path: tuple[str, ...]) -> str:
-    return ".".join(path)
 
 
 @rule("LS001", ERROR, "declared status above the status the evidence supports",
@@ -41,7 +37,7 @@ def ls001_status_above_supported(ctx: Context) -> Iterator[Hit]:
 def ls002_unknown_field(ctx: Context) -> Iterator[Hit]:
     for path, _field, v in ctx.fields():
         if v.source in ("UNKNOWN", "CONFIGURATION-SPECIFIC"):
-            yield Hit(ptr(*path), f"{_dotted(path)} is {v.source}")
+            yield Hit(ptr(*path), f"{dotted(path)} is {v.source}")
 
 
 @rule("LS003", "error / warning", "ASSUMPTION without a note (error); every ASSUMPTION is listed (warning)",
@@ -52,9 +48,9 @@ def ls003_assumption(ctx: Context) -> Iterator[Hit]:
         if v.source != "ASSUMPTION":
             continue
         if not v.note:
-            yield Hit(ptr(*path), f"{_dotted(path)} is an ASSUMPTION without a note", ERROR)
+            yield Hit(ptr(*path), f"{dotted(path)} is an ASSUMPTION without a note", ERROR)
         else:
-            yield Hit(ptr(*path), f"{_dotted(path)} is an ASSUMPTION: {v.note}", WARNING)
+            yield Hit(ptr(*path), f"{dotted(path)} is an ASSUMPTION: {v.note}", WARNING)
 
 
 @rule("LS004", WARNING, "memory figure without a source (treated as ASSUMPTION)",
@@ -66,7 +62,7 @@ def ls004_figure_without_source(ctx: Context) -> Iterator[Hit]:
             continue  # a mapping here is a malformed long form: the schema check reports it
         if field.kind == F.FIGURES and len(path) == 2:
             continue  # the list itself (a schema error when not a list); its items are checked
-        yield Hit(ptr(*path), f"{_dotted(path)} = {v.raw!r} has no source; it counts as an ASSUMPTION")
+        yield Hit(ptr(*path), f"{dotted(path)} = {v.raw!r} has no source; it counts as an ASSUMPTION")
 
 
 @rule("LS010", ERROR, "global_batch is not microbatch x gradient_accumulation x dp_world_size",
@@ -141,7 +137,7 @@ def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
         if figure is None or count is None or size is None:
             continue
         if figure != count * size:
-            yield Hit(ptr("ledger", key), f"ledger.{key} = {figure:,} B but {_dotted(count_path)} {count:,} x "
+            yield Hit(ptr("ledger", key), f"ledger.{key} = {figure:,} B but {dotted(count_path)} {count:,} x "
                       f"{size} B ({dtype}) = {count * size:,} B ({format_size(count * size)})")
 
 
@@ -222,7 +218,7 @@ def ls050_offload_evidence(ctx: Context) -> Iterator[Hit]:
                            ("metrics", "step_time_s")) if ctx.get(*p).unknown]
     if missing:
         yield Hit(ptr("memory_options", "activation_offload"), "activation offload is ON without " +
-                  ", ".join(_dotted(p) for p in missing), ERROR if ctx.measured() else INFO)
+                  ", ".join(dotted(p) for p in missing), ERROR if ctx.measured() else INFO)
 
 
 @rule("LS060", "error when measured, else warning", "several GPUs without placements and one per-rank peak "
@@ -291,7 +287,7 @@ def ls080_oom_without_phase(ctx: Context) -> Iterator[Hit]:
 def ls005_calculated_without_method(ctx: Context) -> Iterator[Hit]:
     for path, field, v in ctx.fields():
         if field.figure and v.form == "long" and v.source == "CALCULATED" and not v.method:
-            yield Hit(ptr(*path), f"{_dotted(path)} is CALCULATED without a method")
+            yield Hit(ptr(*path), f"{dotted(path)} is CALCULATED without a method")
 
 
 #: the universal shortcuts of the method article (spec: "Why the ledger exists"), as (pattern, what, why)
@@ -324,5 +320,5 @@ def ls090_universal_shortcut(ctx: Context) -> Iterator[Hit]:
         text = " ".join(t for t in (v.method, v.note) if t)
         for pattern, what, why in SHORTCUTS:
             if text and pattern.search(text):
-                yield Hit(ptr(*path), f"{_dotted(path)} uses the shortcut '{what}': {why}")
+                yield Hit(ptr(*path), f"{dotted(path)} uses the shortcut '{what}': {why}")
                 break

@@ -67,10 +67,9 @@ def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = 
 _MEASURE_HINT = "run `ledgerspec measure` on a GPU (or --device cpu) instead"
 
 
-def _tracker(target: str) -> Any:
-    from ledgerspec.derivations.tracker import MemoryTracker
-
-    return MemoryTracker(granularity=CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1)
+def granularity(target: str) -> int:
+    """The allocation rounding modelled for ``target``: the CUDA caching allocator's blocks, none on the CPU."""
+    return CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1
 
 
 @contextlib.contextmanager
@@ -147,7 +146,7 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[s
                    "estimate QLoRA for the CUDA target, or measure it")
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
     workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target)
-    backend = TrackerBackend(fake=True, granularity=CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1)
+    backend = TrackerBackend(fake=True, granularity=granularity(target))
     with workload.stack:
         result = run_protocol(workload, backend, device="cpu", steps=1)
     if result.oom or not result.complete:  # no limit is set: cannot happen, but never report a partial run

@@ -237,8 +237,9 @@ def _methods(result: Any) -> tuple[str, str]:
     return base + ": held at the end of the phase", base + ": peak during the phase, reset at its start"
 
 
-def write_back(doc: Document, out: ChildOutput, command: str) -> list[str]:
-    """Write a child's result into ``doc`` (in memory). Returns notes for the user."""
+def write_back(doc: Document, out: ChildOutput, command: str, compare: bool = True) -> list[str]:
+    """Write a child's result into ``doc`` (in memory). Returns notes for the user. ``compare=False``: no
+    ``comparison`` with the single-device ``ledger.calculated_subtotal`` (a per-rank measurement)."""
     from ledgerspec.derivations.protocol import HELD_PHASES, PHASES
 
     r = out.result
@@ -281,7 +282,8 @@ def write_back(doc: Document, out: ChildOutput, command: str) -> list[str]:
                    f"mean wall time of a steady-state step{timing}", size_comment=False, force=True)
     _write_measurement(doc, r, command)
     _write_software(doc, _software(out), notes)
-    _write_comparison(doc, r, notes)
+    if compare:
+        _write_comparison(doc, r, notes)
     _write_result(doc, r)
     set_extension(doc, ("x-measure",), _extension(r))
     if r.snapshot_path:

@@ -340,8 +340,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     from ledgerspec.derivations import measure as M
 
     merged = worst_rank(outs)
-    notes = M.write_back(doc, M.ChildOutput(merged, outs[0].software), command)
-    notes = [n for n in notes if "calculated subtotal" not in n and "known_explanation" not in n]
+    notes = M.write_back(doc, M.ChildOutput(merged, outs[0].software), command, compare=False)
     _drop_single_device_comparison(doc)
     worst = max(o.peak for o in outs)
     what = "torch.cuda.max_memory_allocated" if merged.backend == "cuda" else "tracked tensor bytes"

@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledgerspec.contract.document import Document, pointer
+from ledgerspec.contract.document import Document, error_at
 from ledgerspec.derivations.estimate_fit import PHASES, Fit, fit
 from ledgerspec.derivations.extrapolate import Plan
 from ledgerspec.derivations.sharding import ROOT, ParamDesc, chunk_rows, unit_unsharded_bytes
-from ledgerspec.errors import EXIT_FINDINGS, LedgerspecError
+from ledgerspec.errors import LedgerspecError
 
 Progress = Callable[[str], None]
 COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
@@ -74,8 +74,7 @@ class ShardEstimate:
 
 
 def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
-    line, col = doc.position(pointer(*path))
-    return LedgerspecError(message, doc.path, line, col, rule="shard", hint=hint, exit_code=EXIT_FINDINGS)
+    return error_at(doc, path, message, rule="shard", hint=hint)
 
 
 def rank_groups(descs: list[ParamDesc], world: int) -> dict[int, list[int]]:
@@ -107,7 +106,7 @@ def simulate_rank(doc: Document, spec: Any, source: Any, target: str, world: int
     """One simulated FSDP2 protocol run for ``rank`` of ``world``: phase figures, activations, components."""
     import warnings
 
-    from ledgerspec.derivations.estimate import CUDA_ALLOCATION_GRANULARITY, _estimate_workload_class
+    from ledgerspec.derivations.estimate import _estimate_workload_class, granularity
     from ledgerspec.derivations.protocol import TrackerBackend, run_protocol
     from ledgerspec.derivations.sharding_workload import sharded_workload
     from ledgerspec.derivations.tracker import by_component
@@ -118,7 +117,7 @@ def simulate_rank(doc: Document, spec: Any, source: Any, target: str, world: int
         warnings.simplefilter("ignore")  # DTensor's "random operators on a cpu mesh" warning: values do not matter
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.reshard_after_forward = reshard_after_forward
-        backend = TrackerBackend(fake=True, granularity=CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1)
+        backend = TrackerBackend(fake=True, granularity=granularity(target))
         with workload.stack:
             result = run_protocol(workload, backend, device="cpu", steps=1)
     if result.oom or not result.complete:

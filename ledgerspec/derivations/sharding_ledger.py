@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ledgerspec.contract.document import Document, pointer
+from ledgerspec.contract.document import Document, error_at
 from ledgerspec.contract.writeback import Change, set_extension
 from ledgerspec.contract.writer import render
 from ledgerspec.derivations import sharding as S
@@ -22,8 +22,7 @@ EXTENSION = ("parallelism", "x-per-rank")
 
 def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None,
          code: int = EXIT_FINDINGS) -> LedgerspecError:
-    line, col = doc.position(pointer(*path))
-    return LedgerspecError(message, doc.path, line, col, rule="shard", hint=hint, exit_code=code)
+    return error_at(doc, path, message, rule="shard", hint=hint, exit_code=code)
 
 
 def world_size(doc: Document, nproc: int | None) -> int:

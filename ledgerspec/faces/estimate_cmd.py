@@ -36,10 +36,10 @@ def _size(text: str) -> int:
     except UnitError as exc:
         raise LedgerspecError(f"--device-memory {text!r}: {exc}", rule="estimate",
                               hint="e.g. 24GiB, 80GB", exit_code=EXIT_USAGE) from None
-    if value is None or value <= 0:
+    if value <= 0:
         raise LedgerspecError(f"--device-memory {text!r} must be a positive size", rule="estimate",
                               exit_code=EXIT_USAGE)
-    return int(value)
+    return value
 
 
 def run_estimate(args: argparse.Namespace) -> int:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from typing import Any
 
-from ledgerspec.contract.units import UnitError, format_size, parse_size
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
 
 
@@ -37,6 +35,8 @@ def register(sub: Any) -> None:
 def _limit(text: str | None) -> int | None:
     if text is None:
         return None
+    from ledgerspec.contract.units import UnitError, parse_size
+
     try:
         return parse_size(text)
     except UnitError as exc:
@@ -44,6 +44,8 @@ def _limit(text: str | None) -> int | None:
 
 
 def _command(name: str, args: argparse.Namespace) -> str:
+    import shlex
+
     parts = [name, args.file, "--device", args.device, "--steps", str(args.steps)]
     if args.output:
         parts += ["-o", args.output]
@@ -57,6 +59,7 @@ def _command(name: str, args: argparse.Namespace) -> str:
 def _measure(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _measure_ranks(args)
+    from ledgerspec.contract.units import format_size
     from ledgerspec.derivations.measure import measure
 
     outcome = measure(args.file, device=args.device, steps=args.steps, output=args.output,
@@ -80,6 +83,7 @@ def _measure(args: argparse.Namespace) -> int:
 
 
 def _measure_ranks(args: argparse.Namespace) -> int:
+    from ledgerspec.contract.units import format_size
     from ledgerspec.derivations.measure_dist import measure_dist
 
     if args.memory_limit:

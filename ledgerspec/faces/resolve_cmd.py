@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 import time
 from typing import Any
@@ -86,6 +85,8 @@ def run_resolve(args: argparse.Namespace) -> int:
     for ch in result.skipped:
         print(f"{args.file}: kept {ch.pointer}: {ch.skipped}", file=sys.stderr)
     if args.dry_run:
+        import difflib
+
         diff = difflib.unified_diff(doc.text.splitlines(keepends=True), result.text.splitlines(keepends=True),
                                     fromfile=args.file, tofile=target)
         sys.stdout.writelines(diff)
