@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import cpu_model  # benchmarks/machine.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -105,15 +106,8 @@ def measured(path: Path, device: str, steps: int) -> float:
 def machine() -> str:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    text = f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    text = (f"{cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads)")
     if torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
     return text

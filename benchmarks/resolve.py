@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_model, memory_bytes  # benchmarks/machine.py (the script's folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
 RESULTS = ROOT / "benchmarks" / "results" / "resolve.md"
@@ -88,16 +90,7 @@ def ledgerspec_cmd(tmp: Path, name: str) -> list[str]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        mem = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal"))
-    except (OSError, StopIteration):
-        mem = 0
+    cpu, mem = cpu_model(), memory_bytes()
     import accelerate
     import peft
     import torch

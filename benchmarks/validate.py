@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_model  # benchmarks/machine.py (the script's folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "validate.md"
 SCHEMA = ROOT / "schema" / "ledger.v1.json"
@@ -77,16 +79,6 @@ def _in_process(files: list[Path], rounds: int) -> float:
     return len(files) / best
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _version(dist: str) -> str:
     try:
         return md.version(dist)
@@ -138,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Machine",
         "",
-        f"- CPU: {_cpu_model()}, {os.cpu_count()} logical cores",
+        f"- CPU: {cpu_model()}, {os.cpu_count()} logical cores",
         f"- OS: {platform.platform()}",
         f"- Python {platform.python_version()} ({platform.python_implementation()})",
         f"- ledgerspec {_version('ledgerspec')}, jsonschema {_version('jsonschema')}, "
