@@ -221,7 +221,7 @@ def measure(path: str, device: str = "cpu", steps: int = 2, output: str | None =
     req = make_request(doc, device, steps, memory_limit, snapshot)
     out = run_child(req)
     notes = write_back(doc, out, command or f"ledgerspec measure {path} --device {device} --steps {steps}")
-    status, reasons = _settle_status(doc)
+    status, reasons = settle_status(doc)
     save(doc, target)
     return Outcome(target, out.result, status, reasons, notes)
 
@@ -458,7 +458,7 @@ def _extension(r: Any) -> dict[str, Any]:
     return ext
 
 
-def _settle_status(doc: Document) -> tuple[str | None, list[str]]:
+def settle_status(doc: Document) -> tuple[str | None, list[str]]:
     """Validate; lower a declared status the evidence no longer supports."""
     from ledgerspec.checks.fix import fix_comment, needs_fix
     from ledgerspec.checks.validate import validate
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["MeasurementCrash", "Outcome", "Request", "explain", "load_ledger", "make_request", "measure", "run_child",
-           "run_request", "write_back"]
+           "run_request", "settle_status", "write_back"]
 
 if __name__ == "__main__":
     sys.exit(main())

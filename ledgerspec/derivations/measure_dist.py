@@ -396,7 +396,7 @@ def measure_dist(path: str, nproc: int, device: str = "cpu", steps: int = 2, out
                  command: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S) -> DistOutcome:
     """Measure the ledger at ``path`` on ``nproc`` FSDP2 ranks and write the results into it (or ``output``)."""
     from ledgerspec.contract.writer import save
-    from ledgerspec.derivations.measure import _settle_status, load_ledger
+    from ledgerspec.derivations.measure import load_ledger, settle_status
 
     doc = load_ledger(path)
     target = output or path
@@ -404,7 +404,7 @@ def measure_dist(path: str, nproc: int, device: str = "cpu", steps: int = 2, out
     outs = run_ranks(req, timeout)
     notes = write_back(doc, outs, command or f"ledgerspec measure {path} --nproc {nproc} --device {device} "
                        f"--steps {steps}", req.reshard_after_forward)
-    status, reasons = _settle_status(doc)
+    status, reasons = settle_status(doc)
     save(doc, target)
     return DistOutcome(target, worst_rank(outs), outs, status, reasons, notes)
 
