@@ -115,12 +115,20 @@ def test_an_unreadable_input_is_one_line(cli: CliRunner, tmp_path: Path, cmd: st
 FLAGS = [
     ("estimate", ["--device-memory", "banana"], "'banana' is not a size"),
     ("estimate", ["--device-memory", "0"], "must be a positive size"),
+    ("estimate", ["--device-memory", "-5GB"], "negative size '-5GB'"),  # a value, not an unknown flag
+    ("estimate", ["--device-memory=-5GB"], "negative size '-5GB'"),
+    ("estimate", ["--device-memory", "24gib"], "did you mean GiB?"),
+    ("shard", ["--estimate", "--device-memory", "0"], "must be a positive size"),
+    ("shard", ["--estimate", "--device-memory", "-1"], "negative size '-1'"),
     ("estimate", ["--sweep", "rank"], "expected NAME=V1,V2"),
     ("estimate", ["--sweep", "bogus=1,2"], "unknown input 'bogus'"),
     ("estimate", ["--sweep", "rank=0"], "must be >= 1"),
     ("measure", ["--memory-limit", "banana"], "'banana' is not a size"),
+    ("measure", ["--memory-limit", "0"], "must be a positive size"),
+    ("measure", ["--memory-limit", "-2MiB"], "negative size '-2MiB'"),
     ("measure", ["--steps", "1"], "--steps must be >= 2"),
     ("triage", ["--memory-limit", "banana"], "'banana' is not a size"),
+    ("triage", ["--memory-limit", "0"], "must be a positive size"),
     ("triage", ["--steps", "0"], "--steps must be >= 2"),
     ("shard", ["--nproc", "0"], "--nproc must be >= 1"),
 ]

@@ -20,27 +20,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-
-def _storage_key(t: Any) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return (s.data_ptr(), s.nbytes())
+from ledgerspec.derivations.tracker import local_tensor, storage_key, storage_nbytes
 
 
 def _unique_bytes(tensors: list[Any]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[int, int] = {}
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
-        key = _storage_key(t)
-        seen[key] = key[1]
+        seen[storage_key(t)] = storage_nbytes(t)
     return sum(seen.values())
-
-
-def _local(t: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def probe(doc_path: str, out_dir: str, reshard_after_forward: bool | None = None, seed: int = 0) -> dict[str, Any]:
@@ -98,20 +88,20 @@ def probe(doc_path: str, out_dir: str, reshard_after_forward: bool | None = None
 
     params: dict[str, Any] = {}
     for name, p in model.named_parameters():
-        local = _local(p)
+        local = local_tensor(p)
         state = optimizer.state.get(p, {})
-        tensors = {k: _local(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        tensors = {k: local_tensor(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
         params[name] = {
             "shape": list(p.shape),
             "dtype": str(p.dtype).removeprefix("torch."),
             "trainable": bool(p.requires_grad),
             "local_rows": int(local.shape[0]) if local.dim() else 1,
             "storage_bytes": _unique_bytes([local]),
-            "grad_storage": list(_storage_key(_local(p.grad))) if p.grad is not None else None,
+            "grad_storage": storage_key(p.grad) if p.grad is not None else None,
             "optimizer_state_bytes": {k: int(t.numel() * t.element_size()) for k, t in tensors.items()},
             "optimizer_state_devices": {k: t.device.type for k, t in tensors.items()},
         }
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
     result = {
         "rank": rank,
         "world_size": world,

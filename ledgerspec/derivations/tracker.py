@@ -57,18 +57,19 @@ def by_component(categories: dict[str, int]) -> dict[str, int]:
 # -- census ---------------------------------------------------------------------------------------------------------
 
 
-def _plain(t: Any) -> Any:
+def local_tensor(t: Any) -> Any:
     """A DTensor's local shard, else ``t``: a DTensor's own storage is a wrapper's, sized like the global tensor."""
     local = getattr(t, "_local_tensor", None)
     return t if local is None else local
 
 
-def _storage_key(t: Any) -> int:
-    return int(_plain(t).untyped_storage()._cdata)
+def storage_key(t: Any) -> int:
+    """One key per storage: views of one buffer share it."""
+    return int(local_tensor(t).untyped_storage()._cdata)
 
 
-def _storage_nbytes(t: Any) -> int:
-    return int(_plain(t).untyped_storage().nbytes())
+def storage_nbytes(t: Any) -> int:
+    return int(local_tensor(t).untyped_storage().nbytes())
 
 
 def quant_state_tensors(qs: Any) -> Iterator[Any]:
@@ -119,9 +120,9 @@ def census_storages(model: Any, optimizer: Any = None, device_type: str | None =
             return
         if device_type is not None and t.device.type != device_type:
             return
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in seen:
-            seen[key] = (cat, _storage_nbytes(t))
+            seen[key] = (cat, storage_nbytes(t))
 
     if model is not None:
         params = list(model.parameters())
@@ -227,7 +228,7 @@ class MemoryTracker:
                     self._register_outputs(o)
 
     def _register(self, t: Any) -> None:
-        t = _plain(t)
+        t = local_tensor(t)
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()
@@ -302,7 +303,7 @@ class MemoryTracker:
 
     def label(self, tensor: Any, category: str) -> None:
         """Give one live tensor's storage an exact category (no-op for a storage the tracker never saw)."""
-        entry = self._live.get(_storage_key(tensor))
+        entry = self._live.get(storage_key(tensor))
         if entry is not None and entry.category != category:
             self._totals[entry.category] -= entry.nbytes
             self._totals[category] = self._totals.get(category, 0) + entry.nbytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,12 @@ from ledgerspec.errors import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE,
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `--device-memory -5GB` is a (bad) value, not an unknown flag: read anything that starts with a
+        # minus and a digit as a value, as Python 3.13's argparse does (3.11 takes only plain numbers)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message: str) -> Any:  # one line, exit 2, no usage dump
         self.exit(EXIT_USAGE, f"ledgerspec: usage: {message} (see `{self.prog} --help`)\n")
 

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.faces.arguments import positive_size
 
 
 def register(subparsers: Any) -> None:
@@ -16,7 +17,8 @@ def register(subparsers: Any) -> None:
                     "FakeTensorMode; fill ledger.activations and x-estimate; say whether it fits a device. "
                     "Exit 1 when a device memory is given and the prediction does not fit.")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--device-memory", metavar="SIZE", help="target device memory, e.g. 24GiB or 80GB")
+    p.add_argument("--device-memory", metavar="SIZE", type=positive_size,
+                   help="target device memory, e.g. 24GiB or 80GB")
     p.add_argument("-o", "--output", metavar="OUT", help="write the updated ledger here instead of in place")
     p.add_argument("--sweep", nargs="+", metavar="NAME=V1,V2",
                    help="print the Memory Sensitivity Matrix over these inputs (microbatch, max_length, "
@@ -28,25 +30,11 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run_estimate)
 
 
-def _size(text: str) -> int:
-    from ledgerspec.contract.units import UnitError, parse_size
-
-    try:
-        value = parse_size(text)
-    except UnitError as exc:
-        raise LedgerspecError(f"--device-memory {text!r}: {exc}", rule="estimate",
-                              hint="e.g. 24GiB, 80GB", exit_code=EXIT_USAGE) from None
-    if value <= 0:
-        raise LedgerspecError(f"--device-memory {text!r} must be a positive size", rule="estimate",
-                              exit_code=EXIT_USAGE)
-    return value
-
-
 def run_estimate(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load
 
     doc = load(args.file)
-    device = _size(args.device_memory) if args.device_memory else None
+    device: int | None = args.device_memory
     if args.sweep:
         return _run_sweep(doc, args, device)
     writes = not args.dry_run

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.faces.arguments import positive_size
 
 
 def register(sub: Any) -> None:
@@ -16,7 +17,7 @@ def register(sub: Any) -> None:
                    help="cuda: allocator counters + NVML; cpu: tensor-level tracking (never VALIDATED)")
     m.add_argument("--steps", type=int, default=2, help="repeated representative steps for the steady state (>= 2)")
     m.add_argument("-o", "--output", metavar="OUT", help="write the measured ledger here instead of in place")
-    m.add_argument("--memory-limit", metavar="SIZE",
+    m.add_argument("--memory-limit", metavar="SIZE", type=positive_size,
                    help="cpu only: a simulated out-of-memory when tracked tensors exceed SIZE (e.g. 2MiB)")
     m.add_argument("--nproc", type=int, metavar="N",
                    help="measure every rank of an FSDP2 run under torchrun with N processes (gloo on cpu, nccl on "
@@ -28,19 +29,8 @@ def register(sub: Any) -> None:
     t.add_argument("--device", choices=("cuda", "cpu"), default="cpu")
     t.add_argument("--steps", type=int, default=2)
     t.add_argument("-o", "--output", metavar="OUT", help="write the worksheet here instead of in place")
-    t.add_argument("--memory-limit", metavar="SIZE", help="cpu only: the simulated device memory")
+    t.add_argument("--memory-limit", metavar="SIZE", type=positive_size, help="cpu only: the simulated device memory")
     t.set_defaults(run=_triage)
-
-
-def _limit(text: str | None) -> int | None:
-    if text is None:
-        return None
-    from ledgerspec.contract.units import UnitError, parse_size
-
-    try:
-        return parse_size(text)
-    except UnitError as exc:
-        raise LedgerspecError(f"--memory-limit: {exc}", rule="usage", exit_code=EXIT_USAGE) from None
 
 
 def _command(name: str, args: argparse.Namespace) -> str:
@@ -50,7 +40,7 @@ def _command(name: str, args: argparse.Namespace) -> str:
     if args.output:
         parts += ["-o", args.output]
     if args.memory_limit:
-        parts += ["--memory-limit", args.memory_limit]
+        parts += ["--memory-limit", str(args.memory_limit)]
     if getattr(args, "nproc", None) is not None:
         parts += ["--nproc", str(args.nproc)]
     return "ledgerspec " + shlex.join(parts)
@@ -63,7 +53,7 @@ def _measure(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.measure import measure
 
     outcome = measure(args.file, device=args.device, steps=args.steps, output=args.output,
-                      memory_limit=_limit(args.memory_limit), command=_command("measure", args))
+                      memory_limit=args.memory_limit, command=_command("measure", args))
     r = outcome.result
     err = sys.stderr
     for note in outcome.notes:
@@ -107,7 +97,7 @@ def _triage(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.triage import triage
 
     outcome = triage(args.file, device=args.device, steps=args.steps, output=args.output,
-                     memory_limit=_limit(args.memory_limit))
+                     memory_limit=args.memory_limit)
     for line in outcome.summary():
         print(line)
     return EXIT_OK

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.faces.arguments import positive_size
 
 
 def register(subparsers: Any) -> None:
@@ -25,8 +26,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (auto_map)")
     p.add_argument("--estimate", action="store_true",
                    help="also predict each rank's phases: a simulated FSDP2 step per rank (fake tensors, no GPU)")
-    p.add_argument("--device-memory", metavar="SIZE", help="with --estimate: memory of ONE device, e.g. 24GiB "
-                   "(default: result.target_device.memory)")
+    p.add_argument("--device-memory", metavar="SIZE", type=positive_size,
+                   help="with --estimate: memory of ONE device, e.g. 24GiB (default: result.target_device.memory)")
     p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
                    help="with --estimate: model a CUDA GPU (attention kernels, 512 B rounding) or the CPU")
     p.add_argument("--layers", choices=("auto", "full"), default="auto",
@@ -41,7 +42,7 @@ def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.sharding_ledger import shard
 
     doc = load(args.file)
-    memory = _size(args.device_memory, args.file) if args.device_memory else None
+    memory: int | None = args.device_memory
     if (memory is not None or args.target != "cuda" or args.layers != "auto") and not args.estimate:
         raise LedgerspecError("--device-memory, --target and --layers need --estimate", args.file, rule="usage",
                               exit_code=EXIT_USAGE)
@@ -75,15 +76,6 @@ def run_shard(args: argparse.Namespace) -> int:
     if result.change is not None or args.output:
         save(doc, args.output or args.file)
     return code
-
-
-def _size(text: str, path: str) -> int:
-    from ledgerspec.contract.units import UnitError, parse_size
-
-    try:
-        return parse_size(text)
-    except UnitError as exc:
-        raise LedgerspecError(f"--device-memory: {exc}", path, rule="usage", exit_code=EXIT_USAGE) from None
 
 
 def _print_estimate(est: Any, device_memory: int | None) -> None:
