@@ -12,7 +12,20 @@ ARCHS = ("tiny-llama-gqa", "tiny-qwen2", "tiny-mistral", "tiny-gemma2")
 
 def ledger_text(arch: str = "tiny-llama-gqa", attention: str = "sdpa", checkpointing: bool = False,
                 dtype: str = "bfloat16", microbatch: int = 2, seq: int = 128, accumulation: int = 1,
-                optimizer: str = "adamw_torch", targets: str = "[q_proj, v_proj]", extra: str = "") -> str:
+                optimizer: str = "adamw_torch", targets: str = "[q_proj, v_proj]", extra: str = "",
+                quant: str | None = None, double_quant: bool = True, storage: str = "uint8") -> str:
+    """A LoRA ledger; ``quant`` (nf4, fp4) makes it QLoRA with a bfloat16 compute dtype and
+    prepare_for_kbit_training."""
+    base = "  quantized: false"
+    if quant is not None:
+        base = f"""  quantized: true
+  prepare_for_kbit_training: true
+  quantization:
+    type: {quant}
+    bits: 4
+    double_quant: {str(double_quant).lower()}
+    compute_dtype: bfloat16
+    storage_dtype: {storage}"""
     return f"""ledgerspec: ledger/v1
 status: CALCULATED
 title: {arch}, LoRA r=4, {dtype}, {attention}
@@ -23,7 +36,7 @@ identity:
 software:
   attention_implementation: {attention}
 method:
-  kind: LoRA
+  kind: {"LoRA" if quant is None else "QLoRA"}
   rank: 4
   alpha: 8
   dropout: 0.0
@@ -31,7 +44,7 @@ method:
   bias: none
 base_model:
   loaded_dtype: {dtype}
-  quantized: false
+{base}
 adapter:
   dtype: float32
 workload:

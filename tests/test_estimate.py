@@ -24,6 +24,12 @@ CPU_CASES = [  # sequences of 80 tokens: longer than the sliding window (64) of 
     {"arch": "tiny-qwen2", "attention": "eager", "microbatch": 1, "seq": 80},
     {"arch": "tiny-mistral", "seq": 80, "microbatch": 1, "targets": "all-linear"},
     {"arch": "tiny-gemma2", "attention": "eager", "checkpointing": True, "microbatch": 1, "seq": 80},
+    # QLoRA: real bitsandbytes layers in the measurement, the byte-level stand-in in the estimate
+    {"arch": "tiny-qwen2", "quant": "nf4", "targets": "all-linear", "seq": 80},  # biased q/k/v: cast in place
+    {"arch": "tiny-mistral", "quant": "fp4", "storage": "bfloat16", "double_quant": False, "targets": "all-linear",
+     "microbatch": 1, "seq": 80},
+    {"arch": "tiny-llama-gqa", "quant": "nf4", "dtype": "float16", "checkpointing": True, "accumulation": 2,
+     "optimizer": "paged_adamw_8bit", "targets": "all-linear", "microbatch": 1, "seq": 48},
 ]
 
 

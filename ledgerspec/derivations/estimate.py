@@ -9,7 +9,7 @@ trace say what a CUDA GPU would allocate:
 - attention runs through :mod:`ledgerspec.derivations.attention_model` (the declared CUDA kernel's
   saved tensors and backward buffers, not the CPU kernel's);
 - 4-bit layers run through :mod:`ledgerspec.derivations.estimate_qlora` (bitsandbytes' storage and
-  its CUDA dequantization temporaries).
+  its dequantization temporaries: the CUDA path for training shapes and the CPU path are the same).
 
 Phases follow the measurement protocol: after load, after adapter injection, after optimizer init,
 forward (+ loss) peak, backward peak, optimizer-step peak of the first step, and the peak of a
@@ -141,9 +141,6 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[s
     from ledgerspec.derivations.protocol import TrackerBackend, run_protocol
     from ledgerspec.derivations.tracker import by_component
 
-    if spec.quant is not None and target == "cpu":
-        raise _err(doc, ("method", "kind"), "a CPU-target estimate of QLoRA is not supported",
-                   "estimate QLoRA for the CUDA target, or measure it")
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
     workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target)
     backend = TrackerBackend(fake=True, granularity=granularity(target))

@@ -98,6 +98,10 @@ def _fake_4bit_classes() -> tuple[Any, Any]:
             inp_dtype = x.dtype
             if x.dtype != self.compute_dtype:
                 x = x.to(self.compute_dtype)
+            if self.bias is not None and self.bias.dtype != x.dtype:
+                # as Linear4bit.forward: the bias is cast for good (`bias.data = ...`) at the first forward, so
+                # prepare_for_kbit_training's fp32 bias shrinks back to the compute dtype
+                self.bias.data = self.bias.data.to(x.dtype)
             return _Matmul4bit.apply(x, self.weight, self).to(inp_dtype)
 
     return Fake4bitLinear, _Matmul4bit
