@@ -59,6 +59,7 @@ def calculated() -> dict[str, Any]:
 def candidate() -> dict[str, Any]:
     d = calculated()
     d["ledger"]["activations"] = calc(2 * GiB, "ledgerspec estimate")
+    d["x-estimate"] = {"peak_allocated": calc(18 * GiB, "ledgerspec estimate")}
     d["result"] = {"target_device": {"name": "RTX 4090", "memory": "24GiB"}}
     return d
 
@@ -222,11 +223,12 @@ def test_lora_needs_no_quantization_fields() -> None:
     ("adamw_8bit", None, "CALCULATED"),  # bits follow from the name
     ("paged_adamw_8bit", None, "CALCULATED"),
     ("paged_adamw_32bit", None, "CALCULATED"),
-    ("paged_adamw", None, "INSUFFICIENT DATA"),  # paged, but 8 or 32 bits?
-    ("paged_adamw", 8, "CALCULATED"),
+    ("paged_adamw", None, "CALCULATED"),  # transformers' name for bitsandbytes' 32-bit PagedAdamW
+    ("paged_adam_9bit", None, "INSUFFICIENT DATA"),  # paged, but 8 or 32 bits?
+    ("paged_adam_9bit", 8, "CALCULATED"),
     ("rmsprop_bnb", None, "INSUFFICIENT DATA"),
     ("rmsprop_bnb", 32, "CALCULATED"),
-    ("paged_adamw", "UNKNOWN", "INSUFFICIENT DATA"),
+    ("paged_adam_9bit", "UNKNOWN", "INSUFFICIENT DATA"),
 ])
 def test_optimizer_bits_follow_from_the_name_or_are_given(name: str, bits: Any, expected: str) -> None:
     opt: dict[str, Any] = {"name": name}
@@ -279,6 +281,8 @@ def test_an_intake_stops_below_calculated_and_says_how_to_go_on() -> None:
     (("ledger", "activations"), {"value": "2GiB", "source": "ASSUMPTION", "note": "guess"}, "activation figure"),
     (("result", "target_device", "memory"), "12GiB", "does not fit"),
     (("result", "fits"), False, "result.fits"),
+    (("result", "oom"), True, "result.oom is true"),
+    (("x-estimate",), DELETE, "a sum of ledger components is not a peak"),
 ])
 def test_what_holds_a_ledger_below_candidate(path: tuple[str, ...], value: Any, reason: str) -> None:
     status, reasons = status_of(with_change(candidate, path, value))
@@ -313,12 +317,24 @@ def test_decimal_and_binary_units_in_the_fit_decision(target: str, fits: bool) -
     assert status == ("CANDIDATE" if fits else "CALCULATED"), reasons
 
 
-def test_sum_of_components_is_the_peak_when_nothing_better_exists() -> None:
-    d = candidate()  # 13,611,049,472 + 2 GiB of activations = 15,758,533,120 B
-    d["result"]["target_device"]["memory"] = 15_758_533_120
+def test_the_predicted_peak_decides_the_fit() -> None:
+    d = candidate()
+    d["result"]["target_device"]["memory"] = 18 * GiB
     assert status_of(d)[0] == "CANDIDATE"
-    d["result"]["target_device"]["memory"] = 15_758_533_119
+    d["result"]["target_device"]["memory"] = 18 * GiB - 1
     assert status_of(d)[0] == "CALCULATED"
+
+
+@pytest.mark.parametrize("temporary", [None, {"value": "1GiB", "source": "ASSUMPTION", "note": "overhead"},
+                                       calc(GiB, "my own formula")])
+def test_a_sum_of_components_is_never_a_peak(temporary: Any) -> None:
+    """Spec: the subtotal is not the peak; components + an assumed overhead is the shortcut the method refuses."""
+    d = with_change(candidate, ("x-estimate",), DELETE)
+    if temporary is not None:
+        d["ledger"]["temporary"] = temporary
+    status, reasons = status_of(d)
+    assert status == "CALCULATED"
+    assert any("not a peak" in r and "ledgerspec estimate" in r for r in reasons), reasons
 
 
 def test_assumption_in_an_intake_field_caps_at_candidate() -> None:
@@ -350,7 +366,6 @@ PHASE_KEYS = ["after_load", "after_adapter_injection", "after_optimizer_init", "
     *[(("phases", k), calc(14 * GiB), f"phases.{k}") for k in ("forward_peak", "steady_state_peak")],
     *[(("metrics", k), DELETE, f"metrics.{k}") for k in ("peak_allocated", "peak_reserved", "device_peak")],
     (("result", "oom"), DELETE, "result.oom"),
-    (("result", "oom"), True, "result.oom"),
     (("measurement", "steps"), 1, "measurement.steps"),
     (("measurement", "steps"), DELETE, "measurement.steps"),
     *[(("software", k), DELETE, f"software.{k}") for k in ("torch", "transformers", "peft")],
@@ -457,3 +472,24 @@ def test_offload_off_needs_neither() -> None:
 ])
 def test_example_supported_status(name: str, expected: str) -> None:
     assert supported_status(load(EXAMPLES / name)).status == expected
+
+
+# -- the optimizer name: bits and paged must follow from it or be given ----------------------------
+
+@pytest.mark.parametrize(("optimizer", "gap"), [
+    ({"name": "adamw_torch"}, None),
+    ({"name": "paged_adamw_8bit"}, None),
+    ({"name": "Lion_8bit"}, None),  # names are case-insensitive
+    ({"name": "adamw_9bit"}, "did you mean 'adamw_8bit'?"),
+    ({"name": "adamw_9bit", "bits": 8}, None),
+    ({"name": "galore_adamw"}, "optimizer.bits does not follow from it"),
+    ({"name": "galore_adamw", "bits": 32}, None),
+    ({"name": "adamw_apex_8bit"}, None),  # 8 bits follow from the name
+])
+def test_an_unknown_optimizer_name_needs_its_bits(optimizer: dict[str, Any], gap: str | None) -> None:
+    status, reasons = status_of(with_change(calculated, ("optimizer",), optimizer))
+    if gap is None:
+        assert status == "CALCULATED", reasons
+    else:
+        assert status == "INSUFFICIENT DATA"
+        assert any(gap in r and "is not a known optimizer" in r for r in reasons), reasons

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
+from ledgerspec.contract.optimizers import OPTIMIZERS, optimizer_spec, suggest
 from ledgerspec.contract.values import EXACT_SOURCES, Value
 
 LADDER = F.STATUSES
@@ -57,12 +58,24 @@ def minimum_intake_gaps(doc: Document) -> list[str]:
     need("workload", "microbatch")
     need_one(("workload", "max_length"), ("workload", "sequence_p95"))
     need("optimizer", "name")
-    name = doc.get("optimizer", "name").text()
-    if name and optimizer_is_bnb(name):
-        if optimizer_bits(name) is None and doc.get("optimizer", "bits").unknown:
-            gaps.append(f"optimizer.bits does not follow from the name {name!r} and is not given")
+    gaps += _optimizer_gaps(doc)
     need("memory_options", "gradient_checkpointing")
     return gaps
+
+
+def _optimizer_gaps(doc: Document) -> list[str]:
+    """Spec, minimum intake: for 8-bit or paged optimizers ``bits``/``paged`` must follow from the name or be
+    given. A known name (:mod:`ledgerspec.contract.optimizers`) says both; an unknown one may be 8-bit, so its
+    ``bits`` must be given unless the name spells them (``..._8bit``); ``paged`` is read from the name."""
+    name = doc.get("optimizer", "name").text()
+    if not name or optimizer_spec(name) is not None:
+        return []
+    if optimizer_bits(name) is not None or not doc.get("optimizer", "bits").unknown:
+        return []
+    guess = suggest(name)
+    hint = f"did you mean {guess!r}? " if guess else ""
+    return [f"optimizer.name {name!r} is not a known optimizer ({hint}known: {', '.join(OPTIMIZERS)}), so "
+            "optimizer.bits does not follow from it and must be given"]
 
 
 def _state(v: Value) -> str:
@@ -108,7 +121,10 @@ def assumption_inputs(doc: Document) -> list[str]:
 
 
 def best_peak(doc: Document) -> tuple[int | None, str | None]:
-    """The strongest available peak figure: measured device/reserved/allocated, then estimate, then sums."""
+    """The strongest available peak figure: measured device/reserved/allocated, then the estimate's predicted
+    peak, then a measured pilot. Never a sum of ledger components: a peak has temporaries a sum does not hold
+    (logits and loss in fp32, attention workspaces, dequantized weights), and an assumed ``temporary`` added
+    to the sum is the "subtotal + overhead" shortcut the method refuses."""
     for section, key in (("metrics", "device_peak"), ("metrics", "peak_reserved"), ("metrics", "peak_allocated"),
                          ("phases", "steady_state_peak")):
         v = doc.get(section, key)
@@ -121,13 +137,6 @@ def best_peak(doc: Document) -> tuple[int | None, str | None]:
     for v in pilot:
         if v.source == "MEASURED" and v.size() is not None:
             return v.size(), "pilot (MEASURED)"
-    parts = [doc.get("ledger", k) for k in ("frozen_base", "adapter", "gradients", "optimizer", "activations")]
-    if all(p.size() is not None and p.source in EXACT_SOURCES for p in parts):
-        total = sum(p.size() or 0 for p in parts)
-        tmp = doc.get("ledger", "temporary")
-        if tmp.size() is not None:
-            total += tmp.size() or 0
-        return total, "sum of ledger components"
     return None, None
 
 
@@ -179,12 +188,17 @@ def supported_status(doc: Document) -> StatusResult:
         held.append("CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
                     "or MEASURED, or a MEASURED pilot peak in metrics")
     if res.best_peak is None:
-        held.append("CANDIDATE needs a peak figure (a measurement, an estimate, or every ledger component)")
+        held.append("CANDIDATE needs a peak figure: a predicted peak (`ledgerspec estimate FILE` writes "
+                    "x-estimate) or a MEASURED one (metrics or a pilot); a sum of ledger components is not a peak")
     elif target is not None and res.best_peak > target:
         held.append(f"best peak ({res.best_peak_from}) = {res.best_peak} B does not fit the target device "
                     f"({target} B)")
     if doc.get("result", "fits").switch() is False:
         held.append("result.fits is false")
+    if doc.get("result", "oom").switch() is True:
+        phase = doc.get("result", "oom_phase").text() or "an unrecorded phase"
+        held.append(f"result.oom is true: the run ran out of memory in phase {phase}; change the configuration "
+                    "(see `ledgerspec triage FILE`) or the target device")
     if held:
         res.reasons = held
         return res
