@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import sys
 import threading
 import time
@@ -582,6 +583,53 @@ def test_the_real_torch_cuda_oom_type_is_recognised_without_a_gpu() -> None:
     assert backend.oom_kind(torch.cuda.OutOfMemoryError("Tried to allocate 2.00 GiB")) == "cuda"
 
 
+class RealSignatures:
+    """:class:`FakeCuda` behind the INSTALLED torch.cuda's own signatures: every call the backend makes is first
+    bound to the real function (a keyword the real torch does not take fails here, as it would on a GPU)."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        import torch
+
+        self._fake, self._real = fake, torch.cuda
+        self.calls: set[str] = set()
+        history = getattr(torch.cuda.memory, "_record_memory_history_impl", torch.cuda.memory._record_memory_history)
+        self.memory = types.SimpleNamespace(
+            _record_memory_history=self._checked("memory._record_memory_history", history,
+                                                 fake.memory._record_memory_history),
+            _dump_snapshot=self._checked("memory._dump_snapshot", torch.cuda.memory._dump_snapshot,
+                                         fake.memory._dump_snapshot))
+        self.OutOfMemoryError = torch.cuda.OutOfMemoryError
+
+    def _checked(self, name: str, real: Any, fake: Any) -> Any:
+        import inspect
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            inspect.signature(real).bind(*args, **kwargs)  # TypeError if the real torch would refuse the call
+            self.calls.add(name)
+            return fake(*args, **kwargs)
+
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        return self._checked(name, getattr(self._real, name), getattr(self._fake, name))
+
+
+def test_every_torch_cuda_call_binds_to_the_installed_torch_signatures(fake_cuda: FakeCuda, fake_nvml: FakeNVML,
+                                                                       tmp_path: Path) -> None:
+    """The private history API changed signature before (torch 2.0 -> 2.1); the device runs torch 2.11, whose
+    signatures of these functions are the same as 2.13's (checked against its wheel's sources)."""
+    pytest.importorskip("torch")
+    cuda = RealSignatures(fake_cuda)
+    backend = CudaBackend(cuda=cuda, sample_interval=0.001)
+    fake_nvml.cuda = fake_cuda
+    workload: Any = FakeWorkload(fake_cuda, fail_at=("backward", 1))
+    result = run_protocol(workload, backend, device="cuda", steps=2, snapshot_path=str(tmp_path / "x.pickle"))
+    assert result.oom and result.snapshot_path and backend.history_problem is None
+    assert result.device["memory_history"].startswith("recorded")
+    assert {"set_device", "init", "synchronize", "reset_peak_memory_stats", "max_memory_allocated",
+            "memory_allocated", "max_memory_reserved", "get_device_properties", "memory._record_memory_history",
+            "memory._dump_snapshot"} <= cuda.calls
+
 def test_constructing_the_backend_touches_no_device() -> None:
     class Exploding:
         def __getattr__(self, name: str) -> Any:
@@ -806,3 +854,236 @@ def test_gpu_check_skips_the_bitsandbytes_rows_with_a_note_and_writes_one_table(
     assert len([line for line in report.splitlines() if line.startswith("| MiB")]) == 1  # one table
     assert any(line.startswith("| **peak reserved** | 4.0 | 4.0 |") for line in table)
     assert "qlora-gc-on.yaml: skipped, it needs bitsandbytes for QLoRA" in report
+
+
+def _script_main_faked(mod: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Fake every GPU-touching step of the script's main loop (the plumbing tests below)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mod, "ensure_packages", lambda: set())
+    monkeypatch.setattr(mod, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(mod, "WORK", tmp_path / "results" / "gpu-check")
+    monkeypatch.setattr(mod, "header", lambda missing: "# gpu-check (faked header)")
+    monkeypatch.setattr(mod, "estimated_activations", lambda path: None)
+
+
+def test_gpu_check_reads_its_table_column_from_a_ledger_measured_on_cuda(
+        ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script's row() on what `measure --device cuda` writes (the fake run, written back and saved)."""
+    from ledgerspec.contract.document import load
+    from ledgerspec.contract.writer import save
+    from ledgerspec.derivations.measure import write_back
+
+    mod = _script()
+    doc = load(ledger)
+    calculated = {k: doc.get("ledger", k).size() for k in ("frozen_base", "adapter", "gradients", "optimizer")}
+    write_back(doc, _cuda_output(fake_cuda, monkeypatch), "ledgerspec measure --device cuda")
+    save(doc, str(ledger))
+    r = mod.row(ledger, 1_000_000)
+    exp = expected_phases()
+    top = roundup(max(exp.values()))
+    assert r["phases"] == exp
+    assert (r["allocated"], r["reserved"], r["device"]) == (max(exp.values()), top, CONTEXT + top)
+    assert r["oom"] is False and r["status"] == "CANDIDATE"
+    assert {k: r["comps"][k][0] for k in calculated} == calculated  # the calculated side: the resolver's figures
+    assert r["comps"]["activations"] == (1_000_000, ids_bytes(WORST) + act_bytes(WORST) + logits_bytes(WORST))
+    assert r["device_source"].startswith("NVML per-process")
+    table = mod.table([r])
+    assert f"| **device peak** | {(CONTEXT + top) / MiB:,.1f} |" in table
+    assert f"| phase backward_peak | {exp['backward_peak'] / MiB:,.1f} |" in table
+
+
+def test_gpu_check_installs_carried_wheels_exactly_as_the_device_readme_says(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    mod = _script()
+    wheels = tmp_path / ".whl"
+    wheels.mkdir()
+    for name in ("ruamel_yaml-0.19.1-py3-none-any.whl", "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"):
+        (wheels / name).write_bytes(b"")
+    monkeypatch.setattr(mod, "WHEELS", wheels)
+    monkeypatch.setattr(mod, "ROOT", Path("/repo"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/repo")
+    installed: set[str] = set()
+    ran: list[list[str]] = []
+
+    def run(cmd: list[str], check: bool = False) -> Any:
+        ran.append(cmd)
+        installed.update({"ruamel.yaml", "bitsandbytes"})
+        return types.SimpleNamespace(returncode=0)
+
+    present = {"jsonschema", "transformers", "peft", "accelerate", "pynvml"}
+    monkeypatch.setattr(mod, "importable", lambda module: module in present | installed)
+    monkeypatch.setattr(mod.subprocess, "run", run)
+    assert mod.ensure_packages() == set()
+    assert ran == [[sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", "/tmp/site", *sorted(map(str, wheels.glob("*.whl")))]]
+    # the measure children find the project first, then the carried packages
+    assert os.environ["PYTHONPATH"] == os.pathsep.join(["/repo", "/tmp/site"])
+    assert "/tmp/site" in sys.path
+
+
+def test_gpu_check_without_wheels_fails_on_a_required_package_and_skips_an_optional_one(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    mod = _script()
+    monkeypatch.setattr(mod, "WHEELS", tmp_path / "none")
+    monkeypatch.setattr(mod.subprocess, "run", lambda *a, **k: pytest.fail("nothing to install"))
+    monkeypatch.setattr(mod, "importable", lambda module: module != "bitsandbytes")
+    assert mod.ensure_packages() == {"bitsandbytes"}
+    monkeypatch.setattr(mod, "importable", lambda module: module != "jsonschema")
+    with pytest.raises(SystemExit) as exc:
+        mod.ensure_packages()
+    assert exc.value.code == 2
+
+
+def test_gpu_check_keeps_measuring_when_a_command_raises_and_logs_its_traceback(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With LEDGERSPEC_DEBUG=1 the CLI re-raises: one configuration's failure must not lose the others."""
+    import ledgerspec.faces.cli as cli_module
+
+    mod = _script()
+    _script_main_faked(mod, monkeypatch, tmp_path)
+
+    def main(args: list[str]) -> int:
+        if args[0] == "measure" and Path(args[1]).name == "lora-gc-off.yaml":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return 0
+
+    monkeypatch.setattr(cli_module, "main", main)
+    monkeypatch.setattr(mod, "row", lambda path, est: {
+        "name": path.stem, "comps": {k: (MiB, MiB) for k in ("frozen_base", "adapter", "gradients", "optimizer",
+                                                             "activations")},
+        "phases": dict.fromkeys(mod.PHASES, MiB), "allocated": MiB, "reserved": MiB, "device": MiB,
+        "estimate": None, "oom": False, "status": "CANDIDATE", "subtotal": MiB, "device_source": None})
+    assert mod.main([str(mod.CASES / "lora-gc-off.yaml"), str(mod.CASES / "lora-gc-on.yaml")]) == 1
+    report = (tmp_path / "results" / "gpu-check.md").read_text()
+    assert "| MiB (calculated / measured) | lora-gc-on |" in report  # the second configuration still ran
+    assert "lora-gc-off.yaml: `ledgerspec measure" in report and "exited 3" in report
+    log = (tmp_path / "results" / "gpu-check" / "lora-gc-off.log").read_text()
+    assert "Traceback" in log and "illegal memory access" in log and "$ ledgerspec resolve" in log
+    assert "Not run yet" not in report
+
+
+def test_gpu_check_rewrites_its_report_after_each_configuration(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """A run cut short (a device-time limit) keeps the rows measured so far, and says what did not run."""
+    mod = _script()
+    _script_main_faked(mod, monkeypatch, tmp_path)
+    monkeypatch.setattr(mod, "cli", lambda *args: (0, ""))
+    seen: list[str] = []
+
+    def row(path: Path, est: int | None) -> dict[str, Any]:
+        report = tmp_path / "results" / "gpu-check.md"
+        seen.append(report.read_text() if report.exists() else "")
+        if path.stem == "lora-gc-on":
+            raise KeyboardInterrupt  # cut short while the second configuration is read
+        return {"name": path.stem, "comps": {k: (None, None) for k in ("frozen_base", "adapter", "gradients",
+                                                                         "optimizer", "activations")},
+                "phases": dict.fromkeys(mod.PHASES), "allocated": 7 * MiB, "reserved": None, "device": None,
+                "estimate": None, "oom": False, "status": "CANDIDATE", "subtotal": None, "device_source": None}
+
+    monkeypatch.setattr(mod, "row", row)
+    with pytest.raises(KeyboardInterrupt):
+        mod.main([str(mod.CASES / "lora-gc-off.yaml"), str(mod.CASES / "lora-gc-on.yaml")])
+    report = (tmp_path / "results" / "gpu-check.md").read_text()
+    assert "| **peak allocated** | 7.0 |" in report
+    assert "Not run yet (the run was cut short if this stays): lora-gc-on.yaml" in report
+
+
+def test_gpu_check_prepared_ledger_points_at_the_config_from_any_folder(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    """The repository may sit anywhere on the GPU machine: a path with a space or ': ' must stay one YAML string."""
+    from ledgerspec.contract.document import load
+    from ledgerspec.derivations.build import config_file
+
+    mod = _script()
+    monkeypatch.setattr(mod, "WORK", tmp_path / "work")
+    repo = tmp_path / "a repo: copy"
+    shutil.copytree(mod.CASES.parent, repo / "qwen")
+    path = mod.prepare(repo / "qwen" / "gpu-check" / "lora-gc-on.yaml")
+    doc = load(path)
+    found = config_file(doc)
+    assert found is not None and found[0] == (repo / "qwen" / "config.json").resolve()
+
+
+# -- scripts/gpu-wheels ------------------------------------------------------------------------------------------------
+
+WHEELS_SCRIPT = SCRIPT.parent / "gpu-wheels"
+
+
+def _wheels_script() -> Any:
+    loader = importlib.machinery.SourceFileLoader("gpu_wheels_under_test", str(WHEELS_SCRIPT))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _wheel(folder: Path, filename: str, requires: list[str], size: int = 0) -> Path:
+    import zipfile
+
+    dist, version = filename.split("-")[:2]
+    path = folder / filename
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{dist}-{version}.dist-info/METADATA", "Metadata-Version: 2.1\nName: x\n"
+                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        z.writestr("pad.bin", b"\0" * size)
+    return path
+
+
+def test_gpu_wheels_downloads_with_the_device_readme_flags() -> None:
+    mod = _wheels_script()
+    cmd = mod.download_command("bitsandbytes", "0.50.2", Path("/r/.whl"), "3.12")
+    assert cmd[1:] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                       "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
+                       "manylinux_2_27_x86_64", "--platform", "manylinux_2_24_x86_64", "--platform",
+                       "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "--platform",
+                       "manylinux1_x86_64", "-d", "/r/.whl", "bitsandbytes==0.50.2"]
+    assert set(mod.WANTED) == {"ruamel.yaml", "jsonschema", "referencing", "jsonschema-specifications", "rpds-py",
+                               "bitsandbytes"}
+
+
+@pytest.mark.parametrize(("python", "expected"), [("3.12", ["attrs", "rpds-py", "typing-extensions"]),
+                                                  ("3.13", ["attrs", "rpds-py"])])
+def test_gpu_wheels_reads_requirements_with_markers_for_the_device_python(python: str, expected: list[str]) -> None:
+    mod = _wheels_script()
+    meta = ("Name: referencing\nRequires-Dist: attrs>=22.2.0\nRequires-Dist: rpds-py>=0.7.0\n"
+            "Requires-Dist: typing-extensions>=4.4.0; python_version < '3.13'\n"
+            "Requires-Dist: pytest; extra == 'test'\n")
+    assert mod.requirements(meta, python) == expected
+
+
+def test_gpu_wheels_flags_a_requirement_neither_carried_nor_on_the_device(tmp_path: Path) -> None:
+    mod = _wheels_script()
+    ok = [_wheel(tmp_path, "jsonschema-4.26.0-py3-none-any.whl", ["attrs>=22", "referencing>=0.28", "rpds-py"]),
+          _wheel(tmp_path, "referencing-0.37.0-py3-none-any.whl", ["attrs", "rpds_py>=0.7"]),
+          _wheel(tmp_path, "rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.whl", [])]
+    assert mod.missing_requirements(ok, "3.12") == []  # attrs is on the device, the rest travels
+    bad = [*ok, _wheel(tmp_path, "ruamel_yaml-0.19.1-py3-none-any.whl", ["ruamel.yaml.clib>=0.2.7"])]
+    assert mod.missing_requirements(bad, "3.12") == [
+        "ruamel-yaml-clib (required by ruamel_yaml-0.19.1-py3-none-any.whl)"]
+
+
+def test_gpu_wheels_keeps_one_version_of_each_for_the_device_python() -> None:
+    mod = _wheels_script()
+    names = ["rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+             "rpds_py-2026.9.1-cp311-cp311-manylinux_2_17_x86_64.whl",  # another Python
+             "jsonschema-4.25.0-py3-none-any.whl",  # another version
+             "jsonschema-4.26.0-py3-none-any.whl", "six-1.17.0-py2.py3-none-any.whl"]  # not wanted
+    keep, stale = mod.split_stale([Path(n) for n in names], mod.WANTED, "3.12")
+    assert [p.name for p in keep] == [names[0], names[3]]
+    assert [p.name for p in stale] == [names[1], names[2], names[4]]
+
+
+def test_gpu_wheels_drops_only_bitsandbytes_when_the_limit_is_passed(tmp_path: Path) -> None:
+    mod = _wheels_script()
+    small = _wheel(tmp_path, "jsonschema-4.26.0-py3-none-any.whl", [], 1000)
+    big = _wheel(tmp_path, "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl", [], 50_000)
+    sizes = small.stat().st_size, big.stat().st_size
+    assert mod.fit(0, [small, big], limit=sum(sizes)) == ([small, big], [])
+    kept, notes = mod.fit(0, [small, big], limit=sum(sizes) - 1)
+    assert kept == [small] and "dropped" in notes[0] and big.name in notes[0]
+    with pytest.raises(SystemExit):
+        mod.fit(sizes[1], [small, big], limit=sum(sizes) - 1)  # too big even without bitsandbytes
