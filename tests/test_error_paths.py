@@ -60,6 +60,11 @@ DOCUMENTS: dict[str, tuple[str, str | None, tuple[str, ...], str, int | None]] =
                        ("resolve", "estimate", "measure", "triage", "shard"), "no config.json", 7),
     "unknown-model-type": (LEDGER, json.dumps({**CONFIG, "model_type": "nosuchmodel"}),
                            ("resolve", "estimate", "shard"), "nosuchmodel", 7),
+    # transformers' strict config dataclasses: the reason is on the message's second line
+    "config-wrong-type": (LEDGER, json.dumps({**CONFIG, "vocab_size": "big"}), ("resolve", "estimate", "shard"),
+                          "Field 'vocab_size' expected int, got str", 7),
+    "config-inconsistent": (LEDGER, json.dumps({**CONFIG, "num_attention_heads": 3}), ("resolve", "estimate", "shard"),
+                            "not a multiple of the number of attention heads (3)", 7),
     "targets-match-nothing": (_edit("[q_proj, v_proj]", "[nothing_here]"), None, ("resolve", "estimate", "shard"),
                               "nothing_here", 16),
     "intake-where-a-ledger-is-needed": (INTAKE, None, ("measure", "triage"), "writes into a ledger/v1 document", 1),

@@ -88,10 +88,12 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
         try:
             config = AutoConfig.from_pretrained(str(file.parent) if file.name == "config.json" else str(file),
                                                 trust_remote_code=trust_remote_code)
-        except (ValueError, KeyError, OSError) as exc:
-            raise _err(doc, ("identity", "config_path"), f"transformers cannot read {file}: {one_line(exc)}",
-                       "is model_type a transformers architecture? (custom code needs --trust-remote-code)"
-                       ) from None
+        except Exception as exc:  # anything transformers (or its strict config dataclasses) refuses is the file's
+            msg = compact(exc)
+            hint = ("fix the value in config.json (copy the model's published config.json)"
+                    if "validation error" in msg.lower() else
+                    "is model_type a transformers architecture? (custom code needs --trust-remote-code)")
+            raise _err(doc, ("identity", "config_path"), f"transformers cannot read {file}: {msg}", hint) from None
         archs = data.get("architectures") or []
         return ModelSource(config, str(file), hashlib.sha256(raw).hexdigest(), archs[0] if archs else None)
 
@@ -115,6 +117,13 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     archs = getattr(config, "architectures", None) or []
     name_or_path = getattr(config, "_name_or_path", None)
     return ModelSource(config, str(name_or_path) if name_or_path else None, None, archs[0] if archs else None)
+
+
+def compact(exc: BaseException, limit: int = 300) -> str:
+    """Every line of an exception's message on one line (transformers' config validation puts the reason on the
+    second line)."""
+    parts = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return (" ".join(parts) or type(exc).__name__)[:limit]
 
 
 def one_line(exc: BaseException) -> str:
