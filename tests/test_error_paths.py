@@ -123,6 +123,8 @@ FLAGS = [
     ("estimate", ["--device-memory", "-5GB"], "negative size '-5GB'"),  # a value, not an unknown flag
     ("estimate", ["--device-memory=-5GB"], "negative size '-5GB'"),
     ("estimate", ["--device-memory", "24gib"], "did you mean GiB?"),
+    ("estimate", ["--device-memory", "24"], "did you mean 24GiB or 24GB?"),
+    ("shard", ["--estimate", "--device-memory", "80"], "too small for a device"),
     ("shard", ["--estimate", "--device-memory", "0"], "must be a positive size"),
     ("shard", ["--estimate", "--device-memory", "-1"], "negative size '-1'"),
     ("estimate", ["--sweep", "rank"], "expected NAME=V1,V2"),

@@ -226,6 +226,8 @@ def test_sweep_prints_the_matrix_and_the_largest_fitting(tmp_path: Path, cli: Cl
     assert verdict[(mb, ckpt)] == "yes"
     assert all(v == "NO" for (m, _), v in verdict.items() if int(m) > int(mb))  # nothing bigger fits
     assert path.read_text() == before  # a sweep writes nothing
+    code, out, _ = cli("estimate", path, "--sweep", "microbatch=4,8", "--device-memory", str(base))
+    assert code == 1 and "no configuration fits" in out  # as a single estimate that does not fit
 
 
 def test_checkpointing_and_microbatch_move_the_estimate_the_right_way() -> None:
@@ -237,7 +239,8 @@ def test_checkpointing_and_microbatch_move_the_estimate_the_right_way() -> None:
     assert peak(microbatch=1).activations < off.activations  # microbatch 2 by default
 
 
-@pytest.mark.parametrize("spec", ["microbatch", "microbatch=0", "colour=1,2", "gradient_checkpointing=maybe"])
+@pytest.mark.parametrize("spec", ["microbatch", "microbatch=0", "colour=1,2", "gradient_checkpointing=maybe",
+                                  "optimizer=adamw_torch,adamw_9bit", "attention_implementation=flash"])
 def test_bad_sweep_is_a_usage_error(tmp_path: Path, cli: CliRunner, spec: str) -> None:
     path = _copy(tmp_path, ledger_text())
     code, _, err = cli("estimate", path, "--sweep", spec)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ledgerspec.contract.document import Document, set_path
 from ledgerspec.contract.values import Value
+from ledgerspec.derivations.workload import ATTENTION, OPTIMIZERS
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
 
@@ -33,10 +34,12 @@ def _switch(text: str) -> bool:
     return value
 
 
-def _text(text: str) -> str:
-    if not text:
-        raise ValueError("must not be empty")
-    return text
+def _choice(options: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"is not one of {', '.join(options)}")
+        return text
+    return parse
 
 
 #: the inputs a sweep may vary: name -> (document path, parser)
@@ -45,8 +48,8 @@ AXES: dict[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "max_length": (("workload", "max_length"), _int),
     "gradient_checkpointing": (("memory_options", "gradient_checkpointing"), _switch),
     "rank": (("method", "rank"), _int),
-    "optimizer": (("optimizer", "name"), _text),
-    "attention_implementation": (("software", "attention_implementation"), _text),
+    "optimizer": (("optimizer", "name"), _choice(OPTIMIZERS)),
+    "attention_implementation": (("software", "attention_implementation"), _choice(ATTENTION)),
 }
 
 
@@ -152,4 +155,6 @@ def render(rows: Sequence[tuple[dict[str, Any], int]], axes: Sequence[Axis], doc
             desc = ", ".join(f"{k}={show(v)}" for k, v in best[0].items())
             lines.append(f"largest configuration that fits {format_size(device_memory)}: {desc} "
                          f"(predicted peak {format_size(best[1])})")
+        lines.append("(allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom "
+                     "too)")
     return "\n".join(lines) + "\n"

@@ -20,3 +20,16 @@ def positive_size(text: str) -> int:
     if value == 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive size (e.g. 24GiB, 80GB)")
     return value
+
+
+#: below this a device memory is a missing unit, not a device (``--device-memory 24``)
+MIN_DEVICE_MEMORY = 2**20
+
+
+def device_memory(text: str) -> int:
+    """``--device-memory``: a positive size of at least 1 MiB (a bare ``24`` is 24 bytes: surely a missing unit)."""
+    value = positive_size(text)
+    if value < MIN_DEVICE_MEMORY:
+        raise argparse.ArgumentTypeError(f"{text!r} is {value} bytes, too small for a device; give a unit "
+                                         f"(did you mean {text.strip()}GiB or {text.strip()}GB?)")
+    return value

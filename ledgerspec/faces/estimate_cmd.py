@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import positive_size
+from ledgerspec.faces.arguments import device_memory
 
 
 def register(subparsers: Any) -> None:
@@ -17,7 +17,7 @@ def register(subparsers: Any) -> None:
                     "FakeTensorMode; fill ledger.activations and x-estimate; say whether it fits a device. "
                     "Exit 1 when a device memory is given and the prediction does not fit.")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--device-memory", metavar="SIZE", type=positive_size,
+    p.add_argument("--device-memory", metavar="SIZE", type=device_memory,
                    help="target device memory, e.g. 24GiB or 80GB")
     p.add_argument("-o", "--output", metavar="OUT", help="write the updated ledger here instead of in place")
     p.add_argument("--sweep", nargs="+", metavar="NAME=V1,V2",
@@ -98,4 +98,6 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
         est = estimate(sweep.apply(doc, point), target=args.target, layers="full" if args.full else "auto")
         rows.append((point, est.peak_allocated))
     sys.stdout.write(sweep.render(rows, axes, doc, target_memory))
+    if target_memory is not None and sweep.largest_fitting(rows, doc, target_memory) is None:
+        return EXIT_FINDINGS  # as a single estimate that does not fit
     return EXIT_OK

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import positive_size
+from ledgerspec.faces.arguments import device_memory
 
 
 def register(subparsers: Any) -> None:
@@ -26,7 +26,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (auto_map)")
     p.add_argument("--estimate", action="store_true",
                    help="also predict each rank's phases: a simulated FSDP2 step per rank (fake tensors, no GPU)")
-    p.add_argument("--device-memory", metavar="SIZE", type=positive_size,
+    p.add_argument("--device-memory", metavar="SIZE", type=device_memory,
                    help="with --estimate: memory of ONE device, e.g. 24GiB (default: result.target_device.memory)")
     p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
                    help="with --estimate: model a CUDA GPU (attention kernels, 512 B rounding) or the CPU")
