@@ -8,9 +8,12 @@ from typing import Any, TextIO
 
 from ledgerspec import __version__
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
+from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.validate import Report
 
 Reporter = Callable[[list[Report], TextIO, bool], None]
+#: status reasons the text reporter prints without -v
+REASONS_SHOWN = 3
 REPORTERS: dict[str, Reporter] = {}
 
 
@@ -33,9 +36,14 @@ def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
             declared = r.declared_status or "none declared"
             out.write(f"{r.path}: {r.kind}/v1, status {r.supported_status} (declared: {declared})"
                       f"{'' if r.ok else ', INVALID'}\n")
-            if verbose or (r.declared_status and r.declared_status != r.supported_status):
-                for reason in r.reasons:
-                    out.write(f"  - {reason}\n")
+            # what holds the status down is the next step: always the first few; all of them with -v or
+            # when the declared status claims more than the evidence supports
+            overclaimed = RANK.get(r.declared_status or "", -1) > RANK.get(r.supported_status, -1)
+            shown = r.reasons if verbose or overclaimed else r.reasons[:REASONS_SHOWN]
+            for reason in shown:
+                out.write(f"  - {reason}\n")
+            if len(shown) < len(r.reasons):
+                out.write(f"  - ... {len(r.reasons) - len(shown)} more reason(s) (-v shows them)\n")
     infos = sum(1 for r in reports for f in r.findings if f.severity == INFO)
     if infos and not verbose:
         out.write(f"({infos} info finding(s) hidden; -v shows them)\n")
