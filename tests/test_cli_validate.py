@@ -436,3 +436,22 @@ def test_validate_never_touches_the_network(cli: CliRunner, monkeypatch: pytest.
     assert code == 1 and "Traceback" not in err
     assert json.loads(out)["runs"][0]["results"]
 
+
+
+@pytest.mark.parametrize(("example", "verbose"), [("14b-qlora.intake.yaml", False), ("14b-qlora.intake.yaml", True),
+                                                  ("downgraded.ledger.yaml", False)])
+def test_text_output_always_says_what_holds_the_status_down(cli: CliRunner, example: str, verbose: bool) -> None:
+    from ledgerspec.checks.ladder import RANK, supported_status
+    from ledgerspec.faces.reporters import REASONS_SHOWN
+
+    doc = load(EXAMPLES / example)
+    res = supported_status(doc)
+    assert len(res.reasons) > REASONS_SHOWN or example.startswith("downgraded")
+    _, out, _ = cli("validate", *(["-v"] if verbose else []), EXAMPLES / example)
+    listed = [line[4:] for line in out.splitlines() if line.startswith("  - ") and "more reason(s)" not in line]
+    overclaimed = RANK[doc.plain["status"]] > RANK[res.status]
+    if verbose or overclaimed:
+        assert listed == res.reasons
+    else:
+        assert listed == res.reasons[:REASONS_SHOWN]
+        assert f"  - ... {len(res.reasons) - REASONS_SHOWN} more reason(s) (-v shows them)" in out
