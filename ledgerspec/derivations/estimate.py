@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,7 +145,10 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[s
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
     workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target)
     backend = TrackerBackend(fake=True, granularity=granularity(target))
-    with workload.stack:
+    with workload.stack, warnings.catch_warnings():
+        # the simulation builds a paged optimizer on the CPU, where bitsandbytes warns that paging falls back;
+        # the estimate models the paged state itself, so the warning is about the simulation, not the user's run
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU", category=UserWarning)
         result = run_protocol(workload, backend, device="cpu", steps=1)
     if result.oom or not result.complete:  # no limit is set: cannot happen, but never report a partial run
         raise _err(doc, ("identity",), f"the simulated step stopped early ({result.oom_message})", _MEASURE_HINT)
@@ -282,8 +286,10 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
     """Record the estimate in a ledger: ``ledger.activations``, ``x-estimate`` and, with a device, the fit.
 
     ``temporary`` is never written (MEASURED only). A stronger ``ledger.activations`` (MEASURED) is kept.
+    ``x-estimate.inputs`` fingerprints the fields the estimate read (:mod:`ledgerspec.contract.fingerprint`).
     """
     from ledgerspec import __version__
+    from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
     from ledgerspec.contract.writeback import set_extension, set_figure, set_plain
     from ledgerspec.derivations.subtotal import write_subtotal
 
@@ -308,6 +314,7 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
         if from_flag:
             changes.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
         changes.append(set_plain(doc, ("result", "fits"), verdict.fits, force=True))
+    block["inputs"] = digests(doc, WORKLOAD_INPUTS)  # what it was estimated from: `validate` notices edits (LS006)
     changes.append(set_extension(doc, ("x-estimate",), block))
     changes.append(write_subtotal(doc))  # now with activations, as `resolve` would write it
     return [c for c in changes if c is not None]

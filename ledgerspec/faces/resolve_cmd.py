@@ -57,7 +57,8 @@ def run_resolve(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     doc = load(args.file)
-    if doc.kind == "intake" and not args.output and not (args.check or args.dry_run):
+    intake = doc.kind == "intake"
+    if intake and not args.output and not (args.check or args.dry_run):
         line, col = doc.position("/ledgerspec")
         raise LedgerspecError("an intake is resolved into a new ledger: give -o OUT", doc.path, line, col,
                               rule="resolve", hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
@@ -93,8 +94,9 @@ def run_resolve(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.check:
         if result.changed:
-            print(f"{args.file}: would change ({len(result.applied)} fields); run `ledgerspec resolve` to update",
-                  file=sys.stderr)
+            how = (f"`ledgerspec resolve {args.file} -o LEDGER` writes the ledger" if intake else
+                   f"run `ledgerspec resolve {args.file}` to update")
+            print(f"{args.file}: would change ({len(result.applied)} fields); {how}", file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_OK
     if result.changed or args.output:
