@@ -220,6 +220,21 @@ def test_triage_fills_the_worksheet_and_the_sensitivity_matrix(cli: CliRunner, r
     assert not got.get("phases").present
 
 
+def test_triage_without_an_oom_writes_only_the_sensitivity_matrix(cli: CliRunner, resolved: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from ledgerspec.derivations import measure as m
+    from ledgerspec.derivations import triage as t
+
+    monkeypatch.setattr(t, "run_child", lambda req: m.run_request(req))
+    code, out, err = cli("triage", str(resolved))
+    assert code == 0, err
+    assert "no out-of-memory to triage" in out
+    got = load(resolved)
+    assert not got.get("triage").present  # every controlled test would "PASS": a worksheet that says nothing
+    matrix = got.get("x-sensitivity").value
+    assert matrix["baseline"]["oom"] is False and matrix["changes"]["microbatch_reduced"]["delta"] < 0
+
+
 # -- the GPU check ----------------------------------------------------------------------------------------------------
 
 

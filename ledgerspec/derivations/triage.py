@@ -58,6 +58,10 @@ class TriageOutcome:
         b = self.baseline
         state = f"OOM in {b.result.oom_phase}" if b.result.oom else "no OOM"
         lines = [f"{self.path}: baseline peak {format_size(b.peak)} ({state})"]
+        if not b.result.oom:
+            lines.append("  no out-of-memory to triage: the OOM Triage Worksheet (triage) is not written, only the "
+                         "Memory Sensitivity Matrix (x-sensitivity); reproduce the OOM on the target device, or on "
+                         "the cpu with --memory-limit SIZE")
         for name in TESTS:
             if name in self.trials:
                 t = self.trials[name]
@@ -188,7 +192,8 @@ def matrix(baseline: Trial, trials: dict[str, Trial], skipped: dict[str, str]) -
 
 def triage(path: str, device: str = "cpu", steps: int = 2, output: str | None = None,
            memory_limit: int | None = None) -> TriageOutcome:
-    """Run the baseline and the controlled tests; write ``triage`` and ``x-sensitivity`` into the ledger."""
+    """Run the baseline and the controlled tests; write ``x-sensitivity`` into the ledger, and ``triage`` (the OOM
+    Triage Worksheet) when the baseline runs out of memory."""
     from ledgerspec.contract.writer import check_writable, save
     from ledgerspec.derivations.workload import WorkloadSpec
 
@@ -203,12 +208,12 @@ def triage(path: str, device: str = "cpu", steps: int = 2, output: str | None = 
     baseline = Trial("baseline", "as declared", results.pop("baseline"))
     trials = {name: Trial(name, changes[name][0], result) for name, result in results.items()}
     outcome = TriageOutcome(output or path, baseline, trials, skipped, hypotheses(baseline, trials))
-    if baseline.result.oom:
+    if baseline.result.oom:  # the worksheet triages an out-of-memory: without one every test would PASS
         set_plain(doc, ("triage", "phase"), baseline.result.oom_phase, force=True)
-    for name, t in trials.items():
-        set_plain(doc, ("triage", "controlled_tests", name), "PASS" if t.passed else "FAIL", force=True)
-    for key, text in outcome.hypothesis.items():
-        set_plain(doc, ("triage", "hypothesis", key), text, force=True)
+        for name, t in trials.items():
+            set_plain(doc, ("triage", "controlled_tests", name), "PASS" if t.passed else "FAIL", force=True)
+        for key, text in outcome.hypothesis.items():
+            set_plain(doc, ("triage", "hypothesis", key), text, force=True)
     set_extension(doc, ("x-sensitivity",), matrix(baseline, trials, skipped))
     save(doc, output or path)
     return outcome
