@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ledgerspec.checks.stale import stale_evidence
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.optimizers import OPTIMIZERS, optimizer_spec, suggest
@@ -174,6 +175,7 @@ def supported_status(doc: Document) -> StatusResult:
         src = v.effective_source(True)
         if src not in EXACT_SOURCES or v.size() is None:
             weak.append(f"ledger.{key} is {src if v.present else 'missing'}")
+    weak += stale_evidence(doc, "CALCULATED")  # figures of since-edited inputs (LS006)
     if weak:
         res.reasons = [f"CALCULATED needs exact figures: {w}" for w in weak]
         return res
@@ -199,6 +201,7 @@ def supported_status(doc: Document) -> StatusResult:
         phase = doc.get("result", "oom_phase").text() or "an unrecorded phase"
         held.append(f"result.oom is true: the run ran out of memory in phase {phase}; change the configuration "
                     "(see `ledgerspec triage FILE`) or the target device")
+    held += stale_evidence(doc, "CANDIDATE", res.best_peak_from)
     if held:
         res.reasons = held
         return res
@@ -207,6 +210,7 @@ def supported_status(doc: Document) -> StatusResult:
     # -- VALIDATED --------------------------------------------------------------------------------
     held = [f"ASSUMPTION in an intake field caps the status at CANDIDATE: {p}" for p in assumption_inputs(doc)]
     held += validated_gaps(doc)
+    held += stale_evidence(doc, "VALIDATED")
     if held:
         res.reasons = held
         return res

@@ -1,4 +1,5 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005 and LS090. One function per rule, named after it.
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005, LS006 and LS090.
+One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
 :class:`~ledgerspec.checks.findings.Hit`; the validator adds positions and severities.
@@ -13,8 +14,10 @@ from ledgerspec.checks.context import Context, ptr
 from ledgerspec.checks.findings import ERROR, INFO, WARNING, Hit
 from ledgerspec.checks.ladder import RANK, dotted, is_qlora
 from ledgerspec.checks.registry import rule
+from ledgerspec.checks.stale import edited_since
 from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
+from ledgerspec.contract.fingerprint import STAMPS, stale
 from ledgerspec.contract.units import format_size
 from ledgerspec.contract.values import Value
 
@@ -310,6 +313,20 @@ _SHORTCUTS = (
 )
 SHORTCUTS: tuple[tuple[re.Pattern[str], str, str], ...] = tuple(
     (re.compile(p, re.IGNORECASE), what, why) for p, what, why in _SHORTCUTS)
+
+
+@rule("LS006", ERROR, "figures computed from inputs that were edited since (resolve, estimate or measure)",
+      "run the command again: `ledgerspec resolve FILE` (exact figures), `ledgerspec estimate FILE` (activations, "
+      "x-estimate); measure again for a measurement",
+      example="method:\n  rank: 64  # was 16 when resolve ran\nx-resolve:\n  inputs: {method: 0123456789abcdef}")
+def ls006_stale_inputs(ctx: Context) -> Iterator[Hit]:
+    """``x-resolve`` / ``x-estimate`` / ``x-measure`` store a fingerprint of the inputs they read; an edit shows."""
+    wrote = {"resolve": "the exact figures (ledger.frozen_base, adapter, gradients, optimizer, parameter counts)",
+             "estimate": "ledger.activations and x-estimate", "measure": "phases, metrics and x-measure"}
+    extension = {command: ext for ext, _, command in STAMPS}
+    for command, sections in stale(ctx.doc).items():
+        where = ptr(sections[0]) if ctx.doc.section(sections[0]) else ptr(extension[command], "inputs")
+        yield Hit(where, f"{wrote[command]} describe other inputs: {edited_since(command, sections)}")
 
 
 @rule("LS090", WARNING, "a figure derived with one of the article's universal shortcuts",

@@ -27,6 +27,7 @@ from typing import Any
 
 from ledgerspec.contract import document
 from ledgerspec.contract.document import Document, from_text
+from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
 from ledgerspec.contract.units import format_size
 from ledgerspec.contract.writeback import set_extension, set_figure, set_plain
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
@@ -285,7 +286,7 @@ def write_back(doc: Document, out: ChildOutput, command: str, compare: bool = Tr
     if compare:
         _write_comparison(doc, r, notes)
     _write_result(doc, r)
-    set_extension(doc, ("x-measure",), _extension(r))
+    set_extension(doc, ("x-measure",), {**_extension(r), "inputs": digests(doc, WORKLOAD_INPUTS)})  # LS006
     if r.snapshot_path:
         notes.append(f"memory snapshot of the OOM saved to {r.snapshot_path} (drop it on https://pytorch.org/memory_viz)")
     return notes

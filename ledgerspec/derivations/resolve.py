@@ -4,6 +4,13 @@ The figures come from the instantiated stack (see :mod:`ledgerspec.derivations.c
 VERIFIED (read off the model PEFT produced), bytes CALCULATED from those tensors with the exact storage
 rules of :mod:`~ledgerspec.derivations.bnb_storage` and :mod:`~ledgerspec.derivations.optimizer_state`.
 Activations and temporary memory are not calculated here (``ledgerspec estimate``, ``measure``).
+
+Besides the figures, resolve writes a few plain values (``identity.architecture``, ``gradients.dtype``,
+``optimizer.state_format``, ``bits``, ``paged``). It records each one it wrote, as written, in the top-level
+``x-resolve.written``; on the next run a value still equal to its record is resolve's own and is refreshed (or
+removed when the configuration no longer has it), while any other value is the user's and is kept
+(:mod:`ledgerspec.derivations.resolve_record`). ``x-resolve.inputs`` fingerprints the input fields resolve read
+(:mod:`ledgerspec.contract.fingerprint`), so ``validate`` notices an input edited after resolve ran (LS006).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ledgerspec.derivations.optimizer_state import (
     state_bytes,
 )
 from ledgerspec.derivations.quiet import quiet_bitsandbytes
+from ledgerspec.derivations.resolve_record import Record
 from ledgerspec.derivations.subtotal import write_subtotal
 
 
@@ -191,7 +199,8 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
     """Write the figures into ``doc`` (in memory), precedence and comments respected."""
     changes: list[Change | None] = []
     m = _methods(c, f)
-    changes.append(set_plain(doc, ("identity", "architecture"), c.architecture))
+    record = Record(doc)
+    changes.append(record.set(("identity", "architecture"), c.architecture))
     if sha256:
         changes.append(set_plain(doc, ("identity", "config_sha256"), sha256))
     changes.append(set_figure(doc, ("identity", "total_parameters"), f.total_parameters, "VERIFIED", m["total"]))
@@ -203,21 +212,22 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
                               m["trainable"]))
     changes.append(set_extension(doc, ("method", "x-breakdown"), [r.as_dict() for r in c.breakdown]))
     changes.append(set_figure(doc, ("gradients", "parameters"), f.trainable_parameters, "VERIFIED", m["gradients"]))
-    changes.append(set_plain(doc, ("gradients", "dtype"), f.gradient_dtype))
+    changes.append(record.set(("gradients", "dtype"), f.gradient_dtype))
     if f.optimizer is not None and f.optimizer_spec is not None:
         changes.append(set_figure(doc, ("optimizer", "optimized_parameters"), f.trainable_parameters, "VERIFIED",
                                   m["optimized"]))
         spec = f.optimizer_spec
-        changes.append(set_plain(doc, ("optimizer", "state_format"), spec.describe()))
+        changes.append(record.set(("optimizer", "state_format"), spec.describe()))
         if spec.family == "bnb":
-            changes.append(set_plain(doc, ("optimizer", "bits"), spec.bits))
-            changes.append(set_plain(doc, ("optimizer", "paged"), spec.paged))
+            changes.append(record.set(("optimizer", "bits"), spec.bits))
+            changes.append(record.set(("optimizer", "paged"), spec.paged))
     changes.append(set_figure(doc, ("ledger", "frozen_base"), f.frozen_base_bytes, "CALCULATED", m["frozen"]))
     changes.append(set_figure(doc, ("ledger", "adapter"), f.adapter_bytes, "CALCULATED", m["adapter"]))
     changes.append(set_figure(doc, ("ledger", "gradients"), f.gradient_bytes, "CALCULATED", m["ledger_gradients"]))
     if f.optimizer is not None:
         changes.append(set_figure(doc, ("ledger", "optimizer"), f.optimizer.device, "CALCULATED", m["optimizer"]))
     changes.append(write_subtotal(doc))
+    changes += record.finish()  # last: x-resolve fingerprints the inputs as written (adapter.dtype: mixed included)
     return [ch for ch in changes if ch is not None]
 
 

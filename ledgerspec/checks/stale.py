@@ -1,0 +1,52 @@
+"""Stale evidence: figures a command computed from inputs that were edited after it ran.
+
+The status ladder calls :func:`stale_evidence` once per rung; rule LS006 reports the edit itself. Both read the
+fingerprints of :mod:`ledgerspec.contract.fingerprint`, so they agree. A MEASURED figure is what was measured:
+the resolver's fingerprint never discounts it, only a stale ``x-measure`` (a measurement of other inputs)
+holds VALIDATED. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from ledgerspec.contract.document import Document
+from ledgerspec.contract.fingerprint import stale
+
+COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+_PEAKS = ("peak_allocated", "peak_reserved", "device_peak")
+
+
+def edited_since(command: str, sections: list[str]) -> str:
+    """``method, adapter changed since `ledgerspec resolve` ran (run `ledgerspec resolve FILE`)``."""
+    again = f"run `ledgerspec {command} FILE`" if command != "measure" else "measure again"
+    return f"{', '.join(sections)} changed since `ledgerspec {command}` ran ({again})"
+
+
+def stale_evidence(doc: Document, level: str, best_peak_from: str | None = None) -> list[str]:
+    """Why figures computed from since-edited inputs cannot support ``level`` (CALCULATED, CANDIDATE, VALIDATED).
+
+    CALCULATED: the four resident components, when resolve's inputs changed (unless MEASURED). CANDIDATE: the
+    estimate's activation figure and predicted peak, when its inputs changed and nothing measured stands in.
+    VALIDATED: the measurement, when its inputs changed. ``best_peak_from``: where the ladder's best peak came from.
+    """
+    changed = stale(doc)
+    out: list[str] = []
+    if level == "CALCULATED" and "resolve" in changed:
+        why = edited_since("resolve", changed["resolve"])
+        for key in COMPONENTS:
+            source = doc.get("ledger", key).source
+            if source in ("CALCULATED", "VERIFIED"):
+                out.append(f"ledger.{key} is {source} from other inputs: {why}")
+    elif level == "CANDIDATE" and "estimate" in changed:
+        why = edited_since("estimate", changed["estimate"])
+        measured_peak = any(doc.get("metrics", k).source == "MEASURED" for k in _PEAKS)
+        if doc.get("ledger", "activations").source == "CALCULATED" and not measured_peak:
+            out.append(f"ledger.activations is CALCULATED from other inputs: {why}")
+        if best_peak_from == "x-estimate.peak_allocated":
+            out.append(f"the predicted peak x-estimate.peak_allocated is from other inputs: {why}")
+    elif level == "VALIDATED" and "measure" in changed:
+        why = edited_since("measure", changed["measure"])
+        out.append(f"the measurement (x-measure, phases, metrics) is of other inputs: {why}")
+    return out
+
+
+__all__ = ["edited_since", "stale_evidence"]

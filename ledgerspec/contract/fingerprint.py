@@ -1,0 +1,131 @@
+"""Input fingerprints: which inputs a tool's figures were computed from, so that a later edit shows.
+
+``resolve``, ``estimate`` and ``measure`` each store, in their ``x-`` extension, a fingerprint of exactly the
+input fields they read (``x-resolve.inputs``, ``x-estimate.inputs``, ``x-measure.inputs``): per input section,
+the first 16 hex digits of the SHA-256 of a canonical JSON of the values of those fields. ``validate`` (rule
+LS006 and the status ladder) recomputes them with the same function: a section whose digest differs was edited
+after the tool ran, so the figures the tool wrote describe another configuration.
+
+What goes in (and what does not):
+
+- the *value* of each field, not its form: ``rank: 16`` and ``rank: {value: 16, source: VERIFIED}`` are the same
+  input, and editing a ``note`` or a comment changes nothing; ``UNKNOWN`` counts as its word; absent fields are
+  left out (so adding one is a change), except those a tool fills in itself (:data:`DEFAULTS`);
+- only fields the tool reads. ``method.alpha`` and ``alpha_pattern`` scale the update and create no tensor
+  (``rank x alpha`` is one of the article's traps), ``method.dropout`` creates none either (it matters to
+  activations, so ``estimate`` and ``measure`` read it); the figures a tool writes itself (``gradients.dtype``,
+  ``optimizer.state_format``...) are outputs, not inputs;
+- nothing outside the document: the ``config.json`` named by ``identity.config_path`` is pinned by
+  ``identity.config_sha256`` (``resolve`` writes that pin and checks it when it runs; ``validate`` reads no
+  file). The pin is in the fingerprint, ``config_path`` is not: ``-o OUT`` rewrites that path so it still
+  names the same file from the new place, which is no change of input.
+
+A document without a stored fingerprint (hand-written, or written by an older ledgerspec) is not checked. The
+digest is for noticing edits, not a security control: 64 bits are far beyond what accidental edits can collide.
+Pure and light: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ledgerspec.contract.document import Document
+
+Inputs = dict[str, tuple[tuple[str, ...], ...]]
+
+_QUANTIZATION = tuple(("quantization", k) for k in ("type", "bits", "storage_dtype", "double_quant", "compute_dtype",
+                                                    "blocksize", "skip_modules"))
+
+#: what ``resolve`` reads (build.py, census.py, resolve.check_optimizer), per section
+RESOLVE_INPUTS: Inputs = {
+    "identity": (("model_id",), ("revision",), ("config_sha256",)),  # config_path: see the module docstring
+    "method": (("kind",), ("rank",), ("rank_pattern",), ("target_modules",), ("target_parameters",), ("bias",),
+               ("modules_to_save",), ("use_dora",)),
+    "base_model": (("loaded_dtype",), ("quantized",), ("prepare_for_kbit_training",), *_QUANTIZATION),
+    "adapter": (("dtype",), ("x-lora-dtype",)),
+    "optimizer": (("name",), ("min_8bit_size",)),
+}
+
+#: what ``estimate`` and ``measure`` read: the resolver's inputs plus the workload (workload.WorkloadSpec)
+WORKLOAD_INPUTS: Inputs = {
+    **RESOLVE_INPUTS,
+    "method": (*RESOLVE_INPUTS["method"], ("dropout",)),
+    "software": (("attention_implementation",),),
+    "workload": (("max_length",), ("sequence_p50",), ("sequence_p95",), ("packing",), ("microbatch",),
+                 ("gradient_accumulation",)),
+    "memory_options": (("gradient_checkpointing",), ("checkpointing_kind",)),
+}
+
+#: each stamp: the extension that holds it, the inputs it covers, the command that refreshes it
+STAMPS: tuple[tuple[str, Inputs, str], ...] = (
+    ("x-resolve", RESOLVE_INPUTS, "resolve"),
+    ("x-estimate", WORKLOAD_INPUTS, "estimate"),
+    ("x-measure", WORKLOAD_INPUTS, "measure"),
+)
+DIGITS = 16
+
+#: what an absent input means to the tools, where a tool later writes it in: ``measure`` records the attention
+#: implementation it ran with, which for a document that named none is the default the estimate used
+DEFAULTS: dict[tuple[str, ...], Any] = {("software", "attention_implementation"): "sdpa"}
+
+
+def _value(doc: Document, path: tuple[str, ...]) -> tuple[bool, Any]:
+    v = doc.get(*path)
+    if not v.present:
+        return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
+    if v.unknown:
+        return True, v.source or "UNKNOWN"
+    return True, v.value
+
+
+def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...]) -> str:
+    """The digest of one section's input fields (their values, canonical JSON, SHA-256, first 16 hex digits)."""
+    values: dict[str, Any] = {}
+    for key in keys:
+        present, value = _value(doc, (section, *key))
+        if present:
+            values[".".join(key)] = value
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGITS]
+
+
+def digests(doc: Document, inputs: Inputs) -> dict[str, str]:
+    """The fingerprint of ``doc`` for a tool reading ``inputs``: section -> digest (what a tool stores)."""
+    return {section: section_digest(doc, section, keys) for section, keys in inputs.items()}
+
+
+def stored(doc: Document, extension: str) -> dict[str, str] | None:
+    """The fingerprint stored in ``extension`` (``x-resolve``...), or None when there is none (not checked)."""
+    block = doc.plain.get(extension)
+    inputs = block.get("inputs") if isinstance(block, dict) else None
+    if not isinstance(inputs, dict) or not inputs:
+        return None
+    return {str(k): str(v) for k, v in inputs.items()}
+
+
+def changed_sections(doc: Document, extension: str, inputs: Inputs) -> list[str] | None:
+    """The input sections edited since the fingerprint in ``extension`` was stored (None: nothing stored).
+
+    Only the sections the stored fingerprint has are compared: a stamp written by a version that read fewer
+    sections is checked on those it covers."""
+    before = stored(doc, extension)
+    if before is None:
+        return None
+    now = digests(doc, inputs)
+    return [s for s in now if s in before and now[s] != before[s]]  # a section it did not store: not checked
+
+
+def stale(doc: Document) -> dict[str, list[str]]:
+    """Command -> the input sections edited since it wrote its figures (only the stale commands)."""
+    out: dict[str, list[str]] = {}
+    for extension, inputs, command in STAMPS:
+        changed = changed_sections(doc, extension, inputs)
+        if changed:
+            out[command] = changed
+    return out
+
+
+__all__ = ["DEFAULTS", "DIGITS", "RESOLVE_INPUTS", "STAMPS", "WORKLOAD_INPUTS", "changed_sections", "digests",
+           "section_digest", "stale", "stored"]

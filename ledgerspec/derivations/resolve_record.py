@@ -1,0 +1,126 @@
+"""What ``resolve`` records about its own output in ``x-resolve``: the plain values it wrote, and its inputs.
+
+``resolve`` writes a few plain (declared-looking) values besides its long-form figures:
+``identity.architecture``, ``gradients.dtype``, ``optimizer.state_format``, ``bits`` and ``paged``. A plain
+value is also how a user declares one, so on its own the file cannot say who wrote it. ``x-resolve.written``
+says: each plain value resolve wrote, as it wrote it. On the next run a value equal to its record is
+resolve's own and is refreshed (or removed, when the new configuration no longer has it: ``bits`` and
+``paged`` after switching away from a bitsandbytes optimizer); any other value is the user's and is kept,
+with a message saying so. A value the user declared, even one equal to the derived value, is never taken
+over: only what resolve wrote itself is resolve's (a user who wants resolve to manage it deletes it).
+
+One exception, for ledgers resolved by a ledgerspec that wrote no ``x-resolve``: when ``x-resolve`` is absent
+but ``method.x-breakdown`` (written only by resolve, in the same run) is there, a value equal to the derived
+one is taken as resolve's own and recorded.
+
+``x-resolve.inputs`` is the fingerprint of the fields resolve read (:mod:`ledgerspec.contract.fingerprint`):
+``validate`` recomputes it (rule LS006) to notice an input edited after resolve ran.
+``identity.config_sha256`` is not managed here: it is a pin that resolve checks, never refreshes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from ledgerspec.contract.document import Document, pointer
+from ledgerspec.contract.fingerprint import RESOLVE_INPUTS, digests
+from ledgerspec.contract.writeback import Change, set_extension, set_plain
+
+EXTENSION = "x-resolve"
+KEPT = "kept the declared value (not written by resolve; delete it to let resolve fill it)"
+
+
+class Record:
+    """The plain values of one resolve run: written where resolve owns them, kept where the user declared them."""
+
+    def __init__(self, doc: Document) -> None:
+        self.doc = doc
+        block = doc.plain.get(EXTENSION)
+        written = block.get("written") if isinstance(block, dict) else None
+        self.before: dict[str, Any] = dict(written) if isinstance(written, dict) else {}
+        self.legacy = block is None and doc.get("method", "x-breakdown").present
+        self.written: dict[str, Any] = {}
+
+    def owned(self, path: tuple[str, ...], value: Any) -> bool:
+        """Whether resolve may (re)write ``path``: absent or unknown, or holding what resolve wrote last time."""
+        current = self.doc.get(*path)
+        if current.unknown:
+            return True
+        if current.form != "plain":
+            return False
+        key = ".".join(path)
+        if key in self.before:
+            return bool(current.value == self.before[key])
+        return self.legacy and current.value == value
+
+    def set(self, path: tuple[str, ...], value: Any) -> Change | None:
+        """Write the derived plain ``value`` at ``path`` unless the user declared another value there."""
+        if not self.owned(path, value):
+            current = self.doc.get(*path)
+            if current.value == value:
+                return None
+            return Change(pointer(*path), current.raw, value, skipped=KEPT)
+        self.written[".".join(path)] = value
+        return set_plain(self.doc, path, value, force=True)
+
+    def drop_stale(self) -> list[Change]:
+        """Remove the values resolve wrote last time and no longer derives (still as it wrote them)."""
+        changes = []
+        for key, old in self.before.items():
+            path = tuple(key.split("."))
+            if key in self.written or not self.owned(path, None) or self.doc.get(*path).unknown:
+                continue
+            remove(self.doc, path)
+            changes.append(Change(pointer(*path), old, None))
+        return changes
+
+    def finish(self) -> list[Change]:
+        """Drop stale values, then store ``x-resolve`` (what was written, and the input fingerprint)."""
+        changes = self.drop_stale()
+        block: dict[str, Any] = {"inputs": digests(self.doc, RESOLVE_INPUTS)}
+        if self.written:
+            block["written"] = dict(self.written)
+        change = set_extension(self.doc, (EXTENSION,), block)
+        return changes + ([change] if change is not None else [])
+
+
+def remove(doc: Document, path: tuple[str, ...]) -> None:
+    """Delete the key at ``path``; the blank lines and comments that followed it stay where they were."""
+    parent: Any = doc.data
+    for part in path[:-1]:
+        parent = parent[part]
+    key = path[-1]
+    keys = list(parent)
+    entry = parent.ca.items.get(key)
+    token = entry[2] if entry and len(entry) > 2 else None
+    tail = token.value.partition("\n")[2] if token is not None else ""
+    del parent[key]
+    parent.ca.items.pop(key, None)
+    index = keys.index(key)
+    if tail.strip() and index > 0:
+        _append_lines(parent, keys[index - 1], tail)
+    plain: Any = doc.plain
+    for part in path[:-1]:
+        plain = plain.get(part, {})
+    plain.pop(key, None)
+    doc.invalidate()
+
+
+def _append_lines(mapping: Any, key: Any, tail: str) -> None:
+    while isinstance(mapping[key], CommentedMap | CommentedSeq) and not mapping[key].fa.flow_style() \
+            and len(mapping[key]):  # the lines after a block sit on its deepest last node
+        mapping = mapping[key]
+        key = list(mapping)[-1] if isinstance(mapping, CommentedMap) else len(mapping) - 1
+    index = 2 if isinstance(mapping, CommentedMap) else 0
+    entry = mapping.ca.items.get(key)
+    if entry and len(entry) > index and entry[index] is not None:
+        head = entry[index].value.partition("\n")[0]
+        entry[index].value = head + "\n" + tail
+        return
+    mapping.yaml_add_eol_comment("#", key, column=0)
+    mapping.ca.items[key][index].value = "\n" + tail
+
+
+__all__ = ["EXTENSION", "KEPT", "Record", "remove"]
