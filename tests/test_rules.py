@@ -163,3 +163,39 @@ def test_naive_article_gradients_message_says_the_frozen_base_was_counted() -> N
     findings = [f for f in _findings(CASES / "LS020.pos.ledger.yaml") if f.rule == "LS020"]
     assert "6,738,415,616" in findings[0].message and "4,194,304" in findings[0].message
     assert "frozen base was counted" in findings[0].message
+
+
+# -- LS090: the article's shortcuts in English and in the audited article's Russian ----------------------------------
+
+@pytest.mark.parametrize(("note", "shortcut"), [
+    ("subtotal x 1.10", "overhead"), ("1.1x subtotal", "overhead"), ("subtotal + 10% overhead", "overhead"),
+    ("сумма компонентов + 10% запаса", "overhead"),
+    ("14B params x 0.5 byte", "0.5 byte"), ("0,5 байта на параметр", "0.5 byte"), ("params / 2", "0.5 byte"),
+    ("half a byte per parameter", "0.5 byte"),
+    ("rank x alpha", "rank x alpha"),
+    ("80 GB / 2 GPUs", "VRAM / N"), ("80GB/4", "VRAM / N"),
+    ("Adam8bit is 25% of Adam", "8-bit Adam"), ("8-bit Adam is a quarter of Adam", "8-bit Adam"),
+    ("checkpointing -30%", "checkpointing"), ("checkpointing saves 30%", "checkpointing"),
+    ("градиентный чекпоинтинг экономит 30%", "checkpointing"),
+    ("accumulation = activation batch", "accumulation"),
+])
+def test_ls090_recognises_the_shortcut(note: str, shortcut: str) -> None:
+    from ledgerspec.checks.rules import SHORTCUTS
+
+    hits = [what for pattern, what, _ in SHORTCUTS if pattern.search(note)]
+    assert hits and shortcut in hits[0], (note, hits)
+
+
+@pytest.mark.parametrize("note", [
+    "measured at batch x 1.5",  # a factor with no subtotal/overhead in sight
+    "bitsandbytes nf4: packed uint8 (numel / 2) + fp32 absmax per 64-element block",
+    "2 x zeros_like(param), 8,388,608 fp32 values",
+    "32 layers x 2 targets x 16 x (4096 + 4096) x 4 B",
+    "peak of 1.5 GiB at step 3",
+    "rank 16, alpha 32",
+    "8-bit AdamW: 2 x uint8 blockwise + fp32 absmax per 256 values",
+])
+def test_ls090_leaves_derivations_alone(note: str) -> None:
+    from ledgerspec.checks.rules import SHORTCUTS
+
+    assert not [what for pattern, what, _ in SHORTCUTS if pattern.search(note)], note

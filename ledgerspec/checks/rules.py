@@ -294,19 +294,26 @@ def ls005_calculated_without_method(ctx: Context) -> Iterator[Hit]:
 
 
 #: the universal shortcuts of the method article (spec: "Why the ledger exists"), as (pattern, what, why)
+_OVERHEAD_WORD = r"(?:subtotal|sum|total|overhead|headroom|margin|safety|запас\w*|накладн\w*|сумм\w*)"
 _SHORTCUTS = (
-    (r"(?:\bx|\*|×)\s*1\.\d+\b", "a flat overhead factor (subtotal x 1.1)",
+    (rf"{_OVERHEAD_WORD}[^.;]*(?:\bx|\*|×)\s*1[.,]\d+|\b1[.,]\d+\s*(?:x|×)\s*(?:the\s+)?{_OVERHEAD_WORD}"
+     rf"|\+\s*\d+\s*%[^.;]*{_OVERHEAD_WORD}|{_OVERHEAD_WORD}[^.;]*\+\s*\d+\s*%",
+     "a flat overhead factor (subtotal x 1.1)",
      "no universal factor turns a subtotal into a peak: activations and temporaries are measured or estimated"),
-    (r"0\.5\s*(?:bytes?|B)\b|(?:\bx|\*|×)\s*0\.5\b", "params x 0.5 byte",
+    (r"0[.,]5\s*(?:bytes?|B|байт\w*)(?!\w)|(?:\bx|\*|×)\s*0[.,]5\b|half a byte|полбайта|param\w*\s*/\s*2\b"
+     r"|параметр\w*\s*/\s*2\b", "params x 0.5 byte",
      "4-bit x parameters is only the packed payload: absmax constants, unquantized layers, adapters, gradients, "
      "optimizer and activations come on top"),
     (r"\b(?:rank|r)\s*(?:x|\*|×)\s*alpha\b", "rank x alpha",
      "lora_alpha scales the update; it is not a memory multiplier"),
-    (r"/\s*(?:n|\d+)\s*gpus?\b|divided by (?:the number of )?gpus", "VRAM / N GPUs",
+    (r"/\s*(?:n|\d+)\s*(?:gpus?|гпу|видеокарт\w*)\b|divided by (?:the number of )?gpus|\b\d+\s*[GT]i?B\s*/\s*\d+\b",
+     "VRAM / N GPUs",
      "memory is per rank and depends on placement: single-GPU memory / N is not a sharding formula"),
-    (r"25\s*%[^.;]*adam|adam[^.;]*25\s*%", "8-bit Adam = 25 % of Adam",
+    (r"25\s*%[^.;]*adam|adam[^.;]*25\s*%|quarter[^.;]*adam|adam[^.;]*quarter|четверт\w*[^.;]*adam|adam[^.;]*четверт",
+     "8-bit Adam = 25 % of Adam",
      "tensors under min_8bit_size keep 32-bit state and blockwise absmax adds bytes: compute it per tensor"),
-    (r"checkpointing[^.;]*[-−]\s*\d+\s*%|[-−]\s*\d+\s*%[^.;]*checkpointing", "checkpointing = -N %",
+    (r"(?:checkpointing|чекпоинт\w*)[^.;]*(?:[-−]\s*\d+\s*%|(?:saves?|reduces?|cuts?|эконом\w*|сниж\w*)[^.;]*\d+\s*%)"
+     r"|[-−]\s*\d+\s*%[^.;]*(?:checkpointing|чекпоинт)", "checkpointing = -N %",
      "what checkpointing saves depends on the model and workload: estimate or measure it"),
     (r"accumulat\w*[^.;]*(?:=|equals?|as)\s*(?:an?\s+)?activation batch", "accumulation = activation batch",
      "gradient accumulation runs micro-steps one after another: the activation batch is the microbatch"),
