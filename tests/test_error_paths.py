@@ -11,9 +11,10 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import CliRunner
+from conftest import EXAMPLES, CliRunner
 
 from ledgerspec.errors import EXIT_INTERNAL
 
@@ -261,3 +262,28 @@ def test_a_crash_of_the_measurement_child_is_an_internal_error(cli: CliRunner, t
     assert err.count("\n") == 1 and "internal-error" in err and "the measurement process crashed: TypeError" in err
     assert path.read_bytes() == before
 
+
+
+def test_a_broken_command_module_takes_down_only_its_commands(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A bug that breaks one command module at import must leave validate (the pre-commit hook) working."""
+    import importlib
+
+    from ledgerspec.faces import cli
+
+    real = importlib.import_module
+
+    def import_module(name: str, package: str | None = None) -> Any:
+        if name == "ledgerspec.faces.measure_cmd":
+            raise NameError("name 'positive_size' is not defined")
+        return real(name, package)
+
+    monkeypatch.setattr(cli, "_EXTENSIONS", [])
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    monkeypatch.delenv("LEDGERSPEC_DEBUG", raising=False)
+    assert cli.main(["validate", str(EXAMPLES / "llama-2-7b-lora.intake.yaml")]) == 0
+    capsys.readouterr()
+    assert cli.main(["triage", "x.yaml", "--device", "cpu"]) == 70
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ledgerspec: internal-error: `ledgerspec triage` failed unexpectedly (NameError: name "
+                          "'positive_size' is not defined)") and "\n" not in err

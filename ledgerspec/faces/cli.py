@@ -125,19 +125,45 @@ def internal_error_line(command: str, exc: BaseException) -> str:
             "traceback)")
 
 
+#: command module -> the commands it registers (a module that fails to load answers for these)
+_EXTENSION_COMMANDS = {"resolve_cmd": ("resolve",), "estimate_cmd": ("estimate",), "measure_cmd": ("measure", "triage"),
+                       "report_cmd": ("report",), "shard_cmd": ("shard",)}
+
+
 def _load_extensions() -> None:
     if _EXTENSIONS:
         return
     import importlib
 
-    for name in ("resolve_cmd", "estimate_cmd", "measure_cmd", "report_cmd", "shard_cmd"):
+    for name, commands in _EXTENSION_COMMANDS.items():
         try:
             module = importlib.import_module(f"ledgerspec.faces.{name}")
         except ModuleNotFoundError as exc:
             if exc.name != f"ledgerspec.faces.{name}":
-                raise
+                _EXTENSIONS.append(_broken(commands, exc))
+            continue
+        except Exception as exc:  # a broken command module must not take validate (the pre-commit hook) down too
+            _EXTENSIONS.append(_broken(commands, exc))
             continue
         _EXTENSIONS.append(module.register)
+
+
+def _broken(commands: tuple[str, ...], exc: BaseException) -> Callable[[Any], None]:
+    """Parsers for commands whose module failed to import: running one reports the failure as an internal error."""
+
+    def fail(args: argparse.Namespace) -> int:
+        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+            raise exc
+        print(internal_error_line(args.command, exc), file=sys.stderr)
+        return EXIT_INTERNAL
+
+    def register(sub: Any) -> None:
+        for command in commands:
+            p = sub.add_parser(command, help=f"(unavailable: {type(exc).__name__})", add_help=False)
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(run=fail)
+
+    return register
 
 
 if __name__ == "__main__":
