@@ -7,8 +7,9 @@ before a file is read or torch is imported.
 from __future__ import annotations
 
 import argparse
+import re
 
-from ledgerspec.contract.units import UnitError, parse_size
+from ledgerspec.contract.units import UnitError, format_size, parse_size
 
 
 def positive_size(text: str) -> int:
@@ -26,10 +27,35 @@ def positive_size(text: str) -> int:
 MIN_DEVICE_MEMORY = 2**20
 
 
-def device_memory(text: str) -> int:
+class DeviceMemory(int):
+    """A ``--device-memory`` value in bytes that remembers how it was written (for :func:`decimal_unit_note`)."""
+
+    text: str
+
+    def __new__(cls, value: int, text: str) -> DeviceMemory:
+        obj = super().__new__(cls, value)
+        obj.text = text
+        return obj
+
+
+def device_memory(text: str) -> DeviceMemory:
     """``--device-memory``: a positive size of at least 1 MiB (a bare ``24`` is 24 bytes: surely a missing unit)."""
     value = positive_size(text)
     if value < MIN_DEVICE_MEMORY:
         raise argparse.ArgumentTypeError(f"{text!r} is {value} bytes, too small for a device; give a unit "
                                          f"(did you mean {text.strip()}GiB or {text.strip()}GB?)")
-    return value
+    return DeviceMemory(value, text)
+
+
+def decimal_unit_note(size: int | None) -> str | None:
+    """A reminder when a device memory was given in decimal units: a card sold as "24 GB" holds 24 GiB."""
+    text = getattr(size, "text", None)
+    if size is None or text is None:
+        return None
+    m = re.fullmatch(r"\s*(?P<num>[0-9.]+)\s*(?P<unit>[KMGT]B)\s*", text)
+    if m is None:
+        return None
+    binary = f"{m.group('num')}{m.group('unit')[0]}iB"
+    return (f"note: --device-memory {text.strip()} is {int(size):,} B = {format_size(int(size))} (decimal units); "
+            f"GPU memory is sold in binary units, a \"{m.group('num')} {m.group('unit')}\" card has about {binary} "
+            f"(nvidia-smi shows the exact total): pass {binary}, or that total, if you mean such a card")

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import device_memory
+from ledgerspec.faces.arguments import decimal_unit_note, device_memory
 
 
 def register(subparsers: Any) -> None:
@@ -34,7 +34,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load
 
     doc = load(args.file)
-    device: int | None = args.device_memory
+    note = decimal_unit_note(args.device_memory)
+    if note:
+        print(f"{args.file}: {note}", file=sys.stderr)
+    device: int | None = int(args.device_memory) if args.device_memory is not None else None
     if args.sweep:
         return _run_sweep(doc, args, device)
     writes = not args.dry_run
