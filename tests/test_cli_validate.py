@@ -395,6 +395,31 @@ def test_init_from_an_intake_copies_its_sections(cli: CliRunner, tmp_path: Path)
     assert all(r.startswith("CALCULATED needs exact figures: ledger.") for r in entry["reasons"])
 
 
+@pytest.mark.parametrize("intake", sorted(p.name for p in EXAMPLES.glob("*.intake.yaml")))
+def test_init_from_an_intake_keeps_its_comments(cli: CliRunner, tmp_path: Path, intake: str) -> None:
+    """Never lose user data: every comment of the intake's body travels (end-of-line ones on their key's line);
+    only the status line's and the header's describe the intake itself and stay behind."""
+    source = (EXAMPLES / intake).read_text(encoding="utf-8").splitlines()
+    body = source[next(i for i, line in enumerate(source) if line.startswith("ledgerspec:")):]
+    out = tmp_path / "l.yaml"
+    assert cli("init", "--from", EXAMPLES / intake, "-o", out)[0] == 0
+    text = out.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    for line in body:
+        if "#" not in line or line.startswith("status:"):
+            continue
+        code, _, comment = line.partition("#")
+        assert f"#{comment}" in text, comment
+        if code.strip():  # an end-of-line comment: still on the line of its key
+            key = code.strip().split(":")[0]
+            assert any(x.strip().startswith(f"{key}:") and x.endswith(f"#{comment}") for x in lines), line
+    again = tmp_path / "again.yaml"
+    assert cli("init", "--from", EXAMPLES / intake, "-o", again)[0] == 0
+    assert again.read_text(encoding="utf-8") == text  # deterministic
+    method = load(out).plain["method"]
+    assert all(method[k] == v for k, v in load(EXAMPLES / intake).plain["method"].items())
+
+
 def test_init_from_a_ledger_is_refused_in_one_line(cli: CliRunner) -> None:
     code, out, err = cli("init", "--from", OK_FILE)
     assert code == 2 and out == ""
