@@ -102,14 +102,18 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
         raise _err(doc, ("identity",), "no identity.config_path and no identity.model_id",
                    "set identity.config_path to a local config.json")
     revision = doc.get("identity", "revision").text()
+    unreachable = None if offline else hub_unreachable()
     if offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        # local_files_only: HF_HUB_OFFLINE is read when huggingface_hub is imported, which may have happened
+        # local_files_only: HF_HUB_OFFLINE is read when huggingface_hub is imported, which may have happened;
+        # with no way to the Hub, only the local cache is asked (no minute of retries against a missing DNS)
         config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code,
-                                            local_files_only=offline)
+                                            local_files_only=offline or unreachable is not None)
     except Exception as exc:  # transformers raises OSError/ValueError/EnvironmentError variants
         msg = one_line(exc)
+        if unreachable and "trust_remote_code" not in msg:
+            msg = f"{unreachable}, and it is not in the local Hugging Face cache"
         hint = "set identity.config_path to a local config.json (nothing is downloaded with --offline)"
         if "trust_remote_code" in msg:
             hint = "pass --trust-remote-code if you trust this model's code"
@@ -117,6 +121,29 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     archs = getattr(config, "architectures", None) or []
     name_or_path = getattr(config, "_name_or_path", None)
     return ModelSource(config, str(name_or_path) if name_or_path else None, None, archs[0] if archs else None)
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached at all (its host name does not resolve), else None.
+
+    A failed DNS lookup is not transient: huggingface_hub would retry it for half a minute before failing.
+    Anything else (a slow or flaky network) is left to huggingface_hub's own retries.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urlparse(endpoint).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"the Hub ({host}) cannot be reached: {exc.strerror or exc}" if isinstance(exc, socket.gaierror) \
+            else f"the Hub host {host!r} is not a valid name"
+    except OSError:
+        return None
+    return None
 
 
 def compact(exc: BaseException, limit: int = 300) -> str:
