@@ -127,11 +127,13 @@ def hub_unreachable() -> str | None:
     """Why the Hugging Face Hub cannot be reached at all (its host name does not resolve), else None.
 
     A failed DNS lookup is not transient: huggingface_hub would retry it for half a minute before failing.
-    Anything else (a slow or flaky network) is left to huggingface_hub's own retries.
+    Anything else (a slow or flaky network, a proxy that resolves names itself) is left to huggingface_hub.
     """
     import socket
     from urllib.parse import urlparse
 
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # behind a proxy the name may resolve only there
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     host = urlparse(endpoint).hostname
     if not host:
