@@ -81,7 +81,8 @@ def test_sdpa_with_mask_repeats_kv_and_uses_padded_logsumexp() -> None:
         kept = tr.current - before
     repeated = 2 * b * h * s * d * 2                 # repeat_kv materialises k and v with all heads
     lse = b * h * 128 * 4                             # memory-efficient: padded to a multiple of 32 (100 -> 128)
-    assert kept == repeated + b * s * h * d * 2 + lse
+    bias = b * 1 * s * 104 * 2  # the bool mask as a bf16 additive bias, key dim padded to a multiple of 8, saved
+    assert kept == repeated + b * s * h * d * 2 + lse + bias
 
 
 def test_math_kernel_materialises_scores() -> None:

@@ -20,8 +20,15 @@ Flash (SDPA and FlashAttention-2 share ``mha_fwd``/``mha_bwd``): forward keeps q
 autograd), the output ``(b, s, h, d)`` and the log-sum-exp ``(b, h, s)`` fp32; backward allocates
 dq, dk, dv, ``softmax_d`` ``(b, h, round128(s))`` fp32, ``dq_accum`` ``(b, round128(s), h, round32(d))``
 fp32 and, for GQA, ``dk_expanded``/``dv_expanded`` ``(b, s, h, d)`` (flash_api.cpp ``mha_bwd``).
-Memory-efficient: the log-sum-exp is padded to a multiple of 32 along the sequence; backward allocates
-dq, dk, dv and one fp32 ``(b, s, h, d)`` accumulator (an approximation of the kernel's workspace).
+Memory-efficient: the log-sum-exp is padded to a multiple of 32 along the sequence; with a mask, the
+additive bias PyTorch builds from it in every call (``(b, 1, s, s)`` in the query dtype, key dimension
+padded to a multiple of 8) is saved for backward; backward allocates dq, dk, dv and one fp32 ``(b, s, h, d)``
+accumulator (an approximation of the kernel's workspace).
+
+A padded batch (the workload's padding mask) reaches these functions as transformers' 4-D boolean mask
+(``sdpa``: not all ones, so no ``is_causal`` skip: memory-efficient kernel, ``repeat_kv``) or, for
+FlashAttention, as the 2-D mask of its varlen path, which is not modelled: the estimate does not pass the
+mask for ``flash_attention_*`` (padded rows as full rows, see ``ledgerspec.derivations.estimate``).
 """
 
 from __future__ import annotations
@@ -92,19 +99,23 @@ def _fused_function() -> Any:
 
     class FusedAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, kernel: str) -> Any:
-            # q: (b, h, s, d); k, v: (b, hk, s_k, d) - the layout transformers hands over
+        def forward(ctx: Any, q: Any, k: Any, v: Any, kernel: str, bias: Any = None) -> Any:
+            # q: (b, h, s, d); k, v: (b, hk, s_k, d) - the layout transformers hands over; bias: the additive
+            # mask the memory-efficient kernel reads (saved for its backward, as autograd saves ``attn_bias``)
             b, h, s, _ = q.shape
             out = torch.empty((b, s, h, v.shape[-1]), dtype=q.dtype, device=q.device)
             lse_len = _round(s, 32) if kernel == "efficient" else s
             lse = torch.empty((b, h, lse_len), dtype=torch.float32, device=q.device)
             ctx.kernel = kernel
-            ctx.save_for_backward(q, k, v, out, lse)
+            if bias is None:
+                ctx.save_for_backward(q, k, v, out, lse)
+            else:
+                ctx.save_for_backward(q, k, v, out, lse, bias)
             return out
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any) -> Any:
-            q, k, v, _out, _lse = ctx.saved_tensors
+            q, k, v = ctx.saved_tensors[:3]
             b, h, s, d = q.shape
             hk, s_k = k.shape[1], k.shape[2]
             dq = torch.empty_like(q)
@@ -125,7 +136,7 @@ def _fused_function() -> Any:
             else:
                 accum = torch.empty((b, s, h, d), dtype=torch.float32, device=q.device)
                 del accum
-            return dq, dk, dv, None
+            return dq, dk, dv, None, None
 
     return FusedAttention
 
@@ -171,11 +182,36 @@ def _sdpa_model(module: Any, query: Any, key: Any, value: Any, attention_mask: A
         if groups > 1 and not choice.repeat_kv:
             key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         return _math_attention(module, query, key, value, attention_mask, dropout, scaling), None
-    if attention_mask is not None:
-        # the memory-efficient kernel reads the mask as a bias and keeps it for backward: it stays alive via
-        # the caller; the kernel's own tensors are modelled below
-        pass
-    return _fused().apply(query, key, value, choice.kernel), None
+    if attention_mask is None:
+        return _fused().apply(query, key, value, choice.kernel), None
+    return _fused().apply(query, key, value, choice.kernel, _efficient_bias(attention_mask, query, key)), None
+
+
+#: the memory-efficient kernel wants its bias rows aligned to this many elements (attention.cpp ``preprocess_mask``)
+_MEM_EFF_ALIGNMENT = 8
+
+
+def _efficient_bias(mask: Any, query: Any, key: Any) -> Any:
+    """The additive bias PyTorch hands the memory-efficient kernel, allocated as attention.cpp does per call.
+
+    ``convert_boolean_attn_mask``: a boolean mask becomes ``where(mask, 0, -inf)`` in the query dtype (a new
+    ``(b, 1, q, k)`` tensor in every attention call: transformers builds the boolean mask once per forward);
+    ``preprocess_mask``: unless every stride but the last is a multiple of 8 elements, the bias is padded along
+    the key dimension and sliced back (a second, padded copy). ``_scaled_dot_product_efficient_attention`` saves
+    it for backward, so it is held from each layer's forward to its backward.
+    """
+    import torch
+
+    bias = mask
+    if mask.dtype == torch.bool:
+        neg_inf = torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=query.device)
+        bias = torch.where(mask, 0.0, neg_inf)
+        del neg_inf
+    aligned = bias.stride(-1) == 1 and all(bias.stride(i) % _MEM_EFF_ALIGNMENT == 0 for i in range(bias.dim() - 1))
+    if not aligned:
+        last = bias.shape[-1]
+        bias = torch.nn.functional.pad(bias, (0, _MEM_EFF_ALIGNMENT - last % _MEM_EFF_ALIGNMENT))[..., :last]
+    return bias
 
 
 def _sdpa_cpu_model(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,

@@ -101,6 +101,48 @@ def _unpacked_rows() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _padded_rows() -> Iterator[None]:
+    """Let transformers see the synthetic padded batch's mask as not all ones, as it does with real tensors.
+
+    ``masking_utils._ignore_causal_mask_sdpa`` decides from the values of the 2-D padding mask whether SDPA may
+    skip the explicit mask and use ``is_causal`` (only when nothing is padded). On a fake tensor it cannot look
+    and answers "do not skip" without computing anything. The workload's padded batch
+    (:meth:`ledgerspec.derivations.workload.Workload.batch`) always ends its last row with a padding position, for
+    which the real function also answers "do not skip" after two ``fast_all`` reductions (over the mask, then over
+    its first ``q_length`` columns): the replacement allocates those same small intermediates and answers False.
+    Without a 2-D mask, or with real tensors, it is the original function. (The other value-dependent mask
+    helpers are not reached: ``find_packed_sequence_indices`` runs only without a 2-D mask, see
+    :func:`_unpacked_rows`; ``flash_attention_mask`` never sees the mask, see ``EstimateWorkload.forward``.)
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from transformers import masking_utils
+
+    original = masking_utils._ignore_causal_mask_sdpa
+
+    def padded(padding_mask: Any, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
+               local_attention_size: int | None = None) -> bool:
+        if padding_mask is None or not is_fake(padding_mask):
+            return bool(original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size))
+        import torch
+
+        if padding_mask.shape[-1] > kv_length:
+            padding_mask = padding_mask[:, torch.arange(kv_length, device=padding_mask.device) + kv_offset]
+        if local_attention_size is not None and kv_length >= local_attention_size:
+            return False
+        if q_length == 1 or kv_length == q_length:
+            masking_utils.fast_all(padding_mask)  # False: the last row ends in padding
+        if q_offset == 0:
+            masking_utils.fast_all(padding_mask[:, :q_length])  # False for the same position: `and` stops here
+        return False
+
+    masking_utils._ignore_causal_mask_sdpa = padded
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = original
+
+
 def _estimate_workload_class() -> Any:
     """The shared :class:`Workload`, plus the two CUDA modelling layers applied right after ``prepare``."""
     import torch
@@ -129,6 +171,14 @@ def _estimate_workload_class() -> Any:
 
             self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
             self.stack.enter_context(_unpacked_rows())
+            if self.spec.padded:
+                self.stack.enter_context(_padded_rows())
+
+        def forward(self, inputs: Any) -> Any:
+            """FlashAttention: padded rows modelled as full rows (the mask is not passed, see :func:`method_text`)."""
+            if isinstance(inputs, dict) and self.declared_attention.startswith("flash_attention"):
+                return super().forward(inputs["input_ids"])
+            return super().forward(inputs)
 
     return EstimateWorkload
 
@@ -184,7 +234,21 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
                 _MEASURE_HINT)
 
 
-def method_text(est_plan: Plan, attention: str, target: str, quant: bool) -> str:
+def padding_text(attention: str, target: str) -> str:
+    """The method sentence for padded batches (microbatch > 1 without packing or padding-free batching)."""
+    text = ("padded batches: every row max length but the last, one token shorter (attention mask 0, label -100 "
+            "at its last position), the mask passed to the model")
+    if attention == "sdpa" and target == "cuda":
+        text += ("; SDPA then takes the memory-efficient kernel with k/v repeated to all heads and saves the mask's "
+                 "additive bias in every layer")
+    if attention.startswith("flash_attention") and target == "cuda":
+        text += ("; for flash attention the mask is NOT passed: padded rows are modelled as full rows (transformers' "
+                 "unpad/varlen path gathers q/k/v into (tokens, heads, dim) copies of nearly the same size; those "
+                 "copies are not modelled)")
+    return text
+
+
+def method_text(est_plan: Plan, attention: str, target: str, quant: bool, padded: bool = False) -> str:
     from ledgerspec.derivations.attention_model import method_text as attention_method
     from ledgerspec.derivations.workload import METHOD_NOTES
 
@@ -201,6 +265,8 @@ def method_text(est_plan: Plan, attention: str, target: str, quant: bool) -> str
     if target == "cuda":
         parts.append("each allocation rounded up to 512 B as the CUDA caching allocator does")
     parts.append(METHOD_NOTES)
+    if padded:
+        parts.append(padding_text(attention, target))
     parts.append("limits: PyTorch tensors only (no CUDA context, cuBLAS workspace, allocator caching or "
                  "fragmentation, NCCL); activations = bytes held from forward to backward of the first micro-step")
     return "; ".join(parts)
@@ -251,7 +317,7 @@ def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress
     phases = {k: figures[k] for k in PHASES}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
-    method = method_text(est_plan, spec.attention, target, spec.quant is not None)
+    method = method_text(est_plan, spec.attention, target, spec.quant is not None, spec.padded)
     return Estimate(phases, figures["activations"], components, est_plan, spec.attention, target,
                     time.perf_counter() - started, method)
 

@@ -188,11 +188,12 @@ def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target:
     ranks = [by_rank[r] for r in range(world)]
     notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
     return ShardEstimate(world, reshard, target, ranks, est_plan,
-                         method_text(world, reshard, est_plan, spec.attention, target),
+                         method_text(world, reshard, est_plan, spec.attention, target, spec.padded),
                          time.perf_counter() - started, notes)
 
 
-def method_text(world: int, reshard: bool | None, est_plan: Plan, attention: str, target: str) -> str:
+def method_text(world: int, reshard: bool | None, est_plan: Plan, attention: str, target: str,
+                padded: bool = False) -> str:
     from ledgerspec.derivations.estimate import method_text as single
 
     how = "FSDP2 default" if reshard is None else f"reshard_after_forward={str(reshard).lower()}"
@@ -202,7 +203,7 @@ def method_text(world: int, reshard: bool | None, est_plan: Plan, attention: str
             "gradient shards after it, optimizer state of its rows, activations of its own microbatch (not "
             "sharded); ignores NCCL communicator/internal buffers, CUDA context and allocator caching, and stream "
             "overlap (one prefetched unit's all-gather may be in flight on a GPU); " +
-            single(est_plan, attention, target, False))
+            single(est_plan, attention, target, False, padded))
 
 
 def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, Any]:

@@ -32,6 +32,8 @@ Modelling choices (also in :data:`METHOD_NOTES`): no autocast (compute dtypes ar
 ones), ``use_cache=False`` in training forwards, loss = transformers' own causal-LM loss function
 (fp32 upcast of logits included), loss divided by the accumulation steps as the Trainer does,
 ``zero_grad(set_to_none=True)`` after each optimizer step, dropout active (``model.train()``).
+Padded batches (microbatch > 1 without packing or padding-free batching, :func:`rows_are_padded`) carry an
+attention mask with one padding position, as a padding collator's batch does (:meth:`Workload.batch`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ class WorkloadSpec:
     accumulation: int
     seq_worst: int
     seq_typical: int
+    #: the document pads rows to the longest one (packing off, padding_free not true); batches are padded only
+    #: when a micro-step has more than one row: see :attr:`padded` (so ``changed(microbatch=1)`` stays exact)
+    pads_rows: bool = False
+
+    @property
+    def padded(self) -> bool:
+        """Whether a micro-step's batch carries padding and an attention mask (see :func:`rows_are_padded`)."""
+        return self.pads_rows and self.microbatch > 1
 
     @classmethod
     def from_document(cls, doc: Document) -> WorkloadSpec:
@@ -135,7 +145,7 @@ class WorkloadSpec:
         return cls(loaded, quant, bool(doc.get("base_model", "prepare_for_kbit_training").switch()),
                    adapter, opt,
                    doc.get("optimizer", "min_8bit_size").integer(), gc, kind_gc.startswith("reentrant"), attention,
-                   mb, max(acc, 1), worst, typical)
+                   mb, max(acc, 1), worst, typical, rows_are_padded(doc))
 
     def changed(self, **changes: Any) -> WorkloadSpec:
         """A copy with some knobs changed (``microbatch=1``, ``seq_worst=512``, ``optimizer="adamw_8bit"``...)."""
@@ -173,6 +183,16 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
         return worst, worst
     typical = min(p50, worst) if p50 else worst
     return worst, typical
+
+
+def rows_are_padded(doc: Document) -> bool:
+    """Whether the declared batches pad every row to the batch's longest one (HF Trainer/TRL collators do).
+
+    True unless ``workload.packing`` or ``workload.padding_free`` is true: packed rows are all ``max_length``
+    long and padding-free batching concatenates the rows, so neither carries pad tokens. An UNKNOWN switch
+    counts as off (the collators' default). A batch of one row is never padded (:attr:`WorkloadSpec.padded`).
+    """
+    return not (doc.get("workload", "packing").switch() or doc.get("workload", "padding_free").switch())
 
 
 def _is_4bit(p: Any) -> bool:
@@ -406,16 +426,33 @@ class Workload:
 
     # -- 5. micro-steps ------------------------------------------------------------------------------------------
     def batch(self, seq_len: int) -> tuple[Any, Any]:
-        """A synthetic batch ``microbatch x seq_len`` of token ids and its labels."""
+        """A synthetic batch ``microbatch x seq_len``: (inputs, labels).
+
+        Unpadded (:attr:`WorkloadSpec.padded` false): inputs are the token ids, labels a copy of them. Padded:
+        inputs are ``{"input_ids", "attention_mask"}`` as a padding collator makes them (int64 mask, right
+        padding); every row is ``seq_len`` tokens except the last, one token shorter: its last position is
+        padding (mask 0, label -100). The worst representative padded batch: the longest row sets the shape and
+        one shorter row makes the mask non-trivial, which changes the attention path (explicit 4-D mask; SDPA
+        repeats k/v to all heads and CUDA runs the memory-efficient kernel instead of flash).
+        """
         import torch
 
         vocab = int(self.model.get_base_model().config.get_text_config().vocab_size)
         ids = torch.randint(0, vocab, (self.spec.microbatch, seq_len), device=self.device)
-        return ids, ids.clone()
+        if not self.spec.padded or seq_len < 2:
+            return ids, ids.clone()
+        mask = torch.ones_like(ids)
+        mask[-1, -1] = 0
+        labels = ids.clone()
+        labels[-1, -1] = -100
+        return {"input_ids": ids, "attention_mask": mask}, labels
 
-    def forward(self, ids: Any) -> Any:
-        """The model's forward: logits (loss is computed separately, see :meth:`loss`)."""
-        out = self.model(input_ids=ids, use_cache=False)
+    def forward(self, inputs: Any) -> Any:
+        """The model's forward on :meth:`batch`'s inputs: logits (loss is computed separately, see :meth:`loss`)."""
+        if isinstance(inputs, dict):
+            out = self.model(**inputs, use_cache=False)
+        else:
+            out = self.model(input_ids=inputs, use_cache=False)
         return out.logits
 
     def loss(self, logits: Any, labels: Any) -> Any:
@@ -447,4 +484,5 @@ class Workload:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
 
-__all__ = ["ATTENTION", "METHOD_NOTES", "OPTIMIZERS", "QuantSpec", "Workload", "WorkloadSpec", "sequence_shapes"]
+__all__ = ["ATTENTION", "METHOD_NOTES", "OPTIMIZERS", "QuantSpec", "Workload", "WorkloadSpec", "rows_are_padded",
+           "sequence_shapes"]
