@@ -50,6 +50,12 @@ def test_cpu_target_agrees_with_a_cpu_measurement(case: dict[str, Any]) -> None:
         assert abs(est.phases[phase] - want) <= 0.01 * want, phase
     assert est.activations == measured.activations_saved
     assert measured.phases["forward_peak"].figure == est.phases["forward_peak"]  # byte for byte, padded or not
+    # what is alive at the peak, by component: the measurement's own categories at the same moment
+    from ledgerspec.derivations.tracker import by_component
+
+    live = by_component(measured.phases[est.peak_phase].categories_at_peak or {})
+    assert est.at_peak == {k: live.get(k, 0) for k in est.at_peak}
+    assert sum(est.at_peak.values()) == est.peak_allocated
 
 
 # -- components against the resolver's exact figures ----------------------------------------------------------------
@@ -59,6 +65,17 @@ def test_cpu_target_agrees_with_a_cpu_measurement(case: dict[str, Any]) -> None:
 def llama7b() -> Any:
     doc = load(EXAMPLES / "llama-2-7b-lora.ledger.yaml")
     return doc, estimate(doc)
+
+
+@pytest.mark.slow
+def test_7b_peak_is_split_into_what_is_alive_then(llama7b: Any, cli: CliRunner) -> None:
+    doc, est = llama7b  # extrapolated from two probe depths: the split must still add up to the peak
+    assert sum(est.at_peak.values()) == est.peak_allocated
+    assert est.at_peak["adapter"] == doc.get("ledger", "adapter").size()
+    assert abs(est.at_peak["frozen_base"] - doc.get("ledger", "frozen_base").size()) <= 512  # allocator rounding
+    assert est.at_peak["temporary"] > 0  # fp32 logits and loss, gradients in flight: owned by no component
+    code, out, _ = cli("estimate", EXAMPLES / "llama-2-7b-lora.ledger.yaml", "--dry-run")  # writes nothing
+    assert code == 0 and f"alive at the peak ({est.peak_phase}): frozen base" in out
 
 
 @pytest.mark.slow

@@ -35,6 +35,10 @@ from ledgerspec.errors import LedgerspecError
 #: the CUDA caching allocator rounds every block up to a multiple of this (c10/cuda/CUDACachingAllocator.cpp)
 CUDA_ALLOCATION_GRANULARITY = 512
 COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+#: what :attr:`Estimate.at_peak` splits the peak into (the tracker's categories folded into ledger components;
+#: ``temporary`` holds what no component owns: logits and loss in fp32, their gradients, attention and
+#: dequantization workspaces, gradients of activations in flight)
+AT_PEAK = (*COMPONENTS, "activations", "temporary")
 TARGETS = ("cuda", "cpu")
 
 
@@ -52,6 +56,12 @@ class Estimate:
     seconds: float
     method: str
     notes: list[str] = field(default_factory=list)
+    #: bytes alive at the moment of the peak (the highest phase), by component; they add up to the peak
+    at_peak: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: self.phases[k])
 
     @property
     def peak_allocated(self) -> int:
@@ -211,6 +221,10 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[s
     out["component.adapter"] = held.get("adapter", 0)
     out["component.gradients"] = grads.get("gradients", 0)
     out["component.optimizer"] = state.get("optimizer", 0)
+    for name, rec in result.phases.items():  # what is alive at each phase's peak, by ledger component
+        live = by_component(rec.categories_at_peak or {})
+        for comp in AT_PEAK:
+            out[f"at.{name}.{comp}"] = live.get(comp, 0)
     return out
 
 
@@ -318,8 +332,10 @@ def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec.attention, target, spec.quant is not None, spec.padded)
+    peak_phase = max(phases, key=lambda k: phases[k])
+    at_peak = {comp: figures[f"at.{peak_phase}.{comp}"] for comp in AT_PEAK}
     return Estimate(phases, figures["activations"], components, est_plan, spec.attention, target,
-                    time.perf_counter() - started, method)
+                    time.perf_counter() - started, method, at_peak=at_peak)
 
 
 def _check_intake(doc: Document) -> None:
@@ -367,6 +383,7 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
                            "method": "maximum of the predicted phase peaks (bytes allocated by PyTorch tensors)"},
         "phases": dict(est.phases),
         "components": dict(est.components),
+        "at_peak": {"phase": est.peak_phase, **est.at_peak},
         "target": est.target,
         "attention_implementation": est.attention,
         "layers": est.plan.describe(),

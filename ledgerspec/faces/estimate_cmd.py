@@ -82,6 +82,12 @@ def _print(est: Any, device: int | None) -> None:
         print(f"  {key:<24}{format_size(value):>12}  {value:,} B", file=out)
     print(f"  {'activations':<24}{format_size(est.activations):>12}  {est.activations:,} B", file=out)
     print(f"  {'peak allocated':<24}{format_size(est.peak_allocated):>12}  {est.peak_allocated:,} B", file=out)
+    if est.at_peak:
+        parts = ", ".join(f"{name.replace('_', ' ')} {format_size(n)}" for name, n in est.at_peak.items() if n)
+        print(f"  alive at the peak ({est.peak_phase}): {parts}", file=out)
+        if est.at_peak.get("temporary"):
+            print("  (temporary: what no component owns: fp32 logits and loss, gradients in flight, attention and "
+                  "dequantization workspaces)", file=out)
     if device is not None:
         verdict = est.fit(device)
         print(f"  {verdict.sentence()}", file=out)
