@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
-from ledgerspec.contract.units import parse_size
+from ledgerspec.contract.units import format_size, parse_size
 from ledgerspec.faces.report_bar import Bar, Span, cells
 from ledgerspec.faces.report_data import COMPONENTS, Entry
 from ledgerspec.faces.report_html import BAR_W, COLORS
@@ -273,6 +273,26 @@ def test_terminal_phases_estimated_vs_measured(cli: CliRunner, tmp_path: Path) -
     assert line.split()[2:] == ["12.00", "GiB", "13.00", "GiB"]
     bar = next(x for x in out.splitlines() if x.startswith("["))
     assert "|" in bar  # the device memory mark
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_the_estimated_peak_is_split_into_what_is_alive(cli: CliRunner, tmp_path: Path, plain: bool) -> None:
+    from ledgerspec.contract.document import load
+    from ledgerspec.faces.report_data import COMPONENT_LABELS
+
+    path = EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml"
+    split = load(path).get("x-estimate", "at_peak").raw  # written by `ledgerspec estimate`
+    code, out, err = cli("report", *(["--plain"] if plain else []), path)
+    assert code == 0, err
+    assert "alive at the estimated peak (backward peak, 14.00 GiB" in out
+    for name in ("frozen_base", "activations", "temporary"):
+        assert any(COMPONENT_LABELS[name] in line and format_size(split[name]) in line for line in out.splitlines())
+    assert sum(v for k, v in split.items() if k != "phase") == load(path).get("x-estimate", "peak_allocated").size()
+    html = tmp_path / "r.html"
+    assert cli("report", path, "--html", html)[0] == 0
+    assert "Alive at the estimated peak (backward peak)" in html.read_text(encoding="utf-8")
+    code, out, _ = cli("report", "--plain", EXAMPLES / "llama-2-7b-lora.ledger.yaml")  # no estimate: no split
+    assert code == 0 and "alive at the estimated peak" not in out
 
 
 # -- bar arithmetic ---------------------------------------------------------------------------------

@@ -90,6 +90,9 @@ class ReportData:
     phases: list[PhasePoint] = field(default_factory=list)
     pairs: list[Pair] = field(default_factory=list)
     explanation: str | None = None
+    #: the estimate's split of its peak into what is alive then (``x-estimate.at_peak``): (component, bytes)
+    at_peak: list[tuple[str, int]] = field(default_factory=list)
+    at_peak_phase: str | None = None
 
     @property
     def segments(self) -> list[Entry]:
@@ -189,12 +192,23 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
     phases = [PhasePoint(name, PHASE_LABELS.get(name, name), _measured(doc, "phases", name), _estimate(doc, name))
               for name in PHASE_LABELS]
     title = doc.get("title").text()
+    at_peak, at_peak_phase = _at_peak(doc)
     return ReportData(
         path=doc.path, kind=kind, title=title, declared_status=report.declared_status,
         supported_status=report.supported_status, reasons=list(report.reasons), findings=list(report.findings),
         components=components, figures=figures, inputs=inputs, capacity=capacity, capacity_label=capacity_label,
         peak=peak, peak_label=peak_label, phases=phases, pairs=_pairs(doc, phases),
-        explanation=doc.get("comparison", "known_explanation").text())
+        explanation=doc.get("comparison", "known_explanation").text(), at_peak=at_peak, at_peak_phase=at_peak_phase)
+
+
+def _at_peak(doc: Document) -> tuple[list[tuple[str, int]], str | None]:
+    """``x-estimate.at_peak`` as (component, bytes) rows and the phase label; nothing when absent or malformed."""
+    raw = doc.get(ESTIMATE, "at_peak").raw
+    if not isinstance(raw, dict):
+        return [], None
+    rows = [(str(k), int(v)) for k, v in raw.items() if k != "phase" and isinstance(v, int) and not isinstance(v, bool)]
+    phase = raw.get("phase")
+    return rows, PHASE_LABELS.get(str(phase), str(phase)) if phase is not None else None
 
 
 def _per_rank(doc: Document) -> list[object]:

@@ -85,6 +85,8 @@ def render_html(d: ReportData) -> str:
     ]
     if d.has_phases:
         parts += ["<h2>Phase timeline</h2>", _timeline_svg(d.phases, d.capacity)]
+    if d.at_peak:
+        parts += [f"<h2>Alive at the estimated peak ({_e(d.at_peak_phase or '')})</h2>", _at_peak_table(d)]
     if d.pairs:
         parts += ["<h2>Calculated vs measured</h2>", _pairs_table(d.pairs, d.explanation)]
     if d.figures:
@@ -189,6 +191,18 @@ def _components_table(d: ReportData) -> str:
                     f'<td class="num">{_e(e.display)}</td><td class="num">{nbytes}</td><td>{badge(e.source)}</td>'
                     f'<td class="detail">{_e(e.detail)}</td></tr>')
     rows.append("</tbody></table>")
+    return "\n".join(rows)
+
+
+def _at_peak_table(d: ReportData) -> str:
+    rows = ['<table><thead><tr><th>component</th><th class="num">alive</th><th class="num">bytes</th></tr></thead>'
+            "<tbody>"]
+    for name, n in d.at_peak:
+        rows.append(f'<tr><td>{_e(COMPONENT_LABELS.get(name, name))}</td><td class="num">{_e(format_size(n))}</td>'
+                    f'<td class="num">{n:,}</td></tr>')
+    rows.append('</tbody></table><p class="muted">From the estimate (x-estimate.at_peak); they add up to the '
+                "predicted peak. Temporary: what no component owns (fp32 logits and loss, gradients in flight, "
+                "attention and dequantization workspaces).</p>")
     return "\n".join(rows)
 
 

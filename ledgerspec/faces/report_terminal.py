@@ -121,10 +121,22 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH) -> None:
         _plain_table(out, ("phase", "estimated", "measured"),
                      [(p.label, p.estimated.display if p.estimated else "-",
                        p.measured.display if p.measured else "-") for p in d.phases])
+    if d.at_peak:
+        w(f"\n{_at_peak_title(d)}\n")
+        _plain_table(out, ("component", "alive"),
+                     [(COMPONENT_LABELS.get(name, name), format_size(n)) for name, n in d.at_peak])
+        w(f"  ({AT_PEAK_NOTE})\n")
     w("\n" + _finding_line(d) + "\n")
     for f in d.findings:
         if f.severity != INFO:
             w(f"  {f.line}:{f.column} {f.rule} {f.severity}: {f.message}\n")
+
+
+AT_PEAK_NOTE = "temporary/runtime: what no component owns (fp32 logits and loss, gradients in flight, workspaces)"
+
+
+def _at_peak_title(d: ReportData) -> str:
+    return f"alive at the estimated peak ({d.at_peak_phase}, {format_size(sum(n for _, n in d.at_peak))})"
 
 
 def _plain_table(out: TextIO, head: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
@@ -227,6 +239,16 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
             t.add_row(p.label, p.estimated.display if p.estimated else "-", p.measured.display if p.measured else "-")
         console.print()
         console.print(t)
+    if d.at_peak:
+        t = Table(box=SIMPLE_HEAD)
+        t.add_column("component")
+        t.add_column("alive", justify="right")
+        for name, n in d.at_peak:
+            t.add_row(COMPONENT_LABELS.get(name, name), format_size(n))
+        console.print()
+        console.print(Text(_at_peak_title(d), style="italic"))
+        console.print(t)
+        console.print(Text(f"  ({AT_PEAK_NOTE})"))
     console.print()
     console.print(Text(_finding_line(d)))
     for f in d.findings:
