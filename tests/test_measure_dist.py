@@ -3,6 +3,9 @@
 The expected figures are derived independently of the code under test: the calculated per-rank state from
 :mod:`ledgerspec.derivations.sharding` (itself checked against the real shards' bytes in
 ``test_sharding_fsdp2.py``), the validator's own verdict, and the per-rank phase table the ranks reported.
+The QLoRA case (nf4, double quantization, ``bnb_4bit_quant_storage`` = the loaded bfloat16) is the same tiny model
+with its decoder-layer linears in bitsandbytes 4-bit: its per-rank state is calculated from the packed shapes
+(checked against bitsandbytes in ``test_sharding.py``) and the quantization constants (``bnb_storage``).
 """
 
 from __future__ import annotations
@@ -30,16 +33,27 @@ WORLD = 2
 pytestmark = pytest.mark.slow
 
 
-def _copy(tmp: Path) -> Path:
+#: the LoRA ledger turned into QLoRA: bf16 base quantized to nf4 with bf16 quant storage (FSDP2 can shard it)
+QLORA_EDITS = [("kind: LoRA", "kind: QLoRA"),
+               ("  loaded_dtype: float32\n  quantized: false\n",
+                "  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, bits: 4, storage_dtype: "
+                "bfloat16, double_quant: true, compute_dtype: bfloat16}\n")]
+
+
+def _copy(tmp: Path, edits: list[tuple[str, str]] | None = None) -> Path:
     shutil.copytree(DATA / "tiny", tmp / "tiny")
-    shutil.copy(DATA / LEDGER, tmp / LEDGER)
+    text = (DATA / LEDGER).read_text()
+    for old, new in edits or []:
+        assert old in text, old
+        text = text.replace(old, new)
+    (tmp / LEDGER).write_text(text)
     return tmp / LEDGER
 
 
-def _resolved(tmp: Path) -> Path:
+def _resolved(tmp: Path, edits: list[tuple[str, str]] | None = None) -> Path:
     from ledgerspec import resolve
 
-    path = _copy(tmp)
+    path = _copy(tmp, edits)
     doc = load(path)
     resolve(doc, offline=True)
     set_plain(doc, ("result", "target_device", "memory"), "1 GiB")
@@ -158,6 +172,65 @@ def test_failed_run_leaves_the_ledger_byte_identical(tmp_path: Path) -> None:
     code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
     assert code != 0 and "Traceback" not in err
     assert path.read_bytes() == before
+
+
+@pytest.fixture(scope="module")
+def measured_qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    path = _resolved(tmp_path_factory.mktemp("measure-dist-qlora"), QLORA_EDITS)
+    code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
+    assert code == 0, err
+    doc = load(path)
+    from ledgerspec.derivations.sharding_model import document_descriptors
+
+    descs = document_descriptors(doc)
+    plan = S.fsdp2(descs, WORLD, "adamw_torch", reshard_after_forward=True)
+    return {"doc": doc, "descs": descs, "plan": plan, "ranks": list(doc.plain["x-measure-per-rank"]["ranks"])}
+
+
+def test_qlora_case_really_shards_4bit_weights(measured_qlora: dict[str, Any]) -> None:
+    """The case is meaningful: packed bf16 4-bit weights and their replicated quantization state are in the plan."""
+    descs = measured_qlora["descs"]
+    packed = [d for d in descs if d.kind == "param" and d.shape[1:] == (1,) and d.dtype == "bfloat16"]
+    states = [d for d in descs if d.name.endswith(".quant_state")]
+    assert len(packed) == len(states) == 2 * 7  # q/k/v/o/gate/up/down of 2 layers
+    assert all(d.unit != S.ROOT for d in packed)
+    assert measured_qlora["doc"].plain["parallelism"]["strategy"] == "fsdp2"
+
+
+def test_qlora_model_state_per_rank_equals_the_calculated_shards(measured_qlora: dict[str, Any]) -> None:
+    """QLoRA, rank by rank: padded packed 4-bit shards + whole quantization state + other shards, to the byte."""
+    for real, calc in zip(measured_qlora["ranks"], measured_qlora["plan"].ranks, strict=True):
+        where = f"rank {real['rank']}"
+        assert real["phases"]["after_load"] == calc.frozen_base, where
+        assert real["phases"]["after_adapter_injection"] == calc.frozen_base + calc.adapter, where
+        assert real["phases"]["after_optimizer_init"] == calc.frozen_base + calc.adapter, where
+        m = real["measured"]
+        assert (m["frozen_base"], m["adapter"], m["gradients"]) == (calc.frozen_base, calc.adapter,
+                                                                     calc.gradients), where
+        assert m["optimizer"] == calc.optimizer + calc.optimizer_host, where
+        assert real["calculated"]["frozen_base"] == calc.frozen_base, where
+    ranks = measured_qlora["plan"].ranks
+    assert ranks[0].optimizer > ranks[1].optimizer  # uneven LoRA rows: the ranks really differ
+
+
+def test_qlora_per_rank_is_not_the_unsharded_state_divided_by_world(measured_qlora: dict[str, Any]) -> None:
+    """Each rank holds every quantization constant whole and padded shards: more than half of the model."""
+    descs = measured_qlora["descs"]
+    constants = sum(d.nbytes for d in descs if d.name.endswith(".quant_state"))
+    whole = sum(d.nbytes for d in descs if not d.trainable)
+    for real in measured_qlora["ranks"]:
+        assert real["phases"]["after_load"] > whole / WORLD
+        assert real["phases"]["after_load"] >= constants
+
+
+def test_qlora_with_uint8_storage_is_refused_before_launching(tmp_path: Path) -> None:
+    edits = [*QLORA_EDITS[:1], (QLORA_EDITS[1][0], QLORA_EDITS[1][1].replace("storage_dtype: bfloat16",
+                                                                             "storage_dtype: uint8"))]
+    path = _copy(tmp_path, edits)
+    before = path.read_bytes()
+    code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
+    assert code != 0 and "bnb_4bit_quant_storage = bfloat16" in err and "storage_dtype" in err
+    assert "Traceback" not in err and path.read_bytes() == before
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -17,9 +17,12 @@ Write-back (only after every rank reported; a failure leaves the ledger byte-ide
 placements; ``metrics.peak_allocated`` = the worst rank (never a sum); ``phases`` = the worst rank per phase;
 the per-rank phase table and the calculated-vs-measured model state in ``x-measure-per-rank``.
 
-Not supported with ``--nproc``: QLoRA (bitsandbytes 4-bit layers under FSDP2 on these ranks), ``--memory-limit``
-(a simulated OOM on one rank would leave the others waiting in a collective). An out-of-memory error on any
-rank ends the run without writing.
+QLoRA is measured when bitsandbytes stores the packed 4-bit weights in the loaded float dtype
+(``bnb_4bit_quant_storage``, checked before launching): FSDP2 shards the packed weights like any parameter, every
+rank keeps the whole quantization state, and bitsandbytes' ``Linear4bit`` finds it again on the module for the
+gathered weight (:mod:`ledgerspec.derivations.sharding_workload`). Not supported with ``--nproc``:
+``--memory-limit`` (a simulated OOM on one rank would leave the others waiting in a collective). An out-of-memory
+error on any rank ends the run without writing.
 """
 
 from __future__ import annotations
@@ -385,11 +388,23 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
                               rule="measure", exit_code=EXIT_USAGE, hint="omit --nproc for one device")
     base = single(doc, device, steps, None, None)
     if base.spec.get("quant") is not None:
-        raise LedgerspecError("measure --nproc supports LoRA; QLoRA (bitsandbytes 4-bit) under FSDP2 is not measured "
-                              "per rank yet", doc.path, *doc.position("/method"), rule="measure",
-                              exit_code=EXIT_FINDINGS, hint="`ledgerspec shard` calculates its per-rank state")
+        _check_qlora_storage(doc)
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     return DistRequest(base.doc_text, base.doc_path, base.spec, nproc, device, steps, reshard)
+
+
+def _check_qlora_storage(doc: Document) -> None:
+    """FSDP2 shards 4-bit weights only when bitsandbytes stores them in the loaded float dtype (as ``shard`` checks)."""
+    from ledgerspec.derivations.sharding import qlora_shardable
+
+    storage = doc.get("base_model", "quantization", "storage_dtype")
+    why = qlora_shardable(storage.text() if storage.known else None, doc.get("base_model", "loaded_dtype").text())
+    if why is not None:
+        raise LedgerspecError(f"measure --nproc: {why}", doc.path,
+                              *doc.position("/base_model/quantization/storage_dtype"), rule="measure",
+                              exit_code=EXIT_USAGE, hint="set base_model.quantization.storage_dtype to "
+                              "base_model.loaded_dtype (BitsAndBytesConfig(bnb_4bit_quant_storage=...)), as "
+                              "FSDP-QLoRA recipes do")
 
 
 def measure_dist(path: str, nproc: int, device: str = "cpu", steps: int = 2, output: str | None = None,

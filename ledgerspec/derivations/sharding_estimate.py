@@ -18,7 +18,7 @@ is simulated and the others share its figures.
 Not modelled: NCCL's communicator and internal buffers, CUDA context, cuBLAS workspaces, allocator caching
 and fragmentation, and CUDA stream overlap (on a GPU the next unit's all-gather can be in flight while the
 current one computes: up to one more unit's gathered parameters than simulated here). QLoRA is refused
-(bitsandbytes 4-bit layers are not simulated under FSDP2).
+(bitsandbytes 4-bit layers are not simulated under FSDP2; `measure --nproc` measures them on the CPU).
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target:
     spec = WorkloadSpec.from_document(doc)
     if spec.quant is not None:
         raise _err(doc, ("method", "kind"), "the per-rank estimate simulates LoRA under FSDP2; QLoRA (bitsandbytes "
-                   "4-bit layers) is not simulated", "the calculated per-rank state (`ledgerspec shard`) covers it")
+                   "4-bit layers) is not simulated", "the calculated per-rank state (`ledgerspec shard`) covers "
+                   "it, and `ledgerspec measure FILE --nproc N --device cpu` measures it")
     E._check_attention(doc, spec.attention)
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     source = load_config(doc, offline=offline)
