@@ -79,6 +79,26 @@ def test_compute_holds_gathered_units_and_unsharded_activations(estimated: dict[
     assert plan.ranks[0].gathered < sum(plan.unit_unsharded.values())  # never the whole model gathered
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", ["true", "false", None])
+def test_per_rank_activations_are_the_single_device_activations(tmp_path: Path, reshard: str | None) -> None:
+    """FSDP2 shards parameters, not activations: a rank's microbatch holds what one device's does. Gathered layers
+    are freed by resizing their storage to 0 (no tensor op): a tracker that missed it counted every layer's
+    weights as activations."""
+    from ledgerspec.derivations.estimate import estimate
+    from ledgerspec.derivations.sharding_ledger import shard
+
+    path = _copy(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    line = "  reshard_after_forward: true\n"
+    assert line in text
+    path.write_text(text.replace(line, f"  reshard_after_forward: {reshard}\n" if reshard else ""), encoding="utf-8")
+    doc = load(path)
+    single = estimate(doc, target="cpu").activations
+    ranks = shard(doc, estimate=True, target="cpu").estimate.ranks
+    assert [r.activations for r in ranks] == [single] * len(ranks)
+
+
 def test_written_as_calculated_with_method_and_fit(estimated: dict[str, Any]) -> None:
     block = estimated["doc"].plain["parallelism"]["x-per-rank"]["estimate"]
     assert block["source"] == "CALCULATED" and block["target"] == "cpu"

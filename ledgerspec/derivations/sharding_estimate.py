@@ -161,9 +161,10 @@ def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target:
         est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
     groups = rank_groups(descs, world)
     units = unit_unsharded_bytes(descs, world)
-    # the protocol's activations are the bytes held after the forward; FSDP2 keeps the root (every unit with
-    # reshard_after_forward=false) gathered into backward: parameters, not activations
-    kept = sum(units.values()) if reshard is False else units.get(ROOT, 0)
+    # the protocol's activations are the bytes held after the forward; what FSDP2 keeps gathered into backward is
+    # parameters, not activations: every unit with reshard_after_forward=false, the root alone with FSDP2's default
+    # (None: the root is not resharded after forward), nothing with an explicit true (the root reshards too)
+    kept = sum(units.values()) if reshard is False else units.get(ROOT, 0) if reshard is None else 0
 
     def run(n: int | None, rank: int) -> dict[str, int]:
         src = source if n is None else ModelSource(with_layers(source.config, n), source.config_file, source.sha256,

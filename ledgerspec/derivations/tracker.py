@@ -209,11 +209,55 @@ class MemoryTracker:
 
     # -- dispatch ------------------------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
+        self._watch_resizes()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._unwatch_resizes()
+
+    def _watch_resizes(self) -> None:
+        """Storage ``resize_`` is no tensor op, so the dispatch mode never sees it: FSDP2 frees each gathered
+        parameter with ``untyped_storage().resize_(0)`` after its layer ran (and re-allocates it the same way). Wrap
+        the method while tracking, so that a live storage's new size counts at once."""
+        import torch
+
+        original = torch.UntypedStorage.__dict__.get("resize_")
+        self._resize_original = original
+        base = getattr(torch._C.StorageBase, "resize_")  # noqa: B009 (not in the type stubs)
+        tracker = self
+
+        def resize_(storage: Any, size: int) -> Any:
+            out = base(storage, size)
+            tracker._resized(storage)
+            return out
+
+        setattr(torch.UntypedStorage, "resize_", resize_)  # noqa: B010 (a method of a torch class, on purpose)
+
+    def _unwatch_resizes(self) -> None:
+        import torch
+
+        original = getattr(self, "_resize_original", None)
+        if original is None:
+            if "resize_" in torch.UntypedStorage.__dict__:
+                delattr(torch.UntypedStorage, "resize_")
+        else:
+            setattr(torch.UntypedStorage, "resize_", original)  # noqa: B010
+
+    def _resized(self, storage: Any) -> None:
+        entry = self._live.get(int(storage._cdata))
+        if entry is None:
+            return
+        nbytes = int(storage.nbytes())
+        if self.granularity > 1:
+            nbytes = -(-nbytes // self.granularity) * self.granularity
+        if nbytes != entry.nbytes:
+            self._add(entry.category, nbytes - entry.nbytes)
+            entry.nbytes = nbytes
+            self._check_peak()
 
     def _register_outputs(self, out: Any) -> None:
         import torch
