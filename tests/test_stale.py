@@ -174,6 +174,33 @@ def test_what_changes_the_resolve_fingerprint(a: str, b: str, same: bool) -> Non
     assert (method(a) == method(b)) is same
 
 
+@pytest.mark.parametrize(("section", "a", "b", "same"), [
+    # spelling an input differently is no edit: the fingerprint holds what the tools read
+    ("workload", "packing: false", "packing: OFF", True),
+    ("workload", "packing: false", "packing: no", True),
+    ("memory_options", "gradient_checkpointing: true", "gradient_checkpointing: ON", True),
+    ("workload", "max_length: 2048", "max_length: 2048.0", True),
+    ("workload", "max_length: 2048", "max_length: '2048'", True),
+    ("base_model", "loaded_dtype: bfloat16", "loaded_dtype: bf16", True),
+    ("optimizer", "name: adamw_torch", "name: AdamW_Torch", True),
+    ("method", "target_modules: [q_proj, v_proj]", "target_modules: [v_proj, q_proj]", True),
+    ("method", "kind: LoRA", "kind: lora", True),
+    ("method", "kind: LoRA", "kind: QLoRA", False),
+    # ... and a different meaning is one
+    ("workload", "packing: false", "packing: true", False),
+    ("workload", "max_length: 2048", "max_length: 2049", False),
+    ("base_model", "loaded_dtype: bfloat16", "loaded_dtype: float16", False),
+    ("method", "target_modules: [q_proj, v_proj]", "target_modules: [q_proj, k_proj]", False),
+    ("method", "target_modules: [q_proj]", "target_modules: q_proj", False),  # a string is a regex in PEFT
+    ("workload", "microbatch: 2", "microbatch: 2\n  padding_free: true", False),  # padded batches or not
+])
+def test_what_changes_the_workload_fingerprint(section: str, a: str, b: str, same: bool) -> None:
+    def digest(text: str) -> str:
+        return digests(from_text(f"ledgerspec: ledger/v1\n{section}:\n  {text}\n"), WORKLOAD_INPUTS)[section]
+
+    assert (digest(a) == digest(b)) is same
+
+
 def test_estimate_and_measure_read_more_than_resolve() -> None:
     """... but estimate does (a dropout mask is an activation), and the workload, checkpointing and attention."""
     assert {"workload", "memory_options", "software"} <= set(WORKLOAD_INPUTS) - set(RESOLVE_INPUTS)

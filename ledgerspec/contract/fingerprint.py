@@ -31,7 +31,10 @@ import hashlib
 import json
 from typing import Any
 
+from ledgerspec.contract import dtypes
+from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
+from ledgerspec.contract.values import Value
 
 Inputs = dict[str, tuple[tuple[str, ...], ...]]
 
@@ -53,8 +56,8 @@ WORKLOAD_INPUTS: Inputs = {
     **RESOLVE_INPUTS,
     "method": (*RESOLVE_INPUTS["method"], ("dropout",)),
     "software": (("attention_implementation",),),
-    "workload": (("max_length",), ("sequence_p50",), ("sequence_p95",), ("packing",), ("microbatch",),
-                 ("gradient_accumulation",)),
+    "workload": (("max_length",), ("sequence_p50",), ("sequence_p95",), ("packing",), ("padding_free",),
+                 ("microbatch",), ("gradient_accumulation",)),
     "memory_options": (("gradient_checkpointing",), ("checkpointing_kind",)),
 }
 
@@ -71,13 +74,51 @@ DIGITS = 16
 DEFAULTS: dict[tuple[str, ...], Any] = {("software", "attention_implementation"): "sdpa"}
 
 
+#: inputs read as dtype names (``bf16`` and ``bfloat16`` are one input)
+DTYPE_INPUTS = {("base_model", "loaded_dtype"), ("adapter", "dtype"), ("base_model", "quantization", "compute_dtype"),
+                ("base_model", "quantization", "storage_dtype")}
+#: inputs the tools read case-insensitively, whose canonical spelling is lower case
+CASELESS_INPUTS = {("optimizer", "name"), ("base_model", "quantization", "type")}
+#: method.kind in any case, spelled canonically (a canonical document keeps the digest it always had)
+KINDS = {"lora": "LoRA", "qlora": "QLoRA"}
+#: lists whose order the tools ignore (PEFT matches each module against the set)
+SET_INPUTS = {("method", "target_modules"), ("method", "target_parameters"), ("method", "modules_to_save"),
+              ("base_model", "quantization", "skip_modules")}
+
+
 def _value(doc: Document, path: tuple[str, ...]) -> tuple[bool, Any]:
     v = doc.get(*path)
     if not v.present:
         return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
     if v.unknown:
         return True, v.source or "UNKNOWN"
-    return True, v.value
+    return True, _meaning(doc, path, v.value)
+
+
+def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
+    """The value as the tools read it, so that spelling an input differently is no edit: ON/yes/true are one
+    switch, ``bf16`` is ``bfloat16``, ``2048.0`` and ``'2048'`` are 2048, optimizer names ignore case, and the
+    order of a target-module list does not matter."""
+    field = doc.field(*path)
+    kind = field.kind if field is not None else None
+    if kind == F.SWITCH:
+        switch = Value.of(value).switch()
+        return value if switch is None else switch
+    if kind in (F.INT, F.COUNT) and not isinstance(value, bool):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value.strip())
+    if isinstance(value, str):
+        if path in DTYPE_INPUTS:
+            return dtypes.canonical(value) or value
+        if path in CASELESS_INPUTS:
+            return value.strip().lower()
+        if path == ("method", "kind"):
+            return KINDS.get(value.strip().lower(), value)
+    if path in SET_INPUTS and isinstance(value, list) and all(isinstance(x, str) for x in value):
+        return sorted(set(value))
+    return value
 
 
 def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...]) -> str:
