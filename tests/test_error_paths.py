@@ -66,6 +66,9 @@ DOCUMENTS: dict[str, tuple[str, str | None, tuple[str, ...], str, int | None]] =
                           "Field 'vocab_size' expected int, got str", 7),
     "config-inconsistent": (LEDGER, json.dumps({**CONFIG, "num_attention_heads": 3}), ("resolve", "estimate", "shard"),
                             "not a multiple of the number of attention heads (3)", 7),
+    # the config is not the one the ledger pinned: every command that reads it refuses (LS006 relies on the pin)
+    "config-pin-mismatch": (_edit("config_sha256: UNKNOWN", "config_sha256: " + "0" * 64), None,
+                            ("resolve", "estimate", "measure", "triage", "shard"), "config_sha256 does not match", 6),
     "targets-match-nothing": (_edit("[q_proj, v_proj]", "[nothing_here]"), None, ("resolve", "estimate", "shard"),
                               "nothing_here", 16),
     "intake-where-a-ledger-is-needed": (INTAKE, None, ("measure", "triage"), "writes into a ledger/v1 document", 1),

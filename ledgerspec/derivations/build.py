@@ -95,7 +95,9 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
                     "is model_type a transformers architecture? (custom code needs --trust-remote-code)")
             raise _err(doc, ("identity", "config_path"), f"transformers cannot read {file}: {msg}", hint) from None
         archs = data.get("architectures") or []
-        return ModelSource(config, str(file), hashlib.sha256(raw).hexdigest(), archs[0] if archs else None)
+        sha256 = hashlib.sha256(raw).hexdigest()
+        _check_pin(doc, file, sha256)
+        return ModelSource(config, str(file), sha256, archs[0] if archs else None)
 
     model_id = doc.get("identity", "model_id").text()
     if not model_id:
@@ -121,6 +123,16 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     archs = getattr(config, "architectures", None) or []
     name_or_path = getattr(config, "_name_or_path", None)
     return ModelSource(config, str(name_or_path) if name_or_path else None, None, archs[0] if archs else None)
+
+
+def _check_pin(doc: Document, file: Path, sha256: str) -> None:
+    """``identity.config_sha256`` pins the exact config: every command that reads the config refuses another one
+    (figures of two configurations in one ledger would otherwise pass as one)."""
+    declared = doc.get("identity", "config_sha256").text()
+    if declared and declared.lower() != sha256:
+        raise _err(doc, ("identity", "config_sha256"),
+                   f"identity.config_sha256 does not match {file} (sha256 {sha256[:12]}...)",
+                   "the config changed since it was pinned: check it, then remove config_sha256 to re-pin")
 
 
 def hub_unreachable() -> str | None:

@@ -270,12 +270,7 @@ def resolve(doc: Document, offline: bool = False, trust_remote_code: bool = Fals
 
     t = time.perf_counter()
     say("reading the model config")
-    source = load_config(doc, offline=offline, trust_remote_code=trust_remote_code)
-    declared_sha = doc.get("identity", "config_sha256").text()
-    if declared_sha and source.sha256 and declared_sha.lower() != source.sha256:
-        raise _err(doc, ("identity", "config_sha256"),
-                   f"identity.config_sha256 does not match {source.config_file} (sha256 {source.sha256[:12]}...)",
-                   "the config changed since it was pinned: check it, then remove config_sha256 to re-pin")
+    source = load_config(doc, offline=offline, trust_remote_code=trust_remote_code)  # checks the sha256 pin
     timings["config"] = time.perf_counter() - t
 
     c = census(doc, source, progress=say, trust_remote_code=trust_remote_code)
