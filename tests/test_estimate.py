@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,8 @@ def test_status_reaches_candidate(tmp_path: Path, cli: CliRunner) -> None:
         "  adapter: {value: 1, source: CALCULATED, method: test}\n"
         "  gradients: {value: 1, source: CALCULATED, method: test}\n"
         "  optimizer: {value: 1, source: CALCULATED, method: test}\n")
-    text = text.replace("config_sha256: UNKNOWN", "config_sha256: " + "0" * 64)
+    pin = hashlib.sha256((DATA / "tiny-llama-gqa" / "config.json").read_bytes()).hexdigest()  # the exact config
+    text = text.replace("config_sha256: UNKNOWN", f"config_sha256: {pin}")
     path = _copy(tmp_path, text)
     assert supported_status(load(path)).status == "CALCULATED"
     code, _, err = cli("estimate", path, "--device-memory", "80GB")

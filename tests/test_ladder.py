@@ -283,6 +283,7 @@ def test_an_intake_stops_below_calculated_and_says_how_to_go_on() -> None:
     (("result", "fits"), False, "result.fits"),
     (("result", "oom"), True, "result.oom is true"),
     (("x-estimate",), DELETE, "a sum of ledger components is not a peak"),
+    (("x-estimate", "target"), "cpu", "x-estimate models the CPU's kernels"),
 ])
 def test_what_holds_a_ledger_below_candidate(path: tuple[str, ...], value: Any, reason: str) -> None:
     status, reasons = status_of(with_change(candidate, path, value))

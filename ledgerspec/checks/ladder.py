@@ -132,7 +132,7 @@ def best_peak(doc: Document) -> tuple[int | None, str | None]:
         if v.source == "MEASURED" and v.size() is not None:
             return v.size(), f"{section}.{key} (MEASURED)"
     est = doc.get("x-estimate", "peak_allocated")
-    if est.source in EXACT_SOURCES and est.size() is not None:
+    if est.source in EXACT_SOURCES and est.size() is not None and not cpu_estimate(doc):
         return est.size(), "x-estimate.peak_allocated"
     pilot = [doc.get("pilot", k) for k in ("device_peak", "peak_reserved", "peak_allocated")]
     for v in pilot:
@@ -142,6 +142,11 @@ def best_peak(doc: Document) -> tuple[int | None, str | None]:
 
 
 _PILOT_PEAKS = ("peak_allocated", "peak_reserved", "device_peak")
+
+
+def cpu_estimate(doc: Document) -> bool:
+    """``x-estimate`` modelled the CPU's kernels (``estimate --target cpu``, for checks): no GPU's peak."""
+    return doc.get("x-estimate", "target").text() == "cpu"
 
 
 def _activation_figure(doc: Document) -> bool:
@@ -189,7 +194,10 @@ def supported_status(doc: Document) -> StatusResult:
     if not _activation_figure(doc):
         held.append("CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
                     "or MEASURED, or a MEASURED pilot peak in metrics")
-    if res.best_peak is None:
+    if res.best_peak is None and cpu_estimate(doc):
+        held.append("CANDIDATE needs a peak figure: x-estimate models the CPU's kernels (`estimate --target cpu`, "
+                    "for checks); `ledgerspec estimate FILE` predicts the GPU's")
+    elif res.best_peak is None:
         held.append("CANDIDATE needs a peak figure: a predicted peak (`ledgerspec estimate FILE` writes "
                     "x-estimate) or a MEASURED one (metrics or a pilot); a sum of ledger components is not a peak")
     elif target is not None and res.best_peak > target:
@@ -198,8 +206,9 @@ def supported_status(doc: Document) -> StatusResult:
     if doc.get("result", "fits").switch() is False:
         held.append("result.fits is false")
     if doc.get("result", "oom").switch() is True:
-        phase = doc.get("result", "oom_phase").text() or "an unrecorded phase"
-        held.append(f"result.oom is true: the run ran out of memory in phase {phase}; change the configuration "
+        phase = doc.get("result", "oom_phase").text()
+        where = f"in phase {phase}" if phase else "(result.oom_phase not recorded)"
+        held.append(f"result.oom is true: the run ran out of memory {where}; change the configuration "
                     "(see `ledgerspec triage FILE`) or the target device")
     held += stale_evidence(doc, "CANDIDATE", res.best_peak_from)
     if held:
