@@ -531,16 +531,30 @@ def test_8bit_or_paged_optimizers_need_bits_and_paged(name: str, given: dict[str
     assert (status != "INSUFFICIENT DATA") is complete, reasons
 
 
-def test_a_measured_pilot_is_an_activation_figure() -> None:
-    """CANDIDATE: "an activation figure (CALCULATED estimate or MEASURED pilot) exists". A ledger keeps a pilot's
-    peaks in `metrics` (`init --from` puts them there)."""
+@pytest.mark.parametrize("section", ["metrics", "x-pilot"])
+def test_a_measured_pilot_is_an_activation_figure(section: str) -> None:
+    """CANDIDATE: "an activation figure (CALCULATED estimate or MEASURED pilot) exists". A ledger keeps an intake's
+    pilot in `x-pilot` (`resolve -o` and `init --from` both put it there); a measured peak in `metrics` counts too."""
     d = with_change(candidate, ("ledger", "activations"), DELETE)
+    d.pop("x-estimate")
     assert status_of(d)[0] == "CALCULATED"
-    d["metrics"] = {"peak_allocated": measured("20GiB")}
-    d["measurement"] = {"device": "cuda"}
+    d[section] = {"peak_allocated": measured("20GiB")}
+    if section == "metrics":
+        d["measurement"] = {"device": "cuda"}
     assert status_of(d)[0] == "CANDIDATE"
-    d["metrics"] = {"peak_allocated": {"value": "20GiB", "source": "ASSUMPTION", "note": "a guess"}}
+    d[section] = {"peak_allocated": {"value": "20GiB", "source": "ASSUMPTION", "note": "a guess"}}
     assert status_of(d)[0] == "CALCULATED"
+
+
+def test_a_pilot_that_ran_out_of_memory_or_does_not_fit_holds_the_status() -> None:
+    """A measured pilot outranks the estimate as the peak; a pilot that ran out of memory shows no fit."""
+    d = candidate()  # the estimate predicts 18 GiB on a 24 GiB device
+    d["x-pilot"] = {"peak_allocated": measured("30GiB")}
+    status, reasons = status_of(d)
+    assert status == "CALCULATED" and any("x-pilot.peak_allocated (MEASURED)" in r for r in reasons), reasons
+    d["x-pilot"] = {"peak_allocated": measured("20GiB"), "oom_phase": "backward"}
+    status, reasons = status_of(d)
+    assert status == "CALCULATED" and any("pilot run ran out of memory in phase backward" in r for r in reasons)
 
 
 def test_init_from_an_intake_with_a_pilot_keeps_the_pilot_as_evidence(cli: CliRunner, tmp: Path) -> None:
@@ -553,10 +567,11 @@ def test_init_from_an_intake_with_a_pilot_keeps_the_pilot_as_evidence(cli: CliRu
     out = tmp / "pilot.ledger.yaml"
     assert cli("init", "--from", src, "-o", out)[0] == 0
     doc = load(out)
+    assert doc.plain["x-pilot"] == intake["pilot"] and not doc.get("metrics", "peak_allocated").known
     for key in ("ledger", "gradients", "result"):
         for sub, value in d[key].items():
             doc.data.setdefault(key, {})[sub] = copy.deepcopy(value)
-    doc.data["measurement"]["device"] = "cuda"
+    del doc.data["x-estimate"]  # copied from candidate() with the intake: without it the pilot is the evidence
     assert supported_status(from_text(render(doc.data, doc.text))).status == "CANDIDATE"
 
 

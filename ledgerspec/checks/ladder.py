@@ -122,22 +122,20 @@ def assumption_inputs(doc: Document) -> list[str]:
 
 
 def best_peak(doc: Document) -> tuple[int | None, str | None]:
-    """The strongest available peak figure: measured device/reserved/allocated, then the estimate's predicted
-    peak, then a measured pilot. Never a sum of ledger components: a peak has temporaries a sum does not hold
-    (logits and loss in fp32, attention workspaces, dequantized weights), and an assumed ``temporary`` added
-    to the sum is the "subtotal + overhead" shortcut the method refuses."""
+    """The strongest available peak figure: measured (device, reserved, allocated; the protocol's, then a pilot
+    run's), then the estimate's predicted peak. Never a sum of ledger components: a peak has temporaries a sum
+    does not hold (logits and loss in fp32, attention workspaces, dequantized weights), and an assumed
+    ``temporary`` added to the sum is the "subtotal + overhead" shortcut the method refuses."""
+    pilot = pilot_section(doc)
     for section, key in (("metrics", "device_peak"), ("metrics", "peak_reserved"), ("metrics", "peak_allocated"),
-                         ("phases", "steady_state_peak")):
+                         ("phases", "steady_state_peak"), (pilot, "device_peak"), (pilot, "peak_reserved"),
+                         (pilot, "peak_allocated")):
         v = doc.get(section, key)
         if v.source == "MEASURED" and v.size() is not None:
             return v.size(), f"{section}.{key} (MEASURED)"
     est = doc.get("x-estimate", "peak_allocated")
     if est.source in EXACT_SOURCES and est.size() is not None and not cpu_estimate(doc):
         return est.size(), "x-estimate.peak_allocated"
-    pilot = [doc.get("pilot", k) for k in ("device_peak", "peak_reserved", "peak_allocated")]
-    for v in pilot:
-        if v.source == "MEASURED" and v.size() is not None:
-            return v.size(), "pilot (MEASURED)"
     return None, None
 
 
@@ -149,15 +147,20 @@ def cpu_estimate(doc: Document) -> bool:
     return doc.get("x-estimate", "target").text() == "cpu"
 
 
+def pilot_section(doc: Document) -> str:
+    """Where a pilot run's figures are: ``pilot`` in an intake; ``x-pilot`` in a ledger (the ledger has no pilot
+    section: ``resolve -o`` and ``init --from`` both keep the intake's pilot there, as written)."""
+    return "pilot" if doc.kind == "intake" else "x-pilot"
+
+
 def _activation_figure(doc: Document) -> bool:
-    """A CALCULATED estimate or a MEASURED pilot (spec: CANDIDATE). A ledger holds a pilot's peaks in ``metrics``
-    (``init --from`` puts them there): a measured peak includes the activations of the run it measured."""
+    """A CALCULATED estimate or a MEASURED pilot (spec: CANDIDATE): a measured peak (a pilot's, or one in
+    ``metrics``) includes the activations of the run it measured."""
     act = doc.get("ledger", "activations")
     if act.source in ("CALCULATED", "MEASURED") and act.size() is not None:
         return True
-    section = "pilot" if doc.kind == "intake" else "metrics"
     return any(doc.get(section, k).source == "MEASURED" and doc.get(section, k).size() is not None
-               for k in _PILOT_PEAKS)
+               for section in {pilot_section(doc), "metrics"} for k in _PILOT_PEAKS)
 
 
 def supported_status(doc: Document) -> StatusResult:
@@ -193,7 +196,7 @@ def supported_status(doc: Document) -> StatusResult:
         held.append("CANDIDATE needs result.target_device.memory")
     if not _activation_figure(doc):
         held.append("CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
-                    "or MEASURED, or a MEASURED pilot peak in metrics")
+                    "or MEASURED, or a MEASURED peak (a pilot's, or metrics)")
     if res.best_peak is None and cpu_estimate(doc):
         held.append("CANDIDATE needs a peak figure: x-estimate models the CPU's kernels (`estimate --target cpu`, "
                     "for checks); `ledgerspec estimate FILE` predicts the GPU's")
@@ -205,6 +208,10 @@ def supported_status(doc: Document) -> StatusResult:
                     f"({target} B)")
     if doc.get("result", "fits").switch() is False:
         held.append("result.fits is false")
+    pilot_oom = doc.get(pilot_section(doc), "oom_phase").text()
+    if pilot_oom:
+        held.append(f"the pilot run ran out of memory in phase {pilot_oom} ({pilot_section(doc)}.oom_phase): it "
+                    "does not show that this configuration fits; measure it on the target device")
     if doc.get("result", "oom").switch() is True:
         phase = doc.get("result", "oom_phase").text()
         where = f"in phase {phase}" if phase else "(result.oom_phase not recorded)"

@@ -71,13 +71,8 @@ def skeleton(from_intake: Document | None = None, output: str | None = None) -> 
     config_path = from_intake.get("identity", "config_path").text()
     if config_path and from_intake.get("identity", "config_path").form == "plain":
         data["identity"]["config_path"] = rebase(config_path, from_intake.path, output)
-    pilot = src.get("pilot")
-    if isinstance(pilot, dict):
-        for sub in ("peak_allocated", "peak_reserved", "device_peak"):
-            if sub in pilot:
-                data["metrics"][sub] = pilot[sub]
-        if "oom_phase" in pilot:
-            data["result"]["oom_phase"] = pilot["oom_phase"]
+    if "pilot" in src:  # the ledger has no pilot section: kept as written in x-pilot, as `resolve -o` keeps it
+        data["x-pilot"] = src["pilot"]
     return render(data, text)
 
 
