@@ -420,6 +420,29 @@ def test_init_from_an_intake_keeps_its_comments(cli: CliRunner, tmp_path: Path, 
     assert all(method[k] == v for k, v in load(EXAMPLES / intake).plain["method"].items())
 
 
+@pytest.mark.parametrize(("edit", "absent", "present"), [
+    ({}, [("base_model", "quantization"), ("base_model", "prepare_for_kbit_training")], [("software", "rocm")]),
+    ({"software": {"cuda": "12.8"}}, [("software", "rocm"), ("base_model", "quantization")], []),
+    ({"method": {"kind": "QLoRA"}, "base_model": {"quantized": True}}, [],
+     [("base_model", "quantization", "type"), ("base_model", "prepare_for_kbit_training")]),
+])
+def test_init_from_leaves_out_what_cannot_apply(cli: CliRunner, tmp_path: Path, edit: dict[str, Any],
+                                                 absent: list[tuple[str, ...]], present: list[tuple[str, ...]]
+                                                 ) -> None:
+    """A LoRA run has no quantization and a CUDA stack no ROCm version: UNKNOWN, they would block VALIDATED."""
+    data = load(EXAMPLES / "llama-2-7b-lora.intake.yaml").plain
+    for section, values in edit.items():
+        data.setdefault(section, {}).update(values)
+    src = tmp_path / "i.intake.yaml"
+    src.write_text(json.dumps(data), encoding="utf-8")
+    out = tmp_path / "l.yaml"
+    assert cli("init", "--from", src, "-o", out)[0] == 0
+    doc = load(out)
+    assert all(not doc.get(*p).present for p in absent), absent
+    assert all(doc.get(*p).present for p in present), present
+    assert cli("validate", out)[0] == 0
+
+
 def test_init_from_a_ledger_is_refused_in_one_line(cli: CliRunner) -> None:
     code, out, err = cli("init", "--from", OK_FILE)
     assert code == 2 and out == ""

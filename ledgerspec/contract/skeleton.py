@@ -18,26 +18,27 @@ def _comment(text: str, indent: str) -> list[str]:
     return [f"{indent}# {line}" for line in textwrap.wrap(text, _WIDTH - len(indent) - 2)]
 
 
-def _lines(fields: tuple[F.Field, ...], depth: int, prefix: tuple[str, ...]) -> list[str]:
+def _lines(fields: tuple[F.Field, ...], depth: int, prefix: tuple[str, ...],
+           skip: frozenset[tuple[str, ...]] = frozenset()) -> list[str]:
     out: list[str] = []
     indent = "  " * depth
     for f in fields:
         path = (*prefix, f.name)
-        if path in _SKIP:
+        if path in _SKIP or path in skip:
             continue
         if f.kind == F.OBJECT:
             if depth == 0:
                 out.append("")
             out += _comment(f.description, indent)
             out.append(f"{indent}{f.name}:")
-            out += _lines(f.children, depth + 1, path)
+            out += _lines(f.children, depth + 1, path, skip)
         else:
             out += _comment(f.description, indent)
             out.append(f"{indent}{f.name}: UNKNOWN")
     return out
 
 
-def skeleton_text(kind: str = "ledger") -> str:
+def skeleton_text(kind: str = "ledger", skip: frozenset[tuple[str, ...]] = frozenset()) -> str:
     head = [
         "# Training Memory Ledger skeleton (ledgerspec init). Every field is UNKNOWN: replace each with a",
         "# plain value, or the long form",
@@ -47,7 +48,7 @@ def skeleton_text(kind: str = "ledger") -> str:
         "status: INSUFFICIENT DATA",
         "title: UNKNOWN",
     ]
-    return "\n".join([*head, *_lines(F.top_fields(kind), 0, ())]) + "\n"
+    return "\n".join([*head, *_lines(F.top_fields(kind), 0, (), skip)]) + "\n"
 
 
 def skeleton(from_intake: Document | None = None, output: str | None = None) -> str:
@@ -60,9 +61,9 @@ def skeleton(from_intake: Document | None = None, output: str | None = None) -> 
     ``output`` is where the ledger will be written (standard output: the current folder), so that a
     relative ``identity.config_path`` still points at the same file.
     """
-    text = skeleton_text("ledger")
     if from_intake is None:
-        return text
+        return skeleton_text("ledger")
+    text = skeleton_text("ledger", _not_applicable(from_intake))
     doc = from_text(text, "<skeleton>")
     data: Any = doc.data
     src: Any = from_intake.data
@@ -74,6 +75,19 @@ def skeleton(from_intake: Document | None = None, output: str | None = None) -> 
     if "pilot" in src:  # the ledger has no pilot section: kept as written in x-pilot, as `resolve -o` keeps it
         data["x-pilot"] = src["pilot"]
     return render(data, text)
+
+
+def _not_applicable(intake: Document) -> frozenset[tuple[str, ...]]:
+    """Skeleton fields the intake shows cannot apply, left out: UNKNOWN, they would hold the ledger below
+    VALIDATED until deleted by hand (a LoRA run has no quantization; a CUDA stack has no ROCm version)."""
+    skip: set[tuple[str, ...]] = set()
+    if intake.get("method", "kind").text() == "LoRA" and intake.get("base_model", "quantized").switch() is not True:
+        skip |= {("base_model", k) for k in ("quantization", "prepare_for_kbit_training")
+                 if not intake.get("base_model", k).present}
+    for given, other in (("cuda", "rocm"), ("rocm", "cuda")):
+        if intake.get("software", given).known and not intake.get("software", other).present:
+            skip.add(("software", other))
+    return frozenset(skip)
 
 
 def _merge(dst: Any, src: Any) -> None:
