@@ -42,8 +42,10 @@ def device_memory(text: str) -> DeviceMemory:
     """``--device-memory``: a positive size of at least 1 MiB (a bare ``24`` is 24 bytes: surely a missing unit)."""
     value = positive_size(text)
     if value < MIN_DEVICE_MEMORY:
-        raise argparse.ArgumentTypeError(f"{text!r} is {value} bytes, too small for a device; give a unit "
-                                         f"(did you mean {text.strip()}GiB or {text.strip()}GB?)")
+        bare = re.fullmatch(r"\s*[0-9.]+\s*", text) is not None
+        hint = f" (did you mean {text.strip()}GiB or {text.strip()}GB?)" if bare else ""
+        raise argparse.ArgumentTypeError(f"{text!r} is {value} bytes, too small for a device; give a device's "
+                                         f"memory{hint}")
     return DeviceMemory(value, text)
 
 
@@ -52,7 +54,7 @@ def decimal_unit_note(size: int | None) -> str | None:
     text = getattr(size, "text", None)
     if size is None or text is None:
         return None
-    m = re.fullmatch(r"\s*(?P<num>[0-9.]+)\s*(?P<unit>[KMGT]B)\s*", text)
+    m = re.fullmatch(r"\s*(?P<num>[0-9.]+)\s*(?P<unit>[GT]B)\s*", text)  # cards are sold in GB (or TB)
     if m is None:
         return None
     binary = f"{m.group('num')}{m.group('unit')[0]}iB"
