@@ -24,6 +24,7 @@ from pathlib import Path
 from ruamel.yaml.comments import CommentedMap
 
 from ledgerspec.contract.document import Document
+from ledgerspec.contract.optimizers import suggest
 from ledgerspec.contract.writeback import Change, set_extension, set_figure, set_plain
 from ledgerspec.contract.writer import render
 from ledgerspec.derivations.build import _err
@@ -93,7 +94,9 @@ def check_optimizer(doc: Document) -> tuple[OptimizerSpec | None, int]:
         return None, DEFAULT_MIN_8BIT_SIZE
     spec = optimizer_spec(name)
     if spec is None:
-        raise _err(doc, ("optimizer", "name"), f"unknown optimizer {name!r}",
+        guess = suggest(name)
+        raise _err(doc, ("optimizer", "name"), f"unknown optimizer {name!r}" + (f"; did you mean {guess!r}?"
+                                                                                   if guess else ""),
                    "supported: " + ", ".join(sorted(OPTIMIZERS)))
     return spec, DEFAULT_MIN_8BIT_SIZE if min8 is None else min8
 

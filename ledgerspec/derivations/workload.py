@@ -126,8 +126,8 @@ class WorkloadSpec:
         adapter = dtype(("adapter", "dtype")) if text("adapter", "dtype") else None  # None: PEFT's float32
         opt = (text("optimizer", "name") or "").strip().lower()
         if opt not in OPTIMIZERS:
-            raise _err(doc, ("optimizer", "name"), f"measure cannot build optimizer {opt or 'nothing'!r}",
-                       f"use one of {', '.join(OPTIMIZERS)}")
+            raise _err(doc, ("optimizer", "name"), f"the training step cannot build optimizer {opt or 'nothing'!r} "
+                       "(estimate, measure)", f"use one of {', '.join(OPTIMIZERS)}")
         gc = doc.get("memory_options", "gradient_checkpointing").switch()
         if gc is None:
             raise _err(doc, ("memory_options", "gradient_checkpointing"),
