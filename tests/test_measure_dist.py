@@ -163,6 +163,23 @@ def test_per_rank_estimate_agrees_with_the_measurement(measured: dict[str, Any],
                 assert 0 <= want - got <= 2 * layer_unit, (real["rank"], name, want, got)
 
 
+@pytest.mark.parametrize("reshard", ["true", "false", None])
+def test_measured_activations_are_the_single_device_ones(tmp_path: Path, reshard: str | None) -> None:
+    """FSDP2 shards parameters, not activations: the measured activations of a rank (held after the forward, less
+    the gathered parameters FSDP2 keeps into backward) are one device's, whatever reshard_after_forward says."""
+    from ledgerspec.derivations.measure import make_request, run_request
+
+    path = _resolved(tmp_path)
+    text = path.read_text()
+    line = "  reshard_after_forward: true\n"
+    assert line in text
+    path.write_text(text.replace(line, f"  reshard_after_forward: {reshard}\n" if reshard else ""))
+    single = run_request(make_request(load(path), "cpu", 2, None, None)).result.activations_saved
+    code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
+    assert code == 0, err
+    assert load(path).plain["x-measure"]["activations_saved"] == single
+
+
 def test_failed_run_leaves_the_ledger_byte_identical(tmp_path: Path) -> None:
     """A rank that cannot build the model (flash-attention is not installed here) fails the whole run."""
     path = _copy(tmp_path)

@@ -99,10 +99,12 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
     from ledgerspec.derivations import sharding as S
     from ledgerspec.derivations.sharding_model import document_descriptors
 
-    plan = S.fsdp2(document_descriptors(doc), world, optimizer, reshard_after_forward=reshard is not False)
+    descs = document_descriptors(doc)
+    plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False)
     rs = plan.ranks[rank]
     return {"frozen_base": rs.frozen_base, "adapter": rs.adapter, "gradients": rs.gradients,
-            "optimizer": rs.optimizer, "optimizer_host": rs.optimizer_host, "gathered": rs.gathered}
+            "optimizer": rs.optimizer, "optimizer_host": rs.optimizer_host, "gathered": rs.gathered,
+            "kept_after_forward": S.kept_after_forward(S.unit_unsharded_bytes(descs, world), reshard)}
 
 
 def run_rank(req: DistRequest) -> RankOutput:
@@ -131,6 +133,8 @@ def run_rank(req: DistRequest) -> RankOutput:
     workload.reshard_after_forward = req.reshard_after_forward
     result = run_protocol(workload, backend, device=device, steps=req.steps)
     calc = _calculated(doc, world, rank, spec.optimizer, req.reshard_after_forward)
+    if result.activations_saved is not None:  # gathered parameters FSDP2 keeps into backward are no activations
+        result.activations_saved = max(0, result.activations_saved - calc["kept_after_forward"])
     return RankOutput(rank, result, software_versions(workload, req.device), calc)
 
 

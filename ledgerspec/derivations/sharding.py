@@ -161,6 +161,16 @@ def unit_unsharded_bytes(params: list[ParamDesc], world: int) -> dict[str, int]:
     return out
 
 
+def kept_after_forward(units: dict[str, int], reshard_after_forward: bool | None) -> int:
+    """Gathered parameter bytes FSDP2 still holds when the forward returns (counted in a rank's "held after the
+    forward", but parameters, not activations): every unit with ``reshard_after_forward=False``; the root alone
+    with FSDP2's default (None: the root is not resharded after forward, backward starts with it); nothing with an
+    explicit True (the root reshards too)."""
+    if reshard_after_forward is False:
+        return sum(units.values())
+    return units.get(ROOT, 0) if reshard_after_forward is None else 0
+
+
 def fsdp2(params: list[ParamDesc], world: int, optimizer: str = "adamw_torch",
           reshard_after_forward: bool = True) -> Fsdp2Plan:
     """Per-rank state of ``fully_shard`` per decoder layer + root on ``world`` ranks."""

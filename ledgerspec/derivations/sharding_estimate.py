@@ -32,7 +32,7 @@ from typing import Any
 from ledgerspec.contract.document import Document, error_at
 from ledgerspec.derivations.estimate_fit import PHASES, Fit, fit
 from ledgerspec.derivations.extrapolate import Plan
-from ledgerspec.derivations.sharding import ROOT, ParamDesc, chunk_rows, unit_unsharded_bytes
+from ledgerspec.derivations.sharding import ParamDesc, chunk_rows, kept_after_forward, unit_unsharded_bytes
 from ledgerspec.errors import LedgerspecError
 
 Progress = Callable[[str], None]
@@ -161,10 +161,7 @@ def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target:
         est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
     groups = rank_groups(descs, world)
     units = unit_unsharded_bytes(descs, world)
-    # the protocol's activations are the bytes held after the forward; what FSDP2 keeps gathered into backward is
-    # parameters, not activations: every unit with reshard_after_forward=false, the root alone with FSDP2's default
-    # (None: the root is not resharded after forward), nothing with an explicit true (the root reshards too)
-    kept = sum(units.values()) if reshard is False else units.get(ROOT, 0) if reshard is None else 0
+    kept = kept_after_forward(units, reshard)  # gathered parameters in "held after the forward"
 
     def run(n: int | None, rank: int) -> dict[str, int]:
         src = source if n is None else ModelSource(with_layers(source.config, n), source.config_file, source.sha256,
