@@ -143,11 +143,12 @@ def part3(lines: list[str]) -> None:
                 cells.append(f"{got} / {m}")
             lines.append(f"| {r} | " + " | ".join(cells) + " |")
         lines += ["", f"One decoder layer unit all-gathered: {layer} B.", ""]
-    lines += ["Static phases (`after_*`) agree to the byte. In the compute phases the estimate equals the lowest "
-              "measurement; a measurement can exceed it by exactly one decoder layer unit's gathered parameters: "
-              "gloo runs the collectives on its own thread, so a prefetched unit's all-gather output (or the "
-              "previous unit's, still referenced by gloo's work object) is alive at the peak in some runs. On a "
-              "GPU the same overlap comes from CUDA streams; the estimate's method says it is not modelled.", ""]
+    lines += ["Static phases (`after_*`) agree to the byte. In the compute phases the estimate is a lower bound: "
+              "a measurement equals it or exceeds it by one decoder layer unit's gathered parameters (in some runs, "
+              "on some ranks, in every repeat): gloo runs the collectives on its own thread, so a prefetched "
+              "unit's all-gather output (or the previous unit's, still referenced by gloo's work object) is alive "
+              "at the peak. On a GPU the same overlap comes from CUDA streams; the estimate's method says it is "
+              "not modelled.", ""]
 
 
 def part4(lines: list[str]) -> None:

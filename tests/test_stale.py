@@ -20,7 +20,7 @@ from conftest import EXAMPLES, CliRunner
 
 from ledgerspec.checks.validate import Report, validate
 from ledgerspec.contract.document import Document, from_text, load
-from ledgerspec.contract.fingerprint import RESOLVE_INPUTS, WORKLOAD_INPUTS, digests, section_digest
+from ledgerspec.contract.fingerprint import RESOLVE_INPUTS, WORKLOAD_INPUTS, changed_sections, digests, section_digest
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -184,8 +184,8 @@ def test_what_changes_the_resolve_fingerprint(a: str, b: str, same: bool) -> Non
     ("base_model", "loaded_dtype: bfloat16", "loaded_dtype: bf16", True),
     ("optimizer", "name: adamw_torch", "name: AdamW_Torch", True),
     ("method", "target_modules: [q_proj, v_proj]", "target_modules: [v_proj, q_proj]", True),
-    ("method", "kind: LoRA", "kind: lora", True),
     ("method", "kind: LoRA", "kind: QLoRA", False),
+    ("identity", "config_sha256: ABCDEF", "config_sha256: abcdef", True),  # a pin is read in any case
     # ... and a different meaning is one
     ("workload", "packing: false", "packing: true", False),
     ("workload", "max_length: 2048", "max_length: 2049", False),
@@ -199,6 +199,18 @@ def test_what_changes_the_workload_fingerprint(section: str, a: str, b: str, sam
         return digests(from_text(f"ledgerspec: ledger/v1\n{section}:\n  {text}\n"), WORKLOAD_INPUTS)[section]
 
     assert (digest(a) == digest(b)) is same
+
+
+def test_a_stamp_of_the_values_as_written_still_matches() -> None:
+    """The first version of the stamp hashed the values as written: such a ledger is not stale after an upgrade."""
+    doc = from_text("ledgerspec: ledger/v1\nmethod: {kind: LoRA, rank: 8, target_modules: [v_proj, q_proj]}\n"
+                    "x-resolve:\n  inputs: {method: PLACEHOLDER}\n")
+    old = section_digest(doc, "method", RESOLVE_INPUTS["method"], verbatim=True)
+    assert old != section_digest(doc, "method", RESOLVE_INPUTS["method"])  # the list order is normalised now
+    doc = from_text(doc.text.replace("PLACEHOLDER", old))
+    assert changed_sections(doc, "x-resolve", RESOLVE_INPUTS) == []
+    edited = from_text(doc.text.replace("rank: 8", "rank: 16"))
+    assert changed_sections(edited, "x-resolve", RESOLVE_INPUTS) == ["method"]
 
 
 def test_estimate_and_measure_read_more_than_resolve() -> None:

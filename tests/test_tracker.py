@@ -157,3 +157,36 @@ def test_gradients_are_labelled_when_autograd_stores_them() -> None:
         assert tr.categories()["gradients"] == (4 * 32 + 48 * 4) * 4
         assert tr.categories()["adapter"] == (4 * 32 + 48 * 4) * 4
         tr.unwatch()
+
+
+# -- storage resize_ (FSDP2 frees gathered parameters this way) -----------------------------------------------------
+
+def test_a_storage_resize_is_counted_at_once() -> None:
+    """``untyped_storage().resize_`` is no tensor op: FSDP2's free (resize to 0) and re-allocation must still count."""
+    import torch
+
+    with MemoryTracker() as tr:
+        t = torch.empty(1000, dtype=torch.float32)
+        assert tr.current == 4000
+        t.untyped_storage().resize_(0)
+        assert tr.current == 0
+        t.untyped_storage().resize_(8000)
+        assert tr.current == 8000 and tr.peak == 8000
+
+
+def test_the_resize_wrapper_is_removed_whatever_the_exit_order() -> None:
+    import torch
+
+    outer, inner = MemoryTracker(), MemoryTracker()
+    outer.__enter__()
+    a = torch.empty(100)
+    inner.__enter__()
+    a.untyped_storage().resize_(0)
+    assert outer.current == 0  # the outer tracker hears of resizes while an inner one is active
+    inner.__exit__(None, None, None)
+    assert "resize_" in torch.UntypedStorage.__dict__  # the outer one still tracks
+    outer.__exit__(None, None, None)
+    assert "resize_" not in torch.UntypedStorage.__dict__
+    with pytest.raises(RuntimeError), MemoryTracker():
+        raise RuntimeError("boom")
+    assert "resize_" not in torch.UntypedStorage.__dict__

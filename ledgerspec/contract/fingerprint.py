@@ -78,21 +78,19 @@ DEFAULTS: dict[tuple[str, ...], Any] = {("software", "attention_implementation")
 DTYPE_INPUTS = {("base_model", "loaded_dtype"), ("adapter", "dtype"), ("base_model", "quantization", "compute_dtype"),
                 ("base_model", "quantization", "storage_dtype")}
 #: inputs the tools read case-insensitively, whose canonical spelling is lower case
-CASELESS_INPUTS = {("optimizer", "name"), ("base_model", "quantization", "type")}
-#: method.kind in any case, spelled canonically (a canonical document keeps the digest it always had)
-KINDS = {"lora": "LoRA", "qlora": "QLoRA"}
+CASELESS_INPUTS = {("optimizer", "name"), ("base_model", "quantization", "type"), ("identity", "config_sha256")}
 #: lists whose order the tools ignore (PEFT matches each module against the set)
 SET_INPUTS = {("method", "target_modules"), ("method", "target_parameters"), ("method", "modules_to_save"),
               ("base_model", "quantization", "skip_modules")}
 
 
-def _value(doc: Document, path: tuple[str, ...]) -> tuple[bool, Any]:
+def _value(doc: Document, path: tuple[str, ...], verbatim: bool = False) -> tuple[bool, Any]:
     v = doc.get(*path)
     if not v.present:
         return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
     if v.unknown:
         return True, v.source or "UNKNOWN"
-    return True, _meaning(doc, path, v.value)
+    return True, v.value if verbatim else _meaning(doc, path, v.value)
 
 
 def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
@@ -114,18 +112,17 @@ def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
             return dtypes.canonical(value) or value
         if path in CASELESS_INPUTS:
             return value.strip().lower()
-        if path == ("method", "kind"):
-            return KINDS.get(value.strip().lower(), value)
     if path in SET_INPUTS and isinstance(value, list) and all(isinstance(x, str) for x in value):
         return sorted(set(value))
     return value
 
 
-def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...]) -> str:
-    """The digest of one section's input fields (their values, canonical JSON, SHA-256, first 16 hex digits)."""
+def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...], verbatim: bool = False) -> str:
+    """The digest of one section's input fields (their values as the tools read them, canonical JSON, SHA-256,
+    first 16 hex digits). ``verbatim``: the values as written, as the first version of the stamp hashed them."""
     values: dict[str, Any] = {}
     for key in keys:
-        present, value = _value(doc, (section, *key))
+        present, value = _value(doc, (section, *key), verbatim)
         if present:
             values[".".join(key)] = value
     text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
@@ -155,7 +152,10 @@ def changed_sections(doc: Document, extension: str, inputs: Inputs) -> list[str]
     if before is None:
         return None
     now = digests(doc, inputs)
-    return [s for s in now if s in before and now[s] != before[s]]  # a section it did not store: not checked
+    # a section it did not store is not checked; a stamp hashed from the values as written (the first version of
+    # this stamp) still matches them
+    return [s for s in now if s in before and now[s] != before[s]
+            and section_digest(doc, s, inputs[s], verbatim=True) != before[s]]
 
 
 def stale(doc: Document) -> dict[str, list[str]]:

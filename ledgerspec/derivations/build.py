@@ -128,11 +128,14 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
 def _check_pin(doc: Document, file: Path, sha256: str) -> None:
     """``identity.config_sha256`` pins the exact config: every command that reads the config refuses another one
     (figures of two configurations in one ledger would otherwise pass as one)."""
-    declared = doc.get("identity", "config_sha256").text()
-    if declared and declared.lower() != sha256:
+    declared = (doc.get("identity", "config_sha256").text() or "").strip()
+    if declared.upper() in ("", "UNKNOWN", "CONFIGURATION-SPECIFIC"):  # no pin (also in a long form's value)
+        return
+    if declared.lower() != sha256:
         raise _err(doc, ("identity", "config_sha256"),
                    f"identity.config_sha256 does not match {file} (sha256 {sha256[:12]}...)",
-                   "the config changed since it was pinned: check it, then remove config_sha256 to re-pin")
+                   "the config changed since it was pinned: check it, then remove config_sha256 to re-pin",
+                   rule="config")
 
 
 def hub_unreachable() -> str | None:

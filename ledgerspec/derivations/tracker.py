@@ -183,6 +183,39 @@ def _mode_class() -> Any:
     return _TrackingMode
 
 
+#: the trackers active now (innermost last): every one hears of each storage resize
+_ACTIVE: list[MemoryTracker] = []
+
+
+def _watch_resizes(tracker: MemoryTracker) -> None:
+    """Storage ``resize_`` is no tensor op, so a dispatch mode never sees it: FSDP2 frees each gathered parameter
+    with ``untyped_storage().resize_(0)`` after its layer ran (and re-allocates it the same way). While any tracker
+    is active, ``UntypedStorage.resize_`` is wrapped so that every active tracker counts a live storage's new size
+    at once; the wrapper is removed when the last tracker exits, whatever the order."""
+    import torch
+
+    if not _ACTIVE:
+        base = getattr(torch._C.StorageBase, "resize_")  # noqa: B009 (not in the type stubs)
+
+        def resize_(storage: Any, size: int) -> Any:
+            out = base(storage, size)
+            for active in list(_ACTIVE):
+                active._resized(storage)
+            return out
+
+        setattr(torch.UntypedStorage, "resize_", resize_)  # noqa: B010 (a method of a torch class, on purpose)
+    _ACTIVE.append(tracker)
+
+
+def _unwatch_resizes(tracker: MemoryTracker) -> None:
+    import torch
+
+    if tracker in _ACTIVE:
+        _ACTIVE.remove(tracker)
+    if not _ACTIVE and "resize_" in torch.UntypedStorage.__dict__:
+        delattr(torch.UntypedStorage, "resize_")
+
+
 class MemoryTracker:
     """Counts the bytes of live tensor storages created while active (real or fake tensors).
 
@@ -209,43 +242,19 @@ class MemoryTracker:
 
     # -- dispatch ------------------------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
-        self._watch_resizes()
-        self._mode.__enter__()
+        _watch_resizes(self)
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            _unwatch_resizes(self)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
             self._mode.__exit__(*exc)
         finally:
-            self._unwatch_resizes()
-
-    def _watch_resizes(self) -> None:
-        """Storage ``resize_`` is no tensor op, so the dispatch mode never sees it: FSDP2 frees each gathered
-        parameter with ``untyped_storage().resize_(0)`` after its layer ran (and re-allocates it the same way). Wrap
-        the method while tracking, so that a live storage's new size counts at once."""
-        import torch
-
-        original = torch.UntypedStorage.__dict__.get("resize_")
-        self._resize_original = original
-        base = getattr(torch._C.StorageBase, "resize_")  # noqa: B009 (not in the type stubs)
-        tracker = self
-
-        def resize_(storage: Any, size: int) -> Any:
-            out = base(storage, size)
-            tracker._resized(storage)
-            return out
-
-        setattr(torch.UntypedStorage, "resize_", resize_)  # noqa: B010 (a method of a torch class, on purpose)
-
-    def _unwatch_resizes(self) -> None:
-        import torch
-
-        original = getattr(self, "_resize_original", None)
-        if original is None:
-            if "resize_" in torch.UntypedStorage.__dict__:
-                delattr(torch.UntypedStorage, "resize_")
-        else:
-            setattr(torch.UntypedStorage, "resize_", original)  # noqa: B010
+            _unwatch_resizes(self)
 
     def _resized(self, storage: Any) -> None:
         entry = self._live.get(int(storage._cdata))

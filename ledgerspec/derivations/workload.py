@@ -57,7 +57,7 @@ LEARNING_RATE = 2e-4  # any value: memory does not depend on it
 
 
 def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
-    return error_at(doc, path, message, rule="measure", hint=hint)
+    return error_at(doc, path, message, rule="workload", hint=hint)  # estimate and measure both build it
 
 
 @dataclass(frozen=True)
