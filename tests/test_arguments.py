@@ -22,6 +22,8 @@ def test_a_device_memory_is_the_bytes_the_size_denotes(text: str) -> None:
     ("24", "did you mean 24GiB or 24GB?"), (str(MIN_DEVICE_MEMORY - 1), "too small for a device"),
     ("512KiB", "too small for a device; give a device's memory$"),  # no "512KiBGiB" suggestion
     ("24G", "did you mean GiB"),
+    ("24Gi", "did you mean GiB"),
+    ("24.5", "did you mean 24.5GiB"),
 ])
 def test_a_bad_device_memory_is_a_usage_error(text: str, phrase: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=phrase):

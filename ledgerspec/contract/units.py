@@ -58,7 +58,8 @@ def parse_size(value: object) -> int:
         unit = m.group("unit") or "B"
         if unit not in UNITS:
             known = {u.lower(): u for u in UNITS}
-            guess = known.get(unit.lower()) or known.get(unit.lower() + "ib")  # 24G: GiB, as torch and Linux say
+            # 24G and 24Gi: GiB, as torch and Linux say
+            guess = known.get(unit.lower()) or known.get(unit.lower() + "ib") or known.get(unit.lower() + "b")
             hint = f"; did you mean {guess}?" if guess else f"; use one of {', '.join(UNITS)}"
             raise UnitError(f"unknown unit {unit!r} in {value!r}{hint}")
         try:
