@@ -204,8 +204,10 @@ def supported_status(doc: Document) -> StatusResult:
         held.append("CANDIDATE needs a peak figure: a predicted peak (`ledgerspec estimate FILE` writes "
                     "x-estimate) or a MEASURED one (metrics or a pilot); a sum of ledger components is not a peak")
     elif target is not None and res.best_peak > target:
+        pilot = " (a pilot run's: remove x-pilot if it measured another configuration)" \
+            if (res.best_peak_from or "").startswith("x-pilot.") else ""
         held.append(f"best peak ({res.best_peak_from}) = {res.best_peak} B does not fit the target device "
-                    f"({target} B)")
+                    f"({target} B){pilot}")
     if doc.get("result", "fits").switch() is False:
         held.append("result.fits is false")
     pilot_oom = doc.get(pilot_section(doc), "oom_phase").text()
