@@ -776,13 +776,18 @@ def test_each_nccl_rank_needs_its_own_gpu(available: bool, count: int, local_ran
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu-check"
 
 
-def _script() -> Any:
-    loader = importlib.machinery.SourceFileLoader("gpu_check_under_test", str(SCRIPT))
+def _load_script(path: Path, name: str) -> Any:
+    """A script without a .py suffix, imported as a module."""
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
     spec = importlib.util.spec_from_loader(loader.name, loader)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+def _script() -> Any:
+    return _load_script(SCRIPT, "gpu_check_under_test")
 
 
 def test_gpu_check_dry_run_needs_neither_torch_nor_cuda(tmp_path: Path) -> None:
@@ -1013,12 +1018,7 @@ WHEELS_SCRIPT = SCRIPT.parent / "gpu-wheels"
 
 
 def _wheels_script() -> Any:
-    loader = importlib.machinery.SourceFileLoader("gpu_wheels_under_test", str(WHEELS_SCRIPT))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return _load_script(WHEELS_SCRIPT, "gpu_wheels_under_test")
 
 
 def _wheel(folder: Path, filename: str, requires: list[str], size: int = 0) -> Path:
