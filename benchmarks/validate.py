@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "Produced by `python benchmarks/validate.py` (median of "
         f"{args.runs} runs; subprocess wall time, interpreter start included). Files: copies of "
         "`examples/*.ledger.yaml` and `tests/cases/**/*.ledger.yaml`; check-jsonschema validates them with "
-        "`--schemafile schema/ledger.v1.json`. ledgerspec does more per file (schema, rules LS001-LS080, status "
+        "`--schemafile schema/ledger.v1.json`. ledgerspec does more per file (schema, rules LS001-LS090, status "
         "ladder, positions). Ratio = ledgerspec / check-jsonschema (below 1: ledgerspec is faster). "
         "Exit codes differ by design: some rule cases are meant to fail.",
         "",
