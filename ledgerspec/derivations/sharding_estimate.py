@@ -17,8 +17,16 @@ is simulated and the others share its figures.
 
 Not modelled: NCCL's communicator and internal buffers, CUDA context, cuBLAS workspaces, allocator caching
 and fragmentation, and CUDA stream overlap (on a GPU the next unit's all-gather can be in flight while the
-current one computes: up to one more unit's gathered parameters than simulated here). QLoRA is refused
-(bitsandbytes 4-bit layers are not simulated under FSDP2; `measure --nproc` measures them on the CPU).
+current one computes: up to one more unit's gathered parameters than simulated here).
+
+QLoRA (``bnb_4bit_quant_storage`` = the loaded float dtype, the only layout FSDP2 can shard; other storage is
+refused): the estimate's workload replaces every bitsandbytes ``Linear4bit`` by
+:class:`ledgerspec.derivations.estimate_qlora.Fake4bitLinear` before ``fully_shard``, whose weight is a Parameter
+of the packed shape ``((n + 1) // (2 * s), 1)`` in the storage dtype, the shape a loaded model holds
+(:func:`ledgerspec.derivations.sharding.packed_4bit_shape`, what ``measure --nproc`` shards). FSDP2 therefore
+shards and pads it as it does the real one, all-gathers it with its layer, and the fake layer's forward receives
+the gathered weight (and allocates bitsandbytes' dequantization temporaries); the quantization constants (absmax,
+code, nested state) are buffers, whole on every rank, as in the real run.
 """
 
 from __future__ import annotations
@@ -32,7 +40,13 @@ from typing import Any
 from ledgerspec.contract.document import Document, error_at
 from ledgerspec.derivations.estimate_fit import PHASES, Fit, fit
 from ledgerspec.derivations.extrapolate import Plan
-from ledgerspec.derivations.sharding import ParamDesc, chunk_rows, kept_after_forward, unit_unsharded_bytes
+from ledgerspec.derivations.sharding import (
+    ParamDesc,
+    chunk_rows,
+    kept_after_forward,
+    qlora_shardable,
+    unit_unsharded_bytes,
+)
 from ledgerspec.errors import LedgerspecError
 
 Progress = Callable[[str], None]
@@ -147,9 +161,9 @@ def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target:
     E._check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
     if spec.quant is not None:
-        raise _err(doc, ("method", "kind"), "the per-rank estimate simulates LoRA under FSDP2; QLoRA (bitsandbytes "
-                   "4-bit layers) is not simulated", "the calculated per-rank state (`ledgerspec shard`) covers "
-                   "it, and `ledgerspec measure FILE --nproc N --device cpu` measures it")
+        why = qlora_shardable(spec.quant.storage_dtype, spec.loaded_dtype)
+        if why:  # `shard` checks the document first; this guards direct callers
+            raise _err(doc, ("base_model", "quantization", "storage_dtype"), why)
     E._check_attention(doc, spec.attention)
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     source = load_config(doc, offline=offline)
@@ -187,12 +201,13 @@ def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target:
     ranks = [by_rank[r] for r in range(world)]
     notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
     return ShardEstimate(world, reshard, target, ranks, est_plan,
-                         method_text(world, reshard, est_plan, spec.attention, target, spec.padded),
+                         method_text(world, reshard, est_plan, spec.attention, target, spec.padded,
+                                     spec.quant is not None),
                          time.perf_counter() - started, notes)
 
 
 def method_text(world: int, reshard: bool | None, est_plan: Plan, attention: str, target: str,
-                padded: bool = False) -> str:
+                padded: bool = False, quant: bool = False) -> str:
     from ledgerspec.derivations.estimate import method_text as single
 
     how = "FSDP2 default" if reshard is None else f"reshard_after_forward={str(reshard).lower()}"
@@ -202,7 +217,8 @@ def method_text(world: int, reshard: bool | None, est_plan: Plan, attention: str
             "gradient shards after it, optimizer state of its rows, activations of its own microbatch (not "
             "sharded); ignores NCCL communicator/internal buffers, CUDA context and allocator caching, and stream "
             "overlap (one prefetched unit's all-gather may be in flight on a GPU); " +
-            single(est_plan, attention, target, False, padded))
+            ("the packed 4-bit weights sharded like any parameter, their quantization constants whole on "
+             "every rank; " if quant else "") + single(est_plan, attention, target, quant, padded))
 
 
 def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, Any]:

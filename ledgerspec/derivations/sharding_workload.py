@@ -16,7 +16,9 @@ the storage dtype, so FSDP2 shards what a loaded QLoRA model holds. At ``after_l
 whole weight (a dense ``loaded_dtype`` tensor from a seed shared by all ranks, one weight at a time like
 transformers' loader), keeps its own rows in the padded shard and the whole ``QuantState`` (absmax, code, nested
 state: not parameters, so replicated) on the module, where bitsandbytes' ``Linear4bit.forward`` finds it for the
-gathered weight (``fix_4bit_weight_quant_state_from_module``), and on the sharded parameter for the census.
+gathered weight (``fix_4bit_weight_quant_state_from_module``), and on the sharded parameter for the census. The
+per-rank estimate's fake 4-bit layers (:class:`ledgerspec.derivations.estimate_qlora.Fake4bitLinear`) already hold a
+plain Parameter of that packed shape and dtype, so there is nothing to pack or quantize: FSDP2 shards it as it is.
 Imports torch only inside functions.
 """
 
