@@ -153,14 +153,7 @@ def test_per_rank_estimate_agrees_with_the_measurement(measured: dict[str, Any],
 
     doc = load(measured["path"])
     result = shard(doc, estimate=True, target="cpu")
-    layer_unit = max(v for k, v in measured["plan"].unit_unsharded.items() if k != S.ROOT)
-    for real, est in zip(measured["ranks"], result.estimate.ranks, strict=True):
-        for name in PHASES:
-            got, want = est.phases[name], real["phases"][name]
-            if name.startswith("after_"):
-                assert got == want, (real["rank"], name)
-            else:
-                assert 0 <= want - got <= 2 * layer_unit, (real["rank"], name, want, got)
+    _estimate_bounds_measurement(measured, result.estimate.ranks)
 
 
 @pytest.mark.parametrize("reshard", ["true", "false", None])
@@ -185,6 +178,20 @@ def test_measured_activations_are_the_single_device_ones(tmp_path: Path, reshard
     units = S.unit_unsharded_bytes(document_descriptors(doc), WORLD)
     layer_unit = max(v for k, v in units.items() if k != S.ROOT)
     assert 0 <= doc.plain["x-measure"]["activations_saved"] - single <= 2 * layer_unit
+
+
+def _estimate_bounds_measurement(measured: dict[str, Any], estimated: list[Any]) -> int:
+    """Static phases equal to the byte; compute phases: the estimate is a lower bound, the measurement at most two
+    gathered layer units over it (gloo's thread, see test_compute_phases_hold_the_gathered_units). Returns the unit."""
+    layer_unit = max(v for k, v in measured["plan"].unit_unsharded.items() if k != S.ROOT)
+    for real, est in zip(measured["ranks"], estimated, strict=True):
+        for name in PHASES:
+            got, want = est.phases[name], real["phases"][name]
+            if name.startswith("after_"):
+                assert got == want, (real["rank"], name)
+            else:
+                assert 0 <= want - got <= 2 * layer_unit, (real["rank"], name, want, got)
+    return int(layer_unit)
 
 
 def test_failed_run_leaves_the_ledger_byte_identical(tmp_path: Path) -> None:
@@ -257,15 +264,9 @@ def test_qlora_per_rank_estimate_agrees_with_the_measurement(measured_qlora: dic
     from ledgerspec.derivations.sharding_ledger import shard
 
     result = shard(load(measured_qlora["path"]), estimate=True, target="cpu")
-    layer_unit = max(v for k, v in measured_qlora["plan"].unit_unsharded.items() if k != S.ROOT)
+    layer_unit = _estimate_bounds_measurement(measured_qlora, result.estimate.ranks)
     measured_activations = measured_qlora["doc"].plain["x-measure"]["activations_saved"]
     for real, est in zip(measured_qlora["ranks"], result.estimate.ranks, strict=True):
-        for name in PHASES:
-            got, want = est.phases[name], real["phases"][name]
-            if name.startswith("after_"):
-                assert got == want, (real["rank"], name)
-            else:
-                assert 0 <= want - got <= 2 * layer_unit, (real["rank"], name, want, got)
         assert est.components == real["measured"], real["rank"]
         assert 0 <= measured_activations - est.activations <= 2 * layer_unit
     # meaningful: the ranks differ (uneven LoRA rows) and the gathered 4-bit layer is in the compute phases

@@ -64,3 +64,13 @@ def decimal_unit_note(size: int | None) -> str | None:
     return (f"note: --device-memory {text.strip()} is {int(size):,} B = {format_size(int(size))} (decimal units); "
             f"GPU memory is sold in binary units, a \"{m.group('num')} {m.group('unit')}\" card has about {binary} "
             f"(nvidia-smi shows the exact total): pass {binary}, or that total, if you mean such a card")
+
+
+def device_memory_bytes(value: DeviceMemory | None, file: str) -> int | None:
+    """A parsed ``--device-memory`` as plain bytes for the core; its decimal-unit note, if any, on stderr."""
+    import sys
+
+    note = decimal_unit_note(value)
+    if note:
+        print(f"{file}: {note}", file=sys.stderr)
+    return int(value) if value is not None else None

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import decimal_unit_note, device_memory
+from ledgerspec.faces.arguments import device_memory, device_memory_bytes
 
 
 def register(subparsers: Any) -> None:
@@ -34,10 +34,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load
 
     doc = load(args.file)
-    note = decimal_unit_note(args.device_memory)
-    if note:
-        print(f"{args.file}: {note}", file=sys.stderr)
-    device: int | None = int(args.device_memory) if args.device_memory is not None else None
+    device = device_memory_bytes(args.device_memory, args.file)
     if args.sweep:
         return _run_sweep(doc, args, device)
     writes = not args.dry_run

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import decimal_unit_note, device_memory
+from ledgerspec.faces.arguments import device_memory, device_memory_bytes
 
 
 def register(subparsers: Any) -> None:
@@ -42,10 +42,7 @@ def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.sharding_ledger import shard
 
     doc = load(args.file)
-    note = decimal_unit_note(args.device_memory)
-    if note:
-        print(f"{args.file}: {note}", file=sys.stderr)
-    memory: int | None = int(args.device_memory) if args.device_memory is not None else None
+    memory = device_memory_bytes(args.device_memory, args.file)
     if (memory is not None or args.target != "cuda" or args.layers != "auto") and not args.estimate:
         raise LedgerspecError("--device-memory, --target and --layers need --estimate", args.file, rule="usage",
                               exit_code=EXIT_USAGE)
