@@ -11,7 +11,7 @@ from ledgerspec.contract.units import parse_size
 from ledgerspec.faces.arguments import MIN_DEVICE_MEMORY, decimal_unit_note, device_memory, positive_size
 
 
-@pytest.mark.parametrize("text", ["24GiB", "80GB", "1.5 TiB", "25769803776", "1MiB"])
+@pytest.mark.parametrize("text", ["24GiB", "80GB", "1.5 TiB", "25769803776", "1MiB", "1048576.0"])
 def test_a_device_memory_is_the_bytes_the_size_denotes(text: str) -> None:
     value = device_memory(text)
     assert value == parse_size(text) and value.text == text

@@ -237,3 +237,15 @@ def test_qlora_forward_uses_the_gathered_packed_weight(tmp_path: Path, monkeypat
     assert {s[0] for s in seen} == {(36, 72), (72, 72), (200, 72), (72, 200)} and len(seen) >= 2 * 2 * 7
     for (out, inp), shape, is_shard, dtype in seen:
         assert shape == S.packed_4bit_shape(out * inp, "bfloat16") and not is_shard and dtype == "torch.bfloat16"
+
+
+def test_an_unset_reshard_is_reported_as_fsdp2s_default(tmp_path: Path) -> None:
+    """Unset, FSDP2 reshards the layers but keeps the root gathered: neither true nor false."""
+    pytest.importorskip("torch")
+    path = _copy(tmp_path)
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("  reshard_after_forward: true\n", ""), encoding="utf-8")
+    code, out, err = run_cli("shard", path, "--nproc", "2")
+    assert code == 0, err
+    assert "reshard_after_forward=fsdp2 default" in out
+    assert load(path).plain["parallelism"]["x-per-rank"]["reshard_after_forward"] == "fsdp2 default"

@@ -211,6 +211,11 @@ def test_a_stamp_of_the_values_as_written_still_matches() -> None:
     assert changed_sections(doc, "x-resolve", RESOLVE_INPUTS) == []
     edited = from_text(doc.text.replace("rank: 8", "rank: 16"))
     assert changed_sections(edited, "x-resolve", RESOLVE_INPUTS) == ["method"]
+    # the first version did not read workload.padding_free: a ledger that sets it still matches its old stamp
+    text = "ledgerspec: ledger/v1\nworkload: {microbatch: 2, packing: false, padding_free: false}\n"
+    first = hashlib.sha256(b'{"microbatch":2,"packing":false}').hexdigest()[:16]
+    doc = from_text(text + f"x-estimate:\n  inputs: {{workload: {first}}}\n")
+    assert changed_sections(doc, "x-estimate", WORKLOAD_INPUTS) == []
 
 
 def test_estimate_and_measure_read_more_than_resolve() -> None:

@@ -117,11 +117,18 @@ def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
     return value
 
 
+#: inputs the first version of the stamp did not read (its ``verbatim`` digests leave them out)
+FIRST_VERSION_LEFT_OUT = {("workload", "padding_free")}
+
+
 def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...], verbatim: bool = False) -> str:
     """The digest of one section's input fields (their values as the tools read them, canonical JSON, SHA-256,
-    first 16 hex digits). ``verbatim``: the values as written, as the first version of the stamp hashed them."""
+    first 16 hex digits). ``verbatim``: as the first version of the stamp hashed them: the values as written, and
+    only the fields it read."""
     values: dict[str, Any] = {}
     for key in keys:
+        if verbatim and (section, *key) in FIRST_VERSION_LEFT_OUT:
+            continue
         present, value = _value(doc, (section, *key), verbatim)
         if present:
             values[".".join(key)] = value

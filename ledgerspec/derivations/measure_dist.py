@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract.document import Document, from_text
+from ledgerspec.derivations.sharding_ledger import FSDP2_DEFAULT
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
 EXTENSION = "x-measure-per-rank"
@@ -330,7 +331,7 @@ def per_rank_extension(outs: list[RankOutput], reshard: bool | None) -> dict[str
     return {
         "strategy": "fsdp2 (fully_shard per decoder layer + root)",
         "world_size": len(outs),
-        "reshard_after_forward": "fsdp2 default" if reshard is None else reshard,
+        "reshard_after_forward": FSDP2_DEFAULT if reshard is None else reshard,
         "backend": backend,
         "process_group": "nccl" if backend == "cuda" else "gloo",
         "method": "every rank runs the measurement protocol (same phases) on its own shards under torchrun; "

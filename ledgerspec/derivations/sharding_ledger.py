@@ -54,6 +54,10 @@ def check_qlora(doc: Document) -> None:
                    "(BitsAndBytesConfig(bnb_4bit_quant_storage=...)) and re-measure")
 
 
+#: how an unset ``reshard_after_forward`` is reported (as ``measure --nproc`` records it)
+FSDP2_DEFAULT = "fsdp2 default"
+
+
 def _reshard(doc: Document) -> bool:
     value = doc.get("parallelism", "reshard_after_forward").switch()
     return True if value is None else value
@@ -144,6 +148,10 @@ def shard(doc: Document, nproc: int | None = None, offline: bool = True, trust_r
         raise _err(doc, ("base_model",), str(exc)) from None
     plan, zero = compute(doc, descs, world)
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
+    if doc.get("parallelism", "reshard_after_forward").switch() is None:
+        # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
+        # peak as true, which the calculated plan uses; the estimate simulates the default itself)
+        ext["reshard_after_forward"] = FSDP2_DEFAULT
     est = None
     if estimate:
         from ledgerspec.derivations.sharding_estimate import estimate_per_rank, extension_block

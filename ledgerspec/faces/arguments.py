@@ -40,7 +40,7 @@ class DeviceMemory(int):
 
 def device_memory(text: str) -> DeviceMemory:
     """``--device-memory``: a positive size of at least 1 MiB (a bare ``24`` is 24 bytes: surely a missing unit)."""
-    if re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", text):  # 24.5: bytes cannot be fractional, a unit is missing
+    if re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", text) and not float(text).is_integer():  # 24.5: a unit is missing
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes; give a unit (did you mean "
                                          f"{text.strip()}GiB?)")
     value = positive_size(text)

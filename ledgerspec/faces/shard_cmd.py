@@ -49,7 +49,9 @@ def run_shard(args: argparse.Namespace) -> int:
     result = shard(doc, nproc=args.nproc, offline=args.offline, trust_remote_code=args.trust_remote_code,
                    estimate=args.estimate, target=args.target, device_memory=memory, layers=args.layers)
     plan = result.plan
-    print(f"FSDP2 on {plan.world_size} ranks, reshard_after_forward={str(plan.reshard_after_forward).lower()}")
+    reshard = result.extension["reshard_after_forward"]
+    print(f"FSDP2 on {plan.world_size} ranks, reshard_after_forward="
+          f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}")
     print(f"{'rank':>4}  {'frozen':>11}  {'adapter':>11}  {'gradients':>11}  {'optimizer':>11}  {'gathered':>11}  "
           f"{'total':>11}")
     for rs in plan.ranks:
