@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.derivations.sharding_ledger import FSDP2_DEFAULT
+from ledgerspec.derivations.sharding_ledger import FSDP2_DEFAULT, check_qlora
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
 EXTENSION = "x-measure-per-rank"
@@ -393,23 +393,9 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
                               rule="measure", exit_code=EXIT_USAGE, hint="omit --nproc for one device")
     base = single(doc, device, steps, None, None)
     if base.spec.get("quant") is not None:
-        _check_qlora_storage(doc)
+        check_qlora(doc, rule="measure", code=EXIT_USAGE)  # the layout FSDP2 can shard, before launching
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     return DistRequest(base.doc_text, base.doc_path, base.spec, nproc, device, steps, reshard)
-
-
-def _check_qlora_storage(doc: Document) -> None:
-    """FSDP2 shards 4-bit weights only when bitsandbytes stores them in the loaded float dtype (as ``shard`` checks)."""
-    from ledgerspec.derivations.sharding import qlora_shardable
-
-    storage = doc.get("base_model", "quantization", "storage_dtype")
-    why = qlora_shardable(storage.text() if storage.known else None, doc.get("base_model", "loaded_dtype").text())
-    if why is not None:
-        raise LedgerspecError(f"measure --nproc: {why}", doc.path,
-                              *doc.position("/base_model/quantization/storage_dtype"), rule="measure",
-                              exit_code=EXIT_USAGE, hint="set base_model.quantization.storage_dtype to "
-                              "base_model.loaded_dtype (BitsAndBytesConfig(bnb_4bit_quant_storage=...)), as "
-                              "FSDP-QLoRA recipes do")
 
 
 def measure_dist(path: str, nproc: int, device: str = "cpu", steps: int = 2, output: str | None = None,

@@ -21,8 +21,8 @@ EXTENSION = ("parallelism", "x-per-rank")
 
 
 def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None,
-         code: int = EXIT_FINDINGS) -> LedgerspecError:
-    return error_at(doc, path, message, rule="shard", hint=hint, exit_code=code)
+         code: int = EXIT_FINDINGS, rule: str = "shard") -> LedgerspecError:
+    return error_at(doc, path, message, rule=rule, hint=hint, exit_code=code)
 
 
 def world_size(doc: Document, nproc: int | None) -> int:
@@ -37,21 +37,24 @@ def world_size(doc: Document, nproc: int | None) -> int:
     return gpus
 
 
-def check_qlora(doc: Document) -> None:
-    """QLoRA is shardable only with ``bnb_4bit_quant_storage`` equal to the loaded float dtype."""
+def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -> None:
+    """QLoRA is shardable only with ``bnb_4bit_quant_storage`` equal to the loaded float dtype (``shard`` and
+    ``measure --nproc`` both refuse other layouts here, each under its own rule name and exit code)."""
     kind = (doc.get("method", "kind").text() or "").strip()
     quantized = doc.get("base_model", "quantized").switch()
     if quantized is False or (quantized is None and kind != "QLoRA"):
         return
     q = ("base_model", "quantization")
     if (doc.get(*q, "type").text() or "").lower() == "int8":
-        raise _err(doc, (*q, "type"), "FSDP2 per-rank state is calculated for 4-bit (nf4/fp4) QLoRA, not int8")
+        raise _err(doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", code=code,
+                   rule=rule)
     storage = doc.get(*q, "storage_dtype")
     why = S.qlora_shardable(storage.text() if storage.known else None, doc.get("base_model", "loaded_dtype").text())
     if why:
         path = (*q, "storage_dtype") if storage.present else (q if doc.get(*q).present else ("base_model",))
         raise _err(doc, path, why, "set base_model.quantization.storage_dtype to the loaded dtype "
-                   "(BitsAndBytesConfig(bnb_4bit_quant_storage=...)) and re-measure")
+                   "(BitsAndBytesConfig(bnb_4bit_quant_storage=...)), as FSDP-QLoRA recipes do", code=code,
+                   rule=rule)
 
 
 #: how an unset ``reshard_after_forward`` is reported (as ``measure --nproc`` records it)
