@@ -256,13 +256,17 @@ class MemoryTracker:
         finally:
             _unwatch_resizes(self)
 
+    def _rounded(self, storage: Any) -> int:
+        """A storage's bytes, rounded up to the allocator granularity."""
+        nbytes = int(storage.nbytes())
+        return -(-nbytes // self.granularity) * self.granularity if self.granularity > 1 else nbytes
+
     def _resized(self, storage: Any) -> None:
+        """A live storage's size now, counted at once (no-op for a storage the tracker never saw)."""
         entry = self._live.get(int(storage._cdata))
         if entry is None:
             return
-        nbytes = int(storage.nbytes())
-        if self.granularity > 1:
-            nbytes = -(-nbytes // self.granularity) * self.granularity
+        nbytes = self._rounded(storage)
         if nbytes != entry.nbytes:
             self._add(entry.category, nbytes - entry.nbytes)
             entry.nbytes = nbytes
@@ -286,16 +290,11 @@ class MemoryTracker:
             return
         storage = t.untyped_storage()
         key = int(storage._cdata)
-        nbytes = int(storage.nbytes())
-        if self.granularity > 1:
-            nbytes = -(-nbytes // self.granularity) * self.granularity
         entry = self._live.get(key)
-        if entry is not None:
-            if entry.nbytes != nbytes:  # resize_ / set_ changed the storage in place
-                self._add(entry.category, nbytes - entry.nbytes)
-                entry.nbytes = nbytes
-                self._check_peak()
+        if entry is not None:  # resize_ / set_ may have changed the storage in place
+            self._resized(storage)
             return
+        nbytes = self._rounded(storage)
         self._live[key] = _Entry(nbytes, self.context)
         weakref.finalize(storage, self._release, key)
         self._add(self.context, nbytes)
