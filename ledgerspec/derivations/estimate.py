@@ -43,6 +43,11 @@ TARGETS = ("cuda", "cpu")
 
 
 
+def peak_phase(phases: dict[str, int]) -> str:
+    """The phase with the highest figure (the first one on a tie)."""
+    return max(phases, key=lambda k: phases[k])
+
+
 @dataclass
 class Estimate:
     """The predicted memory of one configuration (bytes allocated by PyTorch tensors)."""
@@ -61,7 +66,7 @@ class Estimate:
 
     @property
     def peak_phase(self) -> str:
-        return max(self.phases, key=lambda k: self.phases[k])
+        return peak_phase(self.phases)
 
     @property
     def peak_allocated(self) -> int:
@@ -332,8 +337,7 @@ def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec.attention, target, spec.quant is not None, spec.padded)
-    peak_phase = max(phases, key=lambda k: phases[k])
-    at_peak = {comp: figures[f"at.{peak_phase}.{comp}"] for comp in AT_PEAK}
+    at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
     return Estimate(phases, figures["activations"], components, est_plan, spec.attention, target,
                     time.perf_counter() - started, method, at_peak=at_peak)
 
