@@ -17,8 +17,10 @@ def machine() -> str:
     import transformers
 
     cpu = platform.processor() or platform.machine()
-    return (f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPU cores, Python "
-            f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    return (
+        f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPU cores, Python "
+        f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+    )
 
 
 def write_section(name: str, body: str) -> None:

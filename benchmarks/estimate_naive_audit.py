@@ -24,8 +24,11 @@ from ledgerspec.derivations.estimate import estimate  # noqa: E402
 
 ARTICLE = ROOT / "tests" / "data" / "estimate" / "article"
 #: the article's table (GB, decimal as it writes them): without / with gradient checkpointing
-TABLE = {"llama-7b": ("LLaMA-7B", (66, 76), (40, 50)), "mistral-7b": ("Mistral-7B", (60, 70), (38, 48)),
-         "llama-13b": ("LLaMA-13B", (120, 140), (80, 100))}
+TABLE = {
+    "llama-7b": ("LLaMA-7B", (66, 76), (40, 50)),
+    "mistral-7b": ("Mistral-7B", (60, 70), (38, 48)),
+    "llama-13b": ("LLaMA-13B", (120, 140), (80, 100)),
+}
 
 
 def gb(n: int) -> str:
@@ -33,14 +36,19 @@ def gb(n: int) -> str:
 
 
 def main() -> None:
-    lines = ["## The naive article's table, estimated (`benchmarks/estimate_naive_audit.py`)", "",
-             f"Machine: {machine()}.", "",
-             "GB = 10^9 B. Estimate: predicted peak allocated (CUDA kernels modelled), and its components. "
-             "The article's arithmetic for the same model: 2 B weights + 2 B gradients + 4 B AdamW per parameter of "
-             "the whole model (its 14 + 14 + 28 GB for 7B).", "",
-             "| model | ckpt | attention | frozen base | adapter | gradients | AdamW state | activations | "
-             "peak allocated | article's range | article's weights+grads+AdamW (8 B/param) | time |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "## The naive article's table, estimated (`benchmarks/estimate_naive_audit.py`)",
+        "",
+        f"Machine: {machine()}.",
+        "",
+        "GB = 10^9 B. Estimate: predicted peak allocated (CUDA kernels modelled), and its components. "
+        "The article's arithmetic for the same model: 2 B weights + 2 B gradients + 4 B AdamW per parameter of "
+        "the whole model (its 14 + 14 + 28 GB for 7B).",
+        "",
+        "| model | ckpt | attention | frozen base | adapter | gradients | AdamW state | activations | "
+        "peak allocated | article's range | article's weights+grads+AdamW (8 B/param) | time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, (label, off, on) in TABLE.items():
         base = load(ARTICLE / f"{name}.ledger.yaml")
         for ckpt in (False, True):
@@ -53,10 +61,12 @@ def main() -> None:
                 params = c["frozen_base"] // 2  # fp16 base: 2 bytes per parameter
                 naive = params * (2 + 2 + 4)
                 rng = on if ckpt else off
-                lines.append(f"| {label} | {'on' if ckpt else 'off'} | {attention} | {gb(c['frozen_base'])} | "
-                             f"{gb(c['adapter'])} | {gb(c['gradients'])} | {gb(c['optimizer'])} | "
-                             f"{gb(est.activations)} | **{gb(est.peak_allocated)}** | {rng[0]}-{rng[1]} | "
-                             f"{gb(naive)} | {secs:.1f} s |")
+                lines.append(
+                    f"| {label} | {'on' if ckpt else 'off'} | {attention} | {gb(c['frozen_base'])} | "
+                    f"{gb(c['adapter'])} | {gb(c['gradients'])} | {gb(c['optimizer'])} | "
+                    f"{gb(est.activations)} | **{gb(est.peak_allocated)}** | {rng[0]}-{rng[1]} | "
+                    f"{gb(naive)} | {secs:.1f} s |"
+                )
                 print(lines[-1], flush=True)
     write_section("naive-audit", "\n".join(lines))
 

@@ -21,8 +21,17 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.estimate_common import machine, write_section  # noqa: E402
 
-MODELS = ["llama-2-7b", "mistral-7b-v0.1", "llama-3.1-8b", "gemma-2-9b", "llama-2-13b", "qwen2.5-14b",
-          "mixtral-8x7b", "llama-2-70b", "llama-3.1-70b"]
+MODELS = [
+    "llama-2-7b",
+    "mistral-7b-v0.1",
+    "llama-3.1-8b",
+    "gemma-2-9b",
+    "llama-2-13b",
+    "qwen2.5-14b",
+    "mixtral-8x7b",
+    "llama-2-70b",
+    "llama-3.1-70b",
+]
 
 
 def ledger(config: Path, attention: str) -> str:
@@ -41,23 +50,40 @@ memory_options: {{gradient_checkpointing: true}}
 def run(path: Path) -> tuple[float, float, int, str]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ledgerspec", "estimate", str(path), "--dry-run"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ledgerspec", "estimate", str(path), "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    peak = next((ln.split()[2] + " " + ln.split()[3] for ln in proc.stdout.splitlines()
-                 if ln.strip().startswith("peak allocated")), "")
+    peak = next(
+        (
+            ln.split()[2] + " " + ln.split()[3]
+            for ln in proc.stdout.splitlines()
+            if ln.strip().startswith("peak allocated")
+        ),
+        "",
+    )
     note = peak if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1][:160]
     return wall, cpu, proc.returncode, note
 
 
 def main() -> None:
-    lines = ["## Speed (`benchmarks/estimate_speed.py`)", "", f"Machine: {machine()}.", "",
-             "A fresh `python -m ledgerspec estimate FILE --dry-run` per row (imports included); LoRA r=16 q,v, "
-             "bf16, AdamW, microbatch 1, seq 2048, checkpointing on, sdpa. Wall time depends on what else runs "
-             "on the machine; CPU time is the process's own.", "",
-             "| model | wall s | CPU s | exit | predicted peak allocated / error |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Speed (`benchmarks/estimate_speed.py`)",
+        "",
+        f"Machine: {machine()}.",
+        "",
+        "A fresh `python -m ledgerspec estimate FILE --dry-run` per row (imports included); LoRA r=16 q,v, "
+        "bf16, AdamW, microbatch 1, seq 2048, checkpointing on, sdpa. Wall time depends on what else runs "
+        "on the machine; CPU time is the process's own.",
+        "",
+        "| model | wall s | CPU s | exit | predicted peak allocated / error |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
             cfg = ROOT / "examples" / "configs" / name / "config.json"

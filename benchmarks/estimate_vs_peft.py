@@ -78,24 +78,75 @@ QV = ("q_proj", "v_proj")  # PEFT's default LoRA targets for Llama (target_modul
 MLP = ("gate_proj", "up_proj", "down_proj")
 ROWS = (
     Row(BASELINE, 32, 64, QV, False, 22292725760, 20120076288, 14397338969, 6924458053, 9175040, 3221924864),
-    Row("lora/llama-3.2-3B-rank64", 64, 128, QV, False, 22552772608, 20369637376, 14680105104, 7071222138,
-        18350080, 3231099904),
-    Row("lora/llama-3.2-3B-rank64-rslora", 64, 64, QV, False, 22561161216, 20367540224, 14648955686, 7071258693,
-        18350080, 3231099904, "use_rslora changes the scaling only: same ledger as rank64"),
-    Row("lora/llama-3.2-3B-rank10-target-mlp", 10, 20, MLP, False, 24698159104, 22064136192, 15499421286,
-        6928765248, 9461760, 3222211584),
-    Row("lora/llama-3.2-3B-rank32-dora", 32, 64, QV, True, 24532484096, 22179479552, 15414576807, 6922109780,
-        9289728, 3222039552),
+    Row(
+        "lora/llama-3.2-3B-rank64",
+        64,
+        128,
+        QV,
+        False,
+        22552772608,
+        20369637376,
+        14680105104,
+        7071222138,
+        18350080,
+        3231099904,
+    ),
+    Row(
+        "lora/llama-3.2-3B-rank64-rslora",
+        64,
+        64,
+        QV,
+        False,
+        22561161216,
+        20367540224,
+        14648955686,
+        7071258693,
+        18350080,
+        3231099904,
+        "use_rslora changes the scaling only: same ledger as rank64",
+    ),
+    Row(
+        "lora/llama-3.2-3B-rank10-target-mlp",
+        10,
+        20,
+        MLP,
+        False,
+        24698159104,
+        22064136192,
+        15499421286,
+        6928765248,
+        9461760,
+        3222211584,
+    ),
+    Row(
+        "lora/llama-3.2-3B-rank32-dora",
+        32,
+        64,
+        QV,
+        True,
+        24532484096,
+        22179479552,
+        15414576807,
+        6922109780,
+        9289728,
+        3222039552,
+    ),
 )
 SKIPPED = (
-    ("lora/llama-3.2-3B-rank32-lorafa", "LoRA-FA optimizer (`optimizer_type: lora-fa`, A frozen): not an optimizer "
-     "the ledger declares"),
-    ("lora/llama-3.2-3B-rank32-mica", "`init_lora_weights: mica` trains A only (5,505,024 trainable): the ledger's "
-     "LoRA trains A and B"),
+    (
+        "lora/llama-3.2-3B-rank32-lorafa",
+        "LoRA-FA optimizer (`optimizer_type: lora-fa`, A frozen): not an optimizer the ledger declares",
+    ),
+    (
+        "lora/llama-3.2-3B-rank32-mica",
+        "`init_lora_weights: mica` trains A only (5,505,024 trainable): the ledger's LoRA trains A and B",
+    ),
     ("lora/llama-3.2-3B-rank14-target-mlp-bdlora", "block-diagonal LoRA (`use_bdlora`): not representable"),
     ("lora/llama-3.2-3B-rank32-kasa, -riemannian", "no published result"),
-    ("full-finetuning, adalora, boft, ia3, loha, lokr, oft, vera, prefix/prompt tuning and the other methods",
-     "not LoRA/QLoRA: outside the ledger (method.kind)"),
+    (
+        "full-finetuning, adalora, boft, ia3, loha, lokr, oft, vera, prefix/prompt tuning and the other methods",
+        "not LoRA/QLoRA: outside the ledger (method.kind)",
+    ),
 )
 
 
@@ -130,10 +181,15 @@ class Shape:
     @classmethod
     def from_config(cls) -> Shape:
         c = json.loads(CONFIG.read_text())
-        layers, heads, kv, head_dim = (c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
-                                       c["head_dim"])
-        return cls(2 * layers * kv * head_dim * 2, 2 * layers * (heads - kv) * head_dim * 2, c["vocab_size"] * 2,
-                   layers)
+        layers, heads, kv, head_dim = (
+            c["num_hidden_layers"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c["head_dim"],
+        )
+        return cls(
+            2 * layers * kv * head_dim * 2, 2 * layers * (heads - kv) * head_dim * 2, c["vocab_size"] * 2, layers
+        )
 
 
 def gb(n: float) -> str:
@@ -148,8 +204,9 @@ def unpadded_estimates(row: Row) -> dict[int, Estimate]:
     """The same setup with ``packing: true`` (no padding mask): what the estimate predicted before padded batches."""
     ests: dict[int, Estimate] = {}
     for length in LENGTHS:
-        res = resolve(from_text(intake(row, length, packing=True), str(ROOT / "benchmarks" / "peft.intake.yaml")),
-                      offline=True)
+        res = resolve(
+            from_text(intake(row, length, packing=True), str(ROOT / "benchmarks" / "peft.intake.yaml")), offline=True
+        )
         ests[length] = estimate(from_text(res.text, str(ROOT / "benchmarks" / "peft.ledger.yaml")))
     return ests
 
@@ -160,8 +217,11 @@ def run_row(row: Row) -> tuple[Any, dict[int, Estimate], float]:
     resolved = resolve(from_text(intake(row, MAX_SEQ), str(ROOT / "benchmarks" / "peft.intake.yaml")), offline=True)
     ests: dict[int, Estimate] = {}
     for length in LENGTHS:
-        res = resolved if length == MAX_SEQ else resolve(
-            from_text(intake(row, length), str(ROOT / "benchmarks" / "peft.intake.yaml")), offline=True)
+        res = (
+            resolved
+            if length == MAX_SEQ
+            else resolve(from_text(intake(row, length), str(ROOT / "benchmarks" / "peft.intake.yaml")), offline=True)
+        )
         ests[length] = estimate(from_text(res.text, str(ROOT / "benchmarks" / "peft.ledger.yaml")))
     return resolved.figures, ests, time.perf_counter() - t0
 
@@ -177,8 +237,12 @@ def main() -> None:
     for row in ROWS:
         figures, ests, secs = run_row(row)
         results[row.experiment] = (figures, ests)
-        print(f"{row.experiment}: " + ", ".join(f"{n}: {gb(e.peak_allocated)} GB" for n, e in ests.items())
-              + f" ({secs:.0f} s)", flush=True)
+        print(
+            f"{row.experiment}: "
+            + ", ".join(f"{n}: {gb(e.peak_allocated)} GB" for n, e in ests.items())
+            + f" ({secs:.0f} s)",
+            flush=True,
+        )
     write(shape, results, unpadded_estimates(ROWS[0]))
 
 
@@ -189,108 +253,168 @@ def write(shape: Shape, results: dict[str, tuple[Any, dict[int, Estimate]]], pac
 
     base_est = results[BASELINE][1]
     base_row = ROWS[0]
-    lines = ["# `ledgerspec estimate` vs PEFT's MetaMathQA method comparison (Llama-3.2-3B, LoRA rows)", "",
-             "Written by `benchmarks/estimate_vs_peft.py` (`.venv/bin/python benchmarks/estimate_vs_peft.py`). "
-             "GB = 10^9 B. Nothing here is fitted to the published figures.", "",
-             f"Machine (for the estimate): {cpu_model()}, {memory_bytes() / 2**30:.0f} GiB; {machine()}; "
-             f"peft {peft.__version__}. No GPU: the estimate is "
-             "a simulated step under FakeTensorMode.", "",
-             f"Published: {SOURCE}, `results/lora--llama-3.2-3B-*.json` at commit 51c2ff666 (runs of PEFT d787f51, "
-             "torch 2.13.0+cu130, transformers 5.13.1, 1x NVIDIA L40S, 2026-07-15). See the script's docstring "
-             "for what each published figure measures.", "",
-             "## Parameter counts (resolve vs PEFT's log)", "",
-             "| experiment | trainable (resolve) | trainable (PEFT) | base + trainable (resolve) | total (PEFT) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "# `ledgerspec estimate` vs PEFT's MetaMathQA method comparison (Llama-3.2-3B, LoRA rows)",
+        "",
+        "Written by `benchmarks/estimate_vs_peft.py` (`.venv/bin/python benchmarks/estimate_vs_peft.py`). "
+        "GB = 10^9 B. Nothing here is fitted to the published figures.",
+        "",
+        f"Machine (for the estimate): {cpu_model()}, {memory_bytes() / 2**30:.0f} GiB; {machine()}; "
+        f"peft {peft.__version__}. No GPU: the estimate is "
+        "a simulated step under FakeTensorMode.",
+        "",
+        f"Published: {SOURCE}, `results/lora--llama-3.2-3B-*.json` at commit 51c2ff666 (runs of PEFT d787f51, "
+        "torch 2.13.0+cu130, transformers 5.13.1, 1x NVIDIA L40S, 2026-07-15). See the script's docstring "
+        "for what each published figure measures.",
+        "",
+        "## Parameter counts (resolve vs PEFT's log)",
+        "",
+        "| experiment | trainable (resolve) | trainable (PEFT) | base + trainable (resolve) | total (PEFT) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for row in ROWS:
         f = results[row.experiment][0]
-        lines.append(f"| {row.experiment} | {f.trainable_parameters:,} | {row.trainable:,} | "
-                     f"{f.total_parameters + f.trainable_parameters:,} | {row.total:,} |")
-    lines += ["", f"## Peak: predicted peak allocated at {MAX_SEQ} tokens vs the published maximum RESERVED", "",
-              f"Shape: microbatch {BATCH} x {MAX_SEQ} tokens (the truncation cap). The published figure is "
-              "`max_memory_reserved` over the whole run; allocated <= reserved always, so a correct allocated "
-              "prediction for the run's longest batch must come out at or below it.", "",
-              "| experiment | predicted peak allocated | published max reserved | difference | published reserved "
-              "p99 (after steps) | predicted phases fwd / bwd / steady GB | note |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {row.experiment} | {f.trainable_parameters:,} | {row.trainable:,} | "
+            f"{f.total_parameters + f.trainable_parameters:,} | {row.total:,} |"
+        )
+    lines += [
+        "",
+        f"## Peak: predicted peak allocated at {MAX_SEQ} tokens vs the published maximum RESERVED",
+        "",
+        f"Shape: microbatch {BATCH} x {MAX_SEQ} tokens (the truncation cap). The published figure is "
+        "`max_memory_reserved` over the whole run; allocated <= reserved always, so a correct allocated "
+        "prediction for the run's longest batch must come out at or below it.",
+        "",
+        "| experiment | predicted peak allocated | published max reserved | difference | published reserved "
+        "p99 (after steps) | predicted phases fwd / bwd / steady GB | note |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in ROWS:
         e = results[row.experiment][1][MAX_SEQ]
         p = e.phases
-        lines.append(f"| {row.experiment} | **{gb(e.peak_allocated)}** | {gb(row.max_reserved)} | "
-                     f"{rel(e.peak_allocated, row.max_reserved)} | {gb(row.reserved_99th)} | "
-                     f"{gb(p['forward_peak'])} / {gb(p['backward_peak'])} / {gb(p['steady_state_peak'])} | "
-                     f"{row.note} |")
-    lines += ["", "## Range over the unknown longest batch", "",
-              "Predicted peak allocated (GB) if the run's longest batch was L tokens (4 rows padded to L); "
-              "published max reserved for reference.", "",
-              "| experiment | " + " | ".join(f"L={n}" for n in LENGTHS) + " | published max reserved |",
-              "| --- | " + " | ".join("---" for _ in LENGTHS) + " | --- |"]
+        lines.append(
+            f"| {row.experiment} | **{gb(e.peak_allocated)}** | {gb(row.max_reserved)} | "
+            f"{rel(e.peak_allocated, row.max_reserved)} | {gb(row.reserved_99th)} | "
+            f"{gb(p['forward_peak'])} / {gb(p['backward_peak'])} / {gb(p['steady_state_peak'])} | "
+            f"{row.note} |"
+        )
+    lines += [
+        "",
+        "## Range over the unknown longest batch",
+        "",
+        "Predicted peak allocated (GB) if the run's longest batch was L tokens (4 rows padded to L); "
+        "published max reserved for reference.",
+        "",
+        "| experiment | " + " | ".join(f"L={n}" for n in LENGTHS) + " | published max reserved |",
+        "| --- | " + " | ".join("---" for _ in LENGTHS) + " | --- |",
+    ]
     for row in ROWS:
         ests = results[row.experiment][1]
-        lines.append(f"| {row.experiment} | " + " | ".join(gb(ests[n].peak_allocated) for n in LENGTHS)
-                     + f" | {gb(row.max_reserved)} |")
-    lines += ["", "## Differences between experiments (the unknown length cancels to first order)", "",
-              f"Every run saw the same batches, so `row - {BASELINE}` compares like with like. Predicted: "
-              "difference of predicted peaks at each L; published: difference of max reserved, of reserved p99 "
-              "and of the mean allocated after a step.", "",
-              "| experiment | " + " | ".join(f"predicted L={n}" for n in LENGTHS)
-              + " | published max reserved | published reserved p99 | published allocated after step |",
-              "| --- | " + " | ".join("---" for _ in LENGTHS) + " | --- | --- | --- |"]
+        lines.append(
+            f"| {row.experiment} | "
+            + " | ".join(gb(ests[n].peak_allocated) for n in LENGTHS)
+            + f" | {gb(row.max_reserved)} |"
+        )
+    lines += [
+        "",
+        "## Differences between experiments (the unknown length cancels to first order)",
+        "",
+        f"Every run saw the same batches, so `row - {BASELINE}` compares like with like. Predicted: "
+        "difference of predicted peaks at each L; published: difference of max reserved, of reserved p99 "
+        "and of the mean allocated after a step.",
+        "",
+        "| experiment | "
+        + " | ".join(f"predicted L={n}" for n in LENGTHS)
+        + " | published max reserved | published reserved p99 | published allocated after step |",
+        "| --- | " + " | ".join("---" for _ in LENGTHS) + " | --- | --- | --- |",
+    ]
     for row in ROWS[1:]:
         ests = results[row.experiment][1]
-        lines.append(f"| {row.experiment} | "
-                     + " | ".join(f"{(ests[n].peak_allocated - base_est[n].peak_allocated) / 1e9:+.2f}"
-                                  for n in LENGTHS)
-                     + f" | {(row.max_reserved - base_row.max_reserved) / 1e9:+.2f}"
-                     + f" | {(row.reserved_99th - base_row.reserved_99th) / 1e9:+.2f}"
-                     + f" | {(row.allocated_avg - base_row.allocated_avg) / 1e9:+.3f} |")
+        lines.append(
+            f"| {row.experiment} | "
+            + " | ".join(f"{(ests[n].peak_allocated - base_est[n].peak_allocated) / 1e9:+.2f}" for n in LENGTHS)
+            + f" | {(row.max_reserved - base_row.max_reserved) / 1e9:+.2f}"
+            + f" | {(row.reserved_99th - base_row.reserved_99th) / 1e9:+.2f}"
+            + f" | {(row.allocated_avg - base_row.allocated_avg) / 1e9:+.3f} |"
+        )
     per_token = shape.logits + shape.kv_cache
-    lines += ["", "## Held after a step: predicted state vs the published allocated average", "",
-              "Predicted: frozen base + adapter + gradients + AdamW state (the estimate's components). Published: "
-              "mean `memory_allocated()` after the optimizer step. PEFT's loop still holds the step's `outputs` "
-              f"then: bf16 logits ({shape.logits:,} B/token) and the DynamicCache ({shape.kv_cache:,} B/token; "
-              "`use_cache` is on). The residual, divided by 4 rows x those bytes, is the mean padded length it "
-              "implies; the mean row length of the run is 4,198,051 / 20,000 - 1 EOS = 208.9 tokens "
-              "(a padded batch is at least as long).", "",
-              "| experiment | predicted held | published allocated after step | residual | implied mean padded "
-              "length |", "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "## Held after a step: predicted state vs the published allocated average",
+        "",
+        "Predicted: frozen base + adapter + gradients + AdamW state (the estimate's components). Published: "
+        "mean `memory_allocated()` after the optimizer step. PEFT's loop still holds the step's `outputs` "
+        f"then: bf16 logits ({shape.logits:,} B/token) and the DynamicCache ({shape.kv_cache:,} B/token; "
+        "`use_cache` is on). The residual, divided by 4 rows x those bytes, is the mean padded length it "
+        "implies; the mean row length of the run is 4,198,051 / 20,000 - 1 EOS = 208.9 tokens "
+        "(a padded batch is at least as long).",
+        "",
+        "| experiment | predicted held | published allocated after step | residual | implied mean padded length |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for row in ROWS:
         h = held(results[row.experiment][1][MAX_SEQ])
         resid = row.allocated_avg - h
-        lines.append(f"| {row.experiment} | {gb(h)} | {gb(row.allocated_avg)} | {resid / 1e9:+.3f} | "
-                     f"{resid / (BATCH * per_token):.0f} |")
-    lines += ["", "## Padded batches (in the estimate)", "",
-              "PEFT's batches are padded to their longest row and carry an attention mask, so the estimate runs "
-              "them padded (microbatch > 1, `packing: false`): transformers repeats k/v to all 24 heads before "
-              "SDPA (native GQA only without a mask), CUDA runs the memory-efficient kernel, which saves the "
-              f"repeated k/v (+{shape.repeated_kv:,} B/token) and, in every layer, the bf16 additive bias SDPA "
-              "builds from the boolean mask (4 x L x L x 2 B). The estimate's padded - unpadded difference (the "
-              "same ledger with `packing: true`, i.e. the estimate before padded batches were modelled) against "
-              "those first-principles bytes, rank 32:", "",
-              "| L | estimate padded - unpadded GB | repeated k/v GB | mask bias GB | sum GB |",
-              "| --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {row.experiment} | {gb(h)} | {gb(row.allocated_avg)} | {resid / 1e9:+.3f} | "
+            f"{resid / (BATCH * per_token):.0f} |"
+        )
+    lines += [
+        "",
+        "## Padded batches (in the estimate)",
+        "",
+        "PEFT's batches are padded to their longest row and carry an attention mask, so the estimate runs "
+        "them padded (microbatch > 1, `packing: false`): transformers repeats k/v to all 24 heads before "
+        "SDPA (native GQA only without a mask), CUDA runs the memory-efficient kernel, which saves the "
+        f"repeated k/v (+{shape.repeated_kv:,} B/token) and, in every layer, the bf16 additive bias SDPA "
+        "builds from the boolean mask (4 x L x L x 2 B). The estimate's padded - unpadded difference (the "
+        "same ledger with `packing: true`, i.e. the estimate before padded batches were modelled) against "
+        "those first-principles bytes, rank 32:",
+        "",
+        "| L | estimate padded - unpadded GB | repeated k/v GB | mask bias GB | sum GB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for n in LENGTHS:
         t1, t3 = BATCH * n * shape.repeated_kv, shape.mask_bias(n)
-        lines.append(f"| {n} | {(base_est[n].peak_allocated - packed[n].peak_allocated) / 1e9:.3f} | "
-                     f"{t1 / 1e9:.3f} | {t3 / 1e9:.3f} | {(t1 + t3) / 1e9:.3f} |")
-    lines += ["", "## A loop behaviour the ledger cannot declare (first-principles bytes, NOT in the estimate)", "",
-              "`use_cache` is not turned off in PEFT's training forward: the DynamicCache keeps a copy of every "
-              "layer's k/v; with the mask path that copy is no longer the tensor SDPA saves, so it adds "
-              f"+{shape.kv_cache:,} B/token until the next step's forward returns.", "",
-              "| L | cache GB | predicted peak + cache, rank32 GB | published max reserved rank32 GB |",
-              "| --- | --- | --- | --- |"]
+        lines.append(
+            f"| {n} | {(base_est[n].peak_allocated - packed[n].peak_allocated) / 1e9:.3f} | "
+            f"{t1 / 1e9:.3f} | {t3 / 1e9:.3f} | {(t1 + t3) / 1e9:.3f} |"
+        )
+    lines += [
+        "",
+        "## A loop behaviour the ledger cannot declare (first-principles bytes, NOT in the estimate)",
+        "",
+        "`use_cache` is not turned off in PEFT's training forward: the DynamicCache keeps a copy of every "
+        "layer's k/v; with the mask path that copy is no longer the tensor SDPA saves, so it adds "
+        f"+{shape.kv_cache:,} B/token until the next step's forward returns.",
+        "",
+        "| L | cache GB | predicted peak + cache, rank32 GB | published max reserved rank32 GB |",
+        "| --- | --- | --- | --- |",
+    ]
     for n in LENGTHS:
         t2 = BATCH * n * shape.kv_cache
         lines.append(f"| {n} | {gb(t2)} | {gb(base_est[n].peak_allocated + t2)} | {gb(base_row.max_reserved)} |")
     gen_kv = EVAL_BATCH * GEN_MAX_LENGTH * shape.kv_cache
-    lines += ["", f"Generation bound: batch {EVAL_BATCH} at the longest allowed `max_length` {GEN_MAX_LENGTH} holds "
-              f"a KV cache of at most {gb(gen_kv)} GB (logits of the last position only), on top of "
-              f"{gb(held(base_est[MAX_SEQ]))} GB of held state: far below every training-step estimate above, so "
-              "generation does not set the allocated maximum (it can still leave cached blocks; the loop calls "
-              "`empty_cache()` right after each evaluation, which falls on a multiple of 10 steps).", "",
-              "## Skipped experiments", "", "| experiment | why |", "| --- | --- |"]
+    lines += [
+        "",
+        f"Generation bound: batch {EVAL_BATCH} at the longest allowed `max_length` {GEN_MAX_LENGTH} holds "
+        f"a KV cache of at most {gb(gen_kv)} GB (logits of the last position only), on top of "
+        f"{gb(held(base_est[MAX_SEQ]))} GB of held state: far below every training-step estimate above, so "
+        "generation does not set the allocated maximum (it can still leave cached blocks; the loop calls "
+        "`empty_cache()` right after each evaluation, which falls on a multiple of 10 steps).",
+        "",
+        "## Skipped experiments",
+        "",
+        "| experiment | why |",
+        "| --- | --- |",
+    ]
     lines += [f"| {name} | {why} |" for name, why in SKIPPED]
-    lines += ["", f"Versions here: torch {torch.__version__}, transformers {transformers.__version__}, "
-              f"peft {peft.__version__}.", ""]
+    lines += [
+        "",
+        f"Versions here: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}.",
+        "",
+    ]
     text = "\n".join(lines)
     RESULTS.write_text(text + DISCUSSION_MARKER + _keep_discussion())
     print(f"wrote {RESULTS.relative_to(ROOT)}")

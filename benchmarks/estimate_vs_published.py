@@ -41,8 +41,10 @@ def ledger(double_quant: bool | None) -> str:
     kind = "LoRA"
     if double_quant is not None:
         kind = "QLoRA"
-        quant = ("base_model:\n  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, bits: 4, "
-                 f"double_quant: {str(double_quant).lower()}, compute_dtype: bfloat16, storage_dtype: uint8}}")
+        quant = (
+            "base_model:\n  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, bits: 4, "
+            f"double_quant: {str(double_quant).lower()}, compute_dtype: bfloat16, storage_dtype: uint8}}"
+        )
     return f"""ledgerspec: ledger/v1
 identity: {{model_id: meta-llama/Llama-2-7b-hf, config_path: {CONFIG}}}
 software: {{attention_implementation: sdpa}}
@@ -81,15 +83,20 @@ DIFFERENCES = """Known differences between the published setup and the estimate 
 
 
 def main() -> None:
-    lines = ["## Against published measurements (`benchmarks/estimate_vs_published.py`)", "",
-             f"Machine (for the estimate): {machine()}.", "",
-             "Source: LitGPT resource tables, Llama 2 7B LoRA on 1x A100-SXM4-40GB, microbatch 1, bf16-true, "
-             "Alpaca (longest example 1,304 tokens); published = `torch.cuda.max_memory_allocated() / 1e9` at the "
-             "end of `finetune/lora.py` "
-             "(https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md).", "",
-             "| quantization | published GB | estimated peak GB | difference | frozen base GB | activations GB | "
-             "first-step phase peaks GB (fwd / bwd / opt) | time |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Against published measurements (`benchmarks/estimate_vs_published.py`)",
+        "",
+        f"Machine (for the estimate): {machine()}.",
+        "",
+        "Source: LitGPT resource tables, Llama 2 7B LoRA on 1x A100-SXM4-40GB, microbatch 1, bf16-true, "
+        "Alpaca (longest example 1,304 tokens); published = `torch.cuda.max_memory_allocated() / 1e9` at the "
+        "end of `finetune/lora.py` "
+        "(https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md).",
+        "",
+        "| quantization | published GB | estimated peak GB | difference | frozen base GB | activations GB | "
+        "first-step phase peaks GB (fwd / bwd / opt) | time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for label, dq, published in ROWS:
         doc = from_text(ledger(dq), str(ROOT / "benchmarks" / "litgpt.ledger.yaml"))
         t0 = time.perf_counter()
@@ -99,9 +106,11 @@ def main() -> None:
         peak = est.peak_allocated / 1e9
         diff = (peak - published) / published
         phases = " / ".join(f"{p[k] / 1e9:.2f}" for k in ("forward_peak", "backward_peak", "optimizer_step_peak"))
-        lines.append(f"| {label} | {published:.2f} | {peak:.2f} | {diff:+.1%} | "
-                     f"{est.components['frozen_base'] / 1e9:.2f} | {est.activations / 1e9:.2f} | {phases} | "
-                     f"{secs:.1f} s |")
+        lines.append(
+            f"| {label} | {published:.2f} | {peak:.2f} | {diff:+.1%} | "
+            f"{est.components['frozen_base'] / 1e9:.2f} | {est.activations / 1e9:.2f} | {phases} | "
+            f"{secs:.1f} s |"
+        )
         print(lines[-1], flush=True)
     lines += ["", DIFFERENCES]
     write_section("published", "\n".join(lines))

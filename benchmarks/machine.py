@@ -20,7 +20,10 @@ def cpu_model() -> str:
 def memory_bytes() -> int:
     """Total memory from /proc/meminfo (0 when unknown)."""
     try:
-        return next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                    if line.startswith("MemTotal"))
+        return next(
+            int(line.split()[1]) * 1024
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal")
+        )
     except (OSError, StopIteration, ValueError):
         return 0

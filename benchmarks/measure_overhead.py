@@ -53,9 +53,16 @@ def write_case(folder: Path, name: str, dtype: str) -> Path:
     from transformers import LlamaConfig
 
     h, inter, layers, heads, kv, vocab, mb, seq = CONFIGS[name]
-    cfg = LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=max(seq, 128),
-                      architectures=["LlamaForCausalLM"])
+    cfg = LlamaConfig(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        max_position_embeddings=max(seq, 128),
+        architectures=["LlamaForCausalLM"],
+    )
     (folder / "config.json").write_text(json.dumps(cfg.to_dict()), encoding="utf-8")
     path = folder / f"{name}.yaml"
     path.write_text(LEDGER.format(dtype=dtype, seq=seq, mb=mb), encoding="utf-8")
@@ -106,8 +113,9 @@ def measured(path: Path, device: str, steps: int) -> float:
 def machine() -> str:
     import torch
 
-    text = (f"{cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads)")
+    text = (
+        f"{cpu_model()}, {os.cpu_count()} logical CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    )
     if torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
     return text
@@ -145,15 +153,21 @@ def main(argv: list[str] | None = None) -> int:
                 meas.append(measured(path, args.device, args.steps))
             rows.append((name, min(bare), min(meas)))
             print(f"{name}: unmeasured {rows[-1][1] * 1e3:.1f} ms, measured {rows[-1][2] * 1e3:.1f} ms", flush=True)
-    lines = [f"# Measurement overhead ({args.device})", "",
-             f"Machine: {machine()}; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} "
-             "after (other jobs on the host make single timings noisy: compare rows, not absolute times)", "",
-             f"Command: `python benchmarks/measure_overhead.py --device {args.device} --steps {args.steps} "
-             f"--repeats {args.repeats} --threads {args.threads}`", "",
-             "Per configuration: the best (minimum) over interleaved repeats of the mean time of one training step "
-             f"(LoRA r=16 q/k/v/o, AdamW, {dtype}), unmeasured vs inside the measurement protocol's steady state.", "",
-             "| config (hidden, layers, seq) | unmeasured step | measured step | overhead |",
-             "| --- | --- | --- | --- |"]
+    lines = [
+        f"# Measurement overhead ({args.device})",
+        "",
+        f"Machine: {machine()}; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} "
+        "after (other jobs on the host make single timings noisy: compare rows, not absolute times)",
+        "",
+        f"Command: `python benchmarks/measure_overhead.py --device {args.device} --steps {args.steps} "
+        f"--repeats {args.repeats} --threads {args.threads}`",
+        "",
+        "Per configuration: the best (minimum) over interleaved repeats of the mean time of one training step "
+        f"(LoRA r=16 q/k/v/o, AdamW, {dtype}), unmeasured vs inside the measurement protocol's steady state.",
+        "",
+        "| config (hidden, layers, seq) | unmeasured step | measured step | overhead |",
+        "| --- | --- | --- | --- |",
+    ]
     for name, bare_t, meas_t in rows:
         lines.append(f"| {name} | {bare_t * 1e3:.1f} ms | {meas_t * 1e3:.1f} ms | {(meas_t / bare_t - 1):+.1%} |")
     lines += ["", _reading(args.device)]
@@ -166,12 +180,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _reading(device: str) -> str:
     if device == "cpu":
-        return ("On the cpu the tracker runs Python code for every aten op (registering output storages, a "
-                "weakref finalizer per new storage) and the protocol relabels tensors after each optimizer step: "
-                "a fixed cost per op, so the relative overhead is largest for tiny models and falls as the "
-                "arithmetic per op grows. Memory figures do not depend on it.")
-    return ("On cuda the protocol adds a synchronize and counter reads per phase, an NVML sampling thread and "
-            "the allocator's memory history (for the OOM snapshot); the target is under 10%.")
+        return (
+            "On the cpu the tracker runs Python code for every aten op (registering output storages, a "
+            "weakref finalizer per new storage) and the protocol relabels tensors after each optimizer step: "
+            "a fixed cost per op, so the relative overhead is largest for tiny models and falls as the "
+            "arithmetic per op grows. Memory figures do not depend on it."
+        )
+    return (
+        "On cuda the protocol adds a synchronize and counter reads per phase, an NVML sampling thread and "
+        "the allocator's memory history (for the OOM snapshot); the target is under 10%."
+    )
 
 
 if __name__ == "__main__":

@@ -33,50 +33,89 @@ from ledgerspec.derivations import sharding as S  # noqa: E402
 from ledgerspec.derivations.sharding_model import document_descriptors  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "sharding"
-CASES = [("tiny-lora.ledger.yaml", 2, "auto"), ("tiny-lora.ledger.yaml", 3, "false"),
-         ("tiny-lora-bf16-r2.ledger.yaml", 3, "auto")]
+CASES = [
+    ("tiny-lora.ledger.yaml", 2, "auto"),
+    ("tiny-lora.ledger.yaml", 3, "false"),
+    ("tiny-lora-bf16-r2.ledger.yaml", 3, "auto"),
+]
 
 
 def _probe(ledger: str, nproc: int, reshard: str, out: Path) -> tuple[list[dict], float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    "-m", "ledgerspec.derivations.sharding_probe", str(DATA / ledger), str(out),
-                    "--reshard-after-forward", reshard], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "ledgerspec.derivations.sharding_probe",
+            str(DATA / ledger),
+            str(out),
+            "--reshard-after-forward",
+            reshard,
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], time.perf_counter() - t
 
 
 def _real(rank: dict) -> tuple[int, int, int, int, int]:
     ps = rank["params"].values()
-    return (sum(p["storage_bytes"] for p in ps if not p["trainable"]) + rank["buffers_bytes"],
-            sum(p["storage_bytes"] for p in ps if p["trainable"]), rank["grads_bytes"],
-            sum(v for p in ps for k, v in p["optimizer_state_bytes"].items() if k != "step"),
-            rank["gathered_during_forward_max"])
+    return (
+        sum(p["storage_bytes"] for p in ps if not p["trainable"]) + rank["buffers_bytes"],
+        sum(p["storage_bytes"] for p in ps if p["trainable"]),
+        rank["grads_bytes"],
+        sum(v for p in ps for k, v in p["optimizer_state_bytes"].items() if k != "step"),
+        rank["gathered_during_forward_max"],
+    )
 
 
 def part1(lines: list[str]) -> None:
-    lines += ["## 1. Tiny uneven Llama under torchrun (gloo, CPU): calculated vs real tensors", "",
-              "| ledger | ranks | reshard_after_forward | rank | frozen | adapter | gradients | optimizer | "
-              "gathered | calculated == real | torchrun s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## 1. Tiny uneven Llama under torchrun (gloo, CPU): calculated vs real tensors",
+        "",
+        "| ledger | ranks | reshard_after_forward | rank | frozen | adapter | gradients | optimizer | "
+        "gathered | calculated == real | torchrun s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         for i, (ledger, nproc, reshard) in enumerate(CASES):
             ranks, secs = _probe(ledger, nproc, reshard, Path(tmp) / str(i))
-            plan = S.fsdp2(document_descriptors(load(DATA / ledger)), nproc, "adamw_torch",
-                           reshard_after_forward=reshard != "false")
+            plan = S.fsdp2(
+                document_descriptors(load(DATA / ledger)),
+                nproc,
+                "adamw_torch",
+                reshard_after_forward=reshard != "false",
+            )
             for real, calc in zip(ranks, plan.ranks, strict=True):
                 c = (calc.frozen_base, calc.adapter, calc.gradients, calc.optimizer, calc.gathered)
                 r = _real(real)
                 cells = " | ".join(f"{a} / {b}" for a, b in zip(c, r, strict=True))
-                lines.append(f"| {ledger} | {nproc} | {reshard} | {calc.rank} | {cells} | "
-                             f"{'yes' if c == r else 'NO'} | {secs:.1f} |")
-    lines += ["", "Cells are calculated / real bytes. Real: `to_local()` storages (padding included), gradient "
-              "storages, `exp_avg` + `exp_avg_sq`, unsharded parameter storages seen in each layer's forward.", ""]
+                lines.append(
+                    f"| {ledger} | {nproc} | {reshard} | {calc.rank} | {cells} | "
+                    f"{'yes' if c == r else 'NO'} | {secs:.1f} |"
+                )
+    lines += [
+        "",
+        "Cells are calculated / real bytes. Real: `to_local()` storages (padding included), gradient "
+        "storages, `exp_avg` + `exp_avg_sq`, unsharded parameter storages seen in each layer's forward.",
+        "",
+    ]
 
 
 def part2(lines: list[str]) -> None:
-    lines += ["## 2. Llama-2-7b, LoRA r=16 q/v, bf16 base, AdamW: calculated per rank (meta model)", "",
-              "| ranks | FSDP2 rank 0 model state | + gathered (root + 1 layer) | single GPU / N (wrong) | "
-              "ZeRO-3 | ZeRO-2 | calc s |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "## 2. Llama-2-7b, LoRA r=16 q/v, bf16 base, AdamW: calculated per rank (meta model)",
+        "",
+        "| ranks | FSDP2 rank 0 model state | + gathered (root + 1 layer) | single GPU / N (wrong) | "
+        "ZeRO-3 | ZeRO-2 | calc s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(ROOT / "examples" / "configs", Path(tmp) / "configs")
         src = ROOT / "examples" / "llama-2-7b-lora.intake.yaml"
@@ -90,17 +129,37 @@ def part2(lines: list[str]) -> None:
         for w in (2, 4, 8):
             t = time.perf_counter()
             plan = S.fsdp2(descs, w, "adamw_torch")
-            z3 = S.zero(3, w, tot["frozen"], tot["trainable"], tot["gradients"], tot["optimizer"],
-                        replicated_bytes=tot["replicated"])
-            z2 = S.zero(2, w, tot["frozen"], tot["trainable"], tot["gradients"], tot["optimizer"],
-                        replicated_bytes=tot["replicated"])
+            z3 = S.zero(
+                3,
+                w,
+                tot["frozen"],
+                tot["trainable"],
+                tot["gradients"],
+                tot["optimizer"],
+                replicated_bytes=tot["replicated"],
+            )
+            z2 = S.zero(
+                2,
+                w,
+                tot["frozen"],
+                tot["trainable"],
+                tot["gradients"],
+                tot["optimizer"],
+                replicated_bytes=tot["replicated"],
+            )
             secs = time.perf_counter() - t + build_s
             r0 = plan.ranks[0]
-            lines.append(f"| {w} | {format_size(r0.model_state)} | {format_size(r0.with_gathered)} | "
-                         f"{format_size(single // w)} | {format_size(z3.device_total)} | "
-                         f"{format_size(z2.device_total)} | {secs:.2f} |")
-    lines += ["", f"Single-GPU model state: {format_size(single)}. Activations and temporaries are not in these "
-              "figures (`ledgerspec estimate` / `measure`).", ""]
+            lines.append(
+                f"| {w} | {format_size(r0.model_state)} | {format_size(r0.with_gathered)} | "
+                f"{format_size(single // w)} | {format_size(z3.device_total)} | "
+                f"{format_size(z2.device_total)} | {secs:.2f} |"
+            )
+    lines += [
+        "",
+        f"Single-GPU model state: {format_size(single)}. Activations and temporaries are not in these "
+        "figures (`ledgerspec estimate` / `measure`).",
+        "",
+    ]
 
 
 MEASURE_CASES = [("tiny-lora-measure.ledger.yaml", 2), ("tiny-lora-measure.ledger.yaml", 3)]
@@ -112,9 +171,12 @@ def part3(lines: list[str]) -> None:
     from ledgerspec.derivations.protocol import PHASES
     from ledgerspec.derivations.sharding_estimate import estimate_per_rank
 
-    lines += ["## 3. Per-rank estimate vs per-rank measurement (CPU, gloo)", "",
-              f"Each cell: estimated / measured bytes; the measurement repeated {REPEATS} times (min..max when they "
-              "differ).", ""]
+    lines += [
+        "## 3. Per-rank estimate vs per-rank measurement (CPU, gloo)",
+        "",
+        f"Each cell: estimated / measured bytes; the measurement repeated {REPEATS} times (min..max when they differ).",
+        "",
+    ]
     for ledger, nproc in MEASURE_CASES:
         with tempfile.TemporaryDirectory() as tmp:
             shutil.copytree(DATA / "tiny", Path(tmp) / "tiny")
@@ -131,9 +193,12 @@ def part3(lines: list[str]) -> None:
                 meas_s.append(time.perf_counter() - t)
         plan = S.fsdp2(descs, nproc, "adamw_torch")
         layer = max(v for k, v in plan.unit_unsharded.items() if k != S.ROOT)
-        lines += [f"### {ledger}, {nproc} ranks (estimate {est_s:.1f} s; measurement {min(meas_s):.1f}.."
-                  f"{max(meas_s):.1f} s)", "", "| rank | " + " | ".join(PHASES) + " | peak |",
-                  "|---|" + "---|" * (len(PHASES) + 1)]
+        lines += [
+            f"### {ledger}, {nproc} ranks (estimate {est_s:.1f} s; measurement {min(meas_s):.1f}..{max(meas_s):.1f} s)",
+            "",
+            "| rank | " + " | ".join(PHASES) + " | peak |",
+            "|---|" + "---|" * (len(PHASES) + 1),
+        ]
         for r in range(nproc):
             cells = []
             for name in (*PHASES, "peak"):
@@ -143,12 +208,15 @@ def part3(lines: list[str]) -> None:
                 cells.append(f"{got} / {m}")
             lines.append(f"| {r} | " + " | ".join(cells) + " |")
         lines += ["", f"One decoder layer unit all-gathered: {layer} B.", ""]
-    lines += ["Static phases (`after_*`) agree to the byte. In the compute phases the estimate is a lower bound: "
-              "a measurement equals it or exceeds it by one decoder layer unit's gathered parameters (in some runs, "
-              "on some ranks, in every repeat): gloo runs the collectives on its own thread, so a prefetched "
-              "unit's all-gather output (or the previous unit's, still referenced by gloo's work object) is alive "
-              "at the peak. On a GPU the same overlap comes from CUDA streams; the estimate's method says it is "
-              "not modelled.", ""]
+    lines += [
+        "Static phases (`after_*`) agree to the byte. In the compute phases the estimate is a lower bound: "
+        "a measurement equals it or exceeds it by one decoder layer unit's gathered parameters (in some runs, "
+        "on some ranks, in every repeat): gloo runs the collectives on its own thread, so a prefetched "
+        "unit's all-gather output (or the previous unit's, still referenced by gloo's work object) is alive "
+        "at the peak. On a GPU the same overlap comes from CUDA streams; the estimate's method says it is "
+        "not modelled.",
+        "",
+    ]
 
 
 def part4(lines: list[str]) -> None:
@@ -168,17 +236,28 @@ def part4(lines: list[str]) -> None:
     fits = est.fits(memory)
     lines += ["| rank | predicted peak | activations | fits 24 GiB | headroom |", "|---|---|---|---|---|"]
     for r, f in zip(est.ranks, fits, strict=True):
-        lines.append(f"| {r.rank} | {format_size(r.peak)} | {format_size(r.activations)} | "
-                     f"{'yes' if f.fits else 'NO'} | {format_size(f.headroom)} |")
-    lines += ["", f"{est.plan.describe()}; {secs:.1f} s on this machine. Workload as declared in "
-              "`examples/llama-2-7b-lora.intake.yaml`.", ""]
+        lines.append(
+            f"| {r.rank} | {format_size(r.peak)} | {format_size(r.activations)} | "
+            f"{'yes' if f.fits else 'NO'} | {format_size(f.headroom)} |"
+        )
+    lines += [
+        "",
+        f"{est.plan.describe()}; {secs:.1f} s on this machine. Workload as declared in "
+        "`examples/llama-2-7b-lora.intake.yaml`.",
+        "",
+    ]
 
 
 def main() -> int:
-    lines = ["# Per-rank state: calculated, estimated and measured vs real (CPU)", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-             f"{platform.platform()}; no GPU used. Command: `python benchmarks/per_rank.py`.", ""]
+    lines = [
+        "# Per-rank state: calculated, estimated and measured vs real (CPU)",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
+        f"{platform.platform()}; no GPU used. Command: `python benchmarks/per_rank.py`.",
+        "",
+    ]
     import torch
+
     lines += [f"torch {torch.__version__}.", ""]
     part1(lines)
     part2(lines)

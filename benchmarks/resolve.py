@@ -25,8 +25,13 @@ from machine import cpu_model, memory_bytes  # benchmarks/machine.py (the script
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
 RESULTS = ROOT / "benchmarks" / "results" / "resolve.md"
-MODELS = [("7B", "llama-2-7b"), ("14B", "qwen2.5-14b"), ("47B MoE", "mixtral-8x7b"),
-          ("70B", "llama-2-70b"), ("70B", "llama-3.1-70b")]
+MODELS = [
+    ("7B", "llama-2-7b"),
+    ("14B", "qwen2.5-14b"),
+    ("47B MoE", "mixtral-8x7b"),
+    ("70B", "llama-2-70b"),
+    ("70B", "llama-3.1-70b"),
+]
 
 INTAKE = """ledgerspec: intake/v1
 identity:
@@ -50,11 +55,13 @@ memory_options:
   gradient_checkpointing: true
 """
 
-NOTE = ('Imports dominate (torch ~1.3 s, transformers ~0.5 s, peft ~1.4 s on an idle core); the model work is'
-        ' under 1 s even for 70B. The CLI hides bitsandbytes from `import peft` (it would pull in '
-        "torch._inductor, ~1.5 s) because the resolver's storage rules never call it; Accelerate's path "
-        'imports accelerate instead of peft. The machine was shared with other jobs (see the load average), '
-        'so single timings vary by ~30%.')
+NOTE = (
+    "Imports dominate (torch ~1.3 s, transformers ~0.5 s, peft ~1.4 s on an idle core); the model work is"
+    " under 1 s even for 70B. The CLI hides bitsandbytes from `import peft` (it would pull in "
+    "torch._inductor, ~1.5 s) because the resolver's storage rules never call it; Accelerate's path "
+    "imports accelerate instead of peft. The machine was shared with other jobs (see the load average), "
+    "so single timings vary by ~30%."
+)
 
 ACCELERATE = """
 import sys
@@ -97,9 +104,11 @@ def machine() -> str:
     import transformers
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{cpu}, {os.cpu_count()} cores, {mem / 2**30:.0f} GiB RAM, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"peft {peft.__version__}, accelerate {accelerate.__version__}; load average at start {load}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem / 2**30:.0f} GiB RAM, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"peft {peft.__version__}, accelerate {accelerate.__version__}; load average at start {load}"
+    )
 
 
 def timings_of(out: str) -> str:
@@ -130,23 +139,31 @@ def main() -> int:
             orss = max(r for _, r in ours)
             arss = max(r for _, r in theirs)
             rows.append((label, name, ow, orss, aw, arss, where))
-            print(f"{name}: ledgerspec {ow:.2f}s {orss / 2**20:.0f} MiB | accelerate {aw:.2f}s "
-                  f"{arss / 2**20:.0f} MiB | ratio {ow / aw:.2f}", flush=True)
+            print(
+                f"{name}: ledgerspec {ow:.2f}s {orss / 2**20:.0f} MiB | accelerate {aw:.2f}s "
+                f"{arss / 2**20:.0f} MiB | ratio {ow / aw:.2f}",
+                flush=True,
+            )
     info = machine()  # after the runs: a child inherits the parent's peak RSS mark across fork + exec
     lines = [
-        "# `ledgerspec resolve` vs Accelerate's meta-device sizing", "",
-        f"Machine: {info}.", "",
+        "# `ledgerspec resolve` vs Accelerate's meta-device sizing",
+        "",
+        f"Machine: {info}.",
+        "",
         f"Median of {args.repeats} fresh subprocesses each (imports included); peak RSS is the maximum. "
         "Intake: QLoRA nf4 + double quant, all-linear rank 16, paged_adamw_8bit; ledgerspec resolves it into "
         "a ledger (meta build, PEFT injection, bitsandbytes storage rules, optimizer state, YAML write-back). "
         "Accelerate: `init_empty_weights` + `AutoModelForCausalLM.from_config` + "
-        "`calculate_maximum_sizes` (weights only).", "",
+        "`calculate_maximum_sizes` (weights only).",
+        "",
         "| model | config | ledgerspec wall | ledgerspec peak RSS | accelerate wall | accelerate peak RSS | ratio |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, name, ow, orss, aw, arss, _ in rows:
-        lines.append(f"| {label} | {name} | {ow:.2f} s | {orss / 2**20:.0f} MiB | {aw:.2f} s | "
-                     f"{arss / 2**20:.0f} MiB | {ow / aw:.2f}x |")
+        lines.append(
+            f"| {label} | {name} | {ow:.2f} s | {orss / 2**20:.0f} MiB | {aw:.2f} s | "
+            f"{arss / 2**20:.0f} MiB | {ow / aw:.2f}x |"
+        )
     lines += ["", "Where the resolver's time goes (from `-v`, last run of each):", ""]
     lines += [f"- {name}: {where}" for _, name, *_, where in rows]
     lines += ["", NOTE, "", "Targets: ratio < 1.5x for 7B; every 70B-class config < 10 s; peak RSS < 2 GB.", ""]

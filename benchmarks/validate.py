@@ -102,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             t_ours, c_ours = _wall([*ours, *names], args.runs)
             t_theirs, c_theirs = _wall([*theirs, *names], args.runs)
             rows.append((label, t_ours, t_theirs, c_ours, c_theirs))
-            print(f"{label:>10}: ledgerspec {t_ours * 1000:7.0f} ms   check-jsonschema {t_theirs * 1000:7.0f} ms"
-                  f"   ratio {t_ours / t_theirs:.2f}", flush=True)
+            print(
+                f"{label:>10}: ledgerspec {t_ours * 1000:7.0f} ms   check-jsonschema {t_theirs * 1000:7.0f} ms"
+                f"   ratio {t_ours / t_theirs:.2f}",
+                flush=True,
+            )
         throughput = _in_process(files, rounds=3)
     print(f"in-process load + validate: {throughput:.0f} documents/s")
 
@@ -121,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | ---: | ---: | ---: | --- |",
     ]
     for label, t_ours, t_theirs, c_ours, c_theirs in rows:
-        lines.append(f"| {label} | {t_ours * 1000:.0f} ms | {t_theirs * 1000:.0f} ms | {t_ours / t_theirs:.2f} | "
-                     f"{c_ours}, {c_theirs} |")
+        lines.append(
+            f"| {label} | {t_ours * 1000:.0f} ms | {t_theirs * 1000:.0f} ms | {t_ours / t_theirs:.2f} | "
+            f"{c_ours}, {c_theirs} |"
+        )
     lines += [
         "",
         f"In-process throughput (`ledgerspec.load` + `ledgerspec.validate`, warm, best of 3): **{throughput:.0f} "

@@ -10,10 +10,21 @@ DATA = Path(__file__).resolve().parent / "data" / "estimate"
 ARCHS = ("tiny-llama-gqa", "tiny-qwen2", "tiny-mistral", "tiny-gemma2")
 
 
-def ledger_text(arch: str = "tiny-llama-gqa", attention: str = "sdpa", checkpointing: bool = False,
-                dtype: str = "bfloat16", microbatch: int = 2, seq: int = 128, accumulation: int = 1,
-                optimizer: str = "adamw_torch", targets: str = "[q_proj, v_proj]", extra: str = "",
-                quant: str | None = None, double_quant: bool = True, storage: str = "uint8") -> str:
+def ledger_text(
+    arch: str = "tiny-llama-gqa",
+    attention: str = "sdpa",
+    checkpointing: bool = False,
+    dtype: str = "bfloat16",
+    microbatch: int = 2,
+    seq: int = 128,
+    accumulation: int = 1,
+    optimizer: str = "adamw_torch",
+    targets: str = "[q_proj, v_proj]",
+    extra: str = "",
+    quant: str | None = None,
+    double_quant: bool = True,
+    storage: str = "uint8",
+) -> str:
     """A LoRA ledger; ``quant`` (nf4, fp4) makes it QLoRA with a bfloat16 compute dtype and
     prepare_for_kbit_training."""
     base = "  quantized: false"

@@ -75,7 +75,8 @@ def _imports(file: Path) -> list[Import]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _dynamic_import(call: ast.Call) -> bool:
@@ -117,22 +118,33 @@ def test_the_parser_sees_nested_relative_and_dynamic_imports(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("wing", WINGS)
 def test_arrows_point_inward(wing: str) -> None:
-    bad = [_where(i) for i in ALL_IMPORTS if _wing(i.file) == wing
-           and any(i.module == f"ledgerspec.{w}" or i.module.startswith(f"ledgerspec.{w}.") for w in FORBIDDEN[wing])]
+    bad = [
+        _where(i)
+        for i in ALL_IMPORTS
+        if _wing(i.file) == wing
+        and any(i.module == f"ledgerspec.{w}" or i.module.startswith(f"ledgerspec.{w}.") for w in FORBIDDEN[wing])
+    ]
     assert not bad, f"{wing} must not import {', '.join(FORBIDDEN[wing])}:\n" + "\n".join(bad)
 
 
 def test_contract_imports_only_stdlib_jsonschema_and_ruamel() -> None:
     stdlib = set(sys.stdlib_module_names)
-    bad = [_where(i) for i in ALL_IMPORTS if _wing(i.file) == "contract" and not i.type_only
-           and _top(i.module) not in stdlib and _top(i.module) not in CONTRACT_THIRD_PARTY
-           and _top(i.module) != "ledgerspec"]
+    bad = [
+        _where(i)
+        for i in ALL_IMPORTS
+        if _wing(i.file) == "contract"
+        and not i.type_only
+        and _top(i.module) not in stdlib
+        and _top(i.module) not in CONTRACT_THIRD_PARTY
+        and _top(i.module) != "ledgerspec"
+    ]
     assert not bad, "contract imports only stdlib + jsonschema + ruamel.yaml:\n" + "\n".join(bad)
 
 
 def test_heavy_libraries_only_in_derivations() -> None:
-    bad = [_where(i) for i in ALL_IMPORTS if _top(i.module) in HEAVY and not i.type_only
-           and _wing(i.file) != "derivations"]
+    bad = [
+        _where(i) for i in ALL_IMPORTS if _top(i.module) in HEAVY and not i.type_only and _wing(i.file) != "derivations"
+    ]
     assert not bad, "torch & co. are imported only in ledgerspec/derivations/:\n" + "\n".join(bad)
 
 

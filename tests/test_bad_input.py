@@ -243,8 +243,14 @@ def test_real_subprocess_on_the_whole_corpus(tmp_path: Path) -> None:
     """One real process over every bad file: the console script path, with python tags in the mix."""
     files = [str(_bad(n)) for n in sorted(CASES)]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "ledgerspec", "validate", *files], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ledgerspec", "validate", *files],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2
     assert "Traceback" not in out
@@ -257,8 +263,7 @@ def test_real_subprocess_on_the_whole_corpus(tmp_path: Path) -> None:
 def test_console_script_single_file(name: str, tmp_path: Path) -> None:
     exe = Path(sys.executable).parent / "ledgerspec"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ledgerspec"]
-    proc = subprocess.run([*cmd, "validate", str(_bad(name))], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=60)
+    proc = subprocess.run([*cmd, "validate", str(_bad(name))], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert proc.returncode == CASES[name][0]
     assert proc.stdout.startswith(f"{_bad(name)}:{CASES[name][2]}:")
     assert proc.stderr == "" and "Traceback" not in proc.stdout

@@ -40,16 +40,21 @@ def line_of(path: Path, needle: str, after: str | None = None) -> int:
 
 # -- exit codes ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("files", "code"), [
-    ([OK_FILE], 0),
-    ([EXAMPLES / "llama-2-7b-lora.intake.yaml"], 0),
-    ([EXAMPLES / "14b-qlora.intake.yaml"], 0),  # warnings and info only: valid, just INSUFFICIENT DATA
-    ([BAD_FILE], 1),
-    ([DOWNGRADED], 1),
-    ([OK_FILE, BAD_FILE], 1),
-    ([OK_FILE, "does/not/exist.ledger.yaml"], 2),
-    ([BAD_FILE, "does/not/exist.ledger.yaml"], 2),
-], ids=["calculated", "intake", "14b-qlora", "audit", "downgraded", "ok+bad", "ok+missing", "bad+missing"])
+
+@pytest.mark.parametrize(
+    ("files", "code"),
+    [
+        ([OK_FILE], 0),
+        ([EXAMPLES / "llama-2-7b-lora.intake.yaml"], 0),
+        ([EXAMPLES / "14b-qlora.intake.yaml"], 0),  # warnings and info only: valid, just INSUFFICIENT DATA
+        ([BAD_FILE], 1),
+        ([DOWNGRADED], 1),
+        ([OK_FILE, BAD_FILE], 1),
+        ([OK_FILE, "does/not/exist.ledger.yaml"], 2),
+        ([BAD_FILE, "does/not/exist.ledger.yaml"], 2),
+    ],
+    ids=["calculated", "intake", "14b-qlora", "audit", "downgraded", "ok+bad", "ok+missing", "bad+missing"],
+)
 def test_exit_codes(cli: CliRunner, files: list[Any], code: int) -> None:
     assert cli("validate", *files)[0] == code
 
@@ -94,7 +99,7 @@ def test_json_report_has_the_spec_shape(cli: CliRunner) -> None:
     assert [f["path"] for f in report["files"]] == paths
     for entry in report["files"]:
         # the spec's keys, in its order; `intake_complete` is this implementation's one addition
-        assert list(entry)[:len(SPEC_FILE_KEYS)] == SPEC_FILE_KEYS
+        assert list(entry)[: len(SPEC_FILE_KEYS)] == SPEC_FILE_KEYS
         assert set(entry) - set(SPEC_FILE_KEYS) == {"intake_complete"}
         assert isinstance(entry["ok"], bool) and isinstance(entry["reasons"], list)
         assert entry["supported_status"] in F.STATUSES
@@ -105,8 +110,12 @@ def test_json_report_has_the_spec_shape(cli: CliRunner) -> None:
             assert isinstance(finding["line"], int) and finding["line"] >= 1
             assert isinstance(finding["column"], int) and finding["column"] >= 1
     ok, bad, intake = report["files"]
-    assert (ok["kind"], ok["ok"], ok["declared_status"], ok["supported_status"]) == ("ledger", True, "CALCULATED",
-                                                                                      "CALCULATED")
+    assert (ok["kind"], ok["ok"], ok["declared_status"], ok["supported_status"]) == (
+        "ledger",
+        True,
+        "CALCULATED",
+        "CALCULATED",
+    )
     assert (bad["ok"], bad["declared_status"], bad["supported_status"]) == (False, "CALCULATED", "INSUFFICIENT DATA")
     assert (intake["kind"], intake["ok"], intake["supported_status"]) == ("intake", True, "INSUFFICIENT DATA")
     assert intake["intake_complete"] is False
@@ -118,7 +127,7 @@ def test_json_findings_point_at_the_right_lines(cli: CliRunner) -> None:
     lines = BAD_FILE.read_text(encoding="utf-8").splitlines()
     for (rule, pointer), f in by_rule.items():
         key = pointer.rsplit("/", 1)[-1]
-        assert lines[f["line"] - 1][f["column"] - 1:].startswith(key + ":"), (rule, pointer, f["line"])
+        assert lines[f["line"] - 1][f["column"] - 1 :].startswith(key + ":"), (rule, pointer, f["line"])
     assert ("LS020", "/gradients/parameters") in by_rule
     assert ("LS021", "/optimizer/optimized_parameters") in by_rule
     assert ("LS022", "/ledger/adapter") in by_rule
@@ -139,8 +148,10 @@ def test_json_reports_an_unreadable_file_as_an_entry(cli: CliRunner, tmp_path: P
 
 # -- --format github -------------------------------------------------------------------------------
 
-GH_LINE = re.compile(r"^::(error|warning|notice) file=(?P<file>[^,:]+),line=(?P<line>\d+),col=(?P<col>\d+),"
-                     r"title=(?P<title>[A-Za-z0-9]+)::(?P<message>[^\r\n]+)$")
+GH_LINE = re.compile(
+    r"^::(error|warning|notice) file=(?P<file>[^,:]+),line=(?P<line>\d+),col=(?P<col>\d+),"
+    r"title=(?P<title>[A-Za-z0-9]+)::(?P<message>[^\r\n]+)$"
+)
 
 
 def test_github_annotations_are_workflow_commands(cli: CliRunner) -> None:
@@ -156,8 +167,12 @@ def test_github_annotations_are_workflow_commands(cli: CliRunner) -> None:
         assert m is not None
         level = {"error": "error", "warning": "warning"}[f["severity"]]
         assert line.startswith(f"::{level} ")
-        assert (m["file"], int(m["line"]), int(m["col"]), m["title"]) == (str(BAD_FILE), f["line"], f["column"],
-                                                                          f["rule"])
+        assert (m["file"], int(m["line"]), int(m["col"]), m["title"]) == (
+            str(BAD_FILE),
+            f["line"],
+            f["column"],
+            f["rule"],
+        )
     verbose = cli("validate", "--format", "github", "-v", BAD_FILE)[1]
     assert any(line.startswith("::notice ") and "title=LS002" in line for line in verbose.splitlines())
 
@@ -169,11 +184,14 @@ def test_github_escapes_data_and_properties() -> None:
     report = Report("dir,with:odd%name.ledger.yaml", "ledger", None, "CALCULATED", [], [finding])
     out = io.StringIO()
     REPORTERS["github"]([report], out, False)
-    assert out.getvalue() == ("::error file=dir%2Cwith%3Aodd%25name.ledger.yaml,line=3,col=4,title=LS999::"
-                              "100%25 wrong:%0Asecond line, really\n")
+    assert out.getvalue() == (
+        "::error file=dir%2Cwith%3Aodd%25name.ledger.yaml,line=3,col=4,title=LS999::"
+        "100%25 wrong:%0Asecond line, really\n"
+    )
 
 
 # -- --format sarif --------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def sarif_validator() -> Any:
@@ -218,6 +236,7 @@ def test_sarif_structure(cli: CliRunner) -> None:
 
 
 # -- --fix -----------------------------------------------------------------------------------------
+
 
 def _copy(src: Path, tmp_path: Path, transform: Any = None) -> Path:
     dst = tmp_path / src.name
@@ -294,13 +313,18 @@ def test_fix_keeps_other_errors(cli: CliRunner, tmp_path: Path) -> None:
     code, out, _ = cli("validate", "--fix", path)
     assert code == 1 and "LS020" in out and "LS001" not in out
     assert load(path).plain["status"] == "INSUFFICIENT DATA"
-    assert "status: INSUFFICIENT DATA  # ledgerspec: lowered from CALCULATED: minimum intake: identity.model_id" \
+    assert (
+        "status: INSUFFICIENT DATA  # ledgerspec: lowered from CALCULATED: minimum intake: identity.model_id"
         in path.read_text(encoding="utf-8")
+    )
 
 
 def test_fix_lowers_an_intake(cli: CliRunner, tmp_path: Path) -> None:
-    path = _copy(EXAMPLES / "14b-qlora.intake.yaml", tmp_path,
-                 lambda b: b.replace(b"\nstatus: INSUFFICIENT DATA\n", b"\nstatus: CANDIDATE\n"))
+    path = _copy(
+        EXAMPLES / "14b-qlora.intake.yaml",
+        tmp_path,
+        lambda b: b.replace(b"\nstatus: INSUFFICIENT DATA\n", b"\nstatus: CANDIDATE\n"),
+    )
     assert cli("validate", path)[0] == 1
     assert cli("validate", "--fix", path)[0] == 0
     assert load(path).plain["status"] == "INSUFFICIENT DATA"
@@ -324,8 +348,10 @@ def test_fix_of_a_flow_style_document_still_yields_a_valid_file(cli: CliRunner, 
 
 # -- schema ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("args", "name"), [(("schema", "ledger"), "ledger"), (("schema", "intake"), "intake"),
-                                            (("schema",), "ledger")])
+
+@pytest.mark.parametrize(
+    ("args", "name"), [(("schema", "ledger"), "ledger"), (("schema", "intake"), "intake"), (("schema",), "ledger")]
+)
 def test_schema_prints_the_committed_schema(cli: CliRunner, args: tuple[str, ...], name: str) -> None:
     code, out, _ = cli(*args)
     assert code == 0
@@ -339,6 +365,7 @@ def test_schema_rejects_an_unknown_name(cli: CliRunner) -> None:
 
 
 # -- init ------------------------------------------------------------------------------------------
+
 
 def test_init_skeleton_is_valid_and_every_field_unknown(cli: CliRunner, tmp_path: Path) -> None:
     out = tmp_path / "new.ledger.yaml"
@@ -400,7 +427,7 @@ def test_init_from_an_intake_keeps_its_comments(cli: CliRunner, tmp_path: Path, 
     """Never lose user data: every comment of the intake's body travels (end-of-line ones on their key's line);
     only the status line's and the header's describe the intake itself and stay behind."""
     source = (EXAMPLES / intake).read_text(encoding="utf-8").splitlines()
-    body = source[next(i for i, line in enumerate(source) if line.startswith("ledgerspec:")):]
+    body = source[next(i for i, line in enumerate(source) if line.startswith("ledgerspec:")) :]
     out = tmp_path / "l.yaml"
     assert cli("init", "--from", EXAMPLES / intake, "-o", out)[0] == 0
     text = out.read_text(encoding="utf-8")
@@ -420,15 +447,21 @@ def test_init_from_an_intake_keeps_its_comments(cli: CliRunner, tmp_path: Path, 
     assert all(method[k] == v for k, v in load(EXAMPLES / intake).plain["method"].items())
 
 
-@pytest.mark.parametrize(("edit", "absent", "present"), [
-    ({}, [("base_model", "quantization"), ("base_model", "prepare_for_kbit_training")], [("software", "rocm")]),
-    ({"software": {"cuda": "12.8"}}, [("software", "rocm"), ("base_model", "quantization")], []),
-    ({"method": {"kind": "QLoRA"}, "base_model": {"quantized": True}}, [],
-     [("base_model", "quantization", "type"), ("base_model", "prepare_for_kbit_training")]),
-])
-def test_init_from_leaves_out_what_cannot_apply(cli: CliRunner, tmp_path: Path, edit: dict[str, Any],
-                                                 absent: list[tuple[str, ...]], present: list[tuple[str, ...]]
-                                                 ) -> None:
+@pytest.mark.parametrize(
+    ("edit", "absent", "present"),
+    [
+        ({}, [("base_model", "quantization"), ("base_model", "prepare_for_kbit_training")], [("software", "rocm")]),
+        ({"software": {"cuda": "12.8"}}, [("software", "rocm"), ("base_model", "quantization")], []),
+        (
+            {"method": {"kind": "QLoRA"}, "base_model": {"quantized": True}},
+            [],
+            [("base_model", "quantization", "type"), ("base_model", "prepare_for_kbit_training")],
+        ),
+    ],
+)
+def test_init_from_leaves_out_what_cannot_apply(
+    cli: CliRunner, tmp_path: Path, edit: dict[str, Any], absent: list[tuple[str, ...]], present: list[tuple[str, ...]]
+) -> None:
     """A LoRA run has no quantization and a CUDA stack no ROCm version: UNKNOWN, they would block VALIDATED."""
     data = load(EXAMPLES / "llama-2-7b-lora.intake.yaml").plain
     for section, values in edit.items():
@@ -455,19 +488,38 @@ HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "numpy")
 
 
 def test_validate_imports_no_heavy_library() -> None:
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ledgerspec", "validate", str(OK_FILE),
-                           str(BAD_FILE), "--format", "json"], capture_output=True, text=True, cwd=REPO_ROOT,
-                          timeout=60, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "ledgerspec",
+            "validate",
+            str(OK_FILE),
+            str(BAD_FILE),
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
-    imported = {m.group(1).split(".")[0] for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)",
-                                                              proc.stderr, re.M)}
+    imported = {
+        m.group(1).split(".")[0] for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)", proc.stderr, re.M)
+    }
     assert "ledgerspec" in imported and "jsonschema" in imported, "the import log was read"
     assert not imported & set(HEAVY), f"validate imported {sorted(imported & set(HEAVY))}"
 
 
 def test_validate_in_process_leaves_heavy_libraries_unimported() -> None:
-    code = ("import sys; from ledgerspec.faces.cli import main; rc = main(['validate', '--format', 'sarif', "
-            f"{str(DOWNGRADED)!r}]); print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))")
+    code = (
+        "import sys; from ledgerspec.faces.cli import main; rc = main(['validate', '--format', 'sarif', "
+        f"{str(DOWNGRADED)!r}]); print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-500:] + proc.stderr[-500:]
 
@@ -485,9 +537,10 @@ def test_validate_never_touches_the_network(cli: CliRunner, monkeypatch: pytest.
     assert json.loads(out)["runs"][0]["results"]
 
 
-
-@pytest.mark.parametrize(("example", "verbose"), [("14b-qlora.intake.yaml", False), ("14b-qlora.intake.yaml", True),
-                                                  ("downgraded.ledger.yaml", False)])
+@pytest.mark.parametrize(
+    ("example", "verbose"),
+    [("14b-qlora.intake.yaml", False), ("14b-qlora.intake.yaml", True), ("downgraded.ledger.yaml", False)],
+)
 def test_text_output_always_says_what_holds_the_status_down(cli: CliRunner, example: str, verbose: bool) -> None:
     from ledgerspec.checks.ladder import RANK, supported_status
     from ledgerspec.faces.reporters import REASONS_SHOWN

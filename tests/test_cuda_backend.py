@@ -307,8 +307,9 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch, fake_cuda: FakeCuda) -> FakeNVML:
     return nvml
 
 
-def _run(cuda: FakeCuda, snapshot: str | None = None, **workload: Any) -> tuple[ProtocolResult, CudaBackend,
-                                                                               FakeWorkload]:
+def _run(
+    cuda: FakeCuda, snapshot: str | None = None, **workload: Any
+) -> tuple[ProtocolResult, CudaBackend, FakeWorkload]:
     backend = CudaBackend(cuda=cuda, sample_interval=0.001)
     w = FakeWorkload(cuda, **workload)
     result = run_protocol(w, backend, device="cuda", steps=2, snapshot_path=snapshot)  # type: ignore[arg-type]
@@ -322,15 +323,20 @@ def expected_phases() -> dict[str, int]:
     """The phase figures of the fake workload, added up by hand (held bytes for after_*, else the phase peak)."""
     held = BASE + ADAPTER
     step = BASE + ADAPTER + ADAPTER + 2 * ADAPTER + ADAPTER  # base, adapter, grads, new state, a transient
-    steady_forward = BASE + 4 * ADAPTER + ids_bytes(TYPICAL) + act_bytes(TYPICAL) + logits_bytes(TYPICAL) \
-        + fwd_tmp_bytes(TYPICAL)
+    steady_forward = (
+        BASE + 4 * ADAPTER + ids_bytes(TYPICAL) + act_bytes(TYPICAL) + logits_bytes(TYPICAL) + fwd_tmp_bytes(TYPICAL)
+    )
     steady_backward = BASE + 4 * ADAPTER + ids_bytes(TYPICAL) + 3 * act_bytes(TYPICAL) + logits_bytes(TYPICAL)
     return {
         "after_load": BASE,
         "after_adapter_injection": held,
         "after_optimizer_init": held,
         # the 2nd micro-step is the larger: the 1st one's gradients are held while it runs
-        "forward_peak": held + ADAPTER + ids_bytes(WORST) + act_bytes(WORST) + logits_bytes(WORST)
+        "forward_peak": held
+        + ADAPTER
+        + ids_bytes(WORST)
+        + act_bytes(WORST)
+        + logits_bytes(WORST)
         + fwd_tmp_bytes(WORST),
         "backward_peak": held + ADAPTER + ids_bytes(WORST) + 3 * act_bytes(WORST) + logits_bytes(WORST),
         "optimizer_step_peak": step,
@@ -338,8 +344,9 @@ def expected_phases() -> dict[str, int]:
     }
 
 
-def test_every_phase_records_the_peak_the_counters_reached_in_that_phase(fake_cuda: FakeCuda,
-                                                                          fake_nvml: FakeNVML) -> None:
+def test_every_phase_records_the_peak_the_counters_reached_in_that_phase(
+    fake_cuda: FakeCuda, fake_nvml: FakeNVML
+) -> None:
     result, _, _ = _run(fake_cuda)
     assert result.complete and not result.oom
     assert {k: r.figure for k, r in result.phases.items()} == expected_phases()
@@ -369,10 +376,15 @@ def test_reserved_is_recorded_per_phase_and_never_below_allocated(fake_cuda: Fak
     top = roundup(exp["backward_peak"])  # the largest allocation of the run: the cache keeps its segments
     assert top == roundup(max(exp.values()))
     expected_reserved = {
-        "after_load": roundup(BASE), "after_adapter_injection": roundup(BASE + ADAPTER),
+        "after_load": roundup(BASE),
+        "after_adapter_injection": roundup(BASE + ADAPTER),
         "after_optimizer_init": roundup(BASE + ADAPTER),
         # the 2nd micro-step's forward runs on a cache the 1st micro-step's backward already grew
-        "forward_peak": top, "backward_peak": top, "optimizer_step_peak": top, "steady_state_peak": top}
+        "forward_peak": top,
+        "backward_peak": top,
+        "optimizer_step_peak": top,
+        "steady_state_peak": top,
+    }
     assert {k: r.reserved_peak for k, r in result.phases.items()} == expected_reserved
     for rec in result.phases.values():
         assert (rec.reserved_peak or 0) >= rec.peak
@@ -395,8 +407,9 @@ def test_device_peak_is_this_process_from_nvml_per_process(fake_cuda: FakeCuda, 
 
 
 @pytest.mark.parametrize("mode", ["na", "host_pid"])
-def test_device_wide_nvml_when_the_process_has_no_figure_of_its_own(mode: str, fake_cuda: FakeCuda,
-                                                                     fake_nvml: FakeNVML) -> None:
+def test_device_wide_nvml_when_the_process_has_no_figure_of_its_own(
+    mode: str, fake_cuda: FakeCuda, fake_nvml: FakeNVML
+) -> None:
     fake_nvml.mode = mode
     result, _, _ = _run(fake_cuda)
     assert "device-wide" in result.device["device_memory_source"]
@@ -434,8 +447,7 @@ def _wait_for(condition: Any, timeout: float = 5.0) -> None:
         time.sleep(0.001)
 
 
-def test_the_sampler_thread_catches_a_spike_between_phase_boundaries(fake_cuda: FakeCuda,
-                                                                      fake_nvml: FakeNVML) -> None:
+def test_the_sampler_thread_catches_a_spike_between_phase_boundaries(fake_cuda: FakeCuda, fake_nvml: FakeNVML) -> None:
     sampler = P._DeviceSampler(fake_cuda, 0, interval=0.001, nvml=fake_nvml)
     sampler.start()
     try:
@@ -488,8 +500,9 @@ def test_no_sample_means_no_device_figure(fake_cuda: FakeCuda, fake_nvml: FakeNV
     sampler.stop()
 
 
-def test_the_sampler_stops_and_history_recording_ends_when_a_run_fails(fake_cuda: FakeCuda,
-                                                                       fake_nvml: FakeNVML) -> None:
+def test_the_sampler_stops_and_history_recording_ends_when_a_run_fails(
+    fake_cuda: FakeCuda, fake_nvml: FakeNVML
+) -> None:
     class Broken(FakeWorkload):
         def make_optimizer(self) -> None:
             raise KeyError("not an out-of-memory error")
@@ -506,18 +519,22 @@ def test_the_sampler_stops_and_history_recording_ends_when_a_run_fails(fake_cuda
 # -- out of memory ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("stage", "nth", "phase"), [
-    ("materialise_base", 1, "load"),
-    ("materialise_adapters", 1, "adapter_injection"),
-    ("make_optimizer", 1, "optimizer_init"),
-    ("forward", 2, "forward"),  # the 2nd micro-step of the representative step
-    ("loss", 1, "loss"),
-    ("backward", 1, "backward"),
-    ("optimizer_step", 1, "optimizer_step"),
-    ("forward", 3, "later_iteration"),  # in the repeated steady-state steps
-])
+@pytest.mark.parametrize(
+    ("stage", "nth", "phase"),
+    [
+        ("materialise_base", 1, "load"),
+        ("materialise_adapters", 1, "adapter_injection"),
+        ("make_optimizer", 1, "optimizer_init"),
+        ("forward", 2, "forward"),  # the 2nd micro-step of the representative step
+        ("loss", 1, "loss"),
+        ("backward", 1, "backward"),
+        ("optimizer_step", 1, "optimizer_step"),
+        ("forward", 3, "later_iteration"),  # in the repeated steady-state steps
+    ],
+)
 def test_an_oom_in_phase_x_is_recorded_as_x_with_a_snapshot_beside_the_ledger(
-        stage: str, nth: int, phase: str, fake_cuda: FakeCuda, fake_nvml: FakeNVML, tmp_path: Path) -> None:
+    stage: str, nth: int, phase: str, fake_cuda: FakeCuda, fake_nvml: FakeNVML, tmp_path: Path
+) -> None:
     snapshot = str(tmp_path / "ledger.oom-snapshot.pickle")
     result, backend, _ = _run(fake_cuda, snapshot, fail_at=(stage, nth))
     assert result.oom and not result.simulated_oom
@@ -552,27 +569,32 @@ def test_an_oom_raised_by_the_allocator_keeps_reserved_above_allocated(fake_nvml
 
 
 def test_an_older_torch_without_this_history_api_still_measures_without_a_snapshot(
-        fake_cuda: FakeCuda, fake_nvml: FakeNVML, tmp_path: Path) -> None:
+    fake_cuda: FakeCuda, fake_nvml: FakeNVML, tmp_path: Path
+) -> None:
     def old_signature(enabled: bool = True, record_context: bool = True) -> None:  # torch 2.0's private API
         raise AssertionError("not reached: the keyword arguments do not match")
 
-    fake_cuda.memory = types.SimpleNamespace(_record_memory_history=old_signature,
-                                             _dump_snapshot=fake_cuda.memory._dump_snapshot)
+    fake_cuda.memory = types.SimpleNamespace(
+        _record_memory_history=old_signature, _dump_snapshot=fake_cuda.memory._dump_snapshot
+    )
     result, _, _ = _run(fake_cuda, str(tmp_path / "ledger.oom-snapshot.pickle"), fail_at=("forward", 1))
     assert result.oom and result.oom_phase == "forward"
     assert result.snapshot_path is None and not (tmp_path / "ledger.oom-snapshot.pickle").exists()
     assert result.device["memory_history"].startswith("not recorded: TypeError")
 
 
-@pytest.mark.parametrize(("exc", "kind"), [
-    (FakeOOM("anything"), "cuda"),
-    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), "cuda"),
-    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), "cuda"),
-    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "cuda"),
-    (RuntimeError("NCCL error in: ... Cuda failure 'out of memory'"), "cuda"),
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), None),
-    (ValueError("shape mismatch"), None),
-])
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (FakeOOM("anything"), "cuda"),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), "cuda"),
+        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), "cuda"),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "cuda"),
+        (RuntimeError("NCCL error in: ... Cuda failure 'out of memory'"), "cuda"),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), None),
+        (ValueError("shape mismatch"), None),
+    ],
+)
 def test_out_of_memory_errors_are_recognised(exc: BaseException, kind: str | None, fake_cuda: FakeCuda) -> None:
     assert CudaBackend(cuda=fake_cuda).oom_kind(exc) == kind
 
@@ -594,10 +616,13 @@ class RealSignatures:
         self.calls: set[str] = set()
         history = getattr(torch.cuda.memory, "_record_memory_history_impl", torch.cuda.memory._record_memory_history)
         self.memory = types.SimpleNamespace(
-            _record_memory_history=self._checked("memory._record_memory_history", history,
-                                                 fake.memory._record_memory_history),
-            _dump_snapshot=self._checked("memory._dump_snapshot", torch.cuda.memory._dump_snapshot,
-                                         fake.memory._dump_snapshot))
+            _record_memory_history=self._checked(
+                "memory._record_memory_history", history, fake.memory._record_memory_history
+            ),
+            _dump_snapshot=self._checked(
+                "memory._dump_snapshot", torch.cuda.memory._dump_snapshot, fake.memory._dump_snapshot
+            ),
+        )
         self.OutOfMemoryError = torch.cuda.OutOfMemoryError
 
     def _checked(self, name: str, real: Any, fake: Any) -> Any:
@@ -614,8 +639,9 @@ class RealSignatures:
         return self._checked(name, getattr(self._real, name), getattr(self._fake, name))
 
 
-def test_every_torch_cuda_call_binds_to_the_installed_torch_signatures(fake_cuda: FakeCuda, fake_nvml: FakeNVML,
-                                                                       tmp_path: Path) -> None:
+def test_every_torch_cuda_call_binds_to_the_installed_torch_signatures(
+    fake_cuda: FakeCuda, fake_nvml: FakeNVML, tmp_path: Path
+) -> None:
     """The private history API changed signature before (torch 2.0 -> 2.1); the device runs torch 2.11, whose
     signatures of these functions are the same as 2.13's (checked against its wheel's sources)."""
     pytest.importorskip("torch")
@@ -626,9 +652,19 @@ def test_every_torch_cuda_call_binds_to_the_installed_torch_signatures(fake_cuda
     result = run_protocol(workload, backend, device="cuda", steps=2, snapshot_path=str(tmp_path / "x.pickle"))
     assert result.oom and result.snapshot_path and backend.history_problem is None
     assert result.device["memory_history"].startswith("recorded")
-    assert {"set_device", "init", "synchronize", "reset_peak_memory_stats", "max_memory_allocated",
-            "memory_allocated", "max_memory_reserved", "get_device_properties", "memory._record_memory_history",
-            "memory._dump_snapshot"} <= cuda.calls
+    assert {
+        "set_device",
+        "init",
+        "synchronize",
+        "reset_peak_memory_stats",
+        "max_memory_allocated",
+        "memory_allocated",
+        "max_memory_reserved",
+        "get_device_properties",
+        "memory._record_memory_history",
+        "memory._dump_snapshot",
+    } <= cuda.calls
+
 
 def test_constructing_the_backend_touches_no_device() -> None:
     class Exploding:
@@ -671,8 +707,9 @@ def _stack() -> dict[str, str]:
     return {name: metadata.version(name) for name in ("torch", "transformers", "peft")}
 
 
-def _cuda_output(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, snapshot: str | None = None,
-                 **workload: Any) -> Any:
+def _cuda_output(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, snapshot: str | None = None, **workload: Any
+) -> Any:
     import torch
 
     from ledgerspec.derivations.measure import ChildOutput
@@ -684,7 +721,8 @@ def _cuda_output(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, snapshot:
 
 
 def test_write_back_records_measured_cuda_figures_and_the_ladder_reaches_validated(
-        ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ledgerspec.checks.validate import validate
     from ledgerspec.contract.document import load
     from ledgerspec.contract.writeback import set_plain
@@ -701,14 +739,21 @@ def test_write_back_records_measured_cuda_figures_and_the_ladder_reaches_validat
     top = roundup(max(exp.values()))
     figures = {k: doc.get("metrics", k) for k in ("peak_allocated", "peak_reserved", "device_peak")}
     assert {k: (v.source, v.size()) for k, v in figures.items()} == {
-        "peak_allocated": ("MEASURED", max(exp.values())), "peak_reserved": ("MEASURED", top),
-        "device_peak": ("MEASURED", CONTEXT + top)}
+        "peak_allocated": ("MEASURED", max(exp.values())),
+        "peak_reserved": ("MEASURED", top),
+        "device_peak": ("MEASURED", CONTEXT + top),
+    }
     assert "max_memory_reserved" in str(figures["peak_reserved"].method)
     assert "NVML per-process" in str(figures["device_peak"].method)
     assert doc.get("ledger", "activations").source == "MEASURED"
     software = {k: doc.get("software", k).value for k in ("cuda", "driver", "gpu_name", "torch", "peft")}
-    assert software == {"cuda": "12.8", "driver": DRIVER, "gpu_name": DEVICE_NAME, "torch": _stack()["torch"],
-                        "peft": _stack()["peft"]}
+    assert software == {
+        "cuda": "12.8",
+        "driver": DRIVER,
+        "gpu_name": DEVICE_NAME,
+        "torch": _stack()["torch"],
+        "peft": _stack()["peft"],
+    }
     assert doc.get("measurement", "device").value == "cuda"
     assert doc.get("measurement", "device_name").value == DEVICE_NAME
     assert doc.get("measurement", "device_memory").size() == TOTAL
@@ -726,7 +771,8 @@ def test_write_back_records_measured_cuda_figures_and_the_ladder_reaches_validat
 
 
 def test_measure_on_cuda_asks_for_a_snapshot_beside_the_ledger_and_writes_an_oom(
-        ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ledgerspec.checks.validate import validate
     from ledgerspec.contract.document import load
     from ledgerspec.derivations import measure as M
@@ -757,14 +803,18 @@ def test_measure_on_cuda_asks_for_a_snapshot_beside_the_ledger_and_writes_an_oom
 # -- nccl --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("available", "count", "local_rank", "nproc", "needle"), [
-    (False, 0, 0, 2, "no CUDA device"),
-    (True, 1, 0, 2, "one GPU per rank"),  # two ranks on one GPU: nccl refuses; every rank says so
-    (True, 1, 1, 2, "one GPU per rank"),
-    (True, 8, 1, 2, None),
-])
-def test_each_nccl_rank_needs_its_own_gpu(available: bool, count: int, local_rank: int, nproc: int,
-                                          needle: str | None) -> None:
+@pytest.mark.parametrize(
+    ("available", "count", "local_rank", "nproc", "needle"),
+    [
+        (False, 0, 0, 2, "no CUDA device"),
+        (True, 1, 0, 2, "one GPU per rank"),  # two ranks on one GPU: nccl refuses; every rank says so
+        (True, 1, 1, 2, "one GPU per rank"),
+        (True, 8, 1, 2, None),
+    ],
+)
+def test_each_nccl_rank_needs_its_own_gpu(
+    available: bool, count: int, local_rank: int, nproc: int, needle: str | None
+) -> None:
     from ledgerspec.derivations.measure_dist import cuda_rank_problem
 
     problem = cuda_rank_problem(available, count, local_rank, nproc)
@@ -797,34 +847,40 @@ def test_gpu_check_dry_run_needs_neither_torch_nor_cuda(tmp_path: Path) -> None:
     blocker.mkdir()
     (blocker / "torch.py").write_text("raise ImportError('the dry run must not import torch')\n")
     env = {**os.environ, "PYTHONPATH": str(blocker)}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for name in ("lora-gc-off.yaml", "lora-gc-on.yaml", "qlora-gc-off-eager.yaml", "qlora-gc-on.yaml"):
         assert f"  {name}:" in out
-        assert f"ledgerspec measure {SCRIPT.parent.parent}/benchmarks/results/gpu-check/{name} --device cuda " \
-               f"--steps 3" in out
+        assert (
+            f"ledgerspec measure {SCRIPT.parent.parent}/benchmarks/results/gpu-check/{name} --device cuda "
+            f"--steps 3" in out
+        )
     assert "needs bitsandbytes: QLoRA" in out
     assert "Traceback" not in proc.stderr
 
 
 def test_gpu_check_dry_run_says_which_rows_it_would_skip_without_bitsandbytes(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     mod = _script()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name))
     monkeypatch.setattr(mod, "WHEELS", tmp_path / "no-wheels")
     plan = mod.plan(sorted(mod.CASES.glob("*.yaml")))
-    lines = {line.split(":")[0].strip(): line for line in plan.splitlines()
-             if line.startswith("  ") and ".yaml:" in line}
+    lines = {
+        line.split(":")[0].strip(): line for line in plan.splitlines() if line.startswith("  ") and ".yaml:" in line
+    }
     assert lines["qlora-gc-on.yaml"].split(": ", 1)[1].startswith("SKIP: needs bitsandbytes")
     assert lines["lora-gc-on.yaml"].endswith(": run")
     assert "bitsandbytes: MISSING (optional)" in plan
 
 
 def test_gpu_check_skips_the_bitsandbytes_rows_with_a_note_and_writes_one_table(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Plumbing of the script's main loop, every GPU-touching step faked: no real measurement happens here."""
     import torch
 
@@ -843,9 +899,19 @@ def test_gpu_check_skips_the_bitsandbytes_rows_with_a_note_and_writes_one_table(
 
     def row(path: Path, est: int | None) -> dict[str, Any]:
         comps = {k: (MiB, MiB) for k in ("frozen_base", "adapter", "gradients", "optimizer", "activations")}
-        return {"name": path.stem, "comps": comps, "phases": dict.fromkeys(mod.PHASES, MiB), "allocated": 3 * MiB,
-                "reserved": 4 * MiB, "device": 5 * MiB, "estimate": None, "oom": False, "status": "CANDIDATE",
-                "subtotal": 2 * MiB, "device_source": "fake"}
+        return {
+            "name": path.stem,
+            "comps": comps,
+            "phases": dict.fromkeys(mod.PHASES, MiB),
+            "allocated": 3 * MiB,
+            "reserved": 4 * MiB,
+            "device": 5 * MiB,
+            "estimate": None,
+            "oom": False,
+            "status": "CANDIDATE",
+            "subtotal": 2 * MiB,
+            "device_source": "fake",
+        }
 
     monkeypatch.setattr(mod, "cli", cli)
     monkeypatch.setattr(mod, "row", row)
@@ -874,7 +940,8 @@ def _script_main_faked(mod: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 
 def test_gpu_check_reads_its_table_column_from_a_ledger_measured_on_cuda(
-        ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The script's row() on what `measure --device cuda` writes (the fake run, written back and saved)."""
     from ledgerspec.contract.document import load
     from ledgerspec.contract.writer import save
@@ -900,7 +967,8 @@ def test_gpu_check_reads_its_table_column_from_a_ledger_measured_on_cuda(
 
 
 def test_gpu_check_installs_carried_wheels_exactly_as_the_device_readme_says(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     mod = _script()
     wheels = tmp_path / ".whl"
     wheels.mkdir()
@@ -922,15 +990,31 @@ def test_gpu_check_installs_carried_wheels_exactly_as_the_device_readme_says(
     monkeypatch.setattr(mod, "importable", lambda module: module in present | installed)
     monkeypatch.setattr(mod.subprocess, "run", run)
     assert mod.ensure_packages() == set()
-    assert ran == [[sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", "/tmp/site", *sorted(map(str, wheels.glob("*.whl")))]]
+    assert ran == [
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            "/tmp/site",
+            *sorted(map(str, wheels.glob("*.whl"))),
+        ]
+    ]
     # the measure children find the project first, then the carried packages
     assert os.environ["PYTHONPATH"] == os.pathsep.join(["/repo", "/tmp/site"])
     assert "/tmp/site" in sys.path
 
 
 def test_gpu_check_without_wheels_fails_on_a_required_package_and_skips_an_optional_one(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     mod = _script()
     monkeypatch.setattr(mod, "WHEELS", tmp_path / "none")
     monkeypatch.setattr(mod.subprocess, "run", lambda *a, **k: pytest.fail("nothing to install"))
@@ -943,7 +1027,8 @@ def test_gpu_check_without_wheels_fails_on_a_required_package_and_skips_an_optio
 
 
 def test_gpu_check_keeps_measuring_when_a_command_raises_and_logs_its_traceback(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """With LEDGERSPEC_DEBUG=1 the CLI re-raises: one configuration's failure must not lose the others."""
     import ledgerspec.faces.cli as cli_module
 
@@ -956,11 +1041,23 @@ def test_gpu_check_keeps_measuring_when_a_command_raises_and_logs_its_traceback(
         return 0
 
     monkeypatch.setattr(cli_module, "main", main)
-    monkeypatch.setattr(mod, "row", lambda path, est: {
-        "name": path.stem, "comps": {k: (MiB, MiB) for k in ("frozen_base", "adapter", "gradients", "optimizer",
-                                                             "activations")},
-        "phases": dict.fromkeys(mod.PHASES, MiB), "allocated": MiB, "reserved": MiB, "device": MiB,
-        "estimate": None, "oom": False, "status": "CANDIDATE", "subtotal": MiB, "device_source": None})
+    monkeypatch.setattr(
+        mod,
+        "row",
+        lambda path, est: {
+            "name": path.stem,
+            "comps": {k: (MiB, MiB) for k in ("frozen_base", "adapter", "gradients", "optimizer", "activations")},
+            "phases": dict.fromkeys(mod.PHASES, MiB),
+            "allocated": MiB,
+            "reserved": MiB,
+            "device": MiB,
+            "estimate": None,
+            "oom": False,
+            "status": "CANDIDATE",
+            "subtotal": MiB,
+            "device_source": None,
+        },
+    )
     assert mod.main([str(mod.CASES / "lora-gc-off.yaml"), str(mod.CASES / "lora-gc-on.yaml")]) == 1
     report = (tmp_path / "results" / "gpu-check.md").read_text()
     assert "| MiB (calculated / measured) | lora-gc-on |" in report  # the second configuration still ran
@@ -970,8 +1067,9 @@ def test_gpu_check_keeps_measuring_when_a_command_raises_and_logs_its_traceback(
     assert "Not run yet" not in report
 
 
-def test_gpu_check_rewrites_its_report_after_each_configuration(monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Path) -> None:
+def test_gpu_check_rewrites_its_report_after_each_configuration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """A run cut short (a device-time limit) keeps the rows measured so far, and says what did not run."""
     mod = _script()
     _script_main_faked(mod, monkeypatch, tmp_path)
@@ -983,10 +1081,19 @@ def test_gpu_check_rewrites_its_report_after_each_configuration(monkeypatch: pyt
         seen.append(report.read_text() if report.exists() else "")
         if path.stem == "lora-gc-on":
             raise KeyboardInterrupt  # cut short while the second configuration is read
-        return {"name": path.stem, "comps": {k: (None, None) for k in ("frozen_base", "adapter", "gradients",
-                                                                         "optimizer", "activations")},
-                "phases": dict.fromkeys(mod.PHASES), "allocated": 7 * MiB, "reserved": None, "device": None,
-                "estimate": None, "oom": False, "status": "CANDIDATE", "subtotal": None, "device_source": None}
+        return {
+            "name": path.stem,
+            "comps": {k: (None, None) for k in ("frozen_base", "adapter", "gradients", "optimizer", "activations")},
+            "phases": dict.fromkeys(mod.PHASES),
+            "allocated": 7 * MiB,
+            "reserved": None,
+            "device": None,
+            "estimate": None,
+            "oom": False,
+            "status": "CANDIDATE",
+            "subtotal": None,
+            "device_source": None,
+        }
 
     monkeypatch.setattr(mod, "row", row)
     with pytest.raises(KeyboardInterrupt):
@@ -996,8 +1103,9 @@ def test_gpu_check_rewrites_its_report_after_each_configuration(monkeypatch: pyt
     assert "Not run yet (the run was cut short if this stays): lora-gc-on.yaml" in report
 
 
-def test_gpu_check_prepared_ledger_points_at_the_config_from_any_folder(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path) -> None:
+def test_gpu_check_prepared_ledger_points_at_the_config_from_any_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The repository may sit anywhere on the GPU machine: a path with a space or ': ' must stay one YAML string."""
     from ledgerspec.contract.document import load
     from ledgerspec.derivations.build import config_file
@@ -1027,8 +1135,10 @@ def _wheel(folder: Path, filename: str, requires: list[str], size: int = 0) -> P
     dist, version = filename.split("-")[:2]
     path = folder / filename
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr(f"{dist}-{version}.dist-info/METADATA", "Metadata-Version: 2.1\nName: x\n"
-                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        z.writestr(
+            f"{dist}-{version}.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: x\n" + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        )
         z.writestr("pad.bin", b"\0" * size)
     return path
 
@@ -1036,42 +1146,78 @@ def _wheel(folder: Path, filename: str, requires: list[str], size: int = 0) -> P
 def test_gpu_wheels_downloads_with_the_device_readme_flags() -> None:
     mod = _wheels_script()
     cmd = mod.download_command("bitsandbytes", "0.50.2", Path("/r/.whl"), "3.12")
-    assert cmd[1:] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                       "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
-                       "manylinux_2_27_x86_64", "--platform", "manylinux_2_24_x86_64", "--platform",
-                       "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "--platform",
-                       "manylinux1_x86_64", "-d", "/r/.whl", "bitsandbytes==0.50.2"]
-    assert set(mod.WANTED) == {"ruamel.yaml", "jsonschema", "referencing", "jsonschema-specifications", "rpds-py",
-                               "bitsandbytes"}
+    assert cmd[1:] == [
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--platform",
+        "manylinux_2_27_x86_64",
+        "--platform",
+        "manylinux_2_24_x86_64",
+        "--platform",
+        "manylinux_2_17_x86_64",
+        "--platform",
+        "manylinux2014_x86_64",
+        "--platform",
+        "manylinux1_x86_64",
+        "-d",
+        "/r/.whl",
+        "bitsandbytes==0.50.2",
+    ]
+    assert set(mod.WANTED) == {
+        "ruamel.yaml",
+        "jsonschema",
+        "referencing",
+        "jsonschema-specifications",
+        "rpds-py",
+        "bitsandbytes",
+    }
 
 
-@pytest.mark.parametrize(("python", "expected"), [("3.12", ["attrs", "rpds-py", "typing-extensions"]),
-                                                  ("3.13", ["attrs", "rpds-py"])])
+@pytest.mark.parametrize(
+    ("python", "expected"), [("3.12", ["attrs", "rpds-py", "typing-extensions"]), ("3.13", ["attrs", "rpds-py"])]
+)
 def test_gpu_wheels_reads_requirements_with_markers_for_the_device_python(python: str, expected: list[str]) -> None:
     mod = _wheels_script()
-    meta = ("Name: referencing\nRequires-Dist: attrs>=22.2.0\nRequires-Dist: rpds-py>=0.7.0\n"
-            "Requires-Dist: typing-extensions>=4.4.0; python_version < '3.13'\n"
-            "Requires-Dist: pytest; extra == 'test'\n")
+    meta = (
+        "Name: referencing\nRequires-Dist: attrs>=22.2.0\nRequires-Dist: rpds-py>=0.7.0\n"
+        "Requires-Dist: typing-extensions>=4.4.0; python_version < '3.13'\n"
+        "Requires-Dist: pytest; extra == 'test'\n"
+    )
     assert mod.requirements(meta, python) == expected
 
 
 def test_gpu_wheels_flags_a_requirement_neither_carried_nor_on_the_device(tmp_path: Path) -> None:
     mod = _wheels_script()
-    ok = [_wheel(tmp_path, "jsonschema-4.26.0-py3-none-any.whl", ["attrs>=22", "referencing>=0.28", "rpds-py"]),
-          _wheel(tmp_path, "referencing-0.37.0-py3-none-any.whl", ["attrs", "rpds_py>=0.7"]),
-          _wheel(tmp_path, "rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.whl", [])]
+    ok = [
+        _wheel(tmp_path, "jsonschema-4.26.0-py3-none-any.whl", ["attrs>=22", "referencing>=0.28", "rpds-py"]),
+        _wheel(tmp_path, "referencing-0.37.0-py3-none-any.whl", ["attrs", "rpds_py>=0.7"]),
+        _wheel(tmp_path, "rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.whl", []),
+    ]
     assert mod.missing_requirements(ok, "3.12") == []  # attrs is on the device, the rest travels
     bad = [*ok, _wheel(tmp_path, "ruamel_yaml-0.19.1-py3-none-any.whl", ["ruamel.yaml.clib>=0.2.7"])]
     assert mod.missing_requirements(bad, "3.12") == [
-        "ruamel-yaml-clib (required by ruamel_yaml-0.19.1-py3-none-any.whl)"]
+        "ruamel-yaml-clib (required by ruamel_yaml-0.19.1-py3-none-any.whl)"
+    ]
 
 
 def test_gpu_wheels_keeps_one_version_of_each_for_the_device_python() -> None:
     mod = _wheels_script()
-    names = ["rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
-             "rpds_py-2026.9.1-cp311-cp311-manylinux_2_17_x86_64.whl",  # another Python
-             "jsonschema-4.25.0-py3-none-any.whl",  # another version
-             "jsonschema-4.26.0-py3-none-any.whl", "six-1.17.0-py2.py3-none-any.whl"]  # not wanted
+    names = [
+        "rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "rpds_py-2026.9.1-cp311-cp311-manylinux_2_17_x86_64.whl",  # another Python
+        "jsonschema-4.25.0-py3-none-any.whl",  # another version
+        "jsonschema-4.26.0-py3-none-any.whl",
+        "six-1.17.0-py2.py3-none-any.whl",
+    ]  # not wanted
     keep, stale = mod.split_stale([Path(n) for n in names], mod.WANTED, "3.12")
     assert [p.name for p in keep] == [names[0], names[3]]
     assert [p.name for p in stale] == [names[1], names[2], names[4]]

@@ -71,8 +71,16 @@ def blocks(page: Path) -> list[Block]:
             i += 1
         prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         mk = MARKER.match(prev)
-        found.append(Block(page, start + 1, m.group("lang").lower(), body,
-                           mk.group("kind") if mk else None, mk.group("arg") if mk else None))
+        found.append(
+            Block(
+                page,
+                start + 1,
+                m.group("lang").lower(),
+                body,
+                mk.group("kind") if mk else None,
+                mk.group("arg") if mk else None,
+            )
+        )
         i += 1
     return found
 
@@ -88,9 +96,11 @@ def _page_id(p: Path) -> str:
 # -- the markers themselves ---------------------------------------------------------------------------
 def test_block_parser_reads_markers(tmp_path: Path) -> None:
     page = tmp_path / "p.md"
-    page.write_text("text\n\n<!-- exit: 1 -->\n```bash\nledgerspec validate x.yaml  # why\n```\n\n"
-                    "<!-- not-run: slow -->\n```bash\nledgerspec measure x\n```\n```yaml\nledgerspec: ledger/v1\n```\n",
-                    encoding="utf-8")
+    page.write_text(
+        "text\n\n<!-- exit: 1 -->\n```bash\nledgerspec validate x.yaml  # why\n```\n\n"
+        "<!-- not-run: slow -->\n```bash\nledgerspec measure x\n```\n```yaml\nledgerspec: ledger/v1\n```\n",
+        encoding="utf-8",
+    )
     got = blocks(page)
     assert [(b.lang, b.marker, b.marker_arg, b.commands) for b in got] == [
         ("bash", "exit", "1", ["ledgerspec validate x.yaml  # why"]),
@@ -112,13 +122,15 @@ def test_every_shell_block_is_runnable_or_marked(page: Path) -> None:
             continue
         assert len(runnable) == len(b.commands), (
             f"{_page_id(page)}:{b.line}: shell block with lines the docs test cannot run: {runnable}; "
-            "mark it <!-- not-run: reason --> or <!-- needs-gpu -->")
+            "mark it <!-- not-run: reason --> or <!-- needs-gpu -->"
+        )
 
 
 def test_the_docs_have_commands_to_run() -> None:
     """Guard against a parser that silently finds nothing."""
-    commands = [c for p in PAGES for b in shell_blocks(p) if b.marker not in ("needs-gpu", "not-run")
-                for c in b.commands]
+    commands = [
+        c for p in PAGES for b in shell_blocks(p) if b.marker not in ("needs-gpu", "not-run") for c in b.commands
+    ]
     assert len(commands) >= 20
     for sub in ("validate", "init", "resolve", "report", "schema"):
         assert any(c.startswith(f"ledgerspec {sub}") or f" {sub} " in c for c in commands), sub
@@ -154,8 +166,11 @@ def _run(command: str, cwd: Path) -> tuple[int, str]:
     return code, out + err
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if any(b.marker not in ("needs-gpu", "not-run") and b.commands
-                                                          for b in shell_blocks(p))], ids=_page_id)
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if any(b.marker not in ("needs-gpu", "not-run") and b.commands for b in shell_blocks(p))],
+    ids=_page_id,
+)
 def test_documented_commands_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every command of the page, in order, in a fresh copy of the examples; exit codes as documented."""
     shutil.copytree(EXAMPLES, tmp_path / "examples")
@@ -181,9 +196,14 @@ def test_documented_commands_run(page: Path, tmp_path: Path, monkeypatch: pytest
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                          env={**_env(), "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_env(), "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -248,8 +268,23 @@ def test_description_check_catches_a_missing_description() -> None:
 
 
 def test_site_builds_strictly(site: Path) -> None:
-    for page in ("index", "quickstart", "concepts", "fields", "rules", "cli", "resolver", "estimate", "measure",
-                 "multi-gpu", "gallery", "naive-article-audit", "integration", "versioning", "changelog"):
+    for page in (
+        "index",
+        "quickstart",
+        "concepts",
+        "fields",
+        "rules",
+        "cli",
+        "resolver",
+        "estimate",
+        "measure",
+        "multi-gpu",
+        "gallery",
+        "naive-article-audit",
+        "integration",
+        "versioning",
+        "changelog",
+    ):
         assert (site / f"{page}.html").is_file(), page
 
 
@@ -287,8 +322,9 @@ def test_rule_catalogue_shows_every_rule_with_its_real_finding(site: Path) -> No
         assert re.search(rf"example\.yaml:\d+:\d+: {r.id} ", page), r.id
 
 
-@pytest.mark.parametrize("rule_id", [r.id for r in __import__("ledgerspec.checks.registry", fromlist=["x"])
-                                     .all_rules()])
+@pytest.mark.parametrize(
+    "rule_id", [r.id for r in __import__("ledgerspec.checks.registry", fromlist=["x"]).all_rules()]
+)
 def test_each_registry_example_triggers_its_rule(rule_id: str) -> None:
     from ledgerspec.checks.registry import all_rules
     from ledgerspec.checks.validate import validate

@@ -45,42 +45,104 @@ def _edit(old: str, new: str, text: str = LEDGER) -> str:
 #: name -> (ledger text, config.json text, the commands that must refuse it, a phrase of the message, line)
 DOCUMENTS: dict[str, tuple[str, str | None, tuple[str, ...], str, int | None]] = {
     "yaml-syntax-error": (_edit("rank: 4", "rank: [4"), None, HEAVY, "flow sequence", 14),
-    "unknown-optimizer": (_edit("name: adamw_torch", "name: adamw_bogus"), None,
-                          ("resolve", "estimate", "measure", "triage", "shard"), "adamw_bogus", 31),
-    "rank-zero": (_edit("rank: 4", "rank: 0"), None, ("resolve", "estimate", "measure", "triage", "shard"),
-                  "method.rank must be an integer >= 1", 13),
-    "bad-loaded-dtype": (_edit("loaded_dtype: float32", "loaded_dtype: bf17"), None,
-                         ("resolve", "estimate", "measure", "triage", "shard"), "unknown dtype 'bf17'", 19),
-    "bad-adapter-dtype": (_edit("  dtype: float32", "  dtype: foo32"), None,
-                          ("resolve", "estimate", "measure", "triage", "shard"), "unknown dtype 'foo32'", 22),
-    "config-not-json": (LEDGER, "{not json", ("resolve", "estimate", "measure", "triage", "shard"),
-                        "is not valid JSON", 7),
-    "config-not-an-object": (LEDGER, "[1, 2]", ("resolve", "estimate", "measure", "triage", "shard"),
-                             "is not a JSON object", 7),
-    "config-missing": (_edit("tiny-llama/config.json", "nowhere/config.json"), None,
-                       ("resolve", "estimate", "measure", "triage", "shard"), "no config.json", 7),
-    "unknown-model-type": (LEDGER, json.dumps({**CONFIG, "model_type": "nosuchmodel"}),
-                           ("resolve", "estimate", "shard"), "nosuchmodel", 7),
+    "unknown-optimizer": (
+        _edit("name: adamw_torch", "name: adamw_bogus"),
+        None,
+        ("resolve", "estimate", "measure", "triage", "shard"),
+        "adamw_bogus",
+        31,
+    ),
+    "rank-zero": (
+        _edit("rank: 4", "rank: 0"),
+        None,
+        ("resolve", "estimate", "measure", "triage", "shard"),
+        "method.rank must be an integer >= 1",
+        13,
+    ),
+    "bad-loaded-dtype": (
+        _edit("loaded_dtype: float32", "loaded_dtype: bf17"),
+        None,
+        ("resolve", "estimate", "measure", "triage", "shard"),
+        "unknown dtype 'bf17'",
+        19,
+    ),
+    "bad-adapter-dtype": (
+        _edit("  dtype: float32", "  dtype: foo32"),
+        None,
+        ("resolve", "estimate", "measure", "triage", "shard"),
+        "unknown dtype 'foo32'",
+        22,
+    ),
+    "config-not-json": (
+        LEDGER,
+        "{not json",
+        ("resolve", "estimate", "measure", "triage", "shard"),
+        "is not valid JSON",
+        7,
+    ),
+    "config-not-an-object": (
+        LEDGER,
+        "[1, 2]",
+        ("resolve", "estimate", "measure", "triage", "shard"),
+        "is not a JSON object",
+        7,
+    ),
+    "config-missing": (
+        _edit("tiny-llama/config.json", "nowhere/config.json"),
+        None,
+        ("resolve", "estimate", "measure", "triage", "shard"),
+        "no config.json",
+        7,
+    ),
+    "unknown-model-type": (
+        LEDGER,
+        json.dumps({**CONFIG, "model_type": "nosuchmodel"}),
+        ("resolve", "estimate", "shard"),
+        "nosuchmodel",
+        7,
+    ),
     # transformers' strict config dataclasses: the reason is on the message's second line
-    "config-wrong-type": (LEDGER, json.dumps({**CONFIG, "vocab_size": "big"}), ("resolve", "estimate", "shard"),
-                          "Field 'vocab_size' expected int, got str", 7),
-    "config-inconsistent": (LEDGER, json.dumps({**CONFIG, "num_attention_heads": 3}), ("resolve", "estimate", "shard"),
-                            "not a multiple of the number of attention heads (3)", 7),
+    "config-wrong-type": (
+        LEDGER,
+        json.dumps({**CONFIG, "vocab_size": "big"}),
+        ("resolve", "estimate", "shard"),
+        "Field 'vocab_size' expected int, got str",
+        7,
+    ),
+    "config-inconsistent": (
+        LEDGER,
+        json.dumps({**CONFIG, "num_attention_heads": 3}),
+        ("resolve", "estimate", "shard"),
+        "not a multiple of the number of attention heads (3)",
+        7,
+    ),
     # the config is not the one the ledger pinned: every command that reads it refuses (LS006 relies on the pin)
-    "config-pin-mismatch": (_edit("config_sha256: UNKNOWN", "config_sha256: " + "0" * 64), None,
-                            ("resolve", "estimate", "measure", "triage", "shard"), "config_sha256 does not match", 6),
-    "targets-match-nothing": (_edit("[q_proj, v_proj]", "[nothing_here]"), None, ("resolve", "estimate", "shard"),
-                              "nothing_here", 16),
+    "config-pin-mismatch": (
+        _edit("config_sha256: UNKNOWN", "config_sha256: " + "0" * 64),
+        None,
+        ("resolve", "estimate", "measure", "triage", "shard"),
+        "config_sha256 does not match",
+        6,
+    ),
+    "targets-match-nothing": (
+        _edit("[q_proj, v_proj]", "[nothing_here]"),
+        None,
+        ("resolve", "estimate", "shard"),
+        "nothing_here",
+        16,
+    ),
     "intake-where-a-ledger-is-needed": (INTAKE, None, ("measure", "triage"), "writes into a ledger/v1 document", 1),
 }
-DOC_CASES = [pytest.param(name, cmd, id=f"{cmd}-{name}") for name, (_, _, cmds, _, _) in DOCUMENTS.items()
-             for cmd in cmds]
+DOC_CASES = [
+    pytest.param(name, cmd, id=f"{cmd}-{name}") for name, (_, _, cmds, _, _) in DOCUMENTS.items() for cmd in cmds
+]
 
 
 def _setup(folder: Path, text: str, config: str | None = None) -> Path:
     (folder / "tiny-llama").mkdir()
     (folder / "tiny-llama" / "config.json").write_text(
-        config if config is not None else json.dumps(CONFIG), encoding="utf-8")
+        config if config is not None else json.dumps(CONFIG), encoding="utf-8"
+    )
     path = folder / "t.ledger.yaml"
     path.write_text(text, encoding="utf-8")
     return path
@@ -199,8 +261,10 @@ def test_the_adapter_dtype_is_checked_before_measuring() -> None:
 
     doc = from_text(_edit("  dtype: float32", "  dtype: bf16"), str(DATA / "t.yaml"))
     assert WorkloadSpec.from_document(doc).adapter_dtype == "bfloat16"
-    assert WorkloadSpec.from_document(from_text(_edit("  dtype: float32\n", "\n"), str(DATA / "t.yaml"))
-                                      ).adapter_dtype is None
+    assert (
+        WorkloadSpec.from_document(from_text(_edit("  dtype: float32\n", "\n"), str(DATA / "t.yaml"))).adapter_dtype
+        is None
+    )
     with pytest.raises(LedgerspecError, match="unknown dtype 'foo32'"):
         WorkloadSpec.from_document(from_text(_edit("  dtype: float32", "  dtype: foo32"), str(DATA / "t.yaml")))
 
@@ -216,8 +280,9 @@ def _crashing(exc: BaseException) -> Callable[[object], int]:
 
 
 @pytest.mark.parametrize("cmd", HEAVY)
-def test_an_unexpected_exception_is_an_internal_error(cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      cmd: str) -> None:
+def test_an_unexpected_exception_is_an_internal_error(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cmd: str
+) -> None:
     import argparse
 
     monkeypatch.delenv("LEDGERSPEC_DEBUG", raising=False)
@@ -244,8 +309,9 @@ def test_an_unexpected_exception_is_an_internal_error(cli: CliRunner, tmp_path: 
         cli(*_argv(cmd, path))
 
 
-def test_a_crash_of_the_measurement_child_is_an_internal_error(cli: CliRunner, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_of_the_measurement_child_is_an_internal_error(
+    cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An unexpected exception inside the child process reaches the user as an internal error, not a user error."""
     from ledgerspec.derivations import measure
 
@@ -266,9 +332,9 @@ def test_a_crash_of_the_measurement_child_is_an_internal_error(cli: CliRunner, t
     assert path.read_bytes() == before
 
 
-
-def test_a_broken_command_module_takes_down_only_its_commands(monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_broken_command_module_takes_down_only_its_commands(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A bug that breaks one command module at import must leave validate (the pre-commit hook) working."""
     import importlib
 
@@ -288,5 +354,10 @@ def test_a_broken_command_module_takes_down_only_its_commands(monkeypatch: pytes
     capsys.readouterr()
     assert cli.main(["triage", "x.yaml", "--device", "cpu"]) == 70
     err = capsys.readouterr().err.strip()
-    assert err.startswith("ledgerspec: internal-error: `ledgerspec triage` failed unexpectedly (NameError: name "
-                          "'positive_size' is not defined)") and "\n" not in err
+    assert (
+        err.startswith(
+            "ledgerspec: internal-error: `ledgerspec triage` failed unexpectedly (NameError: name "
+            "'positive_size' is not defined)"
+        )
+        and "\n" not in err
+    )

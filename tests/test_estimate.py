@@ -27,10 +27,26 @@ CPU_CASES = [  # sequences of 80 tokens: longer than the sliding window (64) of 
     {"arch": "tiny-gemma2", "attention": "eager", "checkpointing": True, "microbatch": 1, "seq": 80},
     # QLoRA: real bitsandbytes layers in the measurement, the byte-level stand-in in the estimate
     {"arch": "tiny-qwen2", "quant": "nf4", "targets": "all-linear", "seq": 80},  # biased q/k/v: cast in place
-    {"arch": "tiny-mistral", "quant": "fp4", "storage": "bfloat16", "double_quant": False, "targets": "all-linear",
-     "microbatch": 1, "seq": 80},
-    {"arch": "tiny-llama-gqa", "quant": "nf4", "dtype": "float16", "checkpointing": True, "accumulation": 2,
-     "optimizer": "paged_adamw_8bit", "targets": "all-linear", "microbatch": 1, "seq": 48},
+    {
+        "arch": "tiny-mistral",
+        "quant": "fp4",
+        "storage": "bfloat16",
+        "double_quant": False,
+        "targets": "all-linear",
+        "microbatch": 1,
+        "seq": 80,
+    },
+    {
+        "arch": "tiny-llama-gqa",
+        "quant": "nf4",
+        "dtype": "float16",
+        "checkpointing": True,
+        "accumulation": 2,
+        "optimizer": "paged_adamw_8bit",
+        "targets": "all-linear",
+        "microbatch": 1,
+        "seq": 48,
+    },
     # padded batches (microbatch > 1, packing off): an attention mask, k/v repeated for GQA under sdpa
     {"arch": "tiny-llama-gqa", "attention": "sdpa", "microbatch": 2, "seq": 80},
     {"arch": "tiny-llama-gqa", "attention": "eager", "microbatch": 2, "seq": 80},
@@ -151,7 +167,8 @@ def test_status_reaches_candidate(tmp_path: Path, cli: CliRunner) -> None:
         "  frozen_base: {value: 1, source: CALCULATED, method: test}\n"
         "  adapter: {value: 1, source: CALCULATED, method: test}\n"
         "  gradients: {value: 1, source: CALCULATED, method: test}\n"
-        "  optimizer: {value: 1, source: CALCULATED, method: test}\n")
+        "  optimizer: {value: 1, source: CALCULATED, method: test}\n"
+    )
     pin = hashlib.sha256((DATA / "tiny-llama-gqa" / "config.json").read_bytes()).hexdigest()  # the exact config
     text = text.replace("config_sha256: UNKNOWN", f"config_sha256: {pin}")
     path = _copy(tmp_path, text)
@@ -181,11 +198,15 @@ def test_intake_is_printed_not_written(tmp_path: Path, cli: CliRunner) -> None:
     assert code == 2 and "resolve" in err
 
 
-@pytest.mark.parametrize(("attention", "needle"), [
-    ("flex_attention", "flex_attention"),
-])
-def test_unmodelled_attention_is_an_error_suggesting_measure(tmp_path: Path, cli: CliRunner, attention: str,
-                                                             needle: str) -> None:
+@pytest.mark.parametrize(
+    ("attention", "needle"),
+    [
+        ("flex_attention", "flex_attention"),
+    ],
+)
+def test_unmodelled_attention_is_an_error_suggesting_measure(
+    tmp_path: Path, cli: CliRunner, attention: str, needle: str
+) -> None:
     path = _copy(tmp_path, ledger_text(attention=attention))
     before = path.read_text()
     code, _, err = cli("estimate", path)
@@ -202,8 +223,7 @@ def test_sdpa_on_a_softcapping_model_is_an_error(tmp_path: Path, cli: CliRunner)
     assert "sdpa" in err.lower()
 
 
-def test_an_op_without_a_fake_kernel_is_named(tmp_path: Path, cli: CliRunner, monkeypatch: pytest.MonkeyPatch
-                                              ) -> None:
+def test_an_op_without_a_fake_kernel_is_named(tmp_path: Path, cli: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
@@ -219,8 +239,7 @@ def test_an_op_without_a_fake_kernel_is_named(tmp_path: Path, cli: CliRunner, mo
     assert "aten.nonzero" in err and "fake-tensor kernel" in err and "measure" in err
 
 
-def test_an_untraceable_architecture_is_named(tmp_path: Path, cli: CliRunner, monkeypatch: pytest.MonkeyPatch
-                                              ) -> None:
+def test_an_untraceable_architecture_is_named(tmp_path: Path, cli: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     from ledgerspec.derivations.workload import Workload
 
     def forward(self: Any, ids: Any) -> Any:
@@ -236,12 +255,19 @@ def test_sweep_prints_the_matrix_and_the_largest_fitting(tmp_path: Path, cli: Cl
     path = _copy(tmp_path, ledger_text(seq=128))
     before = path.read_text()
     base = estimate(load(path)).peak_allocated  # microbatch 2, no checkpointing
-    code, out, err = cli("estimate", path, "--sweep", "microbatch=1,2,4", "gradient_checkpointing=on,off",
-                         "--device-memory", str(base))
+    code, out, err = cli(
+        "estimate", path, "--sweep", "microbatch=1,2,4", "gradient_checkpointing=on,off", "--device-memory", str(base)
+    )
     assert code == 0, err
     rows = [line.split() for line in out.splitlines()[2:8]]
-    assert [(r[0], r[1]) for r in rows] == [("1", "on"), ("1", "off"), ("2", "on"), ("2", "off"), ("4", "on"),
-                                            ("4", "off")]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("1", "on"),
+        ("1", "off"),
+        ("2", "on"),
+        ("2", "off"),
+        ("4", "on"),
+        ("4", "off"),
+    ]
     verdict = {(r[0], r[1]): r[-1] for r in rows}
     assert verdict[("2", "off")] == "yes"  # the ledger's own configuration, exactly at the device size
     line = next(x for x in out.splitlines() if x.startswith("largest configuration that fits"))
@@ -263,8 +289,17 @@ def test_checkpointing_and_microbatch_move_the_estimate_the_right_way() -> None:
     assert peak(microbatch=1).activations < off.activations  # microbatch 2 by default
 
 
-@pytest.mark.parametrize("spec", ["microbatch", "microbatch=0", "colour=1,2", "gradient_checkpointing=maybe",
-                                  "optimizer=adamw_torch,adamw_9bit", "attention_implementation=flash"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "microbatch",
+        "microbatch=0",
+        "colour=1,2",
+        "gradient_checkpointing=maybe",
+        "optimizer=adamw_torch,adamw_9bit",
+        "attention_implementation=flash",
+    ],
+)
 def test_bad_sweep_is_a_usage_error(tmp_path: Path, cli: CliRunner, spec: str) -> None:
     path = _copy(tmp_path, ledger_text())
     code, _, err = cli("estimate", path, "--sweep", spec)

@@ -14,14 +14,17 @@ from ledgerspec.derivations.tracker import MemoryTracker  # noqa: E402
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.mark.parametrize(("dtype", "head_dim", "mask", "grouped", "kernel", "repeat"), [
-    (BF16, 128, False, False, "flash", False),
-    (FP16, 128, False, True, "flash", False),       # enable_gqa: no repeat_kv
-    (BF16, 128, True, True, "efficient", True),      # a mask: transformers repeats k/v, flash is out
-    (FP32, 64, False, False, "efficient", False),    # flash has no fp32
-    (BF16, 320, False, False, "efficient", False),   # flash needs head dim <= 256
-    (FP32, 64, False, True, "math", False),          # GQA, fp32: neither fused kernel takes it
-])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "mask", "grouped", "kernel", "repeat"),
+    [
+        (BF16, 128, False, False, "flash", False),
+        (FP16, 128, False, True, "flash", False),  # enable_gqa: no repeat_kv
+        (BF16, 128, True, True, "efficient", True),  # a mask: transformers repeats k/v, flash is out
+        (FP32, 64, False, False, "efficient", False),  # flash has no fp32
+        (BF16, 320, False, False, "efficient", False),  # flash needs head dim <= 256
+        (FP32, 64, False, True, "math", False),  # GQA, fp32: neither fused kernel takes it
+    ],
+)
 def test_sdpa_kernel_choice(dtype: Any, head_dim: int, mask: bool, grouped: bool, kernel: str, repeat: bool) -> None:
     choice = am.choose_sdpa_kernel(dtype, head_dim, mask, grouped, 0.0)
     assert (choice.kernel, choice.repeat_kv) == (kernel, repeat)
@@ -64,10 +67,10 @@ def test_flash_backward_buffers(b: int, h: int, hk: int, s: int, d: int) -> None
         transient = tr.peak - base
     s_r = -(-s // 128) * 128
     d_r = -(-d // 32) * 32
-    grads = (b * h * s * d + 2 * b * hk * s * d) * 2            # dq, dk, dv in bf16
-    softmax_d = b * h * s_r * 4                                   # fp32
-    dq_accum = b * s_r * h * d_r * 4                              # fp32
-    expanded = 2 * b * s * h * d * 2 if hk != h else 0            # GQA dk/dv before the head sum
+    grads = (b * h * s * d + 2 * b * hk * s * d) * 2  # dq, dk, dv in bf16
+    softmax_d = b * h * s_r * 4  # fp32
+    dq_accum = b * s_r * h * d_r * 4  # fp32
+    expanded = 2 * b * s * h * d * 2 if hk != h else 0  # GQA dk/dv before the head sum
     assert transient == grads + softmax_d + dq_accum + expanded
 
 
@@ -79,8 +82,8 @@ def test_sdpa_with_mask_repeats_kv_and_uses_padded_logsumexp() -> None:
         before = tr.current
         _out, _ = am._sdpa_model(_Module(h // hk), q, k, v, mask)  # the output stays alive
         kept = tr.current - before
-    repeated = 2 * b * h * s * d * 2                 # repeat_kv materialises k and v with all heads
-    lse = b * h * 128 * 4                             # memory-efficient: padded to a multiple of 32 (100 -> 128)
+    repeated = 2 * b * h * s * d * 2  # repeat_kv materialises k and v with all heads
+    lse = b * h * 128 * 4  # memory-efficient: padded to a multiple of 32 (100 -> 128)
     bias = b * 1 * s * 104 * 2  # the bool mask as a bf16 additive bias, key dim padded to a multiple of 8, saved
     assert kept == repeated + b * s * h * d * 2 + lse + bias
 
@@ -105,8 +108,14 @@ def test_softcap_under_sdpa_is_refused() -> None:
 def _tiny_llama(impl: str) -> Any:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=2, vocab_size=128)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=128,
+    )
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=BF16)
 
 
@@ -129,6 +138,8 @@ def test_context_routes_attention_and_restores(impl: str, monkeypatch: pytest.Mo
 
 
 def test_unknown_implementation_is_refused() -> None:
-    with pytest.raises(am.UnsupportedAttention, match="flex_attention"), \
-            am.cuda_attention(_tiny_llama("sdpa"), "flex_attention"):
+    with (
+        pytest.raises(am.UnsupportedAttention, match="flex_attention"),
+        am.cuda_attention(_tiny_llama("sdpa"), "flex_attention"),
+    ):
         pass

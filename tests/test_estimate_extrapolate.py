@@ -13,8 +13,13 @@ from ledgerspec.derivations.extrapolate import extend, layer_period, plan, with_
 from tests.estimate_docs import ledger
 
 # Gemma2 soft-caps attention logits, which SDPA refuses: it trains with eager or FlashAttention-2
-CASES = [("tiny-llama-gqa", "sdpa"), ("tiny-qwen2", "sdpa"), ("tiny-mistral", "sdpa"), ("tiny-gemma2", "eager"),
-         ("tiny-gemma2", "flash_attention_2")]
+CASES = [
+    ("tiny-llama-gqa", "sdpa"),
+    ("tiny-qwen2", "sdpa"),
+    ("tiny-mistral", "sdpa"),
+    ("tiny-gemma2", "eager"),
+    ("tiny-gemma2", "flash_attention_2"),
+]
 
 
 @pytest.mark.slow

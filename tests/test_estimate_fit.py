@@ -11,19 +11,23 @@ from ledgerspec.errors import LedgerspecError
 
 GiB = 2**30
 # a typical step: load 14 GiB, adapters and optimizer tiny, forward 18, backward 21, optimizer step 15, steady 21.5
-STEP = dict(zip(PHASES, [14 * GiB, 14 * GiB + 1, 14 * GiB + 2, 18 * GiB, 21 * GiB, 15 * GiB, 21 * GiB + GiB // 2],
-                strict=True))
+STEP = dict(
+    zip(PHASES, [14 * GiB, 14 * GiB + 1, 14 * GiB + 2, 18 * GiB, 21 * GiB, 15 * GiB, 21 * GiB + GiB // 2], strict=True)
+)
 
 
-@pytest.mark.parametrize(("device", "fits", "phase"), [
-    (24 * GiB, True, None),
-    (21 * GiB + GiB // 2, True, None),             # exactly the peak fits
-    (21 * GiB + GiB // 4, False, "later_iteration"),  # only the steady-state step goes over
-    (20 * GiB, False, "backward"),
-    (16 * GiB, False, "forward"),
-    (14 * GiB + 1, False, "optimizer_init"),
-    (13 * GiB, False, "load"),
-])
+@pytest.mark.parametrize(
+    ("device", "fits", "phase"),
+    [
+        (24 * GiB, True, None),
+        (21 * GiB + GiB // 2, True, None),  # exactly the peak fits
+        (21 * GiB + GiB // 4, False, "later_iteration"),  # only the steady-state step goes over
+        (20 * GiB, False, "backward"),
+        (16 * GiB, False, "forward"),
+        (14 * GiB + 1, False, "optimizer_init"),
+        (13 * GiB, False, "load"),
+    ],
+)
 def test_first_phase_over_the_device(device: int, fits: bool, phase: str | None) -> None:
     v = fit(STEP, device)
     assert (v.fits, v.oom_phase) == (fits, phase)
@@ -61,10 +65,12 @@ def test_axes_grid_and_apply() -> None:
 
 
 def test_largest_fitting_prefers_tokens_then_no_checkpointing() -> None:
-    rows = [({"microbatch": 1, "gradient_checkpointing": True}, 10),
-            ({"microbatch": 1, "gradient_checkpointing": False}, 14),
-            ({"microbatch": 2, "gradient_checkpointing": True}, 13),
-            ({"microbatch": 2, "gradient_checkpointing": False}, 20)]
+    rows = [
+        ({"microbatch": 1, "gradient_checkpointing": True}, 10),
+        ({"microbatch": 1, "gradient_checkpointing": False}, 14),
+        ({"microbatch": 2, "gradient_checkpointing": True}, 13),
+        ({"microbatch": 2, "gradient_checkpointing": False}, 20),
+    ]
     assert sweep.largest_fitting(rows, DOC, 16) == rows[2]
     assert sweep.largest_fitting(rows, DOC, 9) is None
     assert sweep.largest_fitting(rows, DOC, 20) == rows[3]

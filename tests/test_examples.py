@@ -50,8 +50,9 @@ def test_complete_intakes_are_complete_and_clean(name: str) -> None:
     report = report_of(name)
     assert report.intake_complete is True
     assert [f for f in report.findings if f.severity in ("error", "warning")] == []
-    assert report.reasons == ["an intake holds no ledger figures: `ledgerspec resolve FILE -o LEDGER` turns it into "
-                              "a ledger"]
+    assert report.reasons == [
+        "an intake holds no ledger figures: `ledgerspec resolve FILE -o LEDGER` turns it into a ledger"
+    ]
 
 
 def test_intake_config_path_points_at_the_bundled_config() -> None:
@@ -95,9 +96,11 @@ def test_the_naive_article_is_rejected_with_ls020_and_explained() -> None:
     assert ("LS021", "/optimizer/optimized_parameters") in warnings
     assert ("LS011", "/workload/max_length") in warnings
     ls020 = next(f for f in report.findings if f.rule == "LS020")
-    assert ls020.message == ("gradients.parameters 7,000,000,000 exceeds method.trainable_parameters 8,388,608 "
-                             "(that is every model parameter: the frozen base was counted); the frozen base has no "
-                             "gradients in LoRA")
+    assert ls020.message == (
+        "gradients.parameters 7,000,000,000 exceeds method.trainable_parameters 8,388,608 "
+        "(that is every model parameter: the frozen base was counted); the frozen base has no "
+        "gradients in LoRA"
+    )
     text = (EXAMPLES / "naive-article-audit.ledger.yaml").read_text(encoding="utf-8")
     line = text.splitlines()[ls020.line - 1]
     assert line.strip().startswith("parameters:")
@@ -128,8 +131,13 @@ def test_calculated_ledger_figures_match_the_instantiated_model() -> None:
     frozen_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
     total = sum(p.numel() for p in model.parameters())
     method = doc.plain["method"]
-    lora = peft.LoraConfig(r=method["rank"], lora_alpha=method["alpha"], lora_dropout=method["dropout"],
-                           target_modules=method["target_modules"], bias=method["bias"])
+    lora = peft.LoraConfig(
+        r=method["rank"],
+        lora_alpha=method["alpha"],
+        lora_dropout=method["dropout"],
+        target_modules=method["target_modules"],
+        bias=method["bias"],
+    )
     model = peft.get_peft_model(model, lora)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert {str(p.dtype) for p in trainable} == {"torch.float32"}
@@ -137,18 +145,23 @@ def test_calculated_ledger_figures_match_the_instantiated_model() -> None:
         p.grad = torch.zeros_like(p)
     optimizer = torch.optim.AdamW(trainable)
     optimizer.step()
-    device_state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                       if torch.is_tensor(v) and v.device.type == "meta")
+    device_state = sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.device.type == "meta"
+    )
 
     assert _value(doc, "identity", "total_parameters") == total
     assert _value(doc, "method", "trainable_parameters") == sum(p.numel() for p in trainable)
     assert _value(doc, "gradients", "parameters") == sum(p.grad.numel() for p in trainable)
     assert _value(doc, "optimizer", "optimized_parameters") == sum(
-        p.numel() for g in optimizer.param_groups for p in g["params"])
+        p.numel() for g in optimizer.param_groups for p in g["params"]
+    )
     assert _value(doc, "ledger", "frozen_base") == frozen_bytes
     assert _value(doc, "ledger", "adapter") == sum(p.numel() * p.element_size() for p in trainable)
     assert _value(doc, "ledger", "gradients") == sum(p.grad.numel() * p.grad.element_size() for p in trainable)
     assert _value(doc, "ledger", "optimizer") == device_state
     assert _value(doc, "ledger", "calculated_subtotal") == sum(
-        _value(doc, "ledger", k) for k in ("frozen_base", "adapter", "gradients", "optimizer"))
-
+        _value(doc, "ledger", k) for k in ("frozen_base", "adapter", "gradients", "optimizer")
+    )

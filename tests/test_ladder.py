@@ -38,22 +38,33 @@ def intake_sections() -> dict[str, Any]:
     return {
         "identity": {"model_id": "meta-llama/Llama-2-7b-hf", "revision": "01c7f73d771dfac7d292323805ebc428287df4f9"},
         "software": {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2", "cuda": "12.8"},
-        "method": {"kind": "LoRA", "rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"],
-                   "trainable_parameters": calc(8388608)},
+        "method": {
+            "kind": "LoRA",
+            "rank": 16,
+            "alpha": 32,
+            "target_modules": ["q_proj", "v_proj"],
+            "trainable_parameters": calc(8388608),
+        },
         "base_model": {"loaded_dtype": "bfloat16"},
         "adapter": {"dtype": "float32"},
-        "workload": {"max_length": 2048, "sequence_p50": 612, "sequence_p95": 1730, "packing": False,
-                     "microbatch": 1},
+        "workload": {"max_length": 2048, "sequence_p50": 612, "sequence_p95": 1730, "packing": False, "microbatch": 1},
         "optimizer": {"name": "adamw_torch"},
         "memory_options": {"gradient_checkpointing": True},
     }
 
 
 def calculated() -> dict[str, Any]:
-    return {"ledgerspec": "ledger/v1", **intake_sections(),
-            "gradients": {"parameters": calc(8388608), "dtype": "float32"},
-            "ledger": {"frozen_base": calc(13476831744), "adapter": calc(33554432),
-                       "gradients": calc(33554432), "optimizer": calc(67108864)}}
+    return {
+        "ledgerspec": "ledger/v1",
+        **intake_sections(),
+        "gradients": {"parameters": calc(8388608), "dtype": "float32"},
+        "ledger": {
+            "frozen_base": calc(13476831744),
+            "adapter": calc(33554432),
+            "gradients": calc(33554432),
+            "optimizer": calc(67108864),
+        },
+    }
 
 
 def candidate() -> dict[str, Any]:
@@ -68,13 +79,28 @@ def validated() -> dict[str, Any]:
     d = candidate()
     d["ledger"]["activations"] = measured(2 * GiB)
     d["ledger"]["temporary"] = measured(GiB // 2)
-    d["phases"] = {k: measured(v * GiB) for k, v in (
-        ("after_load", 13), ("after_adapter_injection", 13), ("after_optimizer_init", 13), ("forward_peak", 14),
-        ("backward_peak", 15), ("optimizer_step_peak", 15), ("steady_state_peak", 15))}
-    d["metrics"] = {"peak_allocated": measured("15GiB"), "peak_reserved": measured("16GiB"),
-                    "device_peak": measured("16.5GiB")}
-    d["comparison"] = {"calculated_subtotal": calc(13611049472), "measured_peak": measured("15GiB"),
-                       "known_explanation": "activations of one microbatch and the cuBLAS workspace"}
+    d["phases"] = {
+        k: measured(v * GiB)
+        for k, v in (
+            ("after_load", 13),
+            ("after_adapter_injection", 13),
+            ("after_optimizer_init", 13),
+            ("forward_peak", 14),
+            ("backward_peak", 15),
+            ("optimizer_step_peak", 15),
+            ("steady_state_peak", 15),
+        )
+    }
+    d["metrics"] = {
+        "peak_allocated": measured("15GiB"),
+        "peak_reserved": measured("16GiB"),
+        "device_peak": measured("16.5GiB"),
+    }
+    d["comparison"] = {
+        "calculated_subtotal": calc(13611049472),
+        "measured_peak": measured("15GiB"),
+        "known_explanation": "activations of one microbatch and the cuBLAS workspace",
+    }
     d["measurement"] = {"device": "cuda", "device_name": "NVIDIA GeForce RTX 4090", "steps": 3}
     d["result"]["oom"] = False
     return d
@@ -103,12 +129,17 @@ DELETE = object()
 
 # -- each rung is reached ------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("build", "expected"), [
-    (lambda: {"ledgerspec": "ledger/v1"}, "INSUFFICIENT DATA"),
-    (calculated, "CALCULATED"),
-    (candidate, "CANDIDATE"),
-    (validated, "VALIDATED"),
-], ids=["empty", "calculated", "candidate", "validated"])
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (lambda: {"ledgerspec": "ledger/v1"}, "INSUFFICIENT DATA"),
+        (calculated, "CALCULATED"),
+        (candidate, "CANDIDATE"),
+        (validated, "VALIDATED"),
+    ],
+    ids=["empty", "calculated", "candidate", "validated"],
+)
 def test_each_rung_is_reached(build: Callable[[], dict[str, Any]], expected: str) -> None:
     status, reasons = status_of(build())
     assert status == expected
@@ -127,16 +158,28 @@ def test_validated_document_is_clean() -> None:
 
 # -- the minimum intake, one field at a time -------------------------------------------------------
 
-MINIMUM = [("identity", "model_id"), ("method", "kind"), ("method", "rank"), ("base_model", "loaded_dtype"),
-           ("adapter", "dtype"), ("workload", "microbatch"), ("optimizer", "name"),
-           ("memory_options", "gradient_checkpointing")]
-EITHER = [(("identity", "revision"), ("identity", "config_sha256")),
-          (("method", "target_modules"), ("method", "target_parameters")),
-          (("workload", "max_length"), ("workload", "sequence_p95"))]
+MINIMUM = [
+    ("identity", "model_id"),
+    ("method", "kind"),
+    ("method", "rank"),
+    ("base_model", "loaded_dtype"),
+    ("adapter", "dtype"),
+    ("workload", "microbatch"),
+    ("optimizer", "name"),
+    ("memory_options", "gradient_checkpointing"),
+]
+EITHER = [
+    (("identity", "revision"), ("identity", "config_sha256")),
+    (("method", "target_modules"), ("method", "target_parameters")),
+    (("workload", "max_length"), ("workload", "sequence_p95")),
+]
 
 
-@pytest.mark.parametrize("how", [DELETE, "UNKNOWN", "CONFIGURATION-SPECIFIC", {"source": "UNKNOWN"}],
-                         ids=["missing", "UNKNOWN", "CONFIGURATION-SPECIFIC", "long-UNKNOWN"])
+@pytest.mark.parametrize(
+    "how",
+    [DELETE, "UNKNOWN", "CONFIGURATION-SPECIFIC", {"source": "UNKNOWN"}],
+    ids=["missing", "UNKNOWN", "CONFIGURATION-SPECIFIC", "long-UNKNOWN"],
+)
 @pytest.mark.parametrize("path", MINIMUM, ids=".".join)
 def test_each_minimum_intake_field_holds_even_a_measured_ledger_down(path: tuple[str, ...], how: Any) -> None:
     status, reasons = status_of(with_change(validated, path, how))
@@ -157,24 +200,41 @@ def test_either_field_of_a_pair_is_enough(pair: tuple[tuple[str, ...], tuple[str
 
 
 def _sample(path: tuple[str, ...]) -> Any:
-    return {"config_sha256": "1b0c4ab7dc332885c8c62deeb46abc4c085feecd922a6ea861a65e3d2c3145b8",
-            "target_parameters": ["mlp.experts.gate_up_proj"], "sequence_p95": 1730}[path[-1]]
+    return {
+        "config_sha256": "1b0c4ab7dc332885c8c62deeb46abc4c085feecd922a6ea861a65e3d2c3145b8",
+        "target_parameters": ["mlp.experts.gate_up_proj"],
+        "sequence_p95": 1730,
+    }[path[-1]]
 
 
 def test_the_articles_14b_qlora_request_is_insufficient_data() -> None:
     res = supported_status(load(EXAMPLES / "14b-qlora.intake.yaml"))
     assert res.status == "INSUFFICIENT DATA"
-    for field in ("identity.model_id", "identity.revision", "method.rank", "method.target_modules",
-                  "base_model.quantization.type", "base_model.quantization.double_quant",
-                  "base_model.quantization.compute_dtype", "base_model.quantization.storage_dtype",
-                  "adapter.dtype", "workload.microbatch", "optimizer.name", "memory_options.gradient_checkpointing"):
+    for field in (
+        "identity.model_id",
+        "identity.revision",
+        "method.rank",
+        "method.target_modules",
+        "base_model.quantization.type",
+        "base_model.quantization.double_quant",
+        "base_model.quantization.compute_dtype",
+        "base_model.quantization.storage_dtype",
+        "adapter.dtype",
+        "workload.microbatch",
+        "optimizer.name",
+        "memory_options.gradient_checkpointing",
+    ):
         assert any(field in r for r in res.reasons), f"{field} not among the reasons: {res.reasons}"
 
 
 def test_model_and_method_alone_are_insufficient_data() -> None:
-    status, reasons = status_of({"ledgerspec": "intake/v1", "method": {"kind": "QLoRA"},
-                                 "identity": {"total_parameters": {"value": 14_000_000_000, "source": "ASSUMPTION",
-                                                                   "note": "14B"}}})
+    status, reasons = status_of(
+        {
+            "ledgerspec": "intake/v1",
+            "method": {"kind": "QLoRA"},
+            "identity": {"total_parameters": {"value": 14_000_000_000, "source": "ASSUMPTION", "note": "14B"}},
+        }
+    )
     assert status == "INSUFFICIENT DATA"
     assert len(reasons) >= 12
 
@@ -218,18 +278,22 @@ def test_lora_needs_no_quantization_fields() -> None:
 
 # -- 8-bit and paged optimizers --------------------------------------------------------------------
 
-@pytest.mark.parametrize(("name", "bits", "expected"), [
-    ("adamw_torch", None, "CALCULATED"),
-    ("adamw_8bit", None, "CALCULATED"),  # bits follow from the name
-    ("paged_adamw_8bit", None, "CALCULATED"),
-    ("paged_adamw_32bit", None, "CALCULATED"),
-    ("paged_adamw", None, "CALCULATED"),  # transformers' name for bitsandbytes' 32-bit PagedAdamW
-    ("paged_adam_9bit", None, "INSUFFICIENT DATA"),  # paged, but 8 or 32 bits?
-    ("paged_adam_9bit", 8, "CALCULATED"),
-    ("rmsprop_bnb", None, "INSUFFICIENT DATA"),
-    ("rmsprop_bnb", 32, "CALCULATED"),
-    ("paged_adam_9bit", "UNKNOWN", "INSUFFICIENT DATA"),
-])
+
+@pytest.mark.parametrize(
+    ("name", "bits", "expected"),
+    [
+        ("adamw_torch", None, "CALCULATED"),
+        ("adamw_8bit", None, "CALCULATED"),  # bits follow from the name
+        ("paged_adamw_8bit", None, "CALCULATED"),
+        ("paged_adamw_32bit", None, "CALCULATED"),
+        ("paged_adamw", None, "CALCULATED"),  # transformers' name for bitsandbytes' 32-bit PagedAdamW
+        ("paged_adam_9bit", None, "INSUFFICIENT DATA"),  # paged, but 8 or 32 bits?
+        ("paged_adam_9bit", 8, "CALCULATED"),
+        ("rmsprop_bnb", None, "INSUFFICIENT DATA"),
+        ("rmsprop_bnb", 32, "CALCULATED"),
+        ("paged_adam_9bit", "UNKNOWN", "INSUFFICIENT DATA"),
+    ],
+)
 def test_optimizer_bits_follow_from_the_name_or_are_given(name: str, bits: Any, expected: str) -> None:
     opt: dict[str, Any] = {"name": name}
     if bits is not None:
@@ -251,10 +315,13 @@ def test_bitsandbytes_optimizer_needs_the_bitsandbytes_version_to_validate(name:
 
 # -- CALCULATED needs exact resident components ----------------------------------------------------
 
+
 @pytest.mark.parametrize("key", ["frozen_base", "adapter", "gradients", "optimizer"])
-@pytest.mark.parametrize("value", [DELETE, "UNKNOWN", 33554432, {"value": 33554432, "source": "ASSUMPTION",
-                                                                   "note": "a guess"}],
-                         ids=["missing", "UNKNOWN", "bare-number", "ASSUMPTION"])
+@pytest.mark.parametrize(
+    "value",
+    [DELETE, "UNKNOWN", 33554432, {"value": 33554432, "source": "ASSUMPTION", "note": "a guess"}],
+    ids=["missing", "UNKNOWN", "bare-number", "ASSUMPTION"],
+)
 def test_each_resident_component_must_be_exact_for_calculated(key: str, value: Any) -> None:
     status, reasons = status_of(with_change(calculated, ("ledger", key), value))
     assert status == "INSUFFICIENT DATA"
@@ -275,16 +342,20 @@ def test_an_intake_stops_below_calculated_and_says_how_to_go_on() -> None:
 
 # -- CANDIDATE -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("path", "value", "reason"), [
-    (("result", "target_device", "memory"), DELETE, "result.target_device.memory"),
-    (("ledger", "activations"), DELETE, "activation figure"),
-    (("ledger", "activations"), {"value": "2GiB", "source": "ASSUMPTION", "note": "guess"}, "activation figure"),
-    (("result", "target_device", "memory"), "12GiB", "does not fit"),
-    (("result", "fits"), False, "result.fits"),
-    (("result", "oom"), True, "result.oom is true"),
-    (("x-estimate",), DELETE, "a sum of ledger components is not a peak"),
-    (("x-estimate", "target"), "cpu", "x-estimate models the CPU's kernels"),
-])
+
+@pytest.mark.parametrize(
+    ("path", "value", "reason"),
+    [
+        (("result", "target_device", "memory"), DELETE, "result.target_device.memory"),
+        (("ledger", "activations"), DELETE, "activation figure"),
+        (("ledger", "activations"), {"value": "2GiB", "source": "ASSUMPTION", "note": "guess"}, "activation figure"),
+        (("result", "target_device", "memory"), "12GiB", "does not fit"),
+        (("result", "fits"), False, "result.fits"),
+        (("result", "oom"), True, "result.oom is true"),
+        (("x-estimate",), DELETE, "a sum of ledger components is not a peak"),
+        (("x-estimate", "target"), "cpu", "x-estimate models the CPU's kernels"),
+    ],
+)
 def test_what_holds_a_ledger_below_candidate(path: tuple[str, ...], value: Any, reason: str) -> None:
     status, reasons = status_of(with_change(candidate, path, value))
     assert status == "CALCULATED"
@@ -301,14 +372,17 @@ def test_a_measured_pilot_peak_fits_decision_uses_the_measurement() -> None:
     assert status == "CALCULATED" and any("metrics.device_peak" in r for r in reasons), reasons
 
 
-@pytest.mark.parametrize(("target", "fits"), [
-    ("24GiB", True),    # 25,769,803,776 B >= 23.5 GiB
-    ("24GB", False),    # 24,000,000,000 B <  23.5 GiB = 25,232,932,864 B
-    ("25232932864", True),  # exactly the peak: fits
-    ("25232932863B", False),
-    ("25.3GB", True),
-    ("25.2GB", False),
-])
+@pytest.mark.parametrize(
+    ("target", "fits"),
+    [
+        ("24GiB", True),  # 25,769,803,776 B >= 23.5 GiB
+        ("24GB", False),  # 24,000,000,000 B <  23.5 GiB = 25,232,932,864 B
+        ("25232932864", True),  # exactly the peak: fits
+        ("25232932863B", False),
+        ("25.3GB", True),
+        ("25.2GB", False),
+    ],
+)
 def test_decimal_and_binary_units_in_the_fit_decision(target: str, fits: bool) -> None:
     d = candidate()
     d["metrics"] = {"device_peak": measured("23.5GiB")}
@@ -326,8 +400,9 @@ def test_the_predicted_peak_decides_the_fit() -> None:
     assert status_of(d)[0] == "CALCULATED"
 
 
-@pytest.mark.parametrize("temporary", [None, {"value": "1GiB", "source": "ASSUMPTION", "note": "overhead"},
-                                       calc(GiB, "my own formula")])
+@pytest.mark.parametrize(
+    "temporary", [None, {"value": "1GiB", "source": "ASSUMPTION", "note": "overhead"}, calc(GiB, "my own formula")]
+)
 def test_a_sum_of_components_is_never_a_peak(temporary: Any) -> None:
     """Spec: the subtotal is not the peak; components + an assumed overhead is the shortcut the method refuses."""
     d = with_change(candidate, ("x-estimate",), DELETE)
@@ -358,26 +433,37 @@ def test_assumption_in_an_intake_field_does_not_lower_calculated() -> None:
 
 # -- VALIDATED -----------------------------------------------------------------------------------
 
-PHASE_KEYS = ["after_load", "after_adapter_injection", "after_optimizer_init", "forward_peak", "backward_peak",
-              "optimizer_step_peak", "steady_state_peak"]
+PHASE_KEYS = [
+    "after_load",
+    "after_adapter_injection",
+    "after_optimizer_init",
+    "forward_peak",
+    "backward_peak",
+    "optimizer_step_peak",
+    "steady_state_peak",
+]
 
 
-@pytest.mark.parametrize(("path", "value", "reason"), [
-    *[(("phases", k), DELETE, f"phases.{k}") for k in PHASE_KEYS],
-    *[(("phases", k), calc(14 * GiB), f"phases.{k}") for k in ("forward_peak", "steady_state_peak")],
-    *[(("metrics", k), DELETE, f"metrics.{k}") for k in ("peak_allocated", "peak_reserved", "device_peak")],
-    (("result", "oom"), DELETE, "result.oom"),
-    (("measurement", "steps"), 1, "measurement.steps"),
-    (("measurement", "steps"), DELETE, "measurement.steps"),
-    *[(("software", k), DELETE, f"software.{k}") for k in ("torch", "transformers", "peft")],
-    (("software", "cuda"), DELETE, "software.cuda or software.rocm"),
-    (("comparison",), DELETE, "comparison"),
-    (("comparison", "known_explanation"), DELETE, "known_explanation"),
-    (("software", "trl"), "UNKNOWN", "software.trl"),
-    (("workload", "packing"), "CONFIGURATION-SPECIFIC", "workload.packing"),
-    (("measurement", "device"), "cpu", "cpu"),
-    (("measurement", "device"), DELETE, "measurement.device"),
-], ids=lambda x: x if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    ("path", "value", "reason"),
+    [
+        *[(("phases", k), DELETE, f"phases.{k}") for k in PHASE_KEYS],
+        *[(("phases", k), calc(14 * GiB), f"phases.{k}") for k in ("forward_peak", "steady_state_peak")],
+        *[(("metrics", k), DELETE, f"metrics.{k}") for k in ("peak_allocated", "peak_reserved", "device_peak")],
+        (("result", "oom"), DELETE, "result.oom"),
+        (("measurement", "steps"), 1, "measurement.steps"),
+        (("measurement", "steps"), DELETE, "measurement.steps"),
+        *[(("software", k), DELETE, f"software.{k}") for k in ("torch", "transformers", "peft")],
+        (("software", "cuda"), DELETE, "software.cuda or software.rocm"),
+        (("comparison",), DELETE, "comparison"),
+        (("comparison", "known_explanation"), DELETE, "known_explanation"),
+        (("software", "trl"), "UNKNOWN", "software.trl"),
+        (("workload", "packing"), "CONFIGURATION-SPECIFIC", "workload.packing"),
+        (("measurement", "device"), "cpu", "cpu"),
+        (("measurement", "device"), DELETE, "measurement.device"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
 def test_what_holds_a_measured_ledger_below_validated(path: tuple[str, ...], value: Any, reason: str) -> None:
     status, reasons = status_of(with_change(validated, path, value))
     assert status == "CANDIDATE"
@@ -410,25 +496,34 @@ def test_qlora_needs_the_bitsandbytes_version_to_validate() -> None:
 
 # -- several GPUs: memory is per rank ------------------------------------------------------------
 
+
 def multi_gpu(per_rank: Any) -> dict[str, Any]:
     d = validated()
-    d["parallelism"] = {"gpu_count": 2, "strategy": "ddp", "parameter_placement": "replicated",
-                        "gradient_placement": "replicated", "optimizer_placement": "replicated"}
+    d["parallelism"] = {
+        "gpu_count": 2,
+        "strategy": "ddp",
+        "parameter_placement": "replicated",
+        "gradient_placement": "replicated",
+        "optimizer_placement": "replicated",
+    }
     if per_rank is not DELETE:
         d["parallelism"]["per_rank_peak"] = per_rank
     return d
 
 
-@pytest.mark.parametrize(("per_rank", "expected"), [
-    ([measured("15GiB"), measured("15.5GiB")], "VALIDATED"),
-    (DELETE, "CANDIDATE"),
-    ([measured("15GiB")], "CANDIDATE"),  # one figure for two ranks
-    ([measured("15GiB"), calc(15 * GiB)], "CANDIDATE"),  # one rank not measured
-    ([measured("15GiB"), "UNKNOWN"], "CANDIDATE"),
-    (measured("30.5GiB"), "CANDIDATE"),  # a single total summed across GPUs
-    ([measured("15GiB"), {"value": "15GiB", "source": "ASSUMPTION", "note": "same as rank 0"}], "CANDIDATE"),
-], ids=["one-measured-per-rank", "missing", "too-few", "one-calculated", "one-unknown", "summed-total",
-        "one-assumed"])
+@pytest.mark.parametrize(
+    ("per_rank", "expected"),
+    [
+        ([measured("15GiB"), measured("15.5GiB")], "VALIDATED"),
+        (DELETE, "CANDIDATE"),
+        ([measured("15GiB")], "CANDIDATE"),  # one figure for two ranks
+        ([measured("15GiB"), calc(15 * GiB)], "CANDIDATE"),  # one rank not measured
+        ([measured("15GiB"), "UNKNOWN"], "CANDIDATE"),
+        (measured("30.5GiB"), "CANDIDATE"),  # a single total summed across GPUs
+        ([measured("15GiB"), {"value": "15GiB", "source": "ASSUMPTION", "note": "same as rank 0"}], "CANDIDATE"),
+    ],
+    ids=["one-measured-per-rank", "missing", "too-few", "one-calculated", "one-unknown", "summed-total", "one-assumed"],
+)
 def test_several_gpus_need_one_measured_peak_per_rank(per_rank: Any, expected: str) -> None:
     status, reasons = status_of(multi_gpu(per_rank))
     assert status == expected
@@ -438,13 +533,17 @@ def test_several_gpus_need_one_measured_peak_per_rank(per_rank: Any, expected: s
 
 # -- activation offload --------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("metrics", "expected"), [
-    ({}, "CANDIDATE"),
-    ({"host_peak": measured("30GiB")}, "CANDIDATE"),
-    ({"step_time_s": measured(4.2)}, "CANDIDATE"),
-    ({"host_peak": calc(30 * GiB), "step_time_s": measured(4.2)}, "CANDIDATE"),
-    ({"host_peak": measured("30GiB"), "step_time_s": measured(4.2)}, "VALIDATED"),
-])
+
+@pytest.mark.parametrize(
+    ("metrics", "expected"),
+    [
+        ({}, "CANDIDATE"),
+        ({"host_peak": measured("30GiB")}, "CANDIDATE"),
+        ({"step_time_s": measured(4.2)}, "CANDIDATE"),
+        ({"host_peak": calc(30 * GiB), "step_time_s": measured(4.2)}, "CANDIDATE"),
+        ({"host_peak": measured("30GiB"), "step_time_s": measured(4.2)}, "VALIDATED"),
+    ],
+)
 def test_activation_offload_needs_host_peak_and_step_time(metrics: dict[str, Any], expected: str) -> None:
     d = validated()
     d["memory_options"].update({"activation_offload": "ON", "offload_mode": "async, pinned"})
@@ -463,30 +562,38 @@ def test_offload_off_needs_neither() -> None:
 
 # -- the examples --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("name", "expected"), [
-    ("14b-qlora.intake.yaml", "INSUFFICIENT DATA"),
-    ("llama-2-7b-lora.intake.yaml", "INSUFFICIENT DATA"),
-    ("llama-2-7b-qlora.intake.yaml", "INSUFFICIENT DATA"),
-    ("llama-2-7b-lora.ledger.yaml", "CALCULATED"),
-    ("downgraded.ledger.yaml", "CANDIDATE"),
-    ("naive-article-audit.ledger.yaml", "INSUFFICIENT DATA"),
-])
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("14b-qlora.intake.yaml", "INSUFFICIENT DATA"),
+        ("llama-2-7b-lora.intake.yaml", "INSUFFICIENT DATA"),
+        ("llama-2-7b-qlora.intake.yaml", "INSUFFICIENT DATA"),
+        ("llama-2-7b-lora.ledger.yaml", "CALCULATED"),
+        ("downgraded.ledger.yaml", "CANDIDATE"),
+        ("naive-article-audit.ledger.yaml", "INSUFFICIENT DATA"),
+    ],
+)
 def test_example_supported_status(name: str, expected: str) -> None:
     assert supported_status(load(EXAMPLES / name)).status == expected
 
 
 # -- the optimizer name: bits and paged must follow from it or be given ----------------------------
 
-@pytest.mark.parametrize(("optimizer", "gap"), [
-    ({"name": "adamw_torch"}, None),
-    ({"name": "paged_adamw_8bit"}, None),
-    ({"name": "Lion_8bit"}, None),  # names are case-insensitive
-    ({"name": "adamw_9bit"}, "did you mean 'adamw_8bit'?"),
-    ({"name": "adamw_9bit", "bits": 8}, None),
-    ({"name": "galore_adamw"}, "optimizer.bits does not follow from it"),
-    ({"name": "galore_adamw", "bits": 32}, None),
-    ({"name": "adamw_apex_8bit"}, None),  # 8 bits follow from the name
-])
+
+@pytest.mark.parametrize(
+    ("optimizer", "gap"),
+    [
+        ({"name": "adamw_torch"}, None),
+        ({"name": "paged_adamw_8bit"}, None),
+        ({"name": "Lion_8bit"}, None),  # names are case-insensitive
+        ({"name": "adamw_9bit"}, "did you mean 'adamw_8bit'?"),
+        ({"name": "adamw_9bit", "bits": 8}, None),
+        ({"name": "galore_adamw"}, "optimizer.bits does not follow from it"),
+        ({"name": "galore_adamw", "bits": 32}, None),
+        ({"name": "adamw_apex_8bit"}, None),  # 8 bits follow from the name
+    ],
+)
 def test_an_unknown_optimizer_name_needs_its_bits(optimizer: dict[str, Any], gap: str | None) -> None:
     status, reasons = status_of(with_change(calculated, ("optimizer",), optimizer))
     if gap is None:

@@ -47,8 +47,13 @@ def resolved(tmp_path: Path) -> Path:
     resolve(doc, offline=True)
     set_plain(doc, ("status",), "VALIDATED", force=True)  # declared too high: measure must lower it
     set_plain(doc, ("result", "target_device", "memory"), "1 GiB")
-    set_figure(doc, ("ledger", "activations"), 1_000_000, "CALCULATED",
-               method="test fixture: stands in for `ledgerspec estimate`")
+    set_figure(
+        doc,
+        ("ledger", "activations"),
+        1_000_000,
+        "CALCULATED",
+        method="test fixture: stands in for `ledgerspec estimate`",
+    )
     _write(doc, path)
     return path
 
@@ -68,9 +73,18 @@ def test_cpu_measurement_fills_the_measured_sections_and_never_validates(cli: Cl
     code, _, err = cli("measure", str(resolved), "--steps", "3")
     assert code == 0, err
     doc = load(resolved)
-    phases = {k: doc.get("phases", k) for k in ("after_load", "after_adapter_injection", "after_optimizer_init",
-                                               "forward_peak", "backward_peak", "optimizer_step_peak",
-                                               "steady_state_peak")}
+    phases = {
+        k: doc.get("phases", k)
+        for k in (
+            "after_load",
+            "after_adapter_injection",
+            "after_optimizer_init",
+            "forward_peak",
+            "backward_peak",
+            "optimizer_step_peak",
+            "steady_state_peak",
+        )
+    }
     assert all(v.source == "MEASURED" and (v.size() or 0) > 0 for v in phases.values())
     peak = doc.get("metrics", "peak_allocated")
     assert peak.source == "MEASURED" and peak.size() == max(v.size() or 0 for v in phases.values())
@@ -145,8 +159,12 @@ def test_a_failure_in_the_child_leaves_the_ledger_untouched(cli: CliRunner, tmp_
 def test_ctrl_c_leaves_the_ledger_untouched(tmp_path: Path) -> None:
     path = _copy_fixture(tmp_path)
     before = path.read_bytes()
-    proc = subprocess.Popen([sys.executable, "-m", "ledgerspec", "measure", str(path), "--steps", "50"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ledgerspec", "measure", str(path), "--steps", "50"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(2.0)  # the child is importing torch or measuring
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -156,11 +174,14 @@ def test_ctrl_c_leaves_the_ledger_untouched(tmp_path: Path) -> None:
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["--steps", "1"], "--steps must be >= 2"),
-    (["--memory-limit", "12 XB"], "--memory-limit"),
-    (["--device", "cuda", "--memory-limit", "1MiB"], "cpu backend only"),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--steps", "1"], "--steps must be >= 2"),
+        (["--memory-limit", "12 XB"], "--memory-limit"),
+        (["--device", "cuda", "--memory-limit", "1MiB"], "cpu backend only"),
+    ],
+)
 def test_usage_errors_are_one_line(cli: CliRunner, tmp_path: Path, args: list[str], needle: str) -> None:
     path = _copy_fixture(tmp_path)
     before = path.read_bytes()
@@ -187,8 +208,9 @@ def test_cuda_without_a_gpu_is_a_clear_error(cli: CliRunner, tmp_path: Path) -> 
 # -- triage ---------------------------------------------------------------------------------------------------------
 
 
-def test_triage_fills_the_worksheet_and_the_sensitivity_matrix(cli: CliRunner, resolved: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triage_fills_the_worksheet_and_the_sensitivity_matrix(
+    cli: CliRunner, resolved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each controlled measurement runs in-process here (the child boundary is tested above) to stay fast."""
     from ledgerspec.derivations import measure as m
     from ledgerspec.derivations import triage as t
@@ -204,8 +226,7 @@ def test_triage_fills_the_worksheet_and_the_sensitivity_matrix(cli: CliRunner, r
     assert got.get("triage", "phase").value in ("forward", "loss", "backward")
     tests = {k: got.get("triage", "controlled_tests", k).value for k in t.TESTS}
     assert set(tests.values()) <= {"PASS", "FAIL"} and None not in tests.values()
-    for key in ("base_residency", "activations", "gradients", "optimizer", "temporary_runtime", "allocator",
-                "unknown"):
+    for key in ("base_residency", "activations", "gradients", "optimizer", "temporary_runtime", "allocator", "unknown"):
         assert got.get("triage", "hypothesis", key).text(), key
     matrix = got.get("x-sensitivity").value
     assert matrix["baseline"]["oom"] is True
@@ -220,8 +241,9 @@ def test_triage_fills_the_worksheet_and_the_sensitivity_matrix(cli: CliRunner, r
     assert not got.get("phases").present
 
 
-def test_triage_without_an_oom_writes_only_the_sensitivity_matrix(cli: CliRunner, resolved: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triage_without_an_oom_writes_only_the_sensitivity_matrix(
+    cli: CliRunner, resolved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ledgerspec.derivations import measure as m
     from ledgerspec.derivations import triage as t
 
@@ -253,7 +275,8 @@ def test_gpu_check_fails_clearly_without_cuda(repo_root: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    proc = subprocess.run([sys.executable, str(repo_root / "scripts" / "gpu-check")], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "gpu-check")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr

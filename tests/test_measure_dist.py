@@ -34,10 +34,14 @@ pytestmark = pytest.mark.slow
 
 
 #: the LoRA ledger turned into QLoRA: bf16 base quantized to nf4 with bf16 quant storage (FSDP2 can shard it)
-QLORA_EDITS = [("kind: LoRA", "kind: QLoRA"),
-               ("  loaded_dtype: float32\n  quantized: false\n",
-                "  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, bits: 4, storage_dtype: "
-                "bfloat16, double_quant: true, compute_dtype: bfloat16}\n")]
+QLORA_EDITS = [
+    ("kind: LoRA", "kind: QLoRA"),
+    (
+        "  loaded_dtype: float32\n  quantized: false\n",
+        "  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, bits: 4, storage_dtype: "
+        "bfloat16, double_quant: true, compute_dtype: bfloat16}\n",
+    ),
+]
 
 
 def _copy(tmp: Path, edits: list[tuple[str, str]] | None = None) -> Path:
@@ -57,8 +61,13 @@ def _resolved(tmp: Path, edits: list[tuple[str, str]] | None = None) -> Path:
     doc = load(path)
     resolve(doc, offline=True)
     set_plain(doc, ("result", "target_device", "memory"), "1 GiB")
-    set_figure(doc, ("ledger", "activations"), 1_000_000, "CALCULATED",
-               method="test fixture: stands in for `ledgerspec estimate`")
+    set_figure(
+        doc,
+        ("ledger", "activations"),
+        1_000_000,
+        "CALCULATED",
+        method="test fixture: stands in for `ledgerspec estimate`",
+    )
     atomic_write(path, render(doc.data, doc.text))
     return path
 
@@ -72,8 +81,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from ledgerspec.derivations.sharding_model import document_descriptors
 
     plan = S.fsdp2(document_descriptors(doc), WORLD, "adamw_torch", reshard_after_forward=True)
-    return {"path": path, "doc": doc, "err": err, "plan": plan,
-            "ranks": list(doc.plain["x-measure-per-rank"]["ranks"])}
+    return {"path": path, "doc": doc, "err": err, "plan": plan, "ranks": list(doc.plain["x-measure-per-rank"]["ranks"])}
 
 
 def test_one_measured_peak_per_rank_in_rank_order(measured: dict[str, Any]) -> None:
@@ -123,8 +131,9 @@ def test_model_state_per_rank_equals_the_calculated_shards(measured: dict[str, A
         assert real["phases"]["after_load"] == calc.frozen_base, where
         assert real["phases"]["after_optimizer_init"] == calc.frozen_base + calc.adapter, where
         m = real["measured"]
-        assert (m["frozen_base"], m["adapter"], m["gradients"]) == (calc.frozen_base, calc.adapter,
-                                                                     calc.gradients), where
+        assert (m["frozen_base"], m["adapter"], m["gradients"]) == (calc.frozen_base, calc.adapter, calc.gradients), (
+            where
+        )
         assert m["optimizer"] == calc.optimizer + calc.optimizer_host, where
     # uneven rows: rank 1 holds fewer optimizer rows than rank 0, so the ranks really differ
     assert measured["plan"].ranks[0].optimizer > measured["plan"].ranks[1].optimizer
@@ -215,8 +224,13 @@ def measured_qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     descs = document_descriptors(doc)
     plan = S.fsdp2(descs, WORLD, "adamw_torch", reshard_after_forward=True)
-    return {"path": path, "doc": doc, "descs": descs, "plan": plan,
-            "ranks": list(doc.plain["x-measure-per-rank"]["ranks"])}
+    return {
+        "path": path,
+        "doc": doc,
+        "descs": descs,
+        "plan": plan,
+        "ranks": list(doc.plain["x-measure-per-rank"]["ranks"]),
+    }
 
 
 def test_qlora_case_really_shards_4bit_weights(measured_qlora: dict[str, Any]) -> None:
@@ -237,8 +251,9 @@ def test_qlora_model_state_per_rank_equals_the_calculated_shards(measured_qlora:
         assert real["phases"]["after_adapter_injection"] == calc.frozen_base + calc.adapter, where
         assert real["phases"]["after_optimizer_init"] == calc.frozen_base + calc.adapter, where
         m = real["measured"]
-        assert (m["frozen_base"], m["adapter"], m["gradients"]) == (calc.frozen_base, calc.adapter,
-                                                                     calc.gradients), where
+        assert (m["frozen_base"], m["adapter"], m["gradients"]) == (calc.frozen_base, calc.adapter, calc.gradients), (
+            where
+        )
         assert m["optimizer"] == calc.optimizer + calc.optimizer_host, where
         assert real["calculated"]["frozen_base"] == calc.frozen_base, where
     ranks = measured_qlora["plan"].ranks
@@ -276,8 +291,10 @@ def test_qlora_per_rank_estimate_agrees_with_the_measurement(measured_qlora: dic
 
 
 def test_qlora_with_uint8_storage_is_refused_before_launching(tmp_path: Path) -> None:
-    edits = [*QLORA_EDITS[:1], (QLORA_EDITS[1][0], QLORA_EDITS[1][1].replace("storage_dtype: bfloat16",
-                                                                             "storage_dtype: uint8"))]
+    edits = [
+        *QLORA_EDITS[:1],
+        (QLORA_EDITS[1][0], QLORA_EDITS[1][1].replace("storage_dtype: bfloat16", "storage_dtype: uint8")),
+    ]
     path = _copy(tmp_path, edits)
     before = path.read_bytes()
     code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
@@ -285,10 +302,13 @@ def test_qlora_with_uint8_storage_is_refused_before_launching(tmp_path: Path) ->
     assert "Traceback" not in err and path.read_bytes() == before
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--nproc", "1"], "--nproc must be >= 2"),
-    (["--nproc", "2", "--memory-limit", "1MiB"], "--memory-limit is not supported with --nproc"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--nproc", "1"], "--nproc must be >= 2"),
+        (["--nproc", "2", "--memory-limit", "1MiB"], "--memory-limit is not supported with --nproc"),
+    ],
+)
 def test_usage_errors_change_nothing(tmp_path: Path, extra: list[str], message: str) -> None:
     path = _copy(tmp_path)
     before = path.read_bytes()

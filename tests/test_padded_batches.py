@@ -22,8 +22,9 @@ SEQ = 80
 ARCH = "tiny-llama-gqa"
 
 
-def doc_with(microbatch: int = 2, packing: str = "false", padding_free: str | None = None,
-             attention: str = "sdpa", **kwargs: Any) -> Document:
+def doc_with(
+    microbatch: int = 2, packing: str = "false", padding_free: str | None = None, attention: str = "sdpa", **kwargs: Any
+) -> Document:
     text = ledger_text(arch=ARCH, attention=attention, microbatch=microbatch, seq=SEQ, **kwargs)
     text = text.replace("  packing: false\n", f"  packing: {packing}\n")
     if padding_free is not None:
@@ -39,14 +40,17 @@ def _round(n: int) -> int:
 # -- when a batch is padded -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("microbatch", "packing", "padding_free", "padded"), [
-    (2, "false", None, True),
-    (4, "false", "false", True),
-    (2, "UNKNOWN", None, True),   # the collators' default: pad to the longest row
-    (2, "true", None, False),     # packed rows are all max_length
-    (2, "false", "true", False),  # padding-free batching concatenates the rows
-    (1, "false", None, False),    # one row: nothing to pad
-])
+@pytest.mark.parametrize(
+    ("microbatch", "packing", "padding_free", "padded"),
+    [
+        (2, "false", None, True),
+        (4, "false", "false", True),
+        (2, "UNKNOWN", None, True),  # the collators' default: pad to the longest row
+        (2, "true", None, False),  # packed rows are all max_length
+        (2, "false", "true", False),  # padding-free batching concatenates the rows
+        (1, "false", None, False),  # one row: nothing to pad
+    ],
+)
 def test_padding_follows_the_document(microbatch: int, packing: str, padding_free: str | None, padded: bool) -> None:
     spec = WorkloadSpec.from_document(doc_with(microbatch, packing, padding_free))
     assert spec.padded is padded
@@ -54,8 +58,11 @@ def test_padding_follows_the_document(microbatch: int, packing: str, padding_fre
 
 def test_changing_the_microbatch_recomputes_padding_and_json_carries_it() -> None:
     spec = WorkloadSpec.from_document(doc_with(2))
-    assert spec.padded and not spec.changed(microbatch=1).padded and spec.changed(microbatch=1).changed(
-        microbatch=4).padded
+    assert (
+        spec.padded
+        and not spec.changed(microbatch=1).padded
+        and spec.changed(microbatch=1).changed(microbatch=4).padded
+    )
     assert not WorkloadSpec.from_document(doc_with(2, "true")).changed(microbatch=4).padded
     assert WorkloadSpec.from_json(spec.to_json()) == spec and WorkloadSpec.from_json(spec.to_json()).padded
 
@@ -90,8 +97,12 @@ def unpadded() -> Any:
 @pytest.mark.slow
 def test_a_padded_gqa_batch_costs_the_repeated_kv_and_the_mask_bias(unpadded: Any) -> None:
     cfg = json.loads((DATA / ARCH / "config.json").read_text())
-    heads, kv, head_dim, layers = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-                                   cfg["num_hidden_layers"])
+    heads, kv, head_dim, layers = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["num_hidden_layers"],
+    )
     b, dtype = 2, 2  # bfloat16
     padded = estimate(doc_with(2))
     # transformers repeats k and v to all heads (native GQA only without a mask); the memory-efficient kernel
@@ -108,8 +119,9 @@ def test_a_padded_gqa_batch_costs_the_repeated_kv_and_the_mask_bias(unpadded: An
 
 @pytest.mark.slow
 @pytest.mark.parametrize("changes", [dict(padding_free="true"), dict(microbatch=1)], ids=["padding_free", "mb1"])
-def test_unpadded_configurations_give_the_old_figures(changes: dict[str, Any], unpadded: Any,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unpadded_configurations_give_the_old_figures(
+    changes: dict[str, Any], unpadded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ledgerspec.derivations import workload
 
     got = estimate(doc_with(**changes))

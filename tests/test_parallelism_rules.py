@@ -25,8 +25,9 @@ def measured(value: Any) -> dict[str, Any]:
     return {"value": value, "source": "MEASURED"}
 
 
-def multi(gpus: int, per_rank: Any = None, placements: dict[str, str] | None = None,
-          base: dict[str, Any] | None = None) -> dict[str, Any]:
+def multi(
+    gpus: int, per_rank: Any = None, placements: dict[str, str] | None = None, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
     d = copy.deepcopy(base) if base is not None else {"ledgerspec": "ledger/v1"}
     d["parallelism"] = {"gpu_count": gpus, "strategy": "fsdp2", **(PLACED if placements is None else placements)}
     if per_rank is not None:
@@ -46,11 +47,16 @@ def status(d: dict[str, Any]) -> tuple[str | None, list[str]]:
 
 # -- LS060 -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("gpus", "per_rank"), [
-    (1, None),
-    (2, [{"value": "20GiB", "source": "CALCULATED", "method": "shard"}] * 2),
-    (3, [{"value": "20GiB", "source": "CALCULATED", "method": "shard"}] * 3),
-], ids=["one-gpu", "two-ranks-two-figures", "three-ranks-three-figures"])
+
+@pytest.mark.parametrize(
+    ("gpus", "per_rank"),
+    [
+        (1, None),
+        (2, [{"value": "20GiB", "source": "CALCULATED", "method": "shard"}] * 2),
+        (3, [{"value": "20GiB", "source": "CALCULATED", "method": "shard"}] * 3),
+    ],
+    ids=["one-gpu", "two-ranks-two-figures", "three-ranks-three-figures"],
+)
 def test_ls060_quiet(gpus: int, per_rank: Any) -> None:
     assert ls060(multi(gpus, per_rank)) == []
 
@@ -75,13 +81,17 @@ def test_ls060_placement_unknown_counts_as_missing() -> None:
     assert [h[1] for h in hits] == ["/parallelism/gpu_count"] and "optimizer_placement" in hits[0][2]
 
 
-@pytest.mark.parametrize(("per_rank", "fragment"), [
-    (None, "without parallelism.per_rank_peak"),
-    ([measured("40GiB")], "1 figures for 2 ranks"),
-    ([measured("40GiB")] * 3, "3 figures for 2 ranks"),
-    (measured("80GiB"), "single figure"),
-    ("80GB", "single figure"),
-], ids=["missing", "too-few", "too-many", "summed-long-form", "summed-plain"])
+@pytest.mark.parametrize(
+    ("per_rank", "fragment"),
+    [
+        (None, "without parallelism.per_rank_peak"),
+        ([measured("40GiB")], "1 figures for 2 ranks"),
+        ([measured("40GiB")] * 3, "3 figures for 2 ranks"),
+        (measured("80GiB"), "single figure"),
+        ("80GB", "single figure"),
+    ],
+    ids=["missing", "too-few", "too-many", "summed-long-form", "summed-plain"],
+)
 def test_ls060_per_rank_peak_shape(per_rank: Any, fragment: str) -> None:
     hits = ls060(multi(2, per_rank))
     assert len(hits) == 1 and fragment in hits[0][2], hits
@@ -111,8 +121,10 @@ def test_per_rank_items_without_source_are_ls004() -> None:
 
 def test_x_per_rank_extension_is_accepted() -> None:
     d = multi(2, None)
-    d["parallelism"]["x-per-rank"] = {"world_size": 2, "ranks": [
-        {"rank": 0, "adapter": {"value": 100, "source": "CALCULATED", "method": "shard"}}]}
+    d["parallelism"]["x-per-rank"] = {
+        "world_size": 2,
+        "ranks": [{"rank": 0, "adapter": {"value": 100, "source": "CALCULATED", "method": "shard"}}],
+    }
     report = validate(from_text(json.dumps(d), "<case>"))
     assert not [f for f in report.findings if "x-per-rank" in f.pointer]
 
@@ -125,15 +137,20 @@ def test_gpu_count_must_be_a_positive_integer(bad: Any) -> None:
 
 # -- VALIDATED with several GPUs -----------------------------------------------------------------------
 
-@pytest.mark.parametrize(("gpus", "per_rank", "expected"), [
-    (3, [measured("15GiB"), measured("15GiB"), measured("14GiB")], "VALIDATED"),
-    (3, [measured("15GiB"), measured("15GiB")], "CANDIDATE"),
-    (2, [measured("15GiB"), measured("15GiB"), measured("14GiB")], "CANDIDATE"),
-    (2, [measured("15GiB"), {"value": "15GiB", "source": "CALCULATED", "method": "shard"}], "CANDIDATE"),
-    (2, [measured("15GiB"), {"value": "15GiB", "source": "ASSUMPTION", "note": "same as rank 0"}], "CANDIDATE"),
-    (2, measured("30GiB"), "CANDIDATE"),
-    (2, None, "CANDIDATE"),
-], ids=["3-of-3", "2-of-3", "3-for-2", "one-calculated", "one-assumed", "summed", "missing"])
+
+@pytest.mark.parametrize(
+    ("gpus", "per_rank", "expected"),
+    [
+        (3, [measured("15GiB"), measured("15GiB"), measured("14GiB")], "VALIDATED"),
+        (3, [measured("15GiB"), measured("15GiB")], "CANDIDATE"),
+        (2, [measured("15GiB"), measured("15GiB"), measured("14GiB")], "CANDIDATE"),
+        (2, [measured("15GiB"), {"value": "15GiB", "source": "CALCULATED", "method": "shard"}], "CANDIDATE"),
+        (2, [measured("15GiB"), {"value": "15GiB", "source": "ASSUMPTION", "note": "same as rank 0"}], "CANDIDATE"),
+        (2, measured("30GiB"), "CANDIDATE"),
+        (2, None, "CANDIDATE"),
+    ],
+    ids=["3-of-3", "2-of-3", "3-for-2", "one-calculated", "one-assumed", "summed", "missing"],
+)
 def test_validated_needs_one_measured_peak_per_rank(gpus: int, per_rank: Any, expected: str) -> None:
     got, reasons = status(multi(gpus, per_rank, base=validated()))
     assert got == expected, reasons

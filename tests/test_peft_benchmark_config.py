@@ -53,21 +53,28 @@ def test_config_builds_the_published_base() -> None:
 
 
 @pytest.mark.parametrize("name, rank, targets, dora, trainable, total", PUBLISHED, ids=[p[0] for p in PUBLISHED])
-def test_published_counts_follow_from_the_config(name: str, rank: int, targets: list[str], dora: bool,
-                                                 trainable: int, total: int) -> None:
+def test_published_counts_follow_from_the_config(
+    name: str, rank: int, targets: list[str], dora: bool, trainable: int, total: int
+) -> None:
     """The published trainable count is r(d_in + d_out) per target (+ d_out for DoRA's magnitude) per layer."""
     c = json.loads(CONFIG.read_text())
     h, inter, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
-    shapes = {"q_proj": (h, h), "v_proj": (h, kv), "gate_proj": (h, inter), "up_proj": (h, inter),
-              "down_proj": (inter, h)}
+    shapes = {
+        "q_proj": (h, h),
+        "v_proj": (h, kv),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     per_layer = sum(rank * (shapes[t][0] + shapes[t][1]) + (shapes[t][1] if dora else 0) for t in targets)
     assert per_layer * c["num_hidden_layers"] == trainable
     assert PUBLISHED_BASE + trainable == total
 
 
 @pytest.mark.parametrize("name, rank, targets, dora, trainable, total", PUBLISHED, ids=[p[0] for p in PUBLISHED])
-def test_resolve_counts_what_peft_counted(name: str, rank: int, targets: list[str], dora: bool,
-                                          trainable: int, total: int) -> None:
+def test_resolve_counts_what_peft_counted(
+    name: str, rank: int, targets: list[str], dora: bool, trainable: int, total: int
+) -> None:
     from ledgerspec.contract.document import from_text
     from ledgerspec.derivations.resolve import resolve
 

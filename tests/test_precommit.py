@@ -61,8 +61,12 @@ def pre_commit_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def hook_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This working tree as one commit in a temporary repository."""
-    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
-                             capture_output=True, check=True).stdout.decode()
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     snapshot = tmp_path_factory.mktemp("hook-repo")
     for name in filter(None, listing.split("\0")):
         source = REPO_ROOT / name
@@ -92,8 +96,14 @@ def _try_repo(repo: Path, home: Path, hooks: Path, hook: str, *files: str) -> su
     env = {**os.environ, "PRE_COMMIT_HOME": str(home), "PRE_COMMIT_COLOR": "never"}
     env.pop("VIRTUAL_ENV", None)
     assert PRE_COMMIT is not None
-    return subprocess.run([PRE_COMMIT, "try-repo", str(hooks), hook, "--verbose", "--files", *files],
-                          cwd=repo, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [PRE_COMMIT, "try-repo", str(hooks), hook, "--verbose", "--files", *files],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_validate_hook_passes_good_and_fails_bad(tmp_path: Path, pre_commit_home: Path, hook_repo: Path) -> None:
@@ -112,23 +122,33 @@ def test_validate_hook_passes_good_and_fails_bad(tmp_path: Path, pre_commit_home
 
 def _run_installed(repo: Path, home: Path, hooks: Path, hook: str, *files: str) -> subprocess.CompletedProcess[str]:
     """``pre-commit run`` with a config naming the hook repository (its environment stays in PRE_COMMIT_HOME)."""
-    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=hooks, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    rev = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=hooks, capture_output=True, text=True, check=True
+    ).stdout.strip()
     config = repo / ".pre-commit-config.yaml"
     if not config.exists():
-        config.write_text(f"repos:\n- repo: {hooks}\n  rev: {rev}\n  hooks:\n  - id: ledgerspec-validate\n"
-                          "  - id: ledgerspec-fix-status\n")
+        config.write_text(
+            f"repos:\n- repo: {hooks}\n  rev: {rev}\n  hooks:\n  - id: ledgerspec-validate\n"
+            "  - id: ledgerspec-fix-status\n"
+        )
         subprocess.run(["git", "add", config.name], cwd=repo, check=True)
         subprocess.run(["git", "commit", "-q", "-m", "config"], cwd=repo, check=True, env={**os.environ, **_GIT_ENV})
     env = {**os.environ, "PRE_COMMIT_HOME": str(home), "PRE_COMMIT_COLOR": "never"}
     env.pop("VIRTUAL_ENV", None)
     assert PRE_COMMIT is not None
-    return subprocess.run([PRE_COMMIT, "run", hook, "--verbose", "--files", *files], cwd=repo, capture_output=True,
-                          text=True, env=env, timeout=600)
+    return subprocess.run(
+        [PRE_COMMIT, "run", hook, "--verbose", "--files", *files],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
-def test_fix_hook_lowers_the_status_and_env_has_no_torch(tmp_path: Path, pre_commit_home: Path,
-                                                         hook_repo: Path) -> None:
+def test_fix_hook_lowers_the_status_and_env_has_no_torch(
+    tmp_path: Path, pre_commit_home: Path, hook_repo: Path
+) -> None:
     repo = _scratch_repo(tmp_path, {"claimed.ledger.yaml": DOWNGRADED})
     assert load(repo / "claimed.ledger.yaml").plain["status"] == "VALIDATED"
 

@@ -51,26 +51,79 @@ unit_strings = st.builds(
     st.sampled_from(_UNITS),
 )
 scalars = st.one_of(
-    st.none(), st.booleans(),
+    st.none(),
+    st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     # printable text: ruamel itself dumps a raw NEL or LINE SEPARATOR inside quotes, which YAML folds on reading
     st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc", "Zl", "Zp")), max_size=30),
-    st.sampled_from(["UNKNOWN", "CONFIGURATION-SPECIFIC", "ON", "off", "Yes", "LoRA", "QLoRA", "nf4", "bfloat16",
-                     "VALIDATED", "CANDIDATE", "1:30", "2024-01-01", "0x10", "~", "null", ".inf"]),
+    st.sampled_from(
+        [
+            "UNKNOWN",
+            "CONFIGURATION-SPECIFIC",
+            "ON",
+            "off",
+            "Yes",
+            "LoRA",
+            "QLoRA",
+            "nf4",
+            "bfloat16",
+            "VALIDATED",
+            "CANDIDATE",
+            "1:30",
+            "2024-01-01",
+            "0x10",
+            "~",
+            "null",
+            ".inf",
+        ]
+    ),
     unit_strings,
 )
 long_forms = st.fixed_dictionaries(
-    {}, optional={"value": scalars, "source": st.sampled_from(["MEASURED", "VERIFIED", "CALCULATED", "ASSUMPTION",
-                                                               "CONFIGURATION-SPECIFIC", "UNKNOWN", "GUESS", ""]),
-                  "note": scalars, "method": scalars, "x-extra": scalars, "unit": scalars})
-keys = st.one_of(st.sampled_from(["ledgerspec", "status", "identity", "method", "ledger", "phases", "metrics",
-                                  "workload", "rank", "kind", "value", "source", "x-note", "ledgr", "per_rank_peak",
-                                  "frozen_base", "gpu_count", "oom", "quantization"]),
-                 st.text(alphabet="abcdefghijklmnopqrstuvwxyz_-", min_size=1, max_size=12))
-values = st.recursive(st.one_of(scalars, long_forms),
-                      lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=4)),
-                      max_leaves=12)
+    {},
+    optional={
+        "value": scalars,
+        "source": st.sampled_from(
+            ["MEASURED", "VERIFIED", "CALCULATED", "ASSUMPTION", "CONFIGURATION-SPECIFIC", "UNKNOWN", "GUESS", ""]
+        ),
+        "note": scalars,
+        "method": scalars,
+        "x-extra": scalars,
+        "unit": scalars,
+    },
+)
+keys = st.one_of(
+    st.sampled_from(
+        [
+            "ledgerspec",
+            "status",
+            "identity",
+            "method",
+            "ledger",
+            "phases",
+            "metrics",
+            "workload",
+            "rank",
+            "kind",
+            "value",
+            "source",
+            "x-note",
+            "ledgr",
+            "per_rank_peak",
+            "frozen_base",
+            "gpu_count",
+            "oom",
+            "quantization",
+        ]
+    ),
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz_-", min_size=1, max_size=12),
+)
+values = st.recursive(
+    st.one_of(scalars, long_forms),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=4)),
+    max_leaves=12,
+)
 
 
 def _dump(data: Any) -> str:
@@ -179,10 +232,51 @@ def test_random_text_never_crashes(text: str) -> None:
     assert isinstance(_outcome(text), Report | LedgerspecError)
 
 
-_TOKENS = ["ledgerspec: ledger/v1\n", "ledgerspec: intake/v1\n", "method:\n", "  rank: ", "  - ", "{", "}", "[",
-           "]", ", ", ": ", "&a ", "*a", "!!str ", "!x ", "? ", "'", '"', "\\u00e9", "\\ud800", "#c", "\n", "\t",
-           "  ", "---\n", "...\n", "%YAML 1.2\n", "|\n", ">-\n", "16", "1e999", "0x1F", "-3", "16 GiB", "UNKNOWN",
-           "source: MEASURED", "value: ", "x-a: ", "\x07", "\ufeff", "\r\n", "2024-02-30", "<<: "]
+_TOKENS = [
+    "ledgerspec: ledger/v1\n",
+    "ledgerspec: intake/v1\n",
+    "method:\n",
+    "  rank: ",
+    "  - ",
+    "{",
+    "}",
+    "[",
+    "]",
+    ", ",
+    ": ",
+    "&a ",
+    "*a",
+    "!!str ",
+    "!x ",
+    "? ",
+    "'",
+    '"',
+    "\\u00e9",
+    "\\ud800",
+    "#c",
+    "\n",
+    "\t",
+    "  ",
+    "---\n",
+    "...\n",
+    "%YAML 1.2\n",
+    "|\n",
+    ">-\n",
+    "16",
+    "1e999",
+    "0x1F",
+    "-3",
+    "16 GiB",
+    "UNKNOWN",
+    "source: MEASURED",
+    "value: ",
+    "x-a: ",
+    "\x07",
+    "\ufeff",
+    "\r\n",
+    "2024-02-30",
+    "<<: ",
+]
 
 
 @_SETTINGS
@@ -207,8 +301,12 @@ def test_random_bytes_spliced_into_a_document(text: str, junk: bytes, where: int
 
 
 def _memory_doc(value: Any) -> Document:
-    text = _dump({"ledgerspec": "ledger/v1", "ledger": {"frozen_base": {"value": value, "source": "CALCULATED",
-                                                                        "method": "test"}}})
+    text = _dump(
+        {
+            "ledgerspec": "ledger/v1",
+            "ledger": {"frozen_base": {"value": value, "source": "CALCULATED", "method": "test"}},
+        }
+    )
     return from_text(text)
 
 

@@ -220,12 +220,15 @@ def test_fake_tensors_hold_the_same_static_state(path: Path, request: pytest.Fix
 # -- the workload spec ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("changes", "worst", "typical"), [
-    ({}, 64, 32),
-    ({"workload__packing": True}, 64, 64),
-    ({"workload__max_length": "UNKNOWN"}, 60, 32),
-    ({"workload__sequence_p50": "UNKNOWN"}, 64, 64),
-])
+@pytest.mark.parametrize(
+    ("changes", "worst", "typical"),
+    [
+        ({}, 64, 32),
+        ({"workload__packing": True}, 64, 64),
+        ({"workload__max_length": "UNKNOWN"}, 60, 32),
+        ({"workload__sequence_p50": "UNKNOWN"}, 64, 64),
+    ],
+)
 def test_sequence_shapes_follow_the_profile(changes: dict[str, Any], worst: int, typical: int) -> None:
     spec = WorkloadSpec.from_document(ledger(LLAMA, **changes))
     assert (spec.seq_worst, spec.seq_typical) == (worst, typical)
@@ -237,12 +240,15 @@ def test_spec_round_trips_through_json() -> None:
     assert spec.quant is not None and spec.quant.quant_type == "nf4" and spec.quant.double_quant
 
 
-@pytest.mark.parametrize(("key", "value", "needle"), [
-    ("optimizer__name", "lion_32bit", "cannot build optimizer"),
-    ("software__attention_implementation", "magic", "unknown attention implementation"),
-    ("workload__microbatch", 0, "microbatch"),
-    ("base_model__loaded_dtype", "float7", "unknown dtype"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("optimizer__name", "lion_32bit", "cannot build optimizer"),
+        ("software__attention_implementation", "magic", "unknown attention implementation"),
+        ("workload__microbatch", 0, "microbatch"),
+        ("base_model__loaded_dtype", "float7", "unknown dtype"),
+    ],
+)
 def test_bad_workload_inputs_are_one_line_errors(key: str, value: Any, needle: str) -> None:
     from ledgerspec.errors import LedgerspecError
 

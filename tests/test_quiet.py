@@ -31,9 +31,11 @@ def test_import_is_quiet() -> None:
 def test_derivations_import_peft_quietly() -> None:
     """A derivation that imports peft (``lora_config``, used by resolve, estimate, measure) prints nothing."""
     text = "ledgerspec: intake/v1\\nmethod: {kind: LoRA, rank: 8, target_modules: [q_proj]}\\n"
-    code = ("from ledgerspec.derivations.build import lora_config; "
-            "from ledgerspec.contract.document import from_text; "
-            f"lora_config(from_text('{text}', 'x.yaml'))")
+    code = (
+        "from ledgerspec.derivations.build import lora_config; "
+        "from ledgerspec.contract.document import from_text; "
+        f"lora_config(from_text('{text}', 'x.yaml'))"
+    )
     assert NOISY not in _stderr(code)
 
 
@@ -46,5 +48,7 @@ def test_only_that_record_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
         logger.warning(MESSAGE + ": %s. Please make sure ...", "No module named 'kernels'")
         logger.warning("some other bitsandbytes warning")
         logging.getLogger("bitsandbytes.other").warning(MESSAGE + " (another logger)")
-    assert [r.getMessage() for r in caplog.records] == ["some other bitsandbytes warning",
-                                                        MESSAGE + " (another logger)"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "some other bitsandbytes warning",
+        MESSAGE + " (another logger)",
+    ]

@@ -138,9 +138,11 @@ def test_method_strings_wrap_and_are_never_cut(cli: CliRunner, plain: bool) -> N
 
 
 def test_report_does_not_import_torch() -> None:
-    code = ("import sys; from ledgerspec.faces.cli import main; "
-            f"rc = main(['report', '--plain', {str(EXAMPLES / 'llama-2-7b-lora.ledger.yaml')!r}]); "
-            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    code = (
+        "import sys; from ledgerspec.faces.cli import main; "
+        f"rc = main(['report', '--plain', {str(EXAMPLES / 'llama-2-7b-lora.ledger.yaml')!r}]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
@@ -184,8 +186,7 @@ def test_every_provenance_word_has_its_own_colour() -> None:
     assert {"MEASURED", "VERIFIED", "CALCULATED", "ASSUMPTION", "UNKNOWN"} <= set(COLORS)
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLE_FILES if (raw_yaml(p).get("ledger") or {})],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in EXAMPLE_FILES if (raw_yaml(p).get("ledger") or {})], ids=lambda p: p.name)
 def test_bar_segments_sum_to_the_components(cli: CliRunner, path: Path, tmp_path: Path) -> None:
     root = html_report(cli, path, tmp_path / "r.html")
     ledger = raw_yaml(path)["ledger"]
@@ -247,11 +248,18 @@ def test_html_timeline_and_calculated_vs_measured(cli: CliRunner, tmp_path: Path
     src.write_text(MEASURED_LEDGER, encoding="utf-8")
     root = html_report(cli, src, tmp_path / "m.html")
     timeline = next(s for s in root.iter(f"{SVG}svg") if s.get("class") == "timeline")
-    rects = {(r.get("data-phase"), (r.get("class") or "").split()[-1]): int(r.get("data-bytes") or 0)
-             for r in timeline.iter(f"{SVG}rect") if (r.get("class") or "").startswith("phase")}
-    assert rects == {("after_load", "measured"): 10 * 2**30, ("forward_peak", "measured"): 13 * 2**30,
-                     ("steady_state_peak", "measured"): 15 * 2**30, ("after_load", "estimated"): 10 * 2**30,
-                     ("forward_peak", "estimated"): 12 * 2**30}
+    rects = {
+        (r.get("data-phase"), (r.get("class") or "").split()[-1]): int(r.get("data-bytes") or 0)
+        for r in timeline.iter(f"{SVG}rect")
+        if (r.get("class") or "").startswith("phase")
+    }
+    assert rects == {
+        ("after_load", "measured"): 10 * 2**30,
+        ("forward_peak", "measured"): 13 * 2**30,
+        ("steady_state_peak", "measured"): 15 * 2**30,
+        ("after_load", "estimated"): 10 * 2**30,
+        ("forward_peak", "estimated"): 12 * 2**30,
+    }
     text = ET.tostring(root, encoding="unicode")
     assert "Calculated vs measured" in text
     assert "activations and temporaries" in text
@@ -260,8 +268,14 @@ def test_html_timeline_and_calculated_vs_measured(cli: CliRunner, tmp_path: Path
     assert int(bar.get("data-scale") or 0) == 24 * 2**30
     # every component has a size here: six segments, one per provenance colour used
     segs = [r for r in bar.iter(f"{SVG}rect") if r.get("class") == "seg"]
-    assert [r.get("data-source") for r in segs] == ["CALCULATED", "VERIFIED", "CALCULATED", "CALCULATED",
-                                                    "MEASURED", "ASSUMPTION"]
+    assert [r.get("data-source") for r in segs] == [
+        "CALCULATED",
+        "VERIFIED",
+        "CALCULATED",
+        "CALCULATED",
+        "MEASURED",
+        "ASSUMPTION",
+    ]
 
 
 def test_terminal_phases_estimated_vs_measured(cli: CliRunner, tmp_path: Path) -> None:
@@ -296,8 +310,11 @@ def test_the_estimated_peak_is_split_into_what_is_alive(cli: CliRunner, tmp_path
 
 
 # -- bar arithmetic ---------------------------------------------------------------------------------
-@given(st.lists(st.integers(min_value=0, max_value=2**40), min_size=1, max_size=6),
-       st.integers(min_value=0, max_value=2**41), st.integers(min_value=10, max_value=200))
+@given(
+    st.lists(st.integers(min_value=0, max_value=2**40), min_size=1, max_size=6),
+    st.integers(min_value=0, max_value=2**41),
+    st.integers(min_value=10, max_value=200),
+)
 def test_cells_sum_to_the_stacked_share(sizes: list[int], capacity: int, width: int) -> None:
     scale = max(sum(sizes), capacity, 1)
     spans, at = [], 0
@@ -319,12 +336,15 @@ def test_missing_file_is_one_line_exit_2(cli: CliRunner, tmp_path: Path) -> None
     assert "nope.ledger.yaml" in err
 
 
-@pytest.mark.parametrize("text, expect", [
-    ("ledgerspec: ledger/v9\n", "unsupported version"),
-    ("title: no header\n", "missing header"),
-    ("- a list\n", "not a mapping"),
-    ("ledgerspec: ledger/v1\nledger: {adapter: 1\n", ""),
-])
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("ledgerspec: ledger/v9\n", "unsupported version"),
+        ("title: no header\n", "missing header"),
+        ("- a list\n", "not a mapping"),
+        ("ledgerspec: ledger/v1\nledger: {adapter: 1\n", ""),
+    ],
+)
 def test_bad_documents_are_one_line_errors(cli: CliRunner, tmp_path: Path, text: str, expect: str) -> None:
     src = tmp_path / "bad.ledger.yaml"
     src.write_text(text, encoding="utf-8")

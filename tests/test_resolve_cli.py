@@ -149,8 +149,9 @@ def test_intake_without_o_is_a_usage_error(work: Path, cli) -> None:
 
 def test_modules_to_save_makes_the_adapter_dtype_mixed_and_the_ledger_valid(work: Path, cli) -> None:
     path = work / "ledger_commented.yaml"
-    text = path.read_text().replace("  target_modules: [q_proj, v_proj]\n",
-                                    "  target_modules: [q_proj, v_proj]\n  modules_to_save: [lm_head]\n")
+    text = path.read_text().replace(
+        "  target_modules: [q_proj, v_proj]\n", "  target_modules: [q_proj, v_proj]\n  modules_to_save: [lm_head]\n"
+    )
     text = text.replace("  adapter: {value: 123, source: MEASURED}\n", "  adapter: UNKNOWN\n")
     path.write_text(text)
     assert cli("resolve", path)[0] == 0

@@ -49,46 +49,108 @@ CASES = [
     Case("lora-qv-adamw", "llama_gqa", {"rank": 8, "target_modules": ["q_proj", "v_proj"]}, "adamw_torch"),
     Case("all-linear-sgd-fp32", "llama_gqa", {"rank": 4, "target_modules": "all-linear"}, "sgd", loaded="float32"),
     Case("all-linear-sgd-momentum", "llama_gqa", {"rank": 4, "target_modules": "all-linear"}, "sgd_momentum"),
-    Case("rank-pattern-fused", "llama_gqa", {"rank": 8, "target_modules": ["q_proj", "k_proj", "o_proj"],
-                                             "rank_pattern": {"o_proj": 2}, "alpha_pattern": {"o_proj": 4}},
-         "adamw_torch_fused"),
-    Case("modules-to-save-8bit", "llama_gqa", {"rank": 8, "target_modules": ["q_proj", "v_proj"],
-                                               "modules_to_save": ["lm_head"]}, "adamw_8bit"),
-    Case("qkv-bias-lora-only-tied", "qwen2_tied_bias", {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj"],
-                                                        "bias": "lora_only"}, "adamw_torch"),
-    Case("dora-adafactor", "llama_gqa", {"rank": 8, "target_modules": ["q_proj", "v_proj", "down_proj"],
-                                         "use_dora": True}, "adafactor"),
-    Case("moe-target-parameters", "mixtral_tiny", {"rank": 4, "target_modules": ["q_proj"],
-                                                   "target_parameters": ["experts.gate_up_proj",
-                                                                         "experts.down_proj"]}, "adamw_torch"),
-    Case("bf16-adapters", "llama_gqa", {"rank": 8, "target_modules": "all-linear"}, "adamw_torch",
-         adapter="bfloat16"),
-    Case("qlora-nf4-dq-uint8-paged8", "llama_gqa", {"rank": 8, "target_modules": "all-linear"}, "paged_adamw_8bit",
-         quant={"type": "nf4", "double_quant": True, "storage_dtype": "uint8"}, min_8bit_size=256),
-    Case("qlora-nf4-nodq-bf16-prepare", "qwen2_tied_bias", {"rank": 8, "target_modules": ["q_proj", "v_proj"]},
-         "adamw_8bit", quant={"type": "nf4", "double_quant": False, "storage_dtype": "bfloat16"}, prepare=True,
-         min_8bit_size=512),
-    Case("qlora-fp4-dq-bf16-adamw", "llama_gqa", {"rank": 8, "target_modules": ["q_proj", "v_proj"],
-                                                  "modules_to_save": ["lm_head"]}, "adamw_torch",
-         quant={"type": "fp4", "double_quant": True, "storage_dtype": "bfloat16"}, prepare=True),
-    Case("int8-base-lora-qv", "llama_gqa", {"rank": 8, "target_modules": ["q_proj", "v_proj"]}, "adamw_torch",
-         quant={"type": "int8"}),
-    Case("int8-base-bias-prepare", "qwen2_tied_bias", {"rank": 4, "target_modules": "all-linear"}, "adamw_8bit",
-         quant={"type": "int8"}, prepare=True, min_8bit_size=256),
-    Case("qlora-nf4-moe", "mixtral_tiny", {"rank": 4, "target_modules": ["q_proj", "o_proj"]}, "paged_adamw_32bit",
-         quant={"type": "nf4", "double_quant": True, "storage_dtype": "uint8"}),
+    Case(
+        "rank-pattern-fused",
+        "llama_gqa",
+        {
+            "rank": 8,
+            "target_modules": ["q_proj", "k_proj", "o_proj"],
+            "rank_pattern": {"o_proj": 2},
+            "alpha_pattern": {"o_proj": 4},
+        },
+        "adamw_torch_fused",
+    ),
+    Case(
+        "modules-to-save-8bit",
+        "llama_gqa",
+        {"rank": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
+        "adamw_8bit",
+    ),
+    Case(
+        "qkv-bias-lora-only-tied",
+        "qwen2_tied_bias",
+        {"rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj"], "bias": "lora_only"},
+        "adamw_torch",
+    ),
+    Case(
+        "dora-adafactor",
+        "llama_gqa",
+        {"rank": 8, "target_modules": ["q_proj", "v_proj", "down_proj"], "use_dora": True},
+        "adafactor",
+    ),
+    Case(
+        "moe-target-parameters",
+        "mixtral_tiny",
+        {"rank": 4, "target_modules": ["q_proj"], "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+        "adamw_torch",
+    ),
+    Case("bf16-adapters", "llama_gqa", {"rank": 8, "target_modules": "all-linear"}, "adamw_torch", adapter="bfloat16"),
+    Case(
+        "qlora-nf4-dq-uint8-paged8",
+        "llama_gqa",
+        {"rank": 8, "target_modules": "all-linear"},
+        "paged_adamw_8bit",
+        quant={"type": "nf4", "double_quant": True, "storage_dtype": "uint8"},
+        min_8bit_size=256,
+    ),
+    Case(
+        "qlora-nf4-nodq-bf16-prepare",
+        "qwen2_tied_bias",
+        {"rank": 8, "target_modules": ["q_proj", "v_proj"]},
+        "adamw_8bit",
+        quant={"type": "nf4", "double_quant": False, "storage_dtype": "bfloat16"},
+        prepare=True,
+        min_8bit_size=512,
+    ),
+    Case(
+        "qlora-fp4-dq-bf16-adamw",
+        "llama_gqa",
+        {"rank": 8, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
+        "adamw_torch",
+        quant={"type": "fp4", "double_quant": True, "storage_dtype": "bfloat16"},
+        prepare=True,
+    ),
+    Case(
+        "int8-base-lora-qv",
+        "llama_gqa",
+        {"rank": 8, "target_modules": ["q_proj", "v_proj"]},
+        "adamw_torch",
+        quant={"type": "int8"},
+    ),
+    Case(
+        "int8-base-bias-prepare",
+        "qwen2_tied_bias",
+        {"rank": 4, "target_modules": "all-linear"},
+        "adamw_8bit",
+        quant={"type": "int8"},
+        prepare=True,
+        min_8bit_size=256,
+    ),
+    Case(
+        "qlora-nf4-moe",
+        "mixtral_tiny",
+        {"rank": 4, "target_modules": ["q_proj", "o_proj"]},
+        "paged_adamw_32bit",
+        quant={"type": "nf4", "double_quant": True, "storage_dtype": "uint8"},
+    ),
 ]
 
 
 # -- the real stack ------------------------------------------------------------------------------------------
 
+
 def _lora_config(case: Case) -> Any:
     from peft import LoraConfig
 
     m = case.method
-    kwargs: dict[str, Any] = {"r": m["rank"], "lora_alpha": 16, "target_modules": m.get("target_modules"),
-                              "task_type": "CAUSAL_LM", "bias": m.get("bias", "none"),
-                              "use_dora": m.get("use_dora", False)}
+    kwargs: dict[str, Any] = {
+        "r": m["rank"],
+        "lora_alpha": 16,
+        "target_modules": m.get("target_modules"),
+        "task_type": "CAUSAL_LM",
+        "bias": m.get("bias", "none"),
+        "use_dora": m.get("use_dora", False),
+    }
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "target_parameters"):
         if key in m:
             kwargs[key] = m[key]
@@ -108,12 +170,16 @@ def _base_model(case: Case, tmp: Path) -> Any:
     if q["type"] == "int8":
         bnb = BitsAndBytesConfig(load_in_8bit=True)
     else:
-        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q["type"],
-                                 bnb_4bit_use_double_quant=q["double_quant"],
-                                 bnb_4bit_compute_dtype=torch.bfloat16,
-                                 bnb_4bit_quant_storage=DTYPES[q["storage_dtype"]])
-    model = AutoModelForCausalLM.from_pretrained(tmp / "ckpt", quantization_config=bnb, dtype=DTYPES[case.loaded],
-                                                 device_map="cpu")
+        bnb = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q["type"],
+            bnb_4bit_use_double_quant=q["double_quant"],
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_quant_storage=DTYPES[q["storage_dtype"]],
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp / "ckpt", quantization_config=bnb, dtype=DTYPES[case.loaded], device_map="cpu"
+    )
     if case.prepare:
         from peft import prepare_model_for_kbit_training
 
@@ -200,29 +266,48 @@ def count_real_stack(case: Case, tmp: Path) -> Counted:
         opt.step()
     frozen_params = [p for p in model.parameters() if not p.requires_grad]
     assert all(p.grad is None for p in frozen_params), "a frozen tensor got a gradient"
-    int8_state = [t for m in model.modules() for t in (getattr(getattr(m, "state", None), "SCB", None),
-                                                        getattr(getattr(m, "state", None), "CB", None),
-                                                        getattr(getattr(m, "weight", None), "SCB", None))
-                  if isinstance(t, torch.Tensor)]  # LLM.int8 row scales (CB aliases the int8 weight)
-    frozen = (frozen_params + [t for p in frozen_params for t in _quant_state_tensors(p)] + int8_state
-              + list(model.buffers()))
+    int8_state = [
+        t
+        for m in model.modules()
+        for t in (
+            getattr(getattr(m, "state", None), "SCB", None),
+            getattr(getattr(m, "state", None), "CB", None),
+            getattr(getattr(m, "weight", None), "SCB", None),
+        )
+        if isinstance(t, torch.Tensor)
+    ]  # LLM.int8 row scales (CB aliases the int8 weight)
+    frozen = (
+        frozen_params + [t for p in frozen_params for t in _quant_state_tensors(p)] + int8_state + list(model.buffers())
+    )
     fused_or_capturable = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
-    state = [v for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)
-             and (k != "step" or fused_or_capturable)]  # torch keeps the step scalar on the host otherwise
-    return Counted(total_parameters=logical,
-                   trainable_parameters=sum(p.numel() for p in trainable),
-                   frozen=_storages(frozen),
-                   adapter=_storages(trainable),
-                   gradients=_storages([p.grad for p in trainable]),
-                   optimizer=_storages(state))
+    state = [
+        v
+        for st in opt.state.values()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor) and (k != "step" or fused_or_capturable)
+    ]  # torch keeps the step scalar on the host otherwise
+    return Counted(
+        total_parameters=logical,
+        trainable_parameters=sum(p.numel() for p in trainable),
+        frozen=_storages(frozen),
+        adapter=_storages(trainable),
+        gradients=_storages([p.grad for p in trainable]),
+        optimizer=_storages(state),
+    )
 
 
 # -- the resolver --------------------------------------------------------------------------------------------
 
+
 def _document(case: Case, tmp: Path) -> str:
     method = dict(case.method)
-    lines = ["ledgerspec: ledger/v1", "identity:", f"  config_path: {CONFIGS / (case.config + '.json')}",
-             "method:", f"  kind: {'QLoRA' if case.quant else 'LoRA'}"]
+    lines = [
+        "ledgerspec: ledger/v1",
+        "identity:",
+        f"  config_path: {CONFIGS / (case.config + '.json')}",
+        "method:",
+        f"  kind: {'QLoRA' if case.quant else 'LoRA'}",
+    ]
     lines += [f"  {k}: {json.dumps(v)}" for k, v in method.items()]
     lines += ["base_model:", f"  loaded_dtype: {case.loaded}"]
     if case.prepare:
@@ -231,8 +316,10 @@ def _document(case: Case, tmp: Path) -> str:
         lines.append("  quantization: {type: int8, bits: 8}")
     elif case.quant:
         q = case.quant
-        lines.append(f"  quantization: {{type: {q['type']}, double_quant: {str(q['double_quant']).lower()}, "
-                     f"compute_dtype: bfloat16, storage_dtype: {q['storage_dtype']}}}")
+        lines.append(
+            f"  quantization: {{type: {q['type']}, double_quant: {str(q['double_quant']).lower()}, "
+            f"compute_dtype: bfloat16, storage_dtype: {q['storage_dtype']}}}"
+        )
     lines += ["adapter:", f"  dtype: {case.adapter}", "optimizer:", f"  name: {case.optimizer}"]
     if case.min_8bit_size is not None:
         lines.append(f"  min_8bit_size: {case.min_8bit_size}")
@@ -244,8 +331,14 @@ def test_resolver_equals_the_tensors_that_exist(case: Case, tmp_path: Path) -> N
     expected = count_real_stack(case, tmp_path)
     doc = from_text(_document(case, tmp_path), str(tmp_path / "ledger.yaml"))
     f = resolve(doc).figures
-    got = Counted(f.total_parameters, f.trainable_parameters, f.frozen_base_bytes, f.adapter_bytes,
-                  f.gradient_bytes, f.optimizer.device if f.optimizer else -1)
+    got = Counted(
+        f.total_parameters,
+        f.trainable_parameters,
+        f.frozen_base_bytes,
+        f.adapter_bytes,
+        f.gradient_bytes,
+        f.optimizer.device if f.optimizer else -1,
+    )
     assert got == expected
 
 

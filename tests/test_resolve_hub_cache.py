@@ -37,17 +37,22 @@ def _cache(root: Path) -> Path:
     return root / "hub"
 
 
-def _resolve(tmp_path: Path, model_id: str, *flags: str, endpoint: str | None = None
-             ) -> subprocess.CompletedProcess[str]:
+def _resolve(
+    tmp_path: Path, model_id: str, *flags: str, endpoint: str | None = None
+) -> subprocess.CompletedProcess[str]:
     intake = tmp_path / "x.intake.yaml"
     intake.write_text(INTAKE.format(model_id=model_id, rev=REV))
     env = {**os.environ, "HF_HUB_CACHE": str(_cache(tmp_path)), "HF_HOME": str(tmp_path / "home")}
     env.pop("HF_HUB_OFFLINE", None)
     if endpoint is not None:
         env["HF_ENDPOINT"] = endpoint
-    return subprocess.run([sys.executable, "-m", "ledgerspec", "resolve", str(intake), "-o",
-                           str(tmp_path / "x.ledger.yaml"), *flags], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ledgerspec", "resolve", str(intake), "-o", str(tmp_path / "x.ledger.yaml"), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow

@@ -14,13 +14,16 @@ from ledgerspec.derivations.optimizer_state import OPTIMIZERS, TensorShape, opti
 N = 4096 * 4096  # a Llama-2-7b q_proj weight
 
 
-@pytest.mark.parametrize(("double_quant", "storage", "expected"), [
-    # packed N/2 bytes + fp32 absmax per 64 + 16-entry fp32 code
-    (False, 1, N // 2 + (N // 64) * 4 + 64),
-    # packed + uint8 absmax per 64 + fp32 absmax per 256 blocks + 1 KiB map + 64 B code + 4 B offset
-    (True, 1, N // 2 + N // 64 + (N // 64 // 256) * 4 + 1024 + 64 + 4),
-    (True, 2, N // 2 + N // 64 + (N // 64 // 256) * 4 + 1024 + 64 + 4),  # bf16 storage: same bytes, even N
-])
+@pytest.mark.parametrize(
+    ("double_quant", "storage", "expected"),
+    [
+        # packed N/2 bytes + fp32 absmax per 64 + 16-entry fp32 code
+        (False, 1, N // 2 + (N // 64) * 4 + 64),
+        # packed + uint8 absmax per 64 + fp32 absmax per 256 blocks + 1 KiB map + 64 B code + 4 B offset
+        (True, 1, N // 2 + N // 64 + (N // 64 // 256) * 4 + 1024 + 64 + 4),
+        (True, 2, N // 2 + N // 64 + (N // 64 // 256) * 4 + 1024 + 64 + 4),  # bf16 storage: same bytes, even N
+    ],
+)
 def test_bnb4_bytes(double_quant: bool, storage: int, expected: int) -> None:
     assert bnb4_bytes(N, double_quant, storage).total == expected
 
@@ -39,16 +42,19 @@ LORA_A = TensorShape((16, 4096), 4)  # 65,536 elements, fp32
 TINY = TensorShape((16,), 4)  # under min_8bit_size
 
 
-@pytest.mark.parametrize(("name", "expected_device"), [
-    ("adamw_torch", 2 * 65536 * 4),  # step scalar on the host
-    ("adamw_torch_fused", 2 * 65536 * 4 + 4),
-    ("sgd", 0),
-    ("sgd_momentum", 65536 * 4),
-    ("adafactor", (16 + 4096) * 4 + 4),
-    ("adamw_8bit", 2 * (65536 + 256 * 4) + 2 * 1024),  # + shared dynamic/udynamic maps
-    ("paged_adamw_32bit", 2 * 65536 * 4),
-    ("lion_8bit", 65536 + 256 * 4 + 1024),
-])
+@pytest.mark.parametrize(
+    ("name", "expected_device"),
+    [
+        ("adamw_torch", 2 * 65536 * 4),  # step scalar on the host
+        ("adamw_torch_fused", 2 * 65536 * 4 + 4),
+        ("sgd", 0),
+        ("sgd_momentum", 65536 * 4),
+        ("adafactor", (16 + 4096) * 4 + 4),
+        ("adamw_8bit", 2 * (65536 + 256 * 4) + 2 * 1024),  # + shared dynamic/udynamic maps
+        ("paged_adamw_32bit", 2 * 65536 * 4),
+        ("lion_8bit", 65536 + 256 * 4 + 1024),
+    ],
+)
 def test_state_bytes(name: str, expected_device: int) -> None:
     spec = optimizer_spec(name)
     assert spec is not None

@@ -53,7 +53,7 @@ def expectations(path: Path) -> list[Expected]:
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if "#" not in line:
             continue
-        comment = line[line.index("#"):] if "expect:" in line else ""
+        comment = line[line.index("#") :] if "expect:" in line else ""
         for m in EXPECT_RE.finditer(comment):
             out.append(Expected(m.group("rule"), m.group("severity"), m.group("pointer"), n))
     return out
@@ -149,8 +149,26 @@ def test_registry_entry_is_complete(rule) -> None:  # type: ignore[no-untyped-de
 
 
 def test_catalogue_holds_the_spec_minimum_set() -> None:
-    spec = {"LS001", "LS002", "LS003", "LS004", "LS010", "LS011", "LS020", "LS021", "LS022", "LS030", "LS031",
-            "LS040", "LS041", "LS042", "LS050", "LS060", "LS070", "LS080"}
+    spec = {
+        "LS001",
+        "LS002",
+        "LS003",
+        "LS004",
+        "LS010",
+        "LS011",
+        "LS020",
+        "LS021",
+        "LS022",
+        "LS030",
+        "LS031",
+        "LS040",
+        "LS041",
+        "LS042",
+        "LS050",
+        "LS060",
+        "LS070",
+        "LS080",
+    }
     assert spec <= {r.id for r in all_rules()}
 
 
@@ -167,18 +185,29 @@ def test_naive_article_gradients_message_says_the_frozen_base_was_counted() -> N
 
 # -- LS090: the article's shortcuts in English and in the audited article's Russian ----------------------------------
 
-@pytest.mark.parametrize(("note", "shortcut"), [
-    ("subtotal x 1.10", "overhead"), ("1.1x subtotal", "overhead"), ("subtotal + 10% overhead", "overhead"),
-    ("сумма компонентов + 10% запаса", "overhead"),
-    ("14B params x 0.5 byte", "0.5 byte"), ("0,5 байта на параметр", "0.5 byte"), ("params / 2", "0.5 byte"),
-    ("half a byte per parameter", "0.5 byte"),
-    ("rank x alpha", "rank x alpha"),
-    ("80 GB / 2 GPUs", "VRAM / N"), ("80GB/4", "VRAM / N"),
-    ("Adam8bit is 25% of Adam", "8-bit Adam"), ("8-bit Adam is a quarter of Adam", "8-bit Adam"),
-    ("checkpointing -30%", "checkpointing"), ("checkpointing saves 30%", "checkpointing"),
-    ("градиентный чекпоинтинг экономит 30%", "checkpointing"),
-    ("accumulation = activation batch", "accumulation"),
-])
+
+@pytest.mark.parametrize(
+    ("note", "shortcut"),
+    [
+        ("subtotal x 1.10", "overhead"),
+        ("1.1x subtotal", "overhead"),
+        ("subtotal + 10% overhead", "overhead"),
+        ("сумма компонентов + 10% запаса", "overhead"),
+        ("14B params x 0.5 byte", "0.5 byte"),
+        ("0,5 байта на параметр", "0.5 byte"),
+        ("params / 2", "0.5 byte"),
+        ("half a byte per parameter", "0.5 byte"),
+        ("rank x alpha", "rank x alpha"),
+        ("80 GB / 2 GPUs", "VRAM / N"),
+        ("80GB/4", "VRAM / N"),
+        ("Adam8bit is 25% of Adam", "8-bit Adam"),
+        ("8-bit Adam is a quarter of Adam", "8-bit Adam"),
+        ("checkpointing -30%", "checkpointing"),
+        ("checkpointing saves 30%", "checkpointing"),
+        ("градиентный чекпоинтинг экономит 30%", "checkpointing"),
+        ("accumulation = activation batch", "accumulation"),
+    ],
+)
 def test_ls090_recognises_the_shortcut(note: str, shortcut: str) -> None:
     from ledgerspec.checks.rules import SHORTCUTS
 
@@ -186,15 +215,18 @@ def test_ls090_recognises_the_shortcut(note: str, shortcut: str) -> None:
     assert hits and shortcut in hits[0], (note, hits)
 
 
-@pytest.mark.parametrize("note", [
-    "measured at batch x 1.5",  # a factor with no subtotal/overhead in sight
-    "bitsandbytes nf4: packed uint8 (numel / 2) + fp32 absmax per 64-element block",
-    "2 x zeros_like(param), 8,388,608 fp32 values",
-    "32 layers x 2 targets x 16 x (4096 + 4096) x 4 B",
-    "peak of 1.5 GiB at step 3",
-    "rank 16, alpha 32",
-    "8-bit AdamW: 2 x uint8 blockwise + fp32 absmax per 256 values",
-])
+@pytest.mark.parametrize(
+    "note",
+    [
+        "measured at batch x 1.5",  # a factor with no subtotal/overhead in sight
+        "bitsandbytes nf4: packed uint8 (numel / 2) + fp32 absmax per 64-element block",
+        "2 x zeros_like(param), 8,388,608 fp32 values",
+        "32 layers x 2 targets x 16 x (4096 + 4096) x 4 B",
+        "peak of 1.5 GiB at step 3",
+        "rank 16, alpha 32",
+        "8-bit AdamW: 2 x uint8 blockwise + fp32 absmax per 256 values",
+    ],
+)
 def test_ls090_leaves_derivations_alone(note: str) -> None:
     from ledgerspec.checks.rules import SHORTCUTS
 

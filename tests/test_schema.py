@@ -23,7 +23,8 @@ from ledgerspec.contract.schema import SCHEMA_FILES, load_schema
 SCHEMA_DIR = REPO_ROOT / "schema"
 NAMES = sorted(SCHEMA_FILES)
 CHECK_JSONSCHEMA = shutil.which("check-jsonschema", path=str(Path(sys.executable).parent)) or shutil.which(
-    "check-jsonschema")
+    "check-jsonschema"
+)
 
 
 def _committed(name: str) -> str:
@@ -87,8 +88,13 @@ def _check_jsonschema(schema: str, *files: Path) -> subprocess.CompletedProcess[
     assert CHECK_JSONSCHEMA, "check-jsonschema is a [dev] dependency"
     # a dead proxy: the schema's relative $ref must resolve from the file itself, never over the network
     env = {**os.environ, "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
-    return subprocess.run([CHECK_JSONSCHEMA, "--no-cache", "--schemafile", str(SCHEMA_DIR / schema),
-                           *map(str, files)], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [CHECK_JSONSCHEMA, "--no-cache", "--schemafile", str(SCHEMA_DIR / schema), *map(str, files)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize(("kind", "schema"), [("ledger", "ledger.v1.json"), ("intake", "intake.v1.json")])
@@ -140,8 +146,12 @@ def test_cli_schema_defaults_to_ledger(cli: CliRunner) -> None:
 @pytest.mark.slow
 def test_schema_ships_inside_the_wheel(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels),
-                           str(REPO_ROOT)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(REPO_ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if proc.returncode != 0 and "hatchling" in proc.stderr and "No matching distribution" in proc.stderr:
         pytest.skip("no package index to fetch the build backend from")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -154,12 +164,15 @@ def test_schema_ships_inside_the_wheel(tmp_path: Path) -> None:
         zf.extractall(tmp_path / "site")
     # import the installed copy (not this checkout) and load every schema through the public function
     site = tmp_path / "site"
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import ledgerspec; "
-            "from ledgerspec.contract.schema import load_schema, schema_dir; "
-            "assert ledgerspec.__file__.startswith(sys.argv[1]), ledgerspec.__file__; "
-            "print(json.dumps([str(schema_dir()), [load_schema(n)['$id'] for n in ('ledger', 'intake', 'defs')]]))")
-    run = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=60)
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import ledgerspec; "
+        "from ledgerspec.contract.schema import load_schema, schema_dir; "
+        "assert ledgerspec.__file__.startswith(sys.argv[1]), ledgerspec.__file__; "
+        "print(json.dumps([str(schema_dir()), [load_schema(n)['$id'] for n in ('ledger', 'intake', 'defs')]]))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(site)], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
     assert run.returncode == 0, run.stderr
     where, ids = json.loads(run.stdout)
     assert where == str(site / "ledgerspec" / "_schema")

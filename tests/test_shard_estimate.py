@@ -23,24 +23,32 @@ from tests.conftest import run_cli
 DATA = Path(__file__).parent / "data" / "sharding"
 LEDGER = "tiny-lora.ledger.yaml"
 #: the LoRA ledger turned into QLoRA: bf16 base quantized to nf4 (double quant) with bf16 quant storage
-QLORA_EDITS = [("kind: LoRA", "kind: QLoRA"),
-               ("  loaded_dtype: float32\n  quantized: false\n",
-                "  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, bits: 4, storage_dtype: "
-                "bfloat16, double_quant: true, compute_dtype: bfloat16}\n")]
+QLORA_EDITS = [
+    ("kind: LoRA", "kind: QLoRA"),
+    (
+        "  loaded_dtype: float32\n  quantized: false\n",
+        "  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, bits: 4, storage_dtype: "
+        "bfloat16, double_quant: true, compute_dtype: bfloat16}\n",
+    ),
+]
 
 
 def _desc(name: str, shape: tuple[int, ...]) -> S.ParamDesc:
     return S.ParamDesc(name, shape, "float32", True)
 
 
-@pytest.mark.parametrize(("shapes", "world", "groups"), [
-    ([(8, 4), (6,)], 2, {0: [0, 1]}),  # even rows: every rank holds the same bytes
-    ([(1001, 72), (6,)], 2, {0: [0], 1: [1]}),  # 501 + 500 rows
-    ([(5, 72)], 3, {0: [0, 1], 2: [2]}),  # chunks of 2, 2, 1
-    ([(2, 4)], 4, {0: [0, 1], 2: [2, 3]}),  # torch.chunk leaves ranks 2 and 3 empty
-])
-def test_ranks_with_the_same_rows_share_one_simulation(shapes: list[tuple[int, ...]], world: int,
-                                                       groups: dict[int, list[int]]) -> None:
+@pytest.mark.parametrize(
+    ("shapes", "world", "groups"),
+    [
+        ([(8, 4), (6,)], 2, {0: [0, 1]}),  # even rows: every rank holds the same bytes
+        ([(1001, 72), (6,)], 2, {0: [0], 1: [1]}),  # 501 + 500 rows
+        ([(5, 72)], 3, {0: [0, 1], 2: [2]}),  # chunks of 2, 2, 1
+        ([(2, 4)], 4, {0: [0, 1], 2: [2, 3]}),  # torch.chunk leaves ranks 2 and 3 empty
+    ],
+)
+def test_ranks_with_the_same_rows_share_one_simulation(
+    shapes: list[tuple[int, ...]], world: int, groups: dict[int, list[int]]
+) -> None:
     assert rank_groups([_desc(f"p{i}", s) for i, s in enumerate(shapes)], world) == groups
 
 
@@ -80,8 +88,11 @@ def test_each_rank_is_simulated_with_its_own_rows(estimated: dict[str, Any]) -> 
     r0, r1 = estimated["result"].estimate.ranks
     assert r0.simulated_as == 0 and r1.simulated_as == 1
     # rank 0 owns more rows (501 of 1001, 3 of 5 ...): more optimizer state, and more step temporaries on top
-    assert r0.phases["optimizer_step_peak"] - r1.phases["optimizer_step_peak"] >= (
-        estimated["plan"].ranks[0].optimizer - estimated["plan"].ranks[1].optimizer) > 0
+    assert (
+        r0.phases["optimizer_step_peak"] - r1.phases["optimizer_step_peak"]
+        >= (estimated["plan"].ranks[0].optimizer - estimated["plan"].ranks[1].optimizer)
+        > 0
+    )
 
 
 def test_compute_holds_gathered_units_and_unsharded_activations(estimated: dict[str, Any]) -> None:
@@ -95,8 +106,7 @@ def test_compute_holds_gathered_units_and_unsharded_activations(estimated: dict[
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lora", "qlora"])
 @pytest.mark.parametrize("reshard", ["true", "false", None])
-def test_per_rank_activations_are_the_single_device_activations(tmp_path: Path, reshard: str | None,
-                                                                kind: str) -> None:
+def test_per_rank_activations_are_the_single_device_activations(tmp_path: Path, reshard: str | None, kind: str) -> None:
     """FSDP2 shards parameters, not activations: a rank's microbatch holds what one device's does. Gathered layers
     are freed by resizing their storage to 0 (no tensor op): a tracker that missed it counted every layer's
     weights as activations. QLoRA: the 4-bit layers save nothing but their (gathered, frozen) packed weight."""
@@ -136,11 +146,14 @@ def test_does_not_fit_exits_1_and_still_writes(tmp_path: Path) -> None:
     assert all(r["oom_phase"] == "forward_peak" for r in block["ranks"])
 
 
-@pytest.mark.parametrize(("ledger", "args", "message"), [
-    (LEDGER, ["--device-memory", "24GiB"], "need --estimate"),
-    (LEDGER, ["--estimate", "--device-memory", "lots"], "--device-memory"),
-    ("tiny-qlora-uint8-storage.ledger.yaml", ["--estimate"], "bnb_4bit_quant_storage = bfloat16"),
-])
+@pytest.mark.parametrize(
+    ("ledger", "args", "message"),
+    [
+        (LEDGER, ["--device-memory", "24GiB"], "need --estimate"),
+        (LEDGER, ["--estimate", "--device-memory", "lots"], "--device-memory"),
+        ("tiny-qlora-uint8-storage.ledger.yaml", ["--estimate"], "bnb_4bit_quant_storage = bfloat16"),
+    ],
+)
 def test_refusals_change_nothing(tmp_path: Path, ledger: str, args: list[str], message: str) -> None:
     path = _copy(tmp_path, ledger)
     before = path.read_bytes()
@@ -185,8 +198,12 @@ def _fsdp_layouts(doc: Any, workload_class: Any, rank: int) -> dict[str, tuple[A
             module = fp._module_info.module
             if fp._module_info.param_name == "weight" and tuple(fp._orig_size)[1:] == (1,):
                 layouts[f"{names[id(module)]}.weight"] = (
-                    (module.out_features, module.in_features), tuple(fp._orig_size),
-                    tuple(fp.padded_sharded_param_size), int(fp.sharded_size[0]), fp.sharded_param.dtype)
+                    (module.out_features, module.in_features),
+                    tuple(fp._orig_size),
+                    tuple(fp.padded_sharded_param_size),
+                    int(fp.sharded_size[0]),
+                    fp.sharded_param.dtype,
+                )
     return layouts
 
 
@@ -206,8 +223,12 @@ def test_qlora_fake_packed_weights_are_sharded_as_the_measured_ones(tmp_path: Pa
     real = _fsdp_layouts(doc, Workload, rank)
     assert len(fake) == 2 * 7 and fake == real  # q/k/v/o/gate/up/down of 2 layers
     for (out, inp), full, padded, rows, dtype in fake.values():
-        data, _ = bnbf.quantize_4bit(torch.zeros(out, inp, dtype=torch.bfloat16), compress_statistics=True,
-                                     quant_type="nf4", quant_storage=torch.bfloat16)
+        data, _ = bnbf.quantize_4bit(
+            torch.zeros(out, inp, dtype=torch.bfloat16),
+            compress_statistics=True,
+            quant_type="nf4",
+            quant_storage=torch.bfloat16,
+        )
         assert full == tuple(data.shape) and dtype == data.dtype == torch.bfloat16
         assert padded == (-(-full[0] // 2), 1)
         assert rows == S.chunk_rows(full[0], 2)[rank]

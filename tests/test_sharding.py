@@ -35,8 +35,9 @@ def test_torch_chunk_can_leave_a_rank_empty() -> None:
     assert S.chunk_rows(5, 4) == [2, 2, 1, 0]
 
 
-def _p(name: str, shape: tuple[int, ...], trainable: bool, unit: str = S.ROOT, dtype: str = "float32",
-       kind: str = "param") -> S.ParamDesc:
+def _p(
+    name: str, shape: tuple[int, ...], trainable: bool, unit: str = S.ROOT, dtype: str = "float32", kind: str = "param"
+) -> S.ParamDesc:
     return S.ParamDesc(name, shape, dtype, trainable, unit, kind)
 
 
@@ -59,8 +60,13 @@ def test_fused_adam_keeps_step_on_device() -> None:
 
 
 def test_fsdp2_gathered_units_follow_reshard_after_forward() -> None:
-    params = [_p("emb", (10, 4), False), _p("l0.w", (6, 4), False, "l0"), _p("l1.w", (9, 4), False, "l1"),
-              _p("l1.a", (3, 4), True, "l1"), _p("inv_freq", (2,), False, kind="buffer")]
+    params = [
+        _p("emb", (10, 4), False),
+        _p("l0.w", (6, 4), False, "l0"),
+        _p("l1.w", (9, 4), False, "l1"),
+        _p("l1.a", (3, 4), True, "l1"),
+        _p("inv_freq", (2,), False, kind="buffer"),
+    ]
     # unsharded bytes per unit on 2 ranks: W * ceil(d0/W) * row * 4
     root, l0, l1 = 2 * 5 * 4 * 4, 2 * 3 * 4 * 4, 2 * 5 * 4 * 4 + 2 * 2 * 4 * 4
     assert S.unit_unsharded_bytes(params, 2) == {S.ROOT: root, "l0": l0, "l1": l1}
@@ -85,10 +91,17 @@ def test_zero_stages_by_hand() -> None:
     assert (o3.device_total, o3.host) == (0, 202 + 26 + 250 + 26)
 
 
-@pytest.mark.parametrize(("storage", "loaded", "ok"), [
-    ("bfloat16", "bfloat16", True), ("bf16", "bfloat16", True), ("float16", "fp16", True),
-    ("uint8", "bfloat16", False), ("float32", "bfloat16", False), (None, "bfloat16", False),
-])
+@pytest.mark.parametrize(
+    ("storage", "loaded", "ok"),
+    [
+        ("bfloat16", "bfloat16", True),
+        ("bf16", "bfloat16", True),
+        ("float16", "fp16", True),
+        ("uint8", "bfloat16", False),
+        ("float32", "bfloat16", False),
+        (None, "bfloat16", False),
+    ],
+)
 def test_qlora_needs_quant_storage_equal_to_float_dtype(storage: str | None, loaded: str, ok: bool) -> None:
     why = S.qlora_shardable(storage, loaded)
     assert (why is None) == ok
@@ -113,6 +126,7 @@ def test_fsdp2_rejects_optimizers_without_elementwise_state() -> None:
 
 
 # -- the command -----------------------------------------------------------------------------------------
+
 
 def _copy(tmp_path: Path, name: str) -> Path:
     shutil.copytree(DATA / "tiny", tmp_path / "tiny")

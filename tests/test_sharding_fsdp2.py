@@ -35,9 +35,19 @@ CASES = [
 
 def _run_probe(ledger: str, nproc: int, reshard: str, out: Path) -> list[dict[str, Any]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "ledgerspec.derivations.sharding_probe", str(DATA / ledger), str(out),
-           "--reshard-after-forward", reshard]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "ledgerspec.derivations.sharding_probe",
+        str(DATA / ledger),
+        str(out),
+        "--reshard-after-forward",
+        reshard,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
@@ -69,8 +79,12 @@ def test_same_parameters_as_the_meta_model(case: dict[str, Any]) -> None:
 
 def test_uneven_shapes_are_really_padded(case: dict[str, Any]) -> None:
     """The case is meaningful: some rank holds fewer rows than it allocates."""
-    padded = [name for r in case["ranks"] for name, p in r["params"].items()
-              if p["local_rows"] < -(-p["shape"][0] // case["world"])]
+    padded = [
+        name
+        for r in case["ranks"]
+        for name, p in r["params"].items()
+        if p["local_rows"] < -(-p["shape"][0] // case["world"])
+    ]
     assert padded
 
 
@@ -97,7 +111,12 @@ def test_rank_totals_exact(case: dict[str, Any]) -> None:
         moments = sum(v for p in params for k, v in p["optimizer_state_bytes"].items() if k != "step")
         steps = sum(p["optimizer_state_bytes"].get("step", 0) for p in params)
         assert (calc.frozen_base, calc.adapter, calc.gradients, calc.optimizer, calc.optimizer_host) == (
-            frozen, adapter, real["grads_bytes"], moments, steps), f"rank {real['rank']}"
+            frozen,
+            adapter,
+            real["grads_bytes"],
+            moments,
+            steps,
+        ), f"rank {real['rank']}"
 
 
 def test_gathered_parameters_during_compute_exact(case: dict[str, Any]) -> None:

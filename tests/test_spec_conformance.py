@@ -38,38 +38,125 @@ from tests.test_ladder import DELETE, calc, candidate, measured, status_of, vali
 #: "Sections of ledger/v1": section -> keys; nested objects as dicts
 SPEC_LEDGER: dict[str, Any] = {
     "identity": ["model_id", "revision", "config_path", "config_sha256", "architecture", "total_parameters"],
-    "software": ["torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "cuda", "rocm", "driver",
-                 "attention_implementation", "kernel_backend", "gpu_name"],
-    "method": ["kind", "rank", "rank_pattern", "alpha", "alpha_pattern", "dropout", "target_modules",
-               "target_parameters", "bias", "modules_to_save", "use_dora", "trainable_parameters"],
-    "base_model": ["loaded_dtype", "quantized", "prepare_for_kbit_training",
-                   {"quantization": ["type", "bits", "storage_dtype", "double_quant", "compute_dtype", "blocksize",
-                                     "skip_modules"]}],
+    "software": [
+        "torch",
+        "transformers",
+        "peft",
+        "trl",
+        "bitsandbytes",
+        "accelerate",
+        "cuda",
+        "rocm",
+        "driver",
+        "attention_implementation",
+        "kernel_backend",
+        "gpu_name",
+    ],
+    "method": [
+        "kind",
+        "rank",
+        "rank_pattern",
+        "alpha",
+        "alpha_pattern",
+        "dropout",
+        "target_modules",
+        "target_parameters",
+        "bias",
+        "modules_to_save",
+        "use_dora",
+        "trainable_parameters",
+    ],
+    "base_model": [
+        "loaded_dtype",
+        "quantized",
+        "prepare_for_kbit_training",
+        {
+            "quantization": [
+                "type",
+                "bits",
+                "storage_dtype",
+                "double_quant",
+                "compute_dtype",
+                "blocksize",
+                "skip_modules",
+            ]
+        },
+    ],
     "adapter": ["dtype"],
-    "workload": ["max_length", "sequence_p50", "sequence_p95", "packing", "packing_strategy", "padding_free",
-                 "microbatch", "gradient_accumulation", "dp_world_size", "global_batch"],
+    "workload": [
+        "max_length",
+        "sequence_p50",
+        "sequence_p95",
+        "packing",
+        "packing_strategy",
+        "padding_free",
+        "microbatch",
+        "gradient_accumulation",
+        "dp_world_size",
+        "global_batch",
+    ],
     "gradients": ["parameters", "dtype"],
     "optimizer": ["name", "optimized_parameters", "state_format", "bits", "paged", "min_8bit_size"],
-    "memory_options": ["gradient_checkpointing", "checkpointing_kind", "activation_offload", "offload_mode",
-                       "cpu_offload", "sharding"],
-    "parallelism": ["gpu_count", "strategy", "parameter_placement", "gradient_placement", "optimizer_placement",
-                    "cpu_offload", "reshard_after_forward", "per_rank_peak"],
+    "memory_options": [
+        "gradient_checkpointing",
+        "checkpointing_kind",
+        "activation_offload",
+        "offload_mode",
+        "cpu_offload",
+        "sharding",
+    ],
+    "parallelism": [
+        "gpu_count",
+        "strategy",
+        "parameter_placement",
+        "gradient_placement",
+        "optimizer_placement",
+        "cpu_offload",
+        "reshard_after_forward",
+        "per_rank_peak",
+    ],
     "ledger": ["frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary", "calculated_subtotal"],
-    "phases": ["after_load", "after_adapter_injection", "after_optimizer_init", "forward_peak", "backward_peak",
-               "optimizer_step_peak", "steady_state_peak"],
+    "phases": [
+        "after_load",
+        "after_adapter_injection",
+        "after_optimizer_init",
+        "forward_peak",
+        "backward_peak",
+        "optimizer_step_peak",
+        "steady_state_peak",
+    ],
     "metrics": ["peak_allocated", "peak_reserved", "device_peak", "host_peak", "step_time_s"],
     "comparison": ["calculated_subtotal", "measured_peak", "difference", "known_explanation"],
     "measurement": ["device", "device_name", "device_memory", "steps", "repeats", "protocol", "date", "command"],
     "result": ["oom", "oom_phase", {"target_device": ["name", "memory"]}, "candidate_configuration", "fits"],
-    "triage": ["phase",
-               {"controlled_tests": ["microbatch_reduced", "sequence_reduced", "checkpointing_changed",
-                                     "optimizer_changed"]},
-               {"hypothesis": ["base_residency", "activations", "gradients", "optimizer", "temporary_runtime",
-                               "allocator", "unknown"]}],
+    "triage": [
+        "phase",
+        {"controlled_tests": ["microbatch_reduced", "sequence_reduced", "checkpointing_changed", "optimizer_changed"]},
+        {
+            "hypothesis": [
+                "base_residency",
+                "activations",
+                "gradients",
+                "optimizer",
+                "temporary_runtime",
+                "allocator",
+                "unknown",
+            ]
+        },
+    ],
 }
 SPEC_TOP = ["ledgerspec", "status", "title", "notes"]
-SPEC_INTAKE_SECTIONS = ["identity", "software", "method", "base_model", "adapter", "workload", "optimizer",
-                        "memory_options", "parallelism"]
+SPEC_INTAKE_SECTIONS = [
+    "identity",
+    "software",
+    "method",
+    "base_model",
+    "adapter",
+    "workload",
+    "optimizer",
+    "memory_options",
+    "parallelism",
+]
 SPEC_PILOT = ["peak_allocated", "peak_reserved", "device_peak", "oom_phase"]
 #: "Memory figures (everything in ledger, phases, metrics, comparison) must carry a source"
 FIGURE_SECTIONS = ("ledger", "phases", "metrics", "comparison")
@@ -77,10 +164,24 @@ SPEC_SOURCES = ["MEASURED", "VERIFIED", "CALCULATED", "ASSUMPTION", "CONFIGURATI
 SPEC_STATUSES = ["INSUFFICIENT DATA", "CALCULATED", "CANDIDATE", "VALIDATED"]
 #: "Rule catalogue": id -> severity as the spec writes it
 SPEC_RULES = {
-    "LS001": "error", "LS002": "info", "LS003": "error / warning", "LS004": "warning", "LS010": "error",
-    "LS011": "warning", "LS020": "error", "LS021": "warning", "LS022": "error", "LS030": "error", "LS031": "error",
-    "LS040": "error", "LS041": "warning", "LS042": "warning", "LS050": "error when measured, else info",
-    "LS060": "error when measured, else warning", "LS070": "error", "LS080": "error",
+    "LS001": "error",
+    "LS002": "info",
+    "LS003": "error / warning",
+    "LS004": "warning",
+    "LS010": "error",
+    "LS011": "warning",
+    "LS020": "error",
+    "LS021": "warning",
+    "LS022": "error",
+    "LS030": "error",
+    "LS031": "error",
+    "LS040": "error",
+    "LS041": "warning",
+    "LS042": "warning",
+    "LS050": "error when measured, else info",
+    "LS060": "error when measured, else warning",
+    "LS070": "error",
+    "LS080": "error",
 }
 #: the YAML 1.1 boolean words (yaml.org/type/bool.html): a YAML 1.1 reader turns these, bare, into booleans
 YAML11_BOOLS = ("y", "Y", "yes", "Yes", "YES", "n", "N", "no", "No", "NO", "on", "On", "ON", "off", "Off", "OFF")
@@ -124,11 +225,21 @@ def tmp() -> Iterator[Path]:
 
 # -- Document kinds ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("header", "kind"), [
-    ("ledger/v1", "ledger"), ("intake/v1", "intake"), ("ledger/v2", None), ("intake/v0", None), ("budget/v1", None),
-    ("ledger", None), (None, None)])
+
+@pytest.mark.parametrize(
+    ("header", "kind"),
+    [
+        ("ledger/v1", "ledger"),
+        ("intake/v1", "intake"),
+        ("ledger/v2", None),
+        ("intake/v0", None),
+        ("budget/v1", None),
+        ("ledger", None),
+        (None, None),
+    ],
+)
 def test_header_names_kind_and_version(header: str | None, kind: str | None) -> None:
-    """"Every document starts with a header key `ledgerspec:` whose value is `KIND/vVERSION`: intake/v1, ledger/v1"."""
+    """ "Every document starts with a header key `ledgerspec:` whose value is `KIND/vVERSION`: intake/v1, ledger/v1"."""
     data: dict[str, Any] = {"title": "t"} if header is None else {"ledgerspec": header, "title": "t"}
     report = validate(doc_of(data))
     assert report.kind == kind
@@ -138,19 +249,26 @@ def test_header_names_kind_and_version(header: str | None, kind: str | None) -> 
         assert report.ok, report.findings
 
 
-@pytest.mark.parametrize(("kind", "data", "where"), [
-    ("ledger", {"bogus": 1}, "/bogus"),
-    ("intake", {"bogus": 1}, "/bogus"),
-    ("ledger", {"identity": {"modelid": "x"}}, "/identity/modelid"),
-    ("ledger", {"base_model": {"quantization": {"kind": "nf4"}}}, "/base_model/quantization/kind"),
-    ("ledger", {"result": {"target_device": {"size": "24GB"}}}, "/result/target_device/size"),
-    ("ledger", {"triage": {"controlled_tests": {"batch_reduced": "PASS"}}}, "/triage/controlled_tests/batch_reduced"),
-    ("ledger", {"ledger": {"adapter": {"value": 1, "source": "MEASURED", "comment": "x"}}}, "/ledger/adapter"),
-    ("intake", {"ledger": {"adapter": {"value": 1, "source": "MEASURED"}}}, "/ledger"),  # a ledger-only section
-    ("ledger", {"pilot": {"peak_allocated": {"value": 1, "source": "MEASURED"}}}, "/pilot"),  # an intake-only one
-])
+@pytest.mark.parametrize(
+    ("kind", "data", "where"),
+    [
+        ("ledger", {"bogus": 1}, "/bogus"),
+        ("intake", {"bogus": 1}, "/bogus"),
+        ("ledger", {"identity": {"modelid": "x"}}, "/identity/modelid"),
+        ("ledger", {"base_model": {"quantization": {"kind": "nf4"}}}, "/base_model/quantization/kind"),
+        ("ledger", {"result": {"target_device": {"size": "24GB"}}}, "/result/target_device/size"),
+        (
+            "ledger",
+            {"triage": {"controlled_tests": {"batch_reduced": "PASS"}}},
+            "/triage/controlled_tests/batch_reduced",
+        ),
+        ("ledger", {"ledger": {"adapter": {"value": 1, "source": "MEASURED", "comment": "x"}}}, "/ledger/adapter"),
+        ("intake", {"ledger": {"adapter": {"value": 1, "source": "MEASURED"}}}, "/ledger"),  # a ledger-only section
+        ("ledger", {"pilot": {"peak_allocated": {"value": 1, "source": "MEASURED"}}}, "/pilot"),  # an intake-only one
+    ],
+)
 def test_unknown_keys_are_errors(kind: str, data: dict[str, Any], where: str) -> None:
-    """"Unknown top-level keys are errors (typos must not pass silently)" (and unknown keys below them)."""
+    """ "Unknown top-level keys are errors (typos must not pass silently)" (and unknown keys below them)."""
     found = errors(doc_of({"ledgerspec": f"{kind}/v1", **data}))
     assert ("schema", where) in found, found
 
@@ -168,11 +286,18 @@ X_CASES: list[dict[str, Any]] = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "data"), [
-    (kind, d) for kind in ("ledger", "intake") for d in X_CASES
-    if kind == "ledger" or not set(d) & {"ledger", "result", "triage"}], ids=lambda x: json.dumps(x)[:60])
+@pytest.mark.parametrize(
+    ("kind", "data"),
+    [
+        (kind, d)
+        for kind in ("ledger", "intake")
+        for d in X_CASES
+        if kind == "ledger" or not set(d) & {"ledger", "result", "triage"}
+    ],
+    ids=lambda x: json.dumps(x)[:60],
+)
 def test_x_keys_are_allowed_anywhere(kind: str, data: dict[str, Any]) -> None:
-    """"`x-` prefixed keys are allowed anywhere for extensions"."""
+    """ "`x-` prefixed keys are allowed anywhere for extensions"."""
     assert errors(doc_of({"ledgerspec": f"{kind}/v1", **data})) == []
 
 
@@ -182,18 +307,28 @@ def test_x_keys_in_pattern_maps_are_not_passed_to_peft_as_module_patterns() -> N
     pytest.importorskip("peft")
     from ledgerspec.derivations.build import lora_config
 
-    doc = doc_of(nest(("method",), {"kind": "LoRA", "rank": 8, "target_modules": ["q_proj"],
-                                    "rank_pattern": {"q_proj": 4, "x-why": "attention"},
-                                    "alpha_pattern": {"q_proj": 8, "x-why": 1}}))
+    doc = doc_of(
+        nest(
+            ("method",),
+            {
+                "kind": "LoRA",
+                "rank": 8,
+                "target_modules": ["q_proj"],
+                "rank_pattern": {"q_proj": 4, "x-why": "attention"},
+                "alpha_pattern": {"q_proj": 8, "x-why": 1},
+            },
+        )
+    )
     config = lora_config(doc)
     assert dict(config.rank_pattern) == {"q_proj": 4} and dict(config.alpha_pattern) == {"q_proj": 8}
 
 
 # -- Value forms and provenance ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", SPEC_LEAVES, ids=".".join)
 def test_every_field_takes_the_unknown_forms(path: tuple[str, ...]) -> None:
-    """"Any field may be written in one of three forms: ... the word `UNKNOWN` (also accepted: `{source: UNKNOWN}`)";
+    """ "Any field may be written in one of three forms: ... the word `UNKNOWN` (also accepted: `{source: UNKNOWN}`)";
     CONFIGURATION-SPECIFIC "counts as unknown"."""
     for form in ("UNKNOWN", {"source": "UNKNOWN"}, "CONFIGURATION-SPECIFIC", {"source": "CONFIGURATION-SPECIFIC"}):
         doc = doc_of(nest(path, form))
@@ -203,20 +338,28 @@ def test_every_field_takes_the_unknown_forms(path: tuple[str, ...]) -> None:
 
 #: a plain value of the right type for a sample of fields of each kind, for the long form
 PLAIN_SAMPLES = [
-    (("identity", "model_id"), "meta-llama/Llama-2-7b-hf"), (("identity", "total_parameters"), 6738415616),
-    (("method", "rank"), 16), (("method", "alpha"), 32), (("method", "kind"), "QLoRA"),
-    (("method", "target_modules"), ["q_proj", "v_proj"]), (("method", "rank_pattern"), {"q_proj": 8}),
-    (("workload", "packing"), True), (("base_model", "quantization", "double_quant"), "ON"),
-    (("memory_options", "sharding"), "fsdp2"), (("parallelism", "per_rank_peak"), ["10GiB", 1024]),
-    (("ledger", "frozen_base"), "12.5 GiB"), (("metrics", "step_time_s"), 1.25),
-    (("measurement", "device_memory"), "80GB"), (("result", "oom_phase"), "backward"),
+    (("identity", "model_id"), "meta-llama/Llama-2-7b-hf"),
+    (("identity", "total_parameters"), 6738415616),
+    (("method", "rank"), 16),
+    (("method", "alpha"), 32),
+    (("method", "kind"), "QLoRA"),
+    (("method", "target_modules"), ["q_proj", "v_proj"]),
+    (("method", "rank_pattern"), {"q_proj": 8}),
+    (("workload", "packing"), True),
+    (("base_model", "quantization", "double_quant"), "ON"),
+    (("memory_options", "sharding"), "fsdp2"),
+    (("parallelism", "per_rank_peak"), ["10GiB", 1024]),
+    (("ledger", "frozen_base"), "12.5 GiB"),
+    (("metrics", "step_time_s"), 1.25),
+    (("measurement", "device_memory"), "80GB"),
+    (("result", "oom_phase"), "backward"),
     (("triage", "controlled_tests", "sequence_reduced"), "FAIL"),
 ]
 
 
 @pytest.mark.parametrize(("path", "plain"), PLAIN_SAMPLES, ids=[".".join(p) for p, _ in PLAIN_SAMPLES])
 def test_plain_and_long_form_carry_the_same_value(path: tuple[str, ...], plain: Any) -> None:
-    """"1. a plain value: `rank: 16` (a declared configuration input); 3. the long form `{value: V, source: S,
+    """ "1. a plain value: `rank: 16` (a declared configuration input); 3. the long form `{value: V, source: S,
     note: "...", method: "..."}`"."""
     if path[-1] == "per_rank_peak":
         long: Any = [{"value": v, "source": "MEASURED"} for v in plain]
@@ -230,7 +373,7 @@ def test_plain_and_long_form_carry_the_same_value(path: tuple[str, ...], plain: 
 
 @pytest.mark.parametrize("source", SPEC_SOURCES)
 def test_the_six_provenance_words(source: str) -> None:
-    """"Provenance words `S`": MEASURED, VERIFIED, CALCULATED, ASSUMPTION, CONFIGURATION-SPECIFIC, UNKNOWN."""
+    """ "Provenance words `S`": MEASURED, VERIFIED, CALCULATED, ASSUMPTION, CONFIGURATION-SPECIFIC, UNKNOWN."""
     doc = doc_of(nest(("ledger", "adapter"), {"value": 1024, "source": source, "note": "n", "method": "m"}))
     assert [e for e in errors(doc) if e[0] == "schema"] == []
     assert doc.get("ledger", "adapter").source == source
@@ -244,8 +387,9 @@ def test_other_provenance_words_are_errors(source: str) -> None:
 
 
 def test_assumption_needs_a_note_and_calculated_a_method() -> None:
-    """"ASSUMPTION: a value taken without proof; `note` is required and says why" (LS003 error);
+    """ "ASSUMPTION: a value taken without proof; `note` is required and says why" (LS003 error);
     "CALCULATED ... `method` says how" (LS005, a warning the implementation adds)."""
+
     def rules(value: dict[str, Any]) -> set[tuple[str, str]]:
         return {(f.rule, f.severity) for f in validate(doc_of(nest(("ledger", "adapter"), value))).findings}
 
@@ -256,7 +400,7 @@ def test_assumption_needs_a_note_and_calculated_a_method() -> None:
 
 
 def test_provenance_order_strongest_first_when_writing() -> None:
-    """"Provenance words `S` (strongest first)": a tool never replaces a figure with a weaker one."""
+    """ "Provenance words `S` (strongest first)": a tool never replaces a figure with a weaker one."""
     ranks = SPEC_SOURCES[:4]
     for i, old in enumerate(ranks):
         for j, new in enumerate(ranks):
@@ -271,7 +415,7 @@ FIGURE_LEAVES = [p for p in SPEC_LEAVES if p[0] in FIGURE_SECTIONS and p[-1] != 
 
 @pytest.mark.parametrize("path", FIGURE_LEAVES, ids=".".join)
 def test_a_bare_memory_figure_is_flagged_and_counts_as_assumption(path: tuple[str, ...]) -> None:
-    """"Memory figures (everything in `ledger`, `phases`, `metrics`, `comparison`) must carry a source: a bare
+    """ "Memory figures (everything in `ledger`, `phases`, `metrics`, `comparison`) must carry a source: a bare
     number there is flagged and treated as ASSUMPTION"."""
     value = 2 if path[-1] == "step_time_s" else 1024
     doc = doc_of(nest(path, value))
@@ -289,11 +433,24 @@ def test_a_bare_component_cannot_make_a_ledger_calculated() -> None:
     assert status_of(d)[0] == "INSUFFICIENT DATA"
 
 
-@pytest.mark.parametrize(("text", "size"), [
-    (1024, 1024), ("1 B", 1), ("1KB", 10**3), ("1 MB", 10**6), ("1GB", 10**9), ("2 TB", 2 * 10**12),
-    ("1KiB", 2**10), ("1 MiB", 2**20), ("1.5 GiB", 3 * 2**29), ("1TiB", 2**40), (0, 0)])
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        (1024, 1024),
+        ("1 B", 1),
+        ("1KB", 10**3),
+        ("1 MB", 10**6),
+        ("1GB", 10**9),
+        ("2 TB", 2 * 10**12),
+        ("1KiB", 2**10),
+        ("1 MiB", 2**20),
+        ("1.5 GiB", 3 * 2**29),
+        ("1TiB", 2**40),
+        (0, 0),
+    ],
+)
 def test_units(text: Any, size: int) -> None:
-    """"integers of bytes, or strings with an explicit unit: B, KB, MB, GB, TB (decimal, 10^3) and KiB, MiB, GiB,
+    """ "integers of bytes, or strings with an explicit unit: B, KB, MB, GB, TB (decimal, 10^3) and KiB, MiB, GiB,
     TiB (binary, 2^10). A number with no unit in a memory field means bytes"."""
     assert parse_size(text) == size
     doc = doc_of(nest(("ledger", "adapter"), {"value": text, "source": "MEASURED"}))
@@ -302,13 +459,14 @@ def test_units(text: Any, size: int) -> None:
 
 @pytest.mark.parametrize("text", ["1 gb", "1 GiBB", "1 Gi", "12", "1.5", "-1 GiB", "one GiB", "1e9"])
 def test_a_string_size_needs_a_known_unit(text: str) -> None:
-    """"strings with an explicit unit": a unitless or unknown-unit string is a schema error, not a guess."""
-    assert ("schema", "/ledger/adapter") in errors(doc_of(nest(("ledger", "adapter"),
-                                                                {"value": text, "source": "MEASURED"})))
+    """ "strings with an explicit unit": a unitless or unknown-unit string is a schema error, not a guess."""
+    assert ("schema", "/ledger/adapter") in errors(
+        doc_of(nest(("ledger", "adapter"), {"value": text, "source": "MEASURED"}))
+    )
 
 
 def test_tools_write_bytes_as_integers_with_a_comment() -> None:
-    """"Tools write bytes as integers; a human-readable comment beside them is welcome" (resolve + estimate's
+    """ "Tools write bytes as integers; a human-readable comment beside them is welcome" (resolve + estimate's
     committed output)."""
     path = EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml"
     doc, lines = load(path), path.read_text(encoding="utf-8").splitlines()
@@ -325,16 +483,36 @@ def test_tools_write_bytes_as_integers_with_a_comment() -> None:
 
 # -- Two-valued switches ----------------------------------------------------------------------------------------
 
-SWITCHES = [("workload", "packing"), ("workload", "padding_free"), ("memory_options", "gradient_checkpointing"),
-            ("base_model", "quantization", "double_quant"), ("result", "oom"), ("memory_options", "activation_offload")]
+SWITCHES = [
+    ("workload", "packing"),
+    ("workload", "padding_free"),
+    ("memory_options", "gradient_checkpointing"),
+    ("base_model", "quantization", "double_quant"),
+    ("result", "oom"),
+    ("memory_options", "activation_offload"),
+]
 
 
-@pytest.mark.parametrize(("word", "meaning"), [
-    ("true", True), ("false", False), ("ON", True), ("OFF", False), ("YES", True), ("NO", False),
-    ("on", True), ("Off", False), ("yEs", True), ("nO", False), ("True", True), ("FALSE", False)])
+@pytest.mark.parametrize(
+    ("word", "meaning"),
+    [
+        ("true", True),
+        ("false", False),
+        ("ON", True),
+        ("OFF", False),
+        ("YES", True),
+        ("NO", False),
+        ("on", True),
+        ("Off", False),
+        ("yEs", True),
+        ("nO", False),
+        ("True", True),
+        ("FALSE", False),
+    ],
+)
 @pytest.mark.parametrize("path", SWITCHES, ids=".".join)
 def test_switch_words(path: tuple[str, ...], word: str, meaning: bool) -> None:
-    """"Two-valued switches ... accept `true/false` and the seed's words `ON/OFF`, `YES/NO` (any case)"."""
+    """ "Two-valued switches ... accept `true/false` and the seed's words `ON/OFF`, `YES/NO` (any case)"."""
     text = "ledgerspec: ledger/v1\n" + "".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(path[:-1]))
     text += f"{'  ' * (len(path) - 1)}{path[-1]}: {word}\n"
     doc = from_text(text)
@@ -362,7 +540,7 @@ def assert_yaml11_reads_strings(text: str) -> None:
 
 @pytest.mark.parametrize("word", YAML11_BOOLS)
 def test_the_writer_quotes_yaml11_boolean_words_it_writes(word: str) -> None:
-    """"Beware YAML 1.1 readers (PyYAML) that turn bare `ON`/`NO` into booleans: a tool that writes such words must
+    """ "Beware YAML 1.1 readers (PyYAML) that turn bare `ON`/`NO` into booleans: a tool that writes such words must
     quote them or write booleans" (every tool writes YAML through contract.writer.render)."""
     doc = from_text("ledgerspec: ledger/v1\nworkload:\n  microbatch: 1\n")
     doc.data["memory_options"] = {"gradient_checkpointing": word}
@@ -389,8 +567,11 @@ def test_every_yaml_writer_goes_through_the_quoting_writer() -> None:
     """... "a tool that writes such words must quote them": the YAML of resolve/estimate/measure/triage/shard/init/
     fix is dumped only by ``contract.writer.render`` (which quotes them); no other module dumps YAML."""
     pattern = re.compile(r"\b(?:yaml|YAML\(\))\.dump\(|\.dump\(data, buf\)")
-    dumpers = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "ledgerspec").rglob("*.py")
-                     if pattern.search(p.read_text(encoding="utf-8")))
+    dumpers = sorted(
+        str(p.relative_to(REPO_ROOT))
+        for p in (REPO_ROOT / "ledgerspec").rglob("*.py")
+        if pattern.search(p.read_text(encoding="utf-8"))
+    )
     assert dumpers == ["ledgerspec/contract/writer.py"]
 
 
@@ -409,6 +590,7 @@ def test_init_writes_no_bare_yaml11_words(cli: CliRunner, tmp: Path) -> None:
 
 # -- Sections of ledger/v1 and intake/v1 ------------------------------------------------------------------------
 
+
 def schema_keys(schema: dict[str, Any], path: tuple[str, ...]) -> set[str]:
     node = schema
     for part in path:
@@ -418,7 +600,7 @@ def schema_keys(schema: dict[str, Any], path: tuple[str, ...]) -> set[str]:
 
 @pytest.mark.parametrize("section", [*SPEC_LEDGER, "(top)"])
 def test_every_ledger_section_and_key_of_the_spec_is_in_the_schema(section: str) -> None:
-    """"Sections of `ledger/v1`" (the table): every section and key exists, spelt as written."""
+    """ "Sections of `ledger/v1`" (the table): every section and key exists, spelt as written."""
     schema = load_schema("ledger")
     if section == "(top)":
         assert set(SPEC_TOP) | set(SPEC_LEDGER) <= set(schema["properties"])
@@ -428,7 +610,7 @@ def test_every_ledger_section_and_key_of_the_spec_is_in_the_schema(section: str)
 
 
 def test_the_schema_adds_no_section_or_key_beyond_the_spec() -> None:
-    """"You may ADD keys": the catalogue currently adds none (a new one must be a deliberate addition)."""
+    """ "You may ADD keys": the catalogue currently adds none (a new one must be a deliberate addition)."""
     schema = load_schema("ledger")
     assert set(schema["properties"]) == set(SPEC_TOP) | set(SPEC_LEDGER)
 
@@ -445,7 +627,7 @@ def test_the_schema_adds_no_section_or_key_beyond_the_spec() -> None:
 
 
 def test_intake_sections_are_a_subset_of_ledger_sections_with_identical_keys() -> None:
-    """"An `intake/v1` holds identity, software, method, base_model, adapter, workload, optimizer, memory_options,
+    """ "An `intake/v1` holds identity, software, method, base_model, adapter, workload, optimizer, memory_options,
     parallelism and an optional `pilot`"; "Intake sections are a subset of ledger sections with identical keys"."""
     intake, ledger = load_schema("intake"), load_schema("ledger")
     assert set(intake["properties"]) == set(SPEC_TOP) | set(SPEC_INTAKE_SECTIONS) | {"pilot"}
@@ -455,23 +637,42 @@ def test_intake_sections_are_a_subset_of_ledger_sections_with_identical_keys() -
 
 
 def test_an_intake_becomes_a_ledger_by_adding_sections() -> None:
-    """"so an intake can be turned into a ledger by adding sections" (the intake sections validate unchanged)."""
+    """ "so an intake can be turned into a ledger by adding sections" (the intake sections validate unchanged)."""
     intake = load(EXAMPLES / "llama-2-7b-lora.intake.yaml").plain
-    ledger = {**{k: v for k, v in intake.items() if k != "pilot"}, "ledgerspec": "ledger/v1",
-              "ledger": {"adapter": {"value": 33554432, "source": "CALCULATED", "method": "8388608 x 4"}}}
+    ledger = {
+        **{k: v for k, v in intake.items() if k != "pilot"},
+        "ledgerspec": "ledger/v1",
+        "ledger": {"adapter": {"value": 33554432, "source": "CALCULATED", "method": "8388608 x 4"}},
+    }
     assert errors(doc_of(ledger)) == []
 
 
-@pytest.mark.parametrize(("path", "words"), [
-    (("method", "kind"), ["LoRA", "QLoRA"]),
-    (("base_model", "quantization", "type"), ["nf4", "fp4", "int8"]),
-    (("memory_options", "sharding"), ["none", "fsdp2", "zero1", "zero2", "zero3"]),
-    (("measurement", "device"), ["cuda", "cpu"]),
-    (("result", "oom_phase"), ["load", "adapter_injection", "optimizer_init", "forward", "loss", "backward",
-                               "optimizer_step", "evaluation", "later_iteration"]),
-    (("triage", "controlled_tests", "microbatch_reduced"), ["PASS", "FAIL"]),
-    (("status",), SPEC_STATUSES),
-], ids=lambda x: ".".join(x) if isinstance(x, tuple) else None)
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        (("method", "kind"), ["LoRA", "QLoRA"]),
+        (("base_model", "quantization", "type"), ["nf4", "fp4", "int8"]),
+        (("memory_options", "sharding"), ["none", "fsdp2", "zero1", "zero2", "zero3"]),
+        (("measurement", "device"), ["cuda", "cpu"]),
+        (
+            ("result", "oom_phase"),
+            [
+                "load",
+                "adapter_injection",
+                "optimizer_init",
+                "forward",
+                "loss",
+                "backward",
+                "optimizer_step",
+                "evaluation",
+                "later_iteration",
+            ],
+        ),
+        (("triage", "controlled_tests", "microbatch_reduced"), ["PASS", "FAIL"]),
+        (("status",), SPEC_STATUSES),
+    ],
+    ids=lambda x: ".".join(x) if isinstance(x, tuple) else None,
+)
 def test_enumerated_words(path: tuple[str, ...], words: list[str]) -> None:
     """The table's closed word lists (kind, quantization type, sharding, device, oom_phase, PASS/FAIL, status)."""
     for word in words:
@@ -481,17 +682,19 @@ def test_enumerated_words(path: tuple[str, ...], words: list[str]) -> None:
 
 # -- The status ladder ------------------------------------------------------------------------------------------
 
+
 def test_the_ladder_order() -> None:
-    """"`INSUFFICIENT DATA` < `CALCULATED` < `CANDIDATE` < `VALIDATED`"."""
+    """ "`INSUFFICIENT DATA` < `CALCULATED` < `CANDIDATE` < `VALIDATED`"."""
     from ledgerspec.checks.ladder import LADDER
 
     assert list(LADDER) == SPEC_STATUSES
 
 
 @pytest.mark.parametrize("intake", [False, True], ids=["ledger", "intake"])
-def test_a_declared_status_above_the_supported_one_is_an_error_and_fix_lowers_it(cli: CliRunner, tmp: Path,
-                                                                                   intake: bool) -> None:
-    """"a declared `status` above it is an error, and `validate --fix` writes the supported status back (with the
+def test_a_declared_status_above_the_supported_one_is_an_error_and_fix_lowers_it(
+    cli: CliRunner, tmp: Path, intake: bool
+) -> None:
+    """ "a declared `status` above it is an error, and `validate --fix` writes the supported status back (with the
     reasons in a comment)"."""
     d = candidate()
     if intake:
@@ -501,8 +704,9 @@ def test_a_declared_status_above_the_supported_one_is_an_error_and_fix_lowers_it
     path = tmp / "claim.yaml"
     path.write_text(json.dumps(d, indent=1), encoding="utf-8")
     code, out, _ = cli("validate", "--format", "json", path)
-    assert code == 1 and ("LS001", "error") in {(f["rule"], f["severity"]) for f in json.loads(out)["files"][0]
-                                                ["findings"]}
+    assert code == 1 and ("LS001", "error") in {
+        (f["rule"], f["severity"]) for f in json.loads(out)["files"][0]["findings"]
+    }
     cli("validate", "--fix", path)
     fixed = load(path)
     want = "INSUFFICIENT DATA" if intake else "CANDIDATE"
@@ -511,20 +715,29 @@ def test_a_declared_status_above_the_supported_one_is_an_error_and_fix_lowers_it
 
 
 def test_the_14b_qlora_request_alone_is_insufficient_data() -> None:
-    """""14B + QLoRA" alone is INSUFFICIENT DATA."""
+    """ ""14B + QLoRA" alone is INSUFFICIENT DATA."""
     d = {"ledgerspec": "intake/v1", "identity": {"model_id": "some/14B"}, "method": {"kind": "QLoRA"}}
     assert status_of(d)[0] == "INSUFFICIENT DATA"
     assert supported_status(load(EXAMPLES / "14b-qlora.intake.yaml")).status == "INSUFFICIENT DATA"
 
 
-@pytest.mark.parametrize(("name", "given", "complete"), [
-    ("adamw_8bit", {}, True), ("paged_adamw_8bit", {}, True), ("paged_adamw_32bit", {}, True),
-    # paged_adamw is transformers' name for bitsandbytes' 32-bit PagedAdamW: its bits follow from the name
-    ("paged_adamw", {}, True), ("paged_adam_4bit", {}, False), ("paged_adam_4bit", {"bits": 8}, True),
-    ("bnb_adam", {}, False),
-    ("bnb_adam", {"bits": 8, "paged": False}, True), ("adamw_torch", {}, True)])
+@pytest.mark.parametrize(
+    ("name", "given", "complete"),
+    [
+        ("adamw_8bit", {}, True),
+        ("paged_adamw_8bit", {}, True),
+        ("paged_adamw_32bit", {}, True),
+        # paged_adamw is transformers' name for bitsandbytes' 32-bit PagedAdamW: its bits follow from the name
+        ("paged_adamw", {}, True),
+        ("paged_adam_4bit", {}, False),
+        ("paged_adam_4bit", {"bits": 8}, True),
+        ("bnb_adam", {}, False),
+        ("bnb_adam", {"bits": 8, "paged": False}, True),
+        ("adamw_torch", {}, True),
+    ],
+)
 def test_8bit_or_paged_optimizers_need_bits_and_paged(name: str, given: dict[str, Any], complete: bool) -> None:
-    """"`optimizer.name` (for 8-bit or paged optimizers also `bits`/`paged` must follow from the name or be given)"."""
+    """ "`optimizer.name` (for 8-bit or paged optimizers also `bits`/`paged` must follow from the name or be given)"."""
     d = candidate()
     d["optimizer"] = {"name": name, **given}
     status, reasons = status_of(d)
@@ -551,8 +764,10 @@ def test_a_pilot_that_ran_out_of_memory_or_does_not_fit_holds_the_status() -> No
     d = candidate()  # the estimate predicts 18 GiB on a 24 GiB device
     d["x-pilot"] = {"peak_allocated": measured("30GiB")}
     status, reasons = status_of(d)
-    assert status == "CALCULATED" and any("x-pilot.peak_allocated (MEASURED)" in r and "remove x-pilot if it "
-                                          "measured another configuration" in r for r in reasons), reasons
+    assert status == "CALCULATED" and any(
+        "x-pilot.peak_allocated (MEASURED)" in r and "remove x-pilot if it measured another configuration" in r
+        for r in reasons
+    ), reasons
     d["x-pilot"] = {"peak_allocated": measured("20GiB"), "oom_phase": "backward"}
     status, reasons = status_of(d)
     assert status == "CALCULATED" and any("pilot run ran out of memory in phase backward" in r for r in reasons)
@@ -577,7 +792,7 @@ def test_init_from_an_intake_with_a_pilot_keeps_the_pilot_as_evidence(cli: CliRu
 
 
 def test_assumption_in_an_intake_field_caps_at_candidate() -> None:
-    """"ASSUMPTION in any intake field caps the status here" (a measured ledger stops at CANDIDATE)."""
+    """ "ASSUMPTION in any intake field caps the status here" (a measured ledger stops at CANDIDATE)."""
     assert status_of(validated())[0] == "VALIDATED"
     for path in (("method", "alpha"), ("workload", "microbatch"), ("software", "trl")):
         d = with_change(validated, path, {"value": 1, "source": "ASSUMPTION", "note": "why"})
@@ -586,24 +801,31 @@ def test_assumption_in_an_intake_field_caps_at_candidate() -> None:
     assert status_of(d)[0] == "CANDIDATE"
 
 
-@pytest.mark.parametrize(("clause", "path", "value"), [
-    ("every `phases` key MEASURED", ("phases", "after_optimizer_init"), calc(13 * 2**30)),
-    ("metrics.peak_allocated MEASURED", ("metrics", "peak_allocated"), DELETE),
-    ("metrics.peak_reserved MEASURED", ("metrics", "peak_reserved"), calc("16GiB")),
-    ("metrics.device_peak MEASURED", ("metrics", "device_peak"), DELETE),
-    ("`result.oom` is false", ("result", "oom"), "ON"),
-    ("`measurement.steps >= 2`", ("measurement", "steps"), 1),
-    ("software has torch", ("software", "torch"), DELETE),
-    ("software has transformers", ("software", "transformers"), "UNKNOWN"),
-    ("software has peft", ("software", "peft"), DELETE),
-    ("cuda or rocm", ("software", "cuda"), DELETE),
-    ("`comparison` is filled (`known_explanation` present)", ("comparison", "known_explanation"), DELETE),
-    ("no ASSUMPTION ... left in the intake sections", ("identity", "total_parameters"), 6738415616),
-    ("no ... UNKNOWN left in the intake sections", ("workload", "packing"), "UNKNOWN"),
-    ("with activation offload, also metrics.host_peak and metrics.step_time_s",
-     ("memory_options", "activation_offload"), True),
-    ("with parallelism.gpu_count > 1, one MEASURED per_rank_peak per rank", ("parallelism", "gpu_count"), 2),
-], ids=lambda x: x if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    ("clause", "path", "value"),
+    [
+        ("every `phases` key MEASURED", ("phases", "after_optimizer_init"), calc(13 * 2**30)),
+        ("metrics.peak_allocated MEASURED", ("metrics", "peak_allocated"), DELETE),
+        ("metrics.peak_reserved MEASURED", ("metrics", "peak_reserved"), calc("16GiB")),
+        ("metrics.device_peak MEASURED", ("metrics", "device_peak"), DELETE),
+        ("`result.oom` is false", ("result", "oom"), "ON"),
+        ("`measurement.steps >= 2`", ("measurement", "steps"), 1),
+        ("software has torch", ("software", "torch"), DELETE),
+        ("software has transformers", ("software", "transformers"), "UNKNOWN"),
+        ("software has peft", ("software", "peft"), DELETE),
+        ("cuda or rocm", ("software", "cuda"), DELETE),
+        ("`comparison` is filled (`known_explanation` present)", ("comparison", "known_explanation"), DELETE),
+        ("no ASSUMPTION ... left in the intake sections", ("identity", "total_parameters"), 6738415616),
+        ("no ... UNKNOWN left in the intake sections", ("workload", "packing"), "UNKNOWN"),
+        (
+            "with activation offload, also metrics.host_peak and metrics.step_time_s",
+            ("memory_options", "activation_offload"),
+            True,
+        ),
+        ("with parallelism.gpu_count > 1, one MEASURED per_rank_peak per rank", ("parallelism", "gpu_count"), 2),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
 def test_each_validated_clause(clause: str, path: tuple[str, ...], value: Any) -> None:
     """VALIDATED: "a full measurement per the protocol: every `phases` key and `metrics.peak_allocated`,
     `peak_reserved`, `device_peak` MEASURED; `result.oom` is false; `measurement.steps >= 2`; `software` has torch,
@@ -615,7 +837,7 @@ def test_each_validated_clause(clause: str, path: tuple[str, ...], value: Any) -
 
 
 def test_bitsandbytes_is_needed_to_validate_qlora_or_an_8bit_optimizer() -> None:
-    """"(and bitsandbytes when quantization or an 8-bit optimizer is used)"."""
+    """ "(and bitsandbytes when quantization or an 8-bit optimizer is used)"."""
     d = with_change(validated, ("optimizer", "name"), "adamw_8bit")
     assert status_of(d)[0] == "CANDIDATE"
     d["software"]["bitsandbytes"] = "0.50.2"
@@ -624,15 +846,16 @@ def test_bitsandbytes_is_needed_to_validate_qlora_or_an_8bit_optimizer() -> None
 
 # -- The rule catalogue -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(("rule_id", "severity"), SPEC_RULES.items())
 def test_rule_ids_and_severities(rule_id: str, severity: str) -> None:
-    """"Rule catalogue ... Minimum set": each id exists with the spec's severity."""
+    """ "Rule catalogue ... Minimum set": each id exists with the spec's severity."""
     rules = {r.id: r for r in all_rules()}
     assert rules[rule_id].severity == severity
 
 
 def test_rules_beyond_the_minimum_set_are_additions() -> None:
-    """"You may ADD ... rules": LS005, LS006 and LS090 are the additions."""
+    """ "You may ADD ... rules": LS005, LS006 and LS090 are the additions."""
     assert {r.id for r in all_rules()} - set(SPEC_RULES) == {"LS005", "LS006", "LS090"}
 
 
@@ -643,14 +866,21 @@ MEASURED_PHASE: dict[str, Any] = {"phases": {"forward_peak": measured(1024)}}
 MEASURED_LEDGER: dict[str, Any] = {"ledger": {"activations": measured(1024)}}
 
 
-@pytest.mark.parametrize(("rule_id", "case", "evidence", "severity"), [
-    ("LS050", OFFLOAD, {}, "info"), ("LS050", OFFLOAD, MEASURED_METRIC, "error"),
-    ("LS050", OFFLOAD, MEASURED_PHASE, "error"), ("LS050", OFFLOAD, MEASURED_LEDGER, "info"),
-    ("LS060", MULTI, {}, "warning"), ("LS060", MULTI, MEASURED_METRIC, "error"),
-    ("LS060", MULTI, MEASURED_PHASE, "error"), ("LS060", MULTI, MEASURED_LEDGER, "warning"),
-])
+@pytest.mark.parametrize(
+    ("rule_id", "case", "evidence", "severity"),
+    [
+        ("LS050", OFFLOAD, {}, "info"),
+        ("LS050", OFFLOAD, MEASURED_METRIC, "error"),
+        ("LS050", OFFLOAD, MEASURED_PHASE, "error"),
+        ("LS050", OFFLOAD, MEASURED_LEDGER, "info"),
+        ("LS060", MULTI, {}, "warning"),
+        ("LS060", MULTI, MEASURED_METRIC, "error"),
+        ("LS060", MULTI, MEASURED_PHASE, "error"),
+        ("LS060", MULTI, MEASURED_LEDGER, "warning"),
+    ],
+)
 def test_error_when_measured(rule_id: str, case: dict[str, Any], evidence: dict[str, Any], severity: str) -> None:
-    """"error when measured, else info" (LS050) / "else warning" (LS060); ""When measured" means the document holds
+    """ "error when measured, else info" (LS050) / "else warning" (LS060); ""When measured" means the document holds
     MEASURED figures in `phases` or `metrics`"."""
     d = {"ledgerspec": "ledger/v1", **copy.deepcopy(case), **copy.deepcopy(evidence)}
     found = {(f.rule, f.severity) for f in validate(doc_of(d)).findings if f.rule == rule_id}
@@ -658,10 +888,12 @@ def test_error_when_measured(rule_id: str, case: dict[str, Any], evidence: dict[
 
 
 def test_a_finding_has_rule_severity_pointer_line_and_message() -> None:
-    """"Each finding has a rule id, a severity (error, warning, info), a JSON Pointer, the source line, and a message
+    """ "Each finding has a rule id, a severity (error, warning, info), a JSON Pointer, the source line, and a message
     that says what to do"."""
-    text = "ledgerspec: ledger/v1\nworkload:\n  microbatch: 2\n  gradient_accumulation: 8\n  dp_world_size: 1\n" \
-           "  global_batch: 32\n"
+    text = (
+        "ledgerspec: ledger/v1\nworkload:\n  microbatch: 2\n  gradient_accumulation: 8\n  dp_world_size: 1\n"
+        "  global_batch: 32\n"
+    )
     (f,) = [f for f in validate(from_text(text)).findings if f.rule == "LS010"]
     assert (f.severity, f.pointer, f.line, f.column) == ("error", "/workload/global_batch", 6, 3)
     assert "16" in f.message  # says what it should be
@@ -669,26 +901,46 @@ def test_a_finding_has_rule_severity_pointer_line_and_message() -> None:
 
 # -- The command-line contract ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [
-    ["validate", "A"], ["validate", "--format", "text", "A", "B"], ["validate", "--format", "json", "A"],
-    ["validate", "--format", "sarif", "A"], ["validate", "--format", "github", "A"], ["validate", "--fix", "A"],
-    ["resolve", "F"], ["resolve", "F", "-o", "O"], ["resolve", "F", "--check"], ["resolve", "F", "--offline"],
-    ["resolve", "F", "--trust-remote-code"], ["resolve", "F", "-o", "O", "--check", "--offline", "--trust-remote-code"],
-    ["estimate", "F"], ["estimate", "F", "--device-memory", "24GiB", "-o", "O"],
-    ["measure", "F"], ["measure", "F", "--device", "cuda", "--steps", "3", "-o", "O"],
-    ["measure", "F", "--device", "cpu"],
-    ["schema"], ["schema", "ledger"], ["schema", "intake"], ["init"], ["init", "--from", "I"],
-    ["report", "F"], ["report", "F", "--html", "O"],
-], ids=" ".join)
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", "A"],
+        ["validate", "--format", "text", "A", "B"],
+        ["validate", "--format", "json", "A"],
+        ["validate", "--format", "sarif", "A"],
+        ["validate", "--format", "github", "A"],
+        ["validate", "--fix", "A"],
+        ["resolve", "F"],
+        ["resolve", "F", "-o", "O"],
+        ["resolve", "F", "--check"],
+        ["resolve", "F", "--offline"],
+        ["resolve", "F", "--trust-remote-code"],
+        ["resolve", "F", "-o", "O", "--check", "--offline", "--trust-remote-code"],
+        ["estimate", "F"],
+        ["estimate", "F", "--device-memory", "24GiB", "-o", "O"],
+        ["measure", "F"],
+        ["measure", "F", "--device", "cuda", "--steps", "3", "-o", "O"],
+        ["measure", "F", "--device", "cpu"],
+        ["schema"],
+        ["schema", "ledger"],
+        ["schema", "intake"],
+        ["init"],
+        ["init", "--from", "I"],
+        ["report", "F"],
+        ["report", "F", "--html", "O"],
+    ],
+    ids=" ".join,
+)
 def test_every_command_and_flag_of_the_spec_parses(argv: list[str]) -> None:
-    """"Command-line contract": every command and flag the spec names."""
+    """ "Command-line contract": every command and flag the spec names."""
     _load_extensions()
     args = build_parser().parse_args(argv)
     assert args.command == argv[0] and callable(args.run)
 
 
 def test_exit_codes_0_1_2(cli: CliRunner, tmp: Path) -> None:
-    """"Exit codes: 0 success; 1 findings/failure (invalid document ...); 2 usage or unreadable input"."""
+    """ "Exit codes: 0 success; 1 findings/failure (invalid document ...); 2 usage or unreadable input"."""
     good = EXAMPLES / "llama-2-7b-lora.ledger.yaml"
     bad = tmp / "bad.ledger.yaml"
     bad.write_text("ledgerspec: ledger/v1\nbogus: 1\n", encoding="utf-8")
@@ -700,7 +952,7 @@ def test_exit_codes_0_1_2(cli: CliRunner, tmp: Path) -> None:
 
 
 def test_one_line_per_problem_file_line_col_rule_message(cli: CliRunner, tmp: Path) -> None:
-    """"No traceback reaches the user for bad input: one clear line per problem, `FILE:LINE:COL: rule: message`"
+    """ "No traceback reaches the user for bad input: one clear line per problem, `FILE:LINE:COL: rule: message`"
     (validate's text adds the severity word after the rule: `FILE:LINE:COL: RULE: severity: message`)."""
     bad = tmp / "bad.ledger.yaml"
     bad.write_text("ledgerspec: ledger/v1\nworkload:\n  packing: maybe\nbogus: 1\n", encoding="utf-8")
@@ -722,13 +974,22 @@ def test_one_line_per_problem_file_line_col_rule_message(cli: CliRunner, tmp: Pa
 def test_json_report_shape(cli: CliRunner) -> None:
     """JSON output: `{"files": [{"path", "kind", "ok", "declared_status", "supported_status", "reasons": [...],
     "findings": [{"rule", "severity", "pointer", "line", "column", "message"}]}]}` (plus `intake_complete`)."""
-    code, out, _ = cli("validate", "--format", "json", EXAMPLES / "naive-article-audit.ledger.yaml",
-                       EXAMPLES / "14b-qlora.intake.yaml")
+    code, out, _ = cli(
+        "validate", "--format", "json", EXAMPLES / "naive-article-audit.ledger.yaml", EXAMPLES / "14b-qlora.intake.yaml"
+    )
     report = json.loads(out)
     assert set(report) == {"files"} and len(report["files"]) == 2
     for entry in report["files"]:
-        assert set(entry) == {"path", "kind", "ok", "declared_status", "supported_status", "reasons", "findings",
-                              "intake_complete"}
+        assert set(entry) == {
+            "path",
+            "kind",
+            "ok",
+            "declared_status",
+            "supported_status",
+            "reasons",
+            "findings",
+            "intake_complete",
+        }
         assert entry["kind"] in ("ledger", "intake") and isinstance(entry["ok"], bool)
         assert entry["supported_status"] in SPEC_STATUSES and all(isinstance(r, str) for r in entry["reasons"])
         assert entry["findings"]
@@ -741,14 +1002,14 @@ def test_json_report_shape(cli: CliRunner) -> None:
 
 @pytest.mark.parametrize("name", ["ledger", "intake"])
 def test_schema_command_prints_the_json_schema(cli: CliRunner, name: str) -> None:
-    """"`ledgerspec schema [ledger|intake]`: prints the JSON Schema"."""
+    """ "`ledgerspec schema [ledger|intake]`: prints the JSON Schema"."""
     code, out, _ = cli("schema", name)
     assert code == 0 and json.loads(out) == load_schema(name)
     assert json.loads(out)["properties"]["ledgerspec"]["const"] == f"{name}/v1"
 
 
 def test_init_writes_every_field_unknown(cli: CliRunner) -> None:
-    """"`ledgerspec init [--from INTAKE]`: writes a ledger skeleton with every field UNKNOWN"."""
+    """ "`ledgerspec init [--from INTAKE]`: writes a ledger skeleton with every field UNKNOWN"."""
     code, out, _ = cli("init")
     doc = from_text(out)
     assert code == 0 and doc.kind == "ledger"
@@ -758,9 +1019,10 @@ def test_init_writes_every_field_unknown(cli: CliRunner) -> None:
 
 # -- The Python API ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_python_api_from_a_fresh_interpreter(tmp: Path) -> None:
-    """"Python API: `ledgerspec.load(path)`, `ledgerspec.validate(doc)`, `ledgerspec.resolve(doc)`"."""
+    """ "Python API: `ledgerspec.load(path)`, `ledgerspec.validate(doc)`, `ledgerspec.resolve(doc)`"."""
     pytest.importorskip("peft")
     shutil.copytree(EXAMPLES / "tiny", tmp / "tiny")
     path = tmp / "tiny" / "tiny-llama-lora.ledger.yaml"
@@ -772,7 +1034,8 @@ def test_python_api_from_a_fresh_interpreter(tmp: Path) -> None:
         "ledgerspec.resolve(doc, offline=True)\n"
         "after = ledgerspec.validate(doc)\n"
         "print(json.dumps([light, before.to_json()['supported_status'], after.to_json()['supported_status'],\n"
-        "                  doc.get('ledger', 'adapter').source, doc.get('ledger', 'adapter').value]))\n")
+        "                  doc.get('ledger', 'adapter').source, doc.get('ledger', 'adapter').value]))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     light, before, after, source, adapter = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -786,6 +1049,7 @@ def test_python_api_from_a_fresh_interpreter(tmp: Path) -> None:
 
 
 # -- resolve / measure write-back: switches stay strings for a YAML 1.1 reader; the protocol's phases ---------------
+
 
 @pytest.mark.slow
 def test_resolve_and_measure_write_no_bare_yaml11_words_and_fill_the_protocol(cli: CliRunner, tmp: Path) -> None:

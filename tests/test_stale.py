@@ -28,9 +28,10 @@ pytest.importorskip("peft")
 TINY = EXAMPLES / "tiny" / "tiny-llama-lora.ledger.yaml"
 QLORA = {  # the tiny example as QLoRA: a bf16 base quantized to nf4
     "  kind: LoRA": "  kind: QLoRA",
-    "  loaded_dtype: float32\n  quantized: false":
-        "  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, double_quant: true, "
-        "compute_dtype: bfloat16, storage_dtype: uint8}",
+    "  loaded_dtype: float32\n  quantized: false": (
+        "  loaded_dtype: bfloat16\n  quantized: true\n"
+        "  quantization: {type: nf4, double_quant: true, compute_dtype: bfloat16, storage_dtype: uint8}"
+    ),
 }
 
 
@@ -86,7 +87,8 @@ INPUT_EDITS = [  # (what, the ledger before, the edit, the section it is in)
 
 @pytest.mark.parametrize(("what", "before", "change", "section"), INPUT_EDITS, ids=[e[0] for e in INPUT_EDITS])
 def test_an_edited_input_is_reported_and_lowers_the_status_until_resolve_runs_again(
-        work: Path, cli: CliRunner, what: str, before: dict[str, str], change: tuple[str, str], section: str) -> None:
+    work: Path, cli: CliRunner, what: str, before: dict[str, str], change: tuple[str, str], section: str
+) -> None:
     text = resolved(work, cli, variant(**before))
     fresh = report(work, text)
     assert stale_findings(fresh) == [] and fresh.supported_status == "CALCULATED"
@@ -97,8 +99,13 @@ def test_an_edited_input_is_reported_and_lowers_the_status_until_resolve_runs_ag
     assert (severity, pointer) == ("error", f"/{section}") and not stale.ok
     assert message.endswith(f"{section} changed since `ledgerspec resolve` ran (run `ledgerspec resolve FILE`)")
     assert stale.supported_status == "INSUFFICIENT DATA"
-    assert any(r.startswith("CALCULATED needs exact figures: ledger.adapter is CALCULATED from other inputs: "
-                            f"{section} changed since `ledgerspec resolve`") for r in stale.reasons), stale.reasons
+    assert any(
+        r.startswith(
+            "CALCULATED needs exact figures: ledger.adapter is CALCULATED from other inputs: "
+            f"{section} changed since `ledgerspec resolve`"
+        )
+        for r in stale.reasons
+    ), stale.reasons
 
     if section == "identity":  # a changed pin is resolve's own error, not something it refreshes
         return
@@ -119,8 +126,9 @@ NON_INPUT_EDITS = [
 
 
 @pytest.mark.parametrize(("what", "change"), NON_INPUT_EDITS, ids=[e[0] for e in NON_INPUT_EDITS])
-def test_an_edit_resolve_does_not_read_changes_nothing(work: Path, cli: CliRunner, what: str,
-                                                       change: tuple[str, str]) -> None:
+def test_an_edit_resolve_does_not_read_changes_nothing(
+    work: Path, cli: CliRunner, what: str, change: tuple[str, str]
+) -> None:
     text = resolved(work, cli, variant())
     before, after = report(work, text), report(work, edit(text, *change))
     assert stale_findings(after) == []
@@ -150,23 +158,29 @@ def test_an_unresolved_or_older_ledger_is_not_checked() -> None:
 
 # -- the fingerprint itself --------------------------------------------------------------------------------------
 
+
 def test_the_fingerprint_is_a_sha256_of_the_canonical_values_per_section() -> None:
-    doc = from_text("ledgerspec: ledger/v1\nmethod:\n  rank: 16  # r\n  kind: LoRA\n  alpha: 32\n"
-                    "  target_modules: [q_proj, v_proj]\n  trainable_parameters: {value: 1, source: VERIFIED}\n")
+    doc = from_text(
+        "ledgerspec: ledger/v1\nmethod:\n  rank: 16  # r\n  kind: LoRA\n  alpha: 32\n"
+        "  target_modules: [q_proj, v_proj]\n  trainable_parameters: {value: 1, source: VERIFIED}\n"
+    )
     canonical = '{"kind":"LoRA","rank":16,"target_modules":["q_proj","v_proj"]}'  # alpha and outputs left out
     assert digests(doc, RESOLVE_INPUTS)["method"] == hashlib.sha256(canonical.encode()).hexdigest()[:16]
     assert section_digest(doc, "optimizer", RESOLVE_INPUTS["optimizer"]) == hashlib.sha256(b"{}").hexdigest()[:16]
 
 
-@pytest.mark.parametrize(("a", "b", "same"), [
-    ("rank: 16", "rank: {value: 16, source: VERIFIED, method: read off the recipe}", True),
-    ("rank: {value: 16, source: ASSUMPTION, note: a}", "rank: {value: 16, source: ASSUMPTION, note: b}", True),
-    ("rank: 16", "rank: 16  # a comment", True),
-    ("rank: 16", "rank: 17", False),
-    ("rank: 16", "rank: UNKNOWN", False),
-    ("rank: 16", "{}", False),
-    ("dropout: 0.0", "dropout: 0.1", True),  # resolve does not read dropout (no tensor) ...
-])
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("rank: 16", "rank: {value: 16, source: VERIFIED, method: read off the recipe}", True),
+        ("rank: {value: 16, source: ASSUMPTION, note: a}", "rank: {value: 16, source: ASSUMPTION, note: b}", True),
+        ("rank: 16", "rank: 16  # a comment", True),
+        ("rank: 16", "rank: 17", False),
+        ("rank: 16", "rank: UNKNOWN", False),
+        ("rank: 16", "{}", False),
+        ("dropout: 0.0", "dropout: 0.1", True),  # resolve does not read dropout (no tensor) ...
+    ],
+)
 def test_what_changes_the_resolve_fingerprint(a: str, b: str, same: bool) -> None:
     def method(text: str) -> str:
         return digests(from_text(f"ledgerspec: ledger/v1\nmethod:\n  {text}\n"), RESOLVE_INPUTS)["method"]
@@ -174,26 +188,29 @@ def test_what_changes_the_resolve_fingerprint(a: str, b: str, same: bool) -> Non
     assert (method(a) == method(b)) is same
 
 
-@pytest.mark.parametrize(("section", "a", "b", "same"), [
-    # spelling an input differently is no edit: the fingerprint holds what the tools read
-    ("workload", "packing: false", "packing: OFF", True),
-    ("workload", "packing: false", "packing: no", True),
-    ("memory_options", "gradient_checkpointing: true", "gradient_checkpointing: ON", True),
-    ("workload", "max_length: 2048", "max_length: 2048.0", True),
-    ("workload", "max_length: 2048", "max_length: '2048'", True),
-    ("base_model", "loaded_dtype: bfloat16", "loaded_dtype: bf16", True),
-    ("optimizer", "name: adamw_torch", "name: AdamW_Torch", True),
-    ("method", "target_modules: [q_proj, v_proj]", "target_modules: [v_proj, q_proj]", True),
-    ("method", "kind: LoRA", "kind: QLoRA", False),
-    ("identity", "config_sha256: ABCDEF", "config_sha256: abcdef", True),  # a pin is read in any case
-    # ... and a different meaning is one
-    ("workload", "packing: false", "packing: true", False),
-    ("workload", "max_length: 2048", "max_length: 2049", False),
-    ("base_model", "loaded_dtype: bfloat16", "loaded_dtype: float16", False),
-    ("method", "target_modules: [q_proj, v_proj]", "target_modules: [q_proj, k_proj]", False),
-    ("method", "target_modules: [q_proj]", "target_modules: q_proj", False),  # a string is a regex in PEFT
-    ("workload", "microbatch: 2", "microbatch: 2\n  padding_free: true", False),  # padded batches or not
-])
+@pytest.mark.parametrize(
+    ("section", "a", "b", "same"),
+    [
+        # spelling an input differently is no edit: the fingerprint holds what the tools read
+        ("workload", "packing: false", "packing: OFF", True),
+        ("workload", "packing: false", "packing: no", True),
+        ("memory_options", "gradient_checkpointing: true", "gradient_checkpointing: ON", True),
+        ("workload", "max_length: 2048", "max_length: 2048.0", True),
+        ("workload", "max_length: 2048", "max_length: '2048'", True),
+        ("base_model", "loaded_dtype: bfloat16", "loaded_dtype: bf16", True),
+        ("optimizer", "name: adamw_torch", "name: AdamW_Torch", True),
+        ("method", "target_modules: [q_proj, v_proj]", "target_modules: [v_proj, q_proj]", True),
+        ("method", "kind: LoRA", "kind: QLoRA", False),
+        ("identity", "config_sha256: ABCDEF", "config_sha256: abcdef", True),  # a pin is read in any case
+        # ... and a different meaning is one
+        ("workload", "packing: false", "packing: true", False),
+        ("workload", "max_length: 2048", "max_length: 2049", False),
+        ("base_model", "loaded_dtype: bfloat16", "loaded_dtype: float16", False),
+        ("method", "target_modules: [q_proj, v_proj]", "target_modules: [q_proj, k_proj]", False),
+        ("method", "target_modules: [q_proj]", "target_modules: q_proj", False),  # a string is a regex in PEFT
+        ("workload", "microbatch: 2", "microbatch: 2\n  padding_free: true", False),  # padded batches or not
+    ],
+)
 def test_what_changes_the_workload_fingerprint(section: str, a: str, b: str, same: bool) -> None:
     def digest(text: str) -> str:
         return digests(from_text(f"ledgerspec: ledger/v1\n{section}:\n  {text}\n"), WORKLOAD_INPUTS)[section]
@@ -203,8 +220,10 @@ def test_what_changes_the_workload_fingerprint(section: str, a: str, b: str, sam
 
 def test_a_stamp_of_the_values_as_written_still_matches() -> None:
     """The first version of the stamp hashed the values as written: such a ledger is not stale after an upgrade."""
-    doc = from_text("ledgerspec: ledger/v1\nmethod: {kind: LoRA, rank: 8, target_modules: [v_proj, q_proj]}\n"
-                    "x-resolve:\n  inputs: {method: PLACEHOLDER}\n")
+    doc = from_text(
+        "ledgerspec: ledger/v1\nmethod: {kind: LoRA, rank: 8, target_modules: [v_proj, q_proj]}\n"
+        "x-resolve:\n  inputs: {method: PLACEHOLDER}\n"
+    )
     old = section_digest(doc, "method", RESOLVE_INPUTS["method"], verbatim=True)
     assert old != section_digest(doc, "method", RESOLVE_INPUTS["method"])  # the list order is normalised now
     doc = from_text(doc.text.replace("PLACEHOLDER", old))
@@ -229,6 +248,7 @@ def test_estimate_and_measure_read_more_than_resolve() -> None:
 def test_measure_writing_the_default_attention_in_is_no_edit() -> None:
     """`measure` records the attention implementation it ran with; for a ledger that named none that is the
     default (sdpa) the estimate used, so the estimate's fingerprint does not change."""
+
     def software(text: str) -> str:
         return digests(from_text(f"ledgerspec: ledger/v1\n{text}"), WORKLOAD_INPUTS)["software"]
 
@@ -237,6 +257,7 @@ def test_measure_writing_the_default_attention_in_is_no_edit() -> None:
 
 
 # -- estimate ---------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_an_edited_workload_makes_the_estimate_stale(work: Path, cli: CliRunner) -> None:
@@ -254,13 +275,16 @@ def test_an_edited_workload_makes_the_estimate_stale(work: Path, cli: CliRunner)
     assert (severity, pointer) == ("error", "/workload")
     assert "ledger.activations and x-estimate" in message and "run `ledgerspec estimate FILE`" in message
     assert stale.supported_status == "CALCULATED"  # the resolved figures still hold; the estimate does not
-    assert any("ledger.activations is CALCULATED from other inputs: workload changed since `ledgerspec estimate`"
-               in r for r in stale.reasons), stale.reasons
+    assert any(
+        "ledger.activations is CALCULATED from other inputs: workload changed since `ledgerspec estimate`" in r
+        for r in stale.reasons
+    ), stale.reasons
 
     both = report(work, edit(estimated, "  rank: 4", "  rank: 8"))  # an input of both
     assert {m.split(" describe")[0] for _, _, m in stale_findings(both)} == {
         "the exact figures (ledger.frozen_base, adapter, gradients, optimizer, parameter counts)",
-        "ledger.activations and x-estimate"}
+        "ledger.activations and x-estimate",
+    }
 
     work.write_text(edited, encoding="utf-8")
     code, _, err = cli("estimate", work, "--device-memory", "64MiB")
@@ -296,11 +320,13 @@ def test_a_stale_measurement_is_reported_and_cannot_validate() -> None:
 
     assert stale_evidence(doc, "VALIDATED") == [
         "the measurement (x-measure, phases, metrics) is of other inputs: method changed since `ledgerspec measure` "
-        "ran (measure again)"]
+        "ran (measure again)"
+    ]
     assert stale_evidence(from_text(base + "x-measure:\n  inputs: " + json.dumps(stamp) + "\n"), "VALIDATED") == []
 
 
 # -- (A) resolve refreshes what it wrote, keeps what the user wrote ---------------------------------------------
+
 
 def skipped(cli_err: str) -> list[str]:
     return [line for line in cli_err.splitlines() if ": kept /" in line]
@@ -336,13 +362,18 @@ def test_a_user_written_state_format_is_kept(work: Path, cli: CliRunner, when: s
         text = resolved(work, cli, text)
     else:
         text = resolved(work, cli, text)
-        text = edit(text, "  state_format: " + (load(work).get("optimizer", "state_format").text() or ""),
-                    "  state_format: " + mine)
+        text = edit(
+            text,
+            "  state_format: " + (load(work).get("optimizer", "state_format").text() or ""),
+            "  state_format: " + mine,
+        )
     work.write_text(edit(text, "name: paged_adamw_8bit", "name: adamw_torch"), encoding="utf-8")
     code, _, err = cli("resolve", work, "--offline")
     assert code == 0, err
-    assert skipped(err) == [f"{work}: kept /optimizer/state_format: kept the declared value (not written by "
-                            "resolve; delete it to let resolve fill it)"]
+    assert skipped(err) == [
+        f"{work}: kept /optimizer/state_format: kept the declared value (not written by "
+        "resolve; delete it to let resolve fill it)"
+    ]
     doc = load(work)
     assert doc.get("optimizer", "state_format").text() == mine
     assert "optimizer.state_format" not in doc.plain["x-resolve"].get("written", {})
@@ -351,7 +382,7 @@ def test_a_user_written_state_format_is_kept(work: Path, cli: CliRunner, when: s
 def test_a_ledger_resolved_before_x_resolve_existed_is_adopted(work: Path, cli: CliRunner) -> None:
     """Older ledgers have resolve's x-breakdown but no x-resolve: values equal to the derived ones are resolve's."""
     text = resolved(work, cli, variant(**{"name: adamw_torch": "name: paged_adamw_8bit"}))
-    older = text[:text.index("x-resolve:")].rstrip("\n") + "\n"
+    older = text[: text.index("x-resolve:")].rstrip("\n") + "\n"
     assert "x-breakdown" in older
     switched = edit(older, "name: paged_adamw_8bit", "name: adamw_torch")
     assert stale_findings(report(work, switched)) == []  # no fingerprint: not checked
@@ -359,8 +390,9 @@ def test_a_ledger_resolved_before_x_resolve_existed_is_adopted(work: Path, cli: 
     resolved(work, cli, older)  # the first run of this version: what equals the derived value is recorded
     written = load(work).plain["x-resolve"]["written"]
     assert written["optimizer.bits"] == 8 and written["optimizer.state_format"].startswith("paged")
-    work.write_text(edit(work.read_text(encoding="utf-8"), "name: paged_adamw_8bit", "name: adamw_torch"),
-                    encoding="utf-8")
+    work.write_text(
+        edit(work.read_text(encoding="utf-8"), "name: paged_adamw_8bit", "name: adamw_torch"), encoding="utf-8"
+    )
     code, _, err = cli("resolve", work, "--offline")
     assert code == 0 and skipped(err) == [], err
     assert "uint8" not in (load(work).get("optimizer", "state_format").text() or "")
@@ -368,7 +400,8 @@ def test_a_ledger_resolved_before_x_resolve_existed_is_adopted(work: Path, cli: 
     work.write_text(switched, encoding="utf-8")  # edited before this version ever ran: nothing says who wrote it
     code, _, err = cli("resolve", work, "--offline")
     assert code == 0 and [line.split(": kept ", 1)[1] for line in skipped(err)] == [
-        "/optimizer/state_format: kept the declared value (not written by resolve; delete it to let resolve fill it)"]
+        "/optimizer/state_format: kept the declared value (not written by resolve; delete it to let resolve fill it)"
+    ]
 
 
 def test_a_hand_written_value_equal_to_the_derived_one_stays_the_users(work: Path, cli: CliRunner) -> None:

@@ -161,6 +161,7 @@ def test_gradients_are_labelled_when_autograd_stores_them() -> None:
 
 # -- storage resize_ (FSDP2 frees gathered parameters this way) -----------------------------------------------------
 
+
 def test_a_storage_resize_is_counted_at_once() -> None:
     """``untyped_storage().resize_`` is no tensor op: FSDP2's free (resize to 0) and re-allocation must still count."""
     import torch

@@ -35,10 +35,13 @@ def _write(changes: list[tuple[tuple[str, ...], int, str]]) -> str:
 
 
 def test_appended_keys_go_before_the_blank_line_and_the_next_sections_comment() -> None:
-    out = _write([(("identity", "total_parameters"), 123, "VERIFIED"),
-                  (("method", "trainable_parameters"), 7, "VERIFIED")])
-    assert ("  architecture: LlamaForCausalLM\n  total_parameters: {value: 123, source: VERIFIED, method: how}\n"
-            "\n# the method\nmethod:\n") in out
+    out = _write(
+        [(("identity", "total_parameters"), 123, "VERIFIED"), (("method", "trainable_parameters"), 7, "VERIFIED")]
+    )
+    assert (
+        "  architecture: LlamaForCausalLM\n  total_parameters: {value: 123, source: VERIFIED, method: how}\n"
+        "\n# the method\nmethod:\n"
+    ) in out
     assert "  bias: none\n  trainable_parameters: {value: 7, source: VERIFIED, method: how}\n\nledger:\n" in out
 
 
@@ -61,10 +64,17 @@ def test_writing_again_is_a_no_op_and_the_result_round_trips() -> None:
     assert render(doc.data, once) == once
 
 
-@pytest.mark.parametrize(("old", "new", "kept"), [
-    ("MEASURED", "CALCULATED", True), ("MEASURED", "VERIFIED", True), ("VERIFIED", "CALCULATED", True),
-    ("CALCULATED", "VERIFIED", False), ("ASSUMPTION", "CALCULATED", False), ("CALCULATED", "MEASURED", False),
-])
+@pytest.mark.parametrize(
+    ("old", "new", "kept"),
+    [
+        ("MEASURED", "CALCULATED", True),
+        ("MEASURED", "VERIFIED", True),
+        ("VERIFIED", "CALCULATED", True),
+        ("CALCULATED", "VERIFIED", False),
+        ("ASSUMPTION", "CALCULATED", False),
+        ("CALCULATED", "MEASURED", False),
+    ],
+)
 def test_a_value_is_never_replaced_by_a_weaker_one(old: str, new: str, kept: bool) -> None:
     text = f"ledgerspec: ledger/v1\nledger:\n  adapter: {{value: 10, source: {old}, note: n, method: m}}\n"
     doc = from_text(text, "t.ledger.yaml")

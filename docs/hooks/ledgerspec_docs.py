@@ -25,6 +25,7 @@ SCHEMA = ROOT / "schema"
 EXAMPLES = ROOT / "examples"
 log = logging.getLogger("mkdocs.hooks.ledgerspec")
 
+
 # -- files ------------------------------------------------------------------------------------------
 def on_files(files: Files, config: Any) -> Files:
     for path in example_files():
@@ -33,8 +34,12 @@ def on_files(files: Files, config: Any) -> Files:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    generators = {"<!-- ledgerspec:fields -->": fields_markdown, "<!-- ledgerspec:rules -->": rules_markdown,
-                  "<!-- ledgerspec:gallery -->": gallery_markdown, "<!-- ledgerspec:cli -->": cli_markdown}
+    generators = {
+        "<!-- ledgerspec:fields -->": fields_markdown,
+        "<!-- ledgerspec:rules -->": rules_markdown,
+        "<!-- ledgerspec:gallery -->": gallery_markdown,
+        "<!-- ledgerspec:cli -->": cli_markdown,
+    }
     for marker, make in generators.items():
         if marker in markdown:
             markdown = markdown.replace(marker, make())
@@ -62,7 +67,8 @@ def value_type(prop: dict[str, Any]) -> str:
         if name == "status":
             return "one of " + ", ".join(f"`{v}`" for v in _schema("defs")["$defs"]["status"]["enum"])
         return {"size": "size", "count": "count", "switch": "switch", "strings": "string or list of strings"}.get(
-            name, name)
+            name, name
+        )
     if prop.get("type") == "object":
         return "mapping" if "properties" in prop else "mapping (free-form)"
     if prop.get("type") == "array":
@@ -95,8 +101,9 @@ def _rows(props: dict[str, Any], prefix: str) -> list[str]:
     rows = []
     for name, prop in props.items():
         key = f"{prefix}{name}"  # relative to the section the table is under
-        rows.append(f"| `{key}` | {_cell(value_type(prop))} | {_cell(_forms(prop))} | "
-                    f"{_cell(prop.get('description', ''))} |")
+        rows.append(
+            f"| `{key}` | {_cell(value_type(prop))} | {_cell(_forms(prop))} | {_cell(prop.get('description', ''))} |"
+        )
         if prop.get("type") == "object" and "properties" in prop:
             rows += _rows(prop["properties"], f"{key}.")
     return rows
@@ -117,13 +124,28 @@ def fields_markdown() -> str:
             continue
         out += [f"## `{name}`", "", _cell(prop.get("description", "")), "", _table(prop.get("properties", {})), ""]
     only_intake = {k: v for k, v in intake["properties"].items() if k not in ledger["properties"]}
-    shared = [k for k in intake["properties"] if k in ledger["properties"] and
-              intake["properties"][k].get("type") == "object"]
-    out += ["## `intake/v1`", "", _cell(intake.get("description", "")), "",
-            "Its sections have the same keys as in a ledger: " + ", ".join(f"`{k}`" for k in shared) + ".",
-            "Only in an intake:", "", _table(only_intake), ""]
-    out += ["## Shared definitions", "", f"_From `schema/defs.v1.json` ({defs['$id']})._", "",
-            "| name | meaning |", "| --- | --- |"]
+    shared = [
+        k for k in intake["properties"] if k in ledger["properties"] and intake["properties"][k].get("type") == "object"
+    ]
+    out += [
+        "## `intake/v1`",
+        "",
+        _cell(intake.get("description", "")),
+        "",
+        "Its sections have the same keys as in a ledger: " + ", ".join(f"`{k}`" for k in shared) + ".",
+        "Only in an intake:",
+        "",
+        _table(only_intake),
+        "",
+    ]
+    out += [
+        "## Shared definitions",
+        "",
+        f"_From `schema/defs.v1.json` ({defs['$id']})._",
+        "",
+        "| name | meaning |",
+        "| --- | --- |",
+    ]
     out += [f"| `{k}` | {_cell(v.get('description', ''))} |" for k, v in defs["$defs"].items()]
     return "\n".join(out) + "\n"
 
@@ -143,18 +165,27 @@ def rules_markdown() -> str:
     out += [f"| [{r.id}](#{r.id.lower()}) | {r.severity} | {_cell(r.title)} |" for r in rules]
     out.append("")
     for r in rules:
-        out += [f"## {r.id}", "", f"**{_cell(r.title)}** · severity: {r.severity}", "", f"**How to fix:** {r.hint}",
-                ""]
+        out += [f"## {r.id}", "", f"**{_cell(r.title)}** · severity: {r.severity}", "", f"**How to fix:** {r.hint}", ""]
         if not r.example:
             out += ["_No example in the registry._", ""]
             continue
         text = rule_example_document(r.example)
         report = validate(from_text(text, "example.yaml"))
         hits = [f for f in report.findings if f.rule == r.id]
-        out += ["Example that triggers it:", "", "```yaml", text.rstrip(), "```", "",
-                "What `ledgerspec validate -v example.yaml` reports for it:", "", "```text"]
+        out += [
+            "Example that triggers it:",
+            "",
+            "```yaml",
+            text.rstrip(),
+            "```",
+            "",
+            "What `ledgerspec validate -v example.yaml` reports for it:",
+            "",
+            "```text",
+        ]
         out += [f"example.yaml:{f.line}:{f.column}: {f.rule} {f.severity}: {f.message}" for f in hits] or [
-            f"(no {r.id} finding: the registry example does not trigger its rule)"]
+            f"(no {r.id} finding: the registry example does not trigger its rule)"
+        ]
         out += ["```", ""]
     return "\n".join(out)
 
@@ -190,15 +221,30 @@ def gallery_markdown() -> str:
         REPORTERS["text"]([report], buf, True)
         title = doc.get("title").text() or path.name
         anchor = path.stem.replace(".", "-")
-        out.append(f"| [{path.name}](#{anchor}) | {doc.kind}/v1 | {report.supported_status} | "
-                   f"{report.declared_status or '—'} | {'yes' if report.ok else 'no (errors)'} |")
-        sections += [f"## {path.name} {{#{anchor}}}", "", f"**{_cell(title)}**", "",
-                     f"`ledgerspec validate -v {_display(path)}`:", "", "```text", buf.getvalue().rstrip(), "```", "",
-                     f"`ledgerspec report {_display(path)} --html report.html` "
-                     f"([open it full size](reports/{path.stem}.html)):", "",
-                     f'<iframe class="ledger-report" src="reports/{path.stem}.html" loading="lazy" '
-                     f'title="HTML report of {path.name}"></iframe>', "",
-                     f'??? example "The file: {path.name}"', "", "    ```yaml"]
+        out.append(
+            f"| [{path.name}](#{anchor}) | {doc.kind}/v1 | {report.supported_status} | "
+            f"{report.declared_status or '—'} | {'yes' if report.ok else 'no (errors)'} |"
+        )
+        sections += [
+            f"## {path.name} {{#{anchor}}}",
+            "",
+            f"**{_cell(title)}**",
+            "",
+            f"`ledgerspec validate -v {_display(path)}`:",
+            "",
+            "```text",
+            buf.getvalue().rstrip(),
+            "```",
+            "",
+            f"`ledgerspec report {_display(path)} --html report.html` ([open it full size](reports/{path.stem}.html)):",
+            "",
+            f'<iframe class="ledger-report" src="reports/{path.stem}.html" loading="lazy" '
+            f'title="HTML report of {path.name}"></iframe>',
+            "",
+            f'??? example "The file: {path.name}"',
+            "",
+            "    ```yaml",
+        ]
         sections += [f"    {line}".rstrip() for line in path.read_text(encoding="utf-8").splitlines()]
         sections += ["    ```", ""]
     return "\n".join([*out, "", *sections]) + "\n"
@@ -216,4 +262,3 @@ def cli_markdown() -> str:
     for name, p in choices.items():
         out += [f"## `ledgerspec {name}`", "", "```text", p.format_help().rstrip(), "```", ""]
     return "\n".join(out)
-

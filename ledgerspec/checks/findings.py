@@ -22,8 +22,14 @@ class Finding:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON report's finding, keys in the spec's order."""
-        return {"rule": self.rule, "severity": self.severity, "pointer": self.pointer, "line": self.line,
-                "column": self.column, "message": self.message}
+        return {
+            "rule": self.rule,
+            "severity": self.severity,
+            "pointer": self.pointer,
+            "line": self.line,
+            "column": self.column,
+            "message": self.message,
+        }
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def _edit_status_line(doc: Document, status: str, comment: str) -> str | None:
         return None
     raw = lines[line]
     body = raw.rstrip("\r\n")
-    ending = raw[len(body):]
+    ending = raw[len(body) :]
     m = _VALUE_RE.match(body, col)
     if m is None:
         return None
@@ -79,4 +79,3 @@ def _rerender(doc: Document, report: Report) -> str:
     data["status"] = report.supported_status
     data.yaml_add_eol_comment(fix_comment(report), "status")
     return render(data, doc.text)
-

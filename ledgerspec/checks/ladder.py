@@ -75,8 +75,10 @@ def _optimizer_gaps(doc: Document) -> list[str]:
         return []
     guess = suggest(name)
     hint = f"did you mean {guess!r}? " if guess else ""
-    return [f"optimizer.name {name!r} is not a known optimizer ({hint}known: {', '.join(OPTIMIZERS)}), so "
-            "optimizer.bits does not follow from it and must be given"]
+    return [
+        f"optimizer.name {name!r} is not a known optimizer ({hint}known: {', '.join(OPTIMIZERS)}), so "
+        "optimizer.bits does not follow from it and must be given"
+    ]
 
 
 def _state(v: Value) -> str:
@@ -114,8 +116,11 @@ def assumption_inputs(doc: Document) -> list[str]:
     out = []
     for path, f, v in input_fields(doc):
         if f.kind == F.FIGURES and v.form == "plain" and isinstance(v.raw, list):
-            out += [f"{dotted(path)}[{i}]" for i, item in enumerate(v.raw)
-                    if Value.of(item).effective_source(True) == "ASSUMPTION"]
+            out += [
+                f"{dotted(path)}[{i}]"
+                for i, item in enumerate(v.raw)
+                if Value.of(item).effective_source(True) == "ASSUMPTION"
+            ]
         elif f.kind != F.OBJECT and v.effective_source(f.figure) == "ASSUMPTION":
             out.append(dotted(path))
     return out
@@ -127,9 +132,15 @@ def best_peak(doc: Document) -> tuple[int | None, str | None]:
     does not hold (logits and loss in fp32, attention workspaces, dequantized weights), and an assumed
     ``temporary`` added to the sum is the "subtotal + overhead" shortcut the method refuses."""
     pilot = pilot_section(doc)
-    for section, key in (("metrics", "device_peak"), ("metrics", "peak_reserved"), ("metrics", "peak_allocated"),
-                         ("phases", "steady_state_peak"), (pilot, "device_peak"), (pilot, "peak_reserved"),
-                         (pilot, "peak_allocated")):
+    for section, key in (
+        ("metrics", "device_peak"),
+        ("metrics", "peak_reserved"),
+        ("metrics", "peak_allocated"),
+        ("phases", "steady_state_peak"),
+        (pilot, "device_peak"),
+        (pilot, "peak_reserved"),
+        (pilot, "peak_allocated"),
+    ):
         v = doc.get(section, key)
         if v.source == "MEASURED" and v.size() is not None:
             return v.size(), f"{section}.{key} (MEASURED)"
@@ -159,8 +170,11 @@ def _activation_figure(doc: Document) -> bool:
     act = doc.get("ledger", "activations")
     if act.source in ("CALCULATED", "MEASURED") and act.size() is not None:
         return True
-    return any(doc.get(section, k).source == "MEASURED" and doc.get(section, k).size() is not None
-               for section in {pilot_section(doc), "metrics"} for k in _PILOT_PEAKS)
+    return any(
+        doc.get(section, k).source == "MEASURED" and doc.get(section, k).size() is not None
+        for section in {pilot_section(doc), "metrics"}
+        for k in _PILOT_PEAKS
+    )
 
 
 def supported_status(doc: Document) -> StatusResult:
@@ -172,8 +186,7 @@ def supported_status(doc: Document) -> StatusResult:
         res.reasons = [f"minimum intake: {g}" for g in gaps]
         return res
     if doc.kind == "intake":
-        res.reasons = ["an intake holds no ledger figures: `ledgerspec resolve FILE -o LEDGER` turns it into a "
-                       "ledger"]
+        res.reasons = ["an intake holds no ledger figures: `ledgerspec resolve FILE -o LEDGER` turns it into a ledger"]
         return res
 
     # -- CALCULATED -------------------------------------------------------------------------------
@@ -195,30 +208,44 @@ def supported_status(doc: Document) -> StatusResult:
     if target is None:
         held.append("CANDIDATE needs result.target_device.memory")
     if not _activation_figure(doc):
-        held.append("CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
-                    "or MEASURED, or a MEASURED peak (a pilot's, or metrics)")
+        held.append(
+            "CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
+            "or MEASURED, or a MEASURED peak (a pilot's, or metrics)"
+        )
     if res.best_peak is None and cpu_estimate(doc):
-        held.append("CANDIDATE needs a peak figure: x-estimate models the CPU's kernels (`estimate --target cpu`, "
-                    "for checks); `ledgerspec estimate FILE` predicts the GPU's")
+        held.append(
+            "CANDIDATE needs a peak figure: x-estimate models the CPU's kernels (`estimate --target cpu`, "
+            "for checks); `ledgerspec estimate FILE` predicts the GPU's"
+        )
     elif res.best_peak is None:
-        held.append("CANDIDATE needs a peak figure: a predicted peak (`ledgerspec estimate FILE` writes "
-                    "x-estimate) or a MEASURED one (metrics or a pilot); a sum of ledger components is not a peak")
+        held.append(
+            "CANDIDATE needs a peak figure: a predicted peak (`ledgerspec estimate FILE` writes "
+            "x-estimate) or a MEASURED one (metrics or a pilot); a sum of ledger components is not a peak"
+        )
     elif target is not None and res.best_peak > target:
-        pilot = " (a pilot run's: remove x-pilot if it measured another configuration)" \
-            if (res.best_peak_from or "").startswith("x-pilot.") else ""
-        held.append(f"best peak ({res.best_peak_from}) = {res.best_peak} B does not fit the target device "
-                    f"({target} B){pilot}")
+        pilot = (
+            " (a pilot run's: remove x-pilot if it measured another configuration)"
+            if (res.best_peak_from or "").startswith("x-pilot.")
+            else ""
+        )
+        held.append(
+            f"best peak ({res.best_peak_from}) = {res.best_peak} B does not fit the target device ({target} B){pilot}"
+        )
     if doc.get("result", "fits").switch() is False:
         held.append("result.fits is false")
     pilot_oom = doc.get(pilot_section(doc), "oom_phase").text()
     if pilot_oom:
-        held.append(f"the pilot run ran out of memory in phase {pilot_oom} ({pilot_section(doc)}.oom_phase): it "
-                    "does not show that this configuration fits; measure it on the target device")
+        held.append(
+            f"the pilot run ran out of memory in phase {pilot_oom} ({pilot_section(doc)}.oom_phase): it "
+            "does not show that this configuration fits; measure it on the target device"
+        )
     if doc.get("result", "oom").switch() is True:
         phase = doc.get("result", "oom_phase").text()
         where = f"in phase {phase}" if phase else "(result.oom_phase not recorded)"
-        held.append(f"result.oom is true: the run ran out of memory {where}; change the configuration "
-                    "(see `ledgerspec triage FILE`) or the target device")
+        held.append(
+            f"result.oom is true: the run ran out of memory {where}; change the configuration "
+            "(see `ledgerspec triage FILE`) or the target device"
+        )
     held += stale_evidence(doc, "CANDIDATE", res.best_peak_from)
     if held:
         res.reasons = held

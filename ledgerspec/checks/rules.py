@@ -22,30 +22,43 @@ from ledgerspec.contract.units import format_size
 from ledgerspec.contract.values import Value
 
 
-@rule("LS001", ERROR, "declared status above the status the evidence supports",
-      "lower `status` to the supported one (`ledgerspec validate --fix` does it) or add the missing evidence",
-      example="status: VALIDATED   # with no measurement")
+@rule(
+    "LS001",
+    ERROR,
+    "declared status above the status the evidence supports",
+    "lower `status` to the supported one (`ledgerspec validate --fix` does it) or add the missing evidence",
+    example="status: VALIDATED   # with no measurement",
+)
 def ls001_status_above_supported(ctx: Context) -> Iterator[Hit]:
     declared = ctx.get("status").text()
     if declared in RANK and RANK[declared] > RANK[ctx.status.status]:
         why = "; ".join(ctx.status.reasons[:3])
         more = f" (+{len(ctx.status.reasons) - 3} more)" if len(ctx.status.reasons) > 3 else ""
-        yield Hit(ptr("status"), f"declared status {declared} is above the supported status "
-                  f"{ctx.status.status}: {why}{more}")
+        yield Hit(
+            ptr("status"), f"declared status {declared} is above the supported status {ctx.status.status}: {why}{more}"
+        )
 
 
-@rule("LS002", INFO, "field is UNKNOWN or CONFIGURATION-SPECIFIC",
-      "find the value (run `ledgerspec resolve` for derivable figures) or leave it: it holds the status down",
-      example="identity:\n  revision: UNKNOWN")
+@rule(
+    "LS002",
+    INFO,
+    "field is UNKNOWN or CONFIGURATION-SPECIFIC",
+    "find the value (run `ledgerspec resolve` for derivable figures) or leave it: it holds the status down",
+    example="identity:\n  revision: UNKNOWN",
+)
 def ls002_unknown_field(ctx: Context) -> Iterator[Hit]:
     for path, _field, v in ctx.fields():
         if v.source in ("UNKNOWN", "CONFIGURATION-SPECIFIC"):
             yield Hit(ptr(*path), f"{dotted(path)} is {v.source}")
 
 
-@rule("LS003", "error / warning", "ASSUMPTION without a note (error); every ASSUMPTION is listed (warning)",
-      "say in `note` why the value is assumed, or replace it with a VERIFIED/MEASURED value",
-      example="adapter:\n  dtype: {value: bfloat16, source: ASSUMPTION}")
+@rule(
+    "LS003",
+    "error / warning",
+    "ASSUMPTION without a note (error); every ASSUMPTION is listed (warning)",
+    "say in `note` why the value is assumed, or replace it with a VERIFIED/MEASURED value",
+    example="adapter:\n  dtype: {value: bfloat16, source: ASSUMPTION}",
+)
 def ls003_assumption(ctx: Context) -> Iterator[Hit]:
     for path, _field, v in ctx.fields():
         if v.source != "ASSUMPTION":
@@ -56,9 +69,13 @@ def ls003_assumption(ctx: Context) -> Iterator[Hit]:
             yield Hit(ptr(*path), f"{dotted(path)} is an ASSUMPTION: {v.note}", WARNING)
 
 
-@rule("LS004", WARNING, "memory figure without a source (treated as ASSUMPTION)",
-      "write the long form {value: ..., source: CALCULATED|MEASURED|..., method: ...}",
-      example="ledger:\n  adapter: 80MB")
+@rule(
+    "LS004",
+    WARNING,
+    "memory figure without a source (treated as ASSUMPTION)",
+    "write the long form {value: ..., source: CALCULATED|MEASURED|..., method: ...}",
+    example="ledger:\n  adapter: 80MB",
+)
 def ls004_figure_without_source(ctx: Context) -> Iterator[Hit]:
     for path, field, v in ctx.fields():
         if not field.figure or v.form != "plain" or isinstance(v.raw, dict):
@@ -68,32 +85,54 @@ def ls004_figure_without_source(ctx: Context) -> Iterator[Hit]:
         yield Hit(ptr(*path), f"{dotted(path)} = {v.raw!r} has no source; it counts as an ASSUMPTION")
 
 
-@rule("LS010", ERROR, "global_batch is not microbatch x gradient_accumulation x dp_world_size",
-      "fix global_batch or the factors; accumulation is sequential and is not an activation batch",
-      example="workload: {microbatch: 2, gradient_accumulation: 8, dp_world_size: 1, global_batch: 32}")
+@rule(
+    "LS010",
+    ERROR,
+    "global_batch is not microbatch x gradient_accumulation x dp_world_size",
+    "fix global_batch or the factors; accumulation is sequential and is not an activation batch",
+    example="workload: {microbatch: 2, gradient_accumulation: 8, dp_world_size: 1, global_batch: 32}",
+)
 def ls010_global_batch(ctx: Context) -> Iterator[Hit]:
-    vals = [ctx.get("workload", k).integer() for k in
-            ("microbatch", "gradient_accumulation", "dp_world_size", "global_batch")]
+    vals = [
+        ctx.get("workload", k).integer()
+        for k in ("microbatch", "gradient_accumulation", "dp_world_size", "global_batch")
+    ]
     mb, ga, dp, gb = vals
     if mb is not None and ga is not None and dp is not None and gb is not None and mb * ga * dp != gb:
-        yield Hit(ptr("workload", "global_batch"), f"global_batch {gb} != microbatch {mb} x "
-                  f"gradient_accumulation {ga} x dp_world_size {dp} = {mb * ga * dp}")
+        yield Hit(
+            ptr("workload", "global_batch"),
+            f"global_batch {gb} != microbatch {mb} x gradient_accumulation {ga} x dp_world_size {dp} = {mb * ga * dp}",
+        )
 
 
-@rule("LS011", WARNING, "only max_length given: no sequence_p50/p95 and packing unknown",
-      "add sequence_p50/sequence_p95 of the tokenized data and say whether packing is on",
-      example="workload: {max_length: 2048, microbatch: 1}")
+@rule(
+    "LS011",
+    WARNING,
+    "only max_length given: no sequence_p50/p95 and packing unknown",
+    "add sequence_p50/sequence_p95 of the tokenized data and say whether packing is on",
+    example="workload: {max_length: 2048, microbatch: 1}",
+)
 def ls011_max_length_only(ctx: Context) -> Iterator[Hit]:
-    if (ctx.get("workload", "max_length").known and ctx.get("workload", "sequence_p50").unknown
-            and ctx.get("workload", "sequence_p95").unknown and ctx.switch("workload", "packing") is None):
-        yield Hit(ptr("workload", "max_length"), "only max_length is known: max_length is not the workload "
-                  "(no sequence_p50/p95, packing unknown)")
+    if (
+        ctx.get("workload", "max_length").known
+        and ctx.get("workload", "sequence_p50").unknown
+        and ctx.get("workload", "sequence_p95").unknown
+        and ctx.switch("workload", "packing") is None
+    ):
+        yield Hit(
+            ptr("workload", "max_length"),
+            "only max_length is known: max_length is not the workload (no sequence_p50/p95, packing unknown)",
+        )
 
 
-@rule("LS020", ERROR, "gradients counted for more parameters than are trainable (frozen base with gradients)",
-      "in LoRA/QLoRA only adapter tensors have gradients; count gradients for method.trainable_parameters",
-      example="method: {kind: LoRA, trainable_parameters: {value: 4194304, source: VERIFIED}}\n"
-              "gradients: {parameters: {value: 6738415616, source: ASSUMPTION, note: all params}}")
+@rule(
+    "LS020",
+    ERROR,
+    "gradients counted for more parameters than are trainable (frozen base with gradients)",
+    "in LoRA/QLoRA only adapter tensors have gradients; count gradients for method.trainable_parameters",
+    example="method: {kind: LoRA, trainable_parameters: {value: 4194304, source: VERIFIED}}\n"
+    "gradients: {parameters: {value: 6738415616, source: ASSUMPTION, note: all params}}",
+)
 def ls020_frozen_base_has_gradients(ctx: Context) -> Iterator[Hit]:
     kind = ctx.get("method", "kind").text()
     if kind not in ("LoRA", "QLoRA"):
@@ -105,33 +144,51 @@ def ls020_frozen_base_has_gradients(ctx: Context) -> Iterator[Hit]:
         return
     if trainable is not None and grads > trainable:
         extra = " (that is every model parameter: the frozen base was counted)" if total == grads else ""
-        yield Hit(ptr("gradients", "parameters"), f"gradients.parameters {grads:,} exceeds "
-                  f"method.trainable_parameters {trainable:,}{extra}; the frozen base has no gradients in {kind}")
+        yield Hit(
+            ptr("gradients", "parameters"),
+            f"gradients.parameters {grads:,} exceeds "
+            f"method.trainable_parameters {trainable:,}{extra}; the frozen base has no gradients in {kind}",
+        )
     elif trainable is None and total is not None and grads >= total:
-        yield Hit(ptr("gradients", "parameters"), f"gradients.parameters {grads:,} counts every model parameter "
-                  f"(identity.total_parameters {total:,}); the frozen base has no gradients in {kind}")
+        yield Hit(
+            ptr("gradients", "parameters"),
+            f"gradients.parameters {grads:,} counts every model parameter "
+            f"(identity.total_parameters {total:,}); the frozen base has no gradients in {kind}",
+        )
 
 
-@rule("LS021", WARNING, "optimized parameters differ from trainable parameters",
-      "check requires_grad and optimizer.param_groups: the optimizer must hold exactly the trainable tensors",
-      example="method: {trainable_parameters: {value: 4194304, source: VERIFIED}}\n"
-              "optimizer: {optimized_parameters: {value: 6738415616, source: ASSUMPTION, note: all params}}")
+@rule(
+    "LS021",
+    WARNING,
+    "optimized parameters differ from trainable parameters",
+    "check requires_grad and optimizer.param_groups: the optimizer must hold exactly the trainable tensors",
+    example="method: {trainable_parameters: {value: 4194304, source: VERIFIED}}\n"
+    "optimizer: {optimized_parameters: {value: 6738415616, source: ASSUMPTION, note: all params}}",
+)
 def ls021_optimized_vs_trainable(ctx: Context) -> Iterator[Hit]:
     opt = ctx.get("optimizer", "optimized_parameters").integer()
     trainable = ctx.get("method", "trainable_parameters").integer()
     if opt is not None and trainable is not None and opt != trainable:
-        yield Hit(ptr("optimizer", "optimized_parameters"), f"optimizer.optimized_parameters {opt:,} != "
-                  f"method.trainable_parameters {trainable:,}")
+        yield Hit(
+            ptr("optimizer", "optimized_parameters"),
+            f"optimizer.optimized_parameters {opt:,} != method.trainable_parameters {trainable:,}",
+        )
 
 
-@rule("LS022", ERROR, "adapter or gradient bytes do not equal parameters x dtype size",
-      "ledger.adapter = trainable_parameters x adapter.dtype bytes; ledger.gradients = gradients.parameters x "
-      "gradients.dtype bytes (write dtype `mixed` when tensors differ, with the breakdown)",
-      example="method: {trainable_parameters: {value: 4194304, source: VERIFIED}}\nadapter: {dtype: float32}\n"
-              "ledger: {adapter: {value: 1000, source: CALCULATED, method: x}}")
+@rule(
+    "LS022",
+    ERROR,
+    "adapter or gradient bytes do not equal parameters x dtype size",
+    "ledger.adapter = trainable_parameters x adapter.dtype bytes; ledger.gradients = gradients.parameters x "
+    "gradients.dtype bytes (write dtype `mixed` when tensors differ, with the breakdown)",
+    example="method: {trainable_parameters: {value: 4194304, source: VERIFIED}}\nadapter: {dtype: float32}\n"
+    "ledger: {adapter: {value: 1000, source: CALCULATED, method: x}}",
+)
 def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
-    checks = (("adapter", ("method", "trainable_parameters"), ("adapter", "dtype")),
-              ("gradients", ("gradients", "parameters"), ("gradients", "dtype")))
+    checks = (
+        ("adapter", ("method", "trainable_parameters"), ("adapter", "dtype")),
+        ("gradients", ("gradients", "parameters"), ("gradients", "dtype")),
+    )
     for key, count_path, dtype_path in checks:
         figure = ctx.get("ledger", key).size()
         count = ctx.get(*count_path).integer()
@@ -140,29 +197,50 @@ def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
         if figure is None or count is None or size is None:
             continue
         if figure != count * size:
-            yield Hit(ptr("ledger", key), f"ledger.{key} = {figure:,} B but {dotted(count_path)} {count:,} x "
-                      f"{size} B ({dtype}) = {count * size:,} B ({format_size(count * size)})")
+            yield Hit(
+                ptr("ledger", key),
+                f"ledger.{key} = {figure:,} B but {dotted(count_path)} {count:,} x "
+                f"{size} B ({dtype}) = {count * size:,} B ({format_size(count * size)})",
+            )
 
 
-@rule("LS030", ERROR, "QLoRA described only by bits: quant type / double quant / compute dtype / storage dtype "
-      "missing", "give base_model.quantization type, double_quant, compute_dtype and storage_dtype (or write "
-      "UNKNOWN to say you know they are missing)", example="method: {kind: QLoRA}\nbase_model: {quantization: "
-      "{bits: 4}}")
+@rule(
+    "LS030",
+    ERROR,
+    "QLoRA described only by bits: quant type / double quant / compute dtype / storage dtype missing",
+    "give base_model.quantization type, double_quant, compute_dtype and storage_dtype (or write "
+    "UNKNOWN to say you know they are missing)",
+    example="method: {kind: QLoRA}\nbase_model: {quantization: {bits: 4}}",
+)
 def ls030_qlora_only_bits(ctx: Context) -> Iterator[Hit]:
     if not is_qlora(ctx.doc):
         return
-    missing = [k for k in ("type", "double_quant", "compute_dtype", "storage_dtype")
-               if not ctx.get("base_model", "quantization", k).present]
+    missing = [
+        k
+        for k in ("type", "double_quant", "compute_dtype", "storage_dtype")
+        if not ctx.get("base_model", "quantization", k).present
+    ]
     if missing:
-        where = ptr("base_model", "quantization") if ctx.doc.section("base_model").get("quantization") is not None \
+        where = (
+            ptr("base_model", "quantization")
+            if ctx.doc.section("base_model").get("quantization") is not None
             else ptr("method", "kind")
-        yield Hit(where, "QLoRA without " + ", ".join(f"quantization.{k}" for k in missing) +
-                  ": '4-bit' alone does not determine the base storage")
+        )
+        yield Hit(
+            where,
+            "QLoRA without "
+            + ", ".join(f"quantization.{k}" for k in missing)
+            + ": '4-bit' alone does not determine the base storage",
+        )
 
 
-@rule("LS031", ERROR, "activations or temporary CALCULATED/ASSUMPTION while the status claims VALIDATED",
-      "a VALIDATED ledger takes activations and temporary memory from the measurement",
-      example="status: VALIDATED\nledger: {activations: {value: 1GB, source: CALCULATED, method: estimate}}")
+@rule(
+    "LS031",
+    ERROR,
+    "activations or temporary CALCULATED/ASSUMPTION while the status claims VALIDATED",
+    "a VALIDATED ledger takes activations and temporary memory from the measurement",
+    example="status: VALIDATED\nledger: {activations: {value: 1GB, source: CALCULATED, method: estimate}}",
+)
 def ls031_validated_needs_measured(ctx: Context) -> Iterator[Hit]:
     if ctx.get("status").text() != "VALIDATED":
         return
@@ -173,76 +251,117 @@ def ls031_validated_needs_measured(ctx: Context) -> Iterator[Hit]:
             yield Hit(ptr("ledger", key), f"ledger.{key} is {src} but the status claims VALIDATED")
 
 
-@rule("LS040", ERROR, "peak_reserved below peak_allocated (impossible)",
-      "reserved memory includes allocated memory; check which figure went where",
-      example="metrics: {peak_allocated: {value: 10GB, source: MEASURED}, peak_reserved: {value: 9GB, "
-              "source: MEASURED}}")
+@rule(
+    "LS040",
+    ERROR,
+    "peak_reserved below peak_allocated (impossible)",
+    "reserved memory includes allocated memory; check which figure went where",
+    example="metrics: {peak_allocated: {value: 10GB, source: MEASURED}, peak_reserved: {value: 9GB, source: MEASURED}}",
+)
 def ls040_reserved_below_allocated(ctx: Context) -> Iterator[Hit]:
     alloc = ctx.get("metrics", "peak_allocated").size()
     reserved = ctx.get("metrics", "peak_reserved").size()
     if alloc is not None and reserved is not None and reserved < alloc:
-        yield Hit(ptr("metrics", "peak_reserved"), f"peak_reserved {format_size(reserved)} < peak_allocated "
-                  f"{format_size(alloc)}")
+        yield Hit(
+            ptr("metrics", "peak_reserved"),
+            f"peak_reserved {format_size(reserved)} < peak_allocated {format_size(alloc)}",
+        )
 
 
 def _offload_or_sharding(ctx: Context) -> bool:
     sharding = ctx.get("memory_options", "sharding").text()
-    return bool(ctx.switch("memory_options", "cpu_offload") or ctx.switch("memory_options", "activation_offload")
-                or ctx.switch("parallelism", "cpu_offload") or (sharding not in (None, "none")))
+    return bool(
+        ctx.switch("memory_options", "cpu_offload")
+        or ctx.switch("memory_options", "activation_offload")
+        or ctx.switch("parallelism", "cpu_offload")
+        or (sharding not in (None, "none"))
+    )
 
 
-@rule("LS041", WARNING, "calculated subtotal above the measured peak without offload or sharding",
-      "a resident component cannot exceed the peak: recheck the calculation (dtype? counted twice?) or the "
-      "measurement", example="comparison: {calculated_subtotal: {value: 20GB, source: CALCULATED, method: x}, "
-      "measured_peak: {value: 15GB, source: MEASURED}}")
+@rule(
+    "LS041",
+    WARNING,
+    "calculated subtotal above the measured peak without offload or sharding",
+    "a resident component cannot exceed the peak: recheck the calculation (dtype? counted twice?) or the measurement",
+    example="comparison: {calculated_subtotal: {value: 20GB, source: CALCULATED, method: x}, "
+    "measured_peak: {value: 15GB, source: MEASURED}}",
+)
 def ls041_subtotal_above_measured(ctx: Context) -> Iterator[Hit]:
     calc = ctx.get("comparison", "calculated_subtotal").size()
     meas = ctx.get("comparison", "measured_peak").size()
     if calc is not None and meas is not None and calc > meas and not _offload_or_sharding(ctx):
-        yield Hit(ptr("comparison", "calculated_subtotal"), f"calculated_subtotal {format_size(calc)} > "
-                  f"measured_peak {format_size(meas)} with no offload or sharding")
+        yield Hit(
+            ptr("comparison", "calculated_subtotal"),
+            f"calculated_subtotal {format_size(calc)} > measured_peak {format_size(meas)} with no offload or sharding",
+        )
 
 
-@rule("LS042", WARNING, "comparison difference without known_explanation",
-      "say what explains the difference (activations, temporaries, allocator, context)",
-      example="comparison: {difference: {value: 3GB, source: CALCULATED, method: x}}")
+@rule(
+    "LS042",
+    WARNING,
+    "comparison difference without known_explanation",
+    "say what explains the difference (activations, temporaries, allocator, context)",
+    example="comparison: {difference: {value: 3GB, source: CALCULATED, method: x}}",
+)
 def ls042_difference_unexplained(ctx: Context) -> Iterator[Hit]:
     if ctx.get("comparison", "difference").known and ctx.get("comparison", "known_explanation").unknown:
         yield Hit(ptr("comparison", "difference"), "comparison.difference without comparison.known_explanation")
 
 
-@rule("LS050", "error when measured, else info", "activation offload ON without host_peak, offload_mode, "
-      "step_time_s", "record metrics.host_peak, memory_options.offload_mode and metrics.step_time_s: offload "
-      "moves memory to the host and costs time", example="memory_options: {activation_offload: ON}")
+@rule(
+    "LS050",
+    "error when measured, else info",
+    "activation offload ON without host_peak, offload_mode, step_time_s",
+    "record metrics.host_peak, memory_options.offload_mode and metrics.step_time_s: offload "
+    "moves memory to the host and costs time",
+    example="memory_options: {activation_offload: ON}",
+)
 def ls050_offload_evidence(ctx: Context) -> Iterator[Hit]:
     if ctx.switch("memory_options", "activation_offload") is not True:
         return
-    missing = [p for p in (("metrics", "host_peak"), ("memory_options", "offload_mode"),
-                           ("metrics", "step_time_s")) if ctx.get(*p).unknown]
+    missing = [
+        p
+        for p in (("metrics", "host_peak"), ("memory_options", "offload_mode"), ("metrics", "step_time_s"))
+        if ctx.get(*p).unknown
+    ]
     if missing:
-        yield Hit(ptr("memory_options", "activation_offload"), "activation offload is ON without " +
-                  ", ".join(dotted(p) for p in missing), ERROR if ctx.measured() else INFO)
+        yield Hit(
+            ptr("memory_options", "activation_offload"),
+            "activation offload is ON without " + ", ".join(dotted(p) for p in missing),
+            ERROR if ctx.measured() else INFO,
+        )
 
 
-@rule("LS060", "error when measured, else warning", "several GPUs without placements and one per-rank peak "
-      "per rank (or a single total summed across GPUs)", "give parameter/gradient/optimizer placement and "
-      "parallelism.per_rank_peak as a list with one figure per rank; N GPUs are not one device of N x memory",
-      example="parallelism: {gpu_count: 2, per_rank_peak: {value: 96GB, source: ASSUMPTION, note: total}}")
+@rule(
+    "LS060",
+    "error when measured, else warning",
+    "several GPUs without placements and one per-rank peak per rank (or a single total summed across GPUs)",
+    "give parameter/gradient/optimizer placement and "
+    "parallelism.per_rank_peak as a list with one figure per rank; N GPUs are not one device of N x memory",
+    example="parallelism: {gpu_count: 2, per_rank_peak: {value: 96GB, source: ASSUMPTION, note: total}}",
+)
 def ls060_multi_gpu(ctx: Context) -> Iterator[Hit]:
     gpus = ctx.get("parallelism", "gpu_count").integer()
     if gpus is None or gpus <= 1:
         return
     sev = ERROR if ctx.measured() else WARNING
-    missing = [k for k in ("parameter_placement", "gradient_placement", "optimizer_placement")
-               if ctx.get("parallelism", k).unknown]
+    missing = [
+        k
+        for k in ("parameter_placement", "gradient_placement", "optimizer_placement")
+        if ctx.get("parallelism", k).unknown
+    ]
     if missing:
-        yield Hit(ptr("parallelism", "gpu_count"), f"gpu_count {gpus} without " +
-                  ", ".join(f"parallelism.{k}" for k in missing), sev)
+        yield Hit(
+            ptr("parallelism", "gpu_count"),
+            f"gpu_count {gpus} without " + ", ".join(f"parallelism.{k}" for k in missing),
+            sev,
+        )
     peaks = ctx.get("parallelism", "per_rank_peak")
     if peaks.form == "plain" and isinstance(peaks.raw, list):
         if len(peaks.raw) != gpus:
-            yield Hit(ptr("parallelism", "per_rank_peak"), f"per_rank_peak has {len(peaks.raw)} figures for "
-                      f"{gpus} ranks", sev)
+            yield Hit(
+                ptr("parallelism", "per_rank_peak"), f"per_rank_peak has {len(peaks.raw)} figures for {gpus} ranks", sev
+            )
         ranks = [Value.of(item).size() for item in peaks.raw]
         known = [r for r in ranks if r is not None]
         if known and len(known) == len(ranks):
@@ -250,20 +369,35 @@ def ls060_multi_gpu(ctx: Context) -> Iterator[Hit]:
             for key in ("peak_allocated", "peak_reserved", "device_peak"):
                 total = ctx.get("metrics", key).size()
                 if total is not None and total > worst:
-                    yield Hit(ptr("metrics", key), f"metrics.{key} ({format_size(total)}) exceeds every per-rank "
-                              f"peak (worst rank {format_size(worst)}): a total summed across GPUs is not a "
-                              "device figure; metrics holds the worst rank", sev)
+                    yield Hit(
+                        ptr("metrics", key),
+                        f"metrics.{key} ({format_size(total)}) exceeds every per-rank "
+                        f"peak (worst rank {format_size(worst)}): a total summed across GPUs is not a "
+                        "device figure; metrics holds the worst rank",
+                        sev,
+                    )
     elif peaks.present and peaks.known:
-        yield Hit(ptr("parallelism", "per_rank_peak"), "per_rank_peak is a single figure: memory is per rank, "
-                  "a total summed across GPUs is not a per-rank peak", sev)
+        yield Hit(
+            ptr("parallelism", "per_rank_peak"),
+            "per_rank_peak is a single figure: memory is per rank, a total summed across GPUs is not a per-rank peak",
+            sev,
+        )
     else:
-        yield Hit(ptr("parallelism", "gpu_count"), f"gpu_count {gpus} without parallelism.per_rank_peak "
-                  "(one figure per rank)", sev)
+        yield Hit(
+            ptr("parallelism", "gpu_count"),
+            f"gpu_count {gpus} without parallelism.per_rank_peak (one figure per rank)",
+            sev,
+        )
 
 
-@rule("LS070", ERROR, "MEASURED figures with no software versions or no measurement.device",
-      "record software.torch/transformers/peft (and cuda) and measurement.device: a measurement is only "
-      "reproducible on its stack", example="metrics: {peak_allocated: {value: 10GB, source: MEASURED}}")
+@rule(
+    "LS070",
+    ERROR,
+    "MEASURED figures with no software versions or no measurement.device",
+    "record software.torch/transformers/peft (and cuda) and measurement.device: a measurement is only "
+    "reproducible on its stack",
+    example="metrics: {peak_allocated: {value: 10GB, source: MEASURED}}",
+)
 def ls070_measured_without_stack(ctx: Context) -> Iterator[Hit]:
     measured = [path for path, _f, v in ctx.fields() if v.source == "MEASURED"]
     if not measured:
@@ -275,18 +409,27 @@ def ls070_measured_without_stack(ctx: Context) -> Iterator[Hit]:
         yield Hit(first, f"{len(measured)} MEASURED figure(s) but no measurement.device")
 
 
-@rule("LS080", ERROR, "result.oom true without oom_phase",
-      "record the phase where OOM happened (load, forward, backward, optimizer_step, ...): it points at the "
-      "component to fix", example="result: {oom: true}")
+@rule(
+    "LS080",
+    ERROR,
+    "result.oom true without oom_phase",
+    "record the phase where OOM happened (load, forward, backward, optimizer_step, ...): it points at the "
+    "component to fix",
+    example="result: {oom: true}",
+)
 def ls080_oom_without_phase(ctx: Context) -> Iterator[Hit]:
     if ctx.switch("result", "oom") is True and ctx.get("result", "oom_phase").unknown:
         yield Hit(ptr("result", "oom"), "result.oom is true but result.oom_phase is not given")
 
 
-
-@rule("LS005", WARNING, "CALCULATED figure without a `method`",
-      "say how the figure was derived (formula, tool, command) in `method`: a calculation nobody can repeat is an "
-      "assumption", example="ledger:\n  adapter: {value: 16777216, source: CALCULATED}")
+@rule(
+    "LS005",
+    WARNING,
+    "CALCULATED figure without a `method`",
+    "say how the figure was derived (formula, tool, command) in `method`: a calculation nobody can repeat is an "
+    "assumption",
+    example="ledger:\n  adapter: {value: 16777216, source: CALCULATED}",
+)
 def ls005_calculated_without_method(ctx: Context) -> Iterator[Hit]:
     for path, field, v in ctx.fields():
         if field.figure and v.form == "long" and v.source == "CALCULATED" and not v.method:
@@ -296,49 +439,80 @@ def ls005_calculated_without_method(ctx: Context) -> Iterator[Hit]:
 #: the universal shortcuts of the method article (spec: "Why the ledger exists"), as (pattern, what, why)
 _OVERHEAD_WORD = r"(?:subtotal|sum|total|overhead|headroom|margin|safety|запас\w*|накладн\w*|сумм\w*)"
 _SHORTCUTS = (
-    (rf"{_OVERHEAD_WORD}[^.;]*(?:\bx|\*|×)\s*1[.,]\d+|\b1[.,]\d+\s*(?:x|×)\s*(?:the\s+)?{_OVERHEAD_WORD}"
-     rf"|\+\s*\d+\s*%[^.;]*{_OVERHEAD_WORD}|{_OVERHEAD_WORD}[^.;]*\+\s*\d+\s*%",
-     "a flat overhead factor (subtotal x 1.1)",
-     "no universal factor turns a subtotal into a peak: activations and temporaries are measured or estimated"),
-    (r"0[.,]5\s*(?:bytes?|B|байт\w*)(?!\w)|(?:\bx|\*|×)\s*0[.,]5\b|half a byte|полбайта|param\w*\s*/\s*2\b"
-     r"|параметр\w*\s*/\s*2\b", "params x 0.5 byte",
-     "4-bit x parameters is only the packed payload: absmax constants, unquantized layers, adapters, gradients, "
-     "optimizer and activations come on top"),
-    (r"\b(?:rank|r)\s*(?:x|\*|×)\s*alpha\b", "rank x alpha",
-     "lora_alpha scales the update; it is not a memory multiplier"),
-    (r"/\s*(?:n|\d+)\s*(?:gpus?|гпу|видеокарт\w*)\b|divided by (?:the number of )?gpus|\b\d+\s*[GT]i?B\s*/\s*\d+\b",
-     "VRAM / N GPUs",
-     "memory is per rank and depends on placement: single-GPU memory / N is not a sharding formula"),
-    (r"25\s*%[^.;]*adam|adam[^.;]*25\s*%|quarter[^.;]*adam|adam[^.;]*quarter|четверт\w*[^.;]*adam|adam[^.;]*четверт",
-     "8-bit Adam = 25 % of Adam",
-     "tensors under min_8bit_size keep 32-bit state and blockwise absmax adds bytes: compute it per tensor"),
-    (r"(?:checkpointing|чекпоинт\w*)[^.;]*(?:[-−]\s*\d+\s*%|(?:saves?|reduces?|cuts?|эконом\w*|сниж\w*)[^.;]*\d+\s*%)"
-     r"|[-−]\s*\d+\s*%[^.;]*(?:checkpointing|чекпоинт)", "checkpointing = -N %",
-     "what checkpointing saves depends on the model and workload: estimate or measure it"),
-    (r"accumulat\w*[^.;]*(?:=|equals?|as)\s*(?:an?\s+)?activation batch", "accumulation = activation batch",
-     "gradient accumulation runs micro-steps one after another: the activation batch is the microbatch"),
+    (
+        rf"{_OVERHEAD_WORD}[^.;]*(?:\bx|\*|×)\s*1[.,]\d+|\b1[.,]\d+\s*(?:x|×)\s*(?:the\s+)?{_OVERHEAD_WORD}"
+        rf"|\+\s*\d+\s*%[^.;]*{_OVERHEAD_WORD}|{_OVERHEAD_WORD}[^.;]*\+\s*\d+\s*%",
+        "a flat overhead factor (subtotal x 1.1)",
+        "no universal factor turns a subtotal into a peak: activations and temporaries are measured or estimated",
+    ),
+    (
+        r"0[.,]5\s*(?:bytes?|B|байт\w*)(?!\w)|(?:\bx|\*|×)\s*0[.,]5\b|half a byte|полбайта|param\w*\s*/\s*2\b"
+        r"|параметр\w*\s*/\s*2\b",
+        "params x 0.5 byte",
+        "4-bit x parameters is only the packed payload: absmax constants, unquantized layers, adapters, gradients, "
+        "optimizer and activations come on top",
+    ),
+    (
+        r"\b(?:rank|r)\s*(?:x|\*|×)\s*alpha\b",
+        "rank x alpha",
+        "lora_alpha scales the update; it is not a memory multiplier",
+    ),
+    (
+        r"/\s*(?:n|\d+)\s*(?:gpus?|гпу|видеокарт\w*)\b|divided by (?:the number of )?gpus|\b\d+\s*[GT]i?B\s*/\s*\d+\b",
+        "VRAM / N GPUs",
+        "memory is per rank and depends on placement: single-GPU memory / N is not a sharding formula",
+    ),
+    (
+        r"25\s*%[^.;]*adam|adam[^.;]*25\s*%|quarter[^.;]*adam|adam[^.;]*quarter|четверт\w*[^.;]*adam|adam[^.;]*четверт",
+        "8-bit Adam = 25 % of Adam",
+        "tensors under min_8bit_size keep 32-bit state and blockwise absmax adds bytes: compute it per tensor",
+    ),
+    (
+        r"(?:checkpointing|чекпоинт\w*)[^.;]*(?:[-−]\s*\d+\s*%|(?:saves?|reduces?|cuts?|эконом\w*|сниж\w*)[^.;]*\d+\s*%)"
+        r"|[-−]\s*\d+\s*%[^.;]*(?:checkpointing|чекпоинт)",
+        "checkpointing = -N %",
+        "what checkpointing saves depends on the model and workload: estimate or measure it",
+    ),
+    (
+        r"accumulat\w*[^.;]*(?:=|equals?|as)\s*(?:an?\s+)?activation batch",
+        "accumulation = activation batch",
+        "gradient accumulation runs micro-steps one after another: the activation batch is the microbatch",
+    ),
 )
 SHORTCUTS: tuple[tuple[re.Pattern[str], str, str], ...] = tuple(
-    (re.compile(p, re.IGNORECASE), what, why) for p, what, why in _SHORTCUTS)
+    (re.compile(p, re.IGNORECASE), what, why) for p, what, why in _SHORTCUTS
+)
 
 
-@rule("LS006", ERROR, "figures computed from inputs that were edited since (resolve, estimate or measure)",
-      "run the command again: `ledgerspec resolve FILE` (exact figures), `ledgerspec estimate FILE` (activations, "
-      "x-estimate); measure again for a measurement",
-      example="method:\n  rank: 64  # was 16 when resolve ran\nx-resolve:\n  inputs: {method: 0123456789abcdef}")
+@rule(
+    "LS006",
+    ERROR,
+    "figures computed from inputs that were edited since (resolve, estimate or measure)",
+    "run the command again: `ledgerspec resolve FILE` (exact figures), `ledgerspec estimate FILE` (activations, "
+    "x-estimate); measure again for a measurement",
+    example="method:\n  rank: 64  # was 16 when resolve ran\nx-resolve:\n  inputs: {method: 0123456789abcdef}",
+)
 def ls006_stale_inputs(ctx: Context) -> Iterator[Hit]:
     """``x-resolve`` / ``x-estimate`` / ``x-measure`` store a fingerprint of the inputs they read; an edit shows."""
-    wrote = {"resolve": "the exact figures (ledger.frozen_base, adapter, gradients, optimizer, parameter counts)",
-             "estimate": "ledger.activations and x-estimate", "measure": "phases, metrics and x-measure"}
+    wrote = {
+        "resolve": "the exact figures (ledger.frozen_base, adapter, gradients, optimizer, parameter counts)",
+        "estimate": "ledger.activations and x-estimate",
+        "measure": "phases, metrics and x-measure",
+    }
     extension = {command: ext for ext, _, command in STAMPS}
     for command, sections in stale(ctx.doc).items():
         where = ptr(sections[0]) if ctx.doc.section(sections[0]) else ptr(extension[command], "inputs")
         yield Hit(where, f"{wrote[command]} describe other inputs: {edited_since(command, sections)}")
 
 
-@rule("LS090", WARNING, "a figure derived with one of the article's universal shortcuts",
-      "derive the figure from the exact configuration (`ledgerspec resolve`, `estimate`, `measure`) instead of "
-      "a rule of thumb", example="ledger:\n  temporary: {value: 2GB, source: ASSUMPTION, note: subtotal x 1.10}")
+@rule(
+    "LS090",
+    WARNING,
+    "a figure derived with one of the article's universal shortcuts",
+    "derive the figure from the exact configuration (`ledgerspec resolve`, `estimate`, `measure`) instead of "
+    "a rule of thumb",
+    example="ledger:\n  temporary: {value: 2GB, source: ASSUMPTION, note: subtotal x 1.10}",
+)
 def ls090_universal_shortcut(ctx: Context) -> Iterator[Hit]:
     for path, _field, v in ctx.fields():
         text = " ".join(t for t in (v.method, v.note) if t)

@@ -81,24 +81,34 @@ def _unknown_keys(kind: str, path: tuple[str, ...], err: Any) -> Hit:
         guess = difflib.get_close_matches(str(k), known, n=1)
         parts.append(f"{k!r}" + (f" (did you mean {guess[0]!r}?)" if guess else ""))
     first = pointer(*path, extras[0]) if extras else pointer(*path)
-    return Hit(first, f"unknown key {', '.join(parts)} in {where_kind}; known keys: {', '.join(known)} "
-               "(prefix extensions with x-)", ERROR)
+    return Hit(
+        first,
+        f"unknown key {', '.join(parts)} in {where_kind}; known keys: {', '.join(known)} (prefix extensions with x-)",
+        ERROR,
+    )
 
 
 def _expected(field: F.Field, value: Any) -> str:
     if isinstance(value, dict):
         src = value.get("source")
         if "source" not in value:
-            return ("a long-form value needs `source` (one of " + ", ".join(F.SOURCES) + "); got keys " +
-                    ", ".join(map(str, value)))
+            return (
+                "a long-form value needs `source` (one of "
+                + ", ".join(F.SOURCES)
+                + "); got keys "
+                + ", ".join(map(str, value))
+            )
         if src not in F.SOURCES:
             guess = difflib.get_close_matches(str(src), F.SOURCES, n=1)
-            return f"unknown source {src!r}" + (f" (did you mean {guess[0]}?)" if guess else "") + \
-                "; use one of " + ", ".join(F.SOURCES)
+            return (
+                f"unknown source {src!r}"
+                + (f" (did you mean {guess[0]}?)" if guess else "")
+                + "; use one of "
+                + ", ".join(F.SOURCES)
+            )
         stray = [k for k in value if k not in _LONG_KEYS and not str(k).startswith("x-")]
         if stray:
-            return f"unknown key(s) {', '.join(map(repr, stray))} in a long-form value; use value, source, note, " \
-                "method"
+            return f"unknown key(s) {', '.join(map(repr, stray))} in a long-form value; use value, source, note, method"
         if "value" not in value:
             return f"source {src} needs a `value`"
         return _expected_plain(field, value.get("value"), long_form=True)
@@ -114,8 +124,10 @@ def _expected_plain(field: F.Field, value: Any, long_form: bool = False) -> str:
         except UnitError as exc:
             return str(exc)
         if k == F.FIGURES:
-            return (f"{got} is a single figure; write a list with one figure per rank (a total summed across "
-                    "GPUs is not a per-rank peak)")
+            return (
+                f"{got} is a single figure; write a list with one figure per rank (a total summed across "
+                "GPUs is not a per-rank peak)"
+            )
         return f"{got} is not a size; write integer bytes or a number with a unit"
     if k == F.FIGURES:
         return "expected a list of sizes, one per rank (each plain, UNKNOWN, or long form)"

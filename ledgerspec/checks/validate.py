@@ -31,10 +31,16 @@ class Report:
         return not any(f.severity == ERROR for f in self.findings)
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "kind": self.kind, "ok": self.ok, "declared_status": self.declared_status,
-                "supported_status": self.supported_status, "reasons": list(self.reasons),
-                "findings": [f.to_json() for f in self.findings],
-                "intake_complete": self.intake_complete}  # an addition to the spec's keys
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "ok": self.ok,
+            "declared_status": self.declared_status,
+            "supported_status": self.supported_status,
+            "reasons": list(self.reasons),
+            "findings": [f.to_json() for f in self.findings],
+            "intake_complete": self.intake_complete,
+        }  # an addition to the spec's keys
 
 
 def _finding(doc: Document, rule: str, severity: str, hit: Hit) -> Finding:
@@ -48,8 +54,7 @@ def validate(doc: Document) -> Report:
     header = _header_problem(doc)
     if header:
         line, col = doc.position("/ledgerspec")
-        return Report(doc.path, None, declared, None, [],
-                      [Finding("header", ERROR, "/ledgerspec", header, line, col)])
+        return Report(doc.path, None, declared, None, [], [Finding("header", ERROR, "/ledgerspec", header, line, col)])
     findings = [_finding(doc, "schema", ERROR, h) for h in schema_hits(doc)]
     status: StatusResult = supported_status(doc)
     ctx = Context(doc, status)

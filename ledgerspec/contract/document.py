@@ -111,8 +111,15 @@ def pointer(*path: str | int) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
-def error_at(doc: Document, path: tuple[str, ...], message: str, *, rule: str, hint: str | None = None,
-             exit_code: int = EXIT_FINDINGS) -> LedgerspecError:
+def error_at(
+    doc: Document,
+    path: tuple[str, ...],
+    message: str,
+    *,
+    rule: str,
+    hint: str | None = None,
+    exit_code: int = EXIT_FINDINGS,
+) -> LedgerspecError:
     """A :class:`LedgerspecError` at the position of ``path`` in ``doc`` (its nearest existing ancestor)."""
     line, col = doc.position(pointer(*path))
     return LedgerspecError(message, doc.path, line, col, rule=rule, hint=hint, exit_code=exit_code)
@@ -145,20 +152,37 @@ def load_ledger(path: str, command: str) -> Document:
     """Load ``path`` for a command that writes ledger figures into it: an intake (or anything else) is refused."""
     doc = load(path)
     if doc.kind != "ledger":
-        raise error_at(doc, ("ledgerspec",), f"{command} writes into a ledger/v1 document, got "
-                       f"{doc.plain.get('ledgerspec')!r}", rule=command, exit_code=EXIT_USAGE,
-                       hint="turn an intake into a ledger first: `ledgerspec resolve INTAKE -o LEDGER`")
+        raise error_at(
+            doc,
+            ("ledgerspec",),
+            f"{command} writes into a ledger/v1 document, got {doc.plain.get('ledgerspec')!r}",
+            rule=command,
+            exit_code=EXIT_USAGE,
+            hint="turn an intake into a ledger first: `ledgerspec resolve INTAKE -o LEDGER`",
+        )
     return doc
 
 
 def _build(display: str, text: str, data: Any) -> Document:
     if data is None:
-        raise LedgerspecError("empty document", display, 1, 1, rule="load",
-                              hint="start with `ledgerspec: ledger/v1` (see `ledgerspec init`)")
+        raise LedgerspecError(
+            "empty document",
+            display,
+            1,
+            1,
+            rule="load",
+            hint="start with `ledgerspec: ledger/v1` (see `ledgerspec init`)",
+        )
     if not isinstance(data, dict):
         what = "a list" if isinstance(data, list) else f"a {type(data).__name__}"
-        raise LedgerspecError(f"the document is {what}, not a mapping", display, 1, 1, rule="load",
-                              hint="a ledger is a mapping that starts with `ledgerspec: ledger/v1`")
+        raise LedgerspecError(
+            f"the document is {what}, not a mapping",
+            display,
+            1,
+            1,
+            rule="load",
+            hint="a ledger is a mapping that starts with `ledgerspec: ledger/v1`",
+        )
     plain = to_plain(data, display)
     doc = Document(display, text, data, plain)
     header = plain.get("ledgerspec")

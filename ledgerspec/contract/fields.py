@@ -32,8 +32,17 @@ FIGURE_KINDS = frozenset({MEMORY, COUNT, SECONDS, FIGURES})
 
 SOURCES = ("MEASURED", "VERIFIED", "CALCULATED", "ASSUMPTION", "CONFIGURATION-SPECIFIC", "UNKNOWN")
 STATUSES = ("INSUFFICIENT DATA", "CALCULATED", "CANDIDATE", "VALIDATED")
-PHASES_OOM = ("load", "adapter_injection", "optimizer_init", "forward", "loss", "backward",
-              "optimizer_step", "evaluation", "later_iteration")
+PHASES_OOM = (
+    "load",
+    "adapter_injection",
+    "optimizer_init",
+    "forward",
+    "loss",
+    "backward",
+    "optimizer_step",
+    "evaluation",
+    "later_iteration",
+)
 
 
 @dataclass(frozen=True)
@@ -56,178 +65,379 @@ class Field:
         return None
 
 
-def F(name: str, kind: str, description: str, *, enum: tuple[str, ...] = (), minimum: float | None = None,
-      children: tuple[Field, ...] = ()) -> Field:
+def F(
+    name: str,
+    kind: str,
+    description: str,
+    *,
+    enum: tuple[str, ...] = (),
+    minimum: float | None = None,
+    children: tuple[Field, ...] = (),
+) -> Field:
     return Field(name, kind, description, enum, minimum, children)
 
 
-_SRC = ("Accepted sources: MEASURED (a real run), VERIFIED (read off the instantiated stack), "
-        "CALCULATED (formula from exact inputs; `method` says how), ASSUMPTION (needs a `note`).")
+_SRC = (
+    "Accepted sources: MEASURED (a real run), VERIFIED (read off the instantiated stack), "
+    "CALCULATED (formula from exact inputs; `method` says how), ASSUMPTION (needs a `note`)."
+)
 _MEM = "Bytes as an integer, or a string with a unit (B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary). "
 
-IDENTITY = F("identity", OBJECT, "Which exact model: a marketing label like '14B' does not determine memory; "
-             "the exact model id and revision (or config hash) do.", children=(
-    F("model_id", STRING, "Exact model repository id, e.g. `meta-llama/Llama-2-7b-hf`. Part of the minimum intake."),
-    F("revision", STRING, "Exact revision (commit hash or tag) of the model repository. The minimum intake needs "
-      "`revision` or `config_sha256`."),
-    F("config_path", STRING, "Local `config.json` (or a folder holding it), relative to this document; used by "
-      "`ledgerspec resolve` instead of the Hub."),
-    F("config_sha256", STRING, "SHA-256 of the exact `config.json` bytes; pins the architecture when no revision "
-      "is known."),
-    F("architecture", STRING, "The transformers architecture class, e.g. `LlamaForCausalLM` (read from the config)."),
-    F("total_parameters", COUNT, "Logical number of model parameters (not the packed 4-bit storage count). "
-      "VERIFIED when read off the instantiated model. " + _SRC, minimum=0),
-))
+IDENTITY = F(
+    "identity",
+    OBJECT,
+    "Which exact model: a marketing label like '14B' does not determine memory; "
+    "the exact model id and revision (or config hash) do.",
+    children=(
+        F(
+            "model_id",
+            STRING,
+            "Exact model repository id, e.g. `meta-llama/Llama-2-7b-hf`. Part of the minimum intake.",
+        ),
+        F(
+            "revision",
+            STRING,
+            "Exact revision (commit hash or tag) of the model repository. The minimum intake needs "
+            "`revision` or `config_sha256`.",
+        ),
+        F(
+            "config_path",
+            STRING,
+            "Local `config.json` (or a folder holding it), relative to this document; used by "
+            "`ledgerspec resolve` instead of the Hub.",
+        ),
+        F(
+            "config_sha256",
+            STRING,
+            "SHA-256 of the exact `config.json` bytes; pins the architecture when no revision is known.",
+        ),
+        F(
+            "architecture",
+            STRING,
+            "The transformers architecture class, e.g. `LlamaForCausalLM` (read from the config).",
+        ),
+        F(
+            "total_parameters",
+            COUNT,
+            "Logical number of model parameters (not the packed 4-bit storage count). "
+            "VERIFIED when read off the instantiated model. " + _SRC,
+            minimum=0,
+        ),
+    ),
+)
 
-SOFTWARE = F("software", OBJECT, "The exact software stack: memory behaviour changes between versions of each "
-             "of these, so a measured figure is only reproducible with them.", children=(
-    F("torch", STRING, "PyTorch version."),
-    F("transformers", STRING, "transformers version."),
-    F("peft", STRING, "PEFT version."),
-    F("trl", STRING, "TRL version, if its trainer is used."),
-    F("bitsandbytes", STRING, "bitsandbytes version (quantization and 8-bit optimizers)."),
-    F("accelerate", STRING, "Accelerate version."),
-    F("cuda", STRING, "CUDA runtime version PyTorch was built with."),
-    F("rocm", STRING, "ROCm/HIP version PyTorch was built with."),
-    F("driver", STRING, "GPU driver version."),
-    F("attention_implementation", STRING, "transformers `attn_implementation` (eager, sdpa, flash_attention_2, "
-      "...): eager attention materialises the batch x heads x seq^2 score matrix, fused kernels do not."),
-    F("kernel_backend", STRING, "Other kernel backend in use (e.g. Liger, Unsloth kernels), if any."),
-    F("gpu_name", STRING, "The GPU model the stack runs on, e.g. `NVIDIA H100 80GB HBM3`."),
-))
+SOFTWARE = F(
+    "software",
+    OBJECT,
+    "The exact software stack: memory behaviour changes between versions of each "
+    "of these, so a measured figure is only reproducible with them.",
+    children=(
+        F("torch", STRING, "PyTorch version."),
+        F("transformers", STRING, "transformers version."),
+        F("peft", STRING, "PEFT version."),
+        F("trl", STRING, "TRL version, if its trainer is used."),
+        F("bitsandbytes", STRING, "bitsandbytes version (quantization and 8-bit optimizers)."),
+        F("accelerate", STRING, "Accelerate version."),
+        F("cuda", STRING, "CUDA runtime version PyTorch was built with."),
+        F("rocm", STRING, "ROCm/HIP version PyTorch was built with."),
+        F("driver", STRING, "GPU driver version."),
+        F(
+            "attention_implementation",
+            STRING,
+            "transformers `attn_implementation` (eager, sdpa, flash_attention_2, "
+            "...): eager attention materialises the batch x heads x seq^2 score matrix, fused kernels do not.",
+        ),
+        F("kernel_backend", STRING, "Other kernel backend in use (e.g. Liger, Unsloth kernels), if any."),
+        F("gpu_name", STRING, "The GPU model the stack runs on, e.g. `NVIDIA H100 80GB HBM3`."),
+    ),
+)
 
-METHOD = F("method", OBJECT, "The exact adapter recipe. LoRA rank alone does not determine memory: the targets "
-           "and their shapes do.", children=(
-    F("kind", ENUM, "Fine-tuning method: LoRA (adapters on a floating-point base) or QLoRA (adapters on a "
-      "quantized frozen base).", enum=("LoRA", "QLoRA")),
-    F("rank", INT, "LoRA rank r: each standard Linear target W (d_out x d_in) gets r(d_in + d_out) trainable "
-      "values.", minimum=1),
-    F("rank_pattern", INTMAP, "Per-module rank overrides (PEFT `rank_pattern`), pattern -> rank."),
-    F("alpha", NUMBER, "lora_alpha: a scaling of the update, NOT a memory multiplier (`rank x alpha` is a trap)."),
-    F("alpha_pattern", NUMMAP, "Per-module alpha overrides (PEFT `alpha_pattern`)."),
-    F("dropout", NUMBER, "lora_dropout probability; >0 keeps a dropout mask/copy of the adapter input for "
-      "backward.", minimum=0),
-    F("target_modules", STRINGS, "PEFT target modules: a list of module names, a regex string, or "
-      "`all-linear`. Decides where adapters go and so how many parameters they have."),
-    F("target_parameters", STRINGS, "PEFT target parameters (e.g. fused MoE expert tensors), where the "
-      "r(d_in + d_out) formula does not apply."),
-    F("bias", ENUM, "PEFT bias mode: which biases become trainable.", enum=("none", "all", "lora_only")),
-    F("modules_to_save", STRINGS, "Modules trained in full (e.g. `lm_head`, `embed_tokens`): a trainable copy "
-      "in the module's dtype, with gradients and optimizer state."),
-    F("use_dora", SWITCH, "DoRA: adds a trainable magnitude vector per target and extra activations."),
-    F("trainable_parameters", COUNT, "Actual trainable parameters (requires_grad=True) after injection. "
-      "VERIFIED when read off the instantiated model. " + _SRC, minimum=0),
-))
+METHOD = F(
+    "method",
+    OBJECT,
+    "The exact adapter recipe. LoRA rank alone does not determine memory: the targets and their shapes do.",
+    children=(
+        F(
+            "kind",
+            ENUM,
+            "Fine-tuning method: LoRA (adapters on a floating-point base) or QLoRA (adapters on a "
+            "quantized frozen base).",
+            enum=("LoRA", "QLoRA"),
+        ),
+        F(
+            "rank",
+            INT,
+            "LoRA rank r: each standard Linear target W (d_out x d_in) gets r(d_in + d_out) trainable values.",
+            minimum=1,
+        ),
+        F("rank_pattern", INTMAP, "Per-module rank overrides (PEFT `rank_pattern`), pattern -> rank."),
+        F("alpha", NUMBER, "lora_alpha: a scaling of the update, NOT a memory multiplier (`rank x alpha` is a trap)."),
+        F("alpha_pattern", NUMMAP, "Per-module alpha overrides (PEFT `alpha_pattern`)."),
+        F(
+            "dropout",
+            NUMBER,
+            "lora_dropout probability; >0 keeps a dropout mask/copy of the adapter input for backward.",
+            minimum=0,
+        ),
+        F(
+            "target_modules",
+            STRINGS,
+            "PEFT target modules: a list of module names, a regex string, or "
+            "`all-linear`. Decides where adapters go and so how many parameters they have.",
+        ),
+        F(
+            "target_parameters",
+            STRINGS,
+            "PEFT target parameters (e.g. fused MoE expert tensors), where the r(d_in + d_out) formula does not apply.",
+        ),
+        F("bias", ENUM, "PEFT bias mode: which biases become trainable.", enum=("none", "all", "lora_only")),
+        F(
+            "modules_to_save",
+            STRINGS,
+            "Modules trained in full (e.g. `lm_head`, `embed_tokens`): a trainable copy "
+            "in the module's dtype, with gradients and optimizer state.",
+        ),
+        F("use_dora", SWITCH, "DoRA: adds a trainable magnitude vector per target and extra activations."),
+        F(
+            "trainable_parameters",
+            COUNT,
+            "Actual trainable parameters (requires_grad=True) after injection. "
+            "VERIFIED when read off the instantiated model. " + _SRC,
+            minimum=0,
+        ),
+    ),
+)
 
-QUANTIZATION = F("quantization", OBJECT, "The quantization of the frozen base. '4-bit' alone is not enough: "
-                 "the type, double quantization, compute and storage dtypes all change memory.", children=(
-    F("type", ENUM, "Quantization data type: nf4, fp4 (bitsandbytes 4-bit) or int8 (LLM.int8).",
-      enum=("nf4", "fp4", "int8")),
-    F("bits", INT, "Bits per quantized weight (4 or 8). Not a description of the whole method on its own.",
-      minimum=1),
-    F("storage_dtype", STRING, "`bnb_4bit_quant_storage`: the dtype the packed 4-bit data is stored in (uint8 "
-      "by default; bf16 to shard with FSDP)."),
-    F("double_quant", SWITCH, "`bnb_4bit_use_double_quant`: quantize the per-block absmax constants too."),
-    F("compute_dtype", STRING, "`bnb_4bit_compute_dtype`: dtype of the matmuls (weights are dequantized to it)."),
-    F("blocksize", INT, "Quantization block size (64 for bitsandbytes 4-bit).", minimum=1),
-    F("skip_modules", STRINGS, "Modules kept unquantized (`llm_int8_skip_modules`), e.g. `lm_head`."),
-))
+QUANTIZATION = F(
+    "quantization",
+    OBJECT,
+    "The quantization of the frozen base. '4-bit' alone is not enough: "
+    "the type, double quantization, compute and storage dtypes all change memory.",
+    children=(
+        F(
+            "type",
+            ENUM,
+            "Quantization data type: nf4, fp4 (bitsandbytes 4-bit) or int8 (LLM.int8).",
+            enum=("nf4", "fp4", "int8"),
+        ),
+        F(
+            "bits",
+            INT,
+            "Bits per quantized weight (4 or 8). Not a description of the whole method on its own.",
+            minimum=1,
+        ),
+        F(
+            "storage_dtype",
+            STRING,
+            "`bnb_4bit_quant_storage`: the dtype the packed 4-bit data is stored in (uint8 "
+            "by default; bf16 to shard with FSDP).",
+        ),
+        F("double_quant", SWITCH, "`bnb_4bit_use_double_quant`: quantize the per-block absmax constants too."),
+        F("compute_dtype", STRING, "`bnb_4bit_compute_dtype`: dtype of the matmuls (weights are dequantized to it)."),
+        F("blocksize", INT, "Quantization block size (64 for bitsandbytes 4-bit).", minimum=1),
+        F("skip_modules", STRINGS, "Modules kept unquantized (`llm_int8_skip_modules`), e.g. `lm_head`."),
+    ),
+)
 
-BASE_MODEL = F("base_model", OBJECT, "How the frozen base is held: it stays resident for computation even "
-               "though it has no gradients.", children=(
-    F("loaded_dtype", STRING, "dtype the base is loaded in (`torch_dtype`), e.g. bfloat16, float16, float32."),
-    F("quantized", SWITCH, "Whether the base is quantized."),
-    F("prepare_for_kbit_training", SWITCH, "PEFT's `prepare_model_for_kbit_training`: upcasts every "
-      "non-quantized parameter to fp32. Absent means not used."),
-    QUANTIZATION,
-))
+BASE_MODEL = F(
+    "base_model",
+    OBJECT,
+    "How the frozen base is held: it stays resident for computation even though it has no gradients.",
+    children=(
+        F("loaded_dtype", STRING, "dtype the base is loaded in (`torch_dtype`), e.g. bfloat16, float16, float32."),
+        F("quantized", SWITCH, "Whether the base is quantized."),
+        F(
+            "prepare_for_kbit_training",
+            SWITCH,
+            "PEFT's `prepare_model_for_kbit_training`: upcasts every "
+            "non-quantized parameter to fp32. Absent means not used.",
+        ),
+        QUANTIZATION,
+    ),
+)
 
-ADAPTER = F("adapter", OBJECT, "The adapter tensors.", children=(
-    F("dtype", STRING, "Actual dtype of the adapter values (PEFT upcasts adapters to float32 by default). "
-      "Adapter bytes = trainable parameters x bytes of this dtype."),
-))
+ADAPTER = F(
+    "adapter",
+    OBJECT,
+    "The adapter tensors.",
+    children=(
+        F(
+            "dtype",
+            STRING,
+            "Actual dtype of the adapter values (PEFT upcasts adapters to float32 by default). "
+            "Adapter bytes = trainable parameters x bytes of this dtype.",
+        ),
+    ),
+)
 
-WORKLOAD = F("workload", OBJECT, "The training workload. Activations depend on microbatch and the real sequence "
-             "shapes; gradient accumulation runs micro-steps sequentially and does not enlarge the activation "
-             "batch.", children=(
-    F("max_length", INT, "Maximum sequence length in tokens. Not the workload on its own: give p50/p95 and "
-      "packing too.", minimum=1),
-    F("sequence_p50", INT, "Median tokenized sequence length of the real data.", minimum=1),
-    F("sequence_p95", INT, "95th percentile tokenized sequence length of the real data.", minimum=1),
-    F("packing", SWITCH, "Whether sequences are packed into max_length rows."),
-    F("packing_strategy", STRING, "How packing is done (e.g. bfd, wrapped)."),
-    F("padding_free", SWITCH, "Padding-free batching (no pad tokens materialised)."),
-    F("microbatch", INT, "Per-device microbatch: the batch that is resident in one forward/backward. The "
-      "first-class input for activation memory.", minimum=1),
-    F("gradient_accumulation", INT, "Gradient accumulation steps: micro-steps run one after another.",
-      minimum=1),
-    F("dp_world_size", INT, "Number of data-parallel replicas.", minimum=1),
-    F("global_batch", INT, "Effective batch = microbatch x gradient_accumulation x dp_world_size. Not an "
-      "activation batch.", minimum=1),
-))
+WORKLOAD = F(
+    "workload",
+    OBJECT,
+    "The training workload. Activations depend on microbatch and the real sequence "
+    "shapes; gradient accumulation runs micro-steps sequentially and does not enlarge the activation "
+    "batch.",
+    children=(
+        F(
+            "max_length",
+            INT,
+            "Maximum sequence length in tokens. Not the workload on its own: give p50/p95 and packing too.",
+            minimum=1,
+        ),
+        F("sequence_p50", INT, "Median tokenized sequence length of the real data.", minimum=1),
+        F("sequence_p95", INT, "95th percentile tokenized sequence length of the real data.", minimum=1),
+        F("packing", SWITCH, "Whether sequences are packed into max_length rows."),
+        F("packing_strategy", STRING, "How packing is done (e.g. bfd, wrapped)."),
+        F("padding_free", SWITCH, "Padding-free batching (no pad tokens materialised)."),
+        F(
+            "microbatch",
+            INT,
+            "Per-device microbatch: the batch that is resident in one forward/backward. The "
+            "first-class input for activation memory.",
+            minimum=1,
+        ),
+        F("gradient_accumulation", INT, "Gradient accumulation steps: micro-steps run one after another.", minimum=1),
+        F("dp_world_size", INT, "Number of data-parallel replicas.", minimum=1),
+        F(
+            "global_batch",
+            INT,
+            "Effective batch = microbatch x gradient_accumulation x dp_world_size. Not an activation batch.",
+            minimum=1,
+        ),
+    ),
+)
 
-GRADIENTS = F("gradients", OBJECT, "Gradients exist only for trainable tensors; in LoRA the frozen base has none.",
-              children=(
-    F("parameters", COUNT, "Parameters that receive gradients (after backward). Must not exceed "
-      "`method.trainable_parameters`. " + _SRC, minimum=0),
-    F("dtype", STRING, "Gradient dtype (equal to the parameter dtype in plain PyTorch autograd)."),
-))
+GRADIENTS = F(
+    "gradients",
+    OBJECT,
+    "Gradients exist only for trainable tensors; in LoRA the frozen base has none.",
+    children=(
+        F(
+            "parameters",
+            COUNT,
+            "Parameters that receive gradients (after backward). Must not exceed "
+            "`method.trainable_parameters`. " + _SRC,
+            minimum=0,
+        ),
+        F("dtype", STRING, "Gradient dtype (equal to the parameter dtype in plain PyTorch autograd)."),
+    ),
+)
 
-OPTIMIZER = F("optimizer", OBJECT, "The optimizer and its state: only parameters in `param_groups` get state.",
-              children=(
-    F("name", STRING, "Exact optimizer, e.g. adamw_torch, adamw_torch_fused, adam, sgd, adamw_8bit, "
-      "paged_adamw_8bit, paged_adamw_32bit, adafactor."),
-    F("optimized_parameters", COUNT, "Parameters in the optimizer's param_groups. Should equal the trainable "
-      "parameters. " + _SRC, minimum=0),
-    F("state_format", STRING, "How the state is stored, e.g. `2 x fp32 moments`, `2 x uint8 blockwise + fp32 "
-      "absmax`."),
-    F("bits", INT, "Bits per optimizer state value (32 or 8). 8-bit keeps tensors under `min_8bit_size` "
-      "in 32-bit.", minimum=1),
-    F("paged", SWITCH, "Paged optimizer: state in unified memory, evicted to host under pressure."),
-    F("min_8bit_size", INT, "Tensors with fewer elements keep 32-bit state (bitsandbytes default 4096).",
-      minimum=0),
-))
+OPTIMIZER = F(
+    "optimizer",
+    OBJECT,
+    "The optimizer and its state: only parameters in `param_groups` get state.",
+    children=(
+        F(
+            "name",
+            STRING,
+            "Exact optimizer, e.g. adamw_torch, adamw_torch_fused, adam, sgd, adamw_8bit, "
+            "paged_adamw_8bit, paged_adamw_32bit, adafactor.",
+        ),
+        F(
+            "optimized_parameters",
+            COUNT,
+            "Parameters in the optimizer's param_groups. Should equal the trainable parameters. " + _SRC,
+            minimum=0,
+        ),
+        F(
+            "state_format",
+            STRING,
+            "How the state is stored, e.g. `2 x fp32 moments`, `2 x uint8 blockwise + fp32 absmax`.",
+        ),
+        F(
+            "bits",
+            INT,
+            "Bits per optimizer state value (32 or 8). 8-bit keeps tensors under `min_8bit_size` in 32-bit.",
+            minimum=1,
+        ),
+        F("paged", SWITCH, "Paged optimizer: state in unified memory, evicted to host under pressure."),
+        F(
+            "min_8bit_size",
+            INT,
+            "Tensors with fewer elements keep 32-bit state (bitsandbytes default 4096).",
+            minimum=0,
+        ),
+    ),
+)
 
-MEMORY_OPTIONS = F("memory_options", OBJECT, "Options that trade memory for time.", children=(
-    F("gradient_checkpointing", SWITCH, "Activation (gradient) checkpointing: recomputes layer activations in "
-      "backward. Its saving depends on the model and workload, not a fixed percentage."),
-    F("checkpointing_kind", STRING, "Which checkpointing (reentrant, non-reentrant, selective)."),
-    F("activation_offload", SWITCH, "Offload saved activations to host memory."),
-    F("offload_mode", STRING, "How activations are offloaded (sync, async streams, pinned)."),
-    F("cpu_offload", SWITCH, "Offload parameters or optimizer state to CPU."),
-    F("sharding", ENUM, "Sharding strategy of the model state.", enum=("none", "fsdp2", "zero1", "zero2", "zero3")),
-))
+MEMORY_OPTIONS = F(
+    "memory_options",
+    OBJECT,
+    "Options that trade memory for time.",
+    children=(
+        F(
+            "gradient_checkpointing",
+            SWITCH,
+            "Activation (gradient) checkpointing: recomputes layer activations in "
+            "backward. Its saving depends on the model and workload, not a fixed percentage.",
+        ),
+        F("checkpointing_kind", STRING, "Which checkpointing (reentrant, non-reentrant, selective)."),
+        F("activation_offload", SWITCH, "Offload saved activations to host memory."),
+        F("offload_mode", STRING, "How activations are offloaded (sync, async streams, pinned)."),
+        F("cpu_offload", SWITCH, "Offload parameters or optimizer state to CPU."),
+        F("sharding", ENUM, "Sharding strategy of the model state.", enum=("none", "fsdp2", "zero1", "zero2", "zero3")),
+    ),
+)
 
-PARALLELISM = F("parallelism", OBJECT, "Several GPUs: memory is per rank; N GPUs of M GB are not one device of "
-                "N x M GB, and single-GPU memory / N is not a sharding formula.", children=(
-    F("gpu_count", INT, "Number of GPUs (ranks).", minimum=1),
-    F("strategy", STRING, "Parallel strategy, e.g. ddp, fsdp2, zero3."),
-    F("parameter_placement", STRING, "Where parameters live (replicated, sharded, cpu)."),
-    F("gradient_placement", STRING, "Where gradients live (replicated, sharded, cpu)."),
-    F("optimizer_placement", STRING, "Where optimizer state lives (replicated, sharded, cpu)."),
-    F("cpu_offload", SWITCH, "CPU offload of sharded state."),
-    F("reshard_after_forward", SWITCH, "FSDP2: free gathered parameters after forward (true) or keep them "
-      "until backward (false)."),
-    F("per_rank_peak", FIGURES, "Peak memory of each rank, one figure per rank. A single total summed across "
-      "GPUs is not a per-rank figure. " + _MEM + _SRC),
-))
+PARALLELISM = F(
+    "parallelism",
+    OBJECT,
+    "Several GPUs: memory is per rank; N GPUs of M GB are not one device of "
+    "N x M GB, and single-GPU memory / N is not a sharding formula.",
+    children=(
+        F("gpu_count", INT, "Number of GPUs (ranks).", minimum=1),
+        F("strategy", STRING, "Parallel strategy, e.g. ddp, fsdp2, zero3."),
+        F("parameter_placement", STRING, "Where parameters live (replicated, sharded, cpu)."),
+        F("gradient_placement", STRING, "Where gradients live (replicated, sharded, cpu)."),
+        F("optimizer_placement", STRING, "Where optimizer state lives (replicated, sharded, cpu)."),
+        F("cpu_offload", SWITCH, "CPU offload of sharded state."),
+        F(
+            "reshard_after_forward",
+            SWITCH,
+            "FSDP2: free gathered parameters after forward (true) or keep them until backward (false).",
+        ),
+        F(
+            "per_rank_peak",
+            FIGURES,
+            "Peak memory of each rank, one figure per rank. A single total summed across "
+            "GPUs is not a per-rank figure. " + _MEM + _SRC,
+        ),
+    ),
+)
 
 _LEDGER_KEYS = (
-    ("frozen_base", "Frozen base weights and buffers, resident for computation (quantized storage and its "
-     "constants for QLoRA)."),
+    (
+        "frozen_base",
+        "Frozen base weights and buffers, resident for computation (quantized storage and its constants for QLoRA).",
+    ),
     ("adapter", "Adapter weights: trainable parameters x adapter dtype bytes."),
     ("gradients", "Gradients: parameters with gradients x gradient dtype bytes."),
-    ("optimizer", "Optimizer state on the device (e.g. two fp32 Adam moments: 8 bytes per optimized "
-     "parameter; 8-bit states and paged state differ)."),
-    ("activations", "Activations saved for backward: depend on microbatch, sequence shapes, depth, hidden size, "
-     "attention implementation and checkpointing. Only an estimate (CALCULATED) or a measurement."),
-    ("temporary", "Temporary and runtime tensors (workspaces, dequantized weights, allocator slack): only "
-     "a measurement reveals them."),
-    ("calculated_subtotal", "Sum of the calculated components. Not the peak: no universal `x 1.10` factor "
-     "turns it into one."),
+    (
+        "optimizer",
+        "Optimizer state on the device (e.g. two fp32 Adam moments: 8 bytes per optimized "
+        "parameter; 8-bit states and paged state differ).",
+    ),
+    (
+        "activations",
+        "Activations saved for backward: depend on microbatch, sequence shapes, depth, hidden size, "
+        "attention implementation and checkpointing. Only an estimate (CALCULATED) or a measurement.",
+    ),
+    (
+        "temporary",
+        "Temporary and runtime tensors (workspaces, dequantized weights, allocator slack): only "
+        "a measurement reveals them.",
+    ),
+    (
+        "calculated_subtotal",
+        "Sum of the calculated components. Not the peak: no universal `x 1.10` factor turns it into one.",
+    ),
 )
-LEDGER = F("ledger", OBJECT, "The Training Memory Ledger: each component with where its number came from.",
-           children=tuple(F(k, MEMORY, d + " " + _MEM + _SRC) for k, d in _LEDGER_KEYS))
+LEDGER = F(
+    "ledger",
+    OBJECT,
+    "The Training Memory Ledger: each component with where its number came from.",
+    children=tuple(F(k, MEMORY, d + " " + _MEM + _SRC) for k, d in _LEDGER_KEYS),
+)
 
 _PHASE_KEYS = (
     ("after_load", "Allocated memory after loading the base model (protocol step 2)."),
@@ -238,86 +448,176 @@ _PHASE_KEYS = (
     ("optimizer_step_peak", "Peak during the optimizer step (step 7)."),
     ("steady_state_peak", "Peak over repeated representative training steps (step 8)."),
 )
-PHASES = F("phases", OBJECT, "Per-phase peaks of the measurement protocol; peak counters are reset between "
-           "phases.", children=tuple(F(k, MEMORY, d + " " + _MEM + _SRC) for k, d in _PHASE_KEYS))
+PHASES = F(
+    "phases",
+    OBJECT,
+    "Per-phase peaks of the measurement protocol; peak counters are reset between phases.",
+    children=tuple(F(k, MEMORY, d + " " + _MEM + _SRC) for k, d in _PHASE_KEYS),
+)
 
-METRICS = F("metrics", OBJECT, "Whole-run peaks.", children=(
-    F("peak_allocated", MEMORY, "Peak memory allocated to tensors by the PyTorch allocator "
-      "(`torch.cuda.max_memory_allocated`). " + _MEM + _SRC),
-    F("peak_reserved", MEMORY, "Peak memory reserved by the PyTorch caching allocator; never below "
-      "peak_allocated. " + _MEM + _SRC),
-    F("device_peak", MEMORY, "Device-level peak of the process from NVML: includes the CUDA context, cuBLAS "
-      "workspaces and NCCL buffers the allocator does not see. " + _MEM + _SRC),
-    F("host_peak", MEMORY, "Peak host (CPU) memory; required with activation offload. " + _MEM + _SRC),
-    F("step_time_s", SECONDS, "Time of one training step in seconds; required with activation offload. " + _SRC,
-      minimum=0),
-))
+METRICS = F(
+    "metrics",
+    OBJECT,
+    "Whole-run peaks.",
+    children=(
+        F(
+            "peak_allocated",
+            MEMORY,
+            "Peak memory allocated to tensors by the PyTorch allocator "
+            "(`torch.cuda.max_memory_allocated`). " + _MEM + _SRC,
+        ),
+        F(
+            "peak_reserved",
+            MEMORY,
+            "Peak memory reserved by the PyTorch caching allocator; never below peak_allocated. " + _MEM + _SRC,
+        ),
+        F(
+            "device_peak",
+            MEMORY,
+            "Device-level peak of the process from NVML: includes the CUDA context, cuBLAS "
+            "workspaces and NCCL buffers the allocator does not see. " + _MEM + _SRC,
+        ),
+        F("host_peak", MEMORY, "Peak host (CPU) memory; required with activation offload. " + _MEM + _SRC),
+        F(
+            "step_time_s",
+            SECONDS,
+            "Time of one training step in seconds; required with activation offload. " + _SRC,
+            minimum=0,
+        ),
+    ),
+)
 
-COMPARISON = F("comparison", OBJECT, "Calculated versus measured: the difference is what the calculation could "
-               "not see (activations, temporaries, allocator).", children=(
-    F("calculated_subtotal", MEMORY, "The ledger's calculated subtotal. " + _MEM + _SRC),
-    F("measured_peak", MEMORY, "The measured peak it is compared with. " + _MEM + _SRC),
-    F("difference", MEMORY, "measured_peak - calculated_subtotal. " + _MEM + _SRC),
-    F("known_explanation", ANY, "What explains the difference (required when a difference is present)."),
-))
+COMPARISON = F(
+    "comparison",
+    OBJECT,
+    "Calculated versus measured: the difference is what the calculation could "
+    "not see (activations, temporaries, allocator).",
+    children=(
+        F("calculated_subtotal", MEMORY, "The ledger's calculated subtotal. " + _MEM + _SRC),
+        F("measured_peak", MEMORY, "The measured peak it is compared with. " + _MEM + _SRC),
+        F("difference", MEMORY, "measured_peak - calculated_subtotal. " + _MEM + _SRC),
+        F("known_explanation", ANY, "What explains the difference (required when a difference is present)."),
+    ),
+)
 
-MEASUREMENT = F("measurement", OBJECT, "How the measurement was taken.", children=(
-    F("device", ENUM, "Device measured on: cuda (a real GPU) or cpu (tensor tracking; never VALIDATED).",
-      enum=("cuda", "cpu")),
-    F("device_name", STRING, "Device name as reported by the driver."),
-    F("device_memory", SIZE, "Total memory of the device. " + _MEM),
-    F("steps", INT, "Number of representative training steps measured (VALIDATED needs >= 2).", minimum=0),
-    F("repeats", INT, "Number of repeats of the whole measurement.", minimum=0),
-    F("protocol", STRING, "Measurement protocol version, e.g. `ledgerspec-measure/1`."),
-    F("date", STRING, "Date of the measurement (ISO 8601)."),
-    F("command", STRING, "The exact command that produced the measurement."),
-))
+MEASUREMENT = F(
+    "measurement",
+    OBJECT,
+    "How the measurement was taken.",
+    children=(
+        F(
+            "device",
+            ENUM,
+            "Device measured on: cuda (a real GPU) or cpu (tensor tracking; never VALIDATED).",
+            enum=("cuda", "cpu"),
+        ),
+        F("device_name", STRING, "Device name as reported by the driver."),
+        F("device_memory", SIZE, "Total memory of the device. " + _MEM),
+        F("steps", INT, "Number of representative training steps measured (VALIDATED needs >= 2).", minimum=0),
+        F("repeats", INT, "Number of repeats of the whole measurement.", minimum=0),
+        F("protocol", STRING, "Measurement protocol version, e.g. `ledgerspec-measure/1`."),
+        F("date", STRING, "Date of the measurement (ISO 8601)."),
+        F("command", STRING, "The exact command that produced the measurement."),
+    ),
+)
 
-RESULT = F("result", OBJECT, "The outcome.", children=(
-    F("oom", SWITCH, "Whether the run ran out of memory."),
-    F("oom_phase", ENUM, "The phase where OOM happened: it points at the component to fix.", enum=PHASES_OOM),
-    F("target_device", OBJECT, "The device the configuration must fit.", children=(
-        F("name", STRING, "Target device name, e.g. `RTX 4090 24GB`."),
-        F("memory", SIZE, "Target device memory per GPU. " + _MEM),
-    )),
-    F("candidate_configuration", ANY, "The configuration proposed for the target device."),
-    F("fits", SWITCH, "Whether the best peak figure fits the target device."),
-))
+RESULT = F(
+    "result",
+    OBJECT,
+    "The outcome.",
+    children=(
+        F("oom", SWITCH, "Whether the run ran out of memory."),
+        F("oom_phase", ENUM, "The phase where OOM happened: it points at the component to fix.", enum=PHASES_OOM),
+        F(
+            "target_device",
+            OBJECT,
+            "The device the configuration must fit.",
+            children=(
+                F("name", STRING, "Target device name, e.g. `RTX 4090 24GB`."),
+                F("memory", SIZE, "Target device memory per GPU. " + _MEM),
+            ),
+        ),
+        F("candidate_configuration", ANY, "The configuration proposed for the target device."),
+        F("fits", SWITCH, "Whether the best peak figure fits the target device."),
+    ),
+)
 
 _PASSFAIL = ("PASS", "FAIL")
-TRIAGE = F("triage", OBJECT, "The OOM Triage Worksheet: controlled tests that locate the component that ran "
-           "out.", children=(
-    F("phase", ENUM, "The phase where OOM happened.", enum=PHASES_OOM),
-    F("controlled_tests", OBJECT, "Each change tested alone: PASS (no OOM) or FAIL.", children=(
-        F("microbatch_reduced", ENUM, "Microbatch reduced.", enum=_PASSFAIL),
-        F("sequence_reduced", ENUM, "Sequence length reduced.", enum=_PASSFAIL),
-        F("checkpointing_changed", ENUM, "Gradient checkpointing toggled.", enum=_PASSFAIL),
-        F("optimizer_changed", ENUM, "Optimizer changed (e.g. to 8-bit).", enum=_PASSFAIL),
-    )),
-    F("hypothesis", OBJECT, "Which component is suspected, and why.", children=tuple(
-        F(k, STRING, f"Hypothesis about {d}.") for k, d in (
-            ("base_residency", "the frozen base residency"), ("activations", "activations"),
-            ("gradients", "gradients"), ("optimizer", "optimizer state"),
-            ("temporary_runtime", "temporary/runtime tensors"), ("allocator", "allocator fragmentation"),
-            ("unknown", "anything not yet explained")))),
-))
+TRIAGE = F(
+    "triage",
+    OBJECT,
+    "The OOM Triage Worksheet: controlled tests that locate the component that ran out.",
+    children=(
+        F("phase", ENUM, "The phase where OOM happened.", enum=PHASES_OOM),
+        F(
+            "controlled_tests",
+            OBJECT,
+            "Each change tested alone: PASS (no OOM) or FAIL.",
+            children=(
+                F("microbatch_reduced", ENUM, "Microbatch reduced.", enum=_PASSFAIL),
+                F("sequence_reduced", ENUM, "Sequence length reduced.", enum=_PASSFAIL),
+                F("checkpointing_changed", ENUM, "Gradient checkpointing toggled.", enum=_PASSFAIL),
+                F("optimizer_changed", ENUM, "Optimizer changed (e.g. to 8-bit).", enum=_PASSFAIL),
+            ),
+        ),
+        F(
+            "hypothesis",
+            OBJECT,
+            "Which component is suspected, and why.",
+            children=tuple(
+                F(k, STRING, f"Hypothesis about {d}.")
+                for k, d in (
+                    ("base_residency", "the frozen base residency"),
+                    ("activations", "activations"),
+                    ("gradients", "gradients"),
+                    ("optimizer", "optimizer state"),
+                    ("temporary_runtime", "temporary/runtime tensors"),
+                    ("allocator", "allocator fragmentation"),
+                    ("unknown", "anything not yet explained"),
+                )
+            ),
+        ),
+    ),
+)
 
-PILOT = F("pilot", OBJECT, "Results of a pilot run, if any (intake only).", children=(
-    F("peak_allocated", MEMORY, "Pilot peak allocated. " + _MEM + _SRC),
-    F("peak_reserved", MEMORY, "Pilot peak reserved. " + _MEM + _SRC),
-    F("device_peak", MEMORY, "Pilot device-level peak. " + _MEM + _SRC),
-    F("oom_phase", ENUM, "Phase where the pilot ran out of memory.", enum=PHASES_OOM),
-))
+PILOT = F(
+    "pilot",
+    OBJECT,
+    "Results of a pilot run, if any (intake only).",
+    children=(
+        F("peak_allocated", MEMORY, "Pilot peak allocated. " + _MEM + _SRC),
+        F("peak_reserved", MEMORY, "Pilot peak reserved. " + _MEM + _SRC),
+        F("device_peak", MEMORY, "Pilot device-level peak. " + _MEM + _SRC),
+        F("oom_phase", ENUM, "Phase where the pilot ran out of memory.", enum=PHASES_OOM),
+    ),
+)
 
-TOP_STATUS = F("status", ENUM, "Declared status. The validator computes the status the evidence supports; "
-               "a declaration above it is an error (LS001).", enum=STATUSES)
+TOP_STATUS = F(
+    "status",
+    ENUM,
+    "Declared status. The validator computes the status the evidence supports; "
+    "a declaration above it is an error (LS001).",
+    enum=STATUSES,
+)
 TOP_TITLE = F("title", STRING, "A short title.")
 TOP_NOTES = F("notes", ANY, "Free-form notes.")
 
-INTAKE_SECTIONS = (IDENTITY, SOFTWARE, METHOD, BASE_MODEL, ADAPTER, WORKLOAD, OPTIMIZER, MEMORY_OPTIONS,
-                   PARALLELISM)
-LEDGER_SECTIONS = (*INTAKE_SECTIONS[:5], WORKLOAD, GRADIENTS, OPTIMIZER, MEMORY_OPTIONS, PARALLELISM, LEDGER,
-                   PHASES, METRICS, COMPARISON, MEASUREMENT, RESULT, TRIAGE)
+INTAKE_SECTIONS = (IDENTITY, SOFTWARE, METHOD, BASE_MODEL, ADAPTER, WORKLOAD, OPTIMIZER, MEMORY_OPTIONS, PARALLELISM)
+LEDGER_SECTIONS = (
+    *INTAKE_SECTIONS[:5],
+    WORKLOAD,
+    GRADIENTS,
+    OPTIMIZER,
+    MEMORY_OPTIONS,
+    PARALLELISM,
+    LEDGER,
+    PHASES,
+    METRICS,
+    COMPARISON,
+    MEASUREMENT,
+    RESULT,
+    TRIAGE,
+)
 
 #: the sections whose fields are configuration inputs (ASSUMPTION there caps the status at CANDIDATE)
 INPUT_SECTION_NAMES = frozenset(s.name for s in INTAKE_SECTIONS)

@@ -38,14 +38,24 @@ from ledgerspec.contract.values import Value
 
 Inputs = dict[str, tuple[tuple[str, ...], ...]]
 
-_QUANTIZATION = tuple(("quantization", k) for k in ("type", "bits", "storage_dtype", "double_quant", "compute_dtype",
-                                                    "blocksize", "skip_modules"))
+_QUANTIZATION = tuple(
+    ("quantization", k)
+    for k in ("type", "bits", "storage_dtype", "double_quant", "compute_dtype", "blocksize", "skip_modules")
+)
 
 #: what ``resolve`` reads (build.py, census.py, resolve.check_optimizer), per section
 RESOLVE_INPUTS: Inputs = {
     "identity": (("model_id",), ("revision",), ("config_sha256",)),  # config_path: see the module docstring
-    "method": (("kind",), ("rank",), ("rank_pattern",), ("target_modules",), ("target_parameters",), ("bias",),
-               ("modules_to_save",), ("use_dora",)),
+    "method": (
+        ("kind",),
+        ("rank",),
+        ("rank_pattern",),
+        ("target_modules",),
+        ("target_parameters",),
+        ("bias",),
+        ("modules_to_save",),
+        ("use_dora",),
+    ),
     "base_model": (("loaded_dtype",), ("quantized",), ("prepare_for_kbit_training",), *_QUANTIZATION),
     "adapter": (("dtype",), ("x-lora-dtype",)),
     "optimizer": (("name",), ("min_8bit_size",)),
@@ -56,8 +66,15 @@ WORKLOAD_INPUTS: Inputs = {
     **RESOLVE_INPUTS,
     "method": (*RESOLVE_INPUTS["method"], ("dropout",)),
     "software": (("attention_implementation",),),
-    "workload": (("max_length",), ("sequence_p50",), ("sequence_p95",), ("packing",), ("padding_free",),
-                 ("microbatch",), ("gradient_accumulation",)),
+    "workload": (
+        ("max_length",),
+        ("sequence_p50",),
+        ("sequence_p95",),
+        ("packing",),
+        ("padding_free",),
+        ("microbatch",),
+        ("gradient_accumulation",),
+    ),
     "memory_options": (("gradient_checkpointing",), ("checkpointing_kind",)),
 }
 
@@ -75,13 +92,21 @@ DEFAULTS: dict[tuple[str, ...], Any] = {("software", "attention_implementation")
 
 
 #: inputs read as dtype names (``bf16`` and ``bfloat16`` are one input)
-DTYPE_INPUTS = {("base_model", "loaded_dtype"), ("adapter", "dtype"), ("base_model", "quantization", "compute_dtype"),
-                ("base_model", "quantization", "storage_dtype")}
+DTYPE_INPUTS = {
+    ("base_model", "loaded_dtype"),
+    ("adapter", "dtype"),
+    ("base_model", "quantization", "compute_dtype"),
+    ("base_model", "quantization", "storage_dtype"),
+}
 #: inputs the tools read case-insensitively, whose canonical spelling is lower case
 CASELESS_INPUTS = {("optimizer", "name"), ("base_model", "quantization", "type"), ("identity", "config_sha256")}
 #: lists whose order the tools ignore (PEFT matches each module against the set)
-SET_INPUTS = {("method", "target_modules"), ("method", "target_parameters"), ("method", "modules_to_save"),
-              ("base_model", "quantization", "skip_modules")}
+SET_INPUTS = {
+    ("method", "target_modules"),
+    ("method", "target_parameters"),
+    ("method", "modules_to_save"),
+    ("base_model", "quantization", "skip_modules"),
+}
 
 
 def _value(doc: Document, path: tuple[str, ...], verbatim: bool = False) -> tuple[bool, Any]:
@@ -161,8 +186,11 @@ def changed_sections(doc: Document, extension: str, inputs: Inputs) -> list[str]
     now = digests(doc, inputs)
     # a section it did not store is not checked; a stamp hashed from the values as written (the first version of
     # this stamp) still matches them
-    return [s for s in now if s in before and now[s] != before[s]
-            and section_digest(doc, s, inputs[s], verbatim=True) != before[s]]
+    return [
+        s
+        for s in now
+        if s in before and now[s] != before[s] and section_digest(doc, s, inputs[s], verbatim=True) != before[s]
+    ]
 
 
 def stale(doc: Document) -> dict[str, list[str]]:
@@ -175,5 +203,15 @@ def stale(doc: Document) -> dict[str, list[str]]:
     return out
 
 
-__all__ = ["DEFAULTS", "DIGITS", "RESOLVE_INPUTS", "STAMPS", "WORKLOAD_INPUTS", "changed_sections", "digests",
-           "section_digest", "stale", "stored"]
+__all__ = [
+    "DEFAULTS",
+    "DIGITS",
+    "RESOLVE_INPUTS",
+    "STAMPS",
+    "WORKLOAD_INPUTS",
+    "changed_sections",
+    "digests",
+    "section_digest",
+    "stale",
+    "stored",
+]

@@ -60,24 +60,35 @@ class SafeComposer(Composer):
         event = self.parser.peek_event()
         self._nodes += 1
         if self._nodes > MAX_NODES:
-            raise _Refused(f"more than {MAX_NODES} YAML nodes", event.start_mark,
-                           "a ledger has a few thousand values at most; is this the right file?")
+            raise _Refused(
+                f"more than {MAX_NODES} YAML nodes",
+                event.start_mark,
+                "a ledger has a few thousand values at most; is this the right file?",
+            )
         if isinstance(event, AliasEvent):
-            raise _Refused("aliases (*name) are not allowed in ledger files", event.start_mark,
-                           "write the value out in full")
+            raise _Refused(
+                "aliases (*name) are not allowed in ledger files", event.start_mark, "write the value out in full"
+            )
         if isinstance(event, ScalarEvent | MappingStartEvent | SequenceStartEvent):
             if event.anchor is not None:
-                raise _Refused(f"anchors (&{event.anchor}) are not allowed in ledger files", event.start_mark,
-                               "write the value out in full")
+                raise _Refused(
+                    f"anchors (&{event.anchor}) are not allowed in ledger files",
+                    event.start_mark,
+                    "write the value out in full",
+                )
             tag = event.tag
             if tag is not None and not _implicit(event):
-                raise _Refused(f"explicit YAML tags ({tag}) are not allowed in ledger files", event.start_mark,
-                               "remove the tag; ledger values are plain YAML")
+                raise _Refused(
+                    f"explicit YAML tags ({tag}) are not allowed in ledger files",
+                    event.start_mark,
+                    "remove the tag; ledger values are plain YAML",
+                )
         if isinstance(event, MappingStartEvent | SequenceStartEvent):
             self._depth += 1
             if self._depth > MAX_DEPTH:
-                raise _Refused(f"nesting deeper than {MAX_DEPTH} levels", event.start_mark,
-                               "a ledger is at most a few levels deep")
+                raise _Refused(
+                    f"nesting deeper than {MAX_DEPTH} levels", event.start_mark, "a ledger is at most a few levels deep"
+                )
             try:
                 return super().compose_node(parent, index)
             finally:
@@ -90,8 +101,9 @@ class SafeComposer(Composer):
             if not isinstance(key, ScalarNode):
                 raise _Refused("a list or mapping used as a key", key.start_mark, "keys are plain names")
             if key.tag == _MERGE_TAG:
-                raise _Refused("merge keys (<<) are not allowed in ledger files", key.start_mark,
-                               "write the keys out in full")
+                raise _Refused(
+                    "merge keys (<<) are not allowed in ledger files", key.start_mark, "write the keys out in full"
+                )
         return node
 
 
@@ -146,8 +158,9 @@ def _represent_source(representer: Any, data: Any) -> Any:
 
 
 #: plain words that YAML 1.1 resolves to booleans (ruamel, a YAML 1.2 reader, keeps them as strings)
-YAML11_BOOL_WORDS = frozenset("y Y yes Yes YES n N no No NO true True TRUE false False FALSE on On ON off Off OFF"
-                              .split())
+YAML11_BOOL_WORDS = frozenset(
+    "y Y yes Yes YES n N no No NO true True TRUE false False FALSE on On ON off Off OFF".split()
+)
 
 
 class PlainWord(str):
@@ -229,8 +242,14 @@ def read_text(path: str | os.PathLike[str], display: str | None = None) -> str:
     if not p.is_file():
         raise LedgerspecError("not a regular file", shown, rule="load")
     if st.st_size > MAX_FILE_BYTES:
-        raise LedgerspecError(f"file is {st.st_size} bytes, over the {MAX_FILE_BYTES}-byte limit for a ledger",
-                              shown, 1, 1, rule="load", hint="a ledger is a few KiB; is this the right file?")
+        raise LedgerspecError(
+            f"file is {st.st_size} bytes, over the {MAX_FILE_BYTES}-byte limit for a ledger",
+            shown,
+            1,
+            1,
+            rule="load",
+            hint="a ledger is a few KiB; is this the right file?",
+        )
     try:
         raw = p.read_bytes()
     except OSError as exc:
@@ -240,17 +259,25 @@ def read_text(path: str | os.PathLike[str], display: str | None = None) -> str:
 
 def decode(raw: bytes, display: str) -> str:
     if len(raw) > MAX_FILE_BYTES:
-        raise LedgerspecError(f"input is {len(raw)} bytes, over the {MAX_FILE_BYTES}-byte limit", display, 1, 1,
-                              rule="load")
+        raise LedgerspecError(
+            f"input is {len(raw)} bytes, over the {MAX_FILE_BYTES}-byte limit", display, 1, 1, rule="load"
+        )
     if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise LedgerspecError("file is UTF-16; ledger files are UTF-8", display, 1, 1, rule="load",
-                              hint="re-save the file as UTF-8")
+        raise LedgerspecError(
+            "file is UTF-16; ledger files are UTF-8", display, 1, 1, rule="load", hint="re-save the file as UTF-8"
+        )
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line, col = _line_col_of_offset(raw, exc.start)
-        raise LedgerspecError(f"invalid UTF-8 byte 0x{raw[exc.start]:02x}", display, line, col, rule="load",
-                              hint="re-save the file as UTF-8") from None
+        raise LedgerspecError(
+            f"invalid UTF-8 byte 0x{raw[exc.start]:02x}",
+            display,
+            line,
+            col,
+            rule="load",
+            hint="re-save the file as UTF-8",
+        ) from None
     if "\x00" in text:
         line, col = _line_col_of_offset(raw, raw.index(b"\x00"))
         raise LedgerspecError("NUL character in file (binary data?)", display, line, col, rule="load")
@@ -280,14 +307,20 @@ def parse(text: str, display: str) -> Any:
         raise _error(display, message, mark, hint) from None
     except ReaderError as exc:
         line, col = _line_col_of_text(text, exc.position)
-        raise LedgerspecError(_reader_message(exc), display, line, col, rule="load",
-                              hint="remove the control character, or write it as an escape in a double-quoted "
-                              "string") from None
+        raise LedgerspecError(
+            _reader_message(exc),
+            display,
+            line,
+            col,
+            rule="load",
+            hint="remove the control character, or write it as an escape in a double-quoted string",
+        ) from None
     except YAMLError as exc:
         raise LedgerspecError(f"invalid YAML: {exc}".splitlines()[0], display, 1, 1, rule="load") from None
     except (RecursionError, ValueError, OverflowError, TypeError) as exc:
-        raise LedgerspecError(f"unreadable value: {type(exc).__name__}: {exc}".splitlines()[0][:200], display,
-                              1, 1, rule="load") from None
+        raise LedgerspecError(
+            f"unreadable value: {type(exc).__name__}: {exc}".splitlines()[0][:200], display, 1, 1, rule="load"
+        ) from None
     return data
 
 
@@ -309,7 +342,7 @@ def _dup_key(exc: MarkedYAMLError) -> str:
     problem = str(exc.problem or "")
     start = problem.find('"')
     end = problem.find('"', start + 1)
-    return problem[start:end + 1] if 0 <= start < end else ""
+    return problem[start : end + 1] if 0 <= start < end else ""
 
 
 def _error(display: str, message: str, mark: Any, hint: str | None) -> LedgerspecError:
@@ -329,8 +362,9 @@ def to_plain(node: Any, display: str = "<input>", where: tuple[int, int] = (1, 1
         for k, v in node.items():
             if not isinstance(k, str):
                 line, col = _key_pos(node, k)
-                raise LedgerspecError(f"key {_short(k)} is not a string", display, line, col, rule="load",
-                                      hint="quote the key")
+                raise LedgerspecError(
+                    f"key {_short(k)} is not a string", display, line, col, rule="load", hint="quote the key"
+                )
             _check_text(k, display, _key_pos(node, k))
             out[str(k)] = to_plain(v, display, _value_pos(node, k, where))
         return out
@@ -340,8 +374,13 @@ def to_plain(node: Any, display: str = "<input>", where: tuple[int, int] = (1, 1
         return node
     if isinstance(node, int):
         if node.bit_length() > MAX_INT_BITS:
-            raise LedgerspecError(f"integer of about {int(node.bit_length() * 0.30103) + 1} digits is too large",
-                                  display, *where, rule="load", hint="sizes are at most 2**60 bytes; check the value")
+            raise LedgerspecError(
+                f"integer of about {int(node.bit_length() * 0.30103) + 1} digits is too large",
+                display,
+                *where,
+                rule="load",
+                hint="sizes are at most 2**60 bytes; check the value",
+            )
         return int(node)
     if isinstance(node, float):
         return float(node)
@@ -357,9 +396,13 @@ def _check_text(text: str, display: str, where: tuple[int | None, int | None]) -
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise LedgerspecError(f"string holds a lone surrogate U+{ord(text[exc.start]):04X}, which UTF-8 cannot "
-                              "encode", display, *where, rule="load",
-                              hint="write the character itself, or a full \\U escape") from None
+        raise LedgerspecError(
+            f"string holds a lone surrogate U+{ord(text[exc.start]):04X}, which UTF-8 cannot encode",
+            display,
+            *where,
+            rule="load",
+            hint="write the character itself, or a full \\U escape",
+        ) from None
 
 
 def _short(value: Any) -> str:

@@ -33,8 +33,7 @@ class OptimizerSpec:
             return "factored second moment: row + column vectors per matrix, full vector per 1-D tensor"
         paged = "paged (unified memory), " if self.paged else ""
         if self.bits == 8:
-            return (f"{paged}{self.states} x uint8 blockwise + fp32 absmax per 256 values; fp32 under "
-                    "min_8bit_size")
+            return f"{paged}{self.states} x uint8 blockwise + fp32 absmax per 256 values; fp32 under min_8bit_size"
         return f"{paged}{self.states} x fp32"
 
 
@@ -75,4 +74,3 @@ def suggest(name: str) -> str | None:
     """The known name closest to ``name`` (for a did-you-mean), or None."""
     close = difflib.get_close_matches(name.strip().lower(), list(OPTIMIZERS), n=1, cutoff=0.6)
     return close[0] if close else None
-

@@ -18,8 +18,9 @@ def _comment(text: str, indent: str) -> list[str]:
     return [f"{indent}# {line}" for line in textwrap.wrap(text, _WIDTH - len(indent) - 2)]
 
 
-def _lines(fields: tuple[F.Field, ...], depth: int, prefix: tuple[str, ...],
-           skip: frozenset[tuple[str, ...]] = frozenset()) -> list[str]:
+def _lines(
+    fields: tuple[F.Field, ...], depth: int, prefix: tuple[str, ...], skip: frozenset[tuple[str, ...]] = frozenset()
+) -> list[str]:
     out: list[str] = []
     indent = "  " * depth
     for f in fields:
@@ -82,8 +83,11 @@ def _not_applicable(intake: Document) -> frozenset[tuple[str, ...]]:
     VALIDATED until deleted by hand (a LoRA run has no quantization; a CUDA stack has no ROCm version)."""
     skip: set[tuple[str, ...]] = set()
     if intake.get("method", "kind").text() == "LoRA" and intake.get("base_model", "quantized").switch() is not True:
-        skip |= {("base_model", k) for k in ("quantization", "prepare_for_kbit_training")
-                 if not intake.get("base_model", k).present}
+        skip |= {
+            ("base_model", k)
+            for k in ("quantization", "prepare_for_kbit_training")
+            if not intake.get("base_model", k).present
+        }
     for given, other in (("cuda", "rocm"), ("rocm", "cuda")):
         if intake.get("software", given).known and not intake.get("software", other).present:
             skip.add(("software", other))
@@ -122,8 +126,12 @@ def _copy_comments(src: Any, dst: Any, indent: str, top: bool = False) -> None:
         if i > 0:
             above = _split((src.ca.items.get(keys[i - 1]) or [None] * 4)[2])[1]
         elif not top:  # the first key's lines sit on the mapping itself; the document's first are its header
-            above = [line.strip() for t in ((src.ca.comment or [None, None])[1] or [])
-                     for line in str(t.value).splitlines() if line.strip().startswith("#")]
+            above = [
+                line.strip()
+                for t in ((src.ca.comment or [None, None])[1] or [])
+                for line in str(t.value).splitlines()
+                if line.strip().startswith("#")
+            ]
         else:
             above = []
         if above:

@@ -53,8 +53,9 @@ def parse_size(value: object) -> int:
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if not m:
-            raise UnitError(f"{value!r} is not a size; write bytes as an integer or a number with a unit "
-                            f"({', '.join(UNITS)})")
+            raise UnitError(
+                f"{value!r} is not a size; write bytes as an integer or a number with a unit ({', '.join(UNITS)})"
+            )
         unit = m.group("unit") or "B"
         if unit not in UNITS:
             known = {u.lower(): u for u in UNITS}

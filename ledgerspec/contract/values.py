@@ -14,8 +14,15 @@ from ledgerspec.contract.units import UnitError, parse_size
 
 UNKNOWN_WORDS = ("UNKNOWN", "CONFIGURATION-SPECIFIC")
 #: provenance strength, strongest first; a plain (declared) input ranks with VERIFIED
-SOURCE_RANK = {"MEASURED": 5, "VERIFIED": 4, "DECLARED": 4, "CALCULATED": 3, "ASSUMPTION": 2,
-               "CONFIGURATION-SPECIFIC": 1, "UNKNOWN": 0}
+SOURCE_RANK = {
+    "MEASURED": 5,
+    "VERIFIED": 4,
+    "DECLARED": 4,
+    "CALCULATED": 3,
+    "ASSUMPTION": 2,
+    "CONFIGURATION-SPECIFIC": 1,
+    "UNKNOWN": 0,
+}
 EXACT_SOURCES = frozenset({"MEASURED", "VERIFIED", "CALCULATED"})
 _SWITCH_WORDS = {"on": True, "yes": True, "true": True, "off": False, "no": False, "false": False}
 
@@ -37,11 +44,21 @@ class Value:
             return cls("absent")
         if isinstance(raw, str) and raw.strip() in UNKNOWN_WORDS:
             return cls("word", raw, None, raw.strip())
-        if isinstance(raw, dict) and "source" in raw and set(raw) - {"value", "source", "note", "method"} <= {
-                k for k in raw if isinstance(k, str) and k.startswith("x-")}:
+        if (
+            isinstance(raw, dict)
+            and "source" in raw
+            and set(raw) - {"value", "source", "note", "method"}
+            <= {k for k in raw if isinstance(k, str) and k.startswith("x-")}
+        ):
             source = raw.get("source")
-            return cls("long", raw, raw.get("value"), source if isinstance(source, str) else None,
-                       _str_or_none(raw.get("note")), _str_or_none(raw.get("method")))
+            return cls(
+                "long",
+                raw,
+                raw.get("value"),
+                source if isinstance(source, str) else None,
+                _str_or_none(raw.get("note")),
+                _str_or_none(raw.get("method")),
+            )
         return cls("plain", raw, raw)
 
     @property
@@ -51,8 +68,7 @@ class Value:
     @property
     def unknown(self) -> bool:
         """Absent, UNKNOWN or CONFIGURATION-SPECIFIC: nothing usable is known."""
-        return self.form == "absent" or self.source in UNKNOWN_WORDS or (
-            self.form == "long" and self.value is None)
+        return self.form == "absent" or self.source in UNKNOWN_WORDS or (self.form == "long" and self.value is None)
 
     @property
     def known(self) -> bool:

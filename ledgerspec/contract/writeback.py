@@ -28,10 +28,11 @@ class Change:
 
 def _order(doc: Document, parent_path: tuple[str, ...]) -> list[str]:
     kind = doc.kind or "ledger"
-    fields = F.top_fields(kind) if not parent_path else (
-        (F.lookup(kind, parent_path) or F.Field("", F.OBJECT, "")).children)
+    fields = (
+        F.top_fields(kind) if not parent_path else ((F.lookup(kind, parent_path) or F.Field("", F.OBJECT, "")).children)
+    )
     names = [f.name for f in fields]
-    return (["ledgerspec", *names] if not parent_path else names)
+    return ["ledgerspec", *names] if not parent_path else names
 
 
 def _ensure_map(doc: Document, path: tuple[str, ...]) -> CommentedMap:
@@ -99,8 +100,9 @@ def _move_trailing_lines(mapping: CommentedMap, previous: str, key: str) -> None
     mapping.ca.items[key][2].value = "\n" + tail
 
 
-def long_form(value: Any, source: str, method: str | None = None, note: str | None = None,
-              extra: dict[str, Any] | None = None) -> CommentedMap:
+def long_form(
+    value: Any, source: str, method: str | None = None, note: str | None = None, extra: dict[str, Any] | None = None
+) -> CommentedMap:
     m = CommentedMap()
     m["value"] = value
     m["source"] = source
@@ -114,8 +116,16 @@ def long_form(value: Any, source: str, method: str | None = None, note: str | No
     return m
 
 
-def set_figure(doc: Document, path: tuple[str, ...], value: Any, source: str, method: str | None = None,
-               note: str | None = None, size_comment: bool | None = None, force: bool = False) -> Change | None:
+def set_figure(
+    doc: Document,
+    path: tuple[str, ...],
+    value: Any,
+    source: str,
+    method: str | None = None,
+    note: str | None = None,
+    size_comment: bool | None = None,
+    force: bool = False,
+) -> Change | None:
     """Write ``value`` at ``path`` in long form. Returns the change, or None when nothing changed."""
     where = pointer(*path)
     current = doc.get(*path)
@@ -124,8 +134,12 @@ def set_figure(doc: Document, path: tuple[str, ...], value: Any, source: str, me
         new_rank = SOURCE_RANK.get(source, 0)
         if current.known and old_rank > new_rank:
             return Change(where, current.raw, value, skipped=f"kept {current.effective_source(True)} value")
-        if current.form == "long" and current.value == value and current.source == source and \
-                (method is None or current.method == method):
+        if (
+            current.form == "long"
+            and current.value == value
+            and current.source == source
+            and (method is None or current.method == method)
+        ):
             return None
     parent = _ensure_map(doc, path[:-1])
     key = path[-1]
@@ -149,8 +163,11 @@ def set_figure(doc: Document, path: tuple[str, ...], value: Any, source: str, me
         old_raw = old
         _insert(doc, parent, path[:-1], key, node)
     field = F.lookup(doc.kind or "ledger", path)
-    want_comment = size_comment if size_comment is not None else bool(
-        field and field.kind in (F.MEMORY, F.SIZE) and isinstance(value, int))
+    want_comment = (
+        size_comment
+        if size_comment is not None
+        else bool(field and field.kind in (F.MEMORY, F.SIZE) and isinstance(value, int))
+    )
     if want_comment and isinstance(value, int):
         _set_eol_comment(parent, key, format_size(value))
     doc.invalidate()

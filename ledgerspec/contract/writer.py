@@ -109,8 +109,12 @@ def check_writable(path: str | os.PathLike[str]) -> None:
     while not folder.exists() and folder != folder.parent:  # atomic_write creates missing folders
         folder = folder.parent
     if not folder.is_dir():
-        raise LedgerspecError(f"cannot create the folder {target.parent}: {folder} is a file", str(path),
-                              rule="write", hint="choose another output path")
+        raise LedgerspecError(
+            f"cannot create the folder {target.parent}: {folder} is a file",
+            str(path),
+            rule="write",
+            hint="choose another output path",
+        )
     if not os.access(folder, os.W_OK | os.X_OK):
         raise LedgerspecError(f"cannot write: no write permission in {folder}", str(path), rule="write")
 

@@ -60,14 +60,20 @@ class KernelChoice:
 def method_text(implementation: str) -> str:
     """One sentence for the ``method`` string: how attention memory was modelled."""
     if implementation == EAGER:
-        return ("attention: eager, traced as is (batch x heads x seq^2 scores, fp32 softmax, dropout mask "
-                "materialised on every device)")
+        return (
+            "attention: eager, traced as is (batch x heads x seq^2 scores, fp32 softmax, dropout mask "
+            "materialised on every device)"
+        )
     if implementation == SDPA:
-        return ("attention: SDPA modelled as the CUDA kernel PyTorch picks (flash for fp16/bf16 without a mask: "
-                "output + fp32 log-sum-exp saved, flash_api mha_bwd buffers in backward; memory-efficient with a "
-                "mask or fp32; math otherwise)")
-    return (f"attention: {implementation} modelled as FlashAttention-2 (output + fp32 log-sum-exp saved; "
-            "dq_accum/softmax_d fp32 and GQA dk/dv expansion in backward)")
+        return (
+            "attention: SDPA modelled as the CUDA kernel PyTorch picks (flash for fp16/bf16 without a mask: "
+            "output + fp32 log-sum-exp saved, flash_api mha_bwd buffers in backward; memory-efficient with a "
+            "mask or fp32; math otherwise)"
+        )
+    return (
+        f"attention: {implementation} modelled as FlashAttention-2 (output + fp32 log-sum-exp saved; "
+        "dq_accum/softmax_d fp32 and GQA dk/dv expansion in backward)"
+    )
 
 
 def choose_sdpa_kernel(dtype: Any, head_dim: int, has_mask: bool, grouped: bool, dropout: float) -> KernelChoice:
@@ -164,13 +170,24 @@ def _math_attention(module: Any, q: Any, k: Any, v: Any, mask: Any, dropout: flo
     return torch.matmul(probs, v).transpose(1, 2).contiguous()
 
 
-def _sdpa_model(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
-                scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any) -> tuple[Any, None]:
+def _sdpa_model(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
     from transformers.integrations.sdpa_attention import repeat_kv
 
     if kwargs.get("softcap") is not None:
-        raise UnsupportedAttention("sdpa does not support attention logit soft-capping (e.g. Gemma2): transformers "
-                                   "raises on it; declare eager or flash_attention_2")
+        raise UnsupportedAttention(
+            "sdpa does not support attention logit soft-capping (e.g. Gemma2): transformers "
+            "raises on it; declare eager or flash_attention_2"
+        )
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
         raise UnsupportedAttention("sdpa with a position bias / attention sinks is not modelled")
     groups = getattr(module, "num_key_value_groups", 1)
@@ -214,28 +231,48 @@ def _efficient_bias(mask: Any, query: Any, key: Any) -> Any:
     return bias
 
 
-def _sdpa_cpu_model(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
-                    scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any) -> tuple[Any, None]:
+def _sdpa_cpu_model(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
     """SDPA as the CPU runs it (target cpu, for checks against ``measure --device cpu``): PyTorch's CPU flash
     kernel keeps the output and an fp32 log-sum-exp; transformers repeats k/v only when a mask is given."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     if kwargs.get("softcap") is not None:
-        raise UnsupportedAttention("sdpa does not support attention logit soft-capping (e.g. Gemma2): transformers "
-                                   "raises on it; declare eager or flash_attention_2")
+        raise UnsupportedAttention(
+            "sdpa does not support attention logit soft-capping (e.g. Gemma2): transformers "
+            "raises on it; declare eager or flash_attention_2"
+        )
     if attention_mask is not None:  # with a mask the fake dispatch takes the same (math) path as the CPU
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1 and query.shape[-1] > 256:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     return _fused().apply(query, key, value, "cpu_flash"), None
 
 
-def _flash_model(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
-                 scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
+def _flash_model(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
     if attention_mask is not None and attention_mask.dim() == 2:
         raise UnsupportedAttention("flash attention with a padding mask (varlen unpadding) is not modelled")
     return _fused().apply(query, key, value, "flash"), None
@@ -275,8 +312,9 @@ def cuda_attention(model: Any, implementation: str, target: str = "cuda") -> Ite
     models PyTorch's CPU SDPA kernel instead (the fake-tensor trace would otherwise take the math path).
     """
     if implementation not in KNOWN:
-        raise UnsupportedAttention(f"attention implementation {implementation!r} is not modelled "
-                                   f"(known: {', '.join(KNOWN)})")
+        raise UnsupportedAttention(
+            f"attention implementation {implementation!r} is not modelled (known: {', '.join(KNOWN)})"
+        )
     if implementation == EAGER:
         yield EAGER
         return
@@ -286,8 +324,9 @@ def cuda_attention(model: Any, implementation: str, target: str = "cuda") -> Ite
 
     attn, masks = _registry()
     key = _KEY + implementation + ("_cpu" if target == "cpu" else "")
-    fn: Callable[..., Any] = (_sdpa_cpu_model if target == "cpu" else _sdpa_model) if implementation == SDPA \
-        else _flash_model
+    fn: Callable[..., Any] = (
+        (_sdpa_cpu_model if target == "cpu" else _sdpa_model) if implementation == SDPA else _flash_model
+    )
     attn.register(key, fn)
     masks.register(key, sdpa_mask if implementation == SDPA else flash_attention_mask)
     configs = _configs(model)

@@ -58,8 +58,9 @@ class QuantizedBytes:
         return self.data + self.constants
 
 
-def bnb4_bytes(numel: int, double_quant: bool, storage_itemsize: int = 1,
-               blocksize: int = BNB4_BLOCKSIZE) -> QuantizedBytes:
+def bnb4_bytes(
+    numel: int, double_quant: bool, storage_itemsize: int = 1, blocksize: int = BNB4_BLOCKSIZE
+) -> QuantizedBytes:
     """Exact bytes of one bitsandbytes 4-bit weight of ``numel`` logical elements.
 
     >>> bnb4_bytes(4096 * 4096, double_quant=False).total
@@ -72,9 +73,14 @@ def bnb4_bytes(numel: int, double_quant: bool, storage_itemsize: int = 1,
     code = BNB4_CODE_ENTRIES * FP32
     if not double_quant:
         return QuantizedBytes(data=data, absmax=blocks * FP32, code=code)
-    return QuantizedBytes(data=data, absmax=blocks, code=code,
-                          nested_absmax=_ceil_div(blocks, BNB4_NESTED_BLOCKSIZE) * FP32,
-                          nested_code=DYNAMIC_MAP_ENTRIES * FP32, offset=FP32)
+    return QuantizedBytes(
+        data=data,
+        absmax=blocks,
+        code=code,
+        nested_absmax=_ceil_div(blocks, BNB4_NESTED_BLOCKSIZE) * FP32,
+        nested_code=DYNAMIC_MAP_ENTRIES * FP32,
+        offset=FP32,
+    )
 
 
 def int8_bytes(out_features: int, in_features: int) -> QuantizedBytes:

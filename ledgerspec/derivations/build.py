@@ -19,8 +19,9 @@ from ledgerspec.derivations.quiet import quiet_bitsandbytes
 from ledgerspec.errors import LedgerspecError
 
 
-def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None,
-         rule: str = "resolve") -> LedgerspecError:
+def _err(
+    doc: Document, path: tuple[str, ...], message: str, hint: str | None = None, rule: str = "resolve"
+) -> LedgerspecError:
     return error_at(doc, path, message, rule=rule, hint=hint)
 
 
@@ -44,8 +45,12 @@ def config_file(doc: Document, trust_remote_code: bool = False) -> tuple[Path, b
     p = (base / cfg_path).resolve()
     file: Path = p / "config.json" if p.is_dir() else p
     if not file.is_file():
-        raise _err(doc, ("identity", "config_path"), f"no config.json at {file}",
-                   "config_path is relative to the ledger file; point it at a config.json or its folder")
+        raise _err(
+            doc,
+            ("identity", "config_path"),
+            f"no config.json at {file}",
+            "config_path is relative to the ledger file; point it at a config.json or its folder",
+        )
     try:
         raw = file.read_bytes()
     except OSError as exc:
@@ -57,8 +62,12 @@ def config_file(doc: Document, trust_remote_code: bool = False) -> tuple[Path, b
     if not isinstance(data, dict):
         raise _err(doc, ("identity", "config_path"), f"{file} is not a JSON object")
     if data.get("auto_map") and not trust_remote_code:
-        raise _err(doc, ("identity", "config_path"), "this model needs remote code (auto_map in config.json)",
-                   "pass --trust-remote-code if you trust it")
+        raise _err(
+            doc,
+            ("identity", "config_path"),
+            "this model needs remote code (auto_map in config.json)",
+            "pass --trust-remote-code if you trust it",
+        )
     return file, raw, data
 
 
@@ -86,13 +95,16 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     if local is not None:
         file, raw, data = local
         try:
-            config = AutoConfig.from_pretrained(str(file.parent) if file.name == "config.json" else str(file),
-                                                trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(
+                str(file.parent) if file.name == "config.json" else str(file), trust_remote_code=trust_remote_code
+            )
         except Exception as exc:  # anything transformers (or its strict config dataclasses) refuses is the file's
             msg = compact(exc)
-            hint = ("fix the value in config.json (copy the model's published config.json)"
-                    if "validation error" in msg.lower() else
-                    "is model_type a transformers architecture? (custom code needs --trust-remote-code)")
+            hint = (
+                "fix the value in config.json (copy the model's published config.json)"
+                if "validation error" in msg.lower()
+                else "is model_type a transformers architecture? (custom code needs --trust-remote-code)"
+            )
             raise _err(doc, ("identity", "config_path"), f"transformers cannot read {file}: {msg}", hint) from None
         archs = data.get("architectures") or []
         sha256 = hashlib.sha256(raw).hexdigest()
@@ -101,8 +113,12 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
 
     model_id = doc.get("identity", "model_id").text()
     if not model_id:
-        raise _err(doc, ("identity",), "no identity.config_path and no identity.model_id",
-                   "set identity.config_path to a local config.json")
+        raise _err(
+            doc,
+            ("identity",),
+            "no identity.config_path and no identity.model_id",
+            "set identity.config_path to a local config.json",
+        )
     revision = doc.get("identity", "revision").text()
     unreachable = None if offline else hub_unreachable()
     if offline:
@@ -110,8 +126,12 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     try:
         # local_files_only: HF_HUB_OFFLINE is read when huggingface_hub is imported, which may have happened;
         # with no way to the Hub, only the local cache is asked (no minute of retries against a missing DNS)
-        config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code,
-                                            local_files_only=offline or unreachable is not None)
+        config = AutoConfig.from_pretrained(
+            model_id,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            local_files_only=offline or unreachable is not None,
+        )
     except Exception as exc:  # transformers raises OSError/ValueError/EnvironmentError variants
         msg = one_line(exc)
         if unreachable and "trust_remote_code" not in msg:
@@ -132,10 +152,13 @@ def _check_pin(doc: Document, file: Path, sha256: str) -> None:
     if declared.upper() in ("", "UNKNOWN", "CONFIGURATION-SPECIFIC"):  # no pin (also in a long form's value)
         return
     if declared.lower() != sha256:
-        raise _err(doc, ("identity", "config_sha256"),
-                   f"identity.config_sha256 does not match {file} (sha256 {sha256[:12]}...)",
-                   "the config changed since it was pinned: check it, then remove config_sha256 to re-pin",
-                   rule="config")
+        raise _err(
+            doc,
+            ("identity", "config_sha256"),
+            f"identity.config_sha256 does not match {file} (sha256 {sha256[:12]}...)",
+            "the config changed since it was pinned: check it, then remove config_sha256 to re-pin",
+            rule="config",
+        )
 
 
 def hub_unreachable() -> str | None:
@@ -156,8 +179,11 @@ def hub_unreachable() -> str | None:
     try:
         socket.getaddrinfo(host, 443)
     except (socket.gaierror, UnicodeError) as exc:
-        return f"the Hub ({host}) cannot be reached: {exc.strerror or exc}" if isinstance(exc, socket.gaierror) \
+        return (
+            f"the Hub ({host}) cannot be reached: {exc.strerror or exc}"
+            if isinstance(exc, socket.gaierror)
             else f"the Hub host {host!r} is not a valid name"
+        )
     except OSError:
         return None
     return None
@@ -180,8 +206,9 @@ def dtype_name(doc: Document, path: tuple[str, ...], default: str | None = None,
     name = doc.get(*path).text() or default
     canon = dtypes.canonical(name) if name else None
     if canon is None:
-        raise _err(doc, path, f"unknown dtype {name!r}", "use float32, bfloat16, float16 (or fp32, bf16, fp16)",
-                   rule=rule)
+        raise _err(
+            doc, path, f"unknown dtype {name!r}", "use float32, bfloat16, float16 (or fp32, bf16, fp16)", rule=rule
+        )
     return canon
 
 
@@ -237,8 +264,12 @@ def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trus
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(source.config, dtype=dtype, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError) as exc:
-        raise _err(doc, ("identity",), f"transformers cannot build this architecture: {one_line(exc)}",
-                   "is it a causal language model transformers knows?") from None
+        raise _err(
+            doc,
+            ("identity",),
+            f"transformers cannot build this architecture: {one_line(exc)}",
+            "is it a causal language model transformers knows?",
+        ) from None
 
 
 def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
@@ -262,6 +293,9 @@ def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         msg = one_line(exc)
         where: tuple[str, ...] = ("method", "target_modules") if "target" in msg.lower() else ("method",)
-        hint = "check module names against the architecture (e.g. q_proj, v_proj, or all-linear)" \
-            if "target" in msg.lower() else None
+        hint = (
+            "check module names against the architecture (e.g. q_proj, v_proj, or all-linear)"
+            if "target" in msg.lower()
+            else None
+        )
         raise _err(doc, where, f"PEFT cannot inject these adapters: {msg}", hint) from None

@@ -81,8 +81,7 @@ class BreakdownRow:
     parameters: int
 
     def as_dict(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"module": self.module, "kind": self.kind, "count": self.count,
-                               "shape": list(self.shape)}
+        row: dict[str, Any] = {"module": self.module, "kind": self.kind, "count": self.count, "shape": list(self.shape)}
         if self.rank is not None:
             row["rank"] = self.rank
         row["parameters"] = self.parameters
@@ -125,18 +124,28 @@ def quant_plan(doc: Document) -> QuantPlan:
         skip = _strings(doc.get(*q, "skip_modules").value) if doc.get(*q, "skip_modules").known else ()
         return QuantPlan("int8", "int8", skip_modules=skip)
     if qtype not in ("nf4", "fp4"):
-        raise _err(doc, (*q, "type") if doc.get(*q, "type").present else ("method", "kind"),
-                   f"QLoRA needs base_model.quantization.type nf4, fp4 or int8, got {qtype or 'nothing'!r}",
-                   "a 4-bit base is not sized by its bit count alone: give the quantization type")
+        raise _err(
+            doc,
+            (*q, "type") if doc.get(*q, "type").present else ("method", "kind"),
+            f"QLoRA needs base_model.quantization.type nf4, fp4 or int8, got {qtype or 'nothing'!r}",
+            "a 4-bit base is not sized by its bit count alone: give the quantization type",
+        )
     dq = doc.get(*q, "double_quant").switch()
     if dq is None:
-        raise _err(doc, (*q, "double_quant") if doc.get(*q, "double_quant").present else q,
-                   "base_model.quantization.double_quant is needed (true or false) to size a 4-bit base")
+        raise _err(
+            doc,
+            (*q, "double_quant") if doc.get(*q, "double_quant").present else q,
+            "base_model.quantization.double_quant is needed (true or false) to size a 4-bit base",
+        )
     storage = doc.get(*q, "storage_dtype").text() or "uint8"
     size = dtypes.itemsize(storage)
     if size is None:
-        raise _err(doc, (*q, "storage_dtype"), f"unknown storage dtype {storage!r}",
-                   "use uint8 (the bitsandbytes default), bfloat16, float16 or float32")
+        raise _err(
+            doc,
+            (*q, "storage_dtype"),
+            f"unknown storage dtype {storage!r}",
+            "use uint8 (the bitsandbytes default), bfloat16, float16 or float32",
+        )
     blocksize = doc.get(*q, "blocksize").integer() or BNB4_BLOCKSIZE
     skip = _strings(doc.get(*q, "skip_modules").value) if doc.get(*q, "skip_modules").known else ()
     return QuantPlan("bnb4", qtype, dq, size, dtypes.canonical(storage) or storage, blocksize, skip)
@@ -158,6 +167,7 @@ def _modules_to_quantize(model: Any, plan: QuantPlan) -> list[str]:
     skip += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     try:  # transformers.pytorch_utils.Conv1D (GPT-2 style) is converted as well
         from transformers.pytorch_utils import Conv1D
+
         linear_types: tuple[type, ...] = (Conv1D,)
     except ImportError:  # pragma: no cover
         linear_types = ()
@@ -170,8 +180,9 @@ def _modules_to_quantize(model: Any, plan: QuantPlan) -> list[str]:
     return names
 
 
-def census(doc: Document, source: ModelSource, progress: Progress | None = None,
-           trust_remote_code: bool = False) -> Census:
+def census(
+    doc: Document, source: ModelSource, progress: Progress | None = None, trust_remote_code: bool = False
+) -> Census:
     """Build, quantize (by the rules), upcast, inject on meta, and record every tensor."""
     import torch
 
@@ -219,9 +230,17 @@ def census(doc: Document, source: ModelSource, progress: Progress | None = None,
     breakdown = _breakdown(peft_model, adapter_ids)
     timings["count"] = time.perf_counter() - t
     arch = type(model).__name__
-    return Census(arch, total, tensors, breakdown, plan, prepare,
-                  dtypes.canonical(adapter_dtype_name) or adapter_dtype_name, timings,
-                  biases_in_compute_dtype=len(biases) if plan.kind == "bnb4" else 0)
+    return Census(
+        arch,
+        total,
+        tensors,
+        breakdown,
+        plan,
+        prepare,
+        dtypes.canonical(adapter_dtype_name) or adapter_dtype_name,
+        timings,
+        biases_in_compute_dtype=len(biases) if plan.kind == "bnb4" else 0,
+    )
 
 
 def lora_dtype(doc: Document) -> tuple[str, Any]:
@@ -264,15 +283,31 @@ def _dtype_name(dtype: Any) -> str:
 def _records(model: Any, quantized_ids: set[int]) -> list[TensorRecord]:
     out: list[TensorRecord] = []
     for name, p in model.named_parameters():
-        out.append(TensorRecord(name, tuple(p.shape), _dtype_name(p.dtype), p.element_size(), p.requires_grad,
-                                quantized=id(p) in quantized_ids))
+        out.append(
+            TensorRecord(
+                name,
+                tuple(p.shape),
+                _dtype_name(p.dtype),
+                p.element_size(),
+                p.requires_grad,
+                quantized=id(p) in quantized_ids,
+            )
+        )
     for module_name, module in model.named_modules():
         for bname, b in module.named_buffers(recurse=False):
             if b is None:
                 continue
-            out.append(TensorRecord(f"{module_name}.{bname}" if module_name else bname, tuple(b.shape),
-                                    _dtype_name(b.dtype), b.element_size(), False, buffer=True,
-                                    persistent=bname not in module._non_persistent_buffers_set))
+            out.append(
+                TensorRecord(
+                    f"{module_name}.{bname}" if module_name else bname,
+                    tuple(b.shape),
+                    _dtype_name(b.dtype),
+                    b.element_size(),
+                    False,
+                    buffer=True,
+                    persistent=bname not in module._non_persistent_buffers_set,
+                )
+            )
     seen: set[str] = set()
     unique = []
     for r in out:  # named_parameters already drops tied duplicates; buffers may repeat across modules
@@ -299,8 +334,12 @@ def _breakdown(model: Any, adapter_ids: set[int]) -> list[BreakdownRow]:
     counted: set[int] = set()
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            own = [p for attr in _ADAPTER_DICTS if getattr(module, attr, None) is not None
-                   for p in getattr(module, attr).parameters()]
+            own = [
+                p
+                for attr in _ADAPTER_DICTS
+                if getattr(module, attr, None) is not None
+                for p in getattr(module, attr).parameters()
+            ]
             own = [p for p in own if p.requires_grad and id(p) not in counted]
             if not own:
                 continue

@@ -42,7 +42,6 @@ AT_PEAK = (*COMPONENTS, "activations", "temporary")
 TARGETS = ("cuda", "cpu")
 
 
-
 def peak_phase(phases: dict[str, int]) -> str:
     """The phase with the highest figure (the first one on a tie)."""
     return max(phases, key=lambda k: phases[k])
@@ -135,8 +134,14 @@ def _padded_rows() -> Iterator[None]:
 
     original = masking_utils._ignore_causal_mask_sdpa
 
-    def padded(padding_mask: Any, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
-               local_attention_size: int | None = None) -> bool:
+    def padded(
+        padding_mask: Any,
+        q_length: int,
+        kv_length: int,
+        q_offset: int,
+        kv_offset: int,
+        local_attention_size: int | None = None,
+    ) -> bool:
         if padding_mask is None or not is_fake(padding_mask):
             return bool(original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size))
         import torch
@@ -239,31 +244,45 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
 
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     if isinstance(exc, UnsupportedAttention):
-        return _err(doc, ("software", "attention_implementation"), f"cannot model this attention: {text}",
-                    _MEASURE_HINT)
+        return _err(
+            doc, ("software", "attention_implementation"), f"cannot model this attention: {text}", _MEASURE_HINT
+        )
     name = type(exc).__name__
     op = getattr(exc, "func", None) or getattr(exc, "op", None)
-    if op is not None or name in ("UnsupportedFakeTensorException", "DynamicOutputShapeException",
-                                  "DataDependentOutputException", "UnsupportedOperatorException"):
+    if op is not None or name in (
+        "UnsupportedFakeTensorException",
+        "DynamicOutputShapeException",
+        "DataDependentOutputException",
+        "UnsupportedOperatorException",
+    ):
         which = f"op {op}" if op is not None else "an op"
-        return _err(doc, ("identity",), f"{which} has no fake-tensor kernel, the step cannot be simulated "
-                    f"({name}: {text})", _MEASURE_HINT)
+        return _err(
+            doc,
+            ("identity",),
+            f"{which} has no fake-tensor kernel, the step cannot be simulated ({name}: {text})",
+            _MEASURE_HINT,
+        )
     arch = architecture or "this architecture"
-    return _err(doc, ("identity",), f"{arch} cannot be traced under FakeTensorMode ({name}: {text})",
-                _MEASURE_HINT)
+    return _err(doc, ("identity",), f"{arch} cannot be traced under FakeTensorMode ({name}: {text})", _MEASURE_HINT)
 
 
 def padding_text(attention: str, target: str) -> str:
     """The method sentence for padded batches (microbatch > 1 without packing or padding-free batching)."""
-    text = ("padded batches: every row max length but the last, one token shorter (attention mask 0, label -100 "
-            "at its last position), the mask passed to the model")
+    text = (
+        "padded batches: every row max length but the last, one token shorter (attention mask 0, label -100 "
+        "at its last position), the mask passed to the model"
+    )
     if attention == "sdpa" and target == "cuda":
-        text += ("; SDPA then takes the memory-efficient kernel with k/v repeated to all heads and saves the mask's "
-                 "additive bias in every layer")
+        text += (
+            "; SDPA then takes the memory-efficient kernel with k/v repeated to all heads and saves the mask's "
+            "additive bias in every layer"
+        )
     if attention.startswith("flash_attention") and target == "cuda":
-        text += ("; for flash attention the mask is NOT passed: padded rows are modelled as full rows (transformers' "
-                 "unpad/varlen path gathers q/k/v into (tokens, heads, dim) copies of nearly the same size; those "
-                 "copies are not modelled)")
+        text += (
+            "; for flash attention the mask is NOT passed: padded rows are modelled as full rows (transformers' "
+            "unpad/varlen path gathers q/k/v into (tokens, heads, dim) copies of nearly the same size; those "
+            "copies are not modelled)"
+        )
     return text
 
 
@@ -276,8 +295,9 @@ def method_text(est_plan: Plan, attention: str, target: str, quant: bool, padded
         "(exact model, adapters, optimizer, checkpointing; no GPU), every tensor storage counted by a dispatch-level "
         "tracker",
         est_plan.describe(),
-        attention_method(attention) if target == "cuda" else
-        "attention: the CPU kernels (target cpu; SDPA as PyTorch's CPU flash kernel: output + fp32 log-sum-exp)",
+        attention_method(attention)
+        if target == "cuda"
+        else "attention: the CPU kernels (target cpu; SDPA as PyTorch's CPU flash kernel: output + fp32 log-sum-exp)",
     ]
     if quant:
         parts.append("4-bit layers: bitsandbytes storage exact, CUDA dequantize+linear temporaries counted")
@@ -286,13 +306,16 @@ def method_text(est_plan: Plan, attention: str, target: str, quant: bool, padded
     parts.append(METHOD_NOTES)
     if padded:
         parts.append(padding_text(attention, target))
-    parts.append("limits: PyTorch tensors only (no CUDA context, cuBLAS workspace, allocator caching or "
-                 "fragmentation, NCCL); activations = bytes held from forward to backward of the first micro-step")
+    parts.append(
+        "limits: PyTorch tensors only (no CUDA context, cuBLAS workspace, allocator caching or "
+        "fragmentation, NCCL); activations = bytes held from forward to backward of the first micro-step"
+    )
     return "; ".join(parts)
 
 
-def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress: Progress | None = None,
-             offline: bool = True) -> Estimate:
+def estimate(
+    doc: Document, target: str = "cuda", layers: str = "auto", progress: Progress | None = None, offline: bool = True
+) -> Estimate:
     """The estimate of ``doc``. ``layers``: ``auto`` (extrapolate when possible) or ``full``."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
@@ -312,14 +335,22 @@ def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress
     try:
         est_plan = plan(config)
     except ValueError:
-        raise _err(doc, ("identity",), f"{source.architecture or 'this model'} has no num_hidden_layers: not a "
-                   "decoder stack the estimate can trace", _MEASURE_HINT) from None
+        raise _err(
+            doc,
+            ("identity",),
+            f"{source.architecture or 'this model'} has no num_hidden_layers: not a "
+            "decoder stack the estimate can trace",
+            _MEASURE_HINT,
+        ) from None
     if layers == "full":
         est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
 
     def run(n: int | None) -> dict[str, int]:
-        src = source if n is None else ModelSource(with_layers(config, n), source.config_file, source.sha256,
-                                                   source.architecture)
+        src = (
+            source
+            if n is None
+            else ModelSource(with_layers(config, n), source.config_file, source.sha256, source.architecture)
+        )
         say(f"tracing {n or est_plan.layers} layers")
         try:
             return trace(doc, spec, src, target)
@@ -338,8 +369,17 @@ def estimate(doc: Document, target: str = "cuda", layers: str = "auto", progress
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec.attention, target, spec.quant is not None, spec.padded)
     at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
-    return Estimate(phases, figures["activations"], components, est_plan, spec.attention, target,
-                    time.perf_counter() - started, method, at_peak=at_peak)
+    return Estimate(
+        phases,
+        figures["activations"],
+        components,
+        est_plan,
+        spec.attention,
+        target,
+        time.perf_counter() - started,
+        method,
+        at_peak=at_peak,
+    )
 
 
 def _check_intake(doc: Document) -> None:
@@ -350,17 +390,24 @@ def _check_intake(doc: Document) -> None:
     gaps = [g for g in minimum_intake_gaps(doc) if not (local and g.startswith("identity."))]
     if gaps:
         first = gaps[0].split(" ")[0].split(".")
-        raise _err(doc, tuple(first), f"cannot simulate an incomplete configuration: {'; '.join(gaps)}",
-                   f"fill the minimum intake (`ledgerspec validate {doc.path} -v` lists it)")
+        raise _err(
+            doc,
+            tuple(first),
+            f"cannot simulate an incomplete configuration: {'; '.join(gaps)}",
+            f"fill the minimum intake (`ledgerspec validate {doc.path} -v` lists it)",
+        )
 
 
 def _check_attention(doc: Document, attention: str) -> None:
     from ledgerspec.derivations.attention_model import KNOWN
 
     if attention not in KNOWN:
-        raise _err(doc, ("software", "attention_implementation"),
-                   f"attention implementation {attention!r} is not modelled by the estimate "
-                   f"(modelled: {', '.join(KNOWN)})", _MEASURE_HINT)
+        raise _err(
+            doc,
+            ("software", "attention_implementation"),
+            f"attention implementation {attention!r} is not modelled by the estimate (modelled: {', '.join(KNOWN)})",
+            _MEASURE_HINT,
+        )
 
 
 def device_memory_of(doc: Document) -> int | None:
@@ -383,8 +430,11 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
     changes.append(set_figure(doc, ("ledger", "activations"), est.activations, "CALCULATED", method=est.method))
     block: dict[str, Any] = {
         "source": "CALCULATED",
-        "peak_allocated": {"value": est.peak_allocated, "source": "CALCULATED",
-                           "method": "maximum of the predicted phase peaks (bytes allocated by PyTorch tensors)"},
+        "peak_allocated": {
+            "value": est.peak_allocated,
+            "source": "CALCULATED",
+            "method": "maximum of the predicted phase peaks (bytes allocated by PyTorch tensors)",
+        },
         "phases": dict(est.phases),
         "components": dict(est.components),
         "at_peak": {"phase": est.peak_phase, **est.at_peak},

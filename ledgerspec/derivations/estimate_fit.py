@@ -6,12 +6,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 #: the protocol's phases in the order a training run goes through them
-PHASES = ("after_load", "after_adapter_injection", "after_optimizer_init", "forward_peak", "backward_peak",
-          "optimizer_step_peak", "steady_state_peak")
+PHASES = (
+    "after_load",
+    "after_adapter_injection",
+    "after_optimizer_init",
+    "forward_peak",
+    "backward_peak",
+    "optimizer_step_peak",
+    "steady_state_peak",
+)
 #: the ``result.oom_phase`` word of each phase (the spec's vocabulary)
-OOM_PHASE = {"after_load": "load", "after_adapter_injection": "adapter_injection",
-             "after_optimizer_init": "optimizer_init", "forward_peak": "forward", "backward_peak": "backward",
-             "optimizer_step_peak": "optimizer_step", "steady_state_peak": "later_iteration"}
+OOM_PHASE = {
+    "after_load": "load",
+    "after_adapter_injection": "adapter_injection",
+    "after_optimizer_init": "optimizer_init",
+    "forward_peak": "forward",
+    "backward_peak": "backward",
+    "optimizer_step_peak": "optimizer_step",
+    "steady_state_peak": "later_iteration",
+}
 
 
 @dataclass(frozen=True)
@@ -29,11 +42,15 @@ class Fit:
         from ledgerspec.contract.units import format_size
 
         if self.fits:
-            return (f"fits: predicted peak {format_size(self.peak)} of {format_size(self.device_memory)}, "
-                    f"headroom {format_size(self.headroom)}")
-        return (f"does NOT fit: predicted peak {format_size(self.peak)} is {format_size(-self.headroom)} over "
-                f"{format_size(self.device_memory)}; first out of memory in phase {self.oom_phase} "
-                f"({self.oom_phase_key})")
+            return (
+                f"fits: predicted peak {format_size(self.peak)} of {format_size(self.device_memory)}, "
+                f"headroom {format_size(self.headroom)}"
+            )
+        return (
+            f"does NOT fit: predicted peak {format_size(self.peak)} is {format_size(-self.headroom)} over "
+            f"{format_size(self.device_memory)}; first out of memory in phase {self.oom_phase} "
+            f"({self.oom_phase_key})"
+        )
 
 
 def fit(phases: Mapping[str, int], device_memory: int) -> Fit:
@@ -45,5 +62,4 @@ def fit(phases: Mapping[str, int], device_memory: int) -> Fit:
         raise ValueError("no phase peaks to compare")
     peak = max(v for _, v in ordered)
     first = next((k for k, v in ordered if v > device_memory), None)
-    return Fit(device_memory, peak, first is None, device_memory - peak,
-               OOM_PHASE[first] if first else None, first)
+    return Fit(device_memory, peak, first is None, device_memory - peak, OOM_PHASE[first] if first else None, first)

@@ -53,10 +53,10 @@ def _fake_4bit_classes() -> tuple[Any, Any]:
             layer = ctx.layer
             if not ctx.needs_input_grad[0]:
                 return None, None, None
-            absmax = torch.empty(layer.absmax.numel(), dtype=torch.float32, device=grad.device) \
-                if layer.nested else None
-            dense = torch.empty((layer.out_features, layer.in_features), dtype=layer.weight_dtype,
-                                device=grad.device)
+            absmax = (
+                torch.empty(layer.absmax.numel(), dtype=torch.float32, device=grad.device) if layer.nested else None
+            )
+            dense = torch.empty((layer.out_features, layer.in_features), dtype=layer.weight_dtype, device=grad.device)
             if dense.dtype != grad.dtype:
                 dense = dense.to(grad.dtype)
             grad_x = torch.matmul(grad, dense)
@@ -79,17 +79,18 @@ def _fake_4bit_classes() -> tuple[Any, Any]:
             self.nested = bool(getattr(w, "compress_statistics", False))
             sizes = bnb4_bytes(n, self.nested, item, blocksize)
             meta = torch.device("meta")
-            self.weight = torch.nn.Parameter(torch.empty((sizes.data // item, 1), dtype=storage, device=meta),
-                                             requires_grad=False)
+            self.weight = torch.nn.Parameter(
+                torch.empty((sizes.data // item, 1), dtype=storage, device=meta), requires_grad=False
+            )
             self.bias = src.bias
             nblocks = -(-n // blocksize)
-            self.register_buffer("absmax", torch.empty(nblocks, dtype=torch.uint8 if self.nested else torch.float32,
-                                                       device=meta))
+            self.register_buffer(
+                "absmax", torch.empty(nblocks, dtype=torch.uint8 if self.nested else torch.float32, device=meta)
+            )
             self.register_buffer("code", torch.empty(16, dtype=torch.float32, device=meta))
             if self.nested:
                 self.register_buffer("offset", torch.empty((), dtype=torch.float32, device=meta))
-                self.register_buffer("nested_absmax", torch.empty(-(-nblocks // 256), dtype=torch.float32,
-                                                                  device=meta))
+                self.register_buffer("nested_absmax", torch.empty(-(-nblocks // 256), dtype=torch.float32, device=meta))
                 self.register_buffer("nested_code", torch.empty(256, dtype=torch.float32, device=meta))
             self.compute_dtype = src.compute_dtype or weight_dtype
             self.weight_dtype = weight_dtype

@@ -19,8 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 #: config attributes that make layers differ in a way the period of ``layer_types`` does not describe
-_IRREGULAR = ("first_k_dense_replace", "mlp_only_layers", "moe_layer_freq", "decoder_sparse_step",
-              "cross_attention_layers", "no_rope_layers")
+_IRREGULAR = (
+    "first_k_dense_replace",
+    "mlp_only_layers",
+    "moe_layer_freq",
+    "decoder_sparse_step",
+    "cross_attention_layers",
+    "no_rope_layers",
+)
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,10 @@ class Plan:
         if self.probes is None:
             return f"full trace of all {self.layers} layers ({self.reason})"
         n1, n2 = self.probes
-        return (f"traced with {n1} and {n2} decoder layers and extrapolated linearly to {self.layers} "
-                f"(layer pattern period {self.period})")
+        return (
+            f"traced with {n1} and {n2} decoder layers and extrapolated linearly to {self.layers} "
+            f"(layer pattern period {self.period})"
+        )
 
 
 def layer_count(config: Any) -> int | None:

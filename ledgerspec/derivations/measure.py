@@ -89,17 +89,27 @@ def run_request(req: Request) -> ChildOutput:
         import torch
 
         if not torch.cuda.is_available():
-            raise LedgerspecError("--device cuda: no CUDA device is available (torch.cuda.is_available() is false)",
-                                  req.doc_path, rule="measure", hint="use --device cpu for tensor-level tracking",
-                                  exit_code=EXIT_USAGE)
+            raise LedgerspecError(
+                "--device cuda: no CUDA device is available (torch.cuda.is_available() is false)",
+                req.doc_path,
+                rule="measure",
+                hint="use --device cpu for tensor-level tracking",
+                exit_code=EXIT_USAGE,
+            )
         backend = CudaBackend()
         device = "cuda"
     else:
         backend = TrackerBackend(limit=req.memory_limit)
         device = "cpu"
     workload = Workload(doc, spec)
-    result = run_protocol(workload, backend, device=device, steps=req.steps, snapshot_path=req.snapshot_path,
-                          memory_limit=req.memory_limit)
+    result = run_protocol(
+        workload,
+        backend,
+        device=device,
+        steps=req.steps,
+        snapshot_path=req.snapshot_path,
+        memory_limit=req.memory_limit,
+    )
     return ChildOutput(result, software_versions(workload, req.device))
 
 
@@ -143,8 +153,17 @@ def _child_main(request_file: str, result_file: str) -> int:
         out = run_request(req)
         payload: dict[str, Any] = {"result": out.result.to_json(), "software": out.software}
     except LedgerspecError as exc:
-        payload = {"error": {"message": exc.message, "path": exc.path, "line": exc.line, "column": exc.column,
-                             "rule": exc.rule, "hint": exc.hint, "exit_code": exc.exit_code}}
+        payload = {
+            "error": {
+                "message": exc.message,
+                "path": exc.path,
+                "line": exc.line,
+                "column": exc.column,
+                "rule": exc.rule,
+                "hint": exc.hint,
+                "exit_code": exc.exit_code,
+            }
+        }
     except Exception as exc:  # reported by the parent as one line
         import traceback
 
@@ -174,9 +193,13 @@ def run_child(req: Request, timeout: float | None = None) -> ChildOutput:
             raise
         if not os.path.exists(res_file):
             tail = " | ".join(line for line in stderr.strip().splitlines()[-3:])
-            raise LedgerspecError(f"the measurement process died (exit {proc.returncode}) before reporting: "
-                                  f"{tail or 'no output'}", req.doc_path, rule="measure", exit_code=EXIT_FINDINGS,
-                                  hint="a killed process often means the host ran out of memory")
+            raise LedgerspecError(
+                f"the measurement process died (exit {proc.returncode}) before reporting: {tail or 'no output'}",
+                req.doc_path,
+                rule="measure",
+                exit_code=EXIT_FINDINGS,
+                hint="a killed process often means the host ran out of memory",
+            )
         payload = json.loads(Path(res_file).read_text(encoding="utf-8"))
     if "error" in payload:
         raise LedgerspecError(**payload["error"])
@@ -192,26 +215,38 @@ def load_ledger(path: str, command: str = "measure") -> Document:
     return document.load_ledger(path, command)
 
 
-def make_request(doc: Document, device: str, steps: int, memory_limit: int | None, snapshot_path: str | None,
-                 spec: Any = None) -> Request:
+def make_request(
+    doc: Document, device: str, steps: int, memory_limit: int | None, snapshot_path: str | None, spec: Any = None
+) -> Request:
     from ledgerspec.derivations.build import preflight
     from ledgerspec.derivations.workload import WorkloadSpec
 
     if device not in ("cpu", "cuda"):
         raise LedgerspecError(f"--device must be cpu or cuda, got {device!r}", rule="measure", exit_code=EXIT_USAGE)
     if steps < 2:
-        raise LedgerspecError(f"--steps must be >= 2 (repeated representative steps), got {steps}", rule="measure",
-                              exit_code=EXIT_USAGE)
+        raise LedgerspecError(
+            f"--steps must be >= 2 (repeated representative steps), got {steps}", rule="measure", exit_code=EXIT_USAGE
+        )
     if memory_limit is not None and device != "cpu":
-        raise LedgerspecError("--memory-limit simulates an out-of-memory on the cpu backend only", rule="measure",
-                              exit_code=EXIT_USAGE, hint="on cuda the device's own memory is the limit")
+        raise LedgerspecError(
+            "--memory-limit simulates an out-of-memory on the cpu backend only",
+            rule="measure",
+            exit_code=EXIT_USAGE,
+            hint="on cuda the device's own memory is the limit",
+        )
     spec = spec or WorkloadSpec.from_document(doc)
     preflight(doc)  # a missing or broken config.json, rank 0: before a child imports torch
     return Request(doc.text, os.path.abspath(doc.path), spec.to_json(), device, steps, memory_limit, snapshot_path)
 
 
-def measure(path: str, device: str = "cpu", steps: int = 2, output: str | None = None,
-            memory_limit: int | None = None, command: str | None = None) -> Outcome:
+def measure(
+    path: str,
+    device: str = "cpu",
+    steps: int = 2,
+    output: str | None = None,
+    memory_limit: int | None = None,
+    command: str | None = None,
+) -> Outcome:
     """Measure the ledger at ``path`` and write the results into it (or into ``output``)."""
     from ledgerspec.contract.writer import check_writable, save
 
@@ -232,8 +267,10 @@ def measure(path: str, device: str = "cpu", steps: int = 2, output: str | None =
 
 def _methods(result: Any) -> tuple[str, str]:
     if result.backend == "cuda":
-        return ("torch.cuda.memory_allocated at the end of the phase",
-                "torch.cuda.max_memory_allocated during the phase (reset_peak_memory_stats at its start)")
+        return (
+            "torch.cuda.memory_allocated at the end of the phase",
+            "torch.cuda.max_memory_allocated during the phase (reset_peak_memory_stats at its start)",
+        )
     base = "cpu tensor tracking (live storages, see x-measure)"
     return base + ": held at the end of the phase", base + ": peak during the phase, reset at its start"
 
@@ -247,40 +284,81 @@ def write_back(doc: Document, out: ChildOutput, command: str, compare: bool = Tr
     notes: list[str] = []
     _forget_previous_measurement(doc)
     held_m, peak_m = _methods(r)
-    shape = (f"microbatch {r.microbatch} x {r.seq_worst} tokens (worst), {r.accumulation} micro-step(s); "
-             f"steady state {r.steps} steps at {r.seq_typical} tokens")
+    shape = (
+        f"microbatch {r.microbatch} x {r.seq_worst} tokens (worst), {r.accumulation} micro-step(s); "
+        f"steady state {r.steps} steps at {r.seq_typical} tokens"
+    )
     for name in PHASES:
         rec = r.phases.get(name)
         if rec is not None:
-            set_figure(doc, ("phases", name), rec.figure, "MEASURED", held_m if name in HELD_PHASES else
-                       f"{peak_m}; {shape}", force=True)
+            set_figure(
+                doc,
+                ("phases", name),
+                rec.figure,
+                "MEASURED",
+                held_m if name in HELD_PHASES else f"{peak_m}; {shape}",
+                force=True,
+            )
     peak = r.peak_allocated()
     if peak is not None:
         what = "torch.cuda.max_memory_allocated" if r.backend == "cuda" else "tracked tensor bytes"
-        set_figure(doc, ("metrics", "peak_allocated"), peak, "MEASURED", f"maximum over the phases of {what}",
-                   force=True)
+        set_figure(
+            doc, ("metrics", "peak_allocated"), peak, "MEASURED", f"maximum over the phases of {what}", force=True
+        )
     if r.backend == "cuda":
         if r.peak_reserved() is not None:
-            set_figure(doc, ("metrics", "peak_reserved"), r.peak_reserved(), "MEASURED",
-                       "torch.cuda.max_memory_reserved, maximum over the phases", force=True)
+            set_figure(
+                doc,
+                ("metrics", "peak_reserved"),
+                r.peak_reserved(),
+                "MEASURED",
+                "torch.cuda.max_memory_reserved, maximum over the phases",
+                force=True,
+            )
         if r.device_peak() is not None:
-            set_figure(doc, ("metrics", "device_peak"), r.device_peak(), "MEASURED",
-                       f"{r.device.get('device_memory_source')}, sampled in a thread during each phase", force=True)
+            set_figure(
+                doc,
+                ("metrics", "device_peak"),
+                r.device_peak(),
+                "MEASURED",
+                f"{r.device.get('device_memory_source')}, sampled in a thread during each phase",
+                force=True,
+            )
         if r.activations_saved is not None and not r.oom:
-            set_figure(doc, ("ledger", "activations"), r.activations_saved, "MEASURED",
-                       f"allocated bytes held after the forward of the first micro-step ({r.microbatch} x "
-                       f"{r.seq_worst} tokens), logits included", force=True)
+            set_figure(
+                doc,
+                ("ledger", "activations"),
+                r.activations_saved,
+                "MEASURED",
+                f"allocated bytes held after the forward of the first micro-step ({r.microbatch} x "
+                f"{r.seq_worst} tokens), logits included",
+                force=True,
+            )
     else:
-        notes.append("cpu backend: metrics.peak_reserved and metrics.device_peak are not measured (there is no "
-                     "caching allocator or device to read); a cpu run never reaches VALIDATED")
+        notes.append(
+            "cpu backend: metrics.peak_reserved and metrics.device_peak are not measured (there is no "
+            "caching allocator or device to read); a cpu run never reaches VALIDATED"
+        )
     if r.host_peak is not None:
-        set_figure(doc, ("metrics", "host_peak"), r.host_peak, "MEASURED",
-                   "peak resident set (ru_maxrss) of the measuring process: Python, libraries and host tensors",
-                   force=True)
+        set_figure(
+            doc,
+            ("metrics", "host_peak"),
+            r.host_peak,
+            "MEASURED",
+            "peak resident set (ru_maxrss) of the measuring process: Python, libraries and host tensors",
+            force=True,
+        )
     if r.step_time_s is not None:
         timing = "" if r.backend == "cuda" else " (with cpu tensor tracking, slower than untracked)"
-        set_figure(doc, ("metrics", "step_time_s"), round(r.step_time_s, 6), "MEASURED",
-                   f"mean wall time of a steady-state step{timing}", size_comment=False, force=True)
+        set_figure(
+            doc,
+            ("metrics", "step_time_s"),
+            round(r.step_time_s, 6),
+            "MEASURED",
+            f"mean wall time of a steady-state step{timing}",
+            size_comment=False,
+            force=True,
+        )
     _write_measurement(doc, r, command)
     _write_software(doc, _software(out), notes)
     if compare:
@@ -288,7 +366,9 @@ def write_back(doc: Document, out: ChildOutput, command: str, compare: bool = Tr
     _write_result(doc, r)
     set_extension(doc, ("x-measure",), {**_extension(r), "inputs": digests(doc, WORKLOAD_INPUTS)})  # LS006
     if r.snapshot_path:
-        notes.append(f"memory snapshot of the OOM saved to {r.snapshot_path} (drop it on https://pytorch.org/memory_viz)")
+        notes.append(
+            f"memory snapshot of the OOM saved to {r.snapshot_path} (drop it on https://pytorch.org/memory_viz)"
+        )
     return notes
 
 
@@ -344,19 +424,33 @@ def _write_comparison(doc: Document, r: Any, notes: list[str]) -> None:
     if calc is None:
         notes.append("ledger.calculated_subtotal is unknown: run `ledgerspec resolve` first for a comparison")
         return
-    set_figure(doc, ("comparison", "calculated_subtotal"), calc, sub.effective_source(True),
-               "ledger.calculated_subtotal", force=True)
+    set_figure(
+        doc,
+        ("comparison", "calculated_subtotal"),
+        calc,
+        sub.effective_source(True),
+        "ledger.calculated_subtotal",
+        force=True,
+    )
     if peak >= calc:
-        set_figure(doc, ("comparison", "difference"), peak - calc, "CALCULATED",
-                   "comparison.measured_peak - comparison.calculated_subtotal", force=True)
+        set_figure(
+            doc,
+            ("comparison", "difference"),
+            peak - calc,
+            "CALCULATED",
+            "comparison.measured_peak - comparison.calculated_subtotal",
+            force=True,
+        )
     else:
         notes.append(f"the measured peak is {format_size(calc - peak)} below the calculated subtotal")
     explanation = explain(doc, r)
     if explanation:
         set_plain(doc, ("comparison", "known_explanation"), explanation, force=True)
     else:
-        notes.append("comparison.known_explanation is left for you: the measured components do not all match "
-                     "the calculated ones (see x-measure)")
+        notes.append(
+            "comparison.known_explanation is left for you: the measured components do not all match "
+            "the calculated ones (see x-measure)"
+        )
 
 
 def measured_components(r: Any) -> dict[str, int]:
@@ -389,13 +483,20 @@ def explain(doc: Document, r: Any) -> str | None:
         parts.append(f"{key} {got} B" + ("" if got == calc else f" (calculated {calc} B)"))
     top = max(r.phases.values(), key=lambda p: p.peak)
     act = f"{r.activations_saved} B held after one forward at the worst shape" if r.activations_saved else "unknown"
-    return (f"measured static components match the calculated ones within {MATCH_TOLERANCE:.0%} ({', '.join(parts)}); "
-            f"the difference is activations ({act}) and temporaries at the peak phase {top.name}")
+    return (
+        f"measured static components match the calculated ones within {MATCH_TOLERANCE:.0%} ({', '.join(parts)}); "
+        f"the difference is activations ({act}) and temporaries at the peak phase {top.name}"
+    )
 
 
 #: what a measurement owns: a new one replaces all of it (a human's comparison.known_explanation is kept)
-_OWNED = {"phases": None, "metrics": None, "measurement": None,
-          "comparison": ("calculated_subtotal", "measured_peak", "difference"), "result": ("oom", "oom_phase")}
+_OWNED = {
+    "phases": None,
+    "metrics": None,
+    "measurement": None,
+    "comparison": ("calculated_subtotal", "measured_peak", "difference"),
+    "result": ("oom", "oom_phase"),
+}
 
 
 def _forget_previous_measurement(doc: Document) -> None:
@@ -418,8 +519,15 @@ def _forget_previous_measurement(doc: Document) -> None:
 
 def _write_result(doc: Document, r: Any) -> None:
     if r.oom and r.simulated_oom:
-        set_figure(doc, ("result", "oom"), True, "MEASURED", note=f"simulated: tracked tensors exceeded "
-                   f"--memory-limit {r.memory_limit} B on the cpu backend", size_comment=False, force=True)
+        set_figure(
+            doc,
+            ("result", "oom"),
+            True,
+            "MEASURED",
+            note=f"simulated: tracked tensors exceeded --memory-limit {r.memory_limit} B on the cpu backend",
+            size_comment=False,
+            force=True,
+        )
     else:
         set_plain(doc, ("result", "oom"), bool(r.oom), force=True)
     if r.oom:
@@ -428,27 +536,51 @@ def _write_result(doc: Document, r: Any) -> None:
 
 def _extension(r: Any) -> dict[str, Any]:
     ext: dict[str, Any] = {
-        "protocol": r.protocol, "backend": r.backend,
+        "protocol": r.protocol,
+        "backend": r.backend,
         "method": "cpu: a TorchDispatchMode tracker counts every live tensor storage once (exact nbytes); memory "
-                  "allocated inside kernels without the dispatcher and memory outside PyTorch is not seen"
-                  if r.backend == "cpu" else "cuda: caching-allocator counters per phase; device memory from "
-                  + str(r.device.get("device_memory_source")),
-        "shapes": {"microbatch": r.microbatch, "gradient_accumulation": r.accumulation, "worst_sequence": r.seq_worst,
-                   "typical_sequence": r.seq_typical},
-        "phases": {name: {k: v for k, v in (("figure", rec.figure), ("peak", rec.peak), ("held", rec.held),
-                                           ("reserved_peak", rec.reserved_peak), ("device_peak", rec.device_peak),
-                                           ("seconds", round(rec.seconds, 4)),
-                                           ("categories_at_peak", rec.categories_at_peak),
-                                           ("census", rec.census)) if v is not None}
-                   for name, rec in r.phases.items()},
+        "allocated inside kernels without the dispatcher and memory outside PyTorch is not seen"
+        if r.backend == "cpu"
+        else "cuda: caching-allocator counters per phase; device memory from "
+        + str(r.device.get("device_memory_source")),
+        "shapes": {
+            "microbatch": r.microbatch,
+            "gradient_accumulation": r.accumulation,
+            "worst_sequence": r.seq_worst,
+            "typical_sequence": r.seq_typical,
+        },
+        "phases": {
+            name: {
+                k: v
+                for k, v in (
+                    ("figure", rec.figure),
+                    ("peak", rec.peak),
+                    ("held", rec.held),
+                    ("reserved_peak", rec.reserved_peak),
+                    ("device_peak", rec.device_peak),
+                    ("seconds", round(rec.seconds, 4)),
+                    ("categories_at_peak", rec.categories_at_peak),
+                    ("census", rec.census),
+                )
+                if v is not None
+            }
+            for name, rec in r.phases.items()
+        },
     }
     if r.activations_saved is not None:
         ext["activations_saved"] = r.activations_saved
     if r.oom:
-        ext["oom"] = {"phase": r.oom_phase, "during": r.oom_during, "message": r.oom_message,
-                      "simulated": r.simulated_oom, "peak_when_failed": r.failed_phase_peak}
-        for key, value in (("reserved_when_failed", getattr(r, "failed_phase_reserved", None)),
-                           ("device_when_failed", getattr(r, "failed_phase_device", None))):
+        ext["oom"] = {
+            "phase": r.oom_phase,
+            "during": r.oom_during,
+            "message": r.oom_message,
+            "simulated": r.simulated_oom,
+            "peak_when_failed": r.failed_phase_peak,
+        }
+        for key, value in (
+            ("reserved_when_failed", getattr(r, "failed_phase_reserved", None)),
+            ("device_when_failed", getattr(r, "failed_phase_device", None)),
+        ):
             if value is not None:
                 ext["oom"][key] = value
         if r.snapshot_path:
@@ -481,8 +613,19 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-__all__ = ["MeasurementCrash", "Outcome", "Request", "explain", "load_ledger", "make_request", "measure", "run_child",
-           "run_request", "settle_status", "write_back"]
+__all__ = [
+    "MeasurementCrash",
+    "Outcome",
+    "Request",
+    "explain",
+    "load_ledger",
+    "make_request",
+    "measure",
+    "run_child",
+    "run_request",
+    "settle_status",
+    "write_back",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -103,9 +103,15 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
     descs = document_descriptors(doc)
     plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False)
     rs = plan.ranks[rank]
-    return {"frozen_base": rs.frozen_base, "adapter": rs.adapter, "gradients": rs.gradients,
-            "optimizer": rs.optimizer, "optimizer_host": rs.optimizer_host, "gathered": rs.gathered,
-            "kept_after_forward": S.kept_after_forward(S.unit_unsharded_bytes(descs, world), reshard)}
+    return {
+        "frozen_base": rs.frozen_base,
+        "adapter": rs.adapter,
+        "gradients": rs.gradients,
+        "optimizer": rs.optimizer,
+        "optimizer_host": rs.optimizer_host,
+        "gathered": rs.gathered,
+        "kept_after_forward": S.kept_after_forward(S.unit_unsharded_bytes(descs, world), reshard),
+    }
 
 
 def run_rank(req: DistRequest) -> RankOutput:
@@ -149,12 +155,19 @@ def _rank_main(request_file: str, out_dir: str) -> int:
     req = DistRequest(**json.loads(Path(request_file).read_text(encoding="utf-8")))
     use_cuda = req.device == "cuda"
     if use_cuda:
-        problem = cuda_rank_problem(torch.cuda.is_available(), torch.cuda.device_count(),
-                                    int(os.environ.get("LOCAL_RANK", "0")), req.nproc)
+        problem = cuda_rank_problem(
+            torch.cuda.is_available(), torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0")), req.nproc
+        )
         if problem is not None:
-            payload: dict[str, Any] = {"error": {"message": problem, "path": req.doc_path, "rule": "measure",
-                                                 "hint": "use --device cpu (gloo) or fewer ranks",
-                                                 "exit_code": EXIT_USAGE}}
+            payload: dict[str, Any] = {
+                "error": {
+                    "message": problem,
+                    "path": req.doc_path,
+                    "rule": "measure",
+                    "hint": "use --device cpu (gloo) or fewer ranks",
+                    "exit_code": EXIT_USAGE,
+                }
+            }
             _write(out_dir, int(os.environ.get("RANK", "0")), payload)
             return 1
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -165,13 +178,21 @@ def _rank_main(request_file: str, out_dir: str) -> int:
     failed = False
     try:
         out = run_rank(req)
-        payload = {"rank": rank, "result": out.result.to_json(), "software": out.software,
-                   "calculated": out.calculated}
+        payload = {"rank": rank, "result": out.result.to_json(), "software": out.software, "calculated": out.calculated}
         failed = bool(out.result.oom)
     except LedgerspecError as exc:
         failed = True
-        payload = {"error": {"message": exc.message, "path": exc.path, "line": exc.line, "column": exc.column,
-                             "rule": exc.rule, "hint": exc.hint, "exit_code": exc.exit_code}}
+        payload = {
+            "error": {
+                "message": exc.message,
+                "path": exc.path,
+                "line": exc.line,
+                "column": exc.column,
+                "rule": exc.rule,
+                "hint": exc.hint,
+                "exit_code": exc.exit_code,
+            }
+        }
     except Exception as exc:  # reported by the parent as one line
         import traceback
 
@@ -192,8 +213,10 @@ def cuda_rank_problem(available: bool, device_count: int, local_rank: int, nproc
     if not available:
         return "--device cuda: no CUDA device is available (torch.cuda.is_available() is false)"
     if local_rank >= device_count or nproc > device_count:  # every rank says so, none waits in a collective
-        return (f"--nproc {nproc} --device cuda needs one GPU per rank (nccl), but this node has {device_count} "
-                f"visible GPU(s)")
+        return (
+            f"--nproc {nproc} --device cuda needs one GPU per rank (nccl), but this node has {device_count} "
+            f"visible GPU(s)"
+        )
     return None
 
 
@@ -214,14 +237,31 @@ def free_port() -> int:
 
 
 def torchrun_command(request_file: str, out_dir: str, nproc: int, port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0",
-            "-m", "ledgerspec.derivations.measure_dist", "--rank", request_file, out_dir]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        "--max_restarts=0",
+        "-m",
+        "ledgerspec.derivations.measure_dist",
+        "--rank",
+        request_file,
+        out_dir,
+    ]
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
-           "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_ERROR_FILE": os.devnull}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "HF_HUB_OFFLINE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "TORCHELASTIC_ERROR_FILE": os.devnull,
+    }
     if Path("/sys/class/net/lo").exists():  # loopback only
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
@@ -237,8 +277,9 @@ def run_ranks(req: DistRequest, timeout: float | None = DEFAULT_TIMEOUT_S) -> li
         os.mkdir(out_dir)
         Path(req_file).write_text(json.dumps(req.__dict__), encoding="utf-8")
         cmd = torchrun_command(req_file, out_dir, req.nproc, free_port())
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+        )
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except BaseException:  # KeyboardInterrupt, timeout: no rank may outlive us
@@ -253,22 +294,37 @@ def run_ranks(req: DistRequest, timeout: float | None = DEFAULT_TIMEOUT_S) -> li
         if "error" in payload:
             raise LedgerspecError(**payload["error"])
         if "crash" in payload:
-            raise LedgerspecError(f"rank {r} crashed: {payload['crash']}", req.doc_path, rule="measure",
-                                  exit_code=EXIT_FINDINGS, hint="the ranks' tracebacks are on stderr of "
-                                  "`python -m ledgerspec.derivations.measure_dist --rank` under torchrun")
-    outs = [RankOutput(r, ProtocolResult.from_json(p["result"]), p.get("software", {}), p.get("calculated", {}))
-            for r, p in sorted(payloads.items())]
+            raise LedgerspecError(
+                f"rank {r} crashed: {payload['crash']}",
+                req.doc_path,
+                rule="measure",
+                exit_code=EXIT_FINDINGS,
+                hint="the ranks' tracebacks are on stderr of "
+                "`python -m ledgerspec.derivations.measure_dist --rank` under torchrun",
+            )
+    outs = [
+        RankOutput(r, ProtocolResult.from_json(p["result"]), p.get("software", {}), p.get("calculated", {}))
+        for r, p in sorted(payloads.items())
+    ]
     for o in outs:
         if o.result.oom:
-            raise LedgerspecError(f"rank {o.rank} ran out of memory in phase {o.result.oom_phase} "
-                                  f"({o.result.oom_message}); the ledger is unchanged", req.doc_path, rule="measure",
-                                  exit_code=EXIT_FINDINGS, hint="per-rank OOMs are not recorded: size it with "
-                                  "`ledgerspec shard --estimate` or use more ranks")
+            raise LedgerspecError(
+                f"rank {o.rank} ran out of memory in phase {o.result.oom_phase} "
+                f"({o.result.oom_message}); the ledger is unchanged",
+                req.doc_path,
+                rule="measure",
+                exit_code=EXIT_FINDINGS,
+                hint="per-rank OOMs are not recorded: size it with `ledgerspec shard --estimate` or use more ranks",
+            )
     if len(outs) != req.nproc or proc.returncode != 0:
         tail = " | ".join(line for line in stderr.strip().splitlines()[-3:])
-        raise LedgerspecError(f"torchrun exited {proc.returncode} with {len(outs)} of {req.nproc} ranks reporting: "
-                              f"{tail or 'no output'}", req.doc_path, rule="measure", exit_code=EXIT_FINDINGS,
-                              hint="a killed process often means the host ran out of memory")
+        raise LedgerspecError(
+            f"torchrun exited {proc.returncode} with {len(outs)} of {req.nproc} ranks reporting: {tail or 'no output'}",
+            req.doc_path,
+            rule="measure",
+            exit_code=EXIT_FINDINGS,
+            hint="a killed process often means the host ran out of memory",
+        )
     return outs
 
 
@@ -318,15 +374,17 @@ def per_rank_extension(outs: list[RankOutput], reshard: bool | None) -> dict[str
         comps = measured_components(r)
         after_opt = r.phases["after_optimizer_init"].figure
         calc = o.calculated
-        ranks.append({
-            "rank": o.rank,
-            "peak_allocated": o.peak,
-            "phases": {name: r.phases[name].figure for name in PHASES if name in r.phases},
-            "measured": {k: comps.get(k, 0) for k in ("frozen_base", "adapter", "gradients", "optimizer")},
-            "calculated": dict(calc),
-            "after_optimizer_init_vs_calculated": after_opt - (calc.get("frozen_base", 0) + calc.get("adapter", 0)),
-            "host_peak": r.host_peak,
-        })
+        ranks.append(
+            {
+                "rank": o.rank,
+                "peak_allocated": o.peak,
+                "phases": {name: r.phases[name].figure for name in PHASES if name in r.phases},
+                "measured": {k: comps.get(k, 0) for k in ("frozen_base", "adapter", "gradients", "optimizer")},
+                "calculated": dict(calc),
+                "after_optimizer_init_vs_calculated": after_opt - (calc.get("frozen_base", 0) + calc.get("adapter", 0)),
+                "host_peak": r.host_peak,
+            }
+        )
     backend = outs[0].result.backend
     return {
         "strategy": "fsdp2 (fully_shard per decoder layer + root)",
@@ -335,9 +393,9 @@ def per_rank_extension(outs: list[RankOutput], reshard: bool | None) -> dict[str
         "backend": backend,
         "process_group": "nccl" if backend == "cuda" else "gloo",
         "method": "every rank runs the measurement protocol (same phases) on its own shards under torchrun; "
-                  "metrics and phases hold the worst rank, never a sum; `calculated` is "
-                  "ledgerspec.derivations.sharding for this rank (optimizer state appears at the first step: "
-                  "torch optimizers create it lazily, so after_optimizer_init holds frozen_base + adapter)",
+        "metrics and phases hold the worst rank, never a sum; `calculated` is "
+        "ledgerspec.derivations.sharding for this rank (optimizer state appears at the first step: "
+        "torch optimizers create it lazily, so after_optimizer_init holds frozen_base + adapter)",
         "ranks": ranks,
     }
 
@@ -352,10 +410,22 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     _drop_single_device_comparison(doc)
     worst = max(o.peak for o in outs)
     what = "torch.cuda.max_memory_allocated" if merged.backend == "cuda" else "tracked tensor bytes"
-    set_figure(doc, ("metrics", "peak_allocated"), worst, "MEASURED",
-               f"the worst of {len(outs)} FSDP2 ranks (not a sum): maximum over the phases of {what}", force=True)
-    peaks = [{"value": o.peak, "source": "MEASURED",
-              "method": f"rank {o.rank} of {len(outs)}: maximum over the phases of {what}"} for o in outs]
+    set_figure(
+        doc,
+        ("metrics", "peak_allocated"),
+        worst,
+        "MEASURED",
+        f"the worst of {len(outs)} FSDP2 ranks (not a sum): maximum over the phases of {what}",
+        force=True,
+    )
+    peaks = [
+        {
+            "value": o.peak,
+            "source": "MEASURED",
+            "method": f"rank {o.rank} of {len(outs)}: maximum over the phases of {what}",
+        }
+        for o in outs
+    ]
     p = ("parallelism",)
     set_plain(doc, (*p, "gpu_count"), len(outs), force=True)
     set_plain(doc, (*p, "strategy"), STRATEGY, force=True)
@@ -366,8 +436,11 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
         set_plain(doc, (*p, "reshard_after_forward"), reshard, force=True)
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
     set_extension(doc, (EXTENSION,), per_rank_extension(outs, reshard))
-    notes.append(f"{len(outs)} ranks: per-rank peaks " + ", ".join(str(o.peak) for o in outs) +
-                 f" B; metrics.peak_allocated is the worst rank ({worst} B)")
+    notes.append(
+        f"{len(outs)} ranks: per-rank peaks "
+        + ", ".join(str(o.peak) for o in outs)
+        + f" B; metrics.peak_allocated is the worst rank ({worst} B)"
+    )
     return notes
 
 
@@ -389,8 +462,13 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     from ledgerspec.derivations.measure import make_request as single
 
     if nproc < 2:
-        raise LedgerspecError(f"--nproc must be >= 2 for a per-rank measurement, got {nproc}", doc.path,
-                              rule="measure", exit_code=EXIT_USAGE, hint="omit --nproc for one device")
+        raise LedgerspecError(
+            f"--nproc must be >= 2 for a per-rank measurement, got {nproc}",
+            doc.path,
+            rule="measure",
+            exit_code=EXIT_USAGE,
+            hint="omit --nproc for one device",
+        )
     base = single(doc, device, steps, None, None)
     if base.spec.get("quant") is not None:
         check_qlora(doc, rule="measure", code=EXIT_USAGE)  # the layout FSDP2 can shard, before launching
@@ -398,8 +476,15 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     return DistRequest(base.doc_text, base.doc_path, base.spec, nproc, device, steps, reshard)
 
 
-def measure_dist(path: str, nproc: int, device: str = "cpu", steps: int = 2, output: str | None = None,
-                 command: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S) -> DistOutcome:
+def measure_dist(
+    path: str,
+    nproc: int,
+    device: str = "cpu",
+    steps: int = 2,
+    output: str | None = None,
+    command: str | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> DistOutcome:
     """Measure the ledger at ``path`` on ``nproc`` FSDP2 ranks and write the results into it (or ``output``)."""
     from ledgerspec.contract.writer import save
     from ledgerspec.derivations.measure import load_ledger, settle_status
@@ -408,8 +493,12 @@ def measure_dist(path: str, nproc: int, device: str = "cpu", steps: int = 2, out
     target = output or path
     req = make_request(doc, nproc, device, steps)
     outs = run_ranks(req, timeout)
-    notes = write_back(doc, outs, command or f"ledgerspec measure {path} --nproc {nproc} --device {device} "
-                       f"--steps {steps}", req.reshard_after_forward)
+    notes = write_back(
+        doc,
+        outs,
+        command or f"ledgerspec measure {path} --nproc {nproc} --device {device} --steps {steps}",
+        req.reshard_after_forward,
+    )
     status, reasons = settle_status(doc)
     save(doc, target)
     return DistOutcome(target, worst_rank(outs), outs, status, reasons, notes)
@@ -423,8 +512,19 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
-__all__ = ["DistOutcome", "DistRequest", "RankOutput", "free_port", "make_request", "measure_dist",
-           "per_rank_extension", "run_ranks", "torchrun_command", "worst_rank", "write_back"]
+__all__ = [
+    "DistOutcome",
+    "DistRequest",
+    "RankOutput",
+    "free_port",
+    "make_request",
+    "measure_dist",
+    "per_rank_extension",
+    "run_ranks",
+    "torchrun_command",
+    "worst_rank",
+    "write_back",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

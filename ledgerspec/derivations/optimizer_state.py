@@ -63,8 +63,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(a // -b)
 
 
-def state_bytes(spec: OptimizerSpec, params: Iterable[TensorShape],
-                min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> OptimizerState:
+def state_bytes(
+    spec: OptimizerSpec, params: Iterable[TensorShape], min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
+) -> OptimizerState:
     """Exact state bytes ``spec`` allocates for ``params`` after the first step.
 
     >>> state_bytes(OPTIMIZERS["adamw_torch"], [TensorShape((16, 4096), 4)]).device

@@ -29,8 +29,15 @@ from ledgerspec.derivations.tracker import SIMULATED_OOM_MARKER, MemoryTracker, 
 from ledgerspec.derivations.workload import Workload
 
 PROTOCOL_VERSION = "ledgerspec-measure/1"
-PHASES = ("after_load", "after_adapter_injection", "after_optimizer_init", "forward_peak", "backward_peak",
-          "optimizer_step_peak", "steady_state_peak")
+PHASES = (
+    "after_load",
+    "after_adapter_injection",
+    "after_optimizer_init",
+    "forward_peak",
+    "backward_peak",
+    "optimizer_step_peak",
+    "steady_state_peak",
+)
 #: the phases whose ledger figure is the memory held at the end (the others report the phase peak)
 HELD_PHASES = frozenset(PHASES[:3])
 
@@ -168,7 +175,7 @@ def _nvml_handle(nvml: Any, cuda: Any, index: int) -> Any:
     """The NVML handle of torch's device ``index``: by UUID (right under CUDA_VISIBLE_DEVICES), else by index."""
     with contextlib.suppress(Exception):
         uuid = str(cuda.get_device_properties(index).uuid)
-        for candidate in ((uuid,) if uuid.startswith(("GPU-", "MIG-")) else ("GPU-" + uuid, "MIG-" + uuid)):
+        for candidate in (uuid,) if uuid.startswith(("GPU-", "MIG-")) else ("GPU-" + uuid, "MIG-" + uuid):
             with contextlib.suppress(Exception):
                 return nvml.nvmlDeviceGetHandleByUUID(candidate)
     nvml_index = index
@@ -237,8 +244,10 @@ class _DeviceSampler:
                 if per_process() is not None:
                     self.source = "NVML per-process used memory (nvmlDeviceGetComputeRunningProcesses)"
                     return per_process
-                self.source = ("NVML device-wide used memory (nvmlDeviceGetMemoryInfo; this process was not listed "
-                               "with its own figure, so other processes on the device count too)")
+                self.source = (
+                    "NVML device-wide used memory (nvmlDeviceGetMemoryInfo; this process was not listed "
+                    "with its own figure, so other processes on the device count too)"
+                )
                 return lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
             except Exception:  # NVML present but not usable (no driver library, permissions): the CUDA figure
                 pass
@@ -311,8 +320,15 @@ class CudaBackend(Backend):
     name = "cuda"
     census_device = "cuda"
 
-    def __init__(self, device_index: int = 0, record_history: bool = True, *, cuda: Any = None, nvml: Any = None,
-                 sample_interval: float = 0.005) -> None:
+    def __init__(
+        self,
+        device_index: int = 0,
+        record_history: bool = True,
+        *,
+        cuda: Any = None,
+        nvml: Any = None,
+        sample_interval: float = 0.005,
+    ) -> None:
         self.index = device_index
         self.record_history = record_history
         self._cuda = cuda
@@ -396,13 +412,21 @@ class CudaBackend(Backend):
         cuda = self.cuda
         props = cuda.get_device_properties(self.index)
         sampler = self.sampler
-        return {"device": "cuda", "device_name": str(props.name), "device_memory": int(props.total_memory),
-                "cuda": torch.version.cuda,
-                "driver": sampler.driver if sampler is not None else _driver_from_proc(),
-                "device_memory_source": sampler.source if sampler is not None else None,
-                "memory_history": ("recorded (an OOM saves a snapshot)" if self.recording else
-                                   f"not recorded: {self.history_problem}" if self.history_problem else
-                                   "not recorded")}
+        return {
+            "device": "cuda",
+            "device_name": str(props.name),
+            "device_memory": int(props.total_memory),
+            "cuda": torch.version.cuda,
+            "driver": sampler.driver if sampler is not None else _driver_from_proc(),
+            "device_memory_source": sampler.source if sampler is not None else None,
+            "memory_history": (
+                "recorded (an OOM saves a snapshot)"
+                if self.recording
+                else f"not recorded: {self.history_problem}"
+                if self.history_problem
+                else "not recorded"
+            ),
+        }
 
 
 def _text(x: Any) -> str:
@@ -509,9 +533,17 @@ class _Run:
     def record(self, name: str, t0: float, held_figure: bool) -> PhaseRecord:
         peak = self.b.peak()
         held = self.b.current()
-        rec = PhaseRecord(name, held if held_figure else peak, peak, held, self.b.reserved_peak(),
-                          self.b.device_peak(), self.b.peak_categories(),
-                          census(self.w.model, self.w.optimizer, self.b.census_device), time.perf_counter() - t0)
+        rec = PhaseRecord(
+            name,
+            held if held_figure else peak,
+            peak,
+            held,
+            self.b.reserved_peak(),
+            self.b.device_peak(),
+            self.b.peak_categories(),
+            census(self.w.model, self.w.optimizer, self.b.census_device),
+            time.perf_counter() - t0,
+        )
         self.r.phases[name] = rec
         return rec
 
@@ -521,8 +553,14 @@ class _Run:
         self.b.reset_peak()
         return time.perf_counter()
 
-    def micro_step(self, seq: int, first: bool, peaks: dict[str, int], cats: dict[str, dict[str, int] | None],
-                   extra: dict[str, int | None]) -> None:
+    def micro_step(
+        self,
+        seq: int,
+        first: bool,
+        peaks: dict[str, int],
+        cats: dict[str, dict[str, int] | None],
+        extra: dict[str, int | None],
+    ) -> None:
         w, b = self.w, self.b
         self.where = "forward"
         b.set_context("activations")
@@ -542,8 +580,9 @@ class _Run:
         del logits, loss, ids, labels
         self._keep(peaks, cats, extra, "backward")
 
-    def _keep(self, peaks: dict[str, int], cats: dict[str, dict[str, int] | None], extra: dict[str, int | None],
-              key: str) -> None:
+    def _keep(
+        self, peaks: dict[str, int], cats: dict[str, dict[str, int] | None], extra: dict[str, int | None], key: str
+    ) -> None:
         p = self.b.peak()
         if p >= peaks.get(key, -1):
             peaks[key] = p
@@ -553,16 +592,29 @@ class _Run:
                 extra[name] = max(value, extra.get(name) or 0)
 
 
-def run_protocol(workload: Workload, backend: Backend, device: str = "cpu", steps: int = 2,
-                 snapshot_path: str | None = None, memory_limit: int | None = None) -> ProtocolResult:
+def run_protocol(
+    workload: Workload,
+    backend: Backend,
+    device: str = "cpu",
+    steps: int = 2,
+    snapshot_path: str | None = None,
+    memory_limit: int | None = None,
+) -> ProtocolResult:
     """Run the protocol; an out-of-memory error ends it early with ``oom``/``oom_phase`` set.
 
     ``device`` is where tensors are created (``"cpu"`` for the tracker backends, fake included).
     Configuration errors (an unbuildable model, a bad optimizer name) raise before any phase runs.
     """
     spec = workload.spec
-    result = ProtocolResult(backend.name, steps=steps, microbatch=spec.microbatch, accumulation=spec.accumulation,
-                            seq_worst=spec.seq_worst, seq_typical=spec.seq_typical, memory_limit=memory_limit)
+    result = ProtocolResult(
+        backend.name,
+        steps=steps,
+        microbatch=spec.microbatch,
+        accumulation=spec.accumulation,
+        seq_worst=spec.seq_worst,
+        seq_typical=spec.seq_typical,
+        memory_limit=memory_limit,
+    )
     workload.prepare()
     run = _Run(workload, backend, device, result)
     with backend.session():
@@ -584,7 +636,8 @@ def run_protocol(workload: Workload, backend: Backend, device: str = "cpu", step
             result.failed_phase_device = _read_after_oom(backend.device_peak)
             result.failed_categories = backend.peak_categories()
             result.failed_census = _read_after_oom(
-                lambda: census(workload.model, workload.optimizer, backend.census_device))
+                lambda: census(workload.model, workload.optimizer, backend.census_device)
+            )
             result.snapshot_path = backend.on_oom(snapshot_path)
         result.device = backend.device_info()
     result.trainable_parameters = workload.trainable_parameters() if workload.model is not None else None
@@ -627,8 +680,17 @@ def _phases(run: _Run, steps: int) -> None:
     elapsed = time.perf_counter() - t0
     held_census = census(w.model, w.optimizer, b.census_device)
     for key, name in (("forward", "forward_peak"), ("backward", "backward_peak")):
-        run.r.phases[name] = PhaseRecord(name, peaks[key], peaks[key], b.current(), extra.get(f"{key}:reserved"),
-                                         extra.get(f"{key}:device"), cats.get(key), held_census, elapsed)
+        run.r.phases[name] = PhaseRecord(
+            name,
+            peaks[key],
+            peaks[key],
+            b.current(),
+            extra.get(f"{key}:reserved"),
+            extra.get(f"{key}:device"),
+            cats.get(key),
+            held_census,
+            elapsed,
+        )
 
     t0 = run.start("optimizer_step", "optimizer")
     w.optimizer_step()
@@ -658,9 +720,16 @@ def _phases(run: _Run, steps: int) -> None:
     device = [v for k, v in extra.items() if k.endswith(":device") and v is not None]
     top = max(peaks.values())
     run.r.phases["steady_state_peak"] = PhaseRecord(
-        "steady_state_peak", top, top, b.current(), max(reserved) if reserved else None,
-        max(device) if device else None, cats.get(best), census(w.model, w.optimizer, b.census_device),
-        time.perf_counter() - t_all)
+        "steady_state_peak",
+        top,
+        top,
+        b.current(),
+        max(reserved) if reserved else None,
+        max(device) if device else None,
+        cats.get(best),
+        census(w.model, w.optimizer, b.census_device),
+        time.perf_counter() - t_all,
+    )
     run.r.step_time_s = sum(times) / len(times) if times else None
 
 
@@ -675,5 +744,14 @@ def _host_peak() -> int | None:
         return None
 
 
-__all__ = ["HELD_PHASES", "PHASES", "PROTOCOL_VERSION", "Backend", "CudaBackend", "PhaseRecord", "ProtocolResult",
-           "TrackerBackend", "run_protocol"]
+__all__ = [
+    "HELD_PHASES",
+    "PHASES",
+    "PROTOCOL_VERSION",
+    "Backend",
+    "CudaBackend",
+    "PhaseRecord",
+    "ProtocolResult",
+    "TrackerBackend",
+    "run_protocol",
+]

@@ -95,9 +95,12 @@ def check_optimizer(doc: Document) -> tuple[OptimizerSpec | None, int]:
     spec = optimizer_spec(name)
     if spec is None:
         guess = suggest(name)
-        raise _err(doc, ("optimizer", "name"), f"unknown optimizer {name!r}" + (f"; did you mean {guess!r}?"
-                                                                                   if guess else ""),
-                   "supported: " + ", ".join(sorted(OPTIMIZERS)))
+        raise _err(
+            doc,
+            ("optimizer", "name"),
+            f"unknown optimizer {name!r}" + (f"; did you mean {guess!r}?" if guess else ""),
+            "supported: " + ", ".join(sorted(OPTIMIZERS)),
+        )
     return spec, DEFAULT_MIN_8BIT_SIZE if min8 is None else min8
 
 
@@ -138,9 +141,9 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
     frozen = c.frozen
     m: dict[str, str] = {
         "total": f"sum of numel over the unique parameters of {c.architecture} built on the meta device "
-                 "(logical count; tied weights once)",
+        "(logical count; tied weights once)",
         "trainable": "requires_grad tensors after PEFT injection on the meta device "
-                     f"({len(trainable)} tensors; see method.x-breakdown)",
+        f"({len(trainable)} tensors; see method.x-breakdown)",
         "gradients": "one gradient per trainable tensor (frozen base has none)",
         "optimized": "all trainable tensors go to the optimizer's param_groups (Trainer default)",
         "adapter": f"trainable tensors x their dtype size: {_dtype_mix(trainable)}",
@@ -150,21 +153,31 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
     if c.quant.kind == "bnb4":
         n_q = sum(1 for t in frozen if t.quantized)
         dq = "double quant" if c.quant.double_quant else "no double quant"
-        parts.append(f"{n_q} Linear weights bitsandbytes {c.quant.quant_type} ({dq}, {c.quant.storage_dtype} "
-                     f"storage, blocksize {c.quant.blocksize}): packed data + absmax + code tables = "
-                     f"{f.frozen_quantized_bytes:,} B")
+        parts.append(
+            f"{n_q} Linear weights bitsandbytes {c.quant.quant_type} ({dq}, {c.quant.storage_dtype} "
+            f"storage, blocksize {c.quant.blocksize}): packed data + absmax + code tables = "
+            f"{f.frozen_quantized_bytes:,} B"
+        )
     elif c.quant.kind == "int8":
         n_q = sum(1 for t in frozen if t.quantized)
         parts.append(f"{n_q} Linear weights LLM.int8: int8 data + fp32 row scales = {f.frozen_quantized_bytes:,} B")
     rest = [t for t in frozen if not t.quantized and not t.buffer]
-    parts.append(f"unquantized frozen parameters {_dtype_mix(rest) or 'none'}"
-                 + (" (fp32 after prepare_model_for_kbit_training)" if c.prepare_for_kbit else "")
-                 + (f", {c.biases_in_compute_dtype} biases of 4-bit layers in compute_dtype (Linear4bit.forward "
-                    "casts them on the first call)" if c.biases_in_compute_dtype else ""))
+    parts.append(
+        f"unquantized frozen parameters {_dtype_mix(rest) or 'none'}"
+        + (" (fp32 after prepare_model_for_kbit_training)" if c.prepare_for_kbit else "")
+        + (
+            f", {c.biases_in_compute_dtype} biases of 4-bit layers in compute_dtype (Linear4bit.forward "
+            "casts them on the first call)"
+            if c.biases_in_compute_dtype
+            else ""
+        )
+    )
     buffers = [t for t in frozen if t.buffer]
     non_persistent = sum(1 for t in buffers if not t.persistent)
-    parts.append(f"buffers {f.frozen_buffer_bytes:,} B ({len(buffers)} tensors, {non_persistent} non-persistent "
-                 "such as rotary inv_freq: resident on the device, so counted)")
+    parts.append(
+        f"buffers {f.frozen_buffer_bytes:,} B ({len(buffers)} tensors, {non_persistent} non-persistent "
+        "such as rotary inv_freq: resident on the device, so counted)"
+    )
     m["frozen"] = "; ".join(parts)
     if f.optimizer is not None and f.optimizer_spec is not None:
         o = f.optimizer
@@ -179,8 +192,6 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
             text += f"; plus {o.host:,} B of step scalars on the host (not counted)"
         m["optimizer"] = text
     return m
-
-
 
 
 def _switch_to_ledger(doc: Document) -> Change:
@@ -211,14 +222,16 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
         changes.append(set_extension(doc, ("adapter", "x-lora-dtype"), c.adapter_dtype))
         if (doc.get("adapter", "dtype").text() or "").lower() != "mixed":
             changes.append(set_plain(doc, ("adapter", "dtype"), "mixed", force=True))
-    changes.append(set_figure(doc, ("method", "trainable_parameters"), f.trainable_parameters, "VERIFIED",
-                              m["trainable"]))
+    changes.append(
+        set_figure(doc, ("method", "trainable_parameters"), f.trainable_parameters, "VERIFIED", m["trainable"])
+    )
     changes.append(set_extension(doc, ("method", "x-breakdown"), [r.as_dict() for r in c.breakdown]))
     changes.append(set_figure(doc, ("gradients", "parameters"), f.trainable_parameters, "VERIFIED", m["gradients"]))
     changes.append(record.set(("gradients", "dtype"), f.gradient_dtype))
     if f.optimizer is not None and f.optimizer_spec is not None:
-        changes.append(set_figure(doc, ("optimizer", "optimized_parameters"), f.trainable_parameters, "VERIFIED",
-                                  m["optimized"]))
+        changes.append(
+            set_figure(doc, ("optimizer", "optimized_parameters"), f.trainable_parameters, "VERIFIED", m["optimized"])
+        )
         spec = f.optimizer_spec
         changes.append(record.set(("optimizer", "state_format"), spec.describe()))
         if spec.family == "bnb":
@@ -250,9 +263,14 @@ def _import_stack(progress: Progress, without_bitsandbytes: bool = False) -> Non
     from peft import LoraConfig  # noqa: F401
 
 
-def resolve(doc: Document, offline: bool = False, trust_remote_code: bool = False,
-            progress: Progress | None = None, to_ledger: bool | None = None,
-            one_shot_process: bool = False) -> ResolveResult:
+def resolve(
+    doc: Document,
+    offline: bool = False,
+    trust_remote_code: bool = False,
+    progress: Progress | None = None,
+    to_ledger: bool | None = None,
+    one_shot_process: bool = False,
+) -> ResolveResult:
     """Fill every derivable figure of ``doc`` (in memory) and return the result with the new text.
 
     ``to_ledger``: turn an intake into a ``ledger/v1`` document (default: yes for an intake; the CLI
@@ -262,8 +280,7 @@ def resolve(doc: Document, offline: bool = False, trust_remote_code: bool = Fals
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
     if doc.kind not in ("intake", "ledger"):
-        raise _err(doc, ("ledgerspec",), "not a ledgerspec document (expected `ledgerspec: ledger/v1` or "
-                   "`intake/v1`)")
+        raise _err(doc, ("ledgerspec",), "not a ledgerspec document (expected `ledgerspec: ledger/v1` or `intake/v1`)")
     spec, min8 = check_optimizer(doc)
     start = time.perf_counter()
     _import_stack(say, without_bitsandbytes=one_shot_process)
@@ -294,5 +311,12 @@ def config_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-__all__ = ["Figures", "ResolveResult", "check_optimizer", "compute_figures", "config_sha256", "resolve",
-           "write_figures"]
+__all__ = [
+    "Figures",
+    "ResolveResult",
+    "check_optimizer",
+    "compute_figures",
+    "config_sha256",
+    "resolve",
+    "write_figures",
+]

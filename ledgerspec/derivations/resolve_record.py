@@ -109,8 +109,9 @@ def remove(doc: Document, path: tuple[str, ...]) -> None:
 
 
 def _append_lines(mapping: Any, key: Any, tail: str) -> None:
-    while isinstance(mapping[key], CommentedMap | CommentedSeq) and not mapping[key].fa.flow_style() \
-            and len(mapping[key]):  # the lines after a block sit on its deepest last node
+    while (
+        isinstance(mapping[key], CommentedMap | CommentedSeq) and not mapping[key].fa.flow_style() and len(mapping[key])
+    ):  # the lines after a block sit on its deepest last node
         mapping = mapping[key]
         key = list(mapping)[-1] if isinstance(mapping, CommentedMap) else len(mapping) - 1
     index = 2 if isinstance(mapping, CommentedMap) else 0

@@ -70,13 +70,16 @@ def fsdp2_optimizer(name: str) -> OptimizerSpec:
     spec = optimizer_spec(name)
     if spec is None or spec.family not in ("adam", "sgd"):
         known = sorted(k for k, v in OPTIMIZERS.items() if v.family in ("adam", "sgd"))
-        raise ValueError(f"optimizer {name!r}: per-rank FSDP2 state is known for torch optimizers "
-                         f"({', '.join(known)}); bitsandbytes and Adafactor states are not element-wise on "
-                         "DTensor shards")
+        raise ValueError(
+            f"optimizer {name!r}: per-rank FSDP2 state is known for torch optimizers "
+            f"({', '.join(known)}); bitsandbytes and Adafactor states are not element-wise on "
+            "DTensor shards"
+        )
     return spec
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------------
+
 
 def chunk_rows(dim0: int, world: int) -> list[int]:
     """Rows of dim 0 each rank holds: ``torch.chunk(t, world, 0)`` padded with empty chunks to ``world``."""
@@ -171,8 +174,9 @@ def kept_after_forward(units: dict[str, int], reshard_after_forward: bool | None
     return units.get(ROOT, 0) if reshard_after_forward is None else 0
 
 
-def fsdp2(params: list[ParamDesc], world: int, optimizer: str = "adamw_torch",
-          reshard_after_forward: bool = True) -> Fsdp2Plan:
+def fsdp2(
+    params: list[ParamDesc], world: int, optimizer: str = "adamw_torch", reshard_after_forward: bool = True
+) -> Fsdp2Plan:
     """Per-rank state of ``fully_shard`` per decoder layer + root on ``world`` ranks."""
     ranks = [RankState(r) for r in range(world)]
     for p in params:
@@ -194,8 +198,10 @@ def fsdp2(params: list[ParamDesc], world: int, optimizer: str = "adamw_torch",
     held = sum(units[u] for u in gathered_units)
     for rs in ranks:
         rs.gathered = held
-    notes = [f"{world} ranks; a unit's all-gather briefly holds a second copy of that unit (flat buffer + "
-             "per-parameter outputs)"]
+    notes = [
+        f"{world} ranks; a unit's all-gather briefly holds a second copy of that unit (flat buffer + "
+        "per-parameter outputs)"
+    ]
     return Fsdp2Plan(world, reshard_after_forward, ranks, units, gathered_units, notes)
 
 
@@ -216,6 +222,7 @@ def _gathered_units(units: dict[str, int], reshard_after_forward: bool) -> list[
 
 # -- QLoRA under FSDP2 ---------------------------------------------------------------------------------
 
+
 def qlora_shardable(quant_storage: str | None, float_dtype: str | None) -> str | None:
     """None when FSDP can shard the 4-bit weights, else the reason (one line).
 
@@ -226,12 +233,16 @@ def qlora_shardable(quant_storage: str | None, float_dtype: str | None) -> str |
     storage = dtypes.canonical(quant_storage) if quant_storage else None
     want = dtypes.canonical(float_dtype) if float_dtype else None
     if storage is None:
-        return ("QLoRA under FSDP2 needs base_model.quantization.storage_dtype (bnb_4bit_quant_storage) set to "
-                f"the float dtype{' ' + want if want else ''}")
+        return (
+            "QLoRA under FSDP2 needs base_model.quantization.storage_dtype (bnb_4bit_quant_storage) set to "
+            f"the float dtype{' ' + want if want else ''}"
+        )
     if want is not None and storage != want:
-        return (f"QLoRA under FSDP2 needs bnb_4bit_quant_storage = {want} (the loaded float dtype), not {storage}: "
-                "FSDP cannot shard packed 4-bit weights stored in another dtype together with the float "
-                "parameters")
+        return (
+            f"QLoRA under FSDP2 needs bnb_4bit_quant_storage = {want} (the loaded float dtype), not {storage}: "
+            "FSDP cannot shard packed 4-bit weights stored in another dtype together with the float "
+            "parameters"
+        )
     return None
 
 
@@ -244,6 +255,7 @@ def packed_4bit_shape(numel: int, storage_dtype: str) -> tuple[int, int]:
 
 
 # -- ZeRO (DeepSpeed) ----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ZeroState:
@@ -259,8 +271,16 @@ class ZeroState:
         return self.parameters + self.gradients + self.optimizer
 
 
-def zero(stage: int, world: int, frozen_bytes: int, trainable_bytes: int, gradient_bytes: int,
-         optimizer_bytes: int, offload: bool = False, replicated_bytes: int = 0) -> ZeroState:
+def zero(
+    stage: int,
+    world: int,
+    frozen_bytes: int,
+    trainable_bytes: int,
+    gradient_bytes: int,
+    optimizer_bytes: int,
+    offload: bool = False,
+    replicated_bytes: int = 0,
+) -> ZeroState:
     """Per-rank model state of ZeRO stage 1/2/3 (``ceil(bytes / world)`` per partitioned component).
 
     Stage 1 partitions the optimizer state, 2 also the gradients, 3 also the parameters (frozen and
@@ -298,6 +318,10 @@ def totals(params: list[ParamDesc], optimizer: str = "adamw_torch") -> dict[str,
     train = [p for p in params if p.trainable and p.kind == "param"]
     trainable = sum(p.nbytes for p in train)
     state = state_bytes(spec, [TensorShape(p.shape, p.itemsize) for p in train])
-    return {"frozen": sum(p.nbytes for p in params if not p.trainable and p.kind == "param"),
-            "replicated": sum(p.nbytes for p in params if p.kind == "buffer"), "trainable": trainable,
-            "gradients": trainable, "optimizer": state.device}
+    return {
+        "frozen": sum(p.nbytes for p in params if not p.trainable and p.kind == "param"),
+        "replicated": sum(p.nbytes for p in params if p.kind == "buffer"),
+        "trainable": trainable,
+        "gradients": trainable,
+        "optimizer": state.device,
+    }

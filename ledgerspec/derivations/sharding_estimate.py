@@ -115,8 +115,9 @@ def fake_process_group(rank: int, world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def simulate_rank(doc: Document, spec: Any, source: Any, target: str, world: int, rank: int,
-                  reshard_after_forward: bool | None) -> dict[str, int]:
+def simulate_rank(
+    doc: Document, spec: Any, source: Any, target: str, world: int, rank: int, reshard_after_forward: bool | None
+) -> dict[str, int]:
     """One simulated FSDP2 protocol run for ``rank`` of ``world``: phase figures, activations, components."""
     import warnings
 
@@ -146,8 +147,15 @@ def simulate_rank(doc: Document, spec: Any, source: Any, target: str, world: int
     return out
 
 
-def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target: str = "cuda",
-                      layers: str = "auto", progress: Progress | None = None, offline: bool = True) -> ShardEstimate:
+def estimate_per_rank(
+    doc: Document,
+    world: int,
+    descs: list[ParamDesc],
+    target: str = "cuda",
+    layers: str = "auto",
+    progress: Progress | None = None,
+    offline: bool = True,
+) -> ShardEstimate:
     """The per-rank estimate of ``doc`` on ``world`` FSDP2 ranks (``descs``: the full model's descriptors)."""
     from ledgerspec.derivations import estimate as E
     from ledgerspec.derivations.build import ModelSource, load_config
@@ -178,8 +186,11 @@ def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target:
     kept = kept_after_forward(units, reshard)  # gathered parameters in "held after the forward"
 
     def run(n: int | None, rank: int) -> dict[str, int]:
-        src = source if n is None else ModelSource(with_layers(source.config, n), source.config_file, source.sha256,
-                                                   source.architecture)
+        src = (
+            source
+            if n is None
+            else ModelSource(with_layers(source.config, n), source.config_file, source.sha256, source.architecture)
+        )
         say(f"simulating rank {rank} of {world} with {n or est_plan.layers} layers")
         try:
             return simulate_rank(doc, spec, src, target, world, rank, reshard)
@@ -196,29 +207,53 @@ def estimate_per_rank(doc: Document, world: int, descs: list[ParamDesc], target:
             n1, n2 = est_plan.probes
             figures = extend_all(run(n1, rep), run(n2, rep), n1, n2, est_plan.layers)
         for r in members:
-            by_rank[r] = RankEstimate(r, {k: figures[k] for k in PHASES}, max(0, figures["activations"] - kept),
-                                      {k: figures[f"component.{k}"] for k in COMPONENTS}, rep)
+            by_rank[r] = RankEstimate(
+                r,
+                {k: figures[k] for k in PHASES},
+                max(0, figures["activations"] - kept),
+                {k: figures[f"component.{k}"] for k in COMPONENTS},
+                rep,
+            )
     ranks = [by_rank[r] for r in range(world)]
     notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
-    return ShardEstimate(world, reshard, target, ranks, est_plan,
-                         method_text(world, reshard, est_plan, spec.attention, target, spec.padded,
-                                     spec.quant is not None),
-                         time.perf_counter() - started, notes)
+    return ShardEstimate(
+        world,
+        reshard,
+        target,
+        ranks,
+        est_plan,
+        method_text(world, reshard, est_plan, spec.attention, target, spec.padded, spec.quant is not None),
+        time.perf_counter() - started,
+        notes,
+    )
 
 
-def method_text(world: int, reshard: bool | None, est_plan: Plan, attention: str, target: str,
-                padded: bool = False, quant: bool = False) -> str:
+def method_text(
+    world: int,
+    reshard: bool | None,
+    est_plan: Plan,
+    attention: str,
+    target: str,
+    padded: bool = False,
+    quant: bool = False,
+) -> str:
     from ledgerspec.derivations.estimate import method_text as single
 
     how = "FSDP2 default" if reshard is None else f"reshard_after_forward={str(reshard).lower()}"
-    return ("ledgerspec shard --estimate: one FSDP2 training step per rank simulated under torch FakeTensorMode with a "
-            f"fake process group of {world} ranks (fully_shard per decoder layer + root, {how}): the rank's padded "
-            "shards, all-gathered units during compute, unsharded gradients before reduce-scatter and padded "
-            "gradient shards after it, optimizer state of its rows, activations of its own microbatch (not "
-            "sharded); ignores NCCL communicator/internal buffers, CUDA context and allocator caching, and stream "
-            "overlap (one prefetched unit's all-gather may be in flight on a GPU); " +
-            ("the packed 4-bit weights sharded like any parameter, their quantization constants whole on "
-             "every rank; " if quant else "") + single(est_plan, attention, target, quant, padded))
+    return (
+        "ledgerspec shard --estimate: one FSDP2 training step per rank simulated under torch FakeTensorMode with a "
+        f"fake process group of {world} ranks (fully_shard per decoder layer + root, {how}): the rank's padded "
+        "shards, all-gathered units during compute, unsharded gradients before reduce-scatter and padded "
+        "gradient shards after it, optimizer state of its rows, activations of its own microbatch (not "
+        "sharded); ignores NCCL communicator/internal buffers, CUDA context and allocator caching, and stream "
+        "overlap (one prefetched unit's all-gather may be in flight on a GPU); "
+        + (
+            "the packed 4-bit weights sharded like any parameter, their quantization constants whole on every rank; "
+            if quant
+            else ""
+        )
+        + single(est_plan, attention, target, quant, padded)
+    )
 
 
 def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, Any]:
@@ -228,8 +263,11 @@ def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, 
     for i, r in enumerate(est.ranks):
         row: dict[str, Any] = {
             "rank": r.rank,
-            "peak_allocated": {"value": r.peak, "source": "CALCULATED",
-                               "method": f"maximum of rank {r.rank}'s simulated phase peaks"},
+            "peak_allocated": {
+                "value": r.peak,
+                "source": "CALCULATED",
+                "method": f"maximum of rank {r.rank}'s simulated phase peaks",
+            },
             "phases": dict(r.phases),
             "activations": r.activations,
             "components": dict(r.components),
@@ -246,8 +284,11 @@ def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, 
         "source": "CALCULATED",
         "method": est.method,
         "target": est.target,
-        "worst_rank_peak": {"value": est.worst, "source": "CALCULATED",
-                            "method": "the largest per-rank predicted peak (never a sum across ranks)"},
+        "worst_rank_peak": {
+            "value": est.worst,
+            "source": "CALCULATED",
+            "method": "the largest per-rank predicted peak (never a sum across ranks)",
+        },
         "ranks": ranks,
     }
     if device_memory is not None and fits is not None:
@@ -256,5 +297,12 @@ def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, 
     return block
 
 
-__all__ = ["RankEstimate", "ShardEstimate", "estimate_per_rank", "extension_block", "fake_process_group",
-           "rank_groups", "simulate_rank"]
+__all__ = [
+    "RankEstimate",
+    "ShardEstimate",
+    "estimate_per_rank",
+    "extension_block",
+    "fake_process_group",
+    "rank_groups",
+    "simulate_rank",
+]

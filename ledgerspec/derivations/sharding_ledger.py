@@ -20,8 +20,14 @@ from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 EXTENSION = ("parallelism", "x-per-rank")
 
 
-def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None,
-         code: int = EXIT_FINDINGS, rule: str = "shard") -> LedgerspecError:
+def _err(
+    doc: Document,
+    path: tuple[str, ...],
+    message: str,
+    hint: str | None = None,
+    code: int = EXIT_FINDINGS,
+    rule: str = "shard",
+) -> LedgerspecError:
     return error_at(doc, path, message, rule=rule, hint=hint, exit_code=code)
 
 
@@ -32,8 +38,13 @@ def world_size(doc: Document, nproc: int | None) -> int:
         return nproc
     gpus = doc.get("parallelism", "gpu_count").integer()
     if gpus is None or gpus < 1:
-        raise _err(doc, ("parallelism",) if doc.get("parallelism").present else ("ledgerspec",),
-                   "no rank count: parallelism.gpu_count is missing or UNKNOWN", "pass --nproc N", EXIT_USAGE)
+        raise _err(
+            doc,
+            ("parallelism",) if doc.get("parallelism").present else ("ledgerspec",),
+            "no rank count: parallelism.gpu_count is missing or UNKNOWN",
+            "pass --nproc N",
+            EXIT_USAGE,
+        )
     return gpus
 
 
@@ -46,15 +57,20 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
         return
     q = ("base_model", "quantization")
     if (doc.get(*q, "type").text() or "").lower() == "int8":
-        raise _err(doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", code=code,
-                   rule=rule)
+        raise _err(doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", code=code, rule=rule)
     storage = doc.get(*q, "storage_dtype")
     why = S.qlora_shardable(storage.text() if storage.known else None, doc.get("base_model", "loaded_dtype").text())
     if why:
         path = (*q, "storage_dtype") if storage.present else (q if doc.get(*q).present else ("base_model",))
-        raise _err(doc, path, why, "set base_model.quantization.storage_dtype to the loaded dtype "
-                   "(BitsAndBytesConfig(bnb_4bit_quant_storage=...)), as FSDP-QLoRA recipes do", code=code,
-                   rule=rule)
+        raise _err(
+            doc,
+            path,
+            why,
+            "set base_model.quantization.storage_dtype to the loaded dtype "
+            "(BitsAndBytesConfig(bnb_4bit_quant_storage=...)), as FSDP-QLoRA recipes do",
+            code=code,
+            rule=rule,
+        )
 
 
 #: how an unset ``reshard_after_forward`` is reported (as ``measure --nproc`` records it)
@@ -86,16 +102,21 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
     pad = f"FSDP2 dim-0 shards padded to ceil(d0/{w}) rows"
     ranks = []
     for rs in plan.ranks:
-        ranks.append({
-            "rank": rs.rank,
-            "frozen_base": _fig(rs.frozen_base, f"{pad}; + buffers, quant constants (replicated)"),
-            "adapter": _fig(rs.adapter, f"{pad}, trainable parameters"),
-            "gradients": _fig(rs.gradients, f"{pad}, reduce-scatter output"),
-            "optimizer": _fig(rs.optimizer, f"{optimizer} state on the unpadded local rows"),
-            "gathered_parameters": _fig(rs.gathered, f"{len(plan.gathered_units)} unit(s) all-gathered during "
-                                        "compute: " + ", ".join(plan.gathered_units)),
-            "model_state": _fig(rs.with_gathered, "sum of the above; no activations or temporaries"),
-        })
+        ranks.append(
+            {
+                "rank": rs.rank,
+                "frozen_base": _fig(rs.frozen_base, f"{pad}; + buffers, quant constants (replicated)"),
+                "adapter": _fig(rs.adapter, f"{pad}, trainable parameters"),
+                "gradients": _fig(rs.gradients, f"{pad}, reduce-scatter output"),
+                "optimizer": _fig(rs.optimizer, f"{optimizer} state on the unpadded local rows"),
+                "gathered_parameters": _fig(
+                    rs.gathered,
+                    f"{len(plan.gathered_units)} unit(s) all-gathered during "
+                    "compute: " + ", ".join(plan.gathered_units),
+                ),
+                "model_state": _fig(rs.with_gathered, "sum of the above; no activations or temporaries"),
+            }
+        )
     zero_out: dict[str, Any] = {}
     for key, z in zero.items():
         how = f"ZeRO-{z.stage}{' + CPU offload' if z.offload else ''}: ceil(bytes/{w}) when partitioned"
@@ -123,16 +144,33 @@ def compute(doc: Document, descs: list[S.ParamDesc], world: int) -> tuple[S.Fsdp
     except ValueError as exc:
         raise _err(doc, ("optimizer", "name") if "optimizer" in str(exc) else ("identity",), str(exc)) from None
     t = S.totals(descs, optimizer)
-    zero = {f"zero{stage}{'_offload' if off else ''}": S.zero(stage, world, t["frozen"], t["trainable"],
-                                                             t["gradients"], t["optimizer"], offload=off,
-                                                             replicated_bytes=t["replicated"])
-            for stage in (1, 2, 3) for off in (False, True)}
+    zero = {
+        f"zero{stage}{'_offload' if off else ''}": S.zero(
+            stage,
+            world,
+            t["frozen"],
+            t["trainable"],
+            t["gradients"],
+            t["optimizer"],
+            offload=off,
+            replicated_bytes=t["replicated"],
+        )
+        for stage in (1, 2, 3)
+        for off in (False, True)
+    }
     return plan, zero
 
 
-def shard(doc: Document, nproc: int | None = None, offline: bool = True, trust_remote_code: bool = False,
-          estimate: bool = False, target: str = "cuda", device_memory: int | None = None,
-          layers: str = "auto") -> ShardResult:
+def shard(
+    doc: Document,
+    nproc: int | None = None,
+    offline: bool = True,
+    trust_remote_code: bool = False,
+    estimate: bool = False,
+    target: str = "cuda",
+    device_memory: int | None = None,
+    layers: str = "auto",
+) -> ShardResult:
     """Calculate the per-rank state of ``doc`` and write it into the document (in memory).
 
     ``estimate``: also simulate each rank's FSDP2 step and predict its phases; ``device_memory`` (default
@@ -143,8 +181,11 @@ def shard(doc: Document, nproc: int | None = None, offline: bool = True, trust_r
     world = world_size(doc, nproc)
     check_qlora(doc)
     if not doc.get("optimizer", "name").text():
-        raise _err(doc, ("optimizer",) if doc.get("optimizer").present else ("ledgerspec",),
-                   "optimizer.name is needed to size the optimizer state per rank")
+        raise _err(
+            doc,
+            ("optimizer",) if doc.get("optimizer").present else ("ledgerspec",),
+            "optimizer.name is needed to size the optimizer state per rank",
+        )
     try:
         descs = document_descriptors(doc, offline=offline, trust_remote_code=trust_remote_code)
     except ValueError as exc:

@@ -52,11 +52,26 @@ def descriptors(model: Any) -> list[ParamDesc]:
         return ROOT
 
     for name, p in model.named_parameters():
-        out.append(ParamDesc(name, tuple(int(d) for d in p.shape), str(p.dtype).removeprefix("torch."),
-                             bool(p.requires_grad), unit_of(name)))
+        out.append(
+            ParamDesc(
+                name,
+                tuple(int(d) for d in p.shape),
+                str(p.dtype).removeprefix("torch."),
+                bool(p.requires_grad),
+                unit_of(name),
+            )
+        )
     for name, b in model.named_buffers():
-        out.append(ParamDesc(name, tuple(int(d) for d in b.shape), str(b.dtype).removeprefix("torch."),
-                             False, unit_of(name), kind="buffer"))
+        out.append(
+            ParamDesc(
+                name,
+                tuple(int(d) for d in b.shape),
+                str(b.dtype).removeprefix("torch."),
+                False,
+                unit_of(name),
+                kind="buffer",
+            )
+        )
     return out
 
 
@@ -89,13 +104,14 @@ def document_descriptors(doc: Document, offline: bool = True, trust_remote_code:
         unit = unit_of(r.name)
         if r.quantized and c.quant.kind == "bnb4":
             q = c.quant.weight_bytes(r.shape)
-            out.append(ParamDesc(r.name, packed_4bit_shape(r.numel, c.quant.storage_dtype), c.quant.storage_dtype,
-                                 False, unit))
+            out.append(
+                ParamDesc(r.name, packed_4bit_shape(r.numel, c.quant.storage_dtype), c.quant.storage_dtype, False, unit)
+            )
             out.append(ParamDesc(r.name + ".quant_state", (q.constants,), "uint8", False, unit, kind="buffer"))
         elif r.quantized:
-            raise ValueError(f"{r.name}: FSDP2 per-rank state is calculated for 4-bit (nf4/fp4) QLoRA, not "
-                             f"{c.quant.kind}")
+            raise ValueError(
+                f"{r.name}: FSDP2 per-rank state is calculated for 4-bit (nf4/fp4) QLoRA, not {c.quant.kind}"
+            )
         else:
-            out.append(ParamDesc(r.name, r.shape, r.dtype, r.trainable, unit,
-                                 kind="buffer" if r.buffer else "param"))
+            out.append(ParamDesc(r.name, r.shape, r.dtype, r.trainable, unit, kind="buffer" if r.buffer else "param"))
     return out

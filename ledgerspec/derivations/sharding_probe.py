@@ -123,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sharding_probe", description=__doc__.splitlines()[0])
     ap.add_argument("doc")
     ap.add_argument("out_dir")
-    ap.add_argument("--reshard-after-forward", choices=("auto", "true", "false"), default="auto",
-                    help="fully_shard's reshard_after_forward (auto: FSDP2's default, the root stays gathered)")
+    ap.add_argument(
+        "--reshard-after-forward",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="fully_shard's reshard_after_forward (auto: FSDP2's default, the root stays gathered)",
+    )
     args = ap.parse_args(argv)
     choice = {"auto": None, "true": True, "false": False}[args.reshard_after_forward]
     probe(args.doc, args.out_dir, reshard_after_forward=choice)

@@ -125,9 +125,15 @@ def pack_4bit_on_meta(model: Any) -> list[Any]:
             raise ValueError(f"FSDP2 shards float parameters only; bnb_4bit_quant_storage is {storage}")
         shape = packed_4bit_shape(w.numel(), str(storage).removeprefix("torch."))
         module._parameters["weight"] = Params4bit(
-            torch.empty(shape, dtype=storage, device="meta"), requires_grad=False, blocksize=w.blocksize,
-            compress_statistics=w.compress_statistics, quant_type=w.quant_type, quant_storage=storage, module=module,
-            bnb_quantized=True)
+            torch.empty(shape, dtype=storage, device="meta"),
+            requires_grad=False,
+            blocksize=w.blocksize,
+            compress_statistics=w.compress_statistics,
+            quant_type=w.quant_type,
+            quant_storage=storage,
+            module=module,
+            bnb_quantized=True,
+        )
         packed.append(module)
     return packed
 
@@ -143,16 +149,24 @@ def _quantized_shard(fp: Any, module: Any, spec: Any, device: Any, seed: int) ->
 
     meta, q = fp.sharded_param, spec.quant
     generator = torch.Generator(device=device).manual_seed(seed)
-    dense = torch.empty((module.out_features, module.in_features), dtype=getattr(torch, spec.loaded_dtype),
-                        device=device)
+    dense = torch.empty(
+        (module.out_features, module.in_features), dtype=getattr(torch, spec.loaded_dtype), device=device
+    )
     with torch.no_grad():
         dense.normal_(0.0, 0.02, generator=generator)
-    packed, state = bnbf.quantize_4bit(dense, blocksize=q.blocksize or 64, compress_statistics=q.double_quant,
-                                       quant_type=q.quant_type, quant_storage=meta.dtype)
+    packed, state = bnbf.quantize_4bit(
+        dense,
+        blocksize=q.blocksize or 64,
+        compress_statistics=q.double_quant,
+        quant_type=q.quant_type,
+        quant_storage=meta.dtype,
+    )
     del dense
     if tuple(packed.shape) != tuple(fp._orig_size) or packed.dtype != meta.dtype:
-        raise RuntimeError(f"bitsandbytes packed {tuple(packed.shape)} {packed.dtype}, FSDP2 sharded "
-                           f"{tuple(fp._orig_size)} {meta.dtype}")
+        raise RuntimeError(
+            f"bitsandbytes packed {tuple(packed.shape)} {packed.dtype}, FSDP2 sharded "
+            f"{tuple(fp._orig_size)} {meta.dtype}"
+        )
     padded = torch.zeros(fp.padded_sharded_param_size, dtype=meta.dtype, device=device)
     rows, chunk = fp.sharded_size[0], fp.padded_sharded_param_size[0]
     start = fp.mesh_info.shard_mesh_rank * chunk

@@ -39,6 +39,7 @@ def _choice(options: Sequence[str]) -> Callable[[str], str]:
         if text not in options:
             raise ValueError(f"is not one of {', '.join(options)}")
         return text
+
     return parse
 
 
@@ -68,11 +69,19 @@ def parse_axes(specs: Sequence[str]) -> list[Axis]:
         name, sep, rest = spec.partition("=")
         name = name.strip()
         if not sep or not rest.strip():
-            raise LedgerspecError(f"--sweep {spec!r}: expected NAME=V1,V2,...", rule="estimate",
-                                  hint=f"names: {', '.join(AXES)}", exit_code=EXIT_USAGE)
+            raise LedgerspecError(
+                f"--sweep {spec!r}: expected NAME=V1,V2,...",
+                rule="estimate",
+                hint=f"names: {', '.join(AXES)}",
+                exit_code=EXIT_USAGE,
+            )
         if name not in AXES:
-            raise LedgerspecError(f"--sweep: unknown input {name!r}", rule="estimate",
-                                  hint=f"names: {', '.join(AXES)}", exit_code=EXIT_USAGE)
+            raise LedgerspecError(
+                f"--sweep: unknown input {name!r}",
+                rule="estimate",
+                hint=f"names: {', '.join(AXES)}",
+                exit_code=EXIT_USAGE,
+            )
         if name in seen:
             raise LedgerspecError(f"--sweep: {name} given twice", rule="estimate", exit_code=EXIT_USAGE)
         seen.add(name)
@@ -82,16 +91,18 @@ def parse_axes(specs: Sequence[str]) -> list[Axis]:
             try:
                 values.append(parse(item.strip()))
             except ValueError as exc:
-                raise LedgerspecError(f"--sweep {name}: {item.strip()!r} {exc}", rule="estimate",
-                                      exit_code=EXIT_USAGE) from None
+                raise LedgerspecError(
+                    f"--sweep {name}: {item.strip()!r} {exc}", rule="estimate", exit_code=EXIT_USAGE
+                ) from None
         axes.append(Axis(name, path, tuple(dict.fromkeys(values))))
     return axes
 
 
 def grid(axes: Sequence[Axis]) -> list[dict[str, Any]]:
     """Every combination, first axis slowest."""
-    return [dict(zip([a.name for a in axes], combo, strict=True))
-            for combo in itertools.product(*(a.values for a in axes))]
+    return [
+        dict(zip([a.name for a in axes], combo, strict=True)) for combo in itertools.product(*(a.values for a in axes))
+    ]
 
 
 def apply(doc: Document, point: dict[str, Any]) -> Document:
@@ -115,13 +126,15 @@ def apply(doc: Document, point: dict[str, Any]) -> Document:
 def tokens(point: dict[str, Any], doc: Document) -> int:
     """Tokens in one micro-step of a point (microbatch x max_length)."""
     mb = point.get("microbatch", doc.get("workload", "microbatch").integer() or 1)
-    seq = point.get("max_length", doc.get("workload", "max_length").integer()
-                    or doc.get("workload", "sequence_p95").integer() or 1)
+    seq = point.get(
+        "max_length", doc.get("workload", "max_length").integer() or doc.get("workload", "sequence_p95").integer() or 1
+    )
     return int(mb) * int(seq)
 
 
-def largest_fitting(rows: Sequence[tuple[dict[str, Any], int]], doc: Document, device_memory: int
-                    ) -> tuple[dict[str, Any], int] | None:
+def largest_fitting(
+    rows: Sequence[tuple[dict[str, Any], int]], doc: Document, device_memory: int
+) -> tuple[dict[str, Any], int] | None:
     """The fitting point with the most tokens per micro-step; ties go to checkpointing off, then the lower peak."""
     fitting = [(p, peak) for p, peak in rows if peak <= device_memory]
     if not fitting:
@@ -129,8 +142,9 @@ def largest_fitting(rows: Sequence[tuple[dict[str, Any], int]], doc: Document, d
     return max(fitting, key=lambda r: (tokens(r[0], doc), r[0].get("gradient_checkpointing") is False, -r[1]))
 
 
-def render(rows: Sequence[tuple[dict[str, Any], int]], axes: Sequence[Axis], doc: Document,
-           device_memory: int | None) -> str:
+def render(
+    rows: Sequence[tuple[dict[str, Any], int]], axes: Sequence[Axis], doc: Document, device_memory: int | None
+) -> str:
     """The matrix as a text table, one row per point."""
     from ledgerspec.contract.units import format_size
 
@@ -153,8 +167,9 @@ def render(rows: Sequence[tuple[dict[str, Any], int]], axes: Sequence[Axis], doc
             lines.append(f"no configuration fits {format_size(device_memory)}")
         else:
             desc = ", ".join(f"{k}={show(v)}" for k, v in best[0].items())
-            lines.append(f"largest configuration that fits {format_size(device_memory)}: {desc} "
-                         f"(predicted peak {format_size(best[1])})")
-        lines.append("(allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom "
-                     "too)")
+            lines.append(
+                f"largest configuration that fits {format_size(device_memory)}: {desc} "
+                f"(predicted peak {format_size(best[1])})"
+            )
+        lines.append("(allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)")
     return "\n".join(lines) + "\n"

@@ -31,12 +31,27 @@ from functools import cache
 from typing import Any
 
 #: tracker categories; the first six map onto ledger components (see :data:`LEDGER_COMPONENT`)
-CATEGORIES = ("frozen_params", "buffers", "quant_state", "adapter", "gradients", "optimizer", "activations",
-              "temporary")
+CATEGORIES = (
+    "frozen_params",
+    "buffers",
+    "quant_state",
+    "adapter",
+    "gradients",
+    "optimizer",
+    "activations",
+    "temporary",
+)
 #: which ledger component each category belongs to
-LEDGER_COMPONENT = {"frozen_params": "frozen_base", "buffers": "frozen_base", "quant_state": "frozen_base",
-                    "adapter": "adapter", "gradients": "gradients", "optimizer": "optimizer",
-                    "activations": "activations", "temporary": "temporary"}
+LEDGER_COMPONENT = {
+    "frozen_params": "frozen_base",
+    "buffers": "frozen_base",
+    "quant_state": "frozen_base",
+    "adapter": "adapter",
+    "gradients": "gradients",
+    "optimizer": "optimizer",
+    "activations": "activations",
+    "temporary": "temporary",
+}
 
 SIMULATED_OOM_MARKER = "ledgerspec simulated out of memory"
 
@@ -314,8 +329,10 @@ class MemoryTracker:
             self.peak = self.current
             self.peak_categories = dict(self._totals)
         if self.limit is not None and self.current > self.limit:
-            raise SimulatedOOM(f"{SIMULATED_OOM_MARKER}: tracked tensors need {self.current} B, over the "
-                               f"--memory-limit of {self.limit} B")
+            raise SimulatedOOM(
+                f"{SIMULATED_OOM_MARKER}: tracked tensors need {self.current} B, over the "
+                f"--memory-limit of {self.limit} B"
+            )
 
     # -- queries -------------------------------------------------------------------------------------------------
     def reset_peak(self) -> None:
@@ -378,5 +395,15 @@ class MemoryTracker:
         self._hooks.clear()
 
 
-__all__ = ["CATEGORIES", "LEDGER_COMPONENT", "SIMULATED_OOM_MARKER", "MemoryTracker", "SimulatedOOM",
-           "TrackerSnapshot", "by_component", "census", "census_storages", "quant_state_tensors"]
+__all__ = [
+    "CATEGORIES",
+    "LEDGER_COMPONENT",
+    "SIMULATED_OOM_MARKER",
+    "MemoryTracker",
+    "SimulatedOOM",
+    "TrackerSnapshot",
+    "by_component",
+    "census",
+    "census_storages",
+    "quant_state_tensors",
+]

@@ -59,14 +59,18 @@ class TriageOutcome:
         state = f"OOM in {b.result.oom_phase}" if b.result.oom else "no OOM"
         lines = [f"{self.path}: baseline peak {format_size(b.peak)} ({state})"]
         if not b.result.oom:
-            lines.append("  no out-of-memory to triage: the OOM Triage Worksheet (triage) is not written, only the "
-                         "Memory Sensitivity Matrix (x-sensitivity); reproduce the OOM on the target device, or on "
-                         "the cpu with --memory-limit SIZE")
+            lines.append(
+                "  no out-of-memory to triage: the OOM Triage Worksheet (triage) is not written, only the "
+                "Memory Sensitivity Matrix (x-sensitivity); reproduce the OOM on the target device, or on "
+                "the cpu with --memory-limit SIZE"
+            )
         for name in TESTS:
             if name in self.trials:
                 t = self.trials[name]
-                lines.append(f"  {name:<22} {'PASS' if t.passed else 'FAIL'}  {t.change:<34} peak "
-                             f"{format_size(t.peak)} ({_signed(t.peak - b.peak)})")
+                lines.append(
+                    f"  {name:<22} {'PASS' if t.passed else 'FAIL'}  {t.change:<34} peak "
+                    f"{format_size(t.peak)} ({_signed(t.peak - b.peak)})"
+                )
             else:
                 lines.append(f"  {name:<22} n/a   {self.skipped.get(name, '')}")
         return lines
@@ -88,13 +92,17 @@ def controlled_changes(spec: Any) -> tuple[dict[str, tuple[str, Any]], dict[str,
     if spec.seq_worst > 1:
         worst = spec.seq_worst // 2
         typical = max(1, min(spec.seq_typical, worst))
-        changes["sequence_reduced"] = (f"sequence {spec.seq_worst} -> {worst} tokens",
-                                       spec.changed(seq_worst=worst, seq_typical=typical))
+        changes["sequence_reduced"] = (
+            f"sequence {spec.seq_worst} -> {worst} tokens",
+            spec.changed(seq_worst=worst, seq_typical=typical),
+        )
     else:
         skipped["sequence_reduced"] = "sequence length is already 1"
     gc = not spec.gradient_checkpointing
-    changes["checkpointing_changed"] = (f"gradient checkpointing {'on' if gc else 'off'}",
-                                        spec.changed(gradient_checkpointing=gc))
+    changes["checkpointing_changed"] = (
+        f"gradient checkpointing {'on' if gc else 'off'}",
+        spec.changed(gradient_checkpointing=gc),
+    )
     target = "sgd" if "8bit" in spec.optimizer else "adamw_8bit"
     changes["optimizer_changed"] = (f"optimizer {spec.optimizer} -> {target}", spec.changed(optimizer=target))
     return changes, skipped
@@ -139,8 +147,10 @@ def hypotheses(baseline: Trial, trials: dict[str, Trial]) -> dict[str, str]:
     resident = "fits" if limit is None or base <= limit else "alone exceeds the memory limit"
     out = {
         "base_residency": f"frozen base + adapter {format_size(base)} ({resident}); {share('frozen_base')} is the "
-                          "frozen base",
-        "activations": f"{share('activations')}" + effect("sequence_reduced") + effect("microbatch_reduced")
+        "frozen base",
+        "activations": f"{share('activations')}"
+        + effect("sequence_reduced")
+        + effect("microbatch_reduced")
         + effect("checkpointing_changed"),
         "gradients": f"{share('gradients')}: gradients exist only for trainable tensors",
         "optimizer": f"{share('optimizer')}" + effect("optimizer_changed"),
@@ -172,8 +182,10 @@ def matrix(baseline: Trial, trials: dict[str, Trial], skipped: dict[str, str]) -
         delta = t.peak - baseline.peak
         parts = breakdown(t.result)
         rows[name] = {
-            "change": t.change, "result": "PASS" if t.passed else "FAIL",
-            "peak_allocated": t.peak, "delta": delta,
+            "change": t.change,
+            "result": "PASS" if t.passed else "FAIL",
+            "peak_allocated": t.peak,
+            "delta": delta,
             "direction": "down" if delta < 0 else "up" if delta > 0 else "none",
             "relative": round(delta / baseline.peak, 4) if baseline.peak else None,
             "components": {k: parts.get(k, 0) - base_parts.get(k, 0) for k in COMPONENTS},
@@ -182,16 +194,24 @@ def matrix(baseline: Trial, trials: dict[str, Trial], skipped: dict[str, str]) -
             rows[name]["oom_phase"] = t.result.oom_phase
     return {
         "method": "each change measured alone in its own process; deltas are measured peak bytes, not universal "
-                  "factors (a lower bound when the run ran out of memory)",
-        "baseline": {"peak_allocated": baseline.peak, "oom": b.oom, "oom_phase": b.oom_phase,
-                     "microbatch": b.microbatch, "sequence": b.seq_worst, "backend": b.backend,
-                     "memory_limit": b.memory_limit, "components": base_parts},
+        "factors (a lower bound when the run ran out of memory)",
+        "baseline": {
+            "peak_allocated": baseline.peak,
+            "oom": b.oom,
+            "oom_phase": b.oom_phase,
+            "microbatch": b.microbatch,
+            "sequence": b.seq_worst,
+            "backend": b.backend,
+            "memory_limit": b.memory_limit,
+            "components": base_parts,
+        },
         "changes": rows,
     }
 
 
-def triage(path: str, device: str = "cpu", steps: int = 2, output: str | None = None,
-           memory_limit: int | None = None) -> TriageOutcome:
+def triage(
+    path: str, device: str = "cpu", steps: int = 2, output: str | None = None, memory_limit: int | None = None
+) -> TriageOutcome:
     """Run the baseline and the controlled tests; write ``x-sensitivity`` into the ledger, and ``triage`` (the OOM
     Triage Worksheet) when the baseline runs out of memory."""
     from ledgerspec.contract.writer import check_writable, save

@@ -48,11 +48,22 @@ from ledgerspec.derivations.quiet import quiet_bitsandbytes
 from ledgerspec.errors import LedgerspecError
 
 #: optimizer names this workload can build (the transformers Trainer's names, plus plain ``adam``)
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adam", "sgd", "adamw_8bit", "adamw_bnb_8bit",
-              "paged_adamw_8bit", "paged_adamw_32bit", "adafactor")
+OPTIMIZERS = (
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adam",
+    "sgd",
+    "adamw_8bit",
+    "adamw_bnb_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "adafactor",
+)
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-METHOD_NOTES = ("random weights from the exact config; synthetic token batches; no autocast; use_cache=False; "
-                "transformers' causal-LM loss; sequential accumulation micro-steps; zero_grad(set_to_none=True)")
+METHOD_NOTES = (
+    "random weights from the exact config; synthetic token batches; no autocast; use_cache=False; "
+    "transformers' causal-LM loss; sequential accumulation micro-steps; zero_grad(set_to_none=True)"
+)
 LEARNING_RATE = 2e-4  # any value: memory does not depend on it
 
 
@@ -113,39 +124,67 @@ class WorkloadSpec:
             q = ("base_model", "quantization")
             qtype = (text(*q, "type") or "").lower()
             if qtype not in ("nf4", "fp4"):
-                raise _err(doc, (*q, "type"),
-                           f"measure supports 4-bit nf4/fp4 quantization, got {qtype or 'nothing'!r}")
+                raise _err(
+                    doc, (*q, "type"), f"measure supports 4-bit nf4/fp4 quantization, got {qtype or 'nothing'!r}"
+                )
             double = doc.get(*q, "double_quant").switch()
             if double is None:
                 raise _err(doc, (*q, "double_quant"), "base_model.quantization.double_quant must be true or false")
             skip = doc.get(*q, "skip_modules")
             quant = QuantSpec(
-                qtype, double, dtype((*q, "compute_dtype")), dtype((*q, "storage_dtype"), "uint8"),
+                qtype,
+                double,
+                dtype((*q, "compute_dtype")),
+                dtype((*q, "storage_dtype"), "uint8"),
                 doc.get(*q, "blocksize").integer(),
-                tuple([skip.value] if isinstance(skip.value, str) else skip.value) if skip.known else None)
+                tuple([skip.value] if isinstance(skip.value, str) else skip.value) if skip.known else None,
+            )
         adapter = dtype(("adapter", "dtype")) if text("adapter", "dtype") else None  # None: PEFT's float32
         opt = (text("optimizer", "name") or "").strip().lower()
         if opt not in OPTIMIZERS:
-            raise _err(doc, ("optimizer", "name"), f"the training step cannot build optimizer {opt or 'nothing'!r} "
-                       "(estimate, measure)", f"use one of {', '.join(OPTIMIZERS)}")
+            raise _err(
+                doc,
+                ("optimizer", "name"),
+                f"the training step cannot build optimizer {opt or 'nothing'!r} (estimate, measure)",
+                f"use one of {', '.join(OPTIMIZERS)}",
+            )
         gc = doc.get("memory_options", "gradient_checkpointing").switch()
         if gc is None:
-            raise _err(doc, ("memory_options", "gradient_checkpointing"),
-                       "memory_options.gradient_checkpointing must be true or false")
+            raise _err(
+                doc,
+                ("memory_options", "gradient_checkpointing"),
+                "memory_options.gradient_checkpointing must be true or false",
+            )
         kind_gc = (text("memory_options", "checkpointing_kind") or "non-reentrant").lower()
         attention = text("software", "attention_implementation") or "sdpa"
         if attention not in ATTENTION:
-            raise _err(doc, ("software", "attention_implementation"), f"unknown attention implementation {attention!r}",
-                       f"use one of {', '.join(ATTENTION)}")
+            raise _err(
+                doc,
+                ("software", "attention_implementation"),
+                f"unknown attention implementation {attention!r}",
+                f"use one of {', '.join(ATTENTION)}",
+            )
         mb = doc.get("workload", "microbatch").integer()
         if mb is None or mb < 1:
             raise _err(doc, ("workload", "microbatch"), "workload.microbatch must be an integer >= 1")
         acc = doc.get("workload", "gradient_accumulation").integer() or 1
         worst, typical = sequence_shapes(doc)
-        return cls(loaded, quant, bool(doc.get("base_model", "prepare_for_kbit_training").switch()),
-                   adapter, opt,
-                   doc.get("optimizer", "min_8bit_size").integer(), gc, kind_gc.startswith("reentrant"), attention,
-                   mb, max(acc, 1), worst, typical, rows_are_padded(doc))
+        return cls(
+            loaded,
+            quant,
+            bool(doc.get("base_model", "prepare_for_kbit_training").switch()),
+            adapter,
+            opt,
+            doc.get("optimizer", "min_8bit_size").integer(),
+            gc,
+            kind_gc.startswith("reentrant"),
+            attention,
+            mb,
+            max(acc, 1),
+            worst,
+            typical,
+            rows_are_padded(doc),
+        )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
         """A copy with some knobs changed (``microbatch=1``, ``seq_worst=512``, ``optimizer="adamw_8bit"``...)."""
@@ -228,11 +267,16 @@ class Workload:
         config = self.source.config
         try:
             with torch.device("meta"):
-                base = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.loaded_dtype),
-                                                        attn_implementation=spec.attention)
+                base = AutoModelForCausalLM.from_config(
+                    config, dtype=getattr(torch, spec.loaded_dtype), attn_implementation=spec.attention
+                )
         except (ValueError, KeyError, ImportError) as exc:
-            raise _err(self.doc, ("identity",), f"transformers cannot build this model: {one_line(exc)}",
-                       "check software.attention_implementation and the architecture") from None
+            raise _err(
+                self.doc,
+                ("identity",),
+                f"transformers cannot build this model: {one_line(exc)}",
+                "check software.attention_implementation and the architecture",
+            ) from None
         if spec.quant is not None:
             self._replace_with_4bit(base)
         if spec.prepare_kbit:
@@ -244,8 +288,10 @@ class Workload:
             with warnings.catch_warnings():  # transformers 5 deprecates the name PEFT still calls
                 warnings.simplefilter("ignore", FutureWarning)
                 base = prepare_model_for_kbit_training(
-                    base, use_gradient_checkpointing=spec.gradient_checkpointing,
-                    gradient_checkpointing_kwargs={"use_reentrant": spec.reentrant})
+                    base,
+                    use_gradient_checkpointing=spec.gradient_checkpointing,
+                    gradient_checkpointing_kwargs={"use_reentrant": spec.reentrant},
+                )
         self.model = inject_adapters(self.doc, base)
         if spec.quant is not None:
             self._prewarm_bnb()
@@ -260,12 +306,16 @@ class Workload:
         q = self.spec.quant
         assert q is not None
         bnb_config = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q.quant_type,
+            bnb_4bit_use_double_quant=q.double_quant,
             bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype),
             bnb_4bit_quant_storage=getattr(torch, q.storage_dtype),
-            llm_int8_skip_modules=list(q.skip_modules) if q.skip_modules is not None else None)
-        skip = HfQuantizer.get_modules_to_not_convert(base, bnb_config.llm_int8_skip_modules,
-                                                      getattr(base, "_keep_in_fp32_modules", None))
+            llm_int8_skip_modules=list(q.skip_modules) if q.skip_modules is not None else None,
+        )
+        skip = HfQuantizer.get_modules_to_not_convert(
+            base, bnb_config.llm_int8_skip_modules, getattr(base, "_keep_in_fp32_modules", None)
+        )
         replace_with_bnb_linear(base, modules_to_not_convert=skip, quantization_config=bnb_config)
         for module in base.modules():
             w = getattr(module, "weight", None)
@@ -283,8 +333,13 @@ class Workload:
         q = self.spec.quant
         assert q is not None
         w = torch.zeros(128, 64, dtype=getattr(torch, self.spec.loaded_dtype))
-        bnbf.quantize_4bit(w, blocksize=q.blocksize or 64, compress_statistics=q.double_quant, quant_type=q.quant_type,
-                           quant_storage=getattr(torch, q.storage_dtype))
+        bnbf.quantize_4bit(
+            w,
+            blocksize=q.blocksize or 64,
+            compress_statistics=q.double_quant,
+            quant_type=q.quant_type,
+            quant_storage=getattr(torch, q.storage_dtype),
+        )
 
     # -- 2./3. materialisation -------------------------------------------------------------------------------------
     def materialise_base(self, device: Any) -> None:
@@ -352,17 +407,33 @@ class Workload:
             from torch._subclasses.fake_tensor import is_fake
 
             if not is_fake(dense):
-                new = bnb.nn.Params4bit(dense, requires_grad=False, blocksize=p.blocksize,
-                                        compress_statistics=p.compress_statistics, quant_type=p.quant_type,
-                                        quant_storage=p.quant_storage, module=module)._quantize(device)
+                new = bnb.nn.Params4bit(
+                    dense,
+                    requires_grad=False,
+                    blocksize=p.blocksize,
+                    compress_statistics=p.compress_statistics,
+                    quant_type=p.quant_type,
+                    quant_storage=p.quant_storage,
+                    module=module,
+                )._quantize(device)
             else:  # a FakeTensor cannot become a Params4bit: quantize it and carry the same attributes
-                w4, state = bnb.functional.quantize_4bit(dense, blocksize=p.blocksize,
-                                                         compress_statistics=p.compress_statistics,
-                                                         quant_type=p.quant_type, quant_storage=p.quant_storage)
+                w4, state = bnb.functional.quantize_4bit(
+                    dense,
+                    blocksize=p.blocksize,
+                    compress_statistics=p.compress_statistics,
+                    quant_type=p.quant_type,
+                    quant_storage=p.quant_storage,
+                )
                 new = torch.nn.Parameter(w4, requires_grad=False)
-                for attr, value in (("quant_state", state), ("blocksize", p.blocksize), ("quant_type", p.quant_type),
-                                    ("compress_statistics", p.compress_statistics), ("bnb_quantized", True),
-                                    ("quant_storage", p.quant_storage), ("module", module)):
+                for attr, value in (
+                    ("quant_state", state),
+                    ("blocksize", p.blocksize),
+                    ("quant_type", p.quant_type),
+                    ("compress_statistics", p.compress_statistics),
+                    ("bnb_quantized", True),
+                    ("quant_storage", p.quant_storage),
+                    ("module", module),
+                ):
                     setattr(new, attr, value)
                 module.quant_state = state
             del dense
@@ -419,8 +490,9 @@ class Workload:
 
             bits = 32 if name.endswith("32bit") else 8
             with unset_fake_temporarily():  # its quantization maps are built from real numbers (no-op when not fake)
-                opt = bnb.optim.AdamW(params, lr=LEARNING_RATE, optim_bits=bits, is_paged=name.startswith("paged"),
-                                      **bnb_kwargs)
+                opt = bnb.optim.AdamW(
+                    params, lr=LEARNING_RATE, optim_bits=bits, is_paged=name.startswith("paged"), **bnb_kwargs
+                )
         self.optimizer = opt
         return opt
 
@@ -484,5 +556,13 @@ class Workload:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
 
-__all__ = ["ATTENTION", "METHOD_NOTES", "OPTIMIZERS", "QuantSpec", "Workload", "WorkloadSpec", "rows_are_padded",
-           "sequence_shapes"]
+__all__ = [
+    "ATTENTION",
+    "METHOD_NOTES",
+    "OPTIMIZERS",
+    "QuantSpec",
+    "Workload",
+    "WorkloadSpec",
+    "rows_are_padded",
+    "sequence_shapes",
+]

@@ -41,14 +41,16 @@ class DeviceMemory(int):
 def device_memory(text: str) -> DeviceMemory:
     """``--device-memory``: a positive size of at least 1 MiB (a bare ``24`` is 24 bytes: surely a missing unit)."""
     if re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", text) and not float(text).is_integer():  # 24.5: a unit is missing
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes; give a unit (did you mean "
-                                         f"{text.strip()}GiB?)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number of bytes; give a unit (did you mean {text.strip()}GiB?)"
+        )
     value = positive_size(text)
     if value < MIN_DEVICE_MEMORY:
         bare = re.fullmatch(r"\s*[0-9.]+\s*", text) is not None
         hint = f" (did you mean {text.strip()}GiB or {text.strip()}GB?)" if bare else ""
-        raise argparse.ArgumentTypeError(f"{text!r} is {value} bytes, too small for a device; give a device's "
-                                         f"memory{hint}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {value} bytes, too small for a device; give a device's memory{hint}"
+        )
     return DeviceMemory(value, text)
 
 
@@ -61,9 +63,11 @@ def decimal_unit_note(size: int | None) -> str | None:
     if m is None:
         return None
     binary = f"{m.group('num')}{m.group('unit')[0]}iB"
-    return (f"note: --device-memory {text.strip()} is {int(size):,} B = {format_size(int(size))} (decimal units); "
-            f"GPU memory is sold in binary units, a \"{m.group('num')} {m.group('unit')}\" card has about {binary} "
-            f"(nvidia-smi shows the exact total): pass {binary}, or that total, if you mean such a card")
+    return (
+        f"note: --device-memory {text.strip()} is {int(size):,} B = {format_size(int(size))} (decimal units); "
+        f'GPU memory is sold in binary units, a "{m.group("num")} {m.group("unit")}" card has about {binary} '
+        f"(nvidia-smi shows the exact total): pass {binary}, or that total, if you mean such a card"
+    )
 
 
 def device_memory_bytes(value: DeviceMemory | None, file: str) -> int | None:

@@ -78,8 +78,12 @@ def _init(args: argparse.Namespace) -> int:
 
     intake = load(args.from_intake) if args.from_intake else None
     if intake is not None and intake.kind != "intake":
-        raise LedgerspecError(f"--from expects an intake/v1 document, got {intake.plain.get('ledgerspec')!r}",
-                              args.from_intake, *intake.position("/ledgerspec"), rule="init")
+        raise LedgerspecError(
+            f"--from expects an intake/v1 document, got {intake.plain.get('ledgerspec')!r}",
+            args.from_intake,
+            *intake.position("/ledgerspec"),
+            rule="init",
+        )
     text = skeleton(intake, args.output)
     if args.output:
         if Path(args.output).exists() and not args.force:
@@ -120,14 +124,21 @@ def internal_error_line(command: str, exc: BaseException) -> str:
     """One line for an unexpected exception: says it is ledgerspec's fault, not the input's."""
     text = (str(exc).strip().splitlines() or [""])[0][:200]
     what = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return (f"ledgerspec: internal-error: `ledgerspec {command}` failed unexpectedly ({what}) (hint: this is a bug "
-            f"in ledgerspec, not a problem with your file: please report it; re-run with {DEBUG_ENV}=1 for the "
-            "traceback)")
+    return (
+        f"ledgerspec: internal-error: `ledgerspec {command}` failed unexpectedly ({what}) (hint: this is a bug "
+        f"in ledgerspec, not a problem with your file: please report it; re-run with {DEBUG_ENV}=1 for the "
+        "traceback)"
+    )
 
 
 #: command module -> the commands it registers (a module that fails to load answers for these)
-_EXTENSION_COMMANDS = {"resolve_cmd": ("resolve",), "estimate_cmd": ("estimate",), "measure_cmd": ("measure", "triage"),
-                       "report_cmd": ("report",), "shard_cmd": ("shard",)}
+_EXTENSION_COMMANDS = {
+    "resolve_cmd": ("resolve",),
+    "estimate_cmd": ("estimate",),
+    "measure_cmd": ("measure", "triage"),
+    "report_cmd": ("report",),
+    "shard_cmd": ("shard",),
+}
 
 
 def _load_extensions() -> None:

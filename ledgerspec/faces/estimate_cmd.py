@@ -12,19 +12,30 @@ from ledgerspec.faces.arguments import device_memory, device_memory_bytes
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "estimate", help="GPU-free activation and phase-peak estimate from a simulated training step",
+        "estimate",
+        help="GPU-free activation and phase-peak estimate from a simulated training step",
         description="Simulate one training step (and a steady-state step) of the exact configuration under "
-                    "FakeTensorMode; fill ledger.activations and x-estimate; say whether it fits a device. "
-                    "Exit 1 when a device memory is given and the prediction does not fit.")
+        "FakeTensorMode; fill ledger.activations and x-estimate; say whether it fits a device. "
+        "Exit 1 when a device memory is given and the prediction does not fit.",
+    )
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--device-memory", metavar="SIZE", type=device_memory,
-                   help="target device memory, e.g. 24GiB or 80GB")
+    p.add_argument(
+        "--device-memory", metavar="SIZE", type=device_memory, help="target device memory, e.g. 24GiB or 80GB"
+    )
     p.add_argument("-o", "--output", metavar="OUT", help="write the updated ledger here instead of in place")
-    p.add_argument("--sweep", nargs="+", metavar="NAME=V1,V2",
-                   help="print the Memory Sensitivity Matrix over these inputs (microbatch, max_length, "
-                        "gradient_checkpointing, rank, optimizer, attention_implementation); writes nothing")
-    p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
-                   help="the device whose kernels are modelled (cpu: the CPU's own kernels, for checks)")
+    p.add_argument(
+        "--sweep",
+        nargs="+",
+        metavar="NAME=V1,V2",
+        help="print the Memory Sensitivity Matrix over these inputs (microbatch, max_length, "
+        "gradient_checkpointing, rank, optimizer, attention_implementation); writes nothing",
+    )
+    p.add_argument(
+        "--target",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="the device whose kernels are modelled (cpu: the CPU's own kernels, for checks)",
+    )
     p.add_argument("--full", action="store_true", help="trace every layer instead of extrapolating (slower)")
     p.add_argument("--dry-run", action="store_true", help="print the estimate, write nothing")
     p.set_defaults(run=run_estimate)
@@ -40,9 +51,15 @@ def run_estimate(args: argparse.Namespace) -> int:
     writes = not args.dry_run
     if doc.kind == "intake" and writes and args.output:
         line, col = doc.position("/ledgerspec")
-        raise LedgerspecError("an intake holds no ledger figures: resolve it into a ledger first", doc.path, line,
-                              col, rule="estimate", hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
-                              exit_code=EXIT_USAGE)
+        raise LedgerspecError(
+            "an intake holds no ledger figures: resolve it into a ledger first",
+            doc.path,
+            line,
+            col,
+            rule="estimate",
+            hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
+            exit_code=EXIT_USAGE,
+        )
     from ledgerspec.contract.writer import check_writable, save
     from ledgerspec.derivations.estimate import device_memory_of, estimate, write_back
 
@@ -55,8 +72,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     if target_memory is not None and not est.fit(target_memory).fits:
         code = EXIT_FINDINGS
     if doc.kind == "intake":
-        print(f"{args.file}: an intake: nothing written (resolve it into a ledger to record the estimate)",
-              file=sys.stderr)
+        print(
+            f"{args.file}: an intake: nothing written (resolve it into a ledger to record the estimate)",
+            file=sys.stderr,
+        )
         return code
     if not writes:
         return code
@@ -83,13 +102,18 @@ def _print(est: Any, device: int | None) -> None:
         parts = ", ".join(f"{name.replace('_', ' ')} {format_size(n)}" for name, n in est.at_peak.items() if n)
         print(f"  alive at the peak ({est.peak_phase}): {parts}", file=out)
         if est.at_peak.get("temporary"):
-            print("  (temporary: what no component owns: fp32 logits and loss, gradients in flight, attention and "
-                  "dequantization workspaces)", file=out)
+            print(
+                "  (temporary: what no component owns: fp32 logits and loss, gradients in flight, attention and "
+                "dequantization workspaces)",
+                file=out,
+            )
     if device is not None:
         verdict = est.fit(device)
         print(f"  {verdict.sentence()}", file=out)
-        print("  (allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)",
-              file=out)
+        print(
+            "  (allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)",
+            file=out,
+        )
     print(f"  time: {est.seconds:.1f} s", file=out)
 
 

@@ -43,8 +43,7 @@ def layout(data: ReportData) -> Bar | None:
         n = e.nbytes or 0
         spans.append(Span(e, at / scale, n / scale))
         at += n
-    return Bar(scale, spans, data.capacity / scale if data.capacity else None,
-               data.peak / scale if data.peak else None)
+    return Bar(scale, spans, data.capacity / scale if data.capacity else None, data.peak / scale if data.peak else None)
 
 
 def cells(bar: Bar, width: int) -> list[int]:
@@ -54,6 +53,6 @@ def cells(bar: Bar, width: int) -> list[int]:
     base = [int(x) for x in exact]
     left = total - sum(base)
     order = sorted(range(len(exact)), key=lambda i: exact[i] - base[i], reverse=True)
-    for i in order[:max(left, 0)]:
+    for i in order[: max(left, 0)]:
         base[i] += 1
     return base

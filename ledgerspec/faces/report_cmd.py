@@ -32,8 +32,12 @@ def run_report(args: argparse.Namespace) -> int:
         from ledgerspec.contract.writer import atomic_write
 
         if Path(args.html).resolve() == Path(args.file).resolve():
-            raise LedgerspecError("--html OUT is the ledger itself; refusing to overwrite it", args.html,
-                                  rule="report", hint="write the HTML page to another file")
+            raise LedgerspecError(
+                "--html OUT is the ledger itself; refusing to overwrite it",
+                args.html,
+                rule="report",
+                hint="write the HTML page to another file",
+            )
         from ledgerspec.faces.report_html import render_html
 
         atomic_write(args.html, render_html(data))

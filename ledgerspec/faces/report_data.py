@@ -20,18 +20,35 @@ from ledgerspec.errors import LedgerspecError
 
 #: the memory components of the ledger, in the order they stack
 COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
-COMPONENT_LABELS = {"frozen_base": "frozen base", "adapter": "adapter", "gradients": "gradients",
-                    "optimizer": "optimizer state", "activations": "activations", "temporary": "temporary/runtime",
-                    "calculated_subtotal": "calculated subtotal"}
+COMPONENT_LABELS = {
+    "frozen_base": "frozen base",
+    "adapter": "adapter",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations",
+    "temporary": "temporary/runtime",
+    "calculated_subtotal": "calculated subtotal",
+}
 #: one letter per component, for the plain-text bar
-COMPONENT_CODES = {"frozen_base": "B", "adapter": "A", "gradients": "G", "optimizer": "O", "activations": "X",
-                   "temporary": "T"}
+COMPONENT_CODES = {
+    "frozen_base": "B",
+    "adapter": "A",
+    "gradients": "G",
+    "optimizer": "O",
+    "activations": "X",
+    "temporary": "T",
+}
 #: provenance words in the order of the legend; DECLARED is a plain configuration input (no source written)
 PROVENANCE = ("MEASURED", "VERIFIED", "CALCULATED", "ASSUMPTION", "CONFIGURATION-SPECIFIC", "UNKNOWN", "DECLARED")
-PHASE_LABELS = {"after_load": "after load", "after_adapter_injection": "after adapter injection",
-                "after_optimizer_init": "after optimizer init", "forward_peak": "forward peak",
-                "backward_peak": "backward peak", "optimizer_step_peak": "optimizer-step peak",
-                "steady_state_peak": "steady-state peak"}
+PHASE_LABELS = {
+    "after_load": "after load",
+    "after_adapter_injection": "after adapter injection",
+    "after_optimizer_init": "after optimizer init",
+    "forward_peak": "forward peak",
+    "backward_peak": "backward peak",
+    "optimizer_step_peak": "optimizer-step peak",
+    "steady_state_peak": "steady-state peak",
+}
 ESTIMATE = "x-estimate"
 
 
@@ -172,9 +189,13 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
     report = report if report is not None else validate(doc)
     if report.supported_status is None or doc.kind is None:
         first = report.findings[0] if report.findings else None
-        raise LedgerspecError(first.message if first else "not a ledgerspec document", doc.path,
-                              first.line if first else 1, first.column if first else 1,
-                              rule=first.rule if first else "header")
+        raise LedgerspecError(
+            first.message if first else "not a ledgerspec document",
+            doc.path,
+            first.line if first else 1,
+            first.column if first else 1,
+            rule=first.rule if first else "header",
+        )
     kind = doc.kind
     ledger_field = F.lookup("ledger", ("ledger",))
     assert ledger_field is not None
@@ -189,16 +210,33 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
 
     capacity, capacity_label = _capacity(doc)
     peak, peak_label = best_peak(doc)
-    phases = [PhasePoint(name, PHASE_LABELS.get(name, name), _measured(doc, "phases", name), _estimate(doc, name))
-              for name in PHASE_LABELS]
+    phases = [
+        PhasePoint(name, PHASE_LABELS.get(name, name), _measured(doc, "phases", name), _estimate(doc, name))
+        for name in PHASE_LABELS
+    ]
     title = doc.get("title").text()
     at_peak, at_peak_phase = _at_peak(doc)
     return ReportData(
-        path=doc.path, kind=kind, title=title, declared_status=report.declared_status,
-        supported_status=report.supported_status, reasons=list(report.reasons), findings=list(report.findings),
-        components=components, figures=figures, inputs=inputs, capacity=capacity, capacity_label=capacity_label,
-        peak=peak, peak_label=peak_label, phases=phases, pairs=_pairs(doc, phases),
-        explanation=doc.get("comparison", "known_explanation").text(), at_peak=at_peak, at_peak_phase=at_peak_phase)
+        path=doc.path,
+        kind=kind,
+        title=title,
+        declared_status=report.declared_status,
+        supported_status=report.supported_status,
+        reasons=list(report.reasons),
+        findings=list(report.findings),
+        components=components,
+        figures=figures,
+        inputs=inputs,
+        capacity=capacity,
+        capacity_label=capacity_label,
+        peak=peak,
+        peak_label=peak_label,
+        phases=phases,
+        pairs=_pairs(doc, phases),
+        explanation=doc.get("comparison", "known_explanation").text(),
+        at_peak=at_peak,
+        at_peak_phase=at_peak_phase,
+    )
 
 
 def _at_peak(doc: Document) -> tuple[list[tuple[str, int]], str | None]:
@@ -219,8 +257,13 @@ def _per_rank(doc: Document) -> list[object]:
 def _item_entry(item: object, i: int) -> Entry:
     v = Value.of(item)
     nbytes = v.size()
-    return Entry(("parallelism", "per_rank_peak", str(i)), _display(v, F.MEMORY, nbytes), v.effective_source(True),
-                 nbytes, v.method or v.note or "")
+    return Entry(
+        ("parallelism", "per_rank_peak", str(i)),
+        _display(v, F.MEMORY, nbytes),
+        v.effective_source(True),
+        nbytes,
+        v.method or v.note or "",
+    )
 
 
 def _capacity(doc: Document) -> tuple[int | None, str | None]:
@@ -240,8 +283,11 @@ def _pairs(doc: Document, phases: list[PhasePoint]) -> list[Pair]:
     """Calculated or estimated figures beside their measured counterparts (only where a measurement exists)."""
     pairs: list[Pair] = []
     subtotal = doc.get("comparison", "calculated_subtotal")
-    calc = entry(doc, ("comparison", "calculated_subtotal")) if subtotal.present else \
-        entry(doc, ("ledger", "calculated_subtotal"))
+    calc = (
+        entry(doc, ("comparison", "calculated_subtotal"))
+        if subtotal.present
+        else entry(doc, ("ledger", "calculated_subtotal"))
+    )
     measured_peak = _measured(doc, "comparison", "measured_peak")
     if measured_peak is not None:
         pairs.append(Pair("calculated subtotal vs measured peak", calc, measured_peak))

@@ -16,10 +16,21 @@ from ledgerspec.faces.report_bar import Bar, cells, layout
 from ledgerspec.faces.report_data import COMPONENT_CODES, COMPONENT_LABELS, PROVENANCE, Entry, ReportData
 
 #: rich styles per provenance word: text colour in tables, background in the bar
-RICH_STYLES = {"MEASURED": "green", "VERIFIED": "blue", "CALCULATED": "magenta", "ASSUMPTION": "dark_orange",
-               "CONFIGURATION-SPECIFIC": "hot_pink", "UNKNOWN": "bright_black", "DECLARED": "default"}
-STATUS_STYLES = {"INSUFFICIENT DATA": "bold red", "CALCULATED": "bold magenta", "CANDIDATE": "bold blue",
-                 "VALIDATED": "bold green"}
+RICH_STYLES = {
+    "MEASURED": "green",
+    "VERIFIED": "blue",
+    "CALCULATED": "magenta",
+    "ASSUMPTION": "dark_orange",
+    "CONFIGURATION-SPECIFIC": "hot_pink",
+    "UNKNOWN": "bright_black",
+    "DECLARED": "default",
+}
+STATUS_STYLES = {
+    "INSUFFICIENT DATA": "bold red",
+    "CALCULATED": "bold magenta",
+    "CANDIDATE": "bold blue",
+    "VALIDATED": "bold green",
+}
 BAR_WIDTH = 60
 #: width of the plain-text report; the method / note column wraps within it (never truncated)
 PLAIN_WIDTH = 120
@@ -73,8 +84,10 @@ def _input_line(e: Entry) -> str:
 
 
 def _finding_line(d: ReportData) -> str:
-    return (f"findings: {d.count(ERROR)} error(s), {d.count(WARNING)} warning(s), {d.count(INFO)} info "
-            f"(`ledgerspec validate -v {d.path}` lists them all)")
+    return (
+        f"findings: {d.count(ERROR)} error(s), {d.count(WARNING)} warning(s), {d.count(INFO)} info "
+        f"(`ledgerspec validate -v {d.path}` lists them all)"
+    )
 
 
 # -- plain text -------------------------------------------------------------------------------------
@@ -110,21 +123,30 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH) -> None:
         w(caption + "\n")
     if d.figures:
         w("\nother figures\n")
-        _plain_table(out, ("field", "value", "source", "method / note"),
-                     [(e.key, e.display, e.source, _flat(e.detail)) for e in d.figures])
+        _plain_table(
+            out,
+            ("field", "value", "source", "method / note"),
+            [(e.key, e.display, e.source, _flat(e.detail)) for e in d.figures],
+        )
     head, notable = _inputs_summary(d)
     w(f"\n{head}\n")
     for e in notable:
         w(textwrap.fill(_input_line(e), PLAIN_WIDTH, initial_indent="  ", subsequent_indent="    ") + "\n")
     if d.has_phases:
         w("\nphases (estimated vs measured)\n")
-        _plain_table(out, ("phase", "estimated", "measured"),
-                     [(p.label, p.estimated.display if p.estimated else "-",
-                       p.measured.display if p.measured else "-") for p in d.phases])
+        _plain_table(
+            out,
+            ("phase", "estimated", "measured"),
+            [
+                (p.label, p.estimated.display if p.estimated else "-", p.measured.display if p.measured else "-")
+                for p in d.phases
+            ],
+        )
     if d.at_peak:
         w(f"\n{_at_peak_title(d)}\n")
-        _plain_table(out, ("component", "alive"),
-                     [(COMPONENT_LABELS.get(name, name), format_size(n)) for name, n in d.at_peak])
+        _plain_table(
+            out, ("component", "alive"), [(COMPONENT_LABELS.get(name, name), format_size(n)) for name, n in d.at_peak]
+        )
         w(f"  ({AT_PEAK_NOTE})\n")
     w("\n" + _finding_line(d) + "\n")
     for f in d.findings:
@@ -159,8 +181,9 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
     from rich.table import Table
     from rich.text import Text
 
-    console = Console(file=out, force_terminal=color, no_color=color is False, highlight=False,
-                      width=None if out.isatty() else 120)
+    console = Console(
+        file=out, force_terminal=color, no_color=color is False, highlight=False, width=None if out.isatty() else 120
+    )
     head = Text(d.path, style="bold")
     head.append(f"  {d.kind}/v1")
     if d.title:

@@ -34,8 +34,10 @@ def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
             out.write(f"{r.path}:{f.line}:{f.column}: {f.rule}: {f.severity}: {f.message}\n")
         if r.supported_status is not None:
             declared = r.declared_status or "none declared"
-            out.write(f"{r.path}: {r.kind}/v1, status {r.supported_status} (declared: {declared})"
-                      f"{'' if r.ok else ', INVALID'}\n")
+            out.write(
+                f"{r.path}: {r.kind}/v1, status {r.supported_status} (declared: {declared})"
+                f"{'' if r.ok else ', INVALID'}\n"
+            )
             # what holds the status down is the next step: always the first few; all of them with -v or
             # when the declared status claims more than the evidence supports
             overclaimed = RANK.get(r.declared_status or "", -1) > RANK.get(r.supported_status, -1)
@@ -80,13 +82,25 @@ def sarif_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
     from ledgerspec.checks.registry import all_rules
 
     rules = all_rules()
-    extra = [("schema", "document does not match the JSON Schema"), ("header", "unknown document kind/version"),
-             ("load", "file cannot be read as a ledger")]
-    descriptors = [{"id": r.id, "name": r.id, "shortDescription": {"text": r.title},
-                    "help": {"text": r.hint},
-                    "defaultConfiguration": {"level": _sarif_level(r.severity.split(" ")[0])}} for r in rules]
-    descriptors += [{"id": i, "name": i, "shortDescription": {"text": t},
-                     "defaultConfiguration": {"level": "error"}} for i, t in extra]
+    extra = [
+        ("schema", "document does not match the JSON Schema"),
+        ("header", "unknown document kind/version"),
+        ("load", "file cannot be read as a ledger"),
+    ]
+    descriptors = [
+        {
+            "id": r.id,
+            "name": r.id,
+            "shortDescription": {"text": r.title},
+            "help": {"text": r.hint},
+            "defaultConfiguration": {"level": _sarif_level(r.severity.split(" ")[0])},
+        }
+        for r in rules
+    ]
+    descriptors += [
+        {"id": i, "name": i, "shortDescription": {"text": t}, "defaultConfiguration": {"level": "error"}}
+        for i, t in extra
+    ]
     index = {d["id"]: n for n, d in enumerate(descriptors)}
     results = []
     for r in reports:
@@ -94,19 +108,39 @@ def sarif_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
             result: dict[str, Any] = {"ruleId": f.rule}
             if f.rule in index:
                 result["ruleIndex"] = index[f.rule]
-            result.update({
-                "level": _sarif_level(f.severity),
-                "message": {"text": f.message},
-                "locations": [{"physicalLocation": {
-                    "artifactLocation": {"uri": r.path.replace("\\", "/")},
-                    "region": {"startLine": f.line, "startColumn": f.column}},
-                    "logicalLocations": [{"fullyQualifiedName": f.pointer or "/"}]}],
-            })
+            result.update(
+                {
+                    "level": _sarif_level(f.severity),
+                    "message": {"text": f.message},
+                    "locations": [
+                        {
+                            "physicalLocation": {
+                                "artifactLocation": {"uri": r.path.replace("\\", "/")},
+                                "region": {"startLine": f.line, "startColumn": f.column},
+                            },
+                            "logicalLocations": [{"fullyQualifiedName": f.pointer or "/"}],
+                        }
+                    ],
+                }
+            )
             results.append(result)
-    sarif = {"$schema": "https://json.schemastore.org/sarif-2.1.0.json", "version": "2.1.0",
-             "runs": [{"tool": {"driver": {"name": "ledgerspec", "version": __version__,
-                                           "informationUri": "https://ledgerspec.dev", "rules": descriptors}},
-                       "results": results}]}
+    sarif = {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "ledgerspec",
+                        "version": __version__,
+                        "informationUri": "https://ledgerspec.dev",
+                        "rules": descriptors,
+                    }
+                },
+                "results": results,
+            }
+        ],
+    }
     json.dump(sarif, out, indent=2)
     out.write("\n")
 

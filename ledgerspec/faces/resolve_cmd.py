@@ -60,9 +60,15 @@ def run_resolve(args: argparse.Namespace) -> int:
     intake = doc.kind == "intake"
     if intake and not args.output and not (args.check or args.dry_run):
         line, col = doc.position("/ledgerspec")
-        raise LedgerspecError("an intake is resolved into a new ledger: give -o OUT", doc.path, line, col,
-                              rule="resolve", hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
-                              exit_code=EXIT_USAGE)
+        raise LedgerspecError(
+            "an intake is resolved into a new ledger: give -o OUT",
+            doc.path,
+            line,
+            col,
+            rule="resolve",
+            hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
+            exit_code=EXIT_USAGE,
+        )
     from ledgerspec.contract.writer import check_writable
     from ledgerspec.derivations.resolve import resolve
 
@@ -70,8 +76,13 @@ def run_resolve(args: argparse.Namespace) -> int:
         check_writable(args.output or args.file)  # before the model is built
     progress = _Progress(args.verbose)
     try:
-        result = resolve(doc, offline=args.offline, trust_remote_code=args.trust_remote_code, progress=progress,
-                         one_shot_process=_one_shot_process())
+        result = resolve(
+            doc,
+            offline=args.offline,
+            trust_remote_code=args.trust_remote_code,
+            progress=progress,
+            one_shot_process=_one_shot_process(),
+        )
     finally:
         progress.done()
     target = args.output or args.file
@@ -88,14 +99,18 @@ def run_resolve(args: argparse.Namespace) -> int:
     if args.dry_run:
         import difflib
 
-        diff = difflib.unified_diff(doc.text.splitlines(keepends=True), result.text.splitlines(keepends=True),
-                                    fromfile=args.file, tofile=target)
+        diff = difflib.unified_diff(
+            doc.text.splitlines(keepends=True), result.text.splitlines(keepends=True), fromfile=args.file, tofile=target
+        )
         sys.stdout.writelines(diff)
         return EXIT_OK
     if args.check:
         if result.changed:
-            how = (f"`ledgerspec resolve {args.file} -o LEDGER` writes the ledger" if intake else
-                   f"run `ledgerspec resolve {args.file}` to update")
+            how = (
+                f"`ledgerspec resolve {args.file} -o LEDGER` writes the ledger"
+                if intake
+                else f"run `ledgerspec resolve {args.file}` to update"
+            )
             print(f"{args.file}: would change ({len(result.applied)} fields); {how}", file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_OK
@@ -117,8 +132,11 @@ def _report(result: Any, started: float) -> None:
     print(f"  architecture          {result.census.architecture}", file=out)
     print(f"  total parameters      {f.total_parameters:,}", file=out)
     print(f"  trainable parameters  {f.trainable_parameters:,}", file=out)
-    for label, n in (("frozen base", f.frozen_base_bytes), ("adapter", f.adapter_bytes),
-                     ("gradients", f.gradient_bytes)):
+    for label, n in (
+        ("frozen base", f.frozen_base_bytes),
+        ("adapter", f.adapter_bytes),
+        ("gradients", f.gradient_bytes),
+    ):
         print(f"  {label:<22}{n:,} B ({format_size(n)})", file=out)
     if f.optimizer is not None:
         print(f"  {'optimizer':<22}{f.optimizer.device:,} B ({format_size(f.optimizer.device)})", file=out)

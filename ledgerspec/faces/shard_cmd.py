@@ -24,14 +24,29 @@ def register(subparsers: Any) -> None:
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file would change")
     p.add_argument("--offline", action="store_true", help="never touch the network (HF_HUB_OFFLINE)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (auto_map)")
-    p.add_argument("--estimate", action="store_true",
-                   help="also predict each rank's phases: a simulated FSDP2 step per rank (fake tensors, no GPU)")
-    p.add_argument("--device-memory", metavar="SIZE", type=device_memory,
-                   help="with --estimate: memory of ONE device, e.g. 24GiB (default: result.target_device.memory)")
-    p.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
-                   help="with --estimate: model a CUDA GPU (attention kernels, 512 B rounding) or the CPU")
-    p.add_argument("--layers", choices=("auto", "full"), default="auto",
-                   help="with --estimate: extrapolate from two probe depths (auto) or simulate every layer")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="also predict each rank's phases: a simulated FSDP2 step per rank (fake tensors, no GPU)",
+    )
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        type=device_memory,
+        help="with --estimate: memory of ONE device, e.g. 24GiB (default: result.target_device.memory)",
+    )
+    p.add_argument(
+        "--target",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="with --estimate: model a CUDA GPU (attention kernels, 512 B rounding) or the CPU",
+    )
+    p.add_argument(
+        "--layers",
+        choices=("auto", "full"),
+        default="auto",
+        help="with --estimate: extrapolate from two probe depths (auto) or simulate every layer",
+    )
     p.set_defaults(run=run_shard)
 
 
@@ -44,16 +59,29 @@ def run_shard(args: argparse.Namespace) -> int:
     doc = load(args.file)
     memory = device_memory_bytes(args.device_memory, args.file)
     if (memory is not None or args.target != "cuda" or args.layers != "auto") and not args.estimate:
-        raise LedgerspecError("--device-memory, --target and --layers need --estimate", args.file, rule="usage",
-                              exit_code=EXIT_USAGE)
-    result = shard(doc, nproc=args.nproc, offline=args.offline, trust_remote_code=args.trust_remote_code,
-                   estimate=args.estimate, target=args.target, device_memory=memory, layers=args.layers)
+        raise LedgerspecError(
+            "--device-memory, --target and --layers need --estimate", args.file, rule="usage", exit_code=EXIT_USAGE
+        )
+    result = shard(
+        doc,
+        nproc=args.nproc,
+        offline=args.offline,
+        trust_remote_code=args.trust_remote_code,
+        estimate=args.estimate,
+        target=args.target,
+        device_memory=memory,
+        layers=args.layers,
+    )
     plan = result.plan
     reshard = result.extension["reshard_after_forward"]
-    print(f"FSDP2 on {plan.world_size} ranks, reshard_after_forward="
-          f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}")
-    print(f"{'rank':>4}  {'frozen':>11}  {'adapter':>11}  {'gradients':>11}  {'optimizer':>11}  {'gathered':>11}  "
-          f"{'total':>11}")
+    print(
+        f"FSDP2 on {plan.world_size} ranks, reshard_after_forward="
+        f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}"
+    )
+    print(
+        f"{'rank':>4}  {'frozen':>11}  {'adapter':>11}  {'gradients':>11}  {'optimizer':>11}  {'gathered':>11}  "
+        f"{'total':>11}"
+    )
     for rs in plan.ranks:
         cells = (rs.frozen_base, rs.adapter, rs.gradients, rs.optimizer, rs.gathered, rs.with_gathered)
         print(f"{rs.rank:>4}  " + "  ".join(f"{format_size(v):>11}" for v in cells))
@@ -67,8 +95,10 @@ def run_shard(args: argparse.Namespace) -> int:
         if result.device_memory is not None and not all(f.fits for f in result.estimate.fits(result.device_memory)):
             code = EXIT_FINDINGS  # as `ledgerspec estimate`: written, but it does not fit
     if doc.kind == "intake":  # as `ledgerspec estimate`: an intake is sized, not written into
-        print(f"{args.file}: an intake: nothing written (resolve it into a ledger to record the per-rank figures)",
-              file=sys.stderr)
+        print(
+            f"{args.file}: an intake: nothing written (resolve it into a ledger to record the per-rank figures)",
+            file=sys.stderr,
+        )
         return code
     if args.check:
         if result.change is not None:
@@ -87,8 +117,7 @@ def _print_estimate(est: Any, device_memory: int | None) -> None:
     fits = est.fits(device_memory) if device_memory is not None else None
     for i, r in enumerate(est.ranks):
         verdict = f"; {fits[i].sentence()}" if fits is not None else ""
-        print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} (activations {format_size(r.activations)})"
-              f"{verdict}")
+        print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} (activations {format_size(r.activations)}){verdict}")
     if fits is not None and device_memory is not None:
         answer = "fits" if all(f.fits for f in fits) else "does NOT fit"
         print(f"{est.world_size} x {format_size(device_memory)}: {answer} (worst rank {format_size(est.worst)})")

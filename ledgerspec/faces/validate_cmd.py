@@ -19,8 +19,9 @@ def _load(path: str) -> Document:
     return load(path)
 
 
-def run_validate(paths: list[str], fmt: str = "text", fix: bool = False, verbose: bool = False,
-                 out: TextIO = sys.stdout) -> int:
+def run_validate(
+    paths: list[str], fmt: str = "text", fix: bool = False, verbose: bool = False, out: TextIO = sys.stdout
+) -> int:
     reports: list[Report] = []
     code = EXIT_OK
     for path in paths:
@@ -28,10 +29,25 @@ def run_validate(paths: list[str], fmt: str = "text", fix: bool = False, verbose
             doc = _load(path)
         except LedgerspecError as exc:
             code = max(code, exc.exit_code)
-            reports.append(Report(exc.path or path, None, None, None, [],
-                                  [Finding(exc.rule, ERROR, "", exc.message + (f" (hint: {exc.hint})" if exc.hint
-                                                                                 else ""),
-                                           exc.line or 1, exc.column or 1)]))
+            reports.append(
+                Report(
+                    exc.path or path,
+                    None,
+                    None,
+                    None,
+                    [],
+                    [
+                        Finding(
+                            exc.rule,
+                            ERROR,
+                            "",
+                            exc.message + (f" (hint: {exc.hint})" if exc.hint else ""),
+                            exc.line or 1,
+                            exc.column or 1,
+                        )
+                    ],
+                )
+            )
             continue
         report = validate(doc)
         if fix and path != "-":
