@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.estimate_common import machine, write_section  # noqa: E402
 from ledgerspec.contract.document import load  # noqa: E402
-from ledgerspec.derivations import sweep  # noqa: E402
-from ledgerspec.derivations.estimate import estimate  # noqa: E402
+from ledgerspec.derivations.estimate import sweep  # noqa: E402
+from ledgerspec.derivations.estimate.estimator import estimate  # noqa: E402
 
 ARTICLE = ROOT / "tests" / "data" / "estimate" / "article"
 #: the article's table (GB, decimal as it writes them): without / with gradient checkpointing

@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.estimate_common import machine  # noqa: E402
 from benchmarks.machine import cpu_model, memory_bytes  # noqa: E402
 from ledgerspec.contract.document import from_text  # noqa: E402
-from ledgerspec.derivations.estimate import Estimate, estimate  # noqa: E402
-from ledgerspec.derivations.resolve import resolve  # noqa: E402
+from ledgerspec.derivations.estimate.estimator import Estimate, estimate  # noqa: E402
+from ledgerspec.derivations.resolve.resolver import resolve  # noqa: E402
 
 CONFIG = ROOT / "examples" / "configs" / "llama-3.2-3b" / "config.json"
 RESULTS = ROOT / "benchmarks" / "results" / "estimate-vs-peft.md"

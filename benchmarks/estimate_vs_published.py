@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.estimate_common import machine, write_section  # noqa: E402
 from ledgerspec.contract.document import from_text  # noqa: E402
-from ledgerspec.derivations.estimate import estimate  # noqa: E402
+from ledgerspec.derivations.estimate.estimator import estimate  # noqa: E402
 
 CONFIG = ROOT / "examples" / "configs" / "llama-2-7b" / "config.json"
 ROWS = [("None", None, 21.30), ("bnb.nf4", False, 14.14), ("bnb.nf4-dq", True, 13.84)]

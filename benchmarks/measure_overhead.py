@@ -74,7 +74,7 @@ def unmeasured(path: Path, device: str, steps: int) -> float:
     import torch
 
     from ledgerspec.contract.document import load
-    from ledgerspec.derivations.workload import Workload
+    from ledgerspec.derivations.engine.workload import Workload
 
     w = Workload(load(path))
     w.prepare()
@@ -101,8 +101,8 @@ def unmeasured(path: Path, device: str, steps: int) -> float:
 
 def measured(path: Path, device: str, steps: int) -> float:
     from ledgerspec.contract.document import load
-    from ledgerspec.derivations.protocol import Backend, CudaBackend, TrackerBackend, run_protocol
-    from ledgerspec.derivations.workload import Workload
+    from ledgerspec.derivations.engine.protocol import Backend, CudaBackend, TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.workload import Workload
 
     backend: Backend = CudaBackend() if device == "cuda" else TrackerBackend()
     r = run_protocol(Workload(load(path)), backend, device=device, steps=steps)

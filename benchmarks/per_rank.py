@@ -29,10 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from ledgerspec.contract.document import load  # noqa: E402
 from ledgerspec.contract.units import format_size  # noqa: E402
-from ledgerspec.derivations import sharding as S  # noqa: E402
-from ledgerspec.derivations.sharding_model import document_descriptors  # noqa: E402
+from ledgerspec.derivations.shard import state as S  # noqa: E402
+from ledgerspec.derivations.shard.model import document_descriptors  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "sharding"
+PROBE = ROOT / "tests" / "truths" / "sharding_probe.py"
 CASES = [
     ("tiny-lora.ledger.yaml", 2, "auto"),
     ("tiny-lora.ledger.yaml", 3, "false"),
@@ -50,8 +51,7 @@ def _probe(ledger: str, nproc: int, reshard: str, out: Path) -> tuple[list[dict]
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={nproc}",
-            "-m",
-            "ledgerspec.derivations.sharding_probe",
+            str(PROBE),
             str(DATA / ledger),
             str(out),
             "--reshard-after-forward",
@@ -167,9 +167,9 @@ REPEATS = 3
 
 
 def part3(lines: list[str]) -> None:
-    from ledgerspec.derivations.measure_dist import make_request, run_ranks
-    from ledgerspec.derivations.protocol import PHASES
-    from ledgerspec.derivations.sharding_estimate import estimate_per_rank
+    from ledgerspec.derivations.engine.protocol import PHASES
+    from ledgerspec.derivations.measure.dist import make_request, run_ranks
+    from ledgerspec.derivations.shard.simulate import estimate_per_rank
 
     lines += [
         "## 3. Per-rank estimate vs per-rank measurement (CPU, gloo)",
@@ -220,7 +220,7 @@ def part3(lines: list[str]) -> None:
 
 
 def part4(lines: list[str]) -> None:
-    from ledgerspec.derivations.sharding_estimate import estimate_per_rank
+    from ledgerspec.derivations.shard.simulate import estimate_per_rank
 
     lines += ["## 4. Llama-2-7b LoRA on 2 x 24 GiB: per-rank estimate (target cuda)", ""]
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,7 +31,7 @@ def validate(doc: Document) -> Report:
 
 def resolve(doc: Document, **options: Any) -> Any:
     """Fill every derivable figure by instantiating the model on the meta device (needs ``[resolve]``)."""
-    from ledgerspec.derivations.resolve import resolve as _resolve
+    from ledgerspec.derivations.resolve.resolver import resolve as _resolve
 
     return _resolve(doc, **options)
 

@@ -47,7 +47,7 @@ def _resolve(node: ast.ImportFrom, file: Path) -> list[str]:
         package = list(file.relative_to(PACKAGE.parent).parent.parts)  # the package holding ``file``
         parts = package[: len(package) - (node.level - 1)]
         base = ".".join(parts + ([node.module] if node.module else []))
-    # ``from ledgerspec.derivations import sweep`` imports the module ledgerspec.derivations.sweep
+    # ``from ledgerspec.derivations.estimate import sweep`` imports the module ledgerspec.derivations.estimate.sweep
     return [f"{base}.{a.name}" for a in node.names] + [base]
 
 
@@ -104,11 +104,11 @@ def _where(imp: Import) -> str:
 
 def test_the_parser_sees_nested_relative_and_dynamic_imports(tmp_path: Path) -> None:
     """The checks below are only as good as this parser: nested, relative and dynamic imports are seen."""
-    probe = PACKAGE / "derivations" / "resolve.py"
+    probe = PACKAGE / "derivations" / "resolve" / "resolver.py"
     found = _imports(probe)
     assert any(i.module.startswith("ledgerspec.contract") and not i.nested for i in found)
     assert any(_top(i.module) in HEAVY and i.nested for i in found), "resolve imports torch & co. lazily"
-    cli = _imports(PACKAGE / "faces" / "cli.py")
+    cli = _imports(PACKAGE / "faces" / "commands" / "schema.py")
     assert any(i.module == "ledgerspec.contract.schema" and i.nested for i in cli)
     tree = ast.parse("from . import units\nfrom ..errors import X\n")
     nodes = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
@@ -156,22 +156,21 @@ def test_heavy_libraries_only_inside_functions() -> None:
 _STARTUP = """
 import json, sys
 import ledgerspec, ledgerspec.faces.cli as cli
-cli._load_extensions()
 cli.build_parser()
-import ledgerspec.checks.validate, ledgerspec.faces.validate_cmd
+import ledgerspec.checks.validate, ledgerspec.faces.commands.validate
 print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in HEAVY)))
 """
 
 
 def test_cli_startup_imports_no_heavy_library() -> None:
-    """What ``ledgerspec validate`` loads at start (every ``faces/*_cmd.py``) pulls in none of torch & co."""
+    """What ``ledgerspec validate`` loads at start (every ``faces/commands/*.py``) pulls in none of torch & co."""
     code = f"HEAVY = {HEAVY!r}\n" + _STARTUP
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert loaded == [], f"startup imported heavy libraries: {loaded}"
-    commands = sorted(p.stem for p in (PACKAGE / "faces").glob("*_cmd.py"))
-    assert {"estimate_cmd", "measure_cmd", "resolve_cmd"} <= set(commands)
+    commands = sorted(p.stem for p in (PACKAGE / "faces" / "commands").glob("*.py"))
+    assert {"estimate", "measure", "resolve", "validate"} <= set(commands)
 
 
 IO_MODULES = ("os", "sys", "io", "pathlib", "shutil", "subprocess", "tempfile", "socket", "urllib", "glob")

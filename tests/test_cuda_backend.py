@@ -1,7 +1,7 @@
 """LOGIC TESTS WITH FAKES of the cuda backend of ``ledgerspec measure`` (no GPU is needed, none is used).
 
-What these tests prove: the PLUMBING of :class:`ledgerspec.derivations.protocol.CudaBackend`,
-:func:`run_protocol` and the cuda write-back of :mod:`ledgerspec.derivations.measure`, driven by explicit
+What these tests prove: the PLUMBING of :class:`ledgerspec.derivations.engine.protocol.CudaBackend`,
+:func:`run_protocol` and the cuda write-back of :mod:`ledgerspec.derivations.measure.measurer`, driven by explicit
 fakes: :class:`FakeCuda` stands in for the ``torch.cuda`` module (caching-allocator counters whose
 values the fake workload below drives: allocated bytes, reserved bytes rounded up to 2 MiB segments that
 the cache never gives back, their peaks), :class:`FakeNVML` stands in for nvidia-ml-py's ``pynvml``
@@ -35,8 +35,8 @@ from typing import Any
 
 import pytest
 
-from ledgerspec.derivations import protocol as P
-from ledgerspec.derivations.protocol import CudaBackend, ProtocolResult, run_protocol
+from ledgerspec.derivations.engine import protocol as P
+from ledgerspec.derivations.engine.protocol import CudaBackend, ProtocolResult, run_protocol
 
 MiB = 2**20
 SEG = 2 * MiB  # the fake allocator's segment: reserved grows in these steps and is never released
@@ -210,7 +210,7 @@ class FakeSpec:
 
 @dataclass
 class FakeWorkload:
-    """Duck-types :class:`ledgerspec.derivations.workload.Workload`; every step allocates known bytes.
+    """Duck-types :class:`ledgerspec.derivations.engine.workload.Workload`; every step allocates known bytes.
 
     ``fail_at = (stage, n)``: the n-th call (1-based) of that stage raises the fake OOM. ``log`` holds
     (stage, resets seen so far) so a test can check that a reset preceded the stage.
@@ -712,7 +712,7 @@ def _cuda_output(
 ) -> Any:
     import torch
 
-    from ledgerspec.derivations.measure import ChildOutput
+    from ledgerspec.derivations.measure.measurer import ChildOutput
 
     monkeypatch.setattr(torch.version, "cuda", "12.8")  # what a CUDA build reports; device_info reads it
     result, _, _ = _run(fake_cuda, snapshot, **workload)
@@ -726,7 +726,7 @@ def test_write_back_records_measured_cuda_figures_and_the_ladder_reaches_validat
     from ledgerspec.checks.validate import validate
     from ledgerspec.contract.document import load
     from ledgerspec.contract.writeback import set_plain
-    from ledgerspec.derivations.measure import write_back
+    from ledgerspec.derivations.measure.measurer import write_back
 
     out = _cuda_output(fake_cuda, monkeypatch)
     doc = load(ledger)
@@ -775,7 +775,7 @@ def test_measure_on_cuda_asks_for_a_snapshot_beside_the_ledger_and_writes_an_oom
 ) -> None:
     from ledgerspec.checks.validate import validate
     from ledgerspec.contract.document import load
-    from ledgerspec.derivations import measure as M
+    from ledgerspec.derivations.measure import measurer as M
 
     seen: list[Any] = []
 
@@ -815,7 +815,7 @@ def test_measure_on_cuda_asks_for_a_snapshot_beside_the_ledger_and_writes_an_oom
 def test_each_nccl_rank_needs_its_own_gpu(
     available: bool, count: int, local_rank: int, nproc: int, needle: str | None
 ) -> None:
-    from ledgerspec.derivations.measure_dist import cuda_rank_problem
+    from ledgerspec.derivations.measure.dist import cuda_rank_problem
 
     problem = cuda_rank_problem(available, count, local_rank, nproc)
     assert (problem is None) if needle is None else (needle in (problem or ""))
@@ -945,7 +945,7 @@ def test_gpu_check_reads_its_table_column_from_a_ledger_measured_on_cuda(
     """The script's row() on what `measure --device cuda` writes (the fake run, written back and saved)."""
     from ledgerspec.contract.document import load
     from ledgerspec.contract.writer import save
-    from ledgerspec.derivations.measure import write_back
+    from ledgerspec.derivations.measure.measurer import write_back
 
     mod = _script()
     doc = load(ledger)
@@ -1108,7 +1108,7 @@ def test_gpu_check_prepared_ledger_points_at_the_config_from_any_folder(
 ) -> None:
     """The repository may sit anywhere on the GPU machine: a path with a space or ': ' must stay one YAML string."""
     from ledgerspec.contract.document import load
-    from ledgerspec.derivations.build import config_file
+    from ledgerspec.derivations.stack.build import config_file
 
     mod = _script()
     monkeypatch.setattr(mod, "WORK", tmp_path / "work")

@@ -11,7 +11,6 @@ skipped only when the comment line right above it says why:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -137,18 +136,6 @@ def test_the_docs_have_commands_to_run() -> None:
 
 
 # -- running the commands -----------------------------------------------------------------------------
-def _available(command: str) -> str | None:
-    """None when the subcommand exists in this build, else why it is skipped."""
-    words = shlex.split(command, comments=True)
-    if words[0] != "ledgerspec" or len(words) < 2:
-        return None
-    sub = words[1]
-    if sub in ("resolve", "estimate", "measure", "report"):
-        if importlib.util.find_spec(f"ledgerspec.faces.{sub}_cmd") is None:
-            return f"`ledgerspec {sub}` is not part of this build yet"
-    return None
-
-
 def _run(command: str, cwd: Path) -> tuple[int, str]:
     words = shlex.split(command, comments=True)
     target = None
@@ -175,21 +162,14 @@ def test_documented_commands_run(page: Path, tmp_path: Path, monkeypatch: pytest
     """Every command of the page, in order, in a fresh copy of the examples; exit codes as documented."""
     shutil.copytree(EXAMPLES, tmp_path / "examples")
     monkeypatch.chdir(tmp_path)
-    skipped = []
     for b in shell_blocks(page):
         if b.marker in ("needs-gpu", "not-run"):
             continue
         want = int(b.marker_arg or 0) if b.marker == "exit" else 0
         for command in b.commands:
-            why = _available(command)
-            if why:
-                skipped.append(why)
-                continue
             code, output = _run(command, tmp_path)
             assert "Traceback" not in output, f"{_page_id(page)}:{b.line}: `{command}`\n{output}"
             assert code == want, f"{_page_id(page)}:{b.line}: `{command}` exited {code}, not {want}\n{output}"
-    if skipped:
-        pytest.skip("; ".join(sorted(set(skipped))))
 
 
 # -- the site -------------------------------------------------------------------------------------------
@@ -351,9 +331,8 @@ def test_gallery_has_every_example_and_its_report(site: Path) -> None:
 
 
 def test_cli_page_has_every_command(site: Path) -> None:
-    from ledgerspec.faces.cli import _load_extensions, build_parser
+    from ledgerspec.faces.cli import build_parser
 
-    _load_extensions()
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     page = _text((site / "cli.html").read_text(encoding="utf-8"))

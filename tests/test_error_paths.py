@@ -256,7 +256,7 @@ def test_a_ledger_where_an_intake_is_needed(cli: CliRunner, tmp_path: Path) -> N
 def test_the_adapter_dtype_is_checked_before_measuring() -> None:
     """A misspelt adapter.dtype used to fall back silently to PEFT's float32 in estimate/measure/triage."""
     from ledgerspec.contract.document import from_text
-    from ledgerspec.derivations.workload import WorkloadSpec
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
     from ledgerspec.errors import LedgerspecError
 
     doc = from_text(_edit("  dtype: float32", "  dtype: bf16"), str(DATA / "t.yaml"))
@@ -313,7 +313,7 @@ def test_a_crash_of_the_measurement_child_is_an_internal_error(
     cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An unexpected exception inside the child process reaches the user as an internal error, not a user error."""
-    from ledgerspec.derivations import measure
+    from ledgerspec.derivations.measure import measurer as measure
 
     monkeypatch.delenv("LEDGERSPEC_DEBUG", raising=False)
     path = _setup(tmp_path, LEDGER)
@@ -343,11 +343,10 @@ def test_a_broken_command_module_takes_down_only_its_commands(
     real = importlib.import_module
 
     def import_module(name: str, package: str | None = None) -> Any:
-        if name == "ledgerspec.faces.measure_cmd":
+        if name == "ledgerspec.faces.commands.measure":
             raise NameError("name 'positive_size' is not defined")
         return real(name, package)
 
-    monkeypatch.setattr(cli, "_EXTENSIONS", [])
     monkeypatch.setattr(importlib, "import_module", import_module)
     monkeypatch.delenv("LEDGERSPEC_DEBUG", raising=False)
     assert cli.main(["validate", str(EXAMPLES / "llama-2-7b-lora.intake.yaml")]) == 0

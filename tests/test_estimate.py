@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("torch")
 
 from ledgerspec.contract.document import load
-from ledgerspec.derivations.estimate import estimate
-from ledgerspec.derivations.estimate_fit import PHASES
+from ledgerspec.derivations.estimate.estimator import estimate
+from ledgerspec.derivations.estimate.fit import PHASES
 from tests.conftest import EXAMPLES, CliRunner
 from tests.estimate_docs import DATA, ledger, ledger_text
 
@@ -57,7 +57,7 @@ CPU_CASES = [  # sequences of 80 tokens: longer than the sliding window (64) of 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_cpu_target_agrees_with_a_cpu_measurement(case: dict[str, Any]) -> None:
-    from ledgerspec.derivations.measure import make_request, run_request
+    from ledgerspec.derivations.measure.measurer import make_request, run_request
 
     doc = ledger(**case)
     est = estimate(doc, target="cpu")
@@ -68,7 +68,7 @@ def test_cpu_target_agrees_with_a_cpu_measurement(case: dict[str, Any]) -> None:
     assert est.activations == measured.activations_saved
     assert measured.phases["forward_peak"].figure == est.phases["forward_peak"]  # byte for byte, padded or not
     # what is alive at the peak, by component: the measurement's own categories at the same moment
-    from ledgerspec.derivations.tracker import by_component
+    from ledgerspec.derivations.engine.tracker import by_component
 
     live = by_component(measured.phases[est.peak_phase].categories_at_peak or {})
     assert est.at_peak == {k: live.get(k, 0) for k in est.at_peak}
@@ -227,7 +227,7 @@ def test_an_op_without_a_fake_kernel_is_named(tmp_path: Path, cli: CliRunner, mo
     import torch
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
-    from ledgerspec.derivations.workload import Workload
+    from ledgerspec.derivations.engine.workload import Workload
 
     def forward(self: Any, ids: Any) -> Any:
         raise UnsupportedOperatorException(torch.ops.aten.nonzero.default)
@@ -240,7 +240,7 @@ def test_an_op_without_a_fake_kernel_is_named(tmp_path: Path, cli: CliRunner, mo
 
 
 def test_an_untraceable_architecture_is_named(tmp_path: Path, cli: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ledgerspec.derivations.workload import Workload
+    from ledgerspec.derivations.engine.workload import Workload
 
     def forward(self: Any, ids: Any) -> Any:
         raise RuntimeError("Cannot access data pointer of Tensor (e.g. FakeTensor)")

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ledgerspec.derivations import attention_model as am  # noqa: E402
-from ledgerspec.derivations.tracker import MemoryTracker  # noqa: E402
+from ledgerspec.derivations.engine.tracker import MemoryTracker  # noqa: E402
+from ledgerspec.derivations.estimate import attention as am  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -15,9 +15,9 @@ import pytest
 pytest.importorskip("torch")
 
 from ledgerspec.contract.document import load
-from ledgerspec.derivations import sweep
-from ledgerspec.derivations.build import load_config
-from ledgerspec.derivations.estimate import estimate
+from ledgerspec.derivations.estimate import sweep
+from ledgerspec.derivations.estimate.estimator import estimate
+from ledgerspec.derivations.stack.build import load_config
 from tests.estimate_docs import DATA
 
 ARTICLE = DATA / "article"

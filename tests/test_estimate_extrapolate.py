@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ledgerspec.derivations.estimate import estimate
-from ledgerspec.derivations.extrapolate import extend, layer_period, plan, with_layers
+from ledgerspec.derivations.estimate.estimator import estimate
+from ledgerspec.derivations.estimate.extrapolate import extend, layer_period, plan, with_layers
 from tests.estimate_docs import ledger
 
 # Gemma2 soft-caps attention logits, which SDPA refuses: it trains with eager or FlashAttention-2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ledgerspec.contract.document import from_text
-from ledgerspec.derivations import sweep
-from ledgerspec.derivations.estimate_fit import PHASES, fit
+from ledgerspec.derivations.estimate import sweep
+from ledgerspec.derivations.estimate.fit import PHASES, fit
 from ledgerspec.errors import LedgerspecError
 
 GiB = 2**30

@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")
 
-from ledgerspec.derivations.estimate_qlora import fake_4bit_linear_class, model_4bit_layers  # noqa: E402
-from ledgerspec.derivations.tracker import MemoryTracker, quant_state_tensors  # noqa: E402
+from ledgerspec.derivations.engine.tracker import MemoryTracker, quant_state_tensors  # noqa: E402
+from ledgerspec.derivations.estimate.qlora import fake_4bit_linear_class, model_4bit_layers  # noqa: E402
 
 
 def _real_bytes(out_f: int, in_f: int, double: bool, quant_type: str) -> int:

@@ -212,8 +212,8 @@ def test_triage_fills_the_worksheet_and_the_sensitivity_matrix(
     cli: CliRunner, resolved: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each controlled measurement runs in-process here (the child boundary is tested above) to stay fast."""
-    from ledgerspec.derivations import measure as m
-    from ledgerspec.derivations import triage as t
+    from ledgerspec.derivations.measure import measurer as m
+    from ledgerspec.derivations.measure import triage as t
 
     monkeypatch.setattr(t, "run_child", lambda req: m.run_request(req))
     doc = load(resolved)
@@ -244,8 +244,8 @@ def test_triage_fills_the_worksheet_and_the_sensitivity_matrix(
 def test_triage_without_an_oom_writes_only_the_sensitivity_matrix(
     cli: CliRunner, resolved: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ledgerspec.derivations import measure as m
-    from ledgerspec.derivations import triage as t
+    from ledgerspec.derivations.measure import measurer as m
+    from ledgerspec.derivations.measure import triage as t
 
     monkeypatch.setattr(t, "run_child", lambda req: m.run_request(req))
     code, out, err = cli("triage", str(resolved))
@@ -261,7 +261,7 @@ def test_triage_without_an_oom_writes_only_the_sensitivity_matrix(
 
 
 def test_gpu_check_ledgers_are_complete_workloads(repo_root: Path) -> None:
-    from ledgerspec.derivations.workload import WorkloadSpec
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
 
     cases = sorted((repo_root / "examples" / "configs" / "qwen2.5-0.5b" / "gpu-check").glob("*.yaml"))
     assert len(cases) == 4

@@ -1,7 +1,7 @@
 """``ledgerspec measure --nproc 2``: every rank of a real FSDP2 run (torchrun, gloo, CPU) measured, then written back.
 
 The expected figures are derived independently of the code under test: the calculated per-rank state from
-:mod:`ledgerspec.derivations.sharding` (itself checked against the real shards' bytes in
+:mod:`ledgerspec.derivations.shard.state` (itself checked against the real shards' bytes in
 ``test_sharding_fsdp2.py``), the validator's own verdict, and the per-rank phase table the ranks reported.
 The QLoRA case (nf4, double quantization, ``bnb_4bit_quant_storage`` = the loaded bfloat16) is the same tiny model
 with its decoder-layer linears in bitsandbytes 4-bit: its per-rank state is calculated from the packed shapes
@@ -20,8 +20,8 @@ import pytest
 from ledgerspec.contract.document import Document, load
 from ledgerspec.contract.writeback import set_figure, set_plain
 from ledgerspec.contract.writer import atomic_write, render
-from ledgerspec.derivations import sharding as S
-from ledgerspec.derivations.protocol import PHASES
+from ledgerspec.derivations.engine.protocol import PHASES
+from ledgerspec.derivations.shard import state as S
 from tests.conftest import run_cli
 
 pytest.importorskip("torch")
@@ -78,7 +78,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
     assert code == 0, err
     doc = load(path)
-    from ledgerspec.derivations.sharding_model import document_descriptors
+    from ledgerspec.derivations.shard.model import document_descriptors
 
     plan = S.fsdp2(document_descriptors(doc), WORLD, "adamw_torch", reshard_after_forward=True)
     return {"path": path, "doc": doc, "err": err, "plan": plan, "ranks": list(doc.plain["x-measure-per-rank"]["ranks"])}
@@ -158,7 +158,7 @@ def test_per_rank_estimate_agrees_with_the_measurement(measured: dict[str, Any],
     peak. Observed, varying from run to run: 0 B, exactly one layer unit (258,784 B), and once on a loaded
     2-core machine one unit + 18,432 B (277,216 B).
     """
-    from ledgerspec.derivations.sharding_ledger import shard
+    from ledgerspec.derivations.shard.sharder import shard
 
     doc = load(measured["path"])
     result = shard(doc, estimate=True, target="cpu")
@@ -171,7 +171,7 @@ def test_measured_activations_are_the_single_device_ones(tmp_path: Path, reshard
     the gathered parameters FSDP2 keeps into backward) are one device's, whatever reshard_after_forward says. As in
     the compute phases, gloo's own thread can keep a just-gathered layer unit alive a moment longer on a busy
     machine (see test_compute_phases_hold_the_gathered_units): at most that much more, never less."""
-    from ledgerspec.derivations.measure import make_request, run_request
+    from ledgerspec.derivations.measure.measurer import make_request, run_request
 
     path = _resolved(tmp_path)
     text = path.read_text()
@@ -182,7 +182,7 @@ def test_measured_activations_are_the_single_device_ones(tmp_path: Path, reshard
     code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
     assert code == 0, err
     doc = load(path)
-    from ledgerspec.derivations.sharding_model import document_descriptors
+    from ledgerspec.derivations.shard.model import document_descriptors
 
     units = S.unit_unsharded_bytes(document_descriptors(doc), WORLD)
     layer_unit = max(v for k, v in units.items() if k != S.ROOT)
@@ -220,7 +220,7 @@ def measured_qlora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     code, _, err = run_cli("measure", path, "--nproc", str(WORLD))
     assert code == 0, err
     doc = load(path)
-    from ledgerspec.derivations.sharding_model import document_descriptors
+    from ledgerspec.derivations.shard.model import document_descriptors
 
     descs = document_descriptors(doc)
     plan = S.fsdp2(descs, WORLD, "adamw_torch", reshard_after_forward=True)
@@ -276,7 +276,7 @@ def test_qlora_per_rank_estimate_agrees_with_the_measurement(measured_qlora: dic
     byte, compute phases a lower bound exceeded by at most two gathered layer units (gloo's thread, see
     test_per_rank_estimate_agrees_with_the_measurement), the activations likewise. Observed on this machine: every
     phase equal to the byte on both ranks."""
-    from ledgerspec.derivations.sharding_ledger import shard
+    from ledgerspec.derivations.shard.sharder import shard
 
     result = shard(load(measured_qlora["path"]), estimate=True, target="cpu")
     layer_unit = _estimate_bounds_measurement(measured_qlora, result.estimate.ranks)

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("torch")
 
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.derivations.estimate import CUDA_ALLOCATION_GRANULARITY, estimate
-from ledgerspec.derivations.workload import Workload, WorkloadSpec
+from ledgerspec.derivations.engine.workload import Workload, WorkloadSpec
+from ledgerspec.derivations.estimate.estimator import CUDA_ALLOCATION_GRANULARITY, estimate
 from tests.estimate_docs import DATA, ledger_text
 
 SEQ = 80
@@ -122,7 +122,7 @@ def test_a_padded_gqa_batch_costs_the_repeated_kv_and_the_mask_bias(unpadded: An
 def test_unpadded_configurations_give_the_old_figures(
     changes: dict[str, Any], unpadded: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ledgerspec.derivations import workload
+    from ledgerspec.derivations.engine import workload
 
     got = estimate(doc_with(**changes))
     monkeypatch.setattr(workload, "rows_are_padded", lambda _doc: False)  # the estimate before padded batches
@@ -152,7 +152,7 @@ def test_eager_padded_mask_is_traced_and_costs_more() -> None:
 
 @pytest.mark.slow
 def test_a_padded_cpu_measurement_runs_and_accumulation_keeps_the_activation_peak() -> None:
-    from ledgerspec.derivations.protocol import TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.protocol import TrackerBackend, run_protocol
 
     def run(accumulation: int) -> Any:
         doc = doc_with(2, accumulation=accumulation, dtype="float32")

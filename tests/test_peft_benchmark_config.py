@@ -76,7 +76,7 @@ def test_resolve_counts_what_peft_counted(
     name: str, rank: int, targets: list[str], dora: bool, trainable: int, total: int
 ) -> None:
     from ledgerspec.contract.document import from_text
-    from ledgerspec.derivations.resolve import resolve
+    from ledgerspec.derivations.resolve.resolver import resolve
 
     doc = from_text(intake(rank, targets, dora), str(ROOT / "benchmarks" / "peft.intake.yaml"))
     figures = resolve(doc, offline=True).figures

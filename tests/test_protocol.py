@@ -16,8 +16,8 @@ pytest.importorskip("peft")
 
 from ledgerspec.contract.document import Document, load
 from ledgerspec.contract.writeback import set_plain
-from ledgerspec.derivations.protocol import PHASES, ProtocolResult, TrackerBackend, run_protocol
-from ledgerspec.derivations.workload import Workload, WorkloadSpec
+from ledgerspec.derivations.engine.protocol import PHASES, ProtocolResult, TrackerBackend, run_protocol
+from ledgerspec.derivations.engine.workload import Workload, WorkloadSpec
 
 DATA = Path(__file__).parent / "data" / "measure"
 LLAMA = DATA / "tiny-llama-lora.yaml"
@@ -127,7 +127,7 @@ def test_qlora_frozen_base_equals_the_resolver_once_training_runs(qlora_run: Pro
     """PEFT's prepare_model_for_kbit_training upcasts every bf16 parameter that is not a Params4bit to fp32, the
     q/k/v biases of Qwen2's 4-bit layers included; bitsandbytes' Linear4bit.forward then casts its bias to the
     input's dtype (bf16) on the first forward. The resolver's figure is the training (steady-state) one."""
-    from ledgerspec.derivations.tracker import by_component
+    from ledgerspec.derivations.engine.tracker import by_component
 
     resolved = _resolved(QWEN_QLORA)
     calc = resolved.get("ledger", "frozen_base").size()
@@ -263,8 +263,8 @@ def test_bad_workload_inputs_are_one_line_errors(key: str, value: Any, needle: s
 def test_backends_recognise_only_their_out_of_memory_errors() -> None:
     import torch
 
-    from ledgerspec.derivations.protocol import CudaBackend
-    from ledgerspec.derivations.tracker import SIMULATED_OOM_MARKER, SimulatedOOM
+    from ledgerspec.derivations.engine.protocol import CudaBackend
+    from ledgerspec.derivations.engine.tracker import SIMULATED_OOM_MARKER, SimulatedOOM
 
     cpu, cuda = TrackerBackend(limit=1), CudaBackend()
     assert cpu.oom_kind(SimulatedOOM("x")) == "simulated"

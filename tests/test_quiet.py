@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ledgerspec.derivations.quiet import LOGGER, MESSAGE, quiet_bitsandbytes
+from ledgerspec.derivations.stack.quiet import LOGGER, MESSAGE, quiet_bitsandbytes
 
 NOISY = "Failed to load CPU gemm_4bit_forward"
 
@@ -24,7 +24,9 @@ def test_import_is_quiet() -> None:
     plain = _stderr("import peft")
     if NOISY not in plain:
         pytest.skip("this CPU/bitsandbytes does not log the kernels-community line (no AVX512-BF16?)")
-    quiet = _stderr("from ledgerspec.derivations.quiet import quiet_bitsandbytes; quiet_bitsandbytes(); import peft")
+    quiet = _stderr(
+        "from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes; quiet_bitsandbytes(); import peft"
+    )
     assert NOISY not in quiet, quiet
 
 
@@ -32,7 +34,7 @@ def test_derivations_import_peft_quietly() -> None:
     """A derivation that imports peft (``lora_config``, used by resolve, estimate, measure) prints nothing."""
     text = "ledgerspec: intake/v1\\nmethod: {kind: LoRA, rank: 8, target_modules: [q_proj]}\\n"
     code = (
-        "from ledgerspec.derivations.build import lora_config; "
+        "from ledgerspec.derivations.stack.build import lora_config; "
         "from ledgerspec.contract.document import from_text; "
         f"lora_config(from_text('{text}', 'x.yaml'))"
     )

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
 from ledgerspec.contract.units import format_size, parse_size
-from ledgerspec.faces.report_bar import Bar, Span, cells
-from ledgerspec.faces.report_data import COMPONENTS, Entry
-from ledgerspec.faces.report_html import BAR_W, COLORS
+from ledgerspec.faces.report.bar import Bar, Span, cells
+from ledgerspec.faces.report.data import COMPONENTS, Entry
+from ledgerspec.faces.report.html import BAR_W, COLORS
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 IDS = [p.name for p in EXAMPLE_FILES]
@@ -85,8 +85,8 @@ def test_terminal_rich_colours_follow_provenance(cli: CliRunner) -> None:
     from io import StringIO
 
     from ledgerspec.contract.document import load
-    from ledgerspec.faces.report_data import gather
-    from ledgerspec.faces.report_terminal import render_rich
+    from ledgerspec.faces.report.data import gather
+    from ledgerspec.faces.report.terminal import render_rich
 
     buf = StringIO()
     render_rich(gather(load(EXAMPLES / "llama-2-7b-lora.ledger.yaml")), buf, color=True)
@@ -292,7 +292,7 @@ def test_terminal_phases_estimated_vs_measured(cli: CliRunner, tmp_path: Path) -
 @pytest.mark.parametrize("plain", [True, False])
 def test_the_estimated_peak_is_split_into_what_is_alive(cli: CliRunner, tmp_path: Path, plain: bool) -> None:
     from ledgerspec.contract.document import load
-    from ledgerspec.faces.report_data import COMPONENT_LABELS
+    from ledgerspec.faces.report.data import COMPONENT_LABELS
 
     path = EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml"
     split = load(path).get("x-estimate", "at_peak").raw  # written by `ledgerspec estimate`

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from ledgerspec.contract.document import from_text  # noqa: E402
-from ledgerspec.derivations.resolve import resolve  # noqa: E402
+from ledgerspec.derivations.resolve.resolver import resolve  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "data" / "resolve" / "configs"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}

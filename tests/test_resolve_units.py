@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from ledgerspec.derivations.bnb_storage import bnb4_bytes, int8_bytes
-from ledgerspec.derivations.optimizer_state import OPTIMIZERS, TensorShape, optimizer_spec, state_bytes
+from ledgerspec.derivations.stack.bnb_storage import bnb4_bytes, int8_bytes
+from ledgerspec.derivations.stack.optimizer_state import OPTIMIZERS, TensorShape, optimizer_spec, state_bytes
 
 N = 4096 * 4096  # a Llama-2-7b q_proj weight
 

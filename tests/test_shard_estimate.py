@@ -1,6 +1,6 @@
 """``ledgerspec shard --estimate``: a simulated FSDP2 step per rank (fake tensors, fake process group).
 
-Expected figures come from :mod:`ledgerspec.derivations.sharding` (checked against real shards in
+Expected figures come from :mod:`ledgerspec.derivations.shard.state` (checked against real shards in
 ``test_sharding_fsdp2.py``); the comparison with a real measured run is in ``test_measure_dist.py``. QLoRA is
 the same tiny ledger with its decoder-layer linears in bitsandbytes nf4, ``bnb_4bit_quant_storage`` = bfloat16 (the
 edits of ``test_measure_dist.QLORA_EDITS``); the fake 4-bit layers' FSDP2 layout is checked against what bitsandbytes
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from ledgerspec.contract.document import load
-from ledgerspec.derivations import sharding as S
-from ledgerspec.derivations.sharding_estimate import rank_groups
+from ledgerspec.derivations.shard import state as S
+from ledgerspec.derivations.shard.simulate import rank_groups
 from tests.conftest import run_cli
 
 DATA = Path(__file__).parent / "data" / "sharding"
@@ -65,8 +65,8 @@ def _copy(tmp: Path, ledger: str = LEDGER, edits: list[tuple[str, str]] | None =
 @pytest.fixture(scope="module", params=["lora", "qlora"])
 def estimated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("torch")
-    from ledgerspec.derivations.sharding_ledger import shard
-    from ledgerspec.derivations.sharding_model import document_descriptors
+    from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import shard
 
     edits = QLORA_EDITS if request.param == "qlora" else None
     doc = load(_copy(tmp_path_factory.mktemp("shard-estimate"), edits=edits))
@@ -110,8 +110,8 @@ def test_per_rank_activations_are_the_single_device_activations(tmp_path: Path, 
     """FSDP2 shards parameters, not activations: a rank's microbatch holds what one device's does. Gathered layers
     are freed by resizing their storage to 0 (no tensor op): a tracker that missed it counted every layer's
     weights as activations. QLoRA: the 4-bit layers save nothing but their (gathered, frozen) packed weight."""
-    from ledgerspec.derivations.estimate import estimate
-    from ledgerspec.derivations.sharding_ledger import shard
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.shard.sharder import shard
 
     path = _copy(tmp_path, edits=QLORA_EDITS if kind == "qlora" else None)
     text = path.read_text(encoding="utf-8")
@@ -165,7 +165,7 @@ def test_refusals_change_nothing(tmp_path: Path, ledger: str, args: list[str], m
 def test_direct_callers_of_the_estimate_are_refused_uint8_storage(tmp_path: Path) -> None:
     """``shard`` checks the storage first; ``estimate_per_rank`` guards itself too (never a wrong number)."""
     pytest.importorskip("torch")
-    from ledgerspec.derivations.sharding_estimate import estimate_per_rank
+    from ledgerspec.derivations.shard.simulate import estimate_per_rank
     from ledgerspec.errors import LedgerspecError
 
     doc = load(_copy(tmp_path, "tiny-qlora-uint8-storage.ledger.yaml"))
@@ -179,10 +179,10 @@ def _fsdp_layouts(doc: Any, workload_class: Any, rank: int) -> dict[str, tuple[A
     import contextlib
     import warnings
 
-    from ledgerspec.derivations.build import load_config
-    from ledgerspec.derivations.sharding_estimate import fake_process_group
-    from ledgerspec.derivations.sharding_workload import fsdp_params, sharded_workload
-    from ledgerspec.derivations.workload import WorkloadSpec
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+    from ledgerspec.derivations.shard.simulate import fake_process_group
+    from ledgerspec.derivations.shard.workload import fsdp_params, sharded_workload
+    from ledgerspec.derivations.stack.build import load_config
 
     spec = WorkloadSpec.from_document(doc)
     args = (spec.attention, "cpu") if workload_class.__name__ == "EstimateWorkload" else ()
@@ -215,8 +215,8 @@ def test_qlora_fake_packed_weights_are_sharded_as_the_measured_ones(tmp_path: Pa
     import bitsandbytes.functional as bnbf
     import torch
 
-    from ledgerspec.derivations.estimate import _estimate_workload_class
-    from ledgerspec.derivations.workload import Workload
+    from ledgerspec.derivations.engine.workload import Workload
+    from ledgerspec.derivations.estimate.estimator import _estimate_workload_class
 
     doc = load(_copy(tmp_path, edits=QLORA_EDITS))
     fake = _fsdp_layouts(doc, _estimate_workload_class(), rank)
@@ -240,8 +240,8 @@ def test_qlora_forward_uses_the_gathered_packed_weight(tmp_path: Path, monkeypat
     pytest.importorskip("torch")
     from torch.distributed.tensor import DTensor
 
-    from ledgerspec.derivations.estimate_qlora import fake_4bit_linear_class
-    from ledgerspec.derivations.sharding_ledger import shard
+    from ledgerspec.derivations.estimate.qlora import fake_4bit_linear_class
+    from ledgerspec.derivations.shard.sharder import shard
 
     cls = fake_4bit_linear_class()
     original = cls.forward

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ledgerspec.contract.document import load
-from ledgerspec.derivations import sharding as S
+from ledgerspec.derivations.shard import state as S
 from tests.conftest import CliRunner
 
 DATA = Path(__file__).parent / "data" / "sharding"

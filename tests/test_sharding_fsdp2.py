@@ -1,10 +1,10 @@
 """Calculated per-rank FSDP2 state == the real sharded tensors' bytes on every rank (torchrun, gloo, CPU).
 
-Each case launches ``torchrun --nproc_per_node N`` on ``ledgerspec.derivations.sharding_probe``: a tiny Llama
+Each case launches ``torchrun --nproc_per_node N`` on ``tests/truths/sharding_probe.py``: a tiny Llama
 with uneven dim-0 sizes (vocab 1001, intermediate 200, LoRA ranks 5 and 2) gets PEFT LoRA, ``fully_shard`` per
 decoder layer + root, one AdamW step, and every rank writes the bytes it really holds. The expected figures
 come from those tensors (``to_local()`` storages, gradient storages, optimizer state tensors); the figures under
-test come from :mod:`ledgerspec.derivations.sharding` over the meta model's descriptors.
+test come from :mod:`ledgerspec.derivations.shard.state` over the meta model's descriptors.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 
 from ledgerspec.contract.document import load
-from ledgerspec.derivations import sharding as S
-from ledgerspec.derivations.sharding_model import document_descriptors
+from ledgerspec.derivations.shard import state as S
+from ledgerspec.derivations.shard.model import document_descriptors
 
 DATA = Path(__file__).parent / "data" / "sharding"
+PROBE = Path(__file__).parent / "truths" / "sharding_probe.py"
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +42,7 @@ def _run_probe(ledger: str, nproc: int, reshard: str, out: Path) -> list[dict[st
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        "-m",
-        "ledgerspec.derivations.sharding_probe",
+        str(PROBE),
         str(DATA / ledger),
         str(out),
         "--reshard-after-forward",

@@ -29,7 +29,7 @@ from ledgerspec.contract.units import parse_size
 from ledgerspec.contract.values import Value
 from ledgerspec.contract.writeback import set_figure
 from ledgerspec.contract.writer import render
-from ledgerspec.faces.cli import _load_extensions, build_parser
+from ledgerspec.faces.cli import build_parser
 from tests.conftest import EXAMPLES, REPO_ROOT, CliRunner
 from tests.test_ladder import DELETE, calc, candidate, measured, status_of, validated, with_change
 
@@ -305,7 +305,7 @@ def test_x_keys_in_pattern_maps_are_not_passed_to_peft_as_module_patterns() -> N
     """... "`x-` prefixed keys are allowed anywhere": inside `rank_pattern`/`alpha_pattern` too, where they are
     extensions, not module patterns."""
     pytest.importorskip("peft")
-    from ledgerspec.derivations.build import lora_config
+    from ledgerspec.derivations.stack.build import lora_config
 
     doc = doc_of(
         nest(
@@ -934,7 +934,6 @@ def test_a_finding_has_rule_severity_pointer_line_and_message() -> None:
 )
 def test_every_command_and_flag_of_the_spec_parses(argv: list[str]) -> None:
     """ "Command-line contract": every command and flag the spec names."""
-    _load_extensions()
     args = build_parser().parse_args(argv)
     assert args.command == argv[0] and callable(args.run)
 

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ledgerspec.derivations.tracker import (  # noqa: E402
+from ledgerspec.derivations.engine.tracker import (  # noqa: E402
     SIMULATED_OOM_MARKER,
     MemoryTracker,
     SimulatedOOM,

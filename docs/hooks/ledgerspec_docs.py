@@ -201,8 +201,8 @@ def _display(path: Path) -> str:
 
 def example_report_html(path: Path) -> str:
     from ledgerspec.contract.document import load
-    from ledgerspec.faces.report_data import gather
-    from ledgerspec.faces.report_html import render_html
+    from ledgerspec.faces.report.data import gather
+    from ledgerspec.faces.report.html import render_html
 
     return render_html(gather(load(path, _display(path))))
 
@@ -252,9 +252,8 @@ def gallery_markdown() -> str:
 
 # -- command line help ------------------------------------------------------------------------------
 def cli_markdown() -> str:
-    from ledgerspec.faces.cli import _load_extensions, build_parser
+    from ledgerspec.faces.cli import build_parser
 
-    _load_extensions()
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     choices: dict[str, Any] = getattr(sub, "choices", {})

@@ -2,7 +2,7 @@
 
 The names are transformers' ``TrainingArguments.optim`` spelling (plus plain ``adam``, ``sgd_momentum``).
 The checks wing reads this catalogue to tell whether ``optimizer.bits`` and ``optimizer.paged``
-follow from a name; :mod:`ledgerspec.derivations.optimizer_state` turns a spec into exact state bytes.
+follow from a name; :mod:`ledgerspec.derivations.stack.optimizer_state` turns a spec into exact state bytes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,13 @@
+"""``estimate``: the GPU-free estimate of a training step (activations, phase peaks, fit).
+
+- :mod:`.estimator`: :func:`estimate`, the simulated step under ``FakeTensorMode`` and its write-back;
+- :mod:`.attention`: the declared CUDA attention kernel's memory, modelled on the CPU;
+- :mod:`.qlora`: bitsandbytes 4-bit layers as bytes under fake tensors;
+- :mod:`.extrapolate`: two short traces extended to the full depth;
+- :mod:`.fit`: the fit verdict against a device;
+- :mod:`.sweep`: the Memory Sensitivity Matrix.
+"""
+
+from ledgerspec.derivations.estimate.estimator import Estimate, estimate
+
+__all__ = ["Estimate", "estimate"]

@@ -1,0 +1,457 @@
+"""``estimate``: one simulated training step under ``FakeTensorMode``: activations and phase peaks, no GPU.
+
+The exact workload of the document (:class:`ledgerspec.derivations.engine.workload.Workload`: model from
+its config, QLoRA layout, adapters, optimizer, gradient checkpointing, synthetic batches) is built
+on the meta device and materialised as fake tensors on the CPU; every tensor an op produces is
+counted by :class:`ledgerspec.derivations.engine.tracker.MemoryTracker`. Two modelling layers make the CPU
+trace say what a CUDA GPU would allocate:
+
+- attention runs through :mod:`ledgerspec.derivations.estimate.attention` (the declared CUDA kernel's
+  saved tensors and backward buffers, not the CPU kernel's);
+- 4-bit layers run through :mod:`ledgerspec.derivations.estimate.qlora` (bitsandbytes' storage and
+  its dequantization temporaries: the CUDA path for training shapes and the CPU path are the same).
+
+Phases follow the measurement protocol: after load, after adapter injection, after optimizer init,
+forward (+ loss) peak, backward peak, optimizer-step peak of the first step, and the peak of a
+second, steady-state step (two micro-steps per step when accumulating, because gradients are alive
+during the second micro-step's forward). Depth is handled by :mod:`ledgerspec.derivations.estimate.extrapolate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledgerspec.contract.document import Document, error_at
+from ledgerspec.derivations.estimate.extrapolate import Plan, extend_all, plan, with_layers
+from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
+from ledgerspec.derivations.stack.census import Progress
+from ledgerspec.errors import LedgerspecError
+
+#: the CUDA caching allocator rounds every block up to a multiple of this (c10/cuda/CUDACachingAllocator.cpp)
+CUDA_ALLOCATION_GRANULARITY = 512
+COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+#: what :attr:`Estimate.at_peak` splits the peak into (the tracker's categories folded into ledger components;
+#: ``temporary`` holds what no component owns: logits and loss in fp32, their gradients, attention and
+#: dequantization workspaces, gradients of activations in flight)
+AT_PEAK = (*COMPONENTS, "activations", "temporary")
+TARGETS = ("cuda", "cpu")
+
+
+def peak_phase(phases: dict[str, int]) -> str:
+    """The phase with the highest figure (the first one on a tie)."""
+    return max(phases, key=lambda k: phases[k])
+
+
+@dataclass
+class Estimate:
+    """The predicted memory of one configuration (bytes allocated by PyTorch tensors)."""
+
+    phases: dict[str, int]
+    activations: int
+    components: dict[str, int]
+    plan: Plan
+    attention: str
+    target: str
+    seconds: float
+    method: str
+    notes: list[str] = field(default_factory=list)
+    #: bytes alive at the moment of the peak (the highest phase), by component; they add up to the peak
+    at_peak: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_phase(self) -> str:
+        return peak_phase(self.phases)
+
+    @property
+    def peak_allocated(self) -> int:
+        return max(self.phases.values())
+
+    def fit(self, device_memory: int) -> Fit:
+        return fit(self.phases, device_memory)
+
+
+def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
+    return error_at(doc, path, message, rule="estimate", hint=hint)
+
+
+_MEASURE_HINT = "run `ledgerspec measure` on a GPU (or --device cpu) instead"
+
+
+def granularity(target: str) -> int:
+    """The allocation rounding modelled for ``target``: the CUDA caching allocator's blocks, none on the CPU."""
+    return CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1
+
+
+@contextlib.contextmanager
+def _unpacked_rows() -> Iterator[None]:
+    """Let transformers see the synthetic rows as unpacked, as it does with real tensors.
+
+    ``masking_utils.find_packed_sequence_indices`` decides from the values of ``position_ids`` whether a row
+    packs several sequences; on a fake tensor it cannot look and assumes packing, which builds an explicit
+    4-D mask (and changes the attention kernel). The workload's rows are one sequence each (positions
+    ``0..s-1``), for which the real function returns None: the replacement allocates the same intermediates
+    and returns None.
+    """
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def unpacked(position_ids: Any) -> None:
+        import torch
+
+        first = position_ids[:, :1] - 1
+        (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+        return None
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _padded_rows() -> Iterator[None]:
+    """Let transformers see the synthetic padded batch's mask as not all ones, as it does with real tensors.
+
+    ``masking_utils._ignore_causal_mask_sdpa`` decides from the values of the 2-D padding mask whether SDPA may
+    skip the explicit mask and use ``is_causal`` (only when nothing is padded). On a fake tensor it cannot look
+    and answers "do not skip" without computing anything. The workload's padded batch
+    (:meth:`ledgerspec.derivations.engine.workload.Workload.batch`) always ends its last row with a padding
+    position, for which the real function also answers "do not skip" after two ``fast_all`` reductions (over the
+    mask, then over its first ``q_length`` columns): the replacement allocates those same small intermediates and
+    answers False. Without a 2-D mask, or with real tensors, it is the original function. (The other
+    value-dependent mask helpers are not reached: ``find_packed_sequence_indices`` runs only without a 2-D mask, see
+    :func:`_unpacked_rows`; ``flash_attention_mask`` never sees the mask, see ``EstimateWorkload.forward``.)
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from transformers import masking_utils
+
+    original = masking_utils._ignore_causal_mask_sdpa
+
+    def padded(
+        padding_mask: Any,
+        q_length: int,
+        kv_length: int,
+        q_offset: int,
+        kv_offset: int,
+        local_attention_size: int | None = None,
+    ) -> bool:
+        if padding_mask is None or not is_fake(padding_mask):
+            return bool(original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size))
+        import torch
+
+        if padding_mask.shape[-1] > kv_length:
+            padding_mask = padding_mask[:, torch.arange(kv_length, device=padding_mask.device) + kv_offset]
+        if local_attention_size is not None and kv_length >= local_attention_size:
+            return False
+        if q_length == 1 or kv_length == q_length:
+            masking_utils.fast_all(padding_mask)  # False: the last row ends in padding
+        if q_offset == 0:
+            masking_utils.fast_all(padding_mask[:, :q_length])  # False for the same position: `and` stops here
+        return False
+
+    masking_utils._ignore_causal_mask_sdpa = padded
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = original
+
+
+def _estimate_workload_class() -> Any:
+    """The shared :class:`Workload`, plus the two CUDA modelling layers applied right after ``prepare``."""
+    import torch
+
+    from ledgerspec.derivations.engine.workload import Workload
+
+    class EstimateWorkload(Workload):
+        """``prepare`` as the measurement does, then 4-bit layers as bytes and attention as the CUDA kernel."""
+
+        def __init__(self, doc: Document, spec: Any, source: Any, attention: str, target: str) -> None:
+            # FlashAttention is not installed on the CPU: build with eager (every architecture has it); the
+            # attention calls are routed to the FlashAttention model in ``prepare``
+            build_spec = spec.changed(attention="eager") if attention.startswith("flash_attention") else spec
+            super().__init__(doc, build_spec, source)
+            self.declared_attention = attention
+            self.target = target
+            self.stack = contextlib.ExitStack()
+
+        def prepare(self) -> None:
+            super().prepare()
+            if self.spec.quant is not None:
+                from ledgerspec.derivations.estimate.qlora import model_4bit_layers
+
+                model_4bit_layers(self.model, getattr(torch, self.spec.loaded_dtype))
+            from ledgerspec.derivations.estimate.attention import cuda_attention
+
+            self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
+            self.stack.enter_context(_unpacked_rows())
+            if self.spec.padded:
+                self.stack.enter_context(_padded_rows())
+
+        def forward(self, inputs: Any) -> Any:
+            """FlashAttention: padded rows modelled as full rows (the mask is not passed, see :func:`method_text`)."""
+            if isinstance(inputs, dict) and self.declared_attention.startswith("flash_attention"):
+                return super().forward(inputs["input_ids"])
+            return super().forward(inputs)
+
+    return EstimateWorkload
+
+
+def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[str, int]:
+    """One simulated protocol run (:func:`ledgerspec.derivations.engine.protocol.run_protocol` with fake tensors).
+
+    Accumulation runs two micro-steps, not all of them: from the second micro-step on, the gradients are
+    allocated and every micro-step allocates the same tensors, so the peaks are those of the full run.
+    """
+    from ledgerspec.derivations.engine.protocol import TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.tracker import by_component
+
+    run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
+    workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target)
+    backend = TrackerBackend(fake=True, granularity=granularity(target))
+    with workload.stack, warnings.catch_warnings():
+        # the simulation builds a paged optimizer on the CPU, where bitsandbytes warns that paging falls back;
+        # the estimate models the paged state itself, so the warning is about the simulation, not the user's run
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU", category=UserWarning)
+        result = run_protocol(workload, backend, device="cpu", steps=1)
+    if result.oom or not result.complete:  # no limit is set: cannot happen, but never report a partial run
+        raise _err(doc, ("identity",), f"the simulated step stopped early ({result.oom_message})", _MEASURE_HINT)
+    out = {name: rec.figure for name, rec in result.phases.items()}
+    out["activations"] = result.activations_saved or 0
+    held = by_component(result.phases["after_adapter_injection"].census)
+    grads = by_component(result.phases["backward_peak"].census)
+    state = by_component(result.phases["optimizer_step_peak"].census)
+    out["component.frozen_base"] = held.get("frozen_base", 0)
+    out["component.adapter"] = held.get("adapter", 0)
+    out["component.gradients"] = grads.get("gradients", 0)
+    out["component.optimizer"] = state.get("optimizer", 0)
+    for name, rec in result.phases.items():  # what is alive at each phase's peak, by ledger component
+        live = by_component(rec.categories_at_peak or {})
+        for comp in AT_PEAK:
+            out[f"at.{name}.{comp}"] = live.get(comp, 0)
+    return out
+
+
+def _fail(doc: Document, exc: BaseException, architecture: str | None) -> LedgerspecError:
+    """A trace failure as one clear line: which op or architecture, and what to do instead."""
+    from ledgerspec.derivations.estimate.attention import UnsupportedAttention
+
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if isinstance(exc, UnsupportedAttention):
+        return _err(
+            doc, ("software", "attention_implementation"), f"cannot model this attention: {text}", _MEASURE_HINT
+        )
+    name = type(exc).__name__
+    op = getattr(exc, "func", None) or getattr(exc, "op", None)
+    if op is not None or name in (
+        "UnsupportedFakeTensorException",
+        "DynamicOutputShapeException",
+        "DataDependentOutputException",
+        "UnsupportedOperatorException",
+    ):
+        which = f"op {op}" if op is not None else "an op"
+        return _err(
+            doc,
+            ("identity",),
+            f"{which} has no fake-tensor kernel, the step cannot be simulated ({name}: {text})",
+            _MEASURE_HINT,
+        )
+    arch = architecture or "this architecture"
+    return _err(doc, ("identity",), f"{arch} cannot be traced under FakeTensorMode ({name}: {text})", _MEASURE_HINT)
+
+
+def padding_text(attention: str, target: str) -> str:
+    """The method sentence for padded batches (microbatch > 1 without packing or padding-free batching)."""
+    text = (
+        "padded batches: every row max length but the last, one token shorter (attention mask 0, label -100 "
+        "at its last position), the mask passed to the model"
+    )
+    if attention == "sdpa" and target == "cuda":
+        text += (
+            "; SDPA then takes the memory-efficient kernel with k/v repeated to all heads and saves the mask's "
+            "additive bias in every layer"
+        )
+    if attention.startswith("flash_attention") and target == "cuda":
+        text += (
+            "; for flash attention the mask is NOT passed: padded rows are modelled as full rows (transformers' "
+            "unpad/varlen path gathers q/k/v into (tokens, heads, dim) copies of nearly the same size; those "
+            "copies are not modelled)"
+        )
+    return text
+
+
+def method_text(est_plan: Plan, attention: str, target: str, quant: bool, padded: bool = False) -> str:
+    from ledgerspec.derivations.engine.workload import METHOD_NOTES
+    from ledgerspec.derivations.estimate.attention import method_text as attention_method
+
+    parts = [
+        "ledgerspec estimate: one training step plus a steady-state step simulated under torch FakeTensorMode "
+        "(exact model, adapters, optimizer, checkpointing; no GPU), every tensor storage counted by a dispatch-level "
+        "tracker",
+        est_plan.describe(),
+        attention_method(attention)
+        if target == "cuda"
+        else "attention: the CPU kernels (target cpu; SDPA as PyTorch's CPU flash kernel: output + fp32 log-sum-exp)",
+    ]
+    if quant:
+        parts.append("4-bit layers: bitsandbytes storage exact, CUDA dequantize+linear temporaries counted")
+    if target == "cuda":
+        parts.append("each allocation rounded up to 512 B as the CUDA caching allocator does")
+    parts.append(METHOD_NOTES)
+    if padded:
+        parts.append(padding_text(attention, target))
+    parts.append(
+        "limits: PyTorch tensors only (no CUDA context, cuBLAS workspace, allocator caching or "
+        "fragmentation, NCCL); activations = bytes held from forward to backward of the first micro-step"
+    )
+    return "; ".join(parts)
+
+
+def estimate(
+    doc: Document, target: str = "cuda", layers: str = "auto", progress: Progress | None = None, offline: bool = True
+) -> Estimate:
+    """The estimate of ``doc``. ``layers``: ``auto`` (extrapolate when possible) or ``full``."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}")
+    started = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    say("loading the model config")
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+    from ledgerspec.derivations.stack.build import ModelSource, load_config
+
+    if doc.kind not in ("ledger", "intake"):
+        raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
+    _check_intake(doc)
+    spec = WorkloadSpec.from_document(doc)
+    _check_attention(doc, spec.attention)
+    source = load_config(doc, offline=offline)
+    config = source.config
+    try:
+        est_plan = plan(config)
+    except ValueError:
+        raise _err(
+            doc,
+            ("identity",),
+            f"{source.architecture or 'this model'} has no num_hidden_layers: not a "
+            "decoder stack the estimate can trace",
+            _MEASURE_HINT,
+        ) from None
+    if layers == "full":
+        est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
+
+    def run(n: int | None) -> dict[str, int]:
+        src = (
+            source
+            if n is None
+            else ModelSource(with_layers(config, n), source.config_file, source.sha256, source.architecture)
+        )
+        say(f"tracing {n or est_plan.layers} layers")
+        try:
+            return trace(doc, spec, src, target)
+        except LedgerspecError:
+            raise
+        except Exception as exc:  # any failure inside torch/transformers: one clear line, never a wrong number
+            raise _fail(doc, exc, source.architecture) from None
+
+    if est_plan.probes is None:
+        figures = run(None)
+    else:
+        n1, n2 = est_plan.probes
+        figures = extend_all(run(n1), run(n2), n1, n2, est_plan.layers)
+    phases = {k: figures[k] for k in PHASES}
+    components = {k: figures[f"component.{k}"] for k in COMPONENTS}
+    components["activations"] = figures["activations"]
+    method = method_text(est_plan, spec.attention, target, spec.quant is not None, spec.padded)
+    at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
+    return Estimate(
+        phases,
+        figures["activations"],
+        components,
+        est_plan,
+        spec.attention,
+        target,
+        time.perf_counter() - started,
+        method,
+        at_peak=at_peak,
+    )
+
+
+def _check_intake(doc: Document) -> None:
+    """The simulation needs the minimum intake (the model's identity may be a local config instead)."""
+    from ledgerspec.checks.ladder import minimum_intake_gaps
+
+    local = doc.get("identity", "config_path").known
+    gaps = [g for g in minimum_intake_gaps(doc) if not (local and g.startswith("identity."))]
+    if gaps:
+        first = gaps[0].split(" ")[0].split(".")
+        raise _err(
+            doc,
+            tuple(first),
+            f"cannot simulate an incomplete configuration: {'; '.join(gaps)}",
+            f"fill the minimum intake (`ledgerspec validate {doc.path} -v` lists it)",
+        )
+
+
+def _check_attention(doc: Document, attention: str) -> None:
+    from ledgerspec.derivations.estimate.attention import KNOWN
+
+    if attention not in KNOWN:
+        raise _err(
+            doc,
+            ("software", "attention_implementation"),
+            f"attention implementation {attention!r} is not modelled by the estimate (modelled: {', '.join(KNOWN)})",
+            _MEASURE_HINT,
+        )
+
+
+def device_memory_of(doc: Document) -> int | None:
+    """The target device memory declared in ``result.target_device.memory``, if any."""
+    return doc.get("result", "target_device", "memory").size()
+
+
+def write_back(doc: Document, est: Estimate, device_memory: int | None, from_flag: bool) -> list[Any]:
+    """Record the estimate in a ledger: ``ledger.activations``, ``x-estimate`` and, with a device, the fit.
+
+    ``temporary`` is never written (MEASURED only). A stronger ``ledger.activations`` (MEASURED) is kept.
+    ``x-estimate.inputs`` fingerprints the fields the estimate read (:mod:`ledgerspec.contract.fingerprint`).
+    """
+    from ledgerspec import __version__
+    from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
+    from ledgerspec.contract.subtotal import write_subtotal
+    from ledgerspec.contract.writeback import set_extension, set_figure, set_plain
+
+    changes: list[Any] = []
+    changes.append(set_figure(doc, ("ledger", "activations"), est.activations, "CALCULATED", method=est.method))
+    block: dict[str, Any] = {
+        "source": "CALCULATED",
+        "peak_allocated": {
+            "value": est.peak_allocated,
+            "source": "CALCULATED",
+            "method": "maximum of the predicted phase peaks (bytes allocated by PyTorch tensors)",
+        },
+        "phases": dict(est.phases),
+        "components": dict(est.components),
+        "at_peak": {"phase": est.peak_phase, **est.at_peak},
+        "target": est.target,
+        "attention_implementation": est.attention,
+        "layers": est.plan.describe(),
+        "tool": f"ledgerspec {__version__}",
+    }
+    if device_memory is not None:
+        verdict = est.fit(device_memory)
+        block.update({"device_memory": device_memory, "fits": verdict.fits, "headroom": verdict.headroom})
+        if verdict.oom_phase:
+            block["oom_phase"] = verdict.oom_phase
+        if from_flag:
+            changes.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
+        changes.append(set_plain(doc, ("result", "fits"), verdict.fits, force=True))
+    block["inputs"] = digests(doc, WORKLOAD_INPUTS)  # what it was estimated from: `validate` notices edits (LS006)
+    changes.append(set_extension(doc, ("x-estimate",), block))
+    changes.append(write_subtotal(doc))  # now with activations, as `resolve` would write it
+    return [c for c in changes if c is not None]

@@ -1,0 +1,117 @@
+"""From a built model to FSDP2 units and parameter descriptors (the torch side of :mod:`sharding`).
+
+The units are the ones a ``fully_shard`` per decoder layer + root wrap gives: every module whose class is in
+the model's ``_no_split_modules`` (transformers' decoder-layer classes, what accelerate's FSDP auto-wrap
+uses) is one unit; every other parameter belongs to the root unit. Imports torch only inside functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ledgerspec.contract.document import Document
+from ledgerspec.derivations.shard.state import ROOT, ParamDesc, packed_4bit_shape
+
+
+def _no_split_classes(model: Any) -> set[str]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = getattr(base, "_no_split_modules", None) or []
+    return {str(n) for n in names}
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The modules that get their own ``fully_shard``: outermost instances of the no-split classes."""
+    import torch.nn as nn
+
+    classes = _no_split_classes(model)
+    found: list[tuple[str, Any]] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in classes and not any(name.startswith(p + ".") for p, _ in found):
+            found.append((name, module))
+    if not found:  # no declared layer classes: the longest ModuleList (the decoder stack)
+        sizes: list[tuple[int, Any]] = [(len(m), m) for m in model.modules() if isinstance(m, nn.ModuleList)]
+        if sizes:
+            return list(max(sizes, key=lambda s: s[0])[1])
+    return [m for _, m in found]
+
+
+def unit_names(model: Any) -> list[str]:
+    layers = {id(m) for m in decoder_layers(model)}
+    return [name for name, m in model.named_modules() if id(m) in layers]
+
+
+def descriptors(model: Any) -> list[ParamDesc]:
+    """One :class:`ParamDesc` per distinct parameter and buffer of ``model`` (tied weights once)."""
+    units = unit_names(model)
+    out: list[ParamDesc] = []
+
+    def unit_of(name: str) -> str:
+        for u in units:
+            if name.startswith(u + "."):
+                return u
+        return ROOT
+
+    for name, p in model.named_parameters():
+        out.append(
+            ParamDesc(
+                name,
+                tuple(int(d) for d in p.shape),
+                str(p.dtype).removeprefix("torch."),
+                bool(p.requires_grad),
+                unit_of(name),
+            )
+        )
+    for name, b in model.named_buffers():
+        out.append(
+            ParamDesc(
+                name,
+                tuple(int(d) for d in b.shape),
+                str(b.dtype).removeprefix("torch."),
+                False,
+                unit_of(name),
+                kind="buffer",
+            )
+        )
+    return out
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def document_descriptors(doc: Document, offline: bool = True, trust_remote_code: bool = False) -> list[ParamDesc]:
+    """The descriptors of the document's training stack, from the resolver's census (meta device, no memory).
+
+    4-bit weights become their packed storage (``(n + 1) // (2 * s)`` x 1 in the ``bnb_4bit_quant_storage``
+    dtype), which FSDP2 shards like any parameter; their quantization constants (absmax, code, nested
+    state) are not parameters and stay whole on every rank, so they are replicated descriptors.
+    """
+    from ledgerspec.derivations.stack import build
+    from ledgerspec.derivations.stack.census import census
+
+    source = build.load_config(doc, offline=offline, trust_remote_code=trust_remote_code)
+    c = census(doc, source, trust_remote_code=trust_remote_code)
+    base = build.build_meta_model(doc, source, trust_remote_code=trust_remote_code)
+    units = [_PEFT_PREFIX + u for u in unit_names(base)]
+
+    def unit_of(name: str) -> str:
+        for u in units:
+            if name.startswith(u + "."):
+                return u
+        return ROOT
+
+    out: list[ParamDesc] = []
+    for r in c.tensors:
+        unit = unit_of(r.name)
+        if r.quantized and c.quant.kind == "bnb4":
+            q = c.quant.weight_bytes(r.shape)
+            out.append(
+                ParamDesc(r.name, packed_4bit_shape(r.numel, c.quant.storage_dtype), c.quant.storage_dtype, False, unit)
+            )
+            out.append(ParamDesc(r.name + ".quant_state", (q.constants,), "uint8", False, unit, kind="buffer"))
+        elif r.quantized:
+            raise ValueError(
+                f"{r.name}: FSDP2 per-rank state is calculated for 4-bit (nf4/fp4) QLoRA, not {c.quant.kind}"
+            )
+        else:
+            out.append(ParamDesc(r.name, r.shape, r.dtype, r.trainable, unit, kind="buffer" if r.buffer else "param"))
+    return out

@@ -1,0 +1,208 @@
+"""Write the calculated per-rank state into a document: ``parallelism.x-per-rank`` (CALCULATED figures).
+
+FSDP2 per-rank figures for each rank plus ZeRO-1/2/3 (without and with CPU offload) for comparison, each a
+long-form figure ``{value, source: CALCULATED, method}``. With ``estimate=True`` an ``estimate`` block is added:
+each rank's predicted phases from a simulated FSDP2 step (:mod:`ledgerspec.derivations.shard.simulate`) and,
+given a device memory, the fit verdict. The declared ``parallelism`` inputs are not touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ledgerspec.contract.document import Document, error_at
+from ledgerspec.contract.writeback import Change, set_extension
+from ledgerspec.contract.writer import render
+from ledgerspec.derivations.shard import state as S
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
+
+EXTENSION = ("parallelism", "x-per-rank")
+
+
+def _err(
+    doc: Document,
+    path: tuple[str, ...],
+    message: str,
+    hint: str | None = None,
+    code: int = EXIT_FINDINGS,
+    rule: str = "shard",
+) -> LedgerspecError:
+    return error_at(doc, path, message, rule=rule, hint=hint, exit_code=code)
+
+
+def world_size(doc: Document, nproc: int | None) -> int:
+    if nproc is not None:
+        if nproc < 1:
+            raise LedgerspecError(f"--nproc must be >= 1, got {nproc}", doc.path, rule="shard", exit_code=EXIT_USAGE)
+        return nproc
+    gpus = doc.get("parallelism", "gpu_count").integer()
+    if gpus is None or gpus < 1:
+        raise _err(
+            doc,
+            ("parallelism",) if doc.get("parallelism").present else ("ledgerspec",),
+            "no rank count: parallelism.gpu_count is missing or UNKNOWN",
+            "pass --nproc N",
+            EXIT_USAGE,
+        )
+    return gpus
+
+
+def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -> None:
+    """QLoRA is shardable only with ``bnb_4bit_quant_storage`` equal to the loaded float dtype (``shard`` and
+    ``measure --nproc`` both refuse other layouts here, each under its own rule name and exit code)."""
+    kind = (doc.get("method", "kind").text() or "").strip()
+    quantized = doc.get("base_model", "quantized").switch()
+    if quantized is False or (quantized is None and kind != "QLoRA"):
+        return
+    q = ("base_model", "quantization")
+    if (doc.get(*q, "type").text() or "").lower() == "int8":
+        raise _err(doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", code=code, rule=rule)
+    storage = doc.get(*q, "storage_dtype")
+    why = S.qlora_shardable(storage.text() if storage.known else None, doc.get("base_model", "loaded_dtype").text())
+    if why:
+        path = (*q, "storage_dtype") if storage.present else (q if doc.get(*q).present else ("base_model",))
+        raise _err(
+            doc,
+            path,
+            why,
+            "set base_model.quantization.storage_dtype to the loaded dtype "
+            "(BitsAndBytesConfig(bnb_4bit_quant_storage=...)), as FSDP-QLoRA recipes do",
+            code=code,
+            rule=rule,
+        )
+
+
+#: how an unset ``reshard_after_forward`` is reported (as ``measure --nproc`` records it)
+FSDP2_DEFAULT = "fsdp2 default"
+
+
+def _reshard(doc: Document) -> bool:
+    value = doc.get("parallelism", "reshard_after_forward").switch()
+    return True if value is None else value
+
+
+@dataclass
+class ShardResult:
+    plan: S.Fsdp2Plan
+    zero: dict[str, S.ZeroState]
+    extension: dict[str, Any]
+    change: Change | None
+    text: str
+    estimate: Any = None  # sharding_estimate.ShardEstimate with estimate=True
+    device_memory: int | None = None
+
+
+def _fig(value: int, method: str) -> dict[str, Any]:
+    return {"value": value, "source": "CALCULATED", "method": method}
+
+
+def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -> dict[str, Any]:
+    w = plan.world_size
+    pad = f"FSDP2 dim-0 shards padded to ceil(d0/{w}) rows"
+    ranks = []
+    for rs in plan.ranks:
+        ranks.append(
+            {
+                "rank": rs.rank,
+                "frozen_base": _fig(rs.frozen_base, f"{pad}; + buffers, quant constants (replicated)"),
+                "adapter": _fig(rs.adapter, f"{pad}, trainable parameters"),
+                "gradients": _fig(rs.gradients, f"{pad}, reduce-scatter output"),
+                "optimizer": _fig(rs.optimizer, f"{optimizer} state on the unpadded local rows"),
+                "gathered_parameters": _fig(
+                    rs.gathered,
+                    f"{len(plan.gathered_units)} unit(s) all-gathered during "
+                    "compute: " + ", ".join(plan.gathered_units),
+                ),
+                "model_state": _fig(rs.with_gathered, "sum of the above; no activations or temporaries"),
+            }
+        )
+    zero_out: dict[str, Any] = {}
+    for key, z in zero.items():
+        how = f"ZeRO-{z.stage}{' + CPU offload' if z.offload else ''}: ceil(bytes/{w}) when partitioned"
+        zero_out[key] = {
+            "parameters": _fig(z.parameters, how),
+            "gradients": _fig(z.gradients, how),
+            "optimizer": _fig(z.optimizer, how),
+            "device_total": _fig(z.device_total, how),
+            "host": _fig(z.host, how + ", on the host"),
+        }
+    return {
+        "strategy": "fsdp2 (fully_shard per decoder layer + root)",
+        "world_size": w,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "calculated_by": S.CALCULATED_BY,
+        "ranks": ranks,
+        "zero": zero_out,
+    }
+
+
+def compute(doc: Document, descs: list[S.ParamDesc], world: int) -> tuple[S.Fsdp2Plan, dict[str, S.ZeroState]]:
+    optimizer = doc.get("optimizer", "name").text() or ""
+    try:
+        plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc))
+    except ValueError as exc:
+        raise _err(doc, ("optimizer", "name") if "optimizer" in str(exc) else ("identity",), str(exc)) from None
+    t = S.totals(descs, optimizer)
+    zero = {
+        f"zero{stage}{'_offload' if off else ''}": S.zero(
+            stage,
+            world,
+            t["frozen"],
+            t["trainable"],
+            t["gradients"],
+            t["optimizer"],
+            offload=off,
+            replicated_bytes=t["replicated"],
+        )
+        for stage in (1, 2, 3)
+        for off in (False, True)
+    }
+    return plan, zero
+
+
+def shard(
+    doc: Document,
+    nproc: int | None = None,
+    offline: bool = True,
+    trust_remote_code: bool = False,
+    estimate: bool = False,
+    target: str = "cuda",
+    device_memory: int | None = None,
+    layers: str = "auto",
+) -> ShardResult:
+    """Calculate the per-rank state of ``doc`` and write it into the document (in memory).
+
+    ``estimate``: also simulate each rank's FSDP2 step and predict its phases; ``device_memory`` (default
+    ``result.target_device.memory``) gives the fit verdict of every rank.
+    """
+    from ledgerspec.derivations.shard.model import document_descriptors
+
+    world = world_size(doc, nproc)
+    check_qlora(doc)
+    if not doc.get("optimizer", "name").text():
+        raise _err(
+            doc,
+            ("optimizer",) if doc.get("optimizer").present else ("ledgerspec",),
+            "optimizer.name is needed to size the optimizer state per rank",
+        )
+    try:
+        descs = document_descriptors(doc, offline=offline, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise _err(doc, ("base_model",), str(exc)) from None
+    plan, zero = compute(doc, descs, world)
+    ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
+    if doc.get("parallelism", "reshard_after_forward").switch() is None:
+        # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
+        # peak as true, which the calculated plan uses; the estimate simulates the default itself)
+        ext["reshard_after_forward"] = FSDP2_DEFAULT
+    est = None
+    if estimate:
+        from ledgerspec.derivations.shard.simulate import estimate_per_rank, extension_block
+
+        if device_memory is None:
+            device_memory = doc.get("result", "target_device", "memory").size()
+        est = estimate_per_rank(doc, world, descs, target=target, layers=layers, offline=offline)
+        ext["estimate"] = extension_block(est, device_memory)
+    change = set_extension(doc, EXTENSION, ext)
+    return ShardResult(plan, zero, ext, change, render(doc.data, doc.text), est, device_memory)

@@ -1,0 +1,308 @@
+"""The per-rank estimate under FSDP2: a simulated FSDP2 training step per rank, fake tensors, fake process group.
+
+"Does it fit on 2 x 24 GB?" before renting: for rank ``r`` of ``W``, a fake process group
+(``torch.testing._internal.distributed.fake_pg.FakeStore``: collectives return at once, their output
+buffers are the ones FSDP2 itself allocates) is initialised in this process and the estimate's workload
+(:func:`ledgerspec.derivations.estimate.estimator.trace`'s: exact model, adapters, optimizer, checkpointing, the CUDA
+attention model, 512-byte allocator rounding for the cuda target) is sharded with ``fully_shard`` per decoder
+layer + root (:mod:`ledgerspec.derivations.shard.workload`) and run through the measurement protocol
+under ``FakeTensorMode`` with the dispatch-level tracker. What this rank holds is therefore what FSDP2 really
+allocates: its padded shards, the all-gathered units while they compute (and the root kept gathered), the
+unsharded gradients before reduce-scatter and the padded gradient shards after it, the optimizer state of
+its rows, and the activations of its own microbatch (FSDP2 does not shard activations). Depth is handled
+as in ``estimate`` (two probe depths, extrapolated linearly; the gathered units do not grow with depth).
+
+Ranks whose every parameter has the same number of local rows hold the same bytes; one of each such group
+is simulated and the others share its figures.
+
+Not modelled: NCCL's communicator and internal buffers, CUDA context, cuBLAS workspaces, allocator caching
+and fragmentation, and CUDA stream overlap (on a GPU the next unit's all-gather can be in flight while the
+current one computes: up to one more unit's gathered parameters than simulated here).
+
+QLoRA (``bnb_4bit_quant_storage`` = the loaded float dtype, the only layout FSDP2 can shard; other storage is
+refused): the estimate's workload replaces every bitsandbytes ``Linear4bit`` by
+:class:`ledgerspec.derivations.estimate.qlora.Fake4bitLinear` before ``fully_shard``, whose weight is a Parameter
+of the packed shape ``((n + 1) // (2 * s), 1)`` in the storage dtype, the shape a loaded model holds
+(:func:`ledgerspec.derivations.shard.state.packed_4bit_shape`, what ``measure --nproc`` shards). FSDP2 therefore
+shards and pads it as it does the real one, all-gathers it with its layer, and the fake layer's forward receives
+the gathered weight (and allocates bitsandbytes' dequantization temporaries); the quantization constants (absmax,
+code, nested state) are buffers, whole on every rank, as in the real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledgerspec.contract.document import Document, error_at
+from ledgerspec.derivations.estimate.extrapolate import Plan
+from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
+from ledgerspec.derivations.shard.state import (
+    ParamDesc,
+    chunk_rows,
+    kept_after_forward,
+    qlora_shardable,
+    unit_unsharded_bytes,
+)
+from ledgerspec.errors import LedgerspecError
+
+Progress = Callable[[str], None]
+COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+
+
+@dataclass
+class RankEstimate:
+    """One rank's predicted phases (bytes allocated by PyTorch tensors)."""
+
+    rank: int
+    phases: dict[str, int]
+    activations: int  # held after the first forward, less the parameters FSDP2 keeps gathered into backward
+    components: dict[str, int]
+    simulated_as: int  # the rank whose simulation these figures are (same local rows for every parameter)
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+
+@dataclass
+class ShardEstimate:
+    world_size: int
+    reshard_after_forward: bool | None
+    target: str
+    ranks: list[RankEstimate]
+    plan: Plan
+    method: str
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    def fits(self, device_memory: int) -> list[Fit]:
+        return [fit(r.phases, device_memory) for r in self.ranks]
+
+
+def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
+    return error_at(doc, path, message, rule="shard", hint=hint)
+
+
+def rank_groups(descs: list[ParamDesc], world: int) -> dict[int, list[int]]:
+    """``{representative rank: ranks}``: ranks with the same local rows of every parameter hold the same bytes."""
+    layouts: dict[tuple[int, ...], list[int]] = {}
+    rows = [chunk_rows(d.shape[0], world) for d in descs if d.kind == "param" and d.shape]
+    for r in range(world):
+        layouts.setdefault(tuple(x[r] for x in rows), []).append(r)
+    return {members[0]: members for members in layouts.values()}
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world: int) -> Iterator[None]:
+    """A fake default process group of ``world`` ranks, this process being ``rank`` (no communication)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate_rank(
+    doc: Document, spec: Any, source: Any, target: str, world: int, rank: int, reshard_after_forward: bool | None
+) -> dict[str, int]:
+    """One simulated FSDP2 protocol run for ``rank`` of ``world``: phase figures, activations, components."""
+    import warnings
+
+    from ledgerspec.derivations.engine.protocol import TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.tracker import by_component
+    from ledgerspec.derivations.estimate.estimator import _estimate_workload_class, granularity
+    from ledgerspec.derivations.shard.workload import sharded_workload
+
+    run_spec = spec.changed(accumulation=min(spec.accumulation, 2))  # as estimate.trace: enough for the peaks
+    cls = sharded_workload(_estimate_workload_class())
+    with fake_process_group(rank, world), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DTensor's "random operators on a cpu mesh" warning: values do not matter
+        workload = cls(doc, run_spec, source, spec.attention, target)
+        workload.reshard_after_forward = reshard_after_forward
+        backend = TrackerBackend(fake=True, granularity=granularity(target))
+        with workload.stack:
+            result = run_protocol(workload, backend, device="cpu", steps=1)
+    if result.oom or not result.complete:
+        raise _err(doc, ("identity",), f"the simulated FSDP2 step stopped early ({result.oom_message})")
+    out = {name: rec.figure for name, rec in result.phases.items()}
+    out["activations"] = result.activations_saved or 0
+    held = by_component(result.phases["after_adapter_injection"].census)
+    out["component.frozen_base"] = held.get("frozen_base", 0)
+    out["component.adapter"] = held.get("adapter", 0)
+    out["component.gradients"] = by_component(result.phases["backward_peak"].census).get("gradients", 0)
+    out["component.optimizer"] = by_component(result.phases["optimizer_step_peak"].census).get("optimizer", 0)
+    return out
+
+
+def estimate_per_rank(
+    doc: Document,
+    world: int,
+    descs: list[ParamDesc],
+    target: str = "cuda",
+    layers: str = "auto",
+    progress: Progress | None = None,
+    offline: bool = True,
+) -> ShardEstimate:
+    """The per-rank estimate of ``doc`` on ``world`` FSDP2 ranks (``descs``: the full model's descriptors)."""
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+    from ledgerspec.derivations.estimate import estimator as E
+    from ledgerspec.derivations.estimate.extrapolate import extend_all, plan, with_layers
+    from ledgerspec.derivations.stack.build import ModelSource, load_config
+
+    started = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    if target not in E.TARGETS:
+        raise ValueError(f"target must be one of {E.TARGETS}")
+    E._check_intake(doc)
+    spec = WorkloadSpec.from_document(doc)
+    if spec.quant is not None:
+        why = qlora_shardable(spec.quant.storage_dtype, spec.loaded_dtype)
+        if why:  # `shard` checks the document first; this guards direct callers
+            raise _err(doc, ("base_model", "quantization", "storage_dtype"), why)
+    E._check_attention(doc, spec.attention)
+    reshard = doc.get("parallelism", "reshard_after_forward").switch()
+    source = load_config(doc, offline=offline)
+    try:
+        est_plan = plan(source.config)
+    except ValueError:
+        raise _err(doc, ("identity",), "the model has no num_hidden_layers: not a decoder stack") from None
+    if layers == "full":
+        est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
+    groups = rank_groups(descs, world)
+    units = unit_unsharded_bytes(descs, world)
+    kept = kept_after_forward(units, reshard)  # gathered parameters in "held after the forward"
+
+    def run(n: int | None, rank: int) -> dict[str, int]:
+        src = (
+            source
+            if n is None
+            else ModelSource(with_layers(source.config, n), source.config_file, source.sha256, source.architecture)
+        )
+        say(f"simulating rank {rank} of {world} with {n or est_plan.layers} layers")
+        try:
+            return simulate_rank(doc, spec, src, target, world, rank, reshard)
+        except LedgerspecError:
+            raise
+        except Exception as exc:  # one clear line, never a wrong number
+            raise E._fail(doc, exc, source.architecture) from None
+
+    by_rank: dict[int, RankEstimate] = {}
+    for rep, members in groups.items():
+        if est_plan.probes is None:
+            figures = run(None, rep)
+        else:
+            n1, n2 = est_plan.probes
+            figures = extend_all(run(n1, rep), run(n2, rep), n1, n2, est_plan.layers)
+        for r in members:
+            by_rank[r] = RankEstimate(
+                r,
+                {k: figures[k] for k in PHASES},
+                max(0, figures["activations"] - kept),
+                {k: figures[f"component.{k}"] for k in COMPONENTS},
+                rep,
+            )
+    ranks = [by_rank[r] for r in range(world)]
+    notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
+    return ShardEstimate(
+        world,
+        reshard,
+        target,
+        ranks,
+        est_plan,
+        method_text(world, reshard, est_plan, spec.attention, target, spec.padded, spec.quant is not None),
+        time.perf_counter() - started,
+        notes,
+    )
+
+
+def method_text(
+    world: int,
+    reshard: bool | None,
+    est_plan: Plan,
+    attention: str,
+    target: str,
+    padded: bool = False,
+    quant: bool = False,
+) -> str:
+    from ledgerspec.derivations.estimate.estimator import method_text as single
+
+    how = "FSDP2 default" if reshard is None else f"reshard_after_forward={str(reshard).lower()}"
+    return (
+        "ledgerspec shard --estimate: one FSDP2 training step per rank simulated under torch FakeTensorMode with a "
+        f"fake process group of {world} ranks (fully_shard per decoder layer + root, {how}): the rank's padded "
+        "shards, all-gathered units during compute, unsharded gradients before reduce-scatter and padded "
+        "gradient shards after it, optimizer state of its rows, activations of its own microbatch (not "
+        "sharded); ignores NCCL communicator/internal buffers, CUDA context and allocator caching, and stream "
+        "overlap (one prefetched unit's all-gather may be in flight on a GPU); "
+        + (
+            "the packed 4-bit weights sharded like any parameter, their quantization constants whole on every rank; "
+            if quant
+            else ""
+        )
+        + single(est_plan, attention, target, quant, padded)
+    )
+
+
+def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, Any]:
+    """The ``estimate`` block of ``parallelism.x-per-rank``."""
+    ranks = []
+    fits = est.fits(device_memory) if device_memory is not None else None
+    for i, r in enumerate(est.ranks):
+        row: dict[str, Any] = {
+            "rank": r.rank,
+            "peak_allocated": {
+                "value": r.peak,
+                "source": "CALCULATED",
+                "method": f"maximum of rank {r.rank}'s simulated phase peaks",
+            },
+            "phases": dict(r.phases),
+            "activations": r.activations,
+            "components": dict(r.components),
+        }
+        if r.simulated_as != r.rank:
+            row["same_as_rank"] = r.simulated_as
+        if fits is not None:
+            row["fits"] = fits[i].fits
+            row["headroom"] = fits[i].headroom
+            if fits[i].oom_phase_key:
+                row["oom_phase"] = fits[i].oom_phase_key
+        ranks.append(row)
+    block: dict[str, Any] = {
+        "source": "CALCULATED",
+        "method": est.method,
+        "target": est.target,
+        "worst_rank_peak": {
+            "value": est.worst,
+            "source": "CALCULATED",
+            "method": "the largest per-rank predicted peak (never a sum across ranks)",
+        },
+        "ranks": ranks,
+    }
+    if device_memory is not None and fits is not None:
+        block["device_memory"] = device_memory
+        block["fits"] = all(f.fits for f in fits)
+    return block
+
+
+__all__ = [
+    "RankEstimate",
+    "ShardEstimate",
+    "estimate_per_rank",
+    "extension_block",
+    "fake_process_group",
+    "rank_groups",
+    "simulate_rank",
+]

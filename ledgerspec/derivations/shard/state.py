@@ -1,0 +1,333 @@
+"""Per-rank model state under FSDP2 and DeepSpeed ZeRO: pure arithmetic over parameter descriptors.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``, read in ``_fully_shard/_fsdp_param.py`` and
+``_fsdp_collectives.py``):
+
+* every parameter is sharded on dim 0 with ``torch.chunk`` semantics: chunk size ``c = ceil(d0 / W)``; rank
+  ``r`` holds ``max(0, min(c, d0 - r*c))`` rows; ``torch.chunk`` may return fewer than ``W`` chunks, the
+  missing ones are empty;
+* each rank allocates its shard PADDED to ``c`` rows (``padded_sharded_param_size = chunks[0].size()``), so
+  every rank holds ``c * prod(shape[1:])`` elements of every parameter, frozen or trainable;
+* gradients come out of the reduce-scatter as views of one buffer per unit, sized by the padded shards:
+  ``c * prod(shape[1:])`` elements of every parameter with a gradient, in the parameter's dtype;
+* optimizer state is created with ``zeros_like`` of the UNPADDED local shard (rows of this rank only);
+* buffers are not sharded: every rank holds all of them;
+* during compute a unit is all-gathered into ``W * c * prod(shape[1:])`` elements per parameter; the root
+  unit stays gathered from forward through backward; with ``reshard_after_forward=False`` every unit stays
+  gathered from its forward until its backward.
+
+ZeRO (DeepSpeed) per-rank model states for comparison: stage 1 partitions optimizer state, stage 2 also
+gradients, stage 3 also parameters; CPU offload moves the optimizer state (and the partitioned fp32
+gradients) to the host, stage 3 parameter offload the parameters too. DeepSpeed's alignment padding of its
+flat partitions (a few elements) is not modelled: the ZeRO figures use ``ceil(N / W)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil, prod
+
+from ledgerspec.contract import dtypes
+from ledgerspec.derivations.stack.optimizer_state import (
+    OPTIMIZERS,
+    OptimizerSpec,
+    TensorShape,
+    optimizer_spec,
+    state_bytes,
+)
+
+ROOT = "<root>"
+CALCULATED_BY = "ledgerspec.derivations.shard.state"
+
+
+@dataclass(frozen=True)
+class ParamDesc:
+    """One parameter (or buffer) of the model: what FSDP2 needs to shard it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    trainable: bool
+    unit: str = ROOT
+    kind: str = "param"  # param | buffer
+
+    @property
+    def itemsize(self) -> int:
+        size = dtypes.itemsize(self.dtype)
+        if size is None:
+            raise ValueError(f"{self.name}: unknown dtype {self.dtype!r}")
+        return size
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def row_numel(self) -> int:
+        return prod(self.shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+def fsdp2_optimizer(name: str) -> OptimizerSpec:
+    """The spec of a torch optimizer FSDP2 can drive: its state follows the DTensor shards element-wise."""
+    spec = optimizer_spec(name)
+    if spec is None or spec.family not in ("adam", "sgd"):
+        known = sorted(k for k, v in OPTIMIZERS.items() if v.family in ("adam", "sgd"))
+        raise ValueError(
+            f"optimizer {name!r}: per-rank FSDP2 state is known for torch optimizers "
+            f"({', '.join(known)}); bitsandbytes and Adafactor states are not element-wise on "
+            "DTensor shards"
+        )
+    return spec
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------------------
+
+
+def chunk_rows(dim0: int, world: int) -> list[int]:
+    """Rows of dim 0 each rank holds: ``torch.chunk(t, world, 0)`` padded with empty chunks to ``world``."""
+    if world < 1:
+        raise ValueError("world size must be >= 1")
+    c = ceil(dim0 / world)
+    return [max(0, min(c, dim0 - r * c)) for r in range(world)]
+
+
+def padded_rows(dim0: int, world: int) -> int:
+    """Rows every rank allocates: the first chunk's size (FSDP2 pads every shard to it)."""
+    return ceil(dim0 / world)
+
+
+def _check_shardable(p: ParamDesc) -> None:
+    if p.kind == "param" and len(p.shape) == 0:
+        raise ValueError(f"{p.name}: FSDP2 shards dim 0 and cannot shard a 0-dim parameter")
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """One parameter on one rank, in bytes."""
+
+    rows: int  # rows of dim 0 this rank owns (unpadded)
+    storage: int  # the padded local shard every rank allocates
+    gradient: int  # padded gradient shard (0 when frozen)
+    optimizer: int  # optimizer state on the device: shaped like the UNPADDED local shard (+ fused step)
+    optimizer_host: int  # optimizer scalars torch keeps on the host (non-fused Adam's step)
+
+
+def param_shard(p: ParamDesc, world: int, rank: int, optimizer: str = "adamw_torch") -> ParamShard:
+    """What rank ``rank`` of ``world`` holds of parameter ``p`` under FSDP2."""
+    _check_shardable(p)
+    spec = fsdp2_optimizer(optimizer)
+    rows = chunk_rows(p.shape[0], world)[rank]
+    storage = padded_rows(p.shape[0], world) * p.row_numel * p.itemsize
+    if not p.trainable:
+        return ParamShard(rows, storage, 0, 0, 0)
+    state = state_bytes(spec, [TensorShape((rows, *p.shape[1:]), p.itemsize)])
+    return ParamShard(rows, storage, storage, state.device, state.host)
+
+
+@dataclass
+class RankState:
+    """What one rank holds under FSDP2, in bytes."""
+
+    rank: int
+    frozen_base: int = 0  # padded local shards of frozen parameters + every buffer (buffers are replicated)
+    adapter: int = 0  # padded local shards of trainable parameters
+    gradients: int = 0  # padded local gradient shards (reduce-scatter output)
+    optimizer: int = 0  # optimizer state on the device (unpadded local shards)
+    optimizer_host: int = 0  # optimizer scalars torch keeps on the host (non-fused Adam's step)
+    gathered: int = 0  # unsharded parameters held during compute (the peak set of gathered units)
+
+    @property
+    def model_state(self) -> int:
+        return self.frozen_base + self.adapter + self.gradients + self.optimizer
+
+    @property
+    def with_gathered(self) -> int:
+        return self.model_state + self.gathered
+
+
+@dataclass
+class Fsdp2Plan:
+    world_size: int
+    reshard_after_forward: bool
+    ranks: list[RankState]
+    unit_unsharded: dict[str, int]  # bytes of each unit when gathered (padded)
+    gathered_units: list[str]  # the units held gathered at the peak
+    notes: list[str] = field(default_factory=list)
+
+
+def unit_unsharded_bytes(params: list[ParamDesc], world: int) -> dict[str, int]:
+    """Bytes of each FSDP unit when all-gathered: ``W * padded_rows * row_numel`` per parameter."""
+    out: dict[str, int] = {}
+    for p in params:
+        if p.kind != "param":
+            continue
+        _check_shardable(p)
+        out[p.unit] = out.get(p.unit, 0) + world * padded_rows(p.shape[0], world) * p.row_numel * p.itemsize
+    return out
+
+
+def kept_after_forward(units: dict[str, int], reshard_after_forward: bool | None) -> int:
+    """Gathered parameter bytes FSDP2 still holds when the forward returns (counted in a rank's "held after the
+    forward", but parameters, not activations): every unit with ``reshard_after_forward=False``; the root alone
+    with FSDP2's default (None: the root is not resharded after forward, backward starts with it); nothing with an
+    explicit True (the root reshards too)."""
+    if reshard_after_forward is False:
+        return sum(units.values())
+    return units.get(ROOT, 0) if reshard_after_forward is None else 0
+
+
+def fsdp2(
+    params: list[ParamDesc], world: int, optimizer: str = "adamw_torch", reshard_after_forward: bool = True
+) -> Fsdp2Plan:
+    """Per-rank state of ``fully_shard`` per decoder layer + root on ``world`` ranks."""
+    ranks = [RankState(r) for r in range(world)]
+    for p in params:
+        if p.kind == "buffer":
+            for rs in ranks:
+                rs.frozen_base += p.nbytes
+            continue
+        for rs in ranks:
+            s = param_shard(p, world, rs.rank, optimizer)
+            if p.trainable:
+                rs.adapter += s.storage
+                rs.gradients += s.gradient
+                rs.optimizer += s.optimizer
+                rs.optimizer_host += s.optimizer_host
+            else:
+                rs.frozen_base += s.storage
+    units = unit_unsharded_bytes(params, world)
+    gathered_units = _gathered_units(units, reshard_after_forward)
+    held = sum(units[u] for u in gathered_units)
+    for rs in ranks:
+        rs.gathered = held
+    notes = [
+        f"{world} ranks; a unit's all-gather briefly holds a second copy of that unit (flat buffer + "
+        "per-parameter outputs)"
+    ]
+    return Fsdp2Plan(world, reshard_after_forward, ranks, units, gathered_units, notes)
+
+
+def _gathered_units(units: dict[str, int], reshard_after_forward: bool) -> list[str]:
+    """Units gathered together at the compute peak.
+
+    FSDP2 does not reshard the root after forward (backward starts with it), so the root and the largest
+    layer unit are gathered together; with ``reshard_after_forward=False`` every unit is.
+    """
+    if not reshard_after_forward:
+        return sorted(units)
+    layers = {u: b for u, b in units.items() if u != ROOT}
+    held = [ROOT] if ROOT in units else []
+    if layers:
+        held.append(max(sorted(layers), key=lambda u: layers[u]))
+    return held
+
+
+# -- QLoRA under FSDP2 ---------------------------------------------------------------------------------
+
+
+def qlora_shardable(quant_storage: str | None, float_dtype: str | None) -> str | None:
+    """None when FSDP can shard the 4-bit weights, else the reason (one line).
+
+    FSDP flattens and all-gathers a unit's parameters together; the packed 4-bit weights can only join
+    them when bitsandbytes stores them in the same float dtype (``bnb_4bit_quant_storage``) as the other
+    parameters, which is how transformers' and PEFT's FSDP-QLoRA recipes configure it.
+    """
+    storage = dtypes.canonical(quant_storage) if quant_storage else None
+    want = dtypes.canonical(float_dtype) if float_dtype else None
+    if storage is None:
+        return (
+            "QLoRA under FSDP2 needs base_model.quantization.storage_dtype (bnb_4bit_quant_storage) set to "
+            f"the float dtype{' ' + want if want else ''}"
+        )
+    if want is not None and storage != want:
+        return (
+            f"QLoRA under FSDP2 needs bnb_4bit_quant_storage = {want} (the loaded float dtype), not {storage}: "
+            "FSDP cannot shard packed 4-bit weights stored in another dtype together with the float "
+            "parameters"
+        )
+    return None
+
+
+def packed_4bit_shape(numel: int, storage_dtype: str) -> tuple[int, int]:
+    """Shape of a bitsandbytes 4-bit weight: ``((numel + 1) // (2 * itemsize), 1)`` in the storage dtype."""
+    size = dtypes.itemsize(storage_dtype)
+    if size is None:
+        raise ValueError(f"unknown storage dtype {storage_dtype!r}")
+    return ((numel + 1) // (2 * size), 1)
+
+
+# -- ZeRO (DeepSpeed) ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZeroState:
+    stage: int
+    offload: bool
+    parameters: int  # device bytes of parameters (frozen + trainable)
+    gradients: int
+    optimizer: int
+    host: int  # bytes moved to the host by offload
+
+    @property
+    def device_total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def zero(
+    stage: int,
+    world: int,
+    frozen_bytes: int,
+    trainable_bytes: int,
+    gradient_bytes: int,
+    optimizer_bytes: int,
+    offload: bool = False,
+    replicated_bytes: int = 0,
+) -> ZeroState:
+    """Per-rank model state of ZeRO stage 1/2/3 (``ceil(bytes / world)`` per partitioned component).
+
+    Stage 1 partitions the optimizer state, 2 also the gradients, 3 also the parameters (frozen and
+    trainable). ``offload`` = ``offload_optimizer`` (the optimizer state and, from stage 2 on, the
+    partitioned gradients go to the host) plus, for stage 3, ``offload_param``. ``replicated_bytes`` (buffers,
+    quantization constants) stay whole on every rank's device.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError("ZeRO stage must be 1, 2 or 3")
+
+    def part(n: int) -> int:
+        return ceil(n / world)
+
+    params = frozen_bytes + trainable_bytes if stage < 3 else part(frozen_bytes) + part(trainable_bytes)
+    grads = gradient_bytes if stage == 1 else part(gradient_bytes)
+    opt = part(optimizer_bytes)
+    host = 0
+    if offload:
+        host += opt
+        opt = 0
+        if stage >= 2:
+            host += grads
+            grads = 0
+        if stage == 3:
+            host += params
+            params = 0
+    return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host)
+
+
+def totals(params: list[ParamDesc], optimizer: str = "adamw_torch") -> dict[str, int]:
+    """Unsharded totals (one device): frozen parameters, replicated buffers, trainable, gradients, optimizer."""
+    spec = optimizer_spec(optimizer)
+    if spec is None:
+        raise ValueError(f"unknown optimizer {optimizer!r}")
+    train = [p for p in params if p.trainable and p.kind == "param"]
+    trainable = sum(p.nbytes for p in train)
+    state = state_bytes(spec, [TensorShape(p.shape, p.itemsize) for p in train])
+    return {
+        "frozen": sum(p.nbytes for p in params if not p.trainable and p.kind == "param"),
+        "replicated": sum(p.nbytes for p in params if p.kind == "buffer"),
+        "trainable": trainable,
+        "gradients": trainable,
+        "optimizer": state.device,
+    }

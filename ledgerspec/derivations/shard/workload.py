@@ -1,0 +1,181 @@
+"""A workload sharded with FSDP2: ``fully_shard`` per decoder layer + root on the meta device, shards materialised.
+
+Shared by ``measure --nproc`` (:mod:`ledgerspec.derivations.measure.dist`, real tensors, one process per rank
+under torchrun) and the per-rank estimate (:mod:`ledgerspec.derivations.shard.simulate`, fake tensors and a
+fake process group). :func:`sharded_workload` derives, from any :class:`ledgerspec.derivations.engine.workload.Workload`
+class, one whose ``prepare`` also applies ``fully_shard`` to every decoder layer (the no-split classes, as
+:mod:`ledgerspec.derivations.shard.model` finds them) and then to the root, on the meta device, and whose
+materialisation allocates only this rank's padded shard of every parameter, laid out as
+``FSDPParam._init_sharded_param`` does: a ``ceil(d0 / W)``-row padded storage, the parameter a DTensor over
+its first ``rows`` rows. Frozen shards come at ``after_load``, trainable ones at ``after_adapter_injection``;
+buffers are replicated (every rank holds them whole). A process group must be initialised before ``prepare``.
+
+QLoRA (real tensors only; bitsandbytes ``Linear4bit`` with a float ``bnb_4bit_quant_storage``): before
+``fully_shard`` every meta 4-bit weight gets the packed shape bitsandbytes stores, ``((n + 1) // (2 * s), 1)`` in
+the storage dtype, so FSDP2 shards what a loaded QLoRA model holds. At ``after_load`` each rank quantizes the
+whole weight (a dense ``loaded_dtype`` tensor from a seed shared by all ranks, one weight at a time like
+transformers' loader), keeps its own rows in the padded shard and the whole ``QuantState`` (absmax, code, nested
+state: not parameters, so replicated) on the module, where bitsandbytes' ``Linear4bit.forward`` finds it for the
+gathered weight (``fix_4bit_weight_quant_state_from_module``), and on the sharded parameter for the census. The
+per-rank estimate's fake 4-bit layers (:class:`ledgerspec.derivations.estimate.qlora.Fake4bitLinear`) already hold a
+plain Parameter of that packed shape and dtype, so there is nothing to pack or quantize: FSDP2 shards it as it is.
+Imports torch only inside functions.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+
+def fsdp_params(model: Any) -> list[Any]:
+    """Every ``FSDPParam`` of every ``fully_shard``-ed module of ``model``."""
+    out: list[Any] = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            out.extend(group.fsdp_params)
+    return out
+
+
+@cache
+def sharded_workload(base: type) -> Any:
+    """A subclass of the workload class ``base`` that is sharded with FSDP2 (set ``reshard_after_forward``)."""
+    import torch
+    from torch import nn
+
+    class Sharded(base):
+        #: fully_shard's reshard_after_forward; None: FSDP2's default (layers reshard, the root does not)
+        reshard_after_forward: bool | None = None
+        #: ids of the bitsandbytes Linear4bit modules whose packed weight FSDP2 shards
+        _4bit_modules: frozenset[int] | set[int] = frozenset()
+
+        def prepare(self) -> None:
+            if self.model is not None:
+                return
+            from torch.distributed.fsdp import fully_shard
+
+            from ledgerspec.derivations.shard.model import decoder_layers
+
+            super().prepare()
+            model: Any = self.model
+            if self.spec.quant is not None:
+                self._4bit_modules = {id(m) for m in pack_4bit_on_meta(model)}
+            for layer in decoder_layers(model):
+                fully_shard(layer, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(model, reshard_after_forward=self.reshard_after_forward)
+
+        def _materialise(self, device: Any, adapters: bool) -> None:
+            self._materialise_shards(device, adapters)
+            super()._materialise(device, adapters)  # the replicated buffers; every parameter is done already
+
+        def _materialise_shards(self, device: Any, adapters: bool) -> None:
+            for index, fp in enumerate(fsdp_params(self.model)):
+                param = fp.sharded_param
+                if bool(param.requires_grad) != adapters or not param._local_tensor.is_meta:
+                    continue
+                owner = fp._module_info.module
+                state = None
+                if id(owner) in self._4bit_modules and fp._module_info.param_name == "weight":
+                    padded, state = _quantized_shard(fp, owner, self.spec, device, seed=index)
+                else:
+                    padded = torch.empty(fp.padded_sharded_param_size, dtype=param.dtype, device=device)
+                    with torch.no_grad():
+                        if padded.is_floating_point():
+                            padded.normal_(0.0, 0.02)
+                        else:
+                            padded.zero_()
+                fp._sharded_param_data = padded.view(-1)
+                rows = fp.sharded_size[0] if len(fp.sharded_size) else 0
+                local = padded.narrow(0, 0, rows)
+                fp.sharded_param = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=param.requires_grad)
+                if state is not None:  # the census counts a parameter's quant_state (replicated, whole)
+                    fp.sharded_param.quant_state = state
+                fp._setattr_on_modules(fp.sharded_param)
+
+    Sharded.__name__ = Sharded.__qualname__ = f"Sharded{base.__name__}"
+    return Sharded
+
+
+def pack_4bit_on_meta(model: Any) -> list[Any]:
+    """Give every meta ``Params4bit`` its packed shape ``((n + 1) // (2 * s), 1)`` in the storage dtype.
+
+    transformers builds a 4-bit layer's weight with the dense ``(out, in)`` shape and quantizes it while loading;
+    FSDP2 must shard the packed storage a loaded model holds. Returns the modules whose weight was packed.
+    """
+    import torch
+    from bitsandbytes.nn import Params4bit
+
+    from ledgerspec.derivations.shard.state import packed_4bit_shape
+
+    packed: list[Any] = []
+    for module in model.modules():
+        w = module._parameters.get("weight")
+        if not isinstance(w, Params4bit) or not w.is_meta or w.bnb_quantized:
+            continue
+        storage = w.quant_storage
+        if not torch.empty(0, dtype=storage).is_floating_point():
+            raise ValueError(f"FSDP2 shards float parameters only; bnb_4bit_quant_storage is {storage}")
+        shape = packed_4bit_shape(w.numel(), str(storage).removeprefix("torch."))
+        module._parameters["weight"] = Params4bit(
+            torch.empty(shape, dtype=storage, device="meta"),
+            requires_grad=False,
+            blocksize=w.blocksize,
+            compress_statistics=w.compress_statistics,
+            quant_type=w.quant_type,
+            quant_storage=storage,
+            module=module,
+            bnb_quantized=True,
+        )
+        packed.append(module)
+    return packed
+
+
+def _quantized_shard(fp: Any, module: Any, spec: Any, device: Any, seed: int) -> tuple[Any, Any]:
+    """This rank's padded shard of a 4-bit weight and the weight's whole ``QuantState``.
+
+    Every rank draws the same dense weight (``seed``), so the shards and the replicated state are one consistent
+    quantized weight and the gathered layer computes what the unsharded one does.
+    """
+    import bitsandbytes.functional as bnbf
+    import torch
+
+    meta, q = fp.sharded_param, spec.quant
+    generator = torch.Generator(device=device).manual_seed(seed)
+    dense = torch.empty(
+        (module.out_features, module.in_features), dtype=getattr(torch, spec.loaded_dtype), device=device
+    )
+    with torch.no_grad():
+        dense.normal_(0.0, 0.02, generator=generator)
+    packed, state = bnbf.quantize_4bit(
+        dense,
+        blocksize=q.blocksize or 64,
+        compress_statistics=q.double_quant,
+        quant_type=q.quant_type,
+        quant_storage=meta.dtype,
+    )
+    del dense
+    if tuple(packed.shape) != tuple(fp._orig_size) or packed.dtype != meta.dtype:
+        raise RuntimeError(
+            f"bitsandbytes packed {tuple(packed.shape)} {packed.dtype}, FSDP2 sharded "
+            f"{tuple(fp._orig_size)} {meta.dtype}"
+        )
+    padded = torch.zeros(fp.padded_sharded_param_size, dtype=meta.dtype, device=device)
+    rows, chunk = fp.sharded_size[0], fp.padded_sharded_param_size[0]
+    start = fp.mesh_info.shard_mesh_rank * chunk
+    if rows:  # a rank past the last row owns nothing but still allocates the padded shard
+        with torch.no_grad():
+            padded.narrow(0, 0, rows).copy_(packed.narrow(0, start, rows))
+    del packed
+    module.quant_state = state
+    return padded, state
+
+
+__all__ = ["fsdp_params", "pack_4bit_on_meta", "sharded_workload"]

@@ -1,0 +1,377 @@
+"""Read the exact tensors of a training configuration off a meta-device model (no weights, no memory).
+
+``census`` builds the base model on the meta device, marks the weights transformers would quantize
+(its own ``get_keys_to_not_convert`` + ``should_convert_module`` rules, plus ``skip_modules`` and
+``_keep_in_fp32_modules``), applies ``prepare_model_for_kbit_training``'s fp32 upcast when declared,
+injects the exact adapters with PEFT (on meta) and records every parameter and buffer: shape, dtype,
+trainable or frozen, quantized or not. Imports torch & co. only inside functions.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledgerspec.contract import dtypes
+from ledgerspec.contract.document import Document
+from ledgerspec.derivations.stack.bnb_storage import BNB4_BLOCKSIZE, QuantizedBytes, bnb4_bytes, int8_bytes
+from ledgerspec.derivations.stack.build import ModelSource, _err, build_meta_model, inject_adapters, torch_dtype
+from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
+
+#: a status callback: ``progress("reading the model config")``
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """How the frozen base is quantized (None kind: not quantized)."""
+
+    kind: str | None  # "bnb4" | "int8" | None
+    quant_type: str | None = None
+    double_quant: bool = False
+    storage_itemsize: int = 1
+    storage_dtype: str = "uint8"
+    blocksize: int = BNB4_BLOCKSIZE
+    skip_modules: tuple[str, ...] = ()
+
+    def weight_bytes(self, shape: tuple[int, ...]) -> QuantizedBytes:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if self.kind == "int8":
+            return int8_bytes(shape[0], numel // shape[0])
+        return bnb4_bytes(numel, self.double_quant, self.storage_itemsize, self.blocksize)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One unique tensor of the training stack."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # canonical torch dtype name, e.g. "bfloat16"
+    itemsize: int
+    trainable: bool
+    buffer: bool = False
+    quantized: bool = False
+    persistent: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class BreakdownRow:
+    """Where a group of adapter tensors went: one row per module pattern, kind, shape and rank."""
+
+    module: str
+    kind: str
+    count: int
+    shape: tuple[int, ...]
+    rank: int | None
+    parameters: int
+
+    def as_dict(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"module": self.module, "kind": self.kind, "count": self.count, "shape": list(self.shape)}
+        if self.rank is not None:
+            row["rank"] = self.rank
+        row["parameters"] = self.parameters
+        return row
+
+
+@dataclass
+class Census:
+    """The tensors of one configuration, read off the instantiated (meta) model."""
+
+    architecture: str
+    total_parameters: int
+    tensors: list[TensorRecord]
+    breakdown: list[BreakdownRow]
+    quant: QuantPlan
+    prepare_for_kbit: bool
+    adapter_dtype: str
+    timings: dict[str, float] = field(default_factory=dict)
+    biases_in_compute_dtype: int = 0  # biases of 4-bit layers, cast to compute_dtype by their first forward
+
+    @property
+    def trainable(self) -> list[TensorRecord]:
+        return [t for t in self.tensors if t.trainable]
+
+    @property
+    def frozen(self) -> list[TensorRecord]:
+        return [t for t in self.tensors if not t.trainable]
+
+
+def quant_plan(doc: Document) -> QuantPlan:
+    """The quantization of ``base_model`` (``method.kind: QLoRA`` or ``base_model.quantized: true``)."""
+    kind = (doc.get("method", "kind").text() or "").strip()
+    quantized = doc.get("base_model", "quantized").switch()
+    if quantized is False or (quantized is None and kind != "QLoRA"):
+        return QuantPlan(None)
+    q = ("base_model", "quantization")
+    qtype = (doc.get(*q, "type").text() or "").lower()
+    bits = doc.get(*q, "bits").integer()
+    if qtype == "int8" or (not qtype and bits == 8):
+        skip = _strings(doc.get(*q, "skip_modules").value) if doc.get(*q, "skip_modules").known else ()
+        return QuantPlan("int8", "int8", skip_modules=skip)
+    if qtype not in ("nf4", "fp4"):
+        raise _err(
+            doc,
+            (*q, "type") if doc.get(*q, "type").present else ("method", "kind"),
+            f"QLoRA needs base_model.quantization.type nf4, fp4 or int8, got {qtype or 'nothing'!r}",
+            "a 4-bit base is not sized by its bit count alone: give the quantization type",
+        )
+    dq = doc.get(*q, "double_quant").switch()
+    if dq is None:
+        raise _err(
+            doc,
+            (*q, "double_quant") if doc.get(*q, "double_quant").present else q,
+            "base_model.quantization.double_quant is needed (true or false) to size a 4-bit base",
+        )
+    storage = doc.get(*q, "storage_dtype").text() or "uint8"
+    size = dtypes.itemsize(storage)
+    if size is None:
+        raise _err(
+            doc,
+            (*q, "storage_dtype"),
+            f"unknown storage dtype {storage!r}",
+            "use uint8 (the bitsandbytes default), bfloat16, float16 or float32",
+        )
+    blocksize = doc.get(*q, "blocksize").integer() or BNB4_BLOCKSIZE
+    skip = _strings(doc.get(*q, "skip_modules").value) if doc.get(*q, "skip_modules").known else ()
+    return QuantPlan("bnb4", qtype, dq, size, dtypes.canonical(storage) or storage, blocksize, skip)
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(str(v) for v in value or ())
+
+
+def _modules_to_quantize(model: Any, plan: QuantPlan) -> list[str]:
+    """Names of the ``nn.Linear`` modules transformers replaces with bitsandbytes layers."""
+    import torch
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = list(plan.skip_modules) if plan.skip_modules else get_keys_to_not_convert(model)
+    skip += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    try:  # transformers.pytorch_utils.Conv1D (GPT-2 style) is converted as well
+        from transformers.pytorch_utils import Conv1D
+
+        linear_types: tuple[type, ...] = (Conv1D,)
+    except ImportError:  # pragma: no cover
+        linear_types = ()
+    names = []
+    for name, module in model.named_modules():
+        if not name or not should_convert_module(name, skip):
+            continue
+        if type(module) is torch.nn.Linear or isinstance(module, linear_types):
+            names.append(name)
+    return names
+
+
+def census(
+    doc: Document, source: ModelSource, progress: Progress | None = None, trust_remote_code: bool = False
+) -> Census:
+    """Build, quantize (by the rules), upcast, inject on meta, and record every tensor."""
+    import torch
+
+    timings: dict[str, float] = {}
+    say = progress or (lambda _msg: None)
+    plan = quant_plan(doc)
+    loaded = torch_dtype(doc, ("base_model", "loaded_dtype"), "float32")
+    t = time.perf_counter()
+    say("building the model on the meta device")
+    model = build_meta_model(doc, source, dtype=loaded, trust_remote_code=trust_remote_code)
+    timings["build"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    total = sum(p.numel() for p in model.parameters())
+    quantized_ids: set[int] = set()
+    biases = []
+    if plan.kind:
+        for name in _modules_to_quantize(model, plan):
+            module = model.get_submodule(name)
+            quantized_ids.add(id(module.weight))
+            if module.bias is not None:
+                biases.append(module.bias)
+    prepare = bool(doc.get("base_model", "prepare_for_kbit_training").switch())
+    if prepare:  # peft.prepare_model_for_kbit_training: fp16/bf16 params that are not 4-bit go to fp32
+        for p in model.parameters():
+            if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in quantized_ids:
+                p.data = p.data.to(torch.float32)
+    if plan.kind == "bnb4":  # bnb Linear4bit.forward casts its bias to compute_dtype for good on the 1st call
+        compute = torch_dtype(doc, ("base_model", "quantization", "compute_dtype"), "float32")
+        for b in biases:
+            b.data = b.data.to(compute)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    timings["quantize_rules"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    say("injecting adapters with PEFT")
+    peft_model = inject_adapters(doc, model, on_meta=True)
+    adapter_dtype_name, adapter_dtype = lora_dtype(doc)
+    adapter_ids = _cast_adapters(peft_model, adapter_dtype)
+    timings["inject"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    tensors = _records(peft_model, quantized_ids)
+    breakdown = _breakdown(peft_model, adapter_ids)
+    timings["count"] = time.perf_counter() - t
+    arch = type(model).__name__
+    return Census(
+        arch,
+        total,
+        tensors,
+        breakdown,
+        plan,
+        prepare,
+        dtypes.canonical(adapter_dtype_name) or adapter_dtype_name,
+        timings,
+        biases_in_compute_dtype=len(biases) if plan.kind == "bnb4" else 0,
+    )
+
+
+def lora_dtype(doc: Document) -> tuple[str, Any]:
+    """The dtype of the LoRA tensors: ``adapter.dtype``, or ``adapter.x-lora-dtype`` when that says ``mixed``
+    (fp32 LoRA plus a bf16 ``modules_to_save`` copy, say). Default float32: PEFT's autocast."""
+    path: tuple[str, ...] = ("adapter", "dtype")
+    if (doc.get(*path).text() or "").strip().lower() == "mixed":
+        path = ("adapter", "x-lora-dtype")
+    name = doc.get(*path).text() or "float32"
+    return name, torch_dtype(doc, path, "float32")
+
+
+_ADAPTER_DICTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
+def _cast_adapters(model: Any, dtype: Any) -> set[int]:
+    """Give LoRA tensors their real dtype (PEFT's ``autocast_adapter_dtype`` keeps them fp32 by default)."""
+    quiet_bitsandbytes()
+    from peft.tuners.lora import LoraLayer
+
+    ids: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for attr in _ADAPTER_DICTS:
+            holder = getattr(module, attr, None)
+            if holder is None:
+                continue
+            for p in holder.parameters():
+                if p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+                ids.add(id(p))
+    return ids
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _records(model: Any, quantized_ids: set[int]) -> list[TensorRecord]:
+    out: list[TensorRecord] = []
+    for name, p in model.named_parameters():
+        out.append(
+            TensorRecord(
+                name,
+                tuple(p.shape),
+                _dtype_name(p.dtype),
+                p.element_size(),
+                p.requires_grad,
+                quantized=id(p) in quantized_ids,
+            )
+        )
+    for module_name, module in model.named_modules():
+        for bname, b in module.named_buffers(recurse=False):
+            if b is None:
+                continue
+            out.append(
+                TensorRecord(
+                    f"{module_name}.{bname}" if module_name else bname,
+                    tuple(b.shape),
+                    _dtype_name(b.dtype),
+                    b.element_size(),
+                    False,
+                    buffer=True,
+                    persistent=bname not in module._non_persistent_buffers_set,
+                )
+            )
+    seen: set[str] = set()
+    unique = []
+    for r in out:  # named_parameters already drops tied duplicates; buffers may repeat across modules
+        if r.name not in seen:
+            seen.add(r.name)
+            unique.append(r)
+    return unique
+
+
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+_PREFIX = "base_model.model."
+
+
+def _pattern(name: str) -> str:
+    return _LAYER_INDEX.sub(".*", name.removeprefix(_PREFIX))
+
+
+def _breakdown(model: Any, adapter_ids: set[int]) -> list[BreakdownRow]:
+    """Group the trainable tensors by owning module pattern, kind, base shape and rank."""
+    quiet_bitsandbytes()
+    from peft.tuners.lora import LoraLayer
+
+    groups: dict[tuple[str, str, tuple[int, ...], int | None], list[int]] = {}
+    counted: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            own = [
+                p
+                for attr in _ADAPTER_DICTS
+                if getattr(module, attr, None) is not None
+                for p in getattr(module, attr).parameters()
+            ]
+            own = [p for p in own if p.requires_grad and id(p) not in counted]
+            if not own:
+                continue
+            counted.update(id(p) for p in own)
+            param_name = getattr(module, "parameter_name", None)
+            base = module.get_base_layer()
+            if param_name:
+                shape = tuple(getattr(base, param_name).shape)
+                kind = "lora-parameter"
+            else:
+                weight = getattr(base, "weight", None)
+                shape = tuple(weight.shape) if weight is not None else ()
+                kind = "dora" if any(getattr(module, "use_dora", {}).values()) else "lora"
+            rank = next(iter(module.r.values()), None) if getattr(module, "r", None) else None
+            key = (_pattern(name), kind, shape, rank)
+            groups.setdefault(key, []).append(sum(p.numel() for p in own))
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in counted:
+            continue
+        counted.add(id(p))
+        if ".modules_to_save." in name:
+            owner = name.split(".modules_to_save.")[0]
+            kind = "modules_to_save"
+        elif name.endswith(".bias"):
+            owner = name.removesuffix(".bias").replace(".base_layer", "")
+            kind = "bias"
+        else:
+            owner = name.rsplit(".", 1)[0]
+            kind = "other"
+        key = (_pattern(owner), kind, tuple(p.shape), None)
+        groups.setdefault(key, []).append(p.numel())
+    return [BreakdownRow(k[0], k[1], len(v), k[2], k[3], sum(v)) for k, v in groups.items()]
+
+
+__all__ = ["BreakdownRow", "Census", "QuantPlan", "TensorRecord", "census", "quant_plan"]

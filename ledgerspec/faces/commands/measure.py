@@ -1,0 +1,142 @@
+"""``ledgerspec measure`` and ``ledgerspec triage``: argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.faces.arguments import positive_size
+
+
+def register(sub: Any) -> None:
+    m = sub.add_parser("measure", help="run the measurement protocol (child process) and write MEASURED figures")
+    m.add_argument("file", metavar="FILE")
+    m.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cpu",
+        help="cuda: allocator counters + NVML; cpu: tensor-level tracking (never VALIDATED)",
+    )
+    m.add_argument("--steps", type=int, default=2, help="repeated representative steps for the steady state (>= 2)")
+    m.add_argument("-o", "--output", metavar="OUT", help="write the measured ledger here instead of in place")
+    m.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        type=positive_size,
+        help="cpu only: a simulated out-of-memory when tracked tensors exceed SIZE (e.g. 2MiB)",
+    )
+    m.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="measure every rank of an FSDP2 run under torchrun with N processes (gloo on cpu, nccl on "
+        "cuda); writes parallelism.per_rank_peak and the worst rank into metrics",
+    )
+    m.set_defaults(run=_measure)
+
+    t = sub.add_parser("triage", help="fill the OOM Triage Worksheet by controlled measurements")
+    t.add_argument("file", metavar="FILE")
+    t.add_argument("--device", choices=("cuda", "cpu"), default="cpu")
+    t.add_argument("--steps", type=int, default=2)
+    t.add_argument("-o", "--output", metavar="OUT", help="write the worksheet here instead of in place")
+    t.add_argument("--memory-limit", metavar="SIZE", type=positive_size, help="cpu only: the simulated device memory")
+    t.set_defaults(run=_triage)
+
+
+def _command(name: str, args: argparse.Namespace) -> str:
+    import shlex
+
+    parts = [name, args.file, "--device", args.device, "--steps", str(args.steps)]
+    if args.output:
+        parts += ["-o", args.output]
+    if args.memory_limit:
+        parts += ["--memory-limit", str(args.memory_limit)]
+    if getattr(args, "nproc", None) is not None:
+        parts += ["--nproc", str(args.nproc)]
+    return "ledgerspec " + shlex.join(parts)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        return _measure_ranks(args)
+    from ledgerspec.contract.units import format_size
+    from ledgerspec.derivations.measure.measurer import measure
+
+    outcome = measure(
+        args.file,
+        device=args.device,
+        steps=args.steps,
+        output=args.output,
+        memory_limit=args.memory_limit,
+        command=_command("measure", args),
+    )
+    r = outcome.result
+    err = sys.stderr
+    for note in outcome.notes:
+        print(f"{outcome.path}: note: {note}", file=err)
+    if r.oom:
+        kind = "simulated out-of-memory" if r.simulated_oom else "out of memory"
+        print(f"{outcome.path}: {kind} in phase {r.oom_phase} ({r.oom_message})", file=err)
+        if r.snapshot_path:
+            print(
+                f"{outcome.path}: allocator snapshot saved to {r.snapshot_path} (open it at "
+                "https://pytorch.org/memory_viz)",
+                file=err,
+            )
+    peak = r.peak_allocated()
+    print(
+        f"{outcome.path}: measured on {r.backend}: peak allocated "
+        f"{format_size(peak) if peak is not None else 'n/a'}; supported status {outcome.status}",
+        file=err,
+    )
+    for reason in outcome.reasons[:3]:
+        print(f"  - {reason}", file=err)
+    return EXIT_FINDINGS if r.oom else EXIT_OK
+
+
+def _measure_ranks(args: argparse.Namespace) -> int:
+    from ledgerspec.contract.units import format_size
+    from ledgerspec.derivations.measure.dist import measure_dist
+
+    if args.memory_limit:
+        raise LedgerspecError(
+            "--memory-limit is not supported with --nproc: a simulated OOM on one rank would leave "
+            "the others waiting in a collective",
+            args.file,
+            rule="usage",
+            exit_code=EXIT_USAGE,
+        )
+    outcome = measure_dist(
+        args.file,
+        args.nproc,
+        device=args.device,
+        steps=args.steps,
+        output=args.output,
+        command=_command("measure", args),
+    )
+    err = sys.stderr
+    for note in outcome.notes:
+        print(f"{outcome.path}: note: {note}", file=err)
+    for out in outcome.ranks:
+        print(f"{outcome.path}: rank {out.rank}: peak allocated {format_size(out.peak)}", file=err)
+    print(
+        f"{outcome.path}: measured {len(outcome.ranks)} FSDP2 ranks on {outcome.result.backend}: worst rank "
+        f"{format_size(outcome.worst)}; supported status {outcome.status}",
+        file=err,
+    )
+    for reason in outcome.reasons[:3]:
+        print(f"  - {reason}", file=err)
+    return EXIT_OK
+
+
+def _triage(args: argparse.Namespace) -> int:
+    from ledgerspec.derivations.measure.triage import triage
+
+    outcome = triage(
+        args.file, device=args.device, steps=args.steps, output=args.output, memory_limit=args.memory_limit
+    )
+    for line in outcome.summary():
+        print(line)
+    return EXIT_OK

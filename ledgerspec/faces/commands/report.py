@@ -1,0 +1,49 @@
+"""``ledgerspec report FILE [--html OUT]``: the ledger as a table and a stacked bar, in the terminal or as HTML.
+
+Exit codes: 0 when the report was produced (the validation result is part of the report; ``validate``
+is the gate), 2 when the file cannot be read or OUT cannot be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ledgerspec.errors import EXIT_OK, LedgerspecError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("report", help="show a ledger as a colour-coded table and a stacked bar chart")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--html", metavar="OUT", help="write one self-contained HTML page (inline CSS and SVG) to OUT")
+    p.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+    p.set_defaults(run=run_report)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from ledgerspec.contract.document import load
+    from ledgerspec.faces.report.data import gather
+
+    data = gather(load(args.file))
+    if args.html:
+        from pathlib import Path
+
+        from ledgerspec.contract.writer import atomic_write
+
+        if Path(args.html).resolve() == Path(args.file).resolve():
+            raise LedgerspecError(
+                "--html OUT is the ledger itself; refusing to overwrite it",
+                args.html,
+                rule="report",
+                hint="write the HTML page to another file",
+            )
+        from ledgerspec.faces.report.html import render_html
+
+        atomic_write(args.html, render_html(data))
+        print(f"{args.file}: status {data.supported_status}; HTML report written to {args.html}", file=sys.stderr)
+        return EXIT_OK
+    from ledgerspec.faces.report.terminal import render_terminal
+
+    render_terminal(data, sys.stdout, plain=args.plain)
+    return EXIT_OK

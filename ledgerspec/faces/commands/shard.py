@@ -1,0 +1,123 @@
+"""``ledgerspec shard FILE [--nproc N] [--estimate [--device-memory SIZE] [--target cuda|cpu]] [-o OUT] [--check]``.
+
+Calculates what each rank holds under FSDP2 (``fully_shard`` per decoder layer + root), with ZeRO-1/2/3 for
+comparison, prints a per-rank table and writes ``parallelism.x-per-rank`` into the document. ``--estimate``
+also simulates each rank's FSDP2 training step (fake tensors, fake process group) and predicts its peak, with
+the fit verdict against ``--device-memory`` or ``result.target_device.memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.faces.arguments import device_memory, device_memory_bytes
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("shard", help="calculate per-rank state under FSDP2 (and ZeRO for comparison)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--nproc", type=int, metavar="N", help="ranks (default: parallelism.gpu_count)")
+    p.add_argument("-o", "--output", metavar="OUT", help="write the result here instead of in place")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file would change")
+    p.add_argument("--offline", action="store_true", help="never touch the network (HF_HUB_OFFLINE)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (auto_map)")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="also predict each rank's phases: a simulated FSDP2 step per rank (fake tensors, no GPU)",
+    )
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        type=device_memory,
+        help="with --estimate: memory of ONE device, e.g. 24GiB (default: result.target_device.memory)",
+    )
+    p.add_argument(
+        "--target",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="with --estimate: model a CUDA GPU (attention kernels, 512 B rounding) or the CPU",
+    )
+    p.add_argument(
+        "--layers",
+        choices=("auto", "full"),
+        default="auto",
+        help="with --estimate: extrapolate from two probe depths (auto) or simulate every layer",
+    )
+    p.set_defaults(run=run_shard)
+
+
+def run_shard(args: argparse.Namespace) -> int:
+    from ledgerspec.contract.document import load
+    from ledgerspec.contract.units import format_size
+    from ledgerspec.contract.writer import save
+    from ledgerspec.derivations.shard.sharder import shard
+
+    doc = load(args.file)
+    memory = device_memory_bytes(args.device_memory, args.file)
+    if (memory is not None or args.target != "cuda" or args.layers != "auto") and not args.estimate:
+        raise LedgerspecError(
+            "--device-memory, --target and --layers need --estimate", args.file, rule="usage", exit_code=EXIT_USAGE
+        )
+    result = shard(
+        doc,
+        nproc=args.nproc,
+        offline=args.offline,
+        trust_remote_code=args.trust_remote_code,
+        estimate=args.estimate,
+        target=args.target,
+        device_memory=memory,
+        layers=args.layers,
+    )
+    plan = result.plan
+    reshard = result.extension["reshard_after_forward"]
+    print(
+        f"FSDP2 on {plan.world_size} ranks, reshard_after_forward="
+        f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}"
+    )
+    print(
+        f"{'rank':>4}  {'frozen':>11}  {'adapter':>11}  {'gradients':>11}  {'optimizer':>11}  {'gathered':>11}  "
+        f"{'total':>11}"
+    )
+    for rs in plan.ranks:
+        cells = (rs.frozen_base, rs.adapter, rs.gradients, rs.optimizer, rs.gathered, rs.with_gathered)
+        print(f"{rs.rank:>4}  " + "  ".join(f"{format_size(v):>11}" for v in cells))
+    for key, z in result.zero.items():
+        print(f"{key:>13}: device {format_size(z.device_total)} per rank, host {format_size(z.host)}")
+    code = EXIT_OK
+    if result.estimate is None:
+        print("(model state only: `--estimate` predicts each rank's peak with activations and temporaries)")
+    else:
+        _print_estimate(result.estimate, result.device_memory)
+        if result.device_memory is not None and not all(f.fits for f in result.estimate.fits(result.device_memory)):
+            code = EXIT_FINDINGS  # as `ledgerspec estimate`: written, but it does not fit
+    if doc.kind == "intake":  # as `ledgerspec estimate`: an intake is sized, not written into
+        print(
+            f"{args.file}: an intake: nothing written (resolve it into a ledger to record the per-rank figures)",
+            file=sys.stderr,
+        )
+        return code
+    if args.check:
+        if result.change is not None:
+            print(f"{args.file}: would change parallelism.x-per-rank; run `ledgerspec shard`", file=sys.stderr)
+            return EXIT_FINDINGS
+        return EXIT_OK
+    if result.change is not None or args.output:
+        save(doc, args.output or args.file)
+    return code
+
+
+def _print_estimate(est: Any, device_memory: int | None) -> None:
+    from ledgerspec.contract.units import format_size
+
+    print(f"estimate ({est.target}, simulated FSDP2 step per rank, {est.plan.describe()}):")
+    fits = est.fits(device_memory) if device_memory is not None else None
+    for i, r in enumerate(est.ranks):
+        verdict = f"; {fits[i].sentence()}" if fits is not None else ""
+        print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} (activations {format_size(r.activations)}){verdict}")
+    if fits is not None and device_memory is not None:
+        answer = "fits" if all(f.fits for f in fits) else "does NOT fit"
+        print(f"{est.world_size} x {format_size(device_memory)}: {answer} (worst rank {format_size(est.worst)})")

@@ -1,0 +1,97 @@
+"""``ledgerspec validate FILE...``: load each file, validate, optionally fix the status, report.
+
+Imports neither torch nor anything heavy: it is the pre-commit hook's command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, TextIO
+
+from ledgerspec.checks.findings import ERROR, Finding
+from ledgerspec.checks.validate import Report, validate
+from ledgerspec.contract.document import Document, from_text, load
+from ledgerspec.contract.loader import decode
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.faces.reporters import REPORTERS
+
+
+def register(subparsers: Any) -> None:
+    v = subparsers.add_parser("validate", help="check ledger/intake files: schema, rules, status ladder")
+    v.add_argument("files", nargs="+", metavar="FILE")
+    v.add_argument("--format", choices=("text", "json", "sarif", "github"), default="text")
+    v.add_argument("--fix", action="store_true", help="lower a declared status to the supported one, in place")
+    v.add_argument("-v", "--verbose", action="store_true", help="show info findings and every status reason")
+    v.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_validate(args.files, fmt=args.format, fix=args.fix, verbose=args.verbose, out=sys.stdout)
+
+
+def _load(path: str) -> Document:
+    if path == "-":
+        return from_text(decode(sys.stdin.buffer.read(), "<stdin>"), "<stdin>")
+    return load(path)
+
+
+def run_validate(
+    paths: list[str], fmt: str = "text", fix: bool = False, verbose: bool = False, out: TextIO = sys.stdout
+) -> int:
+    reports: list[Report] = []
+    code = EXIT_OK
+    for path in paths:
+        try:
+            doc = _load(path)
+        except LedgerspecError as exc:
+            code = max(code, exc.exit_code)
+            reports.append(
+                Report(
+                    exc.path or path,
+                    None,
+                    None,
+                    None,
+                    [],
+                    [
+                        Finding(
+                            exc.rule,
+                            ERROR,
+                            "",
+                            exc.message + (f" (hint: {exc.hint})" if exc.hint else ""),
+                            exc.line or 1,
+                            exc.column or 1,
+                        )
+                    ],
+                )
+            )
+            continue
+        report = validate(doc)
+        if fix and path != "-":
+            report = _fix(doc, report, path)
+        reports.append(report)
+        if not report.ok:
+            code = max(code, EXIT_FINDINGS)
+    REPORTERS[fmt](reports, out, verbose)
+    return code
+
+
+def _fix(doc: Document, report: Report, path: str) -> Report:
+    """Lower the declared status in place (atomic write, BOM kept); return the report of the new file."""
+    from pathlib import Path
+
+    from ledgerspec.checks.fix import fixed_text
+    from ledgerspec.contract.writer import atomic_write
+
+    text = fixed_text(doc, report)
+    if text is None:
+        return report
+    if Path(path).read_bytes().startswith(b"\xef\xbb\xbf"):
+        text = "\ufeff" + text
+    atomic_write(path, text)
+    fixed = validate(load(path))
+    print(f"{path}: status lowered from {report.declared_status} to {fixed.declared_status}", file=sys.stderr)
+    return fixed
+
+
+__all__ = ["EXIT_USAGE", "run_validate"]

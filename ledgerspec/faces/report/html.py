@@ -1,0 +1,392 @@
+"""The HTML face of ``ledgerspec report --html``: one self-contained file, inline CSS and SVG, no script.
+
+The page is well-formed XML (XHTML-compatible) so that it can be checked by a parser and embedded
+anywhere; it loads nothing from the network. It draws :class:`~ledgerspec.faces.report.data.ReportData`.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from ledgerspec import __version__
+from ledgerspec.checks.findings import ERROR, INFO, WARNING
+from ledgerspec.contract.units import format_size
+from ledgerspec.faces.report.bar import layout
+from ledgerspec.faces.report.data import COMPONENT_LABELS, PROVENANCE, Entry, Pair, PhasePoint, ReportData
+
+#: one colour per provenance word, used for table badges, bar segments and the legend
+COLORS = {
+    "MEASURED": "#1a7f37",
+    "VERIFIED": "#0969da",
+    "CALCULATED": "#8250df",
+    "ASSUMPTION": "#d4760a",
+    "CONFIGURATION-SPECIFIC": "#bf3989",
+    "UNKNOWN": "#8c959f",
+    "DECLARED": "#57606a",
+}
+STATUS_COLORS = {
+    "INSUFFICIENT DATA": "#cf222e",
+    "CALCULATED": "#8250df",
+    "CANDIDATE": "#0969da",
+    "VALIDATED": "#1a7f37",
+}
+MEANINGS = {
+    "MEASURED": "read from a real run",
+    "VERIFIED": "read off the instantiated stack",
+    "CALCULATED": "derived by formula or simulation from exact inputs",
+    "ASSUMPTION": "taken without proof (the note says why)",
+    "CONFIGURATION-SPECIFIC": "depends on a stack detail not yet known",
+    "UNKNOWN": "not known",
+    "DECLARED": "a configuration input as written",
+}
+PHASE_SHORT = {
+    "after_load": "load",
+    "after_adapter_injection": "adapters",
+    "after_optimizer_init": "optim init",
+    "forward_peak": "forward",
+    "backward_peak": "backward",
+    "optimizer_step_peak": "optim step",
+    "steady_state_peak": "steady state",
+}
+
+BAR_W, BAR_X = 900, 10
+CSS = """
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1f2328;margin:0;background:#fff}
+main{max-width:960px;margin:0 auto;padding:16px 20px 40px}
+h1{font-size:22px;margin:8px 0 2px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de}
+.path{color:#57606a;font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:13px;margin:0}
+.status{display:inline-block;color:#fff;font-weight:700;padding:3px 10px;border-radius:4px;margin:10px 8px 4px 0}
+table{border-collapse:collapse;width:100%;font-size:13.5px}
+th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eaeef2;vertical-align:top}
+th{background:#f6f8fa;font-weight:600}
+th.num{text-align:right}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+td.detail{color:#57606a;font-size:12.5px}
+.src{display:inline-block;color:#fff;font-size:11px;font-weight:700;padding:1px 6px;border-radius:3px;
+white-space:nowrap}
+.legend{display:flex;flex-wrap:wrap;gap:6px 16px;font-size:12.5px;margin:6px 0}
+.legend span.sw{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:-1px;margin-right:4px}
+ul.reasons{margin:4px 0;padding-left:20px;font-size:13.5px}
+.muted{color:#57606a;font-size:13px}
+.f-error{color:#cf222e}.f-warning{color:#9a6700}.f-info{color:#57606a}
+svg text{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
+footer{color:#8c959f;font-size:12px;margin-top:32px}
+"""
+
+
+def _e(text: object) -> str:
+    return escape(str(text), quote=True)
+
+
+def badge(source: str) -> str:
+    return f'<span class="src src-{_e(source)}" style="background:{COLORS.get(source, "#57606a")}">{_e(source)}</span>'
+
+
+def _entry_cells(e: Entry | None) -> str:
+    if e is None:
+        return '<td class="num">-</td><td></td>'
+    return f'<td class="num">{_e(e.display)}</td><td>{badge(e.source)}</td>'
+
+
+def render_html(d: ReportData) -> str:
+    """The whole report as one HTML document (a string)."""
+    title = d.title or d.path
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"/>',
+        '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
+        f"<title>{_e(title)} — ledgerspec report</title><style>{CSS}</style></head><body><main>",
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="path">{_e(d.path)} · {_e(d.kind)}/v1</p>',
+        _status(d),
+        "<h2>Memory components</h2>",
+        _bar_svg(d),
+        _legend(d),
+        _components_table(d),
+    ]
+    if d.has_phases:
+        parts += ["<h2>Phase timeline</h2>", _timeline_svg(d.phases, d.capacity)]
+    if d.at_peak:
+        parts += [f"<h2>Alive at the estimated peak ({_e(d.at_peak_phase or '')})</h2>", _at_peak_table(d)]
+    if d.pairs:
+        parts += ["<h2>Calculated vs measured</h2>", _pairs_table(d.pairs, d.explanation)]
+    if d.figures:
+        parts += ["<h2>Other figures</h2>", _figures_table(d.figures)]
+    parts += [
+        "<h2>Configuration inputs</h2>",
+        _figures_table(d.inputs, detail_head="note"),
+        "<h2>Findings</h2>",
+        _findings(d),
+        "<h2>Provenance</h2>",
+        _provenance_legend(),
+        f"<footer>ledgerspec {_e(__version__)} · a self-contained page: no script, nothing loaded from the "
+        "network</footer>",
+        "</main></body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def _status(d: ReportData) -> str:
+    color = STATUS_COLORS.get(d.supported_status, "#57606a")
+    out = [
+        f'<div><span class="status" data-status="{_e(d.supported_status)}" style="background:{color}">'
+        f'{_e(d.supported_status)}</span><span class="muted">supported by the evidence · declared: '
+        f"{_e(d.declared_status or 'none declared')}</span></div>"
+    ]
+    if d.reasons:
+        head = "What holds it down" if d.supported_status != "VALIDATED" else "Reasons"
+        out.append(f'<p class="muted">{head}:</p><ul class="reasons">')
+        out += [f"<li>{_e(r)}</li>" for r in d.reasons]
+        out.append("</ul>")
+    return "\n".join(out)
+
+
+def _bar_svg(d: ReportData) -> str:
+    bar = layout(d)
+    if bar is None:
+        missing = ", ".join(COMPONENT_LABELS[e.name] for e in d.missing)
+        return (
+            f'<p class="muted">No component has a known size yet ({_e(missing)}): <code>ledgerspec resolve'
+            "</code> derives the exact ones.</p>"
+        )
+    h = 118
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="bar" width="100%" viewBox="0 0 {BAR_W + 2 * BAR_X} {h}" '
+        f'role="img" aria-label="stacked memory components" data-scale="{bar.scale}" '
+        f'data-bar-width="{BAR_W}">'
+    ]
+    if bar.capacity is not None:
+        out.append(
+            f'<rect class="room" x="{BAR_X}" y="28" width="{bar.capacity * BAR_W:.3f}" height="40" '
+            'fill="#f6f8fa" stroke="#d0d7de"/>'
+        )
+    for i, s in enumerate(bar.spans):
+        x, w = BAR_X + s.start * BAR_W, s.width * BAR_W
+        shade = ' fill-opacity="0.78"' if i % 2 else ""  # neighbours of one provenance stay apart
+        label = COMPONENT_LABELS[s.entry.name]
+        out.append(
+            f'<rect class="seg" data-component="{_e(s.entry.name)}" data-bytes="{s.entry.nbytes}" '
+            f'data-source="{_e(s.entry.source)}" x="{x:.3f}" y="28" width="{w:.3f}" height="40" '
+            f'fill="{COLORS[s.entry.source]}"{shade} stroke="#fff" stroke-width="1">'
+            f"<title>{_e(label)}: {_e(s.entry.display)} ({_e(s.entry.source)})</title></rect>"
+        )
+        if w > 8 * len(label) + 10:
+            out.append(
+                f'<text x="{x + w / 2:.1f}" y="53" text-anchor="middle" fill="#fff" font-size="13" '
+                f'font-weight="600">{_e(label)}</text>'
+            )
+    total_x = BAR_X + bar.stacked * BAR_W
+    out.append(
+        f'<text x="{BAR_X}" y="18" font-size="13" fill="#1f2328">stacked components '
+        f"{_e(format_size(d.stacked_total))}</text>"
+    )
+    if bar.capacity is not None and d.capacity is not None:
+        cx = BAR_X + bar.capacity * BAR_W
+        over = d.stacked_total - d.capacity
+        label = f"{d.capacity_label}: {format_size(d.capacity)}"
+        if over > 0:
+            label += f" — the stacked components exceed it by {format_size(over)}"
+        out.append(
+            f'<line class="capacity" x1="{cx:.3f}" y1="24" x2="{cx:.3f}" y2="74" stroke="#cf222e" '
+            'stroke-width="2" stroke-dasharray="4 3"/>'
+        )
+        x, anchor = _label_at(cx, label)
+        out.append(
+            f'<text x="{x:.1f}" y="88" text-anchor="{anchor}" font-size="12.5" fill="#cf222e">{_e(label)}</text>'
+        )
+    if bar.peak is not None and d.peak is not None:
+        px = BAR_X + bar.peak * BAR_W
+        label = f"best peak {format_size(d.peak)} · {d.peak_label}"
+        x, anchor = _label_at(px, label)
+        out.append(f'<path class="peak" d="M{px:.3f} 70 l-6 10 h12 z" fill="#1f2328"/>')
+        out.append(
+            f'<text x="{x:.1f}" y="108" text-anchor="{anchor}" font-size="12.5" fill="#1f2328">{_e(label)}</text>'
+        )
+    out.append(f'<line x1="{total_x:.3f}" y1="28" x2="{total_x:.3f}" y2="68" stroke="#1f2328" stroke-width="1"/>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _label_at(x: float, label: str, char_px: float = 7.0) -> tuple[float, str]:
+    """Where a label beside the mark at ``x`` fits inside the bar's width: right of it, left of it, or flush left."""
+    width = len(label) * char_px
+    if x + 6 + width <= BAR_X + BAR_W:
+        return x + 6, "start"
+    if x - 6 - width >= 0:
+        return x - 6, "end"
+    return BAR_X, "start"
+
+
+def _legend(d: ReportData) -> str:
+    items = [
+        f'<span><span class="sw" style="background:{COLORS[e.source]}"></span>{_e(COMPONENT_LABELS[e.name])} '
+        f"{_e(e.display)} ({_e(e.source)})</span>"
+        for e in d.segments
+    ]
+    if d.missing and d.segments:
+        items.append(
+            '<span class="muted">not in the bar: '
+            + ", ".join(f"{_e(COMPONENT_LABELS[e.name])} ({_e(e.source)})" for e in d.missing)
+            + "</span>"
+        )
+    if d.capacity is None and d.segments:
+        items.append('<span class="muted">no device memory given (result.target_device.memory)</span>')
+    return '<div class="legend">' + "".join(items) + "</div>"
+
+
+def _components_table(d: ReportData) -> str:
+    rows = [
+        '<table><thead><tr><th>component</th><th class="num">value</th><th class="num">bytes</th>'
+        "<th>source</th><th>method / note</th></tr></thead><tbody>"
+    ]
+    for e in d.components:
+        nbytes = f"{e.nbytes:,}" if e.nbytes is not None else ""
+        rows.append(
+            f'<tr data-component="{_e(e.name)}"><td>{_e(COMPONENT_LABELS.get(e.name, e.name))}</td>'
+            f'<td class="num">{_e(e.display)}</td><td class="num">{nbytes}</td><td>{badge(e.source)}</td>'
+            f'<td class="detail">{_e(e.detail)}</td></tr>'
+        )
+    rows.append("</tbody></table>")
+    return "\n".join(rows)
+
+
+def _at_peak_table(d: ReportData) -> str:
+    rows = [
+        '<table><thead><tr><th>component</th><th class="num">alive</th><th class="num">bytes</th></tr></thead><tbody>'
+    ]
+    for name, n in d.at_peak:
+        rows.append(
+            f'<tr><td>{_e(COMPONENT_LABELS.get(name, name))}</td><td class="num">{_e(format_size(n))}</td>'
+            f'<td class="num">{n:,}</td></tr>'
+        )
+    rows.append(
+        '</tbody></table><p class="muted">From the estimate (x-estimate.at_peak); they add up to the '
+        "predicted peak. Temporary: what no component owns (fp32 logits and loss, gradients in flight, "
+        "attention and dequantization workspaces).</p>"
+    )
+    return "\n".join(rows)
+
+
+def _figures_table(entries: list[Entry], detail_head: str = "method / note") -> str:
+    if not entries:
+        return '<p class="muted">none</p>'
+    rows = [
+        f"<table><thead><tr><th>field</th><th>value</th><th>source</th><th>{_e(detail_head)}</th></tr></thead><tbody>"
+    ]
+    for e in entries:
+        rows.append(
+            f"<tr><td><code>{_e(e.key)}</code></td><td>{_e(e.display)}</td><td>{badge(e.source)}</td>"
+            f'<td class="detail">{_e(e.detail)}</td></tr>'
+        )
+    rows.append("</tbody></table>")
+    return "\n".join(rows)
+
+
+def _pairs_table(pairs: list[Pair], explanation: str | None) -> str:
+    rows = [
+        "<table><thead><tr><th>figure</th><th>calculated / estimated</th><th></th><th>measured</th><th></th>"
+        "<th>measured − calculated</th></tr></thead><tbody>"
+    ]
+    for p in pairs:
+        diff = ""
+        if (
+            p.calculated is not None
+            and p.calculated.nbytes is not None
+            and p.measured is not None
+            and p.measured.nbytes is not None
+        ):
+            delta = p.measured.nbytes - p.calculated.nbytes
+            sign = "+" if delta >= 0 else "−"
+            diff = f"{sign}{format_size(abs(delta))}"
+        rows.append(
+            f"<tr><td>{_e(p.label)}</td>{_entry_cells(p.calculated)}{_entry_cells(p.measured)}"
+            f'<td class="num">{_e(diff)}</td></tr>'
+        )
+    rows.append("</tbody></table>")
+    if explanation:
+        rows.append(f'<p class="muted">Known explanation: {_e(explanation)}</p>')
+    return "\n".join(rows)
+
+
+def _timeline_svg(phases: list[PhasePoint], capacity: int | None) -> str:
+    values = [e.nbytes for p in phases for e in (p.measured, p.estimated) if e is not None and e.nbytes is not None]
+    top = max([*values, capacity or 0, 1])
+    w, h, left, bottom, plot_h = 940, 300, 80, 250, 210
+    col = (w - left - 10) / len(phases)
+    y = lambda n: bottom - n / top * plot_h  # noqa: E731
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" width="100%" viewBox="0 0 {w} {h}" '
+        'role="img" aria-label="phase timeline">'
+    ]
+    for i in range(5):
+        n = top * i / 4
+        out.append(f'<line x1="{left}" y1="{y(n):.1f}" x2="{w - 10}" y2="{y(n):.1f}" stroke="#eaeef2"/>')
+        out.append(
+            f'<text x="{left - 6}" y="{y(n) + 4:.1f}" text-anchor="end" font-size="11" fill="#57606a">'
+            f"{_e(format_size(round(n)))}</text>"
+        )
+    if capacity:
+        out.append(
+            f'<line class="capacity" x1="{left}" y1="{y(capacity):.1f}" x2="{w - 10}" y2="{y(capacity):.1f}" '
+            'stroke="#cf222e" stroke-dasharray="4 3" stroke-width="1.5"/>'
+        )
+        out.append(
+            f'<text x="{w - 12}" y="{y(capacity) - 5:.1f}" text-anchor="end" font-size="11" fill="#cf222e">'
+            f"device {_e(format_size(capacity))}</text>"
+        )
+    points = []
+    for i, p in enumerate(phases):
+        x0 = left + i * col
+        for j, (e, kind) in enumerate(((p.estimated, "estimated"), (p.measured, "measured"))):
+            if e is None or e.nbytes is None:
+                continue
+            bx, bw = x0 + col * (0.18 + 0.32 * j), col * 0.3
+            color = COLORS[e.source] if kind == "measured" else COLORS["CALCULATED"]
+            fill = color if kind == "measured" else "#fff"
+            out.append(
+                f'<rect class="phase {kind}" data-phase="{_e(p.name)}" data-bytes="{e.nbytes}" '
+                f'x="{bx:.1f}" y="{y(e.nbytes):.1f}" width="{bw:.1f}" height="{bottom - y(e.nbytes):.1f}" '
+                f'fill="{fill}" stroke="{color}" stroke-width="1.5">'
+                f"<title>{_e(p.label)} {kind}: {_e(e.display)} ({_e(e.source)})</title></rect>"
+            )
+            if kind == "measured":
+                points.append(f"{bx + bw / 2:.1f},{y(e.nbytes):.1f}")
+        out.append(
+            f'<text x="{x0 + col / 2:.1f}" y="{bottom + 18}" text-anchor="middle" font-size="12" '
+            f'fill="#1f2328">{_e(PHASE_SHORT.get(p.name, p.name))}</text>'
+        )
+    if len(points) > 1:
+        out.append(
+            f'<polyline points="{" ".join(points)}" fill="none" stroke="#1f2328" stroke-width="1" '
+            'stroke-dasharray="2 2"/>'
+        )
+    out.append(f'<line x1="{left}" y1="{bottom}" x2="{w - 10}" y2="{bottom}" stroke="#57606a"/>')
+    out.append(
+        f'<rect x="{left}" y="{h - 22}" width="12" height="12" fill="#fff" stroke="{COLORS["CALCULATED"]}"/>'
+        f'<text x="{left + 16}" y="{h - 12}" font-size="12">estimated (x-estimate)</text>'
+        f'<rect x="{left + 190}" y="{h - 22}" width="12" height="12" fill="{COLORS["MEASURED"]}"/>'
+        f'<text x="{left + 206}" y="{h - 12}" font-size="12">measured (phases)</text>'
+    )
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _findings(d: ReportData) -> str:
+    counts = f"{d.count(ERROR)} error(s), {d.count(WARNING)} warning(s), {d.count(INFO)} info"
+    if not d.findings:
+        return f'<p class="muted">{counts}</p>'
+    rows = [
+        f'<p class="muted">{counts}</p><table><thead><tr><th>line</th><th>rule</th><th>severity</th>'
+        "<th>message</th></tr></thead><tbody>"
+    ]
+    for f in d.findings:
+        rows.append(
+            f'<tr class="f-{_e(f.severity)}"><td class="num">{f.line}:{f.column}</td><td>{_e(f.rule)}</td>'
+            f"<td>{_e(f.severity)}</td><td>{_e(f.message)}</td></tr>"
+        )
+    rows.append("</tbody></table>")
+    return "\n".join(rows)
+
+
+def _provenance_legend() -> str:
+    return '<div class="legend">' + "".join(f"<span>{badge(p)} {_e(MEANINGS[p])}</span>" for p in PROVENANCE) + "</div>"
