@@ -6,14 +6,14 @@ the reasons that hold it down. Pure: no I/O, no torch.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ledgerspec.checks.stale import stale_evidence
 from ledgerspec.contract import fields as F
+from ledgerspec.contract.config import read
 from ledgerspec.contract.document import Document
-from ledgerspec.contract.optimizers import OPTIMIZERS, optimizer_spec, suggest
+from ledgerspec.contract.intake import dotted, minimum_intake_gaps
 from ledgerspec.contract.values import EXACT_SOURCES, Value
 
 LADDER = F.STATUSES
@@ -27,79 +27,6 @@ class StatusResult:
     intake_complete: bool = False
     best_peak: int | None = None
     best_peak_from: str | None = None
-
-
-def dotted(path: tuple[str, ...]) -> str:
-    return ".".join(path)
-
-
-def minimum_intake_gaps(doc: Document) -> list[str]:
-    """The fields of the minimum intake that are missing, UNKNOWN or CONFIGURATION-SPECIFIC."""
-    gaps: list[str] = []
-
-    def need(*path: str) -> None:
-        v = doc.get(*path)
-        if v.unknown:
-            gaps.append(f"{dotted(path)} is {_state(v)}")
-
-    def need_one(*paths: tuple[str, ...]) -> None:
-        if all(doc.get(*p).unknown for p in paths):
-            gaps.append(" or ".join(dotted(p) for p in paths) + " is " + _state(doc.get(*paths[0])))
-
-    need("identity", "model_id")
-    need_one(("identity", "revision"), ("identity", "config_sha256"))
-    need("method", "kind")
-    need("method", "rank")
-    need_one(("method", "target_modules"), ("method", "target_parameters"))
-    need("base_model", "loaded_dtype")
-    if is_qlora(doc):
-        for key in ("type", "double_quant", "compute_dtype", "storage_dtype"):
-            need("base_model", "quantization", key)
-    need("adapter", "dtype")
-    need("workload", "microbatch")
-    need_one(("workload", "max_length"), ("workload", "sequence_p95"))
-    need("optimizer", "name")
-    gaps += _optimizer_gaps(doc)
-    need("memory_options", "gradient_checkpointing")
-    return gaps
-
-
-def _optimizer_gaps(doc: Document) -> list[str]:
-    """Spec, minimum intake: for 8-bit or paged optimizers ``bits``/``paged`` must follow from the name or be
-    given. A known name (:mod:`ledgerspec.contract.optimizers`) says both; an unknown one may be 8-bit, so its
-    ``bits`` must be given unless the name spells them (``..._8bit``); ``paged`` is read from the name."""
-    name = doc.get("optimizer", "name").text()
-    if not name or optimizer_spec(name) is not None:
-        return []
-    if optimizer_bits(name) is not None or not doc.get("optimizer", "bits").unknown:
-        return []
-    guess = suggest(name)
-    hint = f"did you mean {guess!r}? " if guess else ""
-    return [
-        f"optimizer.name {name!r} is not a known optimizer ({hint}known: {', '.join(OPTIMIZERS)}), so "
-        "optimizer.bits does not follow from it and must be given"
-    ]
-
-
-def _state(v: Value) -> str:
-    if not v.present:
-        return "missing"
-    return v.source or "UNKNOWN"
-
-
-def is_qlora(doc: Document) -> bool:
-    kind = doc.get("method", "kind").text()
-    return kind == "QLoRA" or doc.get("base_model", "quantized").switch() is True
-
-
-def optimizer_is_bnb(name: str) -> bool:
-    n = name.lower()
-    return "8bit" in n or "paged" in n or "bnb" in n or "32bit" in n
-
-
-def optimizer_bits(name: str) -> int | None:
-    m = re.search(r"(8|32)bit", name.lower())
-    return int(m.group(1)) if m else None
 
 
 def input_fields(doc: Document) -> Iterator[tuple[tuple[str, ...], F.Field, Value]]:
@@ -282,7 +209,8 @@ def validated_gaps(doc: Document) -> list[str]:
     if steps is None or steps < 2:
         gaps.append("VALIDATED needs measurement.steps >= 2 (repeated representative steps)")
     needed = ["torch", "transformers", "peft"]
-    if is_qlora(doc) or optimizer_is_bnb(doc.get("optimizer", "name").text() or ""):
+    config = read(doc)
+    if config.quantized or config.optimizer.bitsandbytes:
         needed.append("bitsandbytes")
     for key in needed:
         if doc.get("software", key).unknown:

@@ -12,12 +12,14 @@ from collections.abc import Iterator
 
 from ledgerspec.checks.context import Context, ptr
 from ledgerspec.checks.findings import ERROR, INFO, WARNING, Hit
-from ledgerspec.checks.ladder import RANK, dotted, is_qlora
+from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.registry import rule
 from ledgerspec.checks.stale import edited_since
+from ledgerspec.contract import config as C
 from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.fingerprint import STAMPS, stale
+from ledgerspec.contract.intake import dotted
 from ledgerspec.contract.units import format_size
 from ledgerspec.contract.values import Value
 
@@ -213,7 +215,7 @@ def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
     example="method: {kind: QLoRA}\nbase_model: {quantization: {bits: 4}}",
 )
 def ls030_qlora_only_bits(ctx: Context) -> Iterator[Hit]:
-    if not is_qlora(ctx.doc):
+    if not C.read(ctx.doc).quantized:
         return
     missing = [
         k
@@ -232,6 +234,19 @@ def ls030_qlora_only_bits(ctx: Context) -> Iterator[Hit]:
             + ", ".join(f"quantization.{k}" for k in missing)
             + ": '4-bit' alone does not determine the base storage",
         )
+
+
+@rule(
+    "LS032",
+    ERROR,
+    "method.kind and base_model.quantized disagree (QLoRA on a base declared unquantized)",
+    "QLoRA adapts a quantized base: set base_model.quantized to true (and give quantization), or method.kind to "
+    "LoRA for a floating-point base",
+    example="method: {kind: QLoRA}\nbase_model: {quantized: false}",
+)
+def ls032_kind_and_quantized_disagree(ctx: Context) -> Iterator[Hit]:
+    for conflict in C.read(ctx.doc).conflicts:
+        yield Hit(ptr(*conflict.path), conflict.message)
 
 
 @rule(

@@ -27,6 +27,8 @@ class Document:
     kind: str | None = None
     version: int | None = None
     _cache: dict[tuple[str, ...], Value] = field(default_factory=dict, repr=False)
+    #: readings derived from the values (e.g. :func:`ledgerspec.contract.config.read`), dropped on every edit
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # -- reading --------------------------------------------------------------------------------
     def get(self, *path: str) -> Value:
@@ -80,6 +82,7 @@ class Document:
 
     def invalidate(self) -> None:
         self._cache.clear()
+        self.memo.clear()
 
 
 def rebase(config_path: str, doc_path: str, new_path: str | None) -> str:

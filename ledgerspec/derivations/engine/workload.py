@@ -42,8 +42,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, error_at
-from ledgerspec.derivations.stack.build import ModelSource, dtype_name, inject_adapters, load_config, one_line
+from ledgerspec.derivations.stack.build import ModelSource, inject_adapters, load_config, one_line
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
 from ledgerspec.errors import LedgerspecError
 
@@ -111,36 +112,34 @@ class WorkloadSpec:
 
     @classmethod
     def from_document(cls, doc: Document) -> WorkloadSpec:
-        def text(*path: str) -> str | None:
-            return doc.get(*path).text()
+        """The workload of ``doc`` (:func:`ledgerspec.contract.config.read`); a knob the step cannot run is a
+        one-line error at its field."""
+        cfg = config.read(doc)
 
         def dtype(path: tuple[str, ...], default: str | None = None) -> str:
-            return dtype_name(doc, path, default, rule="measure")
+            return config.require_dtype(doc, path, default, rule="measure")
 
         loaded = dtype(("base_model", "loaded_dtype"), "float32")
         quant = None
-        kind = text("method", "kind")
-        if kind == "QLoRA" or doc.get("base_model", "quantized").switch():
-            q = ("base_model", "quantization")
-            qtype = (text(*q, "type") or "").lower()
-            if qtype not in ("nf4", "fp4"):
+        q = cfg.quantization
+        if q.quantized:
+            path = config.QUANT
+            if not q.four_bit:
                 raise _err(
-                    doc, (*q, "type"), f"measure supports 4-bit nf4/fp4 quantization, got {qtype or 'nothing'!r}"
+                    doc, (*path, "type"), f"measure supports 4-bit nf4/fp4 quantization, got {q.type or 'nothing'!r}"
                 )
-            double = doc.get(*q, "double_quant").switch()
-            if double is None:
-                raise _err(doc, (*q, "double_quant"), "base_model.quantization.double_quant must be true or false")
-            skip = doc.get(*q, "skip_modules")
+            if q.double_quant is None:
+                raise _err(doc, (*path, "double_quant"), "base_model.quantization.double_quant must be true or false")
             quant = QuantSpec(
-                qtype,
-                double,
-                dtype((*q, "compute_dtype")),
-                dtype((*q, "storage_dtype"), "uint8"),
-                doc.get(*q, "blocksize").integer(),
-                tuple([skip.value] if isinstance(skip.value, str) else skip.value) if skip.known else None,
+                q.type or "",
+                q.double_quant,
+                dtype((*path, "compute_dtype")),
+                dtype((*path, "storage_dtype"), config.DEFAULT_STORAGE),
+                q.blocksize,
+                q.skip_modules,
             )
-        adapter = dtype(("adapter", "dtype")) if text("adapter", "dtype") else None  # None: PEFT's float32
-        opt = (text("optimizer", "name") or "").strip().lower()
+        adapter = dtype(("adapter", "dtype")) if cfg.adapter_dtype else None  # None: PEFT's float32
+        opt = cfg.optimizer.key
         if opt not in OPTIMIZERS:
             raise _err(
                 doc,
@@ -148,15 +147,13 @@ class WorkloadSpec:
                 f"the training step cannot build optimizer {opt or 'nothing'!r} (estimate, measure)",
                 f"use one of {', '.join(OPTIMIZERS)}",
             )
-        gc = doc.get("memory_options", "gradient_checkpointing").switch()
-        if gc is None:
+        if cfg.gradient_checkpointing is None:
             raise _err(
                 doc,
                 ("memory_options", "gradient_checkpointing"),
                 "memory_options.gradient_checkpointing must be true or false",
             )
-        kind_gc = (text("memory_options", "checkpointing_kind") or "non-reentrant").lower()
-        attention = text("software", "attention_implementation") or "sdpa"
+        attention = cfg.attention or "sdpa"
         if attention not in ATTENTION:
             raise _err(
                 doc,
@@ -164,23 +161,22 @@ class WorkloadSpec:
                 f"unknown attention implementation {attention!r}",
                 f"use one of {', '.join(ATTENTION)}",
             )
-        mb = doc.get("workload", "microbatch").integer()
-        if mb is None or mb < 1:
+        w = cfg.workload
+        if w.microbatch is None or w.microbatch < 1:
             raise _err(doc, ("workload", "microbatch"), "workload.microbatch must be an integer >= 1")
-        acc = doc.get("workload", "gradient_accumulation").integer() or 1
         worst, typical = sequence_shapes(doc)
         return cls(
             loaded,
             quant,
-            bool(doc.get("base_model", "prepare_for_kbit_training").switch()),
+            cfg.prepare_kbit,
             adapter,
             opt,
-            doc.get("optimizer", "min_8bit_size").integer(),
-            gc,
-            kind_gc.startswith("reentrant"),
+            cfg.optimizer.min_8bit_size,
+            cfg.gradient_checkpointing,
+            cfg.reentrant,
             attention,
-            mb,
-            max(acc, 1),
+            w.microbatch,
+            max(w.gradient_accumulation or 1, 1),
             worst,
             typical,
             rows_are_padded(doc),
@@ -206,32 +202,18 @@ class WorkloadSpec:
 
 
 def sequence_shapes(doc: Document) -> tuple[int, int]:
-    """(worst, typical) sequence lengths of the declared profile.
-
-    Worst: ``max_length`` (sequences are truncated to it; one long sample pads a batch to it),
-    else ``sequence_p95``. Typical: ``sequence_p50`` (capped at the worst), else the worst. With
-    packing every row is ``max_length`` long, so both are ``max_length``.
-    """
-    max_len = doc.get("workload", "max_length").integer()
-    p95 = doc.get("workload", "sequence_p95").integer()
-    p50 = doc.get("workload", "sequence_p50").integer()
-    worst = max_len or p95
-    if worst is None:
+    """(worst, typical) sequence lengths of the declared profile (:class:`ledgerspec.contract.config.Workload`)."""
+    w = config.read(doc).workload
+    if w.worst is None or w.typical is None:
         raise _err(doc, ("workload",), "workload.max_length or workload.sequence_p95 is needed for a batch shape")
-    if doc.get("workload", "packing").switch():
-        return worst, worst
-    typical = min(p50, worst) if p50 else worst
-    return worst, typical
+    return w.worst, w.typical
 
 
 def rows_are_padded(doc: Document) -> bool:
-    """Whether the declared batches pad every row to the batch's longest one (HF Trainer/TRL collators do).
-
-    True unless ``workload.packing`` or ``workload.padding_free`` is true: packed rows are all ``max_length``
-    long and padding-free batching concatenates the rows, so neither carries pad tokens. An UNKNOWN switch
-    counts as off (the collators' default). A batch of one row is never padded (:attr:`WorkloadSpec.padded`).
+    """Whether the declared batches pad every row to the batch's longest one
+    (:attr:`ledgerspec.contract.config.Workload.pads_rows`); a batch of one row never is (:attr:`WorkloadSpec.padded`).
     """
-    return not (doc.get("workload", "packing").switch() or doc.get("workload", "padding_free").switch())
+    return config.read(doc).workload.pads_rows
 
 
 def _is_4bit(p: Any) -> bool:

@@ -384,7 +384,7 @@ def estimate(
 
 def _check_intake(doc: Document) -> None:
     """The simulation needs the minimum intake (the model's identity may be a local config instead)."""
-    from ledgerspec.checks.ladder import minimum_intake_gaps
+    from ledgerspec.contract.intake import minimum_intake_gaps
 
     local = doc.get("identity", "config_path").known
     gaps = [g for g in minimum_intake_gaps(doc) if not (local and g.startswith("identity."))]

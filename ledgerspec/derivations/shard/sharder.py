@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, error_at
 from ledgerspec.contract.writeback import Change, set_extension
 from ledgerspec.contract.writer import render
@@ -51,15 +52,14 @@ def world_size(doc: Document, nproc: int | None) -> int:
 def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -> None:
     """QLoRA is shardable only with ``bnb_4bit_quant_storage`` equal to the loaded float dtype (``shard`` and
     ``measure --nproc`` both refuse other layouts here, each under its own rule name and exit code)."""
-    kind = (doc.get("method", "kind").text() or "").strip()
-    quantized = doc.get("base_model", "quantized").switch()
-    if quantized is False or (quantized is None and kind != "QLoRA"):
+    cfg = config.read(doc)
+    if not cfg.quantized:
         return
-    q = ("base_model", "quantization")
-    if (doc.get(*q, "type").text() or "").lower() == "int8":
+    q = config.QUANT
+    if cfg.quantization.type == "int8":
         raise _err(doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", code=code, rule=rule)
     storage = doc.get(*q, "storage_dtype")
-    why = S.qlora_shardable(storage.text() if storage.known else None, doc.get("base_model", "loaded_dtype").text())
+    why = S.qlora_shardable(cfg.quantization.storage_dtype, cfg.loaded_dtype)
     if why:
         path = (*q, "storage_dtype") if storage.present else (q if doc.get(*q).present else ("base_model",))
         raise _err(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ledgerspec.contract import dtypes
+from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, error_at
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
 from ledgerspec.errors import LedgerspecError
@@ -201,21 +201,10 @@ def one_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:300]
 
 
-def dtype_name(doc: Document, path: tuple[str, ...], default: str | None = None, rule: str = "resolve") -> str:
-    """The canonical dtype name at ``path`` (``bf16`` -> ``bfloat16``); one-line error for a name no table knows."""
-    name = doc.get(*path).text() or default
-    canon = dtypes.canonical(name) if name else None
-    if canon is None:
-        raise _err(
-            doc, path, f"unknown dtype {name!r}", "use float32, bfloat16, float16 (or fp32, bf16, fp16)", rule=rule
-        )
-    return canon
-
-
 def torch_dtype(doc: Document, path: tuple[str, ...], default: str | None = None) -> Any:
     import torch
 
-    return getattr(torch, dtype_name(doc, path, default))
+    return getattr(torch, config.require_dtype(doc, path, default))
 
 
 def lora_config(doc: Document) -> Any:

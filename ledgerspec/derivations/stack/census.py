@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledgerspec.contract import dtypes
+from ledgerspec.contract import config, dtypes
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.stack.bnb_storage import BNB4_BLOCKSIZE, QuantizedBytes, bnb4_bytes, int8_bytes
 from ledgerspec.derivations.stack.build import ModelSource, _err, build_meta_model, inject_adapters, torch_dtype
@@ -112,49 +112,45 @@ class Census:
 
 
 def quant_plan(doc: Document) -> QuantPlan:
-    """The quantization of ``base_model`` (``method.kind: QLoRA`` or ``base_model.quantized: true``)."""
-    kind = (doc.get("method", "kind").text() or "").strip()
-    quantized = doc.get("base_model", "quantized").switch()
-    if quantized is False or (quantized is None and kind != "QLoRA"):
+    """The storage layout of the frozen base, from the one reading of the configuration
+    (:func:`ledgerspec.contract.config.read`); a layout that cannot be sized is a one-line error."""
+    q = config.read(doc).quantization
+    if not q.quantized:
         return QuantPlan(None)
-    q = ("base_model", "quantization")
-    qtype = (doc.get(*q, "type").text() or "").lower()
-    bits = doc.get(*q, "bits").integer()
-    if qtype == "int8" or (not qtype and bits == 8):
-        skip = _strings(doc.get(*q, "skip_modules").value) if doc.get(*q, "skip_modules").known else ()
-        return QuantPlan("int8", "int8", skip_modules=skip)
-    if qtype not in ("nf4", "fp4"):
+    path = config.QUANT
+    if q.scheme == "int8":
+        return QuantPlan("int8", "int8", skip_modules=q.skip_modules or ())
+    if q.scheme != "bnb4":
         raise _err(
             doc,
-            (*q, "type") if doc.get(*q, "type").present else ("method", "kind"),
-            f"QLoRA needs base_model.quantization.type nf4, fp4 or int8, got {qtype or 'nothing'!r}",
+            (*path, "type") if doc.get(*path, "type").present else ("method", "kind"),
+            f"QLoRA needs base_model.quantization.type nf4, fp4 or int8, got {q.type or 'nothing'!r}",
             "a 4-bit base is not sized by its bit count alone: give the quantization type",
         )
-    dq = doc.get(*q, "double_quant").switch()
-    if dq is None:
+    if q.double_quant is None:
         raise _err(
             doc,
-            (*q, "double_quant") if doc.get(*q, "double_quant").present else q,
+            (*path, "double_quant") if doc.get(*path, "double_quant").present else path,
             "base_model.quantization.double_quant is needed (true or false) to size a 4-bit base",
         )
-    storage = doc.get(*q, "storage_dtype").text() or "uint8"
+    storage = q.storage_dtype or config.DEFAULT_STORAGE
     size = dtypes.itemsize(storage)
     if size is None:
         raise _err(
             doc,
-            (*q, "storage_dtype"),
+            (*path, "storage_dtype"),
             f"unknown storage dtype {storage!r}",
             "use uint8 (the bitsandbytes default), bfloat16, float16 or float32",
         )
-    blocksize = doc.get(*q, "blocksize").integer() or BNB4_BLOCKSIZE
-    skip = _strings(doc.get(*q, "skip_modules").value) if doc.get(*q, "skip_modules").known else ()
-    return QuantPlan("bnb4", qtype, dq, size, dtypes.canonical(storage) or storage, blocksize, skip)
-
-
-def _strings(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    return tuple(str(v) for v in value or ())
+    return QuantPlan(
+        "bnb4",
+        q.type,
+        q.double_quant,
+        size,
+        dtypes.canonical(storage) or storage,
+        q.blocksize or BNB4_BLOCKSIZE,
+        q.skip_modules or (),
+    )
 
 
 def _modules_to_quantize(model: Any, plan: QuantPlan) -> list[str]:
@@ -205,7 +201,7 @@ def census(
             quantized_ids.add(id(module.weight))
             if module.bias is not None:
                 biases.append(module.bias)
-    prepare = bool(doc.get("base_model", "prepare_for_kbit_training").switch())
+    prepare = config.read(doc).prepare_kbit
     if prepare:  # peft.prepare_model_for_kbit_training: fp16/bf16 params that are not 4-bit go to fp32
         for p in model.parameters():
             if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in quantized_ids:

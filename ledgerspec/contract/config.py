@@ -1,0 +1,281 @@
+"""One typed reading of a document's training configuration: method, quantization, optimizer, workload, precision.
+
+Every derivation and every rule reads the configuration through :func:`read` (memoised on the document until it
+is edited), so that two parts of ledgerspec can never disagree on what a ledger says. The reading is lenient: an
+absent, UNKNOWN or unreadable value is None, and the places that need a value ask for it with a ``require_*``
+method, which raises one :class:`~ledgerspec.errors.LedgerspecError` at the field's line. Disagreements between
+fields are collected in :attr:`Config.conflicts` (rule LS032 reports them). No torch: this is the contract.
+
+The one answer to "is the base quantized?" is :attr:`Quantization.quantized`: ``base_model.quantized`` when it is
+given, else ``method.kind == QLoRA``. ``method.kind: QLoRA`` with ``base_model.quantized: false`` is a conflict.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledgerspec.contract import dtypes
+from ledgerspec.contract.document import Document, error_at
+from ledgerspec.contract.optimizers import OptimizerSpec, optimizer_spec
+from ledgerspec.contract.values import Value
+from ledgerspec.errors import LedgerspecError
+
+Path = tuple[str, ...]
+QUANT: Path = ("base_model", "quantization")
+#: the bitsandbytes 4-bit block size when none is declared (``Params4bit``'s default)
+BNB4_BLOCKSIZE = 64
+#: bitsandbytes' default ``bnb_4bit_quant_storage``
+DEFAULT_STORAGE = "uint8"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two fields that say different things; ``path`` is where the finding points."""
+
+    path: Path
+    message: str
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The frozen base's quantization as declared (``base_model.quantized``/``quantization``, ``method.kind``)."""
+
+    quantized: bool
+    #: ``bnb4`` (nf4/fp4), ``int8`` (LLM.int8), or None: not quantized, or the type is not (validly) declared
+    scheme: str | None = None
+    #: ``quantization.type`` as written, lower-case (``nf4``, ``fp4``, ``int8``, or anything else a user wrote)
+    type: str | None = None
+    bits: int | None = None
+    double_quant: bool | None = None
+    compute_dtype: str | None = None  # as written
+    storage_dtype: str | None = None  # as written; None: bitsandbytes' default uint8
+    blocksize: int | None = None
+    skip_modules: tuple[str, ...] | None = None
+
+    @property
+    def four_bit(self) -> bool:
+        return self.scheme == "bnb4"
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """``optimizer.*``: the name, what the catalogue says of it, and what follows for bits and paging."""
+
+    name: str | None  # stripped, case kept
+    spec: OptimizerSpec | None  # None: not in the catalogue (or no name)
+    declared_bits: int | None
+    min_8bit_size: int | None
+    bits_declared: bool = False  # optimizer.bits holds a known value (an integer or not)
+
+    @property
+    def key(self) -> str:
+        """The name as the catalogue and the training step spell it: stripped, lower-case (``""`` when absent)."""
+        return (self.name or "").strip().lower()
+
+    @property
+    def bits_in_name(self) -> int | None:
+        """``8`` or ``32`` when the name spells its bits (``..._8bit``, ``..._32bit``)."""
+        m = re.search(r"(8|32)bit", self.key)
+        return int(m.group(1)) if m else None
+
+    @property
+    def bitsandbytes(self) -> bool:
+        """A bitsandbytes optimizer (8-bit, paged or 32-bit bnb state), by the catalogue or by its name."""
+        if self.spec is not None and self.spec.library == "bitsandbytes":
+            return True
+        n = self.key
+        return "8bit" in n or "paged" in n or "bnb" in n or "32bit" in n
+
+    @property
+    def bits_known(self) -> bool:
+        """Whether the state's bits follow from the name (catalogue or spelling) or are declared."""
+        return self.spec is not None or self.bits_in_name is not None or self.bits_declared
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``workload.*`` as declared (None: absent or UNKNOWN)."""
+
+    max_length: int | None
+    sequence_p50: int | None
+    sequence_p95: int | None
+    packing: bool | None
+    padding_free: bool | None
+    microbatch: int | None
+    gradient_accumulation: int | None
+    dp_world_size: int | None
+    global_batch: int | None
+
+    @property
+    def worst(self) -> int | None:
+        """The worst sequence length: ``max_length`` (rows are truncated to it; one long sample pads a batch to
+        it), else ``sequence_p95``."""
+        return self.max_length or self.sequence_p95
+
+    @property
+    def typical(self) -> int | None:
+        """The typical length: ``sequence_p50`` capped at the worst, else the worst; with packing every row is
+        ``max_length`` long, so the worst."""
+        worst = self.worst
+        if worst is None or self.packing:
+            return worst
+        return min(self.sequence_p50, worst) if self.sequence_p50 else worst
+
+    @property
+    def pads_rows(self) -> bool:
+        """Whether batches pad every row to the batch's longest one (the Trainer's and TRL's collators do):
+        true unless ``packing`` or ``padding_free`` is true (an UNKNOWN switch counts as off, the collators'
+        default). A batch of one row is never padded."""
+        return not (self.packing or self.padding_free)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The training configuration of one document."""
+
+    kind: str | None  # method.kind as written: LoRA | QLoRA | other
+    quantization: Quantization
+    loaded_dtype: str | None  # as written
+    adapter_dtype: str | None  # as written (``mixed`` when resolve found several)
+    prepare_kbit: bool
+    optimizer: Optimizer
+    workload: Workload
+    gradient_checkpointing: bool | None
+    checkpointing_kind: str | None
+    attention: str | None
+    conflicts: tuple[Conflict, ...] = field(default_factory=tuple)
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantization.quantized
+
+    @property
+    def reentrant(self) -> bool:
+        """``checkpointing_kind`` starts with ``reentrant`` (the default is transformers' non-reentrant)."""
+        return (self.checkpointing_kind or "non-reentrant").strip().lower().startswith("reentrant")
+
+
+def read(doc: Document) -> Config:
+    """The configuration of ``doc`` (memoised until the document is edited)."""
+    cached = doc.memo.get("config")
+    if isinstance(cached, Config):
+        return cached
+    config = _read(doc)
+    doc.memo["config"] = config
+    return config
+
+
+def _read(doc: Document) -> Config:
+    kind = doc.get("method", "kind").text()
+    kind = kind.strip() if kind else None
+    switch = doc.get("base_model", "quantized").switch()
+    quantized = switch if switch is not None else kind == "QLoRA"
+    conflicts: list[Conflict] = []
+    if kind == "QLoRA" and switch is False:
+        conflicts.append(
+            Conflict(
+                ("base_model", "quantized"),
+                "method.kind is QLoRA (a quantized base) but base_model.quantized is false: the tools would size "
+                "an unquantized base",
+            )
+        )
+    return Config(
+        kind=kind,
+        quantization=_quantization(doc, quantized),
+        loaded_dtype=doc.get("base_model", "loaded_dtype").text(),
+        adapter_dtype=doc.get("adapter", "dtype").text(),
+        prepare_kbit=bool(doc.get("base_model", "prepare_for_kbit_training").switch()),
+        optimizer=Optimizer(
+            doc.get("optimizer", "name").text(),
+            optimizer_spec(doc.get("optimizer", "name").text() or ""),
+            doc.get("optimizer", "bits").integer(),
+            doc.get("optimizer", "min_8bit_size").integer(),
+            doc.get("optimizer", "bits").known,
+        ),
+        workload=Workload(
+            max_length=_int(doc, "workload", "max_length"),
+            sequence_p50=_int(doc, "workload", "sequence_p50"),
+            sequence_p95=_int(doc, "workload", "sequence_p95"),
+            packing=doc.get("workload", "packing").switch(),
+            padding_free=doc.get("workload", "padding_free").switch(),
+            microbatch=_int(doc, "workload", "microbatch"),
+            gradient_accumulation=_int(doc, "workload", "gradient_accumulation"),
+            dp_world_size=_int(doc, "workload", "dp_world_size"),
+            global_batch=_int(doc, "workload", "global_batch"),
+        ),
+        gradient_checkpointing=doc.get("memory_options", "gradient_checkpointing").switch(),
+        checkpointing_kind=doc.get("memory_options", "checkpointing_kind").text(),
+        attention=doc.get("software", "attention_implementation").text(),
+        conflicts=tuple(conflicts),
+    )
+
+
+def _int(doc: Document, *path: str) -> int | None:
+    return doc.get(*path).integer()
+
+
+def _quantization(doc: Document, quantized: bool) -> Quantization:
+    if not quantized:
+        return Quantization(False)
+
+    def get(key: str) -> Value:
+        return doc.get(*QUANT, key)
+
+    qtype = (get("type").text() or "").strip().lower() or None
+    bits = get("bits").integer()
+    scheme = None
+    if qtype == "int8" or (qtype is None and bits == 8):
+        scheme = "int8"
+    elif qtype in ("nf4", "fp4"):
+        scheme = "bnb4"
+    skip = get("skip_modules")
+    skip_modules = None
+    if skip.known:
+        skip_modules = (str(skip.value),) if isinstance(skip.value, str) else tuple(str(v) for v in skip.value or ())
+    return Quantization(
+        True,
+        scheme,
+        qtype,
+        bits,
+        get("double_quant").switch(),
+        get("compute_dtype").text(),
+        get("storage_dtype").text(),
+        get("blocksize").integer(),
+        skip_modules,
+    )
+
+
+# -- asking for a value ---------------------------------------------------------------------------------------------
+
+
+def require_dtype(doc: Document, path: Path, default: str | None = None, rule: str = "resolve") -> str:
+    """The canonical dtype name at ``path`` (``bf16`` -> ``bfloat16``); one-line error for a name no table knows."""
+    name = doc.get(*path).text() or default
+    canon = dtypes.canonical(name) if name else None
+    if canon is None:
+        raise error_at(
+            doc, path, f"unknown dtype {name!r}", rule=rule, hint="use float32, bfloat16, float16 (or fp32, bf16, fp16)"
+        )
+    return canon
+
+
+def problem(doc: Document, path: Path, message: str, rule: str, hint: str | None = None, **kw: Any) -> LedgerspecError:
+    """A one-line error at ``path`` (its nearest present ancestor), for a value a command needs."""
+    return error_at(doc, path, message, rule=rule, hint=hint, **kw)
+
+
+__all__ = [
+    "BNB4_BLOCKSIZE",
+    "DEFAULT_STORAGE",
+    "QUANT",
+    "Config",
+    "Conflict",
+    "Optimizer",
+    "Quantization",
+    "Workload",
+    "problem",
+    "read",
+    "require_dtype",
+]
