@@ -687,7 +687,7 @@ def ledger(tmp_path: Path) -> Path:
     pytest.importorskip("peft")
     from ledgerspec import resolve
     from ledgerspec.contract.document import load
-    from ledgerspec.contract.writeback import set_figure, set_plain
+    from ledgerspec.contract.edit import set_figure, set_plain
     from ledgerspec.contract.writer import atomic_write, render
 
     shutil.copytree(DATA / "tiny-llama", tmp_path / "tiny-llama")
@@ -725,7 +725,7 @@ def test_write_back_records_measured_cuda_figures_and_the_ladder_reaches_validat
 ) -> None:
     from ledgerspec.checks.validate import validate
     from ledgerspec.contract.document import load
-    from ledgerspec.contract.writeback import set_plain
+    from ledgerspec.contract.edit import set_plain
     from ledgerspec.derivations.measure.measurer import write_back
 
     out = _cuda_output(fake_cuda, monkeypatch)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ledgerspec.contract.document import Document, load
-from ledgerspec.contract.writeback import set_figure, set_plain
+from ledgerspec.contract.edit import set_figure, set_plain
 from ledgerspec.contract.writer import atomic_write, render
 from tests.conftest import CliRunner
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ledgerspec.contract.document import Document, load
-from ledgerspec.contract.writeback import set_figure, set_plain
+from ledgerspec.contract.edit import set_figure, set_plain
 from ledgerspec.contract.writer import atomic_write, render
 from ledgerspec.derivations.engine.protocol import PHASES
 from ledgerspec.derivations.shard import state as S

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from ledgerspec.contract.document import Document, load
-from ledgerspec.contract.writeback import set_plain
+from ledgerspec.contract.edit import set_plain
 from ledgerspec.derivations.engine.protocol import PHASES, ProtocolResult, TrackerBackend, run_protocol
 from ledgerspec.derivations.engine.workload import Workload, WorkloadSpec
 

@@ -24,10 +24,10 @@ from ledgerspec.checks.ladder import supported_status
 from ledgerspec.checks.registry import all_rules
 from ledgerspec.checks.validate import validate
 from ledgerspec.contract.document import Document, from_text, load
+from ledgerspec.contract.edit import set_figure
 from ledgerspec.contract.schema import load_schema
 from ledgerspec.contract.units import parse_size
 from ledgerspec.contract.values import Value
-from ledgerspec.contract.writeback import set_figure
 from ledgerspec.contract.writer import render
 from ledgerspec.faces.cli import build_parser
 from tests.conftest import EXAMPLES, REPO_ROOT, CliRunner

@@ -8,8 +8,8 @@ Not a peak: no overhead factor is ever applied.
 from __future__ import annotations
 
 from ledgerspec.contract.document import Document
+from ledgerspec.contract.edit import Change, set_figure
 from ledgerspec.contract.values import EXACT_SOURCES
-from ledgerspec.contract.writeback import Change, set_figure
 
 REQUIRED = ("frozen_base", "adapter", "gradients", "optimizer")
 OPTIONAL = ("activations", "temporary")

@@ -402,7 +402,7 @@ def per_rank_extension(outs: list[RankOutput], reshard: bool | None) -> dict[str
 
 def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: bool | None) -> list[str]:
     """Write the ranks' results into ``doc`` (in memory). Returns notes for the user."""
-    from ledgerspec.contract.writeback import set_extension, set_figure, set_plain
+    from ledgerspec.contract.edit import set_extension, set_figure, set_plain
     from ledgerspec.derivations.measure import measurer as M
 
     merged = worst_rank(outs)

@@ -27,9 +27,9 @@ from typing import Any
 
 from ledgerspec.contract import document
 from ledgerspec.contract.document import Document, from_text
+from ledgerspec.contract.edit import set_extension, set_figure, set_plain
 from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
 from ledgerspec.contract.units import format_size
-from ledgerspec.contract.writeback import set_extension, set_figure, set_plain
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
 PROTOCOL = "ledgerspec-measure/1"

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ledgerspec.contract.edit import set_extension, set_plain
 from ledgerspec.contract.units import format_size
-from ledgerspec.contract.writeback import set_extension, set_plain
 from ledgerspec.derivations.engine.tracker import by_component
 from ledgerspec.derivations.measure.measurer import load_ledger, make_request, run_child
 

@@ -25,8 +25,8 @@ from typing import Any
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from ledgerspec.contract.document import Document, pointer
+from ledgerspec.contract.edit import Change, set_extension, set_plain
 from ledgerspec.contract.fingerprint import RESOLVE_INPUTS, digests
-from ledgerspec.contract.writeback import Change, set_extension, set_plain
 
 EXTENSION = "x-resolve"
 KEPT = "kept the declared value (not written by resolve; delete it to let resolve fill it)"

@@ -24,9 +24,9 @@ from pathlib import Path
 from ruamel.yaml.comments import CommentedMap
 
 from ledgerspec.contract.document import Document
+from ledgerspec.contract.edit import Change, set_extension, set_figure, set_plain
 from ledgerspec.contract.optimizers import suggest
 from ledgerspec.contract.subtotal import write_subtotal
-from ledgerspec.contract.writeback import Change, set_extension, set_figure, set_plain
 from ledgerspec.contract.writer import render
 from ledgerspec.derivations.resolve.record import Record
 from ledgerspec.derivations.stack.build import _err

@@ -13,7 +13,7 @@ from typing import Any
 
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, error_at
-from ledgerspec.contract.writeback import Change, set_extension
+from ledgerspec.contract.edit import Change, set_extension
 from ledgerspec.contract.writer import render
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError

@@ -1,11 +1,11 @@
-"""contract/writeback: long-form figures with provenance precedence, written without disturbing the file's layout."""
+"""contract/edit: long-form figures with provenance precedence, written without disturbing the file's layout."""
 
 from __future__ import annotations
 
 import pytest
 
 from ledgerspec.contract.document import from_text
-from ledgerspec.contract.writeback import set_figure, set_plain
+from ledgerspec.contract.edit import set_figure, set_plain
 from ledgerspec.contract.writer import render
 
 TEXT = """ledgerspec: ledger/v1
