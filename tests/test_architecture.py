@@ -1,8 +1,15 @@
-"""The four wings and their one-way arrows, read off every module's imports with ``ast``.
+"""The house: four wings, arrows pointing inward only, read off every module's imports with ``ast``.
 
-contract <- checks <- derivations <- faces: a wing imports only wings to its left. The heavy libraries
-(torch & co.) are imported only inside ``ledgerspec/derivations/`` and only inside functions, so that the
-light commands (``validate``, ``schema``, ``init``) start without them.
+    contract <- checks <- faces        contract <- derivations <- faces        derivations never import checks
+
+- **contract** (schema, the document model, the one reading of the configuration, loader/writer, every edit)
+  imports only the standard library, jsonschema, referencing and ruamel.yaml;
+- **checks** (rules, the status ladder) imports contract; pure functions of a document (no I/O);
+- **derivations** (the rooms stack, engine, resolve, estimate, measure, shard) imports contract; the only code that
+  imports torch & co., and only inside functions; it never touches a document's tree or plain copy itself;
+- **faces** (the CLI, reports, status settling) may import every wing; so may the package root (``ledgerspec``,
+  ``ledgerspec.__main__``), which is a face. ``ledgerspec.errors`` and ``ledgerspec.version`` sit under the
+  contract: every wing may import them.
 """
 
 from __future__ import annotations
@@ -18,15 +25,30 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ledgerspec"
 WINGS = ("contract", "checks", "derivations", "faces")
-#: what each wing may NOT import
-FORBIDDEN = {
-    "contract": ("checks", "derivations", "faces"),
-    "checks": ("derivations", "faces"),
-    "derivations": ("faces",),
-    "faces": (),
+#: modules below every wing
+BASE = ("ledgerspec.errors", "ledgerspec.version")
+#: what each wing may import from ledgerspec (besides itself and :data:`BASE`)
+ALLOWED = {
+    "contract": (),
+    "checks": ("contract",),
+    "derivations": ("contract",),
+    "faces": ("contract", "checks", "derivations"),
+    "root": ("contract", "checks", "derivations", "faces"),
+    "base": (),
 }
 #: the top-level modules no wing may import except derivations, and there only inside functions
-HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "numpy", "pynvml", "nvidia_ml_py", "psutil")
+HEAVY = (
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "accelerate",
+    "trl",
+    "numpy",
+    "pynvml",
+    "nvidia_ml_py",
+    "psutil",
+)
 #: the contract wing's whole outside world
 CONTRACT_THIRD_PARTY = ("jsonschema", "ruamel", "referencing")
 
@@ -67,6 +89,8 @@ def _imports(file: Path) -> list[Import]:
                 arg = child.args[0]
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     found.append(Import(arg.value, file, child.lineno, nested, type_only))
+                elif isinstance(arg, ast.JoinedStr) and isinstance(arg.values[0], ast.Constant):
+                    found.append(Import(str(arg.values[0].value).rstrip("."), file, child.lineno, nested, type_only))
             visit(child, child_nested, child_type_only)
 
     visit(tree, False, False)
@@ -85,9 +109,23 @@ def _dynamic_import(call: ast.Call) -> bool:
     return name in ("import_module", "__import__") and bool(call.args)
 
 
-def _wing(file: Path) -> str | None:
+def wing_of_file(file: Path) -> str:
     rel = file.relative_to(PACKAGE).parts
-    return rel[0] if len(rel) > 1 and rel[0] in WINGS else None
+    if len(rel) > 1 and rel[0] in WINGS:
+        return rel[0]
+    return "base" if file.stem in ("errors", "version") else "root"
+
+
+def wing_of_module(module: str) -> str | None:
+    """The wing of an imported ``ledgerspec`` module; None for anything outside ledgerspec."""
+    parts = module.split(".")
+    if parts[0] != "ledgerspec":
+        return None
+    if module in BASE or any(module.startswith(b + ".") for b in BASE):
+        return "base"
+    if len(parts) > 1 and parts[1] in WINGS:
+        return parts[1]
+    return "root"
 
 
 def _top(module: str) -> str:
@@ -102,29 +140,57 @@ def _where(imp: Import) -> str:
     return f"{imp.file.relative_to(PACKAGE.parent)}:{imp.line}: {imp.module}"
 
 
-def test_the_parser_sees_nested_relative_and_dynamic_imports(tmp_path: Path) -> None:
+def violations(imports: list[Import]) -> list[str]:
+    """Every import that breaks the rule (the module docstring), as ``file:line: module``."""
+    bad = []
+    for imp in imports:
+        src, dst = wing_of_file(imp.file), wing_of_module(imp.module)
+        if dst is None or dst == "base" or dst == src:
+            continue
+        if dst not in ALLOWED[src]:
+            bad.append(_where(imp) + f"  ({src} must not import {dst})")
+    return bad
+
+
+def test_the_parser_sees_nested_relative_and_dynamic_imports() -> None:
     """The checks below are only as good as this parser: nested, relative and dynamic imports are seen."""
-    probe = PACKAGE / "derivations" / "resolve" / "resolver.py"
-    found = _imports(probe)
+    found = _imports(PACKAGE / "derivations" / "resolve" / "resolver.py")
     assert any(i.module.startswith("ledgerspec.contract") and not i.nested for i in found)
     assert any(_top(i.module) in HEAVY and i.nested for i in found), "resolve imports torch & co. lazily"
-    cli = _imports(PACKAGE / "faces" / "commands" / "schema.py")
-    assert any(i.module == "ledgerspec.contract.schema" and i.nested for i in cli)
+    schema = _imports(PACKAGE / "faces" / "commands" / "schema.py")
+    assert any(i.module == "ledgerspec.contract.schema" and i.nested for i in schema)
+    cli = _imports(PACKAGE / "faces" / "cli.py")
+    assert any(i.module == "ledgerspec.faces.commands" for i in cli), "the f-string import_module is seen"
     tree = ast.parse("from . import units\nfrom ..errors import X\n")
     nodes = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert "ledgerspec.contract.units" in _resolve(nodes[0], PACKAGE / "contract" / "writer.py")
     assert "ledgerspec.errors" in _resolve(nodes[1], PACKAGE / "contract" / "writer.py")
 
 
-@pytest.mark.parametrize("wing", WINGS)
-def test_arrows_point_inward(wing: str) -> None:
-    bad = [
-        _where(i)
-        for i in ALL_IMPORTS
-        if _wing(i.file) == wing
-        and any(i.module == f"ledgerspec.{w}" or i.module.startswith(f"ledgerspec.{w}.") for w in FORBIDDEN[wing])
-    ]
-    assert not bad, f"{wing} must not import {', '.join(FORBIDDEN[wing])}:\n" + "\n".join(bad)
+@pytest.mark.parametrize(
+    ("file", "module", "ok"),
+    [
+        ("derivations/estimate/estimator.py", "ledgerspec.checks.ladder", False),
+        ("derivations/measure/measurer.py", "ledgerspec.faces.status", False),
+        ("checks/ladder.py", "ledgerspec.derivations.stack.census", False),
+        ("contract/config.py", "ledgerspec.checks.ladder", False),
+        ("contract/config.py", "ledgerspec.errors", True),
+        ("checks/rules.py", "ledgerspec.contract.config", True),
+        ("derivations/stack/census.py", "ledgerspec.contract.config", True),
+        ("derivations/stack/census.py", "ledgerspec.version", True),
+        ("faces/commands/estimate.py", "ledgerspec.checks.validate", True),
+        ("__init__.py", "ledgerspec.derivations.resolve", True),
+    ],
+)
+def test_the_rule_itself(file: str, module: str, ok: bool) -> None:
+    """The rule as data: a planted import of each forbidden kind is caught, and the allowed ones pass."""
+    imp = Import(module, PACKAGE / file, 1, False, False)
+    assert (violations([imp]) == []) is ok
+
+
+def test_every_module_follows_the_rule() -> None:
+    bad = violations(ALL_IMPORTS)
+    assert not bad, "imports that point outward (see this module's docstring):\n" + "\n".join(bad)
 
 
 def test_contract_imports_only_stdlib_jsonschema_and_ruamel() -> None:
@@ -132,7 +198,7 @@ def test_contract_imports_only_stdlib_jsonschema_and_ruamel() -> None:
     bad = [
         _where(i)
         for i in ALL_IMPORTS
-        if _wing(i.file) == "contract"
+        if wing_of_file(i.file) in ("contract", "base")
         and not i.type_only
         and _top(i.module) not in stdlib
         and _top(i.module) not in CONTRACT_THIRD_PARTY
@@ -141,16 +207,15 @@ def test_contract_imports_only_stdlib_jsonschema_and_ruamel() -> None:
     assert not bad, "contract imports only stdlib + jsonschema + ruamel.yaml:\n" + "\n".join(bad)
 
 
-def test_heavy_libraries_only_in_derivations() -> None:
-    bad = [
-        _where(i) for i in ALL_IMPORTS if _top(i.module) in HEAVY and not i.type_only and _wing(i.file) != "derivations"
+def test_heavy_libraries_only_in_derivations_and_inside_functions() -> None:
+    outside = [
+        _where(i)
+        for i in ALL_IMPORTS
+        if _top(i.module) in HEAVY and not i.type_only and wing_of_file(i.file) != "derivations"
     ]
-    assert not bad, "torch & co. are imported only in ledgerspec/derivations/:\n" + "\n".join(bad)
-
-
-def test_heavy_libraries_only_inside_functions() -> None:
-    bad = [_where(i) for i in ALL_IMPORTS if _top(i.module) in HEAVY and not i.type_only and not i.nested]
-    assert not bad, "torch & co. are imported lazily, inside functions:\n" + "\n".join(bad)
+    assert not outside, "torch & co. are imported only in ledgerspec/derivations/:\n" + "\n".join(outside)
+    eager = [_where(i) for i in ALL_IMPORTS if _top(i.module) in HEAVY and not i.type_only and not i.nested]
+    assert not eager, "torch & co. are imported lazily, inside functions:\n" + "\n".join(eager)
 
 
 _STARTUP = """
@@ -179,9 +244,60 @@ IO_CALLS = ("open", "print", "input")
 
 def test_checks_are_pure_functions_of_a_document() -> None:
     """The checks wing reads a loaded document and returns findings: no files, no streams, no processes."""
-    bad = [_where(i) for i in ALL_IMPORTS if _wing(i.file) == "checks" and _top(i.module) in IO_MODULES]
+    bad = [_where(i) for i in ALL_IMPORTS if wing_of_file(i.file) == "checks" and _top(i.module) in IO_MODULES]
     for file in (PACKAGE / "checks").glob("*.py"):
         for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in IO_CALLS:
                 bad.append(f"{file.relative_to(PACKAGE.parent)}:{node.lineno}: {node.func.id}()")
     assert not bad, "checks does no I/O:\n" + "\n".join(bad)
+
+
+#: names a document goes by outside the contract
+DOCUMENT_NAMES = ("doc", "document", "intake", "ledger")
+
+
+def test_only_the_contract_edits_a_document() -> None:
+    """Outside ``contract/`` nothing reaches into a document's round-trip tree or plain copy: every edit goes
+    through :mod:`ledgerspec.contract.edit` (``checks`` may read the plain copy, for the JSON Schema)."""
+    bad = []
+    for file in MODULES:
+        wing = wing_of_file(file)
+        if wing in ("contract", "base"):
+            continue
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Attribute) or node.attr not in ("plain", "data", "edits", "status_edit"):
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name not in DOCUMENT_NAMES:
+                continue
+            if wing == "checks" and node.attr == "plain" and isinstance(node.ctx, ast.Load):
+                continue
+            bad.append(f"{file.relative_to(PACKAGE.parent)}:{node.lineno}: {name}.{node.attr}")
+    # the planted case: the check sees ``doc.plain`` in a derivation
+    probe = ast.parse("def f(doc):\n    doc.plain['x'] = 1\n")
+    assert any(isinstance(n, ast.Attribute) and n.attr == "plain" for n in ast.walk(probe))
+    assert not bad, "documents are edited only through ledgerspec.contract.edit:\n" + "\n".join(bad)
+
+
+def test_every_room_exports_its_entry_point() -> None:
+    """A newcomer finds any figure's code from its name: each room of derivations says what it holds and exports
+    its entry point from ``__init__``."""
+    import importlib
+
+    entries = {
+        "stack": "census",
+        "engine": "run_protocol",
+        "resolve": "resolve",
+        "estimate": "estimate",
+        "measure": "measure",
+        "shard": "shard",
+    }
+    rooms = sorted(p.name for p in (PACKAGE / "derivations").iterdir() if (p / "__init__.py").is_file())
+    assert sorted(entries) == [r for r in rooms if r in entries] and set(rooms) <= set(entries) | {"integrations"}
+    for room, entry in entries.items():
+        module = importlib.import_module(f"ledgerspec.derivations.{room}")
+        assert callable(getattr(module, entry)), room
+        assert module.__doc__ and ":mod:" in module.__doc__, f"{room}/__init__.py lists its modules"
+    flat = sorted(p.name for p in (PACKAGE / "derivations").glob("*.py") if p.name != "__init__.py")
+    assert flat == [], f"derivations holds rooms, not loose modules: {flat}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ledgerspec.contract.document import from_text
@@ -82,3 +84,45 @@ def test_a_value_is_never_replaced_by_a_weaker_one(old: str, new: str, kept: boo
     assert change is not None
     assert (change.skipped is not None) == kept
     assert doc.get("ledger", "adapter").value == (10 if kept else 20)
+
+
+# -- the one save path ----------------------------------------------------------------------------------------------
+
+
+def test_save_keeps_a_byte_order_mark_and_the_layout(tmp_path: Path) -> None:
+    from ledgerspec.contract.document import load
+    from ledgerspec.contract.writer import save
+
+    path = tmp_path / "x.ledger.yaml"
+    path.write_bytes(b"\xef\xbb\xbfledgerspec: ledger/v1\n# a comment\n\nmethod:\n  rank: 8  # r\n")
+    doc = load(path)
+    set_figure(doc, ("ledger", "adapter"), 1024, "CALCULATED", "x")
+    save(doc, str(path))
+    raw = path.read_bytes()
+    assert raw.startswith(b"\xef\xbb\xbfledgerspec: ledger/v1\n# a comment\n\nmethod:\n  rank: 8  # r\n")
+    assert load(path).get("ledger", "adapter").size() == 1024
+
+
+def test_a_status_only_edit_keeps_every_other_byte(tmp_path: Path) -> None:
+    from ledgerspec.contract.document import load
+    from ledgerspec.contract.edit import set_status
+    from ledgerspec.contract.writer import save
+
+    path = tmp_path / "x.ledger.yaml"
+    text = "ledgerspec:   ledger/v1\r\nstatus: 'CANDIDATE'   # mine\r\nmethod: {rank:   8}\r\n\r\n\r\n"
+    path.write_bytes(text.encode())
+    doc = load(path)
+    set_status(doc, "CALCULATED", "ledgerspec: lowered from CANDIDATE: why")
+    save(doc, str(path))
+    want = text.replace("'CANDIDATE'   # mine", "'CALCULATED'  # ledgerspec: lowered from CANDIDATE: why | was: mine")
+    assert path.read_bytes() == want.encode()
+
+
+def test_remove_keeps_the_lines_that_followed_and_prunes_an_empty_section() -> None:
+    from ledgerspec.contract.edit import remove
+    from ledgerspec.contract.writer import document_text
+
+    doc = from_text("ledgerspec: ledger/v1\nmetrics:\n  peak_allocated: 1  # x\n\n# next\nresult:\n  oom: false\n")
+    remove(doc, ("metrics", "peak_allocated"))
+    assert "metrics" not in doc.plain and doc.get("metrics", "peak_allocated").present is False
+    assert document_text(doc) == "ledgerspec: ledger/v1\n\n# next\nresult:\n  oom: false\n"

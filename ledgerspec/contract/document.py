@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract import fields as F
-from ledgerspec.contract.loader import parse, read_text, to_plain
+from ledgerspec.contract.loader import parse, read_document_text, to_plain
 from ledgerspec.contract.values import Value
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
@@ -29,6 +29,12 @@ class Document:
     _cache: dict[tuple[str, ...], Value] = field(default_factory=dict, repr=False)
     #: readings derived from the values (e.g. :func:`ledgerspec.contract.config.read`), dropped on every edit
     memo: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: the file started with a UTF-8 byte order mark (write-back keeps it)
+    bom: bool = False
+    #: the paths edited since loading (:mod:`ledgerspec.contract.edit` records them)
+    edits: set[tuple[str, ...]] = field(default_factory=set, repr=False)
+    #: ``(old, new, comment)`` of a status set by :func:`ledgerspec.contract.edit.set_status`
+    status_edit: tuple[Any, str, str] | None = field(default=None, repr=False)
 
     # -- reading --------------------------------------------------------------------------------
     def get(self, *path: str) -> Value:
@@ -84,6 +90,11 @@ class Document:
         self._cache.clear()
         self.memo.clear()
 
+    def edited(self, path: tuple[str, ...]) -> None:
+        """Record an edit of ``path`` (called by :mod:`ledgerspec.contract.edit` only) and drop cached readings."""
+        self.edits.add(path)
+        self.invalidate()
+
 
 def rebase(config_path: str, doc_path: str, new_path: str | None) -> str:
     """A path relative to the document at ``doc_path``, re-expressed relative to ``new_path`` (None: the cwd)."""
@@ -106,7 +117,7 @@ def relocate(doc: Document, new_path: str) -> None:
         if new != old:
             identity["config_path"] = type(old)(new) if type(old) is not str else new
             doc.plain["identity"]["config_path"] = new
-            doc.invalidate()
+            doc.edited(("identity", "config_path"))
     doc.path = new_path
 
 
@@ -147,8 +158,10 @@ def from_text(text: str, display: str = "<input>") -> Document:
 def load(path: str | os.PathLike[str], display: str | None = None) -> Document:
     """Load a ledger or intake file; raises :class:`LedgerspecError` with FILE:LINE:COL on bad input."""
     shown = display or str(path)
-    text = read_text(Path(path), shown)
-    return from_text(text, shown)
+    text, bom = read_document_text(Path(path), shown)
+    doc = from_text(text, shown)
+    doc.bom = bom
+    return doc
 
 
 def load_ledger(path: str, command: str) -> Document:

@@ -1,8 +1,11 @@
-"""Setting figures in a round-trip tree: long form with provenance, comments kept, precedence respected.
+"""Every edit of a document: figures in long form with provenance, plain values, extension blocks, the header,
+the status, removals. Nothing else in ledgerspec changes a document's tree (``tests`` check it).
 
-Used by ``resolve``, ``estimate`` and ``measure``. A value is never replaced by a weaker one: a MEASURED
-or VERIFIED figure stays unless the new one is at least as strong (MEASURED > VERIFIED > CALCULATED >
-ASSUMPTION > unknown). Sections and keys are inserted in catalogue order.
+Each helper edits the round-trip tree (comments, order and quoting kept) and the plain copy together and records
+the edit (:meth:`Document.edited`), so readings of the document stay true. A value is never replaced by a weaker
+one: a MEASURED or VERIFIED figure stays unless the new one is at least as strong (MEASURED > VERIFIED >
+CALCULATED > ASSUMPTION > unknown). Sections and keys are inserted in catalogue order. Writing a document to disk
+is :func:`ledgerspec.contract.writer.save`.
 """
 
 from __future__ import annotations
@@ -170,7 +173,6 @@ def set_figure(
     )
     if want_comment and isinstance(value, int):
         _set_eol_comment(parent, key, format_size(value))
-    doc.invalidate()
     _sync_plain(doc, path, _plain(node))
     return Change(where, old_raw, value)
 
@@ -194,7 +196,6 @@ def set_plain(doc: Document, path: tuple[str, ...], value: Any, force: bool = Fa
     else:
         value_node = value
     _insert(doc, parent, path[:-1], path[-1], value_node)
-    doc.invalidate()
     _sync_plain(doc, path, value)
     return Change(pointer(*path), old, value)
 
@@ -207,7 +208,6 @@ def set_extension(doc: Document, path: tuple[str, ...], value: Any) -> Change | 
         return None
     node = _to_node(value)
     _insert(doc, parent, path[:-1], path[-1], node)
-    doc.invalidate()
     _sync_plain(doc, path, value)
     return Change(pointer(*path), old, value)
 
@@ -259,6 +259,140 @@ def _plain(node: Any) -> Any:
 
 def _sync_plain(doc: Document, path: tuple[str, ...], value: Any) -> None:
     set_path(doc.plain, path, value)
+    doc.edited(path)
 
 
-__all__ = ["Change", "Value", "long_form", "set_extension", "set_figure", "set_plain"]
+# -- the header, the status, removals ----------------------------------------------------------------------------
+
+
+def to_ledger(doc: Document) -> Change | None:
+    """An intake becomes a ``ledger/v1`` document: the header switched, ``pilot`` kept as ``x-pilot`` in place
+    (a ledger has no pilot section; the ladder reads a pilot run there)."""
+    if doc.kind == "ledger":
+        return None
+    data: CommentedMap = doc.data
+    old = data.get("ledgerspec")
+    data["ledgerspec"] = "ledger/v1"
+    doc.kind = "ledger"
+    if "pilot" in data:
+        pos = list(data.keys()).index("pilot")
+        value = data.pop("pilot")
+        data.insert(pos, "x-pilot", value)
+        doc.plain["x-pilot"] = doc.plain.pop("pilot")
+        doc.edited(("x-pilot",))
+    doc.plain["ledgerspec"] = "ledger/v1"
+    doc.edited(("ledgerspec",))
+    return Change("/ledgerspec", old, "ledger/v1")
+
+
+def set_status(doc: Document, status: str, comment: str) -> Change | None:
+    """Set the declared ``status`` with ``comment`` (why) beside it. Written back as a one-line edit of the
+    ``status:`` line when nothing else changed (every other byte of the file kept), else with the whole tree."""
+    old = doc.plain.get("status")
+    if old == status:
+        return None
+    data: CommentedMap = doc.data
+    if "status" in data:
+        data["status"] = status
+    else:
+        _insert(doc, data, (), "status", status)
+    data.yaml_add_eol_comment(comment, "status")
+    doc.plain["status"] = status
+    first = doc.status_edit[0] if doc.status_edit is not None else old
+    doc.status_edit = (first, status, comment)
+    doc.edited(("status",))
+    return Change("/status", old, status)
+
+
+def remove(doc: Document, path: tuple[str, ...], prune: bool = True, _carry: str = "") -> Change | None:
+    """Delete the key at ``path`` (nothing when absent); the blank lines and comments that followed it stay where
+    they were. ``prune``: a section left empty by the removal goes too (else it stays, to be refilled)."""
+    parent: Any = doc.data
+    for part in path[:-1]:
+        parent = parent.get(part) if isinstance(parent, dict) else None
+    key = path[-1]
+    if not isinstance(parent, CommentedMap) or key not in parent:
+        return None
+    keys = list(parent)
+    old = _plain(parent[key])
+    entry = parent.ca.items.get(key)
+    token = entry[2] if entry and len(entry) > 2 else None
+    tail = (token.value.partition("\n")[2] if token is not None else "") + _carry
+    del parent[key]
+    parent.ca.items.pop(key, None)
+    index = keys.index(key)
+    plain: Any = doc.plain
+    for part in path[:-1]:
+        plain = plain.get(part, {}) if isinstance(plain, dict) else {}
+    if isinstance(plain, dict):
+        plain.pop(key, None)
+    doc.edited(path)
+    if prune and len(path) > 1 and not parent:  # the section goes, and the lines that followed move up with it
+        remove(doc, path[:-1], prune, tail)
+    elif tail.strip() and index > 0:
+        _append_lines(parent, keys[index - 1], tail)
+    return Change(pointer(*path), old, None)
+
+
+def remove_keys(doc: Document, section: str, keys: tuple[str, ...] | None = None, prune: bool = True) -> list[Change]:
+    """Remove ``keys`` of ``section`` (every key when None); ``prune``: the section goes when nothing is left."""
+    node = doc.data.get(section) if isinstance(doc.data, dict) else None
+    if not isinstance(node, dict):
+        return []
+    names = [k for k in list(node) if keys is None or k in keys]
+    return [c for c in (remove(doc, (section, k), prune) for k in names) if c is not None]
+
+
+def _append_lines(mapping: Any, key: Any, tail: str) -> None:
+    while (
+        isinstance(mapping[key], CommentedMap | CommentedSeq) and not mapping[key].fa.flow_style() and len(mapping[key])
+    ):  # the lines after a block sit on its deepest last node
+        mapping = mapping[key]
+        key = list(mapping)[-1] if isinstance(mapping, CommentedMap) else len(mapping) - 1
+    index = 2 if isinstance(mapping, CommentedMap) else 0
+    entry = mapping.ca.items.get(key)
+    if entry and len(entry) > index and entry[index] is not None:
+        head = entry[index].value.partition("\n")[0]
+        entry[index].value = head + "\n" + tail
+        return
+    mapping.yaml_add_eol_comment("#", key, column=0)
+    mapping.ca.items[key][index].value = "\n" + tail
+
+
+def variant(doc: Document, values: dict[tuple[str, ...], Any]) -> Document:
+    """A detached copy of ``doc`` with plain values set at some paths (a what-if for ``--sweep``); ``doc`` itself
+    is not changed. The copy has no comments to keep: it is for reading, never for writing back."""
+    import copy
+
+    plain = copy.deepcopy(doc.plain)
+    for path, value in values.items():
+        if value is _REMOVE:
+            parent: Any = plain
+            for part in path[:-1]:
+                parent = parent.get(part, {}) if isinstance(parent, dict) else {}
+            if isinstance(parent, dict):
+                parent.pop(path[-1], None)
+        else:
+            set_path(plain, path, value)
+    return Document(doc.path, doc.text, plain, plain, doc.kind, doc.version)
+
+
+#: a value for :func:`variant` that removes the key
+_REMOVE: Any = object()
+REMOVE = _REMOVE
+
+
+__all__ = [
+    "REMOVE",
+    "Change",
+    "Value",
+    "long_form",
+    "remove",
+    "remove_keys",
+    "set_extension",
+    "set_figure",
+    "set_plain",
+    "set_status",
+    "to_ledger",
+    "variant",
+]

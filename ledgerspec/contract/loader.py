@@ -28,6 +28,8 @@ from ruamel.yaml.representer import RoundTripRepresenter
 
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
+#: the UTF-8 byte order mark some editors write (accepted on reading, kept on write-back)
+BOM = b"\xef\xbb\xbf"
 #: files larger than this are refused before parsing (a ledger is a few KiB)
 MAX_FILE_BYTES = 1 << 20
 #: mappings/sequences nested deeper than this are refused
@@ -231,6 +233,11 @@ def _line_col_of_offset(data: bytes, offset: int) -> tuple[int, int]:
 
 def read_text(path: str | os.PathLike[str], display: str | None = None) -> str:
     """Read a ledger file as text: size cap, UTF-8 (a BOM is accepted), CRLF kept for write-back."""
+    return read_document_text(path, display)[0]
+
+
+def read_document_text(path: str | os.PathLike[str], display: str | None = None) -> tuple[str, bool]:
+    """:func:`read_text`, and whether the file starts with a UTF-8 byte order mark (write-back keeps it)."""
     shown = display or str(path)
     p = Path(path)
     try:
@@ -254,7 +261,7 @@ def read_text(path: str | os.PathLike[str], display: str | None = None) -> str:
         raw = p.read_bytes()
     except OSError as exc:
         raise LedgerspecError(f"cannot read: {exc.strerror}", shown, rule="load") from None
-    return decode(raw, shown)
+    return decode(raw, shown), raw.startswith(BOM)
 
 
 def decode(raw: bytes, display: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from ledgerspec.contract import config
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text, rebase
 from ledgerspec.contract.writer import render
@@ -82,7 +83,8 @@ def _not_applicable(intake: Document) -> frozenset[tuple[str, ...]]:
     """Skeleton fields the intake shows cannot apply, left out: UNKNOWN, they would hold the ledger below
     VALIDATED until deleted by hand (a LoRA run has no quantization; a CUDA stack has no ROCm version)."""
     skip: set[tuple[str, ...]] = set()
-    if intake.get("method", "kind").text() == "LoRA" and intake.get("base_model", "quantized").switch() is not True:
+    cfg = config.read(intake)
+    if cfg.kind == "LoRA" and not cfg.quantized:
         skip |= {
             ("base_model", k)
             for k in ("quantization", "prepare_for_kbit_training")

@@ -1,4 +1,5 @@
-"""Write-back: render a round-trip tree with comments, order and quoting kept; replace files atomically."""
+"""Write-back: a document as text (comments, order, quoting, blank lines, line endings and a BOM kept) and the one
+save path (:func:`save`): relocation, rendering, an atomic replace."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from ledgerspec.errors import LedgerspecError
 
 
 def render(data: Any, original_text: str) -> str:
-    """Dump ``data`` in the style of ``original_text`` (indentation, line endings, a leading BOM)."""
+    """Dump ``data`` in the style of ``original_text`` (indentation, line endings); see :func:`document_text`
+    for a whole document (its byte order mark, a status-only edit)."""
     yaml = make_yaml()
     mapping, sequence, offset = guess_indent(original_text)
     yaml.indent(mapping=mapping, sequence=sequence, offset=offset)
@@ -119,8 +121,58 @@ def check_writable(path: str | os.PathLike[str]) -> None:
         raise LedgerspecError(f"cannot write: no write permission in {folder}", str(path), rule="write")
 
 
-def save(doc: Document, target: str) -> None:
-    """Write ``doc`` to ``target`` (its own file or ``-o OUT``), comments and style kept: a relative
-    ``identity.config_path`` is rebased so it still names the same config, then the file is replaced atomically."""
+def document_text(doc: Document) -> str:
+    """The text of ``doc`` as it is now: the original text with the status line edited when the status is all that
+    changed (every other byte kept), else the round-trip tree rendered in the file's style; a BOM kept."""
+    text = None
+    if doc.edits == {("status",)} and doc.status_edit is not None:
+        text = _status_line_edit(doc, *doc.status_edit)
+    if text is None:
+        text = render(doc.data, doc.text)
+    return ("\ufeff" + text) if doc.bom else text
+
+
+def render_to(doc: Document, target: str) -> str:
+    """:func:`document_text` for ``doc`` written at ``target``: a relative ``identity.config_path`` is rebased so it
+    still names the same config (``-o OUT`` in another folder)."""
     relocate(doc, target)
-    atomic_write(target, render(doc.data, doc.text))
+    return document_text(doc)
+
+
+def save(doc: Document, target: str) -> None:
+    """The one save path: write ``doc`` to ``target`` (its own file or ``-o OUT``) with :func:`render_to`, replacing
+    the file atomically."""
+    atomic_write(target, render_to(doc, target))
+
+
+# the scalar after `status:` and what follows it on the line: a quoted or plain token, then an optional comment
+_STATUS_VALUE_RE = re.compile(r"""(?P<token>"[^"\n]*"|'[^'\n]*'|[^#\n]*?)(?P<gap>[ \t]*)(?P<comment>\#.*)?$""")
+#: how a comment ledgerspec wrote beside the status begins (a user's comment is kept after ``| was:``)
+STATUS_COMMENT_PREFIXES = ("ledgerspec: ",)
+
+
+def _status_line_edit(doc: Document, old: Any, status: str, comment: str) -> str | None:
+    """The original text with the one line that holds ``status:`` rewritten; None when the status is not a one-line
+    scalar of a block mapping (flow style, multi-line: the tree is rendered instead)."""
+    try:
+        line, col = doc.data.lc.value("status")
+    except (AttributeError, KeyError, TypeError):
+        return None
+    lines = doc.text.splitlines(keepends=True)
+    if line >= len(lines):
+        return None
+    raw = lines[line]
+    body = raw.rstrip("\r\n")
+    ending = raw[len(body) :]
+    m = _STATUS_VALUE_RE.match(body, col)
+    if m is None:
+        return None
+    token = m.group("token")
+    if token.strip("\"' ") != str(old):
+        return None  # not a one-line scalar we understand (multi-line, flow style, ...)
+    quote = token[0] if token[:1] in ("'", '"') else ""
+    previous = (m.group("comment") or "")[1:].strip()
+    if previous and not previous.startswith(STATUS_COMMENT_PREFIXES):
+        comment += f" | was: {previous}"
+    lines[line] = f"{body[:col]}{quote}{status}{quote}  # {comment}{ending}"
+    return "".join(lines)

@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ledgerspec import __version__
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_USAGE, LedgerspecError
+from ledgerspec.version import __version__
 
 #: command module (``ledgerspec.faces.commands.NAME``) -> the subcommands it registers, in ``--help`` order
 COMMANDS: dict[str, tuple[str, ...]] = {
@@ -86,9 +86,8 @@ def _registrars() -> list[Callable[[Any], None]]:
 
     out: list[Callable[[Any], None]] = []
     for name, commands in COMMANDS.items():
-        module_name = f"ledgerspec.faces.commands.{name}"
         try:
-            module = importlib.import_module(module_name)
+            module = importlib.import_module(f"ledgerspec.faces.commands.{name}")
         except Exception as exc:  # a broken command module must not take validate (the pre-commit hook) down too
             out.append(_broken(commands, exc))
             continue

@@ -6,10 +6,10 @@ import json
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ledgerspec import __version__
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.validate import Report
+from ledgerspec.version import __version__
 
 Reporter = Callable[[list[Report], TextIO, bool], None]
 #: status reasons the text reporter prints without -v

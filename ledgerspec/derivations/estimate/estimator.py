@@ -421,10 +421,10 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
     ``temporary`` is never written (MEASURED only). A stronger ``ledger.activations`` (MEASURED) is kept.
     ``x-estimate.inputs`` fingerprints the fields the estimate read (:mod:`ledgerspec.contract.fingerprint`).
     """
-    from ledgerspec import __version__
     from ledgerspec.contract.edit import set_extension, set_figure, set_plain
     from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
     from ledgerspec.contract.subtotal import write_subtotal
+    from ledgerspec.version import __version__
 
     changes: list[Any] = []
     changes.append(set_figure(doc, ("ledger", "activations"), est.activations, "CALCULATED", method=est.method))

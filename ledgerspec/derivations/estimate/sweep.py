@@ -8,13 +8,13 @@ that fits a device. Pure: no torch (the caller runs the estimates).
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ledgerspec.contract.document import Document, set_path
+from ledgerspec.contract.document import Document
+from ledgerspec.contract.edit import REMOVE, variant
 from ledgerspec.contract.values import Value
 from ledgerspec.derivations.engine.workload import ATTENTION, OPTIMIZERS
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
@@ -107,20 +107,18 @@ def grid(axes: Sequence[Axis]) -> list[dict[str, Any]]:
 
 def apply(doc: Document, point: dict[str, Any]) -> Document:
     """A copy of ``doc`` with the point's inputs set (a sequence profile above a new max_length is clipped)."""
-    plain = copy.deepcopy(doc.plain)
+    values: dict[tuple[str, ...], Any] = {}
     for name, value in point.items():
         path, _ = AXES[name]
-        set_path(plain, path, value)
+        values[path] = value
         if name == "max_length":
-            workload = plain.get("workload", {})
             for key in ("sequence_p50", "sequence_p95"):
-                v = Value.of(workload.get(key), key in workload)
-                n = v.integer()
+                n = doc.get("workload", key).integer()
                 if n is not None and n > value:
-                    workload[key] = value
+                    values[("workload", key)] = value
         if name == "microbatch":
-            plain.get("workload", {}).pop("global_batch", None)
-    return Document(doc.path, doc.text, plain, plain, doc.kind, doc.version)
+            values[("workload", "global_batch")] = REMOVE
+    return variant(doc, values)
 
 
 def tokens(point: dict[str, Any], doc: Document) -> int:

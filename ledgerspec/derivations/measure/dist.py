@@ -79,13 +79,10 @@ class RankOutput:
 
 @dataclass
 class DistOutcome:
-    """What ``measure --nproc`` did: the written path, the worst-rank result, every rank, the status."""
+    """What ``measure --nproc`` saw (the document holds it now): the worst-rank result, every rank, notes."""
 
-    path: str
     result: Any  # ProtocolResult of the worst rank per phase
     ranks: list[RankOutput]
-    status: str | None
-    reasons: list[str]
     notes: list[str]
 
     @property
@@ -446,16 +443,9 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
 
 def _drop_single_device_comparison(doc: Document) -> None:
     """``comparison`` compares with the single-device ``ledger.calculated_subtotal``: meaningless per rank."""
-    node, plain = doc.data.get("comparison"), doc.plain.get("comparison")
-    if isinstance(node, dict):
-        for key in ("calculated_subtotal", "measured_peak", "difference", "known_explanation"):
-            node.pop(key, None)
-            if isinstance(plain, dict):
-                plain.pop(key, None)
-        if not node:
-            del doc.data["comparison"]
-            doc.plain.pop("comparison", None)
-    doc.invalidate()
+    from ledgerspec.contract.edit import remove_keys
+
+    remove_keys(doc, "comparison", ("calculated_subtotal", "measured_peak", "difference", "known_explanation"))
 
 
 def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequest:
@@ -477,31 +467,24 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
 
 
 def measure_dist(
-    path: str,
+    doc: Document,
     nproc: int,
     device: str = "cpu",
     steps: int = 2,
-    output: str | None = None,
     command: str | None = None,
     timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> DistOutcome:
-    """Measure the ledger at ``path`` on ``nproc`` FSDP2 ranks and write the results into it (or ``output``)."""
-    from ledgerspec.contract.writer import save
-    from ledgerspec.derivations.measure.measurer import load_ledger, settle_status
-
-    doc = load_ledger(path)
-    target = output or path
+    """Measure the ledger ``doc`` on ``nproc`` FSDP2 ranks and write the results into ``doc`` (in memory; the
+    caller saves it)."""
     req = make_request(doc, nproc, device, steps)
     outs = run_ranks(req, timeout)
     notes = write_back(
         doc,
         outs,
-        command or f"ledgerspec measure {path} --nproc {nproc} --device {device} --steps {steps}",
+        command or f"ledgerspec measure {doc.path} --nproc {nproc} --device {device} --steps {steps}",
         req.reshard_after_forward,
     )
-    status, reasons = settle_status(doc)
-    save(doc, target)
-    return DistOutcome(target, worst_rank(outs), outs, status, reasons, notes)
+    return DistOutcome(worst_rank(outs), outs, notes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,9 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ledgerspec.contract import document
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.contract.edit import set_extension, set_figure, set_plain
+from ledgerspec.contract.edit import remove, remove_keys, set_extension, set_figure, set_plain
 from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
 from ledgerspec.contract.units import format_size
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
@@ -65,12 +64,9 @@ class ChildOutput:
 
 @dataclass
 class Outcome:
-    """What ``measure`` did: the written path, the result, the supported status and its reasons."""
+    """What ``measure`` saw (the document holds it now), with notes for the user."""
 
-    path: str
-    result: Any
-    status: str | None
-    reasons: list[str]
+    result: Any  # ProtocolResult
     notes: list[str]
 
 
@@ -210,11 +206,6 @@ def run_child(req: Request, timeout: float | None = None) -> ChildOutput:
     return ChildOutput(ProtocolResult.from_json(payload["result"]), payload.get("software", {}))
 
 
-def load_ledger(path: str, command: str = "measure") -> Document:
-    """The ledger at ``path``; an intake is refused (measurements are written into a ledger)."""
-    return document.load_ledger(path, command)
-
-
 def make_request(
     doc: Document, device: str, steps: int, memory_limit: int | None, snapshot_path: str | None, spec: Any = None
 ) -> Request:
@@ -240,26 +231,24 @@ def make_request(
 
 
 def measure(
-    path: str,
+    doc: Document,
     device: str = "cpu",
     steps: int = 2,
-    output: str | None = None,
     memory_limit: int | None = None,
     command: str | None = None,
+    snapshot_path: str | None = None,
 ) -> Outcome:
-    """Measure the ledger at ``path`` and write the results into it (or into ``output``)."""
-    from ledgerspec.contract.writer import check_writable, save
-
-    doc = load_ledger(path)
-    target = output or path
-    check_writable(target)  # before minutes of measuring
-    snapshot = str(Path(target).with_suffix("")) + ".oom-snapshot.pickle" if device == "cuda" else None
-    req = make_request(doc, device, steps, memory_limit, snapshot)
+    """Measure the ledger ``doc`` in a child process and write what it saw into ``doc`` (in memory; the caller
+    saves it). ``snapshot_path``: where a CUDA out-of-memory saves the allocator's history."""
+    req = make_request(doc, device, steps, memory_limit, snapshot_path if device == "cuda" else None)
     out = run_child(req)
-    notes = write_back(doc, out, command or f"ledgerspec measure {path} --device {device} --steps {steps}")
-    status, reasons = settle_status(doc)
-    save(doc, target)
-    return Outcome(target, out.result, status, reasons, notes)
+    notes = write_back(doc, out, command or f"ledgerspec measure {doc.path} --device {device} --steps {steps}")
+    return Outcome(out.result, notes)
+
+
+def snapshot_path_for(target: str) -> str:
+    """Where ``measure --device cuda`` saves the allocator history of an out-of-memory, beside the ledger."""
+    return str(Path(target).with_suffix("")) + ".oom-snapshot.pickle"
 
 
 # -- write-back -----------------------------------------------------------------------------------------------------
@@ -503,18 +492,8 @@ def _forget_previous_measurement(doc: Document) -> None:
     """Drop the figures of an earlier measurement, so that none of them outlives this one (e.g. a cuda
     ``peak_reserved`` next to a cpu run, or a ``forward_peak`` the new run never reached)."""
     for section, keys in _OWNED.items():
-        node, plain = doc.data.get(section), doc.plain.get(section)
-        if not isinstance(node, dict):
-            continue
-        for key in list(node):
-            if keys is None or key in keys:
-                del node[key]
-                if isinstance(plain, dict):
-                    plain.pop(key, None)
-    if "x-measure" in doc.data:
-        del doc.data["x-measure"]
-        doc.plain.pop("x-measure", None)
-    doc.invalidate()
+        remove_keys(doc, section, keys, prune=False)
+    remove(doc, ("x-measure",))
 
 
 def _write_result(doc: Document, r: Any) -> None:
@@ -591,20 +570,6 @@ def _extension(r: Any) -> dict[str, Any]:
     return ext
 
 
-def settle_status(doc: Document) -> tuple[str | None, list[str]]:
-    """Validate; lower a declared status the evidence no longer supports."""
-    from ledgerspec.checks.fix import fix_comment, needs_fix
-    from ledgerspec.checks.validate import validate
-
-    report = validate(doc)
-    if needs_fix(report):
-        doc.data["status"] = report.supported_status
-        doc.data.yaml_add_eol_comment(fix_comment(report), "status")
-        doc.plain["status"] = report.supported_status
-        doc.invalidate()
-    return report.supported_status, list(report.reasons)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) == 3 and args[0] == "--child":
@@ -618,12 +583,11 @@ __all__ = [
     "Outcome",
     "Request",
     "explain",
-    "load_ledger",
     "make_request",
     "measure",
     "run_child",
     "run_request",
-    "settle_status",
+    "snapshot_path_for",
     "write_back",
 ]
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ledgerspec.contract.document import Document
 from ledgerspec.contract.edit import set_extension, set_plain
 from ledgerspec.contract.units import format_size
 from ledgerspec.derivations.engine.tracker import by_component
-from ledgerspec.derivations.measure.measurer import load_ledger, make_request, run_child
+from ledgerspec.derivations.measure.measurer import make_request, run_child
 
 TESTS = ("microbatch_reduced", "sequence_reduced", "checkpointing_changed", "optimizer_changed")
 COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
@@ -48,16 +49,16 @@ class Trial:
 
 @dataclass
 class TriageOutcome:
-    path: str
     baseline: Trial
     trials: dict[str, Trial] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     hypothesis: dict[str, str] = field(default_factory=dict)
 
-    def summary(self) -> list[str]:
+    def summary(self, path: str) -> list[str]:
+        """The lines to print, for the ledger written at ``path``."""
         b = self.baseline
         state = f"OOM in {b.result.oom_phase}" if b.result.oom else "no OOM"
-        lines = [f"{self.path}: baseline peak {format_size(b.peak)} ({state})"]
+        lines = [f"{path}: baseline peak {format_size(b.peak)} ({state})"]
         if not b.result.oom:
             lines.append(
                 "  no out-of-memory to triage: the OOM Triage Worksheet (triage) is not written, only the "
@@ -209,16 +210,11 @@ def matrix(baseline: Trial, trials: dict[str, Trial], skipped: dict[str, str]) -
     }
 
 
-def triage(
-    path: str, device: str = "cpu", steps: int = 2, output: str | None = None, memory_limit: int | None = None
-) -> TriageOutcome:
-    """Run the baseline and the controlled tests; write ``x-sensitivity`` into the ledger, and ``triage`` (the OOM
-    Triage Worksheet) when the baseline runs out of memory."""
-    from ledgerspec.contract.writer import check_writable, save
+def triage(doc: Document, device: str = "cpu", steps: int = 2, memory_limit: int | None = None) -> TriageOutcome:
+    """Run the baseline and the controlled tests; write ``x-sensitivity`` into the ledger ``doc`` (in memory; the
+    caller saves it), and ``triage`` (the OOM Triage Worksheet) when the baseline runs out of memory."""
     from ledgerspec.derivations.engine.workload import WorkloadSpec
 
-    doc = load_ledger(path, "triage")
-    check_writable(output or path)  # before minutes of measuring
     spec = WorkloadSpec.from_document(doc)
     changes, skipped = controlled_changes(spec)
     jobs = {"baseline": ("as declared", spec), **changes}
@@ -227,7 +223,7 @@ def triage(
     results = {name: run_child(req).result for name, req in requests.items()}
     baseline = Trial("baseline", "as declared", results.pop("baseline"))
     trials = {name: Trial(name, changes[name][0], result) for name, result in results.items()}
-    outcome = TriageOutcome(output or path, baseline, trials, skipped, hypotheses(baseline, trials))
+    outcome = TriageOutcome(baseline, trials, skipped, hypotheses(baseline, trials))
     if baseline.result.oom:  # the worksheet triages an out-of-memory: without one every test would PASS
         set_plain(doc, ("triage", "phase"), baseline.result.oom_phase, force=True)
         for name, t in trials.items():
@@ -235,7 +231,6 @@ def triage(
         for key, text in outcome.hypothesis.items():
             set_plain(doc, ("triage", "hypothesis", key), text, force=True)
     set_extension(doc, ("x-sensitivity",), matrix(baseline, trials, skipped))
-    save(doc, output or path)
     return outcome
 
 

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
-
 from ledgerspec.contract.document import Document, pointer
-from ledgerspec.contract.edit import Change, set_extension, set_plain
+from ledgerspec.contract.edit import Change, remove, set_extension, set_plain
 from ledgerspec.contract.fingerprint import RESOLVE_INPUTS, digests
 
 EXTENSION = "x-resolve"
@@ -37,10 +35,10 @@ class Record:
 
     def __init__(self, doc: Document) -> None:
         self.doc = doc
-        block = doc.plain.get(EXTENSION)
-        written = block.get("written") if isinstance(block, dict) else None
+        block = doc.get(EXTENSION)
+        written = doc.get(EXTENSION, "written").raw if block.present else None
         self.before: dict[str, Any] = dict(written) if isinstance(written, dict) else {}
-        self.legacy = block is None and doc.get("method", "x-breakdown").present
+        self.legacy = not block.present and doc.get("method", "x-breakdown").present
         self.written: dict[str, Any] = {}
 
     def owned(self, path: tuple[str, ...], value: Any) -> bool:
@@ -86,42 +84,4 @@ class Record:
         return changes + ([change] if change is not None else [])
 
 
-def remove(doc: Document, path: tuple[str, ...]) -> None:
-    """Delete the key at ``path``; the blank lines and comments that followed it stay where they were."""
-    parent: Any = doc.data
-    for part in path[:-1]:
-        parent = parent[part]
-    key = path[-1]
-    keys = list(parent)
-    entry = parent.ca.items.get(key)
-    token = entry[2] if entry and len(entry) > 2 else None
-    tail = token.value.partition("\n")[2] if token is not None else ""
-    del parent[key]
-    parent.ca.items.pop(key, None)
-    index = keys.index(key)
-    if tail.strip() and index > 0:
-        _append_lines(parent, keys[index - 1], tail)
-    plain: Any = doc.plain
-    for part in path[:-1]:
-        plain = plain.get(part, {})
-    plain.pop(key, None)
-    doc.invalidate()
-
-
-def _append_lines(mapping: Any, key: Any, tail: str) -> None:
-    while (
-        isinstance(mapping[key], CommentedMap | CommentedSeq) and not mapping[key].fa.flow_style() and len(mapping[key])
-    ):  # the lines after a block sit on its deepest last node
-        mapping = mapping[key]
-        key = list(mapping)[-1] if isinstance(mapping, CommentedMap) else len(mapping) - 1
-    index = 2 if isinstance(mapping, CommentedMap) else 0
-    entry = mapping.ca.items.get(key)
-    if entry and len(entry) > index and entry[index] is not None:
-        head = entry[index].value.partition("\n")[0]
-        entry[index].value = head + "\n" + tail
-        return
-    mapping.yaml_add_eol_comment("#", key, column=0)
-    mapping.ca.items[key][index].value = "\n" + tail
-
-
-__all__ = ["EXTENSION", "KEPT", "Record", "remove"]
+__all__ = ["EXTENSION", "KEPT", "Record"]

@@ -15,19 +15,16 @@ removed when the configuration no longer has it), while any other value is the u
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-from ruamel.yaml.comments import CommentedMap
 
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.edit import Change, set_extension, set_figure, set_plain
+from ledgerspec.contract.edit import to_ledger as to_ledger_header
 from ledgerspec.contract.optimizers import suggest
 from ledgerspec.contract.subtotal import write_subtotal
-from ledgerspec.contract.writer import render
+from ledgerspec.contract.writer import document_text
 from ledgerspec.derivations.resolve.record import Record
 from ledgerspec.derivations.stack.build import _err
 from ledgerspec.derivations.stack.census import Census, Progress, TensorRecord, census
@@ -61,18 +58,23 @@ class Figures:
 
 @dataclass
 class ResolveResult:
-    """What ``resolve`` did: the updated document, its new text, the changes and where time went."""
+    """What ``resolve`` did: the updated document, the changes and where time went."""
 
     doc: Document
-    text: str
+    original: str  # the document's text as read, before resolve
     changes: list[Change]
     figures: Figures
     census: Census
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
+    def text(self) -> str:
+        """The document's new text (where it is; ``-o OUT`` elsewhere: :func:`ledgerspec.contract.writer.render_to`)."""
+        return document_text(self.doc)
+
+    @property
     def changed(self) -> bool:
-        return self.text != self.doc.text
+        return self.text != self.original
 
     @property
     def applied(self) -> list[Change]:
@@ -194,21 +196,6 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
     return m
 
 
-def _switch_to_ledger(doc: Document) -> Change:
-    """An intake becomes a ledger/v1 document: header switched, ``pilot`` kept as ``x-pilot``."""
-    data: CommentedMap = doc.data
-    data["ledgerspec"] = "ledger/v1"
-    doc.kind = "ledger"
-    if "pilot" in data:
-        pos = list(data.keys()).index("pilot")
-        value = data.pop("pilot")
-        data.insert(pos, "x-pilot", value)
-        doc.plain["x-pilot"] = doc.plain.pop("pilot")
-    doc.plain["ledgerspec"] = "ledger/v1"
-    doc.invalidate()
-    return Change("/ledgerspec", "intake/v1", "ledger/v1")
-
-
 def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> list[Change]:
     """Write the figures into ``doc`` (in memory), precedence and comments respected."""
     changes: list[Change | None] = []
@@ -298,17 +285,13 @@ def resolve(
     t = time.perf_counter()
     figures = compute_figures(c, spec, min8)
     changes: list[Change] = []
-    if doc.kind == "intake" and to_ledger is not False:
-        changes.append(_switch_to_ledger(doc))
+    original = ("\ufeff" if doc.bom else "") + doc.text
+    header = to_ledger_header(doc) if doc.kind == "intake" and to_ledger is not False else None
+    if header is not None:
+        changes.append(header)
     changes += write_figures(doc, c, figures, source.sha256)
-    text = render(doc.data, doc.text)
     timings["write"] = time.perf_counter() - t
-    return ResolveResult(doc, text, changes, figures, c, timings)
-
-
-def config_sha256(path: str | Path) -> str:
-    """SHA-256 of a config file's bytes (what ``identity.config_sha256`` pins)."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return ResolveResult(doc, original, changes, figures, c, timings)
 
 
 __all__ = [
@@ -316,7 +299,6 @@ __all__ = [
     "ResolveResult",
     "check_optimizer",
     "compute_figures",
-    "config_sha256",
     "resolve",
     "write_figures",
 ]

@@ -14,7 +14,6 @@ from typing import Any
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, error_at
 from ledgerspec.contract.edit import Change, set_extension
-from ledgerspec.contract.writer import render
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
@@ -88,7 +87,6 @@ class ShardResult:
     zero: dict[str, S.ZeroState]
     extension: dict[str, Any]
     change: Change | None
-    text: str
     estimate: Any = None  # sharding_estimate.ShardEstimate with estimate=True
     device_memory: int | None = None
 
@@ -205,4 +203,4 @@ def shard(
         est = estimate_per_rank(doc, world, descs, target=target, layers=layers, offline=offline)
         ext["estimate"] = extension_block(est, device_memory)
     change = set_extension(doc, EXTENSION, ext)
-    return ShardResult(plan, zero, ext, change, render(doc.data, doc.text), est, device_memory)
+    return ShardResult(plan, zero, ext, change, est, device_memory)

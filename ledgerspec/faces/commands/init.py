@@ -27,7 +27,7 @@ def run_init(args: argparse.Namespace) -> int:
     intake = load(args.from_intake) if args.from_intake else None
     if intake is not None and intake.kind != "intake":
         raise LedgerspecError(
-            f"--from expects an intake/v1 document, got {intake.plain.get('ledgerspec')!r}",
+            f"--from expects an intake/v1 document, got {intake.get('ledgerspec').raw!r}",
             args.from_intake,
             *intake.position("/ledgerspec"),
             rule="init",

@@ -62,38 +62,60 @@ def _measure(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _measure_ranks(args)
     from ledgerspec.contract.units import format_size
-    from ledgerspec.derivations.measure.measurer import measure
+    from ledgerspec.derivations.measure.measurer import measure, snapshot_path_for
 
+    doc, target = _open(args, "measure")
     outcome = measure(
-        args.file,
+        doc,
         device=args.device,
         steps=args.steps,
-        output=args.output,
         memory_limit=args.memory_limit,
         command=_command("measure", args),
+        snapshot_path=snapshot_path_for(target),
     )
+    report = _save(doc, target)
     r = outcome.result
     err = sys.stderr
     for note in outcome.notes:
-        print(f"{outcome.path}: note: {note}", file=err)
+        print(f"{target}: note: {note}", file=err)
     if r.oom:
         kind = "simulated out-of-memory" if r.simulated_oom else "out of memory"
-        print(f"{outcome.path}: {kind} in phase {r.oom_phase} ({r.oom_message})", file=err)
+        print(f"{target}: {kind} in phase {r.oom_phase} ({r.oom_message})", file=err)
         if r.snapshot_path:
             print(
-                f"{outcome.path}: allocator snapshot saved to {r.snapshot_path} (open it at "
-                "https://pytorch.org/memory_viz)",
+                f"{target}: allocator snapshot saved to {r.snapshot_path} (open it at https://pytorch.org/memory_viz)",
                 file=err,
             )
     peak = r.peak_allocated()
     print(
-        f"{outcome.path}: measured on {r.backend}: peak allocated "
-        f"{format_size(peak) if peak is not None else 'n/a'}; supported status {outcome.status}",
+        f"{target}: measured on {r.backend}: peak allocated "
+        f"{format_size(peak) if peak is not None else 'n/a'}; supported status {report.supported_status}",
         file=err,
     )
-    for reason in outcome.reasons[:3]:
+    for reason in report.reasons[:3]:
         print(f"  - {reason}", file=err)
     return EXIT_FINDINGS if r.oom else EXIT_OK
+
+
+def _open(args: argparse.Namespace, command: str) -> tuple[Any, str]:
+    """The ledger to measure, and where it will be written (checked before minutes of measuring)."""
+    from ledgerspec.contract.document import load_ledger
+    from ledgerspec.contract.writer import check_writable
+
+    doc = load_ledger(args.file, command)
+    target = args.output or args.file
+    check_writable(target)
+    return doc, target
+
+
+def _save(doc: Any, target: str) -> Any:
+    """Set the status the measurement supports (lowered when it no longer holds), then write the ledger."""
+    from ledgerspec.contract.writer import save
+    from ledgerspec.faces.status import settle
+
+    report = settle(doc)
+    save(doc, target)
+    return report
 
 
 def _measure_ranks(args: argparse.Namespace) -> int:
@@ -108,35 +130,31 @@ def _measure_ranks(args: argparse.Namespace) -> int:
             rule="usage",
             exit_code=EXIT_USAGE,
         )
-    outcome = measure_dist(
-        args.file,
-        args.nproc,
-        device=args.device,
-        steps=args.steps,
-        output=args.output,
-        command=_command("measure", args),
-    )
+    doc, target = _open(args, "measure")
+    outcome = measure_dist(doc, args.nproc, device=args.device, steps=args.steps, command=_command("measure", args))
+    report = _save(doc, target)
     err = sys.stderr
     for note in outcome.notes:
-        print(f"{outcome.path}: note: {note}", file=err)
+        print(f"{target}: note: {note}", file=err)
     for out in outcome.ranks:
-        print(f"{outcome.path}: rank {out.rank}: peak allocated {format_size(out.peak)}", file=err)
+        print(f"{target}: rank {out.rank}: peak allocated {format_size(out.peak)}", file=err)
     print(
-        f"{outcome.path}: measured {len(outcome.ranks)} FSDP2 ranks on {outcome.result.backend}: worst rank "
-        f"{format_size(outcome.worst)}; supported status {outcome.status}",
+        f"{target}: measured {len(outcome.ranks)} FSDP2 ranks on {outcome.result.backend}: worst rank "
+        f"{format_size(outcome.worst)}; supported status {report.supported_status}",
         file=err,
     )
-    for reason in outcome.reasons[:3]:
+    for reason in report.reasons[:3]:
         print(f"  - {reason}", file=err)
     return EXIT_OK
 
 
 def _triage(args: argparse.Namespace) -> int:
+    from ledgerspec.contract.writer import save
     from ledgerspec.derivations.measure.triage import triage
 
-    outcome = triage(
-        args.file, device=args.device, steps=args.steps, output=args.output, memory_limit=args.memory_limit
-    )
-    for line in outcome.summary():
+    doc, target = _open(args, "triage")
+    outcome = triage(doc, device=args.device, steps=args.steps, memory_limit=args.memory_limit)
+    save(doc, target)
+    for line in outcome.summary(target):
         print(line)
     return EXIT_OK

@@ -85,13 +85,10 @@ def run_resolve(args: argparse.Namespace) -> int:
         )
     finally:
         progress.done()
-    target = args.output or args.file
-    if args.output:  # the ledger moves: keep a relative identity.config_path pointing at the same file
-        from ledgerspec.contract.document import relocate
-        from ledgerspec.contract.writer import render
+    from ledgerspec.contract.writer import render_to, save
 
-        relocate(result.doc, args.output)
-        result.text = render(result.doc.data, doc.text)
+    target = args.output or args.file
+    text = render_to(result.doc, target)  # -o elsewhere: a relative identity.config_path still names the config
     if args.verbose:
         _report(result, started)
     for ch in result.skipped:
@@ -100,7 +97,7 @@ def run_resolve(args: argparse.Namespace) -> int:
         import difflib
 
         diff = difflib.unified_diff(
-            doc.text.splitlines(keepends=True), result.text.splitlines(keepends=True), fromfile=args.file, tofile=target
+            result.original.splitlines(keepends=True), text.splitlines(keepends=True), fromfile=args.file, tofile=target
         )
         sys.stdout.writelines(diff)
         return EXIT_OK
@@ -115,9 +112,7 @@ def run_resolve(args: argparse.Namespace) -> int:
             return EXIT_FINDINGS
         return EXIT_OK
     if result.changed or args.output:
-        from ledgerspec.contract.writer import atomic_write
-
-        atomic_write(target, result.text)
+        save(result.doc, target)
         print(f"{target}: {len(result.applied)} fields resolved", file=sys.stderr)
     else:
         print(f"{target}: up to date", file=sys.stderr)

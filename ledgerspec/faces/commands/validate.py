@@ -77,18 +77,15 @@ def run_validate(
 
 
 def _fix(doc: Document, report: Report, path: str) -> Report:
-    """Lower the declared status in place (atomic write, BOM kept); return the report of the new file."""
-    from pathlib import Path
+    """Set the declared status the evidence supports, in place (the one save path: atomic, BOM kept); the report
+    of the new file."""
+    from ledgerspec.contract.writer import save
+    from ledgerspec.faces.status import settle
 
-    from ledgerspec.checks.fix import fixed_text
-    from ledgerspec.contract.writer import atomic_write
-
-    text = fixed_text(doc, report)
-    if text is None:
+    fixed = settle(doc)
+    if fixed.declared_status == report.declared_status:
         return report
-    if Path(path).read_bytes().startswith(b"\xef\xbb\xbf"):
-        text = "\ufeff" + text
-    atomic_write(path, text)
+    save(doc, path)
     fixed = validate(load(path))
     print(f"{path}: status lowered from {report.declared_status} to {fixed.declared_status}", file=sys.stderr)
     return fixed

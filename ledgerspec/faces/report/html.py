@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from html import escape
 
-from ledgerspec import __version__
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.contract.units import format_size
 from ledgerspec.faces.report.bar import layout
 from ledgerspec.faces.report.data import COMPONENT_LABELS, PROVENANCE, Entry, Pair, PhasePoint, ReportData
+from ledgerspec.version import __version__
 
 #: one colour per provenance word, used for table badges, bar segments and the legend
 COLORS = {
