@@ -101,7 +101,8 @@ def unmeasured(path: Path, device: str, steps: int) -> float:
 
 def measured(path: Path, device: str, steps: int) -> float:
     from ledgerspec.contract.document import load
-    from ledgerspec.derivations.engine.protocol import Backend, CudaBackend, TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.backends import Backend, CudaBackend, TrackerBackend
+    from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.engine.workload import Workload
 
     backend: Backend = CudaBackend() if device == "cuda" else TrackerBackend()

@@ -7,7 +7,8 @@ and an exit code; nothing else reaches the user as a traceback.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -34,6 +35,10 @@ class LedgerspecError(Exception):
     def __str__(self) -> str:
         return self.format()
 
+    def to_json(self) -> dict[str, Any]:
+        """The error as JSON, for a child process to hand back (``LedgerspecError(**data)`` rebuilds it)."""
+        return asdict(self)
+
     def location(self) -> str:
         if self.path is None:
             return "ledgerspec"
@@ -49,3 +54,22 @@ class LedgerspecError(Exception):
         if self.hint:
             text += f" (hint: {self.hint})"
         return text
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, cut at ``limit`` characters (its type's name when empty)."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:limit]
+
+
+def joined_lines(exc: BaseException, limit: int = 300) -> str:
+    """Every line of an exception's message on one line (transformers' config validation puts the reason on the
+    second line), cut at ``limit`` characters."""
+    parts = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return (" ".join(parts) or type(exc).__name__)[:limit]
+
+
+def described(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of an exception (the type alone when the message is empty)."""
+    text = first_line(exc, limit) if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

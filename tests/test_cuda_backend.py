@@ -1,6 +1,6 @@
 """LOGIC TESTS WITH FAKES of the cuda backend of ``ledgerspec measure`` (no GPU is needed, none is used).
 
-What these tests prove: the PLUMBING of :class:`ledgerspec.derivations.engine.protocol.CudaBackend`,
+What these tests prove: the PLUMBING of :class:`ledgerspec.derivations.engine.backends.CudaBackend`,
 :func:`run_protocol` and the cuda write-back of :mod:`ledgerspec.derivations.measure.measurer`, driven by explicit
 fakes: :class:`FakeCuda` stands in for the ``torch.cuda`` module (caching-allocator counters whose
 values the fake workload below drives: allocated bytes, reserved bytes rounded up to 2 MiB segments that
@@ -35,8 +35,9 @@ from typing import Any
 
 import pytest
 
-from ledgerspec.derivations.engine import protocol as P
-from ledgerspec.derivations.engine.protocol import CudaBackend, ProtocolResult, run_protocol
+from ledgerspec.derivations.engine import backends as B
+from ledgerspec.derivations.engine.backends import CudaBackend
+from ledgerspec.derivations.engine.protocol import ProtocolResult, run_protocol
 
 MiB = 2**20
 SEG = 2 * MiB  # the fake allocator's segment: reserved grows in these steps and is never released
@@ -434,7 +435,7 @@ def test_the_real_nvidia_ml_py_without_a_driver_falls_back_cleanly(fake_cuda: Fa
         pytest.skip("NVML works on this machine")
     except pynvml.NVMLError:
         pass
-    sampler = P._DeviceSampler(fake_cuda, 0)
+    sampler = B.DeviceSampler(fake_cuda, 0)
     assert sampler.source.startswith("cudaMemGetInfo")
     fake_cuda.alloc(3 * MiB)
     assert sampler.peak() == CONTEXT + 4 * MiB
@@ -448,7 +449,7 @@ def _wait_for(condition: Any, timeout: float = 5.0) -> None:
 
 
 def test_the_sampler_thread_catches_a_spike_between_phase_boundaries(fake_cuda: FakeCuda, fake_nvml: FakeNVML) -> None:
-    sampler = P._DeviceSampler(fake_cuda, 0, interval=0.001, nvml=fake_nvml)
+    sampler = B.DeviceSampler(fake_cuda, 0, interval=0.001, nvml=fake_nvml)
     sampler.start()
     try:
         fake_nvml.value = 1 * MiB
@@ -466,7 +467,7 @@ def test_the_sampler_thread_catches_a_spike_between_phase_boundaries(fake_cuda: 
 
 
 def test_a_sample_read_before_a_reset_never_lands_after_it(fake_cuda: FakeCuda, fake_nvml: FakeNVML) -> None:
-    sampler = P._DeviceSampler(fake_cuda, 0, nvml=fake_nvml)
+    sampler = B.DeviceSampler(fake_cuda, 0, nvml=fake_nvml)
     reading, release = threading.Event(), threading.Event()
     main = threading.current_thread()
 
@@ -489,7 +490,7 @@ def test_a_sample_read_before_a_reset_never_lands_after_it(fake_cuda: FakeCuda, 
 
 
 def test_no_sample_means_no_device_figure(fake_cuda: FakeCuda, fake_nvml: FakeNVML) -> None:
-    sampler = P._DeviceSampler(fake_cuda, 0, nvml=fake_nvml)
+    sampler = B.DeviceSampler(fake_cuda, 0, nvml=fake_nvml)
 
     def broken() -> int:
         raise RuntimeError("NVML_ERROR_GPU_IS_LOST")

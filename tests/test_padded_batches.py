@@ -152,7 +152,8 @@ def test_eager_padded_mask_is_traced_and_costs_more() -> None:
 
 @pytest.mark.slow
 def test_a_padded_cpu_measurement_runs_and_accumulation_keeps_the_activation_peak() -> None:
-    from ledgerspec.derivations.engine.protocol import TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.backends import TrackerBackend
+    from ledgerspec.derivations.engine.protocol import run_protocol
 
     def run(accumulation: int) -> Any:
         doc = doc_with(2, accumulation=accumulation, dtype="float32")

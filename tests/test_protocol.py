@@ -16,7 +16,8 @@ pytest.importorskip("peft")
 
 from ledgerspec.contract.document import Document, load
 from ledgerspec.contract.edit import set_plain
-from ledgerspec.derivations.engine.protocol import PHASES, ProtocolResult, TrackerBackend, run_protocol
+from ledgerspec.derivations.engine.backends import TrackerBackend
+from ledgerspec.derivations.engine.protocol import PHASES, ProtocolResult, run_protocol
 from ledgerspec.derivations.engine.workload import Workload, WorkloadSpec
 
 DATA = Path(__file__).parent / "data" / "measure"
@@ -263,7 +264,7 @@ def test_bad_workload_inputs_are_one_line_errors(key: str, value: Any, needle: s
 def test_backends_recognise_only_their_out_of_memory_errors() -> None:
     import torch
 
-    from ledgerspec.derivations.engine.protocol import CudaBackend
+    from ledgerspec.derivations.engine.backends import CudaBackend
     from ledgerspec.derivations.engine.tracker import SIMULATED_OOM_MARKER, SimulatedOOM
 
     cpu, cuda = TrackerBackend(limit=1), CudaBackend()

@@ -118,7 +118,7 @@ def supported_status(doc: Document) -> StatusResult:
 
     # -- CALCULATED -------------------------------------------------------------------------------
     weak = []
-    for key in ("frozen_base", "adapter", "gradients", "optimizer"):
+    for key in F.RESIDENT:
         v = doc.get("ledger", key)
         src = v.effective_source(True)
         if src not in EXACT_SOURCES or v.size() is None:

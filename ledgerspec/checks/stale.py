@@ -8,10 +8,11 @@ holds VALIDATED. Pure: no I/O, no torch.
 
 from __future__ import annotations
 
+from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.fingerprint import stale
 
-COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+COMPONENTS = F.RESIDENT
 _PEAKS = ("peak_allocated", "peak_reserved", "device_peak")
 
 

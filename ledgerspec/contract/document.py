@@ -139,6 +139,34 @@ def error_at(
     return LedgerspecError(message, doc.path, line, col, rule=rule, hint=hint, exit_code=exit_code)
 
 
+class ErrorAt:
+    """:func:`error_at` with one command's rule name and exit code: ``_err = ErrorAt("estimate")``, then
+    ``raise _err(doc, path, message, hint)``."""
+
+    def __init__(self, rule: str, exit_code: int = EXIT_FINDINGS) -> None:
+        self.rule = rule
+        self.exit_code = exit_code
+
+    def __call__(
+        self,
+        doc: Document,
+        path: tuple[str, ...],
+        message: str,
+        hint: str | None = None,
+        *,
+        rule: str | None = None,
+        exit_code: int | None = None,
+    ) -> LedgerspecError:
+        return error_at(
+            doc,
+            path,
+            message,
+            rule=rule or self.rule,
+            hint=hint,
+            exit_code=self.exit_code if exit_code is None else exit_code,
+        )
+
+
 def set_path(node: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     """``node[a][b]...[z] = value`` for ``path`` (a, b, ..., z), creating (or replacing non-mapping) parents."""
     for part in path[:-1]:

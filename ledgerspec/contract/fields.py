@@ -32,6 +32,10 @@ FIGURE_KINDS = frozenset({MEMORY, COUNT, SECONDS, FIGURES})
 
 SOURCES = ("MEASURED", "VERIFIED", "CALCULATED", "ASSUMPTION", "CONFIGURATION-SPECIFIC", "UNKNOWN")
 STATUSES = ("INSUFFICIENT DATA", "CALCULATED", "CANDIDATE", "VALIDATED")
+#: the ledger's memory components (spec, "Why the ledger exists"): the four resident ones come first, exact from the
+#: configuration; activations and temporaries depend on the step
+RESIDENT = ("frozen_base", "adapter", "gradients", "optimizer")
+COMPONENTS = (*RESIDENT, "activations", "temporary")
 PHASES_OOM = (
     "load",
     "adapter_injection",

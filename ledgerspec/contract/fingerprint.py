@@ -43,7 +43,7 @@ _QUANTIZATION = tuple(
     for k in ("type", "bits", "storage_dtype", "double_quant", "compute_dtype", "blocksize", "skip_modules")
 )
 
-#: what ``resolve`` reads (build.py, census.py, resolve.check_optimizer), per section
+#: what ``resolve`` reads (build.py, census.py, resolve.optimizer_of), per section
 RESOLVE_INPUTS: Inputs = {
     "identity": (("model_id",), ("revision",), ("config_sha256",)),  # config_path: see the module docstring
     "method": (

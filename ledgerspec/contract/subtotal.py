@@ -7,11 +7,12 @@ Not a peak: no overhead factor is ever applied.
 
 from __future__ import annotations
 
+from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.edit import Change, set_figure
 from ledgerspec.contract.values import EXACT_SOURCES
 
-REQUIRED = ("frozen_base", "adapter", "gradients", "optimizer")
+REQUIRED = F.RESIDENT
 OPTIONAL = ("activations", "temporary")
 
 

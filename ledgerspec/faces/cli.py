@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_USAGE, LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_USAGE, LedgerspecError, described
 from ledgerspec.version import __version__
 
 #: command module (``ledgerspec.faces.commands.NAME``) -> the subcommands it registers, in ``--help`` order
@@ -72,8 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def internal_error_line(command: str, exc: BaseException) -> str:
     """One line for an unexpected exception: says it is ledgerspec's fault, not the input's."""
-    text = (str(exc).strip().splitlines() or [""])[0][:200]
-    what = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    what = described(exc, 200)
     return (
         f"ledgerspec: internal-error: `ledgerspec {command}` failed unexpectedly ({what}) (hint: this is a bug "
         f"in ledgerspec, not a problem with your file: please report it; re-run with {DEBUG_ENV}=1 for the "

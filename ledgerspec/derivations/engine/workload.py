@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ledgerspec.contract import config
-from ledgerspec.contract.document import Document, error_at
-from ledgerspec.derivations.stack.build import ModelSource, inject_adapters, load_config, one_line
+from ledgerspec.contract.document import Document, ErrorAt
+from ledgerspec.derivations.stack.build import ModelSource, inject_adapters, load_config
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
-from ledgerspec.errors import LedgerspecError
+from ledgerspec.errors import first_line
 
 #: optimizer names this workload can build (the transformers Trainer's names, plus plain ``adam``)
 OPTIMIZERS = (
@@ -68,8 +68,7 @@ METHOD_NOTES = (
 LEARNING_RATE = 2e-4  # any value: memory does not depend on it
 
 
-def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
-    return error_at(doc, path, message, rule="workload", hint=hint)  # estimate and measure both build it
+_err = ErrorAt("workload")  # estimate and measure both build it
 
 
 @dataclass(frozen=True)
@@ -256,7 +255,7 @@ class Workload:
             raise _err(
                 self.doc,
                 ("identity",),
-                f"transformers cannot build this model: {one_line(exc)}",
+                f"transformers cannot build this model: {first_line(exc)}",
                 "check software.attention_implementation and the architecture",
             ) from None
         if spec.quant is not None:

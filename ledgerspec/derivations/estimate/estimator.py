@@ -26,15 +26,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledgerspec.contract.document import Document, error_at
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan, extend_all, plan, with_layers
 from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
 from ledgerspec.derivations.stack.census import Progress
-from ledgerspec.errors import LedgerspecError
+from ledgerspec.errors import LedgerspecError, first_line
 
 #: the CUDA caching allocator rounds every block up to a multiple of this (c10/cuda/CUDACachingAllocator.cpp)
 CUDA_ALLOCATION_GRANULARITY = 512
-COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+COMPONENTS = F.RESIDENT
 #: what :attr:`Estimate.at_peak` splits the peak into (the tracker's categories folded into ledger components;
 #: ``temporary`` holds what no component owns: logits and loss in fp32, their gradients, attention and
 #: dequantization workspaces, gradients of activations in flight)
@@ -75,8 +76,7 @@ class Estimate:
         return fit(self.phases, device_memory)
 
 
-def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
-    return error_at(doc, path, message, rule="estimate", hint=hint)
+_err = ErrorAt("estimate")
 
 
 _MEASURE_HINT = "run `ledgerspec measure` on a GPU (or --device cpu) instead"
@@ -209,7 +209,8 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[s
     Accumulation runs two micro-steps, not all of them: from the second micro-step on, the gradients are
     allocated and every micro-step allocates the same tensors, so the peaks are those of the full run.
     """
-    from ledgerspec.derivations.engine.protocol import TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.backends import TrackerBackend
+    from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.engine.tracker import by_component
 
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
@@ -242,7 +243,7 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
     """A trace failure as one clear line: which op or architecture, and what to do instead."""
     from ledgerspec.derivations.estimate.attention import UnsupportedAttention
 
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    text = first_line(exc)
     if isinstance(exc, UnsupportedAttention):
         return _err(
             doc, ("software", "attention_implementation"), f"cannot model this attention: {text}", _MEASURE_HINT

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text
 from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_qlora
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
 EXTENSION = "x-measure-per-rank"
 STRATEGY = "fsdp2"
@@ -116,7 +117,8 @@ def run_rank(req: DistRequest) -> RankOutput:
     import torch
     import torch.distributed as dist
 
-    from ledgerspec.derivations.engine.protocol import Backend, CudaBackend, TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.backends import Backend, CudaBackend, TrackerBackend
+    from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.engine.workload import Workload, WorkloadSpec
     from ledgerspec.derivations.measure.measurer import software_versions
 
@@ -156,15 +158,14 @@ def _rank_main(request_file: str, out_dir: str) -> int:
             torch.cuda.is_available(), torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0")), req.nproc
         )
         if problem is not None:
-            payload: dict[str, Any] = {
-                "error": {
-                    "message": problem,
-                    "path": req.doc_path,
-                    "rule": "measure",
-                    "hint": "use --device cpu (gloo) or fewer ranks",
-                    "exit_code": EXIT_USAGE,
-                }
-            }
+            error = LedgerspecError(
+                problem,
+                req.doc_path,
+                rule="measure",
+                hint="use --device cpu (gloo) or fewer ranks",
+                exit_code=EXIT_USAGE,
+            )
+            payload: dict[str, Any] = {"error": error.to_json()}
             _write(out_dir, int(os.environ.get("RANK", "0")), payload)
             return 1
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -179,23 +180,13 @@ def _rank_main(request_file: str, out_dir: str) -> int:
         failed = bool(out.result.oom)
     except LedgerspecError as exc:
         failed = True
-        payload = {
-            "error": {
-                "message": exc.message,
-                "path": exc.path,
-                "line": exc.line,
-                "column": exc.column,
-                "rule": exc.rule,
-                "hint": exc.hint,
-                "exit_code": exc.exit_code,
-            }
-        }
+        payload = {"error": exc.to_json()}
     except Exception as exc:  # reported by the parent as one line
         import traceback
 
         traceback.print_exc()
         failed = True
-        payload = {"crash": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"}
+        payload = {"crash": described(exc)}
     _write(out_dir, rank, payload)
     if failed:  # the other ranks may wait in a collective: exit at once, torchrun stops them
         sys.stderr.flush()
@@ -376,7 +367,7 @@ def per_rank_extension(outs: list[RankOutput], reshard: bool | None) -> dict[str
                 "rank": o.rank,
                 "peak_allocated": o.peak,
                 "phases": {name: r.phases[name].figure for name in PHASES if name in r.phases},
-                "measured": {k: comps.get(k, 0) for k in ("frozen_base", "adapter", "gradients", "optimizer")},
+                "measured": {k: comps.get(k, 0) for k in F.RESIDENT},
                 "calculated": dict(calc),
                 "after_optimizer_init_vs_calculated": after_opt - (calc.get("frozen_base", 0) + calc.get("adapter", 0)),
                 "host_peak": r.host_peak,

@@ -25,11 +25,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text
 from ledgerspec.contract.edit import remove, remove_keys, set_extension, set_figure, set_plain
 from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
 from ledgerspec.contract.units import format_size
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
 PROTOCOL = "ledgerspec-measure/1"
 #: relative tolerance within which a measured static component "matches" the calculated one
@@ -75,7 +76,8 @@ class Outcome:
 
 def run_request(req: Request) -> ChildOutput:
     """Run one measurement in this process (the child's work)."""
-    from ledgerspec.derivations.engine.protocol import Backend, CudaBackend, TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.backends import Backend, CudaBackend, TrackerBackend
+    from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.engine.workload import Workload, WorkloadSpec
 
     doc = from_text(req.doc_text, req.doc_path)
@@ -149,22 +151,12 @@ def _child_main(request_file: str, result_file: str) -> int:
         out = run_request(req)
         payload: dict[str, Any] = {"result": out.result.to_json(), "software": out.software}
     except LedgerspecError as exc:
-        payload = {
-            "error": {
-                "message": exc.message,
-                "path": exc.path,
-                "line": exc.line,
-                "column": exc.column,
-                "rule": exc.rule,
-                "hint": exc.hint,
-                "exit_code": exc.exit_code,
-            }
-        }
+        payload = {"error": exc.to_json()}
     except Exception as exc:  # reported by the parent as one line
         import traceback
 
         traceback.print_exc()
-        payload = {"crash": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"}
+        payload = {"crash": described(exc)}
     Path(result_file).write_text(json.dumps(payload), encoding="utf-8")
     return 0
 
@@ -462,7 +454,7 @@ def explain(doc: Document, r: Any) -> str | None:
         return None
     comps = measured_components(r)
     parts = []
-    for key in ("frozen_base", "adapter", "gradients", "optimizer"):
+    for key in F.RESIDENT:
         calc = doc.get("ledger", key).size()
         got = comps.get(key)
         if calc is None or got is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.edit import set_extension, set_plain
 from ledgerspec.contract.units import format_size
@@ -27,7 +28,7 @@ from ledgerspec.derivations.engine.tracker import by_component
 from ledgerspec.derivations.measure.measurer import make_request, run_child
 
 TESTS = ("microbatch_reduced", "sequence_reduced", "checkpointing_changed", "optimizer_changed")
-COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
+COMPONENTS = F.COMPONENTS
 
 
 @dataclass

@@ -85,7 +85,7 @@ class ResolveResult:
         return [c for c in self.changes if c.skipped is not None]
 
 
-def check_optimizer(doc: Document) -> tuple[OptimizerSpec | None, int]:
+def optimizer_of(doc: Document) -> tuple[OptimizerSpec | None, int]:
     """The optimizer of ``optimizer.name`` (None when not given) and its ``min_8bit_size``.
 
     An unknown name is an error at ``optimizer.name`` listing the supported names.
@@ -268,7 +268,7 @@ def resolve(
     timings: dict[str, float] = {}
     if doc.kind not in ("intake", "ledger"):
         raise _err(doc, ("ledgerspec",), "not a ledgerspec document (expected `ledgerspec: ledger/v1` or `intake/v1`)")
-    spec, min8 = check_optimizer(doc)
+    spec, min8 = optimizer_of(doc)
     start = time.perf_counter()
     _import_stack(say, without_bitsandbytes=one_shot_process)
     timings["imports"] = time.perf_counter() - start
@@ -297,8 +297,8 @@ def resolve(
 __all__ = [
     "Figures",
     "ResolveResult",
-    "check_optimizer",
     "compute_figures",
+    "optimizer_of",
     "resolve",
     "write_figures",
 ]

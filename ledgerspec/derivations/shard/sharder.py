@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ledgerspec.contract import config
-from ledgerspec.contract.document import Document, error_at
+from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.edit import Change, set_extension
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
@@ -20,15 +20,7 @@ from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 EXTENSION = ("parallelism", "x-per-rank")
 
 
-def _err(
-    doc: Document,
-    path: tuple[str, ...],
-    message: str,
-    hint: str | None = None,
-    code: int = EXIT_FINDINGS,
-    rule: str = "shard",
-) -> LedgerspecError:
-    return error_at(doc, path, message, rule=rule, hint=hint, exit_code=code)
+_err = ErrorAt("shard")
 
 
 def world_size(doc: Document, nproc: int | None) -> int:
@@ -43,7 +35,7 @@ def world_size(doc: Document, nproc: int | None) -> int:
             ("parallelism",) if doc.get("parallelism").present else ("ledgerspec",),
             "no rank count: parallelism.gpu_count is missing or UNKNOWN",
             "pass --nproc N",
-            EXIT_USAGE,
+            exit_code=EXIT_USAGE,
         )
     return gpus
 
@@ -56,7 +48,9 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
         return
     q = config.QUANT
     if cfg.quantization.type == "int8":
-        raise _err(doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", code=code, rule=rule)
+        raise _err(
+            doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", exit_code=code, rule=rule
+        )
     storage = doc.get(*q, "storage_dtype")
     why = S.qlora_shardable(cfg.quantization.storage_dtype, cfg.loaded_dtype)
     if why:
@@ -67,7 +61,7 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
             why,
             "set base_model.quantization.storage_dtype to the loaded dtype "
             "(BitsAndBytesConfig(bnb_4bit_quant_storage=...)), as FSDP-QLoRA recipes do",
-            code=code,
+            exit_code=code,
             rule=rule,
         )
 

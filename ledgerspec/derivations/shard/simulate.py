@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledgerspec.contract.document import Document, error_at
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
 from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
 from ledgerspec.derivations.shard.state import (
@@ -50,7 +51,7 @@ from ledgerspec.derivations.shard.state import (
 from ledgerspec.errors import LedgerspecError
 
 Progress = Callable[[str], None]
-COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+COMPONENTS = F.RESIDENT
 
 
 @dataclass
@@ -87,8 +88,7 @@ class ShardEstimate:
         return [fit(r.phases, device_memory) for r in self.ranks]
 
 
-def _err(doc: Document, path: tuple[str, ...], message: str, hint: str | None = None) -> LedgerspecError:
-    return error_at(doc, path, message, rule="shard", hint=hint)
+_err = ErrorAt("shard")
 
 
 def rank_groups(descs: list[ParamDesc], world: int) -> dict[int, list[int]]:
@@ -121,7 +121,8 @@ def simulate_rank(
     """One simulated FSDP2 protocol run for ``rank`` of ``world``: phase figures, activations, components."""
     import warnings
 
-    from ledgerspec.derivations.engine.protocol import TrackerBackend, run_protocol
+    from ledgerspec.derivations.engine.backends import TrackerBackend
+    from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.engine.tracker import by_component
     from ledgerspec.derivations.estimate.estimator import _estimate_workload_class, granularity
     from ledgerspec.derivations.shard.workload import sharded_workload

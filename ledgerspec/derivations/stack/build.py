@@ -14,15 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract import config
-from ledgerspec.contract.document import Document, error_at
+from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
-from ledgerspec.errors import LedgerspecError
+from ledgerspec.errors import first_line, joined_lines
 
-
-def _err(
-    doc: Document, path: tuple[str, ...], message: str, hint: str | None = None, rule: str = "resolve"
-) -> LedgerspecError:
-    return error_at(doc, path, message, rule=rule, hint=hint)
+_err = ErrorAt("resolve")
 
 
 @dataclass
@@ -99,7 +95,7 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
                 str(file.parent) if file.name == "config.json" else str(file), trust_remote_code=trust_remote_code
             )
         except Exception as exc:  # anything transformers (or its strict config dataclasses) refuses is the file's
-            msg = compact(exc)
+            msg = joined_lines(exc)
             hint = (
                 "fix the value in config.json (copy the model's published config.json)"
                 if "validation error" in msg.lower()
@@ -133,7 +129,7 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
             local_files_only=offline or unreachable is not None,
         )
     except Exception as exc:  # transformers raises OSError/ValueError/EnvironmentError variants
-        msg = one_line(exc)
+        msg = first_line(exc)
         if unreachable and "trust_remote_code" not in msg:
             msg = f"{unreachable}, and it is not in the local Hugging Face cache"
         hint = "set identity.config_path to a local config.json (nothing is downloaded with --offline)"
@@ -189,18 +185,6 @@ def hub_unreachable() -> str | None:
     return None
 
 
-def compact(exc: BaseException, limit: int = 300) -> str:
-    """Every line of an exception's message on one line (transformers' config validation puts the reason on the
-    second line)."""
-    parts = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return (" ".join(parts) or type(exc).__name__)[:limit]
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
-
-
 def torch_dtype(doc: Document, path: tuple[str, ...], default: str | None = None) -> Any:
     import torch
 
@@ -240,7 +224,7 @@ def lora_config(doc: Document) -> Any:
     try:
         return LoraConfig(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise _err(doc, ("method",), f"PEFT rejects this LoRA recipe: {one_line(exc)}") from None
+        raise _err(doc, ("method",), f"PEFT rejects this LoRA recipe: {first_line(exc)}") from None
 
 
 def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trust_remote_code: bool = False) -> Any:
@@ -256,7 +240,7 @@ def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trus
         raise _err(
             doc,
             ("identity",),
-            f"transformers cannot build this architecture: {one_line(exc)}",
+            f"transformers cannot build this architecture: {first_line(exc)}",
             "is it a causal language model transformers knows?",
         ) from None
 
@@ -280,7 +264,7 @@ def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
                 return get_peft_model(model, cfg, low_cpu_mem_usage=True)
             return get_peft_model(model, cfg)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-        msg = one_line(exc)
+        msg = first_line(exc)
         where: tuple[str, ...] = ("method", "target_modules") if "target" in msg.lower() else ("method",)
         hint = (
             "check module names against the architecture (e.g. q_proj, v_proj, or all-linear)"

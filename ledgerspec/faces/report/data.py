@@ -19,7 +19,7 @@ from ledgerspec.contract.values import Value
 from ledgerspec.errors import LedgerspecError
 
 #: the memory components of the ledger, in the order they stack
-COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
+COMPONENTS = F.COMPONENTS
 COMPONENT_LABELS = {
     "frozen_base": "frozen base",
     "adapter": "adapter",

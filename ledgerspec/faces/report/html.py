@@ -6,7 +6,7 @@ anywhere; it loads nothing from the network. It draws :class:`~ledgerspec.faces.
 
 from __future__ import annotations
 
-from html import escape
+import html
 
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.contract.units import format_size
@@ -74,18 +74,20 @@ footer{color:#8c959f;font-size:12px;margin-top:32px}
 """
 
 
-def _e(text: object) -> str:
-    return escape(str(text), quote=True)
+def escape(text: object) -> str:
+    """``text`` as HTML text or attribute value (``<``, ``&``, quotes escaped)."""
+    return html.escape(str(text), quote=True)
 
 
 def badge(source: str) -> str:
-    return f'<span class="src src-{_e(source)}" style="background:{COLORS.get(source, "#57606a")}">{_e(source)}</span>'
+    colour = COLORS.get(source, "#57606a")
+    return f'<span class="src src-{escape(source)}" style="background:{colour}">{escape(source)}</span>'
 
 
 def _entry_cells(e: Entry | None) -> str:
     if e is None:
         return '<td class="num">-</td><td></td>'
-    return f'<td class="num">{_e(e.display)}</td><td>{badge(e.source)}</td>'
+    return f'<td class="num">{escape(e.display)}</td><td>{badge(e.source)}</td>'
 
 
 def render_html(d: ReportData) -> str:
@@ -95,9 +97,9 @@ def render_html(d: ReportData) -> str:
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8"/>',
         '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
-        f"<title>{_e(title)} — ledgerspec report</title><style>{CSS}</style></head><body><main>",
-        f"<h1>{_e(title)}</h1>",
-        f'<p class="path">{_e(d.path)} · {_e(d.kind)}/v1</p>',
+        f"<title>{escape(title)} — ledgerspec report</title><style>{CSS}</style></head><body><main>",
+        f"<h1>{escape(title)}</h1>",
+        f'<p class="path">{escape(d.path)} · {escape(d.kind)}/v1</p>',
         _status(d),
         "<h2>Memory components</h2>",
         _bar_svg(d),
@@ -107,7 +109,7 @@ def render_html(d: ReportData) -> str:
     if d.has_phases:
         parts += ["<h2>Phase timeline</h2>", _timeline_svg(d.phases, d.capacity)]
     if d.at_peak:
-        parts += [f"<h2>Alive at the estimated peak ({_e(d.at_peak_phase or '')})</h2>", _at_peak_table(d)]
+        parts += [f"<h2>Alive at the estimated peak ({escape(d.at_peak_phase or '')})</h2>", _at_peak_table(d)]
     if d.pairs:
         parts += ["<h2>Calculated vs measured</h2>", _pairs_table(d.pairs, d.explanation)]
     if d.figures:
@@ -119,7 +121,7 @@ def render_html(d: ReportData) -> str:
         _findings(d),
         "<h2>Provenance</h2>",
         _provenance_legend(),
-        f"<footer>ledgerspec {_e(__version__)} · a self-contained page: no script, nothing loaded from the "
+        f"<footer>ledgerspec {escape(__version__)} · a self-contained page: no script, nothing loaded from the "
         "network</footer>",
         "</main></body></html>",
     ]
@@ -129,14 +131,14 @@ def render_html(d: ReportData) -> str:
 def _status(d: ReportData) -> str:
     color = STATUS_COLORS.get(d.supported_status, "#57606a")
     out = [
-        f'<div><span class="status" data-status="{_e(d.supported_status)}" style="background:{color}">'
-        f'{_e(d.supported_status)}</span><span class="muted">supported by the evidence · declared: '
-        f"{_e(d.declared_status or 'none declared')}</span></div>"
+        f'<div><span class="status" data-status="{escape(d.supported_status)}" style="background:{color}">'
+        f'{escape(d.supported_status)}</span><span class="muted">supported by the evidence · declared: '
+        f"{escape(d.declared_status or 'none declared')}</span></div>"
     ]
     if d.reasons:
         head = "What holds it down" if d.supported_status != "VALIDATED" else "Reasons"
         out.append(f'<p class="muted">{head}:</p><ul class="reasons">')
-        out += [f"<li>{_e(r)}</li>" for r in d.reasons]
+        out += [f"<li>{escape(r)}</li>" for r in d.reasons]
         out.append("</ul>")
     return "\n".join(out)
 
@@ -146,7 +148,7 @@ def _bar_svg(d: ReportData) -> str:
     if bar is None:
         missing = ", ".join(COMPONENT_LABELS[e.name] for e in d.missing)
         return (
-            f'<p class="muted">No component has a known size yet ({_e(missing)}): <code>ledgerspec resolve'
+            f'<p class="muted">No component has a known size yet ({escape(missing)}): <code>ledgerspec resolve'
             "</code> derives the exact ones.</p>"
         )
     h = 118
@@ -165,20 +167,20 @@ def _bar_svg(d: ReportData) -> str:
         shade = ' fill-opacity="0.78"' if i % 2 else ""  # neighbours of one provenance stay apart
         label = COMPONENT_LABELS[s.entry.name]
         out.append(
-            f'<rect class="seg" data-component="{_e(s.entry.name)}" data-bytes="{s.entry.nbytes}" '
-            f'data-source="{_e(s.entry.source)}" x="{x:.3f}" y="28" width="{w:.3f}" height="40" '
+            f'<rect class="seg" data-component="{escape(s.entry.name)}" data-bytes="{s.entry.nbytes}" '
+            f'data-source="{escape(s.entry.source)}" x="{x:.3f}" y="28" width="{w:.3f}" height="40" '
             f'fill="{COLORS[s.entry.source]}"{shade} stroke="#fff" stroke-width="1">'
-            f"<title>{_e(label)}: {_e(s.entry.display)} ({_e(s.entry.source)})</title></rect>"
+            f"<title>{escape(label)}: {escape(s.entry.display)} ({escape(s.entry.source)})</title></rect>"
         )
         if w > 8 * len(label) + 10:
             out.append(
                 f'<text x="{x + w / 2:.1f}" y="53" text-anchor="middle" fill="#fff" font-size="13" '
-                f'font-weight="600">{_e(label)}</text>'
+                f'font-weight="600">{escape(label)}</text>'
             )
     total_x = BAR_X + bar.stacked * BAR_W
     out.append(
         f'<text x="{BAR_X}" y="18" font-size="13" fill="#1f2328">stacked components '
-        f"{_e(format_size(d.stacked_total))}</text>"
+        f"{escape(format_size(d.stacked_total))}</text>"
     )
     if bar.capacity is not None and d.capacity is not None:
         cx = BAR_X + bar.capacity * BAR_W
@@ -192,7 +194,7 @@ def _bar_svg(d: ReportData) -> str:
         )
         x, anchor = _label_at(cx, label)
         out.append(
-            f'<text x="{x:.1f}" y="88" text-anchor="{anchor}" font-size="12.5" fill="#cf222e">{_e(label)}</text>'
+            f'<text x="{x:.1f}" y="88" text-anchor="{anchor}" font-size="12.5" fill="#cf222e">{escape(label)}</text>'
         )
     if bar.peak is not None and d.peak is not None:
         px = BAR_X + bar.peak * BAR_W
@@ -200,7 +202,7 @@ def _bar_svg(d: ReportData) -> str:
         x, anchor = _label_at(px, label)
         out.append(f'<path class="peak" d="M{px:.3f} 70 l-6 10 h12 z" fill="#1f2328"/>')
         out.append(
-            f'<text x="{x:.1f}" y="108" text-anchor="{anchor}" font-size="12.5" fill="#1f2328">{_e(label)}</text>'
+            f'<text x="{x:.1f}" y="108" text-anchor="{anchor}" font-size="12.5" fill="#1f2328">{escape(label)}</text>'
         )
     out.append(f'<line x1="{total_x:.3f}" y1="28" x2="{total_x:.3f}" y2="68" stroke="#1f2328" stroke-width="1"/>')
     out.append("</svg>")
@@ -219,14 +221,14 @@ def _label_at(x: float, label: str, char_px: float = 7.0) -> tuple[float, str]:
 
 def _legend(d: ReportData) -> str:
     items = [
-        f'<span><span class="sw" style="background:{COLORS[e.source]}"></span>{_e(COMPONENT_LABELS[e.name])} '
-        f"{_e(e.display)} ({_e(e.source)})</span>"
+        f'<span><span class="sw" style="background:{COLORS[e.source]}"></span>{escape(COMPONENT_LABELS[e.name])} '
+        f"{escape(e.display)} ({escape(e.source)})</span>"
         for e in d.segments
     ]
     if d.missing and d.segments:
         items.append(
             '<span class="muted">not in the bar: '
-            + ", ".join(f"{_e(COMPONENT_LABELS[e.name])} ({_e(e.source)})" for e in d.missing)
+            + ", ".join(f"{escape(COMPONENT_LABELS[e.name])} ({escape(e.source)})" for e in d.missing)
             + "</span>"
         )
     if d.capacity is None and d.segments:
@@ -242,9 +244,9 @@ def _components_table(d: ReportData) -> str:
     for e in d.components:
         nbytes = f"{e.nbytes:,}" if e.nbytes is not None else ""
         rows.append(
-            f'<tr data-component="{_e(e.name)}"><td>{_e(COMPONENT_LABELS.get(e.name, e.name))}</td>'
-            f'<td class="num">{_e(e.display)}</td><td class="num">{nbytes}</td><td>{badge(e.source)}</td>'
-            f'<td class="detail">{_e(e.detail)}</td></tr>'
+            f'<tr data-component="{escape(e.name)}"><td>{escape(COMPONENT_LABELS.get(e.name, e.name))}</td>'
+            f'<td class="num">{escape(e.display)}</td><td class="num">{nbytes}</td><td>{badge(e.source)}</td>'
+            f'<td class="detail">{escape(e.detail)}</td></tr>'
         )
     rows.append("</tbody></table>")
     return "\n".join(rows)
@@ -256,7 +258,7 @@ def _at_peak_table(d: ReportData) -> str:
     ]
     for name, n in d.at_peak:
         rows.append(
-            f'<tr><td>{_e(COMPONENT_LABELS.get(name, name))}</td><td class="num">{_e(format_size(n))}</td>'
+            f'<tr><td>{escape(COMPONENT_LABELS.get(name, name))}</td><td class="num">{escape(format_size(n))}</td>'
             f'<td class="num">{n:,}</td></tr>'
         )
     rows.append(
@@ -271,12 +273,12 @@ def _figures_table(entries: list[Entry], detail_head: str = "method / note") -> 
     if not entries:
         return '<p class="muted">none</p>'
     rows = [
-        f"<table><thead><tr><th>field</th><th>value</th><th>source</th><th>{_e(detail_head)}</th></tr></thead><tbody>"
+        f"<table><thead><tr><th>field</th><th>value</th><th>source</th><th>{escape(detail_head)}</th></tr></thead><tbody>"
     ]
     for e in entries:
         rows.append(
-            f"<tr><td><code>{_e(e.key)}</code></td><td>{_e(e.display)}</td><td>{badge(e.source)}</td>"
-            f'<td class="detail">{_e(e.detail)}</td></tr>'
+            f"<tr><td><code>{escape(e.key)}</code></td><td>{escape(e.display)}</td><td>{badge(e.source)}</td>"
+            f'<td class="detail">{escape(e.detail)}</td></tr>'
         )
     rows.append("</tbody></table>")
     return "\n".join(rows)
@@ -299,12 +301,12 @@ def _pairs_table(pairs: list[Pair], explanation: str | None) -> str:
             sign = "+" if delta >= 0 else "−"
             diff = f"{sign}{format_size(abs(delta))}"
         rows.append(
-            f"<tr><td>{_e(p.label)}</td>{_entry_cells(p.calculated)}{_entry_cells(p.measured)}"
-            f'<td class="num">{_e(diff)}</td></tr>'
+            f"<tr><td>{escape(p.label)}</td>{_entry_cells(p.calculated)}{_entry_cells(p.measured)}"
+            f'<td class="num">{escape(diff)}</td></tr>'
         )
     rows.append("</tbody></table>")
     if explanation:
-        rows.append(f'<p class="muted">Known explanation: {_e(explanation)}</p>')
+        rows.append(f'<p class="muted">Known explanation: {escape(explanation)}</p>')
     return "\n".join(rows)
 
 
@@ -323,7 +325,7 @@ def _timeline_svg(phases: list[PhasePoint], capacity: int | None) -> str:
         out.append(f'<line x1="{left}" y1="{y(n):.1f}" x2="{w - 10}" y2="{y(n):.1f}" stroke="#eaeef2"/>')
         out.append(
             f'<text x="{left - 6}" y="{y(n) + 4:.1f}" text-anchor="end" font-size="11" fill="#57606a">'
-            f"{_e(format_size(round(n)))}</text>"
+            f"{escape(format_size(round(n)))}</text>"
         )
     if capacity:
         out.append(
@@ -332,7 +334,7 @@ def _timeline_svg(phases: list[PhasePoint], capacity: int | None) -> str:
         )
         out.append(
             f'<text x="{w - 12}" y="{y(capacity) - 5:.1f}" text-anchor="end" font-size="11" fill="#cf222e">'
-            f"device {_e(format_size(capacity))}</text>"
+            f"device {escape(format_size(capacity))}</text>"
         )
     points = []
     for i, p in enumerate(phases):
@@ -344,16 +346,16 @@ def _timeline_svg(phases: list[PhasePoint], capacity: int | None) -> str:
             color = COLORS[e.source] if kind == "measured" else COLORS["CALCULATED"]
             fill = color if kind == "measured" else "#fff"
             out.append(
-                f'<rect class="phase {kind}" data-phase="{_e(p.name)}" data-bytes="{e.nbytes}" '
+                f'<rect class="phase {kind}" data-phase="{escape(p.name)}" data-bytes="{e.nbytes}" '
                 f'x="{bx:.1f}" y="{y(e.nbytes):.1f}" width="{bw:.1f}" height="{bottom - y(e.nbytes):.1f}" '
                 f'fill="{fill}" stroke="{color}" stroke-width="1.5">'
-                f"<title>{_e(p.label)} {kind}: {_e(e.display)} ({_e(e.source)})</title></rect>"
+                f"<title>{escape(p.label)} {kind}: {escape(e.display)} ({escape(e.source)})</title></rect>"
             )
             if kind == "measured":
                 points.append(f"{bx + bw / 2:.1f},{y(e.nbytes):.1f}")
         out.append(
             f'<text x="{x0 + col / 2:.1f}" y="{bottom + 18}" text-anchor="middle" font-size="12" '
-            f'fill="#1f2328">{_e(PHASE_SHORT.get(p.name, p.name))}</text>'
+            f'fill="#1f2328">{escape(PHASE_SHORT.get(p.name, p.name))}</text>'
         )
     if len(points) > 1:
         out.append(
@@ -381,12 +383,13 @@ def _findings(d: ReportData) -> str:
     ]
     for f in d.findings:
         rows.append(
-            f'<tr class="f-{_e(f.severity)}"><td class="num">{f.line}:{f.column}</td><td>{_e(f.rule)}</td>'
-            f"<td>{_e(f.severity)}</td><td>{_e(f.message)}</td></tr>"
+            f'<tr class="f-{escape(f.severity)}"><td class="num">{f.line}:{f.column}</td><td>{escape(f.rule)}</td>'
+            f"<td>{escape(f.severity)}</td><td>{escape(f.message)}</td></tr>"
         )
     rows.append("</tbody></table>")
     return "\n".join(rows)
 
 
 def _provenance_legend() -> str:
-    return '<div class="legend">' + "".join(f"<span>{badge(p)} {_e(MEANINGS[p])}</span>" for p in PROVENANCE) + "</div>"
+    items = "".join(f"<span>{badge(p)} {escape(MEANINGS[p])}</span>" for p in PROVENANCE)
+    return '<div class="legend">' + items + "</div>"
