@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ledgerspec"
+from tests.support import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "ledgerspec"
 WINGS = ("contract", "checks", "derivations", "faces")
 #: modules below every wing
 BASE = ("ledgerspec.errors", "ledgerspec.version")
@@ -223,6 +225,7 @@ import json, sys
 import ledgerspec, ledgerspec.faces.cli as cli
 cli.build_parser()
 import ledgerspec.checks.validate, ledgerspec.faces.commands.validate
+from tests.support import REPO_ROOT
 print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in HEAVY)))
 """
 

@@ -5,7 +5,8 @@ each category) is an affine function of the number of layers ``n`` once ``n`` is
 layers: ``f(n) = f(n1) + (n - n1) / p * (f(n2) - f(n1))``, with ``p`` the period of the layer pattern
 (1 for uniform stacks; 2 for Gemma2's sliding/full alternation). The probes are ``n1 = 2p + r`` and
 ``n2 = 3p + r`` layers (``r = L mod p``), so every probe holds whole periods plus the same remainder
-as the real model. ``tests/test_estimate_extrapolate.py`` checks the extrapolation against full traces.
+as the real model. ``tests/derivations/estimate/test_estimate_extrapolate.py`` checks the extrapolation against
+full traces.
 
 Architectures whose layers are not periodic (dense-then-MoE stacks, per-layer MLP lists) are traced in
 full: slower, never a guess. Pure logic apart from copying the config.

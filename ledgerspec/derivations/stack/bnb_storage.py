@@ -1,8 +1,8 @@
 """Exact bitsandbytes storage of a quantized weight (pure arithmetic, no torch).
 
 The byte counts follow bitsandbytes 0.50 tensor by tensor (``functional.quantize_4bit``,
-``functional.quantize_blockwise``, ``nn.Int8Params``); ``tests/test_resolve_bnb.py`` checks them against
-tensors that bitsandbytes really creates.
+``functional.quantize_blockwise``, ``nn.Int8Params``); ``tests/derivations/resolve/test_resolve_exact.py`` checks
+them against tensors that bitsandbytes really creates.
 
 4-bit (nf4/fp4), one ``Params4bit`` of ``n`` logical elements:
 

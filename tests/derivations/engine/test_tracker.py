@@ -1,0 +1,194 @@
+"""The tensor memory tracker and the census: exact bytes of unique storages, real and fake tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ledgerspec.derivations.engine.tracker import (  # noqa: E402
+    SIMULATED_OOM_MARKER,
+    MemoryTracker,
+    SimulatedOOM,
+    by_component,
+    census,
+)
+
+
+@contextlib.contextmanager
+def maybe_fake(fake: bool) -> Iterator[None]:
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            yield
+    else:
+        yield
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_counts_storages_once_and_releases_them(fake: bool) -> None:
+    with maybe_fake(fake), MemoryTracker() as tr:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 B
+        view = a[10:20].view(2, 5)  # a view: same storage
+        b = torch.empty(300, dtype=torch.bfloat16)  # 600 B
+        assert tr.current == 4000 + 600
+        del a
+        assert tr.current == 4000 + 600  # the view keeps the storage alive
+        del view
+        assert tr.current == 600
+        del b
+        assert tr.current == 0
+        assert tr.peak == 4600
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_peak_window_and_categories(fake: bool) -> None:
+    with maybe_fake(fake), MemoryTracker() as tr:
+        tr.context = "frozen_params"
+        keep = torch.zeros(256)  # 1024 B
+        tr.reset_peak()
+        tr.context = "activations"
+        tmp = torch.ones(512)  # 2048 B
+        assert tr.peak == 1024 + 2048
+        assert tr.peak_categories["activations"] == 2048
+        del tmp
+        tr.reset_peak()
+        assert tr.peak == 1024
+        assert tr.categories()["frozen_params"] == 1024
+        assert tr.categories()["activations"] == 0
+        del keep
+
+
+def test_outputs_of_ops_are_tracked_and_in_place_ops_add_nothing() -> None:
+    with MemoryTracker() as tr:
+        x = torch.randn(64, 32)  # 8192 B
+        y = x @ x.T  # 64 x 64 fp32 = 16384 B
+        assert tr.current == 8192 + 16384
+        y.add_(1.0)
+        x.mul_(2.0)
+        assert tr.current == 8192 + 16384
+        del x, y
+        assert tr.current == 0
+
+
+def test_granularity_rounds_each_storage_up() -> None:
+    with MemoryTracker(granularity=512) as tr:
+        a = torch.empty(3, dtype=torch.uint8)  # 3 B -> 512
+        b = torch.empty(129, dtype=torch.float32)  # 516 B -> 1024
+        c = torch.empty(0)  # empty stays 0
+        assert tr.current == 512 + 1024
+        del a, b, c
+    with pytest.raises(ValueError):
+        MemoryTracker(granularity=0)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_limit_raises_a_labelled_simulated_oom(fake: bool) -> None:
+    with maybe_fake(fake), MemoryTracker(limit=10_000) as tr:
+        a = torch.empty(2000)  # 8000 B: under the limit
+        with pytest.raises(SimulatedOOM) as info:
+            torch.empty(1000)  # +4000 B: over
+        assert SIMULATED_OOM_MARKER in str(info.value)
+        assert tr.peak == 12000
+        del info  # its traceback holds the frame with the tensor that broke the limit
+        gc.collect()
+        assert tr.current == 8000
+        del a
+
+
+def _lora_like() -> tuple[Any, list[Any]]:  # (torch.nn.Module, its trainable parameters)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16))
+    base.requires_grad_(False)
+    a = torch.nn.Parameter(torch.zeros(4, 32))
+    b = torch.nn.Parameter(torch.zeros(48, 4))
+    base.register_parameter("lora_a", a)
+    base.register_parameter("lora_b", b)
+    base.register_buffer("scale", torch.ones(7))
+    return base, [a, b]
+
+
+def test_census_counts_params_buffers_grads_and_adam_state_exactly() -> None:
+    model, adapters = _lora_like()
+    opt = torch.optim.AdamW(adapters, lr=1e-3)
+    x = torch.randn(3, 32)
+    h = model[0](x) + (x @ adapters[0].T) @ adapters[1].T
+    model[1](h).sum().backward()
+    opt.step()
+    got = census(model, opt)
+    frozen = (32 * 48 + 48 + 48 * 16 + 16) * 4
+    trainable = (4 * 32 + 48 * 4) * 4
+    assert got["frozen_params"] == frozen
+    assert got["buffers"] == 7 * 4
+    assert got["adapter"] == trainable
+    assert got["gradients"] == trainable
+    # AdamW: exp_avg + exp_avg_sq like each parameter, plus one float32 `step` scalar per parameter tensor
+    assert got["optimizer"] == 2 * trainable + 2 * 4
+    assert census(model, opt, device_type="cuda")["optimizer"] == 0  # nothing of it is on a GPU here
+    comps = by_component({**got, "activations": 5, "temporary": 6})
+    assert comps["frozen_base"] == frozen + 28
+    assert comps["activations"] == 5
+
+
+def test_tied_weights_count_once() -> None:
+    emb = torch.nn.Embedding(100, 16)
+    head = torch.nn.Linear(16, 100, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    model.requires_grad_(False)
+    assert census(model)["frozen_params"] == 100 * 16 * 4
+
+
+def test_gradients_are_labelled_when_autograd_stores_them() -> None:
+    model, adapters = _lora_like()
+    with MemoryTracker() as tr:
+        tr.track_existing(list(model.parameters()), "frozen_params")
+        tr.reclassify(model)
+        tr.watch_gradients(model)
+        tr.context = "temporary"
+        x = torch.randn(3, 32)
+        loss = ((x @ adapters[0].T) @ adapters[1].T).sum()
+        loss.backward()
+        del loss, x
+        assert tr.categories()["gradients"] == (4 * 32 + 48 * 4) * 4
+        assert tr.categories()["adapter"] == (4 * 32 + 48 * 4) * 4
+        tr.unwatch()
+
+
+# -- storage resize_ (FSDP2 frees gathered parameters this way) -----------------------------------------------------
+
+
+def test_a_storage_resize_is_counted_at_once() -> None:
+    """``untyped_storage().resize_`` is no tensor op: FSDP2's free (resize to 0) and re-allocation must still count."""
+    import torch
+
+    with MemoryTracker() as tr:
+        t = torch.empty(1000, dtype=torch.float32)
+        assert tr.current == 4000
+        t.untyped_storage().resize_(0)
+        assert tr.current == 0
+        t.untyped_storage().resize_(8000)
+        assert tr.current == 8000 and tr.peak == 8000
+
+
+def test_the_resize_wrapper_is_removed_whatever_the_exit_order() -> None:
+    import torch
+
+    outer, inner = MemoryTracker(), MemoryTracker()
+    outer.__enter__()
+    a = torch.empty(100)
+    inner.__enter__()
+    a.untyped_storage().resize_(0)
+    assert outer.current == 0  # the outer tracker hears of resizes while an inner one is active
+    inner.__exit__(None, None, None)
+    assert "resize_" in torch.UntypedStorage.__dict__  # the outer one still tracks
+    outer.__exit__(None, None, None)
+    assert "resize_" not in torch.UntypedStorage.__dict__
+    with pytest.raises(RuntimeError), MemoryTracker():
+        raise RuntimeError("boom")
+    assert "resize_" not in torch.UntypedStorage.__dict__

@@ -1,0 +1,73 @@
+"""Size flags (``--device-memory``, ``--memory-limit``): one reading, one wording, refused before any work."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ledgerspec.contract.units import parse_size
+from ledgerspec.faces.arguments import MIN_DEVICE_MEMORY, decimal_unit_note, device_memory, positive_size
+from tests.support import EXAMPLES, CliRunner
+
+
+@pytest.mark.parametrize("text", ["24GiB", "80GB", "1.5 TiB", "25769803776", "1MiB", "1048576.0"])
+def test_a_device_memory_is_the_bytes_the_size_denotes(text: str) -> None:
+    value = device_memory(text)
+    assert value == parse_size(text) and value.text == text
+
+
+@pytest.mark.parametrize(
+    ("text", "phrase"),
+    [
+        ("0", "must be a positive size"),
+        ("-5GB", "negative size"),
+        ("lots", "is not a size"),
+        ("24", "did you mean 24GiB or 24GB?"),
+        (str(MIN_DEVICE_MEMORY - 1), "too small for a device"),
+        ("512KiB", "too small for a device; give a device's memory$"),  # no "512KiBGiB" suggestion
+        ("24G", "did you mean GiB"),
+        ("24Gi", "did you mean GiB"),
+        ("24.5", "did you mean 24.5GiB"),
+    ],
+)
+def test_a_bad_device_memory_is_a_usage_error(text: str, phrase: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=phrase):
+        device_memory(text)
+
+
+def test_a_memory_limit_may_be_small_but_not_zero() -> None:
+    assert positive_size("1536KiB") == 1536 * 1024 and positive_size("1") == 1
+    with pytest.raises(argparse.ArgumentTypeError, match="positive"):
+        positive_size("0")
+
+
+@pytest.mark.parametrize(
+    ("text", "note"),
+    [
+        ("24GB", '= 22.35 GiB (decimal units); GPU memory is sold in binary units, a "24 GB" card has about 24GiB'),
+        ("80 GB", "pass 80GiB"),
+        ("24GiB", None),
+        ("24000MB", None),  # cards are sold in GB: no note for other decimal units
+        ("25769803776", None),
+    ],
+)
+def test_decimal_units_get_a_note_binary_ones_do_not(text: str, note: str | None) -> None:
+    got = decimal_unit_note(device_memory(text))
+    if note is None:
+        assert got is None
+    else:
+        assert got is not None and note in got, got
+
+
+def test_estimate_prints_the_note(cli: CliRunner) -> None:
+    code, _, err = cli(
+        "estimate",
+        EXAMPLES / "tiny" / "tiny-llama-lora.ledger.yaml",
+        "--target",
+        "cpu",
+        "--dry-run",
+        "--device-memory",
+        "24GB",
+    )
+    assert code == 0 and "--device-memory 24GB is 24,000,000,000 B = 22.35 GiB (decimal units)" in err

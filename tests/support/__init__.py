@@ -1,0 +1,44 @@
+"""What every test may import: the repository's paths, the in-process CLI runner, a loader for the scripts."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import importlib.util
+import io
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ledgerspec.faces.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+TESTS = REPO_ROOT / "tests"
+EXAMPLES = REPO_ROOT / "examples"
+CASES = TESTS / "cases"
+BAD = TESTS / "bad"
+DATA = TESTS / "data"
+
+CliRunner = Callable[..., tuple[int, str, str]]
+
+
+def run_cli(*args: str | os.PathLike[str]) -> tuple[int, str, str]:
+    """Run ``ledgerspec ARGS...`` in-process; return (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse: --help, --version, usage errors
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    return code, out.getvalue(), err.getvalue()
+
+
+def load_script(path: Path, name: str) -> Any:
+    """A script without a .py suffix, imported as a module."""
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
