@@ -211,6 +211,7 @@ def test_stdin_bad_input(monkeypatch: pytest.MonkeyPatch, cli: CliRunner) -> Non
 
 def test_python_tags_never_execute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: CliRunner) -> None:
     calls: list[Any] = []
+
     def system(*a: Any) -> int:
         calls.append(a)
         return 0
