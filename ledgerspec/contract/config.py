@@ -132,6 +132,29 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Training:
+    """``training.*``: the step as it runs, with ``transformers.Trainer``'s defaults for absent keys."""
+
+    loop: str = "trainer"  # trainer | custom
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    use_cache: bool | None = None  # None: the model config's value
+    max_grad_norm: float = 1.0  # 0: no clipping
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """``bfloat16``/``float16`` under mixed precision, else None."""
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.mixed_precision)
+
+    @property
+    def clips(self) -> bool:
+        return self.max_grad_norm > 0
+
+
+#: ``transformers.Trainer``'s defaults, for a document without a ``training`` section
+TRAINER_DEFAULTS = Training()
+
+
+@dataclass(frozen=True)
 class Config:
     """The training configuration of one document."""
 
@@ -145,6 +168,11 @@ class Config:
     gradient_checkpointing: bool | None
     checkpointing_kind: str | None
     attention: str | None
+    training: Training = TRAINER_DEFAULTS
+    #: ``base_model.module_dtypes``: module-name substring -> dtype (as written), in the order written
+    module_dtypes: tuple[tuple[str, str], ...] = ()
+    #: ``software.accepted_differences``: ids of known stack differences the user accepts
+    accepted_differences: tuple[str, ...] = ()
     conflicts: tuple[Conflict, ...] = field(default_factory=tuple)
 
     @property
@@ -208,8 +236,39 @@ def _read(doc: Document) -> Config:
         gradient_checkpointing=doc.get("memory_options", "gradient_checkpointing").switch(),
         checkpointing_kind=doc.get("memory_options", "checkpointing_kind").text(),
         attention=doc.get("software", "attention_implementation").text(),
+        training=_training(doc),
+        module_dtypes=_strmap(doc.get("base_model", "module_dtypes")),
+        accepted_differences=_strings(doc.get("software", "accepted_differences")),
         conflicts=tuple(conflicts),
     )
+
+
+def _training(doc: Document) -> Training:
+    def text(key: str, default: str) -> str:
+        value = doc.get("training", key).text()
+        return value.strip().lower() if value and value.strip() else default
+
+    norm = doc.get("training", "max_grad_norm").number()
+    return Training(
+        loop=text("loop", TRAINER_DEFAULTS.loop),
+        mixed_precision=text("mixed_precision", TRAINER_DEFAULTS.mixed_precision),
+        use_cache=doc.get("training", "use_cache").switch(),
+        max_grad_norm=float(norm) if norm is not None and norm >= 0 else TRAINER_DEFAULTS.max_grad_norm,
+    )
+
+
+def _strmap(value: Value) -> tuple[tuple[str, str], ...]:
+    if not value.known or not isinstance(value.value, dict):
+        return ()
+    return tuple((str(k), str(v)) for k, v in value.value.items() if not str(k).startswith("x-") and v is not None)
+
+
+def _strings(value: Value) -> tuple[str, ...]:
+    if not value.known:
+        return ()
+    if isinstance(value.value, str):
+        return (value.value,)
+    return tuple(str(v) for v in value.value or ())
 
 
 def _int(doc: Document, *path: str) -> int | None:
@@ -270,10 +329,12 @@ __all__ = [
     "BNB4_BLOCKSIZE",
     "DEFAULT_STORAGE",
     "QUANT",
+    "TRAINER_DEFAULTS",
     "Config",
     "Conflict",
     "Optimizer",
     "Quantization",
+    "Training",
     "Workload",
     "problem",
     "read",

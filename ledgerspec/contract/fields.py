@@ -24,6 +24,7 @@ ENUM = "enum"
 STRINGS = "strings"  # a string or a list of strings
 INTMAP = "intmap"  # mapping pattern -> integer
 NUMMAP = "nummap"  # mapping pattern -> number
+STRMAP = "strmap"  # mapping pattern -> string
 OBJECT = "object"  # a nested mapping of fields
 FIGURES = "figures"  # (F) a list of memory figures
 ANY = "any"  # free-form (candidate configuration, known explanation)
@@ -153,6 +154,13 @@ SOFTWARE = F(
         ),
         F("kernel_backend", STRING, "Other kernel backend in use (e.g. Liger, Unsloth kernels), if any."),
         F("gpu_name", STRING, "The GPU model the stack runs on, e.g. `NVIDIA H100 80GB HBM3`."),
+        F(
+            "accepted_differences",
+            STRINGS,
+            "Known memory-relevant differences between the declared versions above and the stack ledgerspec "
+            "computed the figures with, accepted as they are (ids from the docs' table of stack differences, e.g. "
+            "`bitsandbytes-4bit-matmul-input`). Without it, such a difference holds the figure below CANDIDATE.",
+        ),
     ),
 )
 
@@ -253,8 +261,17 @@ BASE_MODEL = F(
         F(
             "prepare_for_kbit_training",
             SWITCH,
-            "PEFT's `prepare_model_for_kbit_training`: upcasts every "
-            "non-quantized parameter to fp32. Absent means not used.",
+            "PEFT's `prepare_model_for_kbit_training`: upcasts every fp16/bf16 parameter that is not a 4-bit weight "
+            "to fp32 (norms, embeddings, lm_head, biases). It also enables gradient checkpointing unless called with "
+            "`use_gradient_checkpointing=False`: declare the result in `memory_options.gradient_checkpointing`. "
+            "Absent means not used.",
+        ),
+        F(
+            "module_dtypes",
+            STRMAP,
+            "dtype of the frozen, non-quantized modules after preparation, by module-name substring (the first key "
+            "contained in a module's name wins), e.g. `{norm: float32, lm_head: bfloat16, embed_tokens: bfloat16}` "
+            "as TRL's `peft_module_casting_to_bf16` leaves a QLoRA model. Adapters follow `adapter.dtype`.",
         ),
         QUANTIZATION,
     ),
@@ -306,6 +323,45 @@ WORKLOAD = F(
             INT,
             "Effective batch = microbatch x gradient_accumulation x dp_world_size. Not an activation batch.",
             minimum=1,
+        ),
+    ),
+)
+
+TRAINING = F(
+    "training",
+    OBJECT,
+    "The training step as it runs: the same model and batch allocate differently under another loop or "
+    "precision. Absent keys take `transformers.Trainer`'s defaults (documented on each key).",
+    children=(
+        F(
+            "loop",
+            ENUM,
+            "`trainer` (default): transformers' `Trainer` and TRL's trainers: the loss is computed inside the "
+            "model's forward from `labels` and the outputs (logits) are released before backward. `custom`: a loop "
+            "that keeps the outputs through backward (`logits = model(ids).logits; loss = f(logits); "
+            "loss.backward()`).",
+            enum=("trainer", "custom"),
+        ),
+        F(
+            "mixed_precision",
+            ENUM,
+            "`no` (default, as `TrainingArguments(bf16=False, fp16=False)`), `bf16` or `fp16`: accelerate runs "
+            "the forward under `torch.autocast` and converts the outputs to fp32; `fp16` also scales the loss with "
+            "a `GradScaler`. The parameters keep their dtypes (autocast casts copies for each op).",
+            enum=("no", "bf16", "fp16"),
+        ),
+        F(
+            "use_cache",
+            SWITCH,
+            "The model's `use_cache` in the training forward. Absent: the model config's value, which the Trainer "
+            "leaves as it is (transformers turns it off under gradient checkpointing).",
+        ),
+        F(
+            "max_grad_norm",
+            NUMBER,
+            "Gradient clipping before the optimizer step (`TrainingArguments.max_grad_norm`, default 1.0; 0 "
+            "disables it).",
+            minimum=0,
         ),
     ),
 )
@@ -606,10 +662,22 @@ TOP_STATUS = F(
 TOP_TITLE = F("title", STRING, "A short title.")
 TOP_NOTES = F("notes", ANY, "Free-form notes.")
 
-INTAKE_SECTIONS = (IDENTITY, SOFTWARE, METHOD, BASE_MODEL, ADAPTER, WORKLOAD, OPTIMIZER, MEMORY_OPTIONS, PARALLELISM)
+INTAKE_SECTIONS = (
+    IDENTITY,
+    SOFTWARE,
+    METHOD,
+    BASE_MODEL,
+    ADAPTER,
+    WORKLOAD,
+    TRAINING,
+    OPTIMIZER,
+    MEMORY_OPTIONS,
+    PARALLELISM,
+)
 LEDGER_SECTIONS = (
     *INTAKE_SECTIONS[:5],
     WORKLOAD,
+    TRAINING,
     GRADIENTS,
     OPTIMIZER,
     MEMORY_OPTIONS,

@@ -56,7 +56,13 @@ RESOLVE_INPUTS: Inputs = {
         ("modules_to_save",),
         ("use_dora",),
     ),
-    "base_model": (("loaded_dtype",), ("quantized",), ("prepare_for_kbit_training",), *_QUANTIZATION),
+    "base_model": (
+        ("loaded_dtype",),
+        ("quantized",),
+        ("prepare_for_kbit_training",),
+        ("module_dtypes",),
+        *_QUANTIZATION,
+    ),
     "adapter": (("dtype",), ("x-lora-dtype",)),
     "optimizer": (("name",), ("min_8bit_size",)),
 }
@@ -76,6 +82,7 @@ WORKLOAD_INPUTS: Inputs = {
         ("gradient_accumulation",),
     ),
     "memory_options": (("gradient_checkpointing",), ("checkpointing_kind",)),
+    "training": (("loop",), ("mixed_precision",), ("use_cache",), ("max_grad_norm",)),
 }
 
 #: each stamp: the extension that holds it, the inputs it covers, the command that refreshes it
@@ -88,7 +95,13 @@ DIGITS = 16
 
 #: what an absent input means to the tools, where a tool later writes it in: ``measure`` records the attention
 #: implementation it ran with, which for a document that named none is the default the estimate used
-DEFAULTS: dict[tuple[str, ...], Any] = {("software", "attention_implementation"): "sdpa"}
+DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("software", "attention_implementation"): "sdpa",
+    # transformers.Trainer's defaults (contract.config.TRAINER_DEFAULTS): writing them out is no edit
+    ("training", "loop"): "trainer",
+    ("training", "mixed_precision"): "no",
+    ("training", "max_grad_norm"): 1.0,
+}
 
 
 #: inputs read as dtype names (``bf16`` and ``bfloat16`` are one input)
@@ -99,7 +112,13 @@ DTYPE_INPUTS = {
     ("base_model", "quantization", "storage_dtype"),
 }
 #: inputs the tools read case-insensitively, whose canonical spelling is lower case
-CASELESS_INPUTS = {("optimizer", "name"), ("base_model", "quantization", "type"), ("identity", "config_sha256")}
+CASELESS_INPUTS = {
+    ("optimizer", "name"),
+    ("base_model", "quantization", "type"),
+    ("identity", "config_sha256"),
+    ("training", "loop"),
+    ("training", "mixed_precision"),
+}
 #: lists whose order the tools ignore (PEFT matches each module against the set)
 SET_INPUTS = {
     ("method", "target_modules"),
@@ -127,6 +146,8 @@ def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
     if kind == F.SWITCH:
         switch = Value.of(value).switch()
         return value if switch is None else switch
+    if kind == F.NUMBER and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
     if kind in (F.INT, F.COUNT) and not isinstance(value, bool):
         if isinstance(value, float) and value.is_integer():
             return int(value)

@@ -113,6 +113,8 @@ def _plain(field: F.Field) -> dict[str, Any]:
         return {"type": "object", "patternProperties": _EXT, "additionalProperties": {"type": "integer", "minimum": 1}}
     if k == F.NUMMAP:
         return {"type": "object", "patternProperties": _EXT, "additionalProperties": {"type": "number"}}
+    if k == F.STRMAP:
+        return {"type": "object", "patternProperties": _EXT, "additionalProperties": {"type": "string"}}
     if k == F.ANY:
         return {}
     raise ValueError(f"no plain schema for kind {k}")
