@@ -119,6 +119,8 @@ CASELESS_INPUTS = {
     ("training", "loop"),
     ("training", "mixed_precision"),
 }
+#: numbers read as floats (``1`` and ``1.0`` are one input); added after the first stamps, so no stamp changes
+FLOAT_INPUTS = {("training", "max_grad_norm")}
 #: lists whose order the tools ignore (PEFT matches each module against the set)
 SET_INPUTS = {
     ("method", "target_modules"),
@@ -146,7 +148,7 @@ def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
     if kind == F.SWITCH:
         switch = Value.of(value).switch()
         return value if switch is None else switch
-    if kind == F.NUMBER and isinstance(value, int | float) and not isinstance(value, bool):
+    if path in FLOAT_INPUTS and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if kind in (F.INT, F.COUNT) and not isinstance(value, bool):
         if isinstance(value, float) and value.is_integer():
