@@ -353,8 +353,9 @@ TRAINING = F(
         F(
             "use_cache",
             SWITCH,
-            "The model's `use_cache` in the training forward. Absent: the model config's value, which the Trainer "
-            "leaves as it is (transformers turns it off under gradient checkpointing).",
+            "The model's `use_cache` in the training forward (a KV cache kept in the outputs). Absent: what the loop "
+            "leaves: the Trainer sets the config's `use_cache` to `TrainingArguments.use_cache` (default false); a "
+            "custom loop keeps the model config's value (transformers turns it off under gradient checkpointing).",
         ),
         F(
             "max_grad_norm",

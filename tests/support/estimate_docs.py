@@ -23,9 +23,13 @@ def ledger_text(
     quant: str | None = None,
     double_quant: bool = True,
     storage: str = "uint8",
+    loop: str | None = None,
+    mixed_precision: str | None = None,
 ) -> str:
     """A LoRA ledger; ``quant`` (nf4, fp4) makes it QLoRA with a bfloat16 compute dtype and
-    prepare_for_kbit_training."""
+    prepare_for_kbit_training; ``loop``/``mixed_precision`` declare ``training`` (absent: the Trainer's defaults)."""
+    training = {k: v for k, v in (("loop", loop), ("mixed_precision", mixed_precision)) if v is not None}
+    training_text = ("training: {" + ", ".join(f"{k}: {v}" for k, v in training.items()) + "}\n") if training else ""
     base = "  quantized: false"
     if quant is not None:
         base = f"""  quantized: true
@@ -64,7 +68,7 @@ workload:
   gradient_accumulation: {accumulation}
 optimizer:
   name: {optimizer}
-memory_options:
+{training_text}memory_options:
   gradient_checkpointing: {str(checkpointing).lower()}
 {extra}"""
 

@@ -185,6 +185,7 @@ class FakeSpec:
     accumulation: int = ACCUMULATION
     seq_worst: int = WORST
     seq_typical: int = TYPICAL
+    prefetch: int | None = None
 
 
 @dataclass
@@ -204,6 +205,7 @@ class FakeWorkload:
     grads_held: bool = False
     state_held: bool = False
     _live: dict[str, int] = field(default_factory=dict)
+    _step: FakeStep | None = None
 
     def _enter(self, stage: str) -> None:
         self.log.append((stage, self.cuda.resets))
@@ -272,6 +274,46 @@ class FakeWorkload:
 
     def trainable_parameters(self) -> int:
         return ADAPTER // 4
+
+    @property
+    def step(self) -> FakeStep:
+        """The protocol's step interface over this fake: a loop that keeps its logits through backward."""
+        if self._step is None:
+            self._step = FakeStep(self)
+        return self._step
+
+
+@dataclass
+class FakeStep:
+    """:class:`ledgerspec.derivations.engine.step.TrainingStep` over a :class:`FakeWorkload`."""
+
+    w: FakeWorkload
+    seq: int = 0
+
+    def start(self, seq: int, micro_steps: int) -> None:
+        self.seq = seq
+
+    def forward(self, i: int) -> int:
+        ids, _ = self.w.batch(self.seq)
+        return self.w.forward(ids)
+
+    def loss(self, logits: int, i: int) -> int:
+        return self.w.loss(logits, logits)
+
+    def backward(self, loss: int) -> None:
+        self.w.backward(loss)
+
+    def release(self, i: int) -> None:
+        pass
+
+    def optimizer_step(self) -> None:
+        self.w.optimizer_step()
+
+    def zero_grad(self) -> None:
+        self.w.zero_grad()
+
+    def finish(self) -> None:
+        pass
 
 
 def run_fake(

@@ -160,28 +160,34 @@ class ProtocolRun:
     def micro_step(
         self,
         seq: int,
+        index: int,
         first: bool,
         peaks: dict[str, int],
         cats: dict[str, dict[str, int] | None],
         extra: dict[str, int | None],
     ) -> None:
+        """Micro-step ``index`` of an optimizer step of the declared loop (``workload.step``): forward, then loss
+        and backward; the first micro-step of a step starts it (the Trainer fetches the step's batches then)."""
         w, b = self.workload, self.backend
+        step = w.step
         self.where = "forward"
         b.set_context("activations")
         b.reset_peak()
+        if index == 0:
+            step.start(seq, w.spec.prefetch or w.spec.accumulation)
         before = b.current()
-        ids, labels = w.batch(seq)
-        logits = w.forward(ids)
+        out = step.forward(index)
         if first:
             self.result.activations_saved = b.current() - before
         self._keep(peaks, cats, extra, "forward")
         self.where = "loss"
         b.set_context("temporary")
         b.reset_peak()
-        loss = w.loss(logits, labels)
+        loss = step.loss(out, index)
         self.where = "backward"
-        w.backward(loss)
-        del logits, loss, ids, labels
+        step.backward(loss)
+        del out, loss
+        step.release(index)
         self._keep(peaks, cats, extra, "backward")
 
     def _keep(
@@ -283,7 +289,7 @@ def _phases(run: ProtocolRun, steps: int) -> None:
     extra: dict[str, int | None] = {}
     t0 = time.perf_counter()
     for i in range(spec.accumulation):
-        run.micro_step(spec.seq_worst, i == 0, peaks, cats, extra)
+        run.micro_step(spec.seq_worst, i, i == 0, peaks, cats, extra)
     elapsed = time.perf_counter() - t0
     held_census = census(w.model, w.optimizer, b.census_device)
     for key, name in (("forward", "forward_peak"), ("backward", "backward_peak")):
@@ -300,9 +306,9 @@ def _phases(run: ProtocolRun, steps: int) -> None:
         )
 
     t0 = run.start("optimizer_step", "optimizer")
-    w.optimizer_step()
+    w.step.optimizer_step()
     b.classify(w, stale=("optimizer",))
-    w.zero_grad()
+    w.step.zero_grad()
     run.record("optimizer_step_peak", t0, False)
 
     # repeated representative steps at the typical shape
@@ -312,14 +318,14 @@ def _phases(run: ProtocolRun, steps: int) -> None:
     t_all = time.perf_counter()
     for _ in range(steps):
         t_step = time.perf_counter()
-        for _i in range(spec.accumulation):
-            run.micro_step(spec.seq_typical, False, peaks, cats, extra)
+        for i in range(spec.accumulation):
+            run.micro_step(spec.seq_typical, i, False, peaks, cats, extra)
         run.where = "optimizer_step"
         b.set_context("optimizer")
         b.reset_peak()
-        w.optimizer_step()
+        w.step.optimizer_step()
         b.classify(w, stale=("optimizer",))
-        w.zero_grad()
+        w.step.zero_grad()
         run._keep(peaks, cats, extra, "step")
         times.append(time.perf_counter() - t_step)
     best = max(peaks, key=lambda k: peaks[k]) if peaks else "step"
@@ -338,6 +344,7 @@ def _phases(run: ProtocolRun, steps: int) -> None:
         time.perf_counter() - t_all,
     )
     run.result.step_time_s = sum(times) / len(times) if times else None
+    w.step.finish()
 
 
 def _host_peak() -> int | None:

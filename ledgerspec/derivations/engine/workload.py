@@ -19,21 +19,23 @@ Order of work (the protocol in :mod:`ledgerspec.derivations.engine.protocol` mea
    ``use_reentrant`` from ``checkpointing_kind``; transformers also calls
    ``enable_input_require_grads``, as the Trainer path does).
 4. :meth:`Workload.make_optimizer`: the declared optimizer over the trainable parameters, as the
-   transformers Trainer builds it for that name.
-5. :meth:`Workload.batch`, :meth:`Workload.forward`, :meth:`Workload.loss`, :meth:`Workload.backward`,
-   :meth:`Workload.optimizer_step`: one micro-step at a time; gradient accumulation is sequential
-   micro-steps (accumulation is not a bigger activation batch).
+   transformers Trainer builds it for that name (its weight-decay groups under the Trainer loop; on CUDA
+   torch's AdamW defaults to the ``foreach`` implementation, which the estimate for the cuda target asks for).
+5. :attr:`Workload.step` (:mod:`ledgerspec.derivations.engine.step`): one optimizer step of the declared
+   loop, micro-step by micro-step; gradient accumulation is sequential micro-steps (accumulation is not a
+   bigger activation batch).
 
 For fake tensors enter ``FakeTensorMode(allow_non_fake_inputs=True)`` (and any tracker) after
 :meth:`prepare` and materialise with ``device="cpu"``; :meth:`prepare` pre-builds bitsandbytes'
 quantization maps so that 4-bit quantization runs under the fake mode.
 
-Modelling choices (also in :data:`METHOD_NOTES`): no autocast (compute dtypes are the declared
-ones), ``use_cache=False`` in training forwards, loss = transformers' own causal-LM loss function
-(fp32 upcast of logits included), loss divided by the accumulation steps as the Trainer does,
-``zero_grad(set_to_none=True)`` after each optimizer step, dropout active (``model.train()``).
-Padded batches (microbatch > 1 without packing or padding-free batching, :func:`rows_are_padded`) carry an
-attention mask with one padding position, as a padding collator's batch does (:meth:`Workload.batch`).
+Modelling choices (also in :func:`method_notes`): the declared loop and mixed precision
+(``training.*``, :class:`~ledgerspec.contract.config.Training`), the model config's ``use_cache`` unless
+declared, loss = transformers' own causal-LM loss function (fp32 upcast of logits included), dropout active
+(``model.train()``). Padded batches (microbatch > 1 without packing or padding-free batching,
+:func:`rows_are_padded`) carry an attention mask with one padding position, as a padding collator's batch
+does (:meth:`Workload.batch`); the Trainer loop's batches carry the collator's attention mask (all ones when
+nothing is padded) and ``labels``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any
 
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, ErrorAt
-from ledgerspec.derivations.stack.build import ModelSource, inject_adapters, load_config
+from ledgerspec.derivations.stack.build import ModelSource, cast_module_dtypes, inject_adapters, load_config
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
 from ledgerspec.errors import first_line
 
@@ -61,10 +63,8 @@ OPTIMIZERS = (
     "adafactor",
 )
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-METHOD_NOTES = (
-    "random weights from the exact config; synthetic token batches; no autocast; use_cache=False; "
-    "transformers' causal-LM loss; sequential accumulation micro-steps; zero_grad(set_to_none=True)"
-)
+LOOPS = ("trainer", "custom")
+MIXED_PRECISION = ("no", "bf16", "fp16")
 LEARNING_RATE = 2e-4  # any value: memory does not depend on it
 
 
@@ -103,6 +103,19 @@ class WorkloadSpec:
     #: the document pads rows to the longest one (packing off, padding_free not true); batches are padded only
     #: when a micro-step has more than one row: see :attr:`padded` (so ``changed(microbatch=1)`` stays exact)
     pads_rows: bool = False
+    #: ``training.loop``: trainer | custom
+    loop: str = "trainer"
+    #: ``training.mixed_precision`` as a dtype name (bfloat16 / float16), None without autocast
+    autocast_dtype: str | None = None
+    #: ``training.use_cache``; None: the model config's value
+    use_cache: bool | None = None
+    #: ``training.max_grad_norm`` (0: no clipping; the custom loop never clips)
+    max_grad_norm: float = 1.0
+    #: ``base_model.module_dtypes``: (module-name substring, dtype) pairs, first match wins
+    module_dtypes: tuple[tuple[str, str], ...] = ()
+    #: micro-batches the Trainer loop fetches per optimizer step when fewer micro-steps are run (the estimate runs
+    #: two of them: every further one allocates the same); None: ``accumulation``
+    prefetch: int | None = None
 
     @property
     def padded(self) -> bool:
@@ -164,6 +177,19 @@ class WorkloadSpec:
         if w.microbatch is None or w.microbatch < 1:
             raise _err(doc, ("workload", "microbatch"), "workload.microbatch must be an integer >= 1")
         worst, typical = sequence_shapes(doc)
+        t = cfg.training
+        if t.loop not in LOOPS:
+            raise _err(doc, ("training", "loop"), f"unknown training loop {t.loop!r}", f"use one of {', '.join(LOOPS)}")
+        if t.mixed_precision not in MIXED_PRECISION:
+            raise _err(
+                doc,
+                ("training", "mixed_precision"),
+                f"unknown mixed precision {t.mixed_precision!r}",
+                f"use one of {', '.join(MIXED_PRECISION)}",
+            )
+        module_dtypes = tuple(
+            (pattern, dtype(("base_model", "module_dtypes", pattern))) for pattern, _ in cfg.module_dtypes
+        )
         return cls(
             loaded,
             quant,
@@ -179,6 +205,11 @@ class WorkloadSpec:
             worst,
             typical,
             rows_are_padded(doc),
+            t.loop,
+            t.autocast_dtype,
+            t.use_cache,
+            t.max_grad_norm,
+            module_dtypes,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -197,6 +228,7 @@ class WorkloadSpec:
             if q.get("skip_modules") is not None:
                 q["skip_modules"] = tuple(q["skip_modules"])
             data["quant"] = QuantSpec(**q)
+        data["module_dtypes"] = tuple(tuple(pair) for pair in data.get("module_dtypes") or ())
         return cls(**data)
 
 
@@ -206,6 +238,44 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
     if w.worst is None or w.typical is None:
         raise _err(doc, ("workload",), "workload.max_length or workload.sequence_p95 is needed for a batch shape")
     return w.worst, w.typical
+
+
+def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
+    """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
+    if spec.loop == "trainer":
+        loop = (
+            "the transformers.Trainer step: the micro-batches of a step fetched together, the loss computed inside "
+            "the model's forward from labels (normalised by the step's label tokens) and the outputs released "
+            "before backward"
+        )
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    else:
+        loop = (
+            "a custom loop that keeps the logits through backward (transformers' causal-LM loss on them, divided by "
+            "the accumulation steps)"
+        )
+    if spec.autocast_dtype is None:
+        precision = "no autocast (the parameters' own dtypes)"
+    else:
+        precision = f"{spec.autocast_dtype} autocast (torch.autocast, {device}'s op lists) around the forward"
+        if spec.loop == "trainer":
+            precision += ", outputs converted to fp32 after it (accelerate)"
+        if spec.autocast_dtype == "float16":
+            precision += ", loss scaled by a GradScaler"
+    if spec.use_cache is not None:
+        cache = f"use_cache={spec.use_cache}"
+    else:
+        cache = "use_cache=False (TrainingArguments.use_cache)" if spec.loop == "trainer" else "the config's use_cache"
+    casts = (
+        "; module dtypes after preparation: " + ", ".join(f"{k} -> {v}" for k, v in spec.module_dtypes)
+        if spec.module_dtypes
+        else ""
+    )
+    return (
+        f"random weights from the exact config; synthetic token batches; {loop}; {precision}; {cache}; "
+        f"sequential accumulation micro-steps; gradients set to None after each optimizer step{casts}"
+    )
 
 
 def rows_are_padded(doc: Document) -> bool:
@@ -230,6 +300,9 @@ class Workload:
         self.optimizer: Any = None
         self._memo: dict[int, Any] = {}
         self.device: Any = None
+        #: the device whose optimizer defaults to model ("cuda": torch's AdamW picks ``foreach`` there)
+        self.optimizer_device: str | None = None
+        self._step: Any = None
 
     # -- 1. on the meta device ------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -274,6 +347,7 @@ class Workload:
                     gradient_checkpointing_kwargs={"use_reentrant": spec.reentrant},
                 )
         self.model = inject_adapters(self.doc, base)
+        cast_module_dtypes(self.model, spec.module_dtypes)
         if spec.quant is not None:
             self._prewarm_bnb()
 
@@ -447,19 +521,22 @@ class Workload:
         """The declared optimizer over the trainable parameters, built as the transformers Trainer builds it."""
         import torch
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params: Any = self._param_groups()
         name = self.spec.optimizer
         bnb_kwargs: dict[str, Any] = {}
         if self.spec.min_8bit_size is not None:
             bnb_kwargs["min_8bit_size"] = self.spec.min_8bit_size
+        # torch picks foreach (multi-tensor) kernels by default only for CUDA tensors: ask for them when CUDA is the
+        # device being modelled on CPU tensors (their temporaries are those of the CUDA run)
+        foreach = True if self.optimizer_device == "cuda" and self.device_type == "cpu" else None
         if name == "adamw_torch":
-            opt: Any = torch.optim.AdamW(params, lr=LEARNING_RATE)
+            opt: Any = torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=foreach)
         elif name == "adamw_torch_fused":
             opt = torch.optim.AdamW(params, lr=LEARNING_RATE, fused=True)
         elif name == "adam":
-            opt = torch.optim.Adam(params, lr=LEARNING_RATE)
+            opt = torch.optim.Adam(params, lr=LEARNING_RATE, foreach=foreach)
         elif name == "sgd":
-            opt = torch.optim.SGD(params, lr=LEARNING_RATE)
+            opt = torch.optim.SGD(params, lr=LEARNING_RATE, foreach=foreach)
         elif name == "adafactor":
             from transformers.optimization import Adafactor
 
@@ -476,6 +553,22 @@ class Workload:
                 )
         self.optimizer = opt
         return opt
+
+    def _param_groups(self) -> Any:
+        """The trainable parameters as the optimizer gets them: under the Trainer loop in its two groups
+        (``Trainer.create_optimizer``: weight decay for all but biases and norm weights, as
+        ``get_decay_parameter_names`` names them; an empty group is left out), else one list."""
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if self.spec.loop != "trainer":
+            return [p for _, p in params]
+        import re
+
+        no_decay = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+        decay = [p for n, p in params if not no_decay.search(n.lower())]
+        other = [p for n, p in params if no_decay.search(n.lower())]
+        return [
+            g for g in ({"params": decay, "weight_decay": 0.0}, {"params": other, "weight_decay": 0.0}) if g["params"]
+        ]
 
     # -- 5. micro-steps ------------------------------------------------------------------------------------------
     def batch(self, seq_len: int) -> tuple[Any, Any]:
@@ -500,38 +593,62 @@ class Workload:
         labels[-1, -1] = -100
         return {"input_ids": ids, "attention_mask": mask}, labels
 
-    def forward(self, inputs: Any) -> Any:
-        """The model's forward on :meth:`batch`'s inputs: logits (loss is computed separately, see :meth:`loss`)."""
+    def trainer_batch(self, seq_len: int) -> dict[str, Any]:
+        """A micro-batch as the Trainer's collators hand it over (transformers' and TRL's
+        ``DataCollatorForLanguageModeling``): ``input_ids``, ``attention_mask`` (all ones unless padded; none with
+        packing or padding-free batching) and ``labels`` (-100 on padding)."""
+        import torch
+
+        inputs, labels = self.batch(seq_len)
         if isinstance(inputs, dict):
-            out = self.model(**inputs, use_cache=False)
-        else:
-            out = self.model(input_ids=inputs, use_cache=False)
-        return out.logits
+            return {**inputs, "labels": labels}
+        out = {"input_ids": inputs}
+        if self.spec.pads_rows:
+            out["attention_mask"] = torch.ones_like(inputs)
+        out["labels"] = labels
+        return out
 
-    def loss(self, logits: Any, labels: Any) -> Any:
-        """transformers' causal-LM loss, divided by the accumulation steps as the Trainer does."""
-        base = self.model.get_base_model()
-        vocab = int(base.config.get_text_config().vocab_size)
-        fn = getattr(base, "loss_function", None)
-        if fn is None:
-            import torch.nn.functional as nnf
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What the model's forward receives of a batch (the estimate drops the mask for FlashAttention)."""
+        return batch
 
-            shift = logits[..., :-1, :].float().reshape(-1, vocab)
-            loss = nnf.cross_entropy(shift, labels[..., 1:].reshape(-1))
-        else:
-            loss = fn(logits=logits, labels=labels, vocab_size=vocab)
-        if self.spec.accumulation > 1:
-            loss = loss / self.spec.accumulation
-        return loss
+    def cache_kwargs(self) -> dict[str, Any]:
+        """``use_cache`` as declared; undeclared, what the loop leaves: the Trainer sets the model config's
+        ``use_cache`` to ``TrainingArguments.use_cache`` (default False; trainer.py, "Finalize"), a custom loop
+        keeps the config's value (nothing passed)."""
+        if self.spec.use_cache is not None:
+            return {"use_cache": self.spec.use_cache}
+        return {"use_cache": False} if self.spec.loop == "trainer" else {}
 
-    def backward(self, loss: Any) -> None:
-        loss.backward()
+    @property
+    def step(self) -> Any:
+        """The declared loop (:mod:`ledgerspec.derivations.engine.step`), one object for the whole run."""
+        if self._step is None:
+            from ledgerspec.derivations.engine.step import training_step
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
+            self._step = training_step(self)
+        return self._step
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    @property
+    def device_type(self) -> str:
+        import torch
+
+        return torch.device(self.device).type if self.device is not None else "cpu"
+
+    def grad_scaler(self) -> Any:
+        """The fp16 loss scaler accelerate creates (``torch.amp.GradScaler``), on this workload's device; under
+        fake tensors one that skips the host read of ``found_inf`` (the step is taken: nothing is inf)."""
+        import torch
+        from torch._subclasses.fake_tensor import is_fake
+
+        if not is_fake(next(p for p in self.model.parameters() if p.requires_grad)):
+            return torch.amp.GradScaler(self.device_type)
+
+        class FakeGradScaler(torch.amp.GradScaler):
+            def _maybe_opt_step(self, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+                return optimizer.step(*args, **kwargs)
+
+        return FakeGradScaler(self.device_type)
 
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -539,11 +656,13 @@ class Workload:
 
 __all__ = [
     "ATTENTION",
-    "METHOD_NOTES",
+    "LOOPS",
+    "MIXED_PRECISION",
     "OPTIMIZERS",
     "QuantSpec",
     "Workload",
     "WorkloadSpec",
+    "method_notes",
     "rows_are_padded",
     "sequence_shapes",
 ]

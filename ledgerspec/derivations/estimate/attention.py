@@ -278,6 +278,33 @@ def _flash_model(
     return _fused().apply(query, key, value, "flash"), None
 
 
+def _fused_under_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An attention model run as the one fused op it stands for, under autocast (real or emulated,
+    :mod:`ledgerspec.derivations.engine.autocast`): ``scaled_dot_product_attention`` is on autocast's lower-precision
+    list, so its floating inputs (query, key, value, a float mask) are cast to the autocast dtype first; transformers'
+    FlashAttention path casts fp32 query/key/value to it too. Inside, the model's own ops run without autocast (the
+    fused kernel computes in its input dtype). Without autocast the model runs as it is."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if not torch.is_autocast_enabled("cpu"):
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        low = torch.get_autocast_dtype("cpu")
+
+        def cast(t: Any) -> Any:
+            eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (low, torch.float64)
+            return t.to(low) if eligible else t
+
+        query, key, value, attention_mask = cast(query), cast(key), cast(value), cast(attention_mask)
+        with torch.autocast("cpu", enabled=False):
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return wrapped
+
+
 class UnsupportedAttention(Exception):
     """The declared attention cannot be modelled faithfully; the caller turns it into a LedgerspecError."""
 
@@ -327,7 +354,7 @@ def cuda_attention(model: Any, implementation: str, target: str = "cuda") -> Ite
     fn: Callable[..., Any] = (
         (_sdpa_cpu_model if target == "cpu" else _sdpa_model) if implementation == SDPA else _flash_model
     )
-    attn.register(key, fn)
+    attn.register(key, _fused_under_autocast(fn))
     masks.register(key, sdpa_mask if implementation == SDPA else flash_attention_mask)
     configs = _configs(model)
     before = [cfg._attn_implementation for cfg in configs]

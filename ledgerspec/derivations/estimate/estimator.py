@@ -116,25 +116,26 @@ def _unpacked_rows() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _padded_rows() -> Iterator[None]:
-    """Let transformers see the synthetic padded batch's mask as not all ones, as it does with real tensors.
+def _mask_rows(padded: bool) -> Iterator[None]:
+    """Let transformers read the synthetic batch's 2-D attention mask as it reads a real one.
 
     ``masking_utils._ignore_causal_mask_sdpa`` decides from the values of the 2-D padding mask whether SDPA may
     skip the explicit mask and use ``is_causal`` (only when nothing is padded). On a fake tensor it cannot look
-    and answers "do not skip" without computing anything. The workload's padded batch
-    (:meth:`ledgerspec.derivations.engine.workload.Workload.batch`) always ends its last row with a padding
-    position, for which the real function also answers "do not skip" after two ``fast_all`` reductions (over the
-    mask, then over its first ``q_length`` columns): the replacement allocates those same small intermediates and
-    answers False. Without a 2-D mask, or with real tensors, it is the original function. (The other
-    value-dependent mask helpers are not reached: ``find_packed_sequence_indices`` runs only without a 2-D mask, see
-    :func:`_unpacked_rows`; ``flash_attention_mask`` never sees the mask, see ``EstimateWorkload.forward``.)
+    and answers "do not skip" without computing anything. The workload's batches are of two known kinds
+    (:meth:`ledgerspec.derivations.engine.workload.Workload.batch`): a padded batch always ends its last row with a
+    padding position, for which the real function answers "do not skip" after two ``fast_all`` reductions (over the
+    mask, then over its first ``q_length`` columns); the Trainer loop's unpadded batch carries an all-ones mask, for
+    which it answers "skip" after one. The replacement allocates those same small intermediates and answers the
+    same. Without a 2-D mask, or with real tensors, it is the original function. (The other value-dependent mask
+    helpers are not reached: ``find_packed_sequence_indices`` runs only without a 2-D mask, see
+    :func:`_unpacked_rows`; ``flash_attention_mask`` never sees the mask, see ``EstimateWorkload.model_inputs``.)
     """
     from torch._subclasses.fake_tensor import is_fake
     from transformers import masking_utils
 
     original = masking_utils._ignore_causal_mask_sdpa
 
-    def padded(
+    def known(
         padding_mask: Any,
         q_length: int,
         kv_length: int,
@@ -151,12 +152,14 @@ def _padded_rows() -> Iterator[None]:
         if local_attention_size is not None and kv_length >= local_attention_size:
             return False
         if q_length == 1 or kv_length == q_length:
-            masking_utils.fast_all(padding_mask)  # False: the last row ends in padding
+            masking_utils.fast_all(padding_mask)  # padded: False (the last row ends in padding); else True
+            if not padded:
+                return True
         if q_offset == 0:
             masking_utils.fast_all(padding_mask[:, :q_length])  # False for the same position: `and` stops here
         return False
 
-    masking_utils._ignore_causal_mask_sdpa = padded
+    masking_utils._ignore_causal_mask_sdpa = known
     try:
         yield
     finally:
@@ -180,6 +183,8 @@ def _estimate_workload_class() -> Any:
             self.declared_attention = attention
             self.target = target
             self.stack = contextlib.ExitStack()
+            # the CUDA target: CUDA's optimizer defaults (and, in prepare, autocast lists) on these CPU tensors
+            self.optimizer_device = target
 
         def prepare(self) -> None:
             super().prepare()
@@ -190,15 +195,19 @@ def _estimate_workload_class() -> Any:
             from ledgerspec.derivations.estimate.attention import cuda_attention
 
             self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
-            self.stack.enter_context(_unpacked_rows())
-            if self.spec.padded:
-                self.stack.enter_context(_padded_rows())
+            if self.target == "cuda" and self.spec.autocast_dtype is not None:
+                from ledgerspec.derivations.engine.autocast import CUDA_POLICY, EmulatedAutocast
 
-        def forward(self, inputs: Any) -> Any:
+                self.stack.enter_context(EmulatedAutocast(CUDA_POLICY, getattr(torch, self.spec.autocast_dtype)))
+            self.stack.enter_context(_unpacked_rows())
+            if self.spec.padded or (self.spec.loop == "trainer" and self.spec.pads_rows):
+                self.stack.enter_context(_mask_rows(self.spec.padded))
+
+        def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
             """FlashAttention: padded rows modelled as full rows (the mask is not passed, see :func:`method_text`)."""
-            if isinstance(inputs, dict) and self.declared_attention.startswith("flash_attention"):
-                return super().forward(inputs["input_ids"])
-            return super().forward(inputs)
+            if self.declared_attention.startswith("flash_attention") and "attention_mask" in batch:
+                return {k: v for k, v in batch.items() if k != "attention_mask"}
+            return batch
 
     return EstimateWorkload
 
@@ -213,7 +222,7 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[s
     from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.engine.tracker import by_component
 
-    run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
+    run_spec = spec.changed(accumulation=min(spec.accumulation, 2), prefetch=spec.accumulation)
     workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target)
     backend = TrackerBackend(fake=True, granularity=granularity(target))
     with workload.stack, warnings.catch_warnings():
@@ -287,10 +296,13 @@ def padding_text(attention: str, target: str) -> str:
     return text
 
 
-def method_text(est_plan: Plan, attention: str, target: str, quant: bool, padded: bool = False) -> str:
-    from ledgerspec.derivations.engine.workload import METHOD_NOTES
+def method_text(est_plan: Plan, spec: Any, target: str) -> str:
+    """What the estimate simulated, in words (``ledger.activations.method``): the depth plan, the attention
+    kernel, the 4-bit layers, the step (:func:`ledgerspec.derivations.engine.workload.method_notes`) and limits."""
+    from ledgerspec.derivations.engine.workload import method_notes
     from ledgerspec.derivations.estimate.attention import method_text as attention_method
 
+    attention, quant, padded = spec.attention, spec.quant is not None, spec.padded
     parts = [
         "ledgerspec estimate: one training step plus a steady-state step simulated under torch FakeTensorMode "
         "(exact model, adapters, optimizer, checkpointing; no GPU), every tensor storage counted by a dispatch-level "
@@ -304,7 +316,7 @@ def method_text(est_plan: Plan, attention: str, target: str, quant: bool, padded
         parts.append("4-bit layers: bitsandbytes storage exact, CUDA dequantize+linear temporaries counted")
     if target == "cuda":
         parts.append("each allocation rounded up to 512 B as the CUDA caching allocator does")
-    parts.append(METHOD_NOTES)
+    parts.append(method_notes(spec, target))
     if padded:
         parts.append(padding_text(attention, target))
     parts.append(
@@ -368,7 +380,7 @@ def estimate(
     phases = {k: figures[k] for k in PHASES}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
-    method = method_text(est_plan, spec.attention, target, spec.quant is not None, spec.padded)
+    method = method_text(est_plan, spec, target)
     at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
     return Estimate(
         phases,

@@ -223,21 +223,13 @@ def estimate_per_rank(
         target,
         ranks,
         est_plan,
-        method_text(world, reshard, est_plan, spec.attention, target, spec.padded, spec.quant is not None),
+        method_text(world, reshard, est_plan, spec, target),
         time.perf_counter() - started,
         notes,
     )
 
 
-def method_text(
-    world: int,
-    reshard: bool | None,
-    est_plan: Plan,
-    attention: str,
-    target: str,
-    padded: bool = False,
-    quant: bool = False,
-) -> str:
+def method_text(world: int, reshard: bool | None, est_plan: Plan, spec: Any, target: str) -> str:
     from ledgerspec.derivations.estimate.estimator import method_text as single
 
     how = "FSDP2 default" if reshard is None else f"reshard_after_forward={str(reshard).lower()}"
@@ -250,10 +242,10 @@ def method_text(
         "overlap (one prefetched unit's all-gather may be in flight on a GPU); "
         + (
             "the packed 4-bit weights sharded like any parameter, their quantization constants whole on every rank; "
-            if quant
+            if spec.quant is not None
             else ""
         )
-        + single(est_plan, attention, target, quant, padded)
+        + single(est_plan, spec, target)
     )
 
 

@@ -272,3 +272,38 @@ def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
             else None
         )
         raise _err(doc, where, f"PEFT cannot inject these adapters: {msg}", hint) from None
+
+
+def cast_module_dtypes(model: Any, pairs: tuple[tuple[str, str], ...], skip: set[int] | None = None) -> int:
+    """``base_model.module_dtypes``: the frozen, non-quantized floating parameters and buffers of each module whose
+    name contains a key take its dtype, as TRL's ``peft_module_casting_to_bf16`` casts whole modules
+    (``module.to(dtype)``, ``trl/experimental/utils.py`` in TRL 1.16; ``trl/trainer/utils.py`` in 0.x). Modules are
+    visited in ``named_modules`` order, so a deeper module's cast wins over its parent's; within one name the first
+    key that matches wins. Trainable tensors (adapters: ``adapter.dtype``) and 4-bit/8-bit weights are left alone.
+    ``skip``: ids of tensors to leave as they are (the census's meta stand-ins of quantized weights). Returns how
+    many tensors changed dtype."""
+    import torch
+
+    if not pairs:
+        return 0
+    wanted = [(key, getattr(torch, dtype)) for key, dtype in pairs]
+    changed = 0
+    for name, module in model.named_modules():
+        target = next((dt for key, dt in wanted if key in name), None)
+        if target is None:
+            continue
+        for sub in module.modules():
+            for tensors in (sub._parameters, sub._buffers):
+                for t in list(tensors.values()):
+                    if (
+                        t is None
+                        or not t.is_floating_point()
+                        or t.dtype == target
+                        or getattr(t, "requires_grad", False)
+                        or type(t).__name__ in ("Params4bit", "Int8Params")
+                        or (skip is not None and id(t) in skip)
+                    ):
+                        continue
+                    t.data = t.data.to(target)
+                    changed += 1
+    return changed

@@ -19,7 +19,14 @@ from typing import Any
 from ledgerspec.contract import config, dtypes
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.stack.bnb_storage import BNB4_BLOCKSIZE, QuantizedBytes, bnb4_bytes, int8_bytes
-from ledgerspec.derivations.stack.build import ModelSource, _err, build_meta_model, inject_adapters, torch_dtype
+from ledgerspec.derivations.stack.build import (
+    ModelSource,
+    _err,
+    build_meta_model,
+    cast_module_dtypes,
+    inject_adapters,
+    torch_dtype,
+)
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
 
 #: a status callback: ``progress("reading the model config")``
@@ -206,10 +213,6 @@ def census(
         for p in model.parameters():
             if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in quantized_ids:
                 p.data = p.data.to(torch.float32)
-    if plan.kind == "bnb4":  # bnb Linear4bit.forward casts its bias to compute_dtype for good on the 1st call
-        compute = torch_dtype(doc, ("base_model", "quantization", "compute_dtype"), "float32")
-        for b in biases:
-            b.data = b.data.to(compute)
     for p in model.parameters():
         p.requires_grad_(False)
     timings["quantize_rules"] = time.perf_counter() - t
@@ -219,6 +222,11 @@ def census(
     peft_model = inject_adapters(doc, model, on_meta=True)
     adapter_dtype_name, adapter_dtype = lora_dtype(doc)
     adapter_ids = _cast_adapters(peft_model, adapter_dtype)
+    cast_module_dtypes(peft_model, config.read(doc).module_dtypes, skip=quantized_ids)
+    if plan.kind == "bnb4":  # bnb Linear4bit.forward casts its bias to compute_dtype for good on the 1st call
+        compute = torch_dtype(doc, ("base_model", "quantization", "compute_dtype"), "float32")
+        for b in biases:
+            b.data = b.data.to(compute)
     timings["inject"] = time.perf_counter() - t
 
     t = time.perf_counter()

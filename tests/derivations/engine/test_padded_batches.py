@@ -1,7 +1,10 @@
 """Padded batches: microbatch > 1 without packing or padding-free batching carries a padding mask.
 
 Expected bytes are derived here from the tiny config (heads, kv heads, head dim, layers) and PyTorch's
-memory-efficient SDPA path, not read from the code under test.
+memory-efficient SDPA path, not read from the code under test. The ledgers declare the custom loop: it builds each
+micro-batch inside the forward and keeps nothing else of it, so the activation figures isolate what the mask costs
+(the Trainer loop's batches, which carry an all-ones mask even unpadded, are tested against the real Trainer in
+tests/derivations/engine/test_trainer_truth.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ ARCH = "tiny-llama-gqa"
 def doc_with(
     microbatch: int = 2, packing: str = "false", padding_free: str | None = None, attention: str = "sdpa", **kwargs: Any
 ) -> Document:
+    kwargs.setdefault("loop", "custom")
     text = ledger_text(arch=ARCH, attention=attention, microbatch=microbatch, seq=SEQ, **kwargs)
     text = text.replace("  packing: false\n", f"  packing: {packing}\n")
     if padding_free is not None:

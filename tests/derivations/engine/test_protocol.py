@@ -168,8 +168,8 @@ def test_qlora_frozen_base_counted_from_the_real_tensors(qlora_run: ProtocolResu
 
 
 def test_accumulation_is_sequential_micro_steps_not_a_bigger_activation_batch() -> None:
-    one = run(ledger(LLAMA, workload__gradient_accumulation=1))
-    four = run(ledger(LLAMA, workload__gradient_accumulation=4))
+    one = run(ledger(LLAMA, workload__gradient_accumulation=1, training__loop="custom"))
+    four = run(ledger(LLAMA, workload__gradient_accumulation=4, training__loop="custom"))
     assert four.accumulation == 4
     # the same activations per micro-step...
     assert four.activations_saved == one.activations_saved
@@ -180,6 +180,20 @@ def test_accumulation_is_sequential_micro_steps_not_a_bigger_activation_batch() 
     # ...and the forward peak grows only by the gradients held between micro-steps (exact bytes)
     grads = four.phases["backward_peak"].census["gradients"]
     assert four.phases["forward_peak"].figure - one.phases["forward_peak"].figure == grads
+
+
+def test_the_trainer_holds_the_steps_micro_batches_and_the_last_loss_while_it_accumulates() -> None:
+    """transformers.Trainer fetches all micro-batches of a step first (``get_batch_samples``) and keeps the previous
+    micro-step's detached loss (``tr_loss_step``): with 4 micro-steps the forward peak also holds 3 more batches
+    (input_ids, attention_mask, labels: int64, microbatch x max_length each) and one fp32 scalar."""
+    one = run(ledger(LLAMA, workload__gradient_accumulation=1))
+    four = run(ledger(LLAMA, workload__gradient_accumulation=4))
+    assert four.activations_saved == one.activations_saved
+    doc = load(LLAMA)
+    mb, seq = doc.get("workload", "microbatch").integer() or 0, doc.get("workload", "max_length").integer() or 0
+    batch = 3 * mb * seq * 8
+    grads = four.phases["backward_peak"].census["gradients"]
+    assert four.phases["forward_peak"].figure - one.phases["forward_peak"].figure == grads + 3 * batch + 4
 
 
 # -- simulated out-of-memory ----------------------------------------------------------------------------------------

@@ -227,12 +227,12 @@ def test_an_op_without_a_fake_kernel_is_named(tmp_path: Path, cli: CliRunner, mo
     import torch
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
-    from ledgerspec.derivations.engine.workload import Workload
+    from ledgerspec.derivations.engine.step import TrainerLoop
 
-    def forward(self: Any, ids: Any) -> Any:
+    def forward(self: Any, i: int) -> Any:
         raise UnsupportedOperatorException(torch.ops.aten.nonzero.default)
 
-    monkeypatch.setattr(Workload, "forward", forward)
+    monkeypatch.setattr(TrainerLoop, "forward", forward)
     path = _copy(tmp_path, ledger_text())
     code, _, err = cli("estimate", path)
     assert code == 1
@@ -240,12 +240,12 @@ def test_an_op_without_a_fake_kernel_is_named(tmp_path: Path, cli: CliRunner, mo
 
 
 def test_an_untraceable_architecture_is_named(tmp_path: Path, cli: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ledgerspec.derivations.engine.workload import Workload
+    from ledgerspec.derivations.engine.step import TrainerLoop
 
-    def forward(self: Any, ids: Any) -> Any:
+    def forward(self: Any, i: int) -> Any:
         raise RuntimeError("Cannot access data pointer of Tensor (e.g. FakeTensor)")
 
-    monkeypatch.setattr(Workload, "forward", forward)
+    monkeypatch.setattr(TrainerLoop, "forward", forward)
     path = _copy(tmp_path, ledger_text())
     code, _, err = cli("estimate", path)
     assert code == 1 and "LlamaForCausalLM" in err and "measure" in err

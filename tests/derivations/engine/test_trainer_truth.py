@@ -1,0 +1,251 @@
+"""The step ledgerspec simulates and measures is the step ``transformers.Trainer`` runs, to the byte.
+
+Each case is one configuration, run three ways on the CPU:
+
+- the truth: a real ``transformers.Trainer`` run (``tests/truths/trainer_run.py``: transformers builds the model,
+  PEFT the adapters, bitsandbytes quantizes the QLoRA base as ``from_pretrained`` does, accelerate wraps the step;
+  nothing of ledgerspec's workload or step), its phases read by the tensor tracker from the outside, and its whole
+  run by PyTorch's own ``MemTracker``;
+- ``ledgerspec measure --device cpu`` of the ledger that declares the configuration;
+- ``ledgerspec estimate --target cpu --full`` of the same ledger (fake tensors, the CPU's kernels).
+
+PyTorch's ``MemTracker`` watches a second, separate run of the same case (it perturbs the step it watches: see
+``tests/truths/trainer_run.py``). Every difference is explained, byte for byte: the real run's CPU DataLoader has already produced the next
+micro-batch (accelerate's ``DataLoaderShard`` fetches one ahead; on a GPU that batch is still on the host, so the
+step ledgerspec models does not hold it): ``input_ids``, ``labels`` and, when the batch has one,
+``attention_mask``, int64, microbatch x the next step's length. Nothing else differs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+from ledgerspec.contract.document import load
+from tests.support import DATA, TESTS, CliRunner
+
+pytestmark = pytest.mark.slow
+
+TRUTH = TESTS / "truths" / "trainer_run.py"
+STEP_PHASES = ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_peak")
+WORST, TYPICAL = 64, 32
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    arch: str = "tiny-llama"
+    loaded: str = "bfloat16"
+    adapter: str = "float32"
+    mixed_precision: str = "no"
+    quant: bool = False
+    prepare: bool = False
+    trl_casts: bool = False
+    checkpointing: bool = False
+    microbatch: int = 2
+    accumulation: int = 1
+    packing: bool = False
+    optimizer: str = "adamw_torch"
+    max_grad_norm: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mask(self) -> bool:
+        """The collator's attention mask: present unless rows are packed."""
+        return not self.packing
+
+
+CASES = [
+    Case("bf16-base-fp32-adapters"),
+    Case("bf16-autocast", mixed_precision="bf16"),
+    Case("fp16-autocast-grad-scaler", loaded="float16", mixed_precision="fp16"),
+    Case("qlora-nf4-no-preparation", arch="tiny-qwen2", quant=True),
+    Case(
+        "qlora-nf4-peft-preparation-bf16-autocast", arch="tiny-qwen2", quant=True, prepare=True, mixed_precision="bf16"
+    ),
+    Case(
+        "qlora-trl-casts",
+        arch="tiny-qwen2",
+        quant=True,
+        prepare=True,
+        trl_casts=True,
+        adapter="bfloat16",
+        mixed_precision="bf16",
+    ),
+    Case("gradient-checkpointing", mixed_precision="bf16", checkpointing=True),
+    Case("gradient-accumulation-2", accumulation=2),
+    Case("unpadded-packed-rows", packing=True, mixed_precision="bf16"),
+    Case("microbatch-1", microbatch=1),
+    Case("paged-adamw-8bit", optimizer="paged_adamw_8bit", mixed_precision="bf16"),
+    Case("no-clipping", max_grad_norm=0.0),
+]
+
+
+def ledger_text(c: Case) -> str:
+    quant = (
+        "  quantized: true\n"
+        + ("  prepare_for_kbit_training: true\n" if c.prepare else "")
+        + ("  module_dtypes: {norm: float32, lm_head: bfloat16, embed_tokens: bfloat16}\n" if c.trl_casts else "")
+        + "  quantization: {type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16, storage_dtype: uint8}\n"
+        if c.quant
+        else "  quantized: false\n"
+    )
+    return f"""ledgerspec: ledger/v1
+title: {c.name}
+identity:
+  model_id: tests/{c.arch}
+  config_sha256: UNKNOWN
+  config_path: {c.arch}/config.json
+software:
+  attention_implementation: sdpa
+method:
+  kind: {"QLoRA" if c.quant else "LoRA"}
+  rank: 4
+  alpha: 8
+  dropout: 0.0
+  target_modules: [q_proj, v_proj]
+  bias: none
+base_model:
+  loaded_dtype: {c.loaded}
+{quant}adapter:
+  dtype: {c.adapter}
+workload:
+  max_length: {WORST}
+  sequence_p50: {TYPICAL}
+  packing: {str(c.packing).lower()}
+  microbatch: {c.microbatch}
+  gradient_accumulation: {c.accumulation}
+training:
+  loop: trainer
+  mixed_precision: {c.mixed_precision}
+  max_grad_norm: {c.max_grad_norm}
+optimizer:
+  name: {c.optimizer}
+memory_options:
+  gradient_checkpointing: {str(c.checkpointing).lower()}
+  checkpointing_kind: non-reentrant
+"""
+
+
+def truth_case(c: Case, folder: Path) -> dict[str, Any]:
+    return {
+        "config": str(folder / c.arch),
+        "loaded_dtype": c.loaded,
+        "attention": "sdpa",
+        "rank": 4,
+        "targets": ["q_proj", "v_proj"],
+        "mixed_precision": c.mixed_precision,
+        "gradient_checkpointing": c.checkpointing,
+        "microbatch": c.microbatch,
+        "accumulation": c.accumulation,
+        "seq_worst": WORST,
+        "seq_typical": TYPICAL,
+        "steps": 2,
+        "padded": not c.packing,
+        "packing": c.packing,
+        "mask": c.mask,
+        "max_grad_norm": c.max_grad_norm,
+        "optimizer": c.optimizer,
+        "quant": {"type": "nf4", "double_quant": True, "compute_dtype": "bfloat16", "storage_dtype": "uint8"}
+        if c.quant
+        else None,
+        "prepare_kbit": c.prepare,
+        "adapter_dtype": c.adapter if c.adapter != "float32" else None,
+        "trl_casts": "bfloat16" if c.trl_casts else None,
+    }
+
+
+def next_batch_bytes(c: Case) -> int:
+    """The micro-batch the real run's CPU DataLoader holds ahead: int64 ids, labels (and mask) of the next step
+    (packed rows are all max_length long)."""
+    return (3 if c.mask else 2) * 8 * c.microbatch * (WORST if c.packing else TYPICAL)
+
+
+@pytest.fixture(
+    scope="module",
+    # one worker runs all tests of a case (scripts/test distributes with --dist loadgroup): its runs happen once
+    params=[pytest.param(c, id=c.name, marks=pytest.mark.xdist_group(c.name)) for c in CASES],
+)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.support import run_cli
+
+    c: Case = request.param
+    folder = tmp_path_factory.mktemp(c.name)
+    shutil.copytree(DATA / "measure" / c.arch, folder / c.arch)
+    measured = folder / "measured.ledger.yaml"
+    measured.write_text(ledger_text(c), encoding="utf-8")
+    estimated = folder / "estimated.ledger.yaml"
+    estimated.write_text(ledger_text(c), encoding="utf-8")
+    code, _, err = run_cli("measure", str(measured), "--device", "cpu")
+    assert code == 0, err
+    code, _, err = run_cli("estimate", str(estimated), "--target", "cpu", "--full")
+    assert code == 0, err
+    case_file, out_file = folder / "case.json", folder / "truth.json"
+    case_file.write_text(json.dumps(truth_case(c, folder)), encoding="utf-8")
+    truth: dict[str, Any] = {}
+    for mode in ((), ("--memtracker",)):  # MemTracker runs apart: it perturbs the run (see the truth's docstring)
+        proc = subprocess.run(
+            [sys.executable, str(TRUTH), str(case_file), str(out_file), *mode],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        phases = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
+        truth.update(phases if not mode else {"memtracker_peak": phases["memtracker_peak"]})
+    return {"case": c, "measured": load(measured), "estimated": load(estimated), "truth": truth}
+
+
+def _measured(doc: Any, phase: str) -> int:
+    return int(doc.get("phases", phase).size() or -1)
+
+
+def test_measure_is_the_real_trainer_step_to_the_byte(runs: dict[str, Any]) -> None:
+    c, doc, truth = runs["case"], runs["measured"], runs["truth"]
+    ahead = next_batch_bytes(c)
+    got = {p: _measured(doc, p) for p in STEP_PHASES}
+    want = {p: truth[p] - ahead for p in STEP_PHASES}
+    assert got == want, f"{c.name}: measure {got} vs the Trainer (minus the batch held ahead, {ahead} B) {want}"
+
+
+def test_the_cpu_estimate_is_the_measurement_to_the_byte(runs: dict[str, Any]) -> None:
+    est, doc = runs["estimated"], runs["measured"]
+    for phase in STEP_PHASES:
+        assert est.get("x-estimate", "phases", phase).value == _measured(doc, phase), phase
+
+
+def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> None:
+    """PyTorch's own tracker over the real Trainer run: its peak is the measurement's peak (within 1 %)."""
+    c, doc, truth = runs["case"], runs["measured"], runs["truth"]
+    peak = int(doc.get("metrics", "peak_allocated").size() or 0)
+    mem = truth["memtracker_peak"] - next_batch_bytes(c)
+    assert abs(mem - peak) <= 0.01 * peak, (c.name, mem, peak)
+
+
+def test_the_method_says_which_step_ran(runs: dict[str, Any]) -> None:
+    c, est = runs["case"], runs["estimated"]
+    method = est.get("ledger", "activations").method or ""
+    assert "transformers.Trainer step" in method
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(c.mixed_precision)
+    if dtype is not None:
+        assert f"{dtype} autocast" in method
+
+
+def test_every_case_is_checked(cli: CliRunner) -> None:
+    """The cases the issue names: bf16 base + fp32 adapters with and without bf16 autocast, fp16 autocast, QLoRA nf4
+    with no preparation, PEFT's preparation and the TRL-style casts, checkpointing, accumulation 2, padded batches
+    of microbatch 2, an 8-bit paged optimizer."""
+    names = {c.name for c in CASES}
+    assert len(CASES) >= 10 and len(names) == len(CASES)
+    assert any(c.mixed_precision == "fp16" for c in CASES) and any(c.trl_casts for c in CASES)
+    assert any(c.optimizer.startswith("paged") and "8bit" in c.optimizer for c in CASES)

@@ -1,0 +1,359 @@
+"""Ground truth: what a real ``transformers.Trainer`` run holds, phase by phase, on the CPU.
+
+Nothing here uses ledgerspec's workload or step: the model is built by transformers (QLoRA through
+``from_pretrained`` with a ``BitsAndBytesConfig``, as a user loads it), the adapters by PEFT, the training loop
+is ``transformers.Trainer`` itself (with accelerate underneath), on real CPU tensors. It is instrumented only
+from the outside, with counters that do not allocate:
+
+- ``tracker``: ledgerspec's tensor tracker (a ``TorchDispatchMode`` counting live storages), with its peak reset
+  at the phase boundaries of the measurement protocol: forward (a forward pre-hook and hook on the model the
+  Trainer calls), loss + backward (until ``training_step`` returns), the optimizer step (until ``on_step_end``);
+  the first optimizer step runs at the worst sequence length, the following ones at the typical length
+  (``steady_state_peak``: the peak over them);
+- ``memtracker`` (a separate run, ``--memtracker``): PyTorch's own
+  ``torch.distributed._tools.mem_tracker.MemTracker`` over the whole run (its peak), with two workarounds: no
+  gradient hooks on frozen parameters (``register_hook`` refuses a tensor that does not require grad) and
+  ``reset_mod_stats()`` at every step end. It runs apart because it perturbs what it measures: under activation
+  checkpointing its module hooks keep the autograd graph of the step alive after ``backward``, and with it the
+  embedding output that ``enable_input_require_grads`` made a leaf, and that leaf's gradient, until the next step
+  (+2 x microbatch x length x hidden x 2 bytes at the optimizer step on tiny-llama in bf16). Its peak (the
+  backward's) is unaffected.
+
+Run as a script (one run per process: accelerate keeps global state)::
+
+    python tests/truths/trainer_run.py CASE.json OUT.json [--memtracker]
+
+``CASE.json`` names the config folder, dtypes, LoRA recipe, quantization, k-bit preparation, TRL-style casts,
+mixed precision, checkpointing, microbatch/accumulation/lengths, padding, optimizer and clipping; ``OUT.json``
+gets the phase peaks and the MemTracker peak in bytes. ``fp16`` on the CPU: accelerate refuses native fp16 there
+(``Accelerator.__init__`` sets ``native_amp`` only for non-CPU devices); the run then turns it on by hand exactly as
+accelerate would on a GPU (``native_amp``, a ``GradScaler`` for the device) before the model is prepared, so the
+same accelerate code paths run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+
+def _dataset(case: dict[str, Any], vocab: int) -> Any:
+    import torch
+
+    mb, ga = case["microbatch"], case["accumulation"]
+    worst, typical, steps = case["seq_worst"], case["seq_typical"], case["steps"]
+    padded = case["padded"] and mb > 1
+    mask = case["mask"]
+    g = torch.Generator().manual_seed(0)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return mb * ga * (1 + steps)
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            seq = worst if i < mb * ga or case.get("packing") else typical
+            ids = torch.randint(0, vocab, (seq,), generator=g)
+            row: dict[str, Any] = {"input_ids": ids}
+            labels = ids.clone()
+            if mask:
+                m = torch.ones_like(ids)
+                if padded and i % mb == mb - 1:  # the last row of each batch: one padding position at its end
+                    m[-1] = 0
+                    labels[-1] = -100
+                row["attention_mask"] = m
+            row["labels"] = labels
+            return row
+
+    return Rows()
+
+
+def _casting(model: Any, dtype: Any) -> None:
+    """TRL's ``peft_module_casting_to_bf16`` (trl/experimental/utils.py, TRL 1.16; trl/trainer/utils.py in 0.x)."""
+    import torch
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.LayerNorm) or "norm" in name:
+            module = module.to(torch.float32)
+        elif any(x in name for x in ["lm_head", "embed_tokens", "wte", "wpe"]):
+            if hasattr(module, "weight") and module.weight.dtype == torch.float32:
+                module = module.to(dtype)
+
+
+def _model(case: dict[str, Any], folder: str) -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = AutoConfig.from_pretrained(case["config"])
+    dtype = getattr(torch, case["loaded_dtype"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=case["attention"])
+    q = case.get("quant")
+    if q:
+        model.save_pretrained(folder)  # then load it as a user loads a QLoRA base
+        del model
+        bnb = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q["type"],
+            bnb_4bit_use_double_quant=q["double_quant"],
+            bnb_4bit_compute_dtype=getattr(torch, q["compute_dtype"]),
+            bnb_4bit_quant_storage=getattr(torch, q["storage_dtype"]),
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=bnb, dtype=dtype, attn_implementation=case["attention"]
+        )
+    if case.get("prepare_kbit"):
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=case["gradient_checkpointing"],
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    lora = LoraConfig(
+        r=case["rank"],
+        lora_alpha=2 * case["rank"],
+        lora_dropout=0.0,
+        target_modules=case["targets"],
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lora)
+    if case.get("adapter_dtype"):
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(getattr(torch, case["adapter_dtype"]))
+    if case.get("trl_casts"):
+        _casting(model, getattr(torch, case["trl_casts"]))
+    return model
+
+
+def _quant_state_tensors(model: Any) -> list[Any]:
+    """The tensors of bitsandbytes' quantization states (absmax, code, nested state): held by each 4-bit weight's
+    ``quant_state``, not registered as parameters or buffers, so neither tracker would see them otherwise."""
+    import torch
+
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any) -> None:
+        if obj is None or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__name__ == "QuantState":
+            for value in vars(obj).values():
+                walk(value)
+
+    for p in model.parameters():
+        walk(getattr(p, "quant_state", None))
+    return out
+
+
+def _optimizer_tensors(optimizer: Any) -> list[Any]:
+    """Tensors an optimizer made when it was built (bitsandbytes' quantization maps, ``name2qmap``), before the
+    trackers start: found by walking the optimizer object (and the one accelerate wraps), parameters excluded."""
+    import torch
+
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any, depth: int = 0) -> None:
+        if obj is None or id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Parameter):
+            return
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, depth + 1)
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                walk(v, depth + 1)
+        elif isinstance(obj, torch.optim.Optimizer) or type(obj).__name__ == "AcceleratedOptimizer":
+            for k, v in vars(obj).items():
+                if k not in ("param_groups", "state"):
+                    walk(v, depth + 1)
+
+    walk(optimizer)
+    return out
+
+
+def run(case: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+    from ledgerspec.derivations.engine.tracker import MemoryTracker
+
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="ledgerspec-truth-")
+    model = _model(case, os.path.join(work, "base"))
+    vocab = int(model.get_base_model().config.get_text_config().vocab_size)
+    mp = case["mixed_precision"]
+    import dataclasses
+
+    # transformers 5 renames gradient_checkpointing* to activation_checkpointing* (the old names still work, with a
+    # FutureWarning)
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    args = TrainingArguments(
+        output_dir=os.path.join(work, "out"),
+        use_cpu=True,
+        bf16=mp == "bf16",
+        per_device_train_batch_size=case["microbatch"],
+        gradient_accumulation_steps=case["accumulation"],
+        max_steps=1 + case["steps"],
+        max_grad_norm=case["max_grad_norm"],
+        optim=case["optimizer"],
+        learning_rate=2e-4,
+        **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+    class Ordered(Trainer):
+        def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[arg-type]
+
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if mp == "fp16":  # what accelerate does for fp16 on a GPU, on the CPU (see the module docstring)
+                from accelerate.state import AcceleratorState
+
+                AcceleratorState()._mixed_precision = "fp16"
+                self.accelerator.native_amp = True
+                self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+    tracker = MemoryTracker()
+
+    phases: dict[str, int] = {}
+    run_state: dict[str, Any] = {"step": 0, "mem": None}
+
+    def keep(name: str) -> None:
+        phases[name] = max(phases.get(name, 0), tracker.peak)
+        tracker.reset_peak()
+
+    def phase_of(kind: str) -> str:
+        return f"{kind}_peak" if run_state["step"] == 0 else "steady_state_peak"
+
+    class Phases(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            tracker.__enter__()
+            tracker.track_existing(list(model.parameters()) + list(model.buffers()), "frozen_params")
+            tracker.track_existing(_quant_state_tensors(model), "quant_state")
+            tracker.track_existing(_optimizer_tensors(trainer.optimizer), "optimizer")
+            tracker.track_existing([trainer._tr_loss], "temporary")
+            tracker.reset_peak()
+            if not case.get("memtracker"):
+                return
+            memtracker = _FrozenSafeMemTracker()
+            memtracker.track_external(
+                model,
+                trainer.optimizer,
+                trainer._tr_loss,
+                *_quant_state_tensors(model),
+                *_optimizer_tensors(trainer.optimizer),
+            )
+            memtracker.__enter__()
+            run_state["mem"] = memtracker
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            keep("optimizer_step_peak" if run_state["step"] == 0 else "steady_state_peak")
+            run_state["step"] += 1
+            if run_state["mem"] is not None:
+                run_state["mem"].reset_mod_stats()
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            mem = run_state["mem"]
+            if mem is None:
+                tracker.__exit__(None, None, None)
+                return
+            mem.__exit__(None, None, None)
+            peak = mem.get_tracker_snapshot("peak")
+            phases["memtracker_peak"] = int(sum(s.get("Total", 0) for s in peak.values()))
+            phases["memtracker_param"] = int(sum(s.get(_MemRefType.PARAM, 0) for s in peak.values()))
+            tracker.__exit__(None, None, None)
+
+    trainer = Ordered(
+        model=model,
+        args=args,
+        train_dataset=_dataset(case, vocab),
+        data_collator=default_data_collator,
+        callbacks=[Phases()],
+    )
+    top = trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model
+
+    def pre(*_: Any, **__: Any) -> None:
+        tracker.reset_peak()
+
+    def post(_m: Any, _a: Any, out: Any) -> None:
+        keep(phase_of("forward"))
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post)
+    original_step = trainer.training_step
+
+    def training_step(*a: Any, **kw: Any) -> Any:
+        out = original_step(*a, **kw)
+        keep(phase_of("backward"))
+        if run_state["mem"] is not None:  # MemTracker tracks one call of each module between resets
+            run_state["mem"].reset_mod_stats()
+        return out
+
+    trainer.training_step = training_step  # type: ignore[method-assign]
+    del top
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return {"phases": phases}
+
+
+class _FrozenSafeMemTracker:
+    """PyTorch's ``MemTracker``, without gradient hooks on frozen parameters (it registers a ``register_hook`` on
+    every parameter of every module it enters, which raises for a tensor that does not require grad)."""
+
+    def __new__(cls) -> Any:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        class FrozenSafe(MemTracker):
+            def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+                frozen = [p for p in module.parameters() if not p.requires_grad]
+                for p in frozen:  # no-op hook registrations, for frozen parameters only
+                    p.register_hook = _NoHook
+                    p.register_post_accumulate_grad_hook = _NoHook
+                try:
+                    return super()._track_module_params_and_buffers(module, install_grad_hooks)
+                finally:
+                    for p in frozen:
+                        del p.register_hook, p.register_post_accumulate_grad_hook
+
+        return FrozenSafe()
+
+
+class _NoHook:
+    def __init__(self, *_: Any) -> None:
+        pass
+
+    def remove(self) -> None:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    case = json.loads(open(argv[1], encoding="utf-8").read())
+    case["memtracker"] = "--memtracker" in argv[3:]
+    out = run(case)
+    with open(argv[2], "w", encoding="utf-8") as fh:
+        json.dump(out, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
