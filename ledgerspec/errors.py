@@ -7,6 +7,7 @@ and an exit code; nothing else reaches the user as a traceback.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,10 +51,50 @@ class LedgerspecError(Exception):
         return loc
 
     def format(self) -> str:
+        """The one line a terminal shows: user strings in it (a path, a value) are :func:`printable`."""
         text = f"{self.location()}: {self.rule}: {self.message}"
         if self.hint:
             text += f" (hint: {self.hint})"
-        return text
+        return printable(text)
+
+
+#: what a terminal must never receive raw from a user's string: C0 and C1 controls (ESC starts an escape
+#: sequence, U+009B is a one-byte CSI), DEL, the line and paragraph separators, the bidirectional overrides and
+#: isolates ("Trojan Source", CVE-2021-42574), and lone surrogates (Python's surrogateescape of a file name's
+#: non-UTF-8 bytes, which no UTF-8 stream can carry)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(m: re.Match[str]) -> str:
+    char = m.group()
+    code = ord(char)
+    if char in _NAMED:
+        return _NAMED[char]
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (os.fsdecode's surrogateescape): shown as that byte
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal, on one line: every control character, escape sequence introducer,
+    bidirectional control and undecodable byte shown as a Python-style escape (``\\x1b``, ``\\n``, ``\\u202e``,
+    ``\\xff``); everything else (any printable Unicode) kept."""
+    return _UNPRINTABLE.sub(_escaped, text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """``text`` with the lone surrogates of an undecodable file name shown as ``\\xNN`` (as :func:`printable`
+    does), so that it encodes as UTF-8: for JSON, SARIF and HTML, which escape the rest themselves."""
+    return _SURROGATE.sub(_escaped, text)
+
+
+def is_printable(text: str) -> bool:
+    """No character :func:`printable` would escape (for tests and assertions)."""
+    return _UNPRINTABLE.search(text) is None
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -229,7 +229,7 @@ def test_sarif_structure(cli: CliRunner) -> None:
         assert result["level"] == {"error": "error", "warning": "warning", "info": "note"}[f["severity"]]
         assert result["message"]["text"] == f["message"]
         (loc,) = result["locations"]
-        assert loc["physicalLocation"]["artifactLocation"]["uri"] == str(BAD_FILE)
+        assert loc["physicalLocation"]["artifactLocation"]["uri"] == BAD_FILE.as_uri()  # an absolute path: file://
         assert loc["physicalLocation"]["region"] == {"startLine": f["line"], "startColumn": f["column"]}
     ls020 = next(r for r in rules if r["id"] == "LS020")
     assert ls020["defaultConfiguration"]["level"] == "error"
