@@ -92,9 +92,16 @@ def encodable(text: str) -> str:
     return _SURROGATE.sub(_escaped, text)
 
 
-def is_printable(text: str) -> bool:
-    """No character :func:`printable` would escape (for tests and assertions)."""
-    return _UNPRINTABLE.search(text) is None
+#: what JSON leaves raw (``ensure_ascii=False``) that a terminal must not get raw: C1 controls, DEL, the line and
+#: paragraph separators, the bidirectional controls (JSON escapes C0 controls itself)
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def json_text(text: str) -> str:
+    """A JSON text (``json.dumps(..., ensure_ascii=False)`` of :func:`encodable` strings) with the characters of
+    :data:`_JSON_UNSAFE` written as ``\\uXXXX`` escapes: the same JSON value, safe to print on a terminal. They
+    can only occur inside JSON strings, where such an escape is the character itself."""
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

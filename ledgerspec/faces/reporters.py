@@ -11,7 +11,7 @@ from urllib.parse import quote
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.validate import Report
-from ledgerspec.errors import encodable, printable
+from ledgerspec.errors import encodable, json_text, printable
 from ledgerspec.version import __version__
 
 Reporter = Callable[[list[Report], TextIO, bool], None]
@@ -79,7 +79,9 @@ def _encodable(value: Any) -> Any:
 
 @reporter("json")
 def json_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
-    json.dump(_encodable({"files": [r.to_json() for r in reports]}), out, indent=2, ensure_ascii=False)
+    out.write(
+        json_text(json.dumps(_encodable({"files": [r.to_json() for r in reports]}), indent=2, ensure_ascii=False))
+    )
     out.write("\n")
 
 
@@ -181,7 +183,7 @@ def sarif_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
             }
         ],
     }
-    json.dump(sarif, out, indent=2)
+    out.write(json_text(json.dumps(sarif, indent=2, ensure_ascii=False)))
     out.write("\n")
 
 
