@@ -20,6 +20,7 @@ import pytest
 
 from ledgerspec.contract.loader import MAX_FILE_BYTES, MAX_NODES
 from tests.support import BAD, CliRunner
+from tests.support import REPO_ROOT as REPO
 from tests.support.entry_points import ENTRY_POINTS, Run, check_run, is_printable, run_entry, sarif_errors
 
 # file -> (exit code, rule, line, phrase in the message)
@@ -523,3 +524,88 @@ def test_stdin_is_read_with_the_file_bound(tmp_path: Path) -> None:
         out.decode() == f"<stdin>:1:1: load: error: input is over the {MAX_FILE_BYTES}-byte limit for a ledger "
         "(hint: a ledger is a few KiB; is this the right input?)\n"
     )
+
+
+# -- item 9: --offline, BOM, CR-only line endings, the NaN reason ---------------------------------------------
+
+
+def test_a_nan_figure_gets_a_clear_reason(cli: CliRunner, tmp_path: Path) -> None:
+    """It used to read "CALCULATED needs exact figures: ledger.adapter is CALCULATED"."""
+    path = tmp_path / "nan.ledger.yaml"
+    text = (REPO / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
+    assert "    value: 33554432     # 32 MiB\n" in text
+    path.write_text(text.replace("    value: 33554432     # 32 MiB\n", "    value: .nan\n"), encoding="utf-8")
+    code, out, _ = cli("validate", "-v", path)
+    assert code == 1
+    assert (
+        "  - CALCULATED needs exact figures: ledger.adapter is CALCULATED but its value nan is not a size in bytes\n"
+        in out
+    )
+    assert "ledger.adapter is CALCULATED\n" not in out
+
+
+@pytest.mark.parametrize("ending", [b"\r", b"\r\n"], ids=["cr", "crlf"])
+def test_fix_keeps_cr_and_crlf_line_endings(ending: bytes, tmp_path: Path, cli: CliRunner) -> None:
+    """A CR-only file used to come back with mixed line endings."""
+    path = tmp_path / "l.ledger.yaml"
+    path.write_bytes((REPO / "examples" / "downgraded.ledger.yaml").read_bytes().replace(b"\n", ending))
+    code, _, err = cli("validate", "--fix", path)
+    assert code == 0 and "status lowered" in err
+    raw = path.read_bytes()
+    assert raw.count(ending) > 50
+    assert raw.replace(ending, b"").count(b"\r") == 0 and raw.replace(ending, b"").count(b"\n") == 0
+
+
+@pytest.mark.slow
+def test_offline_touches_no_network(tmp_path: Path) -> None:
+    """``--offline`` with only ``identity.model_id`` used to send one DNS query for the Hub (huggingface_hub's user
+    agent fetches its agent registry unless its HF_HUB_OFFLINE constant is set). A real process with every socket
+    call recorded and refused, and an empty Hugging Face cache."""
+    intake = tmp_path / "hub.intake.yaml"
+    intake.write_text(
+        "ledgerspec: intake/v1\nidentity:\n  model_id: some-org/no-such-model\n  revision: main\n"
+        "method:\n  kind: LoRA\n  rank: 8\n  target_modules: [q_proj]\n",
+        encoding="utf-8",
+    )
+    script = (
+        "import socket, sys\n"
+        "calls = []\n"
+        "def refuse(*a, **k):\n"
+        "    calls.append(a[:2])\n"
+        "    raise OSError('network refused by the test')\n"
+        "socket.getaddrinfo = refuse\n"
+        "socket.create_connection = refuse\n"
+        "socket.socket.connect = lambda self, *a: refuse(*a)\n"
+        "from ledgerspec.faces.cli import main\n"
+        "code = main(['resolve', sys.argv[1], '-o', sys.argv[2], '--offline'])\n"
+        "print('CALLS', calls, file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(intake), str(tmp_path / "out.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "CALLS []" in proc.stderr, proc.stderr[-3000:]
+    assert f"{intake}:3:3: resolve: cannot load the config of 'some-org/no-such-model'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_resolve_into_a_new_file_keeps_the_bom(tmp_path: Path, cli: CliRunner) -> None:
+    """``resolve -o`` used to drop a UTF-8 byte order mark that ``--fix`` kept (fixed in contract.writer)."""
+    data = REPO / "tests" / "data" / "measure"
+    (tmp_path / "tiny-llama").mkdir()
+    (tmp_path / "tiny-llama" / "config.json").write_bytes((data / "tiny-llama" / "config.json").read_bytes())
+    intake = tmp_path / "t.intake.yaml"
+    text = (data / "tiny-llama-lora.yaml").read_text(encoding="utf-8")
+    intake.write_bytes(b"\xef\xbb\xbf" + text.replace("ledgerspec: ledger/v1", "ledgerspec: intake/v1").encode())
+    out = tmp_path / "t.ledger.yaml"
+    code, _, err = cli("resolve", intake, "-o", out)
+    assert code == 0, err
+    raw = out.read_bytes()
+    assert raw.startswith(b"\xef\xbb\xbfledgerspec: ledger/v1") and raw.count(b"\xef\xbb\xbf") == 1
