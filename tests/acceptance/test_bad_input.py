@@ -122,6 +122,7 @@ def test_corpus_is_complete() -> None:
     on_disk = {p.name.removesuffix(".ledger.yaml") for p in BAD.glob("*.ledger.yaml")}
     assert on_disk == set(CASES), on_disk ^ set(CASES)
     assert len(CASES) >= 25
+    assert CORE <= set(CASES)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -270,7 +271,36 @@ def test_console_script_single_file(name: str, tmp_path: Path) -> None:
 # -- every command that reads a document, on every file of the corpus (issue 15) -------------------------------
 
 VALIDATE_FORMATS = ("validate", "validate-json", "validate-github", "validate-sarif")
-EVERY = [pytest.param(name, entry, id=f"{entry}-{name}") for name in sorted(CASES) for entry in ENTRY_POINTS]
+#: the corpus files every command reads in the fast tier (one or more of each kind of refusal, and issue 15's
+#: hostile files); the others go through every command in the slow tier (validate reads all of them in both)
+CORE = {
+    "empty",
+    "duplicate_keys",
+    "alias_bomb",
+    "python_tag",
+    "invalid_utf8",
+    "control_char",
+    "lone_surrogate",
+    "giant_int_5000_digits",
+    "int_key",
+    "version_v2",
+    "unknown_kind",
+    "missing_header",
+    "header_version_5000_digits",
+    "wrong_types",
+    "section_is_list",
+    "unit_gibb",
+    "nan_size",
+    "source_is_a_status",
+    "rich_markup",
+    "terminal_escapes",
+    "scalar_with_comment",
+}
+EVERY = [
+    pytest.param(name, entry, id=f"{entry}-{name}", marks=() if name in CORE else pytest.mark.slow)
+    for name in sorted(CASES)
+    for entry in ENTRY_POINTS
+]
 
 
 def _line_of(run: Run, name: str) -> list[str]:
