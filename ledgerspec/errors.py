@@ -83,6 +83,20 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(_escaped, text)
 
 
+class PrintableLines:
+    """A text stream that passes everything written to it through :func:`printable`, line by line (the line
+    breaks kept): for a command's messages that quote paths and values."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return int(self.stream.write("\n".join(printable(part) for part in text.split("\n"))) or 0)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, PrintableLines, printable
 from ledgerspec.faces.arguments import add_force, positive_size
 
 
@@ -77,7 +77,7 @@ def _measure(args: argparse.Namespace) -> int:
     )
     report = _save(doc, target, args.force)
     r = outcome.result
-    err = sys.stderr
+    err = PrintableLines(sys.stderr)  # paths and messages quote user strings
     for note in outcome.notes:
         print(f"{target}: note: {note}", file=err)
     if r.oom:
@@ -135,7 +135,7 @@ def _measure_ranks(args: argparse.Namespace) -> int:
     doc, target = _open(args, "measure")
     outcome = measure_dist(doc, args.nproc, device=args.device, steps=args.steps, command=_command("measure", args))
     report = _save(doc, target, args.force)
-    err = sys.stderr
+    err = PrintableLines(sys.stderr)  # paths and messages quote user strings
     for note in outcome.notes:
         print(f"{target}: note: {note}", file=err)
     for out in outcome.ranks:
@@ -158,5 +158,5 @@ def _triage(args: argparse.Namespace) -> int:
     outcome = triage(doc, device=args.device, steps=args.steps, memory_limit=args.memory_limit)
     save(doc, target, force=args.force)
     for line in outcome.summary(target):
-        print(line)
+        print(printable(line))
     return EXIT_OK
