@@ -252,7 +252,7 @@ def read_document_bytes(path: str | os.PathLike[str], display: str | None = None
 
     shown = display or os.fsdecode(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise LedgerspecError("no such file", shown, rule="load", hint="check the path") from None
     except OSError as exc:

@@ -197,7 +197,7 @@ def _locked(t: _Target) -> Iterator[os.stat_result | None]:
 
 
 def _open_lock(t: _Target) -> tuple[int, bool]:
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(t.real, flags)
         mode = os.fstat(fd).st_mode
@@ -289,10 +289,10 @@ def atomic_write(path: str | os.PathLike[str], text: str, *, force: bool = False
                 "run the command again on the new file",
             )
         remove_stale_temps(t.folder, os.path.basename(t.real))
-        _write(t, st, data, force)
+        _write(t, st, data)
 
 
-def _write(t: _Target, st: os.stat_result | None, data: bytes, force: bool) -> None:
+def _write(t: _Target, st: os.stat_result | None, data: bytes) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(t.real)}.", suffix=".tmp", dir=t.folder)
     except OSError as exc:
@@ -304,7 +304,9 @@ def _write(t: _Target, st: os.stat_result | None, data: bytes, force: bool) -> N
             os.fsync(fh.fileno())
             in_place = st is not None and (st.st_nlink > 1 or not _take_owner(fh.fileno(), st))
             os.fchmod(fh.fileno(), (st.st_mode & 0o7777) if st is not None else _new_file_mode())
-        if in_place and st is not None and _rewrite_in_place(t.real, data):
+        with _signals_deferred():  # Ctrl-C or SIGTERM never cut an in-place copy short
+            copied = in_place and st is not None and _rewrite_in_place(t.real, data)
+        if copied:
             os.unlink(tmp)
         else:  # the usual case, and a read-only file with --force that cannot be opened for writing
             os.replace(tmp, t.real)
@@ -317,6 +319,24 @@ def _write(t: _Target, st: os.stat_result | None, data: bytes, force: bool) -> N
         if isinstance(exc, OSError):  # a full disk, a quota, a target replaced by a folder meanwhile
             raise _error(f"cannot write: {exc.strerror or exc}", t.shown) from None
         raise
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (delivered when the block ends) in the main thread; elsewhere, or without
+    ``pthread_sigmask``, nothing changes."""
+    import signal
+    import threading
+
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = mask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        mask(signal.SIG_SETMASK, previous)
 
 
 def _take_owner(fd: int, st: os.stat_result) -> bool:
