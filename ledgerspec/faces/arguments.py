@@ -81,7 +81,7 @@ def device_memory_bytes(value: DeviceMemory | None, file: str) -> int | None:
 
 
 #: what ``--force`` means for every command that writes a file (docs: "Writing files back")
-FORCE_HELP = "write OUT (or FILE) even if it is read-only (init -o: even if it exists)"
+FORCE_HELP = "write FILE (or OUT) even if it is read-only"
 
 
 def add_force(parser: argparse.ArgumentParser, help: str = FORCE_HELP) -> None:

@@ -23,7 +23,7 @@ def register(subparsers: Any) -> None:
     v.add_argument("files", nargs="+", metavar="FILE")
     v.add_argument("--format", choices=("text", "json", "sarif", "github"), default="text")
     v.add_argument("--fix", action="store_true", help="lower a declared status to the supported one, in place")
-    add_force(v)
+    add_force(v, "with --fix: write FILE even if it is read-only")
     v.add_argument("-v", "--verbose", action="store_true", help="show info findings and every status reason")
     v.set_defaults(run=_run)
 
