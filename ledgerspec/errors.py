@@ -7,6 +7,7 @@ and an exit code; nothing else reaches the user as a traceback.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,10 +51,71 @@ class LedgerspecError(Exception):
         return loc
 
     def format(self) -> str:
+        """The one line a terminal shows: user strings in it (a path, a value) are :func:`printable`."""
         text = f"{self.location()}: {self.rule}: {self.message}"
         if self.hint:
             text += f" (hint: {self.hint})"
-        return text
+        return printable(text)
+
+
+#: what a terminal must never receive raw from a user's string: C0 and C1 controls (ESC starts an escape
+#: sequence, U+009B is a one-byte CSI), DEL, the line and paragraph separators, the bidirectional overrides and
+#: isolates ("Trojan Source", CVE-2021-42574), and lone surrogates (Python's surrogateescape of a file name's
+#: non-UTF-8 bytes, which no UTF-8 stream can carry)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(m: re.Match[str]) -> str:
+    char = m.group()
+    code = ord(char)
+    if char in _NAMED:
+        return _NAMED[char]
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (os.fsdecode's surrogateescape): shown as that byte
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal, on one line: every control character, escape sequence introducer,
+    bidirectional control and undecodable byte shown as a Python-style escape (``\\x1b``, ``\\n``, ``\\u202e``,
+    ``\\xff``); everything else (any printable Unicode) kept."""
+    return _UNPRINTABLE.sub(_escaped, text)
+
+
+class PrintableLines:
+    """A text stream that passes everything written to it through :func:`printable`, line by line (the line
+    breaks kept): for a command's messages that quote paths and values."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return int(self.stream.write("\n".join(printable(part) for part in text.split("\n"))) or 0)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """``text`` with the lone surrogates of an undecodable file name shown as ``\\xNN`` (as :func:`printable`
+    does), so that it encodes as UTF-8: for JSON, SARIF and HTML, which escape the rest themselves."""
+    return _SURROGATE.sub(_escaped, text)
+
+
+#: what JSON leaves raw (``ensure_ascii=False``) that a terminal must not get raw: C1 controls, DEL, the line and
+#: paragraph separators, the bidirectional controls (JSON escapes C0 controls itself)
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def json_text(text: str) -> str:
+    """A JSON text (``json.dumps(..., ensure_ascii=False)`` of :func:`encodable` strings) with the characters of
+    :data:`_JSON_UNSAFE` written as ``\\uXXXX`` escapes: the same JSON value, safe to print on a terminal. They
+    can only occur inside JSON strings, where such an escape is the character itself."""
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -104,6 +104,14 @@ def _activation_figure(doc: Document) -> bool:
     )
 
 
+def _shown_value(value: object) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to print
+        return "<a very large number>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def supported_status(doc: Document) -> StatusResult:
     """The highest status the evidence supports, with the reasons that hold it down."""
     gaps = minimum_intake_gaps(doc)
@@ -121,8 +129,12 @@ def supported_status(doc: Document) -> StatusResult:
     for key in F.RESIDENT:
         v = doc.get("ledger", key)
         src = v.effective_source(True)
-        if src not in EXACT_SOURCES or v.size() is None:
-            weak.append(f"ledger.{key} is {src if v.present else 'missing'}")
+        if not v.present:
+            weak.append(f"ledger.{key} is missing")
+        elif src not in EXACT_SOURCES or v.unknown:
+            weak.append(f"ledger.{key} is {src}")
+        elif v.size() is None:  # CALCULATED (or stronger) but no size: nan, inf, -1 GiB, a word
+            weak.append(f"ledger.{key} is {src} but its value {_shown_value(v.value)} is not a size in bytes")
     weak += stale_evidence(doc, "CALCULATED")  # figures of since-edited inputs (LS006)
     if weak:
         res.reasons = [f"CALCULATED needs exact figures: {w}" for w in weak]

@@ -10,8 +10,7 @@ from ledgerspec.checks.findings import ERROR, SEVERITY_ORDER, Finding, Hit
 from ledgerspec.checks.ladder import StatusResult, supported_status
 from ledgerspec.checks.registry import all_rules
 from ledgerspec.checks.schema_check import schema_hits
-from ledgerspec.contract import fields as F
-from ledgerspec.contract.document import Document
+from ledgerspec.contract.document import Document, header_problem
 
 
 @dataclass
@@ -51,7 +50,7 @@ def _finding(doc: Document, rule: str, severity: str, hit: Hit) -> Finding:
 def validate(doc: Document) -> Report:
     """Check ``doc`` against the schema and every rule; compute its supported status."""
     declared = doc.get("status").text() if doc.get("status").present else None
-    header = _header_problem(doc)
+    header = header_problem(doc)
     if header:
         line, col = doc.position("/ledgerspec")
         return Report(doc.path, None, declared, None, [], [Finding("header", ERROR, "/ledgerspec", header, line, col)])
@@ -63,15 +62,3 @@ def validate(doc: Document) -> Report:
             findings.append(_finding(doc, r.id, r.severity, hit))
     findings.sort(key=lambda f: (f.line, f.column, SEVERITY_ORDER[f.severity], f.rule))
     return Report(doc.path, doc.kind, declared, status.status, status.reasons, findings, status.intake_complete)
-
-
-def _header_problem(doc: Document) -> str | None:
-    header = doc.plain.get("ledgerspec")
-    supported = ", ".join(f"{k}/v{v}" for k, vs in F.VERSIONS.items() for v in vs)
-    if header is None:
-        return f"missing header `ledgerspec:`; the first key names the document kind ({supported})"
-    if doc.kind is None:
-        return f"unknown document kind {header!r}; supported: {supported}"
-    if doc.version not in F.VERSIONS[doc.kind]:
-        return f"unsupported version {header!r}; this ledgerspec reads {supported}"
-    return None

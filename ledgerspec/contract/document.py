@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract import fields as F
-from ledgerspec.contract.loader import parse, read_document_text, to_plain
+from ledgerspec.contract.loader import parse, read_document_bytes, to_plain
 from ledgerspec.contract.values import Value
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
 HEADER_RE = re.compile(r"^(?P<kind>[a-z]+)/v(?P<version>[0-9]+)$")
+#: a version number longer than this is no version (and ``int()`` of over 4,300 digits raises)
+MAX_VERSION_DIGITS = 9
 
 
 @dataclass
@@ -35,6 +37,9 @@ class Document:
     edits: set[tuple[str, ...]] = field(default_factory=set, repr=False)
     #: ``(old, new, comment)`` of a status set by :func:`ledgerspec.contract.edit.set_status`
     status_edit: tuple[Any, str, str] | None = field(default=None, repr=False)
+    #: ``(real path, sha256 of the bytes read)`` of the file this document was loaded from: a save to that file
+    #: first checks that nobody wrote it meanwhile (:func:`ledgerspec.contract.writer.save`)
+    origin: tuple[str, str] | None = field(default=None, repr=False)
 
     # -- reading --------------------------------------------------------------------------------
     def get(self, *path: str) -> Value:
@@ -185,16 +190,59 @@ def from_text(text: str, display: str = "<input>") -> Document:
 
 def load(path: str | os.PathLike[str], display: str | None = None) -> Document:
     """Load a ledger or intake file; raises :class:`LedgerspecError` with FILE:LINE:COL on bad input."""
-    shown = display or str(path)
-    text, bom = read_document_text(Path(path), shown)
+    shown = display or os.fsdecode(path)
+    text, bom, digest = read_document_bytes(Path(path), shown)
     doc = from_text(text, shown)
     doc.bom = bom
+    doc.origin = (os.path.realpath(path), digest)
     return doc
+
+
+def header_problem(doc: Document) -> str | None:
+    """Why ``doc``'s header is not one this ledgerspec reads (missing, unknown kind, unsupported version), else
+    None. The one wording, for ``validate`` (a finding) and for every other command (a refusal)."""
+    header = doc.plain.get("ledgerspec")
+    supported = ", ".join(f"{k}/v{v}" for k, vs in F.VERSIONS.items() for v in vs)
+    if header is None:
+        return f"missing header `ledgerspec:`; the first key names the document kind ({supported})"
+    shown = _short_repr(header)
+    if doc.kind is None:
+        return f"unknown document kind {shown}; supported: {supported}"
+    if doc.version not in F.VERSIONS[doc.kind]:
+        return f"unsupported version {shown}; this ledgerspec reads {supported}"
+    return None
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to print
+        text = "<a very large number>"
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-1]}"
+
+
+def require_header(doc: Document, command: str, kinds: tuple[str, ...] = ("ledger", "intake")) -> Document:
+    """``doc`` when its header is one this ledgerspec reads and of one of ``kinds``; else the header's refusal
+    (exit 2): a command never works on a document ``validate`` rejects for its header (``ledger/v2``)."""
+    problem = header_problem(doc)
+    if problem is None and doc.kind not in kinds:
+        wanted = " or ".join(f"{k}/v{F.VERSIONS[k][-1]}" for k in kinds)
+        problem = f"{command} reads a {wanted} document, got {_short_repr(doc.plain.get('ledgerspec'))}"
+    if problem is not None:
+        raise error_at(doc, ("ledgerspec",), problem, rule="header", exit_code=EXIT_USAGE)
+    return doc
+
+
+def load_for(path: str, command: str, kinds: tuple[str, ...] = ("ledger", "intake")) -> Document:
+    """:func:`load`, then :func:`require_header`: what every command but ``validate`` reads a document with."""
+    return require_header(load(path), command, kinds)
 
 
 def load_ledger(path: str, command: str) -> Document:
     """Load ``path`` for a command that writes ledger figures into it: an intake (or anything else) is refused."""
     doc = load(path)
+    if header_problem(doc) is not None:
+        require_header(doc, command)
     if doc.kind != "ledger":
         raise error_at(
             doc,
@@ -234,5 +282,6 @@ def _build(display: str, text: str, data: Any) -> Document:
         m = HEADER_RE.match(header.strip())
         if m and m.group("kind") in F.KINDS:
             doc.kind = m.group("kind")
-            doc.version = int(m.group("version"))
+            digits = m.group("version")
+            doc.version = int(digits) if len(digits) <= MAX_VERSION_DIGITS else None
     return doc

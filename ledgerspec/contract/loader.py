@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import io
 import os
-from pathlib import Path
+import stat
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -233,35 +233,83 @@ def _line_col_of_offset(data: bytes, offset: int) -> tuple[int, int]:
 
 def read_text(path: str | os.PathLike[str], display: str | None = None) -> str:
     """Read a ledger file as text: size cap, UTF-8 (a BOM is accepted), CRLF kept for write-back."""
-    return read_document_text(path, display)[0]
+    return read_document_bytes(path, display)[0]
 
 
 def read_document_text(path: str | os.PathLike[str], display: str | None = None) -> tuple[str, bool]:
     """:func:`read_text`, and whether the file starts with a UTF-8 byte order mark (write-back keeps it)."""
-    shown = display or str(path)
-    p = Path(path)
+    text, bom, _ = read_document_bytes(path, display)
+    return text, bom
+
+
+def read_document_bytes(path: str | os.PathLike[str], display: str | None = None) -> tuple[str, bool, str]:
+    """:func:`read_document_text` and the sha256 of the bytes read (a later save checks the file is unchanged).
+
+    The file is opened first (non-blocking: a FIFO put in its place never hangs the read) and what was opened is
+    checked: a regular file of at most :data:`MAX_FILE_BYTES`, read with that bound even if it grows meanwhile.
+    """
+    import hashlib
+
+    shown = display or os.fsdecode(path)
     try:
-        st = p.stat()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise LedgerspecError("no such file", shown, rule="load", hint="check the path") from None
     except OSError as exc:
-        raise LedgerspecError(f"cannot read: {exc.strerror}", shown, rule="load") from None
-    if not p.is_file():
-        raise LedgerspecError("not a regular file", shown, rule="load")
-    if st.st_size > MAX_FILE_BYTES:
+        raise LedgerspecError(f"cannot read: {exc.strerror or exc}", shown, rule="load") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LedgerspecError(f"not a regular file ({file_type(st.st_mode)})", shown, rule="load")
+        if st.st_size > MAX_FILE_BYTES:
+            raise LedgerspecError(
+                f"file is {st.st_size} bytes, over the {MAX_FILE_BYTES}-byte limit for a ledger",
+                shown,
+                1,
+                1,
+                rule="load",
+                hint="a ledger is a few KiB; is this the right file?",
+            )
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise LedgerspecError(f"cannot read: {exc.strerror or exc}", shown, rule="load") from None
+    finally:
+        os.close(fd)
+    return decode(raw, shown), raw.startswith(BOM), hashlib.sha256(raw).hexdigest()
+
+
+def read_stream(stream: Any, display: str = "<stdin>") -> str:
+    """A document from a binary stream (``validate -``), read with the same bound as a file: at most
+    :data:`MAX_FILE_BYTES` + 1 bytes are ever held, so a gigabyte piped in is refused without being read whole."""
+    try:
+        raw = stream.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise LedgerspecError(f"cannot read: {exc.strerror or exc}", display, rule="load") from None
+    if len(raw) > MAX_FILE_BYTES:
         raise LedgerspecError(
-            f"file is {st.st_size} bytes, over the {MAX_FILE_BYTES}-byte limit for a ledger",
-            shown,
+            f"input is over the {MAX_FILE_BYTES}-byte limit for a ledger",
+            display,
             1,
             1,
             rule="load",
-            hint="a ledger is a few KiB; is this the right file?",
+            hint="a ledger is a few KiB; is this the right input?",
         )
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise LedgerspecError(f"cannot read: {exc.strerror}", shown, rule="load") from None
-    return decode(raw, shown), raw.startswith(BOM)
+    return decode(raw, display)
+
+
+def file_type(mode: int) -> str:
+    """What a non-regular file is, in words (for messages)."""
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def decode(raw: bytes, display: str) -> str:

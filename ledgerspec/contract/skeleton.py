@@ -165,5 +165,9 @@ def _copy_comments(src: Any, dst: Any, indent: str, top: bool = False) -> None:
             slot = dst.ca.items.get(key)
             if slot is not None and slot[2] is not None and not str(slot[2].value).startswith("#"):
                 slot[2].value = " " + eol + str(slot[2].value)
+            elif slot is not None and slot[2] is None and slot[3]:
+                # the skeleton had a mapping here (its guidance in slot[3]) and the intake a scalar with a comment
+                # (`adapter: float32  # c`): ruamel's yaml_add_eol_comment cannot extend such a slot
+                slot[2] = CommentToken(f" {eol}\n", CommentMark(0), None)
             elif slot is None or slot[2] is None:
                 dst.yaml_add_eol_comment(eol, key)

@@ -78,3 +78,12 @@ def device_memory_bytes(value: DeviceMemory | None, file: str) -> int | None:
     if note:
         print(f"{file}: {note}", file=sys.stderr)
     return int(value) if value is not None else None
+
+
+#: what ``--force`` means for every command that writes a file (docs: "Writing files back")
+FORCE_HELP = "write FILE (or OUT) even if it is read-only"
+
+
+def add_force(parser: argparse.ArgumentParser, help: str = FORCE_HELP) -> None:
+    """``--force``: the one opt-in to write over a read-only file, the same flag on every command that writes."""
+    parser.add_argument("--force", action="store_true", help=help)

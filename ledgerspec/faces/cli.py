@@ -7,10 +7,11 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_USAGE, LedgerspecError, described
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_USAGE, LedgerspecError, described, printable
 from ledgerspec.version import __version__
 
 #: command module (``ledgerspec.faces.commands.NAME``) -> the subcommands it registers, in ``--help`` order
@@ -35,8 +36,8 @@ class _Parser(argparse.ArgumentParser):
         # minus and a digit as a value, as Python 3.13's argparse does (3.11 takes only plain numbers)
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
-    def error(self, message: str) -> Any:  # one line, exit 2, no usage dump
-        self.exit(EXIT_USAGE, f"ledgerspec: usage: {message} (see `{self.prog} --help`)\n")
+    def error(self, message: str) -> Any:  # one line, exit 2, no usage dump; a bad argument shown escaped
+        self.exit(EXIT_USAGE, printable(f"ledgerspec: usage: {message} (see `{self.prog} --help`)") + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _never_unencodable()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code: int = args.run(args)
+        with _sigterm_unwinds():
+            code: int = args.run(args)
         return code
     except LedgerspecError as exc:
         print(exc.format(), file=sys.stderr)
@@ -66,8 +69,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug in ledgerspec (or a library), not in the user's file
         if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
             raise
-        print(internal_error_line(args.command, exc), file=sys.stderr)
+        print(printable(internal_error_line(args.command, exc)), file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _never_unencodable() -> None:
+    """Output is valid text whatever it holds: where standard output or error would raise on a character its
+    encoding lacks (``strict``), or pass a file name's undecodable bytes through raw (``surrogateescape``, the C
+    locale), write a backslash escape instead. The reporters escape user strings themselves; this is the net."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", None) in ("strict", "surrogateescape"):
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a stream already written to in a way that cannot change
+                pass
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C: ``finally`` blocks run, so a write in progress removes its temp file (the file
+    itself is old or new, never partial). Only in the main thread (where signal handlers can be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def internal_error_line(command: str, exc: BaseException) -> str:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any, TextIO
+from urllib.parse import quote
 
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.validate import Report
+from ledgerspec.errors import encodable, json_text, printable
 from ledgerspec.version import __version__
 
 Reporter = Callable[[list[Report], TextIO, bool], None]
@@ -25,43 +28,82 @@ def reporter(name: str) -> Callable[[Reporter], Reporter]:
     return register
 
 
+def _lines(out: TextIO) -> Callable[[str], None]:
+    """Write one line to ``out``: every user string in it (a path, a value quoted in a message) made
+    :func:`~ledgerspec.errors.printable`, so a terminal never receives an escape sequence from a file."""
+
+    def write(line: str) -> None:
+        out.write(printable(line) + "\n")
+
+    return write
+
+
 @reporter("text")
 def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
+    line = _lines(out)
     for r in reports:
         for f in r.findings:
             if f.severity == INFO and not verbose:
                 continue
-            out.write(f"{r.path}:{f.line}:{f.column}: {f.rule}: {f.severity}: {f.message}\n")
+            line(f"{r.path}:{f.line}:{f.column}: {f.rule}: {f.severity}: {f.message}")
         if r.supported_status is not None:
             declared = r.declared_status or "none declared"
-            out.write(
+            line(
                 f"{r.path}: {r.kind}/v1, status {r.supported_status} (declared: {declared})"
-                f"{'' if r.ok else ', INVALID'}\n"
+                f"{'' if r.ok else ', INVALID'}"
             )
             # what holds the status down is the next step: always the first few; all of them with -v or
             # when the declared status claims more than the evidence supports
             overclaimed = RANK.get(r.declared_status or "", -1) > RANK.get(r.supported_status, -1)
             shown = r.reasons if verbose or overclaimed else r.reasons[:REASONS_SHOWN]
             for reason in shown:
-                out.write(f"  - {reason}\n")
+                line(f"  - {reason}")
             if len(shown) < len(r.reasons):
-                out.write(f"  - ... {len(r.reasons) - len(shown)} more reason(s) (-v shows them)\n")
+                line(f"  - ... {len(r.reasons) - len(shown)} more reason(s) (-v shows them)")
     infos = sum(1 for r in reports for f in r.findings if f.severity == INFO)
     if infos and not verbose:
-        out.write(f"({infos} info finding(s) hidden; -v shows them)\n")
+        line(f"({infos} info finding(s) hidden; -v shows them)")
+
+
+def _encodable(value: Any) -> Any:
+    """Every string of a JSON value :func:`~ledgerspec.errors.encodable` (a file name's undecodable bytes as
+    ``\\xNN``): the output is valid UTF-8 whatever the names; JSON escapes control characters itself."""
+    if isinstance(value, str):
+        return encodable(value)
+    if isinstance(value, dict):
+        return {encodable(str(k)): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value
 
 
 @reporter("json")
 def json_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
-    json.dump({"files": [r.to_json() for r in reports]}, out, indent=2, ensure_ascii=False)
+    out.write(
+        json_text(json.dumps(_encodable({"files": [r.to_json() for r in reports]}), indent=2, ensure_ascii=False))
+    )
     out.write("\n")
 
 
 def _gh_escape(text: str, prop: bool = False) -> str:
+    """A workflow command's value: ``%``, CR and LF percent-encoded (GitHub's own escaping), then every other
+    control character and escape sequence shown escaped (:func:`~ledgerspec.errors.printable`)."""
     text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
     if prop:
         text = text.replace(":", "%3A").replace(",", "%2C")
-    return text
+    return printable(text)
+
+
+def sarif_uri(path: str) -> str:
+    """A SARIF ``artifactLocation.uri`` for ``path``: RFC 3986, every byte of the name that is not unreserved
+    percent-encoded (spaces, ``#``, ``<``, ``%``, control characters, non-ASCII as its UTF-8 bytes, a non-UTF-8
+    name's own bytes). A relative path stays a relative reference (code scanning reads it against the repository
+    root); an absolute one becomes a ``file://`` URI (SARIF 2.1.0 §3.10.2: a URI or a relative reference)."""
+    name = path.replace("\\", "/") if os.sep == "\\" else path
+    raw = os.fsencode(name)
+    if os.path.isabs(name):
+        return "file://" + quote(raw, safe="/")
+    return quote(raw, safe="/")
 
 
 @reporter("github")
@@ -111,14 +153,14 @@ def sarif_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
             result.update(
                 {
                     "level": _sarif_level(f.severity),
-                    "message": {"text": f.message},
+                    "message": {"text": encodable(f.message)},
                     "locations": [
                         {
                             "physicalLocation": {
-                                "artifactLocation": {"uri": r.path.replace("\\", "/")},
+                                "artifactLocation": {"uri": sarif_uri(r.path)},
                                 "region": {"startLine": f.line, "startColumn": f.column},
                             },
-                            "logicalLocations": [{"fullyQualifiedName": f.pointer or "/"}],
+                            "logicalLocations": [{"fullyQualifiedName": encodable(f.pointer or "/")}],
                         }
                     ],
                 }
@@ -141,7 +183,7 @@ def sarif_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
             }
         ],
     }
-    json.dump(sarif, out, indent=2)
+    out.write(json_text(json.dumps(sarif, indent=2, ensure_ascii=False)))
     out.write("\n")
 
 

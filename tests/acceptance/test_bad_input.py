@@ -7,6 +7,8 @@ the message. ``tests/bad/accepted/`` holds odd-but-legal files (CRLF, BOM) that 
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import subprocess
@@ -18,6 +20,8 @@ import pytest
 
 from ledgerspec.contract.loader import MAX_FILE_BYTES, MAX_NODES
 from tests.support import BAD, CliRunner
+from tests.support import REPO_ROOT as REPO
+from tests.support.entry_points import ENTRY_POINTS, Run, check_run, is_printable, run_entry, sarif_errors
 
 # file -> (exit code, rule, line, phrase in the message)
 CASES: dict[str, tuple[int, str, int, str]] = {
@@ -61,6 +65,8 @@ CASES: dict[str, tuple[int, str, int, str]] = {
     "giant_int_10e400": (2, "load", 4, "integer of about 401 digits is too large"),
     "giant_int_5000_digits": (2, "load", 4, "5000 digits"),
     "version_v2": (1, "header", 1, "unsupported version 'ledger/v2'"),
+    # issue 15: int() of over 4,300 digits used to raise ValueError (an internal error) in every command
+    "header_version_5000_digits": (1, "header", 1, "unsupported version 'ledger/v111"),
     "unknown_kind": (1, "header", 1, "unknown document kind 'budget/v1'"),
     "header_not_string": (1, "header", 1, "unknown document kind 1"),
     "missing_header": (1, "header", 1, "missing header"),
@@ -84,6 +90,12 @@ CASES: dict[str, tuple[int, str, int, str]] = {
     "long_form_stray_key": (1, "schema", 4, "unknown key(s) 'unit'"),
     "unknown_status": (1, "schema", 2, "'DONE' is not one of"),
     "enum_typo": (1, "schema", 4, "did you mean 'QLoRA'?"),
+    # issue 15: hostile strings; report used to fail on them (KeyError, MarkupError) or print them raw
+    "source_is_a_status": (1, "schema", 5, "unknown source 'CANDIDATE'"),
+    "rich_markup": (1, "schema", 6, "unknown source '[/red]'"),
+    "terminal_escapes": (1, "schema", 6, "unknown source '\\x1b[31mCALCULATED'"),
+    # issue 15: init --from used to fail with TypeError ('CommentToken' object is not iterable)
+    "scalar_with_comment": (1, "schema", 3, "adapter must be a mapping of keys (got 'float32')"),
 }
 
 ACCEPTED = sorted(p.name for p in (BAD / "accepted").iterdir())
@@ -110,6 +122,7 @@ def test_corpus_is_complete() -> None:
     on_disk = {p.name.removesuffix(".ledger.yaml") for p in BAD.glob("*.ledger.yaml")}
     assert on_disk == set(CASES), on_disk ^ set(CASES)
     assert len(CASES) >= 25
+    assert CORE <= set(CASES)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -253,3 +266,376 @@ def test_console_script_single_file(name: str, tmp_path: Path) -> None:
     assert proc.returncode == CASES[name][0]
     assert proc.stdout.startswith(f"{_bad(name)}:{CASES[name][2]}:")
     assert proc.stderr == "" and "Traceback" not in proc.stdout
+
+
+# -- every command that reads a document, on every file of the corpus (issue 15) -------------------------------
+
+VALIDATE_FORMATS = ("validate", "validate-json", "validate-github", "validate-sarif")
+#: the corpus files every command reads in the fast tier (one or more of each kind of refusal, and issue 15's
+#: hostile files); the others go through every command in the slow tier (validate reads all of them in both)
+CORE = {
+    "empty",
+    "duplicate_keys",
+    "alias_bomb",
+    "python_tag",
+    "invalid_utf8",
+    "control_char",
+    "lone_surrogate",
+    "giant_int_5000_digits",
+    "int_key",
+    "version_v2",
+    "unknown_kind",
+    "missing_header",
+    "header_version_5000_digits",
+    "wrong_types",
+    "section_is_list",
+    "unit_gibb",
+    "nan_size",
+    "source_is_a_status",
+    "rich_markup",
+    "terminal_escapes",
+    "scalar_with_comment",
+}
+EVERY = [
+    pytest.param(name, entry, id=f"{entry}-{name}", marks=() if name in CORE else pytest.mark.slow)
+    for name in sorted(CASES)
+    for entry in ENTRY_POINTS
+]
+
+
+def _line_of(run: Run, name: str) -> list[str]:
+    """The lines of ``run`` that point at the problem of corpus case ``name`` (its line, in the file it was given)."""
+    _, _, line, _ = CASES[name]
+    return [ln for ln in run.text.splitlines() if ln.startswith(f"{run.path}:{line}:")]
+
+
+@pytest.mark.parametrize(("name", "entry"), EVERY)
+def test_every_command_refuses_or_reads_the_corpus_cleanly(name: str, entry: str, tmp_path: Path) -> None:
+    """Exit 0/1/2, never an internal error; a file refused at load is refused by every command with the same one
+    line; a header validate rejects (ledger/v2) is refused by every command that works on the document; resolve and
+    estimate never reach their model (nor import torch) on a file they refuse."""
+    _, rule, line, phrase = CASES[name]
+    run = run_entry(entry, _bad(name), tmp_path / "work")
+    check_run(run, sarif_errors)
+    refused_at_load = rule == "load"
+    if refused_at_load:
+        assert run.code == 2, run.text
+        hits = _line_of(run, name)
+        if entry == "validate-json":
+            (doc,) = json.loads(run.out)["files"]
+            assert any(f["line"] == line and phrase in f["message"] for f in doc["findings"]), run.out
+        elif entry == "validate-sarif":
+            results = json.loads(run.out)["runs"][0]["results"]
+            assert any(r["locations"][0]["physicalLocation"]["region"]["startLine"] == line for r in results)
+        elif entry == "validate-github":
+            assert f",line={line}," in run.out, run.out
+        else:
+            assert any(phrase in ln and f" {rule}: " in ln for ln in hits), run.text
+            if entry not in VALIDATE_FORMATS and entry != "validate-fix":  # one line, on stderr
+                assert run.out == "" and len(run.err.splitlines()) == 1, run.text
+    elif rule == "header":
+        if entry in (*VALIDATE_FORMATS, "validate-fix"):
+            assert run.code == 1, run.text
+        else:  # report, init --from, resolve, estimate: the header is refused before any work
+            assert run.code == 2, run.text
+            assert run.err.startswith(f"{run.path}:1:") and " header: " in run.err, run.text
+            if entry != "init-from":
+                assert phrase in run.err, run.text
+    else:  # readable but invalid: validate says so; the others read it (and may refuse what they need)
+        if entry in (*VALIDATE_FORMATS, "validate-fix"):
+            assert run.code == 1, run.text
+        elif entry.startswith("report"):
+            assert run.code == 0, run.text
+    if entry not in ("validate-fix",):
+        assert _bad(name).read_bytes() == (BAD / f"{name}.ledger.yaml").read_bytes()
+    assert not [p for p in (tmp_path / "work").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_resolve_and_estimate_refuse_a_bad_file_without_importing_torch(tmp_path: Path) -> None:
+    """A real process with torch made unimportable: every file refused at load (or by its header) is refused by
+    resolve and estimate with validate's line, exit 2 (an import of torch would be an internal error, exit 70)."""
+    refused = [n for n in sorted(CASES) if CASES[n][1] in ("load", "header")]
+    script = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from ledgerspec.faces.cli import main\n"
+        "codes = [main([cmd, f]) for f in sys.argv[1:] for cmd in ('resolve', 'estimate')]\n"
+        "print(codes, file=sys.stderr)\n"
+        "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+        "sys.exit(0 if set(codes) == {2} else 1)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *[str(_bad(n)) for n in refused]],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for n in refused:
+        assert proc.stderr.count(f"{_bad(n)}:{CASES[n][2]}:") == 2, n
+
+
+def test_rich_markup_in_a_note_is_text(cli: CliRunner) -> None:
+    """``[/red]`` used to raise MarkupError; ``[link=URL]`` became a hidden hyperlink; ``:warning:`` an emoji."""
+    code, out, err = cli("report", _bad("rich_markup"))
+    assert code == 0, err
+    assert "[bold red]not bold[/bold red] [/red]" in out
+    assert "[/red]" in out and "[/]" in out
+    assert "[link=https://example.com/phish]click" in out.replace("\n", " ") or "[link=https://example" in out
+    assert ":warning:" in out and "\u26a0" not in out
+
+
+def test_rich_terminal_with_colour_sends_only_its_own_escape_sequences() -> None:
+    """With colours on, the only escape sequences are rich's own SGR colour codes: a user's are shown escaped."""
+    from ledgerspec.contract.document import load
+    from ledgerspec.faces.report.data import gather
+    from ledgerspec.faces.report.terminal import render_rich
+
+    for name in ("terminal_escapes", "rich_markup"):
+        out = io.StringIO()
+        render_rich(gather(load(_bad(name))), out, color=True)
+        text = out.getvalue()
+        assert "\x1b[" in text  # coloured
+        bare = re.sub(r"\x1b\[[0-9;]*m", "", text)
+        assert all(is_printable(ln) for ln in bare.splitlines()), [
+            ln for ln in bare.splitlines() if not is_printable(ln)
+        ]
+        assert "\x1b]8" not in text  # no hyperlink (OSC 8), neither the user's nor one made from markup
+        if name == "terminal_escapes":
+            assert "\\x1b[2J" in bare and "\\u202e" in bare
+
+
+def test_terminal_escapes_are_shown_escaped_everywhere(tmp_path: Path) -> None:
+    for entry in ENTRY_POINTS:
+        run = run_entry(entry, _bad("terminal_escapes"), tmp_path / entry)
+        check_run(run, sarif_errors)
+        assert "\x1b" not in run.text and "\x9b" not in run.text, entry
+        if entry != "init-from":  # init prints the YAML document: a bidi mark is written as the document holds it
+            assert "\u202e" not in run.text, entry
+        if entry.startswith("report") and entry != "report-html":
+            assert "\\x1b[2J" in run.out and "\\u202e" in run.out and "\\x9b" in run.out, run.out
+        if entry == "report-html":
+            assert b"\x1b" not in run.written["html"] and b"\\x1b[2J" in run.written["html"]
+
+
+def test_init_from_a_scalar_with_a_comment_where_a_mapping_belongs(tmp_path: Path) -> None:
+    run = run_entry("init-from", _bad("scalar_with_comment"), tmp_path)
+    assert run.code == 0, run.text
+    assert re.search(r"^adapter: float32 +# c$", run.out, re.M), run.out
+
+
+def test_report_shows_a_source_that_is_no_provenance_word(tmp_path: Path) -> None:
+    for entry in ("report", "report-plain", "report-html"):
+        run = run_entry(entry, _bad("source_is_a_status"), tmp_path)
+        assert run.code == 0, run.text
+        assert "CANDIDATE" in (run.out if entry != "report-html" else run.written["html"].decode())
+
+
+def test_a_version_of_5000_digits_stops_nothing_else(cli: CliRunner) -> None:
+    """One such file used to abort a multi-file validate with an internal error."""
+    code, out, _ = cli("validate", _bad("header_version_5000_digits"), _bad("unit_gibb"))
+    assert code == 1
+    assert f"{_bad('unit_gibb')}:4:" in out and len(max(out.splitlines(), key=len)) < 400
+
+
+def test_intake_v2_is_refused_by_init(tmp_path: Path, cli: CliRunner) -> None:
+    path = tmp_path / "v2.intake.yaml"
+    path.write_text("ledgerspec: intake/v2\nmethod:\n  kind: LoRA\n", encoding="utf-8")
+    code, out, err = cli("init", "--from", path)
+    assert code == 2 and out == ""
+    assert err == f"{path}:1:1: header: unsupported version 'intake/v2'; this ledgerspec reads ledger/v1, intake/v1\n"
+
+
+def test_ledger_v2_is_refused_by_every_writing_command(tmp_path: Path, cli: CliRunner) -> None:
+    """resolve used to accept ``ledger/v2`` and write figures into it; no command writes a document validate
+    rejects for its header."""
+    path = tmp_path / "v2.ledger.yaml"
+    path.write_bytes(_bad("version_v2").read_bytes())
+    before = path.read_bytes()
+    for args in (
+        ["resolve", path],
+        ["resolve", path, "-o", tmp_path / "out.yaml"],
+        ["estimate", path, "--target", "cpu"],
+        ["shard", path, "--nproc", "2"],
+        ["measure", path],
+        ["triage", path],
+    ):
+        code, out, err = cli(*args)
+        assert code == 2, (args, out, err)
+        assert (
+            err == f"{path}:1:1: header: unsupported version 'ledger/v2'; this ledgerspec reads ledger/v1, intake/v1\n"
+        )
+    assert path.read_bytes() == before and not (tmp_path / "out.yaml").exists()
+
+
+# -- encodings and names (issue 15, item 2) ------------------------------------------------------------------
+
+HOSTILE_NAMES = [
+    os.fsdecode(b"\xff\xfe-not-utf8.ledger.yaml"),
+    "with space #hash <lt> %25 &amp.ledger.yaml",
+    "newline\nand\x1b[2J-escape.ledger.yaml",
+    "caf\u00e9-\u202eevil.ledger.yaml",
+]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES, ids=["non-utf8", "uri-chars", "controls", "unicode-bidi"])
+def test_every_output_format_is_valid_utf8_whatever_the_file_name(name: str, tmp_path: Path) -> None:
+    """A non-UTF-8 name used to crash report --html and validate's text and JSON output; SARIF carried the raw path
+    (a space, ``#`` or ``<`` fails the schema's uri-reference format)."""
+    from urllib.parse import unquote_to_bytes
+
+    path = tmp_path / name
+    path.write_bytes((BAD / "unit_gibb.ledger.yaml").read_bytes())
+    for entry in ENTRY_POINTS:
+        run = run_entry(entry, path, tmp_path / "work" / entry)
+        check_run(run, sarif_errors)
+        assert run.code in (1, 0, None) or entry in ("resolve", "estimate"), (entry, run.text)
+        if entry == "validate-sarif":
+            (result, *_) = json.loads(run.out)["runs"][0]["results"]
+            uri = result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+            assert uri.startswith("file:///") and unquote_to_bytes(uri[len("file://") :]) == os.fsencode(path)
+    rel = subprocess.run(
+        [sys.executable, "-m", "ledgerspec", "validate", "--format", "sarif", os.fsencode(name)],
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    log = json.loads(rel.stdout.decode("utf-8"))  # valid UTF-8 from a real process, whatever the locale
+    assert not sarif_errors(log)
+    uri = log["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+    assert "/" not in uri and unquote_to_bytes(uri) == os.fsencode(name)  # a relative reference
+
+
+@pytest.mark.parametrize("fmt", ["text", "json", "github", "sarif"])
+@pytest.mark.parametrize("locale", ["C.UTF-8", "C"])
+def test_a_real_process_writes_valid_utf8_under_a_strict_or_c_locale(fmt: str, locale: str, tmp_path: Path) -> None:
+    """Under PYTHONIOENCODING=utf-8:strict validate used to crash on a non-UTF-8 name; under the C locale
+    (surrogateescape) --format json wrote the raw 0xFF byte."""
+    name = b"\xff-name.ledger.yaml"
+    (tmp_path / os.fsdecode(name)).write_bytes((BAD / "unit_gibb.ledger.yaml").read_bytes())
+    for env in ({"PYTHONIOENCODING": "utf-8:strict"}, {"LC_ALL": locale, "LANG": locale}):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ledgerspec", "validate", "--format", fmt, name],
+            capture_output=True,
+            cwd=tmp_path,
+            env={**os.environ, **env},
+            timeout=60,
+        )
+        assert proc.returncode == 1, proc.stderr
+        out = proc.stdout.decode("utf-8")  # raises on a raw 0xFF
+        assert "Traceback" not in out + proc.stderr.decode("utf-8", "replace")
+        assert ("%FF" if fmt == "sarif" else "\\xff") in out
+        if fmt in ("json", "sarif"):
+            json.loads(out)
+
+
+def test_stdin_is_read_with_the_file_bound(tmp_path: Path) -> None:
+    """``validate -`` used to read all of stdin (1 GB piped in: 1 GB of memory); now at most 1 MiB + 1 byte."""
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (600 * 2**20, 600 * 2**20))\n"
+        "from ledgerspec.faces.cli import main\n"
+        "sys.exit(main(['validate', '-']))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdin is not None
+    chunk = b"ledgerspec: ledger/v1\n" + b"#" * (1 << 20) + b"\n"
+    try:
+        for _ in range(1024):  # up to 1 GiB: the reader stops after 1 MiB and exits
+            proc.stdin.write(chunk)
+    except BrokenPipeError:
+        pass
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert (
+        out.decode() == f"<stdin>:1:1: load: error: input is over the {MAX_FILE_BYTES}-byte limit for a ledger "
+        "(hint: a ledger is a few KiB; is this the right input?)\n"
+    )
+
+
+# -- item 9: --offline, BOM, CR-only line endings, the NaN reason ---------------------------------------------
+
+
+def test_a_nan_figure_gets_a_clear_reason(cli: CliRunner, tmp_path: Path) -> None:
+    """It used to read "CALCULATED needs exact figures: ledger.adapter is CALCULATED"."""
+    path = tmp_path / "nan.ledger.yaml"
+    text = (REPO / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
+    assert "    value: 33554432     # 32 MiB\n" in text
+    path.write_text(text.replace("    value: 33554432     # 32 MiB\n", "    value: .nan\n"), encoding="utf-8")
+    code, out, _ = cli("validate", "-v", path)
+    assert code == 1
+    assert (
+        "  - CALCULATED needs exact figures: ledger.adapter is CALCULATED but its value nan is not a size in bytes\n"
+        in out
+    )
+    assert "ledger.adapter is CALCULATED\n" not in out
+
+
+@pytest.mark.parametrize("ending", [b"\r", b"\r\n"], ids=["cr", "crlf"])
+def test_fix_keeps_cr_and_crlf_line_endings(ending: bytes, tmp_path: Path, cli: CliRunner) -> None:
+    """A CR-only file used to come back with mixed line endings."""
+    path = tmp_path / "l.ledger.yaml"
+    path.write_bytes((REPO / "examples" / "downgraded.ledger.yaml").read_bytes().replace(b"\n", ending))
+    code, _, err = cli("validate", "--fix", path)
+    assert code == 0 and "status lowered" in err
+    raw = path.read_bytes()
+    assert raw.count(ending) > 50
+    assert raw.replace(ending, b"").count(b"\r") == 0 and raw.replace(ending, b"").count(b"\n") == 0
+
+
+@pytest.mark.slow
+def test_offline_touches_no_network(tmp_path: Path) -> None:
+    """``--offline`` with only ``identity.model_id`` used to send one DNS query for the Hub (huggingface_hub's user
+    agent fetches its agent registry unless its HF_HUB_OFFLINE constant is set). A real process with every socket
+    call recorded and refused, and an empty Hugging Face cache."""
+    intake = tmp_path / "hub.intake.yaml"
+    intake.write_text(
+        "ledgerspec: intake/v1\nidentity:\n  model_id: some-org/no-such-model\n  revision: main\n"
+        "method:\n  kind: LoRA\n  rank: 8\n  target_modules: [q_proj]\n",
+        encoding="utf-8",
+    )
+    script = (
+        "import socket, sys\n"
+        "calls = []\n"
+        "def refuse(*a, **k):\n"
+        "    calls.append(a[:2])\n"
+        "    raise OSError('network refused by the test')\n"
+        "socket.getaddrinfo = refuse\n"
+        "socket.create_connection = refuse\n"
+        "socket.socket.connect = lambda self, *a: refuse(*a)\n"
+        "from ledgerspec.faces.cli import main\n"
+        "code = main(['resolve', sys.argv[1], '-o', sys.argv[2], '--offline'])\n"
+        "print('CALLS', calls, file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(intake), str(tmp_path / "out.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "CALLS []" in proc.stderr, proc.stderr[-3000:]
+    assert f"{intake}:3:3: resolve: cannot load the config of 'some-org/no-such-model'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_resolve_into_a_new_file_keeps_the_bom(tmp_path: Path, cli: CliRunner) -> None:
+    """``resolve -o`` used to drop a UTF-8 byte order mark that ``--fix`` kept (fixed in contract.writer)."""
+    data = REPO / "tests" / "data" / "measure"
+    (tmp_path / "tiny-llama").mkdir()
+    (tmp_path / "tiny-llama" / "config.json").write_bytes((data / "tiny-llama" / "config.json").read_bytes())
+    intake = tmp_path / "t.intake.yaml"
+    text = (data / "tiny-llama-lora.yaml").read_text(encoding="utf-8")
+    intake.write_bytes(b"\xef\xbb\xbf" + text.replace("ledgerspec: ledger/v1", "ledgerspec: intake/v1").encode())
+    out = tmp_path / "t.ledger.yaml"
+    code, _, err = cli("resolve", intake, "-o", out)
+    assert code == 0, err
+    raw = out.read_bytes()
+    assert raw.startswith(b"\xef\xbb\xbfledgerspec: ledger/v1") and raw.count(b"\xef\xbb\xbf") == 1

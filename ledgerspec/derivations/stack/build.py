@@ -118,7 +118,7 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     revision = doc.get("identity", "revision").text()
     unreachable = None if offline else hub_unreachable()
     if offline:
-        os.environ["HF_HUB_OFFLINE"] = "1"
+        go_offline()
     try:
         # local_files_only: HF_HUB_OFFLINE is read when huggingface_hub is imported, which may have happened;
         # with no way to the Hub, only the local cache is asked (no minute of retries against a missing DNS)
@@ -155,6 +155,20 @@ def _check_pin(doc: Document, file: Path, sha256: str) -> None:
             "the config changed since it was pinned: check it, then remove config_sha256 to re-pin",
             rule="config",
         )
+
+
+def go_offline() -> None:
+    """Nothing touches the network from here on: ``HF_HUB_OFFLINE=1`` for what is imported later, and the constant
+    huggingface_hub read from it at its import (``huggingface_hub/constants.py``: ``HF_HUB_OFFLINE = _is_true(...)``)
+    for what is imported already. The constant is what matters: huggingface_hub 2.4's ``hf_hub_download`` builds its
+    headers before it looks at ``local_files_only``, and the user agent fetches the Hub's agent registry
+    (``utils/_detect_agent.py``, ``_fetch_registry``) unless ``constants.HF_HUB_OFFLINE`` is set: one DNS query."""
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True  # type: ignore[attr-defined]
 
 
 def hub_unreachable() -> str | None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import device_memory, device_memory_bytes
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, printable
+from ledgerspec.faces.arguments import add_force, device_memory, device_memory_bytes
 
 
 def register(subparsers: Any) -> None:
@@ -38,13 +38,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--full", action="store_true", help="trace every layer instead of extrapolating (slower)")
     p.add_argument("--dry-run", action="store_true", help="print the estimate, write nothing")
+    add_force(p)
     p.set_defaults(run=run_estimate)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from ledgerspec.contract.document import load
+    from ledgerspec.contract.document import load_for
 
-    doc = load(args.file)
+    doc = load_for(args.file, "estimate")  # before torch is imported
     device = device_memory_bytes(args.device_memory, args.file)
     if args.sweep:
         return _run_sweep(doc, args, device)
@@ -64,7 +65,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.estimate.estimator import device_memory_of, estimate, write_back
 
     if writes and doc.kind != "intake":
-        check_writable(args.output or args.file)  # before the simulated step
+        check_writable(args.output or args.file, force=args.force)  # before the simulated step
     est = estimate(doc, target=args.target, layers="full" if args.full else "auto")
     target_memory = device if device is not None else device_memory_of(doc)
     _print(est, target_memory)
@@ -73,7 +74,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         code = EXIT_FINDINGS
     if doc.kind == "intake":
         print(
-            f"{args.file}: an intake: nothing written (resolve it into a ledger to record the estimate)",
+            printable(f"{args.file}: an intake: nothing written (resolve it into a ledger to record the estimate)"),
             file=sys.stderr,
         )
         return code
@@ -82,10 +83,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     changes = write_back(doc, est, target_memory, from_flag=device is not None)
     for ch in changes:
         if ch.skipped:
-            print(f"{args.file}: kept {ch.pointer}: {ch.skipped}", file=sys.stderr)
+            print(printable(f"{args.file}: kept {ch.pointer}: {ch.skipped}"), file=sys.stderr)
     target = args.output or args.file
-    save(doc, target)
-    print(f"{target}: estimate written (ledger.activations, x-estimate)", file=sys.stderr)
+    save(doc, target, force=args.force)
+    print(printable(f"{target}: estimate written (ledger.activations, x-estimate)"), file=sys.stderr)
     return code
 
 

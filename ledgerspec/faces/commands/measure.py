@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import positive_size
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, PrintableLines, printable
+from ledgerspec.faces.arguments import add_force, positive_size
 
 
 def register(sub: Any) -> None:
@@ -34,6 +34,7 @@ def register(sub: Any) -> None:
         help="measure every rank of an FSDP2 run under torchrun with N processes (gloo on cpu, nccl on "
         "cuda); writes parallelism.per_rank_peak and the worst rank into metrics",
     )
+    add_force(m)
     m.set_defaults(run=_measure)
 
     t = sub.add_parser("triage", help="fill the OOM Triage Worksheet by controlled measurements")
@@ -42,6 +43,7 @@ def register(sub: Any) -> None:
     t.add_argument("--steps", type=int, default=2)
     t.add_argument("-o", "--output", metavar="OUT", help="write the worksheet here instead of in place")
     t.add_argument("--memory-limit", metavar="SIZE", type=positive_size, help="cpu only: the simulated device memory")
+    add_force(t)
     t.set_defaults(run=_triage)
 
 
@@ -73,9 +75,9 @@ def _measure(args: argparse.Namespace) -> int:
         command=_command("measure", args),
         snapshot_path=snapshot_path_for(target),
     )
-    report = _save(doc, target)
+    report = _save(doc, target, args.force)
     r = outcome.result
-    err = sys.stderr
+    err = PrintableLines(sys.stderr)  # paths and messages quote user strings
     for note in outcome.notes:
         print(f"{target}: note: {note}", file=err)
     if r.oom:
@@ -104,17 +106,17 @@ def _open(args: argparse.Namespace, command: str) -> tuple[Any, str]:
 
     doc = load_ledger(args.file, command)
     target = args.output or args.file
-    check_writable(target)
+    check_writable(target, force=args.force)
     return doc, target
 
 
-def _save(doc: Any, target: str) -> Any:
+def _save(doc: Any, target: str, force: bool = False) -> Any:
     """Set the status the measurement supports (lowered when it no longer holds), then write the ledger."""
     from ledgerspec.contract.writer import save
     from ledgerspec.faces.status import settle
 
     report = settle(doc)
-    save(doc, target)
+    save(doc, target, force=force)
     return report
 
 
@@ -132,8 +134,8 @@ def _measure_ranks(args: argparse.Namespace) -> int:
         )
     doc, target = _open(args, "measure")
     outcome = measure_dist(doc, args.nproc, device=args.device, steps=args.steps, command=_command("measure", args))
-    report = _save(doc, target)
-    err = sys.stderr
+    report = _save(doc, target, args.force)
+    err = PrintableLines(sys.stderr)  # paths and messages quote user strings
     for note in outcome.notes:
         print(f"{target}: note: {note}", file=err)
     for out in outcome.ranks:
@@ -154,7 +156,7 @@ def _triage(args: argparse.Namespace) -> int:
 
     doc, target = _open(args, "triage")
     outcome = triage(doc, device=args.device, steps=args.steps, memory_limit=args.memory_limit)
-    save(doc, target)
+    save(doc, target, force=args.force)
     for line in outcome.summary(target):
-        print(line)
+        print(printable(line))
     return EXIT_OK

@@ -10,7 +10,8 @@ import argparse
 import sys
 from typing import Any
 
-from ledgerspec.errors import EXIT_OK, LedgerspecError
+from ledgerspec.errors import EXIT_OK, LedgerspecError, printable
+from ledgerspec.faces.arguments import add_force
 
 
 def register(subparsers: Any) -> None:
@@ -18,6 +19,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--html", metavar="OUT", help="write one self-contained HTML page (inline CSS and SVG) to OUT")
     p.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+    add_force(p, "with --html: write OUT even if it is read-only")
     p.set_defaults(run=run_report)
 
 
@@ -27,11 +29,11 @@ def run_report(args: argparse.Namespace) -> int:
 
     data = gather(load(args.file))
     if args.html:
-        from pathlib import Path
+        import os
 
-        from ledgerspec.contract.writer import atomic_write
+        from ledgerspec.contract.writer import atomic_write, check_writable
 
-        if Path(args.html).resolve() == Path(args.file).resolve():
+        if os.path.realpath(args.html) == os.path.realpath(args.file):
             raise LedgerspecError(
                 "--html OUT is the ledger itself; refusing to overwrite it",
                 args.html,
@@ -40,8 +42,12 @@ def run_report(args: argparse.Namespace) -> int:
             )
         from ledgerspec.faces.report.html import render_html
 
-        atomic_write(args.html, render_html(data))
-        print(f"{args.file}: status {data.supported_status}; HTML report written to {args.html}", file=sys.stderr)
+        check_writable(args.html, force=args.force)
+        atomic_write(args.html, render_html(data), force=args.force)
+        print(
+            printable(f"{args.file}: status {data.supported_status}; HTML report written to {args.html}"),
+            file=sys.stderr,
+        )
         return EXIT_OK
     from ledgerspec.faces.report.terminal import render_terminal
 

@@ -7,7 +7,8 @@ import sys
 import time
 from typing import Any
 
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, printable
+from ledgerspec.faces.arguments import add_force
 
 
 def register(subparsers: Any) -> None:
@@ -19,6 +20,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--offline", action="store_true", help="never touch the network (HF_HUB_OFFLINE)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (auto_map)")
     p.add_argument("-v", "--verbose", action="store_true", help="report each figure and where time went")
+    add_force(p)
     p.set_defaults(run=run_resolve)
 
 
@@ -53,10 +55,10 @@ def _one_shot_process() -> bool:
 
 
 def run_resolve(args: argparse.Namespace) -> int:
-    from ledgerspec.contract.document import load
+    from ledgerspec.contract.document import load_for
 
     started = time.perf_counter()
-    doc = load(args.file)
+    doc = load_for(args.file, "resolve")  # ledger/v2 is refused as validate refuses it
     intake = doc.kind == "intake"
     if intake and not args.output and not (args.check or args.dry_run):
         line, col = doc.position("/ledgerspec")
@@ -73,7 +75,7 @@ def run_resolve(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.resolve.resolver import resolve
 
     if not (args.check or args.dry_run):
-        check_writable(args.output or args.file)  # before the model is built
+        check_writable(args.output or args.file, force=args.force)  # before the model is built
     progress = _Progress(args.verbose)
     try:
         result = resolve(
@@ -92,14 +94,14 @@ def run_resolve(args: argparse.Namespace) -> int:
     if args.verbose:
         _report(result, started)
     for ch in result.skipped:
-        print(f"{args.file}: kept {ch.pointer}: {ch.skipped}", file=sys.stderr)
+        print(printable(f"{args.file}: kept {ch.pointer}: {ch.skipped}"), file=sys.stderr)
     if args.dry_run:
         import difflib
 
         diff = difflib.unified_diff(
             result.original.splitlines(keepends=True), text.splitlines(keepends=True), fromfile=args.file, tofile=target
         )
-        sys.stdout.writelines(diff)
+        sys.stdout.writelines(printable(line.rstrip("\r\n")) + "\n" for line in diff)
         return EXIT_OK
     if args.check:
         if result.changed:
@@ -108,14 +110,14 @@ def run_resolve(args: argparse.Namespace) -> int:
                 if intake
                 else f"run `ledgerspec resolve {args.file}` to update"
             )
-            print(f"{args.file}: would change ({len(result.applied)} fields); {how}", file=sys.stderr)
+            print(printable(f"{args.file}: would change ({len(result.applied)} fields); {how}"), file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_OK
     if result.changed or args.output:
-        save(result.doc, target)
-        print(f"{target}: {len(result.applied)} fields resolved", file=sys.stderr)
+        save(result.doc, target, force=args.force)
+        print(printable(f"{target}: {len(result.applied)} fields resolved"), file=sys.stderr)
     else:
-        print(f"{target}: up to date", file=sys.stderr)
+        print(printable(f"{target}: up to date"), file=sys.stderr)
     return EXIT_OK
 
 

@@ -12,8 +12,8 @@ import argparse
 import sys
 from typing import Any
 
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import device_memory, device_memory_bytes
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, printable
+from ledgerspec.faces.arguments import add_force, device_memory, device_memory_bytes
 
 
 def register(subparsers: Any) -> None:
@@ -47,16 +47,17 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="with --estimate: extrapolate from two probe depths (auto) or simulate every layer",
     )
+    add_force(p)
     p.set_defaults(run=run_shard)
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from ledgerspec.contract.document import load
+    from ledgerspec.contract.document import load_for
     from ledgerspec.contract.units import format_size
     from ledgerspec.contract.writer import save
     from ledgerspec.derivations.shard.sharder import shard
 
-    doc = load(args.file)
+    doc = load_for(args.file, "shard")
     memory = device_memory_bytes(args.device_memory, args.file)
     if (memory is not None or args.target != "cuda" or args.layers != "auto") and not args.estimate:
         raise LedgerspecError(
@@ -96,17 +97,21 @@ def run_shard(args: argparse.Namespace) -> int:
             code = EXIT_FINDINGS  # as `ledgerspec estimate`: written, but it does not fit
     if doc.kind == "intake":  # as `ledgerspec estimate`: an intake is sized, not written into
         print(
-            f"{args.file}: an intake: nothing written (resolve it into a ledger to record the per-rank figures)",
+            printable(
+                f"{args.file}: an intake: nothing written (resolve it into a ledger to record the per-rank figures)"
+            ),
             file=sys.stderr,
         )
         return code
     if args.check:
         if result.change is not None:
-            print(f"{args.file}: would change parallelism.x-per-rank; run `ledgerspec shard`", file=sys.stderr)
+            print(
+                printable(f"{args.file}: would change parallelism.x-per-rank; run `ledgerspec shard`"), file=sys.stderr
+            )
             return EXIT_FINDINGS
         return EXIT_OK
     if result.change is not None or args.output:
-        save(doc, args.output or args.file)
+        save(doc, args.output or args.file, force=args.force)
     return code
 
 

@@ -12,8 +12,9 @@ from typing import Any, TextIO
 from ledgerspec.checks.findings import ERROR, Finding
 from ledgerspec.checks.validate import Report, validate
 from ledgerspec.contract.document import Document, from_text, load
-from ledgerspec.contract.loader import decode
+from ledgerspec.contract.loader import read_stream
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
+from ledgerspec.faces.arguments import add_force
 from ledgerspec.faces.reporters import REPORTERS
 
 
@@ -22,23 +23,37 @@ def register(subparsers: Any) -> None:
     v.add_argument("files", nargs="+", metavar="FILE")
     v.add_argument("--format", choices=("text", "json", "sarif", "github"), default="text")
     v.add_argument("--fix", action="store_true", help="lower a declared status to the supported one, in place")
+    add_force(v, "with --fix: write FILE even if it is read-only")
     v.add_argument("-v", "--verbose", action="store_true", help="show info findings and every status reason")
     v.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run_validate(args.files, fmt=args.format, fix=args.fix, verbose=args.verbose, out=sys.stdout)
+    return run_validate(
+        args.files, fmt=args.format, fix=args.fix, verbose=args.verbose, out=sys.stdout, force=args.force
+    )
 
 
 def _load(path: str) -> Document:
     if path == "-":
-        return from_text(decode(sys.stdin.buffer.read(), "<stdin>"), "<stdin>")
+        return from_text(read_stream(sys.stdin.buffer, "<stdin>"), "<stdin>")
     return load(path)
 
 
+def _finding(exc: LedgerspecError) -> Finding:
+    message = exc.message + (f" (hint: {exc.hint})" if exc.hint else "")
+    return Finding(exc.rule, ERROR, "", message, exc.line or 1, exc.column or 1)
+
+
 def run_validate(
-    paths: list[str], fmt: str = "text", fix: bool = False, verbose: bool = False, out: TextIO = sys.stdout
+    paths: list[str],
+    fmt: str = "text",
+    fix: bool = False,
+    verbose: bool = False,
+    out: TextIO = sys.stdout,
+    force: bool = False,
 ) -> int:
+    """Validate every file (one that cannot be read or written never stops the others) and report them all."""
     reports: list[Report] = []
     code = EXIT_OK
     for path in paths:
@@ -46,29 +61,15 @@ def run_validate(
             doc = _load(path)
         except LedgerspecError as exc:
             code = max(code, exc.exit_code)
-            reports.append(
-                Report(
-                    exc.path or path,
-                    None,
-                    None,
-                    None,
-                    [],
-                    [
-                        Finding(
-                            exc.rule,
-                            ERROR,
-                            "",
-                            exc.message + (f" (hint: {exc.hint})" if exc.hint else ""),
-                            exc.line or 1,
-                            exc.column or 1,
-                        )
-                    ],
-                )
-            )
+            reports.append(Report(exc.path or path, None, None, None, [], [_finding(exc)]))
             continue
         report = validate(doc)
         if fix and path != "-":
-            report = _fix(doc, report, path)
+            try:
+                report = _fix(doc, report, path, force)
+            except LedgerspecError as exc:  # this file could not be written: its findings still count, and the
+                code = max(code, exc.exit_code)  # files after it are still checked and fixed
+                report.findings.append(_finding(exc))
         reports.append(report)
         if not report.ok:
             code = max(code, EXIT_FINDINGS)
@@ -76,18 +77,21 @@ def run_validate(
     return code
 
 
-def _fix(doc: Document, report: Report, path: str) -> Report:
+def _fix(doc: Document, report: Report, path: str, force: bool = False) -> Report:
     """Set the declared status the evidence supports, in place (the one save path: atomic, BOM kept); the report
     of the new file."""
     from ledgerspec.contract.writer import save
+    from ledgerspec.errors import printable
     from ledgerspec.faces.status import settle
 
     fixed = settle(doc)
     if fixed.declared_status == report.declared_status:
         return report
-    save(doc, path)
+    save(doc, path, force=force)
     fixed = validate(load(path))
-    print(f"{path}: status lowered from {report.declared_status} to {fixed.declared_status}", file=sys.stderr)
+    print(
+        printable(f"{path}: status lowered from {report.declared_status} to {fixed.declared_status}"), file=sys.stderr
+    )
     return fixed
 
 

@@ -2,12 +2,13 @@
 
 This module only gathers: every figure, source and status comes from :class:`Document`,
 :func:`~ledgerspec.checks.validate.validate` and the ladder's :func:`best_peak`. The terminal and
-HTML renderers (``report_terminal``, ``report_html``) draw this data and compute nothing of their own.
+HTML renderers (``terminal``, ``html``) draw this data and compute nothing of their own. Every user string in it
+is already :func:`shown` (one line, no control character or escape sequence): the renderers print it as text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ledgerspec.checks.findings import ERROR, INFO, WARNING, Finding
 from ledgerspec.checks.ladder import best_peak
@@ -16,7 +17,7 @@ from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.units import format_size
 from ledgerspec.contract.values import Value
-from ledgerspec.errors import LedgerspecError
+from ledgerspec.errors import LedgerspecError, printable
 
 #: the memory components of the ledger, in the order they stack
 COMPONENTS = F.COMPONENTS
@@ -133,6 +134,13 @@ class ReportData:
         return any(p.measured is not None or p.estimated is not None for p in self.phases)
 
 
+def shown(text: object) -> str:
+    """A user's string as the report shows it, in every form (terminal, plain, HTML): on one line (whitespace runs,
+    line breaks included, become one space) and :func:`~ledgerspec.errors.printable` (an escape sequence, a control
+    or bidirectional character is shown escaped, never sent to the terminal or into the page)."""
+    return printable(" ".join(str(text).split()))
+
+
 def entry(doc: Document, path: tuple[str, ...], f: F.Field | None = None) -> Entry:
     """Read ``path`` from ``doc`` into an :class:`Entry` (value, provenance, bytes when it is a size)."""
     f = f if f is not None else doc.field(*path)
@@ -141,7 +149,7 @@ def entry(doc: Document, path: tuple[str, ...], f: F.Field | None = None) -> Ent
     kind = f.kind if f is not None else F.MEMORY
     source = v.effective_source(figure)
     nbytes = v.size() if kind in (F.MEMORY, F.SIZE) else None
-    return Entry(path, _display(v, kind, nbytes), source, nbytes, v.method or v.note or "")
+    return Entry(path, shown(_display(v, kind, nbytes)), shown(source), nbytes, shown(v.method or v.note or ""))
 
 
 def _display(v: Value, kind: str, nbytes: int | None) -> str:
@@ -216,24 +224,25 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
     ]
     title = doc.get("title").text()
     at_peak, at_peak_phase = _at_peak(doc)
+    explanation = doc.get("comparison", "known_explanation").text()
     return ReportData(
-        path=doc.path,
+        path=printable(doc.path),
         kind=kind,
-        title=title,
-        declared_status=report.declared_status,
+        title=shown(title) if title is not None else None,
+        declared_status=shown(report.declared_status) if report.declared_status is not None else None,
         supported_status=report.supported_status,
-        reasons=list(report.reasons),
-        findings=list(report.findings),
+        reasons=[shown(r) for r in report.reasons],
+        findings=[replace(f, message=shown(f.message), pointer=printable(f.pointer)) for f in report.findings],
         components=components,
         figures=figures,
         inputs=inputs,
         capacity=capacity,
-        capacity_label=capacity_label,
+        capacity_label=shown(capacity_label) if capacity_label is not None else None,
         peak=peak,
-        peak_label=peak_label,
+        peak_label=shown(peak_label) if peak_label is not None else None,
         phases=phases,
         pairs=_pairs(doc, phases),
-        explanation=doc.get("comparison", "known_explanation").text(),
+        explanation=shown(explanation) if explanation is not None else None,
         at_peak=at_peak,
         at_peak_phase=at_peak_phase,
     )
@@ -244,9 +253,11 @@ def _at_peak(doc: Document) -> tuple[list[tuple[str, int]], str | None]:
     raw = doc.get(ESTIMATE, "at_peak").raw
     if not isinstance(raw, dict):
         return [], None
-    rows = [(str(k), int(v)) for k, v in raw.items() if k != "phase" and isinstance(v, int) and not isinstance(v, bool)]
+    rows = [
+        (shown(k), int(v)) for k, v in raw.items() if k != "phase" and isinstance(v, int) and not isinstance(v, bool)
+    ]
     phase = raw.get("phase")
-    return rows, PHASE_LABELS.get(str(phase), str(phase)) if phase is not None else None
+    return rows, PHASE_LABELS.get(str(phase), shown(phase)) if phase is not None else None
 
 
 def _per_rank(doc: Document) -> list[object]:
@@ -259,10 +270,10 @@ def _item_entry(item: object, i: int) -> Entry:
     nbytes = v.size()
     return Entry(
         ("parallelism", "per_rank_peak", str(i)),
-        _display(v, F.MEMORY, nbytes),
-        v.effective_source(True),
+        shown(_display(v, F.MEMORY, nbytes)),
+        shown(v.effective_source(True)),
         nbytes,
-        v.method or v.note or "",
+        shown(v.method or v.note or ""),
     )
 
 

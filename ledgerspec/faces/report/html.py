@@ -10,6 +10,7 @@ import html
 
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.contract.units import format_size
+from ledgerspec.errors import printable
 from ledgerspec.faces.report.bar import layout
 from ledgerspec.faces.report.data import COMPONENT_LABELS, PROVENANCE, Entry, Pair, PhasePoint, ReportData
 from ledgerspec.version import __version__
@@ -75,8 +76,14 @@ footer{color:#8c959f;font-size:12px;margin-top:32px}
 
 
 def escape(text: object) -> str:
-    """``text`` as HTML text or attribute value (``<``, ``&``, quotes escaped)."""
-    return html.escape(str(text), quote=True)
+    """``text`` as HTML text or attribute value (``<``, ``&``, quotes escaped; a control character, which XML
+    forbids, or a file name's undecodable byte shown escaped, so the page is well-formed UTF-8 whatever it holds)."""
+    return html.escape(printable(str(text)), quote=True)
+
+
+def colour(source: str) -> str:
+    """The colour of a provenance word (one that is none, which validate reports, in the DECLARED grey)."""
+    return COLORS.get(source, COLORS["DECLARED"])
 
 
 def badge(source: str) -> str:
@@ -169,7 +176,7 @@ def _bar_svg(d: ReportData) -> str:
         out.append(
             f'<rect class="seg" data-component="{escape(s.entry.name)}" data-bytes="{s.entry.nbytes}" '
             f'data-source="{escape(s.entry.source)}" x="{x:.3f}" y="28" width="{w:.3f}" height="40" '
-            f'fill="{COLORS[s.entry.source]}"{shade} stroke="#fff" stroke-width="1">'
+            f'fill="{colour(s.entry.source)}"{shade} stroke="#fff" stroke-width="1">'
             f"<title>{escape(label)}: {escape(s.entry.display)} ({escape(s.entry.source)})</title></rect>"
         )
         if w > 8 * len(label) + 10:
@@ -221,7 +228,7 @@ def _label_at(x: float, label: str, char_px: float = 7.0) -> tuple[float, str]:
 
 def _legend(d: ReportData) -> str:
     items = [
-        f'<span><span class="sw" style="background:{COLORS[e.source]}"></span>{escape(COMPONENT_LABELS[e.name])} '
+        f'<span><span class="sw" style="background:{colour(e.source)}"></span>{escape(COMPONENT_LABELS[e.name])} '
         f"{escape(e.display)} ({escape(e.source)})</span>"
         for e in d.segments
     ]
@@ -343,7 +350,7 @@ def _timeline_svg(phases: list[PhasePoint], capacity: int | None) -> str:
             if e is None or e.nbytes is None:
                 continue
             bx, bw = x0 + col * (0.18 + 0.32 * j), col * 0.3
-            color = COLORS[e.source] if kind == "measured" else COLORS["CALCULATED"]
+            color = colour(e.source) if kind == "measured" else COLORS["CALCULATED"]
             fill = color if kind == "measured" else "#fff"
             out.append(
                 f'<rect class="phase {kind}" data-phase="{escape(p.name)}" data-bytes="{e.nbytes}" '

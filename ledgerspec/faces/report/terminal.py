@@ -181,8 +181,16 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
     from rich.table import Table
     from rich.text import Text
 
+    # markup and emoji codes off: a note such as "[/red]" or "[link=...]" is text, never a style or a hidden link
+    # (every user string is already `shown`: no control character reaches the terminal)
     console = Console(
-        file=out, force_terminal=color, no_color=color is False, highlight=False, width=None if out.isatty() else 120
+        file=out,
+        force_terminal=color,
+        no_color=color is False,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        width=None if out.isatty() else 120,
     )
     head = Text(d.path, style="bold")
     head.append(f"  {d.kind}/v1")
@@ -213,7 +221,7 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
         line = Text("[")
         used = 0
         for e, n in spans:
-            line.append(COMPONENT_CODES[e.name] * n, style=f"bold white on {RICH_STYLES[e.source]}")
+            line.append(COMPONENT_CODES[e.name] * n, style=f"bold white on {_style(e.source)}")
             used += n
         if cap is not None:
             line.append("·" * max(cap - used, 0), style="bright_black")
@@ -227,7 +235,7 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
             console.print(Text(" " + " " * peak + "^ best peak", style="bold"))
         legend = Text()
         for e, _ in spans:
-            legend.append(f" {COMPONENT_CODES[e.name]} ", style=f"bold white on {RICH_STYLES[e.source]}")
+            legend.append(f" {COMPONENT_CODES[e.name]} ", style=f"bold white on {_style(e.source)}")
             legend.append(f" {COMPONENT_LABELS[e.name]}  ")
         console.print(legend)
     for text in _bar_caption(d):
@@ -278,6 +286,11 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
         if f.severity != INFO:
             style = "red" if f.severity == ERROR else "dark_orange"
             console.print(Text(f"  {f.line}:{f.column} {f.rule} {f.severity}: {f.message}", style=style))
+
+
+def _style(source: str) -> str:
+    """The rich colour of a provenance word (a word that is none, which validate reports, in grey)."""
+    return RICH_STYLES.get(source, "bright_black")
 
 
 def _src(source: str) -> Any:
