@@ -89,6 +89,17 @@ def convert(src: Source, b: Builder) -> None:
 
     # -- method -------------------------------------------------------------------------------------------------
     adapter = src.take("adapter")
+    if adapter not in ("lora", "qlora"):
+        from ledgerspec.errors import LedgerspecError
+
+        what = "no adapter (a full fine-tune)" if adapter is None else f"adapter {adapter!r}"
+        raise LedgerspecError(
+            f"{what}: ledgerspec sizes LoRA and QLoRA fine-tunes only",
+            src.path,
+            *src.position("adapter"),
+            rule="import",
+            hint="set adapter: lora or qlora, or size this run another way",
+        )
     if adapter == "qlora" or (adapter == "lora" and load8):
         b.set(("method", "kind"), "QLoRA", o + f"adapter: {adapter}" + (" + load_in_8bit" if load8 else ""), src.path)
     elif adapter == "lora":

@@ -27,12 +27,15 @@ VERSIONS = {
 def known_keys(tool: str) -> frozenset[str]:
     """Every key ``tool`` accepts at :data:`VERSIONS` (``keys/<tool>.txt``, written by ``scripts/import-keys``)."""
     text = resources.files("ledgerspec.contract.imports").joinpath("keys", f"{tool}.txt").read_text("utf-8")
-    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    # an SFTConfig is a TrainingArguments: a dump from an older transformers holds that version's fields too
+    return keys | known_keys("transformers") if tool == "trl" else keys
 
 
 #: settings that change what is learned, logged or saved, not what is resident during a step
 IGNORED = frozenset(
     """
+    accelerator_config megatron_core qalora_group_size
     learning_rate lr lr_scheduler lr_scheduler_type lr_scheduler_kwargs lr_quadratic_warmup lr_div_factor
     cosine_min_lr_ratio cosine_constant_lr_ratio warmup_steps warmup_ratio weight_decay adam_beta1 adam_beta2
     adam_beta3 adam_epsilon adam_epsilon2 num_epochs num_train_epochs max_steps seed data_seed full_determinism

@@ -144,7 +144,18 @@ def training_args(src: Source, b: Builder) -> None:
         b.set(("software", "kernel_backend"), "liger", o + "use_liger_kernel", src.path)
         C.not_modelled(src, b, "use_liger_kernel", True, "Liger kernels change activation memory: not modelled")
     loss = src.take("loss_type")
-    if loss not in (None, "nll"):
+    if trl and loss in (None, "chunked_nll") and not src.peek("use_liger_kernel"):
+        C.not_modelled(
+            src,
+            b,
+            "loss_type",
+            "chunked_nll",
+            f"{TRL} computes the loss as chunked_nll (its default): the lm_head matmul runs on the non-ignored tokens "
+            "in chunks and the full logits are never held, which ledgerspec's Trainer step does not model (its "
+            "activation figures include the logits); set loss_type: nll for a run the estimate describes",
+            src.position("loss_type") if src.has("loss_type") else (1, 1),
+        )
+    elif loss not in (None, "nll"):
         C.not_modelled(src, b, "loss_type", loss, f"loss_type {loss!r} computes the loss differently: not modelled")
     if src.take("auto_find_batch_size"):
         b.finding(
