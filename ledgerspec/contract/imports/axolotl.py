@@ -183,6 +183,11 @@ def convert(src: Source, b: Builder) -> None:
         if packing:
             b.set((*w, "packing_strategy"), "multipack", o + "sample_packing (multipack, per-sequence position_ids)")
     _int(src, b, "micro_batch_size", (*w, "microbatch"), 1)
+    batch = src.take("batch_size")
+    if batch and not src.has("gradient_accumulation_steps") and src.has("micro_batch_size"):
+        accum = int(batch) // int(src.peek("micro_batch_size"))
+        why = o + "batch_size // micro_batch_size (normalize_config)"
+        b.set((*w, "gradient_accumulation"), accum, why, src.path, src.position("batch_size"))
     _int(src, b, "gradient_accumulation_steps", (*w, "gradient_accumulation"), 1)
 
     # -- training step ------------------------------------------------------------------------------------------
