@@ -333,8 +333,12 @@ def adapter_config(src: Source, b: Builder) -> None:
         b.assume((*m, "rank"), 8, o + "r", f"{PEFT} default r: 8")
     if src.has("lora_alpha"):
         b.set((*m, "alpha"), src.take("lora_alpha"), o + "lora_alpha", src.path)
+    else:
+        b.assume((*m, "alpha"), 8, o + "lora_alpha", f"{PEFT} default lora_alpha: 8")
     if src.has("lora_dropout"):
         b.set((*m, "dropout"), float(src.take("lora_dropout")), o + "lora_dropout", src.path)
+    else:
+        b.assume((*m, "dropout"), 0.0, o + "lora_dropout", f"{PEFT} default lora_dropout: 0.0")
     targets = src.take("target_modules")
     if targets:
         value = sorted(targets) if isinstance(targets, list) else targets
