@@ -18,9 +18,9 @@ from pathlib import Path
 
 from ledgerspec.contract.imports import axolotl, hf, llamafactory, shipped
 from ledgerspec.contract.imports.builder import Builder, Finding
-from ledgerspec.contract.imports.common import VERSIONS
+from ledgerspec.contract.imports.common import QUANTIZED, VERSIONS
 from ledgerspec.contract.imports.source import FORMATS, Source, read
-from ledgerspec.errors import LedgerspecError
+from ledgerspec.errors import LedgerspecError, described
 
 #: the order sources are read in: the training arguments first (they decide the loader's dtype defaults), the
 #: adapter, then the model config (its dtype is only a fallback)
@@ -69,7 +69,16 @@ def import_files(
         )
     b = Builder()
     for src in sorted(sources, key=lambda s: _ORDER.index(s.format)):
-        _CONVERT[src.format](src, b)
+        try:
+            _CONVERT[src.format](src, b)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # a value of a type the tool would refuse too (a list where a word belongs, ...): one line, exit 2
+            raise LedgerspecError(
+                f"a setting holds a value of an unexpected type ({described(exc, 120)})",
+                src.path,
+                rule="import",
+                hint=f"check the file against {FORMATS[src.format]}'s documented settings",
+            ) from None
     _finish(b, sources, gpu_count, output, config_dirs)
     return Imported(b.render(), b.findings, sources)
 
@@ -81,7 +90,7 @@ def _finish(
     number of GPUs, and UNKNOWN for each minimum-intake field no file gave."""
     hf_family = not any(s.format in ("axolotl", "llamafactory") for s in sources)
     first = sources[0].path
-    quantized = bool(b.value(("base_model", "quantized")))
+    quantized = bool(b.value(QUANTIZED))
     if hf_family:
         if any(s.format == "adapter-config" for s in sources):
             b.set(("method", "kind"), "QLoRA" if quantized else "LoRA", "adapter_config.json + the base's quantization")

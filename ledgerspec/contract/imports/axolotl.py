@@ -25,7 +25,7 @@ from typing import Any
 
 from ledgerspec.contract.imports import common as C
 from ledgerspec.contract.imports.builder import Builder
-from ledgerspec.contract.imports.source import Source
+from ledgerspec.contract.imports.source import Source, as_int
 
 TOOL = "axolotl"
 LABEL = f"axolotl {C.VERSIONS['axolotl']}"
@@ -118,7 +118,7 @@ def convert(src: Source, b: Builder) -> None:
 
     # -- base model ---------------------------------------------------------------------------------------------
     quantized = (adapter == "qlora" and load4) or (adapter == "lora" and load8)
-    b.set(("base_model", "quantized"), quantized, o + f"adapter {adapter}, load_in_4bit {load4}, load_in_8bit {load8}")
+    b.set(C.QUANTIZED, quantized, o + f"adapter {adapter}, load_in_4bit {load4}, load_in_8bit {load8}")
     kwargs = src.take("bnb_config_kwargs") or {}
     fsdp_on = bool(src.peek("fsdp_config") or src.peek("fsdp"))
     deepspeed_ref = src.peek("deepspeed")
@@ -185,7 +185,9 @@ def convert(src: Source, b: Builder) -> None:
     _int(src, b, "micro_batch_size", (*w, "microbatch"), 1)
     batch = src.take("batch_size")
     if batch and not src.has("gradient_accumulation_steps") and src.has("micro_batch_size"):
-        accum = int(batch) // int(src.peek("micro_batch_size"))
+        accum = as_int(src, "batch_size", batch) // max(
+            1, as_int(src, "micro_batch_size", src.peek("micro_batch_size"))
+        )
         why = o + "batch_size // micro_batch_size (normalize_config)"
         b.set((*w, "gradient_accumulation"), accum, why, src.path, src.position("batch_size"))
     _int(src, b, "gradient_accumulation_steps", (*w, "gradient_accumulation"), 1)
@@ -193,7 +195,7 @@ def convert(src: Source, b: Builder) -> None:
     # -- training step ------------------------------------------------------------------------------------------
     b.set(("training", "loop"), "trainer", o + "trains with transformers' Trainer (AxolotlTrainer)")
     if src.has("max_grad_norm"):
-        b.set(("training", "max_grad_norm"), float(src.take("max_grad_norm")), o + "max_grad_norm", src.path)
+        b.set(("training", "max_grad_norm"), src.number("max_grad_norm"), o + "max_grad_norm", src.path)
     else:
         b.assume(
             ("training", "max_grad_norm"),
@@ -244,13 +246,13 @@ def convert(src: Source, b: Builder) -> None:
 def _lora(src: Source, b: Builder, o: str) -> None:
     m = ("method",)
     if src.has("lora_r"):
-        b.set((*m, "rank"), int(src.take("lora_r")), o + "lora_r", src.path, src.position("lora_r"))
+        b.set((*m, "rank"), src.integer("lora_r"), o + "lora_r", src.path, src.position("lora_r"))
     else:
         b.unknown((*m, "rank"), o + "lora_r not set", src.path)
     if src.has("lora_alpha"):
         b.set((*m, "alpha"), src.take("lora_alpha"), o + "lora_alpha", src.path)
     if src.has("lora_dropout"):
-        b.set((*m, "dropout"), float(src.take("lora_dropout")), o + "lora_dropout", src.path)
+        b.set((*m, "dropout"), src.number("lora_dropout"), o + "lora_dropout", src.path)
     else:
         b.assume((*m, "dropout"), 0.0, o + "lora_dropout", default("lora_dropout", 0.0), src.path)
     targets = src.take("lora_target_modules")
@@ -323,7 +325,7 @@ def _bnb4(src: Source, b: Builder, torch_dtype: str, kwargs: dict[str, Any]) -> 
 
 def _int(src: Source, b: Builder, key: str, path: tuple[str, ...], fallback: int) -> None:
     if src.has(key):
-        b.set(path, int(src.take(key)), "axolotl: " + key, src.path, src.position(key))
+        b.set(path, src.integer(key), "axolotl: " + key, src.path, src.position(key))
     else:
         b.assume(path, fallback, "axolotl: " + key, default(key, fallback), src.path)
 
@@ -454,7 +456,7 @@ def _parallel(src: Source, b: Builder, o: str, zero3: bool | None) -> None:
             )
     if fsdp_cfg or fsdp_list:
         cfg = {str(k).removeprefix("fsdp_") if k != "fsdp_version" else k: v for k, v in (fsdp_cfg or {}).items()}
-        version = version or cfg.get("fsdp_version") or cfg.get("version") or 1
+        version = as_int(src, "fsdp_version", version or cfg.get("fsdp_version") or cfg.get("version") or 1)
         where = src.position("fsdp_config" if fsdp_cfg else "fsdp")
         if int(version) == 2:
             C.fsdp2(

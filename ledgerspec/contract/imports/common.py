@@ -13,6 +13,8 @@ from ledgerspec.contract.imports.builder import Builder
 from ledgerspec.contract.imports.source import Source, position_in
 from ledgerspec.contract.optimizers import OPTIMIZERS
 
+#: ``base_model.quantized``, which the importers write into a new intake (only ``contract/config.py`` reads it)
+QUANTIZED = ("base_model", "quantized")
 #: the versions whose sources the mappings were checked against (docs "From your setup" cites them)
 VERSIONS = {
     "axolotl": "0.18.0",

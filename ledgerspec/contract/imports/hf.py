@@ -20,7 +20,7 @@ from typing import Any
 
 from ledgerspec.contract.imports import common as C
 from ledgerspec.contract.imports.builder import Builder
-from ledgerspec.contract.imports.source import Source
+from ledgerspec.contract.imports.source import Source, as_int
 
 TA = f"transformers {C.VERSIONS['transformers']} TrainingArguments"
 TRL = f"TRL {C.VERSIONS['trl']} SFTConfig"
@@ -52,8 +52,15 @@ def training_args(src: Source, b: Builder) -> None:
 
     def take(key: str, path: tuple[str, ...], fallback: Any, conv: Any = None) -> Any:
         if src.has(key):
-            value = src.take(key)
-            b.set(path, conv(value) if conv else value, o + key, src.path, src.position(key))
+            value = src.peek(key)
+            if conv is int:
+                value = src.integer(key)
+            elif conv is float:
+                value = src.number(key)
+            else:
+                value = src.take(key)
+                value = conv(value) if conv else value
+            b.set(path, value, o + key, src.path, src.position(key))
             return value
         src.take(key)
         b.assume(path, fallback, o + key, f"{label} default {key}: {fallback}", src.path)
@@ -230,7 +237,7 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
             if isinstance(cfg, dict)
             else {}
         )
-        version = int(cfg.get("version", 2))
+        version = as_int(src, "fsdp_config.version", cfg.get("version", 2))
         where = src.position("fsdp")
         if version == 2:
             reshard = cfg.get("reshard_after_forward")
@@ -328,7 +335,7 @@ def adapter_config(src: Source, b: Builder) -> None:
     if src.has("revision"):
         b.set(("identity", "revision"), str(src.take("revision")), o + "revision", src.path)
     if src.has("r"):
-        b.set((*m, "rank"), int(src.take("r")), o + "r", src.path, src.position("r"))
+        b.set((*m, "rank"), src.integer("r"), o + "r", src.path, src.position("r"))
     else:
         b.assume((*m, "rank"), 8, o + "r", f"{PEFT} default r: 8")
     if src.has("lora_alpha"):
@@ -336,7 +343,7 @@ def adapter_config(src: Source, b: Builder) -> None:
     else:
         b.assume((*m, "alpha"), 8, o + "lora_alpha", f"{PEFT} default lora_alpha: 8")
     if src.has("lora_dropout"):
-        b.set((*m, "dropout"), float(src.take("lora_dropout")), o + "lora_dropout", src.path)
+        b.set((*m, "dropout"), src.number("lora_dropout"), o + "lora_dropout", src.path)
     else:
         b.assume((*m, "dropout"), 0.0, o + "lora_dropout", f"{PEFT} default lora_dropout: 0.0")
     targets = src.take("target_modules")
@@ -408,7 +415,7 @@ def quantization(src: Source, b: Builder, qc: dict[str, Any], origin: str, key: 
     method = str(qc.get("quant_method", "bitsandbytes")).lower()
     where = src.position(key.split(".")[0]) if key else (None, None)
     if method != "bitsandbytes":
-        b.set(("base_model", "quantized"), True, origin + f".quant_method {method}", src.path)
+        b.set(C.QUANTIZED, True, origin + f".quant_method {method}", src.path)
         C.not_modelled(
             src,
             b,
@@ -425,7 +432,7 @@ def quantization(src: Source, b: Builder, qc: dict[str, Any], origin: str, key: 
             src.path, where, f"{key}.{k}" if key else k, "not a BitsAndBytesConfig setting: not read", "unknown-key"
         )
     if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
-        b.set(("base_model", "quantized"), True, origin + ".load_in_4bit", src.path)
+        b.set(C.QUANTIZED, True, origin + ".load_in_4bit", src.path)
         b.set((*q, "bits"), 4, origin + ".load_in_4bit", src.path)
         for k, (field, fallback) in BNB4_DEFAULTS.items():
             if k in qc and qc[k] is not None:
@@ -437,7 +444,7 @@ def quantization(src: Source, b: Builder, qc: dict[str, Any], origin: str, key: 
                 )
         b.set((*q, "blocksize"), 64, "bitsandbytes 4-bit block size (Params4bit)", src.path)
     elif qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
-        b.set(("base_model", "quantized"), True, origin + ".load_in_8bit", src.path)
+        b.set(C.QUANTIZED, True, origin + ".load_in_8bit", src.path)
         b.set((*q, "type"), "int8", origin + ".load_in_8bit", src.path)
         b.set((*q, "bits"), 8, origin + ".load_in_8bit", src.path)
     if qc.get("llm_int8_skip_modules"):

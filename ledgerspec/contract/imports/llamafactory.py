@@ -20,7 +20,7 @@ from typing import Any
 
 from ledgerspec.contract.imports import common as C
 from ledgerspec.contract.imports.builder import Builder
-from ledgerspec.contract.imports.source import Source
+from ledgerspec.contract.imports.source import Source, as_int
 
 TOOL = "llamafactory"
 LABEL = f"LLaMA-Factory {C.VERSIONS['llamafactory']}"
@@ -37,7 +37,8 @@ def convert(src: Source, b: Builder) -> None:
     o = "LLaMA-Factory: "
     m, q = ("method",), ("base_model", "quantization")
 
-    b.set(("identity", "model_id"), str(src.take("model_name_or_path")), o + "model_name_or_path", src.path)
+    if src.has("model_name_or_path"):
+        b.set(("identity", "model_id"), str(src.take("model_name_or_path")), o + "model_name_or_path", src.path)
     if src.has("model_revision") and src.peek("model_revision") != "main":
         b.set(("identity", "revision"), str(src.take("model_revision")), o + "model_revision", src.path)
     else:
@@ -102,8 +103,10 @@ def convert(src: Source, b: Builder) -> None:
         o + f"finetuning_type lora, quantization_bit {bits}",
         src.path,
     )
-    b.set(("base_model", "quantized"), quantized, o + "quantization_bit", src.path)
+    b.set(C.QUANTIZED, quantized, o + "quantization_bit", src.path)
     rank = src.take("lora_rank")
+    if rank is not None:
+        rank = as_int(src, "lora_rank", rank)
     if rank is None:
         rank = 8
         b.assume((*m, "rank"), 8, o + "lora_rank", default("lora_rank", 8), src.path)
@@ -114,7 +117,7 @@ def convert(src: Source, b: Builder) -> None:
     else:
         b.assume((*m, "alpha"), int(rank) * 2, o + "lora_alpha", default("lora_alpha", "lora_rank * 2"), src.path)
     if src.has("lora_dropout"):
-        b.set((*m, "dropout"), float(src.take("lora_dropout")), o + "lora_dropout", src.path)
+        b.set((*m, "dropout"), src.number("lora_dropout"), o + "lora_dropout", src.path)
     else:
         b.assume((*m, "dropout"), 0.0, o + "lora_dropout", default("lora_dropout", 0.0), src.path)
     target = src.take("lora_target")
@@ -205,7 +208,7 @@ def convert(src: Source, b: Builder) -> None:
     # -- workload -----------------------------------------------------------------------------------------------
     w = ("workload",)
     if src.has("cutoff_len"):
-        b.set((*w, "max_length"), int(src.take("cutoff_len")), o + "cutoff_len", src.path)
+        b.set((*w, "max_length"), src.integer("cutoff_len"), o + "cutoff_len", src.path)
     else:
         b.assume((*w, "max_length"), 2048, o + "cutoff_len", default("cutoff_len", 2048), src.path)
     neat = src.take("neat_packing")
@@ -225,7 +228,7 @@ def convert(src: Source, b: Builder) -> None:
     )
     for count_key, count_path, count_default in counts:
         if src.has(count_key):
-            b.set(count_path, int(src.take(count_key)), o + count_key, src.path, src.position(count_key))
+            b.set(count_path, src.integer(count_key), o + count_key, src.path, src.position(count_key))
         else:
             note = f"transformers TrainingArguments default {count_key}: {count_default}"
             b.assume(count_path, count_default, o + count_key, note, src.path)
@@ -242,7 +245,7 @@ def convert(src: Source, b: Builder) -> None:
             src.path,
         )
     if src.has("max_grad_norm"):
-        b.set(("training", "max_grad_norm"), float(src.take("max_grad_norm")), o + "max_grad_norm", src.path)
+        b.set(("training", "max_grad_norm"), src.number("max_grad_norm"), o + "max_grad_norm", src.path)
     else:
         b.assume(
             ("training", "max_grad_norm"),

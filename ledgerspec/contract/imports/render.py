@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import re
 from typing import TYPE_CHECKING, Any
 
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from ledgerspec.contract import fields as F
-from ledgerspec.contract.loader import make_yaml
+from ledgerspec.contract import writer
 
 if TYPE_CHECKING:
     from ledgerspec.contract.imports.builder import Builder, Entry
@@ -34,11 +33,7 @@ def render(b: Builder) -> str:
         if node:
             doc[section.name] = node
     doc["x-import"] = _extension(b)
-    yaml = make_yaml()
-    yaml.indent(mapping=2, sequence=4, offset=2)
-    buf = io.StringIO()
-    yaml.dump(doc, buf)
-    body = re.sub(r"\n(?=[a-z]|x-import:)", "\n\n", buf.getvalue())
+    body = re.sub(r"\n(?=[a-z]|x-import:)", "\n\n", writer.render(doc, ""))
     body = body.replace("\n\nstatus:", "\nstatus:").replace("\n\ntitle:", "\ntitle:")
     return _HEAD.format() + body
 

@@ -56,6 +56,26 @@ class Source:
         value = self.plain.get(key)
         return default if value is None else value
 
+    def integer(self, key: str) -> int:
+        """The whole number at ``key`` (marked as read); anything else is one line, exit 2, at the key."""
+        return as_int(self, key, self.take(key))
+
+    def number(self, key: str) -> float:
+        value = self.take(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.bad(key, value, "a number")
+        return float(value)
+
+    def bad(self, key: str, value: Any, expected: str) -> LedgerspecError:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        return LedgerspecError(
+            f"{key}: {shown} is not {expected}",
+            self.path,
+            *self.position(key.split(".")[0]),
+            rule="import",
+            hint="fix the value in the tool's configuration",
+        )
+
     def peek(self, key: str, default: Any = None) -> Any:
         value = self.plain.get(key)
         return default if value is None else value
@@ -152,6 +172,15 @@ def read(path: str | Path, fmt: str | None = None) -> Source:
             f"unknown format {found!r}", shown, rule="import", hint="one of " + ", ".join(FORMATS)
         )  # pragma: no cover - argparse restricts --format
     return Source(shown, found, data, plain)
+
+
+def as_int(src: Source, key: str, value: Any) -> int:
+    """``value`` (read at ``key``) as a whole number: an int, or a string of digits; else one line, exit 2."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    raise src.bad(key, value, "a whole number")
 
 
 def detect(plain: dict[str, Any]) -> str | None:
