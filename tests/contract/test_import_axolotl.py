@@ -4,9 +4,11 @@ docs/from-your-setup.md). ``test_import_upstream.py`` checks the defaults agains
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ledgerspec.checks.validate import validate
 from ledgerspec.contract import config
-from tests.support.imports import imported, keys_of, plain
+from tests.support.imports import IMPORTS, imported, keys_of, plain
 
 
 def test_lora_maps_every_memory_setting_with_its_origin() -> None:
@@ -108,3 +110,16 @@ def test_every_key_is_accounted_for() -> None:
     v = doc.get("optimizer", "name")
     assert v.source == "ASSUMPTION" and v.value == "adamw_torch_fused" and "axolotl 0.18.0" in (v.note or "")
     assert doc.get("memory_options", "gradient_checkpointing").value is False
+
+
+def test_qlora_under_zero3_skips_prepare_model_for_kbit_training(tmp_path: Path) -> None:
+    """``_prepare_model_for_quantization`` skips PEFT's prepare under ZeRO-3: the stage is read from the JSON."""
+    text = (IMPORTS / "axolotl/qlora.yml").read_text() + "deepspeed: ds.json\n"
+    (tmp_path / "qlora.yml").write_text(text)
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+    doc, _ = imported(tmp_path / "qlora.yml")
+    assert plain(doc, "base_model", "prepare_for_kbit_training") is False
+    assert plain(doc, "memory_options", "sharding") == "zero3"
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    doc, _ = imported(tmp_path / "qlora.yml")
+    assert plain(doc, "base_model", "prepare_for_kbit_training") is True

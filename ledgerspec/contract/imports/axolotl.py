@@ -122,7 +122,12 @@ def convert(src: Source, b: Builder) -> None:
     kwargs = src.take("bnb_config_kwargs") or {}
     fsdp_on = bool(src.peek("fsdp_config") or src.peek("fsdp"))
     deepspeed_ref = src.peek("deepspeed")
-    zero3 = _zero3(deepspeed_ref)
+    ds_config: dict[str, Any] | None = None
+    if isinstance(deepspeed_ref, dict):
+        ds_config = deepspeed_ref
+    elif deepspeed_ref:
+        ds_config = C.read_json_beside(src, b, "deepspeed", str(deepspeed_ref))
+    zero3 = _zero3(ds_config if ds_config is not None else deepspeed_ref)
     if adapter == "qlora" and load4:
         _bnb4(src, b, torch_dtype, kwargs if isinstance(kwargs, dict) else {})
     elif quantized:  # lora + load_in_8bit
@@ -152,7 +157,9 @@ def convert(src: Source, b: Builder) -> None:
                 src.path,
                 at("deepspeed"),
                 "deepspeed",
-                "whether prepare_model_for_kbit_training runs depends on the ZeRO stage: read from the DeepSpeed file",
+                "the DeepSpeed file could not be read: prepare_model_for_kbit_training is taken to run (axolotl "
+                "skips it "
+                "under ZeRO-3)",
                 "note",
             )
     else:
@@ -239,7 +246,7 @@ def convert(src: Source, b: Builder) -> None:
     _kernels(src, b, adapter, load8)
 
     # -- parallelism --------------------------------------------------------------------------------------------
-    _parallel(src, b, o, zero3)
+    _parallel(src, b, o, ds_config)
     C.account_for_rest(src, b, TOOL, LABEL)
 
 
@@ -439,18 +446,17 @@ def _zero3(ref: Any) -> bool | None:
     return False
 
 
-def _parallel(src: Source, b: Builder, o: str, zero3: bool | None) -> None:
+def _parallel(src: Source, b: Builder, o: str, ds_config: dict[str, Any] | None) -> None:
     ds = src.take("deepspeed")
     fsdp_cfg = src.take("fsdp_config")
     fsdp_list = src.take("fsdp")
     version = src.take("fsdp_version")
     if ds:
-        config = ds if isinstance(ds, dict) else C.read_json_beside(src, b, "deepspeed", str(ds))
-        if config is not None:
+        if ds_config is not None:
             C.deepspeed(
                 src,
                 b,
-                config,
+                ds_config,
                 f"axolotl: deepspeed ({ds if isinstance(ds, str) else 'inline'})",
                 src.position("deepspeed"),
             )

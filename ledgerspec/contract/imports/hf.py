@@ -135,8 +135,7 @@ def training_args(src: Source, b: Builder) -> None:
                 "use_reentrant=True for PEFT under ZeRO-3)",
             )
     if trl:
-        ao = src.take("activation_offloading")
-        b.set((*mo, "activation_offload"), bool(ao), o + "activation_offloading", src.path)
+        ao = take("activation_offloading", (*mo, "activation_offload"), False, bool)
         if ao:
             b.set(
                 (*mo, "offload_mode"),
