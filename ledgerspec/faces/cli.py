@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "validate": ("validate",),
     "schema": ("schema",),
     "init": ("init",),
+    "imports": ("import",),
     "resolve": ("resolve",),
     "estimate": ("estimate",),
     "measure": ("measure", "triage"),

@@ -1,4 +1,9 @@
-"""``ledgerspec init [--from INTAKE] [-o OUT] [--force]``: a ledger skeleton, every field UNKNOWN (no torch)."""
+"""``ledgerspec init [--from FILE]... [-o OUT] [--force]``: a ledger skeleton, every field UNKNOWN (no torch).
+
+``--from`` takes an ``intake/v1`` (its sections are copied in), or the configuration files ``ledgerspec import``
+reads (an axolotl or LLaMA-Factory YAML, TrainingArguments/SFTConfig, adapter_config.json, config.json): they are
+imported first, with the same findings, and the skeleton is made from that intake.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,16 @@ from ledgerspec.faces.arguments import add_force
 
 def register(subparsers: Any) -> None:
     i = subparsers.add_parser("init", help="write a ledger skeleton with every field UNKNOWN")
-    i.add_argument("--from", dest="from_intake", metavar="INTAKE", help="copy the sections of an intake")
+    i.add_argument(
+        "--from",
+        dest="from_files",
+        action="append",
+        metavar="FILE",
+        help="copy the sections of an intake, or import a tool's configuration (repeat for several files)",
+    )
     i.add_argument("-o", "--output", metavar="OUT", help="write here instead of standard output")
     add_force(i, "overwrite OUT if it exists (even if it is read-only)")
+    i.add_argument("--gpu-count", type=int, metavar="N", help="with imported files: the number of GPUs (ranks)")
     i.set_defaults(run=run_init)
 
 
@@ -25,21 +37,42 @@ def run_init(args: argparse.Namespace) -> int:
     from ledgerspec.contract.skeleton import skeleton
     from ledgerspec.contract.writer import atomic_write, check_writable
 
-    intake = require_header(load(args.from_intake), "init") if args.from_intake else None  # intake/v2: refused
-    if intake is not None and intake.kind != "intake":
-        raise LedgerspecError(
-            f"--from expects an intake/v1 document, got {intake.get('ledgerspec').raw!r}",
-            args.from_intake,
-            *intake.position("/ledgerspec"),
-            rule="init",
-        )
+    files: list[str] = args.from_files or []
+    intake = None
     if args.output:
         if os.path.lexists(args.output) and not args.force:
             raise LedgerspecError("file exists", args.output, rule="init", hint="pass --force to overwrite")
         check_writable(args.output, force=args.force)
+    if len(files) == 1 and _ledgerspec_document(files[0]):
+        intake = require_header(load(files[0]), "init")  # intake/v2: refused
+        if intake.kind != "intake":
+            raise LedgerspecError(
+                f"--from expects an intake/v1 document, got {intake.get('ledgerspec').raw!r}",
+                files[0],
+                *intake.position("/ledgerspec"),
+                rule="init",
+            )
+    elif files:
+        from ledgerspec.faces.commands.imports import convert
+
+        if args.gpu_count is not None and args.gpu_count < 1:
+            raise LedgerspecError(f"--gpu-count must be at least 1, got {args.gpu_count}", rule="init")
+        _, intake = convert(files, args, args.output)
     text = skeleton(intake, args.output)
     if args.output:
         atomic_write(args.output, text, force=args.force)
     else:
         sys.stdout.write(text)
     return EXIT_OK
+
+
+def _ledgerspec_document(path: str) -> bool:
+    """Whether ``path`` is a ledgerspec document (it has a ``ledgerspec:`` header); anything else, readable or not,
+    goes to the importer, which says what is wrong with it."""
+    from ledgerspec.contract.document import load
+
+    try:
+        doc = load(path)
+    except LedgerspecError:
+        return False
+    return doc.get("ledgerspec").present

@@ -1,0 +1,281 @@
+"""What the importers share: the tools' key lists, the settings that do not change memory, dtype, optimizer,
+DeepSpeed and FSDP mappings, and the accounting of the keys no mapping read (never a silent drop)."""
+
+from __future__ import annotations
+
+import difflib
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from ledgerspec.contract import dtypes
+from ledgerspec.contract.imports.builder import Builder
+from ledgerspec.contract.imports.source import Source, position_in
+from ledgerspec.contract.optimizers import OPTIMIZERS
+
+#: ``base_model.quantized``, which the importers write into a new intake (only ``contract/config.py`` reads it)
+QUANTIZED = ("base_model", "quantized")
+#: the versions whose sources the mappings were checked against (docs "From your setup" cites them)
+VERSIONS = {
+    "axolotl": "0.18.0",
+    "llamafactory": "0.9.5",
+    "transformers": "5.24.0",
+    "trl": "1.9.0",
+    "peft": "0.21.2",
+}
+
+
+@cache
+def known_keys(tool: str) -> frozenset[str]:
+    """Every key ``tool`` accepts at :data:`VERSIONS` (``keys/<tool>.txt``, written by ``scripts/import-keys``)."""
+    text = resources.files("ledgerspec.contract.imports").joinpath("keys", f"{tool}.txt").read_text("utf-8")
+    keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    # an SFTConfig is a TrainingArguments: a dump from an older transformers holds that version's fields too
+    return keys | known_keys("transformers") if tool == "trl" else keys
+
+
+#: settings that change what is learned, logged or saved, not what is resident during a step
+IGNORED = frozenset(
+    """
+    accelerator_config megatron_core qalora_group_size
+    learning_rate lr lr_scheduler lr_scheduler_type lr_scheduler_kwargs lr_quadratic_warmup lr_div_factor
+    cosine_min_lr_ratio cosine_constant_lr_ratio warmup_steps warmup_ratio weight_decay adam_beta1 adam_beta2
+    adam_beta3 adam_epsilon adam_epsilon2 num_epochs num_train_epochs max_steps seed data_seed full_determinism
+    output_dir overwrite_output_dir logging_dir logging_steps logging_strategy logging_first_step
+    logging_nan_inf_filter log_level log_level_replica log_on_each_node disable_tqdm report_to run_name project
+    save_steps save_strategy save_total_limit save_only_model save_safetensors save_on_each_node saves_per_epoch
+    save_first_step eval_steps eval_strategy evaluation_strategy evals_per_epoch eval_delay eval_on_start
+    eval_accumulation_steps eval_do_concat_batches eval_use_gather_object per_device_eval_batch_size eval_batch_size
+    do_train do_eval do_predict prediction_loss_only val_set_size metric_for_best_model greater_is_better
+    load_best_model_at_end early_stopping_patience resume_from_checkpoint auto_resume_from_checkpoints
+    ignore_data_skip restore_callback_states_from_checkpoint push_to_hub hub_model_id hub_strategy hub_token
+    hub_private_repo hub_always_push hub_revision hub_model_revision push_dataset_to_hub hf_use_auth_token
+    dataset_prepared_path datasets test_datasets dataset dataset_dir eval_dataset template dataset_processes
+    dataset_num_proc preprocessing_num_workers dataloader_num_workers dataloader_pin_memory
+    dataloader_prefetch_factor dataloader_persistent_workers dataloader_drop_last dataloader_in_order
+    dataloader_multiprocessing_context remove_unused_columns label_names length_column_name include_for_metrics
+    include_num_input_tokens_seen batch_eval_metrics skip_memory_metrics trackio_space_id trackio_bucket_id
+    trackio_static_space_id wandb_project wandb_entity wandb_watch wandb_name wandb_run_id wandb_log_model
+    mlflow_tracking_uri mlflow_experiment_name comet_api_key comet_workspace comet_project_name use_tensorboard
+    use_wandb use_mlflow use_comet use_swanlab use_trackio special_tokens tokens chat_template chat_template_jinja
+    default_system_message train_on_inputs tokenizer_type tokenizer_config tokenizer_use_fast tokenizer_legacy
+    tokenizer_name_or_path model_type strict shuffle_merged_datasets shuffle_before_merging_datasets overwrite_cache
+    plot_loss max_samples val_size ddp_timeout ddp_backend ddp_find_unused_parameters ddp_broadcast_buffers
+    ddp_bucket_cap_mb ddp_static_graph debug label_smoothing_factor neftune_noise_alpha lr_scheduler_warmup_steps
+    dataset_text_field dataset_kwargs shuffle_dataset eos_token pad_token chat_template_path completion_only_loss
+    assistant_only_loss truncation_mode eval_packing router_aux_loss_coef tf32 use_rslora peft_use_rslora
+    loraplus_lr_ratio loraplus_lr_embedding lora_fan_in_fan_out fan_in_fan_out init_lora_weights
+    peft_init_lora_weights train_sampling_strategy average_tokens_across_devices enable_jit_checkpoint use_cpu
+    local_rank do_sample temperature top_p top_k num_beams max_new_tokens repetition_penalty length_penalty
+    skip_special_tokens default_system enable_thinking mask_history streaming buffer_size mix_strategy
+    interleave_probs tokenized_path ignore_pad_token_for_loss
+    """.split()
+)
+
+
+def is_off(value: Any) -> bool:
+    """A setting left at nothing: None, false, 0, an empty string or collection."""
+    return value is None or value is False or value == 0 or (isinstance(value, str | list | dict) and not value)
+
+
+def account_for_rest(src: Source, b: Builder, tool: str, label: str) -> None:
+    """Every key no mapping read: not a key of ``tool`` (a finding: a typo?), a setting that does not change memory
+    (listed in ``x-import.ignored``), off (the same), or one that may change memory and is not modelled (a finding,
+    its value kept in ``x-import.not_modelled``)."""
+    known = known_keys(tool)
+    for key in src.left():
+        value = src.plain[key]
+        where = src.position(key)
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+            guess = f" (did you mean {close[0]!r}?)" if close else ""
+            b.finding(
+                src.path,
+                where,
+                key,
+                f"not a setting of {label}{guess}: not read; check the spelling and the tool's version",
+                "unknown-key",
+            )
+            b.unknown_keys.setdefault(src.path, []).append(key)
+        elif key in IGNORED or is_off(value):
+            b.ignored.setdefault(src.path, []).append(key)
+        else:
+            b.finding(
+                src.path,
+                where,
+                key,
+                "may change training memory and is not modelled by ledgerspec yet: not carried over (its value "
+                "is kept in x-import.not_modelled)",
+                "not-modelled",
+            )
+            b.not_modelled.setdefault(src.path, {})[key] = value
+
+
+def not_modelled(src: Source, b: Builder, key: str, value: Any, why: str, where: tuple[Any, Any] | None = None) -> None:
+    """A set value the ledger cannot express: a finding with ``why``, the value kept in ``x-import.not_modelled``."""
+    b.finding(src.path, where or src.position(key.split(".")[0]), key, why, "not-modelled")
+    b.not_modelled.setdefault(src.path, {})[key] = value
+
+
+def dtype_name(value: Any) -> str | None:
+    """``bf16``, ``torch.bfloat16``, ``bfloat16`` -> ``bfloat16``; None for anything else (``auto``)."""
+    return dtypes.canonical(str(value)) if isinstance(value, str) else None
+
+
+# -- optimizers ------------------------------------------------------------------------------------------------------
+
+#: other spellings of catalogue optimizers (axolotl's and bitsandbytes' names for transformers' ``optim`` values)
+OPTIMIZER_ALIASES = {
+    "adamw_hf": "adamw_torch",  # removed from transformers; was an AdamW implementation with two fp32 moments
+    "adam": "adam",
+    "adamw_bnb_8bit": "adamw_bnb_8bit",
+    "paged_adamw_32bit": "paged_adamw_32bit",
+}
+
+
+def optimizer(src: Source, b: Builder, key: str, name: Any, origin: str) -> None:
+    """``optimizer.name`` from a tool's optimizer setting: the catalogue's spelling, or the name as given with a
+    finding when the catalogue (``ledgerspec/contract/optimizers.py``) does not know it."""
+    text = str(name).strip()
+    canon = OPTIMIZER_ALIASES.get(text.lower(), text.lower())
+    b.set(("optimizer", "name"), canon, origin, src.path, src.position(key))
+    if canon not in OPTIMIZERS:
+        b.finding(
+            src.path,
+            src.position(key),
+            key,
+            f"optimizer {text!r} is not in ledgerspec's optimizer catalogue: its state cannot be sized; give "
+            "optimizer.bits (and state_format) by hand, or use a catalogue optimizer",
+            "not-modelled",
+        )
+
+
+# -- DeepSpeed and FSDP ----------------------------------------------------------------------------------------------
+
+#: ZeRO stage -> (memory_options.sharding, parameter, gradient, optimizer placement)
+ZERO = {
+    0: ("none", "replicated", "replicated", "replicated"),
+    1: ("zero1", "replicated", "replicated", "sharded"),
+    2: ("zero2", "replicated", "sharded", "sharded"),
+    3: ("zero3", "sharded", "sharded", "sharded"),
+}
+#: DeepSpeed keys the ledger reads (everything else in the JSON is kept in x-import.not_modelled)
+_DS_READ = {"zero_optimization"}
+_DS_ZERO_READ = {"stage", "offload_optimizer", "offload_param"}
+#: DeepSpeed keys that only restate the Trainer's settings ("auto") or do not change memory
+_DS_ECHO = {
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "scheduler",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "zero_allow_untested_optimizer",
+}
+
+
+def deepspeed(
+    src: Source, b: Builder, config: dict[str, Any], origin: str, where: tuple[Any, Any], key: str = "deepspeed"
+) -> None:
+    """A DeepSpeed config (``zero_optimization``) as sharding and placements; the rest kept, with a finding."""
+    block = config.get("zero_optimization")
+    zero: dict[str, Any] = block if isinstance(block, dict) else {}
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or stage not in ZERO:
+        b.finding(src.path, where, "zero_optimization.stage", f"ZeRO stage {stage!r} is not 0-3: not read", "unknown")
+        return
+    sharding, params, grads, opt = ZERO[stage]
+    o = f"{origin}: zero_optimization.stage {stage}"
+    b.set(("memory_options", "sharding"), sharding, o, src.path, where)
+    b.set(("parallelism", "strategy"), f"zero{stage}" if stage else "ddp", o, src.path, where)
+    off_opt = _offload_device(zero.get("offload_optimizer"))
+    off_par = _offload_device(zero.get("offload_param"))
+    if off_opt:
+        opt = off_opt
+    if off_par:
+        params = off_par
+    b.set(
+        ("parallelism", "parameter_placement"), params, o + (f", offload_param {off_par}" if off_par else ""), src.path
+    )
+    b.set(("parallelism", "gradient_placement"), grads, o, src.path)
+    b.set(
+        ("parallelism", "optimizer_placement"), opt, o + (f", offload_optimizer {off_opt}" if off_opt else ""), src.path
+    )
+    offload = bool(off_opt or off_par)
+    b.set(("memory_options", "cpu_offload"), offload, f"{origin}: offload_optimizer/offload_param", src.path)
+    b.set(("parallelism", "cpu_offload"), offload, f"{origin}: offload_optimizer/offload_param", src.path)
+    rest = {k: v for k, v in config.items() if k not in _DS_READ and k not in _DS_ECHO}
+    rest.update({f"zero_optimization.{k}": v for k, v in zero.items() if k not in _DS_ZERO_READ})
+    if rest:
+        not_modelled(
+            src,
+            b,
+            key,
+            rest,
+            f"{origin}: DeepSpeed settings other than the ZeRO stage and offload (bucket sizes, prefetch, persistence "
+            f"thresholds: {', '.join(sorted(rest))}) change per-rank memory and are not modelled yet: kept in "
+            "x-import.not_modelled",
+            where,
+        )
+
+
+def _offload_device(block: Any) -> str | None:
+    if not isinstance(block, dict):
+        return None
+    device = str(block.get("device", "none")).lower()
+    return device if device in ("cpu", "nvme") else None
+
+
+def read_json_beside(src: Source, b: Builder, key: str, ref: str) -> dict[str, Any] | None:
+    """A JSON file named by a setting (``deepspeed: ds_z3.json``), relative to the source file; None (with a
+    finding) when it cannot be read. Read with the same safe loader as every source."""
+    import os
+
+    from ledgerspec.contract.imports.source import read
+    from ledgerspec.errors import LedgerspecError
+
+    path = ref if os.path.isabs(ref) else os.path.join(os.path.dirname(src.path) or ".", ref)
+    try:
+        other = read(path, "deepspeed")
+    except LedgerspecError as exc:
+        b.finding(
+            src.path,
+            src.position(key),
+            key,
+            f"cannot read {ref} ({exc.message}): its ZeRO stage and offload stay UNKNOWN; import the DeepSpeed JSON "
+            "itself as another file",
+            "unknown",
+        )
+        return None
+    return other.plain
+
+
+def fsdp2(
+    src: Source,
+    b: Builder,
+    origin: str,
+    where: tuple[Any, Any],
+    reshard: Any,
+    offload: Any,
+    reshard_default_note: str | None,
+) -> None:
+    """FSDP2 as the ledger knows it: parameters, gradients and optimizer state sharded per rank."""
+    b.set(("memory_options", "sharding"), "fsdp2", origin, src.path, where)
+    b.set(("parallelism", "strategy"), "fsdp2", origin, src.path, where)
+    place = "cpu" if offload else "sharded"
+    for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
+        b.set(("parallelism", k), place, origin + (" with CPU offload" if offload else ""), src.path)
+    b.set(("memory_options", "cpu_offload"), bool(offload), origin, src.path)
+    b.set(("parallelism", "cpu_offload"), bool(offload), origin, src.path)
+    if reshard is not None:
+        b.set(("parallelism", "reshard_after_forward"), bool(reshard), origin, src.path, where)
+    elif reshard_default_note:
+        b.assume(("parallelism", "reshard_after_forward"), True, origin, reshard_default_note, src.path)
+
+
+def nested_where(src: Source, *path: str) -> tuple[int | None, int | None]:
+    return position_in(src.data, *path)

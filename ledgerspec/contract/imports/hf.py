@@ -1,0 +1,460 @@
+"""Hugging Face files -> intake: ``TrainingArguments`` / TRL ``SFTConfig`` (the ``args`` a Trainer runs with, as
+``args.to_json_string()`` writes them, or the same keys in YAML), PEFT's ``adapter_config.json``, a model's
+``config.json`` (its ``quantization_config``), and a DeepSpeed JSON. Checked against transformers 5.24.0
+(``training_args.py``, ``modeling_utils.py``), TRL 1.9.0 (``trainer/sft_config.py``, ``trainer/sft_trainer.py``,
+``trainer/utils.py``) and PEFT 0.21.2 (``tuners/lora/config.py``).
+
+What the files do not say and the intake records:
+
+- transformers >= 5 loads a model in its checkpoint's dtype (``from_pretrained(dtype="auto")``); TRL's
+  ``SFTTrainer`` given a model id loads it in float32 unless ``model_init_kwargs.dtype`` is set.
+- activation checkpointing without kwargs is non-reentrant (``{"use_reentrant": False}``, ``modeling_utils.py``).
+- PEFT upcasts the adapters to float32 (``autocast_adapter_dtype=True``); TRL 1.9 casts them to bfloat16 on a
+  quantized base and keeps the base dtype under ZeRO-3 without quantization.
+- neither the Trainer nor TRL 1.9's ``SFTTrainer`` calls ``prepare_model_for_kbit_training``: a script may.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ledgerspec.contract.imports import common as C
+from ledgerspec.contract.imports.builder import Builder
+from ledgerspec.contract.imports.source import Source, as_int
+
+TA = f"transformers {C.VERSIONS['transformers']} TrainingArguments"
+TRL = f"TRL {C.VERSIONS['trl']} SFTConfig"
+PEFT = f"PEFT {C.VERSIONS['peft']} LoraConfig"
+#: keys only TRL's SFTConfig has (not TrainingArguments)
+TRL_KEYS = frozenset(C.known_keys("trl") - C.known_keys("transformers"))
+#: bitsandbytes 4-bit settings and ``BitsAndBytesConfig``'s defaults (transformers 5.24,
+#: ``utils/quantization_config.py``)
+BNB4_DEFAULTS = {
+    "bnb_4bit_quant_type": ("type", "fp4"),
+    "bnb_4bit_use_double_quant": ("double_quant", False),
+    "bnb_4bit_compute_dtype": ("compute_dtype", "float32"),
+    "bnb_4bit_quant_storage": ("storage_dtype", "uint8"),
+}
+
+
+def is_trl(src: Source) -> bool:
+    return bool(set(src.plain) & TRL_KEYS)
+
+
+def training_args(src: Source, b: Builder) -> None:
+    trl = is_trl(src)
+    b.facts["trl"] = b.facts.get("trl", False) or trl
+    label = TRL if trl else TA
+    tool = "trl" if trl else "transformers"
+    b.tools.append(f"{label} ({src.path})")
+    o = "SFTConfig: " if trl else "TrainingArguments: "
+    w, mo = ("workload",), ("memory_options",)
+
+    def take(key: str, path: tuple[str, ...], fallback: Any, conv: Any = None) -> Any:
+        if src.has(key):
+            value = src.peek(key)
+            if conv is int:
+                value = src.integer(key)
+            elif conv is float:
+                value = src.number(key)
+            else:
+                value = src.take(key)
+                value = conv(value) if conv else value
+            b.set(path, value, o + key, src.path, src.position(key))
+            return value
+        src.take(key)
+        b.assume(path, fallback, o + key, f"{label} default {key}: {fallback}", src.path)
+        return fallback
+
+    take("per_device_train_batch_size", (*w, "microbatch"), 8, int)
+    take("gradient_accumulation_steps", (*w, "gradient_accumulation"), 1, int)
+    if trl:
+        take("max_length", (*w, "max_length"), 1024, int)
+        packing = take("packing", (*w, "packing"), False, bool)
+        if packing:
+            take("packing_strategy", (*w, "packing_strategy"), "bfd")
+        else:
+            src.take("packing_strategy")
+        take("padding_free", (*w, "padding_free"), False, bool)
+    else:
+        b.unknown(
+            (*w, "max_length"),
+            "TrainingArguments hold no sequence length: give your tokenizer's truncation length",
+            src.path,
+        )
+    b.set(("training", "loop"), "trainer", o + ("TRL's SFTTrainer (a Trainer)" if trl else "transformers' Trainer"))
+
+    # precision: SFTConfig's bf16 default is `not fp16` (trainer/base_config.py)
+    fp16 = bool(src.take("fp16"))
+    bf16 = src.take("bf16")
+    if bf16 is None and trl:
+        bf16 = not fp16
+        b.assume(
+            ("training", "mixed_precision"), "fp16" if fp16 else "bf16", o + "bf16", f"{TRL} default bf16: not fp16"
+        )
+    else:
+        mp = "bf16" if bf16 else "fp16" if fp16 else "no"
+        b.set(("training", "mixed_precision"), mp, o + "bf16/fp16", src.path, src.position("bf16"))
+    for key in ("bf16_full_eval", "fp16_full_eval", "half_precision_backend"):
+        src.take(key)
+    take("max_grad_norm", ("training", "max_grad_norm"), 1.0, float)
+    take("use_cache", ("training", "use_cache"), False, bool)
+    if src.has("optim"):
+        C.optimizer(src, b, "optim", src.take("optim"), o + "optim")
+    else:
+        b.assume(("optimizer", "name"), "adamw_torch_fused", o + "optim", f"{label} default optim: adamw_torch_fused")
+
+    # checkpointing: activation_checkpointing is the 5.x name, gradient_checkpointing its alias
+    gc = src.take("activation_checkpointing")
+    alias = src.take("gradient_checkpointing")
+    gc = gc if gc is not None else alias
+    kwargs = src.take("activation_checkpointing_kwargs") or src.take("gradient_checkpointing_kwargs")
+    src.take("gradient_checkpointing_kwargs")
+    if gc is None:
+        fallback = bool(trl)
+        b.assume(
+            (*mo, "gradient_checkpointing"),
+            fallback,
+            o + "gradient_checkpointing",
+            f"{label} default gradient_checkpointing: {fallback}",
+        )
+    else:
+        b.set(
+            (*mo, "gradient_checkpointing"), bool(gc), o + "activation_checkpointing/gradient_checkpointing", src.path
+        )
+    if gc or (gc is None and trl):
+        if isinstance(kwargs, dict) and "use_reentrant" in kwargs:
+            kind = "reentrant" if kwargs["use_reentrant"] else "non-reentrant"
+            b.set((*mo, "checkpointing_kind"), kind, o + "gradient_checkpointing_kwargs.use_reentrant", src.path)
+        else:
+            b.assume(
+                (*mo, "checkpointing_kind"),
+                "non-reentrant",
+                o + "no checkpointing kwargs",
+                "transformers 5.24 checkpoints with use_reentrant=False when no kwargs are given (TRL forces "
+                "use_reentrant=True for PEFT under ZeRO-3)",
+            )
+    if trl:
+        ao = take("activation_offloading", (*mo, "activation_offload"), False, bool)
+        if ao:
+            b.set(
+                (*mo, "offload_mode"),
+                "TRL activation offloading (pinned host memory, CUDA streams)",
+                o + "activation_offloading",
+            )
+        _model_init_kwargs(src, b, o)
+    else:
+        b.set((*mo, "activation_offload"), False, "TrainingArguments have no activation offload setting", src.path)
+
+    if src.take("use_liger_kernel"):
+        b.set(("software", "kernel_backend"), "liger", o + "use_liger_kernel", src.path)
+        C.not_modelled(src, b, "use_liger_kernel", True, "Liger kernels change activation memory: not modelled")
+    loss = src.take("loss_type")
+    if trl and loss in (None, "chunked_nll") and not src.peek("use_liger_kernel"):
+        C.not_modelled(
+            src,
+            b,
+            "loss_type",
+            "chunked_nll",
+            f"{TRL} computes the loss as chunked_nll (its default): the lm_head matmul runs on the non-ignored tokens "
+            "in chunks and the full logits are never held, which ledgerspec's Trainer step does not model (its "
+            "activation figures include the logits); set loss_type: nll for a run the estimate describes",
+            src.position("loss_type") if src.has("loss_type") else (1, 1),
+        )
+    elif loss not in (None, "nll"):
+        C.not_modelled(src, b, "loss_type", loss, f"loss_type {loss!r} computes the loss differently: not modelled")
+    if src.take("auto_find_batch_size"):
+        b.finding(
+            src.path,
+            src.position("auto_find_batch_size"),
+            "auto_find_batch_size",
+            "the Trainer halves the batch after an out-of-memory error: the microbatch that runs may be smaller",
+            "note",
+        )
+    _parallel(src, b, o)
+    C.account_for_rest(src, b, tool, label)
+
+
+def _model_init_kwargs(src: Source, b: Builder, o: str) -> None:
+    kw = src.take("model_init_kwargs") or {}
+    if not isinstance(kw, dict):
+        kw = {}
+    dtype = C.dtype_name(kw.get("dtype") or kw.get("torch_dtype"))
+    if dtype:
+        b.set(("base_model", "loaded_dtype"), dtype, o + "model_init_kwargs.dtype", src.path)
+    elif (kw.get("dtype") or kw.get("torch_dtype")) != "auto":
+        b.assume(
+            ("base_model", "loaded_dtype"),
+            "float32",
+            o + "model_init_kwargs.dtype not set",
+            f"{TRL}: SFTTrainer loads a model id in float32 unless model_init_kwargs.dtype is set (a model you load "
+            "yourself keeps its dtype)",
+        )
+    if kw.get("attn_implementation"):
+        b.set(
+            ("software", "attention_implementation"),
+            str(kw["attn_implementation"]),
+            o + "model_init_kwargs.attn_implementation",
+            src.path,
+        )
+    if isinstance(kw.get("quantization_config"), dict):
+        quantization(src, b, kw["quantization_config"], o + "model_init_kwargs.quantization_config")
+    rest = {
+        k: v
+        for k, v in kw.items()
+        if k
+        not in (
+            "dtype",
+            "torch_dtype",
+            "attn_implementation",
+            "quantization_config",
+            "device_map",
+            "trust_remote_code",
+            "revision",
+        )
+    }
+    if kw.get("revision"):
+        b.set(("identity", "revision"), str(kw["revision"]), o + "model_init_kwargs.revision", src.path)
+    if rest:
+        C.not_modelled(src, b, "model_init_kwargs", rest, f"model_init_kwargs {sorted(rest)} not modelled")
+
+
+def _parallel(src: Source, b: Builder, o: str) -> None:
+    ds = src.take("deepspeed")
+    fsdp = src.take("fsdp")
+    cfg = src.take("fsdp_config") or {}
+    if ds:
+        config = ds if isinstance(ds, dict) else C.read_json_beside(src, b, "deepspeed", str(ds))
+        if config is not None:
+            C.deepspeed(
+                src, b, config, o + f"deepspeed ({ds if isinstance(ds, str) else 'inline'})", src.position("deepspeed")
+            )
+    if fsdp:
+        items = fsdp.split() if isinstance(fsdp, str) else [str(i) for i in fsdp] if isinstance(fsdp, list) else []
+        cfg = (
+            {str(k).removeprefix("fsdp_") if k != "fsdp_version" else "version": v for k, v in cfg.items()}
+            if isinstance(cfg, dict)
+            else {}
+        )
+        version = as_int(src, "fsdp_config.version", cfg.get("version", 2))
+        where = src.position("fsdp")
+        if version == 2:
+            reshard = cfg.get("reshard_after_forward")
+            if reshard is None and "shard_grad_op" in items:
+                reshard = False
+            elif reshard is None and "full_shard" in items:
+                reshard = True
+            offload = bool(cfg.get("cpu_offload") or cfg.get("offload_params") or "offload" in items)
+            C.fsdp2(
+                src,
+                b,
+                o + f"fsdp {fsdp!r}, fsdp_config.version 2",
+                where,
+                reshard,
+                offload,
+                f"{TA} FSDP2 default reshard_after_forward: True",
+            )
+            if cfg.get("activation_checkpointing"):
+                b.set(
+                    ("memory_options", "gradient_checkpointing"),
+                    True,
+                    o + "fsdp_config.activation_checkpointing",
+                    src.path,
+                )
+            rest = {
+                k: v
+                for k, v in cfg.items()
+                if k
+                not in (
+                    "version",
+                    "reshard_after_forward",
+                    "cpu_offload",
+                    "offload_params",
+                    "activation_checkpointing",
+                    "auto_wrap_policy",
+                    "transformer_layer_cls_to_wrap",
+                    "min_num_params",
+                    "state_dict_type",
+                    "cpu_ram_efficient_loading",
+                    "sync_module_states",
+                    "use_orig_params",
+                    "xla",
+                    "xla_fsdp_v2",
+                    "xla_fsdp_grad_ckpt",
+                )
+            }
+            if rest:
+                C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
+        else:
+            C.not_modelled(
+                src,
+                b,
+                "fsdp",
+                {"fsdp": fsdp, "fsdp_config": cfg},
+                "FSDP1 is not modelled: ledgerspec models FSDP2 (fsdp_config.version: 2)",
+                where,
+            )
+            b.unknown(("memory_options", "sharding"), o + "FSDP1 (not modelled)", src.path)
+    if ds or fsdp:
+        b.unknown(
+            ("parallelism", "gpu_count"), o + "the number of GPUs comes from the launcher: give --gpu-count", src.path
+        )
+        b.unknown(("workload", "dp_world_size"), o + "data-parallel ranks = GPUs: give --gpu-count", src.path)
+    else:
+        for path in (("parallelism", "gpu_count"), ("workload", "dp_world_size")):
+            b.assume(
+                path,
+                1,
+                o + "no deepspeed/fsdp",
+                "no multi-GPU settings in the file; the launcher may still start several DDP ranks",
+                src.path,
+            )
+        b.assume(("memory_options", "sharding"), "none", o + "no deepspeed/fsdp", "no sharding settings", src.path)
+
+
+def adapter_config(src: Source, b: Builder) -> None:
+    b.tools.append(f"{PEFT} adapter_config.json ({src.path})")
+    o = "adapter_config.json: "
+    m = ("method",)
+    peft_type = str(src.take("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        from ledgerspec.errors import LedgerspecError
+
+        raise LedgerspecError(
+            f"peft_type {peft_type}: ledgerspec sizes LoRA adapters only",
+            src.path,
+            *src.position("peft_type"),
+            rule="import",
+            hint="import a LoRA adapter_config.json",
+        )
+    if src.has("base_model_name_or_path"):
+        b.set(
+            ("identity", "model_id"), str(src.take("base_model_name_or_path")), o + "base_model_name_or_path", src.path
+        )
+    if src.has("revision"):
+        b.set(("identity", "revision"), str(src.take("revision")), o + "revision", src.path)
+    if src.has("r"):
+        b.set((*m, "rank"), src.integer("r"), o + "r", src.path, src.position("r"))
+    else:
+        b.assume((*m, "rank"), 8, o + "r", f"{PEFT} default r: 8")
+    if src.has("lora_alpha"):
+        b.set((*m, "alpha"), src.take("lora_alpha"), o + "lora_alpha", src.path)
+    else:
+        b.assume((*m, "alpha"), 8, o + "lora_alpha", f"{PEFT} default lora_alpha: 8")
+    if src.has("lora_dropout"):
+        b.set((*m, "dropout"), src.number("lora_dropout"), o + "lora_dropout", src.path)
+    else:
+        b.assume((*m, "dropout"), 0.0, o + "lora_dropout", f"{PEFT} default lora_dropout: 0.0")
+    targets = src.take("target_modules")
+    if targets:
+        value = sorted(targets) if isinstance(targets, list) else targets
+        b.set((*m, "target_modules"), value, o + "target_modules", src.path, src.position("target_modules"))
+    if src.peek("target_parameters"):
+        b.set((*m, "target_parameters"), src.take("target_parameters"), o + "target_parameters", src.path)
+    src.take("target_parameters")
+    b.set((*m, "bias"), str(src.take("bias", "none")), o + "bias", src.path)
+    for key, field in (
+        ("modules_to_save", "modules_to_save"),
+        ("rank_pattern", "rank_pattern"),
+        ("alpha_pattern", "alpha_pattern"),
+    ):
+        value = src.take(key)
+        if value:
+            b.set((*m, field), value, o + key, src.path)
+    b.set((*m, "use_dora"), bool(src.take("use_dora")), o + "use_dora", src.path)
+    for key in ("task_type", "inference_mode", "peft_version", "auto_mapping", "base_model_name_or_path"):
+        src.take(key)
+    for key in (
+        "layers_to_transform",
+        "layers_pattern",
+        "exclude_modules",
+        "trainable_token_indices",
+        "layer_replication",
+        "lora_bias",
+    ):
+        value = src.take(key)
+        if not C.is_off(value):
+            C.not_modelled(
+                src,
+                b,
+                key,
+                value,
+                f"{key} changes which layers get adapters: not modelled (the ledger adapts every matching module)",
+            )
+    C.account_for_rest(src, b, "peft", PEFT)
+
+
+def model_config(src: Source, b: Builder) -> None:
+    b.tools.append(f"model config.json ({src.path})")
+    o = "config.json: "
+    if src.has("_name_or_path"):
+        b.set(("identity", "model_id"), str(src.peek("_name_or_path")), o + "_name_or_path", src.path)
+    archs = src.peek("architectures")
+    if isinstance(archs, list) and archs:
+        b.set(("identity", "architecture"), str(archs[0]), o + "architectures", src.path)
+    b.config_files.append(src.path)
+    dtype = C.dtype_name(src.peek("dtype") or src.peek("torch_dtype"))
+    if dtype:
+        b.assume(
+            ("base_model", "loaded_dtype"),
+            dtype,
+            o + "dtype",
+            "transformers >= 5 loads the checkpoint's dtype (from_pretrained(dtype='auto')) unless the script passes "
+            "one",
+        )
+    qc = src.peek("quantization_config")
+    if isinstance(qc, dict):
+        quantization(src, b, qc, o + "quantization_config", "quantization_config")
+    # every other key describes the architecture: resolve reads the file through identity.config_path
+    src.taken.update(src.plain)
+
+
+def quantization(src: Source, b: Builder, qc: dict[str, Any], origin: str, key: str = "") -> None:
+    q = ("base_model", "quantization")
+    method = str(qc.get("quant_method", "bitsandbytes")).lower()
+    where = src.position(key.split(".")[0]) if key else (None, None)
+    if method != "bitsandbytes":
+        b.set(C.QUANTIZED, True, origin + f".quant_method {method}", src.path)
+        C.not_modelled(
+            src,
+            b,
+            key or "quantization_config",
+            qc,
+            f"quant_method {method!r} is not modelled: ledgerspec models bitsandbytes",
+            where,
+        )
+        return
+    known = C.known_keys("bitsandbytes")
+    unknown = sorted(k for k in qc if k not in known)
+    for k in unknown:
+        b.finding(
+            src.path, where, f"{key}.{k}" if key else k, "not a BitsAndBytesConfig setting: not read", "unknown-key"
+        )
+    if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
+        b.set(C.QUANTIZED, True, origin + ".load_in_4bit", src.path)
+        b.set((*q, "bits"), 4, origin + ".load_in_4bit", src.path)
+        for k, (field, fallback) in BNB4_DEFAULTS.items():
+            if k in qc and qc[k] is not None:
+                v = qc[k]
+                b.set((*q, field), C.dtype_name(v) or v, f"{origin}.{k}", src.path)
+            else:
+                b.assume(
+                    (*q, field), fallback, f"{origin}.{k}", f"transformers BitsAndBytesConfig default {k}: {fallback}"
+                )
+        b.set((*q, "blocksize"), 64, "bitsandbytes 4-bit block size (Params4bit)", src.path)
+    elif qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
+        b.set(C.QUANTIZED, True, origin + ".load_in_8bit", src.path)
+        b.set((*q, "type"), "int8", origin + ".load_in_8bit", src.path)
+        b.set((*q, "bits"), 8, origin + ".load_in_8bit", src.path)
+    if qc.get("llm_int8_skip_modules"):
+        b.set((*q, "skip_modules"), qc["llm_int8_skip_modules"], origin + ".llm_int8_skip_modules", src.path)
+    if qc.get("llm_int8_enable_fp32_cpu_offload"):
+        C.not_modelled(
+            src, b, f"{key}.llm_int8_enable_fp32_cpu_offload", True, "CPU offload of modules is not modelled", where
+        )
+
+
+def deepspeed_file(src: Source, b: Builder) -> None:
+    b.tools.append(f"DeepSpeed config ({src.path})")
+    C.deepspeed(src, b, src.plain, "DeepSpeed", src.position("zero_optimization"), "zero_optimization")
+    src.taken.update(src.plain)

@@ -1,0 +1,98 @@
+"""``ledgerspec import FILE... [-o OUT]``: an ``intake/v1`` from an axolotl or LLaMA-Factory YAML, or from
+``TrainingArguments``/``SFTConfig`` + ``adapter_config.json`` + ``config.json`` (no torch, no network)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ledgerspec.errors import EXIT_OK, LedgerspecError
+from ledgerspec.faces.arguments import add_force
+
+
+def register(subparsers: Any) -> None:
+    from ledgerspec.contract.imports.source import FORMATS
+
+    p = subparsers.add_parser(
+        "import",
+        help="convert an axolotl / LLaMA-Factory / TrainingArguments / PEFT configuration into an intake",
+        description="Read existing training configurations and write one intake/v1: each value with a comment "
+        "naming the setting it came from, the tools' defaults as ASSUMPTION, findings for what is not carried over.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="configuration files, merged (see docs: From your setup)")
+    p.add_argument("-o", "--output", metavar="OUT", help="write the intake here instead of standard output")
+    add_force(p, "overwrite OUT if it exists (even if it is read-only)")
+    p.add_argument("--format", choices=sorted(FORMATS), help="read every FILE as this format (default: recognised)")
+    p.add_argument("--gpu-count", type=_positive, metavar="N", help="the number of GPUs (ranks) the launcher starts")
+    p.add_argument(
+        "--configs", action="append", metavar="DIR", help="a folder of model configs laid out as examples/configs"
+    )
+    p.set_defaults(run=run_import)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    return value
+
+
+def run_import(args: argparse.Namespace) -> int:
+    if args.output:
+        from ledgerspec.contract.writer import check_writable
+
+        _refuse_existing(args.output, args.force)
+        check_writable(args.output, force=args.force)
+    text, _ = convert(args.files, args, args.output)
+    write(text, args.output, args.force)
+    return EXIT_OK
+
+
+def convert(files: list[str], args: argparse.Namespace, output: str | None) -> tuple[str, Any]:
+    """Import ``files``; print the findings and the status the intake supports to standard error."""
+    from pathlib import Path
+
+    from ledgerspec.checks.validate import validate
+    from ledgerspec.contract.document import from_text
+    from ledgerspec.contract.imports import import_files
+
+    dirs = [Path(d) for d in args.configs] if getattr(args, "configs", None) else None
+    result = import_files(
+        files,
+        fmt=getattr(args, "format", None),
+        gpu_count=getattr(args, "gpu_count", None),
+        output=output,
+        config_dirs=dirs,
+    )
+    for f in result.findings:
+        print(f.format(), file=sys.stderr)
+    doc = from_text(result.text, output or "<import>")
+    report = validate(doc)
+    held = f" ({len(report.reasons)} reason(s): `ledgerspec validate -v`)" if report.reasons else ""
+    print(
+        f"ledgerspec: imported {len(files)} file(s): {len(result.findings)} finding(s), recorded in x-import; "
+        f"the intake supports {report.supported_status}{held}",
+        file=sys.stderr,
+    )
+    return result.text, doc
+
+
+def _refuse_existing(output: str, force: bool) -> None:
+    import os
+
+    if os.path.lexists(output) and not force:
+        raise LedgerspecError("file exists", output, rule="import", hint="pass --force to overwrite")
+
+
+def write(text: str, output: str | None, force: bool) -> None:
+    from ledgerspec.contract.writer import atomic_write
+
+    if output:
+        _refuse_existing(output, force)
+        atomic_write(output, text, force=force)
+    else:
+        sys.stdout.write(text)

@@ -1,0 +1,125 @@
+"""axolotl YAML -> intake. Expected values: the fixture files, and what axolotl 0.18.0's own code does with them
+(``loaders/model.py``, ``loaders/adapter.py``, ``utils/config/__init__.py``, ``utils/schemas/``; cited in
+docs/from-your-setup.md). ``test_import_upstream.py`` checks the defaults against axolotl's pydantic model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ledgerspec.checks.validate import validate
+from ledgerspec.contract import config
+from tests.support.imports import IMPORTS, imported, keys_of, plain
+
+
+def test_lora_maps_every_memory_setting_with_its_origin() -> None:
+    doc, result = imported("axolotl/lora.yml")
+    assert plain(doc, "identity", "model_id") == "meta-llama/Llama-2-7b-hf"
+    assert plain(doc, "identity", "revision") == "UNKNOWN"  # no revision_of_model: the Hub's latest
+    assert plain(doc, "identity", "config_path").endswith("examples/configs/llama-2-7b")
+    assert (plain(doc, "method", "kind"), plain(doc, "method", "rank"), plain(doc, "method", "alpha")) == (
+        "LoRA",
+        32,
+        16,
+    )
+    assert plain(doc, "method", "target_modules") == "all-linear"  # lora_target_linear: find_all_linear_names
+    assert plain(doc, "method", "bias") == "none"
+    assert plain(doc, "base_model", "loaded_dtype") == "bfloat16"  # bf16: true -> cfg.torch_dtype
+    assert plain(doc, "base_model", "quantized") is False
+    assert plain(doc, "workload", "max_length") == 4096
+    assert plain(doc, "workload", "packing") is True
+    assert plain(doc, "workload", "microbatch") == 2
+    assert plain(doc, "workload", "gradient_accumulation") == 4
+    assert plain(doc, "optimizer", "name") == "adamw_bnb_8bit"
+    assert plain(doc, "memory_options", "gradient_checkpointing") is True
+    assert plain(doc, "memory_options", "checkpointing_kind") == "reentrant"  # normalize_config's default
+    assert plain(doc, "software", "attention_implementation") == "flash_attention_2"
+    assert plain(doc, "training", "mixed_precision") == "bf16"
+    assert plain(doc, "training", "loop") == "trainer"
+    assert plain(doc, "adapter", "dtype") == ("ASSUMPTION", "float32")
+    # the comment beside a value names its setting
+    assert any(
+        line.split("#")[0].strip() == "rank: 32" and "# axolotl: lora_r" in line for line in result.text.splitlines()
+    )
+    # the fused LoRA kernels axolotl turns on by itself are a finding, and named as the kernel backend
+    assert keys_of(result, "not-modelled") == ["adapter"]
+    assert plain(doc, "software", "kernel_backend") == "axolotl LoRA kernels"
+    report = validate(doc)
+    assert not [f for f in report.findings if f.severity == "error"]
+
+
+def test_qlora_is_axolotls_fixed_bitsandbytes_recipe() -> None:
+    doc, result = imported("axolotl/qlora.yml")
+    q = ("base_model", "quantization")
+    assert plain(doc, "method", "kind") == "QLoRA"
+    assert plain(doc, "identity", "revision") == "d04e592bb4f6aa9cfee91e2e20afa771667e1d4b"
+    assert [plain(doc, *q, k) for k in ("type", "double_quant", "compute_dtype", "storage_dtype", "bits")] == [
+        "nf4",
+        True,
+        "bfloat16",
+        "bfloat16",  # bnb_4bit_quant_storage=torch.bfloat16 in _set_quantization_config
+        4,
+    ]
+    assert plain(doc, "base_model", "prepare_for_kbit_training") is True
+    assert plain(doc, "base_model", "module_dtypes") == {
+        "norm": "bfloat16",
+        "embed_tokens": "bfloat16",
+        "lm_head": "bfloat16",
+    }
+    assert plain(doc, "method", "target_modules") == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert plain(doc, "optimizer", "name") == "paged_adamw_8bit"
+    assert plain(doc, "software", "attention_implementation") == "sdpa"
+    assert "kernel_backend" not in doc.section("software")  # the four lora_*_kernel: false
+    assert result.findings == []
+    cfg = config.read(doc)
+    assert cfg.quantization.four_bit and cfg.prepare_kbit and cfg.optimizer.spec is not None
+
+
+def test_zero3_reads_the_deepspeed_file_beside_the_yaml() -> None:
+    doc, result = imported("axolotl/lora-zero3.yml")
+    assert plain(doc, "memory_options", "sharding") == "zero3"
+    assert [
+        plain(doc, "parallelism", k) for k in ("parameter_placement", "gradient_placement", "optimizer_placement")
+    ] == ["sharded"] * 3
+    assert plain(doc, "parallelism", "gpu_count") == "UNKNOWN"  # the launcher decides
+    assert plain(doc, "memory_options", "checkpointing_kind") == "non-reentrant"  # kwargs given
+    assert "deepspeed" in keys_of(result, "not-modelled")  # bucket sizes etc. kept, not modelled
+    assert "zero_optimization.overlap_comm" in result.text
+    doc, _ = imported("axolotl/lora-zero3.yml", gpu_count=4)
+    assert plain(doc, "parallelism", "gpu_count") == 4 and plain(doc, "workload", "dp_world_size") == 4
+
+
+def test_fsdp2_qlora() -> None:
+    doc, result = imported("axolotl/qlora-fsdp2.yml")
+    assert plain(doc, "memory_options", "sharding") == "fsdp2"
+    assert plain(doc, "parallelism", "reshard_after_forward") is True
+    assert plain(doc, "parallelism", "cpu_offload") is False
+    # FSDP-QLoRA skips prepare_model_for_kbit_training (_prepare_model_for_quantization)
+    assert plain(doc, "base_model", "prepare_for_kbit_training") is False
+    assert "fsdp_config" in keys_of(result, "not-modelled")  # cpu_ram_efficient_loading
+
+
+def test_every_key_is_accounted_for() -> None:
+    doc, result = imported("axolotl/unknown-keys.yml")
+    assert keys_of(result, "unknown-key") == ["gradient_acumulation_steps"]
+    assert any("did you mean 'gradient_accumulation_steps'" in f.message for f in result.findings)
+    assert {"torch_compile", "liger_rms_norm"} <= set(keys_of(result, "not-modelled"))
+    assert plain(doc, "workload", "gradient_accumulation") == 2  # batch_size 8 // micro_batch_size 4
+    ignored = doc.get("x-import", "ignored").raw
+    assert ignored and "learning_rate" in next(iter(ignored.values()))
+    # the defaults axolotl applies are ASSUMPTION with the default named
+    v = doc.get("optimizer", "name")
+    assert v.source == "ASSUMPTION" and v.value == "adamw_torch_fused" and "axolotl 0.18.0" in (v.note or "")
+    assert doc.get("memory_options", "gradient_checkpointing").value is False
+
+
+def test_qlora_under_zero3_skips_prepare_model_for_kbit_training(tmp_path: Path) -> None:
+    """``_prepare_model_for_quantization`` skips PEFT's prepare under ZeRO-3: the stage is read from the JSON."""
+    text = (IMPORTS / "axolotl/qlora.yml").read_text() + "deepspeed: ds.json\n"
+    (tmp_path / "qlora.yml").write_text(text)
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+    doc, _ = imported(tmp_path / "qlora.yml")
+    assert plain(doc, "base_model", "prepare_for_kbit_training") is False
+    assert plain(doc, "memory_options", "sharding") == "zero3"
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    doc, _ = imported(tmp_path / "qlora.yml")
+    assert plain(doc, "base_model", "prepare_for_kbit_training") is True

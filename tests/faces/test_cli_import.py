@@ -1,0 +1,109 @@
+"""``ledgerspec import`` and ``init --from`` a tool's configuration, end to end: every fixture converts, validates,
+and (slow) resolves offline against the shipped config of its model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ledgerspec.contract.document import load
+from tests.support import run_cli
+from tests.support.imports import IMPORTS
+
+#: each fixture set: LoRA, QLoRA and a multi-GPU one per format
+SETS = {
+    "axolotl-lora": ["axolotl/lora.yml"],
+    "axolotl-qlora": ["axolotl/qlora.yml"],
+    "axolotl-zero3": ["axolotl/lora-zero3.yml"],
+    "axolotl-fsdp2": ["axolotl/qlora-fsdp2.yml"],
+    "llamafactory-lora": ["llamafactory/lora.yaml"],
+    "llamafactory-qlora": ["llamafactory/qlora.yaml"],
+    "llamafactory-zero2": ["llamafactory/lora-zero2-offload.yaml"],
+    "hf-lora": ["hf/lora/training_args.json", "hf/lora/adapter_config.json", "hf/lora/config.json"],
+    "hf-qlora": ["hf/qlora/sft_config.json", "hf/qlora/adapter_config.json", "hf/qlora/config.json"],
+    "hf-fsdp2": ["hf/fsdp2/training_args.yaml", "hf/fsdp2/adapter_config.json"],
+}
+
+
+def _import(tmp_path: Path, name: str, *extra: str) -> tuple[int, str, str, Path]:
+    out = tmp_path / f"{name}.intake.yaml"
+    code, stdout, stderr = run_cli("import", *(IMPORTS / p for p in SETS[name]), "-o", out, *extra)
+    return code, stdout, stderr, out
+
+
+@pytest.mark.parametrize("name", sorted(SETS))
+def test_every_fixture_converts_and_validates(tmp_path: Path, name: str) -> None:
+    code, _, stderr, out = _import(tmp_path, name, "--gpu-count", "2")
+    assert code == 0, stderr
+    assert "the intake supports" in stderr.splitlines()[-1]
+    doc = load(out)
+    assert doc.kind == "intake"
+    assert doc.get("parallelism", "gpu_count").value == 2
+    code, stdout, stderr = run_cli("validate", out)
+    assert code == 0, stdout + stderr
+    if name not in ("hf-lora", "hf-fsdp2"):  # TrainingArguments carry no sequence length
+        assert doc.get("workload", "max_length").known
+
+
+def test_findings_are_printed_one_per_line_and_stdout_gets_the_intake(tmp_path: Path) -> None:
+    code, stdout, stderr = run_cli("import", IMPORTS / "axolotl/unknown-keys.yml")
+    assert code == 0
+    assert stdout.startswith("# Imported by `ledgerspec import`") and "ledgerspec: intake/v1" in stdout
+    lines = stderr.splitlines()
+    assert any(
+        line.startswith(f"{IMPORTS / 'axolotl/unknown-keys.yml'}:9:1: import: gradient_acumulation_steps: ")
+        for line in lines
+    )
+    assert len(lines) == 5  # four findings and the summary
+
+
+@pytest.mark.parametrize("name", ["list.yaml", "not-yaml.yml", "unknown-format.json", "training_args.bin"])
+def test_bad_input_is_one_line_exit_2(name: str) -> None:
+    code, stdout, stderr = run_cli("import", IMPORTS / "bad" / name)
+    assert code == 2 and stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and ": import: " in stderr
+
+
+def test_output_exists_needs_force(tmp_path: Path) -> None:
+    out = tmp_path / "x.intake.yaml"
+    out.write_text("keep")
+    code, _, stderr = run_cli("import", IMPORTS / "axolotl/qlora.yml", "-o", out)
+    assert code == 2 and "file exists" in stderr and out.read_text() == "keep"
+    assert run_cli("import", IMPORTS / "axolotl/qlora.yml", "-o", out, "--force")[0] == 0
+
+
+def test_init_from_a_tool_config_is_the_skeleton_of_the_imported_intake(tmp_path: Path) -> None:
+    out = tmp_path / "run.ledger.yaml"
+    code, _, stderr = run_cli("init", "--from", IMPORTS / "axolotl/qlora.yml", "-o", out)
+    assert code == 0, stderr
+    doc = load(out)
+    assert doc.kind == "ledger"
+    assert doc.get("method", "rank").value == 16 and doc.get("ledger", "frozen_base").form == "word"
+    assert doc.get("x-import", "tools").present
+    assert (out.parent / doc.get("identity", "config_path").value / "config.json").is_file()
+    assert "# axolotl: lora_r" in out.read_text()
+    # several files, and an intake keeps working as before
+    code, _, _ = run_cli(
+        "init", *(a for p in SETS["hf-lora"] for a in ("--from", IMPORTS / p)), "-o", tmp_path / "b.yaml"
+    )
+    assert code == 0
+    code, stdout, _ = run_cli("init", "--from", "examples/llama-2-7b-qlora.intake.yaml")
+    assert code == 0 and "x-import" not in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SETS))
+def test_every_fixture_resolves_offline(tmp_path: Path, name: str) -> None:
+    """The imported intake names a shipped (or the given) config.json: resolve builds the model on the meta device
+    offline and the ledger validates at CALCULATED or above when the minimum intake is complete."""
+    code, _, stderr, out = _import(tmp_path, name, "--gpu-count", "1")
+    assert code == 0, stderr
+    ledger = tmp_path / f"{name}.ledger.yaml"
+    code, stdout, stderr = run_cli("resolve", out, "-o", ledger, "--offline")
+    assert code == 0, stdout + stderr
+    doc = load(ledger)
+    assert doc.get("ledger", "frozen_base").source == "CALCULATED"
+    assert doc.get("method", "trainable_parameters").source == "VERIFIED"
+    code, stdout, stderr = run_cli("validate", ledger)
+    assert code == 0, stdout + stderr
