@@ -67,12 +67,16 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def _ledgerspec_document(path: str) -> bool:
-    """Whether ``path`` is a ledgerspec document (it has a ``ledgerspec:`` header); anything else, readable or not,
-    goes to the importer, which says what is wrong with it."""
-    from ledgerspec.contract.document import load
+    """Whether ``path`` is meant as a ledgerspec document: named ``*.intake.yaml`` / ``*.ledger.yaml``, or with a
+    top-level ``ledgerspec:`` line. Such a file is read (and refused) as one; anything else goes to the importer,
+    which says what is wrong with it."""
+    import re
 
+    if path.endswith((".intake.yaml", ".intake.yml", ".ledger.yaml", ".ledger.yml")):
+        return True
     try:
-        doc = load(path)
-    except LedgerspecError:
+        with open(path, "rb") as fh:
+            head = fh.read(1 << 20)
+    except OSError:
         return False
-    return doc.get("ledgerspec").present
+    return re.search(rb"(?m)^ledgerspec\s*:", head) is not None

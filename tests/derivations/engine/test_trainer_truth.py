@@ -10,10 +10,10 @@ Each case is one configuration, run three ways on the CPU:
 - ``ledgerspec estimate --target cpu --full`` of the same ledger (fake tensors, the CPU's kernels).
 
 PyTorch's ``MemTracker`` watches a second, separate run of the same case (it perturbs the step it watches: see
-``tests/truths/trainer_run.py``). Every difference is explained, byte for byte: the real run's CPU DataLoader has already produced the next
-micro-batch (accelerate's ``DataLoaderShard`` fetches one ahead; on a GPU that batch is still on the host, so the
-step ledgerspec models does not hold it): ``input_ids``, ``labels`` and, when the batch has one,
-``attention_mask``, int64, microbatch x the next step's length. Nothing else differs.
+``tests/truths/trainer_run.py``). Every difference is explained, byte for byte: the real run's CPU DataLoader has
+already produced the next micro-batch (accelerate's ``DataLoaderShard`` fetches one ahead; on a GPU that batch is
+still on the host, so the step ledgerspec models does not hold it): ``input_ids``, ``labels`` and, when the batch
+has one, ``attention_mask``, int64, microbatch x the next step's length. Nothing else differs.
 """
 
 from __future__ import annotations
