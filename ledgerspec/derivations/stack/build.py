@@ -286,10 +286,9 @@ class ModelClass:
     auto_class: str  # e.g. AutoModelForImageTextToText
     class_name: str  # the model class it builds, e.g. Qwen2_5_VLForConditionalGeneration
     reason: str
-
-    @property
-    def multimodal(self) -> bool:
-        return self.auto_class != "AutoModelForCausalLM"
+    #: the class is a vision-language (or other multimodal) model: an image-text-to-text or multimodal-LM class
+    #: (transformers also lists Gemma3ForConditionalGeneration as gemma3's causal LM)
+    multimodal: bool = False
 
 
 def _names(value: Any) -> tuple[str, ...]:
@@ -313,16 +312,18 @@ def model_class(config: Any) -> ModelClass | None:
         names = _names(getattr(modeling_auto, mapping, {}).get(model_type))
         if names:
             known.append((auto, names))
+    multimodal = {n for auto, names in known if auto != "AutoModelForCausalLM" for n in names}
     for arch in archs:
         for auto, names in known:
             if arch in names:
-                return ModelClass(auto, arch, f"config.json names {arch}, which {auto} builds for {model_type!r}")
+                why = f"config.json names {arch}, which {auto} builds for {model_type!r}"
+                return ModelClass(auto, arch, why, arch in multimodal)
     if known:
         auto, names = known[0]
         why = f"{auto} builds {names[0]} for {model_type!r}"
         if archs:
             why += f" (config.json names {archs[0]}, which no causal-LM or image-text-to-text class is)"
-        return ModelClass(auto, names[0], why)
+        return ModelClass(auto, names[0], why, names[0] in multimodal)
     return None
 
 
