@@ -218,13 +218,15 @@ def coverage(
         )
         targets_hint = sorted({".".join(p.split(".")[-3:]) for p in pats})
         text += f" (hint: method.target_parameters: {targets_hint} adapts them)"
-        if quant in ("bnb4", "int8"):
-            unq = sum(_numel(p) for p in bare.values() if id(p) not in quantized_ids)
-            text += (
-                f"; bitsandbytes leaves {unq:,} of these expert parameters in the loaded dtype (it quantizes nn.Linear "
-                "layers only)"
-            )
         out.notes.append(text)
+    unquantized = [p for p in frozen.values() if p.dim() == 3 and id(p) not in quantized_ids]
+    if quant in ("bnb4", "int8") and unquantized:
+        unq = sum(_numel(p) for p in unquantized)
+        out.figures["experts_unquantized"] = {"tensors": len(unquantized), "parameters": unq}
+        out.notes.append(
+            f"experts not quantized: bitsandbytes leaves {len(unquantized)} 3-D expert tensors ({unq:,} parameters, "
+            f"{_pct(unq, frozen_total)} of the frozen base) in the loaded dtype: it quantizes nn.Linear layers only"
+        )
     return out
 
 

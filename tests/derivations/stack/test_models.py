@@ -165,6 +165,7 @@ def test_gpt_oss_experts_without_adapters_and_unquantized_by_bitsandbytes_are_na
     cover = result.census.coverage["experts_not_adapted"]
     # 2 layers x (gate_up (4, 64, 128) + down (4, 64, 64))
     assert cover == {"tensors": 4, "parameters": 2 * (4 * 64 * 128 + 4 * 64 * 64)}
+    assert result.census.coverage["experts_unquantized"] == cover
     assert any("bitsandbytes leaves" in n for n in result.notes)
 
 
