@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import REPO_ROOT, load_script
+from tests.support import REPO_ROOT
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "coverage.md"
 DOCS = REPO_ROOT / "docs" / "models.md"
@@ -24,7 +24,7 @@ def _committed() -> dict[tuple[str, str], str]:
     rows = _table(RESULTS.read_text(encoding="utf-8"))
     header = [c.strip() for c in rows[0].strip("|").split(" | ")]
     out = {}
-    for row in rows[1:]:
+    for row in rows[2:]:  # after the header and its --- line
         cells = [c.strip() for c in row.strip("|").split(" | ")]
         for column, cell in zip(header[2:], cells[2:], strict=True):
             out[(cells[0], column)] = cell.replace("\\|", "|")
@@ -34,7 +34,15 @@ def _committed() -> dict[tuple[str, str], str]:
 @pytest.fixture(scope="module")
 def coverage() -> Any:
     pytest.importorskip("torch")
-    return load_script(REPO_ROOT / "benchmarks" / "coverage.py", "coverage_benchmark")
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("coverage_benchmark", REPO_ROOT / "benchmarks" / "coverage.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["coverage_benchmark"] = module  # its dataclasses need the module in sys.modules
+    spec.loader.exec_module(module)
+    return module
 
 
 FAST = [
