@@ -28,6 +28,8 @@ QUANT: Path = ("base_model", "quantization")
 BNB4_BLOCKSIZE = 64
 #: bitsandbytes' default ``bnb_4bit_quant_storage``
 DEFAULT_STORAGE = "uint8"
+#: quantization types of bases quantized by other libraries than bitsandbytes (``quantization.type`` values)
+OTHER_SCHEMES = ("gptq", "awq", "mxfp4", "hqq", "torchao_nf4")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class Quantization:
     """The frozen base's quantization as declared (``base_model.quantized``/``quantization``, ``method.kind``)."""
 
     quantized: bool
-    #: ``bnb4`` (nf4/fp4), ``int8`` (LLM.int8), or None: not quantized, or the type is not (validly) declared
+    #: ``bnb4`` (nf4/fp4), ``int8`` (LLM.int8), another library's format (:data:`OTHER_SCHEMES`: ``gptq``, ``awq``,
+    #: ``mxfp4``, ``hqq``, ``torchao_nf4``), or None: not quantized, or the type is not (validly) declared
     scheme: str | None = None
     #: ``quantization.type`` as written, lower-case (``nf4``, ``fp4``, ``int8``, or anything else a user wrote)
     type: str | None = None
@@ -53,10 +56,17 @@ class Quantization:
     storage_dtype: str | None = None  # as written; None: bitsandbytes' default uint8
     blocksize: int | None = None
     skip_modules: tuple[str, ...] | None = None
+    desc_act: bool | None = None  # gptq act-order, as written
+    dequantized: bool | None = None  # mxfp4 experts dequantized at load, as written
 
     @property
     def four_bit(self) -> bool:
         return self.scheme == "bnb4"
+
+    @property
+    def bitsandbytes(self) -> bool:
+        """Whether bitsandbytes holds the base (4-bit nf4/fp4 or LLM.int8): what the training step can build."""
+        return self.scheme in ("bnb4", "int8")
 
 
 @dataclass(frozen=True)
@@ -289,6 +299,8 @@ def _quantization(doc: Document, quantized: bool) -> Quantization:
         scheme = "int8"
     elif qtype in ("nf4", "fp4"):
         scheme = "bnb4"
+    elif qtype in OTHER_SCHEMES:
+        scheme = qtype
     skip = get("skip_modules")
     skip_modules = None
     if skip.known:
@@ -303,6 +315,8 @@ def _quantization(doc: Document, quantized: bool) -> Quantization:
         get("storage_dtype").text(),
         get("blocksize").integer(),
         skip_modules,
+        get("desc_act").switch(),
+        get("dequantized").switch(),
     )
 
 
@@ -328,6 +342,7 @@ def problem(doc: Document, path: Path, message: str, rule: str, hint: str | None
 __all__ = [
     "BNB4_BLOCKSIZE",
     "DEFAULT_STORAGE",
+    "OTHER_SCHEMES",
     "QUANT",
     "TRAINER_DEFAULTS",
     "Config",

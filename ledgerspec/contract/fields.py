@@ -202,6 +202,13 @@ METHOD = F(
             STRINGS,
             "PEFT target parameters (e.g. fused MoE expert tensors), where the r(d_in + d_out) formula does not apply.",
         ),
+        F(
+            "exclude_modules",
+            STRINGS,
+            "PEFT `exclude_modules`: modules that get no adapter even when `target_modules` matches them (a regex "
+            "string is matched in full against each module name, a list by name suffix), e.g. the vision tower of a "
+            "vision-language model under all-linear. Default: none.",
+        ),
         F("bias", ENUM, "PEFT bias mode: which biases become trainable.", enum=("none", "all", "lora_only")),
         F(
             "modules_to_save",
@@ -229,8 +236,10 @@ QUANTIZATION = F(
         F(
             "type",
             ENUM,
-            "Quantization data type: nf4, fp4 (bitsandbytes 4-bit) or int8 (LLM.int8).",
-            enum=("nf4", "fp4", "int8"),
+            "Quantization data type: nf4, fp4 (bitsandbytes 4-bit), int8 (LLM.int8); a base quantized by another "
+            "library: gptq, awq (packed int4 + scales/zeros per group), mxfp4 (gpt-oss experts), hqq, torchao_nf4 "
+            "(torchao's NF4Tensor, torchtune's QLoRA).",
+            enum=("nf4", "fp4", "int8", "gptq", "awq", "mxfp4", "hqq", "torchao_nf4"),
         ),
         F(
             "bits",
@@ -246,7 +255,25 @@ QUANTIZATION = F(
         ),
         F("double_quant", SWITCH, "`bnb_4bit_use_double_quant`: quantize the per-block absmax constants too."),
         F("compute_dtype", STRING, "`bnb_4bit_compute_dtype`: dtype of the matmuls (weights are dequantized to it)."),
-        F("blocksize", INT, "Quantization block size (64 for bitsandbytes 4-bit).", minimum=1),
+        F(
+            "blocksize",
+            INT,
+            "Quantization block size (64 for bitsandbytes 4-bit); for gptq, awq and hqq the `group_size` (values "
+            "per scale; -1 for one group per row); absent: the model config's `quantization_config`.",
+            minimum=-1,
+        ),
+        F(
+            "desc_act",
+            SWITCH,
+            "GPTQ act-order (`desc_act`): the columns' group index `g_idx` is held either way; absent: the model "
+            "config's `quantization_config`.",
+        ),
+        F(
+            "dequantized",
+            SWITCH,
+            "mxfp4: the experts dequantized to the loaded dtype at load (`Mxfp4Config(dequantize=True)`, what "
+            "training needs); false: packed FP4 + scales as the triton kernels hold them. Default false.",
+        ),
         F("skip_modules", STRINGS, "Modules kept unquantized (`llm_int8_skip_modules`), e.g. `lm_head`."),
     ),
 )

@@ -40,7 +40,17 @@ Inputs = dict[str, tuple[tuple[str, ...], ...]]
 
 _QUANTIZATION = tuple(
     ("quantization", k)
-    for k in ("type", "bits", "storage_dtype", "double_quant", "compute_dtype", "blocksize", "skip_modules")
+    for k in (
+        "type",
+        "bits",
+        "storage_dtype",
+        "double_quant",
+        "compute_dtype",
+        "blocksize",
+        "skip_modules",
+        "desc_act",
+        "dequantized",
+    )
 )
 
 #: what ``resolve`` reads (build.py, census.py, resolve.optimizer_of), per section
@@ -52,6 +62,7 @@ RESOLVE_INPUTS: Inputs = {
         ("rank_pattern",),
         ("target_modules",),
         ("target_parameters",),
+        ("exclude_modules",),
         ("bias",),
         ("modules_to_save",),
         ("use_dora",),
@@ -125,6 +136,7 @@ FLOAT_INPUTS = {("training", "max_grad_norm")}
 SET_INPUTS = {
     ("method", "target_modules"),
     ("method", "target_parameters"),
+    ("method", "exclude_modules"),
     ("method", "modules_to_save"),
     ("base_model", "quantization", "skip_modules"),
 }

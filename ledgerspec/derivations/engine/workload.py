@@ -46,9 +46,8 @@ from typing import Any
 
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, ErrorAt
-from ledgerspec.derivations.stack.build import ModelSource, cast_module_dtypes, inject_adapters, load_config
+from ledgerspec.derivations.stack.build import ModelSource, build_base, cast_module_dtypes, inject_adapters, load_config
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
-from ledgerspec.errors import first_line
 
 #: optimizer names this workload can build (the transformers Trainer's names, plus plain ``adam``)
 OPTIMIZERS = (
@@ -313,24 +312,12 @@ class Workload:
         if self.model is not None:
             return
         import torch
-        from transformers import AutoModelForCausalLM
 
         spec = self.spec
         if self.source is None:
             self.source = load_config(self.doc, offline=True)
-        config = self.source.config
-        try:
-            with torch.device("meta"):
-                base = AutoModelForCausalLM.from_config(
-                    config, dtype=getattr(torch, spec.loaded_dtype), attn_implementation=spec.attention
-                )
-        except (ValueError, KeyError, ImportError) as exc:
-            raise _err(
-                self.doc,
-                ("identity",),
-                f"transformers cannot build this model: {first_line(exc)}",
-                "check software.attention_implementation and the architecture",
-            ) from None
+        with torch.device("meta"):  # the auto class the config calls for (stack.build.model_class)
+            base = build_base(self.doc, self.source.config, getattr(torch, spec.loaded_dtype), attention=spec.attention)
         if spec.quant is not None:
             self._replace_with_4bit(base)
         if spec.prepare_kbit:

@@ -336,7 +336,7 @@ def estimate(
     say = progress or (lambda _msg: None)
     say("loading the model config")
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.stack.build import ModelSource, load_config
+    from ledgerspec.derivations.stack.build import MULTIMODAL_LIMIT, ModelSource, load_config, model_class
 
     if doc.kind not in ("ledger", "intake"):
         raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
@@ -381,6 +381,8 @@ def estimate(
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec, target)
+    if (chosen := model_class(config)) is not None and chosen.multimodal:  # stack.build: the class the config calls for
+        method += f"; {MULTIMODAL_LIMIT}"
     at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
     return Estimate(
         phases,

@@ -8,8 +8,10 @@ layers: ``f(n) = f(n1) + (n - n1) / p * (f(n2) - f(n1))``, with ``p`` the period
 as the real model. ``tests/derivations/estimate/test_estimate_extrapolate.py`` checks the extrapolation against
 full traces.
 
-Architectures whose layers are not periodic (dense-then-MoE stacks, per-layer MLP lists) are traced in
-full: slower, never a guess. Pure logic apart from copying the config.
+Architectures whose layers are not periodic (dense-then-MoE stacks, per-layer MLP lists, Mllama's cross-attention
+layers) are traced in full: slower, never a guess. The layers are those of the language model's config
+(:func:`ledgerspec.derivations.stack.build.text_config`: the ``text_config`` of a vision-language model, whose
+vision tower keeps its depth); pure logic apart from copying the config.
 """
 
 from __future__ import annotations
@@ -49,13 +51,21 @@ class Plan:
         )
 
 
+def _text(config: Any) -> Any:
+    """The language model's config (lazy import: the stack room imports transformers only inside functions)."""
+    from ledgerspec.derivations.stack.build import text_config
+
+    return text_config(config)
+
+
 def layer_count(config: Any) -> int | None:
-    n = getattr(config, "num_hidden_layers", None)
+    n = getattr(_text(config), "num_hidden_layers", None)
     return n if isinstance(n, int) and n > 0 else None
 
 
 def layer_period(config: Any) -> int | None:
     """The smallest period of the layer pattern, 1 for a uniform stack, None when not periodic/known."""
+    config = _text(config)
     for attr in _IRREGULAR:
         value = getattr(config, attr, None)
         if value not in (None, 0, 1, [], (), False):
@@ -86,12 +96,14 @@ def plan(config: Any) -> Plan:
 
 
 def with_layers(config: Any, n: int) -> Any:
-    """A copy of ``config`` with ``n`` decoder layers (the layer pattern truncated accordingly)."""
+    """A copy of ``config`` with ``n`` decoder layers in its language model (the layer pattern truncated
+    accordingly); a vision tower keeps its depth."""
     c = copy.deepcopy(config)
-    c.num_hidden_layers = n
-    types = getattr(config, "layer_types", None)
+    text = _text(c)
+    types = getattr(text, "layer_types", None)
+    text.num_hidden_layers = n
     if types:
-        c.layer_types = list(types)[:n]
+        text.layer_types = list(types)[:n]
     return c
 
 

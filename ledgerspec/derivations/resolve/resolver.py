@@ -68,6 +68,11 @@ class ResolveResult:
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
+    def notes(self) -> list[str]:
+        """What the user should know about the figures (model class, coverage of adapters and quantization)."""
+        return list(self.census.notes)
+
+    @property
     def text(self) -> str:
         """The document's new text (where it is; ``-o OUT`` elsewhere: :func:`ledgerspec.contract.writer.render_to`)."""
         return document_text(self.doc)
@@ -152,6 +157,9 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
         "ledger_gradients": "gradient dtype = parameter dtype: same bytes as the trainable tensors",
     }
     parts = []
+    if c.quant.kind in ("gptq", "awq", "mxfp4", "hqq", "torchao_nf4"):
+        n_q = sum(1 for t in frozen if t.quantized)
+        parts.append(c.quant.describe(n_q, f.frozen_quantized_bytes))
     if c.quant.kind == "bnb4":
         n_q = sum(1 for t in frozen if t.quantized)
         dq = "double quant" if c.quant.double_quant else "no double quant"
@@ -213,6 +221,8 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
         set_figure(doc, ("method", "trainable_parameters"), f.trainable_parameters, "VERIFIED", m["trainable"])
     )
     changes.append(set_extension(doc, ("method", "x-breakdown"), [r.as_dict() for r in c.breakdown]))
+    if c.coverage or doc.get("method", "x-coverage").present:  # stack.coverage: vision tower, experts, routers
+        changes.append(set_extension(doc, ("method", "x-coverage"), {**c.coverage, "notes": list(c.notes)}))
     changes.append(set_figure(doc, ("gradients", "parameters"), f.trainable_parameters, "VERIFIED", m["gradients"]))
     changes.append(record.set(("gradients", "dtype"), f.gradient_dtype))
     if f.optimizer is not None and f.optimizer_spec is not None:

@@ -29,6 +29,8 @@ class ModelSource:
     config_file: str | None
     sha256: str | None
     architecture: str | None
+    #: what the user should know about how the config was read (e.g. a native class built despite ``auto_map``)
+    notes: tuple[str, ...] = ()
 
 
 def config_file(doc: Document, trust_remote_code: bool = False) -> tuple[Path, bytes, dict[str, Any]] | None:
@@ -57,14 +59,41 @@ def config_file(doc: Document, trust_remote_code: bool = False) -> tuple[Path, b
         raise _err(doc, ("identity", "config_path"), f"{file} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise _err(doc, ("identity", "config_path"), f"{file} is not a JSON object")
-    if data.get("auto_map") and not trust_remote_code:
-        raise _err(
-            doc,
-            ("identity", "config_path"),
-            "this model needs remote code (auto_map in config.json)",
-            "pass --trust-remote-code if you trust it",
-        )
     return file, raw, data
+
+
+def native_model_type(model_type: Any) -> bool:
+    """Whether transformers has its own classes for ``model_type`` (its ``CONFIG_MAPPING_NAMES``; no torch)."""
+    if not isinstance(model_type, str) or not model_type:
+        return False
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+def remote_code_note(doc: Document, data: dict[str, Any], trust_remote_code: bool) -> str | None:
+    """How a config that names its own code (``auto_map``) is built: natively when transformers knows its
+    ``model_type`` (the note says so), the repository's code only with ``--trust-remote-code``; a type transformers
+    does not know without that flag is a one-line error.
+
+    transformers does the same for a local folder (``AutoConfig.from_pretrained``: ``has_local_code`` is
+    ``model_type in CONFIG_MAPPING``, and remote code is used only when ``trust_remote_code`` is true;
+    ``dynamic_module_utils.resolve_trust_remote_code``, transformers 5.24).
+    """
+    if not data.get("auto_map") or trust_remote_code:
+        return None
+    model_type = data.get("model_type")
+    if native_model_type(model_type):
+        return (
+            f"config.json names its own code (auto_map), but model_type {model_type!r} is native to transformers: "
+            "built with transformers' own classes (pass --trust-remote-code to run the repository's code instead)"
+        )
+    raise _err(
+        doc,
+        ("identity", "config_path"),
+        f"this model needs remote code (auto_map in config.json; model_type {model_type!r} is not in transformers)",
+        "pass --trust-remote-code if you trust it",
+    )
 
 
 def lora_rank(doc: Document) -> int:
@@ -90,6 +119,7 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
 
     if local is not None:
         file, raw, data = local
+        note = remote_code_note(doc, data, trust_remote_code)
         try:
             config = AutoConfig.from_pretrained(
                 str(file.parent) if file.name == "config.json" else str(file), trust_remote_code=trust_remote_code
@@ -105,7 +135,7 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
         archs = data.get("architectures") or []
         sha256 = hashlib.sha256(raw).hexdigest()
         _check_pin(doc, file, sha256)
-        return ModelSource(config, str(file), sha256, archs[0] if archs else None)
+        return ModelSource(config, str(file), sha256, archs[0] if archs else None, (note,) if note else ())
 
     model_id = doc.get("identity", "model_id").text()
     if not model_id:
@@ -232,6 +262,9 @@ def lora_config(doc: Document) -> Any:
     for key, peft_key in (("rank_pattern", "rank_pattern"), ("alpha_pattern", "alpha_pattern")):
         if m("method", key).known and isinstance(m("method", key).value, dict):
             kwargs[peft_key] = {k: v for k, v in m("method", key).value.items() if not str(k).startswith("x-")}
+    excl = m("method", "exclude_modules")
+    if excl.known:  # a string is a regex matched in full, a list matched by name suffix (PEFT's exclude_modules)
+        kwargs["exclude_modules"] = excl.value if isinstance(excl.value, str) else list(excl.value)
     mts = m("method", "modules_to_save")
     if mts.known:
         kwargs["modules_to_save"] = [mts.value] if isinstance(mts.value, str) else list(mts.value)
@@ -241,22 +274,186 @@ def lora_config(doc: Document) -> Any:
         raise _err(doc, ("method",), f"PEFT rejects this LoRA recipe: {first_line(exc)}") from None
 
 
-def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trust_remote_code: bool = False) -> Any:
-    """The base model on the meta device (no memory, no weights), in the declared ``loaded_dtype``."""
-    import torch
-    from transformers import AutoModelForCausalLM
+#: the auto classes a fine-tuned model is built with, in the order they are asked, with transformers' mapping of
+#: ``model_type`` to class names (``transformers.models.auto.modeling_auto``, 5.24): text-only causal LMs, then
+#: vision-language models (image-text-to-text, which covers what ``AutoModelForVision2Seq`` built before v5), then
+#: other multimodal LMs (audio + text)
+AUTO_CLASSES = (
+    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+    ("AutoModelForMultimodalLM", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES"),
+)
 
-    dtype = dtype or torch_dtype(doc, ("base_model", "loaded_dtype"), "float32")
+
+#: what the estimate of a vision-language model leaves out (its method says so)
+MULTIMODAL_LIMIT = (
+    "vision-language model: the batch is text tokens only (no image tokens or patches): the vision tower is resident "
+    "(frozen base, its adapters and their optimizer state are counted) but runs no forward, so its activations and "
+    "the image tokens' share of the language model's activations are not in the estimate"
+)
+
+
+@dataclass(frozen=True)
+class ModelClass:
+    """The auto class that builds a config, and why that one."""
+
+    auto_class: str  # e.g. AutoModelForImageTextToText
+    class_name: str  # the model class it builds, e.g. Qwen2_5_VLForConditionalGeneration
+    reason: str
+    #: the class is a vision-language (or other multimodal) model: an image-text-to-text or multimodal-LM class
+    #: (transformers also lists Gemma3ForConditionalGeneration as gemma3's causal LM)
+    multimodal: bool = False
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(v for v in value or () if isinstance(v, str))
+
+
+def model_class(config: Any) -> ModelClass | None:
+    """The auto class for ``config``: the one whose mapping builds the class the config names in ``architectures``
+    (``Gemma3ForConditionalGeneration``, not the text-only ``Gemma3ForCausalLM`` that the causal-LM mapping also
+    offers for ``gemma3``; ``MllamaForConditionalGeneration``, not ``MllamaForCausalLM``); without such a name, the
+    first of :data:`AUTO_CLASSES` that knows the ``model_type``. None: no auto class builds it (a config with
+    ``auto_map`` and ``--trust-remote-code`` is left to ``AutoModelForCausalLM``'s own remote-code path)."""
+    from transformers.models.auto import modeling_auto
+
+    model_type = getattr(config, "model_type", None)
+    archs = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+    known: list[tuple[str, tuple[str, ...]]] = []
+    for auto, mapping in AUTO_CLASSES:
+        names = _names(getattr(modeling_auto, mapping, {}).get(model_type))
+        if names:
+            known.append((auto, names))
+    multimodal = {n for auto, names in known if auto != "AutoModelForCausalLM" for n in names}
+    for arch in archs:
+        for auto, names in known:
+            if arch in names:
+                why = f"config.json names {arch}, which {auto} builds for {model_type!r}"
+                return ModelClass(auto, arch, why, arch in multimodal)
+    if known:
+        auto, names = known[0]
+        why = f"{auto} builds {names[0]} for {model_type!r}"
+        if archs:
+            why += f" (config.json names {archs[0]}, which no causal-LM or image-text-to-text class is)"
+        return ModelClass(auto, names[0], why, names[0] in multimodal)
+    return None
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config (``text_config`` of a vision-language config; the config itself otherwise)."""
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
     try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(source.config, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError) as exc:
+        return get(decoder=True)
+    except (TypeError, ValueError):
+        return get()
+
+
+def decoder_layers(model: Any) -> tuple[str, Any] | None:
+    """The language model's decoder stack, wherever it sits: ``(qualified name, ModuleList)``.
+
+    The decoder is ``get_decoder()`` of the model (transformers' own accessor: ``model.model`` of a causal LM,
+    ``model.model.language_model`` of Qwen2.5-VL/Gemma-3/Mllama); its layers are its largest ``ModuleList``.
+    """
+    import torch
+
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get = getattr(root, "get_decoder", None)
+    decoder = get() if get is not None else None
+    if decoder is None:
+        return None
+    best: tuple[str, Any] | None = None
+    for name, module in decoder.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and (best is None or len(module) > len(best[1])):
+            best = (name, module)
+    if best is None:
+        return None
+    prefix = next((n for n, m in root.named_modules() if m is decoder), "")
+    return (f"{prefix}.{best[0]}" if prefix else best[0]), best[1]
+
+
+def build_base(
+    doc: Document, config: Any, dtype: Any, trust_remote_code: bool = False, attention: str | None = None
+) -> Any:
+    """The base model of ``config`` on the current device (use ``with torch.device("meta")``), built with the auto
+    class :func:`model_class` picks. ``attention``: transformers' ``attn_implementation`` (None: its default).
+
+    One place for resolve (:func:`build_meta_model`), the estimate and the measurement
+    (:meth:`ledgerspec.derivations.engine.workload.Workload.prepare`). An architecture transformers cannot build
+    is a one-line error; an attention implementation the architecture refuses names the ones it supports.
+    """
+    import transformers
+
+    chosen = model_class(config)
+    if chosen is None and not trust_remote_code:
         raise _err(
             doc,
             ("identity",),
-            f"transformers cannot build this architecture: {first_line(exc)}",
-            "is it a causal language model transformers knows?",
+            f"transformers cannot build this architecture: model_type {getattr(config, 'model_type', None)!r} has "
+            "no causal-LM or image-text-to-text class",
+            "is it a language or vision-language model transformers knows? (custom code needs --trust-remote-code)",
+        )
+    auto = getattr(transformers, chosen.auto_class if chosen else "AutoModelForCausalLM")
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attention is not None:
+        kwargs["attn_implementation"] = attention
+    try:
+        return auto.from_config(config, **kwargs)
+    except (ValueError, KeyError, ImportError) as exc:
+        msg = first_line(exc)
+        if attention is not None and "attention implementation" in msg.lower():
+            supported = supported_attention(config, chosen)
+            raise _err(
+                doc,
+                ("software", "attention_implementation"),
+                f"{chosen.class_name if chosen else 'this model'} does not support attention implementation "
+                f"{attention!r} in transformers {transformers.__version__}",
+                f"declare one it supports: {', '.join(supported)}" if supported else None,
+            ) from None
+        raise _err(
+            doc,
+            ("identity",),
+            f"transformers cannot build this architecture: {msg}",
+            "is it a language or vision-language model transformers knows?",
         ) from None
+
+
+#: attention implementations and the class flag that says a model supports them (transformers 5.24
+#: ``PreTrainedModel``: ``_supports_sdpa``, ``_supports_flash_attn``, ``_supports_flex_attn``; eager always)
+_ATTENTION_FLAGS = (
+    ("sdpa", "_supports_sdpa"),
+    ("flash_attention_2", "_supports_flash_attn"),
+    ("flash_attention_3", "_supports_flash_attn"),
+    ("flex_attention", "_supports_flex_attn"),
+)
+
+
+def supported_attention(config: Any, chosen: ModelClass | None = None) -> list[str]:
+    """The attention implementations the model class of ``config`` declares it supports (``eager`` first)."""
+    import transformers
+
+    chosen = chosen or model_class(config)
+    cls = getattr(transformers, chosen.class_name, None) if chosen else None
+    out = ["eager"]
+    if cls is None:
+        return out
+    compatible = list(getattr(cls, "_compatible_flash_implementations", None) or [])
+    for name, flag in _ATTENTION_FLAGS:
+        if getattr(cls, flag, False) and not (compatible and name.startswith("flash_attention")):
+            out.append(name)
+    return out + compatible  # e.g. gpt-oss: only kernels with attention sinks
+
+
+def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trust_remote_code: bool = False) -> Any:
+    """The base model on the meta device (no memory, no weights), in the declared ``loaded_dtype``."""
+    import torch
+
+    dtype = dtype or torch_dtype(doc, ("base_model", "loaded_dtype"), "float32")
+    with torch.device("meta"):
+        return build_base(doc, source.config, dtype, trust_remote_code)
 
 
 def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
@@ -279,6 +476,16 @@ def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
             return get_peft_model(model, cfg)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         msg = first_line(exc)
+        if "lora_dropout != 0" in msg:  # peft.tuners.lora.layer.ParamWrapper.update_layer (PEFT 0.21)
+            raise _err(
+                doc,
+                ("method", "dropout") if doc.get("method", "dropout").present else ("method",),
+                f"PEFT cannot inject these adapters: {msg}: the targets include expert parameters (3-D tensors: "
+                "method.target_parameters, or the expert and router names of target_modules, which PEFT converts to "
+                "parameters of this MoE's fused experts, all-linear included)",
+                "set method.dropout: 0 to adapt the experts, or list only the attention modules in "
+                "method.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj]) to leave them alone",
+            ) from None
         where: tuple[str, ...] = ("method", "target_modules") if "target" in msg.lower() else ("method",)
         hint = (
             "check module names against the architecture (e.g. q_proj, v_proj, or all-linear)"

@@ -18,6 +18,7 @@ from typing import Any
 
 from ledgerspec.contract import config, dtypes
 from ledgerspec.contract.document import Document
+from ledgerspec.derivations.stack import quant_storage
 from ledgerspec.derivations.stack.bnb_storage import BNB4_BLOCKSIZE, QuantizedBytes, bnb4_bytes, int8_bytes
 from ledgerspec.derivations.stack.build import (
     ModelSource,
@@ -35,15 +36,24 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """How the frozen base is quantized (None kind: not quantized)."""
+    """How the frozen base is quantized (None kind: not quantized).
 
-    kind: str | None  # "bnb4" | "int8" | None
+    ``kind``: ``bnb4`` | ``int8`` (bitsandbytes), ``gptq`` | ``awq`` | ``hqq`` | ``torchao_nf4`` (Linear weights of
+    other libraries, :mod:`ledgerspec.derivations.stack.quant_storage`), ``mxfp4`` (gpt-oss expert tensors).
+    """
+
+    kind: str | None
     quant_type: str | None = None
     double_quant: bool = False
     storage_itemsize: int = 1
     storage_dtype: str = "uint8"
     blocksize: int = BNB4_BLOCKSIZE
     skip_modules: tuple[str, ...] = ()
+    bits: int = 4
+    desc_act: bool = False
+    dequantized: bool = False  # mxfp4 experts dequantized to the loaded dtype at load
+    scale_itemsize: int = 2  # scales/zeros of gptq, awq, hqq (the model dtype); torchao's original dtype
+    origin: str = ""  # where group size/bits came from, for the method text
 
     def weight_bytes(self, shape: tuple[int, ...]) -> QuantizedBytes:
         numel = 1
@@ -51,7 +61,48 @@ class QuantPlan:
             numel *= d
         if self.kind == "int8":
             return int8_bytes(shape[0], numel // shape[0])
+        if self.kind == "gptq":
+            return quant_storage.gptq_bytes(shape[1], shape[0], self.bits, self.blocksize, self.scale_itemsize)
+        if self.kind == "awq":
+            return quant_storage.awq_bytes(shape[1], shape[0], self.bits, self.blocksize, self.scale_itemsize)
+        if self.kind == "hqq":
+            return quant_storage.hqq_bytes(numel, self.bits, self.blocksize, self.scale_itemsize)
+        if self.kind == "torchao_nf4":
+            return quant_storage.torchao_nf4_bytes(numel, self.scale_itemsize)
+        if self.kind == "mxfp4":  # transformers' GptOssExperts layout (E, in, out): 32-value blocks along ``in``
+            return quant_storage.mxfp4_bytes(numel, numel // shape[1])
         return bnb4_bytes(numel, self.double_quant, self.storage_itemsize, self.blocksize)
+
+    def describe(self, n: int, total: int) -> str:
+        """The method text of the quantized bytes (``n`` tensors, ``total`` bytes)."""
+        if self.kind == "gptq":
+            return (
+                f"{n} Linear weights of the decoder layers GPTQ {self.bits}-bit, group size {self.blocksize}"
+                f"{', desc_act' if self.desc_act else ''}{self.origin}: int32 qweight + int32 qzeros + scales "
+                f"({self.scale_itemsize} B) + int32 g_idx (AutoGPTQ/GPTQModel QuantLinear) = {total:,} B"
+            )
+        if self.kind == "awq":
+            return (
+                f"{n} Linear weights of the decoder layers AWQ {self.bits}-bit GEMM, group size {self.blocksize}"
+                f"{self.origin}: int32 qweight + int32 qzeros + fp16 scales (AutoAWQ WQLinear_GEMM) = {total:,} B"
+            )
+        if self.kind == "mxfp4":
+            return (
+                f"{n} expert tensors MXFP4 as transformers loads them for the triton kernels: packed FP4 codes "
+                f"(2 a byte) + one E8M0 scale byte per 32 values = {total:,} B (fp32 expert biases counted below; "
+                "swizzle padding of the scales not modelled)"
+            )
+        if self.kind == "hqq":
+            return (
+                f"{n} Linear weights HQQ {self.bits}-bit, group size {self.blocksize}: packed codes + scale and "
+                f"zero per group ({self.scale_itemsize} B each; documented layout, unverified) = {total:,} B"
+            )
+        if self.kind == "torchao_nf4":
+            return (
+                f"{n} Linear weights torchao NF4Tensor (block 64, scaler block 256): packed codes + int8 scalers + "
+                f"factors + lookup table (documented layout, unverified) = {total:,} B"
+            )
+        return ""
 
 
 @dataclass(frozen=True)
@@ -108,6 +159,10 @@ class Census:
     adapter_dtype: str
     timings: dict[str, float] = field(default_factory=dict)
     biases_in_compute_dtype: int = 0  # biases of 4-bit layers, cast to compute_dtype by their first forward
+    #: what the adapters and the quantization cover, with figures (:mod:`ledgerspec.derivations.stack.coverage`)
+    coverage: dict[str, Any] = field(default_factory=dict)
+    #: findings for the user, each with its figures and a hint
+    notes: list[str] = field(default_factory=list)
 
     @property
     def trainable(self) -> list[TensorRecord]:
@@ -118,7 +173,7 @@ class Census:
         return [t for t in self.tensors if not t.trainable]
 
 
-def quant_plan(doc: Document) -> QuantPlan:
+def quant_plan(doc: Document, source: ModelSource | None = None) -> QuantPlan:
     """The storage layout of the frozen base, from the one reading of the configuration
     (:func:`ledgerspec.contract.config.read`); a layout that cannot be sized is a one-line error."""
     q = config.read(doc).quantization
@@ -127,11 +182,14 @@ def quant_plan(doc: Document) -> QuantPlan:
     path = config.QUANT
     if q.scheme == "int8":
         return QuantPlan("int8", "int8", skip_modules=q.skip_modules or ())
+    if q.scheme in config.OTHER_SCHEMES:
+        return _other_plan(doc, q, source)
     if q.scheme != "bnb4":
         raise _err(
             doc,
             (*path, "type") if doc.get(*path, "type").present else ("method", "kind"),
-            f"QLoRA needs base_model.quantization.type nf4, fp4 or int8, got {q.type or 'nothing'!r}",
+            f"QLoRA needs base_model.quantization.type (nf4, fp4, int8, {', '.join(config.OTHER_SCHEMES)}), "
+            f"got {q.type or 'nothing'!r}",
             "a 4-bit base is not sized by its bit count alone: give the quantization type",
         )
     if q.double_quant is None:
@@ -158,6 +216,72 @@ def quant_plan(doc: Document) -> QuantPlan:
         q.blocksize or BNB4_BLOCKSIZE,
         q.skip_modules or (),
     )
+
+
+#: defaults of the other libraries when neither the ledger nor the model config's ``quantization_config`` says
+_GROUP_DEFAULTS = {"gptq": 128, "awq": 128, "hqq": 64, "torchao_nf4": 64}
+
+
+def _other_plan(doc: Document, q: config.Quantization, source: ModelSource | None) -> QuantPlan:
+    """The plan of a base quantized by another library: bits and group size from the ledger, else from the model
+    config's ``quantization_config`` (``bits``, ``group_size``, ``desc_act``, as GPTQ/AWQ checkpoints publish them)."""
+    published: dict[str, Any] = {}
+    qc = getattr(source.config, "quantization_config", None) if source is not None else None
+    if isinstance(qc, dict):
+        published = qc
+    elif qc is not None and hasattr(qc, "to_dict"):
+        published = qc.to_dict()
+    scheme = q.scheme or ""
+    origin: list[str] = []
+
+    def declared_or_published(value: Any, key: str, kind: type, label: str) -> Any:
+        if value is None and isinstance(published.get(key), kind):
+            origin.append(label)
+            return published[key]
+        return value
+
+    bits = declared_or_published(q.bits, "bits", int, "bits")
+    group = declared_or_published(q.blocksize, "group_size", int, "group size")
+    desc = declared_or_published(q.desc_act, "desc_act", bool, "desc_act")
+    loaded = dtypes.itemsize(config.read(doc).loaded_dtype or "float16") or 2
+    return QuantPlan(
+        scheme,
+        scheme,
+        blocksize=group if group is not None else _GROUP_DEFAULTS.get(scheme, 0),
+        skip_modules=q.skip_modules or (),
+        bits=bits or 4,
+        desc_act=bool(desc),
+        dequantized=bool(q.dequantized),
+        scale_itemsize=2 if scheme == "awq" else min(loaded, 4),
+        origin=f" ({', '.join(origin)} from the model config's quantization_config)" if origin else "",
+    )
+
+
+def _quantized_tensors(model: Any, plan: QuantPlan) -> list[Any]:
+    """The parameters the plan quantizes, as transformers' quantizer for that library replaces them."""
+    if plan.kind in ("bnb4", "int8", "hqq", "torchao_nf4"):
+        return [model.get_submodule(n).weight for n in _modules_to_quantize(model, plan)]
+    if plan.kind in ("gptq", "awq"):  # the Linear layers of the decoder blocks (optimum's block_name_to_quantize)
+        import torch
+
+        from ledgerspec.derivations.stack.build import decoder_layers
+
+        found = decoder_layers(model)
+        if found is None:
+            return []
+        skip = plan.skip_modules
+        return [
+            m.weight
+            for n, m in found[1].named_modules()
+            if type(m) is torch.nn.Linear and not any(s and s in n for s in skip)
+        ]
+    if plan.kind == "mxfp4" and not plan.dequantized:  # transformers' replace_with_mxfp4_linear: GptOssMLP experts
+        out = []
+        for _name, m in model.named_modules():
+            if type(m).__name__ == "GptOssExperts":
+                out += [m.gate_up_proj, m.down_proj]
+        return out
+    return []
 
 
 def _modules_to_quantize(model: Any, plan: QuantPlan) -> list[str]:
@@ -191,7 +315,7 @@ def census(
 
     timings: dict[str, float] = {}
     say = progress or (lambda _msg: None)
-    plan = quant_plan(doc)
+    plan = quant_plan(doc, source)
     loaded = torch_dtype(doc, ("base_model", "loaded_dtype"), "float32")
     t = time.perf_counter()
     say("building the model on the meta device")
@@ -202,12 +326,19 @@ def census(
     total = sum(p.numel() for p in model.parameters())
     quantized_ids: set[int] = set()
     biases = []
-    if plan.kind:
+    if plan.kind in ("bnb4", "int8"):
         for name in _modules_to_quantize(model, plan):
             module = model.get_submodule(name)
             quantized_ids.add(id(module.weight))
             if module.bias is not None:
                 biases.append(module.bias)
+    elif plan.kind:
+        quantized_ids.update(id(p) for p in _quantized_tensors(model, plan))
+        if plan.kind == "mxfp4" and not plan.dequantized:  # Mxfp4GptOssExperts holds its biases in fp32
+            for m in model.modules():
+                if type(m).__name__ == "GptOssExperts":
+                    for b in (m.gate_up_proj_bias, m.down_proj_bias):
+                        b.data = b.data.to(torch.float32)
     prepare = config.read(doc).prepare_kbit
     if prepare:  # peft.prepare_model_for_kbit_training: fp16/bf16 params that are not 4-bit go to fp32
         for p in model.parameters():
@@ -232,6 +363,9 @@ def census(
     t = time.perf_counter()
     tensors = _records(peft_model, quantized_ids)
     breakdown = _breakdown(peft_model, adapter_ids)
+    from ledgerspec.derivations.stack.coverage import coverage
+
+    cover = coverage(doc, peft_model, breakdown, quantized_ids, plan.kind)
     timings["count"] = time.perf_counter() - t
     arch = type(model).__name__
     return Census(
@@ -244,6 +378,8 @@ def census(
         dtypes.canonical(adapter_dtype_name) or adapter_dtype_name,
         timings,
         biases_in_compute_dtype=len(biases) if plan.kind == "bnb4" else 0,
+        coverage=cover.figures,
+        notes=[*source.notes, *cover.notes],
     )
 
 

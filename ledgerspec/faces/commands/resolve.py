@@ -95,6 +95,8 @@ def run_resolve(args: argparse.Namespace) -> int:
         _report(result, started)
     for ch in result.skipped:
         print(printable(f"{args.file}: kept {ch.pointer}: {ch.skipped}"), file=sys.stderr)
+    for note in result.notes:
+        print(printable(f"{args.file}: note: {note}"), file=sys.stderr)
     if args.dry_run:
         import difflib
 
