@@ -9,11 +9,10 @@ from typing import Any, TextIO
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.validate import Report
+from ledgerspec.checks.verdict import next_status, next_steps
 from ledgerspec.version import __version__
 
 Reporter = Callable[[list[Report], TextIO, bool], None]
-#: status reasons the text reporter prints without -v
-REASONS_SHOWN = 3
 REPORTERS: dict[str, Reporter] = {}
 
 
@@ -28,6 +27,8 @@ def reporter(name: str) -> Callable[[Reporter], Reporter]:
 @reporter("text")
 def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
     for r in reports:
+        if verbose and r.verdict is not None:  # the answer first: does it fit, and by how much
+            out.write(f"{r.path}: {r.verdict.sentence()}\n")
         for f in r.findings:
             if f.severity == INFO and not verbose:
                 continue
@@ -38,17 +39,30 @@ def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
                 f"{r.path}: {r.kind}/v1, status {r.supported_status} (declared: {declared})"
                 f"{'' if r.ok else ', INVALID'}\n"
             )
-            # what holds the status down is the next step: always the first few; all of them with -v or
-            # when the declared status claims more than the evidence supports
-            overclaimed = RANK.get(r.declared_status or "", -1) > RANK.get(r.supported_status, -1)
-            shown = r.reasons if verbose or overclaimed else r.reasons[:REASONS_SHOWN]
-            for reason in shown:
-                out.write(f"  - {reason}\n")
-            if len(shown) < len(r.reasons):
-                out.write(f"  - ... {len(r.reasons) - len(shown)} more reason(s) (-v shows them)\n")
+            for line in status_lines(r, verbose):
+                out.write(line + "\n")
     infos = sum(1 for r in reports for f in r.findings if f.severity == INFO)
     if infos and not verbose:
         out.write(f"({infos} info finding(s) hidden; -v shows them)\n")
+
+
+def status_lines(r: Report, verbose: bool) -> list[str]:
+    """What the next status needs, one line per kind of missing evidence; every reason with ``verbose`` or when the
+    declared status claims more than the evidence supports."""
+    if not r.reasons or r.supported_status is None:
+        return []
+    lines = []
+    target = next_status(r.supported_status)
+    if target is not None:
+        lines.append(f"  to reach {target}:")
+    lines += [f"  - {step.line()}" for step in next_steps(r.reasons)]
+    overclaimed = RANK.get(r.declared_status or "", -1) > RANK.get(r.supported_status, -1)
+    if verbose or overclaimed:
+        lines.append(f"  every reason ({len(r.reasons)}):")
+        lines += [f"    - {reason}" for reason in r.reasons]
+    elif any(len(step.reasons) > 1 for step in next_steps(r.reasons)):
+        lines.append(f"  ({len(r.reasons)} reasons in all; -v lists each)")
+    return lines
 
 
 @reporter("json")

@@ -8,6 +8,7 @@ from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
 from ledgerspec.faces.arguments import device_memory, device_memory_bytes
+from ledgerspec.faces.status import add_keep_status
 
 
 def register(subparsers: Any) -> None:
@@ -38,14 +39,17 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--full", action="store_true", help="trace every layer instead of extrapolating (slower)")
     p.add_argument("--dry-run", action="store_true", help="print the estimate, write nothing")
+    add_keep_status(p)
     p.set_defaults(run=run_estimate)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load
+    from ledgerspec.faces.preflight import preflight
 
     doc = load(args.file)
     device = device_memory_bytes(args.device_memory, args.file)
+    preflight(doc, "estimate")  # validate's input checks, before torch is imported
     if args.sweep:
         return _run_sweep(doc, args, device)
     writes = not args.dry_run
@@ -83,9 +87,14 @@ def run_estimate(args: argparse.Namespace) -> int:
     for ch in changes:
         if ch.skipped:
             print(f"{args.file}: kept {ch.pointer}: {ch.skipped}", file=sys.stderr)
+    from ledgerspec.faces.status import settle_for
+
+    _, status_change = settle_for(doc, args)  # the status the estimate supports
     target = args.output or args.file
     save(doc, target)
     print(f"{target}: estimate written (ledger.activations, x-estimate)", file=sys.stderr)
+    if status_change:
+        print(status_change, file=sys.stderr)
     return code
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
 from ledgerspec.faces.arguments import positive_size
+from ledgerspec.faces.status import add_keep_status
 
 
 def register(sub: Any) -> None:
@@ -34,6 +35,7 @@ def register(sub: Any) -> None:
         help="measure every rank of an FSDP2 run under torchrun with N processes (gloo on cpu, nccl on "
         "cuda); writes parallelism.per_rank_peak and the worst rank into metrics",
     )
+    add_keep_status(m)
     m.set_defaults(run=_measure)
 
     t = sub.add_parser("triage", help="fill the OOM Triage Worksheet by controlled measurements")
@@ -73,7 +75,7 @@ def _measure(args: argparse.Namespace) -> int:
         command=_command("measure", args),
         snapshot_path=snapshot_path_for(target),
     )
-    report = _save(doc, target)
+    report = _save(doc, target, args)
     r = outcome.result
     err = sys.stderr
     for note in outcome.notes:
@@ -101,20 +103,24 @@ def _open(args: argparse.Namespace, command: str) -> tuple[Any, str]:
     """The ledger to measure, and where it will be written (checked before minutes of measuring)."""
     from ledgerspec.contract.document import load_ledger
     from ledgerspec.contract.writer import check_writable
+    from ledgerspec.faces.preflight import preflight
 
     doc = load_ledger(args.file, command)
+    preflight(doc, command)  # validate's input checks, before a child process imports torch
     target = args.output or args.file
     check_writable(target)
     return doc, target
 
 
-def _save(doc: Any, target: str) -> Any:
-    """Set the status the measurement supports (lowered when it no longer holds), then write the ledger."""
+def _save(doc: Any, target: str, args: argparse.Namespace) -> Any:
+    """Set the status the measurement supports (up or down; ``--keep-status`` keeps it), then write the ledger."""
     from ledgerspec.contract.writer import save
-    from ledgerspec.faces.status import settle
+    from ledgerspec.faces.status import settle_for
 
-    report = settle(doc)
+    report, change = settle_for(doc, args)
     save(doc, target)
+    if change:
+        print(change, file=sys.stderr)
     return report
 
 
@@ -132,7 +138,7 @@ def _measure_ranks(args: argparse.Namespace) -> int:
         )
     doc, target = _open(args, "measure")
     outcome = measure_dist(doc, args.nproc, device=args.device, steps=args.steps, command=_command("measure", args))
-    report = _save(doc, target)
+    report = _save(doc, target, args)
     err = sys.stderr
     for note in outcome.notes:
         print(f"{target}: note: {note}", file=err)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
 from ledgerspec.faces.arguments import device_memory, device_memory_bytes
+from ledgerspec.faces.status import add_keep_status
 
 
 def register(subparsers: Any) -> None:
@@ -47,6 +48,7 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="with --estimate: extrapolate from two probe depths (auto) or simulate every layer",
     )
+    add_keep_status(p)
     p.set_defaults(run=run_shard)
 
 
@@ -62,6 +64,9 @@ def run_shard(args: argparse.Namespace) -> int:
         raise LedgerspecError(
             "--device-memory, --target and --layers need --estimate", args.file, rule="usage", exit_code=EXIT_USAGE
         )
+    from ledgerspec.faces.preflight import preflight
+
+    preflight(doc, "shard")  # validate's input checks, before torch is imported
     result = shard(
         doc,
         nproc=args.nproc,
@@ -100,13 +105,19 @@ def run_shard(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return code
+    from ledgerspec.faces.status import settle_for
+
+    _, status_change = settle_for(doc, args)  # the status the per-rank figures support
     if args.check:
-        if result.change is not None:
-            print(f"{args.file}: would change parallelism.x-per-rank; run `ledgerspec shard`", file=sys.stderr)
+        if result.change is not None or status_change:
+            what = "parallelism.x-per-rank" if result.change is not None else "the declared status"
+            print(f"{args.file}: would change {what}; run `ledgerspec shard`", file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_OK
-    if result.change is not None or args.output:
+    if result.change is not None or args.output or status_change:
         save(doc, args.output or args.file)
+        if status_change:
+            print(status_change, file=sys.stderr)
     return code
 
 
