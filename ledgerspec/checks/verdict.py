@@ -50,10 +50,17 @@ class Verdict:
     @property
     def device(self) -> str:
         size = format_size(self.device_memory) if self.device_memory is not None else "?"
-        return f"{self.device_name} ({size})" if self.device_name else size
+        return f"{self.device_name} ({size})" if self.device_name else f"the target device ({size})"
 
     def sentence(self) -> str:
-        """One line: the answer, the peak and where it comes from, the headroom, the OOM phase."""
+        """One line: the answer, the peak and where it comes from, the headroom, the OOM phase (and the qualifier)."""
+        head = self.headline()
+        if self.answer == UNKNOWN or not self.why:
+            return head
+        return f"{head} ({self.why})"
+
+    def headline(self) -> str:
+        """:meth:`sentence` without the qualifier in parentheses."""
         if self.answer == UNKNOWN:
             return f"{UNKNOWN}: {self.why}"
         if self.peak is None or self.headroom is None:
@@ -70,8 +77,6 @@ class Verdict:
         if self.oom_phase:
             verb = "ran" if self.provenance == "measured" else "predicted to run"
             text += f"; {verb} out of memory in phase {self.oom_phase}"
-        if self.why:
-            text += f" ({self.why})"
         return text
 
     def to_json(self) -> dict[str, Any]:
@@ -147,6 +152,8 @@ def verdict(doc: Document, status: StatusResult) -> Verdict:
         qualifier = "allocated tensors only: keep room for the CUDA context and the allocator's cache"
         if stale_evidence(doc, "CANDIDATE", peak_from):
             qualifier = "from inputs edited since: run `ledgerspec estimate FILE` again"
+    elif provenance == "measured" and doc.get("measurement", "device").text() == "cpu":
+        qualifier = "measured on the CPU (tensor tracking): a GPU run allocates more (kernels, workspaces)"
     elif peak_from.startswith("metrics.peak_allocated") or peak_from.startswith("phases."):
         qualifier = "allocated by PyTorch; the device peak is higher"
     return Verdict(
@@ -258,8 +265,9 @@ class Step:
         return f"{self.kind}{what}: {self.how}" if self.how else f"{self.kind}{what}"
 
 
-def next_steps(reasons: list[str]) -> list[Step]:
-    """The ladder's reasons folded into one :class:`Step` per kind of missing evidence, in the order they come."""
+def next_steps(reasons: list[str], path: str | None = None) -> list[Step]:
+    """The ladder's reasons folded into one :class:`Step` per kind of missing evidence, in the order they come;
+    ``path``: the document, named in the commands instead of ``FILE``."""
     groups: dict[str, tuple[str, list[str], list[str]]] = {}
     for reason in reasons:
         for pattern, kind, how in _COMPILED:
@@ -274,7 +282,11 @@ def next_steps(reasons: list[str]) -> list[Step]:
             break
         else:
             groups.setdefault(reason, ("", [], [reason]))
-    return [Step(kind, how, tuple(items), tuple(rs)) for kind, (how, items, rs) in groups.items()]
+
+    def named(how: str) -> str:
+        return re.sub(r"\bFILE\b", path, how) if path and " " not in path else how
+
+    return [Step(kind, named(how), tuple(items), tuple(rs)) for kind, (how, items, rs) in groups.items()]
 
 
 def next_status(supported: str) -> str | None:

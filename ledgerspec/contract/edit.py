@@ -367,7 +367,7 @@ def set_status(doc: Document, status: str, comment: str) -> Change | None:
         data["status"] = status
     else:
         _insert(doc, data, (), "status", status)
-    data.yaml_add_eol_comment(comment, "status")
+    data.yaml_add_eol_comment(comment, "status", column=len(f"status: {status}") + 2)  # two spaces, as the line edit
     doc.plain["status"] = status
     first = doc.status_edit[0] if doc.status_edit is not None else old
     doc.status_edit = (first, status, comment)

@@ -55,12 +55,12 @@ def status_lines(r: Report, verbose: bool) -> list[str]:
     target = next_status(r.supported_status)
     if target is not None:
         lines.append(f"  to reach {target}:")
-    lines += [f"  - {step.line()}" for step in next_steps(r.reasons)]
+    lines += [f"  - {step.line()}" for step in next_steps(r.reasons, r.path)]
     overclaimed = RANK.get(r.declared_status or "", -1) > RANK.get(r.supported_status, -1)
     if verbose or overclaimed:
         lines.append(f"  every reason ({len(r.reasons)}):")
         lines += [f"    - {reason}" for reason in r.reasons]
-    elif any(len(step.reasons) > 1 for step in next_steps(r.reasons)):
+    elif any(len(step.reasons) > 1 for step in next_steps(r.reasons, r.path)):
         lines.append(f"  ({len(r.reasons)} reasons in all; -v lists each)")
     return lines
 

@@ -558,7 +558,7 @@ def test_text_output_always_says_what_holds_the_status_down(cli: CliRunner, exam
     _, out, _ = cli("validate", *(["-v"] if verbose else []), EXAMPLES / example)
     steps = [line[4:] for line in out.splitlines() if line.startswith("  - ")]
     every = [line[6:] for line in out.splitlines() if line.startswith("    - ")]
-    assert steps == [s.line() for s in next_steps(res.reasons)]
+    assert steps == [s.line() for s in next_steps(res.reasons, str(EXAMPLES / example))]
     assert len(steps) < len(res.reasons) or example.startswith("downgraded")
     overclaimed = RANK[doc.plain["status"]] > RANK[res.status]
     if verbose or overclaimed:

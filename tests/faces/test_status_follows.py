@@ -103,7 +103,7 @@ def test_resolve_and_estimate_raise_the_status_and_keep_status_keeps_it(cli: Cli
 BAD_INPUTS = {
     "rank-word": (("rank: 4", "rank: sixteen"), "method.rank: expected an integer >= 1, got 'sixteen' [schema]"),
     "typo-key": (("target_modules:", "target_module:"), "(did you mean 'target_modules'?)"),
-    "optimizer-typo": (("name: adamw_torch", "name: adamw_trch"), "did you mean 'adamw_torch'? [LS023]"),
+    "optimizer-typo": (("name: adamw_torch", "name: adamw_trch"), "unknown optimizer 'adamw_trch': did you mean"),
     "config-missing": (("config_path: tiny-llama/config.json", "config_path: nowhere/config.json"), "[LS008]"),
 }
 _PROBE = """

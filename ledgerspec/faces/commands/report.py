@@ -18,6 +18,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--html", metavar="OUT", help="write one self-contained HTML page (inline CSS and SVG) to OUT")
     p.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+    p.add_argument("-v", "--verbose", action="store_true", help="list every reason that holds the status down")
     p.set_defaults(run=run_report)
 
 
@@ -41,9 +42,11 @@ def run_report(args: argparse.Namespace) -> int:
         from ledgerspec.faces.report.html import render_html
 
         atomic_write(args.html, render_html(data))
+        verdict = data.verdict.sentence() if data.verdict is not None else "UNKNOWN"
+        print(f"{args.file}: {verdict}", file=sys.stderr)
         print(f"{args.file}: status {data.supported_status}; HTML report written to {args.html}", file=sys.stderr)
         return EXIT_OK
     from ledgerspec.faces.report.terminal import render_terminal
 
-    render_terminal(data, sys.stdout, plain=args.plain)
+    render_terminal(data, sys.stdout, plain=args.plain, verbose=args.verbose)
     return EXIT_OK
