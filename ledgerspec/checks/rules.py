@@ -578,10 +578,9 @@ def ls008_config_path_missing(ctx: Context) -> Iterator[Hit]:
     seen = ctx.doc.facts.get(CONFIG_PATH)
     if not isinstance(seen, ConfigFile) or seen.exists or seen.text != ctx.get("identity", "config_path").text():
         return
-    where = "the folder it names holds none" if seen.folder_without_config else "no such file"
-    yield Hit(
-        ptr("identity", "config_path"), f"identity.config_path {seen.text!r}: no config.json at {seen.file} ({where})"
-    )
+    where = "a folder without one" if seen.folder_without_config else "no such file"
+    message = f"identity.config_path {seen.text!r} names no config.json ({where}; it is relative to the document)"
+    yield Hit(ptr("identity", "config_path"), message)
 
 
 #: memory and size fields that hold a device's memory (one device, possibly declared in several places)

@@ -71,3 +71,15 @@ def device_memory_bytes(value: DeviceMemory | None, file: str) -> int | None:
     if note:
         print(f"{file}: {note}", file=sys.stderr)
     return int(value) if value is not None else None
+
+
+def target_memory_note(doc: object, file: str) -> None:
+    """The decimal-unit note for ``result.target_device.memory`` written in GB in the document (as for the flag),
+    on stderr, when a command uses it."""
+    import sys
+
+    value = doc.get("result", "target_device", "memory")  # type: ignore[attr-defined]
+    text = value.value if isinstance(value.value, str) else None
+    note = decimal_note(text, "result.target_device.memory") if text and re.search(r"[GT]B\s*$", text) else None
+    if note:
+        print(f"{file}: note: {note}", file=sys.stderr)

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError
-from ledgerspec.faces.arguments import device_memory, device_memory_bytes
+from ledgerspec.faces.arguments import device_memory, device_memory_bytes, target_memory_note
 from ledgerspec.faces.status import add_keep_status
 
 
@@ -74,6 +74,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     doc = load(args.file)
     device = device_memory_bytes(args.device_memory, args.file)
     preflight(doc, "estimate")  # validate's input checks, before torch is imported
+    if device is None:
+        target_memory_note(doc, args.file)
     modes = [
         name
         for name, on in (("--sweep", args.sweep), ("--fit", args.fit), ("--devices", args.devices))
