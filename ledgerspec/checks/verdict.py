@@ -9,7 +9,7 @@ missing evidence, with the command that supplies it. Both are pure functions of 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ledgerspec.checks.ladder import LADDER, RANK, StatusResult, cpu_estimate, pilot_section
@@ -118,8 +118,21 @@ def _predicted_oom_phase(doc: Document, device: int) -> str | None:
     return None
 
 
+def named(text: str, path: str | None) -> str:
+    """``text`` with the command placeholder ``FILE`` replaced by the document's path (kept for a path with spaces
+    or a stream, where a copied command would not run as written)."""
+    if not path or path.startswith("<") or any(c.isspace() for c in path):
+        return text
+    return re.sub(r"\bFILE\b", lambda _m: path, text)
+
+
 def verdict(doc: Document, status: StatusResult) -> Verdict:
     """The verdict of ``doc`` (its ladder result ``status`` gives the best peak)."""
+    v = _verdict(doc, status)
+    return replace(v, why=named(v.why, doc.path)) if v.why else v
+
+
+def _verdict(doc: Document, status: StatusResult) -> Verdict:
     device = doc.get("result", "target_device", "memory").size()
     name = doc.get("result", "target_device", "name").text()
     if doc.get("result", "oom").switch() is True:
@@ -283,10 +296,7 @@ def next_steps(reasons: list[str], path: str | None = None) -> list[Step]:
         else:
             groups.setdefault(reason, ("", [], [reason]))
 
-    def named(how: str) -> str:
-        return re.sub(r"\bFILE\b", path, how) if path and " " not in path else how
-
-    return [Step(kind, named(how), tuple(items), tuple(rs)) for kind, (how, items, rs) in groups.items()]
+    return [Step(kind, named(how, path), tuple(items), tuple(rs)) for kind, (how, items, rs) in groups.items()]
 
 
 def next_status(supported: str) -> str | None:

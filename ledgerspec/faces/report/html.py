@@ -87,6 +87,7 @@ h1.verdict{font-size:20px;margin:8px 0 4px;padding:8px 12px;border-radius:6px;co
 h1.verdict .answer{font-size:24px;font-weight:800;margin-right:10px;white-space:nowrap}
 h1.verdict .detail{font-weight:500;font-size:16px}
 h1.verdict .why{display:block;font-weight:400;font-size:13px;opacity:.9;margin-top:2px}
+h1.verdict code{font-size:14px;background:rgba(255,255,255,.18);padding:0 4px;border-radius:3px}
 p.title{font-size:18px;font-weight:600;margin:10px 0 2px}
 h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de}
 details{margin:4px 0 0;font-size:13.5px}summary{cursor:pointer;color:#57606a}
@@ -182,10 +183,10 @@ def _verdict(d: ReportData) -> str:
     if v is None:
         return '<h1 class="verdict" data-verdict="UNKNOWN" style="background:#57606a">UNKNOWN</h1>'
     rest = v.headline()[len(v.answer) :].lstrip(" :")
-    why = f'<span class="why">{escape(v.why)}</span>' if v.why and v.answer != "UNKNOWN" else ""
+    why = f'<span class="why">{_code_spans(v.why)}</span>' if v.why and v.answer != "UNKNOWN" else ""
     return (
         f'<h1 class="verdict" data-verdict="{escape(v.answer)}" style="background:{VERDICT_COLORS[v.answer]}">'
-        f'<span class="answer">{escape(v.answer)}</span><span class="detail">{escape(rest)}</span>{why}</h1>'
+        f'<span class="answer">{escape(v.answer)}</span><span class="detail">{_code_spans(rest)}</span>{why}</h1>'
     )
 
 
