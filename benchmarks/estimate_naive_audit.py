@@ -1,4 +1,4 @@
-"""The naive article's table rows (seeds/001), estimated component by component.
+"""The naive article's table rows (a popular article on LoRA VRAM), estimated component by component.
 
     python benchmarks/estimate_naive_audit.py     # section "naive-audit" of benchmarks/results/estimate.md
 

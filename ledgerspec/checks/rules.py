@@ -1,4 +1,4 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005, LS006 and LS090.
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS023, LS032, LS043 and LS090.
 One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
@@ -18,9 +18,11 @@ from ledgerspec.checks.stale import edited_since
 from ledgerspec.contract import config as C
 from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
+from ledgerspec.contract.files import CONFIG_PATH, ConfigFile
 from ledgerspec.contract.fingerprint import STAMPS, stale
 from ledgerspec.contract.intake import dotted
-from ledgerspec.contract.units import format_size
+from ledgerspec.contract.optimizers import OPTIMIZERS, optimizer_spec, suggest
+from ledgerspec.contract.units import decimal_note, decimal_unit, format_size
 from ledgerspec.contract.values import Value
 
 
@@ -535,3 +537,157 @@ def ls090_universal_shortcut(ctx: Context) -> Iterator[Hit]:
             if text and pattern.search(text):
                 yield Hit(ptr(*path), f"{dotted(path)} uses the shortcut '{what}': {why}")
                 break
+
+
+@rule(
+    "LS007",
+    INFO,
+    "declared status below the status the evidence supports",
+    "raise `status` to the supported one: `ledgerspec validate --fix` does it, and so does every command that writes "
+    "a ledger (unless it is given --keep-status)",
+    example="status: INSUFFICIENT DATA   # the evidence below supports CALCULATED\n"
+    "identity: {model_id: m/x, revision: abc}\nmethod: {kind: LoRA, rank: 8, target_modules: [q_proj]}\n"
+    "base_model: {loaded_dtype: bfloat16}\nadapter: {dtype: float32}\n"
+    "workload: {microbatch: 1, max_length: 512, sequence_p95: 400, packing: true}\noptimizer: {name: adamw_torch}\n"
+    "memory_options: {gradient_checkpointing: false}\nledger:\n"
+    "  frozen_base: {value: 1000000, source: CALCULATED, method: n x 2}\n"
+    "  adapter: {value: 4000, source: CALCULATED, method: n x 4}\n"
+    "  gradients: {value: 4000, source: CALCULATED, method: n x 4}\n"
+    "  optimizer: {value: 8000, source: CALCULATED, method: 2 x n x 4}",
+)
+def ls007_status_below_supported(ctx: Context) -> Iterator[Hit]:
+    declared = ctx.get("status").text()
+    supported = ctx.status.status
+    if declared in RANK and RANK[declared] < RANK[supported]:
+        yield Hit(
+            ptr("status"),
+            f"declared status {declared} is below the supported status {supported}: it can be raised "
+            "(`ledgerspec validate --fix`)",
+        )
+
+
+@rule(
+    "LS008",
+    ERROR,
+    "identity.config_path names no config.json",
+    "config_path is relative to the document: point it at the model's config.json or the folder that holds it",
+    example="identity:\n  config_path: configs/no-such-model/config.json",
+)
+def ls008_config_path_missing(ctx: Context) -> Iterator[Hit]:
+    """Reads the fact the loader recorded (:mod:`ledgerspec.contract.files`): the checks do no I/O."""
+    seen = ctx.doc.facts.get(CONFIG_PATH)
+    if not isinstance(seen, ConfigFile) or seen.exists or seen.text != ctx.get("identity", "config_path").text():
+        return
+    where = "a folder without one" if seen.folder_without_config else "no such file"
+    message = f"identity.config_path {seen.text!r} names no config.json ({where}; it is relative to the document)"
+    yield Hit(ptr("identity", "config_path"), message)
+
+
+#: memory and size fields that hold a device's memory (one device, possibly declared in several places)
+_DEVICE_MEMORY = (
+    ("result", "target_device", "memory"),
+    ("x-estimate", "device_memory"),
+    ("measurement", "device_memory"),
+)
+
+
+@rule(
+    "LS009",
+    INFO,
+    "a memory field written in decimal units (GB): its binary value",
+    'sizes in GB are 10^9 bytes; a GPU sold as "24 GB" holds about 24 GiB: write GiB (or the exact bytes '
+    "nvidia-smi shows) when you mean such a card",
+    example="result:\n  target_device: {name: RTX 4090, memory: 24 GB}",
+)
+def ls009_decimal_units(ctx: Context) -> Iterator[Hit]:
+    for path, field, v in ctx.fields():
+        if field.kind not in (F.MEMORY, F.SIZE) or not isinstance(v.value, str):
+            continue
+        if device_field(path):
+            note = decimal_note(v.value, dotted(path))
+        else:
+            parts = decimal_unit(v.value)
+            size = v.size()
+            note = (
+                f"{dotted(path)} {v.value.strip()} is {size:,} B = {format_size(size)} (decimal units)"
+                if parts is not None and size is not None
+                else None
+            )
+        if note:
+            yield Hit(ptr(*path), note)
+
+
+def device_field(path: tuple[str, ...]) -> bool:
+    return tuple(path) in _DEVICE_MEMORY
+
+
+@rule(
+    "LS023",
+    "error / warning",
+    "optimizer.name is not an optimizer ledgerspec knows (error with a did-you-mean when it is a near miss)",
+    "use transformers' TrainingArguments.optim spelling (e.g. adamw_torch, paged_adamw_8bit); resolve, estimate "
+    "and measure cannot build an optimizer they do not know",
+    example="optimizer:\n  name: paged_adamw8bit",
+)
+def ls023_unknown_optimizer(ctx: Context) -> Iterator[Hit]:
+    name = ctx.get("optimizer", "name").text()
+    if not name or optimizer_spec(name) is not None:
+        return
+    guess = suggest(name)
+    if guess:
+        yield Hit(
+            ptr("optimizer", "name"),
+            f"unknown optimizer {name!r}: did you mean {guess!r}? (known: {', '.join(sorted(OPTIMIZERS))})",
+            ERROR,
+        )
+    else:
+        yield Hit(
+            ptr("optimizer", "name"),
+            f"unknown optimizer {name!r}: resolve, estimate and measure cannot size its state (known: "
+            f"{', '.join(sorted(OPTIMIZERS))})",
+            WARNING,
+        )
+
+
+@rule(
+    "LS043",
+    WARNING,
+    "the device memory is declared twice with different values",
+    "keep one figure for one device: result.target_device.memory is the target; re-run `ledgerspec estimate` after "
+    "changing it (x-estimate.device_memory is the device the estimate judged); a measurement on the same device "
+    "records its memory as nvidia-smi reports it",
+    example="result:\n  target_device: {memory: 24 GB}\nx-estimate:\n  device_memory: 25769803776",
+)
+def ls043_device_memory_twice(ctx: Context) -> Iterator[Hit]:
+    target = ctx.get("result", "target_device", "memory").size()
+    if target is None:
+        return
+    estimated = ctx.get("x-estimate", "device_memory").size()
+    if estimated is not None and estimated != target:
+        yield Hit(
+            ptr("x-estimate", "device_memory"),
+            f"x-estimate.device_memory {format_size(estimated)} ({estimated:,} B) is not "
+            f"result.target_device.memory {format_size(target)} ({target:,} B): the estimate's fit verdict is for "
+            "another device (run `ledgerspec estimate FILE` again)",
+        )
+    measured = ctx.get("measurement", "device_memory").size()
+    if measured is None or measured == target:
+        return
+    name = ctx.get("result", "target_device", "name").text()
+    same_device = name is not None and name == ctx.get("measurement", "device_name").text()
+    if same_device or _decimal_binary_pair(measured, target):
+        yield Hit(
+            ptr("measurement", "device_memory"),
+            f"measurement.device_memory {format_size(measured)} is not result.target_device.memory "
+            f"{format_size(target)}"
+            + (f" although both name {name!r}" if same_device else ": one looks like GB, the other like GiB"),
+        )
+
+
+def _decimal_binary_pair(a: int, b: int) -> bool:
+    """``a`` and ``b`` are N GB and N GiB (or N TB and N TiB): the same card read in two units."""
+    for dec, binary in ((10**9, 2**30), (10**12, 2**40)):
+        for x, y in ((a, b), (b, a)):
+            if x % dec == 0 and y == x // dec * binary:
+                return True
+    return False

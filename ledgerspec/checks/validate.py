@@ -10,6 +10,7 @@ from ledgerspec.checks.findings import ERROR, SEVERITY_ORDER, Finding, Hit
 from ledgerspec.checks.ladder import StatusResult, supported_status
 from ledgerspec.checks.registry import all_rules
 from ledgerspec.checks.schema_check import schema_hits
+from ledgerspec.checks.verdict import Verdict, verdict
 from ledgerspec.contract.document import Document, header_problem
 
 
@@ -24,6 +25,10 @@ class Report:
     reasons: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     intake_complete: bool | None = None
+    best_peak: int | None = None
+    best_peak_from: str | None = None
+    #: FITS / DOES NOT FIT / UNKNOWN on the target device (:func:`ledgerspec.checks.verdict.verdict`)
+    verdict: Verdict | None = None
 
     @property
     def ok(self) -> bool:
@@ -39,7 +44,8 @@ class Report:
             "reasons": list(self.reasons),
             "findings": [f.to_json() for f in self.findings],
             "intake_complete": self.intake_complete,
-        }  # an addition to the spec's keys
+            "verdict": self.verdict.to_json() if self.verdict is not None else None,
+        }  # intake_complete and verdict: additions to the spec's keys
 
 
 def _finding(doc: Document, rule: str, severity: str, hit: Hit) -> Finding:
@@ -61,4 +67,15 @@ def validate(doc: Document) -> Report:
         for hit in r.check(ctx):
             findings.append(_finding(doc, r.id, r.severity, hit))
     findings.sort(key=lambda f: (f.line, f.column, SEVERITY_ORDER[f.severity], f.rule))
-    return Report(doc.path, doc.kind, declared, status.status, status.reasons, findings, status.intake_complete)
+    return Report(
+        doc.path,
+        doc.kind,
+        declared,
+        status.status,
+        status.reasons,
+        findings,
+        status.intake_complete,
+        status.best_peak,
+        status.best_peak_from,
+        verdict(doc, status),
+    )

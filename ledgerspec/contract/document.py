@@ -40,6 +40,8 @@ class Document:
     #: ``(real path, sha256 of the bytes read)`` of the file this document was loaded from: a save to that file
     #: first checks that nobody wrote it meanwhile (:func:`ledgerspec.contract.writer.save`)
     origin: tuple[str, str] | None = field(default=None, repr=False)
+    #: what the files the document names looked like when it was loaded (:func:`ledgerspec.contract.files.observe`)
+    facts: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # -- reading --------------------------------------------------------------------------------
     def get(self, *path: str) -> Value:
@@ -184,8 +186,14 @@ def set_path(node: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 
 def from_text(text: str, display: str = "<input>") -> Document:
+    """A document from its text; ``display`` is its path (``<stdin>``, ``<input>``: relative paths it names are
+    read from the current folder, as the commands read them)."""
+    from ledgerspec.contract.files import observe
+
     data = parse(text, display)
-    return _build(display, text, data)
+    doc = _build(display, text, data)
+    doc.facts = observe(doc)
+    return doc
 
 
 def load(path: str | os.PathLike[str], display: str | None = None) -> Document:

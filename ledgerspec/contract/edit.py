@@ -10,6 +10,7 @@ is :func:`ledgerspec.contract.writer.save`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +62,103 @@ def _insert(doc: Document, mapping: CommentedMap, parent_path: tuple[str, ...], 
             if existing in order and order.index(existing) > rank:
                 pos = i
                 break
-    appended_after = list(mapping)[-1] if pos == len(mapping) and len(mapping) else None
+    section = doc.data[parent_path[0]] if parent_path else doc.data
+    at_end = pos == len(mapping) and _on_spine(section, parent_path[1:])
+    before = _spine_end(section) if at_end else None
     mapping.insert(pos, key, value)
-    if appended_after is not None and not _is_block(value):
-        _move_trailing_lines(mapping, appended_after, key)
+    if before is not None:  # appended at the end of its section: the lines that closed the section still close it
+        tail = _take_tail(*before)
+        after = _spine_end(section)
+        if tail and after is not None:
+            _give_tail(*after, tail)
+    if not parent_path and _is_block(value) and blank_lines_between_sections(doc):
+        _space_section(mapping, key)
+
+
+def _on_spine(section: Any, path: tuple[str, ...]) -> bool:
+    """Whether the mapping at ``path`` inside ``section`` ends it: each key on the way is the last of its mapping."""
+    node = section
+    for part in path:
+        if not isinstance(node, dict) or not len(node) or list(node)[-1] != part:
+            return False
+        node = node[part]
+    return True
+
+
+def _spine_end(node: Any) -> tuple[Any, Any] | None:
+    """The last leaf of a block ``node`` (the container and key/index that holds it): where ruamel keeps the lines
+    that follow the block (blank lines, the next section's comments)."""
+    container: Any = None
+    last: Any = None
+    while _is_block(node) and len(node):
+        container = node
+        last = list(node)[-1] if isinstance(node, CommentedMap) else len(node) - 1
+        node = node[last]
+    return (container, last) if container is not None else None
+
+
+def _take_tail(container: Any, last: Any) -> str:
+    """Remove and return the lines after the end-of-line comment of ``last`` (its own comment stays)."""
+    slot = _eol_slot(container, last)
+    if slot is None:
+        return ""
+    entry, index = slot
+    head, sep, tail = str(entry[index].value).partition("\n")
+    if not sep or not tail:
+        return ""
+    if head.strip():
+        entry[index].value = head + "\n"
+    else:
+        entry[index] = None
+    return tail
+
+
+def _give_tail(container: Any, last: Any, tail: str) -> None:
+    """Put ``tail`` (lines) after the line of ``last``, after its end-of-line comment if it has one."""
+    slot = _eol_slot(container, last)
+    if slot is None:
+        container.yaml_add_eol_comment("#", last, column=0)
+        entry, index = _eol_slot(container, last) or (None, 0)
+        assert entry is not None
+        entry[index].value = "\n" + tail
+        return
+    entry, index = slot
+    value = str(entry[index].value)
+    entry[index].value = (value if value.endswith("\n") else value + "\n") + tail
+
+
+_TOP_KEY_RE = re.compile(r"^(?![#\s-])[^:\n]+:\s*(#.*)?$")
+
+
+def blank_lines_between_sections(doc: Document) -> bool:
+    """Whether the document's text separates its top-level sections (block mappings) with blank lines: most of
+    them, after the first, follow a blank line."""
+    lines = doc.text.splitlines()
+    starts = [i for i, line in enumerate(lines) if i > 0 and _TOP_KEY_RE.match(line)]
+    if len(starts) < 2:
+        return False
+    spaced = sum(1 for i in starts[1:] if not lines[i - 1].strip())
+    return spaced * 2 >= len(starts) - 1
+
+
+def _space_section(mapping: CommentedMap, key: str) -> None:
+    """A blank line before the new top-level section ``key`` and before the section that follows it, as between
+    the document's other sections."""
+    keys = list(mapping)
+    index = keys.index(key)
+    if index > 0:
+        previous = keys[index - 1]
+        container, last = _spine_end(mapping[previous]) or (mapping, previous)
+        slot = _eol_slot(container, last)
+        tail = str(slot[0][slot[1]].value).partition("\n")[2] if slot is not None else ""
+        if not tail.startswith("\n"):
+            taken = _take_tail(container, last)
+            _give_tail(container, last, "\n" + taken)
+    if index + 1 < len(keys):
+        following = keys[index + 1]
+        before = (mapping.ca.items.get(following) or [None, None])[1]
+        if not before:
+            mapping.yaml_set_comment_before_after_key(following, before="\n")
 
 
 def _is_block(value: Any) -> bool:
@@ -78,29 +172,6 @@ def _eol_slot(container: Any, key: Any) -> tuple[list[Any], int] | None:
         return None
     index = 2 if isinstance(container, CommentedMap) else 0
     return (entry, index) if len(entry) > index and entry[index] is not None else None
-
-
-def _move_trailing_lines(mapping: CommentedMap, previous: str, key: str) -> None:
-    """A key appended at the end of a block goes before the blank lines (and the next section's comments) that
-    ruamel keeps in the previous last key's end-of-line comment, so the layout of the file stays as it was."""
-    container: Any = mapping
-    last: Any = previous
-    while _is_block(container[last]) and len(container[last]):  # the trailing lines sit on the deepest last node
-        container = container[last]
-        last = list(container)[-1] if isinstance(container, CommentedMap) else len(container) - 1
-    slot = _eol_slot(container, last)
-    if slot is None:
-        return
-    entry, index = slot
-    head, sep, tail = entry[index].value.partition("\n")
-    if not sep or not tail:
-        return
-    if head.strip():
-        entry[index].value = head + "\n"
-    else:
-        entry[index] = None
-    mapping.yaml_add_eol_comment("#", key, column=0)
-    mapping.ca.items[key][2].value = "\n" + tail
 
 
 def long_form(
@@ -296,7 +367,7 @@ def set_status(doc: Document, status: str, comment: str) -> Change | None:
         data["status"] = status
     else:
         _insert(doc, data, (), "status", status)
-    data.yaml_add_eol_comment(comment, "status")
+    data.yaml_add_eol_comment(comment, "status", column=len(f"status: {status}") + 2)  # two spaces, as the line edit
     doc.plain["status"] = status
     first = doc.status_edit[0] if doc.status_edit is not None else old
     doc.status_edit = (first, status, comment)
@@ -374,7 +445,7 @@ def variant(doc: Document, values: dict[tuple[str, ...], Any]) -> Document:
                 parent.pop(path[-1], None)
         else:
             set_path(plain, path, value)
-    return Document(doc.path, doc.text, plain, plain, doc.kind, doc.version)
+    return Document(doc.path, doc.text, plain, plain, doc.kind, doc.version, facts=dict(doc.facts))
 
 
 #: a value for :func:`variant` that removes the key

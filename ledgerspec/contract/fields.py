@@ -3,7 +3,7 @@
 This table is the single source of truth. ``schema/*.json`` is generated from it
 (``python -m ledgerspec.contract.schema_gen``), the docs' field reference is generated from
 the schema, and the validator reads kinds (figure, switch, size...) from here.
-Descriptions paraphrase the method article (``shared/seeds/000``).
+Descriptions paraphrase the method article ("Сервер для LoRA и QLoRA: Как рассчитать VRAM для дообучения LLM").
 """
 
 from __future__ import annotations

@@ -80,6 +80,32 @@ def parse_size(value: object) -> int:
     return n
 
 
+_DECIMAL_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>KB|MB|GB|TB)\s*$")
+
+
+def decimal_unit(text: object) -> tuple[str, str] | None:
+    """``("24", "GB")`` when ``text`` is a size written in decimal units (KB, MB, GB, TB), else None."""
+    m = _DECIMAL_RE.match(text) if isinstance(text, str) else None
+    return (m.group("num"), m.group("unit")) if m else None
+
+
+def decimal_note(text: object, what: str, verb: str = "write") -> str | None:
+    """A reminder for a device memory written in decimal units: ``24 GB`` is 24 x 10^9 bytes = 22.35 GiB, while a
+    card sold as "24 GB" holds about 24 GiB (vendors state GPU memory in binary units; ``nvidia-smi`` shows the
+    exact total). ``what`` names where it was written (``--device-memory 24GB``, ``result.target_device.memory``)."""
+    parts = decimal_unit(text)
+    if parts is None:
+        return None
+    num, unit = parts
+    nbytes = parse_size(text)
+    binary = f"{num}{unit[0]}iB"
+    return (
+        f"{what} {str(text).strip()} is {nbytes:,} B = {format_size(nbytes)} (decimal units); "
+        f'GPU memory is sold in binary units, a "{num} {unit}" card has about {binary} '
+        f"(nvidia-smi shows the exact total): {verb} {binary}, or that total, if you mean such a card"
+    )
+
+
 def format_size(n: int) -> str:
     """Human-readable binary size, for comments beside byte figures: ``13.48 GiB``."""
     if n < 1024:

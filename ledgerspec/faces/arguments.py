@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from ledgerspec.contract.units import UnitError, format_size, parse_size
+from ledgerspec.contract.units import UnitError, decimal_note, parse_size
 
 
 def positive_size(text: str) -> int:
@@ -57,17 +57,10 @@ def device_memory(text: str) -> DeviceMemory:
 def decimal_unit_note(size: int | None) -> str | None:
     """A reminder when a device memory was given in decimal units: a card sold as "24 GB" holds 24 GiB."""
     text = getattr(size, "text", None)
-    if size is None or text is None:
+    if size is None or text is None or not re.fullmatch(r"\s*[0-9.]+\s*[GT]B\s*", text):  # cards: GB (or TB)
         return None
-    m = re.fullmatch(r"\s*(?P<num>[0-9.]+)\s*(?P<unit>[GT]B)\s*", text)  # cards are sold in GB (or TB)
-    if m is None:
-        return None
-    binary = f"{m.group('num')}{m.group('unit')[0]}iB"
-    return (
-        f"note: --device-memory {text.strip()} is {int(size):,} B = {format_size(int(size))} (decimal units); "
-        f'GPU memory is sold in binary units, a "{m.group("num")} {m.group("unit")}" card has about {binary} '
-        f"(nvidia-smi shows the exact total): pass {binary}, or that total, if you mean such a card"
-    )
+    note = decimal_note(text, "--device-memory", "pass")
+    return f"note: {note}" if note else None
 
 
 def device_memory_bytes(value: DeviceMemory | None, file: str) -> int | None:
@@ -87,3 +80,15 @@ FORCE_HELP = "write FILE (or OUT) even if it is read-only"
 def add_force(parser: argparse.ArgumentParser, help: str = FORCE_HELP) -> None:
     """``--force``: the one opt-in to write over a read-only file, the same flag on every command that writes."""
     parser.add_argument("--force", action="store_true", help=help)
+
+
+def target_memory_note(doc: object, file: str) -> None:
+    """The decimal-unit note for ``result.target_device.memory`` written in GB in the document (as for the flag),
+    on stderr, when a command uses it."""
+    import sys
+
+    value = doc.get("result", "target_device", "memory")  # type: ignore[attr-defined]
+    text = value.value if isinstance(value.value, str) else None
+    note = decimal_note(text, "result.target_device.memory") if text and re.search(r"[GT]B\s*$", text) else None
+    if note:
+        print(f"{file}: note: {note}", file=sys.stderr)

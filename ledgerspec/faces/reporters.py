@@ -11,12 +11,11 @@ from urllib.parse import quote
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.validate import Report
+from ledgerspec.checks.verdict import next_status, next_steps
 from ledgerspec.errors import encodable, json_text, printable
 from ledgerspec.version import __version__
 
 Reporter = Callable[[list[Report], TextIO, bool], None]
-#: status reasons the text reporter prints without -v
-REASONS_SHOWN = 3
 REPORTERS: dict[str, Reporter] = {}
 
 
@@ -42,6 +41,8 @@ def _lines(out: TextIO) -> Callable[[str], None]:
 def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
     line = _lines(out)
     for r in reports:
+        if verbose and r.verdict is not None:  # the answer first: does it fit, and by how much
+            line(f"{r.path}: {r.verdict.sentence()}")
         for f in r.findings:
             if f.severity == INFO and not verbose:
                 continue
@@ -52,14 +53,8 @@ def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
                 f"{r.path}: {r.kind}/v1, status {r.supported_status} (declared: {declared})"
                 f"{'' if r.ok else ', INVALID'}"
             )
-            # what holds the status down is the next step: always the first few; all of them with -v or
-            # when the declared status claims more than the evidence supports
-            overclaimed = RANK.get(r.declared_status or "", -1) > RANK.get(r.supported_status, -1)
-            shown = r.reasons if verbose or overclaimed else r.reasons[:REASONS_SHOWN]
-            for reason in shown:
-                line(f"  - {reason}")
-            if len(shown) < len(r.reasons):
-                line(f"  - ... {len(r.reasons) - len(shown)} more reason(s) (-v shows them)")
+            for text in status_lines(r, verbose):
+                line(text)
     infos = sum(1 for r in reports for f in r.findings if f.severity == INFO)
     if infos and not verbose:
         line(f"({infos} info finding(s) hidden; -v shows them)")
@@ -75,6 +70,25 @@ def _encodable(value: Any) -> Any:
     if isinstance(value, list):
         return [_encodable(v) for v in value]
     return value
+
+
+def status_lines(r: Report, verbose: bool) -> list[str]:
+    """What the next status needs, one line per kind of missing evidence; every reason with ``verbose`` or when the
+    declared status claims more than the evidence supports."""
+    if not r.reasons or r.supported_status is None:
+        return []
+    lines = []
+    target = next_status(r.supported_status)
+    if target is not None:
+        lines.append(f"  to reach {target}:")
+    lines += [f"  - {step.line()}" for step in next_steps(r.reasons, r.path)]
+    overclaimed = RANK.get(r.declared_status or "", -1) > RANK.get(r.supported_status, -1)
+    if verbose or overclaimed:
+        lines.append(f"  every reason ({len(r.reasons)}):")
+        lines += [f"    - {reason}" for reason in r.reasons]
+    elif any(len(step.reasons) > 1 for step in next_steps(r.reasons, r.path)):
+        lines.append(f"  ({len(r.reasons)} reasons in all; -v lists each)")
+    return lines
 
 
 @reporter("json")

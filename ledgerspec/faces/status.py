@@ -1,12 +1,27 @@
 """The declared status follows the evidence: after a command changed a ledger, validate it and set ``status`` to
-what the checks say it should be (:func:`ledgerspec.checks.fix.status_fix`), unless the user keeps their own."""
+what the checks say it should be, up or down (:func:`ledgerspec.checks.fix.status_fix`), unless the user keeps
+their own (``--keep-status``). Every command that writes a ledger calls :func:`settle` right before it saves."""
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 from ledgerspec.checks.fix import status_fix
+from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.validate import Report, validate
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.edit import set_status
+
+KEEP_STATUS_HELP = (
+    "keep the declared status as written (by default it is set to what the evidence supports, up or down, with "
+    "the reason in a comment beside it)"
+)
+
+
+def add_keep_status(parser: Any) -> None:
+    """The ``--keep-status`` flag of a command that writes a ledger."""
+    parser.add_argument("--keep-status", action="store_true", help=KEEP_STATUS_HELP)
 
 
 def settle(doc: Document, keep: bool = False) -> Report:
@@ -20,4 +35,20 @@ def settle(doc: Document, keep: bool = False) -> Report:
     return validate(doc)
 
 
-__all__ = ["settle"]
+def change_line(path: str, before: str | None, after: str | None) -> str | None:
+    """``FILE: status raised from CALCULATED to CANDIDATE`` (None when the status did not change)."""
+    if before == after or after is None:
+        return None
+    if before in RANK and RANK[str(before)] > RANK[after]:
+        return f"{path}: status lowered from {before} to {after}"
+    return f"{path}: status raised from {before or 'none declared'} to {after}"
+
+
+def settle_for(doc: Document, args: argparse.Namespace) -> tuple[Report, str | None]:
+    """:func:`settle` as a command's ``--keep-status`` says, with the line that reports the change (or None)."""
+    before = doc.get("status").text()
+    report = settle(doc, keep=bool(getattr(args, "keep_status", False)))
+    return report, change_line(getattr(args, "output", None) or doc.path, before, report.declared_status)
+
+
+__all__ = ["KEEP_STATUS_HELP", "add_keep_status", "change_line", "settle", "settle_for"]

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -578,6 +579,7 @@ def test_a_nan_figure_gets_a_clear_reason(cli: CliRunner, tmp_path: Path) -> Non
 def test_fix_keeps_cr_and_crlf_line_endings(ending: bytes, tmp_path: Path, cli: CliRunner) -> None:
     """A CR-only file used to come back with mixed line endings."""
     path = tmp_path / "l.ledger.yaml"
+    shutil.copytree(REPO / "examples" / "configs", tmp_path / "configs")  # the config_path it names (LS008)
     path.write_bytes((REPO / "examples" / "downgraded.ledger.yaml").read_bytes().replace(b"\n", ending))
     code, _, err = cli("validate", "--fix", path)
     assert code == 0 and "status lowered" in err

@@ -56,7 +56,7 @@ DOCUMENTS: dict[str, tuple[str, str | None, tuple[str, ...], str, int | None]] =
         _edit("rank: 4", "rank: 0"),
         None,
         ("resolve", "estimate", "measure", "triage", "shard"),
-        "method.rank must be an integer >= 1",
+        "integer >= 1",
         13,
     ),
     "bad-loaded-dtype": (
@@ -118,7 +118,7 @@ DOCUMENTS: dict[str, tuple[str, str | None, tuple[str, ...], str, int | None]] =
     ),
     # the config is not the one the ledger pinned: every command that reads it refuses (LS006 relies on the pin)
     "config-pin-mismatch": (
-        _edit("config_sha256: UNKNOWN", "config_sha256: " + "0" * 64),
+        _edit("config_sha256: UNKNOWN", "config_sha256: '" + "0" * 64 + "'"),
         None,
         ("resolve", "estimate", "measure", "triage", "shard"),
         "config_sha256 does not match",

@@ -26,7 +26,7 @@ EXPECTED = [
     ("llama-2-7b-lora.intake.yaml", True, "INSUFFICIENT DATA", "INSUFFICIENT DATA"),
     ("llama-2-7b-qlora.intake.yaml", True, "INSUFFICIENT DATA", "INSUFFICIENT DATA"),
     ("llama-2-7b-lora.ledger.yaml", True, "CALCULATED", "CALCULATED"),
-    ("llama-2-7b-lora.estimated.ledger.yaml", True, "INSUFFICIENT DATA", "CANDIDATE"),
+    ("llama-2-7b-lora.estimated.ledger.yaml", True, "CANDIDATE", "CANDIDATE"),  # resolve and estimate raised it
     ("downgraded.ledger.yaml", False, "VALIDATED", "CANDIDATE"),
     ("naive-article-audit.ledger.yaml", False, "CALCULATED", "INSUFFICIENT DATA"),
 ]

@@ -653,6 +653,7 @@ def test_intake_sections_are_a_subset_of_ledger_sections_with_identical_keys() -
 def test_an_intake_becomes_a_ledger_by_adding_sections() -> None:
     """ "so an intake can be turned into a ledger by adding sections" (the intake sections validate unchanged)."""
     intake = load(EXAMPLES / "llama-2-7b-lora.intake.yaml").plain
+    intake["identity"]["config_path"] = str(EXAMPLES / intake["identity"]["config_path"])  # read from here (LS008)
     ledger = {
         **{k: v for k, v in intake.items() if k != "pilot"},
         "ledgerspec": "ledger/v1",
@@ -869,8 +870,19 @@ def test_rule_ids_and_severities(rule_id: str, severity: str) -> None:
 
 
 def test_rules_beyond_the_minimum_set_are_additions() -> None:
-    """ "You may ADD ... rules": LS005, LS006, LS032 and LS090 are the additions."""
-    assert {r.id for r in all_rules()} - set(SPEC_RULES) == {"LS005", "LS006", "LS032", "LS090"}
+    """ "You may ADD ... rules": LS005-LS009, LS023, LS032, LS043 and LS090 are the additions (LS007: "an info finding
+    says that it can be raised"; LS008, LS009, LS023, LS043: the cheap input checks of issue 13)."""
+    assert {r.id for r in all_rules()} - set(SPEC_RULES) == {
+        "LS005",
+        "LS006",
+        "LS007",
+        "LS008",
+        "LS009",
+        "LS023",
+        "LS032",
+        "LS043",
+        "LS090",
+    }
 
 
 OFFLOAD: dict[str, Any] = {"memory_options": {"activation_offload": "ON"}}
@@ -986,7 +998,8 @@ def test_one_line_per_problem_file_line_col_rule_message(cli: CliRunner, tmp: Pa
 
 def test_json_report_shape(cli: CliRunner) -> None:
     """JSON output: `{"files": [{"path", "kind", "ok", "declared_status", "supported_status", "reasons": [...],
-    "findings": [{"rule", "severity", "pointer", "line", "column", "message"}]}]}` (plus `intake_complete`)."""
+    "findings": [{"rule", "severity", "pointer", "line", "column", "message"}]}]}` (plus `intake_complete` and
+    `verdict`)."""
     code, out, _ = cli(
         "validate", "--format", "json", EXAMPLES / "naive-article-audit.ledger.yaml", EXAMPLES / "14b-qlora.intake.yaml"
     )
@@ -1002,6 +1015,7 @@ def test_json_report_shape(cli: CliRunner) -> None:
             "reasons",
             "findings",
             "intake_complete",
+            "verdict",
         }
         assert entry["kind"] in ("ledger", "intake") and isinstance(entry["ok"], bool)
         assert entry["supported_status"] in SPEC_STATUSES and all(isinstance(r, str) for r in entry["reasons"])

@@ -129,3 +129,60 @@ def test_remove_keeps_the_lines_that_followed_and_prunes_an_empty_section() -> N
     remove(doc, ("metrics", "peak_allocated"))
     assert "metrics" not in doc.plain and doc.get("metrics", "peak_allocated").present is False
     assert document_text(doc) == "ledgerspec: ledger/v1\n\n# next\nresult:\n  oom: false\n"
+
+
+SPACED = """ledgerspec: ledger/v1
+status: CALCULATED
+
+identity:
+  model_id: x
+  config_path: c.json
+
+method:
+  kind: LoRA
+  bias: none   # no bias
+
+workload:
+  microbatch: 1
+
+memory_options:
+  gradient_checkpointing: true
+"""
+
+
+def test_new_sections_get_the_blank_lines_the_document_puts_between_its_sections() -> None:
+    """Issue 13: a resolved YAML kept no blank line before the sections resolve added (gradients, ledger,
+    x-resolve) nor after a block it appended at the end of a section (method.x-breakdown)."""
+    from ledgerspec.contract.edit import blank_lines_between_sections, set_extension
+
+    doc = from_text(SPACED, "t.ledger.yaml")
+    assert blank_lines_between_sections(doc)
+    set_figure(doc, ("gradients", "parameters"), 8, "VERIFIED", "count")  # between workload and memory_options
+    set_extension(doc, ("method", "x-breakdown"), [{"module": "q", "count": 2}])  # a block at the end of method
+    set_figure(doc, ("ledger", "adapter"), 32, "CALCULATED", "8 x 4")  # appended at the end of the document
+    set_extension(doc, ("x-resolve",), {"inputs": {"method": "abc"}})
+    out = render(doc.data, SPACED)
+    lines = out.splitlines()
+    tops = [i for i, line in enumerate(lines) if line and not line[0].isspace() and i > 1]
+    assert [lines[i].split(":")[0] for i in tops] == [
+        "identity",
+        "method",
+        "workload",
+        "gradients",
+        "memory_options",
+        "ledger",
+        "x-resolve",
+    ]
+    assert all(lines[i - 1] == "" for i in tops), out
+    assert "  bias: none   # no bias\n  x-breakdown:\n" in out and out.count("\n\n") == len(tops)
+    assert not out.endswith("\n\n")
+
+
+def test_a_document_without_blank_lines_gets_none() -> None:
+    from ledgerspec.contract.edit import blank_lines_between_sections
+
+    text = SPACED.replace("\n\n", "\n")
+    doc = from_text(text, "t.ledger.yaml")
+    assert not blank_lines_between_sections(doc)
+    set_figure(doc, ("ledger", "adapter"), 32, "CALCULATED", "8 x 4")
+    assert "\n\n" not in render(doc.data, text)

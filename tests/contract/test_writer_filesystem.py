@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import stat
 from pathlib import Path
 from unittest import mock
@@ -25,9 +26,16 @@ OVERCLAIMED = (EXAMPLES / "downgraded.ledger.yaml").read_bytes()
 def _ledger(folder: Path, name: str = "l.ledger.yaml", data: bytes = OVERCLAIMED) -> Path:
     """A ledger whose declared status claims more than its evidence: `validate --fix` rewrites it."""
     folder.mkdir(parents=True, exist_ok=True)
+    _configs(folder)
     path = folder / name
     path.write_bytes(data)
     return path
+
+
+def _configs(folder: Path) -> None:
+    """The model configs the examples name (identity.config_path is relative to the document: LS008)."""
+    if not (folder / "configs").exists():
+        shutil.copytree(EXAMPLES / "configs", folder / "configs")
 
 
 def _fix(cli: CliRunner, *paths: Path | str, force: bool = False) -> tuple[int, str, str]:
@@ -52,6 +60,7 @@ def test_fix_writes_through_a_symlink(cli: CliRunner, tmp_path: Path) -> None:
     """--fix on a symlink used to turn the link into a regular file and leave its target unchanged."""
     target = _ledger(tmp_path / "real")
     link = tmp_path / "link.ledger.yaml"
+    _configs(tmp_path)
     link.symlink_to(os.path.relpath(target, tmp_path))
     code, out, err = _fix(cli, link)
     assert code == 0, out + err

@@ -71,3 +71,15 @@ def test_estimate_prints_the_note(cli: CliRunner) -> None:
         "24GB",
     )
     assert code == 0 and "--device-memory 24GB is 24,000,000,000 B = 22.35 GiB (decimal units)" in err
+
+
+def test_a_target_memory_in_gb_in_the_document_gets_the_same_note(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 13: `result.target_device.memory: 24 GB` was silently 22.35 GiB (only the flag had a note)."""
+    from ledgerspec.contract.document import from_text
+    from ledgerspec.faces.arguments import target_memory_note
+
+    target_memory_note(from_text("ledgerspec: ledger/v1\nresult: {target_device: {memory: 24 GB}}\n"), "f")
+    err = capsys.readouterr().err
+    assert "f: note: result.target_device.memory 24 GB is 24,000,000,000 B = 22.35 GiB (decimal units)" in err
+    target_memory_note(from_text("ledgerspec: ledger/v1\nresult: {target_device: {memory: 24GiB}}\n"), "f")
+    assert capsys.readouterr().err == ""

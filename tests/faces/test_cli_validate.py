@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -100,7 +101,7 @@ def test_json_report_has_the_spec_shape(cli: CliRunner) -> None:
     for entry in report["files"]:
         # the spec's keys, in its order; `intake_complete` is this implementation's one addition
         assert list(entry)[: len(SPEC_FILE_KEYS)] == SPEC_FILE_KEYS
-        assert set(entry) - set(SPEC_FILE_KEYS) == {"intake_complete"}
+        assert set(entry) - set(SPEC_FILE_KEYS) == {"intake_complete", "verdict"}
         assert isinstance(entry["ok"], bool) and isinstance(entry["reasons"], list)
         assert entry["supported_status"] in F.STATUSES
         for finding in entry["findings"]:
@@ -242,6 +243,9 @@ def test_sarif_structure(cli: CliRunner) -> None:
 
 
 def _copy(src: Path, tmp_path: Path, transform: Any = None) -> Path:
+    """``src`` byte for byte into ``tmp_path``, with the example configs its ``identity.config_path`` names (LS008)."""
+    if src.parent == EXAMPLES and not (tmp_path / "configs").exists():
+        shutil.copytree(EXAMPLES / "configs", tmp_path / "configs")
     dst = tmp_path / src.name
     data = src.read_bytes()
     dst.write_bytes(transform(data) if transform else data)
@@ -293,7 +297,8 @@ def test_fix_replaces_the_file_atomically_and_keeps_its_mode(cli: CliRunner, tmp
     cli("validate", "--fix", path)
     assert path.stat().st_ino != inode, "the file is replaced by a rename, never rewritten in place"
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name], "no temporary file is left behind"
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "configs")
+    assert left == [path.name], "no temporary file is left behind"
 
 
 def test_fix_leaves_honest_files_untouched(cli: CliRunner, tmp_path: Path) -> None:
@@ -303,12 +308,21 @@ def test_fix_leaves_honest_files_untouched(cli: CliRunner, tmp_path: Path) -> No
     assert path.stat().st_ino == inode and path.read_bytes() == before
 
 
-def test_fix_never_raises_a_status(cli: CliRunner, tmp_path: Path) -> None:
+def test_fix_raises_a_status_the_evidence_supports(cli: CliRunner, tmp_path: Path) -> None:
+    """Spec, "The status ladder": `validate --fix` sets the supported status up or down; raising it is one line."""
     path = _copy(OK_FILE, tmp_path, lambda b: b.replace(b"\nstatus: CALCULATED\n", b"\nstatus: INSUFFICIENT DATA\n"))
     before = path.read_bytes()
-    code, out, _ = cli("validate", "--fix", path)
-    assert code == 0 and path.read_bytes() == before
-    assert "status CALCULATED (declared: INSUFFICIENT DATA)" in out
+    code, out, _ = cli("validate", "-v", path)
+    assert (
+        code == 0 and "LS007: info: declared status INSUFFICIENT DATA is below the supported status CALCULATED" in out
+    )
+    code, _, err = cli("validate", "--fix", path)
+    assert code == 0 and "status raised from INSUFFICIENT DATA to CALCULATED" in err
+    ((old, new),) = _changed_lines(before, path.read_bytes())
+    assert old == b"status: INSUFFICIENT DATA\n"
+    assert new.startswith(b"status: CALCULATED  # ledgerspec: raised from INSUFFICIENT DATA: the minimum intake is ")
+    assert load(path).plain["status"] == "CALCULATED"
+    assert "LS007" not in cli("validate", "-v", path)[1]
 
 
 def test_fix_keeps_other_errors(cli: CliRunner, tmp_path: Path) -> None:
@@ -467,6 +481,7 @@ def test_init_from_leaves_out_what_cannot_apply(
 ) -> None:
     """A LoRA run has no quantization and a CUDA stack no ROCm version: UNKNOWN, they would block VALIDATED."""
     data = load(EXAMPLES / "llama-2-7b-lora.intake.yaml").plain
+    data["identity"]["config_path"] = str(EXAMPLES / data["identity"]["config_path"])  # it names a file (LS008)
     for section, values in edit.items():
         data.setdefault(section, {}).update(values)
     src = tmp_path / "i.intake.yaml"
@@ -536,17 +551,20 @@ def test_validate_never_touches_the_network(cli: CliRunner, monkeypatch: pytest.
     [("14b-qlora.intake.yaml", False), ("14b-qlora.intake.yaml", True), ("downgraded.ledger.yaml", False)],
 )
 def test_text_output_always_says_what_holds_the_status_down(cli: CliRunner, example: str, verbose: bool) -> None:
+    """One line per kind of missing evidence (what the next status needs); every reason with -v, or when the declared
+    status claims more than the evidence supports."""
     from ledgerspec.checks.ladder import RANK, supported_status
-    from ledgerspec.faces.reporters import REASONS_SHOWN
+    from ledgerspec.checks.verdict import next_steps
 
     doc = load(EXAMPLES / example)
     res = supported_status(doc)
-    assert len(res.reasons) > REASONS_SHOWN or example.startswith("downgraded")
     _, out, _ = cli("validate", *(["-v"] if verbose else []), EXAMPLES / example)
-    listed = [line[4:] for line in out.splitlines() if line.startswith("  - ") and "more reason(s)" not in line]
+    steps = [line[4:] for line in out.splitlines() if line.startswith("  - ")]
+    every = [line[6:] for line in out.splitlines() if line.startswith("    - ")]
+    assert steps == [s.line() for s in next_steps(res.reasons, str(EXAMPLES / example))]
+    assert len(steps) < len(res.reasons) or example.startswith("downgraded")
     overclaimed = RANK[doc.plain["status"]] > RANK[res.status]
     if verbose or overclaimed:
-        assert listed == res.reasons
+        assert every == res.reasons
     else:
-        assert listed == res.reasons[:REASONS_SHOWN]
-        assert f"  - ... {len(res.reasons) - REASONS_SHOWN} more reason(s) (-v shows them)" in out
+        assert every == [] and f"({len(res.reasons)} reasons in all; -v lists each)" in out

@@ -88,6 +88,8 @@ def _scratch_repo(root: Path, files: dict[str, Path]) -> Path:
     repo.mkdir()
     for name, source in files.items():
         shutil.copyfile(source, repo / name)
+        if source.parent == EXAMPLES and not (repo / "configs").exists():  # the config.json it names (LS008)
+            shutil.copytree(EXAMPLES / "configs", repo / "configs")
     _commit_all(repo)
     return repo
 

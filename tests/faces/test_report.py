@@ -21,7 +21,7 @@ from ruamel.yaml import YAML
 from ledgerspec.contract.units import format_size, parse_size
 from ledgerspec.faces.report.bar import Bar, Span, cells
 from ledgerspec.faces.report.data import COMPONENTS, Entry
-from ledgerspec.faces.report.html import BAR_W, COLORS
+from ledgerspec.faces.report.html import BAR_W, COLORS, COMPONENT_COLORS
 from tests.support import EXAMPLES, REPO_ROOT, CliRunner
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
@@ -158,7 +158,7 @@ def test_html_is_self_contained(cli: CliRunner, path: Path, tmp_path: Path) -> N
             value = el.get(attr)
             assert value is None or not re.match(r"^\s*(https?:)?//", value), f"<{el.tag} {attr}={value}> loads"
     assert "<script" not in text
-    assert "@import" not in text and "url(" not in text
+    assert "@import" not in text and not re.search(r"url\((?!#)", text)  # url(#pattern): in the page itself
     assert root.find(".//style") is not None  # inline CSS
     assert root.find(f".//{SVG}svg") is not None or "No component has a known size yet" in text
 
@@ -175,10 +175,32 @@ def test_html_colours_follow_provenance(cli: CliRunner, path: Path, tmp_path: Pa
         source = expected_source(ledger.get(key), key in ledger)
         assert badge.text == source
         assert f"background:{COLORS[source]}" in (badge.get("style") or "")
-    # the bar segments carry the colour of their own source
-    for seg in root.iter(f"{SVG}rect"):
-        if seg.get("class") == "seg":
-            assert seg.get("fill") == COLORS[seg.get("data-source") or ""]
+    # the bar segments carry the colour of their component; their provenance is the pattern drawn over them
+    rects = list(root.iter(f"{SVG}rect"))
+    for i, seg in enumerate(rects):
+        if seg.get("class") != "seg":
+            continue
+        assert seg.get("fill") == COMPONENT_COLORS[seg.get("data-component") or ""][0]
+        source = seg.get("data-source") or ""
+        overlay = rects[i + 1] if i + 1 < len(rects) and rects[i + 1].get("class") == "provenance" else None
+        if source == "MEASURED":
+            assert overlay is None  # solid
+        else:
+            assert overlay is not None and overlay.get("fill") == f"url(#prov-{source.lower()})"
+            assert overlay.get("x") == seg.get("x") and overlay.get("width") == seg.get("width")
+
+
+def test_components_have_their_own_colours_and_the_legend_says_what_patterns_mean(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    """Issue 13: the bar coloured every component alike (colour followed provenance)."""
+    assert len({fill for fill, _ in COMPONENT_COLORS.values()}) == len(COMPONENT_COLORS) == len(COMPONENTS)
+    out = tmp_path / "r.html"
+    html_report(cli, EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml", out)
+    text = out.read_text(encoding="utf-8")
+    assert "colour = component; pattern = provenance:" in text and "CALCULATED: striped" in text
+    for pattern in ("prov-verified", "prov-calculated", "prov-assumption", "prov-configuration-specific"):
+        assert text.count(f'id="{pattern}"') == 1  # defined once, used by the bar and the legend
 
 
 def test_every_provenance_word_has_its_own_colour() -> None:

@@ -5,7 +5,10 @@
 - :mod:`.qlora`: bitsandbytes 4-bit layers as bytes under fake tensors;
 - :mod:`.extrapolate`: two short traces extended to the full depth;
 - :mod:`.fit`: the fit verdict against a device;
-- :mod:`.sweep`: the Memory Sensitivity Matrix.
+- :mod:`.sweep`: the Memory Sensitivity Matrix;
+- :mod:`.fitmodel`: every figure as a straight line in the microbatch, from two traced estimates;
+- :mod:`.search`: the largest microbatch or sequence length that fits, and the sweep on the model;
+- :mod:`.devices`: which device: a catalogue of accelerators (``devices.yaml``) and GPU counts.
 """
 
 from ledgerspec.derivations.estimate.estimator import Estimate, estimate

@@ -63,6 +63,8 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     #: bytes alive at the moment of the peak (the highest phase), by component; they add up to the peak
     at_peak: dict[str, int] = field(default_factory=dict)
+    #: every figure of the (extended) trace: phases, ``component.*``, ``at.PHASE.COMPONENT`` (read by ``fitmodel``)
+    figures: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak_phase(self) -> str:
@@ -394,6 +396,7 @@ def estimate(
         time.perf_counter() - started,
         method,
         at_peak=at_peak,
+        figures=figures,
     )
 
 

@@ -21,7 +21,10 @@ from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
 
 def _int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("is not a whole number (e.g. 1,2,4)") from None
     if value < 1:
         raise ValueError("must be >= 1")
     return value
@@ -30,7 +33,7 @@ def _int(text: str) -> int:
 def _switch(text: str) -> bool:
     value = Value.of(text).switch()
     if value is None:
-        raise ValueError("must be on/off (true/false, yes/no)")
+        raise ValueError("is not on/off (true/false, yes/no)")
     return value
 
 

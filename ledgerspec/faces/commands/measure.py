@@ -8,6 +8,7 @@ from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, PrintableLines, printable
 from ledgerspec.faces.arguments import add_force, positive_size
+from ledgerspec.faces.status import add_keep_status
 
 
 def register(sub: Any) -> None:
@@ -35,6 +36,7 @@ def register(sub: Any) -> None:
         "cuda); writes parallelism.per_rank_peak and the worst rank into metrics",
     )
     add_force(m)
+    add_keep_status(m)
     m.set_defaults(run=_measure)
 
     t = sub.add_parser("triage", help="fill the OOM Triage Worksheet by controlled measurements")
@@ -75,7 +77,7 @@ def _measure(args: argparse.Namespace) -> int:
         command=_command("measure", args),
         snapshot_path=snapshot_path_for(target),
     )
-    report = _save(doc, target, args.force)
+    report = _save(doc, target, args)
     r = outcome.result
     err = PrintableLines(sys.stderr)  # paths and messages quote user strings
     for note in outcome.notes:
@@ -103,20 +105,24 @@ def _open(args: argparse.Namespace, command: str) -> tuple[Any, str]:
     """The ledger to measure, and where it will be written (checked before minutes of measuring)."""
     from ledgerspec.contract.document import load_ledger
     from ledgerspec.contract.writer import check_writable
+    from ledgerspec.faces.preflight import preflight
 
     doc = load_ledger(args.file, command)
+    preflight(doc, command)  # validate's input checks, before a child process imports torch
     target = args.output or args.file
     check_writable(target, force=args.force)
     return doc, target
 
 
-def _save(doc: Any, target: str, force: bool = False) -> Any:
-    """Set the status the measurement supports (lowered when it no longer holds), then write the ledger."""
+def _save(doc: Any, target: str, args: argparse.Namespace) -> Any:
+    """Set the status the measurement supports (up or down; ``--keep-status`` keeps it), then write the ledger."""
     from ledgerspec.contract.writer import save
-    from ledgerspec.faces.status import settle
+    from ledgerspec.faces.status import settle_for
 
-    report = settle(doc)
-    save(doc, target, force=force)
+    report, change = settle_for(doc, args)
+    save(doc, target, force=args.force)
+    if change:
+        print(printable(change), file=sys.stderr)
     return report
 
 
@@ -134,7 +140,7 @@ def _measure_ranks(args: argparse.Namespace) -> int:
         )
     doc, target = _open(args, "measure")
     outcome = measure_dist(doc, args.nproc, device=args.device, steps=args.steps, command=_command("measure", args))
-    report = _save(doc, target, args.force)
+    report = _save(doc, target, args)
     err = PrintableLines(sys.stderr)  # paths and messages quote user strings
     for note in outcome.notes:
         print(f"{target}: note: {note}", file=err)

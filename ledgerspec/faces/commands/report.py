@@ -20,6 +20,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--html", metavar="OUT", help="write one self-contained HTML page (inline CSS and SVG) to OUT")
     p.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
     add_force(p, "with --html: write OUT even if it is read-only")
+    p.add_argument("-v", "--verbose", action="store_true", help="list every reason that holds the status down")
     p.set_defaults(run=run_report)
 
 
@@ -44,6 +45,8 @@ def run_report(args: argparse.Namespace) -> int:
 
         check_writable(args.html, force=args.force)
         atomic_write(args.html, render_html(data), force=args.force)
+        verdict = data.verdict.sentence() if data.verdict is not None else "UNKNOWN"
+        print(printable(f"{args.file}: {verdict}"), file=sys.stderr)
         print(
             printable(f"{args.file}: status {data.supported_status}; HTML report written to {args.html}"),
             file=sys.stderr,
@@ -51,5 +54,5 @@ def run_report(args: argparse.Namespace) -> int:
         return EXIT_OK
     from ledgerspec.faces.report.terminal import render_terminal
 
-    render_terminal(data, sys.stdout, plain=args.plain)
+    render_terminal(data, sys.stdout, plain=args.plain, verbose=args.verbose)
     return EXIT_OK

@@ -9,6 +9,7 @@ from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, printable
 from ledgerspec.faces.arguments import add_force
+from ledgerspec.faces.status import add_keep_status
 
 
 def register(subparsers: Any) -> None:
@@ -21,6 +22,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (auto_map)")
     p.add_argument("-v", "--verbose", action="store_true", help="report each figure and where time went")
     add_force(p)
+    add_keep_status(p)
     p.set_defaults(run=run_resolve)
 
 
@@ -71,6 +73,9 @@ def run_resolve(args: argparse.Namespace) -> int:
             hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
             exit_code=EXIT_USAGE,
         )
+    from ledgerspec.faces.preflight import preflight
+
+    preflight(doc, "resolve")  # validate's input checks, before torch is imported
     from ledgerspec.contract.writer import check_writable
     from ledgerspec.derivations.resolve.resolver import resolve
 
@@ -88,8 +93,10 @@ def run_resolve(args: argparse.Namespace) -> int:
     finally:
         progress.done()
     from ledgerspec.contract.writer import render_to, save
+    from ledgerspec.faces.status import settle_for
 
     target = args.output or args.file
+    _, status_change = settle_for(result.doc, args)  # the status the resolved figures support
     text = render_to(result.doc, target)  # -o elsewhere: a relative identity.config_path still names the config
     if args.verbose:
         _report(result, started)
@@ -106,7 +113,7 @@ def run_resolve(args: argparse.Namespace) -> int:
         sys.stdout.writelines(printable(line.rstrip("\r\n")) + "\n" for line in diff)
         return EXIT_OK
     if args.check:
-        if result.changed:
+        if result.changed or status_change:
             how = (
                 f"`ledgerspec resolve {args.file} -o LEDGER` writes the ledger"
                 if intake
@@ -115,9 +122,11 @@ def run_resolve(args: argparse.Namespace) -> int:
             print(printable(f"{args.file}: would change ({len(result.applied)} fields); {how}"), file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_OK
-    if result.changed or args.output:
+    if result.changed or args.output or status_change:
         save(result.doc, target, force=args.force)
         print(printable(f"{target}: {len(result.applied)} fields resolved"), file=sys.stderr)
+        if status_change:
+            print(printable(status_change), file=sys.stderr)
     else:
         print(printable(f"{target}: up to date"), file=sys.stderr)
     return EXIT_OK

@@ -14,6 +14,7 @@ from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, printable
 from ledgerspec.faces.arguments import add_force, device_memory, device_memory_bytes
+from ledgerspec.faces.status import add_keep_status
 
 
 def register(subparsers: Any) -> None:
@@ -48,6 +49,7 @@ def register(subparsers: Any) -> None:
         help="with --estimate: extrapolate from two probe depths (auto) or simulate every layer",
     )
     add_force(p)
+    add_keep_status(p)
     p.set_defaults(run=run_shard)
 
 
@@ -63,6 +65,9 @@ def run_shard(args: argparse.Namespace) -> int:
         raise LedgerspecError(
             "--device-memory, --target and --layers need --estimate", args.file, rule="usage", exit_code=EXIT_USAGE
         )
+    from ledgerspec.faces.preflight import preflight
+
+    preflight(doc, "shard")  # validate's input checks, before torch is imported
     result = shard(
         doc,
         nproc=args.nproc,
@@ -103,15 +108,19 @@ def run_shard(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return code
+    from ledgerspec.faces.status import settle_for
+
+    _, status_change = settle_for(doc, args)  # the status the per-rank figures support
     if args.check:
-        if result.change is not None:
-            print(
-                printable(f"{args.file}: would change parallelism.x-per-rank; run `ledgerspec shard`"), file=sys.stderr
-            )
+        if result.change is not None or status_change:
+            what = "parallelism.x-per-rank" if result.change is not None else "the declared status"
+            print(printable(f"{args.file}: would change {what}; run `ledgerspec shard`"), file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_OK
-    if result.change is not None or args.output:
+    if result.change is not None or args.output or status_change:
         save(doc, args.output or args.file, force=args.force)
+        if status_change:
+            print(printable(status_change), file=sys.stderr)
     return code
 
 

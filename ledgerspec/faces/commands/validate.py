@@ -22,7 +22,12 @@ def register(subparsers: Any) -> None:
     v = subparsers.add_parser("validate", help="check ledger/intake files: schema, rules, status ladder")
     v.add_argument("files", nargs="+", metavar="FILE")
     v.add_argument("--format", choices=("text", "json", "sarif", "github"), default="text")
-    v.add_argument("--fix", action="store_true", help="lower a declared status to the supported one, in place")
+    v.add_argument(
+        "--fix",
+        action="store_true",
+        help="set the declared status to the one the evidence supports (up or down), in place, with the reason in "
+        "a comment",
+    )
     add_force(v, "with --fix: write FILE even if it is read-only")
     v.add_argument("-v", "--verbose", action="store_true", help="show info findings and every status reason")
     v.set_defaults(run=_run)
@@ -82,16 +87,15 @@ def _fix(doc: Document, report: Report, path: str, force: bool = False) -> Repor
     of the new file."""
     from ledgerspec.contract.writer import save
     from ledgerspec.errors import printable
-    from ledgerspec.faces.status import settle
+    from ledgerspec.faces.status import change_line, settle
 
     fixed = settle(doc)
-    if fixed.declared_status == report.declared_status:
+    line = change_line(path, report.declared_status, fixed.declared_status)
+    if line is None:
         return report
     save(doc, path, force=force)
     fixed = validate(load(path))
-    print(
-        printable(f"{path}: status lowered from {report.declared_status} to {fixed.declared_status}"), file=sys.stderr
-    )
+    print(printable(line), file=sys.stderr)
     return fixed
 
 

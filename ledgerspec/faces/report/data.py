@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from ledgerspec.checks.findings import ERROR, INFO, WARNING, Finding
 from ledgerspec.checks.ladder import best_peak
 from ledgerspec.checks.validate import Report, validate
+from ledgerspec.checks.verdict import Step, Verdict, next_status, next_steps
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.units import format_size
@@ -73,6 +74,34 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class DeviceRow:
+    """One accelerator and GPU count of ``x-devices`` (``estimate --devices``)."""
+
+    name: str
+    gpus: int
+    memory: int  # usable bytes per device the verdict was judged against
+    vendor_memory: str  # the memory as the vendor states it (e.g. "24 GB")
+    peak: int | None  # predicted peak per device (the worst rank)
+    fits: bool | None
+    headroom: int | None
+    largest_microbatch: int | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """One input of ``x-fit`` (``estimate --fit``): the largest value that fits and the peaks around it."""
+
+    name: str
+    largest: int | None
+    peak: int | None
+    above: int | None
+    peak_above: int | None
+    device_memory: int | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class PhasePoint:
     name: str
     label: str
@@ -111,6 +140,16 @@ class ReportData:
     #: the estimate's split of its peak into what is alive then (``x-estimate.at_peak``): (component, bytes)
     at_peak: list[tuple[str, int]] = field(default_factory=list)
     at_peak_phase: str | None = None
+    #: FITS / DOES NOT FIT / UNKNOWN on the target device: the report's first line
+    verdict: Verdict | None = None
+    #: what the next status needs, one step per kind of missing evidence
+    steps: list[Step] = field(default_factory=list)
+    next_status: str | None = None
+    #: ``estimate --devices`` as stored in ``x-devices``: the catalogue's rows (see :func:`_devices`)
+    devices: list[DeviceRow] = field(default_factory=list)
+    devices_note: str | None = None
+    #: ``estimate --fit`` as stored in ``x-fit``: the largest values that fit, one row per searched input
+    fits: list[FitRow] = field(default_factory=list)
 
     @property
     def segments(self) -> list[Entry]:
@@ -245,7 +284,78 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
         explanation=shown(explanation) if explanation is not None else None,
         at_peak=at_peak,
         at_peak_phase=at_peak_phase,
+        verdict=report.verdict,
+        steps=next_steps(list(report.reasons), doc.path),
+        next_status=next_status(report.supported_status),
+        devices=_devices(doc),
+        devices_note=" ".join(
+            t for t in (_edited_since(doc, "x-devices"), doc.get("x-devices", "usable_memory").text()) if t
+        ),
+        fits=_fit_rows(doc),
     )
+
+
+def _int(x: object) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _devices(doc: Document) -> list[DeviceRow]:
+    """``x-devices.rows`` (written by ``estimate --devices``), malformed rows left out."""
+    raw = doc.get("x-devices", "rows").raw
+    rows: list[DeviceRow] = []
+    for item in raw if isinstance(raw, list) else []:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            continue
+        gpus, memory = _int(item.get("gpus")), _int(item.get("memory"))
+        if gpus is None or memory is None:
+            continue
+        fits = item.get("fits")
+        rows.append(
+            DeviceRow(
+                item["name"],
+                gpus,
+                memory,
+                str(item.get("vendor_memory", "")),
+                _int(item.get("peak")),
+                fits if isinstance(fits, bool) else None,
+                _int(item.get("headroom")),
+                _int(item.get("largest_microbatch")),
+                str(item.get("note", "")),
+            )
+        )
+    return rows
+
+
+def _fit_rows(doc: Document) -> list[FitRow]:
+    """``x-fit`` (written by ``estimate --fit``): one row per input searched."""
+    raw = doc.get("x-fit").raw
+    out: list[FitRow] = []
+    stale = _edited_since(doc, "x-fit")
+    for name, item in raw.items() if isinstance(raw, dict) else []:
+        if not isinstance(item, dict) or "device_memory" not in item:
+            continue
+        out.append(
+            FitRow(
+                str(name),
+                _int(item.get("largest")),
+                _int(item.get("peak")),
+                _int(item.get("above")),
+                _int(item.get("peak_above")),
+                _int(item.get("device_memory")),
+                stale or str(item.get("note", "")),
+            )
+        )
+    return out
+
+
+def _edited_since(doc: Document, extension: str) -> str:
+    """A note when the inputs an ``estimate --fit``/``--devices`` answer was computed from were edited since."""
+    from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, changed_sections
+
+    changed = changed_sections(doc, extension, WORKLOAD_INPUTS)
+    if not changed:
+        return ""
+    return f"from other inputs: {', '.join(changed)} changed since (run `ledgerspec estimate` again)"
 
 
 def _at_peak(doc: Document) -> tuple[list[tuple[str, int]], str | None]:

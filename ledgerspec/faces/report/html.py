@@ -12,7 +12,17 @@ from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.contract.units import format_size
 from ledgerspec.errors import printable
 from ledgerspec.faces.report.bar import layout
-from ledgerspec.faces.report.data import COMPONENT_LABELS, PROVENANCE, Entry, Pair, PhasePoint, ReportData
+from ledgerspec.faces.report.data import (
+    COMPONENT_LABELS,
+    PROVENANCE,
+    DeviceRow,
+    Entry,
+    FitRow,
+    Pair,
+    PhasePoint,
+    ReportData,
+    shown,
+)
 from ledgerspec.version import __version__
 
 #: one colour per provenance word, used for table badges, bar segments and the legend
@@ -25,6 +35,28 @@ COLORS = {
     "UNKNOWN": "#8c959f",
     "DECLARED": "#57606a",
 }
+#: one colour per memory component (the Okabe-Ito palette: told apart with colour-vision deficiencies), with
+#: the text colour that reads on it; provenance is drawn over it as a pattern (:data:`PATTERNS`)
+COMPONENT_COLORS = {
+    "frozen_base": ("#0072B2", "#fff"),
+    "adapter": ("#E69F00", "#1f2328"),
+    "gradients": ("#009E73", "#fff"),
+    "optimizer": ("#CC79A7", "#1f2328"),
+    "activations": ("#56B4E9", "#1f2328"),
+    "temporary": ("#D55E00", "#fff"),
+}
+#: how each provenance is drawn over a component's colour in the bar, and how the legend says it
+PATTERNS = {
+    "MEASURED": "solid",
+    "VERIFIED": "dotted",
+    "CALCULATED": "striped",
+    "ASSUMPTION": "cross-hatched, dashed border",
+    "CONFIGURATION-SPECIFIC": "horizontal lines, dashed border",
+    "UNKNOWN": "not drawn",
+    "DECLARED": "not drawn",
+}
+UNKNOWN_PATTERN = "solid (not a provenance word)"
+VERDICT_COLORS = {"FITS": "#1a7f37", "DOES NOT FIT": "#cf222e", "UNKNOWN": "#57606a"}
 STATUS_COLORS = {
     "INSUFFICIENT DATA": "#cf222e",
     "CALCULATED": "#8250df",
@@ -53,12 +85,21 @@ PHASE_SHORT = {
 BAR_W, BAR_X = 900, 10
 CSS = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1f2328;margin:0;background:#fff}
-main{max-width:960px;margin:0 auto;padding:16px 20px 40px}
-h1{font-size:22px;margin:8px 0 2px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de}
+main{max-width:960px;margin:0 auto;padding:16px 20px 40px;overflow-wrap:break-word}
+h1.verdict{font-size:20px;margin:8px 0 4px;padding:8px 12px;border-radius:6px;color:#fff;line-height:1.35}
+h1.verdict .answer{font-size:24px;font-weight:800;margin-right:10px;white-space:nowrap}
+h1.verdict .detail{font-weight:500;font-size:16px}
+h1.verdict .why{display:block;font-weight:400;font-size:13px;opacity:.9;margin-top:2px}
+h1.verdict code{font-size:14px;background:rgba(255,255,255,.18);padding:0 4px;border-radius:3px}
+p.title{font-size:18px;font-weight:600;margin:10px 0 2px}
+h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de}
+details{margin:4px 0 0;font-size:13.5px}summary{cursor:pointer;color:#57606a}
 .path{color:#57606a;font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:13px;margin:0}
 .status{display:inline-block;color:#fff;font-weight:700;padding:3px 10px;border-radius:4px;margin:10px 8px 4px 0}
 table{border-collapse:collapse;width:100%;font-size:13.5px}
-th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eaeef2;vertical-align:top}
+th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eaeef2;vertical-align:top;overflow-wrap:break-word}
+td.value,td code{overflow-wrap:anywhere}td.label,td.label code{white-space:nowrap;overflow-wrap:normal}
+tr.no td{color:#cf222e}
 th{background:#f6f8fa;font-weight:600}
 th.num{text-align:right}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
@@ -67,6 +108,7 @@ td.detail{color:#57606a;font-size:12.5px}
 white-space:nowrap}
 .legend{display:flex;flex-wrap:wrap;gap:6px 16px;font-size:12.5px;margin:6px 0}
 .legend span.sw{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:-1px;margin-right:4px}
+.legend svg{vertical-align:-3px;margin-right:4px}
 ul.reasons{margin:4px 0;padding-left:20px;font-size:13.5px}
 .muted{color:#57606a;font-size:13px}
 .f-error{color:#cf222e}.f-warning{color:#9a6700}.f-info{color:#57606a}
@@ -104,10 +146,19 @@ def render_html(d: ReportData) -> str:
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8"/>',
         '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
-        f"<title>{escape(title)} — ledgerspec report</title><style>{CSS}</style></head><body><main>",
-        f"<h1>{escape(title)}</h1>",
+        f"<title>{escape(title)} — ledgerspec report</title><style>{CSS}</style></head><body>",
+        '<svg xmlns="http://www.w3.org/2000/svg" width="0" height="0" style="position:absolute" aria-hidden="true">'
+        f"{_pattern_defs()}</svg><main>",
+        _verdict(d),
+        f'<p class="title">{escape(title)}</p>',
         f'<p class="path">{escape(d.path)} · {escape(d.kind)}/v1</p>',
         _status(d),
+    ]
+    if d.fits:
+        parts += ["<h2>Largest that fits</h2>", _fits_table(d.fits)]
+    if d.devices:
+        parts += ["<h2>Which device</h2>", _devices_table(d.devices, d.devices_note)]
+    parts += [
         "<h2>Memory components</h2>",
         _bar_svg(d),
         _legend(d),
@@ -135,6 +186,25 @@ def render_html(d: ReportData) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _verdict(d: ReportData) -> str:
+    """The first line: FITS / DOES NOT FIT / UNKNOWN on the target device, and by how much."""
+    v = d.verdict
+    if v is None:
+        return '<h1 class="verdict" data-verdict="UNKNOWN" style="background:#57606a">UNKNOWN</h1>'
+    rest = v.headline()[len(v.answer) :].lstrip(" :")
+    why = f'<span class="why">{_code_spans(v.why)}</span>' if v.why and v.answer != "UNKNOWN" else ""
+    return (
+        f'<h1 class="verdict" data-verdict="{escape(v.answer)}" style="background:{VERDICT_COLORS[v.answer]}">'
+        f'<span class="answer">{escape(v.answer)}</span><span class="detail">{_code_spans(rest)}</span>{why}</h1>'
+    )
+
+
+def _code_spans(text: str) -> str:
+    """``text`` escaped, with its `backticked` commands as <code>."""
+    parts = escape(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts)) if len(parts) % 2 else escape(text)
+
+
 def _status(d: ReportData) -> str:
     color = STATUS_COLORS.get(d.supported_status, "#57606a")
     out = [
@@ -142,12 +212,65 @@ def _status(d: ReportData) -> str:
         f'{escape(d.supported_status)}</span><span class="muted">supported by the evidence · declared: '
         f"{escape(d.declared_status or 'none declared')}</span></div>"
     ]
-    if d.reasons:
-        head = "What holds it down" if d.supported_status != "VALIDATED" else "Reasons"
-        out.append(f'<p class="muted">{head}:</p><ul class="reasons">')
-        out += [f"<li>{escape(r)}</li>" for r in d.reasons]
+    if d.steps:
+        head = f"To reach {d.next_status}" if d.next_status else "What holds it down"
+        out.append(f'<p class="muted">{escape(head)}:</p><ul class="reasons steps">')
+        out += [f"<li>{_code_spans(shown(step.line()))}</li>" for step in d.steps]
         out.append("</ul>")
+        out.append(
+            f'<details class="reasons"><summary>Every reason ({len(d.reasons)})</summary><ul class="reasons">'
+            + "".join(f"<li>{escape(r)}</li>" for r in d.reasons)
+            + "</ul></details>"
+        )
     return "\n".join(out)
+
+
+def _fits_table(rows: list[FitRow]) -> str:
+    out = [
+        '<table class="fit"><thead><tr><th>input</th><th class="num">largest that fits</th>'
+        '<th class="num">its peak</th><th class="num">the next value</th><th class="num">its peak</th>'
+        '<th class="num">device</th><th>note</th></tr></thead><tbody>'
+    ]
+    for r in rows:
+        out.append(
+            f'<tr><td class="label"><code>{escape(r.name)}</code></td><td class="num">{_opt(r.largest)}</td>'
+            f'<td class="num">{_size(r.peak)}</td><td class="num">{_opt(r.above)}</td>'
+            f'<td class="num">{_size(r.peak_above)}</td><td class="num">{_size(r.device_memory)}</td>'
+            f'<td class="detail">{escape(r.note)}</td></tr>'
+        )
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+def _devices_table(rows: list[DeviceRow], note: str | None) -> str:
+    out = [
+        '<table class="devices"><thead><tr><th>device</th><th class="num">GPUs</th><th class="num">memory '
+        '(vendor)</th><th class="num">usable</th><th class="num">peak per GPU</th><th>fits</th>'
+        '<th class="num">headroom</th><th class="num">largest microbatch</th></tr></thead><tbody>'
+    ]
+    for r in rows:
+        fits = "" if r.fits is None else ("yes" if r.fits else "NO")
+        cls = "" if r.fits is None else (' class="yes"' if r.fits else ' class="no"')
+        out.append(
+            f'<tr{cls}><td>{escape(r.name)}</td><td class="num">{r.gpus}</td>'
+            f'<td class="num">{escape(r.vendor_memory)}</td><td class="num">{_size(r.memory)}</td>'
+            f'<td class="num">{_size(r.peak)}</td><td>{fits}</td><td class="num">{_size(r.headroom)}</td>'
+            f'<td class="num">{_opt(r.largest_microbatch)}</td></tr>'
+        )
+    out.append("</tbody></table>")
+    if note:
+        out.append(f'<p class="muted">{escape(note)}</p>')
+    return "\n".join(out)
+
+
+def _opt(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return escape(format_size(n) if n >= 0 else "−" + format_size(-n))
 
 
 def _bar_svg(d: ReportData) -> str:
@@ -162,27 +285,34 @@ def _bar_svg(d: ReportData) -> str:
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="bar" width="100%" viewBox="0 0 {BAR_W + 2 * BAR_X} {h}" '
         f'role="img" aria-label="stacked memory components" data-scale="{bar.scale}" '
-        f'data-bar-width="{BAR_W}">'
+        f'data-bar-width="{BAR_W}">',
     ]
     if bar.capacity is not None:
         out.append(
             f'<rect class="room" x="{BAR_X}" y="28" width="{bar.capacity * BAR_W:.3f}" height="40" '
             'fill="#f6f8fa" stroke="#d0d7de"/>'
         )
-    for i, s in enumerate(bar.spans):
+    for s in bar.spans:
         x, w = BAR_X + s.start * BAR_W, s.width * BAR_W
-        shade = ' fill-opacity="0.78"' if i % 2 else ""  # neighbours of one provenance stay apart
         label = COMPONENT_LABELS[s.entry.name]
+        fill, ink = COMPONENT_COLORS[s.entry.name]
+        source = s.entry.source
+        dashed = ' stroke-dasharray="4 2"' if source in ("ASSUMPTION", "CONFIGURATION-SPECIFIC") else ""
         out.append(
             f'<rect class="seg" data-component="{escape(s.entry.name)}" data-bytes="{s.entry.nbytes}" '
-            f'data-source="{escape(s.entry.source)}" x="{x:.3f}" y="28" width="{w:.3f}" height="40" '
-            f'fill="{colour(s.entry.source)}"{shade} stroke="#fff" stroke-width="1">'
-            f"<title>{escape(label)}: {escape(s.entry.display)} ({escape(s.entry.source)})</title></rect>"
+            f'data-source="{escape(source)}" x="{x:.3f}" y="28" width="{w:.3f}" height="40" '
+            f'fill="{fill}" stroke="#1f2328" stroke-width="1"{dashed}>'
+            f"<title>{escape(label)}: {escape(s.entry.display)} ({escape(source)})</title></rect>"
         )
-        if w > 8 * len(label) + 10:
+        if source in _PATTERN_IDS:
             out.append(
-                f'<text x="{x + w / 2:.1f}" y="53" text-anchor="middle" fill="#fff" font-size="13" '
-                f'font-weight="600">{escape(label)}</text>'
+                f'<rect class="provenance" x="{x:.3f}" y="28" width="{w:.3f}" height="40" '
+                f'fill="url(#{_PATTERN_IDS[source]})" pointer-events="none"/>'
+            )
+        if w > 7.5 * len(label) + 10:
+            out.append(
+                f'<text x="{x + w / 2:.1f}" y="53" text-anchor="middle" fill="{ink}" font-size="13" '
+                f'font-weight="700" paint-order="stroke" stroke="{fill}" stroke-width="3">{escape(label)}</text>'
             )
     total_x = BAR_X + bar.stacked * BAR_W
     out.append(
@@ -216,6 +346,43 @@ def _bar_svg(d: ReportData) -> str:
     return "\n".join(out)
 
 
+#: the SVG pattern drawn over a component's colour for each provenance (MEASURED: none, solid colour)
+_PATTERN_IDS = {
+    "VERIFIED": "prov-verified",
+    "CALCULATED": "prov-calculated",
+    "ASSUMPTION": "prov-assumption",
+    "CONFIGURATION-SPECIFIC": "prov-configuration-specific",
+}
+
+
+def _pattern_defs() -> str:
+    """The provenance patterns: white marks over the component's colour (dots, stripes, cross-hatch, lines)."""
+    ink = 'stroke="#fff" stroke-opacity="0.75"'
+    return (
+        "<defs>"
+        '<pattern id="prov-verified" width="6" height="6" patternUnits="userSpaceOnUse">'
+        '<circle cx="3" cy="3" r="1.3" fill="#fff" fill-opacity="0.8"/></pattern>'
+        '<pattern id="prov-calculated" width="7" height="7" patternUnits="userSpaceOnUse" '
+        f'patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="7" {ink} stroke-width="2.2"/></pattern>'
+        '<pattern id="prov-assumption" width="7" height="7" patternUnits="userSpaceOnUse" '
+        f'patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="7" {ink} stroke-width="1.6"/>'
+        f'<line x1="0" y1="0" x2="7" y2="0" {ink} stroke-width="1.6"/></pattern>'
+        '<pattern id="prov-configuration-specific" width="6" height="6" patternUnits="userSpaceOnUse">'
+        f'<line x1="0" y1="3" x2="6" y2="3" {ink} stroke-width="1.6"/></pattern>'
+        "</defs>"
+    )
+
+
+def _swatch(fill: str, source: str) -> str:
+    """A small square in the legend: a component's colour with a provenance's pattern."""
+    dashed = ' stroke-dasharray="3 1.5"' if source in ("ASSUMPTION", "CONFIGURATION-SPECIFIC") else ""
+    mark = f'<rect width="14" height="14" fill="url(#{_PATTERN_IDS[source]})"/>' if source in _PATTERN_IDS else ""
+    return (
+        '<svg xmlns="http://www.w3.org/2000/svg" width="14" height="14" viewBox="0 0 14 14">'
+        f'<rect width="14" height="14" fill="{fill}" stroke="#1f2328" stroke-width="1"{dashed}/>{mark}</svg>'
+    )
+
+
 def _label_at(x: float, label: str, char_px: float = 7.0) -> tuple[float, str]:
     """Where a label beside the mark at ``x`` fits inside the bar's width: right of it, left of it, or flush left."""
     width = len(label) * char_px
@@ -227,20 +394,31 @@ def _label_at(x: float, label: str, char_px: float = 7.0) -> tuple[float, str]:
 
 
 def _legend(d: ReportData) -> str:
+    """The components (colour) with their provenance (pattern), then what each pattern means."""
     items = [
-        f'<span><span class="sw" style="background:{colour(e.source)}"></span>{escape(COMPONENT_LABELS[e.name])} '
-        f"{escape(e.display)} ({escape(e.source)})</span>"
+        f'<span data-component="{escape(e.name)}">{_swatch(COMPONENT_COLORS[e.name][0], e.source)}'
+        f"{escape(COMPONENT_LABELS[e.name])} {escape(e.display)} ({escape(e.source)})</span>"
         for e in d.segments
     ]
     if d.missing and d.segments:
         items.append(
             '<span class="muted">not in the bar: '
-            + ", ".join(f"{escape(COMPONENT_LABELS[e.name])} ({escape(e.source)})" for e in d.missing)
+            + ", ".join(f"{escape(COMPONENT_LABELS[e.name])} ({escape(e.display)})" for e in d.missing)
             + "</span>"
         )
     if d.capacity is None and d.segments:
         items.append('<span class="muted">no device memory given (result.target_device.memory)</span>')
-    return '<div class="legend">' + "".join(items) + "</div>"
+    sources = list(dict.fromkeys(e.source for e in d.segments))
+    key = "".join(
+        f'<span class="muted">{_swatch("#8c959f", s)}{escape(s)}: {escape(PATTERNS.get(s, UNKNOWN_PATTERN))}</span>'
+        for s in sources
+    )
+    explain = (
+        f'<div class="legend"><span class="muted">colour = component; pattern = provenance:</span>{key}</div>'
+        if sources
+        else ""
+    )
+    return '<div class="legend">' + "".join(items) + "</div>" + explain
 
 
 def _components_table(d: ReportData) -> str:
@@ -251,7 +429,8 @@ def _components_table(d: ReportData) -> str:
     for e in d.components:
         nbytes = f"{e.nbytes:,}" if e.nbytes is not None else ""
         rows.append(
-            f'<tr data-component="{escape(e.name)}"><td>{escape(COMPONENT_LABELS.get(e.name, e.name))}</td>'
+            f'<tr data-component="{escape(e.name)}">'
+            f'<td class="label">{escape(COMPONENT_LABELS.get(e.name, e.name))}</td>'
             f'<td class="num">{escape(e.display)}</td><td class="num">{nbytes}</td><td>{badge(e.source)}</td>'
             f'<td class="detail">{escape(e.detail)}</td></tr>'
         )
@@ -284,7 +463,8 @@ def _figures_table(entries: list[Entry], detail_head: str = "method / note") -> 
     ]
     for e in entries:
         rows.append(
-            f"<tr><td><code>{escape(e.key)}</code></td><td>{escape(e.display)}</td><td>{badge(e.source)}</td>"
+            f'<tr><td><code>{escape(e.key)}</code></td><td class="value">{escape(e.display)}</td>'
+            f"<td>{badge(e.source)}</td>"
             f'<td class="detail">{escape(e.detail)}</td></tr>'
         )
     rows.append("</tbody></table>")

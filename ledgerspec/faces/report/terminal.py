@@ -13,7 +13,16 @@ from typing import Any, TextIO
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.contract.units import format_size
 from ledgerspec.faces.report.bar import Bar, cells, layout
-from ledgerspec.faces.report.data import COMPONENT_CODES, COMPONENT_LABELS, PROVENANCE, Entry, ReportData
+from ledgerspec.faces.report.data import (
+    COMPONENT_CODES,
+    COMPONENT_LABELS,
+    PROVENANCE,
+    DeviceRow,
+    Entry,
+    FitRow,
+    ReportData,
+    shown,
+)
 
 #: rich styles per provenance word: text colour in tables, background in the bar
 RICH_STYLES = {
@@ -24,6 +33,30 @@ RICH_STYLES = {
     "CONFIGURATION-SPECIFIC": "hot_pink",
     "UNKNOWN": "bright_black",
     "DECLARED": "default",
+}
+#: rich background per memory component in the bar (provenance is the letter line below it)
+COMPONENT_STYLES = {
+    "frozen_base": "bold white on dodger_blue3",
+    "adapter": "bold black on orange1",
+    "gradients": "bold white on green4",
+    "optimizer": "bold black on orchid",
+    "activations": "bold black on sky_blue1",
+    "temporary": "bold white on red3",
+}
+#: one letter per provenance, on the line under the bar
+PROVENANCE_CODES = {
+    "MEASURED": "M",
+    "VERIFIED": "V",
+    "CALCULATED": "C",
+    "ASSUMPTION": "A",
+    "CONFIGURATION-SPECIFIC": "S",
+    "UNKNOWN": "?",
+    "DECLARED": "D",
+}
+VERDICT_STYLES = {
+    "FITS": "bold white on green4",
+    "DOES NOT FIT": "bold white on red3",
+    "UNKNOWN": "bold white on grey42",
 }
 STATUS_STYLES = {
     "INSUFFICIENT DATA": "bold red",
@@ -47,8 +80,32 @@ def _status_line(d: ReportData) -> str:
     return f"status {d.supported_status} (declared: {declared})"
 
 
-def _reasons_head(d: ReportData) -> str:
-    return "what holds it down:" if d.supported_status != "VALIDATED" else "reasons:"
+def _verdict_line(d: ReportData) -> str:
+    return shown(d.verdict.sentence()) if d.verdict is not None else "UNKNOWN"
+
+
+def _step_lines(d: ReportData, verbose: bool) -> list[str]:
+    """What the next status needs, one line per kind of evidence; every reason with ``verbose``."""
+    if not d.steps:
+        return []
+    head = f"to reach {d.next_status}:" if d.next_status else "what holds it down:"
+    lines = [f"  {head}", *(f"  - {shown(step.line())}" for step in d.steps)]
+    if verbose:
+        lines.append(f"  every reason ({len(d.reasons)}):")
+        lines += [f"    - {r}" for r in d.reasons]
+    elif len(d.reasons) > len(d.steps):
+        lines.append(f"  ({len(d.reasons)} reasons in all: `ledgerspec report -v` or `ledgerspec validate -v`)")
+    return lines
+
+
+def _provenance_line(spans: list[tuple[Entry, int]]) -> str:
+    """The provenance of each segment, one letter per cell, under the bar."""
+    return "".join(PROVENANCE_CODES.get(e.source, "?") * n for e, n in spans)
+
+
+def _provenance_legend(spans: list[tuple[Entry, int]]) -> str:
+    seen = list(dict.fromkeys(e.source for e, _ in spans))
+    return "provenance (letters under the bar): " + "  ".join(f"{PROVENANCE_CODES.get(s, '?')}={s}" for s in seen)
 
 
 def _bar_caption(d: ReportData) -> list[str]:
@@ -61,7 +118,7 @@ def _bar_caption(d: ReportData) -> list[str]:
     if d.peak is not None:
         lines.append(f"best peak figure: {format_size(d.peak)} from {d.peak_label}")
     if d.missing:
-        lines.append("not in the bar: " + ", ".join(f"{COMPONENT_LABELS[e.name]} ({e.source})" for e in d.missing))
+        lines.append("not in the bar: " + ", ".join(f"{COMPONENT_LABELS[e.name]} ({e.display})" for e in d.missing))
     return lines
 
 
@@ -91,14 +148,21 @@ def _finding_line(d: ReportData) -> str:
 
 
 # -- plain text -------------------------------------------------------------------------------------
-def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH) -> None:
+def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH, verbose: bool = False) -> None:
     w = out.write
+    w(_verdict_line(d) + "\n")
     w(f"{d.path}  {d.kind}/v1" + (f"  {d.title}" if d.title else "") + "\n")
     w(_status_line(d) + "\n")
-    if d.reasons:
-        w(f"  {_reasons_head(d)}\n")
-        for r in d.reasons:
-            w(f"  - {r}\n")
+    for step in _step_lines(d, verbose):
+        w(step + "\n")
+    if d.fits:
+        w("\nlargest that fits (estimate --fit)\n")
+        _plain_table(out, FIT_HEAD, [_fit_cells(r) for r in d.fits])
+    if d.devices:
+        w("\nwhich device (estimate --devices)\n")
+        _plain_table(out, DEVICE_HEAD, [_device_cells(r) for r in d.devices])
+        if d.devices_note:
+            w(textwrap.fill(d.devices_note, PLAIN_WIDTH, initial_indent="  ", subsequent_indent="  ") + "\n")
     w("\nmemory components (ledger)\n")
     rows = [(COMPONENT_LABELS.get(e.name, e.name), e.display, e.source, _flat(e.detail)) for e in d.components]
     _plain_table(out, ("component", "value", "source", "method / note"), rows)
@@ -112,11 +176,13 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH) -> None:
                 line[i] = "."
             line[cap] = "|"
         w("\n[" + "".join(line) + "]\n")
+        w(" " + _provenance_line(spans) + "\n")
         if peak is not None:
             w(" " + " " * peak + "^ best peak\n")
         legend = "  ".join(f"{COMPONENT_CODES[e.name]}={COMPONENT_LABELS[e.name]}" for e, _ in spans)
         if legend:
             w(legend + "\n")
+            w(_provenance_legend(spans) + "\n")
         if cap is not None:
             w("|=device memory\n")
     for caption in _bar_caption(d):
@@ -154,6 +220,46 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH) -> None:
             w(f"  {f.line}:{f.column} {f.rule} {f.severity}: {f.message}\n")
 
 
+FIT_HEAD = ("input", "largest that fits", "its peak", "next value", "its peak", "device", "note")
+DEVICE_HEAD = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return format_size(n) if n >= 0 else "-" + format_size(-n)
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _fit_cells(r: FitRow) -> tuple[str, ...]:
+    return (
+        r.name,
+        _count(r.largest),
+        _size(r.peak),
+        _count(r.above),
+        _size(r.peak_above),
+        _size(r.device_memory),
+        r.note,
+    )
+
+
+def _device_cells(r: DeviceRow) -> tuple[str, ...]:
+    fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
+    return (
+        r.name,
+        str(r.gpus),
+        r.vendor_memory,
+        _size(r.memory),
+        _size(r.peak),
+        fits,
+        _size(r.headroom),
+        _count(r.largest_microbatch),
+    )
+
+
 AT_PEAK_NOTE = "temporary/runtime: what no component owns (fp32 logits and loss, gradients in flight, workspaces)"
 
 
@@ -175,7 +281,9 @@ def _plain_table(out: TextIO, head: tuple[str, ...], rows: Sequence[tuple[str, .
 
 
 # -- rich -------------------------------------------------------------------------------------------
-def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool | None = None) -> None:
+def render_rich(
+    d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool | None = None, verbose: bool = False
+) -> None:
     from rich.box import SIMPLE_HEAD
     from rich.console import Console
     from rich.table import Table
@@ -192,6 +300,14 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
         emoji=False,
         width=None if out.isatty() else 120,
     )
+    verdict = Text()
+    if d.verdict is not None:
+        answer = d.verdict.answer
+        verdict.append(f" {answer} ", style=VERDICT_STYLES.get(answer, "bold"))
+        verdict.append(" " + _verdict_line(d)[len(answer) :].lstrip(" :"), style="bold")
+    else:
+        verdict.append(" UNKNOWN ", style=VERDICT_STYLES["UNKNOWN"])
+    console.print(verdict)
     head = Text(d.path, style="bold")
     head.append(f"  {d.kind}/v1")
     if d.title:
@@ -201,10 +317,22 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
     status.append(d.supported_status, style=STATUS_STYLES.get(d.supported_status, "bold"))
     status.append(f" (declared: {d.declared_status or 'none declared'})")
     console.print(status)
-    if d.reasons:
-        console.print(f"  {_reasons_head(d)}")
-        for r in d.reasons:
-            console.print(Text(f"  - {r}"))
+    for step in _step_lines(d, verbose):
+        console.print(Text(step))
+    for title, head_cells, rows in (
+        ("largest that fits (estimate --fit)", FIT_HEAD, [_fit_cells(r) for r in d.fits]),
+        ("which device (estimate --devices)", DEVICE_HEAD, [_device_cells(r) for r in d.devices]),
+    ):
+        if rows:
+            t = Table(title=title, title_justify="left", box=SIMPLE_HEAD)
+            for col in head_cells:
+                t.add_column(col, overflow="fold")
+            for cells_ in rows:
+                t.add_row(*cells_)
+            console.print()
+            console.print(t)
+    if d.devices and d.devices_note:
+        console.print(Text(f"  {d.devices_note}"))
 
     table = Table(title="memory components (ledger)", title_justify="left", box=SIMPLE_HEAD)
     for col in ("component", "value", "source"):
@@ -221,7 +349,7 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
         line = Text("[")
         used = 0
         for e, n in spans:
-            line.append(COMPONENT_CODES[e.name] * n, style=f"bold white on {_style(e.source)}")
+            line.append(COMPONENT_CODES[e.name] * n, style=COMPONENT_STYLES[e.name])
             used += n
         if cap is not None:
             line.append("·" * max(cap - used, 0), style="bright_black")
@@ -231,13 +359,18 @@ def render_rich(d: ReportData, out: TextIO, width: int = BAR_WIDTH, color: bool 
         line.append("]")
         console.print()
         console.print(line)
+        prov = Text(" ")
+        for e, n in spans:
+            prov.append(PROVENANCE_CODES.get(e.source, "?") * n, style=RICH_STYLES.get(e.source, "default"))
+        console.print(prov)
         if peak is not None:
             console.print(Text(" " + " " * peak + "^ best peak", style="bold"))
         legend = Text()
         for e, _ in spans:
-            legend.append(f" {COMPONENT_CODES[e.name]} ", style=f"bold white on {_style(e.source)}")
-            legend.append(f" {COMPONENT_LABELS[e.name]}  ")
+            legend.append(f" {COMPONENT_CODES[e.name]} ", style=COMPONENT_STYLES[e.name])
+            legend.append(f" {COMPONENT_LABELS[e.name]} ({e.source})  ")
         console.print(legend)
+        console.print(Text(_provenance_legend(spans), style="bright_black"))
     for text in _bar_caption(d):
         console.print(Text(text))
 
@@ -299,14 +432,16 @@ def _src(source: str) -> Any:
     return Text(source, style=RICH_STYLES.get(source, "default"))
 
 
-def render_terminal(d: ReportData, out: TextIO, plain: bool = False, color: bool | None = None) -> None:
-    """rich when installed (and not ``plain``), else plain text."""
+def render_terminal(
+    d: ReportData, out: TextIO, plain: bool = False, color: bool | None = None, verbose: bool = False
+) -> None:
+    """rich when installed (and not ``plain``), else plain text; ``verbose``: every status reason."""
     if not plain:
         try:
             import rich  # noqa: F401
         except ImportError:
             plain = True
     if plain:
-        render_plain(d, out)
+        render_plain(d, out, verbose=verbose)
     else:
-        render_rich(d, out, color=color)
+        render_rich(d, out, color=color, verbose=verbose)

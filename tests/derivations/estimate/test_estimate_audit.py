@@ -1,4 +1,5 @@
-"""The naive article's table (seeds/001), audited against the exact ledger (docs/naive-article-audit.md).
+"""The naive article's table (a popular article on LoRA VRAM), audited against the exact ledger
+(docs/naive-article-audit.md).
 
 The article sums, for LoRA on a 7B model in FP16 with AdamW: weights 14 GB + gradients 14 GB + AdamW 28 GB +
 activations 10-20 GB = 66-76 GB (40-50 GB with gradient checkpointing). LoRA freezes the base: only the

@@ -40,7 +40,8 @@ def test_resolve_fills_figures_and_keeps_comments_order_and_quoting(work: Path, 
     assert doc.get("ledger", "frozen_base").source == "CALCULATED"
     assert "MiB" in after or "KiB" in after  # human-readable size comments beside byte figures
     keys = list(doc.data.keys())
-    assert keys[:4] == ["ledgerspec", "title", "identity", "method"]
+    assert keys[:5] == ["ledgerspec", "status", "title", "identity", "method"]  # the status the figures support
+    assert doc.plain["status"] == "CALCULATED"
 
 
 def test_resolve_never_weakens_a_measured_value(work: Path, cli) -> None:

@@ -1,0 +1,55 @@
+"""The input checks a command runs before it imports torch: ``validate``'s own checks of the inputs.
+
+``resolve``, ``estimate``, ``measure``, ``triage`` and ``shard`` spend seconds importing torch and building a model.
+A bad input (``rank: sixteen``, a typo ``target_module``, an optimizer name that does not exist, a config path
+that names no file) is found by ``validate`` without torch; :func:`preflight` runs the same checks first and fails
+with validate's line (and its did-you-mean) before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+from ledgerspec.checks.findings import ERROR, Finding
+from ledgerspec.checks.validate import validate
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.document import Document
+from ledgerspec.errors import EXIT_FINDINGS, LedgerspecError
+
+#: rules about the inputs themselves: a command cannot build the configuration while they fail
+INPUT_RULES = frozenset({"LS008", "LS023", "LS030", "LS032"})
+#: sections a command reads its configuration from (a schema error there is a bad input)
+INPUT_SECTIONS = frozenset({*F.INPUT_SECTION_NAMES, "training"})
+
+
+def blocking(finding: Finding) -> bool:
+    """An error in the inputs: a schema error inside an input section, or one of :data:`INPUT_RULES`."""
+    if finding.severity != ERROR:
+        return False
+    if finding.rule in INPUT_RULES:
+        return True
+    section = finding.pointer.split("/")[1] if finding.pointer.count("/") >= 1 else ""
+    return finding.rule == "schema" and section in INPUT_SECTIONS
+
+
+def preflight(doc: Document, command: str) -> None:
+    """Raise the first input error of ``doc`` as ``FILE:LINE:COL: COMMAND: message [RULE]`` (the others counted in
+    the hint), before ``command`` imports anything heavy; nothing when the inputs are readable."""
+    problems = [f for f in validate(doc).findings if blocking(f)]
+    if not problems:
+        return
+    first = problems[0]
+    more = len(problems) - 1
+    hint = f"`ledgerspec validate {doc.path}` lists every finding"
+    if more:
+        hint = f"{more} more input error(s): " + hint
+    raise LedgerspecError(
+        f"{first.message} [{first.rule}]",
+        doc.path,
+        first.line,
+        first.column,
+        rule=command,
+        hint=hint,
+        exit_code=EXIT_FINDINGS,
+    )
+
+
+__all__ = ["INPUT_RULES", "blocking", "preflight"]

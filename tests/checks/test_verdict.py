@@ -1,0 +1,73 @@
+"""The verdict (FITS / DOES NOT FIT / UNKNOWN on the target device) and the grouped next steps: checks/verdict.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledgerspec.checks.ladder import supported_status
+from ledgerspec.checks.verdict import DOES_NOT_FIT, FITS, UNKNOWN, next_status, next_steps, verdict
+from ledgerspec.contract.document import from_text
+from tests.support import EXAMPLES
+
+BASE = """ledgerspec: ledger/v1
+result:
+  target_device: {name: RTX 4090, memory: 24GiB}
+"""
+
+
+def _verdict(text: str) -> object:
+    doc = from_text(text)
+    return verdict(doc, supported_status(doc))
+
+
+def test_a_predicted_peak_that_fits_says_by_how_much() -> None:
+    v = _verdict(BASE + "x-estimate:\n  peak_allocated: {value: 15GiB, source: CALCULATED, method: m}\n")
+    assert v.answer == FITS and v.provenance == "predicted" and v.headroom == 9 * 2**30  # type: ignore[attr-defined]
+    assert v.sentence().startswith(  # type: ignore[attr-defined]
+        "FITS on RTX 4090 (24.00 GiB): predicted peak 15.00 GiB (x-estimate.peak_allocated), headroom 9.00 GiB"
+    )
+
+
+def test_a_prediction_over_the_device_names_the_phase_that_runs_out() -> None:
+    text = BASE + (
+        "x-estimate:\n  peak_allocated: {value: 30GiB, source: CALCULATED, method: m}\n"
+        "  phases: {after_load: 4294967296, forward_peak: 21474836480, backward_peak: 32212254720}\n"
+    )
+    v = _verdict(text)
+    assert v.answer == DOES_NOT_FIT and v.oom_phase == "backward"  # type: ignore[attr-defined]
+    assert "6.00 GiB over; predicted to run out of memory in phase backward" in v.sentence()  # type: ignore[attr-defined]
+
+
+def test_a_measured_peak_beats_the_prediction_and_a_measured_oom_does_not_fit() -> None:
+    text = BASE + (
+        "metrics:\n  device_peak: {value: 20GiB, source: MEASURED}\n"
+        "x-estimate:\n  peak_allocated: {value: 30GiB, source: CALCULATED, method: m}\n"
+    )
+    v = _verdict(text)
+    assert v.answer == FITS and v.provenance == "measured" and v.peak_field == "metrics.device_peak"  # type: ignore[attr-defined]
+    ran = _verdict("ledgerspec: ledger/v1\nresult: {oom: true, oom_phase: forward, target_device: {memory: 24GiB}}\n")
+    assert ran.answer == DOES_NOT_FIT and "ran out of memory in phase forward" in ran.sentence()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("ledgerspec: ledger/v1\n", "no target device"),
+        (BASE, "no peak figure yet"),
+        (BASE + "x-estimate:\n  target: cpu\n  peak_allocated: {value: 1GiB, source: CALCULATED, method: m}\n", "CPU"),
+    ],
+)
+def test_unknown_says_what_is_missing(text: str, why: str) -> None:
+    v = _verdict(text)
+    assert v.answer == UNKNOWN and why in v.sentence()  # type: ignore[attr-defined]
+
+
+def test_next_steps_fold_the_reasons_into_one_line_per_kind() -> None:
+    doc = from_text((EXAMPLES / "14b-qlora.intake.yaml").read_text(encoding="utf-8"), "x.intake.yaml")
+    reasons = supported_status(doc).reasons
+    steps = next_steps(reasons, "x.intake.yaml")
+    assert len(steps) < len(reasons) and sum(len(s.reasons) for s in steps) == len(reasons)
+    assert steps[0].line().startswith("fill the minimum intake (identity.model_id")
+    est = next_steps(["CANDIDATE needs a peak figure: a predicted peak"], "my.ledger.yaml")
+    assert est[0].line().endswith("`ledgerspec estimate my.ledger.yaml`")  # the file named, not FILE
+    assert next_status("CALCULATED") == "CANDIDATE" and next_status("VALIDATED") is None

@@ -1,0 +1,114 @@
+"""``estimate --devices``: the catalogue (data in the package, a user file on top) and the comparison."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ledgerspec.derivations.estimate.devices import CATALOGUE, compare, load_catalogue
+from ledgerspec.derivations.estimate.fit import PHASES
+from ledgerspec.derivations.estimate.fitmodel import AT_PEAK
+from ledgerspec.errors import LedgerspecError
+from tests.support.estimate_docs import ledger
+
+#: totals as nvidia-smi prints them, from the sources the catalogue cites (MiB)
+NVIDIA_SMI_MIB = {
+    "NVIDIA GeForce RTX 4090": 24564,
+    "NVIDIA L40S": 46068,
+    "NVIDIA A100 40GB": 40960,
+    "NVIDIA A100 80GB": 81920,
+    "NVIDIA H100 80GB HBM3": 81559,
+    "NVIDIA H200": 143771,
+}
+
+
+def test_the_catalogue_has_the_common_accelerators_each_with_its_source() -> None:
+    cat = load_catalogue()
+    names = {d.name for d in cat.devices}
+    assert set(NVIDIA_SMI_MIB) | {"AMD Instinct MI300X"} <= names
+    for d in cat.devices:
+        assert d.source.startswith("vendor: http") and "total:" in d.source, d.name
+        assert 0 < d.reserve < d.total and d.usable == d.total - d.reserve
+        sold = float(re.match(r"(\d+) GB", d.vendor_memory).group(1))  # type: ignore[union-attr]
+        assert 0.9 < d.total / (sold * 2**30) < 1.1, d.name  # "24 GB" cards hold about 24 GiB
+    for name, mib in NVIDIA_SMI_MIB.items():
+        assert next(d for d in cat.devices if d.name == name).total == mib * 2**20, name
+    # the H100's total as the modal-labs PR quotes it in bytes
+    assert next(d for d in cat.devices if d.name == "NVIDIA H100 80GB HBM3").total == 85520809984
+    assert "pytorch/pytorch/issues/34323" in cat.reserve_source
+
+
+def test_a_user_file_adds_and_replaces_devices(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        "devices:\n"
+        "  - {name: NVIDIA GeForce RTX 4090, vendor_memory: 24 GB, total: 24564MiB, reserve: 600MiB, source: mine}\n"
+        "  - {name: My Card, total: 16GiB, source: measured here}\n",
+        encoding="utf-8",
+    )
+    cat = load_catalogue(str(mine))
+    by = {d.name: d for d in cat.devices}
+    assert by["NVIDIA GeForce RTX 4090"].reserve == 600 * 2**20 and by["NVIDIA GeForce RTX 4090"].source == "mine"
+    assert by["My Card"].total == 16 * 2**30 and by["My Card"].reserve == load_catalogue().devices[0].reserve
+    assert cat.files == ["ledgerspec derivations/estimate/devices.yaml", str(mine)]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("devices: [{name: x}]", "needs `name` and `total`"),
+        ("devices: [{name: x, total: 1GiB, reserve: 2GiB}]", "is not below total"),
+        ("devices: [{name: x, total: 24 gb}]", "unknown unit"),
+        ("[1, 2]", "a mapping with a list `devices`"),
+    ],
+)
+def test_a_bad_catalogue_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text, encoding="utf-8")
+    with pytest.raises(LedgerspecError, match=re.escape(message)):
+        load_catalogue(str(bad))
+    assert CATALOGUE.is_file()
+
+
+@dataclass
+class _Est:
+    phases: dict[str, int]
+    figures: dict[str, int]
+
+
+def _fn(per_row: int) -> object:
+    def estimate(doc: object) -> _Est:
+        b = doc.get("workload", "microbatch").integer()  # type: ignore[attr-defined]
+        figures = {k: 4 << 30 for k in PHASES}
+        figures["backward_peak"] = (4 << 30) + b * per_row
+        for c in AT_PEAK:
+            figures[f"at.backward_peak.{c}"] = 0
+        return _Est({k: figures[k] for k in PHASES}, figures)
+
+    return estimate
+
+
+def test_data_parallel_rows_are_one_gpu_each_and_the_largest_microbatch_fits_the_usable_memory() -> None:
+    doc = ledger(microbatch=2, seq=1024)
+    cat = load_catalogue()
+    result = compare(doc, cat, _fn(2 << 30))  # type: ignore[arg-type]
+    assert {r.gpus for r in result.rows} == {1} and "data parallel" in result.notes[0]
+    for r in result.rows:
+        assert r.peak == (4 << 30) + 2 * (2 << 30)
+        best = r.largest_microbatch or 0
+        assert (4 << 30) + best * (2 << 30) <= r.device.usable < (4 << 30) + (best + 1) * (2 << 30), r.device.name
+
+
+def test_fsdp2_rows_use_the_simulated_worst_rank_per_gpu_count() -> None:
+    from ledgerspec.contract.edit import variant
+
+    doc = variant(ledger(microbatch=2, seq=1024), {("memory_options", "sharding"): "fsdp2"})
+    worst = {2: 7 << 30, 4: 6 << 30, 8: 5 << 30}
+    result = compare(doc, load_catalogue(), _fn(2 << 30), per_rank=lambda n: worst[n])  # type: ignore[arg-type]
+    rows = [r for r in result.rows if r.device.name == "NVIDIA GeForce RTX 4090"]
+    assert [(r.gpus, r.peak) for r in rows] == [(1, 8 << 30), (2, 7 << 30), (4, 6 << 30), (8, 5 << 30)]
+    # sharding saves the same bytes at every microbatch: the largest microbatch grows with the saving
+    assert [r.largest_microbatch for r in rows] == sorted(r.largest_microbatch or 0 for r in rows)

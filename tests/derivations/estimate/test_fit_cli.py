@@ -1,0 +1,78 @@
+"""``ledgerspec estimate --fit / --devices / --sweep -v`` on the tiny model: one command answers each question."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ledgerspec.contract.document import load
+from tests.support import EXAMPLES, CliRunner
+
+TINY = EXAMPLES / "tiny" / "tiny-llama-lora.ledger.yaml"
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    shutil.copytree(EXAMPLES / "tiny" / "tiny-llama", tmp_path / "tiny-llama")
+    path = tmp_path / TINY.name
+    shutil.copy(TINY, path)
+    return path
+
+
+def test_a_bad_sweep_value_is_one_plain_line(cli: CliRunner, tiny: Path) -> None:
+    """Issue 13: `--sweep microbatch=a` printed Python's "invalid literal for int() with base 10"."""
+    code, _, err = cli("estimate", tiny, "--sweep", "microbatch=a")
+    assert (
+        code == 2 and err.strip() == "ledgerspec: estimate: --sweep microbatch: 'a' is not a whole number (e.g. 1,2,4)"
+    )
+    assert "int()" not in err
+
+
+def test_fit_needs_a_device_and_asks_one_question_at_a_time(cli: CliRunner, tiny: Path) -> None:
+    code, _, err = cli("estimate", tiny, "--fit", "microbatch")
+    assert code == 2 and "--fit needs a device memory" in err and "--device-memory" in err
+    code, _, err = cli("estimate", tiny, "--fit", "microbatch", "--devices", "--device-memory", "1GiB")
+    assert code == 2 and "ask one at a time" in err
+
+
+@pytest.mark.slow
+def test_fit_microbatch_answers_and_records_it(cli: CliRunner, tiny: Path) -> None:
+    code, out, err = cli(
+        "estimate", tiny, "--fit", "microbatch", "max_length", "--device-memory", "8MiB", "--target", "cpu"
+    )
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert first.startswith("largest microbatch that fits 8.00 MiB: ") and "does not fit" in first
+    assert "largest max_length that fits 8.00 MiB: " in out
+    fit = load(tiny).get("x-fit").raw
+    assert set(fit) >= {"microbatch", "max_length", "inputs", "source"}
+    mb = fit["microbatch"]
+    assert mb["peak"] <= 8 * 2**20 < mb["peak_above"] and mb["above"] == mb["largest"] + 1
+    assert len(mb["traced"]) == 2
+    ml = fit["max_length"]
+    assert ml["peak"] <= 8 * 2**20 < ml["peak_above"] and ml["above"] == ml["largest"] + 64
+    assert ml["largest"] in ml["traced"] and ml["above"] in ml["traced"]
+
+
+@pytest.mark.slow
+def test_devices_answers_which_server_and_records_it(cli: CliRunner, tiny: Path) -> None:
+    code, out, err = cli("estimate", tiny, "--devices")
+    assert code == 0, err
+    assert "NVIDIA GeForce RTX 4090" in out and "AMD Instinct MI300X" in out and "usable memory =" in out
+    rows = load(tiny).get("x-devices", "rows").raw
+    assert {r["name"] for r in rows} >= {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
+    assert all(r["fits"] and r["largest_microbatch"] >= 1 for r in rows)
+    _, report, _ = cli("report", "--plain", tiny)
+    assert "which device (estimate --devices)" in report
+
+
+@pytest.mark.slow
+def test_sweep_rows_explain_themselves(cli: CliRunner, tiny: Path) -> None:
+    code, out, _ = cli(
+        "estimate", tiny, "--sweep", "microbatch=1,2,3,4", "gradient_checkpointing=on,off", "-v", "--target", "cpu"
+    )
+    assert code == 0
+    assert "what is alive at each peak" in out and "(model)" in out and "(traced)" in out
+    assert "activations" in out and "(8 configurations from 6 traced estimates" in out

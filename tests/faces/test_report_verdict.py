@@ -1,0 +1,112 @@
+"""The report answers first (issue 13): the verdict line, the next status's evidence grouped, the largest batch
+and the device table, consistent words for a missing figure, and a page that fits a 1280 px screen."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from ledgerspec.checks.ladder import supported_status
+from ledgerspec.checks.verdict import next_steps
+from ledgerspec.contract.document import load
+from tests.support import EXAMPLES, REPO_ROOT, TESTS, CliRunner
+
+ESTIMATED = EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml"
+SAMPLE = TESTS / "data" / "report" / "fit-and-devices.ledger.yaml"
+XHTML = ""  # the page is XML without a default namespace
+
+
+def test_the_terminal_report_opens_with_the_verdict(cli: CliRunner) -> None:
+    code, out, _ = cli("report", "--plain", ESTIMATED)
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[0].startswith("FITS on the target device (24.00 GiB): predicted peak 14.00 GiB")
+    assert "headroom 10.00 GiB" in lines[0]
+    assert lines[2] == "status CANDIDATE (declared: CANDIDATE)" and lines[3] == "  to reach VALIDATED:"
+    reasons = supported_status(load(ESTIMATED)).reasons
+    steps = [line for line in lines if line.startswith("  - ")]
+    assert len(steps) == len(next_steps(reasons)) < len(reasons)  # one line per kind of evidence
+    assert f"({len(reasons)} reasons in all" in out
+    _, verbose, _ = cli("report", "--plain", "-v", ESTIMATED)
+    assert [line[6:] for line in verbose.splitlines() if line.startswith("    - ")] == reasons
+
+
+def test_the_rich_report_opens_with_the_verdict(cli: CliRunner) -> None:
+    pytest.importorskip("rich")
+    code, out, _ = cli("report", ESTIMATED)
+    assert code == 0 and out.splitlines()[0].strip().startswith("FITS") and "headroom 10.00 GiB" in out.splitlines()[0]
+
+
+def test_validate_verbose_says_the_verdict_first(cli: CliRunner) -> None:
+    _, out, _ = cli("validate", "-v", ESTIMATED)
+    assert out.splitlines()[0] == f"{ESTIMATED}: " + (
+        "FITS on the target device (24.00 GiB): predicted peak 14.00 GiB (x-estimate.peak_allocated), headroom "
+        "10.00 GiB (allocated tensors only: keep room for the CUDA context and the allocator's cache)"
+    )
+
+
+def _html(cli: CliRunner, path: Path, tmp_path: Path) -> ET.Element:
+    out = tmp_path / "r.html"
+    assert cli("report", path, "--html", out)[0] == 0
+    return ET.fromstring(out.read_text(encoding="utf-8"))
+
+
+def test_the_html_page_opens_with_the_verdict_and_hides_the_full_list(cli: CliRunner, tmp_path: Path) -> None:
+    root = _html(cli, ESTIMATED, tmp_path)
+    main = root.find(f".//{XHTML}main")
+    assert main is not None
+    first = main[0]
+    assert first.tag == f"{XHTML}h1" and first.get("data-verdict") == "FITS"
+    text = "".join(first.itertext())
+    assert text.startswith("FITS") and "headroom 10.00 GiB" in text
+    details = main.find(f".//{XHTML}details")
+    assert details is not None and "Every reason (15)" in "".join(details.itertext())
+    steps = main.find(f".//{XHTML}ul[@class='reasons steps']")
+    assert steps is not None and 0 < len(steps) < 15
+
+
+def test_the_largest_batch_and_the_device_table_are_shown(cli: CliRunner, tmp_path: Path) -> None:
+    doc = load(SAMPLE)
+    fit = doc.get("x-fit", "microbatch").raw
+    root = _html(cli, SAMPLE, tmp_path)
+    fit_table = root.find(f".//{XHTML}table[@class='fit']")
+    devices = root.find(f".//{XHTML}table[@class='devices']")
+    assert fit_table is not None and devices is not None
+    row = "".join(fit_table[1][0].itertext())
+    assert row.startswith("microbatch") and str(fit["largest"]) in row
+    names = ["".join(r[0].itertext()) for r in devices[1]]
+    assert "NVIDIA GeForce RTX 4090" in names and "AMD Instinct MI300X" in names
+    _, out, _ = cli("report", "--plain", SAMPLE)
+    assert "largest that fits (estimate --fit)" in out and "which device (estimate --devices)" in out
+    assert "usable memory = the total PyTorch reports" in out
+
+
+def test_a_missing_component_reads_the_same_everywhere(cli: CliRunner) -> None:
+    """Issue 13: "missing" in the table and "UNKNOWN" in the bar's caption for the same row."""
+    _, out, _ = cli("report", "--plain", ESTIMATED)
+    assert "temporary/runtime    missing" in out and "not in the bar: temporary/runtime (missing)" in out
+
+
+@pytest.mark.slow
+def test_no_page_overflows_a_1280_px_screen(tmp_path: Path) -> None:
+    """scripts/screenshots renders every example's page in headless Chromium at 1280 px and finds no element
+    past the report's right edge (a long sha256 wraps; tables fit)."""
+    if not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")):
+        pytest.skip("no Chromium on PATH (apt-get install chromium)")
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "screenshots"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert "fit-and-devices.png" in pngs and "llama-2-7b-lora.estimated.top.png" in pngs
+    assert "OVERFLOW" not in proc.stdout
