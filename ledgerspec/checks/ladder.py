@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ledgerspec.checks.stale import stale_evidence
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.config import read
+from ledgerspec.contract.differences import stack_differences
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.intake import dotted, minimum_intake_gaps
 from ledgerspec.contract.values import EXACT_SOURCES, Value
@@ -186,6 +187,12 @@ def supported_status(doc: Document) -> StatusResult:
             "(see `ledgerspec triage FILE`) or the target device"
         )
     held += stale_evidence(doc, "CANDIDATE", res.best_peak_from)
+    held += [
+        f"CANDIDATE needs figures of the declared stack: {d.message()}; accept it in "
+        f"software.accepted_differences or compute on the declared stack"
+        for d in stack_differences(doc, read(doc).accepted_differences)
+        if not d.accepted
+    ]
     if held:
         res.reasons = held
         return res

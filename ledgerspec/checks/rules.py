@@ -1,4 +1,4 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS023, LS032, LS043 and LS090.
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012, LS023, LS032, LS043 and LS090.
 One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
@@ -127,6 +127,29 @@ def ls011_max_length_only(ctx: Context) -> Iterator[Hit]:
             ptr("workload", "max_length"),
             "only max_length is known: max_length is not the workload (no sequence_p50/p95, packing unknown)",
         )
+
+
+@rule(
+    "LS012",
+    "warning / info",
+    "the declared stack differs from the one the figures were computed with, in a known memory-relevant way",
+    "install the declared versions and re-run (resolve / estimate), declare the versions you run, or accept the "
+    "difference: list its id in software.accepted_differences (docs: Declared stack)",
+    example="software: {bitsandbytes: 0.42.0}\n"
+    "x-estimate: {differences: {bitsandbytes-4bit-matmul-input: {computed_as: newer}}}",
+)
+def ls012_declared_stack_differs(ctx: Context) -> Iterator[Hit]:
+    from ledgerspec.contract.differences import stack_differences
+
+    for diff in stack_differences(ctx.doc, C.read(ctx.doc).accepted_differences):
+        if diff.accepted:
+            yield Hit(
+                ptr("software", "accepted_differences"),
+                f"accepted: {diff.message()}",
+                severity=INFO,
+            )
+        else:
+            yield Hit(ptr("software", diff.difference.package), diff.message(), severity=WARNING)
 
 
 @rule(

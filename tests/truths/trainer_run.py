@@ -23,11 +23,12 @@ Run as a script (one run per process: accelerate keeps global state)::
 
     python tests/truths/trainer_run.py CASE.json OUT.json [--memtracker]
 
-``CASE.json`` names the config folder, dtypes, LoRA recipe, quantization, k-bit preparation, TRL-style casts,
-mixed precision, checkpointing, microbatch/accumulation/lengths, padding, optimizer and clipping; ``OUT.json``
-gets the phase peaks and the MemTracker peak in bytes. ``fp16`` on the CPU: accelerate refuses native fp16 there
-(``Accelerator.__init__`` sets ``native_amp`` only for non-CPU devices); the run then turns it on by hand exactly as
-accelerate would on a GPU (``native_amp``, a ``GradScaler`` for the device) before the model is prepared, so the
+``CASE.json`` names the config folder, dtypes, LoRA recipe, quantization (and ``bitsandbytes_keeps_input``: the
+installed bitsandbytes patched to keep ``MatMul4Bit``'s input as versions before 0.43.2 did), k-bit preparation,
+TRL-style casts, mixed precision, checkpointing, microbatch/accumulation/lengths, padding, optimizer and clipping;
+``OUT.json`` gets the phase peaks and the MemTracker peak in bytes. ``fp16`` on the CPU: accelerate refuses native fp16
+there (``Accelerator.__init__`` sets ``native_amp`` only for non-CPU devices); the run then turns it on by hand exactly
+as accelerate would on a GPU (``native_amp``, a ``GradScaler`` for the device) before the model is prepared, so the
 same accelerate code paths run.
 """
 
@@ -183,6 +184,22 @@ def _optimizer_tensors(optimizer: Any) -> list[Any]:
     return out
 
 
+def _bitsandbytes_0_43_1() -> None:
+    """bitsandbytes < 0.43.2's ``MatMul4Bit``: ``ctx.tensors = (A, B)`` when an input needs a gradient (0.43.1's
+    bitsandbytes/autograd/_functions.py), on the installed bitsandbytes: its forward, then its input kept."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    original = MatMul4Bit.forward
+
+    def forward(ctx: Any, A: Any, B: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(ctx, A, B, *args, **kwargs)
+        if any(ctx.needs_input_grad[:2]):
+            ctx.tensors = (A, ctx.tensors[1])
+        return out
+
+    MatMul4Bit.forward = staticmethod(forward)  # type: ignore[method-assign]
+
+
 def run(case: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed._tools.mem_tracker import _MemRefType
@@ -191,6 +208,8 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     from ledgerspec.derivations.engine.tracker import MemoryTracker
 
     torch.set_num_threads(1)
+    if case.get("bitsandbytes_keeps_input"):
+        _bitsandbytes_0_43_1()
     work = tempfile.mkdtemp(prefix="ledgerspec-truth-")
     model = _model(case, os.path.join(work, "base"))
     vocab = int(model.get_base_model().config.get_text_config().vocab_size)

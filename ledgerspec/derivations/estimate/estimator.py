@@ -28,9 +28,11 @@ from typing import Any
 
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, ErrorAt
+from ledgerspec.contract.units import format_size
 from ledgerspec.derivations.estimate.extrapolate import Plan, extend_all, plan, with_layers
 from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
 from ledgerspec.derivations.stack.census import Progress
+from ledgerspec.derivations.stack.versions import installed_stack
 from ledgerspec.errors import LedgerspecError, first_line
 
 #: the CUDA caching allocator rounds every block up to a multiple of this (c10/cuda/CUDACachingAllocator.cpp)
@@ -65,6 +67,10 @@ class Estimate:
     at_peak: dict[str, int] = field(default_factory=dict)
     #: every figure of the (extended) trace: phases, ``component.*``, ``at.PHASE.COMPONENT`` (read by ``fitmodel``)
     figures: dict[str, int] = field(default_factory=dict)
+    #: the installed versions the estimate ran with (``x-estimate.stack``)
+    stack: dict[str, str] = field(default_factory=dict)
+    #: the known stack differences that apply (``x-estimate.differences``, :mod:`ledgerspec.contract.differences`)
+    differences: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def peak_phase(self) -> str:
@@ -177,7 +183,9 @@ def _estimate_workload_class() -> Any:
     class EstimateWorkload(Workload):
         """``prepare`` as the measurement does, then 4-bit layers as bytes and attention as the CUDA kernel."""
 
-        def __init__(self, doc: Document, spec: Any, source: Any, attention: str, target: str) -> None:
+        def __init__(
+            self, doc: Document, spec: Any, source: Any, attention: str, target: str, keep_4bit_input: bool = False
+        ) -> None:
             # FlashAttention is not installed on the CPU: build with eager (every architecture has it); the
             # attention calls are routed to the FlashAttention model in ``prepare``
             build_spec = spec.changed(attention="eager") if attention.startswith("flash_attention") else spec
@@ -187,13 +195,18 @@ def _estimate_workload_class() -> Any:
             self.stack = contextlib.ExitStack()
             # the CUDA target: CUDA's optimizer defaults (and, in prepare, autocast lists) on these CPU tensors
             self.optimizer_device = target
+            self.keep_4bit_input = keep_4bit_input
+            #: the 4-bit size minus the loaded size of fused expert parameters bitsandbytes leaves unquantized
+            self.fused_experts = 0
 
         def prepare(self) -> None:
             super().prepare()
             if self.spec.quant is not None:
                 from ledgerspec.derivations.estimate.qlora import model_4bit_layers
+                from ledgerspec.derivations.stack.versions import fused_experts_4bit_change
 
-                model_4bit_layers(self.model, getattr(torch, self.spec.loaded_dtype))
+                self.fused_experts = fused_experts_4bit_change(self.model, self.spec.quant.double_quant)
+                model_4bit_layers(self.model, getattr(torch, self.spec.loaded_dtype), self.keep_4bit_input)
             from ledgerspec.derivations.estimate.attention import cuda_attention
 
             self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
@@ -214,7 +227,7 @@ def _estimate_workload_class() -> Any:
     return EstimateWorkload
 
 
-def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[str, int]:
+def trace(doc: Document, spec: Any, source: Any, target: str = "cuda", keep_4bit_input: bool = False) -> dict[str, int]:
     """One simulated protocol run (:func:`ledgerspec.derivations.engine.protocol.run_protocol` with fake tensors).
 
     Accumulation runs two micro-steps, not all of them: from the second micro-step on, the gradients are
@@ -225,7 +238,7 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[s
     from ledgerspec.derivations.engine.tracker import by_component
 
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2), prefetch=spec.accumulation)
-    workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target)
+    workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target, keep_4bit_input)
     backend = TrackerBackend(fake=True, granularity=granularity(target))
     with workload.stack, warnings.catch_warnings():
         # the simulation builds a paged optimizer on the CPU, where bitsandbytes warns that paging falls back;
@@ -243,6 +256,7 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda") -> dict[s
     out["component.adapter"] = held.get("adapter", 0)
     out["component.gradients"] = grads.get("gradients", 0)
     out["component.optimizer"] = state.get("optimizer", 0)
+    out["stack.fused_experts"] = workload.fused_experts
     for name, rec in result.phases.items():  # what is alive at each phase's peak, by ledger component
         live = by_component(rec.categories_at_peak or {})
         for comp in AT_PEAK:
@@ -368,21 +382,28 @@ def estimate(
         )
         say(f"tracing {n or est_plan.layers} layers")
         try:
-            return trace(doc, spec, src, target)
+            return trace(doc, spec, src, target, keep_input)
         except LedgerspecError:
             raise
         except Exception as exc:  # any failure inside torch/transformers: one clear line, never a wrong number
             raise _fail(doc, exc, source.architecture) from None
 
+    keep_input = _keeps_4bit_input(doc, spec)
     if est_plan.probes is None:
         figures = run(None)
     else:
         n1, n2 = est_plan.probes
         figures = extend_all(run(n1), run(n2), n1, n2, est_plan.layers)
+    differences, notes = _differences(doc, spec, keep_input, figures.pop("stack.fused_experts", 0))
     phases = {k: figures[k] for k in PHASES}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec, target)
+    if keep_input:
+        method += (
+            f"; bitsandbytes {doc.get('software', 'bitsandbytes').value} as declared: each 4-bit layer keeps its "
+            "input for backward (MatMul4Bit before 0.43.2)"
+        )
     if (chosen := model_class(config)) is not None and chosen.multimodal:  # stack.build: the class the config calls for
         method += f"; {MULTIMODAL_LIMIT}"
     at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
@@ -395,9 +416,54 @@ def estimate(
         target,
         time.perf_counter() - started,
         method,
+        notes=notes,
         at_peak=at_peak,
         figures=figures,
+        stack=installed_stack(),
+        differences=differences,
     )
+
+
+def _keeps_4bit_input(doc: Document, spec: Any) -> bool:
+    """Model bitsandbytes < 0.43.2's MatMul4Bit (input kept for backward): declared, or installed when undeclared."""
+    from ledgerspec.contract.differences import OLDER
+    from ledgerspec.derivations.stack.versions import declared_side, installed_side
+
+    if spec.quant is None:
+        return False
+    key = "bitsandbytes-4bit-matmul-input"
+    return (declared_side(doc, key) or installed_side(key)) == OLDER
+
+
+def _differences(
+    doc: Document, spec: Any, keep_input: bool, fused_experts: int
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The known stack differences that apply to this estimate, with the side it computed, and notes to print."""
+    from ledgerspec.contract.differences import BY_ID, NEWER, OLDER
+    from ledgerspec.derivations.stack.versions import declared_side, installed_side, record
+
+    out: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    if spec.quant is None:
+        return out, notes
+    key = "bitsandbytes-4bit-matmul-input"
+    out[key] = record(OLDER if keep_input else NEWER)
+    if keep_input and installed_side(key) == NEWER:
+        d = BY_ID[key]
+        notes.append(f"modelled the declared {d.span(OLDER)}: {d.older} [{key}]")
+    if fused_experts:
+        key = "transformers-moe-fused-experts"
+        side = installed_side(key)
+        out[key] = record(side, fused_experts if side == NEWER else None)
+        if declared_side(doc, key) not in (None, side):
+            d = BY_ID[key]
+            notes.append(
+                f"software.transformers declares {doc.get('software', 'transformers').value}: {d.older}; this "
+                f"estimate ran transformers {installed_stack().get('transformers')}: {d.newer} (frozen base "
+                f"{'+' if fused_experts < 0 else '-'}{format_size(abs(fused_experts))} against the declared stack; "
+                f"not modelled) [{key}]"
+            )
+    return out, notes
 
 
 def _check_intake(doc: Document) -> None:
@@ -469,6 +535,9 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
         if from_flag:
             changes.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
         changes.append(set_plain(doc, ("result", "fits"), verdict.fits, force=True))
+    block["stack"] = dict(est.stack)
+    if est.differences:
+        block["differences"] = {k: dict(v) for k, v in est.differences.items()}
     block["inputs"] = digests(doc, WORKLOAD_INPUTS)  # what it was estimated from: `validate` notices edits (LS006)
     changes.append(set_extension(doc, ("x-estimate",), block))
     changes.append(write_subtotal(doc))  # now with activations, as `resolve` would write it

@@ -15,7 +15,9 @@ allocates what its CUDA kernels allocate:
   (``_dequant_linear_fallback``): the nested absmax dequantized to fp32 and offset (two fp32 vectors),
   the dense ``(out, in)`` weight in the compute dtype, then ``F.linear``. Below 1536 rows the fused
   kernel may skip the dense temporary on some GPUs; the estimate always counts it (an upper bound of
-  one weight matrix at a time). Nothing is saved for backward but the (frozen) packed weight;
+  one weight matrix at a time). Nothing is saved for backward but the (frozen) packed weight; with
+  ``keep_input`` (a declared bitsandbytes < 0.43.2, :mod:`ledgerspec.contract.differences`) the input in the
+  compute dtype too, as ``ctx.tensors = (A, B)`` kept it until the graph is released;
 - backward (``MatMul4Bit.backward``): ``dequantize_4bit`` (the nested absmax in fp32, the dense weight
   in the weight's original dtype, cast to the gradient dtype when it differs) and ``grad @ W``.
 """
@@ -45,6 +47,8 @@ def _fake_4bit_classes() -> tuple[Any, Any]:
             out = torch.nn.functional.linear(x, dense, layer.bias)
             del dense, temps
             ctx.layer = layer
+            if layer.keep_input and ctx.needs_input_grad[0]:  # bitsandbytes < 0.43.2: ctx.tensors = (A, B)
+                ctx.kept_input = x
             ctx.grad_dtype = x.dtype
             return out
 
@@ -66,8 +70,9 @@ def _fake_4bit_classes() -> tuple[Any, Any]:
     class Fake4bitLinear(torch.nn.Module):
         """A ``bnb.nn.Linear4bit`` as bytes: packed weight + quantization state, CUDA temporaries in forward."""
 
-        def __init__(self, src: Any, weight_dtype: Any) -> None:
+        def __init__(self, src: Any, weight_dtype: Any, keep_input: bool = False) -> None:
             super().__init__()
+            self.keep_input = keep_input
             from ledgerspec.derivations.stack.bnb_storage import bnb4_bytes
 
             w = src.weight
@@ -118,8 +123,9 @@ def fake_4bit_linear_class() -> Any:
     return _CLASSES[0]
 
 
-def model_4bit_layers(model: Any, weight_dtype: Any) -> int:
-    """Replace every ``bnb.nn.Linear4bit`` in ``model`` (on meta) by :class:`Fake4bitLinear`; returns how many."""
+def model_4bit_layers(model: Any, weight_dtype: Any, keep_input: bool = False) -> int:
+    """Replace every ``bnb.nn.Linear4bit`` in ``model`` (on meta) by :class:`Fake4bitLinear`; returns how many.
+    ``keep_input``: the layers keep their input for backward (bitsandbytes < 0.43.2)."""
     quiet_bitsandbytes()
     import bitsandbytes as bnb
 
@@ -128,6 +134,6 @@ def model_4bit_layers(model: Any, weight_dtype: Any) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, bnb.nn.Linear4bit):
-                setattr(parent, name, cls(child, weight_dtype))
+                setattr(parent, name, cls(child, weight_dtype, keep_input))
                 count += 1
     return count

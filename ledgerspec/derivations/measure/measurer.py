@@ -30,12 +30,12 @@ from ledgerspec.contract.document import Document, from_text
 from ledgerspec.contract.edit import remove, remove_keys, set_extension, set_figure, set_plain
 from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
 from ledgerspec.contract.units import format_size
+from ledgerspec.derivations.stack.versions import installed_stack
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
 PROTOCOL = "ledgerspec-measure/1"
 #: relative tolerance within which a measured static component "matches" the calculated one
 MATCH_TOLERANCE = 0.01
-SOFTWARE_PACKAGES = ("torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate")
 
 
 class MeasurementCrash(RuntimeError):
@@ -113,14 +113,7 @@ def run_request(req: Request) -> ChildOutput:
 
 def software_versions(workload: Any, device: str) -> dict[str, str]:
     """The versions of the running stack (only those that are installed / apply)."""
-    from importlib import metadata
-
-    out: dict[str, str] = {}
-    for name in SOFTWARE_PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
+    out = installed_stack()
     import torch
 
     if device == "cuda":

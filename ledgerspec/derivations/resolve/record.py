@@ -74,12 +74,20 @@ class Record:
             changes.append(Change(pointer(*path), old, None))
         return changes
 
-    def finish(self) -> list[Change]:
-        """Drop stale values, then store ``x-resolve`` (what was written, and the input fingerprint)."""
+    def finish(
+        self, stack: dict[str, str] | None = None, differences: dict[str, dict[str, Any]] | None = None
+    ) -> list[Change]:
+        """Drop stale values, then store ``x-resolve``: what was written, the input fingerprint, the installed
+        ``stack`` the figures were computed with and the known ``differences`` that apply
+        (:mod:`ledgerspec.contract.differences`)."""
         changes = self.drop_stale()
         block: dict[str, Any] = {"inputs": digests(self.doc, RESOLVE_INPUTS)}
         if self.written:
             block["written"] = dict(self.written)
+        if stack:
+            block["stack"] = dict(stack)
+        if differences:
+            block["differences"] = {k: dict(v) for k, v in differences.items()}
         change = set_extension(self.doc, (EXTENSION,), block)
         return changes + ([change] if change is not None else [])
 

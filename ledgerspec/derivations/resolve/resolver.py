@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.edit import Change, set_extension, set_figure, set_plain
@@ -38,6 +39,7 @@ from ledgerspec.derivations.stack.optimizer_state import (
     state_bytes,
 )
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
+from ledgerspec.derivations.stack.versions import installed_stack
 
 
 @dataclass
@@ -69,8 +71,13 @@ class ResolveResult:
 
     @property
     def notes(self) -> list[str]:
-        """What the user should know about the figures (model class, coverage of adapters and quantization)."""
-        return list(self.census.notes)
+        """What the user should know about the figures (model class, coverage of adapters and quantization, the
+        declared stack's known differences)."""
+        from ledgerspec.contract.config import read
+        from ledgerspec.contract.differences import stack_differences
+
+        found = stack_differences(self.doc, read(self.doc).accepted_differences)
+        return [*self.census.notes, *(f"declared stack: {d.message()}" for d in found if d.record == "x-resolve")]
 
     @property
     def text(self) -> str:
@@ -240,8 +247,21 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
     if f.optimizer is not None:
         changes.append(set_figure(doc, ("ledger", "optimizer"), f.optimizer.device, "CALCULATED", m["optimizer"]))
     changes.append(write_subtotal(doc))
-    changes += record.finish()  # last: x-resolve fingerprints the inputs as written (adapter.dtype: mixed included)
+    # last: x-resolve fingerprints the inputs as written (adapter.dtype: mixed included)
+    changes += record.finish(installed_stack(), stack_differences_of(doc, c))
     return [ch for ch in changes if ch is not None]
+
+
+def stack_differences_of(doc: Document, c: Census) -> dict[str, dict[str, Any]]:
+    """The known stack differences that apply to these figures (:mod:`ledgerspec.contract.differences`)."""
+    from ledgerspec.derivations.stack.versions import installed_side, record
+
+    out: dict[str, dict[str, Any]] = {}
+    if c.fused_experts:
+        key = "transformers-moe-fused-experts"
+        side = installed_side(key)
+        out[key] = record(side, c.fused_experts if side == "newer" else None)
+    return out
 
 
 def _import_stack(progress: Progress, without_bitsandbytes: bool = False) -> None:

@@ -163,6 +163,8 @@ class Census:
     coverage: dict[str, Any] = field(default_factory=dict)
     #: findings for the user, each with its figures and a hint
     notes: list[str] = field(default_factory=list)
+    #: bnb4: transformers < 5's 4-bit per-expert size minus the fused experts' size here (``stack.versions``)
+    fused_experts: int = 0
 
     @property
     def trainable(self) -> list[TensorRecord]:
@@ -367,6 +369,11 @@ def census(
 
     cover = coverage(doc, peft_model, breakdown, quantized_ids, plan.kind)
     timings["count"] = time.perf_counter() - t
+    fused = 0
+    if plan.kind == "bnb4":
+        from ledgerspec.derivations.stack.versions import fused_experts_4bit_change
+
+        fused = fused_experts_4bit_change(peft_model, plan.double_quant, plan.storage_itemsize)
     arch = type(model).__name__
     return Census(
         arch,
@@ -380,6 +387,7 @@ def census(
         biases_in_compute_dtype=len(biases) if plan.kind == "bnb4" else 0,
         coverage=cover.figures,
         notes=[*source.notes, *cover.notes],
+        fused_experts=fused,
     )
 
 

@@ -166,6 +166,8 @@ def _print(est: Any, device: int | None) -> None:
             "  (allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)",
             file=out,
         )
+    for note in est.notes:  # the declared stack's known differences (docs: Declared stack)
+        print(printable(f"  stack: {note}"), file=out)
     print(f"  time: {est.seconds:.1f} s", file=out)
 
 

@@ -91,7 +91,7 @@ CASES = [
 ]
 
 
-def ledger_text(c: Case) -> str:
+def ledger_text(c: Case, software: str = "") -> str:
     quant = (
         "  quantized: true\n"
         + ("  prepare_for_kbit_training: true\n" if c.prepare else "")
@@ -108,7 +108,7 @@ identity:
   config_path: {c.arch}/config.json
 software:
   attention_implementation: sdpa
-method:
+{software}method:
   kind: {"QLoRA" if c.quant else "LoRA"}
   rank: 4
   alpha: 8
@@ -204,6 +204,44 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         phases = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
         truth.update(phases if not mode else {"memtracker_peak": phases["memtracker_peak"]})
     return {"case": c, "measured": load(measured), "estimated": load(estimated), "truth": truth}
+
+
+def _truth(case: dict[str, Any], folder: Path, *mode: str) -> dict[str, Any]:
+    case_file, out_file = folder / "case.json", folder / "truth.json"
+    case_file.write_text(json.dumps(case), encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, str(TRUTH), str(case_file), str(out_file), *mode], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    phases: dict[str, Any] = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
+    return phases
+
+
+def test_a_declared_bitsandbytes_before_0_43_2_is_modelled(tmp_path: Path) -> None:
+    """``software.bitsandbytes: 0.42.0`` on the installed 0.50: the estimate models 0.42's MatMul4Bit, which keeps
+    each 4-bit layer's input for backward. The truth: the real Trainer with the installed bitsandbytes patched to
+    0.43.1's ``ctx.tensors = (A, B)`` (tests/truths/trainer_run.py); the same Trainer unpatched is the other side."""
+    from tests.support import run_cli
+
+    c = Case("qlora-bitsandbytes-0.42", arch="tiny-qwen2", quant=True, mixed_precision="bf16")
+    shutil.copytree(DATA / "measure" / c.arch, tmp_path / c.arch)
+    declared = tmp_path / "declared.ledger.yaml"
+    declared.write_text(ledger_text(c, '  bitsandbytes: "0.42.0"\n'), encoding="utf-8")
+    installed = tmp_path / "installed.ledger.yaml"
+    installed.write_text(ledger_text(c), encoding="utf-8")
+    for path in (declared, installed):
+        code, _, err = run_cli("estimate", str(path), "--target", "cpu", "--full")
+        assert code == 0, err
+    old = _truth({**truth_case(c, tmp_path), "bitsandbytes_keeps_input": True}, tmp_path)
+    new = _truth(truth_case(c, tmp_path), tmp_path)
+    ahead = next_batch_bytes(c)
+    est_old, est_new = load(declared), load(installed)
+    for phase in STEP_PHASES:
+        assert est_old.get("x-estimate", "phases", phase).value == old[phase] - ahead, phase
+        assert est_new.get("x-estimate", "phases", phase).value == new[phase] - ahead, phase
+    assert old["backward_peak"] > new["backward_peak"]  # the kept inputs: a difference that could be missed
+    assert est_old.get("x-estimate", "differences", "bitsandbytes-4bit-matmul-input", "computed_as").value == "older"
+    assert "keeps its input for backward" in (est_old.get("ledger", "activations").method or "")
 
 
 def _measured(doc: Any, phase: str) -> int:

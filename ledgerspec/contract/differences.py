@@ -1,0 +1,149 @@
+"""Known memory-relevant differences between versions of the stack (docs: "The step users run", "Declared stack").
+
+A ledger declares its stack in ``software.*``; ledgerspec computes figures with the stack installed where it runs.
+Where the two sit on different sides of a version that changed memory, the figure is not the declared run's. Each
+difference is data: the package, the first version with the new behaviour, what the old and new versions hold, which
+figures it moves, and the upstream source.
+
+The derivations record, next to the figures they write (``x-resolve.differences``, ``x-estimate.differences``), the
+differences that apply to the model and configuration they computed: which side's behaviour the figures hold
+(``computed_as``) and, where it can be computed, by how many bytes the other side differs (``bytes``). The check
+(rule LS012, and the ladder's hold at CANDIDATE) compares that side with the version ``software.*`` declares now:
+pure, no I/O, no torch. ``software.accepted_differences`` lists the ids a user accepts as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ledgerspec.contract.document import Document
+
+#: where derivations record the differences of the figures they wrote
+RECORDS = ("x-resolve", "x-estimate")
+OLDER, NEWER = "older", "newer"
+
+
+@dataclass(frozen=True)
+class KnownDifference:
+    id: str
+    package: str  # the ``software.*`` key
+    changed_in: str  # the first version with the newer behaviour
+    older: str  # what versions before ``changed_in`` hold
+    newer: str  # what ``changed_in`` and later hold
+    figures: str  # which figures it moves
+    sources: tuple[str, ...]
+
+    def side(self, version: str) -> str | None:
+        """``older``/``newer`` for a version string (``0.42.0``, ``4.48``, ``2.13.0+cpu``); None if unreadable."""
+        v, edge = version_tuple(version), version_tuple(self.changed_in)
+        if v is None or edge is None:
+            return None
+        return NEWER if v >= edge else OLDER
+
+    def behaviour(self, side: str) -> str:
+        return self.older if side == OLDER else self.newer
+
+    def span(self, side: str) -> str:
+        return f"{self.package} < {self.changed_in}" if side == OLDER else f"{self.package} >= {self.changed_in}"
+
+
+KNOWN: tuple[KnownDifference, ...] = (
+    KnownDifference(
+        id="bitsandbytes-4bit-matmul-input",
+        package="bitsandbytes",
+        changed_in="0.43.2",
+        older="MatMul4Bit keeps each 4-bit layer's input (cast to the compute dtype) for backward "
+        "(`ctx.tensors = (A, B)`), until the step's autograd graph is released",
+        newer="MatMul4Bit keeps only the packed weight for backward (`ctx.tensors = (None, B)`)",
+        figures="activations and every phase peak of a QLoRA step (bitsandbytes 4-bit layers)",
+        sources=(
+            "https://github.com/bitsandbytes-foundation/bitsandbytes/pull/1270",
+            "bitsandbytes/autograd/_functions.py, MatMul4Bit.forward, at 0.43.1 and at 0.43.2",
+        ),
+    ),
+    KnownDifference(
+        id="transformers-moe-fused-experts",
+        package="transformers",
+        changed_in="5.0.0",
+        older="each expert's projections are `nn.Linear` modules (`experts[i].w1/w2/w3`) that bitsandbytes "
+        "quantizes to 4 bits",
+        newer="the experts are fused 3-D parameters (`experts.gate_up_proj`, `experts.down_proj`) that bitsandbytes' "
+        "`nn.Linear` replacement does not touch: they stay in the loaded dtype",
+        figures="the frozen base of a 4-bit MoE model, and every peak",
+        sources=(
+            "https://github.com/bitsandbytes-foundation/bitsandbytes/issues/1849",
+            "https://github.com/ModelTC/LightCompress/pull/451 (the Mixtral layouts of transformers < 5 and >= 5)",
+        ),
+    ),
+)
+
+BY_ID = {d.id: d for d in KNOWN}
+
+
+def version_tuple(text: str) -> tuple[int, ...] | None:
+    """The leading release numbers of a version string: ``0.43.2`` -> (0, 43, 2); ``5.0.0rc1`` -> (5, 0, 0);
+    ``4.48`` -> (4, 48, 0); anything else -> None."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text))
+    if m is None:
+        return None
+    parts = tuple(int(p) for p in m.group(1).split("."))
+    return (*parts, 0, 0, 0)[:3] if len(parts) < 3 else parts
+
+
+@dataclass(frozen=True)
+class StackDifference:
+    """A known difference between the declared stack and the one a record's figures were computed with."""
+
+    difference: KnownDifference
+    record: str  # x-resolve / x-estimate
+    declared: str  # the version software.* declares
+    computed_as: str  # older / newer: the behaviour the figures hold
+    bytes: int | None  # how much the declared side's figure differs (declared - computed), when known
+    accepted: bool
+
+    @property
+    def id(self) -> str:
+        return self.difference.id
+
+    def message(self) -> str:
+        d = self.difference
+        declared_side = OLDER if self.computed_as == NEWER else NEWER
+        size = ""
+        if self.bytes is not None:
+            from ledgerspec.contract.units import format_size
+
+            sign = "+" if self.bytes >= 0 else "-"
+            size = f"; with the declared stack it differs by {sign}{format_size(abs(self.bytes))}"
+        return (
+            f"{self.record} was computed with {d.span(self.computed_as)}, but software.{d.package} declares "
+            f"{self.declared}: there {d.behaviour(declared_side)} (moves {d.figures}{size}) [{d.id}]"
+        )
+
+
+def stack_differences(doc: Document, accepted: tuple[str, ...]) -> list[StackDifference]:
+    """The known differences between what ``software.*`` declares and what the recorded figures were computed as."""
+    out: list[StackDifference] = []
+    for record in RECORDS:
+        entries = doc.get(record, "differences").raw
+        if not isinstance(entries, dict):
+            continue
+        for key, entry in entries.items():
+            d = BY_ID.get(str(key))
+            if d is None or not isinstance(entry, dict):
+                continue
+            computed_as = entry.get("computed_as")
+            declared = doc.get("software", d.package)
+            if (
+                computed_as not in (OLDER, NEWER)
+                or declared.unknown
+                or not isinstance(declared.value, str | int | float)
+            ):
+                continue
+            side = d.side(str(declared.value))
+            if side is None or side == computed_as:
+                continue
+            raw = entry.get("bytes")
+            size = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+            out.append(StackDifference(d, record, str(declared.value), computed_as, size, d.id in accepted))
+    return out
