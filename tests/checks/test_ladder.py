@@ -504,3 +504,32 @@ def test_an_unknown_optimizer_name_needs_its_bits(optimizer: dict[str, Any], gap
     else:
         assert status == "INSUFFICIENT DATA"
         assert any(gap in r and "is not a known optimizer" in r for r in reasons), reasons
+
+
+# -- the declared stack ----------------------------------------------------------------------------
+
+
+def _on_another_stack(accepted: list[str] | None = None) -> dict[str, Any]:
+    """A CANDIDATE ledger whose estimate ran bitsandbytes >= 0.43.2 while it declares 0.42.0."""
+    d = candidate()
+    d.setdefault("software", {})["bitsandbytes"] = "0.42.0"
+    d["x-estimate"]["differences"] = {"bitsandbytes-4bit-matmul-input": {"computed_as": "newer", "bytes": 1 << 20}}
+    if accepted is not None:
+        d["software"]["accepted_differences"] = accepted
+    return d
+
+
+def test_figures_computed_on_another_stack_hold_below_candidate() -> None:
+    status, reasons = status_of(_on_another_stack())
+    assert status == "CALCULATED"
+    assert any("bitsandbytes-4bit-matmul-input" in r for r in reasons), reasons
+
+
+def test_an_accepted_stack_difference_no_longer_holds() -> None:
+    assert status_of(_on_another_stack(["bitsandbytes-4bit-matmul-input"]))[0] == "CANDIDATE"
+
+
+def test_a_declared_version_on_the_computed_side_holds_nothing() -> None:
+    d = _on_another_stack()
+    d["software"]["bitsandbytes"] = "0.43.2"
+    assert status_of(d)[0] == "CANDIDATE"

@@ -351,3 +351,34 @@ def test_breakdown_lists_each_target_with_its_shape_and_rank(tmp_path: Path) -> 
     assert (q.count, q.shape, q.rank, q.parameters) == (2, (64, 64), 8, 2 * 8 * (64 + 64))
     assert (k.shape, k.rank, k.parameters) == ((32, 64), 8, 2 * 8 * (64 + 32))  # GQA: 2 kv heads x 16
     assert (o.rank, o.parameters) == (2, 2 * 2 * (64 + 64))
+
+
+def test_a_declared_transformers_4_prices_its_quantized_linear_experts(tmp_path: Path) -> None:
+    """transformers < 5 built each Mixtral expert as three ``nn.Linear`` (w1, w3: hidden -> intermediate; w2 back)
+    that bitsandbytes quantized; 5.x fuses them into bf16 parameters it leaves alone. The recorded size of the
+    difference is the real 4-bit tensors (packed weight + quantization state, as bitsandbytes makes them) minus the
+    fused bf16 parameters transformers builds."""
+    import bitsandbytes.functional as bf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    case = next(c for c in CASES if c.id == "qlora-nf4-moe")
+    text = _document(case, tmp_path) + "software:\n  transformers: '4.48'\n"
+    result = resolve(from_text(text, str(tmp_path / "ledger.yaml")))
+
+    config = AutoConfig.from_pretrained(CONFIGS / "mixtral_tiny.json")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fused = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    per_expert = 0
+    for shape in [(inter, hidden), (inter, hidden), (hidden, inter)]:  # w1, w3, w2
+        packed, state = bf.quantize_4bit(
+            torch.randn(shape, dtype=torch.bfloat16), compress_statistics=True, quant_type="nf4"
+        )
+        holder = type("Holder", (), {"quant_state": state})()
+        per_expert += _storages([packed, *_quant_state_tensors(holder)])
+    quantized = config.num_hidden_layers * config.num_local_experts * per_expert
+
+    entry = result.doc.get("x-resolve", "differences").raw["transformers-moe-fused-experts"]
+    assert entry == {"computed_as": "newer", "bytes": quantized - fused}
+    assert any(n.startswith("declared stack:") and "declares 4.48" in n for n in result.notes), result.notes
