@@ -25,6 +25,11 @@ The setup translated (nothing fitted): config ``examples/configs/llama-3.2-3b`` 
 (``dtype: bfloat16``, no autocast: ``use_amp: false``), adapters in fp32 (``autocast_adapter_dtype: true``),
 torch AdamW (fp32 moments, as the trainable tensors), no gradient checkpointing (``use_gc: false``),
 ``torch.compile`` off, attention ``None`` = transformers' default SDPA, microbatch 4, no accumulation, no packing.
+The step (``run.train``): a hand-written loop, ``outputs = model(**batch, num_items_in_batch=...)``,
+``loss = outputs.loss``, ``loss.backward()`` with ``outputs`` still held, ``clip_grad_norm_`` at 1.0
+(``grad_norm_clip``), no autocast, the config's ``use_cache`` (true): ``training: {loop: custom,
+mixed_precision: "no", use_cache: true, max_grad_norm: 1.0}``. The ledger's custom loop keeps the logits through
+backward, not the rest of ``outputs``: the DynamicCache it also holds is reported below from first principles.
 Sequence length: batches are padded to their longest row; rows are truncated to ``max_seq_length`` = 768 tokens
 (``tokenize_with_answer``) after a 1,300-character filter. The runs do not record the longest row, so the
 headline estimate uses 768 (the cap: what a sizing ledger declares) and the range over 384-768 is reported too.
@@ -162,6 +167,7 @@ adapter: {{dtype: float32}}
 workload: {{max_length: {length}, microbatch: {BATCH}, gradient_accumulation: 1, packing: {str(packing).lower()}}}
 optimizer: {{name: adamw_torch}}
 memory_options: {{gradient_checkpointing: false}}
+training: {{loop: custom, mixed_precision: "no", use_cache: true, max_grad_norm: 1.0}}
 """
 
 
@@ -383,9 +389,11 @@ def write(shape: Shape, results: dict[str, tuple[Any, dict[int, Estimate]]], pac
         )
     lines += [
         "",
-        "## A loop behaviour the ledger cannot declare (first-principles bytes, NOT in the estimate)",
+        "## What the custom loop does not keep (first-principles bytes, NOT in the estimate)",
         "",
-        "`use_cache` is not turned off in PEFT's training forward: the DynamicCache keeps a copy of every "
+        "`use_cache` is not turned off in PEFT's training forward (`training.use_cache: true`), and its loop holds "
+        "the whole `outputs` through backward, while the ledger's custom loop keeps only the logits: the "
+        "DynamicCache keeps a copy of every "
         "layer's k/v; with the mask path that copy is no longer the tensor SDPA saves, so it adds "
         f"+{shape.kv_cache:,} B/token until the next step's forward returns.",
         "",
