@@ -7,7 +7,8 @@ Markers in the Markdown pages are replaced when the site is built:
   each rule's example validated now and the finding it really produces;
 - ``<!-- ledgerspec:gallery -->``: every file in ``examples/`` with its validation result and its HTML
   report (written next to the page as ``reports/NAME.html``);
-- ``<!-- ledgerspec:cli -->``: ``ledgerspec COMMAND --help`` for every command of this build.
+- ``<!-- ledgerspec:cli -->``: ``ledgerspec COMMAND --help`` for every command of this build;
+- ``<!-- ledgerspec:differences -->``: the known stack differences, from ``ledgerspec.contract.differences.KNOWN``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         "<!-- ledgerspec:rules -->": rules_markdown,
         "<!-- ledgerspec:gallery -->": gallery_markdown,
         "<!-- ledgerspec:cli -->": cli_markdown,
+        "<!-- ledgerspec:differences -->": differences_markdown,
     }
     for marker, make in generators.items():
         if marker in markdown:
@@ -153,6 +155,19 @@ def fields_markdown() -> str:
 # -- rule catalogue (from the registry, examples validated now) -------------------------------------
 def rule_example_document(example: str) -> str:
     return "ledgerspec: ledger/v1\n" + example.rstrip() + "\n"
+
+
+def differences_markdown() -> str:
+    from ledgerspec.contract.differences import KNOWN
+
+    out = ["| id | package | changed in | before | from that version | moves | sources |", "| --- " * 7 + "|"]
+    for d in KNOWN:
+        sources = "<br>".join(_cell(s) for s in d.sources)
+        out.append(
+            f"| `{d.id}` | {d.package} | {d.changed_in} | {_cell(d.older)} | {_cell(d.newer)} | "
+            f"{_cell(d.figures)} | {sources} |"
+        )
+    return "\n".join(out) + "\n"
 
 
 def rules_markdown() -> str:
