@@ -19,8 +19,9 @@ without double quantization. The step: LitGPT's own loop keeps the logits throug
 (``training.loop: custom``), no autocast (``bf16-true``: ``mixed_precision: "no"``), declared without clipping
 (clipping adds only per-tensor norm scalars). The nf4 rows run twice: with the installed bitsandbytes and with
 the run's ``software.bitsandbytes: 0.41.1`` declared, which the estimate models (``MatMul4Bit`` kept its input
-for backward before 0.43.2: docs "The step users run", known stack differences). The estimate runs transformers' Llama and PEFT's LoRA, not LitGPT's own model code:
-the known differences are listed in the section written by this script.
+for backward before 0.43.2: docs "The step users run", known stack differences). The estimate runs
+transformers' Llama and PEFT's LoRA, not LitGPT's own model code: the known
+differences are listed in the section written by this script.
 """
 
 from __future__ import annotations
