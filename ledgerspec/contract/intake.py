@@ -11,7 +11,7 @@ from ledgerspec.contract.document import Document
 from ledgerspec.contract.optimizers import OPTIMIZERS, suggest
 from ledgerspec.contract.values import Value
 
-#: the quantization fields a QLoRA intake must give ("4-bit" alone does not determine the base)
+#: the quantization fields a bitsandbytes 4-bit intake must give ("4-bit" alone does not determine the base)
 QLORA_FIELDS = ("type", "double_quant", "compute_dtype", "storage_dtype")
 
 
@@ -45,8 +45,11 @@ def minimum_intake_gaps(doc: Document) -> list[str]:
     need("method", "rank")
     need_one(("method", "target_modules"), ("method", "target_parameters"))
     need("base_model", "loaded_dtype")
-    if C.read(doc).quantized:
-        for key in QLORA_FIELDS:
+    q = C.read(doc).quantization
+    if q.quantized:
+        # a base another library quantized (GPTQ, AWQ, ...) or LLM.int8 has no double quantization, compute or
+        # storage dtype to declare: its type (and the checkpoint's quantization_config) determine the storage
+        for key in QLORA_FIELDS if q.scheme not in ("int8", *C.OTHER_SCHEMES) else ("type",):
             need(*C.QUANT, key)
     need("adapter", "dtype")
     need("workload", "microbatch")

@@ -159,6 +159,15 @@ def test_complete_qlora_reaches_calculated() -> None:
     assert status_of(qlora())[0] == "CALCULATED"
 
 
+@pytest.mark.parametrize("scheme", ["gptq", "awq", "int8"])
+def test_a_base_quantized_by_another_library_needs_only_its_type(scheme: str) -> None:
+    """GPTQ/AWQ checkpoints and LLM.int8 have no double quantization, compute or storage dtype to declare."""
+    d = with_change(qlora, ("base_model", "quantization"), {"type": scheme})
+    assert status_of(d)[0] == "CALCULATED"
+    status, reasons = status_of(with_change(lambda: d, ("base_model", "quantization", "type"), "UNKNOWN"))
+    assert status == "INSUFFICIENT DATA" and any("quantization.type" in r for r in reasons), reasons
+
+
 @pytest.mark.parametrize("key", ["type", "double_quant", "compute_dtype", "storage_dtype"])
 @pytest.mark.parametrize("how", [DELETE, "UNKNOWN"], ids=["missing", "UNKNOWN"])
 def test_each_qlora_quantization_field_is_minimum_intake(key: str, how: Any) -> None:

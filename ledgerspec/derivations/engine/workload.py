@@ -137,7 +137,12 @@ class WorkloadSpec:
             path = config.QUANT
             if not q.four_bit:
                 raise _err(
-                    doc, (*path, "type"), f"measure supports 4-bit nf4/fp4 quantization, got {q.type or 'nothing'!r}"
+                    doc,
+                    (*path, "type"),
+                    "the training step (estimate, measure, shard) simulates bitsandbytes 4-bit nf4/fp4 bases only, "
+                    f"not {q.type or 'nothing'!r}",
+                    "`ledgerspec resolve` sizes this base's storage exactly; its step is not simulated "
+                    "(see the Models page of the docs)",
                 )
             if q.double_quant is None:
                 raise _err(doc, (*path, "double_quant"), "base_model.quantization.double_quant must be true or false")
