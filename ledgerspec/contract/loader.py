@@ -352,7 +352,10 @@ def parse(text: str, display: str) -> Any:
             mark = exc.context_mark  # an unclosed quote or bracket: point at where it was opened
         message = " ".join(str(p) for p in (exc.context, exc.problem) if p) or "invalid YAML"
         hint = None
-        if "duplicate key" in message:
+        unclosed = _unclosed_flow(exc)
+        if unclosed is not None:
+            mark, message, hint = unclosed
+        elif "duplicate key" in message:
             message = "duplicate key " + _dup_key(exc)
             hint = "each key may appear once; remove or rename one"
         elif "\\t" in message or "'\\t'" in str(exc):
@@ -391,6 +394,24 @@ def _line_col_of_text(text: str, position: Any) -> tuple[int, int]:
         return 1, 1
     before = text[:position]
     return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
+
+
+def _unclosed_flow(exc: Any) -> tuple[Any, str, str] | None:
+    """A ``[`` or ``{`` left open: the parser stops at the first line that cannot continue it (the next key), one
+    line or more after the real mistake; point at the bracket instead, and say where the parser stopped."""
+    context, problem = str(exc.context or ""), exc.problem_mark
+    if not context.startswith("while parsing a flow") or exc.context_mark is None or problem is None:
+        return None
+    if problem.line <= exc.context_mark.line:
+        return None
+    kind = "sequence" if "sequence" in context else "mapping"
+    bracket, closing = ("[", "]") if kind == "sequence" else ("{", "}")
+    return (
+        exc.context_mark,
+        f"unclosed '{bracket}' (a flow {kind}): the parser reached line {problem.line + 1} without its "
+        f"'{closing}' ({exc.problem})",
+        f"close the {bracket}...{closing} on the line it opens, or write one item per line",
+    )
 
 
 def _dup_key(exc: MarkedYAMLError) -> str:

@@ -44,7 +44,8 @@ def _edit(old: str, new: str, text: str = LEDGER) -> str:
 
 #: name -> (ledger text, config.json text, the commands that must refuse it, a phrase of the message, line)
 DOCUMENTS: dict[str, tuple[str, str | None, tuple[str, ...], str, int | None]] = {
-    "yaml-syntax-error": (_edit("rank: 4", "rank: [4"), None, HEAVY, "flow sequence", 14),
+    # the unclosed bracket's own line (13), not the next key's, where the parser stops
+    "yaml-syntax-error": (_edit("rank: 4", "rank: [4"), None, HEAVY, "unclosed '[' (a flow sequence)", 13),
     "unknown-optimizer": (
         _edit("name: adamw_torch", "name: adamw_bogus"),
         None,
