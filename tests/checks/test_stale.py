@@ -416,3 +416,17 @@ def test_a_hand_written_value_equal_to_the_derived_one_stays_the_users(work: Pat
     assert doc.get("identity", "architecture").text() == "LlamaForCausalLM"
     assert "identity.architecture" not in doc.plain["x-resolve"]["written"]
     assert doc.plain["x-resolve"]["written"]["gradients.dtype"] == "float32"  # absent before: resolve wrote it
+
+
+def test_a_stamp_from_before_the_training_fields_still_matches_a_ledger_without_them() -> None:
+    """The fields of the step users run (``training.*``, ``base_model.module_dtypes``) are new inputs; a ledger
+    stamped before they existed, which does not write them, is not stale (its sections hash as they did)."""
+    old_inputs = {k: v for k, v in WORKLOAD_INPUTS.items() if k != "training"}
+    old_inputs["base_model"] = tuple(p for p in WORKLOAD_INPUTS["base_model"] if p != ("module_dtypes",))
+    doc = load(EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml")
+    assert not doc.get("training").present and not doc.get("base_model", "module_dtypes").present
+    assert digests(doc, old_inputs) == {k: v for k, v in digests(doc, WORKLOAD_INPUTS).items() if k != "training"}
+    stamped = json.dumps(digests(doc, old_inputs))
+    text = (EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml").read_text(encoding="utf-8")
+    old = from_text(text.split("\nx-estimate:")[0] + f"\nx-estimate:\n  inputs: {stamped}\n")
+    assert changed_sections(old, "x-estimate", WORKLOAD_INPUTS) == []
