@@ -1,0 +1,98 @@
+"""A real ``transformers.Trainer`` run on the CPU with ``LedgerCallback`` (one run per process: accelerate keeps
+global state). The model, adapters and data are the ground truth's (``tests/truths/trainer_run.py``: transformers
+builds the model, PEFT the adapters, the first step at the worst length, the others at the typical one).
+
+    python -m tests.derivations.integrations.callback_run CASE.json LEDGER OUT.json
+
+``CASE.json`` is a truth case plus ``callback`` (the callback's keyword arguments), ``break`` (``"optimizer"``: the
+optimizer's step raises a RuntimeError, a crashed run) and ``full`` (no adapters: a full fine-tune). ``OUT.json``
+gets what ``train()`` raised (or null) and the callback's ``failure``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+
+def main(argv: list[str]) -> int:
+    import torch
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from ledgerspec.integrations.transformers import LedgerCallback
+    from tests.truths.trainer_run import _dataset, _model
+
+    torch.set_num_threads(1)
+    case = json.loads(open(argv[1], encoding="utf-8").read())
+    work = tempfile.mkdtemp(prefix="ledgerspec-callback-")
+    if case.get("full"):  # a full fine-tune: no adapters, every parameter trained
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(case["config"])
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, case["loaded_dtype"]))
+        vocab = int(config.vocab_size)
+    else:
+        model = _model(case, os.path.join(work, "base"))
+        vocab = int(model.get_base_model().config.get_text_config().vocab_size)
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    args = TrainingArguments(
+        output_dir=os.path.join(work, "out"),
+        use_cpu=True,
+        bf16=case["mixed_precision"] == "bf16",
+        per_device_train_batch_size=case["microbatch"],
+        gradient_accumulation_steps=case["accumulation"],
+        max_steps=1 + case["steps"],
+        max_grad_norm=case["max_grad_norm"],
+        optim=case["optimizer"],
+        learning_rate=2e-4,
+        **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+    class Ordered(Trainer):
+        def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[arg-type]
+
+        def create_optimizer(self, *a: Any, **kw: Any) -> Any:
+            optimizer = super().create_optimizer(*a, **kw)
+            if case.get("break") == "optimizer":
+
+                def broken(*_: Any, **__: Any) -> None:
+                    raise RuntimeError("a bug in the user's optimizer")
+
+                optimizer.step = broken  # type: ignore[method-assign,assignment]
+            return optimizer
+
+    callback = LedgerCallback(argv[2], **case.get("callback", {}))
+    trainer = Ordered(
+        model=model,
+        args=args,
+        train_dataset=_dataset(case, vocab),
+        data_collator=default_data_collator,
+        callbacks=[callback],
+    )
+    raised = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.train()
+        except Exception as exc:
+            raised = f"{type(exc).__name__}: {exc}"
+    out = {"raised": raised, "failure": callback.failure, "steps": trainer.state.global_step}
+    with open(argv[3], "w", encoding="utf-8") as fh:
+        json.dump(out, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
