@@ -5,8 +5,9 @@ builds the model, PEFT the adapters, the first step at the worst length, the oth
     python -m tests.derivations.integrations.callback_run CASE.json LEDGER OUT.json
 
 ``CASE.json`` is a truth case plus ``callback`` (the callback's keyword arguments), ``break`` (``"optimizer"``: the
-optimizer's step raises a RuntimeError, a crashed run) and ``full`` (no adapters: a full fine-tune). ``OUT.json``
-gets what ``train()`` raised (or null) and the callback's ``failure``.
+optimizer's step raises a RuntimeError, a crashed run), ``full`` (no adapters: a full fine-tune),
+``no_callback`` (the same run without it) and ``device`` (``cuda``: the run on the GPU). ``OUT.json``
+gets what ``train()`` raised (or null), the callback's ``failure`` and each step's wall time.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import json
 import os
 import sys
 import tempfile
+import time
 import warnings
 from typing import Any
 
 
 def main(argv: list[str]) -> int:
     import torch
-    from transformers import Trainer, TrainingArguments, default_data_collator
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     from ledgerspec.integrations.transformers import LedgerCallback
     from tests.truths.trainer_run import _dataset, _model
@@ -43,7 +45,7 @@ def main(argv: list[str]) -> int:
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     args = TrainingArguments(
         output_dir=os.path.join(work, "out"),
-        use_cpu=True,
+        use_cpu=case.get("device", "cpu") == "cpu",
         bf16=case["mixed_precision"] == "bf16",
         per_device_train_batch_size=case["microbatch"],
         gradient_accumulation_steps=case["accumulation"],
@@ -73,13 +75,31 @@ def main(argv: list[str]) -> int:
                 optimizer.step = broken  # type: ignore[method-assign,assignment]
             return optimizer
 
-    callback = LedgerCallback(argv[2], **case.get("callback", {}))
+    class Timer(TrainerCallback):
+        """Wall time of each optimizer step (on_step_begin to on_step_end; CUDA synchronised)."""
+
+        def __init__(self) -> None:
+            self.t0 = 0.0
+            self.seconds: list[float] = []
+
+        def on_step_begin(self, *a: Any, **kw: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds.append(time.perf_counter() - self.t0)
+
+    timer = Timer()
+    callback = None if case.get("no_callback") else LedgerCallback(argv[2], **case.get("callback", {}))
     trainer = Ordered(
         model=model,
         args=args,
         train_dataset=_dataset(case, vocab),
         data_collator=default_data_collator,
-        callbacks=[callback],
+        callbacks=[timer] + ([callback] if callback is not None else []),
     )
     raised = None
     with warnings.catch_warnings():
@@ -88,7 +108,12 @@ def main(argv: list[str]) -> int:
             trainer.train()
         except Exception as exc:
             raised = f"{type(exc).__name__}: {exc}"
-    out = {"raised": raised, "failure": callback.failure, "steps": trainer.state.global_step}
+    out = {
+        "raised": raised,
+        "failure": callback.failure if callback is not None else None,
+        "steps": trainer.state.global_step,
+        "step_seconds": timer.seconds,
+    }
     with open(argv[3], "w", encoding="utf-8") as fh:
         json.dump(out, fh)
     return 0
