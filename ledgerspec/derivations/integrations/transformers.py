@@ -29,8 +29,10 @@ What a callback can and cannot observe (the protocol's phases):
 - An out-of-memory error in ``training_step`` (forward, loss, backward) or in the optimizer step is recorded with
   its phase and written before the exception propagates; the callback cannot see an error raised elsewhere (data
   loading, gradient clipping, evaluation): the run's own traceback is the report then.
-- Distributed runs: every rank measures itself, only rank 0 writes, and only its own figures (the per-rank
-  gathering of ``measure --nproc`` is not done by the callback).
+- Distributed runs (DDP under ``torchrun``/``accelerate launch``): every rank measures itself; when rank 0 writes,
+  it gathers every rank's result (``torch.distributed.gather_object``) and writes the worst rank per phase (never a
+  sum) and ``parallelism.per_rank_peak``, as ``measure --nproc`` does. An out-of-memory error on one rank is
+  written by rank 0 only, with its own figures (the other ranks are not there to gather).
 
 A failure of the callback itself (an unwritable path, a Trainer without PEFT adapters, ...) is logged once and the
 callback stops recording; training goes on. ``strict=True`` raises instead.
@@ -174,6 +176,9 @@ class Recorder:
         self.force = force
         self.active = False
         self.failure: str | None = None  # why the callback stopped recording
+        self.rank = 0
+        self.world = 1
+        self.gathering = False  # distributed: rank 0 gathers every rank's figures when it writes
         self.doc: Document | None = None
         self.backend: Any = None
         self.result: Any = None  # the ProtocolResult being filled
@@ -237,13 +242,33 @@ class Recorder:
     def begin(self, args: Any, state: Any, model: Any, optimizer: Any) -> None:
         self.active = True
         self.failure = None
-        if not getattr(state, "is_world_process_zero", True):
-            self.active = False  # only rank 0 writes; see the module docstring
-            return
+        self.rank = int(getattr(args, "process_index", 0) or 0)
         if model is None:
             raise LedgerspecError("the Trainer passed no model to the callback", self.path, rule="callback")
-        self._open_document(args, model)
+        if self.rank == 0:  # only rank 0 reads and writes the ledger
+            self._open_document(args, model)
+        else:
+            from ledgerspec.derivations.integrations.trainer_intake import peft_parts
+
+            peft_parts(model)
+            self._trainer = find_trainer(model)
         self._start_backend(args, model, optimizer)
+
+    def agree(self, args: Any) -> None:
+        """Distributed runs: every rank learns whether every rank's callback started (an all-gather; ranks that
+        disagree would wait for each other in the gathers later), and the callback gathers from then on."""
+        import torch.distributed as dist
+
+        world = int(getattr(args, "world_size", 1) or 1)
+        if world < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        flags: list[Any] = [None] * world
+        dist.all_gather_object(flags, self.active)
+        self.world = world
+        if not all(flags):
+            self._stop(f"the callback of rank(s) {[i for i, f in enumerate(flags) if not f]} did not start")
+            return
+        self.gathering = True
 
     def _open_document(self, args: Any, model: Any) -> None:
         from ledgerspec.contract.document import load, require_header
@@ -496,8 +521,6 @@ class Recorder:
         self.where = "step"
         b.set_context("inputs")
         b.reset_peak()
-        if self.save_every and global_step % self.save_every == 0:
-            self.write("every")
 
     def _held_ahead(self) -> int:
         """CPU: bytes of the batch tensors fetched before this step that none of its forwards received (the
@@ -535,7 +558,7 @@ class Recorder:
                 r.failed_categories = self.backend.peak_categories()
             if self.snapshot:
                 r.snapshot_path = self.backend.on_oom(str(os.path.splitext(self.path)[0]) + ".oom-snapshot.pickle")
-            self.write("out of memory")
+            self.write("out of memory", gather=False)
         except Exception as inner:
             log.warning(
                 "ledgerspec LedgerCallback (%s): recording the out-of-memory error failed: %s", self.path, inner
@@ -545,26 +568,63 @@ class Recorder:
             self._close()
 
     # -- writing -------------------------------------------------------------------------------------------------
-    def end(self) -> None:
-        self.write("train end")
-        self.active = False
-        self._close()
-
-    def write(self, why: str) -> None:
-        """Write what was measured so far into the ledger (atomically), as ``measure`` writes its result."""
-        from ledgerspec.contract.edit import set_extension, set_plain
-        from ledgerspec.contract.writer import save
-        from ledgerspec.derivations.measure.measurer import ChildOutput, software_versions, write_back
-
-        doc, r = self.doc, self.result
-        if doc is None or r is None:
+    def save_point(self, global_step: int, final: bool) -> None:
+        """Train end or every ``save_every`` steps. In a distributed run every rank takes part in the gather, also
+        a rank whose callback stopped (it sends nothing), so that none waits for another."""
+        due = final or bool(self.save_every and global_step % self.save_every == 0)
+        if not due:
             return
+        why = "train end" if final else "every"
+        if self.gathering:
+            try:
+                self.write(why)
+            except Exception as exc:
+                self._stop(f"{why}: {_message(exc)}")
+                if self.strict:
+                    raise CallbackFailure(self.failure) from exc
+        else:
+            self._guard(why, lambda: self.write(why))
+        if final:
+            self.active = False
+            self._close()
+
+    def _finish_result(self) -> None:
+        r = self.result
         with contextlib.suppress(Exception):
             r.device = self.backend.device_info()
         r.step_time_s = sum(self._times) / len(self._times) if self._times else None
         from ledgerspec.derivations.engine.protocol import _host_peak
 
         r.host_peak = _host_peak()
+
+    def write(self, why: str, gather: bool = True) -> None:
+        """Write what was measured so far into the ledger (atomically), as ``measure`` writes its result; in a
+        distributed run rank 0 gathers every rank's result first (``gather``) and writes them all."""
+        from ledgerspec.derivations.measure.measurer import software_versions
+
+        payload = None
+        if self.active and self.result is not None:
+            self._finish_result()
+            payload = {"result": self.result.to_json(), "software": software_versions(self._live, self.backend.name)}
+        ranks: list[tuple[int, dict[str, Any]]] = [(self.rank, payload)] if payload is not None else []
+        if self.gathering and gather:
+            import torch.distributed as dist
+
+            gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(payload, gathered, dst=0)
+            ranks = [(i, p) for i, p in enumerate(gathered or []) if p is not None]
+        if self.rank != 0 or not ranks or self.doc is None:
+            return
+        self._save(why, ranks)
+
+    def _save(self, why: str, ranks: list[tuple[int, dict[str, Any]]]) -> None:
+        from ledgerspec.contract.edit import set_extension, set_plain
+        from ledgerspec.contract.writer import save
+        from ledgerspec.derivations.engine.protocol import ProtocolResult
+        from ledgerspec.derivations.measure.measurer import ChildOutput, write_back
+
+        doc = self.doc
+        assert doc is not None
         if self.lengths:
             for key, value in (
                 ("max_length", max(self.lengths)),
@@ -574,9 +634,14 @@ class Recorder:
                     set_plain(doc, ("workload", key), value)
                     self.notes.append(f"workload.{key}: {value}, from the {len(self.lengths)} step(s) the callback saw")
         self._say_what_is_replaced()
-        software = software_versions(self._live, self.backend.name)
         command = f"LedgerCallback({self.path!r}) in {os.path.basename(sys.argv[0]) or 'python'} ({why})"
-        notes = write_back(doc, ChildOutput(r, software), command)
+        software = ranks[0][1]["software"]
+        if self.gathering:
+            notes = _write_ranks(
+                doc, [(i, ProtocolResult.from_json(p["result"])) for i, p in ranks], software, command, self.world
+            )
+        else:
+            notes = write_back(doc, ChildOutput(ProtocolResult.from_json(ranks[0][1]["result"]), software), command)
         set_extension(doc, ("x-callback",), self._extension(why))
         if self.settle is not None:
             self.settle(doc, self.keep_status)
@@ -617,6 +682,66 @@ class Recorder:
         }
 
 
+def _write_ranks(
+    doc: Document, ranks: list[tuple[int, Any]], software: dict[str, str], command: str, world: int
+) -> list[str]:
+    """A DDP run's ranks into ``doc``: phases and metrics of the worst rank per phase (never a sum, as ``measure
+    --nproc`` writes them, :func:`ledgerspec.derivations.measure.dist.worst_rank`), ``parallelism.per_rank_peak``
+    (one MEASURED figure per rank that reported, in rank order) and the per-rank phases in ``x-callback-per-rank``."""
+    from ledgerspec.contract.edit import remove_keys, set_extension, set_figure, set_plain
+    from ledgerspec.derivations.engine.protocol import PHASES
+    from ledgerspec.derivations.measure.dist import RankOutput, worst_rank
+    from ledgerspec.derivations.measure.measurer import ChildOutput, write_back
+
+    outs = [RankOutput(i, r, software) for i, r in ranks]
+    merged = worst_rank(outs)
+    notes = write_back(doc, ChildOutput(merged, software), command, compare=False)
+    # the single-device calculated subtotal does not describe a rank (DDP adds its gradient buckets)
+    remove_keys(doc, "comparison", ("calculated_subtotal", "measured_peak", "difference", "known_explanation"))
+    what = "torch.cuda.max_memory_allocated" if merged.backend == "cuda" else "tracked tensor bytes"
+    worst = max(o.peak for o in outs)
+    set_figure(
+        doc,
+        ("metrics", "peak_allocated"),
+        worst,
+        "MEASURED",
+        f"the worst of {len(outs)} DDP ranks (not a sum): maximum over the phases of {what}",
+        force=True,
+    )
+    peaks = [
+        {
+            "value": o.peak,
+            "source": "MEASURED",
+            "method": f"rank {o.rank} of {world}: maximum over the phases of {what}",
+        }
+        for o in outs
+    ]
+    p = ("parallelism",)
+    set_plain(doc, (*p, "gpu_count"), world, force=True)
+    set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
+    set_extension(
+        doc,
+        ("x-callback-per-rank",),
+        {
+            "world_size": world,
+            "ranks_reported": [o.rank for o in outs],
+            "method": "every rank measured itself with the callback; rank 0 gathered the results "
+            "(torch.distributed.gather_object) and wrote the worst rank per phase",
+            "ranks": [
+                {
+                    "rank": o.rank,
+                    "peak_allocated": o.peak,
+                    "phases": {n: o.result.phases[n].figure for n in PHASES if n in o.result.phases},
+                }
+                for o in outs
+            ],
+        },
+    )
+    if len(outs) < world:
+        notes.append(f"only ranks {[o.rank for o in outs]} of {world} reported (the others' callbacks stopped)")
+    return notes
+
+
 def _maximum(values: list[int], other: int | None) -> int | None:
     both = [*values, *([] if other is None else [other])]
     return max(both) if both else None
@@ -644,15 +769,20 @@ def callback_class(settle: Callable[[Document, bool], Any] | None = None) -> typ
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._guard("train begin", lambda: self.begin(args, state, kw.get("model"), kw.get("optimizer")))
+            try:
+                self.agree(args)
+            except Exception as exc:
+                self._stop(f"train begin: {_message(exc)}")
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._guard("step begin", self.step_begin)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._guard("step end", lambda: self.step_end(int(state.global_step)))
+            self.save_point(int(state.global_step), final=False)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self._guard("train end", self.end)
+            self.save_point(int(state.global_step), final=True)
 
     LedgerCallback.settle = staticmethod(settle) if settle is not None else None
     LedgerCallback.__module__ = "ledgerspec.integrations.transformers"

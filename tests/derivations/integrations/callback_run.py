@@ -114,7 +114,8 @@ def main(argv: list[str]) -> int:
         "steps": trainer.state.global_step,
         "step_seconds": timer.seconds,
     }
-    with open(argv[3], "w", encoding="utf-8") as fh:
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: one OUT file per rank
+    with open(argv[3] + (f".rank{rank}" if rank else ""), "w", encoding="utf-8") as fh:
         json.dump(out, fh)
     return 0
 

@@ -191,3 +191,46 @@ def test_a_full_fine_tune_gets_a_clear_message_and_strict_raises(tmp_path: Path)
     assert "full fine-tune" in out["failure"] and "get_peft_model" in out["failure"]
     strict = run_trainer(tmp_path, {**case(), "full": True, "callback": {"strict": True}})
     assert strict["raised"] is not None and strict["raised"].startswith("CallbackFailure")
+
+
+def test_two_ddp_ranks_on_gloo_are_gathered_by_rank_0(tmp_path: Path) -> None:
+    """``torchrun --nproc_per_node 2`` on the CPU (gloo; the Trainer wraps the model in DDP): every rank measures
+    itself, rank 0 gathers and writes the worst rank per phase and ``parallelism.per_rank_peak``. The independent
+    side: ``measure --device cpu`` of the same ledger (one process): DDP replicates the model, so the held phases
+    are equal on every rank, and rank 0's first forward (the two rows at the worst length) is the measured one."""
+    import socket
+
+    arch = "tiny-llama"
+    shutil.copytree(DATA / "measure" / arch, tmp_path / arch)
+    c = {**case(), "config": str(tmp_path / arch)}
+    case_file, ledger, out_file = tmp_path / "case.json", tmp_path / "run.ledger.yaml", tmp_path / "out.json"
+    case_file.write_text(json.dumps(c), encoding="utf-8")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    run = [*torchrun, "-m", "tests.derivations.integrations.callback_run", str(case_file), str(ledger), str(out_file)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("out.json", "out.json.rank1"):
+        out = json.loads((tmp_path / name).read_text(encoding="utf-8"))
+        assert out["raised"] is None and out["failure"] is None and out["steps"] == 3, out
+    doc = load(str(ledger))
+    per_rank = doc.get("x-callback-per-rank").value
+    assert per_rank["world_size"] == 2 and per_rank["ranks_reported"] == [0, 1]
+    peaks = doc.get("parallelism", "per_rank_peak").value
+    assert [p["source"] for p in peaks] == ["MEASURED", "MEASURED"]
+    assert [p["value"] for p in peaks] == [r["peak_allocated"] for r in per_rank["ranks"]]
+    assert doc.get("metrics", "peak_allocated").value == max(p["value"] for p in peaks)  # the worst rank, not a sum
+    assert doc.get("parallelism", "gpu_count").value == 2 and doc.get("parallelism", "strategy").value == "ddp"
+    code, out_text, err = run_cli("validate", str(ledger))
+    assert code == 0, out_text + err
+    shutil.copy(ledger, tmp_path / "m.ledger.yaml")
+    code, _, err = run_cli("measure", str(tmp_path / "m.ledger.yaml"), "--device", "cpu")
+    assert code == 0, err
+    ms = load(str(tmp_path / "m.ledger.yaml"))
+    rank0, rank1 = (r["phases"] for r in per_rank["ranks"])
+    for phase in ("after_load", "after_adapter_injection", "after_optimizer_init"):
+        assert rank0[phase] == rank1[phase] == ms.get("phases", phase).value, phase
+    assert rank0["forward_peak"] == ms.get("phases", "forward_peak").value
