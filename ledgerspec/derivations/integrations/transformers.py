@@ -132,6 +132,44 @@ def find_trainer(model: Any) -> Any:
         del frame
 
 
+#: what the callback compares between an existing ledger and the live run
+COMPARED = (
+    ("method", "kind"),
+    ("method", "rank"),
+    ("method", "alpha"),
+    ("method", "target_modules"),
+    ("method", "use_dora"),
+    ("base_model", "loaded_dtype"),
+    ("base_model", "quantized"),
+    ("adapter", "dtype"),
+    ("workload", "microbatch"),
+    ("workload", "gradient_accumulation"),
+    ("training", "mixed_precision"),
+    ("optimizer", "name"),
+    ("memory_options", "gradient_checkpointing"),
+)
+
+
+def declared_vs_live(doc: Document, live: Document) -> list[str]:
+    """The settings in which the ledger's declared configuration differs from the live objects' (both known;
+    ``target_modules: all-linear`` is not compared with the resolved names)."""
+    out = []
+    for path in COMPARED:
+        a, b = doc.get(*path), live.get(*path)
+        if not (a.known and b.known):
+            continue
+        va, vb = a.value, b.value
+        if isinstance(va, list) and isinstance(vb, list):
+            same = sorted(map(str, va)) == sorted(map(str, vb))
+        elif isinstance(va, str) and path == ("method", "target_modules"):
+            same = True  # a pattern or all-linear: the live list is its resolution
+        else:
+            same = str(va).lower() == str(vb).lower()
+        if not same:
+            out.append(f"{'.'.join(path)}: declared {va!r}, the run has {vb!r}")
+    return out
+
+
 def _tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     import torch
 
@@ -179,6 +217,7 @@ class Recorder:
         self.rank = 0
         self.world = 1
         self.gathering = False  # distributed: rank 0 gathers every rank's figures when it writes
+        self.differences: list[str] = []  # the existing ledger's configuration vs the live objects
         self.doc: Document | None = None
         self.backend: Any = None
         self.result: Any = None  # the ProtocolResult being filled
@@ -281,6 +320,14 @@ class Recorder:
         self._trainer = find_trainer(model)
         if os.path.exists(self.path):
             doc = require_header(load(self.path), "callback")
+            self.differences = declared_vs_live(doc, intake_from_objects(model, args, self.path))
+            if self.differences:
+                log.warning(
+                    "ledgerspec LedgerCallback (%s): the ledger declares another configuration than the run (%s); "
+                    "the figures written are the run's",
+                    self.path,
+                    "; ".join(self.differences),
+                )
             self._previous = {
                 name: doc.get("phases", name).value
                 for name in ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_peak")
@@ -674,6 +721,7 @@ class Recorder:
             "steps_seen": self.steps_done,
             "sequence_lengths": list(self.lengths),
             "batch_held_ahead": list(self.ahead),
+            **({"declared_vs_run": list(self.differences)} if self.differences else {}),
             "observed": (
                 "after_load, after_adapter_injection, after_optimizer_init: bytes held at on_train_begin (census of "
                 "the live model and optimizer); forward/backward/optimizer_step: the run's first optimizer step; "
@@ -795,4 +843,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CallbackFailure", "Recorder", "callback_class", "find_trainer", "optimizer_tensors"]
+__all__ = ["CallbackFailure", "Recorder", "callback_class", "declared_vs_live", "find_trainer", "optimizer_tensors"]

@@ -5,7 +5,7 @@ builds the model, PEFT the adapters, the first step at the worst length, the oth
     python -m tests.derivations.integrations.callback_run CASE.json LEDGER OUT.json
 
 ``CASE.json`` is a truth case plus ``callback`` (the callback's keyword arguments), ``break`` (``"optimizer"``: the
-optimizer's step raises a RuntimeError, a crashed run), ``full`` (no adapters: a full fine-tune),
+optimizer's step number ``break_at`` raises a RuntimeError, a crashed run), ``full`` (no adapters: a full fine-tune),
 ``no_callback`` (the same run without it) and ``device`` (``cuda``: the run on the GPU). ``OUT.json``
 gets what ``train()`` raised (or null), the callback's ``failure`` and each step's wall time.
 """
@@ -67,12 +67,16 @@ def main(argv: list[str]) -> int:
 
         def create_optimizer(self, *a: Any, **kw: Any) -> Any:
             optimizer = super().create_optimizer(*a, **kw)
-            if case.get("break") == "optimizer":
+            if case.get("break") == "optimizer":  # at optimizer step ``break_at`` (default: the first)
+                original, calls = optimizer.step, [0]
 
-                def broken(*_: Any, **__: Any) -> None:
-                    raise RuntimeError("a bug in the user's optimizer")
+                def broken(*a: Any, **kw: Any) -> Any:
+                    calls[0] += 1
+                    if calls[0] >= case.get("break_at", 1):
+                        raise RuntimeError("a bug in the user's optimizer")
+                    return original(*a, **kw)
 
-                optimizer.step = broken  # type: ignore[method-assign,assignment]
+                optimizer.step = broken  # type: ignore[method-assign]
             return optimizer
 
     class Timer(TrainerCallback):

@@ -73,6 +73,9 @@ CASES = {
     "qlora-prepared-bf16-accumulation-2": case(
         "tiny-qwen2", quant=QLORA, prepare_kbit=True, mixed_precision="bf16", accumulation=2, microbatch=1
     ),
+    "checkpointing-paged-adamw-8bit": case(
+        mixed_precision="bf16", gradient_checkpointing=True, optimizer="paged_adamw_8bit"
+    ),
 }
 
 
@@ -234,3 +237,57 @@ def test_two_ddp_ranks_on_gloo_are_gathered_by_rank_0(tmp_path: Path) -> None:
     for phase in ("after_load", "after_adapter_injection", "after_optimizer_init"):
         assert rank0[phase] == rank1[phase] == ms.get("phases", phase).value, phase
     assert rank0["forward_peak"] == ms.get("phases", "forward_peak").value
+
+
+LEDGER = """ledgerspec: ledger/v1
+# my notes: the run of Tuesday (a comment the write-back keeps)
+title: tiny llama, written by hand
+identity: {model_id: tests/tiny-llama, config_sha256: UNKNOWN, config_path: tiny-llama/config.json}
+software: {attention_implementation: sdpa}
+method: {kind: LoRA, rank: 4, alpha: 8, dropout: 0.0, target_modules: [q_proj, v_proj], bias: none}
+base_model: {loaded_dtype: bfloat16, quantized: false}
+adapter: {dtype: float32}
+workload: {max_length: 64, sequence_p50: 32, packing: false, microbatch: 2, gradient_accumulation: 2}
+training: {loop: trainer, mixed_precision: "no", max_grad_norm: 1.0}
+optimizer: {name: adamw_torch}
+memory_options: {gradient_checkpointing: false, checkpointing_kind: non-reentrant}
+"""
+
+
+def test_an_existing_ledger_keeps_its_configuration_and_replaced_figures_are_said(tmp_path: Path) -> None:
+    """A hand-written ledger measured by ``measure`` (MEASURED figures of another run), then a run whose first
+    forward goes over a simulated limit: the callback says which MEASURED figures it replaces or removes, and
+    where the declared configuration differs from the run (gradient_accumulation 2 declared, 1 run); the
+    configuration, the title and the user's comment stay."""
+    shutil.copytree(DATA / "measure" / "tiny-llama", tmp_path / "tiny-llama")
+    ledger = tmp_path / "run.ledger.yaml"
+    ledger.write_text(LEDGER, encoding="utf-8")
+    code, _, err = run_cli("measure", str(ledger), "--device", "cpu")
+    assert code == 0, err
+    before = load(str(ledger)).get("phases", "forward_peak").value
+    out = run_trainer(tmp_path, {**case(), "callback": {"memory_limit": 600_000}}, ledger)
+    assert out["raised"] is not None and "simulated out of memory" in out["raised"]
+    err = out["stderr"]
+    assert "replaces the MEASURED figures of an earlier measurement (ledgerspec measure" in err
+    assert f"forward_peak {before} B -> not measured by this run (removed)" in err
+    assert "workload.gradient_accumulation: declared 2, the run has 1" in err
+    text = ledger.read_text(encoding="utf-8")
+    assert "# my notes: the run of Tuesday" in text and "title: tiny llama, written by hand" in text
+    doc = load(str(ledger))
+    assert doc.get("workload", "gradient_accumulation").value == 2  # the declared configuration is the user's
+    assert doc.get("result", "oom").value is True and doc.get("result", "oom_phase").value == "forward"
+    assert doc.get("phases", "forward_peak").present is False
+    assert doc.get("x-callback").value["declared_vs_run"] == [
+        "workload.gradient_accumulation: declared 2, the run has 1"
+    ]
+
+
+def test_save_every_writes_during_the_run(tmp_path: Path) -> None:
+    """``save_every=1``: the ledger is written after each step, so a run that crashes at its second optimizer
+    step leaves the first step's figures (the crash itself writes nothing)."""
+    out = run_trainer(tmp_path, {**case(), "break": "optimizer", "break_at": 2, "callback": {"save_every": 1}})
+    assert out["raised"] == "RuntimeError: a bug in the user's optimizer"
+    assert "the run failed in phase optimizer_step" in out["failure"]
+    doc = load(str(tmp_path / "run.ledger.yaml"))
+    assert doc.get("x-callback").value["written_at"] == "every" and doc.get("x-callback").value["steps_seen"] == 1
+    assert doc.get("phases", "optimizer_step_peak").known and not doc.get("phases", "steady_state_peak").present
