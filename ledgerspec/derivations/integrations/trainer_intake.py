@@ -200,6 +200,11 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None) -> Doc
         b.set(path, world, "trainer.args.world_size (the launcher's ranks)")
     if not getattr(args, "fsdp", None) and not getattr(args, "deepspeed", None):
         b.set(("memory_options", "sharding"), "none", "trainer.args: no fsdp, no deepspeed")
+    b.unknown(
+        ("workload", "max_length"),
+        "the Trainer's objects hold no sequence length (TRL's SFTConfig.max_length does): LedgerCallback fills it "
+        "from the longest batch it sees; else give your tokenizer's truncation length",
+    )
     args_dump = {k: v for k, v in _plain_dict(args.to_dict()).items() if not k.startswith("_")}
     hf.training_args(_source("trainer.args", "training-args", args_dump), b)
     if world > 1 and b.value(("memory_options", "sharding")) in (None, "none"):
