@@ -140,7 +140,6 @@ COMPARED = (
     ("method", "target_modules"),
     ("method", "use_dora"),
     ("base_model", "loaded_dtype"),
-    ("base_model", "quantized"),
     ("adapter", "dtype"),
     ("workload", "microbatch"),
     ("workload", "gradient_accumulation"),
