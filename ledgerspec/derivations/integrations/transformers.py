@@ -393,9 +393,15 @@ class Recorder:
         b = self.backend
         live = self._live
         counts = census(live.model, live.optimizer, b.census_device)
-        base = counts["frozen_params"] + counts["buffers"] + counts["quant_state"]
-        adapters = base + counts["adapter"]
         known = census_storages(live.model, live.optimizer, b.census_device)
+        # on CUDA the caching allocator rounds every block up to 512 B (c10/cuda/CUDACachingAllocator.cpp,
+        # kMinBlockSize), and memory_allocated counts the rounded blocks: the census is rounded the same way
+        unit = 512 if b.name == "cuda" else 1
+        rounded = dict.fromkeys(counts, 0)
+        for cat, n in known.values():
+            rounded[cat] += -(-n // unit) * unit
+        base = rounded["frozen_params"] + rounded["buffers"] + rounded["quant_state"]
+        adapters = base + rounded["adapter"]
         extra = 0  # optimizer tensors outside its state (bitsandbytes' maps)
         seen: set[int] = set()
         for t in optimizer_tensors(live.optimizer):
@@ -404,8 +410,8 @@ class Recorder:
             key = storage_key(t)
             if key not in known and key not in seen:
                 seen.add(key)
-                extra += int(t.untyped_storage().nbytes())
-        with_optimizer = adapters + counts["optimizer"] + extra
+                extra += -(-int(t.untyped_storage().nbytes()) // unit) * unit
+        with_optimizer = adapters + rounded["optimizer"] + extra
         if b.name == "cuda":  # the allocator's own figure: every tensor on the device now
             with_optimizer = b.current()
         for name, held in (
