@@ -211,8 +211,12 @@ class Recorder:
         self.snapshot = snapshot
         self.keep_status = keep_status
         self.force = force
-        self.active = False
         self.failure: str | None = None  # why the callback stopped recording
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state of one ``train()`` call (a callback may see several)."""
+        self.active = False
         self.rank = 0
         self.world = 1
         self.gathering = False  # distributed: rank 0 gathers every rank's figures when it writes
@@ -278,6 +282,8 @@ class Recorder:
 
     # -- train begin ---------------------------------------------------------------------------------------------
     def begin(self, args: Any, state: Any, model: Any, optimizer: Any) -> None:
+        self._close()
+        self._reset()
         self.active = True
         self.failure = None
         self.rank = int(getattr(args, "process_index", 0) or 0)
@@ -427,7 +433,13 @@ class Recorder:
         self._hooks.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._post_forward))
         trainer = self._trainer
-        if trainer is not None:
+        if trainer is None:
+            log.warning(
+                "ledgerspec LedgerCallback (%s): no transformers.Trainer called this callback: only the phases held "
+                "at train begin are recorded (the step phases need Trainer.training_step)",
+                self.path,
+            )
+        else:
             original = trainer.training_step
 
             def training_step(*a: Any, **kw: Any) -> Any:
