@@ -5,9 +5,10 @@ builds the model, PEFT the adapters, the first step at the worst length, the oth
     python -m tests.derivations.integrations.callback_run CASE.json LEDGER OUT.json
 
 ``CASE.json`` is a truth case plus ``callback`` (the callback's keyword arguments), ``break`` (``"optimizer"``: the
-optimizer's step number ``break_at`` raises a RuntimeError, a crashed run), ``full`` (no adapters: a full fine-tune),
-``no_callback`` (the same run without it) and ``device`` (``cuda``: the run on the GPU). ``OUT.json``
-gets what ``train()`` raised (or null), the callback's ``failure`` and each step's wall time.
+optimizer's step number ``break_at`` raises a RuntimeError, a crashed run), ``full`` (no adapters: a full
+fine-tune), ``training_args`` (more TrainingArguments), ``no_callback`` (the same run without it) and ``device``
+(``cuda``: the run on the GPU). ``OUT.json`` gets what ``train()`` raised (or null), the callback's ``failure`` and
+each step's wall time.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main(argv: list[str]) -> int:
         logging_strategy="no",
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **case.get("training_args", {}),
     )
 
     class Ordered(Trainer):
