@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.contract.imports import hf
+from ledgerspec.contract.imports import hf, shipped
 from ledgerspec.contract.imports.builder import Builder
 from ledgerspec.contract.imports.common import QUANTIZED, is_off
 from ledgerspec.contract.imports.source import Source
@@ -252,12 +252,21 @@ def _identity(b: Builder, config: Any, lora: Any, output: str | None) -> None:
     if isinstance(archs, list | tuple) and archs:
         b.set(("identity", "architecture"), str(archs[0]), "trainer.model.config.architectures")
     folder = local_config_folder(config)
+    here = Path(output).resolve().parent if output else Path.cwd()
     if folder is not None:
-        here = Path(output).resolve().parent if output else Path.cwd()
         rel = os.path.relpath(folder.resolve(), here).replace(os.sep, "/")
         b.set(("identity", "config_path"), rel, "the local folder the model's config was read from")
         digest = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
         b.set(("identity", "config_sha256"), digest, "sha256 of that config.json (the pin resolve checks)")
+    elif name:
+        found = shipped.find(str(name), shipped.default_dirs())  # a Hub id: ledgerspec's copy of its config
+        if found is not None:
+            rel = os.path.relpath(found.parent.resolve(), here).replace(os.sep, "/")
+            b.set(
+                ("identity", "config_path"),
+                rel,
+                f"ledgerspec's shipped copy of {name}'s published config.json (resolve reads it offline)",
+            )
     impl = getattr(config, "_attn_implementation", None)
     if impl:
         b.set(("software", "attention_implementation"), str(impl), "trainer.model.config._attn_implementation")

@@ -199,3 +199,21 @@ def test_a_trainer_without_peft_is_a_clear_error(tmp_path: Path) -> None:
         ledgerspec.intake_from_trainer(trainer)
     with pytest.raises(LedgerspecError, match="not a transformers Trainer"):
         ledgerspec.intake_from_trainer(object())
+
+
+def test_a_hub_model_points_at_the_shipped_config(tmp_path: Path) -> None:
+    """A model loaded from the Hub (``_name_or_path`` is its repository, not a folder) gets ledgerspec's shipped copy
+    of that repository's published config (examples/configs/SOURCES.md), so ``resolve`` runs offline."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    config = AutoConfig.from_pretrained(DATA / "measure" / "tiny-qwen2")
+    config._name_or_path = "Qwen/Qwen2.5-14B"  # as from_pretrained("Qwen/Qwen2.5-14B") sets it
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    doc = ledgerspec.intake_from_trainer(trainer, str(tmp_path / "live.intake.yaml"))
+    assert doc.get("identity", "model_id").value == "Qwen/Qwen2.5-14B"
+    shipped = (tmp_path / str(doc.get("identity", "config_path").value)).resolve()
+    assert shipped == (DATA.parent.parent / "examples" / "configs" / "qwen2.5-14b").resolve()
