@@ -36,4 +36,12 @@ def resolve(doc: Document, **options: Any) -> Any:
     return _resolve(doc, **options)
 
 
-__all__ = ["__version__", "load", "resolve", "validate"]
+def intake_from_trainer(trainer: Any, output: str | None = None) -> Document:
+    """The ``intake/v1`` of a live ``transformers.Trainer`` (model, PEFT adapters, quantization, dtypes,
+    ``TrainingArguments``), every value with where it was read (needs ``[resolve]``)."""
+    from ledgerspec.derivations.integrations.trainer_intake import intake_from_trainer as _intake
+
+    return _intake(trainer, output)
+
+
+__all__ = ["__version__", "intake_from_trainer", "load", "resolve", "validate"]

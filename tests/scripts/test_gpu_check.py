@@ -121,7 +121,15 @@ def test_gpu_check_skips_the_bitsandbytes_rows_with_a_note_and_writes_one_table(
 
     monkeypatch.setattr(mod, "cli", cli)
     monkeypatch.setattr(mod, "row", row)
+    callback_runs: list[bool] = []  # the LedgerCallback check (benchmarks/callback_overhead.py) needs a real GPU
+
+    def callback_check() -> list[str]:
+        callback_runs.append(True)
+        return []
+
+    monkeypatch.setattr(mod, "callback_check", callback_check)
     assert mod.main([]) == 0
+    assert callback_runs == [True]
     measured = {Path(a[1]).name for a in ran if a[0] == "measure"}
     assert measured == {"lora-gc-off.yaml", "lora-gc-on.yaml"}
     report = (tmp_path / "results" / "gpu-check.md").read_text()

@@ -1,0 +1,320 @@
+"""The intake of a live ``transformers.Trainer``: what its objects say, each value with where it was read.
+
+:func:`intake_from_trainer` reads the trainer's model (the model's config, the PEFT adapters as injected, the
+quantization config, the dtypes of the real parameters) and its ``TrainingArguments`` and returns an
+``intake/v1`` document. The ``TrainingArguments`` and the PEFT ``LoraConfig`` go through the same mapping as
+``ledgerspec import`` of their JSON dumps (:mod:`ledgerspec.contract.imports.hf`: ``args.to_dict()`` and
+``peft_config.to_dict()`` are those dumps), so an import and a live read agree; what only the live objects know
+is read first and wins:
+
+- ``method.target_modules``: the modules PEFT really adapted (``all-linear`` and regular expressions resolved):
+  their last name component when that picks exactly the same modules, else their full names;
+- ``base_model.loaded_dtype``: the model config's ``dtype`` (what ``from_pretrained``/``from_config`` loaded),
+  else the frozen parameters' dtype; ``adapter.dtype``: the dtype of the real LoRA weights;
+- ``base_model.prepare_for_kbit_training``: PEFT's ``prepare_model_for_kbit_training`` casts every 16-bit
+  parameter that is not a 4-bit weight to float32 (peft/utils/other.py, PEFT 0.21): a quantized 16-bit base whose
+  other frozen parameters are all float32 had it;
+- ``software.attention_implementation``: ``config._attn_implementation``; ``identity.revision``: the config's
+  ``_commit_hash`` (a Hub download), else PEFT's ``revision``; ``identity.config_path``: the folder the config was
+  read from, when it is a local folder with a ``config.json``;
+- ``parallelism.gpu_count`` and ``workload.dp_world_size``: ``args.world_size`` (the launcher's ranks).
+
+Values read from the objects are plain values (provenance CONFIGURATION) with a comment naming the attribute;
+the tools' defaults are never needed (a live object holds every setting). ``workload.max_length`` is UNKNOWN for a
+plain ``TrainingArguments`` (they hold no sequence length; TRL's ``SFTConfig.max_length`` does): the
+``LedgerCallback`` fills it from the batches it sees.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from ledgerspec.contract.document import Document, from_text
+from ledgerspec.contract.imports import hf, shipped
+from ledgerspec.contract.imports.builder import Builder
+from ledgerspec.contract.imports.common import QUANTIZED, is_off
+from ledgerspec.contract.imports.source import Source
+from ledgerspec.errors import EXIT_USAGE, LedgerspecError
+
+RULE = "trainer-intake"
+#: the minimum intake (written UNKNOWN when the objects do not tell)
+MINIMUM = (
+    ("identity", "model_id"),
+    ("identity", "revision"),
+    ("method", "kind"),
+    ("method", "rank"),
+    ("method", "target_modules"),
+    ("base_model", "loaded_dtype"),
+    ("adapter", "dtype"),
+    ("workload", "microbatch"),
+    ("workload", "max_length"),
+    ("optimizer", "name"),
+    ("memory_options", "gradient_checkpointing"),
+)
+
+
+def _error(message: str, hint: str) -> LedgerspecError:
+    return LedgerspecError(message, "<trainer>", rule=RULE, hint=hint, exit_code=EXIT_USAGE)
+
+
+def _dtype(d: Any) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def peft_parts(model: Any) -> tuple[Any, Any, str]:
+    """The PEFT model, its active LoRA config and the adapter's name; a clear error for anything else."""
+    peft_model = model
+    for _ in range(4):  # DDP / accelerate wrappers keep the model in .module
+        if hasattr(peft_model, "peft_config"):
+            break
+        inner = getattr(peft_model, "module", None)
+        if inner is None:
+            break
+        peft_model = inner
+    configs = getattr(peft_model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        trainable = sum(int(p.numel()) for p in model.parameters() if p.requires_grad)
+        if trainable:
+            raise _error(
+                f"the Trainer's model has no PEFT adapters and {trainable} trainable parameters: a full fine-tune, "
+                "which ledgerspec does not size (it sizes LoRA/QLoRA fine-tunes)",
+                "wrap the model with peft.get_peft_model(model, LoraConfig(...)) before building the Trainer",
+            )
+        raise _error(
+            "the Trainer's model has no PEFT adapters (no peft_config) and nothing to train",
+            "wrap the model with peft.get_peft_model(model, LoraConfig(...)) before building the Trainer",
+        )
+    name = getattr(peft_model, "active_adapter", None)
+    name = name if isinstance(name, str) and name in configs else next(iter(configs))
+    cfg = configs[name]
+    kind = str(getattr(cfg, "peft_type", "LORA")).rsplit(".", 1)[-1].upper()
+    if kind != "LORA":
+        raise _error(
+            f"the Trainer's model holds a {kind} adapter: ledgerspec sizes LoRA adapters only",
+            "use a peft LoraConfig (QLoRA is LoRA on a bitsandbytes 4-bit base)",
+        )
+    return peft_model, cfg, name
+
+
+def adapted_modules(peft_model: Any, adapter: str) -> list[str]:
+    """The full names of the modules PEFT gave a LoRA adapter (``lora_A`` holds ``adapter``), in the base model."""
+    base = peft_model.get_base_model()
+    out = []
+    for name, module in base.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if lora_a is not None and hasattr(lora_a, "keys") and adapter in lora_a.keys():
+            out.append(name)
+    return out
+
+
+def target_names(peft_model: Any, adapter: str) -> list[str] | None:
+    """``method.target_modules`` for the modules really adapted: the last name components when they pick exactly
+    those modules (PEFT matches a plain name against the end of a module's name), else the full names."""
+    adapted = adapted_modules(peft_model, adapter)
+    if not adapted:
+        return None
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in adapted})
+    base = peft_model.get_base_model()
+    picked = {n for n, _ in base.named_modules() if n and n.rsplit(".", 1)[-1] in leaves}
+    return leaves if picked == set(adapted) else sorted(adapted)
+
+
+def _plain_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dump as JSON would hold it: enums as their values, sets as sorted lists."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, enum.Enum):
+            v = v.value
+        if isinstance(v, set | frozenset):
+            v = sorted(map(str, v))
+        out[k] = v
+    return out
+
+
+def _source(label: str, fmt: str, data: dict[str, Any]) -> Source:
+    return Source(label, fmt, data, data)
+
+
+def local_config_folder(config: Any) -> Path | None:
+    """The local folder the model's config was read from (``config._name_or_path``), if it holds a config.json."""
+    name = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+    if not isinstance(name, str) or not name:
+        return None
+    p = Path(name)
+    return p if p.is_dir() and (p / "config.json").is_file() else None
+
+
+def intake_from_trainer(trainer: Any, output: str | None = None) -> Document:
+    """The ``intake/v1`` of a live ``transformers.Trainer`` (or TRL trainer), read from its objects.
+
+    ``output``: where the intake (or the ledger made from it) will be written, so that ``identity.config_path``
+    is relative to it (None: the current folder). A model without PEFT LoRA adapters (a full fine-tune) is a
+    :class:`~ledgerspec.errors.LedgerspecError`. The findings (settings the ledger does not model) are in the
+    document's ``x-import``.
+    """
+    model = getattr(trainer, "model", None)
+    args = getattr(trainer, "args", None)
+    if model is None or args is None:
+        raise _error("not a transformers Trainer (no .model and .args)", "pass the Trainer you train with")
+    return intake_from_objects(model, args, output)
+
+
+def intake_from_objects(model: Any, args: Any, output: str | None = None) -> Document:
+    """:func:`intake_from_trainer` from the model and the ``TrainingArguments`` (what a callback receives)."""
+    peft_model, lora, adapter = peft_parts(model)
+    base = peft_model.get_base_model()
+    config = base.config
+    b = Builder()
+    origin = "trainer.model"
+    _identity(b, config, lora, output)
+    _dtypes(b, peft_model, base, config, adapter)
+    targets = target_names(peft_model, adapter)
+    lora_dump = _plain_dict(lora.to_dict())
+    if targets is not None:
+        lora_dump["target_modules"] = targets
+    # the settings PEFT defaults to that the dump holds as None/False/{} (a live config holds every key)
+    lora_dump = {k: v for k, v in lora_dump.items() if k in ("r", "lora_alpha", "lora_dropout") or not is_off(v)}
+    lora_dump.pop("base_model_name_or_path", None)
+    lora_dump.pop("revision", None)
+    hf.adapter_config(_source(f"{origin}.peft_config[{adapter!r}]", "adapter-config", lora_dump), b)
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        qd = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)
+        hf.quantization(
+            _source(f"{origin}.config", "model-config", {}), b, _plain_dict(qd), "config.quantization_config"
+        )
+    b.set(QUANTIZED, bool(b.value(QUANTIZED)), "config.quantization_config" if qc is not None else "no quantization")
+    quantized = bool(b.value(QUANTIZED))
+    b.set(
+        ("method", "kind"),
+        "QLoRA" if quantized else "LoRA",
+        f"{origin}: PEFT LoRA on a quantized base" if quantized else f"{origin}: PEFT LoRA",
+    )
+    _prepared(b, base, quantized)
+    world = int(getattr(args, "world_size", 1) or 1)
+    for path in (("parallelism", "gpu_count"), ("workload", "dp_world_size")):
+        b.set(path, world, "trainer.args.world_size (the launcher's ranks)")
+    if not getattr(args, "fsdp", None) and not getattr(args, "deepspeed", None):
+        b.set(("memory_options", "sharding"), "none", "trainer.args: no fsdp, no deepspeed")
+    b.unknown(
+        ("workload", "max_length"),
+        "the Trainer's objects hold no sequence length (TRL's SFTConfig.max_length does): LedgerCallback fills it "
+        "from the longest batch it sees; else give your tokenizer's truncation length",
+    )
+    args_dump = {k: v for k, v in _plain_dict(args.to_dict()).items() if not k.startswith("_")}
+    hf.training_args(_source("trainer.args", "training-args", args_dump), b)
+    if world > 1 and b.value(("memory_options", "sharding")) in (None, "none"):
+        b.set(("memory_options", "sharding"), "none", "trainer.args: no FSDP or DeepSpeed: DDP")
+        b.set(("parallelism", "strategy"), "ddp", "trainer.args: no FSDP or DeepSpeed")
+        for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
+            b.set(("parallelism", k), "replicated", "DDP: every rank holds a full copy")
+    for path in MINIMUM:
+        if path == ("method", "target_modules") and b.read_from_file(("method", "target_parameters")):
+            continue
+        if path == ("identity", "revision") and b.value(("identity", "config_sha256")):
+            continue  # the minimum intake needs one of the two
+        if path not in b.entries:
+            b.unknown(path, "the Trainer's objects do not tell: give it")
+    model_id, rank = b.value(("identity", "model_id")), b.value(("method", "rank"))
+    b.titles.append(
+        f"{model_id or 'a model'}, {'QLoRA' if quantized else 'LoRA'} r={rank}, read from a live transformers.Trainer"
+    )
+    b.tools.append(f"a live transformers.Trainer ({type(peft_model).__name__} over {type(base).__name__})")
+    for entry in b.entries.values():  # the importer's labels name files; here they are the live objects
+        for old, new in _ORIGINS:
+            if entry.origin.startswith(old):
+                entry.origin = new + entry.origin[len(old) :]
+    text = b.render().replace(_IMPORT_HEAD, _HEAD, 1)
+    return from_text(text, output or "<trainer>")
+
+
+_ORIGINS = (
+    ("adapter_config.json: ", "trainer.model.peft_config: "),
+    ("TrainingArguments: ", "trainer.args."),
+    ("SFTConfig: ", "trainer.args."),
+)
+_IMPORT_HEAD = '# Imported by `ledgerspec import` (mapping: docs "From your setup").'
+_HEAD = '# Read from a live Trainer by ledgerspec.intake_from_trainer (docs "From your setup").'
+
+
+def _identity(b: Builder, config: Any, lora: Any, output: str | None) -> None:
+    name = getattr(config, "_name_or_path", None) or getattr(lora, "base_model_name_or_path", None)
+    if name:
+        b.set(("identity", "model_id"), str(name), "trainer.model.config._name_or_path")
+    revision = getattr(config, "_commit_hash", None) or getattr(lora, "revision", None)
+    if revision:
+        b.set(("identity", "revision"), str(revision), "trainer.model.config._commit_hash (the Hub commit loaded)")
+    archs = getattr(config, "architectures", None)
+    if isinstance(archs, list | tuple) and archs:
+        b.set(("identity", "architecture"), str(archs[0]), "trainer.model.config.architectures")
+    folder = local_config_folder(config)
+    here = Path(output).resolve().parent if output else Path.cwd()
+    if folder is not None:
+        rel = os.path.relpath(folder.resolve(), here).replace(os.sep, "/")
+        b.set(("identity", "config_path"), rel, "the local folder the model's config was read from")
+        digest = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+        b.set(("identity", "config_sha256"), digest, "sha256 of that config.json (the pin resolve checks)")
+    elif name:
+        found = shipped.find(str(name), shipped.default_dirs())  # a Hub id: ledgerspec's copy of its config
+        if found is not None:
+            rel = os.path.relpath(found.parent.resolve(), here).replace(os.sep, "/")
+            b.set(
+                ("identity", "config_path"),
+                rel,
+                f"ledgerspec's shipped copy of {name}'s published config.json (resolve reads it offline)",
+            )
+    impl = getattr(config, "_attn_implementation", None)
+    if impl:
+        b.set(("software", "attention_implementation"), str(impl), "trainer.model.config._attn_implementation")
+
+
+def _dtypes(b: Builder, peft_model: Any, base: Any, config: Any, adapter: str) -> None:
+    import torch
+
+    loaded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(loaded, torch.dtype):
+        b.set(("base_model", "loaded_dtype"), _dtype(loaded), "trainer.model.config.dtype (the dtype loaded)")
+    else:
+        frozen = [p.dtype for p in base.parameters() if not p.requires_grad and p.dtype.is_floating_point]
+        if frozen:
+            b.set(("base_model", "loaded_dtype"), _dtype(frozen[0]), "the frozen parameters' dtype")
+    for name, p in peft_model.named_parameters():
+        if p.requires_grad and f".lora_A.{adapter}." in name:
+            b.set(("adapter", "dtype"), _dtype(p.dtype), "the dtype of the real LoRA weights")
+            break
+
+
+def _prepared(b: Builder, base: Any, quantized: bool) -> None:
+    """Whether PEFT's ``prepare_model_for_kbit_training`` ran, from the dtypes it leaves behind."""
+    import torch
+
+    if not quantized:
+        b.set(("base_model", "prepare_for_kbit_training"), False, "the base is not quantized")
+        return
+    loaded = b.value(("base_model", "loaded_dtype"))
+    if loaded not in ("bfloat16", "float16"):
+        b.unknown(
+            ("base_model", "prepare_for_kbit_training"),
+            "a float32 base looks the same with or without prepare_model_for_kbit_training: say whether it ran",
+        )
+        return
+    others = [
+        p.dtype
+        for p in base.parameters()
+        if not p.requires_grad and type(p).__name__ != "Params4bit" and p.dtype.is_floating_point
+    ]
+    prepared = bool(others) and all(d == torch.float32 for d in others)
+    b.set(
+        ("base_model", "prepare_for_kbit_training"),
+        prepared,
+        "the frozen non-4-bit parameters are float32 (PEFT's cast)"
+        if prepared
+        else f"the frozen parameters keep the loaded {loaded}: prepare_model_for_kbit_training did not run",
+    )
+
+
+__all__ = ["MINIMUM", "adapted_modules", "intake_from_objects", "intake_from_trainer", "target_names"]

@@ -1,0 +1,1 @@
+"""ledgerspec inside your own training script: :mod:`ledgerspec.integrations.transformers` (``LedgerCallback``)."""
