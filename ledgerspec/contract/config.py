@@ -278,7 +278,9 @@ def _strings(value: Value) -> tuple[str, ...]:
         return ()
     if isinstance(value.value, str):
         return (value.value,)
-    return tuple(str(v) for v in value.value or ())
+    if not isinstance(value.value, list | tuple):
+        return ()  # not a string or a list (the schema reports it): nothing is read from it
+    return tuple(str(v) for v in value.value)
 
 
 def _int(doc: Document, *path: str) -> int | None:
