@@ -115,6 +115,10 @@ def run_trainer(folder: Path, c: dict[str, Any], ledger: Path | None = None) -> 
     params=[pytest.param(name, id=name, marks=pytest.mark.xdist_group(f"callback-{name}")) for name in CASES],
 )
 def recorded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # under xdist the worker may interleave the cases' tests, which tears a module fixture down and sets it up
+    # again: each case's run is made once per worker
+    if request.param in _RECORDED:
+        return _RECORDED[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     out = run_trainer(folder, CASES[request.param])
     assert out["raised"] is None and out["failure"] is None, out
@@ -122,7 +126,15 @@ def recorded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     shutil.copy(folder / "run.ledger.yaml", measured)
     code, _, err = run_cli("measure", str(measured), "--device", "cpu")
     assert code == 0, err
-    return {"callback": load(str(folder / "run.ledger.yaml")), "measure": load(str(measured)), "folder": folder}
+    _RECORDED[request.param] = {
+        "callback": load(str(folder / "run.ledger.yaml")),
+        "measure": load(str(measured)),
+        "folder": folder,
+    }
+    return _RECORDED[request.param]
+
+
+_RECORDED: dict[str, dict[str, Any]] = {}
 
 
 def test_the_callback_ledger_validates(recorded: dict[str, Any]) -> None:
