@@ -97,9 +97,12 @@ class DistOutcome:
 def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: bool | None) -> dict[str, int]:
     from ledgerspec.derivations.shard import state as S
     from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import mixed_precision
 
     descs = document_descriptors(doc)
-    plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False)
+    mp = mixed_precision(doc)
+    gathered_dtype = mp.param_dtype if mp else None  # parallelism.mixed_precision_policy (issue 16)
+    plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False, param_dtype=gathered_dtype)
     rs = plan.ranks[rank]
     return {
         "frozen_base": rs.frozen_base,
@@ -108,7 +111,7 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
         "optimizer": rs.optimizer,
         "optimizer_host": rs.optimizer_host,
         "gathered": rs.gathered,
-        "kept_after_forward": S.kept_after_forward(S.unit_unsharded_bytes(descs, world), reshard),
+        "kept_after_forward": S.kept_after_forward(S.unit_unsharded_bytes(descs, world, gathered_dtype), reshard),
     }
 
 

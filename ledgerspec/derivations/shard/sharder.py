@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ledgerspec.contract import config
+from ledgerspec.contract import config, dtypes
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.edit import Change, set_extension
 from ledgerspec.derivations.shard import state as S
@@ -69,6 +69,53 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
 #: how an unset ``reshard_after_forward`` is reported (as ``measure --nproc`` records it)
 FSDP2_DEFAULT = "fsdp2 default"
 
+MIXED_PRECISION = ("parallelism", "mixed_precision_policy")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """``parallelism.mixed_precision_policy``: FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
+
+    torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_api.py``: ``param_dtype`` is the dtype of the unsharded
+    parameter (all-gather, forward and backward compute, the unsharded gradient); ``reduce_dtype`` the dtype of the
+    reduce-scatter (None: the gradient's, i.e. ``param_dtype``); ``FSDPParam.init_dtype_attrs`` drops either when
+    it equals what the parameter already has, and never casts non-floating parameters. accelerate 1.15
+    (``FullyShardedDataParallelPlugin.set_mixed_precision``) sets ``param_dtype = reduce_dtype = output_dtype`` to
+    the ``mixed_precision`` dtype and (``fsdp_utils.fsdp2_prepare_model``) upcasts the trainable parameters to
+    float32 before ``fully_shard``; declare ``adapter.dtype: float32`` for that.
+    """
+
+    param_dtype: str | None
+    reduce_dtype: str | None
+
+    def describe(self) -> str:
+        return f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
+
+
+def mixed_precision(doc: Document) -> MixedPrecision | None:
+    """The declared policy, None when absent (FSDP2's default); a dtype that is not floating is an error."""
+    if not doc.get(*MIXED_PRECISION).present:
+        return None
+    out: dict[str, str | None] = {}
+    for key in ("param_dtype", "reduce_dtype"):
+        value = doc.get(*MIXED_PRECISION, key)
+        text = value.text()
+        if text is None:
+            out[key] = None
+            continue
+        name = dtypes.canonical(text)
+        if name is None or not name.startswith(("float", "bfloat")):
+            raise _err(
+                doc,
+                (*MIXED_PRECISION, key),
+                f"{key} must be a floating dtype (float32, bfloat16, float16), got {text!r}",
+                exit_code=EXIT_USAGE,
+            )
+        out[key] = name
+    if out["param_dtype"] is None and out["reduce_dtype"] is None:
+        return None
+    return MixedPrecision(out["param_dtype"], out["reduce_dtype"])
+
 
 def _reshard(doc: Document) -> bool:
     value = doc.get("parallelism", "reshard_after_forward").switch()
@@ -103,8 +150,10 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
                 "optimizer": _fig(rs.optimizer, f"{optimizer} state on the unpadded local rows"),
                 "gathered_parameters": _fig(
                     rs.gathered,
-                    f"{len(plan.gathered_units)} unit(s) all-gathered during "
-                    "compute: " + ", ".join(plan.gathered_units),
+                    f"{len(plan.gathered_units)} unit(s) all-gathered during compute"
+                    + (f" (floating parameters in {plan.param_dtype})" if plan.param_dtype else "")
+                    + ": "
+                    + ", ".join(plan.gathered_units),
                 ),
                 "model_state": _fig(rs.with_gathered, "sum of the above; no activations or temporaries"),
             }
@@ -132,7 +181,10 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
 def compute(doc: Document, descs: list[S.ParamDesc], world: int) -> tuple[S.Fsdp2Plan, dict[str, S.ZeroState]]:
     optimizer = doc.get("optimizer", "name").text() or ""
     try:
-        plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc))
+        mp = mixed_precision(doc)
+        plan = S.fsdp2(
+            descs, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=mp.param_dtype if mp else None
+        )
     except ValueError as exc:
         raise _err(doc, ("optimizer", "name") if "optimizer" in str(exc) else ("identity",), str(exc)) from None
     t = S.totals(descs, optimizer)
@@ -184,6 +236,9 @@ def shard(
         raise _err(doc, ("base_model",), str(exc)) from None
     plan, zero = compute(doc, descs, world)
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
+    mp = mixed_precision(doc)
+    if mp is not None:
+        ext["mixed_precision_policy"] = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype}
     if doc.get("parallelism", "reshard_after_forward").switch() is None:
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)

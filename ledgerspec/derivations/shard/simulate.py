@@ -183,7 +183,10 @@ def estimate_per_rank(
     if layers == "full":
         est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
     groups = rank_groups(descs, world)
-    units = unit_unsharded_bytes(descs, world)
+    from ledgerspec.derivations.shard.sharder import mixed_precision
+
+    mp = mixed_precision(doc)
+    units = unit_unsharded_bytes(descs, world, mp.param_dtype if mp else None)
     kept = kept_after_forward(units, reshard)  # gathered parameters in "held after the forward"
 
     def run(n: int | None, rank: int) -> dict[str, int]:
@@ -223,16 +226,20 @@ def estimate_per_rank(
         target,
         ranks,
         est_plan,
-        method_text(world, reshard, est_plan, spec, target),
+        method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None),
         time.perf_counter() - started,
         notes,
     )
 
 
-def method_text(world: int, reshard: bool | None, est_plan: Plan, spec: Any, target: str) -> str:
+def method_text(
+    world: int, reshard: bool | None, est_plan: Plan, spec: Any, target: str, policy: str | None = None
+) -> str:
     from ledgerspec.derivations.estimate.estimator import method_text as single
 
     how = "FSDP2 default" if reshard is None else f"reshard_after_forward={str(reshard).lower()}"
+    if policy:
+        how += f", {policy}"
     return (
         "ledgerspec shard --estimate: one FSDP2 training step per rank simulated under torch FakeTensorMode with a "
         f"fake process group of {world} ranks (fully_shard per decoder layer + root, {how}): the rank's padded "

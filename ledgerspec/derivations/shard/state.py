@@ -157,16 +157,35 @@ class Fsdp2Plan:
     unit_unsharded: dict[str, int]  # bytes of each unit when gathered (padded)
     gathered_units: list[str]  # the units held gathered at the peak
     notes: list[str] = field(default_factory=list)
+    param_dtype: str | None = None  # MixedPrecisionPolicy.param_dtype: the gathered units' floating dtype
 
 
-def unit_unsharded_bytes(params: list[ParamDesc], world: int) -> dict[str, int]:
-    """Bytes of each FSDP unit when all-gathered: ``W * padded_rows * row_numel`` per parameter."""
+def _floating(dtype: str) -> bool:
+    name = dtypes.canonical(dtype) or dtype
+    return name.startswith(("float", "bfloat"))
+
+
+def gathered_itemsize(p: ParamDesc, param_dtype: str | None = None) -> int:
+    """Bytes per element of ``p`` once all-gathered: ``MixedPrecisionPolicy.param_dtype`` for a floating parameter
+    (``FSDPParam.init_dtype_attrs`` keeps non-floating parameters in their own dtype), else its own dtype."""
+    if param_dtype is None or not _floating(p.dtype):
+        return p.itemsize
+    size = dtypes.itemsize(param_dtype)
+    if size is None:
+        raise ValueError(f"unknown param_dtype {param_dtype!r}")
+    return size
+
+
+def unit_unsharded_bytes(params: list[ParamDesc], world: int, param_dtype: str | None = None) -> dict[str, int]:
+    """Bytes of each FSDP unit when all-gathered: ``W * padded_rows * row_numel`` per parameter, in
+    ``param_dtype`` under a ``MixedPrecisionPolicy`` (the all-gather input is the shard cast to it)."""
     out: dict[str, int] = {}
     for p in params:
         if p.kind != "param":
             continue
         _check_shardable(p)
-        out[p.unit] = out.get(p.unit, 0) + world * padded_rows(p.shape[0], world) * p.row_numel * p.itemsize
+        size = gathered_itemsize(p, param_dtype)
+        out[p.unit] = out.get(p.unit, 0) + world * padded_rows(p.shape[0], world) * p.row_numel * size
     return out
 
 
@@ -181,9 +200,18 @@ def kept_after_forward(units: dict[str, int], reshard_after_forward: bool | None
 
 
 def fsdp2(
-    params: list[ParamDesc], world: int, optimizer: str = "adamw_torch", reshard_after_forward: bool = True
+    params: list[ParamDesc],
+    world: int,
+    optimizer: str = "adamw_torch",
+    reshard_after_forward: bool = True,
+    param_dtype: str | None = None,
 ) -> Fsdp2Plan:
-    """Per-rank state of ``fully_shard`` per decoder layer + root on ``world`` ranks."""
+    """Per-rank state of ``fully_shard`` per decoder layer + root on ``world`` ranks.
+
+    ``param_dtype``: ``MixedPrecisionPolicy.param_dtype``. It changes only the gathered units: the shards, the
+    sharded gradients (``foreach_reduce`` casts the reduce-scatter output back to the parameter's dtype,
+    ``_fsdp_collectives.py``) and the optimizer state (on the sharded parameters) keep the parameters' dtypes.
+    """
     ranks = [RankState(r) for r in range(world)]
     for p in params:
         if p.kind == "buffer":
@@ -199,7 +227,7 @@ def fsdp2(
                 rs.optimizer_host += s.optimizer_host
             else:
                 rs.frozen_base += s.storage
-    units = unit_unsharded_bytes(params, world)
+    units = unit_unsharded_bytes(params, world, param_dtype)
     gathered_units = _gathered_units(units, reshard_after_forward)
     held = sum(units[u] for u in gathered_units)
     for rs in ranks:
@@ -208,7 +236,9 @@ def fsdp2(
         f"{world} ranks; a unit's all-gather briefly holds a second copy of that unit (flat buffer + "
         "per-parameter outputs)"
     ]
-    return Fsdp2Plan(world, reshard_after_forward, ranks, units, gathered_units, notes)
+    if param_dtype is not None:
+        notes.append(f"MixedPrecisionPolicy: floating parameters all-gathered in {param_dtype}")
+    return Fsdp2Plan(world, reshard_after_forward, ranks, units, gathered_units, notes, param_dtype)
 
 
 def _gathered_units(units: dict[str, int], reshard_after_forward: bool) -> list[str]:

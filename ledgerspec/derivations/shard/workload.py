@@ -69,9 +69,10 @@ def sharded_workload(base: type) -> Any:
             if self.spec.quant is not None:
                 self._4bit_modules = {id(m) for m in pack_4bit_on_meta(model)}
             adapters_in_declared_dtype(model, self.spec.adapter_dtype)
+            policy = mp_policy(self.doc)
             for layer in decoder_layers(model):
-                fully_shard(layer, reshard_after_forward=self.reshard_after_forward)
-            fully_shard(model, reshard_after_forward=self.reshard_after_forward)
+                fully_shard(layer, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+            fully_shard(model, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
 
         def _materialise(self, device: Any, adapters: bool) -> None:
             self._materialise_shards(device, adapters)
@@ -103,6 +104,23 @@ def sharded_workload(base: type) -> Any:
 
     Sharded.__name__ = Sharded.__qualname__ = f"Sharded{base.__name__}"
     return Sharded
+
+
+def mp_policy(doc: Any) -> Any:
+    """The ``MixedPrecisionPolicy`` the document declares (``parallelism.mixed_precision_policy``), else FSDP2's
+    default ``MixedPrecisionPolicy()`` (no casts), as accelerate passes it (``fsdp2_prepare_model``)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ledgerspec.derivations.shard.sharder import mixed_precision
+
+    mp = mixed_precision(doc)
+    if mp is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, mp.param_dtype) if mp.param_dtype else None,
+        reduce_dtype=getattr(torch, mp.reduce_dtype) if mp.reduce_dtype else None,
+    )
 
 
 def adapters_in_declared_dtype(model: Any, adapter_dtype: str | None) -> int:
