@@ -117,6 +117,16 @@ def mixed_precision(doc: Document) -> MixedPrecision | None:
     return MixedPrecision(out["param_dtype"], out["reduce_dtype"])
 
 
+#: ``parallelism.strategy`` values that select FSDP1 (``FullyShardedDataParallel``); anything else is FSDP2
+FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
+
+
+def is_fsdp1(doc: Document) -> bool:
+    """``parallelism.strategy: fsdp1``: FSDP1 as the Trainer/accelerate run it (``fsdp_version: 1``)."""
+    text = doc.get("parallelism", "strategy").text()
+    return text is not None and text.strip().lower() in FSDP1_NAMES
+
+
 def _reshard(doc: Document) -> bool:
     value = doc.get("parallelism", "reshard_after_forward").switch()
     return True if value is None else value
@@ -124,7 +134,7 @@ def _reshard(doc: Document) -> bool:
 
 @dataclass
 class ShardResult:
-    plan: S.Fsdp2Plan
+    plan: S.Fsdp2Plan | S.Fsdp1Plan
     zero: dict[str, S.ZeroState]
     extension: dict[str, Any]
     change: Change | None
@@ -136,9 +146,14 @@ def _fig(value: int, method: str) -> dict[str, Any]:
     return {"value": value, "source": "CALCULATED", "method": method}
 
 
-def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -> dict[str, Any]:
+def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], optimizer: str) -> dict[str, Any]:
     w = plan.world_size
-    pad = f"FSDP2 dim-0 shards padded to ceil(d0/{w}) rows"
+    fsdp1 = isinstance(plan, S.Fsdp1Plan)
+    pad = (
+        f"FSDP1 flat parameter per unit (use_orig_params: 16-byte aligned, padded to a multiple of {w}), 1/{w} each"
+        if fsdp1
+        else f"FSDP2 dim-0 shards padded to ceil(d0/{w}) rows"
+    )
     ranks = []
     for rs in plan.ranks:
         ranks.append(
@@ -147,7 +162,11 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
                 "frozen_base": _fig(rs.frozen_base, f"{pad}; + buffers, quant constants (replicated)"),
                 "adapter": _fig(rs.adapter, f"{pad}, trainable parameters"),
                 "gradients": _fig(rs.gradients, f"{pad}, reduce-scatter output"),
-                "optimizer": _fig(rs.optimizer, f"{optimizer} state on the unpadded local rows"),
+                "optimizer": _fig(
+                    rs.optimizer,
+                    f"{optimizer} state on "
+                    + ("each trainable parameter's elements in this shard" if fsdp1 else "the unpadded local rows"),
+                ),
                 "gathered_parameters": _fig(
                     rs.gathered,
                     f"{len(plan.gathered_units)} unit(s) all-gathered during compute"
@@ -168,8 +187,14 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
             "device_total": _fig(z.device_total, how),
             "host": _fig(z.host, how + ", on the host"),
         }
+    strategy = (
+        "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy: decoder layers + each "
+        f"trainable leaf module + root, {'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
+        if fsdp1
+        else "fsdp2 (fully_shard per decoder layer + root)"
+    )
     return {
-        "strategy": "fsdp2 (fully_shard per decoder layer + root)",
+        "strategy": strategy,
         "world_size": w,
         "reshard_after_forward": plan.reshard_after_forward,
         "calculated_by": S.CALCULATED_BY,
@@ -178,15 +203,24 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
     }
 
 
-def compute(doc: Document, descs: list[S.ParamDesc], world: int) -> tuple[S.Fsdp2Plan, dict[str, S.ZeroState]]:
+def compute(
+    doc: Document, descs: list[S.ParamDesc], world: int
+) -> tuple[S.Fsdp2Plan | S.Fsdp1Plan, dict[str, S.ZeroState]]:
     optimizer = doc.get("optimizer", "name").text() or ""
+    mp = mixed_precision(doc)
+    param_dtype = mp.param_dtype if mp else None
+    plan: S.Fsdp2Plan | S.Fsdp1Plan
     try:
-        mp = mixed_precision(doc)
-        plan = S.fsdp2(
-            descs, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=mp.param_dtype if mp else None
-        )
+        if is_fsdp1(doc):
+            units = S.peft_fsdp1_units(descs)
+            plan = S.fsdp1(units, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
+        else:
+            plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
     except ValueError as exc:
-        raise _err(doc, ("optimizer", "name") if "optimizer" in str(exc) else ("identity",), str(exc)) from None
+        where = ("optimizer", "name") if "optimizer" in str(exc) else ("identity",)
+        if "uniform dtype" in str(exc):
+            where = ("adapter", "dtype") if doc.get("adapter", "dtype").present else ("parallelism", "strategy")
+        raise _err(doc, where, str(exc)) from None
     t = S.totals(descs, optimizer)
     zero = {
         f"zero{stage}{'_offload' if off else ''}": S.zero(
@@ -224,6 +258,13 @@ def shard(
 
     world = world_size(doc, nproc)
     check_qlora(doc)
+    if estimate and is_fsdp1(doc):
+        raise _err(
+            doc,
+            ("parallelism", "strategy"),
+            "shard --estimate simulates FSDP2 only; FSDP1's per-rank model state is calculated (drop --estimate)",
+            exit_code=EXIT_USAGE,
+        )
     if not doc.get("optimizer", "name").text():
         raise _err(
             doc,
@@ -239,7 +280,7 @@ def shard(
     mp = mixed_precision(doc)
     if mp is not None:
         ext["mixed_precision_policy"] = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype}
-    if doc.get("parallelism", "reshard_after_forward").switch() is None:
+    if doc.get("parallelism", "reshard_after_forward").switch() is None and not is_fsdp1(doc):
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)
         ext["reshard_after_forward"] = FSDP2_DEFAULT

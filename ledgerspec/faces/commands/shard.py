@@ -81,7 +81,7 @@ def run_shard(args: argparse.Namespace) -> int:
     plan = result.plan
     reshard = result.extension["reshard_after_forward"]
     print(
-        f"FSDP2 on {plan.world_size} ranks, reshard_after_forward="
+        f"{result.extension['strategy'].split(' ')[0].upper()} on {plan.world_size} ranks, reshard_after_forward="
         f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}"
     )
     print(
