@@ -47,6 +47,14 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
     if not cfg.quantized:
         return
     q = config.QUANT
+    if is_fsdp1(doc):
+        raise _err(
+            doc,
+            ("parallelism", "strategy"),
+            "FSDP1 per rank is modelled for LoRA on a float base; QLoRA under FSDP1 is not (use fsdp2)",
+            exit_code=code,
+            rule=rule,
+        )
     if cfg.quantization.type == "int8":
         raise _err(
             doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", exit_code=code, rule=rule
@@ -258,19 +266,6 @@ def shard(
 
     world = world_size(doc, nproc)
     check_qlora(doc)
-    if estimate and is_fsdp1(doc):
-        raise _err(
-            doc,
-            ("parallelism", "strategy"),
-            "shard --estimate simulates FSDP2 only; FSDP1's per-rank model state is calculated (drop --estimate)",
-            exit_code=EXIT_USAGE,
-        )
-    if not doc.get("optimizer", "name").text():
-        raise _err(
-            doc,
-            ("optimizer",) if doc.get("optimizer").present else ("ledgerspec",),
-            "optimizer.name is needed to size the optimizer state per rank",
-        )
     try:
         descs = document_descriptors(doc, offline=offline, trust_remote_code=trust_remote_code)
     except ValueError as exc:

@@ -24,6 +24,8 @@ Imports torch only inside functions.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -104,6 +106,121 @@ def sharded_workload(base: type) -> Any:
 
     Sharded.__name__ = Sharded.__qualname__ = f"Sharded{base.__name__}"
     return Sharded
+
+
+@cache
+def fsdp1_workload(base: type) -> Any:
+    """A subclass of the workload class ``base`` wrapped in FSDP1 as transformers' Trainer + accelerate wrap a PEFT
+    model: ``FullyShardedDataParallel(model, auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model),
+    sharding_strategy=FULL_SHARD (or SHARD_GRAD_OP), use_orig_params=True, limit_all_gathers=True,
+    mixed_precision=MixedPrecision(param_dtype, reduce_dtype), device_id=cpu)`` (accelerate 1.15
+    ``Accelerator.prepare_model``; transformers 5 ``update_fsdp_plugin_peft``).
+
+    FSDP1 flattens and shards whole modules when it wraps them, so the model is wrapped at the protocol's "load":
+    every parameter (base and adapter) is created whole, then FSDP1 flattens each unit into its ``FlatParameter``
+    and keeps this rank's shard (``FlatParamHandle.shard`` frees the unsharded flat tensor). "after_load" therefore
+    holds the adapter shards too (a few KiB to MiB: they are their own units) and adapter injection adds nothing.
+    The trainable parameters are cast to ``adapter.dtype`` on the meta model first (one dtype per flat parameter).
+    """
+
+    class Fsdp1(base):
+        model: Any  # the PeftModel, then its FullyShardedDataParallel wrapper
+        #: FULL_SHARD (True, the default) or SHARD_GRAD_OP (False)
+        reshard_after_forward: bool | None = None
+
+        def prepare(self) -> None:
+            if self.model is not None:
+                return
+            super().prepare()
+            adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
+
+        def materialise_base(self, device: Any) -> None:
+            self.device = device
+            self._materialise(device, adapters=False)
+            self._materialise(device, adapters=True)
+            self._init_base()
+            self.model = self._wrap(self.model)
+
+        def _wrap(self, model: Any) -> Any:
+            import torch
+            from peft.utils.other import fsdp_auto_wrap_policy
+            from torch._subclasses.fake_tensor import is_fake
+            from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+
+            from ledgerspec.derivations.shard.sharder import mixed_precision
+
+            mp = mixed_precision(self.doc)
+            policy = None
+            if mp is not None:
+                policy = MixedPrecision(
+                    param_dtype=getattr(torch, mp.param_dtype) if mp.param_dtype else None,
+                    reduce_dtype=getattr(torch, mp.reduce_dtype) if mp.reduce_dtype else None,
+                )
+            strategy = (
+                ShardingStrategy.SHARD_GRAD_OP if self.reshard_after_forward is False else ShardingStrategy.FULL_SHARD
+            )
+            stack = getattr(self, "stack", None)  # the estimate's workload: fake tensors
+            if stack is not None and any(is_fake(p) for p in model.parameters()):
+                stack.enter_context(_fake_storage_checks())
+            return FullyShardedDataParallel(
+                model,
+                auto_wrap_policy=fsdp_auto_wrap_policy(model),
+                sharding_strategy=strategy,
+                use_orig_params=True,
+                limit_all_gathers=True,
+                mixed_precision=policy,
+                device_id=torch.device("cpu"),
+            )
+
+    Fsdp1.__name__ = Fsdp1.__qualname__ = f"Fsdp1{base.__name__}"
+    return Fsdp1
+
+
+@contextlib.contextmanager
+def _fake_storage_checks() -> Iterator[None]:
+    """FSDP1's storage checks asked of the storages, not of ``data_ptr()`` (used with fake tensors only).
+
+    torch 2.13 FSDP1 tells storages apart by their data pointers: ``_runtime_utils._catch_all_reshard`` decides a
+    handle is "already resharded" when ``flat_param.data_ptr() == flat_param._local_shard.data_ptr()`` ("This
+    already-resharded check is brittle", pytorch#83956), ``_flat_param._same_storage`` compares
+    ``untyped_storage().data_ptr()`` and ``_data_ptr_allocated`` tests ``data_ptr() > 0``. Fake tensors all have
+    data pointer 0: under ``FakeTensorMode`` every frozen unit gathered in backward (the root, the last layer: no
+    gradient hook reshards them) looked resharded and stayed gathered through the optimizer step (812,448 B above
+    the real run on the tiny test model), and ``SHARD_GRAD_OP`` failed ("the unsharded flat parameter should be
+    allocated"). Here the same questions are asked of the storage objects and their sizes, which is what the
+    pointers mean on real tensors.
+    """
+    import torch.distributed.fsdp._flat_param as flat_param
+    import torch.distributed.fsdp._runtime_utils as runtime
+
+    def same(a: Any, b: Any) -> bool:
+        a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
+        return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+
+    def allocated(t: Any) -> bool:
+        return bool(t.untyped_storage().nbytes() > 0)
+
+    def catch_all_reshard(state: Any) -> None:
+        handle = state._handle
+        if handle:
+            flat = handle.flat_param
+            if same(flat, flat._local_shard) and not handle._skipped_use_sharded_views:
+                return
+            runtime._reshard(state, handle, runtime._should_free_in_backward(state, handle))
+
+    patched: list[tuple[Any, str, Any]] = [
+        (runtime, "_catch_all_reshard", catch_all_reshard),
+        (flat_param, "_same_storage", same),
+        (flat_param, "_data_ptr_allocated", allocated),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, value in patched:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def mp_policy(doc: Any) -> Any:
@@ -226,4 +343,4 @@ def _quantized_shard(fp: Any, module: Any, spec: Any, device: Any, seed: int) ->
     return padded, state
 
 
-__all__ = ["fsdp_params", "pack_4bit_on_meta", "sharded_workload"]
+__all__ = ["fsdp1_workload", "fsdp_params", "pack_4bit_on_meta", "sharded_workload"]
