@@ -129,6 +129,14 @@ def mixed_precision(doc: Document) -> MixedPrecision | None:
 FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
 
 
+def cpu_offload(doc: Document) -> tuple[str, ...] | None:
+    """Where the document turns CPU offload on (``parallelism.cpu_offload`` or ``memory_options.cpu_offload``)."""
+    for path in (("parallelism", "cpu_offload"), ("memory_options", "cpu_offload")):
+        if doc.get(*path).switch():
+            return path
+    return None
+
+
 def is_fsdp1(doc: Document) -> bool:
     """``parallelism.strategy: fsdp1``: FSDP1 as the Trainer/accelerate run it (``fsdp_version: 1``)."""
     text = doc.get("parallelism", "strategy").text()
@@ -266,6 +274,16 @@ def shard(
 
     world = world_size(doc, nproc)
     check_qlora(doc)
+    offload = cpu_offload(doc)
+    if estimate and offload is not None:
+        raise _err(
+            doc,
+            offload,
+            "CPU offload (FSDP CPUOffload / OffloadPolicy) is not simulated: the estimate would keep on the device "
+            "what the run moves to the host",
+            "drop --estimate (the calculated figures say what offload changes under ZeRO) or set it to false",
+            exit_code=EXIT_USAGE,
+        )
     try:
         descs = document_descriptors(doc, offline=offline, trust_remote_code=trust_remote_code)
     except ValueError as exc:
@@ -279,6 +297,11 @@ def shard(
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)
         ext["reshard_after_forward"] = FSDP2_DEFAULT
+    if offload is not None:
+        ext["cpu_offload"] = (
+            "declared but not modelled for FSDP: the per-rank figures are those without offload (an upper bound for "
+            "the device); the zero*_offload rows are ZeRO's model state with offload"
+        )
     est = None
     if estimate:
         from ledgerspec.derivations.shard.simulate import estimate_per_rank, extension_block
