@@ -183,10 +183,15 @@ def test_qlora_under_fsdp1_is_refused(tmp_path: Path) -> None:
     assert path.read_bytes() == before
 
 
-#: tiny-lora-measure.ledger.yaml turned into FSDP1 runs: FULL_SHARD, SHARD_GRAD_OP, accelerate's bf16
+#: tiny-lora-measure.ledger.yaml turned into FSDP1 runs: FULL_SHARD (with and without checkpointing: the
+#: recomputation re-gathers each layer in backward), SHARD_GRAD_OP, accelerate's bf16
 #: (MixedPrecision(bf16, bf16) over a bf16 base with fp32 adapters, the Trainer's loop under autocast)
 MEASURED = {
     "full_shard": [("  strategy: fsdp2\n", "  strategy: fsdp1\n")],
+    "full_shard-checkpointing": [
+        ("  strategy: fsdp2\n", "  strategy: fsdp1\n"),
+        ("  gradient_checkpointing: false\n", "  gradient_checkpointing: true\n  checkpointing_kind: non-reentrant\n"),
+    ],
     "shard_grad_op": [
         ("  strategy: fsdp2\n", "  strategy: fsdp1\n"),
         ("  reshard_after_forward: true\n", "  reshard_after_forward: false\n"),
@@ -209,7 +214,8 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
     tensors and a fake process group) and the calculated state. The model-state phases and components agree to the
     byte; the compute phases are a lower bound at most two gathered layer units under the measurement, as for FSDP2
     (gloo's collectives run on their own thread). Observed alone on the machine: every phase of both ranks to the
-    byte in all three cases (steady-state peaks 2,913,780 B, 3,191,284 B and 1,967,276 B)."""
+    byte in every case (steady-state peaks 2,913,780 B; 2,232,308 B with checkpointing, reentrant or not;
+    3,191,284 B; 1,967,276 B)."""
     pytest.importorskip("peft")
     import shutil
 
