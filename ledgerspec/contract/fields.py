@@ -485,6 +485,28 @@ PARALLELISM = F(
             "FSDP2: free gathered parameters after forward (true) or keep them until backward (false).",
         ),
         F(
+            "mixed_precision_policy",
+            OBJECT,
+            "FSDP2's `MixedPrecisionPolicy` (`fully_shard(mp_policy=...)`; accelerate's `mixed_precision_policy`, "
+            "which `mixed_precision: bf16` sets to bf16/bf16). Absent: none (FSDP2's default: the parameters are "
+            "gathered, computed and reduced in their own dtype). The shards, the sharded gradients and the "
+            "optimizer state stay in the parameters' dtype.",
+            children=(
+                F(
+                    "param_dtype",
+                    STRING,
+                    "Dtype of the all-gathered (unsharded) floating parameters, hence of compute and of the "
+                    "unsharded gradients. Absent: each parameter's own dtype.",
+                ),
+                F(
+                    "reduce_dtype",
+                    STRING,
+                    "Dtype of the gradient reduce-scatter; the reduced shard is cast back to the parameter's "
+                    "dtype. Absent: param_dtype.",
+                ),
+            ),
+        ),
+        F(
             "per_rank_peak",
             FIGURES,
             "Peak memory of each rank, one figure per rank. A single total summed across "

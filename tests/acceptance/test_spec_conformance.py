@@ -616,6 +616,7 @@ ADDED: dict[str, list[str]] = {
     "base_model": ["module_dtypes"],  # dtypes left by k-bit preparation and a trainer's casts
     "method": ["exclude_modules"],  # PEFT's exclude_modules: e.g. a vision tower under all-linear (issue 17)
     "base_model.quantization": ["desc_act", "dequantized"],  # bases quantized by GPTQ / MXFP4 (issue 17)
+    "parallelism": ["mixed_precision_policy"],  # FSDP2's MixedPrecisionPolicy (issue 16)
 }
 
 

@@ -36,7 +36,7 @@ def _unique_bytes(tensors: list[Any]) -> int:
 def probe(doc_path: str, out_dir: str, reshard_after_forward: bool | None = None, seed: int = 0) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     from ledgerspec.contract.document import load
@@ -60,17 +60,25 @@ def probe(doc_path: str, out_dir: str, reshard_after_forward: bool | None = None
         model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
     model = build.inject_adapters(doc, model)
     layers = decoder_layers(model)
+    # parallelism.mixed_precision_policy, read as plain text: torch's own MixedPrecisionPolicy does the rest
+    policy = {
+        key: getattr(torch, text)
+        for key in ("param_dtype", "reduce_dtype")
+        if (text := doc.get("parallelism", "mixed_precision_policy", key).text())
+    }
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(**policy))
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(**policy))
 
     gathered_seen: list[int] = []
+    gathered_dtypes: set[str] = set()
 
     def unsharded_bytes() -> int:
         return _unique_bytes([p for p in model.parameters() if not isinstance(p, DTensor)])
 
     def record(_module: Any, _args: Any) -> None:
         gathered_seen.append(unsharded_bytes())
+        gathered_dtypes.update(str(p.dtype).removeprefix("torch.") for p in _module.parameters())
 
     for layer in layers:  # registered after fully_shard's: runs once the layer is gathered
         layer.register_forward_pre_hook(record)
@@ -98,6 +106,8 @@ def probe(doc_path: str, out_dir: str, reshard_after_forward: bool | None = None
             "local_rows": int(local.shape[0]) if local.dim() else 1,
             "storage_bytes": _unique_bytes([local]),
             "grad_storage": storage_key(p.grad) if p.grad is not None else None,
+            "grad_dtype": str(p.grad.dtype).removeprefix("torch.") if p.grad is not None else None,
+            "optimizer_state_dtypes": {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()},
             "optimizer_state_bytes": {k: int(t.numel() * t.element_size()) for k, t in tensors.items()},
             "optimizer_state_devices": {k: t.device.type for k, t in tensors.items()},
         }
@@ -111,6 +121,7 @@ def probe(doc_path: str, out_dir: str, reshard_after_forward: bool | None = None
         "grads_bytes": _unique_bytes(grads),
         "gathered_during_forward_max": max(gathered_seen) if gathered_seen else 0,
         "gathered_after_forward": after_forward,
+        "gathered_dtypes": sorted(gathered_dtypes),
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result, indent=1))

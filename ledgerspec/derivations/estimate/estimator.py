@@ -275,6 +275,14 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
         )
     name = type(exc).__name__
     op = getattr(exc, "func", None) or getattr(exc, "op", None)
+    if failed_in_optimizer_step(exc):  # forward and backward traced; the optimizer's update failed
+        at = f" in op {op}" if op is not None else ""
+        return _err(
+            doc,
+            ("optimizer", "name") if doc.get("optimizer", "name").present else ("identity",),
+            f"the simulated optimizer step failed{at}, after forward and backward ({name}: {text})",
+            _MEASURE_HINT,
+        )
     if op is not None or name in (
         "UnsupportedFakeTensorException",
         "DynamicOutputShapeException",
@@ -290,6 +298,21 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
         )
     arch = architecture or "this architecture"
     return _err(doc, ("identity",), f"{arch} cannot be traced under FakeTensorMode ({name}: {text})", _MEASURE_HINT)
+
+
+def failed_in_optimizer_step(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside the training step's ``optimizer_step`` (the loops of
+    :mod:`ledgerspec.derivations.engine.step`): its traceback passes through that method."""
+    from ledgerspec.derivations.engine import step
+
+    source = step.__file__
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "optimizer_step" and code.co_filename == source:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def padding_text(attention: str, target: str) -> str:

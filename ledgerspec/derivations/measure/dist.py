@@ -97,9 +97,19 @@ class DistOutcome:
 def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: bool | None) -> dict[str, int]:
     from ledgerspec.derivations.shard import state as S
     from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import is_fsdp1, mixed_precision
 
     descs = document_descriptors(doc)
-    plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False)
+    mp = mixed_precision(doc)
+    gathered_dtype = mp.param_dtype if mp else None  # parallelism.mixed_precision_policy (issue 16)
+    plan: S.Fsdp1Plan | S.Fsdp2Plan
+    if is_fsdp1(doc):  # parallelism.strategy: fsdp1 (issue 16): FSDP1's root stays gathered into backward too
+        plan = S.fsdp1(S.peft_fsdp1_units(descs), world, optimizer, reshard is not False, gathered_dtype)
+        units = plan.unit_unsharded
+        kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
+    else:
+        plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False, param_dtype=gathered_dtype)
+        kept = S.kept_after_forward(S.unit_unsharded_bytes(descs, world, gathered_dtype), reshard)
     rs = plan.ranks[rank]
     return {
         "frozen_base": rs.frozen_base,
@@ -108,7 +118,7 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
         "optimizer": rs.optimizer,
         "optimizer_host": rs.optimizer_host,
         "gathered": rs.gathered,
-        "kept_after_forward": S.kept_after_forward(S.unit_unsharded_bytes(descs, world), reshard),
+        "kept_after_forward": kept,
     }
 
 
@@ -133,9 +143,10 @@ def run_rank(req: DistRequest) -> RankOutput:
     else:
         backend = TrackerBackend()
         device = "cpu"
-    from ledgerspec.derivations.shard.workload import sharded_workload
+    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard.workload import fsdp1_workload, sharded_workload
 
-    workload = sharded_workload(Workload)(doc, spec)
+    workload = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(Workload)(doc, spec)
     workload.reshard_after_forward = req.reshard_after_forward
     result = run_protocol(workload, backend, device=device, steps=req.steps)
     calc = _calculated(doc, world, rank, spec.optimizer, req.reshard_after_forward)
@@ -351,7 +362,9 @@ def worst_rank(outs: list[RankOutput]) -> Any:
     return merged
 
 
-def per_rank_extension(outs: list[RankOutput], reshard: bool | None) -> dict[str, Any]:
+def per_rank_extension(
+    outs: list[RankOutput], reshard: bool | None, strategy_text: str = "fsdp2 (fully_shard per decoder layer + root)"
+) -> dict[str, Any]:
     """The per-rank phase table and each rank's measured model state next to :mod:`sharding`'s calculation."""
     from ledgerspec.derivations.engine.protocol import PHASES
     from ledgerspec.derivations.measure.measurer import measured_components
@@ -375,7 +388,7 @@ def per_rank_extension(outs: list[RankOutput], reshard: bool | None) -> dict[str
         )
     backend = outs[0].result.backend
     return {
-        "strategy": "fsdp2 (fully_shard per decoder layer + root)",
+        "strategy": strategy_text,
         "world_size": len(outs),
         "reshard_after_forward": FSDP2_DEFAULT if reshard is None else reshard,
         "backend": backend,
@@ -392,6 +405,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     """Write the ranks' results into ``doc`` (in memory). Returns notes for the user."""
     from ledgerspec.contract.edit import set_extension, set_figure, set_plain
     from ledgerspec.derivations.measure import measurer as M
+    from ledgerspec.derivations.shard.sharder import is_fsdp1
 
     merged = worst_rank(outs)
     notes = M.write_back(doc, M.ChildOutput(merged, outs[0].software), command, compare=False)
@@ -403,7 +417,8 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
         ("metrics", "peak_allocated"),
         worst,
         "MEASURED",
-        f"the worst of {len(outs)} FSDP2 ranks (not a sum): maximum over the phases of {what}",
+        f"the worst of {len(outs)} {'FSDP1' if is_fsdp1(doc) else 'FSDP2'} ranks (not a sum): maximum over the phases "
+        f"of {what}",
         force=True,
     )
     peaks = [
@@ -416,14 +431,16 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     ]
     p = ("parallelism",)
     set_plain(doc, (*p, "gpu_count"), len(outs), force=True)
-    set_plain(doc, (*p, "strategy"), STRATEGY, force=True)
+    fsdp1 = is_fsdp1(doc)
+    set_plain(doc, (*p, "strategy"), "fsdp1" if fsdp1 else STRATEGY, force=True)
     for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
         set_plain(doc, (*p, key), "sharded", force=True)
     set_plain(doc, (*p, "cpu_offload"), False, force=True)
     if reshard is not None:
         set_plain(doc, (*p, "reshard_after_forward"), reshard, force=True)
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
-    set_extension(doc, (EXTENSION,), per_rank_extension(outs, reshard))
+    text = "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy)" if fsdp1 else None
+    set_extension(doc, (EXTENSION,), per_rank_extension(outs, reshard, *([text] if text else [])))
     notes.append(
         f"{len(outs)} ranks: per-rank peaks "
         + ", ".join(str(o.peak) for o in outs)

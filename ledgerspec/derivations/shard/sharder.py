@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ledgerspec.contract import config
+from ledgerspec.contract import config, dtypes
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.edit import Change, set_extension
 from ledgerspec.derivations.shard import state as S
@@ -47,6 +47,14 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
     if not cfg.quantized:
         return
     q = config.QUANT
+    if is_fsdp1(doc):
+        raise _err(
+            doc,
+            ("parallelism", "strategy"),
+            "FSDP1 per rank is modelled for LoRA on a float base; QLoRA under FSDP1 is not (use fsdp2)",
+            exit_code=code,
+            rule=rule,
+        )
     if cfg.quantization.type == "int8":
         raise _err(
             doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", exit_code=code, rule=rule
@@ -69,6 +77,71 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
 #: how an unset ``reshard_after_forward`` is reported (as ``measure --nproc`` records it)
 FSDP2_DEFAULT = "fsdp2 default"
 
+MIXED_PRECISION = ("parallelism", "mixed_precision_policy")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """``parallelism.mixed_precision_policy``: FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
+
+    torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_api.py``: ``param_dtype`` is the dtype of the unsharded
+    parameter (all-gather, forward and backward compute, the unsharded gradient); ``reduce_dtype`` the dtype of the
+    reduce-scatter (None: the gradient's, i.e. ``param_dtype``); ``FSDPParam.init_dtype_attrs`` drops either when
+    it equals what the parameter already has, and never casts non-floating parameters. accelerate 1.15
+    (``FullyShardedDataParallelPlugin.set_mixed_precision``) sets ``param_dtype = reduce_dtype = output_dtype`` to
+    the ``mixed_precision`` dtype and (``fsdp_utils.fsdp2_prepare_model``) upcasts the trainable parameters to
+    float32 before ``fully_shard``; declare ``adapter.dtype: float32`` for that.
+    """
+
+    param_dtype: str | None
+    reduce_dtype: str | None
+
+    def describe(self) -> str:
+        return f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
+
+
+def mixed_precision(doc: Document) -> MixedPrecision | None:
+    """The declared policy, None when absent (FSDP2's default); a dtype that is not floating is an error."""
+    if not doc.get(*MIXED_PRECISION).present:
+        return None
+    out: dict[str, str | None] = {}
+    for key in ("param_dtype", "reduce_dtype"):
+        value = doc.get(*MIXED_PRECISION, key)
+        text = value.text()
+        if text is None:
+            out[key] = None
+            continue
+        name = dtypes.canonical(text)
+        if name is None or not name.startswith(("float", "bfloat")):
+            raise _err(
+                doc,
+                (*MIXED_PRECISION, key),
+                f"{key} must be a floating dtype (float32, bfloat16, float16), got {text!r}",
+                exit_code=EXIT_USAGE,
+            )
+        out[key] = name
+    if out["param_dtype"] is None and out["reduce_dtype"] is None:
+        return None
+    return MixedPrecision(out["param_dtype"], out["reduce_dtype"])
+
+
+#: ``parallelism.strategy`` values that select FSDP1 (``FullyShardedDataParallel``); anything else is FSDP2
+FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
+
+
+def cpu_offload(doc: Document) -> tuple[str, ...] | None:
+    """Where the document turns CPU offload on (``parallelism.cpu_offload`` or ``memory_options.cpu_offload``)."""
+    for path in (("parallelism", "cpu_offload"), ("memory_options", "cpu_offload")):
+        if doc.get(*path).switch():
+            return path
+    return None
+
+
+def is_fsdp1(doc: Document) -> bool:
+    """``parallelism.strategy: fsdp1``: FSDP1 as the Trainer/accelerate run it (``fsdp_version: 1``)."""
+    text = doc.get("parallelism", "strategy").text()
+    return text is not None and text.strip().lower() in FSDP1_NAMES
+
 
 def _reshard(doc: Document) -> bool:
     value = doc.get("parallelism", "reshard_after_forward").switch()
@@ -77,7 +150,7 @@ def _reshard(doc: Document) -> bool:
 
 @dataclass
 class ShardResult:
-    plan: S.Fsdp2Plan
+    plan: S.Fsdp2Plan | S.Fsdp1Plan
     zero: dict[str, S.ZeroState]
     extension: dict[str, Any]
     change: Change | None
@@ -89,9 +162,14 @@ def _fig(value: int, method: str) -> dict[str, Any]:
     return {"value": value, "source": "CALCULATED", "method": method}
 
 
-def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -> dict[str, Any]:
+def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], optimizer: str) -> dict[str, Any]:
     w = plan.world_size
-    pad = f"FSDP2 dim-0 shards padded to ceil(d0/{w}) rows"
+    fsdp1 = isinstance(plan, S.Fsdp1Plan)
+    pad = (
+        f"FSDP1 flat parameter per unit (use_orig_params: 16-byte aligned, padded to a multiple of {w}), 1/{w} each"
+        if fsdp1
+        else f"FSDP2 dim-0 shards padded to ceil(d0/{w}) rows"
+    )
     ranks = []
     for rs in plan.ranks:
         ranks.append(
@@ -100,11 +178,17 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
                 "frozen_base": _fig(rs.frozen_base, f"{pad}; + buffers, quant constants (replicated)"),
                 "adapter": _fig(rs.adapter, f"{pad}, trainable parameters"),
                 "gradients": _fig(rs.gradients, f"{pad}, reduce-scatter output"),
-                "optimizer": _fig(rs.optimizer, f"{optimizer} state on the unpadded local rows"),
+                "optimizer": _fig(
+                    rs.optimizer,
+                    f"{optimizer} state on "
+                    + ("each trainable parameter's elements in this shard" if fsdp1 else "the unpadded local rows"),
+                ),
                 "gathered_parameters": _fig(
                     rs.gathered,
-                    f"{len(plan.gathered_units)} unit(s) all-gathered during "
-                    "compute: " + ", ".join(plan.gathered_units),
+                    f"{len(plan.gathered_units)} unit(s) all-gathered during compute"
+                    + (f" (floating parameters in {plan.param_dtype})" if plan.param_dtype else "")
+                    + ": "
+                    + ", ".join(plan.gathered_units),
                 ),
                 "model_state": _fig(rs.with_gathered, "sum of the above; no activations or temporaries"),
             }
@@ -119,8 +203,14 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
             "device_total": _fig(z.device_total, how),
             "host": _fig(z.host, how + ", on the host"),
         }
+    strategy = (
+        "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy: decoder layers + each "
+        f"trainable leaf module + root, {'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
+        if fsdp1
+        else "fsdp2 (fully_shard per decoder layer + root)"
+    )
     return {
-        "strategy": "fsdp2 (fully_shard per decoder layer + root)",
+        "strategy": strategy,
         "world_size": w,
         "reshard_after_forward": plan.reshard_after_forward,
         "calculated_by": S.CALCULATED_BY,
@@ -129,12 +219,24 @@ def extension(plan: S.Fsdp2Plan, zero: dict[str, S.ZeroState], optimizer: str) -
     }
 
 
-def compute(doc: Document, descs: list[S.ParamDesc], world: int) -> tuple[S.Fsdp2Plan, dict[str, S.ZeroState]]:
+def compute(
+    doc: Document, descs: list[S.ParamDesc], world: int
+) -> tuple[S.Fsdp2Plan | S.Fsdp1Plan, dict[str, S.ZeroState]]:
     optimizer = doc.get("optimizer", "name").text() or ""
+    mp = mixed_precision(doc)
+    param_dtype = mp.param_dtype if mp else None
+    plan: S.Fsdp2Plan | S.Fsdp1Plan
     try:
-        plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc))
+        if is_fsdp1(doc):
+            units = S.peft_fsdp1_units(descs)
+            plan = S.fsdp1(units, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
+        else:
+            plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
     except ValueError as exc:
-        raise _err(doc, ("optimizer", "name") if "optimizer" in str(exc) else ("identity",), str(exc)) from None
+        where = ("optimizer", "name") if "optimizer" in str(exc) else ("identity",)
+        if "uniform dtype" in str(exc):
+            where = ("adapter", "dtype") if doc.get("adapter", "dtype").present else ("parallelism", "strategy")
+        raise _err(doc, where, str(exc)) from None
     t = S.totals(descs, optimizer)
     zero = {
         f"zero{stage}{'_offload' if off else ''}": S.zero(
@@ -172,11 +274,15 @@ def shard(
 
     world = world_size(doc, nproc)
     check_qlora(doc)
-    if not doc.get("optimizer", "name").text():
+    offload = cpu_offload(doc)
+    if estimate and offload is not None:
         raise _err(
             doc,
-            ("optimizer",) if doc.get("optimizer").present else ("ledgerspec",),
-            "optimizer.name is needed to size the optimizer state per rank",
+            offload,
+            "CPU offload (FSDP CPUOffload / OffloadPolicy) is not simulated: the estimate would keep on the device "
+            "what the run moves to the host",
+            "drop --estimate (the calculated figures say what offload changes under ZeRO) or set it to false",
+            exit_code=EXIT_USAGE,
         )
     try:
         descs = document_descriptors(doc, offline=offline, trust_remote_code=trust_remote_code)
@@ -184,10 +290,18 @@ def shard(
         raise _err(doc, ("base_model",), str(exc)) from None
     plan, zero = compute(doc, descs, world)
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
-    if doc.get("parallelism", "reshard_after_forward").switch() is None:
+    mp = mixed_precision(doc)
+    if mp is not None:
+        ext["mixed_precision_policy"] = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype}
+    if doc.get("parallelism", "reshard_after_forward").switch() is None and not is_fsdp1(doc):
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)
         ext["reshard_after_forward"] = FSDP2_DEFAULT
+    if offload is not None:
+        ext["cpu_offload"] = (
+            "declared but not modelled for FSDP: the per-rank figures are those without offload (an upper bound for "
+            "the device); the zero*_offload rows are ZeRO's model state with offload"
+        )
     est = None
     if estimate:
         from ledgerspec.derivations.shard.simulate import estimate_per_rank, extension_block

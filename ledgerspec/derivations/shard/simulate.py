@@ -79,6 +79,7 @@ class ShardEstimate:
     method: str
     seconds: float
     notes: list[str] = field(default_factory=list)
+    strategy: str = "fsdp2"  # or fsdp1 (parallelism.strategy)
 
     @property
     def worst(self) -> int:
@@ -128,7 +129,10 @@ def simulate_rank(
     from ledgerspec.derivations.shard.workload import sharded_workload
 
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))  # as estimate.trace: enough for the peaks
-    cls = sharded_workload(_estimate_workload_class())
+    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard.workload import fsdp1_workload
+
+    cls = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(_estimate_workload_class())
     with fake_process_group(rank, world), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DTensor's "random operators on a cpu mesh" warning: values do not matter
         workload = cls(doc, run_spec, source, spec.attention, target)
@@ -182,9 +186,26 @@ def estimate_per_rank(
         raise _err(doc, ("identity",), "the model has no num_hidden_layers: not a decoder stack") from None
     if layers == "full":
         est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
-    groups = rank_groups(descs, world)
-    units = unit_unsharded_bytes(descs, world)
-    kept = kept_after_forward(units, reshard)  # gathered parameters in "held after the forward"
+    from ledgerspec.derivations.shard import state as S
+    from ledgerspec.derivations.shard.sharder import is_fsdp1, mixed_precision
+
+    mp = mixed_precision(doc)
+    if is_fsdp1(doc):  # ranks hold equal flat shards; their optimizer elements can differ
+        p1 = S.fsdp1(
+            S.peft_fsdp1_units(descs), world, spec.optimizer, reshard is not False, mp.param_dtype if mp else None
+        )
+        layouts: dict[tuple[int, ...], list[int]] = {}
+        for rs in p1.ranks:
+            key = (rs.frozen_base, rs.adapter, rs.gradients, rs.optimizer, rs.optimizer_host)
+            layouts.setdefault(key, []).append(rs.rank)
+        groups = {members[0]: members for members in layouts.values()}
+        # FULL_SHARD keeps the root gathered into backward (as FSDP2's default), SHARD_GRAD_OP every unit
+        units = p1.unit_unsharded
+        kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
+    else:
+        groups = rank_groups(descs, world)
+        units = unit_unsharded_bytes(descs, world, mp.param_dtype if mp else None)
+        kept = kept_after_forward(units, reshard)  # gathered parameters in "held after the forward"
 
     def run(n: int | None, rank: int) -> dict[str, int]:
         src = (
@@ -223,19 +244,39 @@ def estimate_per_rank(
         target,
         ranks,
         est_plan,
-        method_text(world, reshard, est_plan, spec, target),
+        method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None, is_fsdp1(doc)),
         time.perf_counter() - started,
         notes,
+        "fsdp1" if is_fsdp1(doc) else "fsdp2",
     )
 
 
-def method_text(world: int, reshard: bool | None, est_plan: Plan, spec: Any, target: str) -> str:
+def method_text(
+    world: int,
+    reshard: bool | None,
+    est_plan: Plan,
+    spec: Any,
+    target: str,
+    policy: str | None = None,
+    fsdp1: bool = False,
+) -> str:
     from ledgerspec.derivations.estimate.estimator import method_text as single
 
     how = "FSDP2 default" if reshard is None else f"reshard_after_forward={str(reshard).lower()}"
+    if policy:
+        how += f", {policy}"
+    if fsdp1:
+        how = (
+            "FSDP1 FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy, "
+            + ("SHARD_GRAD_OP" if reshard is False else "FULL_SHARD")
+            + (f", {policy}" if policy else "")
+            + "; FSDP1's data_ptr storage checks asked of the storages (fake tensors have no data pointers)"
+        )
     return (
-        "ledgerspec shard --estimate: one FSDP2 training step per rank simulated under torch FakeTensorMode with a "
-        f"fake process group of {world} ranks (fully_shard per decoder layer + root, {how}): the rank's padded "
+        f"ledgerspec shard --estimate: one {'FSDP1' if fsdp1 else 'FSDP2'} training step per rank simulated under "
+        f"torch FakeTensorMode with a fake process group of {world} ranks ("
+        + ("" if fsdp1 else "fully_shard per decoder layer + root, ")
+        + f"{how}): the rank's padded "
         "shards, all-gathered units during compute, unsharded gradients before reduce-scatter and padded "
         "gradient shards after it, optimizer state of its rows, activations of its own microbatch (not "
         "sharded); ignores NCCL communicator/internal buffers, CUDA context and allocator caching, and stream "

@@ -157,16 +157,35 @@ class Fsdp2Plan:
     unit_unsharded: dict[str, int]  # bytes of each unit when gathered (padded)
     gathered_units: list[str]  # the units held gathered at the peak
     notes: list[str] = field(default_factory=list)
+    param_dtype: str | None = None  # MixedPrecisionPolicy.param_dtype: the gathered units' floating dtype
 
 
-def unit_unsharded_bytes(params: list[ParamDesc], world: int) -> dict[str, int]:
-    """Bytes of each FSDP unit when all-gathered: ``W * padded_rows * row_numel`` per parameter."""
+def _floating(dtype: str) -> bool:
+    name = dtypes.canonical(dtype) or dtype
+    return name.startswith(("float", "bfloat"))
+
+
+def gathered_itemsize(p: ParamDesc, param_dtype: str | None = None) -> int:
+    """Bytes per element of ``p`` once all-gathered: ``MixedPrecisionPolicy.param_dtype`` for a floating parameter
+    (``FSDPParam.init_dtype_attrs`` keeps non-floating parameters in their own dtype), else its own dtype."""
+    if param_dtype is None or not _floating(p.dtype):
+        return p.itemsize
+    size = dtypes.itemsize(param_dtype)
+    if size is None:
+        raise ValueError(f"unknown param_dtype {param_dtype!r}")
+    return size
+
+
+def unit_unsharded_bytes(params: list[ParamDesc], world: int, param_dtype: str | None = None) -> dict[str, int]:
+    """Bytes of each FSDP unit when all-gathered: ``W * padded_rows * row_numel`` per parameter, in
+    ``param_dtype`` under a ``MixedPrecisionPolicy`` (the all-gather input is the shard cast to it)."""
     out: dict[str, int] = {}
     for p in params:
         if p.kind != "param":
             continue
         _check_shardable(p)
-        out[p.unit] = out.get(p.unit, 0) + world * padded_rows(p.shape[0], world) * p.row_numel * p.itemsize
+        size = gathered_itemsize(p, param_dtype)
+        out[p.unit] = out.get(p.unit, 0) + world * padded_rows(p.shape[0], world) * p.row_numel * size
     return out
 
 
@@ -181,9 +200,18 @@ def kept_after_forward(units: dict[str, int], reshard_after_forward: bool | None
 
 
 def fsdp2(
-    params: list[ParamDesc], world: int, optimizer: str = "adamw_torch", reshard_after_forward: bool = True
+    params: list[ParamDesc],
+    world: int,
+    optimizer: str = "adamw_torch",
+    reshard_after_forward: bool = True,
+    param_dtype: str | None = None,
 ) -> Fsdp2Plan:
-    """Per-rank state of ``fully_shard`` per decoder layer + root on ``world`` ranks."""
+    """Per-rank state of ``fully_shard`` per decoder layer + root on ``world`` ranks.
+
+    ``param_dtype``: ``MixedPrecisionPolicy.param_dtype``. It changes only the gathered units: the shards, the
+    sharded gradients (``foreach_reduce`` casts the reduce-scatter output back to the parameter's dtype,
+    ``_fsdp_collectives.py``) and the optimizer state (on the sharded parameters) keep the parameters' dtypes.
+    """
     ranks = [RankState(r) for r in range(world)]
     for p in params:
         if p.kind == "buffer":
@@ -199,7 +227,7 @@ def fsdp2(
                 rs.optimizer_host += s.optimizer_host
             else:
                 rs.frozen_base += s.storage
-    units = unit_unsharded_bytes(params, world)
+    units = unit_unsharded_bytes(params, world, param_dtype)
     gathered_units = _gathered_units(units, reshard_after_forward)
     held = sum(units[u] for u in gathered_units)
     for rs in ranks:
@@ -208,7 +236,9 @@ def fsdp2(
         f"{world} ranks; a unit's all-gather briefly holds a second copy of that unit (flat buffer + "
         "per-parameter outputs)"
     ]
-    return Fsdp2Plan(world, reshard_after_forward, ranks, units, gathered_units, notes)
+    if param_dtype is not None:
+        notes.append(f"MixedPrecisionPolicy: floating parameters all-gathered in {param_dtype}")
+    return Fsdp2Plan(world, reshard_after_forward, ranks, units, gathered_units, notes, param_dtype)
 
 
 def _gathered_units(units: dict[str, int], reshard_after_forward: bool) -> list[str]:
@@ -224,6 +254,163 @@ def _gathered_units(units: dict[str, int], reshard_after_forward: bool) -> list[
     if layers:
         held.append(max(sorted(layers), key=lambda u: layers[u]))
     return held
+
+
+# -- FSDP1 (FullyShardedDataParallel, flat parameters) ------------------------------------------------
+
+
+def peft_fsdp1_units(params: list[ParamDesc]) -> list[ParamDesc]:
+    """The units of FSDP1 as transformers' Trainer wraps a PEFT model: each trainable parameter in its own
+    module's unit, the rest as :func:`ledgerspec.derivations.shard.model` assigned them (decoder layers + root).
+
+    transformers 5 ``Trainer`` calls ``update_fsdp_plugin_peft`` (``transformers/distributed/fsdp.py``), which sets
+    accelerate's ``auto_wrap_policy`` to PEFT's ``fsdp_auto_wrap_policy`` (``peft/utils/other.py``, PEFT 0.21):
+    ``_or_policy`` of ``transformer_auto_wrap_policy`` (the ``_no_split_modules`` classes) and a
+    ``lambda_auto_wrap_policy`` wrapping every leaf module whose ``weight`` requires grad (each ``lora_A``/``lora_B``
+    Linear, a ``modules_to_save`` copy ...). So no flat parameter mixes frozen and trainable tensors (or the
+    float32 adapter dtype with a bf16 base, which FSDP1 refuses: "Must flatten tensors with uniform dtype").
+    """
+    from dataclasses import replace
+
+    out = []
+    for p in params:
+        if p.kind == "param" and p.trainable and "." in p.name:
+            out.append(replace(p, unit=p.name.rsplit(".", 1)[0]))
+        else:
+            out.append(p)
+    return out
+
+
+@dataclass(frozen=True)
+class FlatUnit:
+    """One FSDP1 ``FlatParameter``: its parameters' offsets in the flat tensor, padded and sharded."""
+
+    name: str
+    dtype: str
+    trainable: bool  # flat_param.requires_grad: any of its parameters
+    numel: int  # padded unsharded numel: alignment padding + padding to a multiple of the world size
+    offsets: tuple[tuple[ParamDesc, int], ...]  # (parameter, start in the flat tensor)
+    world: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world
+
+    @property
+    def itemsize(self) -> int:
+        return self.offsets[0][0].itemsize
+
+    def local_numel(self, p: ParamDesc, start: int, rank: int) -> int:
+        """Elements of ``p`` (at ``start``) inside rank ``rank``'s shard ``[rank * S, (rank + 1) * S)``."""
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        return max(0, min(hi, start + p.numel) - max(lo, start))
+
+
+def flat_units(
+    params: list[ParamDesc], world: int, use_orig_params: bool = True, param_dtype: str | None = None
+) -> dict[str, FlatUnit]:
+    """Every unit's ``FlatParameter`` as ``FlatParamHandle._init_flat_param_and_metadata`` lays it out (torch 2.13
+    ``distributed/fsdp/_flat_param.py``).
+
+    The parameters of a unit are flattened in module order (``named_parameters``); with ``use_orig_params`` every
+    parameter starts at a multiple of ``16 // itemsize(compute dtype)`` elements (``_get_aligned_numel``,
+    "alignment constraint comes from TorchInductor": zero padding before it), and the total is padded to a
+    multiple of the world size. Without ``use_orig_params`` there is no alignment padding and ``_get_shard`` pads
+    the last chunk to ``ceil(numel / W)``. A unit's parameters must share one dtype (``_validate_tensors_to_flatten``).
+    """
+    groups: dict[str, list[ParamDesc]] = {}
+    for p in params:
+        if p.kind == "param":
+            groups.setdefault(p.unit, []).append(p)
+    out: dict[str, FlatUnit] = {}
+    for unit, members in groups.items():
+        kinds = {p.dtype for p in members}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"FSDP1 unit {unit}: parameters of dtypes {sorted(kinds)} in one flat parameter (FSDP1 refuses it: "
+                "'Must flatten tensors with uniform dtype')"
+            )
+        dtype = members[0].dtype
+        aligned = 16 // gathered_itemsize(members[0], param_dtype) if use_orig_params else 0
+        total = 0
+        offsets = []
+        for p in members:
+            if aligned and total % aligned:
+                total += aligned - total % aligned
+            offsets.append((p, total))
+            total += p.numel
+        total = ceil(total / world) * world
+        out[unit] = FlatUnit(unit, dtype, any(p.trainable for p in members), total, tuple(offsets), world)
+    return out
+
+
+@dataclass
+class Fsdp1Plan:
+    world_size: int
+    reshard_after_forward: bool  # FULL_SHARD (True) or SHARD_GRAD_OP (False)
+    ranks: list[RankState]
+    units: dict[str, FlatUnit]
+    unit_unsharded: dict[str, int]  # bytes of each unit when gathered (padded flat parameter)
+    gathered_units: list[str]
+    notes: list[str] = field(default_factory=list)
+    param_dtype: str | None = None
+
+
+def fsdp1(
+    params: list[ParamDesc],
+    world: int,
+    optimizer: str = "adamw_torch",
+    reshard_after_forward: bool = True,
+    param_dtype: str | None = None,
+    use_orig_params: bool = True,
+) -> Fsdp1Plan:
+    """Per-rank state of FSDP1 ``FULL_SHARD`` (``reshard_after_forward``) or ``SHARD_GRAD_OP`` over the units of
+    ``params`` (give them :func:`peft_fsdp1_units` for the Trainer's wrapping).
+
+    Each rank holds ``numel / W`` elements of every flat parameter (``FlatParamHandle.shard``: ``_local_shard``),
+    frozen or trainable; the sharded gradient of a trainable flat parameter has the same size (the
+    reduce-scatter output); buffers are whole on every rank. With ``use_orig_params`` the optimizer sees the
+    original parameters as views of this rank's part of the shard: its state covers the elements of each
+    trainable parameter that fall in this rank's range (no padding), and a parameter with none there gets no
+    state. ``MixedPrecision.param_dtype`` (``param_dtype``) changes only the gathered units.
+    """
+    spec = fsdp2_optimizer(optimizer)
+    units = flat_units(params, world, use_orig_params, param_dtype)
+    ranks = [RankState(r) for r in range(world)]
+    buffers = sum(p.nbytes for p in params if p.kind == "buffer")
+    for rs in ranks:
+        rs.frozen_base += buffers
+        for u in units.values():
+            shard = u.shard_numel * u.itemsize
+            if not u.trainable:
+                rs.frozen_base += shard
+                continue
+            rs.adapter += shard
+            rs.gradients += shard
+            local = [
+                TensorShape((n,), p.itemsize)
+                for p, start in u.offsets
+                if p.trainable and (n := u.local_numel(p, start, rs.rank))
+            ]
+            state = state_bytes(spec, local)
+            rs.optimizer += state.device
+            rs.optimizer_host += state.host
+    unsharded = {name: u.numel * gathered_itemsize(u.offsets[0][0], param_dtype) for name, u in units.items()}
+    layers = {k: v for k, v in unsharded.items() if k != ROOT and not units[k].trainable}
+    if reshard_after_forward:
+        gathered = [ROOT] if ROOT in unsharded else []
+        if layers:
+            gathered.append(max(sorted(layers), key=lambda u: layers[u]))
+    else:  # SHARD_GRAD_OP: no unit reshards after forward, all are gathered when backward begins
+        gathered = sorted(unsharded)
+    held = sum(unsharded[u] for u in gathered)
+    for rs in ranks:
+        rs.gathered = held
+    notes = [
+        f"{world} ranks, {len(units)} flat parameters ({sum(u.trainable for u in units.values())} trainable); "
+        "use_orig_params" + ("" if use_orig_params else " off")
+    ]
+    return Fsdp1Plan(world, reshard_after_forward, ranks, units, unsharded, gathered, notes, param_dtype)
 
 
 # -- QLoRA under FSDP2 ---------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ Imports torch only inside functions.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -68,9 +70,11 @@ def sharded_workload(base: type) -> Any:
             model: Any = self.model
             if self.spec.quant is not None:
                 self._4bit_modules = {id(m) for m in pack_4bit_on_meta(model)}
+            adapters_in_declared_dtype(model, self.spec.adapter_dtype)
+            policy = mp_policy(self.doc)
             for layer in decoder_layers(model):
-                fully_shard(layer, reshard_after_forward=self.reshard_after_forward)
-            fully_shard(model, reshard_after_forward=self.reshard_after_forward)
+                fully_shard(layer, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+            fully_shard(model, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
 
         def _materialise(self, device: Any, adapters: bool) -> None:
             self._materialise_shards(device, adapters)
@@ -102,6 +106,167 @@ def sharded_workload(base: type) -> Any:
 
     Sharded.__name__ = Sharded.__qualname__ = f"Sharded{base.__name__}"
     return Sharded
+
+
+@cache
+def fsdp1_workload(base: type) -> Any:
+    """A subclass of the workload class ``base`` wrapped in FSDP1 as transformers' Trainer + accelerate wrap a PEFT
+    model: ``FullyShardedDataParallel(model, auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model),
+    sharding_strategy=FULL_SHARD (or SHARD_GRAD_OP), use_orig_params=True, limit_all_gathers=True,
+    mixed_precision=MixedPrecision(param_dtype, reduce_dtype), device_id=cpu)`` (accelerate 1.15
+    ``Accelerator.prepare_model``; transformers 5 ``update_fsdp_plugin_peft``).
+
+    FSDP1 flattens and shards whole modules when it wraps them, so the model is wrapped at the protocol's "load":
+    every parameter (base and adapter) is created whole, then FSDP1 flattens each unit into its ``FlatParameter``
+    and keeps this rank's shard (``FlatParamHandle.shard`` frees the unsharded flat tensor). "after_load" therefore
+    holds the adapter shards too (a few KiB to MiB: they are their own units) and adapter injection adds nothing.
+    The trainable parameters are cast to ``adapter.dtype`` on the meta model first (one dtype per flat parameter).
+    """
+
+    class Fsdp1(base):
+        model: Any  # the PeftModel, then its FullyShardedDataParallel wrapper
+        #: FULL_SHARD (True, the default) or SHARD_GRAD_OP (False)
+        reshard_after_forward: bool | None = None
+
+        def prepare(self) -> None:
+            if self.model is not None:
+                return
+            super().prepare()
+            adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
+
+        def materialise_base(self, device: Any) -> None:
+            self.device = device
+            self._materialise(device, adapters=False)
+            self._materialise(device, adapters=True)
+            self._init_base()
+            self.model = self._wrap(self.model)
+
+        def _wrap(self, model: Any) -> Any:
+            import torch
+            from peft.utils.other import fsdp_auto_wrap_policy
+            from torch._subclasses.fake_tensor import is_fake
+            from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+
+            from ledgerspec.derivations.shard.sharder import mixed_precision
+
+            mp = mixed_precision(self.doc)
+            policy = None
+            if mp is not None:
+                policy = MixedPrecision(
+                    param_dtype=getattr(torch, mp.param_dtype) if mp.param_dtype else None,
+                    reduce_dtype=getattr(torch, mp.reduce_dtype) if mp.reduce_dtype else None,
+                )
+            strategy = (
+                ShardingStrategy.SHARD_GRAD_OP if self.reshard_after_forward is False else ShardingStrategy.FULL_SHARD
+            )
+            stack = getattr(self, "stack", None)  # the estimate's workload: fake tensors
+            if stack is not None and any(is_fake(p) for p in model.parameters()):
+                stack.enter_context(_fake_storage_checks())
+            return FullyShardedDataParallel(
+                model,
+                auto_wrap_policy=fsdp_auto_wrap_policy(model),
+                sharding_strategy=strategy,
+                use_orig_params=True,
+                limit_all_gathers=True,
+                mixed_precision=policy,
+                device_id=torch.device("cpu"),
+            )
+
+    Fsdp1.__name__ = Fsdp1.__qualname__ = f"Fsdp1{base.__name__}"
+    return Fsdp1
+
+
+@contextlib.contextmanager
+def _fake_storage_checks() -> Iterator[None]:
+    """FSDP1's storage checks asked of the storages, not of ``data_ptr()`` (used with fake tensors only).
+
+    torch 2.13 FSDP1 tells storages apart by their data pointers: ``_runtime_utils._catch_all_reshard`` decides a
+    handle is "already resharded" when ``flat_param.data_ptr() == flat_param._local_shard.data_ptr()`` ("This
+    already-resharded check is brittle", pytorch#83956), ``_flat_param._same_storage`` compares
+    ``untyped_storage().data_ptr()`` and ``_data_ptr_allocated`` tests ``data_ptr() > 0``. Fake tensors all have
+    data pointer 0: under ``FakeTensorMode`` every frozen unit gathered in backward (the root, the last layer: no
+    gradient hook reshards them) looked resharded and stayed gathered through the optimizer step (812,448 B above
+    the real run on the tiny test model), and ``SHARD_GRAD_OP`` failed ("the unsharded flat parameter should be
+    allocated"). Here the same questions are asked of the storage objects and their sizes, which is what the
+    pointers mean on real tensors.
+    """
+    import torch.distributed.fsdp._flat_param as flat_param
+    import torch.distributed.fsdp._runtime_utils as runtime
+
+    def same(a: Any, b: Any) -> bool:
+        a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
+        return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+
+    def allocated(t: Any) -> bool:
+        return bool(t.untyped_storage().nbytes() > 0)
+
+    def catch_all_reshard(state: Any) -> None:
+        handle = state._handle
+        if handle:
+            flat = handle.flat_param
+            if same(flat, flat._local_shard) and not handle._skipped_use_sharded_views:
+                return
+            runtime._reshard(state, handle, runtime._should_free_in_backward(state, handle))
+
+    patched: list[tuple[Any, str, Any]] = [
+        (runtime, "_catch_all_reshard", catch_all_reshard),
+        (flat_param, "_same_storage", same),
+        (flat_param, "_data_ptr_allocated", allocated),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, value in patched:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def mp_policy(doc: Any) -> Any:
+    """The ``MixedPrecisionPolicy`` the document declares (``parallelism.mixed_precision_policy``), else FSDP2's
+    default ``MixedPrecisionPolicy()`` (no casts), as accelerate passes it (``fsdp2_prepare_model``)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ledgerspec.derivations.shard.sharder import mixed_precision
+
+    mp = mixed_precision(doc)
+    if mp is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, mp.param_dtype) if mp.param_dtype else None,
+        reduce_dtype=getattr(torch, mp.reduce_dtype) if mp.reduce_dtype else None,
+    )
+
+
+def adapters_in_declared_dtype(model: Any, adapter_dtype: str | None) -> int:
+    """Cast every trainable meta parameter to ``adapter.dtype`` BEFORE ``fully_shard``; returns how many changed.
+
+    A user's run casts the adapter (``model.to(bf16)``, PEFT's ``autocast_adapter_dtype=False``, ...) before
+    accelerate or the user wraps the model, so ``fully_shard`` meets parameters already in their training dtype.
+    FSDP2 records that dtype when it shards (``FSDPParam.init_dtype_attrs``: ``self.orig_dtype =
+    self.sharded_param.dtype``, torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_param.py``), all-gathers and
+    reduce-scatters in it (no ``MixedPrecisionPolicy``: ``param_dtype`` and ``reduce_dtype`` stay None), and AdamW
+    creates its state with ``torch.zeros_like(p)`` on the sharded parameter (``optim/adam.py``, ``_init_group``), so
+    the state follows the parameter's dtype: bf16 adapters have bf16 gradients and bf16 ``exp_avg``/``exp_avg_sq``.
+
+    Casting after ``fully_shard`` (``p.data = p.data.to(bf16)`` on the sharded DTensor, what the single-device
+    workload does at injection) leaves FSDP2's padded shard storage and recorded dtype at float32: the gradient
+    then arrives in one dtype and AdamW's state in another, a step no real run takes (the meta kernel of
+    ``aten.lerp_`` refused it: issue 16).
+    """
+    import torch
+
+    if adapter_dtype is None:  # PEFT's default: float32 adapters, as PEFT built them
+        return 0
+    target = getattr(torch, adapter_dtype)
+    changed = 0
+    for p in model.parameters():
+        if p.requires_grad and p.is_meta and p.is_floating_point() and p.dtype != target:
+            p.data = p.data.to(target)
+            changed += 1
+    return changed
 
 
 def pack_4bit_on_meta(model: Any) -> list[Any]:
@@ -178,4 +343,4 @@ def _quantized_shard(fp: Any, module: Any, spec: Any, device: Any, seed: int) ->
     return padded, state
 
 
-__all__ = ["fsdp_params", "pack_4bit_on_meta", "sharded_workload"]
+__all__ = ["fsdp1_workload", "fsdp_params", "pack_4bit_on_meta", "sharded_workload"]

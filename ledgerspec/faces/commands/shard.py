@@ -81,7 +81,7 @@ def run_shard(args: argparse.Namespace) -> int:
     plan = result.plan
     reshard = result.extension["reshard_after_forward"]
     print(
-        f"FSDP2 on {plan.world_size} ranks, reshard_after_forward="
+        f"{result.extension['strategy'].split(' ')[0].upper()} on {plan.world_size} ranks, reshard_after_forward="
         f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}"
     )
     print(
@@ -127,7 +127,7 @@ def run_shard(args: argparse.Namespace) -> int:
 def _print_estimate(est: Any, device_memory: int | None) -> None:
     from ledgerspec.contract.units import format_size
 
-    print(f"estimate ({est.target}, simulated FSDP2 step per rank, {est.plan.describe()}):")
+    print(f"estimate ({est.target}, simulated {est.strategy.upper()} step per rank, {est.plan.describe()}):")
     fits = est.fits(device_memory) if device_memory is not None else None
     for i, r in enumerate(est.ranks):
         verdict = f"; {fits[i].sentence()}" if fits is not None else ""

@@ -21,6 +21,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.derivations.shard.model import document_descriptors
+from ledgerspec.derivations.shard.sharder import mixed_precision
 from tests.support import TESTS
 
 DATA = TESTS / "data" / "sharding"
@@ -32,6 +33,8 @@ pytestmark = pytest.mark.slow
 CASES = [
     ("tiny-lora.ledger.yaml", 2, "auto"),
     ("tiny-lora-bf16-r2.ledger.yaml", 3, "false"),
+    # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) on fp32 shards (issue 16)
+    ("tiny-lora-mp.ledger.yaml", 2, "true"),
 ]
 
 
@@ -58,9 +61,17 @@ def _run_probe(ledger: str, nproc: int, reshard: str, out: Path) -> list[dict[st
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ledger, nproc, reshard = request.param
     ranks = _run_probe(ledger, nproc, reshard, tmp_path_factory.mktemp("probe"))
-    descs = document_descriptors(load(DATA / ledger))
-    plan = S.fsdp2(descs, nproc, "adamw_torch", reshard_after_forward=(reshard != "false"))
-    return {"ranks": ranks, "descs": descs, "plan": plan, "world": nproc}
+    doc = load(DATA / ledger)
+    descs = document_descriptors(doc)
+    mp = mixed_precision(doc)
+    plan = S.fsdp2(
+        descs,
+        nproc,
+        "adamw_torch",
+        reshard_after_forward=(reshard != "false"),
+        param_dtype=mp.param_dtype if mp else None,
+    )
+    return {"ranks": ranks, "descs": descs, "plan": plan, "world": nproc, "mp": mp}
 
 
 def test_every_rank_reported(case: dict[str, Any]) -> None:
@@ -133,3 +144,17 @@ def test_per_rank_is_not_total_divided_by_world(case: dict[str, Any]) -> None:
     held = sum(p["storage_bytes"] for p in real0["params"].values())
     total = sum(d.nbytes for d in case["descs"] if d.kind == "param")
     assert held > total / case["world"]
+
+
+def test_mixed_precision_changes_only_what_is_gathered(case: dict[str, Any]) -> None:
+    """Under ``MixedPrecisionPolicy(param_dtype=P)`` the layers compute on parameters gathered in P, while the shards,
+    the sharded gradients (cast back after the reduce-scatter) and AdamW's moments keep the parameters' dtypes."""
+    mp = case["mp"]
+    for real in case["ranks"]:
+        params = real["params"].values()
+        if mp is not None:
+            assert real["gathered_dtypes"] == [mp.param_dtype]
+        for p in params:
+            if p["trainable"] and p["local_rows"]:
+                assert p["grad_dtype"] == p["dtype"]
+                assert {p["optimizer_state_dtypes"][k] for k in ("exp_avg", "exp_avg_sq")} == {p["dtype"]}
