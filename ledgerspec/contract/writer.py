@@ -140,11 +140,19 @@ def _target(path: str | os.PathLike[str], force: bool) -> _Target:
                 shown,
                 "give the path of a regular file",
             )
-        try:
-            same = os.path.samestat(st, os.stat(real))
-        except OSError:
-            same = False
-        if not same:  # /proc/self/fd/N of a deleted file, a path that changed under our feet
+        same = False
+        for _ in range(5):  # another writer may replace the file (a new inode) between the two stats: look again
+            try:
+                same = os.path.samestat(st, os.stat(real))
+            except OSError:
+                same = False
+            if same:
+                break
+            try:
+                st = os.stat(path)
+            except OSError:
+                break
+        if not same:  # /proc/self/fd/N of a deleted file, a path that keeps changing under our feet
             raise _error("cannot tell which file this path names; nothing written", shown, "give a plain path")
         if not force and (st.st_mode & 0o222 == 0 or not os.access(real, os.W_OK)):
             raise _error("is read-only; nothing written", shown, FORCE_HINT)
@@ -293,11 +301,16 @@ def atomic_write(path: str | os.PathLike[str], text: str, *, force: bool = False
 
 
 def _write(t: _Target, st: os.stat_result | None, data: bytes) -> None:
+    tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(t.real)}.", suffix=".tmp", dir=t.folder)
-    except OSError as exc:
-        raise _error(f"cannot write: {exc.strerror or exc}", t.shown) from None
-    try:
+        # signals held back while the temp file is created: a SIGTERM between its creation and the assignment of
+        # its name would leave it behind (seen: delivered inside mkstemp, right after os.open); delivered here, at
+        # the end of the block, it unwinds through the cleanup below
+        with _signals_deferred():
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(t.real)}.", suffix=".tmp", dir=t.folder)
+            except OSError as exc:
+                raise _error(f"cannot write: {exc.strerror or exc}", t.shown) from None
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -312,6 +325,8 @@ def _write(t: _Target, st: os.stat_result | None, data: bytes) -> None:
             os.replace(tmp, t.real)
         _fsync_folder(t.folder)
     except BaseException as exc:
+        if tmp is None:  # the temp file was not created (a LedgerspecError from mkstemp, or a signal before it)
+            raise
         try:
             os.unlink(tmp)
         except FileNotFoundError:
