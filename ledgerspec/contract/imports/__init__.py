@@ -153,7 +153,7 @@ def _finish(
             b.set(("parallelism", "strategy"), "ddp", "--gpu-count > 1 without sharding settings")
             for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
                 b.set(("parallelism", k), "replicated", "DDP: every rank holds a full copy")
-    for path in _MINIMUM:
+    for path in MINIMUM:
         if path == ("method", "target_modules") and b.read_from_file(("method", "target_parameters")):
             continue
         if path not in b.entries:
@@ -169,7 +169,8 @@ def _finish(
     )
 
 
-_MINIMUM = (
+#: the minimum intake fields an import writes UNKNOWN when the sources do not tell
+MINIMUM = (
     ("identity", "model_id"),
     ("identity", "revision"),
     ("method", "kind"),

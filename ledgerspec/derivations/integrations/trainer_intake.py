@@ -34,27 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.contract.imports import hf, shipped
+from ledgerspec.contract.imports import (
+    MINIMUM,  # written UNKNOWN when the objects do not tell
+    hf,
+    shipped,
+)
 from ledgerspec.contract.imports.builder import Builder
 from ledgerspec.contract.imports.common import QUANTIZED, is_off
 from ledgerspec.contract.imports.source import Source
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
 RULE = "trainer-intake"
-#: the minimum intake (written UNKNOWN when the objects do not tell)
-MINIMUM = (
-    ("identity", "model_id"),
-    ("identity", "revision"),
-    ("method", "kind"),
-    ("method", "rank"),
-    ("method", "target_modules"),
-    ("base_model", "loaded_dtype"),
-    ("adapter", "dtype"),
-    ("workload", "microbatch"),
-    ("workload", "max_length"),
-    ("optimizer", "name"),
-    ("memory_options", "gradient_checkpointing"),
-)
 
 
 def _error(message: str, hint: str) -> LedgerspecError:
