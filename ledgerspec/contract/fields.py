@@ -463,7 +463,12 @@ MEMORY_OPTIONS = F(
         F("activation_offload", SWITCH, "Offload saved activations to host memory."),
         F("offload_mode", STRING, "How activations are offloaded (sync, async streams, pinned)."),
         F("cpu_offload", SWITCH, "Offload parameters or optimizer state to CPU."),
-        F("sharding", ENUM, "Sharding strategy of the model state.", enum=("none", "fsdp2", "zero1", "zero2", "zero3")),
+        F(
+            "sharding",
+            ENUM,
+            "Sharding strategy of the model state.",
+            enum=("none", "fsdp1", "fsdp2", "zero1", "zero2", "zero3"),
+        ),
     ),
 )
 
@@ -505,6 +510,34 @@ PARALLELISM = F(
                     "dtype. Absent: param_dtype.",
                 ),
             ),
+        ),
+        F(
+            "backward_prefetch",
+            STRING,
+            "FSDP1 (`parallelism.strategy: fsdp1`): `backward_pre`, `backward_post` or `no_prefetch` (accelerate's "
+            "`fsdp_backward_prefetch`). With a prefetch the next unit's parameters are all-gathered before the "
+            "current unit's gradients are computed: one more gathered unit alive in backward. Absent: "
+            "`no_prefetch`, what transformers' `TrainingArguments` (`fsdp_config.backward_prefetch` "
+            "'NO_PREFETCH') and accelerate without the setting pass.",
+        ),
+        F(
+            "forward_prefetch",
+            SWITCH,
+            "FSDP1: all-gather the next unit before the current unit's forward (accelerate's "
+            "`fsdp_forward_prefetch`). Absent: false.",
+        ),
+        F(
+            "limit_all_gathers",
+            SWITCH,
+            "FSDP1: at most two all-gathers in flight (a CUDA-event rate limiter; without streams, as on the CPU, it "
+            "changes nothing). Absent: true (accelerate's default).",
+        ),
+        F(
+            "use_orig_params",
+            SWITCH,
+            "FSDP1: keep the original parameters as views into the flat parameter (true) or expose only the flat "
+            "parameters (false: no 16-byte alignment padding between parameters; the optimizer sees flat "
+            "parameters). Absent: true (transformers' `fsdp_config.use_orig_params` default).",
         ),
         F(
             "per_rank_peak",

@@ -616,7 +616,14 @@ ADDED: dict[str, list[str]] = {
     "base_model": ["module_dtypes"],  # dtypes left by k-bit preparation and a trainer's casts
     "method": ["exclude_modules"],  # PEFT's exclude_modules: e.g. a vision tower under all-linear (issue 17)
     "base_model.quantization": ["desc_act", "dequantized"],  # bases quantized by GPTQ / MXFP4 (issue 17)
-    "parallelism": ["mixed_precision_policy"],  # FSDP2's MixedPrecisionPolicy (issue 16)
+    # FSDP2's MixedPrecisionPolicy; FSDP1's prefetch, all-gather limit and flat-parameter options (issue 16)
+    "parallelism": [
+        "mixed_precision_policy",
+        "backward_prefetch",
+        "forward_prefetch",
+        "limit_all_gathers",
+        "use_orig_params",
+    ],
 }
 
 

@@ -5,7 +5,8 @@ accounted for (:func:`~ledgerspec.contract.imports.common.account_for_rest`):
 
 - :mod:`.axolotl` (axolotl YAML), :mod:`.llamafactory` (LLaMA-Factory YAML),
 - :mod:`.hf` (``TrainingArguments`` / TRL ``SFTConfig``, PEFT ``adapter_config.json``, a model ``config.json``, a
-  DeepSpeed JSON), which may be given together and are merged (a disagreement is a finding).
+  DeepSpeed JSON), which may be given together and are merged (a disagreement is a finding),
+- :mod:`.accelerate` (an accelerate config YAML: processes, mixed precision, the FSDP or DeepSpeed plugin).
 
 Pure Python and no network: the contract wing. The mapping is documented in docs "From your setup".
 """
@@ -16,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ledgerspec.contract.imports import axolotl, hf, llamafactory, shipped
+from ledgerspec.contract.imports import accelerate, axolotl, hf, llamafactory, shipped
 from ledgerspec.contract.imports.builder import Builder, Finding
 from ledgerspec.contract.imports.common import QUANTIZED, VERSIONS
 from ledgerspec.contract.imports.source import FORMATS, Source, read
@@ -24,7 +25,7 @@ from ledgerspec.errors import LedgerspecError, described
 
 #: the order sources are read in: the training arguments first (they decide the loader's dtype defaults), the
 #: adapter, then the model config (its dtype is only a fallback)
-_ORDER = ("axolotl", "llamafactory", "training-args", "adapter-config", "deepspeed", "model-config")
+_ORDER = ("axolotl", "llamafactory", "training-args", "accelerate", "adapter-config", "deepspeed", "model-config")
 _CONVERT = {
     "axolotl": axolotl.convert,
     "llamafactory": llamafactory.convert,
@@ -32,6 +33,7 @@ _CONVERT = {
     "adapter-config": hf.adapter_config,
     "model-config": hf.model_config,
     "deepspeed": hf.deepspeed_file,
+    "accelerate": accelerate.convert,
 }
 
 

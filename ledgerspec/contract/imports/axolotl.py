@@ -478,17 +478,31 @@ def _parallel(src: Source, b: Builder, o: str, ds_config: dict[str, Any] | None)
                 b.set(
                     ("memory_options", "gradient_checkpointing"), True, "axolotl: fsdp_config.activation_checkpointing"
                 )
-        else:
-            C.not_modelled(
+        else:  # FSDP1: axolotl 0.18's default without fsdp_version
+            items = (
+                fsdp_list.split()
+                if isinstance(fsdp_list, str)
+                else [str(i) for i in fsdp_list]
+                if isinstance(fsdp_list, list)
+                else []
+            )
+            strategy = cfg.get("sharding_strategy", cfg.get("reshard_after_forward"))
+            if strategy is None:
+                strategy = next((i for i in items if C.fsdp1_strategy(i) is not None), None)
+            C.fsdp1(
                 src,
                 b,
-                "fsdp_config",
-                fsdp_cfg or fsdp_list,
-                f"FSDP version {version} (axolotl's default without fsdp_version) is not modelled: ledgerspec models "
-                "FSDP2 (fsdp_version: 2)",
+                f"axolotl: FSDP version {version}",
                 where,
+                cfg,
+                strategy,
+                cfg.get("offload_params") or "offload" in items,
+                "accelerate's FSDP1 default sharding strategy",
             )
-            b.unknown(("memory_options", "sharding"), "axolotl: FSDP1 (not modelled)", src.path)
+            if cfg.get("activation_checkpointing"):
+                b.set(
+                    ("memory_options", "gradient_checkpointing"), True, "axolotl: fsdp_config.activation_checkpointing"
+                )
         rest = {
             k: v
             for k, v in cfg.items()
@@ -505,10 +519,15 @@ def _parallel(src: Source, b: Builder, o: str, ds_config: dict[str, Any] | None)
                 "final_state_dict_type",
                 "sync_module_states",
                 "use_orig_params",
+                "sharding_strategy",
+                "backward_prefetch",
+                "forward_prefetch",
+                "limit_all_gathers",
             )
         }
-        if rest and int(version) == 2:
+        if rest:
             C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
+        C.fsdp_mixed_precision(src, b, "axolotl: bf16/fp16 under FSDP")
     if ds or fsdp_cfg or fsdp_list:
         b.unknown(
             ("parallelism", "gpu_count"),

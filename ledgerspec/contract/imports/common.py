@@ -22,6 +22,7 @@ VERSIONS = {
     "transformers": "5.24.0",
     "trl": "1.9.0",
     "peft": "0.21.2",
+    "accelerate": "1.15.0",
 }
 
 
@@ -275,6 +276,120 @@ def fsdp2(
         b.set(("parallelism", "reshard_after_forward"), bool(reshard), origin, src.path, where)
     elif reshard_default_note:
         b.assume(("parallelism", "reshard_after_forward"), True, origin, reshard_default_note, src.path)
+
+
+#: FSDP1 sharding strategies (accelerate 1.15 ``FSDP_SHARDING_STRATEGY``, 1-based numbers as accelerate accepts them)
+#: -> ``parallelism.reshard_after_forward`` (the two the ledger models)
+FSDP1_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+_FSDP1_NUMBERED = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+#: FSDP1 settings -> (ledger key under ``parallelism``, how the value is read)
+_FSDP1_OPTIONS = {
+    "backward_prefetch": "backward_prefetch",
+    "forward_prefetch": "forward_prefetch",
+    "limit_all_gathers": "limit_all_gathers",
+    "use_orig_params": "use_orig_params",
+}
+
+
+def fsdp1_strategy(value: Any) -> str | None:
+    """An FSDP1 ``sharding_strategy`` / ``reshard_after_forward`` as accelerate reads it (a name in any case, or its
+    1-based number); None when it is not one."""
+    text = str(value).strip().upper()
+    if text.isdigit() and 1 <= int(text) <= len(_FSDP1_NUMBERED):
+        return _FSDP1_NUMBERED[int(text) - 1]
+    text = text.removeprefix("SHARDINGSTRATEGY.").lstrip("_")
+    return text if text in _FSDP1_NUMBERED else None
+
+
+def fsdp1(
+    src: Source,
+    b: Builder,
+    origin: str,
+    where: tuple[Any, Any],
+    cfg: dict[str, Any],
+    strategy: Any,
+    offload: Any,
+    defaults_note: str,
+) -> bool:
+    """FSDP1 (``FullyShardedDataParallel``) as the ledger knows it: ``parallelism.strategy: fsdp1`` with
+    ``reshard_after_forward`` from the sharding strategy (FULL_SHARD true, SHARD_GRAD_OP false) and the wrapping
+    options (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``) read from
+    ``cfg`` (keys without their ``fsdp_`` prefix). ``strategy`` None: FULL_SHARD, accelerate's and transformers'
+    default (ASSUMPTION with ``defaults_note``). HYBRID_SHARD and NO_SHARD are findings, not modelled: False."""
+    name = fsdp1_strategy(strategy) if strategy is not None else "FULL_SHARD"
+    if name is None or name not in FSDP1_STRATEGIES:
+        not_modelled(
+            src,
+            b,
+            "fsdp_config",
+            strategy,
+            f"{origin}: FSDP1 sharding strategy {strategy!r} is not modelled (ledgerspec models FULL_SHARD and "
+            "SHARD_GRAD_OP; HYBRID_SHARD shards within a node and replicates across nodes)",
+            where,
+        )
+        b.unknown(("memory_options", "sharding"), f"{origin}: FSDP1 {strategy} (not modelled)", src.path)
+        return False
+    b.set(("memory_options", "sharding"), "fsdp1", origin, src.path, where)
+    b.set(("parallelism", "strategy"), "fsdp1", origin, src.path, where)
+    place = "cpu" if offload else "sharded"
+    for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
+        b.set(("parallelism", k), place, origin + (" with CPU offload" if offload else ""), src.path)
+    b.set(("memory_options", "cpu_offload"), bool(offload), origin, src.path)
+    b.set(("parallelism", "cpu_offload"), bool(offload), origin, src.path)
+    if strategy is None:
+        b.assume(("parallelism", "reshard_after_forward"), True, origin, defaults_note + ": FULL_SHARD", src.path)
+    else:
+        b.set(("parallelism", "reshard_after_forward"), FSDP1_STRATEGIES[name], f"{origin}: {name}", src.path, where)
+    for key, field in _FSDP1_OPTIONS.items():
+        if key not in cfg or cfg[key] is None:
+            continue
+        value = cfg[key]
+        if key == "backward_prefetch":
+            text = str(value).strip().upper().removeprefix("BACKWARDPREFETCH.")
+            numbered = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+            if text.isdigit() and 1 <= int(text) <= 3:
+                text = numbered[int(text) - 1]
+            if text not in numbered:
+                b.finding(src.path, where, f"fsdp_config.{key}", f"{value!r} is not one of {numbered}", "unknown")
+                continue
+            b.set(("parallelism", field), text.lower(), f"{origin}: {key}", src.path)
+        else:
+            on = _bool(value)
+            if on is None:
+                b.finding(src.path, where, f"fsdp_config.{key}", f"{value!r} is not true or false", "unknown")
+                continue
+            b.set(("parallelism", field), on, f"{origin}: {key}", src.path)
+    return True
+
+
+def fsdp_mixed_precision(src: Source, b: Builder, origin: str) -> None:
+    """accelerate's FSDP mixed precision: with ``mixed_precision`` bf16/fp16 the FSDP plugin gets
+    ``MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, ...)`` (accelerate 1.15 ``AcceleratorState`` ->
+    ``FullyShardedDataParallelPlugin.set_mixed_precision``, FSDP1 and FSDP2 alike), so the gathered parameters,
+    compute and reduction run in that dtype. Needs ``training.mixed_precision`` set before."""
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(str(b.value(("training", "mixed_precision")) or ""))
+    if dtype is None:
+        return
+    for key in ("param_dtype", "reduce_dtype"):
+        b.set(
+            ("parallelism", "mixed_precision_policy", key),
+            dtype,
+            origin + " (accelerate's FSDP MixedPrecision)",
+            src.path,
+        )
+
+
+def _bool(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return (
+        True
+        if text in ("true", "1", "yes", "y", "on", "t")
+        else False
+        if text in ("false", "0", "no", "n", "off", "f")
+        else None
+    )
 
 
 def nested_where(src: Source, *path: str) -> tuple[int | None, int | None]:

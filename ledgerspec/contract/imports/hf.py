@@ -286,15 +286,66 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
             if rest:
                 C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
         else:
-            C.not_modelled(
+            # transformers 5.x `_apply_legacy_fsdp_to_config`: an `fsdp` strategy word becomes
+            # fsdp_config["reshard_after_forward"] (the FSDP1 strategy name); "offload" becomes cpu_offload
+            strategy = cfg.get("reshard_after_forward", cfg.get("sharding_strategy"))
+            if strategy is None:
+                strategy = next((i for i in items if C.fsdp1_strategy(i) is not None), None)
+            modelled = C.fsdp1(
                 src,
                 b,
-                "fsdp",
-                {"fsdp": fsdp, "fsdp_config": cfg},
-                "FSDP1 is not modelled: ledgerspec models FSDP2 (fsdp_config.version: 2)",
+                o + f"fsdp {fsdp!r}, fsdp_config.version 1",
                 where,
+                cfg,
+                strategy,
+                bool(cfg.get("cpu_offload") or cfg.get("offload_params") or "offload" in items),
+                f"{TA} FSDP1 default reshard_after_forward 'full_shard'",
             )
-            b.unknown(("memory_options", "sharding"), o + "FSDP1 (not modelled)", src.path)
+            if cfg.get("activation_checkpointing"):
+                b.set(
+                    ("memory_options", "gradient_checkpointing"),
+                    True,
+                    o + "fsdp_config.activation_checkpointing",
+                    src.path,
+                )
+            for key, default in (("backward_prefetch", "no_prefetch"), ("use_orig_params", True)):
+                if modelled and key not in cfg:
+                    b.assume(
+                        ("parallelism", key),
+                        default,
+                        o + "fsdp_config",
+                        f"{TA} FSDP1 default {key}: {default}",
+                        src.path,
+                    )
+            rest = {
+                k: v
+                for k, v in cfg.items()
+                if k
+                not in (
+                    "version",
+                    "reshard_after_forward",
+                    "sharding_strategy",
+                    "cpu_offload",
+                    "offload_params",
+                    "activation_checkpointing",
+                    "auto_wrap_policy",
+                    "transformer_layer_cls_to_wrap",
+                    "min_num_params",
+                    "state_dict_type",
+                    "cpu_ram_efficient_loading",
+                    "sync_module_states",
+                    "use_orig_params",
+                    "backward_prefetch",
+                    "forward_prefetch",
+                    "limit_all_gathers",
+                    "xla",
+                    "xla_fsdp_v2",
+                    "xla_fsdp_grad_ckpt",
+                )
+            }
+            if rest:
+                C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
+        C.fsdp_mixed_precision(src, b, o + "bf16/fp16 under FSDP")
     if ds or fsdp:
         b.unknown(
             ("parallelism", "gpu_count"), o + "the number of GPUs comes from the launcher: give --gpu-count", src.path

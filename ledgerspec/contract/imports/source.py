@@ -25,6 +25,7 @@ FORMATS = {
     "adapter-config": "PEFT adapter_config.json",
     "model-config": "model config.json (with a quantization_config for a quantized base)",
     "deepspeed": "DeepSpeed config JSON",
+    "accelerate": "accelerate config YAML (`accelerate config`, `accelerate launch --config_file`)",
 }
 #: a pickle's first byte is PROTO (0x80) followed by the protocol number (2 to 5)
 _PICKLE_MAGIC = tuple(bytes([0x80, n]) for n in range(2, 6))
@@ -188,6 +189,8 @@ def detect(plain: dict[str, Any]) -> str | None:
     keys = set(plain)
     if "peft_type" in keys or {"r", "lora_alpha", "target_modules"} <= keys:
         return "adapter-config"
+    if "distributed_type" in keys and keys & {"compute_environment", "num_processes", "fsdp_config", "mixed_precision"}:
+        return "accelerate"
     if "zero_optimization" in keys or {"train_micro_batch_size_per_gpu", "bf16"} <= keys:
         return "deepspeed"
     if "model_name_or_path" in keys and keys & _LLAMAFACTORY_MARKS:

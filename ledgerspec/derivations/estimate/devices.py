@@ -193,7 +193,7 @@ def compare(
     notes: list[str] = []
     peaks: dict[int, int] = {1: single}
     wanted = [n for n in counts if n >= 1]
-    if sharding == "fsdp2":
+    if sharding in ("fsdp1", "fsdp2"):
         rank_peak = per_rank or (lambda world: _fsdp2_worst(doc, world))
         for n in wanted:
             if n > 1:
@@ -202,7 +202,7 @@ def compare(
                 except LedgerspecError as exc:
                     notes.append(f"{n} GPUs: not simulated ({exc.message})")
         notes.append(
-            "fsdp2: each GPU count's worst rank simulated at the declared microbatch; other microbatches add the "
+            f"{sharding}: each GPU count's worst rank simulated at the declared microbatch; other microbatches add the "
             "same bytes per row as one GPU (activations do not shard)"
         )
     elif sharding in ("none", "ddp"):
@@ -248,7 +248,8 @@ def _largest(
 
 
 def _fsdp2_worst(doc: Document, world: int) -> int:
-    """The worst rank's predicted peak on ``world`` FSDP2 ranks (a simulated step per distinct rank layout)."""
+    """The worst rank's predicted peak on ``world`` FSDP2 (or FSDP1) ranks (a simulated step per distinct rank
+    layout)."""
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import check_qlora
     from ledgerspec.derivations.shard.simulate import estimate_per_rank

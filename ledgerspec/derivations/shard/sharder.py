@@ -138,9 +138,68 @@ def cpu_offload(doc: Document) -> tuple[str, ...] | None:
 
 
 def is_fsdp1(doc: Document) -> bool:
-    """``parallelism.strategy: fsdp1``: FSDP1 as the Trainer/accelerate run it (``fsdp_version: 1``)."""
+    """``parallelism.strategy: fsdp1`` (or, without a strategy, ``memory_options.sharding: fsdp1``): FSDP1 as the
+    Trainer/accelerate run it (``fsdp_version: 1``)."""
     text = doc.get("parallelism", "strategy").text()
-    return text is not None and text.strip().lower() in FSDP1_NAMES
+    if text is None:
+        return (doc.get("memory_options", "sharding").text() or "").strip().lower() == "fsdp1"
+    return text.strip().lower() in FSDP1_NAMES
+
+
+#: ``parallelism.backward_prefetch`` words -> ``torch.distributed.fsdp.BackwardPrefetch`` member (None: no prefetch)
+BACKWARD_PREFETCH = {"backward_pre": "BACKWARD_PRE", "backward_post": "BACKWARD_POST", "no_prefetch": None}
+
+
+@dataclass(frozen=True)
+class Fsdp1Options:
+    """FSDP1's wrapping options as accelerate passes them to ``FullyShardedDataParallel`` (accelerate 1.15
+    ``Accelerator.prepare_model``), with the defaults of transformers' ``TrainingArguments`` (5.x
+    ``_fsdp_plugin_args``: ``backward_prefetch`` 'NO_PREFETCH', ``forward_prefetch`` false, ``use_orig_params``
+    true) and accelerate's ``limit_all_gathers`` true."""
+
+    backward_prefetch: str | None = None  # a BackwardPrefetch member name
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    use_orig_params: bool = True
+
+    def describe(self) -> str:
+        return (
+            f"backward_prefetch={self.backward_prefetch or 'None'}, forward_prefetch={self.forward_prefetch}, "
+            f"limit_all_gathers={self.limit_all_gathers}, use_orig_params={self.use_orig_params}"
+        )
+
+
+def fsdp1_options(doc: Document) -> Fsdp1Options:
+    """The declared FSDP1 options (absent ones at the Trainer's defaults); a bad value is a usage error at its line."""
+    path = ("parallelism", "backward_prefetch")
+    text = doc.get(*path).text()
+    prefetch = None
+    if text is not None:
+        key = text.strip().lower().replace("-", "_")
+        if key not in BACKWARD_PREFETCH:
+            raise _err(
+                doc,
+                path,
+                f"backward_prefetch {text!r} is not one of {', '.join(BACKWARD_PREFETCH)}",
+                exit_code=EXIT_USAGE,
+            )
+        prefetch = BACKWARD_PREFETCH[key]
+
+    def switch(name: str, default: bool) -> bool:
+        value = doc.get("parallelism", name)
+        if not value.present or value.text() is None:
+            return default
+        on = value.switch()
+        if on is None:
+            raise _err(doc, ("parallelism", name), f"{name} must be true or false", exit_code=EXIT_USAGE)
+        return on
+
+    return Fsdp1Options(
+        prefetch,
+        switch("forward_prefetch", False),
+        switch("limit_all_gathers", True),
+        switch("use_orig_params", True),
+    )
 
 
 def _reshard(doc: Document) -> bool:
@@ -229,7 +288,14 @@ def compute(
     try:
         if is_fsdp1(doc):
             units = S.peft_fsdp1_units(descs)
-            plan = S.fsdp1(units, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
+            plan = S.fsdp1(
+                units,
+                world,
+                optimizer,
+                reshard_after_forward=_reshard(doc),
+                param_dtype=param_dtype,
+                use_orig_params=fsdp1_options(doc).use_orig_params,
+            )
         else:
             plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
     except ValueError as exc:
@@ -293,6 +359,14 @@ def shard(
     mp = mixed_precision(doc)
     if mp is not None:
         ext["mixed_precision_policy"] = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype}
+    if is_fsdp1(doc):
+        opts = fsdp1_options(doc)
+        ext["fsdp1_options"] = {
+            "backward_prefetch": opts.backward_prefetch,
+            "forward_prefetch": opts.forward_prefetch,
+            "limit_all_gathers": opts.limit_all_gathers,
+            "use_orig_params": opts.use_orig_params,
+        }
     if doc.get("parallelism", "reshard_after_forward").switch() is None and not is_fsdp1(doc):
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)

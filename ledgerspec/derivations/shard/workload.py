@@ -112,8 +112,10 @@ def sharded_workload(base: type) -> Any:
 def fsdp1_workload(base: type) -> Any:
     """A subclass of the workload class ``base`` wrapped in FSDP1 as transformers' Trainer + accelerate wrap a PEFT
     model: ``FullyShardedDataParallel(model, auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model),
-    sharding_strategy=FULL_SHARD (or SHARD_GRAD_OP), use_orig_params=True, limit_all_gathers=True,
-    mixed_precision=MixedPrecision(param_dtype, reduce_dtype), device_id=cpu)`` (accelerate 1.15
+    sharding_strategy=FULL_SHARD (or SHARD_GRAD_OP), use_orig_params, limit_all_gathers, backward_prefetch,
+    forward_prefetch, mixed_precision=MixedPrecision(param_dtype, reduce_dtype), device_id=cpu)`` with the declared
+    options (:func:`ledgerspec.derivations.shard.sharder.fsdp1_options`: the Trainer's defaults when absent,
+    ``backward_prefetch=None`` among them, not FSDP1's own ``BACKWARD_PRE``) (accelerate 1.15
     ``Accelerator.prepare_model``; transformers 5 ``update_fsdp_plugin_peft``).
 
     FSDP1 flattens and shards whole modules when it wraps them, so the model is wrapped at the protocol's "load":
@@ -140,16 +142,26 @@ def fsdp1_workload(base: type) -> Any:
             self._materialise(device, adapters=True)
             self._init_base()
             self.model = self._wrap(self.model)
+            # the materialisation memo (tied weights) must not outlive the wrapping: with use_orig_params=False
+            # FSDP1 replaces the original parameters by views of its flat parameter, and a Trainer holds no other
+            # reference to them (kept, they held the whole unsharded model: +1,089,952 B on the tiny test model)
+            self._memo.clear()
 
         def _wrap(self, model: Any) -> Any:
             import torch
             from peft.utils.other import fsdp_auto_wrap_policy
             from torch._subclasses.fake_tensor import is_fake
-            from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+            from torch.distributed.fsdp import (
+                BackwardPrefetch,
+                FullyShardedDataParallel,
+                MixedPrecision,
+                ShardingStrategy,
+            )
 
-            from ledgerspec.derivations.shard.sharder import mixed_precision
+            from ledgerspec.derivations.shard.sharder import fsdp1_options, mixed_precision
 
             mp = mixed_precision(self.doc)
+            opts = fsdp1_options(self.doc)
             policy = None
             if mp is not None:
                 policy = MixedPrecision(
@@ -166,8 +178,10 @@ def fsdp1_workload(base: type) -> Any:
                 model,
                 auto_wrap_policy=fsdp_auto_wrap_policy(model),
                 sharding_strategy=strategy,
-                use_orig_params=True,
-                limit_all_gathers=True,
+                use_orig_params=opts.use_orig_params,
+                limit_all_gathers=opts.limit_all_gathers,
+                backward_prefetch=BackwardPrefetch[opts.backward_prefetch] if opts.backward_prefetch else None,
+                forward_prefetch=opts.forward_prefetch,
                 mixed_precision=policy,
                 device_id=torch.device("cpu"),
             )

@@ -196,6 +196,11 @@ MEASURED = {
         ("  strategy: fsdp2\n", "  strategy: fsdp1\n"),
         ("  reshard_after_forward: true\n", "  reshard_after_forward: false\n"),
     ],
+    # the options a user's accelerate config sets (absent: the Trainer's defaults, no prefetch)
+    "backward_pre-forward_prefetch": [
+        ("  strategy: fsdp2\n", "  strategy: fsdp1\n  backward_prefetch: BACKWARD_PRE\n  forward_prefetch: true\n"),
+    ],
+    "use_orig_params-false": [("  strategy: fsdp2\n", "  strategy: fsdp1\n  use_orig_params: false\n")],
     "accelerate-bf16": [
         ("  strategy: fsdp2\n", "  strategy: fsdp1\n  mixed_precision_policy: {param_dtype: bfloat16}\n"),
         ("  loaded_dtype: float32\n", "  loaded_dtype: bfloat16\n"),
@@ -248,6 +253,7 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
         2,
         reshard_after_forward=kind != "shard_grad_op",
         param_dtype=mp.param_dtype if mp else None,
+        use_orig_params=kind != "use_orig_params-false",
     )
     unit = max(v for k, v in plan.unit_unsharded.items() if k != S.ROOT)
     estimated = shard(load(path), estimate=True, target="cpu").estimate
