@@ -212,6 +212,36 @@ MEASURED = {
 }
 
 
+def test_backward_prefetch_keeps_one_more_unit_gathered_in_backward(tmp_path: Path) -> None:
+    """``backward_prefetch: backward_pre`` all-gathers the next unit before the current one's gradients: the simulated
+    backward peak is one decoder-layer unit (the calculated unsharded flat parameter) above no prefetch, the
+    forward peak unchanged."""
+    pytest.importorskip("peft")
+    import shutil
+
+    from ledgerspec import resolve
+    from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import shard
+
+    shutil.copytree(DATA / "tiny", tmp_path / "tiny")
+    text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")
+    peaks = {}
+    for word in ("no_prefetch", "backward_pre"):
+        path = tmp_path / f"{word}.ledger.yaml"
+        path.write_text(
+            text.replace("  strategy: fsdp2\n", f"  strategy: fsdp1\n  backward_prefetch: {word}\n"), encoding="utf-8"
+        )
+        doc = load(path)
+        resolve(doc, offline=True)
+        est = shard(doc, nproc=2, estimate=True, target="cpu").estimate
+        assert est is not None
+        peaks[word] = est.ranks[0].phases
+    plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2)
+    unit = max(v for k, v in plan.unit_unsharded.items() if k != S.ROOT)
+    assert peaks["backward_pre"]["forward_peak"] == peaks["no_prefetch"]["forward_peak"]
+    assert peaks["backward_pre"]["backward_peak"] - peaks["no_prefetch"]["backward_peak"] == unit
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MEASURED))
 def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind: str) -> None:
@@ -219,8 +249,9 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
     tensors and a fake process group) and the calculated state. The model-state phases and components agree to the
     byte; the compute phases are a lower bound at most two gathered layer units under the measurement, as for FSDP2
     (gloo's collectives run on their own thread). Observed alone on the machine: every phase of both ranks to the
-    byte in every case (steady-state peaks 2,913,780 B; 2,232,308 B with checkpointing, reentrant or not;
-    3,191,284 B; 1,967,276 B)."""
+    byte in every case. Simulated steady-state peaks (the Trainer's default, no backward prefetch): full_shard
+    2,678,196 B (BACKWARD_PRE: 2,913,780 B, one more unit), 1,996,724 B with checkpointing, shard_grad_op
+    3,191,284 B, accelerate bf16 1,849,484 B."""
     pytest.importorskip("peft")
     import shutil
 
@@ -295,3 +326,24 @@ def test_cpu_offload_is_not_simulated_and_said_so(tmp_path: Path, strategy: str)
     code, _, err = run_cli("shard", path)
     assert code == 0, err
     assert "not modelled for FSDP" in load(path).plain["parallelism"]["x-per-rank"]["cpu_offload"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message", "exit_code"),
+    [
+        ("  backward_prefetch: sometimes\n", "backward_prefetch 'sometimes' is not one of", 2),
+        ("  use_orig_params: maybe\n", "expected a switch", 1),  # the schema's finding, as for any switch
+    ],
+)
+def test_a_bad_fsdp1_option_is_one_line_at_its_place(tmp_path: Path, line: str, message: str, exit_code: int) -> None:
+    pytest.importorskip("torch")
+    from tests.support import run_cli
+
+    path = _fsdp1_ledger(tmp_path)
+    text = path.read_text(encoding="utf-8").replace("  strategy: fsdp1\n", "  strategy: fsdp1\n" + line)
+    path.write_text(text, encoding="utf-8")
+    before = path.read_bytes()
+    code, _, err = run_cli("shard", path)
+    at = text.splitlines().index(line.rstrip("\n")) + 1
+    assert code == exit_code and f"{path.name}:{at}:" in err and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and path.read_bytes() == before
