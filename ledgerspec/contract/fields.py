@@ -540,6 +540,15 @@ PARALLELISM = F(
             "parameters). Absent: true (transformers' `fsdp_config.use_orig_params` default).",
         ),
         F(
+            "shard_group_size",
+            INT,
+            "Hybrid sharding (FSDP1 `HYBRID_SHARD`, or `_HYBRID_SHARD_ZERO2` with `reshard_after_forward: false`): "
+            "the ranks of one shard group, usually the GPUs of one node. Parameters, gradients and optimizer "
+            "state are sharded within a group and replicated across groups, so each rank holds what it would "
+            "hold on `shard_group_size` GPUs. Absent: every rank is in one group (`FULL_SHARD` / `SHARD_GRAD_OP`).",
+            minimum=1,
+        ),
+        F(
             "per_rank_peak",
             FIGURES,
             "Peak memory of each rank, one figure per rank. A single total summed across "

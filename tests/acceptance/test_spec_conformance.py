@@ -623,6 +623,7 @@ ADDED: dict[str, list[str]] = {
         "forward_prefetch",
         "limit_all_gathers",
         "use_orig_params",
+        "shard_group_size",
     ],
 }
 

@@ -82,11 +82,25 @@ def test_fsdp_settings_as_accelerate_reads_them(name: str, monkeypatch: pytest.M
     assert keys_of(result, "unknown-key") == []
 
 
-def test_hybrid_shard_is_a_finding_not_a_guess() -> None:
+def test_hybrid_shard_shards_within_a_node() -> None:
+    """16 processes on 2 machines, HYBRID_SHARD: shard groups of the 8 processes of one node (FSDP1's default
+    intra-node group); NO_SHARD is a finding."""
     doc, result = imported("accelerate/fsdp-hybrid.yaml")
+    assert result.findings == []
+    assert plain(doc, "memory_options", "sharding") == "fsdp1"
+    assert plain(doc, "parallelism", "gpu_count") == 16
+    assert plain(doc, "parallelism", "shard_group_size") == 8
+    assert plain(doc, "parallelism", "reshard_after_forward") is True
+
+
+def test_no_shard_is_a_finding_not_a_guess(tmp_path: Path) -> None:
+    src = tmp_path / "accelerate.yaml"
+    src.write_text(
+        (IMPORTS / "accelerate" / "fsdp-hybrid.yaml").read_text().replace("HYBRID_SHARD", "NO_SHARD"), encoding="utf-8"
+    )
+    doc, result = imported(src)
     assert keys_of(result, "not-modelled") == ["fsdp_config"]
     assert plain(doc, "memory_options", "sharding") == "UNKNOWN"
-    assert plain(doc, "parallelism", "gpu_count") == 16
 
 
 def test_deepspeed_plugin_and_a_typo() -> None:

@@ -62,7 +62,7 @@ def convert(src: Source, b: Builder) -> None:
             b.ignored.setdefault(src.path, []).append(key)
     kind = str(src.take("distributed_type", "NO")).upper()
     processes = as_int(src, "num_processes", src.take("num_processes", 1))
-    src.take("num_machines")
+    machines = as_int(src, "num_machines", src.take("num_machines", 1)) or 1
     if src.take("use_cpu") is True:
         b.finding(
             src.path,
@@ -78,7 +78,7 @@ def convert(src: Source, b: Builder) -> None:
         C.not_modelled(src, b, "mixed_precision", mp, f"mixed_precision {mp!r} is not modelled (bf16, fp16, no are)")
     where = src.position("distributed_type")
     if kind == "FSDP":
-        _fsdp(src, b, o, where)
+        _fsdp(src, b, o, where, max(1, processes // machines))
     elif kind == "DEEPSPEED":
         _deepspeed(src, b, o, where)
     elif kind in _DATA_PARALLEL or kind == "NO":
@@ -93,7 +93,7 @@ def convert(src: Source, b: Builder) -> None:
     C.account_for_rest(src, b, "accelerate", LABEL)
 
 
-def _fsdp(src: Source, b: Builder, o: str, where: tuple[Any, Any]) -> None:
+def _fsdp(src: Source, b: Builder, o: str, where: tuple[Any, Any], per_node: int) -> None:
     raw = src.take("fsdp_config") or {}
     cfg = {str(k).removeprefix("fsdp_"): v for k, v in raw.items()} if isinstance(raw, dict) else {}
     version = int(cfg.get("version") or 1)
@@ -117,6 +117,7 @@ def _fsdp(src: Source, b: Builder, o: str, where: tuple[Any, Any]) -> None:
         cfg.get("sharding_strategy", cfg.get("reshard_after_forward")),
         offload,
         "accelerate's FSDP1 default sharding strategy",
+        group=per_node,  # HYBRID_SHARD's shard group: one node's processes (FSDP1's intra-node group)
     ):
         return
     else:

@@ -280,7 +280,7 @@ def fsdp2(
 
 #: FSDP1 sharding strategies (accelerate 1.15 ``FSDP_SHARDING_STRATEGY``, 1-based numbers as accelerate accepts them)
 #: -> ``parallelism.reshard_after_forward`` (the two the ledger models)
-FSDP1_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+FSDP1_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
 _FSDP1_NUMBERED = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 #: FSDP1 settings -> (ledger key under ``parallelism``, how the value is read)
 _FSDP1_OPTIONS = {
@@ -310,12 +310,15 @@ def fsdp1(
     strategy: Any,
     offload: Any,
     defaults_note: str,
+    group: int | None = None,
 ) -> bool:
     """FSDP1 (``FullyShardedDataParallel``) as the ledger knows it: ``parallelism.strategy: fsdp1`` with
     ``reshard_after_forward`` from the sharding strategy (FULL_SHARD true, SHARD_GRAD_OP false) and the wrapping
     options (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``) read from
     ``cfg`` (keys without their ``fsdp_`` prefix). ``strategy`` None: FULL_SHARD, accelerate's and transformers'
-    default (ASSUMPTION with ``defaults_note``). HYBRID_SHARD and NO_SHARD are findings, not modelled: False."""
+    default (ASSUMPTION with ``defaults_note``). HYBRID_SHARD (``_ZERO2``) shards within groups of ``group`` ranks
+    (the GPUs of one node: ``parallelism.shard_group_size``; UNKNOWN when the file cannot tell). NO_SHARD is a
+    finding, not modelled: False."""
     name = fsdp1_strategy(strategy) if strategy is not None else "FULL_SHARD"
     if name is None or name not in FSDP1_STRATEGIES:
         not_modelled(
@@ -323,8 +326,8 @@ def fsdp1(
             b,
             "fsdp_config",
             strategy,
-            f"{origin}: FSDP1 sharding strategy {strategy!r} is not modelled (ledgerspec models FULL_SHARD and "
-            "SHARD_GRAD_OP; HYBRID_SHARD shards within a node and replicates across nodes)",
+            f"{origin}: FSDP1 sharding strategy {strategy!r} is not modelled (ledgerspec models FULL_SHARD, "
+            "SHARD_GRAD_OP and HYBRID_SHARD; NO_SHARD is plain data parallel: declare sharding none)",
             where,
         )
         b.unknown(("memory_options", "sharding"), f"{origin}: FSDP1 {strategy} (not modelled)", src.path)
@@ -336,6 +339,15 @@ def fsdp1(
         b.set(("parallelism", k), place, origin + (" with CPU offload" if offload else ""), src.path)
     b.set(("memory_options", "cpu_offload"), bool(offload), origin, src.path)
     b.set(("parallelism", "cpu_offload"), bool(offload), origin, src.path)
+    if name.startswith("HYBRID"):
+        if group:
+            b.set(("parallelism", "shard_group_size"), group, f"{origin}: {name} within a node", src.path, where)
+        else:
+            b.unknown(
+                ("parallelism", "shard_group_size"),
+                f"{origin}: {name} shards within a node: give the GPUs per node",
+                src.path,
+            )
     if strategy is None:
         b.assume(("parallelism", "reshard_after_forward"), True, origin, defaults_note + ": FULL_SHARD", src.path)
     else:

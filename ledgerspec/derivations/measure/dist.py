@@ -149,7 +149,10 @@ def run_rank(req: DistRequest) -> RankOutput:
     workload = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(Workload)(doc, spec)
     workload.reshard_after_forward = req.reshard_after_forward
     result = run_protocol(workload, backend, device=device, steps=req.steps)
-    calc = _calculated(doc, world, rank, spec.optimizer, req.reshard_after_forward)
+    from ledgerspec.derivations.shard.sharder import shard_group
+
+    group = shard_group(doc, world)  # hybrid sharding: the rank holds its shard group's share
+    calc = _calculated(doc, group, rank % group, spec.optimizer, req.reshard_after_forward)
     if result.activations_saved is not None:  # gathered parameters FSDP2 keeps into backward are no activations
         result.activations_saved = max(0, result.activations_saved - calc["kept_after_forward"])
     return RankOutput(rank, result, software_versions(workload, req.device), calc)

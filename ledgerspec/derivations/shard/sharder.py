@@ -40,6 +40,34 @@ def world_size(doc: Document, nproc: int | None) -> int:
     return gpus
 
 
+def shard_group(doc: Document, world: int) -> int:
+    """The ranks one parameter is sharded over: ``parallelism.shard_group_size`` under hybrid sharding (FSDP1
+    ``HYBRID_SHARD``; each rank then holds what it holds on that many ranks: its group's shard, replicated across
+    the groups), else ``world``. A size that does not divide ``world`` is a usage error at its line."""
+    path = ("parallelism", "shard_group_size")
+    value = doc.get(*path)
+    if not value.present or value.unknown:
+        return world
+    size = value.integer()
+    if size is None or size < 1 or world % size:
+        raise _err(
+            doc,
+            path,
+            f"shard_group_size {value.value!r} must be a whole number that divides the {world} ranks",
+            "the GPUs of one node, e.g. 8 of 16",
+            exit_code=EXIT_USAGE,
+        )
+    if size < world and not is_fsdp1(doc):
+        raise _err(
+            doc,
+            path,
+            "hybrid sharding is modelled for FSDP1 (HYBRID_SHARD) only",
+            "set parallelism.strategy: fsdp1, or drop shard_group_size",
+            exit_code=EXIT_USAGE,
+        )
+    return size
+
+
 def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -> None:
     """QLoRA is shardable only with ``bnb_4bit_quant_storage`` equal to the loaded float dtype (``shard`` and
     ``measure --nproc`` both refuse other layouts here, each under its own rule name and exit code)."""
@@ -354,8 +382,14 @@ def shard(
         descs = document_descriptors(doc, offline=offline, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise _err(doc, ("base_model",), str(exc)) from None
-    plan, zero = compute(doc, descs, world)
+    group = shard_group(doc, world)
+    plan, zero = compute(doc, descs, group)
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
+    if group < world:
+        ext["hybrid"] = (
+            f"{world} ranks in {world // group} shard groups of {group} (HYBRID_SHARD"
+            f"{'' if _reshard(doc) else '_ZERO2'}): rank r holds what rank r mod {group} holds, listed once"
+        )
     mp = mixed_precision(doc)
     if mp is not None:
         ext["mixed_precision_policy"] = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype}
@@ -382,7 +416,7 @@ def shard(
 
         if device_memory is None:
             device_memory = doc.get("result", "target_device", "memory").size()
-        est = estimate_per_rank(doc, world, descs, target=target, layers=layers, offline=offline)
+        est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline)
         ext["estimate"] = extension_block(est, device_memory)
     change = set_extension(doc, EXTENSION, ext)
     return ShardResult(plan, zero, ext, change, est, device_memory)

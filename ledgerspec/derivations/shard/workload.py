@@ -130,11 +130,28 @@ def fsdp1_workload(base: type) -> Any:
         #: FULL_SHARD (True, the default) or SHARD_GRAD_OP (False)
         reshard_after_forward: bool | None = None
 
+        #: hybrid sharding's (replicate, shard) device mesh, None without it
+        _mesh: Any = None
+
         def prepare(self) -> None:
             if self.model is not None:
                 return
             super().prepare()
             adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
+            import torch
+
+            if torch.distributed.is_initialized():
+                from ledgerspec.derivations.shard.sharder import shard_group
+
+                world = torch.distributed.get_world_size()
+                group = shard_group(self.doc, world)
+                if group < world:
+                    # made before the protocol's phases: the mesh's rank tensors are host-side bookkeeping (CPU
+                    # tensors on a GPU run too), not training memory; made inside "load" they were 16 B there
+                    from torch.distributed.device_mesh import init_device_mesh
+
+                    kind = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+                    self._mesh = init_device_mesh(kind, (world // group, group), mesh_dim_names=("replicate", "shard"))
 
         def materialise_base(self, device: Any) -> None:
             self.device = device
@@ -171,6 +188,13 @@ def fsdp1_workload(base: type) -> Any:
             strategy = (
                 ShardingStrategy.SHARD_GRAD_OP if self.reshard_after_forward is False else ShardingStrategy.FULL_SHARD
             )
+            mesh = self._mesh
+            if mesh is not None:  # HYBRID_SHARD over the (replicate, shard) mesh made in prepare()
+                strategy = (
+                    ShardingStrategy._HYBRID_SHARD_ZERO2
+                    if self.reshard_after_forward is False
+                    else ShardingStrategy.HYBRID_SHARD
+                )
             stack = getattr(self, "stack", None)  # the estimate's workload: fake tensors
             if stack is not None and any(is_fake(p) for p in model.parameters()):
                 stack.enter_context(_fake_storage_checks())
@@ -183,7 +207,12 @@ def fsdp1_workload(base: type) -> Any:
                 backward_prefetch=BackwardPrefetch[opts.backward_prefetch] if opts.backward_prefetch else None,
                 forward_prefetch=opts.forward_prefetch,
                 mixed_precision=policy,
-                device_id=torch.device("cpu"),
+                device_id=(
+                    torch.device("cuda", torch.cuda.current_device())
+                    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
+                    else torch.device("cpu")
+                ),
+                device_mesh=mesh,
             )
 
     Fsdp1.__name__ = Fsdp1.__qualname__ = f"Fsdp1{base.__name__}"

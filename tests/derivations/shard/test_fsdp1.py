@@ -347,3 +347,56 @@ def test_a_bad_fsdp1_option_is_one_line_at_its_place(tmp_path: Path, line: str, 
     at = text.splitlines().index(line.rstrip("\n")) + 1
     assert code == exit_code and f"{path.name}:{at}:" in err and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and path.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_hybrid_shard_on_four_ranks_holds_what_full_shard_holds_on_two(tmp_path: Path) -> None:
+    """``shard_group_size: 2`` on 4 ranks: a real FSDP1 ``HYBRID_SHARD`` run (a (replicate=2, shard=2) device mesh,
+    torchrun, gloo) per rank against the simulation, which runs the 2-rank ``FULL_SHARD`` step of one shard group:
+    model-state phases and components to the byte on every rank (rank r as rank r mod 2), compute phases within the
+    gloo-thread tolerance of the other measured tests."""
+    pytest.importorskip("peft")
+    import shutil
+
+    from ledgerspec import resolve
+    from ledgerspec.contract.edit import set_figure, set_plain
+    from ledgerspec.contract.writer import atomic_write, render
+    from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import shard
+    from tests.support import run_cli
+
+    shutil.copytree(DATA / "tiny", tmp_path / "tiny")
+    text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")
+    text = text.replace("  strategy: fsdp2\n", "  strategy: fsdp1\n  shard_group_size: 2\n")
+    path = tmp_path / "hybrid.ledger.yaml"
+    path.write_text(text, encoding="utf-8")
+    doc = load(path)
+    resolve(doc, offline=True)
+    set_plain(doc, ("result", "target_device", "memory"), "1 GiB")
+    set_figure(doc, ("ledger", "activations"), 1_000_000, "CALCULATED", method="test fixture")
+    atomic_write(path, render(doc.data, doc.text))
+    code, _, err = run_cli("measure", path, "--nproc", "4")
+    assert code == 0, err
+    doc = load(path)
+    real = doc.plain["x-measure-per-rank"]["ranks"]
+    assert len(real) == 4
+    estimated = shard(load(path), nproc=4, estimate=True, target="cpu")
+    assert estimated.estimate is not None and "HYBRID_SHARD" in estimated.extension["hybrid"]
+    plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2)
+    unit = max(v for k, v in plan.unit_unsharded.items() if k != S.ROOT)
+    for r in real:
+        est = estimated.estimate.ranks[r["rank"] % 2]
+        calc = plan.ranks[r["rank"] % 2]
+        for name, want in r["phases"].items():
+            got = est.phases[name]
+            if name.startswith("after_"):
+                assert got == want, (r["rank"], name)
+            else:
+                assert 0 <= want - got <= 2 * unit, (r["rank"], name, want, got)
+        m = r["measured"]
+        assert (m["frozen_base"], m["adapter"], m["gradients"], m["optimizer"]) == (
+            calc.frozen_base,
+            calc.adapter,
+            calc.gradients,
+            calc.optimizer + calc.optimizer_host,
+        )
