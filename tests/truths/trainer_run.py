@@ -200,10 +200,54 @@ def _bitsandbytes_0_43_1() -> None:
     MatMul4Bit.forward = staticmethod(forward)  # type: ignore[method-assign]
 
 
+def training_args(case: dict[str, Any], work: str, **extra: Any) -> Any:
+    """The ``TrainingArguments`` of a truth case (the callback runs use them too): CPU, the case's batch, accumulation,
+    steps, clipping, optimizer and checkpointing (non-reentrant), nothing saved or logged."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    # transformers 5 renames gradient_checkpointing* to activation_checkpointing* (the old names still work, with a
+    # FutureWarning)
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    settings: dict[str, Any] = {
+        "output_dir": os.path.join(work, "out"),
+        "use_cpu": True,
+        "bf16": case["mixed_precision"] == "bf16",
+        "per_device_train_batch_size": case["microbatch"],
+        "gradient_accumulation_steps": case["accumulation"],
+        "max_steps": 1 + case["steps"],
+        "max_grad_norm": case["max_grad_norm"],
+        "optim": case["optimizer"],
+        "learning_rate": 2e-4,
+        ckpt: case["gradient_checkpointing"],
+        f"{ckpt}_kwargs": {"use_reentrant": False},
+        "report_to": [],
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+    return TrainingArguments(**{**settings, **extra})
+
+
+def ordered_trainer() -> Any:
+    """``transformers.Trainer`` with the data in order (a sequential sampler): the first step sees the worst length."""
+    import torch
+    from transformers import Trainer
+
+    class Ordered(Trainer):
+        def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[arg-type]
+
+    return Ordered
+
+
 def run(case: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed._tools.mem_tracker import _MemRefType
-    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from transformers import TrainerCallback, default_data_collator
 
     from ledgerspec.derivations.engine.tracker import MemoryTracker
 
@@ -214,34 +258,9 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     model = _model(case, os.path.join(work, "base"))
     vocab = int(model.get_base_model().config.get_text_config().vocab_size)
     mp = case["mixed_precision"]
-    import dataclasses
+    args = training_args(case, work)
 
-    # transformers 5 renames gradient_checkpointing* to activation_checkpointing* (the old names still work, with a
-    # FutureWarning)
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    args = TrainingArguments(
-        output_dir=os.path.join(work, "out"),
-        use_cpu=True,
-        bf16=mp == "bf16",
-        per_device_train_batch_size=case["microbatch"],
-        gradient_accumulation_steps=case["accumulation"],
-        max_steps=1 + case["steps"],
-        max_grad_norm=case["max_grad_norm"],
-        optim=case["optimizer"],
-        learning_rate=2e-4,
-        **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-
-    class Ordered(Trainer):
-        def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
-            return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[arg-type]
-
+    class Ordered(ordered_trainer()):  # type: ignore[misc]
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
             if mp == "fp16":  # what accelerate does for fp16 on a GPU, on the CPU (see the module docstring)
@@ -327,7 +346,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             run_state["mem"].reset_mod_stats()
         return out
 
-    trainer.training_step = training_step  # type: ignore[method-assign]
+    trainer.training_step = training_step
     del top
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -13,7 +13,6 @@ each step's wall time.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -25,10 +24,10 @@ from typing import Any
 
 def main(argv: list[str]) -> int:
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from transformers import TrainerCallback, default_data_collator
 
     from ledgerspec.integrations.transformers import LedgerCallback
-    from tests.truths.trainer_run import _dataset, _model
+    from tests.truths.trainer_run import _dataset, _model, ordered_trainer, training_args
 
     torch.set_num_threads(1)
     case = json.loads(open(argv[1], encoding="utf-8").read())
@@ -42,31 +41,9 @@ def main(argv: list[str]) -> int:
     else:
         model = _model(case, os.path.join(work, "base"))
         vocab = int(model.get_base_model().config.get_text_config().vocab_size)
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    args = TrainingArguments(
-        output_dir=os.path.join(work, "out"),
-        use_cpu=case.get("device", "cpu") == "cpu",
-        bf16=case["mixed_precision"] == "bf16",
-        per_device_train_batch_size=case["microbatch"],
-        gradient_accumulation_steps=case["accumulation"],
-        max_steps=1 + case["steps"],
-        max_grad_norm=case["max_grad_norm"],
-        optim=case["optimizer"],
-        learning_rate=2e-4,
-        **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        **case.get("training_args", {}),
-    )
+    args = training_args(case, work, use_cpu=case.get("device", "cpu") == "cpu", **case.get("training_args", {}))
 
-    class Ordered(Trainer):
-        def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
-            return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[arg-type]
-
+    class Ordered(ordered_trainer()):  # type: ignore[misc]
         def create_optimizer(self, *a: Any, **kw: Any) -> Any:
             optimizer = super().create_optimizer(*a, **kw)
             if case.get("break") == "optimizer":  # at optimizer step ``break_at`` (default: the first)
@@ -78,7 +55,7 @@ def main(argv: list[str]) -> int:
                         raise RuntimeError("a bug in the user's optimizer")
                     return original(*a, **kw)
 
-                optimizer.step = broken  # type: ignore[method-assign]
+                optimizer.step = broken
             return optimizer
 
     class Timer(TrainerCallback):
