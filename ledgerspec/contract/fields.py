@@ -463,7 +463,12 @@ MEMORY_OPTIONS = F(
         F("activation_offload", SWITCH, "Offload saved activations to host memory."),
         F("offload_mode", STRING, "How activations are offloaded (sync, async streams, pinned)."),
         F("cpu_offload", SWITCH, "Offload parameters or optimizer state to CPU."),
-        F("sharding", ENUM, "Sharding strategy of the model state.", enum=("none", "fsdp2", "zero1", "zero2", "zero3")),
+        F(
+            "sharding",
+            ENUM,
+            "Sharding strategy of the model state (fsdp1: FullyShardedDataParallel, as parallelism.strategy: fsdp1).",
+            enum=("none", "fsdp1", "fsdp2", "zero1", "zero2", "zero3"),
+        ),
     ),
 )
 
