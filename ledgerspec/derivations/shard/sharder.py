@@ -276,6 +276,16 @@ def shard(
     world = world_size(doc, nproc)
     check_qlora(doc)
     offload = cpu_offload(doc)
+    strategy = (doc.get("parallelism", "strategy").text() or doc.get("memory_options", "sharding").text() or "").lower()
+    if estimate and offload is not None and strategy.startswith(("zero", "deepspeed")):
+        raise _err(
+            doc,
+            offload,
+            "ZeRO offload (DeepSpeed offload_optimizer / offload_param) is not simulated; the FSDP offload model "
+            "(CPUOffloadPolicy / CPUOffload) does not apply to it",
+            "drop --estimate (the zero*_offload rows give ZeRO's model state with offload)",
+            exit_code=EXIT_USAGE,
+        )
     try:
         descs = document_descriptors(doc, offline=offline, trust_remote_code=trust_remote_code)
     except ValueError as exc:

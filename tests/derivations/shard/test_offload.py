@@ -233,3 +233,13 @@ def test_measure_nproc_keeps_a_declared_cpu_offload(
     assert f"  cpu_offload: {written}\n" in out
     places = {doc.plain["parallelism"][k] for k in ("parameter_placement", "gradient_placement", "optimizer_placement")}
     assert places == ({"cpu"} if requested else {"sharded"})
+
+
+def test_zero_offload_is_not_simulated_as_fsdp_offload(tmp_path: Path) -> None:
+    """DeepSpeed's offload is another mechanism: ``--estimate`` refuses it (one line, exit 2, file unchanged)."""
+    path = _ledger(tmp_path, "zero3")
+    before = path.read_bytes()
+    code, _, err = run_cli("shard", path, "--estimate")
+    line = path.read_text().splitlines().index("  cpu_offload: true") + 1
+    assert code == 2 and f"{path.name}:{line}:" in err and "ZeRO offload" in err and "Traceback" not in err, err
+    assert path.read_bytes() == before
