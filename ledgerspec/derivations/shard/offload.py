@@ -28,9 +28,9 @@ CPU-only run both sides are host memory. Host: the sharded parameters (FSDP2 ``F
 FSDP1 ``FlatParameter._local_shard``), their sharded gradients (FSDP2 ``sharded_param.grad``, FSDP1 ``_cpu_grad``),
 the optimizer state, and everything the optimizer step allocates. Device: all the rest. The phases keep their
 totals (device + host, comparable with a real offloaded run on the CPU to the byte); each phase also gets its
-device and host peaks. Not simulated on the CPU: the staging copy of a unit's shards on the device before its
-all-gather (``.to(device)`` of a CPU tensor is the tensor itself when the device is the CPU), at most one unit's
-shard bytes on the device per gather (reported as ``staging``).
+device and host peaks. ``.to(device)`` of a CPU tensor is the tensor itself when the device is the CPU, so a CPU run
+has no staging copy of the shards on the device before an all-gather; for the cuda target FSDP2's is made
+(:func:`staging_on_the_device`), FSDP1's is not (at most one unit's shards, reported as ``staging``).
 
 Pinned memory (``pin_memory()``) needs an accelerator; on a CPU-only host :func:`pinning_as_copies` makes it a plain
 copy, which is what it is in bytes (``Tensor.pin_memory`` copies into page-locked memory). FSDP1's CPUOffload
@@ -342,7 +342,8 @@ def calculated(plan: Any, descs: list[Any]) -> list[OffloadRank]:
 OFFLOAD_METHOD = (
     "phases are the device's: each tensor on its side by its role (host: the sharded parameters, their gradient "
     "shards, the optimizer state and everything the optimizer step allocates; device: the rest), host_peak the most "
-    "the host side held; the device copy of a unit's shards before its all-gather (staging) is not in the phases"
+    "the host side held; FSDP2's device copy of a unit's shards before its all-gather (staging) is made on the cuda "
+    "target, FSDP1's is not"
 )
 
 
@@ -382,3 +383,36 @@ def extension(plan: Any, descs: list[Any], strategy: str, where: str) -> dict[st
         "ranks": ranks,
         "zero": "DeepSpeed ZeRO offload (offload_optimizer / offload_param) is not this: the zero*_offload rows",
     }
+
+
+@contextlib.contextmanager
+def staging_on_the_device() -> Iterator[None]:
+    """FSDP2's host -> device copy of the shards before each all-gather, as a GPU run makes it (cuda target).
+
+    With the CPU as the compute device ``.to(self.device)`` returns the host tensor itself, so the all-gather reads
+    the host shard directly. On a GPU ``FSDPParam.all_gather_inputs`` returns ``sharded_param_data.to(self.device)``,
+    a device copy alive until the group's copy-in into the all-gather buffer is done (``foreach_all_gather``:
+    ``del param_all_gather_inputs``). Here that copy is made (a clone outside the host context: device memory)
+    whenever the all-gather would read the host shard. With a ``param_dtype`` the cast is that copy already (the copy
+    in the original dtype before it is not made). FSDP1's copy (``FlatParamHandle.pre_unshard``: ``flat_param_to``)
+    is not simulated.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    inputs = FSDPParam.all_gather_inputs
+
+    def all_gather_inputs(self: Any) -> Any:
+        out = inputs.fget(self)  # type: ignore[attr-defined]
+        if (
+            self.offload_to_cpu
+            and out
+            and out[0].untyped_storage()._cdata == self._sharded_param_data.untyped_storage()._cdata
+        ):
+            return [t.clone() for t in out]
+        return out
+
+    FSDPParam.all_gather_inputs = property(all_gather_inputs)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        FSDPParam.all_gather_inputs = inputs  # type: ignore[method-assign]

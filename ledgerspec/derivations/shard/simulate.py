@@ -154,6 +154,8 @@ def simulate_rank(
             split.grads_to_host = not is_fsdp1(doc)  # FSDP1's host gradient is its pinned _cpu_grad
             extra.enter_context(O.pinning_as_copies(split.hosting, always=True))
             extra.enter_context(O.hosting_resharded_params(split))
+            if target == "cuda" and not is_fsdp1(doc):  # FSDP2's device copy of the shards before each all-gather
+                extra.enter_context(O.staging_on_the_device())
             sides = extra.enter_context(O.recording_sides(backend))
         with workload.stack:
             result = run_protocol(workload, backend, device="cpu", steps=1)

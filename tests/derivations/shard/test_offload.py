@@ -243,3 +243,29 @@ def test_zero_offload_is_not_simulated_as_fsdp_offload(tmp_path: Path) -> None:
     line = path.read_text().splitlines().index("  cpu_offload: true") + 1
     assert code == 2 and f"{path.name}:{line}:" in err and "ZeRO offload" in err and "Traceback" not in err, err
     assert path.read_bytes() == before
+
+
+def test_staging_copy_before_the_all_gather() -> None:
+    """On the CPU FSDP2's ``.to(self.device)`` of the host shard is the shard itself (no copy, so a CPU run cannot
+    show the device copy a GPU makes); the cuda-target simulation makes that copy, in the shard's bytes."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from ledgerspec.derivations.shard.offload import staging_on_the_device
+    from ledgerspec.derivations.shard.simulate import fake_process_group
+    from ledgerspec.derivations.shard.workload import fsdp_params
+
+    def storage(t: Any) -> int:
+        return int(t.untyped_storage()._cdata)
+
+    with fake_process_group(0, 2):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6))
+        fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        (fp,) = [p for p in fsdp_params(model) if p._module_info.param_name == "weight"]
+        fp.init_dtype_attrs(MixedPrecisionPolicy())  # what the lazy init of the first forward does
+        assert [storage(t) for t in fp.all_gather_inputs] == [storage(fp._sharded_param_data)]
+        with staging_on_the_device():
+            (staged,) = fp.all_gather_inputs
+            assert storage(staged) != storage(fp._sharded_param_data)
+            assert staged.untyped_storage().nbytes() == fp._sharded_param_data.untyped_storage().nbytes() == 3 * 8 * 4
+        assert [storage(t) for t in fp.all_gather_inputs] == [storage(fp._sharded_param_data)]
