@@ -22,10 +22,24 @@ import pytest
 
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
-from tests.derivations.shard.test_offload import _ledger
-from tests.support import run_cli
+from tests.support import TESTS, run_cli
 
 pytestmark = pytest.mark.slow
+DATA = TESTS / "data" / "sharding"
+
+
+def _ledger(tmp: Path, strategy: str) -> Path:
+    """The tiny measured ledger under ``strategy`` with ``parallelism.cpu_offload: true``."""
+    import shutil
+
+    shutil.copytree(DATA / "tiny", tmp / "tiny")
+    text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")
+    assert "  strategy: fsdp2\n" in text
+    path = tmp / "offload.ledger.yaml"
+    path.write_text(
+        text.replace("  strategy: fsdp2\n", f"  strategy: {strategy}\n  cpu_offload: true\n"), encoding="utf-8"
+    )
+    return path
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
