@@ -13,7 +13,7 @@ Modelled: FSDP2 ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=..
   ``_fsdp_param_group._validate_cpu_offload_params`` requires the shards on the CPU.
 - FSDP1 (``_flat_param.py``, ``_runtime_utils.py``): ``FlatParamHandle.init_flat_param_attributes`` keeps the local
   flat shard on the CPU (``_local_shard = flat_param.data.pin_memory()``) and pre-allocates a pinned CPU gradient of
-  the shard's size (``_cpu_grad``), kept for the whole run; ``FlatParamHandle.unshard`` copies the shard to the
+  the shard's size (``_cpu_grad``), kept for the whole run; ``FlatParamHandle.pre_unshard`` copies the shard to the
   device before the all-gather (``flat_param_to(self.device)``); ``_runtime_utils._offload_grad`` copies the
   reduce-scatter output into ``_cpu_grad`` and ``prepare_gradient_for_optim`` points ``flat_param.grad`` at it; the
   optimizer steps on the CPU.
@@ -23,10 +23,11 @@ the unsharded gradients and the reduce-scatter buffers, activations and temporar
 moves each step: every gather copies the unit's shard host -> device (forward, and again in backward when the unit
 was resharded), every reduce-scatter copies the gradient shard device -> host.
 
-How it is simulated without a GPU (:class:`SplitTracker`): every storage is on one side by its ROLE, since on a
-CPU-only run both sides are host memory. Host: the sharded parameters (FSDP2 ``FSDPParam._sharded_param_data``,
-FSDP1 ``FlatParameter._local_shard``), their sharded gradients (FSDP2 ``sharded_param.grad``, FSDP1 ``_cpu_grad``),
-the optimizer state, and everything the optimizer step allocates. Device: all the rest. The phases keep their
+How it is simulated without a GPU (:func:`split_tracker_class`, :func:`recording_sides`): every storage is on one
+side by its ROLE, since on a CPU-only run both sides are host memory. Host: the sharded parameters (FSDP2
+``FSDPParam._sharded_param_data``, FSDP1 ``FlatParameter._local_shard``), their sharded gradients (FSDP2
+``sharded_param.grad``, FSDP1 ``_cpu_grad``), the optimizer state, and everything the optimizer step allocates; under
+FSDP1 also what the load builds before the wrapper moves the buffers to the device. Device: all the rest. The phases keep their
 totals (device + host, comparable with a real offloaded run on the CPU to the byte); each phase also gets its
 device and host peaks. ``.to(device)`` of a CPU tensor is the tensor itself when the device is the CPU, so a CPU run
 has no staging copy of the shards on the device before an all-gather; for the cuda target FSDP2's is made
