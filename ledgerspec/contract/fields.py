@@ -466,7 +466,7 @@ MEMORY_OPTIONS = F(
         F(
             "sharding",
             ENUM,
-            "Sharding strategy of the model state.",
+            "Sharding strategy of the model state (fsdp1: FullyShardedDataParallel, as parallelism.strategy: fsdp1).",
             enum=("none", "fsdp1", "fsdp2", "zero1", "zero2", "zero3"),
         ),
     ),

@@ -27,6 +27,7 @@ error on any rank ends the run without writing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -39,7 +40,7 @@ from typing import Any
 
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_qlora
+from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_qlora, cpu_offload
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
 EXTENSION = "x-measure-per-rank"
@@ -58,6 +59,7 @@ class DistRequest:
     device: str = "cpu"
     steps: int = 2
     reshard_after_forward: bool | None = None  # None: FSDP2's default (layers reshard, the root does not)
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy / FSDP1 CPUOffload(offload_params=True), as declared
 
 
 @dataclass
@@ -148,9 +150,12 @@ def run_rank(req: DistRequest) -> RankOutput:
 
     workload = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(Workload)(doc, spec)
     workload.reshard_after_forward = req.reshard_after_forward
-    result = run_protocol(workload, backend, device=device, steps=req.steps)
+    workload.cpu_offload = req.cpu_offload
+    from ledgerspec.derivations.shard.offload import pinning_as_copies
     from ledgerspec.derivations.shard.sharder import shard_group
 
+    with pinning_as_copies() if req.cpu_offload else contextlib.nullcontext():
+        result = run_protocol(workload, backend, device=device, steps=req.steps)
     group = shard_group(doc, world)  # hybrid sharding: the rank holds its shard group's share
     calc = _calculated(doc, group, rank % group, spec.optimizer, req.reshard_after_forward)
     if result.activations_saved is not None:  # gathered parameters FSDP2 keeps into backward are no activations
@@ -436,14 +441,27 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     set_plain(doc, (*p, "gpu_count"), len(outs), force=True)
     fsdp1 = is_fsdp1(doc)
     set_plain(doc, (*p, "strategy"), "fsdp1" if fsdp1 else STRATEGY, force=True)
+    offloaded = cpu_offload(doc) is not None  # the run offloaded (DistRequest.cpu_offload): on the host, as imports say
     for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-        set_plain(doc, (*p, key), "sharded", force=True)
-    set_plain(doc, (*p, "cpu_offload"), False, force=True)
+        set_plain(doc, (*p, key), "cpu" if offloaded else "sharded", force=True)
+    if all(doc.get(*where, "cpu_offload").switch() is None for where in (p, ("memory_options",))):
+        # the run was without offload; a declared value (false, OFF, true: the run offloaded) stays as written
+        set_plain(doc, (*p, "cpu_offload"), False, force=True)
     if reshard is not None:
         set_plain(doc, (*p, "reshard_after_forward"), reshard, force=True)
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
     text = "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy)" if fsdp1 else None
-    set_extension(doc, (EXTENSION,), per_rank_extension(outs, reshard, *([text] if text else [])))
+    ext = per_rank_extension(outs, reshard, *([text] if text else []))
+    if offloaded:  # issue 16: the run offloaded as declared
+        from ledgerspec.derivations.shard.offload import describe
+
+        ext["cpu_offload"] = describe("fsdp1" if fsdp1 else "fsdp2") + (
+            "; without an accelerator pin_memory() is a plain copy (the same host bytes) and FSDP1's CPU stream "
+            "synchronize a no-op; every figure counts both sides (all of it is host memory here)"
+            if merged.backend != "cuda"
+            else ""
+        )
+    set_extension(doc, (EXTENSION,), ext)
     notes.append(
         f"{len(outs)} ranks: per-rank peaks "
         + ", ".join(str(o.peak) for o in outs)
@@ -474,7 +492,8 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     if base.spec.get("quant") is not None:
         check_qlora(doc, rule="measure", code=EXIT_USAGE)  # the layout FSDP2 can shard, before launching
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
-    return DistRequest(base.doc_text, base.doc_path, base.spec, nproc, device, steps, reshard)
+    offload = cpu_offload(doc) is not None
+    return DistRequest(base.doc_text, base.doc_path, base.spec, nproc, device, steps, reshard, offload)
 
 
 def measure_dist(

@@ -369,13 +369,14 @@ def shard(
     world = world_size(doc, nproc)
     check_qlora(doc)
     offload = cpu_offload(doc)
-    if estimate and offload is not None:
+    strategy = (doc.get("parallelism", "strategy").text() or doc.get("memory_options", "sharding").text() or "").lower()
+    if estimate and offload is not None and strategy.startswith(("zero", "deepspeed")):
         raise _err(
             doc,
             offload,
-            "CPU offload (FSDP CPUOffload / OffloadPolicy) is not simulated: the estimate would keep on the device "
-            "what the run moves to the host",
-            "drop --estimate (the calculated figures say what offload changes under ZeRO) or set it to false",
+            "ZeRO offload (DeepSpeed offload_optimizer / offload_param) is not simulated; the FSDP offload model "
+            "(CPUOffloadPolicy / CPUOffload) does not apply to it",
+            "drop --estimate (the zero*_offload rows give ZeRO's model state with offload)",
             exit_code=EXIT_USAGE,
         )
     try:
@@ -405,11 +406,10 @@ def shard(
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)
         ext["reshard_after_forward"] = FSDP2_DEFAULT
-    if offload is not None:
-        ext["cpu_offload"] = (
-            "declared but not modelled for FSDP: the per-rank figures are those without offload (an upper bound for "
-            "the device); the zero*_offload rows are ZeRO's model state with offload"
-        )
+    if offload is not None:  # issue 16: what moves to the host (ledgerspec.derivations.shard.offload)
+        from ledgerspec.derivations.shard import offload as O
+
+        ext["cpu_offload"] = O.extension(plan, descs, "fsdp1" if is_fsdp1(doc) else "fsdp2", ".".join(offload))
     est = None
     if estimate:
         from ledgerspec.derivations.shard.simulate import estimate_per_rank, extension_block

@@ -63,6 +63,11 @@ class RankEstimate:
     activations: int  # held after the first forward, less the parameters FSDP2 keeps gathered into backward
     components: dict[str, int]
     simulated_as: int  # the rank whose simulation these figures are (same local rows for every parameter)
+    #: with CPU offload (issue 16): ``phases`` are the device's; what the host holds per phase, both sides together
+    #: (what a CPU-only run counts), and the host's peak over the whole step
+    host_phases: dict[str, int] | None = None
+    total_phases: dict[str, int] | None = None
+    host_peak: int | None = None
 
     @property
     def peak(self) -> int:
@@ -129,15 +134,29 @@ def simulate_rank(
     from ledgerspec.derivations.shard.workload import sharded_workload
 
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))  # as estimate.trace: enough for the peaks
-    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard import offload as O
+    from ledgerspec.derivations.shard.sharder import cpu_offload, is_fsdp1
     from ledgerspec.derivations.shard.workload import fsdp1_workload
 
     cls = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(_estimate_workload_class())
-    with fake_process_group(rank, world), warnings.catch_warnings():
+    offload = cpu_offload(doc) is not None  # issue 16: CPU offload, each storage on its side by its role
+    if offload:
+        cls = O.offloaded_workload(cls)
+    sides: dict[str, tuple[int, int]] = {}
+    with fake_process_group(rank, world), warnings.catch_warnings(), contextlib.ExitStack() as extra:
         warnings.simplefilter("ignore")  # DTensor's "random operators on a cpu mesh" warning: values do not matter
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.reshard_after_forward = reshard_after_forward
-        backend = TrackerBackend(fake=True, granularity=granularity(target))
+        backend = (O.split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
+        split: Any = backend.tracker
+        if offload:
+            workload.split = split
+            split.grads_to_host = not is_fsdp1(doc)  # FSDP1's host gradient is its pinned _cpu_grad
+            extra.enter_context(O.pinning_as_copies(split.hosting, always=True))
+            extra.enter_context(O.hosting_resharded_params(split))
+            if target == "cuda" and not is_fsdp1(doc):  # FSDP2's device copy of the shards before each all-gather
+                extra.enter_context(O.staging_on_the_device())
+            sides = extra.enter_context(O.recording_sides(backend))
         with workload.stack:
             result = run_protocol(workload, backend, device="cpu", steps=1)
     if result.oom or not result.complete:
@@ -149,6 +168,10 @@ def simulate_rank(
     out["component.adapter"] = held.get("adapter", 0)
     out["component.gradients"] = by_component(result.phases["backward_peak"].census).get("gradients", 0)
     out["component.optimizer"] = by_component(result.phases["optimizer_step_peak"].census).get("optimizer", 0)
+    if offload:
+        for name, (device, host) in sides.items():
+            out[f"device.{name}"], out[f"host.{name}"] = device, host
+        out["host_peak"] = split.host_max
     return out
 
 
@@ -228,23 +251,33 @@ def estimate_per_rank(
         else:
             n1, n2 = est_plan.probes
             figures = extend_all(run(n1, rep), run(n2, rep), n1, n2, est_plan.layers)
+        offloaded = "host_peak" in figures
         for r in members:
             by_rank[r] = RankEstimate(
                 r,
-                {k: figures[k] for k in PHASES},
+                {k: figures[f"device.{k}" if offloaded else k] for k in PHASES},
                 max(0, figures["activations"] - kept),
                 {k: figures[f"component.{k}"] for k in COMPONENTS},
                 rep,
             )
+            if offloaded:  # phases: the device's; the host's and the totals beside them
+                by_rank[r].host_phases = {k: figures[f"host.{k}"] for k in PHASES}
+                by_rank[r].total_phases = {k: figures[k] for k in PHASES}
+                by_rank[r].host_peak = figures["host_peak"]
     ranks = [by_rank[r] for r in range(world)]
     notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
+    method = method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None, is_fsdp1(doc))
+    if ranks and ranks[0].host_peak is not None:
+        from ledgerspec.derivations.shard.offload import OFFLOAD_METHOD, describe
+
+        method = f"{describe('fsdp1' if is_fsdp1(doc) else 'fsdp2')}: {OFFLOAD_METHOD}; {method}"
     return ShardEstimate(
         world,
         reshard,
         target,
         ranks,
         est_plan,
-        method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None, is_fsdp1(doc)),
+        method,
         time.perf_counter() - started,
         notes,
         "fsdp1" if is_fsdp1(doc) else "fsdp2",
@@ -306,6 +339,15 @@ def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, 
             "activations": r.activations,
             "components": dict(r.components),
         }
+        if r.host_peak is not None and r.host_phases is not None and r.total_phases is not None:
+            row["host_peak"] = {
+                "value": r.host_peak,
+                "source": "CALCULATED",
+                "method": f"rank {r.rank}'s host memory under CPU offload: the most its host-side tensors held at once "
+                "(sharded parameters, gradient shards, optimizer state and step), simulated",
+            }
+            row["host_phases"] = dict(r.host_phases)
+            row["total_phases"] = dict(r.total_phases)
         if r.simulated_as != r.rank:
             row["same_as_rank"] = r.simulated_as
         if fits is not None:
@@ -325,6 +367,13 @@ def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, 
         },
         "ranks": ranks,
     }
+    hosts = [r.host_peak for r in est.ranks if r.host_peak is not None]
+    if hosts:  # CPU offload: phases are the device's; the host's peak is its own figure (the spec's host_peak)
+        block["worst_rank_host_peak"] = {
+            "value": max(hosts),
+            "source": "CALCULATED",
+            "method": "the largest per-rank host_peak (each rank's host memory; never a sum across ranks)",
+        }
     if device_memory is not None and fits is not None:
         block["device_memory"] = device_memory
         block["fits"] = all(f.fits for f in fits)

@@ -56,6 +56,8 @@ def sharded_workload(base: type) -> Any:
     class Sharded(base):
         #: fully_shard's reshard_after_forward; None: FSDP2's default (layers reshard, the root does not)
         reshard_after_forward: bool | None = None
+        #: CPUOffloadPolicy(pin_memory=False): shards, their gradients and the optimizer step on the host (issue 16)
+        cpu_offload: bool = False
         #: ids of the bitsandbytes Linear4bit modules whose packed weight FSDP2 shards
         _4bit_modules: frozenset[int] | set[int] = frozenset()
 
@@ -72,9 +74,14 @@ def sharded_workload(base: type) -> Any:
                 self._4bit_modules = {id(m) for m in pack_4bit_on_meta(model)}
             adapters_in_declared_dtype(model, self.spec.adapter_dtype)
             policy = mp_policy(self.doc)
+            kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward, "mp_policy": policy}
+            if self.cpu_offload:
+                from torch.distributed.fsdp import CPUOffloadPolicy
+
+                kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinning needs an accelerator
             for layer in decoder_layers(model):
-                fully_shard(layer, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
-            fully_shard(model, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+                fully_shard(layer, **kwargs)
+            fully_shard(model, **kwargs)
 
         def _materialise(self, device: Any, adapters: bool) -> None:
             self._materialise_shards(device, adapters)
@@ -129,6 +136,8 @@ def fsdp1_workload(base: type) -> Any:
         model: Any  # the PeftModel, then its FullyShardedDataParallel wrapper
         #: FULL_SHARD (True, the default) or SHARD_GRAD_OP (False)
         reshard_after_forward: bool | None = None
+        #: CPUOffload(offload_params=True): flat shards, their gradients and the optimizer step on the host
+        cpu_offload: bool = False
 
         #: hybrid sharding's (replicate, shard) device mesh, None without it
         _mesh: Any = None
@@ -170,6 +179,7 @@ def fsdp1_workload(base: type) -> Any:
             from torch._subclasses.fake_tensor import is_fake
             from torch.distributed.fsdp import (
                 BackwardPrefetch,
+                CPUOffload,
                 FullyShardedDataParallel,
                 MixedPrecision,
                 ShardingStrategy,
@@ -207,6 +217,7 @@ def fsdp1_workload(base: type) -> Any:
                 backward_prefetch=BackwardPrefetch[opts.backward_prefetch] if opts.backward_prefetch else None,
                 forward_prefetch=opts.forward_prefetch,
                 mixed_precision=policy,
+                cpu_offload=CPUOffload(offload_params=True) if self.cpu_offload else None,
                 device_id=(
                     torch.device("cuda", torch.cuda.current_device())
                     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"

@@ -1,5 +1,9 @@
 """``ledgerspec shard FILE [--nproc N] [--estimate [--device-memory SIZE] [--target cuda|cpu]] [-o OUT] [--check]``.
 
+With ``cpu_offload: true`` (FSDP2 ``CPUOffloadPolicy``, FSDP1 ``CPUOffload``) the calculated figures say what moves to
+the host and what comes back per micro-step, and ``--estimate`` predicts the device's phases and each rank's
+``host_peak`` (:mod:`ledgerspec.derivations.shard.offload`).
+
 Calculates what each rank holds under FSDP2 (``fully_shard`` per decoder layer + root), with ZeRO-1/2/3 for
 comparison, prints a per-rank table and writes ``parallelism.x-per-rank`` into the document. ``--estimate``
 also simulates each rank's FSDP2 training step (fake tensors, fake process group) and predicts its peak, with
@@ -91,6 +95,16 @@ def run_shard(args: argparse.Namespace) -> int:
     for rs in plan.ranks:
         cells = (rs.frozen_base, rs.adapter, rs.gradients, rs.optimizer, rs.gathered, rs.with_gathered)
         print(f"{rs.rank:>4}  " + "  ".join(f"{format_size(v):>11}" for v in cells))
+    offload = result.extension.get("cpu_offload")
+    if isinstance(offload, dict):  # issue 16: what moves to the host under FSDP CPU offload
+        print(f"CPU offload ({offload['policy']}): {offload['moves']}")
+        for row in offload["ranks"]:
+            host, device = format_size(row["host"]["value"]), format_size(row["device"]["value"])
+            up, down = (format_size(row[k]["value"]) for k in ("to_device_per_micro_step", "to_host_per_micro_step"))
+            print(
+                f"{row['rank']:>4}  host {host}, device {device} (+ activations); "
+                f"per micro-step {up} to the device, {down} to the host"
+            )
     for key, z in result.zero.items():
         print(f"{key:>13}: device {format_size(z.device_total)} per rank, host {format_size(z.host)}")
     code = EXIT_OK
@@ -131,7 +145,9 @@ def _print_estimate(est: Any, device_memory: int | None) -> None:
     fits = est.fits(device_memory) if device_memory is not None else None
     for i, r in enumerate(est.ranks):
         verdict = f"; {fits[i].sentence()}" if fits is not None else ""
-        print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} (activations {format_size(r.activations)}){verdict}")
+        host = f", host_peak {format_size(r.host_peak)}" if r.host_peak is not None else ""
+        acts = format_size(r.activations)
+        print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} (activations {acts}){host}{verdict}")
     if fits is not None and device_memory is not None:
         answer = "fits" if all(f.fits for f in fits) else "does NOT fit"
         print(f"{est.world_size} x {format_size(device_memory)}: {answer} (worst rank {format_size(est.worst)})")

@@ -306,28 +306,6 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
         )
 
 
-@pytest.mark.parametrize("strategy", ["fsdp1", "fsdp2"])
-def test_cpu_offload_is_not_simulated_and_said_so(tmp_path: Path, strategy: str) -> None:
-    """CPU offload is not modelled for FSDP: ``--estimate`` refuses (it would keep on the device what the run moves to
-    the host) and the calculated figures say they are without offload."""
-    pytest.importorskip("torch")
-    from tests.support import run_cli
-
-    path = _fsdp1_ledger(tmp_path)
-    text = path.read_text(encoding="utf-8").replace(
-        "  strategy: fsdp1\n", f"  strategy: {strategy}\n  cpu_offload: true\n"
-    )
-    path.write_text(text, encoding="utf-8")
-    before = path.read_bytes()
-    code, _, err = run_cli("shard", path, "--estimate")
-    line = text.splitlines().index("  cpu_offload: true") + 1
-    assert code == 2 and f"{path.name}:{line}:" in err and "not simulated" in err and "Traceback" not in err, err
-    assert path.read_bytes() == before
-    code, _, err = run_cli("shard", path)
-    assert code == 0, err
-    assert "not modelled for FSDP" in load(path).plain["parallelism"]["x-per-rank"]["cpu_offload"]
-
-
 @pytest.mark.parametrize(
     ("line", "message", "exit_code"),
     [

@@ -1,0 +1,419 @@
+"""CPU offload under FSDP (issue 16): what leaves the device, what comes back per step, and the host's peak.
+
+Modelled: FSDP2 ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=...))`` and FSDP1
+``FullyShardedDataParallel(..., cpu_offload=CPUOffload(offload_params=True))``. Upstream behaviour relied on
+(torch 2.13, ``torch/distributed/fsdp/``):
+
+- FSDP2 (``_fully_shard/_fsdp_param.py``): ``FSDPParam._init_sharded_param`` moves each padded shard to the CPU
+  (``padded_sharded_param.cpu()``, pinned when ``pin_memory``); ``all_gather_inputs`` copies it to the compute
+  device before every all-gather (``sharded_param_data.to(self.device, non_blocking=True)``), into the group's
+  all-gather buffer, freed after the copy-in; ``_fsdp_collectives.foreach_reduce`` copies each reduce-scatter output
+  shard to the CPU (``new_sharded_grad.to(torch.device("cpu"))``) so the sharded gradients live on the host; the
+  optimizer then steps the CPU shards with CPU gradients, so its state and its temporaries are host memory.
+  ``_fsdp_param_group._validate_cpu_offload_params`` requires the shards on the CPU.
+- FSDP1 (``_flat_param.py``, ``_runtime_utils.py``): ``FlatParamHandle.init_flat_param_attributes`` keeps the local
+  flat shard on the CPU (``_local_shard = flat_param.data.pin_memory()``) and pre-allocates a pinned CPU gradient of
+  the shard's size (``_cpu_grad``), kept for the whole run; ``FlatParamHandle.pre_unshard`` copies the shard to the
+  device before the all-gather (``flat_param_to(self.device)``); ``_runtime_utils._offload_grad`` copies the
+  reduce-scatter output into ``_cpu_grad`` and ``prepare_gradient_for_optim`` points ``flat_param.grad`` at it; the
+  optimizer steps on the CPU.
+
+What stays on the device: the all-gathered units while they compute (and what FSDP keeps gathered into backward),
+the unsharded gradients and the reduce-scatter buffers, activations and temporaries, the model's buffers. What
+moves each step: every gather copies the unit's shard host -> device (forward, and again in backward when the unit
+was resharded), every reduce-scatter copies the gradient shard device -> host.
+
+How it is simulated without a GPU (:func:`split_tracker_class`, :func:`recording_sides`): every storage is on one
+side by its ROLE, since on a CPU-only run both sides are host memory. Host: the sharded parameters (FSDP2
+``FSDPParam._sharded_param_data``, FSDP1 ``FlatParameter._local_shard``), their sharded gradients (FSDP2
+``sharded_param.grad``, FSDP1 ``_cpu_grad``), the optimizer state, and everything the optimizer step allocates; under
+FSDP1 also what the load builds before the wrapper moves the buffers to the device. Device: all the rest. The phases
+keep their totals (device + host, comparable with a real offloaded run on the CPU to the byte); each phase also gets its
+device and host peaks. ``.to(device)`` of a CPU tensor is the tensor itself when the device is the CPU, so a CPU run
+has no staging copy of the shards on the device before an all-gather; for the cuda target FSDP2's is made
+(:func:`staging_on_the_device`), FSDP1's is not (at most one unit's shards, reported as ``staging``).
+
+Pinned memory (``pin_memory()``) needs an accelerator; on a CPU-only host :func:`pinning_as_copies` makes it a plain
+copy, which is what it is in bytes (``Tensor.pin_memory`` copies into page-locked memory). FSDP1's CPUOffload
+always pins, so it runs on gloo only with that replacement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@contextlib.contextmanager
+def pinning_as_copies(hosting: Any = None, always: bool = False) -> Iterator[None]:
+    """FSDP offload on a host without an accelerator (restored on exit; nothing changes where one is available).
+
+    ``Tensor.pin_memory()`` becomes a plain copy (page-locked memory is host memory: the same bytes, copied), and
+    ``torch.cpu.Stream`` gets a no-op ``synchronize`` (FSDP1's ``_post_backward_final_callback`` waits for the
+    device -> host gradient copies with ``current_stream().synchronize()``; on the CPU they are done already).
+    ``hosting``: a context manager factory the copy is made under (the simulation puts pinned memory on the host);
+    ``always``: replace even where an accelerator is available (fake tensors are never pinned).
+    """
+    import torch
+
+    if torch.accelerator.is_available() and not always:
+        yield
+        return
+    original = torch.Tensor.pin_memory
+
+    def pin_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with hosting() if hosting is not None else contextlib.nullcontext():
+            return self.clone()
+
+    stream = torch.cpu.Stream
+    added = not hasattr(stream, "synchronize")
+    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+    if added:
+        stream.synchronize = lambda self: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch.Tensor.pin_memory = original  # type: ignore[method-assign]
+        if added:
+            del stream.synchronize  # type: ignore[attr-defined]
+
+
+# -- the simulation: which side each storage is on ------------------------------------------------------------------
+
+#: the protocol's phases and the per-window keys the split is kept under
+HELD = ("after_load", "after_adapter_injection", "after_optimizer_init")
+
+
+def split_tracker_class() -> type:
+    """:class:`ledgerspec.derivations.engine.tracker.MemoryTracker` that also keeps the host's bytes apart.
+
+    A storage is on the host when it was allocated while :meth:`hosting` is on (or in the optimizer step: the
+    optimizer steps the host shards), or was moved there by :meth:`to_host`; everything else is on the device. The
+    total (``current``, ``peak``) is what the base tracker counts; ``host_current`` is its host part, and each
+    window (between ``reset_peak`` calls) keeps the device's and the host's own peaks.
+    """
+    from ledgerspec.derivations.engine.tracker import MemoryTracker, local_tensor
+
+    class SplitTracker(MemoryTracker):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.host_keys: set[int] = set()
+            self.host_current = 0
+            self.host_window = 0
+            self.device_window = 0
+            self.host_max = 0  # over the whole run, never reset: the rank's host_peak
+            self.grads_to_host = True  # FSDP2: the sharded gradient is copied to the host at reduce-scatter
+            self._hosting = 0
+            self._side_host = False
+
+        @contextlib.contextmanager
+        def hosting(self) -> Iterator[None]:
+            self._hosting += 1
+            try:
+                yield
+            finally:
+                self._hosting -= 1
+
+        def _host_now(self) -> bool:
+            return self._hosting > 0 or self.context == "optimizer"
+
+        def _register(self, t: Any) -> None:
+            lt = local_tensor(t)
+            if lt.device.type == "meta":
+                return
+            key = int(lt.untyped_storage()._cdata)
+            if key not in self._live and self._host_now():
+                self.host_keys.add(key)
+            self._side_host = key in self.host_keys
+            try:
+                super()._register(t)
+            finally:
+                self._side_host = False
+
+        def _resized(self, storage: Any) -> None:
+            self._side_host = int(storage._cdata) in self.host_keys
+            try:
+                super()._resized(storage)
+            finally:
+                self._side_host = False
+
+        def _release(self, key: int) -> None:
+            self._side_host = key in self.host_keys
+            try:
+                super()._release(key)
+            finally:
+                self._side_host = False
+                self.host_keys.discard(key)
+
+        def _add(self, category: str, nbytes: int) -> None:
+            super()._add(category, nbytes)
+            if self._side_host:
+                self.host_current += nbytes
+
+        def _check_peak(self) -> None:
+            super()._check_peak()
+            self.host_window = max(self.host_window, self.host_current)
+            self.host_max = max(self.host_max, self.host_current)
+            self.device_window = max(self.device_window, self.current - self.host_current)
+
+        def reset_peak(self) -> None:
+            super().reset_peak()
+            self.host_window = self.host_current
+            self.device_window = self.current - self.host_current
+
+        def to_side(self, tensor: Any, host: bool) -> None:
+            """Put one live tensor's storage on the host (``host``) or on the device."""
+            key = int(local_tensor(tensor).untyped_storage()._cdata)
+            entry = self._live.get(key)
+            if entry is None or (key in self.host_keys) == host:
+                return
+            if host:
+                self.host_keys.add(key)
+                self.host_current += entry.nbytes
+            else:
+                self.host_keys.discard(key)
+                self.host_current -= entry.nbytes
+            self._check_peak()
+
+        def _on_grad(self, p: Any) -> None:
+            super()._on_grad(p)
+            if self.grads_to_host and p.grad is not None:
+                self.to_side(p.grad, host=True)
+
+    return SplitTracker
+
+
+def split_backend(granularity: int = 1, fake: bool = True) -> Any:
+    """A :class:`ledgerspec.derivations.engine.backends.TrackerBackend` counting with a split tracker."""
+    from ledgerspec.derivations.engine.backends import TrackerBackend
+
+    backend = TrackerBackend(fake=fake, granularity=granularity)
+    backend.tracker = split_tracker_class()(granularity=granularity)
+    backend.sides = {}  # type: ignore[attr-defined]
+    return backend
+
+
+@contextlib.contextmanager
+def recording_sides(backend: Any) -> Iterator[dict[str, tuple[int, int]]]:
+    """While the protocol runs with ``backend``: ``{phase: (device, host)}`` of every phase.
+
+    A held phase (``after_*``) takes what each side holds at its end, as the protocol's figure does; the others
+    take each side's peak in the phase (the forward and backward peaks over the micro-steps of the first step, the
+    steady state over the repeated steps). Wraps ``ProtocolRun.record`` and ``ProtocolRun._keep`` for that run only.
+    """
+    from ledgerspec.derivations.engine import protocol as P
+
+    sides: dict[str, tuple[int, int]] = {}
+    tracker = backend.tracker
+    record, keep = P.ProtocolRun.record, P.ProtocolRun._keep
+
+    def now() -> tuple[int, int]:
+        return tracker.current - tracker.host_current, tracker.host_current
+
+    def window() -> tuple[int, int]:
+        return tracker.device_window, tracker.host_window
+
+    def most(key: str, value: tuple[int, int]) -> None:
+        old = sides.get(key, (0, 0))
+        sides[key] = (max(old[0], value[0]), max(old[1], value[1]))
+
+    def record_sides(self: Any, name: str, t0: float, held_figure: bool) -> Any:
+        if self.backend is backend:
+            sides[name] = now() if held_figure else window()
+        return record(self, name, t0, held_figure)
+
+    def keep_sides(self: Any, peaks: Any, cats: Any, extra: Any, key: str) -> None:
+        if self.backend is backend:
+            if self.later:
+                most("steady_state_peak", window())
+            else:
+                most(f"{key}_peak", window())
+        keep(self, peaks, cats, extra, key)
+
+    P.ProtocolRun.record = record_sides  # type: ignore[method-assign]
+    P.ProtocolRun._keep = keep_sides  # type: ignore[method-assign]
+    try:
+        yield sides
+    finally:
+        P.ProtocolRun.record = record  # type: ignore[method-assign]
+        P.ProtocolRun._keep = keep  # type: ignore[method-assign]
+
+
+def offloaded_workload(base: type) -> Any:
+    """A subclass of a sharded workload class (:func:`ledgerspec.derivations.shard.workload.sharded_workload` or
+    ``fsdp1_workload``) that runs with CPU offload and tells ``split`` (a split tracker, set before the protocol
+    runs) which storages are the host's: the sharded parameters as they are created (FSDP2's padded shards; under
+    FSDP1 everything the load creates before the wrapped model moves its buffers to the device), the rest follows
+    from :func:`pinning_as_copies` (FSDP1's pinned shard and gradient) and from the gradient hook (FSDP2)."""
+
+    class Offloaded(base):
+        cpu_offload = True
+        split: Any = None
+
+        def _materialise_shards(self, device: Any, adapters: bool) -> None:  # FSDP2
+            with self.split.hosting():
+                super()._materialise_shards(device, adapters)
+
+        def materialise_base(self, device: Any) -> None:
+            if not hasattr(base, "_wrap"):  # FSDP2: the shards only (above)
+                super().materialise_base(device)
+                return
+            with self.split.hosting():  # FSDP1: the model is built and flattened on the host
+                super().materialise_base(device)
+            for b in self.model.buffers():  # FSDP1 moves the buffers to the compute device
+                self.split.to_side(b, host=False)
+
+    Offloaded.__name__ = Offloaded.__qualname__ = f"Offloaded{base.__name__}"
+    return Offloaded
+
+
+@contextlib.contextmanager
+def hosting_resharded_params(tracker: Any) -> Iterator[None]:
+    """FSDP2's lazy init re-pads a shard with fewer rows than the padded size (``FSDPParam.reset_sharded_param``:
+    ``local_tensor.new_zeros(padded_sharded_size)``, torch 2.13 ``_fsdp_param.py``): with offload that new storage is
+    on the host, where the shard is. Wrapped for the simulation only."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    original = FSDPParam.reset_sharded_param
+
+    def reset_sharded_param(self: Any) -> Any:
+        with tracker.hosting() if self.offload_to_cpu else contextlib.nullcontext():
+            return original(self)
+
+    FSDPParam.reset_sharded_param = reset_sharded_param  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FSDPParam.reset_sharded_param = original  # type: ignore[method-assign]
+
+
+# -- the calculation: each rank's two sides and the traffic of a micro-step -----------------------------------------
+
+
+@dataclass(frozen=True)
+class OffloadRank:
+    """One rank under CPU offload, calculated from the sharded state (bytes; no activations, no temporaries)."""
+
+    rank: int
+    host: int  # sharded parameters (frozen and trainable), gradient shards, optimizer state
+    device: int  # the model's buffers and the gathered units at the compute peak
+    staging: int  # the largest unit's shards copied to the device before its all-gather (transient)
+    to_device: int  # host -> device per micro-step: every unit's shards at each all-gather
+    to_host: int  # device -> host per micro-step: the gradient shards after each reduce-scatter
+
+
+def calculated(plan: Any, descs: list[Any]) -> list[OffloadRank]:
+    """Each rank of ``plan`` (:class:`ledgerspec.derivations.shard.state.Fsdp2Plan` or ``Fsdp1Plan``) with offload.
+
+    Forward all-gathers every unit once; backward all-gathers again every unit that was resharded after forward
+    (all but the root, which FSDP keeps gathered, with ``reshard_after_forward`` true or FSDP2's default; none with
+    false / ``SHARD_GRAD_OP``). FSDP2's gradient copies are the unpadded shards (``sharded_size``), counted here padded.
+    """
+    from ledgerspec.derivations.shard import state as S
+
+    buffers = sum(p.nbytes for p in descs if p.kind == "buffer")
+    out = []
+    for rs in plan.ranks:
+        shards: dict[str, int] = {}
+        if isinstance(plan, S.Fsdp1Plan):
+            for name, u in plan.units.items():
+                shards[name] = u.shard_numel * u.itemsize
+        else:
+            for p in descs:
+                if p.kind == "param":
+                    shard = S.param_shard(p, plan.world_size, rs.rank)
+                    shards[p.unit] = shards.get(p.unit, 0) + shard.storage
+        regathered = sum(v for k, v in shards.items() if k != S.ROOT) if plan.reshard_after_forward is not False else 0
+        out.append(
+            OffloadRank(
+                rs.rank,
+                host=rs.frozen_base - buffers + rs.adapter + rs.gradients + rs.optimizer + rs.optimizer_host,
+                device=buffers + rs.gathered,
+                staging=max(shards.values(), default=0),
+                to_device=sum(shards.values()) + regathered,
+                to_host=rs.gradients,
+            )
+        )
+    return out
+
+
+#: how the simulated phases are split (the estimate's method text)
+OFFLOAD_METHOD = (
+    "phases are the device's: each tensor on its side by its role (host: the sharded parameters, their gradient "
+    "shards, the optimizer state and everything the optimizer step allocates; device: the rest), host_peak the most "
+    "the host side held; FSDP2's device copy of a unit's shards before its all-gather (staging) is made on the cuda "
+    "target, FSDP1's is not"
+)
+
+
+def describe(strategy: str) -> str:
+    """What the declared offload is, in the words of the library that runs it."""
+    if strategy == "fsdp1":
+        return "FSDP1 CPUOffload(offload_params=True)"
+    return "FSDP2 fully_shard(offload_policy=CPUOffloadPolicy())"
+
+
+def extension(plan: Any, descs: list[Any], strategy: str, where: str) -> dict[str, Any]:
+    """The ``cpu_offload`` block of ``parallelism.x-per-rank``: per rank, what moves to the host and what comes back."""
+
+    def fig(value: int, method: str) -> dict[str, Any]:
+        return {"value": value, "source": "CALCULATED", "method": method}
+
+    ranks = []
+    for r in calculated(plan, descs):
+        ranks.append(
+            {
+                "rank": r.rank,
+                "host": fig(r.host, "sharded parameters + gradient shards + optimizer state, moved to the host"),
+                "device": fig(r.device, "buffers + gathered units at the compute peak (no activations, temporaries)"),
+                "staging": fig(r.staging, "the largest unit's shards copied to the device before its all-gather"),
+                "to_device_per_micro_step": fig(
+                    r.to_device, "host -> device: every unit's shards in forward, again in backward when resharded"
+                ),
+                "to_host_per_micro_step": fig(r.to_host, "device -> host: the gradient shards after reduce-scatter"),
+            }
+        )
+    return {
+        "policy": describe(strategy),
+        "declared_at": where,
+        "moves": "the sharded parameters, their gradients and the optimizer state (and its step) live on the host; "
+        "the device holds the gathered units while they compute, the unsharded gradients until reduce-scatter, "
+        "activations and temporaries",
+        "ranks": ranks,
+        "zero": "DeepSpeed ZeRO offload (offload_optimizer / offload_param) is not this: the zero*_offload rows",
+    }
+
+
+@contextlib.contextmanager
+def staging_on_the_device() -> Iterator[None]:
+    """FSDP2's host -> device copy of the shards before each all-gather, as a GPU run makes it (cuda target).
+
+    With the CPU as the compute device ``.to(self.device)`` returns the host tensor itself, so the all-gather reads
+    the host shard directly. On a GPU ``FSDPParam.all_gather_inputs`` returns ``sharded_param_data.to(self.device)``,
+    a device copy alive until the group's copy-in into the all-gather buffer is done (``foreach_all_gather``:
+    ``del param_all_gather_inputs``). Here that copy is made (a clone outside the host context: device memory)
+    whenever the all-gather would read the host shard. With a ``param_dtype`` the cast is that copy already (the copy
+    in the original dtype before it is not made). FSDP1's copy (``FlatParamHandle.pre_unshard``: ``flat_param_to``)
+    is not simulated.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    inputs = FSDPParam.all_gather_inputs
+
+    def all_gather_inputs(self: Any) -> Any:
+        out = inputs.fget(self)  # type: ignore[attr-defined]
+        if (
+            self.offload_to_cpu
+            and out
+            and out[0].untyped_storage()._cdata == self._sharded_param_data.untyped_storage()._cdata
+        ):
+            return [t.clone() for t in out]
+        return out
+
+    FSDPParam.all_gather_inputs = property(all_gather_inputs)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        FSDPParam.all_gather_inputs = inputs  # type: ignore[method-assign]
