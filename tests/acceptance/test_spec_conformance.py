@@ -616,7 +616,17 @@ ADDED: dict[str, list[str]] = {
     "base_model": ["module_dtypes"],  # dtypes left by k-bit preparation and a trainer's casts
     "method": ["exclude_modules"],  # PEFT's exclude_modules: e.g. a vision tower under all-linear (issue 17)
     "base_model.quantization": ["desc_act", "dequantized"],  # bases quantized by GPTQ / MXFP4 (issue 17)
-    "parallelism": ["mixed_precision_policy"],  # FSDP2's MixedPrecisionPolicy (issue 16)
+    "parallelism": ["mixed_precision_policy", "deepspeed"],  # issue 16: FSDP2 policy, ZeRO options
+    "parallelism.deepspeed": [  # DeepSpeed ZeRO options that set per-rank memory (issue 16)
+        "stage3_prefetch_bucket_size",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_param_persistence_threshold",
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "overlap_comm",
+        "contiguous_gradients",
+    ],
 }
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text
 from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_qlora
+from ledgerspec.derivations.shard.zero import zero_stage
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
 EXTENSION = "x-measure-per-rank"
@@ -85,6 +86,7 @@ class DistOutcome:
     result: Any  # ProtocolResult of the worst rank per phase
     ranks: list[RankOutput]
     notes: list[str]
+    strategy: str = "FSDP2"  # FSDP2, FSDP1, DeepSpeed ZeRO-2/3 (for the command's summary line)
 
     @property
     def worst(self) -> int:
@@ -145,7 +147,13 @@ def run_rank(req: DistRequest) -> RankOutput:
         device = "cpu"
     from ledgerspec.derivations.shard.sharder import is_fsdp1
     from ledgerspec.derivations.shard.workload import fsdp1_workload, sharded_workload
+    from ledgerspec.derivations.shard.zero import zero_options, zero_stage, zero_workload
 
+    if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3 by its own engine (issue 16): no FSDP plan to compare
+        workload = zero_workload(Workload)(doc, spec)
+        workload.options = zero_options(doc)
+        result = run_protocol(workload, backend, device=device, steps=req.steps)
+        return RankOutput(rank, result, software_versions(workload, req.device), {})
     workload = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(Workload)(doc, spec)
     workload.reshard_after_forward = req.reshard_after_forward
     result = run_protocol(workload, backend, device=device, steps=req.steps)
@@ -183,6 +191,10 @@ def _rank_main(request_file: str, out_dir: str) -> int:
     else:
         torch.set_num_threads(1)  # tracked bytes do not depend on threads; avoids spin-waits on a busy host
     dist.init_process_group("nccl" if use_cuda else "gloo")
+    if zero_stage(from_text(req.doc_text, req.doc_path)) is not None:
+        from ledgerspec.derivations.shard.zero import import_deepspeed
+
+        import_deepspeed()  # DS_ACCELERATOR=cpu on gloo ranks; deepspeed.comm wraps the initialised group
     rank = dist.get_rank()
     failed = False
     try:
@@ -417,8 +429,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
         ("metrics", "peak_allocated"),
         worst,
         "MEASURED",
-        f"the worst of {len(outs)} {'FSDP1' if is_fsdp1(doc) else 'FSDP2'} ranks (not a sum): maximum over the phases "
-        f"of {what}",
+        f"the worst of {len(outs)} {_label(doc)} ranks (not a sum): maximum over the phases of {what}",
         force=True,
     )
     peaks = [
@@ -432,14 +443,20 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     p = ("parallelism",)
     set_plain(doc, (*p, "gpu_count"), len(outs), force=True)
     fsdp1 = is_fsdp1(doc)
-    set_plain(doc, (*p, "strategy"), "fsdp1" if fsdp1 else STRATEGY, force=True)
+    stage = zero_stage(doc)
+    set_plain(doc, (*p, "strategy"), f"zero{stage}" if stage else "fsdp1" if fsdp1 else STRATEGY, force=True)
     for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-        set_plain(doc, (*p, key), "sharded", force=True)
+        replicated = stage == 2 and key == "parameter_placement"  # ZeRO-2 keeps whole parameters on every rank
+        set_plain(doc, (*p, key), "replicated" if replicated else "sharded", force=True)
     set_plain(doc, (*p, "cpu_offload"), False, force=True)
     if reshard is not None:
         set_plain(doc, (*p, "reshard_after_forward"), reshard, force=True)
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
     text = "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy)" if fsdp1 else None
+    if stage:
+        from ledgerspec.derivations.shard.zero import zero_options
+
+        text = f"zero{stage} (DeepSpeed's engine: {zero_options(doc).describe()})"
     set_extension(doc, (EXTENSION,), per_rank_extension(outs, reshard, *([text] if text else [])))
     notes.append(
         f"{len(outs)} ranks: per-rank peaks "
@@ -447,6 +464,13 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
         + f" B; metrics.peak_allocated is the worst rank ({worst} B)"
     )
     return notes
+
+
+def _label(doc: Document) -> str:
+    from ledgerspec.derivations.shard.sharder import is_fsdp1
+
+    stage = zero_stage(doc)
+    return f"DeepSpeed ZeRO-{stage}" if stage else "FSDP1" if is_fsdp1(doc) else "FSDP2"
 
 
 def _drop_single_device_comparison(doc: Document) -> None:
@@ -468,7 +492,14 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
             hint="omit --nproc for one device",
         )
     base = single(doc, device, steps, None, None)
-    if base.spec.get("quant") is not None:
+    if zero_stage(doc) is not None:
+        from ledgerspec.derivations.engine.workload import WorkloadSpec
+        from ledgerspec.derivations.shard.zero import zero_refusal
+
+        why = zero_refusal(WorkloadSpec.from_json(base.spec))
+        if why:
+            raise LedgerspecError(why, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="see docs/multi-gpu.md")
+    elif base.spec.get("quant") is not None:
         check_qlora(doc, rule="measure", code=EXIT_USAGE)  # the layout FSDP2 can shard, before launching
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     return DistRequest(base.doc_text, base.doc_path, base.spec, nproc, device, steps, reshard)
@@ -492,7 +523,7 @@ def measure_dist(
         command or f"ledgerspec measure {doc.path} --nproc {nproc} --device {device} --steps {steps}",
         req.reshard_after_forward,
     )
-    return DistOutcome(worst_rank(outs), outs, notes)
+    return DistOutcome(worst_rank(outs), outs, notes, _label(doc))
 
 
 def main(argv: list[str] | None = None) -> int:
