@@ -17,8 +17,10 @@ cross-rank trace-order check (every simulated rank runs the same program) and ``
 
 Every rank partitions into the same sizes (ZeRO-3 ``partition_size = aligned numel // W`` for every rank; ZeRO-1/2
 equal partitions of a padded flat buffer), so rank 0 and the last rank are simulated and the others share rank 0's
-figures. Depth: two probe depths extrapolated linearly as in ``estimate`` (bucket buffers do not grow with depth;
-the extrapolation is exact while every bucket stays the same size).
+figures. Depth: ZeRO-3 is always traced at full depth (:data:`ZERO3_FULL`: on Llama-2-7B LoRA, 2 ranks, probes of
+2 and 3 layers fit under the default ``stage3_max_live_parameters`` of 1e9 elements and keep every layer gathered:
+extrapolated to 32 layers that predicted 20.23 GiB per rank, the full trace 9.52 GiB). ZeRO-2 has no such
+thresholds (its buckets have fixed sizes) and is extrapolated from two probe depths as ``estimate`` is.
 
 Not modelled: NCCL buffers, CUDA context and allocator caching; CUDA streams (``overlap_comm`` on a GPU reduces
 gradients on a side stream: buffers live as long as the host program holds them, which is what is counted).
@@ -40,6 +42,12 @@ from ledgerspec.derivations.shard.simulate import RankEstimate, ShardEstimate, f
 from ledgerspec.errors import LedgerspecError
 
 _err = ErrorAt("shard")
+#: why ZeRO-3 is never extrapolated from shallower probes
+ZERO3_FULL = (
+    "full trace: ZeRO-3's coordinator releases gathered parameters by element counts of the whole model "
+    "(stage3_max_live_parameters, stage3_max_reuse_distance, the prefetch bucket), so a shallower model keeps more "
+    "of each layer gathered and its memory is not linear in depth"
+)
 
 
 @contextlib.contextmanager
@@ -91,7 +99,6 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
 
     from ledgerspec.derivations.engine.backends import TrackerBackend
     from ledgerspec.derivations.engine.protocol import run_protocol
-    from ledgerspec.derivations.engine.tracker import by_component
     from ledgerspec.derivations.estimate.estimator import _estimate_workload_class, granularity
     from ledgerspec.derivations.shard.zero import fake_value_checks, import_deepspeed, zero_options, zero_workload
 
@@ -106,15 +113,61 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
         backend = TrackerBackend(fake=True, granularity=granularity(target))
         with workload.stack:
             result = run_protocol(workload, backend, device="cpu", steps=1)
+            held = zero_components(workload) if result.complete else {}
     if result.oom or not result.complete:
         raise _err(doc, ("identity",), f"the simulated ZeRO step stopped early ({result.oom_message})")
     out = {name: rec.figure for name, rec in result.phases.items()}
     out["activations"] = result.activations_saved or 0
-    held = by_component(result.phases["after_adapter_injection"].census)
-    out["component.frozen_base"] = held.get("frozen_base", 0)
-    out["component.adapter"] = held.get("adapter", 0)
-    out["component.gradients"] = by_component(result.phases["backward_peak"].census).get("gradients", 0)
-    out["component.optimizer"] = by_component(result.phases["optimizer_step_peak"].census).get("optimizer", 0)
+    for key, value in held.items():
+        out[f"component.{key}"] = value
+    return out
+
+
+def zero_components(workload: Any) -> dict[str, int]:
+    """This rank's model state after the step, counted on DeepSpeed's own objects (unique storages): the protocol's
+    census sees ``param.data`` (empty under ZeRO-3) and ``optimizer.state``, not DeepSpeed's partitions.
+
+    frozen_base: the frozen parameters' partitions (``param.ds_tensor``) and whatever ``param.data`` still holds
+    (persistent small parameters, ZeRO-2's whole parameters), plus buffers; adapter: the same for the trainable
+    parameters (ZeRO-3 moves their partitions into ``fp16_partitioned_groups_flat``, counted once); optimizer: the
+    wrapped optimizer's state and its fp32 partitions (``stage3.py`` ``fp32_partitioned_groups_flat``,
+    ``stage_1_and_2.py`` ``single_partition_of_fp32_groups``); gradients: ZeRO-3's gradient partitions
+    (``grad_partitions_flat_buffer``), ZeRO-2's partitioned gradient, made in the fp32 partition's size and dtype
+    in ``step`` (``single_grad_partition``).
+    """
+    import torch
+
+    from ledgerspec.derivations.engine.tracker import storage_key, storage_nbytes
+
+    seen: set[int] = set()
+
+    def size(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+                continue
+            key = storage_key(t)
+            if key not in seen:
+                seen.add(key)
+                total += storage_nbytes(t)
+        return total
+
+    def held_by(params: list[Any]) -> list[Any]:
+        return [t for p in params for t in (getattr(p, "ds_tensor", None), p.data)]
+
+    model, opt = workload.model, workload.optimizer
+    params = list(model.parameters())
+    out = {
+        "adapter": size(held_by([p for p in params if p.requires_grad])),
+        "frozen_base": size(held_by([p for p in params if not p.requires_grad])) + size(model.buffers()),
+    }
+    fp32 = list(
+        getattr(opt, "fp32_partitioned_groups_flat", None) or getattr(opt, "single_partition_of_fp32_groups", [])
+    )
+    state = [v for st in opt.state.values() for v in st.values()]
+    out["optimizer"] = size(fp32) + size(state)
+    grads = getattr(opt, "grad_partitions_flat_buffer", None)
+    out["gradients"] = size([grads]) if grads is not None else sum(t.numel() * t.element_size() for t in fp32)
     return out
 
 
@@ -151,6 +204,8 @@ def estimate_zero_per_rank(
         raise _err(doc, ("identity",), "the model has no num_hidden_layers: not a decoder stack") from None
     if layers == "full":
         est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
+    elif options.stage == 3 and est_plan.probes is not None:
+        est_plan = Plan(est_plan.layers, est_plan.period, None, ZERO3_FULL)
 
     def run(n: int | None, rank: int) -> dict[str, int]:
         src = (
