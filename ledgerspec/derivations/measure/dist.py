@@ -194,7 +194,7 @@ def _rank_main(request_file: str, out_dir: str) -> int:
     if zero_stage(from_text(req.doc_text, req.doc_path)) is not None:
         from ledgerspec.derivations.shard.zero import import_deepspeed
 
-        import_deepspeed()  # DS_ACCELERATOR=cpu on gloo ranks; deepspeed.comm wraps the initialised group
+        import_deepspeed(cpu=not use_cuda)  # DS_ACCELERATOR=cpu on gloo ranks; deepspeed.comm wraps the group
     rank = dist.get_rank()
     failed = False
     try:

@@ -166,8 +166,9 @@ def cpu_accelerator() -> Iterator[None]:
             os.environ["DS_ACCELERATOR"] = saved
 
 
-def import_deepspeed() -> Any:
-    """``deepspeed`` with its CPU accelerator, quiet, without its shared-memory all-reduce op.
+def import_deepspeed(cpu: bool = True) -> Any:
+    """``deepspeed`` (with its CPU accelerator unless ``cpu`` is false: nccl ranks let DeepSpeed detect CUDA), quiet,
+    without its shared-memory all-reduce op. The first import fixes the accelerator for the process.
 
     ``deepspeed.comm.torch.TorchBackend`` JIT-compiles ``ShareMemCommBuilder`` (a C++ op, the system compiler, tens
     of seconds the first time) when the backend is created; it serves ``inference_all_reduce`` only, never a training
@@ -176,13 +177,13 @@ def import_deepspeed() -> Any:
     """
     import logging
 
-    with cpu_accelerator():
+    with cpu_accelerator() if cpu else contextlib.nullcontext():
         import deepspeed
         import deepspeed.comm.torch as ds_torch_comm
         from deepspeed.accelerator import get_accelerator
 
         get_accelerator()  # fixed on first use
-        ds_torch_comm.build_shm_op = lambda: None
+    ds_torch_comm.build_shm_op = lambda: None
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     from deepspeed.utils import logger
 
@@ -263,7 +264,7 @@ def zero_workload(base: type) -> Any:
             adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
 
         def _zero_init(self) -> Any:
-            deepspeed = import_deepspeed()
+            deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
             return deepspeed.zero.Init(config_dict_or_path=ds_config(self.spec, self.options))
 
         def _materialise(self, device: Any, adapters: bool) -> None:
@@ -284,7 +285,7 @@ def zero_workload(base: type) -> Any:
         def make_optimizer(self) -> Any:
             from torch._subclasses.fake_tensor import is_fake
 
-            deepspeed = import_deepspeed()
+            deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
             client = super().make_optimizer()
             model = self.model
             fake = any(is_fake(p) for p in model.parameters() if not p.is_meta)
