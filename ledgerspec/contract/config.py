@@ -184,6 +184,9 @@ class Config:
     #: ``software.accepted_differences``: ids of known stack differences the user accepts
     accepted_differences: tuple[str, ...] = ()
     conflicts: tuple[Conflict, ...] = field(default_factory=tuple)
+    #: ``parallelism.deepspeed``: the ZeRO options written (DeepSpeed key -> int or bool); absent keys are
+    #: DeepSpeed's defaults (:class:`ledgerspec.derivations.shard.zero.ZeroOptions`)
+    deepspeed: tuple[tuple[str, int | bool], ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -250,7 +253,31 @@ def _read(doc: Document) -> Config:
         module_dtypes=_strmap(doc.get("base_model", "module_dtypes")),
         accepted_differences=_strings(doc.get("software", "accepted_differences")),
         conflicts=tuple(conflicts),
+        deepspeed=_deepspeed(doc),
     )
+
+
+#: ``parallelism.deepspeed`` keys: True for switches, False for element counts
+DEEPSPEED_KEYS = {
+    "stage3_prefetch_bucket_size": False,
+    "stage3_max_live_parameters": False,
+    "stage3_max_reuse_distance": False,
+    "stage3_param_persistence_threshold": False,
+    "reduce_bucket_size": False,
+    "allgather_bucket_size": False,
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+}
+
+
+def _deepspeed(doc: Document) -> tuple[tuple[str, int | bool], ...]:
+    out: list[tuple[str, int | bool]] = []
+    for key, switch in DEEPSPEED_KEYS.items():
+        v = doc.get("parallelism", "deepspeed", key)
+        value = v.switch() if switch else v.integer()
+        if value is not None:
+            out.append((key, value))
+    return tuple(out)
 
 
 def _training(doc: Document) -> Training:

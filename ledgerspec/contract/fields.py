@@ -549,6 +549,60 @@ PARALLELISM = F(
             minimum=1,
         ),
         F(
+            "deepspeed",
+            OBJECT,
+            "DeepSpeed ZeRO options that set per-rank memory under `strategy: zero2` / `zero3` (the ZeRO stage is the "
+            "strategy), named as in a DeepSpeed config's `zero_optimization` block. Absent keys take DeepSpeed "
+            "0.19.8's own defaults (`deepspeed/runtime/zero/config.py`, `DeepSpeedZeroConfig`), documented on each "
+            "key. Sizes are numbers of elements, as in DeepSpeed.",
+            children=(
+                F(
+                    "stage3_prefetch_bucket_size",
+                    INT,
+                    "ZeRO-3: elements of parameters prefetched ahead of the module being computed (default 5e7).",
+                    minimum=0,
+                ),
+                F(
+                    "stage3_max_live_parameters",
+                    INT,
+                    "ZeRO-3: most elements kept gathered at once before older ones are released (default 1e9).",
+                    minimum=0,
+                ),
+                F(
+                    "stage3_max_reuse_distance",
+                    INT,
+                    "ZeRO-3: a parameter reused within this many elements of computation is not released (default "
+                    "1e9).",
+                    minimum=0,
+                ),
+                F(
+                    "stage3_param_persistence_threshold",
+                    INT,
+                    "ZeRO-3: parameters with fewer elements are never partitioned (whole on every rank; default 1e5).",
+                    minimum=0,
+                ),
+                F(
+                    "reduce_bucket_size",
+                    INT,
+                    "Elements per gradient reduce bucket (ZeRO-3 allocates a contiguous buffer of this size; default "
+                    "5e8).",
+                    minimum=1,
+                ),
+                F("allgather_bucket_size", INT, "ZeRO-1/2: elements per all-gather bucket (default 5e8).", minimum=0),
+                F(
+                    "overlap_comm",
+                    SWITCH,
+                    "Overlap gradient reduction with backward (more buffers). Default: true for ZeRO-3, false "
+                    "otherwise.",
+                ),
+                F(
+                    "contiguous_gradients",
+                    SWITCH,
+                    "Copy gradients into one contiguous buffer as they are produced (default true).",
+                ),
+            ),
+        ),
+        F(
             "per_rank_peak",
             FIGURES,
             "Peak memory of each rank, one figure per rank. A single total summed across "

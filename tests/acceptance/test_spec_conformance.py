@@ -616,7 +616,8 @@ ADDED: dict[str, list[str]] = {
     "base_model": ["module_dtypes"],  # dtypes left by k-bit preparation and a trainer's casts
     "method": ["exclude_modules"],  # PEFT's exclude_modules: e.g. a vision tower under all-linear (issue 17)
     "base_model.quantization": ["desc_act", "dequantized"],  # bases quantized by GPTQ / MXFP4 (issue 17)
-    # FSDP2's MixedPrecisionPolicy; FSDP1's prefetch, all-gather limit and flat-parameter options (issue 16)
+    # issue 16: FSDP2's MixedPrecisionPolicy; FSDP1's prefetch, all-gather limit, flat-parameter and hybrid options;
+    # the DeepSpeed ZeRO options
     "parallelism": [
         "mixed_precision_policy",
         "backward_prefetch",
@@ -624,6 +625,17 @@ ADDED: dict[str, list[str]] = {
         "limit_all_gathers",
         "use_orig_params",
         "shard_group_size",
+        "deepspeed",
+    ],
+    "parallelism.deepspeed": [  # DeepSpeed ZeRO options that set per-rank memory (issue 16)
+        "stage3_prefetch_bucket_size",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_param_persistence_threshold",
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "overlap_comm",
+        "contiguous_gradients",
     ],
 }
 

@@ -209,19 +209,49 @@ def deepspeed(
     offload = bool(off_opt or off_par)
     b.set(("memory_options", "cpu_offload"), offload, f"{origin}: offload_optimizer/offload_param", src.path)
     b.set(("parallelism", "cpu_offload"), offload, f"{origin}: offload_optimizer/offload_param", src.path)
+    read = _zero_options(src, b, zero, origin)
     rest = {k: v for k, v in config.items() if k not in _DS_READ and k not in _DS_ECHO}
-    rest.update({f"zero_optimization.{k}": v for k, v in zero.items() if k not in _DS_ZERO_READ})
+    rest.update({f"zero_optimization.{k}": v for k, v in zero.items() if k not in _DS_ZERO_READ and k not in read})
     if rest:
         not_modelled(
             src,
             b,
             key,
             rest,
-            f"{origin}: DeepSpeed settings other than the ZeRO stage and offload (bucket sizes, prefetch, persistence "
-            f"thresholds: {', '.join(sorted(rest))}) change per-rank memory and are not modelled yet: kept in "
-            "x-import.not_modelled",
+            f"{origin}: DeepSpeed settings other than the ZeRO stage, offload and the options of parallelism.deepspeed "
+            f'({", ".join(sorted(rest))}; "auto" values are filled by transformers from the model) are not read: '
+            "kept in x-import.not_modelled",
             where,
         )
+
+
+def _zero_options(src: Source, b: Builder, zero: dict[str, Any], origin: str) -> set[str]:
+    """The ZeRO options that set per-rank memory, as ``parallelism.deepspeed.*`` (issue 16); the keys read.
+
+    DeepSpeed accepts the stage-3 options with or without their ``stage3_`` prefix (``DeepSpeedZeroConfig``'s field
+    names and aliases, ``deepspeed/runtime/zero/config.py``). ``"auto"`` is left out (transformers fills it from the
+    model's hidden size when the Trainer starts: ``reduce_bucket_size = hidden**2``, ``stage3_prefetch_bucket_size
+    = 0.9 * hidden**2``, ``stage3_param_persistence_threshold = 10 * hidden``), so it stays a not-modelled finding.
+    """
+    from ledgerspec.contract.config import DEEPSPEED_KEYS
+
+    read: set[str] = set()
+    for key, switch in DEEPSPEED_KEYS.items():
+        for spelling in dict.fromkeys((key, key.removeprefix("stage3_"))):
+            if spelling not in zero:
+                continue
+            value = zero[spelling]
+            if switch and isinstance(value, bool):
+                ok: Any = value
+            elif not switch and not isinstance(value, bool) and isinstance(value, int | float) and value >= 0:
+                if value != int(value):
+                    continue
+                ok = int(value)
+            else:
+                continue
+            b.set(("parallelism", "deepspeed", key), ok, f"{origin}: zero_optimization.{spelling}", src.path)
+            read.add(spelling)
+    return read
 
 
 def _offload_device(block: Any) -> str | None:

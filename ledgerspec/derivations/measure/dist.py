@@ -41,6 +41,7 @@ from typing import Any
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text
 from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_qlora, cpu_offload
+from ledgerspec.derivations.shard.zero import zero_stage
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
 EXTENSION = "x-measure-per-rank"
@@ -87,6 +88,7 @@ class DistOutcome:
     result: Any  # ProtocolResult of the worst rank per phase
     ranks: list[RankOutput]
     notes: list[str]
+    strategy: str = "FSDP2"  # FSDP2, FSDP1, DeepSpeed ZeRO-2/3 (for the command's summary line)
 
     @property
     def worst(self) -> int:
@@ -147,7 +149,13 @@ def run_rank(req: DistRequest) -> RankOutput:
         device = "cpu"
     from ledgerspec.derivations.shard.sharder import is_fsdp1
     from ledgerspec.derivations.shard.workload import fsdp1_workload, sharded_workload
+    from ledgerspec.derivations.shard.zero import zero_options, zero_stage, zero_workload
 
+    if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3 by its own engine (issue 16): no FSDP plan to compare
+        workload = zero_workload(Workload)(doc, spec)
+        workload.options = zero_options(doc)
+        result = run_protocol(workload, backend, device=device, steps=req.steps)
+        return RankOutput(rank, result, software_versions(workload, req.device), {})
     workload = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(Workload)(doc, spec)
     workload.reshard_after_forward = req.reshard_after_forward
     workload.cpu_offload = req.cpu_offload
@@ -191,6 +199,10 @@ def _rank_main(request_file: str, out_dir: str) -> int:
     else:
         torch.set_num_threads(1)  # tracked bytes do not depend on threads; avoids spin-waits on a busy host
     dist.init_process_group("nccl" if use_cuda else "gloo")
+    if zero_stage(from_text(req.doc_text, req.doc_path)) is not None:
+        from ledgerspec.derivations.shard.zero import import_deepspeed
+
+        import_deepspeed(cpu=not use_cuda)  # DS_ACCELERATOR=cpu on gloo ranks; deepspeed.comm wraps the group
     rank = dist.get_rank()
     failed = False
     try:
@@ -425,8 +437,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
         ("metrics", "peak_allocated"),
         worst,
         "MEASURED",
-        f"the worst of {len(outs)} {'FSDP1' if is_fsdp1(doc) else 'FSDP2'} ranks (not a sum): maximum over the phases "
-        f"of {what}",
+        f"the worst of {len(outs)} {_label(doc)} ranks (not a sum): maximum over the phases of {what}",
         force=True,
     )
     peaks = [
@@ -440,10 +451,12 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     p = ("parallelism",)
     set_plain(doc, (*p, "gpu_count"), len(outs), force=True)
     fsdp1 = is_fsdp1(doc)
-    set_plain(doc, (*p, "strategy"), "fsdp1" if fsdp1 else STRATEGY, force=True)
+    stage = zero_stage(doc)
+    set_plain(doc, (*p, "strategy"), f"zero{stage}" if stage else "fsdp1" if fsdp1 else STRATEGY, force=True)
     offloaded = cpu_offload(doc) is not None  # the run offloaded (DistRequest.cpu_offload): on the host, as imports say
     for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-        set_plain(doc, (*p, key), "cpu" if offloaded else "sharded", force=True)
+        replicated = stage == 2 and key == "parameter_placement"  # ZeRO-2 keeps whole parameters on every rank
+        set_plain(doc, (*p, key), "cpu" if offloaded else "replicated" if replicated else "sharded", force=True)
     if all(doc.get(*where, "cpu_offload").switch() is None for where in (p, ("memory_options",))):
         # the run was without offload; a declared value (false, OFF, true: the run offloaded) stays as written
         set_plain(doc, (*p, "cpu_offload"), False, force=True)
@@ -451,6 +464,10 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
         set_plain(doc, (*p, "reshard_after_forward"), reshard, force=True)
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
     text = "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy)" if fsdp1 else None
+    if stage:
+        from ledgerspec.derivations.shard.zero import zero_options
+
+        text = f"zero{stage} (DeepSpeed's engine: {zero_options(doc).describe()})"
     ext = per_rank_extension(outs, reshard, *([text] if text else []))
     if offloaded:  # issue 16: the run offloaded as declared
         from ledgerspec.derivations.shard.offload import describe
@@ -468,6 +485,13 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
         + f" B; metrics.peak_allocated is the worst rank ({worst} B)"
     )
     return notes
+
+
+def _label(doc: Document) -> str:
+    from ledgerspec.derivations.shard.sharder import is_fsdp1
+
+    stage = zero_stage(doc)
+    return f"DeepSpeed ZeRO-{stage}" if stage else "FSDP1" if is_fsdp1(doc) else "FSDP2"
 
 
 def _drop_single_device_comparison(doc: Document) -> None:
@@ -489,7 +513,14 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
             hint="omit --nproc for one device",
         )
     base = single(doc, device, steps, None, None)
-    if base.spec.get("quant") is not None:
+    if zero_stage(doc) is not None:
+        from ledgerspec.derivations.engine.workload import WorkloadSpec
+        from ledgerspec.derivations.shard.zero import zero_refusal
+
+        why = zero_refusal(WorkloadSpec.from_json(base.spec))
+        if why:
+            raise LedgerspecError(why, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="see docs/multi-gpu.md")
+    elif base.spec.get("quant") is not None:
         check_qlora(doc, rule="measure", code=EXIT_USAGE)  # the layout FSDP2 can shard, before launching
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     offload = cpu_offload(doc) is not None
@@ -514,7 +545,7 @@ def measure_dist(
         command or f"ledgerspec measure {doc.path} --nproc {nproc} --device {device} --steps {steps}",
         req.reshard_after_forward,
     )
-    return DistOutcome(worst_rank(outs), outs, notes)
+    return DistOutcome(worst_rank(outs), outs, notes, _label(doc))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -416,7 +416,14 @@ def shard(
 
         if device_memory is None:
             device_memory = doc.get("result", "target_device", "memory").size()
-        est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline)
+        from ledgerspec.derivations.shard.zero import zero_stage
+
+        if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3: DeepSpeed's own engine per rank (issue 16)
+            from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
+
+            est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline)
+        else:
+            est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline)
         ext["estimate"] = extension_block(est, device_memory)
     change = set_extension(doc, EXTENSION, ext)
     return ShardResult(plan, zero, ext, change, est, device_memory)

@@ -147,7 +147,7 @@ def _measure_ranks(args: argparse.Namespace) -> int:
     for out in outcome.ranks:
         print(f"{target}: rank {out.rank}: peak allocated {format_size(out.peak)}", file=err)
     print(
-        f"{target}: measured {len(outcome.ranks)} FSDP2 ranks on {outcome.result.backend}: worst rank "
+        f"{target}: measured {len(outcome.ranks)} {outcome.strategy} ranks on {outcome.result.backend}: worst rank "
         f"{format_size(outcome.worst)}; supported status {report.supported_status}",
         file=err,
     )

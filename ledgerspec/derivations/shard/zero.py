@@ -1,0 +1,375 @@
+"""DeepSpeed ZeRO-2 / ZeRO-3 per rank: the ledger's workload run by DeepSpeed's own engine (issue 16 item 3).
+
+Shared by ``measure --nproc`` with ``parallelism.strategy: zero2|zero3`` (real tensors, one process per rank under
+torchrun, gloo on the CPU: ``DS_ACCELERATOR=cpu``) and ``shard --estimate`` (:mod:`ledgerspec.derivations.shard.
+zero_simulate`: the same engine under a fake process group and ``FakeTensorMode``). Nothing here is a formula: what
+a rank holds is what DeepSpeed 0.19.8 allocates, counted by the dispatch-level tracker.
+
+The order of work is transformers' Trainer with a DeepSpeed config (``transformers.integrations.deepspeed``,
+``Trainer._inner_training_loop``; accelerate 1.x ``Accelerator._prepare_deepspeed``):
+
+* ZeRO-3 (``is_deepspeed_zero3_enabled``): ``from_pretrained`` builds the base under ``deepspeed.zero.Init``, so each
+  frozen parameter is partitioned as it is loaded (``partition_parameters.py`` ``Init._convert_to_zero_parameters``
+  -> ``_zero_init_param`` -> ``param.partition()``: ``param.data`` becomes an empty tensor and the rank keeps
+  ``param.ds_tensor``, ``ceil(numel / W)`` elements (``_aligned_size``/``_partition_param``)). Here the base is
+  materialised whole, one parameter at a time, and each is handed to ``_convert_to_zero_parameters`` at once, so
+  ``after_load`` holds the partitions. The LoRA adapters are created by PEFT after loading, whole, outside
+  ``zero.Init``: ``after_adapter_injection`` holds them whole; ``deepspeed.initialize`` partitions them
+  (``parameter_offload.py`` ``DeepSpeedZeRoOffload._convert_to_zero_parameters``).
+* ZeRO-2: parameters are replicated (whole on every rank); gradients are reduced into buckets and partitioned.
+* ``deepspeed.initialize(model, optimizer=<the Trainer's torch optimizer>, config)``: DeepSpeed wraps the client
+  optimizer (``DeepSpeedZeroOptimizer_Stage3`` / ``DeepSpeedZeroOptimizer``) with flat fp32 partitions of the
+  trainable parameters, its gradient partitions and reduce buckets. ``after_optimizer_init`` is measured after it.
+* The step: ``engine(**batch)`` forward (ZeRO-3's hooks gather each module's parameters: the
+  ``PartitionedParameterCoordinator`` with its prefetch bucket, ``max_live_parameters``, ``max_reuse_distance`` and
+  the persistence threshold), ``engine.backward(loss)``, ``engine.step()``. accelerate calls ``engine.step()`` at the
+  end of the last micro-step's backward (``DeepSpeedEngineWrapper.backward``); the protocol calls it in its own
+  optimizer phase so that the backward and step peaks are told apart (the largest of them is the same).
+
+Mixed precision: the Trainer does not autocast under DeepSpeed; ``bf16``/``fp16`` in the DeepSpeed config makes the
+engine cast the model (``engine._configure_distributed_model``: ``self.module.bfloat16()``) and keep fp32 master
+partitions. This module runs fp32 or the parameters' own dtype only (``training.mixed_precision: no``); other values
+are refused (:func:`zero_refusal`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from ledgerspec.contract.document import Document
+
+#: ``parallelism.strategy`` / ``memory_options.sharding`` values run by this module
+STRATEGIES = ("zero2", "zero3")
+DEEPSPEED_VERSION = "0.19.8"
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """The DeepSpeed ``zero_optimization`` options that set per-rank memory, as the ledger declares them.
+
+    Defaults are DeepSpeed 0.19.8's own (``deepspeed/runtime/zero/config.py``, ``DeepSpeedZeroConfig``); ``None`` for
+    ``overlap_comm`` is DeepSpeed's dynamic default (true for stage 3, false otherwise: ``overlap_comm_valid``).
+    """
+
+    stage: int
+    prefetch_bucket_size: int = 50_000_000  # config.py:222 stage3_prefetch_bucket_size pp_int(5e7)
+    max_live_parameters: int = 1_000_000_000  # config.py:245 stage3_max_live_parameters pp_int(1e9)
+    max_reuse_distance: int = 1_000_000_000  # config.py:251 stage3_max_reuse_distance pp_int(1e9)
+    param_persistence_threshold: int = 100_000  # config.py:228 stage3_param_persistence_threshold pp_int(1e5)
+    reduce_bucket_size: int = 500_000_000  # config.py:113 pp_int(5e8)
+    allgather_bucket_size: int = 500_000_000  # config.py:132 pp_int(5e8)
+    overlap_comm: bool | None = None  # config.py:138, 384-386
+    contiguous_gradients: bool = True  # config.py:102
+
+    def zero_optimization(self) -> dict[str, Any]:
+        """The ``zero_optimization`` block of a DeepSpeed config."""
+        block: dict[str, Any] = {
+            "stage": self.stage,
+            "reduce_bucket_size": self.reduce_bucket_size,
+            "allgather_bucket_size": self.allgather_bucket_size,
+            "contiguous_gradients": self.contiguous_gradients,
+        }
+        if self.overlap_comm is not None:
+            block["overlap_comm"] = self.overlap_comm
+        if self.stage == 3:
+            block.update(
+                stage3_prefetch_bucket_size=self.prefetch_bucket_size,
+                stage3_max_live_parameters=self.max_live_parameters,
+                stage3_max_reuse_distance=self.max_reuse_distance,
+                stage3_param_persistence_threshold=self.param_persistence_threshold,
+            )
+        return block
+
+    def describe(self) -> str:
+        z = self.zero_optimization()
+        return ", ".join(f"{k}={v}" for k, v in z.items())
+
+
+#: ledger key under ``parallelism.deepspeed`` -> ZeroOptions attribute
+OPTION_KEYS = {
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+}
+
+
+def zero_stage(doc: Document) -> int | None:
+    """2 or 3 when the document runs DeepSpeed ZeRO-2/3 (``parallelism.strategy``, else ``memory_options.sharding``)."""
+    strategy = doc.get("parallelism", "strategy").text()
+    if strategy is None:
+        strategy = doc.get("memory_options", "sharding").text()
+    if strategy in STRATEGIES:
+        return int(strategy[-1])
+    return None
+
+
+def zero_options(doc: Document) -> ZeroOptions:
+    """The ZeRO options the document declares (``parallelism.deepspeed``), DeepSpeed's defaults for the rest."""
+    from ledgerspec.contract import config
+
+    stage = zero_stage(doc)
+    if stage is None:
+        raise ValueError("the document does not declare parallelism.strategy zero2 or zero3")
+    options: dict[str, Any] = {OPTION_KEYS[key]: value for key, value in config.read(doc).deepspeed}
+    return ZeroOptions(stage, **options)
+
+
+def ds_config(spec: Any, options: ZeroOptions) -> dict[str, Any]:
+    """The DeepSpeed config the Trainer hands to ``deepspeed.initialize`` for this workload (``auto`` values filled
+    from the TrainingArguments as ``HfTrainerDeepSpeedConfig.trainer_config_process`` does)."""
+    return {
+        "train_micro_batch_size_per_gpu": spec.microbatch,
+        "gradient_accumulation_steps": spec.accumulation,
+        "gradient_clipping": spec.max_grad_norm,
+        "zero_optimization": options.zero_optimization(),
+        "zero_allow_untested_optimizer": True,  # transformers sets it when the Trainer builds the optimizer
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def zero_refusal(spec: Any) -> str | None:
+    """Why this workload cannot run under the DeepSpeed path, or None."""
+    if spec.autocast_dtype is not None:
+        return (
+            "DeepSpeed ZeRO with training.mixed_precision (the engine's bf16/fp16 modes cast the model and keep fp32 "
+            "master partitions) is not simulated or measured yet; use training.mixed_precision: no"
+        )
+    if spec.quant is not None:
+        return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
+    return None
+
+
+@contextlib.contextmanager
+def cpu_accelerator() -> Iterator[None]:
+    """``DS_ACCELERATOR=cpu`` while DeepSpeed is imported (its CPU accelerator falls back to gloo without oneccl)."""
+    saved = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+        else:
+            os.environ["DS_ACCELERATOR"] = saved
+
+
+def import_deepspeed(cpu: bool = True) -> Any:
+    """``deepspeed`` (with its CPU accelerator unless ``cpu`` is false: nccl ranks let DeepSpeed detect CUDA), quiet,
+    without its shared-memory all-reduce op. The first import fixes the accelerator for the process.
+
+    ``deepspeed.comm.torch.TorchBackend`` JIT-compiles ``ShareMemCommBuilder`` (a C++ op, the system compiler, tens
+    of seconds the first time) when the backend is created; it serves ``inference_all_reduce`` only, never a training
+    step, and its shared memory is no torch tensor. ``build_shm_op`` returning None is DeepSpeed's own path when the
+    op is not available (``comm/torch.py``): training runs the same collectives through torch.distributed.
+    """
+    import logging
+
+    with cpu_accelerator() if cpu else contextlib.nullcontext():
+        import deepspeed
+        import deepspeed.comm.torch as ds_torch_comm
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator()  # fixed on first use
+    ds_torch_comm.build_shm_op = lambda: None
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.ERROR)
+    return deepspeed
+
+
+@contextlib.contextmanager
+def fake_value_checks() -> Iterator[None]:
+    """DeepSpeed's host reads of gradient values answered without values (fake tensors only).
+
+    ``stage3.py`` 2888 and ``stage_1_and_2.py`` 3043/3203 skip the step when the global gradient norm is not finite
+    (``runtime/utils.py`` ``is_invalid_grad_norm``: ``bool((~torch.isfinite(norm) | (norm < 0)).any())``), a read of
+    a value a fake tensor does not have. The simulated step is the one a finite norm takes: answered "valid". The
+    tensors the check allocates are still made (``isfinite`` and the comparison run before the read).
+
+    ZeRO-3 also checks that every rank traced the same module and parameter order (``zero/utils.py``
+    ``assert_lst_len_same_as_other_ranks`` / ``get_lst_from_rank0``: an int64 tensor broadcast from rank 0 and read
+    back with ``.item()``); every simulated rank runs the same program, so the fake versions allocate and broadcast
+    the same tensors and return this rank's own list.
+    """
+    import deepspeed.runtime.zero.stage3 as stage3
+    import deepspeed.runtime.zero.stage_1_and_2 as stage12
+    import deepspeed.runtime.zero.utils as zutils
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import is_fake
+
+    def lst_len(lst: list[int]) -> None:
+        t = torch.tensor(len(lst) if dist.get_rank() == 0 else -1, dtype=torch.int64, device="cpu")
+        dist.broadcast(t, src=0, async_op=False)
+        del t
+
+    def from_rank0(lst: list[int]) -> list[int]:
+        t = torch.tensor(lst if dist.get_rank() == 0 else [-1] * len(lst), dtype=torch.int64, device="cpu")
+        dist.broadcast(t, src=0, async_op=False)
+        t.cpu()
+        return list(lst)
+
+    original = stage3.is_invalid_grad_norm
+
+    def checked(norm: Any) -> bool:
+        if isinstance(norm, torch.Tensor) and is_fake(norm):
+            (~torch.isfinite(norm) | (norm < 0)).any()
+            return False
+        return bool(original(norm))
+
+    patched: list[tuple[Any, str, Any]] = [
+        (stage3, "is_invalid_grad_norm", checked),
+        (stage12, "is_invalid_grad_norm", checked),
+        (zutils, "assert_lst_len_same_as_other_ranks", lst_len),
+        (zutils, "get_lst_from_rank0", from_rank0),
+    ]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patched]
+    for m, name, value in patched:
+        setattr(m, name, value)
+    try:
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
+@cache
+def zero_workload(base: type) -> Any:
+    """A subclass of the workload class ``base`` trained by DeepSpeed ZeRO-2/3 (set ``options`` before ``prepare``)."""
+
+    class Zero(base):
+        options: ZeroOptions = ZeroOptions(3)
+        engine: Any = None
+
+        def prepare(self) -> None:
+            if self.model is not None:
+                return
+            from ledgerspec.derivations.shard.workload import adapters_in_declared_dtype
+
+            super().prepare()
+            adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
+
+        def _zero_init(self) -> Any:
+            deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
+            return deepspeed.zero.Init(config_dict_or_path=ds_config(self.spec, self.options))
+
+        def _materialise(self, device: Any, adapters: bool) -> None:
+            if adapters or self.options.stage != 3:
+                super()._materialise(device, adapters)
+                return
+            # zero.Init during from_pretrained: every frozen parameter is partitioned as soon as it exists
+            init = self._zero_init()
+            for module in self.model.modules():
+                for pname, p in list(module._parameters.items()):
+                    if p is None or not p.is_meta or p.requires_grad:
+                        continue
+                    new = self._new_param(p, device, module)
+                    module._parameters[pname] = new
+                    init._convert_to_zero_parameters([new])
+            super()._materialise(device, adapters)  # the buffers (whole on every rank)
+
+        def make_optimizer(self) -> Any:
+            from torch._subclasses.fake_tensor import is_fake
+
+            deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
+            client = super().make_optimizer()
+            model = self.model
+            fake = any(is_fake(p) for p in model.parameters() if not p.is_meta)
+            if fake:
+                # engine._configure_distributed_model: `self.module.to(self.device)`, a no-op for tensors already
+                # on the CPU (Tensor.to aliases them); nn.Module._apply swaps fake tensors (a traceable wrapper
+                # subclass) with themselves, which the tracker's weakrefs forbid: the no-op is kept a no-op
+                model.to = lambda *args, **kwargs: model
+            try:
+                engine, optimizer, _, _ = deepspeed.initialize(
+                    model=model, optimizer=client, config=ds_config(self.spec, self.options)
+                )
+            finally:
+                if fake:
+                    del model.to
+            self.engine, self.optimizer = engine, optimizer
+            return optimizer
+
+        @property
+        def step(self) -> Any:
+            if getattr(self, "_step", None) is None:
+                self._step: Any = zero_step(self)
+            return self._step
+
+    Zero.__name__ = Zero.__qualname__ = f"Zero{base.__name__}"
+    return Zero
+
+
+def zero_step(workload: Any) -> Any:
+    """The declared loop with DeepSpeed's engine: forward through the engine, ``engine.backward``, ``engine.step``."""
+    from ledgerspec.derivations.engine.step import CustomLoop, TrainerLoop
+
+    class ZeroMixin:
+        w: Any
+
+        @contextlib.contextmanager
+        def _engine(self) -> Iterator[None]:
+            model = self.w.model
+            self.w.model = self.w.engine  # the Trainer's model is the engine: engine(**inputs)
+            try:
+                yield
+            finally:
+                self.w.model = model
+
+        def forward(self, i: int) -> Any:
+            with self._engine():
+                return super().forward(i)  # type: ignore[misc]
+
+        def optimizer_step(self) -> None:
+            self.w.engine.step()  # clipping (gradient_clipping), the wrapped optimizer's step, zeroed gradients
+
+        def zero_grad(self) -> None:
+            """``engine.step`` zeroed them (the Trainer's ``model.zero_grad()`` finds nothing)."""
+
+    class ZeroTrainer(ZeroMixin, TrainerLoop):
+        def backward(self, loss: Any) -> None:
+            import torch
+            from torch._subclasses.fake_tensor import is_fake
+
+            self.w.engine.backward(loss / 1)  # accelerate: DeepSpeedEngineWrapper.backward -> engine.backward
+            step_loss = loss.detach()
+            check = torch.isnan(step_loss)
+            if is_fake(check) or not bool(check):
+                del check
+                check = torch.isinf(step_loss)
+            del check
+            self.tr_loss += step_loss
+            self.step_loss = step_loss
+
+    class ZeroCustom(ZeroMixin, CustomLoop):
+        def backward(self, loss: Any) -> None:
+            self.w.engine.backward(loss)
+
+    return ZeroTrainer(workload) if workload.spec.loop == "trainer" else ZeroCustom(workload)
+
+
+__all__ = [
+    "OPTION_KEYS",
+    "STRATEGIES",
+    "ZeroOptions",
+    "ds_config",
+    "import_deepspeed",
+    "zero_options",
+    "zero_refusal",
+    "zero_stage",
+    "zero_workload",
+]
