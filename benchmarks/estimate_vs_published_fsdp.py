@@ -73,11 +73,6 @@ class Run:
     tokens: int = 4096
     vocab: int = 32000
 
-    @property
-    def loss_copy(self) -> int:
-        """transformers 4.48's fp32 ``shift_logits`` copy: ``sequences x (tokens - 1) x vocab x 4`` bytes."""
-        return self.sequences * (self.tokens - 1) * self.vocab * 4
-
 
 RUNS = [
     Run(
@@ -138,6 +133,7 @@ class Row:
     phases: dict[str, int]
     activations: int
     seconds: float
+    installed_loss_peak: int  # the same estimate with the installed transformers' loss (software.transformers removed)
 
     @staticmethod
     def diff(estimated: int, published: int) -> float:
@@ -145,16 +141,13 @@ class Row:
 
     def cells(self) -> list[str]:
         r = self.run
-        with_copy = self.peak + r.loss_copy
         return [
             r.label,
             f"`{r.key}.ledger.yaml`",
             f"{r.peak / 1e9:.2f}",
             f"{self.peak / 1e9:.2f}",
             f"{self.diff(self.peak, r.peak):+.1%}",
-            f"{r.loss_copy / 1e9:.2f}",
-            f"{with_copy / 1e9:.2f}",
-            f"{self.diff(with_copy, r.peak):+.1%}",
+            f"{(self.peak - self.installed_loss_peak) / 1e9:+.3f}",
             f"{r.after / 1e9:.2f}",
             f"{self.after / 1e9:.2f}",
             f"{self.diff(self.after, r.after):+.1%}",
@@ -166,11 +159,9 @@ HEADER = [
     "run",
     "ledger",
     "published peak GB",
-    "estimated peak GB (FSDP1)",
+    "estimated peak GB (FSDP1, declared stack)",
     "difference",
-    "4.48 loss copy GB",
-    "estimate + loss copy GB",
-    "difference",
+    "of which transformers 4.48's loss GB",
     "published after train() GB",
     "estimated model state GB",
     "difference",
@@ -179,17 +170,23 @@ HEADER = [
 
 
 def estimate_run(run: Run) -> Row:
-    from ledgerspec.contract.document import load
+    from ledgerspec.contract.document import from_text
     from ledgerspec.derivations.shard.sharder import shard
 
-    doc = load(LEDGERS / f"{run.key}.ledger.yaml")
+    path = LEDGERS / f"{run.key}.ledger.yaml"
+    text = path.read_text(encoding="utf-8")
     started = time.perf_counter()
-    est = shard(doc, estimate=True, target="cuda").estimate
+    est = shard(from_text(text, str(path)), estimate=True, target="cuda").estimate
     seconds = time.perf_counter() - started
     assert est is not None and est.strategy == "fsdp1", run.key
+    assert "ForCausalLMLoss before 4.49.0" in est.method, run.key  # the declared transformers 4.48.1's loss
+    declared = "  transformers: 4.48.1\n"
+    assert declared in text, run.key
+    installed = shard(from_text(text.replace(declared, ""), str(path)), estimate=True, target="cuda").estimate
+    assert installed is not None
     r0 = est.ranks[0]
     after = r0.components["frozen_base"] + r0.components["adapter"] + r0.components["optimizer"]
-    return Row(run, r0.peak, after, dict(r0.phases), r0.activations, seconds)
+    return Row(run, r0.peak, after, dict(r0.phases), r0.activations, seconds, installed.ranks[0].peak)
 
 
 EXPLAINED = f"""## What each published figure includes, and every difference
@@ -199,14 +196,14 @@ EXPLAINED = f"""## What each published figure includes, and every difference
   nvidia-smi column, shown for scale and not compared). The estimate is the same quantity: the largest phase of rank
   0's simulated FSDP1 step (512-byte allocator rounding). The window of `train()` also holds the FSDP1 wrapping
   (`accelerator.prepare` runs inside it); the simulation starts from the wrapped model.
-- **The loss copy (the largest difference on the Mistral rows; not modelled, quantified):** the runs used
-  transformers 4.48.1, whose `ForCausalLMLoss` upcasts the logits to float32 and then copies them shifted
-  (`shift_logits = logits[..., :-1, :].contiguous()`, {LOSS_SOURCE}); transformers 4.49.0 and later (the installed
-  one too) pad and shift the labels instead and only view the logits. One more float32 tensor of
-  `sequences x 4,095 x 32,000` values is alive at the loss and, through the slice's backward, at the start of
-  backward, where the simulated peak is: 1.05 GB at 2 sequences per rank, 2.10 GB at 4. The column "estimate + loss
-  copy" adds exactly that tensor (a shape, nothing fitted); the estimate itself does not, because it runs the
-  installed transformers.
+- **transformers 4.48's loss (modelled, moves nothing here):** the runs used transformers 4.48.1, whose
+  `ForCausalLMLoss` upcasts the logits to float32 and then copies them shifted
+  (`shift_logits = logits[..., :-1, :].contiguous()`, {LOSS_SOURCE}); 4.49.0 and later (the installed one too) pad
+  and shift the labels instead. The ledgers declare `software.transformers: 4.48.1`, so the simulation runs that loss
+  (known difference `transformers-causal-lm-loss-shift-copy`): one more float32 tensor of `sequences x 4,095 x
+  32,000` values (1.05 GB at 2 sequences per rank) at the loss and at the start of backward. The column "of which
+  transformers 4.48's loss" is the simulated peak minus the same simulation with the installed loss: the copy is not
+  where the simulated peak is, so it changes the peak by less than 0.01 GB.
 - **After `train()`** (`mem_torch_mem_alloc_in_bytes`): `torch.cuda.memory_allocated()` of rank 0 when `train()`
   returns: the frozen-base and adapter shards, the buffers, and AdamW's state for this rank's elements (the Trainer's
   `model.zero_grad()` has freed the gradients). The estimate's figure is rank 0's simulated
@@ -218,26 +215,29 @@ EXPLAINED = f"""## What each published figure includes, and every difference
   in bf16 by FSDP1's `MixedPrecision` on the QLoRA rows; the LoRA input cast is the same); bitsandbytes 0.43.3 versus
   0.50 (after 0.43.2 both keep no 4-bit layer input for backward).
 - **The published peak is the maximum over 100 steps of packed data**; every step has the same shape (packing to
-  4,096 tokens), so a step's peak is the run's, unless something outside the step is higher (next item).
+  4,096 tokens), so a step's peak is the run's, unless something outside the step is higher.
 """
 
-SEVENTY = """## Llama-2-70B QLoRA does not land, and what is known about why
+UNEXPLAINED = """## What is not explained
 
-The estimate is {diff} ({gap:.2f} GB under the published peak; {diff_copy} with the loss copy), while rank 0's model
-state after `train()` agrees within {after}: the sharding is right, the step is not. What the {gap:.2f} GB is not:
+**Mistral-7B.** The model state agrees (within 2%); the peak is low by {mistral}. The gap grows with the tokens per
+rank: {growth} That is {per_token} per token of the 8,192 more tokens, the size of one float32 row of logits
+(32,000 x 4 B = 128 KB) plus a little: a logits-sized tensor per token alive at the real peak and not at the
+simulated one (the simulated peak is later in backward, past the loss's gradients: running the copying loss does not
+move it; the real run's peak is probably at the loss or the start of backward). Which tensor it is needs a GPU
+run with the memory snapshot (`torch.cuda.memory._record_memory_history`) of the declared stack; transformers 4.48's
+loss copy is one candidate of that size, but the simulation that runs it does not put it at the peak.
 
-- not the loss copy: it is 1.05 GB (the vocabulary and tokens are those of the Mistral rows);
-- not something left per decoder layer: {gap:.2f} GB over 80 layers is {per_layer:.0f} MB a layer; the same
-  mechanism on Mistral-7B's 32 layers (hidden 4,096, half of 8,192) would leave about 1-4 GB there (scaling with the
-  hidden size or its square, at 2 or 4 sequences per rank), and the Mistral rows are within 0.1-0.7 GB of the
-  published peaks once the loss copy is added;
-- not the gathered units: one 4-bit Llama-2-70B layer gathered is 0.43 GB, the root 1.05 GB.
-
-Not settled without a GPU and the model. What the window of `max_memory_allocated` holds and the simulated step does
-not: everything `train()` does before the first step, above all the FSDP1 wrapping (`sync_module_states`) of a model
-loaded with `fsdp_cpu_ram_efficient_loading`, whose rank 0 holds the weights on the CPU until they reach the GPU unit
-by unit; on the Mistral rows that window cannot be the peak (they agree), on a 70B model it is larger in every unit.
-A run with the Trainer's per-stage memory on the GPUs would settle it; the ledger is committed so the run is
+**Llama-2-70B QLoRA does not land.** The estimate is {seventy_diff} ({seventy_gap:.2f} GB under the published
+peak) while rank 0's model state after `train()` agrees within {seventy_after}: the sharding is right, the step is
+not. The {seventy_gap:.2f} GB is not a logits-sized tensor (1.05 GB at 2 x 4,095 x 32,000 float32 values: the
+vocabulary and tokens of the Mistral rows); not something left per decoder layer ({per_layer:.0f} MB a layer over 80
+layers; the same mechanism on Mistral-7B's 32 layers of half the width would leave about 1-4 GB more there than the
+Mistral gaps leave room for); not the gathered units (one 4-bit Llama-2-70B layer gathered is 0.43 GB, the root
+1.05 GB). What the window of `max_memory_allocated` holds and the simulated step does not: everything `train()` does
+before the first step, above all the FSDP1 wrapping (`sync_module_states`) of a model loaded with
+`fsdp_cpu_ram_efficient_loading`, whose rank 0 holds the weights on the CPU until they reach the GPU unit by unit; it
+is larger in every unit of a 70B model. Not settled without GPUs and the model; the ledger is committed so the run is
 re-estimated as soon as the cause is modelled.
 """
 
@@ -279,48 +279,42 @@ def render(rows: list[Row], elapsed: float) -> str:
             f"{row.activations / 1e9:.2f} | {row.seconds:.0f} |"
         )
     lines += ["", "Source rows: " + "; ".join(f"{r.run.key}: {r.run.source_row}" for r in rows) + ".", ""]
-    lines += [verdict(rows), "", EXPLAINED, doubling(rows)]
-    seventy = next((r for r in rows if "70b" in r.run.key), None)
-    if seventy is not None:
-        gap = (seventy.run.peak - seventy.peak) / 1e9
-        lines.append(
-            SEVENTY.format(
-                diff=f"{Row.diff(seventy.peak, seventy.run.peak):+.1%}",
-                diff_copy=f"{Row.diff(seventy.peak + seventy.run.loss_copy, seventy.run.peak):+.1%}",
-                after=f"{abs(Row.diff(seventy.after, seventy.run.after)):.1%}",
-                gap=gap,
-                per_layer=gap * 1000 / 80,
-            )
-        )
+    lines += [verdict(rows), "", EXPLAINED, unexplained(rows)]
     return "\n".join(lines)
 
 
 def verdict(rows: list[Row]) -> str:
-    """Which runs land within 10% (the issue's target), as the estimate stands and with the loss copy."""
-    raw = [r.run.label for r in rows if abs(Row.diff(r.peak, r.run.peak)) <= 0.10]
-    copy = [r.run.label for r in rows if abs(Row.diff(r.peak + r.run.loss_copy, r.run.peak)) <= 0.10]
-    return (
-        f"Within 10% of the published peak: {len(raw)} of {len(rows)} runs as estimated ({', '.join(raw) or 'none'}); "
-        f"{len(copy)} of {len(rows)} with the quantified loss copy of transformers 4.48 added "
-        f"({', '.join(copy) or 'none'})."
-    )
+    """Which runs land within 10% of the published peak (issue 16's target)."""
+    within = [r.run.label for r in rows if abs(Row.diff(r.peak, r.run.peak)) <= 0.10]
+    return f"Within 10% of the published peak: {len(within)} of {len(rows)} runs ({', '.join(within) or 'none'})."
 
 
-def doubling(rows: list[Row]) -> str:
-    """Doubling the sequences per rank: published vs estimated increase, and the loss copy's share of the gap."""
+def unexplained(rows: list[Row]) -> str:
+    """The gaps left, computed from the rows."""
     by_key = {r.run.key: r for r in rows}
-    out = []
+    mistral = [r for r in rows if "mistral" in r.run.key]
+    growth, per_token = [], []
     for kind in ("lora", "qlora"):
         two, four = by_key.get(f"fms-mistral-7b-{kind}-2gpu-bs2"), by_key.get(f"fms-mistral-7b-{kind}-2gpu-bs4")
         if two is None or four is None:
             continue
         pub, est = (four.run.peak - two.run.peak) / 1e9, (four.peak - two.peak) / 1e9
-        copy = (four.run.loss_copy - two.run.loss_copy) / 1e9
-        out.append(
-            f"Mistral-7B {'QLoRA' if kind == 'qlora' else 'LoRA'}, 2 -> 4 sequences per rank: published +{pub:.2f} GB, "
-            f"estimated +{est:.2f} GB; the loss copy grows by {copy:.2f} GB of the {pub - est:.2f} GB."
-        )
-    return ("\n\n".join(out) + "\n") if out else ""
+        name = "QLoRA" if kind == "qlora" else "LoRA"
+        growth.append(f"{name} 2 -> 4 sequences per rank: published +{pub:.2f} GB, estimated +{est:.2f} GB")
+        per_token.append(f"{(pub - est) * 1e9 / 8192 / 1000:.0f} KB ({name})")
+    seventy = by_key.get("fms-llama-2-70b-qlora-2gpu-bs2")
+    if not mistral or seventy is None:
+        return ""
+    gap = (seventy.run.peak - seventy.peak) / 1e9
+    return UNEXPLAINED.format(
+        mistral=", ".join(f"{Row.diff(r.peak, r.run.peak):+.1%}" for r in mistral),
+        growth="; ".join(growth) + ".",
+        per_token=" and ".join(per_token),
+        seventy_diff=f"{Row.diff(seventy.peak, seventy.run.peak):+.1%}",
+        seventy_after=f"{abs(Row.diff(seventy.after, seventy.run.after)):.1%}",
+        seventy_gap=gap,
+        per_layer=gap * 1000 / 80,
+    )
 
 
 def main() -> None:

@@ -138,7 +138,9 @@ def simulate_rank(
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.reshard_after_forward = reshard_after_forward
         backend = TrackerBackend(fake=True, granularity=granularity(target))
-        with workload.stack:
+        from ledgerspec.derivations.estimate.legacy_loss import declared_loss
+
+        with workload.stack, declared_loss(doc):  # transformers < 4.49's loss when the ledger declares it
             result = run_protocol(workload, backend, device="cpu", steps=1)
     if result.oom or not result.complete:
         raise _err(doc, ("identity",), f"the simulated FSDP2 step stopped early ({result.oom_message})")
@@ -238,13 +240,18 @@ def estimate_per_rank(
             )
     ranks = [by_rank[r] for r in range(world)]
     notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
+    from ledgerspec.derivations.estimate import legacy_loss
+
+    method = method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None, is_fsdp1(doc))
+    if legacy_loss.models_shift_copy(doc):
+        method += "; " + legacy_loss.method_note(doc)
     return ShardEstimate(
         world,
         reshard,
         target,
         ranks,
         est_plan,
-        method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None, is_fsdp1(doc)),
+        method,
         time.perf_counter() - started,
         notes,
         "fsdp1" if is_fsdp1(doc) else "fsdp2",
