@@ -134,6 +134,7 @@ class Row:
     activations: int
     seconds: float
     installed_loss_peak: int  # the same estimate with the installed transformers' loss (software.transformers removed)
+    fsdp2_peak: int  # the same ledger simulated under FSDP2 (parallelism.strategy: fsdp2), for comparison
 
     @staticmethod
     def diff(estimated: int, published: int) -> float:
@@ -148,6 +149,7 @@ class Row:
             f"{self.peak / 1e9:.2f}",
             f"{self.diff(self.peak, r.peak):+.1%}",
             f"{(self.peak - self.installed_loss_peak) / 1e9:+.3f}",
+            f"{self.fsdp2_peak / 1e9:.2f} ({self.diff(self.fsdp2_peak, r.peak):+.1%})",
             f"{r.after / 1e9:.2f}",
             f"{self.after / 1e9:.2f}",
             f"{self.diff(self.after, r.after):+.1%}",
@@ -162,6 +164,7 @@ HEADER = [
     "estimated peak GB (FSDP1, declared stack)",
     "difference",
     "of which transformers 4.48's loss GB",
+    "same ledger under FSDP2 GB",
     "published after train() GB",
     "estimated model state GB",
     "difference",
@@ -184,9 +187,22 @@ def estimate_run(run: Run) -> Row:
     assert declared in text, run.key
     installed = shard(from_text(text.replace(declared, ""), str(path)), estimate=True, target="cuda").estimate
     assert installed is not None
+    strategy = "  strategy: fsdp1\n"
+    assert strategy in text, run.key
+    fsdp2 = shard(from_text(text.replace(strategy, "  strategy: fsdp2\n"), str(path)), estimate=True, target="cuda")
+    assert fsdp2.estimate is not None and fsdp2.estimate.strategy == "fsdp2"
     r0 = est.ranks[0]
     after = r0.components["frozen_base"] + r0.components["adapter"] + r0.components["optimizer"]
-    return Row(run, r0.peak, after, dict(r0.phases), r0.activations, seconds, installed.ranks[0].peak)
+    return Row(
+        run,
+        r0.peak,
+        after,
+        dict(r0.phases),
+        r0.activations,
+        seconds,
+        installed.ranks[0].peak,
+        fsdp2.estimate.ranks[0].peak,
+    )
 
 
 EXPLAINED = f"""## What each published figure includes, and every difference
@@ -221,12 +237,14 @@ EXPLAINED = f"""## What each published figure includes, and every difference
 UNEXPLAINED = """## What is not explained
 
 **Mistral-7B.** The model state agrees (within 2%); the peak is low by {mistral}. The gap grows with the tokens per
-rank: {growth} That is {per_token} per token of the 8,192 more tokens, the size of one float32 row of logits
-(32,000 x 4 B = 128 KB) plus a little: a logits-sized tensor per token alive at the real peak and not at the
-simulated one (the simulated peak is later in backward, past the loss's gradients: running the copying loss does not
-move it; the real run's peak is probably at the loss or the start of backward). Which tensor it is needs a GPU
-run with the memory snapshot (`torch.cuda.memory._record_memory_history`) of the declared stack; transformers 4.48's
-loss copy is one candidate of that size, but the simulation that runs it does not put it at the peak.
+rank: {growth}
+That is {per_token} per token of the 8,192 more tokens: per-token memory alive at the real peak and not at the
+simulated one, of the size of one float32 row of logits (32,000 x 4 B = 128 KB) or of one decoder layer's
+recomputed activations (same order). The strategy is not it: the same ledgers simulated under FSDP2 differ from FSDP1
+by a fraction of a GB (column "same ledger under FSDP2"). transformers 4.48's loss copy is a candidate of the logits'
+size, but the simulation that runs it does not put it at the peak (the simulated peak is later in backward). Which
+tensor it is needs a GPU run of the declared stack with a memory snapshot
+(`torch.cuda.memory._record_memory_history`).
 
 **Llama-2-70B QLoRA does not land.** The estimate is {seventy_diff} ({seventy_gap:.2f} GB under the published
 peak) while rank 0's model state after `train()` agrees within {seventy_after}: the sharding is right, the step is
