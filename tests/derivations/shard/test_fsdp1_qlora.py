@@ -116,3 +116,68 @@ def test_simulated_fsdp1_qlora_ranks_agree_with_the_real_run(tmp_path: Path) -> 
             calc.gradients,
             calc.optimizer + calc.optimizer_host,
         )
+
+
+@pytest.mark.slow
+def test_calculated_state_equals_transformers_loaded_4bit_model_under_fsdp1(tmp_path: Path) -> None:
+    """The independent truth: ``tests/truths/fsdp1_probe.py --pretrained`` has transformers load a tiny checkpoint with
+    the ledger's ``BitsAndBytesConfig`` (bitsandbytes quantizing on the CPU), PEFT inject the LoRA, and FSDP1 wrap it
+    as the Trainer does, under torchrun (gloo, 2 ranks); no ledgerspec code builds, quantizes or wraps the model. Every
+    flat parameter's padded numel, local shard and dtype, and each rank's frozen (shards + buffers + the whole
+    quantization states), adapter, gradient and optimizer bytes equal :func:`ledgerspec.derivations.shard.state.fsdp1`
+    over the meta model's descriptors."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ledgerspec.derivations.shard.model import document_descriptors
+
+    path = _ledger(tmp_path, "tiny-lora.ledger.yaml")
+    checkpoint = tmp_path / "checkpoint"
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(DATA / "tiny")
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(checkpoint)
+    out = tmp_path / "ranks"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(TESTS / "truths" / "fsdp1_probe.py"),
+        str(path),
+        str(out),
+        "--pretrained",
+        str(checkpoint),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(load(path))), 2)
+    for real, calc in zip(ranks, plan.ranks, strict=True):
+        got = {u["unit"]: u for u in real["units"]}
+        assert set(got) == set(plan.units)
+        for name, unit in plan.units.items():
+            assert (got[name]["numel"], got[name]["local_numel"], got[name]["dtype"]) == (
+                unit.numel,
+                unit.shard_numel,
+                unit.dtype,
+            ), name
+        units = real["units"]
+        frozen = sum(u["local_bytes"] for u in units if not u["requires_grad"])
+        frozen += real["buffers_bytes"] + real["quant_state_bytes"]
+        state = real["optimizer_state"].values()
+        moments = sum(v for s in state for k, v in s.items() if k != "step")
+        assert (calc.frozen_base, calc.adapter, calc.gradients, calc.optimizer) == (
+            frozen,
+            sum(u["local_bytes"] for u in units if u["requires_grad"]),
+            sum(u["grad_bytes"] for u in units),
+            moments,
+        ), f"rank {real['rank']}"
