@@ -76,6 +76,20 @@ KNOWN: tuple[KnownDifference, ...] = (
             "https://github.com/ModelTC/LightCompress/pull/451 (the Mixtral layouts of transformers < 5 and >= 5)",
         ),
     ),
+    KnownDifference(
+        id="transformers-causal-lm-loss-shift-copy",
+        package="transformers",
+        changed_in="4.49.0",
+        older="the causal-LM loss upcasts the logits to float32 and copies them shifted "
+        "(`shift_logits = logits[..., :-1, :].contiguous()`): one more float32 tensor of batch x (length - 1) x vocab "
+        "at the loss and, through the slice's backward, at the start of backward",
+        newer="the loss pads and shifts the labels instead and only views the float32 logits (no copy)",
+        figures="the forward and backward peaks of a causal-LM step (loss computed by transformers)",
+        sources=(
+            "https://github.com/huggingface/transformers/blob/v4.48.1/src/transformers/loss/loss_utils.py#L36-L39",
+            "src/transformers/loss/loss_utils.py, ForCausalLMLoss, at 4.48.1 and at 4.49.0",
+        ),
+    ),
 )
 
 BY_ID = {d.id: d for d in KNOWN}

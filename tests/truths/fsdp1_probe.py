@@ -8,7 +8,10 @@ step on a synthetic batch and writes, for its rank, what it really holds: every 
 numel, local shard, dtype, gradient), the optimizer state tensors, the buffers and the gathered (unsharded)
 flat parameters seen when each decoder layer starts its forward.
 
-    torchrun --nproc_per_node 2 tests/truths/fsdp1_probe.py DOC OUTDIR [--shard-grad-op]
+    torchrun --nproc_per_node 2 tests/truths/fsdp1_probe.py DOC OUTDIR [--shard-grad-op] [--pretrained CHECKPOINT]
+
+With ``--pretrained`` (QLoRA) the model is loaded from a checkpoint by transformers with the document's
+``BitsAndBytesConfig`` (bitsandbytes quantizing on the CPU) and the bytes of every ``QuantState`` are reported.
 
 This is the ground truth ``tests/derivations/shard/test_fsdp1.py`` compares
 :func:`ledgerspec.derivations.shard.state.fsdp1` with (gloo on the CPU). No ledgerspec code builds or wraps
@@ -30,7 +33,48 @@ def _storage_bytes(t: Any) -> int:
     return int(t.untyped_storage().nbytes()) if t is not None else 0
 
 
-def probe(doc_path: str, out_dir: str, shard_grad_op: bool = False, seed: int = 0) -> dict[str, Any]:
+def _quant_state_bytes(model: Any) -> int:
+    """The bytes of every bitsandbytes ``QuantState`` tensor (absmax, code, nested state) on the model, each storage
+    once: not parameters, so FSDP1 leaves them whole on every rank."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def walk(state: Any) -> None:
+        for value in vars(state).values():
+            if isinstance(value, torch.Tensor):
+                seen[id(value.untyped_storage())] = _storage_bytes(value)
+            elif type(value).__name__ == "QuantState":
+                walk(value)
+
+    for m in model.modules():
+        state = getattr(m, "quant_state", None)
+        if state is not None:
+            walk(state)
+    return sum(seen.values())
+
+
+def _pretrained_4bit(doc: Any, path: str, dtype: Any) -> Any:
+    """The document's 4-bit model as transformers loads it (``BitsAndBytesConfig`` from ``base_model.quantization``)
+    from the checkpoint at ``path``, on the CPU (bitsandbytes >= 0.49 quantizes there)."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = ("base_model", "quantization")
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=doc.get(*q, "type").text() or "nf4",
+        bnb_4bit_use_double_quant=bool(doc.get(*q, "double_quant").switch()),
+        bnb_4bit_compute_dtype=getattr(torch, doc.get(*q, "compute_dtype").text() or "bfloat16"),
+        bnb_4bit_quant_storage=getattr(torch, doc.get(*q, "storage_dtype").text() or "uint8"),
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=dtype, device_map="cpu")
+    return model.train()  # from_pretrained returns eval mode; the Trainer trains (bitsandbytes' CPU path differs)
+
+
+def probe(
+    doc_path: str, out_dir: str, shard_grad_op: bool = False, seed: int = 0, pretrained: str | None = None
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from peft.utils.other import fsdp_auto_wrap_policy
@@ -48,7 +92,10 @@ def probe(doc_path: str, out_dir: str, shard_grad_op: bool = False, seed: int = 
     dtype = build.torch_dtype(doc, ("base_model", "loaded_dtype"), "float32")
     adapter = build.torch_dtype(doc, ("adapter", "dtype"), "float32")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
+    if pretrained:  # QLoRA: transformers loads and quantizes the checkpoint (every rank the same weights)
+        model = _pretrained_4bit(doc, pretrained, dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
     model = build.inject_adapters(doc, model)
     for p in model.parameters():  # the adapter dtype the ledger declares (PEFT upcasts to float32 by default)
         if p.requires_grad:
@@ -119,6 +166,7 @@ def probe(doc_path: str, out_dir: str, shard_grad_op: bool = False, seed: int = 
         "units": units,
         "optimizer_state": state,
         "buffers_bytes": sum(_storage_bytes(b) for b in {id(b): b for b in wrapped.buffers()}.values()),
+        "quant_state_bytes": _quant_state_bytes(wrapped),
         "gathered_at_layer_forward_max": max(seen) if seen else 0,
         "gathered_after_forward": after_forward,
         "loss": float(out.loss.detach()),
@@ -135,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("doc")
     ap.add_argument("out_dir")
     ap.add_argument("--shard-grad-op", action="store_true", help="SHARD_GRAD_OP instead of FULL_SHARD")
+    ap.add_argument("--pretrained", help="load this checkpoint quantized as the document declares (QLoRA)")
     args = ap.parse_args(argv)
-    probe(args.doc, args.out_dir, shard_grad_op=args.shard_grad_op)
+    probe(args.doc, args.out_dir, shard_grad_op=args.shard_grad_op, pretrained=args.pretrained)
     return 0
 
 

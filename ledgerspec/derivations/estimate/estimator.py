@@ -240,7 +240,9 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda", keep_4bit
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2), prefetch=spec.accumulation)
     workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target, keep_4bit_input)
     backend = TrackerBackend(fake=True, granularity=granularity(target))
-    with workload.stack, warnings.catch_warnings():
+    from ledgerspec.derivations.estimate.legacy_loss import declared_loss
+
+    with workload.stack, warnings.catch_warnings(), declared_loss(doc):  # transformers < 4.49's loss if declared
         # the simulation builds a paged optimizer on the CPU, where bitsandbytes warns that paging falls back;
         # the estimate models the paged state itself, so the warning is about the simulation, not the user's run
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU", category=UserWarning)
@@ -427,6 +429,10 @@ def estimate(
             f"; bitsandbytes {doc.get('software', 'bitsandbytes').value} as declared: each 4-bit layer keeps its "
             "input for backward (MatMul4Bit before 0.43.2)"
         )
+    from ledgerspec.derivations.estimate import legacy_loss
+
+    if legacy_loss.models_shift_copy(doc):
+        method += "; " + legacy_loss.method_note(doc)
     if (chosen := model_class(config)) is not None and chosen.multimodal:  # stack.build: the class the config calls for
         method += f"; {MULTIMODAL_LIMIT}"
     at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
@@ -467,6 +473,11 @@ def _differences(
 
     out: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
+    from ledgerspec.derivations.estimate.legacy_loss import KEY as LOSS_KEY
+    from ledgerspec.derivations.estimate.legacy_loss import models_shift_copy
+
+    if models_shift_copy(doc):  # modelled as declared (transformers < 4.49's loss); recorded only then
+        out[LOSS_KEY] = record(OLDER)
     if spec.quant is None:
         return out, notes
     key = "bitsandbytes-4bit-matmul-input"

@@ -75,17 +75,10 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
     if not cfg.quantized:
         return
     q = config.QUANT
-    if is_fsdp1(doc):
-        raise _err(
-            doc,
-            ("parallelism", "strategy"),
-            "FSDP1 per rank is modelled for LoRA on a float base; QLoRA under FSDP1 is not (use fsdp2)",
-            exit_code=code,
-            rule=rule,
-        )
     if cfg.quantization.type == "int8":
+        name = "FSDP1" if is_fsdp1(doc) else "FSDP2"
         raise _err(
-            doc, (*q, "type"), "FSDP2 per rank covers 4-bit (nf4/fp4) QLoRA, not int8", exit_code=code, rule=rule
+            doc, (*q, "type"), f"{name} per rank covers 4-bit (nf4/fp4) QLoRA, not int8", exit_code=code, rule=rule
         )
     storage = doc.get(*q, "storage_dtype")
     why = S.qlora_shardable(cfg.quantization.storage_dtype, cfg.loaded_dtype)

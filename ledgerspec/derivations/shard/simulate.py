@@ -157,7 +157,9 @@ def simulate_rank(
             if target == "cuda" and not is_fsdp1(doc):  # FSDP2's device copy of the shards before each all-gather
                 extra.enter_context(O.staging_on_the_device())
             sides = extra.enter_context(O.recording_sides(backend))
-        with workload.stack:
+        from ledgerspec.derivations.estimate.legacy_loss import declared_loss
+
+        with workload.stack, declared_loss(doc):  # transformers < 4.49's loss when the ledger declares it
             result = run_protocol(workload, backend, device="cpu", steps=1)
     if result.oom or not result.complete:
         raise _err(doc, ("identity",), f"the simulated FSDP2 step stopped early ({result.oom_message})")
@@ -266,11 +268,15 @@ def estimate_per_rank(
                 by_rank[r].host_peak = figures["host_peak"]
     ranks = [by_rank[r] for r in range(world)]
     notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
+    from ledgerspec.derivations.estimate import legacy_loss
+
     method = method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None, is_fsdp1(doc))
     if ranks and ranks[0].host_peak is not None:
         from ledgerspec.derivations.shard.offload import OFFLOAD_METHOD, describe
 
         method = f"{describe('fsdp1' if is_fsdp1(doc) else 'fsdp2')}: {OFFLOAD_METHOD}; {method}"
+    if legacy_loss.models_shift_copy(doc):
+        method += "; " + legacy_loss.method_note(doc)
     return ShardEstimate(
         world,
         reshard,

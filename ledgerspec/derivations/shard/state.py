@@ -427,12 +427,12 @@ def qlora_shardable(quant_storage: str | None, float_dtype: str | None) -> str |
     want = dtypes.canonical(float_dtype) if float_dtype else None
     if storage is None:
         return (
-            "QLoRA under FSDP2 needs base_model.quantization.storage_dtype (bnb_4bit_quant_storage) set to "
+            "QLoRA under FSDP (1 or 2) needs base_model.quantization.storage_dtype (bnb_4bit_quant_storage) set to "
             f"the float dtype{' ' + want if want else ''}"
         )
     if want is not None and storage != want:
         return (
-            f"QLoRA under FSDP2 needs bnb_4bit_quant_storage = {want} (the loaded float dtype), not {storage}: "
+            f"QLoRA under FSDP (1 or 2) needs bnb_4bit_quant_storage = {want} (the loaded float dtype), not {storage}: "
             "FSDP cannot shard packed 4-bit weights stored in another dtype together with the float "
             "parameters"
         )

@@ -166,23 +166,6 @@ def test_shard_writes_the_fsdp1_state(tmp_path: Path) -> None:
         assert row["gathered_parameters"]["value"] == rs.gathered
 
 
-def test_qlora_under_fsdp1_is_refused(tmp_path: Path) -> None:
-    from tests.support import run_cli
-
-    path = _fsdp1_ledger(tmp_path)
-    text = path.read_text(encoding="utf-8").replace("kind: LoRA", "kind: QLoRA")
-    text = text.replace(
-        "  loaded_dtype: float32\n  quantized: false\n",
-        "  loaded_dtype: bfloat16\n  quantized: true\n  quantization: {type: nf4, bits: 4, storage_dtype: bfloat16, "
-        "double_quant: true, compute_dtype: bfloat16}\n",
-    )
-    path.write_text(text, encoding="utf-8")
-    before = path.read_bytes()
-    code, _, err = run_cli("shard", path)
-    assert code == 1 and "QLoRA under FSDP1 is not" in err and "Traceback" not in err, err
-    assert path.read_bytes() == before
-
-
 #: tiny-lora-measure.ledger.yaml turned into FSDP1 runs: FULL_SHARD (with and without checkpointing: the
 #: recomputation re-gathers each layer in backward), SHARD_GRAD_OP, accelerate's bf16
 #: (MixedPrecision(bf16, bf16) over a bf16 base with fp32 adapters, the Trainer's loop under autocast)

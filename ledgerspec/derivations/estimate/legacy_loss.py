@@ -1,0 +1,77 @@
+"""transformers < 4.49's causal-LM loss, for an estimate whose ledger declares that stack (``software.transformers``).
+
+transformers 4.46-4.48's ``ForCausalLMLoss`` (``src/transformers/loss/loss_utils.py``, 4.48.1 lines 36-39) upcast the
+logits to float32 and then made a shifted contiguous copy of them for the cross-entropy; 4.49.0 pads and shifts the
+labels instead and only views the float32 logits. The copy is one more float32 tensor of
+``batch x (length - 1) x vocab`` elements at the loss, and its gradient goes through the slice's backward (a full-size
+float32 gradient) at the start of backward: 1.05 GB for 2 x 4,096 tokens of a 32,000-token vocabulary
+(known difference ``transformers-causal-lm-loss-shift-copy``, :mod:`ledgerspec.contract.differences`).
+
+:func:`declared_loss` replaces the installed ``ForCausalLM`` entry of transformers' ``LOSS_MAPPING`` (what
+``PreTrainedModel.loss_function`` returns) by :func:`shifted_copy_loss` while a simulation runs, when the ledger
+declares a transformers older than 4.49.0 and the installed one is newer. Imports torch only inside functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+KEY = "transformers-causal-lm-loss-shift-copy"
+
+
+def models_shift_copy(doc: Any) -> bool:
+    """The declared transformers copies the shifted logits and the installed one does not."""
+    from ledgerspec.contract.differences import OLDER
+    from ledgerspec.derivations.stack.versions import declared_side, installed_side
+
+    return declared_side(doc, KEY) == OLDER and installed_side(KEY) != OLDER
+
+
+def shifted_copy_loss(
+    logits: Any,
+    labels: Any,
+    vocab_size: int,
+    num_items_in_batch: Any = None,
+    ignore_index: int = -100,
+    shift_labels: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """The causal-LM loss as transformers < 4.49 computed it: float32 logits, then a shifted contiguous copy."""
+    from transformers.loss.loss_utils import fixed_cross_entropy
+
+    full = logits.float()
+    if shift_labels is None:
+        full = full[..., :-1, :].contiguous()  # the copy that 4.49.0 removed
+        shift_labels = labels[..., 1:].contiguous()
+    flat = full.view(-1, vocab_size)
+    target = shift_labels.reshape(-1).to(flat.device)
+    return fixed_cross_entropy(flat, target, num_items_in_batch, ignore_index, **kwargs)
+
+
+def method_note(doc: Any) -> str:
+    """What the method text says when the declared loss is modelled."""
+    return (
+        f"transformers {doc.get('software', 'transformers').value} as declared: the causal-LM loss copies the shifted "
+        "float32 logits (ForCausalLMLoss before 4.49.0)"
+    )
+
+
+@contextlib.contextmanager
+def declared_loss(doc: Any) -> Iterator[bool]:
+    """While inside, transformers' causal-LM loss is the declared one (yields whether it was replaced)."""
+    if not models_shift_copy(doc):
+        yield False
+        return
+    from transformers.loss import loss_utils
+
+    saved = loss_utils.LOSS_MAPPING["ForCausalLM"]
+    loss_utils.LOSS_MAPPING["ForCausalLM"] = shifted_copy_loss
+    try:
+        yield True
+    finally:
+        loss_utils.LOSS_MAPPING["ForCausalLM"] = saved
+
+
+__all__ = ["KEY", "declared_loss", "method_note", "models_shift_copy", "shifted_copy_loss"]

@@ -1,0 +1,87 @@
+"""transformers < 4.49's causal-LM loss, modelled when a ledger declares it (known difference
+``transformers-causal-lm-loss-shift-copy``): the same loss value, one more float32 copy of the shifted logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ledgerspec.contract.document import from_text
+
+LEDGER = "ledgerspec: ledger/v1\nsoftware: {transformers: '%s'}\n"
+
+
+@pytest.mark.parametrize(
+    ("declared", "modelled"), [("4.48.1", True), ("4.46.0", True), ("4.49.0", False), ("5.2", False)]
+)
+def test_modelled_only_when_declared_older(declared: str, modelled: bool) -> None:
+    from ledgerspec.derivations.estimate.legacy_loss import models_shift_copy
+
+    assert models_shift_copy(from_text(LEDGER % declared, "x.ledger.yaml")) is modelled
+    assert models_shift_copy(from_text("ledgerspec: ledger/v1\n", "x.ledger.yaml")) is False
+
+
+def _allocations(fn: Any, *args: Any) -> tuple[Any, list[int]]:
+    """The loss and the bytes of every new storage its forward and backward allocate (views excluded)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sizes: list[int] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            seen = {id(a.untyped_storage()) for a in args if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(t, torch.Tensor) and not func._schema.is_mutable and t.untyped_storage() is not None:
+                    if id(t.untyped_storage()) not in seen and not t._is_view():
+                        sizes.append(t.untyped_storage().nbytes())
+            return out
+
+    with Record():
+        loss = fn(*args)
+        loss.backward()
+    return loss, sizes
+
+
+def test_same_loss_one_more_float32_copy_of_the_shifted_logits() -> None:
+    """Real tensors: the declared (4.48) loss equals the installed one, and allocates exactly one more tensor of
+    ``batch x (length - 1) x vocab`` float32 values in forward and one in backward (the slice's gradient)."""
+    torch = pytest.importorskip("torch")
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    from ledgerspec.derivations.estimate.legacy_loss import shifted_copy_loss
+
+    batch, length, vocab = 2, 7, 11
+    torch.manual_seed(0)
+    labels = torch.randint(0, vocab, (batch, length))
+    base = torch.randn(batch, length, vocab, dtype=torch.bfloat16)
+
+    def run(fn: Any) -> tuple[Any, list[int]]:
+        logits = base.clone().requires_grad_(True)
+        return _allocations(lambda x: fn(logits=x, labels=labels, vocab_size=vocab), logits)
+
+    new, new_sizes = run(LOSS_MAPPING["ForCausalLM"])
+    old, old_sizes = run(shifted_copy_loss)
+    assert torch.allclose(new.detach(), old.detach())
+    copy = batch * (length - 1) * vocab * 4
+    extra = list(old_sizes)
+    for size in new_sizes:
+        if size in extra:
+            extra.remove(size)
+    assert extra.count(copy) >= 1 and sum(extra) >= copy, (new_sizes, old_sizes)
+
+
+def test_declared_loss_replaces_and_restores() -> None:
+    pytest.importorskip("transformers")
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    from ledgerspec.derivations.estimate.legacy_loss import declared_loss, shifted_copy_loss
+
+    installed = LOSS_MAPPING["ForCausalLM"]
+    with declared_loss(from_text(LEDGER % "4.48.1", "x.ledger.yaml")) as replaced:
+        assert replaced and LOSS_MAPPING["ForCausalLM"] is shifted_copy_loss
+    assert LOSS_MAPPING["ForCausalLM"] is installed
+    with declared_loss(from_text(LEDGER % "4.49.0", "x.ledger.yaml")) as replaced:
+        assert not replaced and LOSS_MAPPING["ForCausalLM"] is installed
