@@ -368,12 +368,15 @@ def length_design(
     return sorted(pairs.items())
 
 
-def probe(doc: Document, b: int, length: int | None, typical: int | None, values: dict[str, Any]) -> Document:
-    """The variant traced for one grid point: ``values`` (other axes), the microbatch, the max_length and, when
-    it differs from the one the max_length gives, the typical length (``workload.sequence_p50``)."""
+def probe(doc: Document, b: int | None, length: int | None, typical: int | None, values: dict[str, Any]) -> Document:
+    """The variant traced for one grid point: ``values`` (other axes), the microbatch and the max_length (None:
+    as declared) and, when it differs from the one the max_length gives, the typical length
+    (``workload.sequence_p50``)."""
     from ledgerspec.contract.edit import variant
 
-    point = {**values, "microbatch": b}
+    point = dict(values)
+    if b is not None:
+        point["microbatch"] = b
     if length is not None:
         point["max_length"] = length
     out = apply(doc, point)
@@ -461,7 +464,13 @@ def sweep_rows(
 
             pairs = list(length_design(lengths, typical_of, decoupled, interpolate_lengths))
         plans.append((others, [(b, n, t) for n, t in pairs for b in bs]))
-    docs = [probe(doc, b, n, t, others) for others, probes in plans for b, n, t in probes]
+    # an axis the sweep does not vary stays as declared (a microbatch set by a sweep drops the global batch)
+    swept = [("microbatch" in ms[0], "max_length" in ms[0]) for ms in groups.values()]
+    docs = [
+        probe(doc, b if by_b else None, n if by_n else None, t, others)
+        for (others, probes), (by_b, by_n) in zip(plans, swept, strict=True)
+        for b, n, t in probes
+    ]
     figures = iter(run_estimates(docs, estimate_fn, jobs))
     rows: dict[int, SweepRow] = {}
     for (_, probes), members in zip(plans, groups.values(), strict=True):

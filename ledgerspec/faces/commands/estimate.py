@@ -202,7 +202,7 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
         _print_components(rows)
     print(
         f"({len(rows)} configurations from {traced} traced estimates"
-        + (f"; {modelled} from the batch x length model, within 0.5 % of full traces in tests" if modelled else "")
+        + (f"; {modelled} from the microbatch model, within 0.5 % of full traces in tests" if modelled else "")
         + f"; {time.perf_counter() - started:.1f} s)"
     )
     if (
@@ -229,8 +229,8 @@ def _print_components(rows: list[Any]) -> None:
     from ledgerspec.contract.units import format_size
 
     print(
-        "what is alive at each peak (traced: an estimate; model: the line through two traced microbatches, "
-        "between traced lengths the quadratic through three):"
+        "what is alive at each peak (traced: an estimate; model: the line through two traced microbatches of its "
+        "length):"
     )
     for r in rows:
         point = ", ".join(f"{k}={_show(v)}" for k, v in r.point.items())

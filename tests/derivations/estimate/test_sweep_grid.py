@@ -165,6 +165,27 @@ def test_a_sweep_with_one_row_of_a_padded_workload_traces_it_at_each_length() ->
         assert row.peak == max(want[k] for k in PHASES), row.point
 
 
+def test_an_axis_the_sweep_does_not_vary_stays_as_declared() -> None:
+    doc = variant(ledger(microbatch=2, seq=1024), {("workload", "global_batch"): 16})
+    seen: list[tuple[bool, int | None, bool | None]] = []
+
+    def fn(d: Document) -> _Est:
+        seen.append(
+            (
+                d.get("workload", "global_batch").present,
+                d.get("workload", "max_length").integer(),
+                d.get("memory_options", "gradient_checkpointing").switch(),
+            )
+        )
+        return _ClosedStep()(d)
+
+    _, traced = sweep_rows(doc, [{"gradient_checkpointing": v} for v in (True, False)], fn)
+    assert traced == 2 and sorted(seen) == [(True, 1024, False), (True, 1024, True)]
+    seen.clear()
+    sweep_rows(doc, [{"microbatch": b} for b in (2, 4)], fn)
+    assert {s[0] for s in seen} == {False}  # a swept microbatch drops the global batch, as sweep.apply does
+
+
 def _figures_of(doc: Document) -> _Est:
     w = config.read(doc).workload
     if w.microbatch == 3:
