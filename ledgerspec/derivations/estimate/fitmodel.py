@@ -23,7 +23,7 @@ Pure arithmetic over the figures of :class:`~ledgerspec.derivations.estimate.est
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -143,6 +143,106 @@ class BatchModel:
         return low
 
 
+#: the phase a trace runs at the typical length (the steady-state step); every other figure is of the worst length
+STEADY = "steady_state_peak"
+
+
+def typical_key(key: str) -> bool:
+    """Whether figure ``key`` belongs to the steady-state step, traced at the typical length
+    (:func:`ledgerspec.derivations.engine.protocol.run_protocol`: the first step runs at ``max_length``, the
+    repeated steps at ``min(sequence_p50, max_length)``)."""
+    return key == STEADY or key.startswith(f"at.{STEADY}.")
+
+
+@dataclass(frozen=True)
+class GridSample:
+    """One traced estimate of a grid: its microbatch, worst length, typical length and every figure."""
+
+    microbatch: int
+    length: int
+    typical: int
+    figures: Mapping[str, int]
+
+
+class GridModel:
+    """Every figure over (microbatch, max_length), from estimates traced at a few lengths (see the module docstring).
+
+    Along the microbatch: one :class:`BatchModel` per traced (length, typical) pair. Along the length: each figure
+    is a polynomial of its own length, the worst one (``max_length``: every phase of the first step) or the typical
+    one (the steady-state step), of degree at most 2 (what is alive is in span{1, L, L^2} times {1, b}: hidden
+    states, logits, attention workspaces, ``L x L`` masks and scores); it is read exactly at a traced length and
+    through the (at most three) nearest traced lengths in between. A trace's typical length is chosen apart from its
+    worst one (``sequence_p50`` of the traced variant), so a sweep's few traces can cover every typical length it
+    needs exactly. Lengths outside the traced ones are refused (interpolation only).
+    """
+
+    def __init__(self, samples: Sequence[GridSample], padded: bool) -> None:
+        self.samples = list(samples)
+        self.padded = padded
+        groups: dict[tuple[int, int], list[Sample]] = {}
+        for s in self.samples:
+            groups.setdefault((s.length, s.typical), []).append(Sample(s.microbatch, s.figures))
+        self.models = {key: BatchModel(members, padded) for key, members in groups.items()}
+
+    def traced(self, b: int, length: int, typical: int) -> bool:
+        return any(s.microbatch == b and s.length == length and s.typical == typical for s in self.samples)
+
+    def can_predict(self, b: int, length: int, typical: int) -> bool:
+        try:
+            self.figures(b, length, typical)
+        except ValueError:
+            return False
+        return True
+
+    def figures(self, b: int, length: int, typical: int) -> dict[str, int]:
+        """Every figure at (``b``, ``length``, ``typical``)."""
+        at = {key: model.figures(b) for key, model in self.models.items() if model.can_predict(b)}
+        if not at:
+            raise ValueError(f"no traced length can predict microbatch {b}")
+        keys = set.intersection(*(set(f) for f in at.values()))
+        worst = _nodes({L: f for (L, _), f in at.items()}, length, "max_length")
+        steady = _nodes({t: f for (_, t), f in at.items()}, typical, "typical length")
+        out = {}
+        for k in sorted(keys):
+            nodes = steady if typical_key(k) else worst
+            out[k] = _round(sum((w * f[k] for w, f in nodes), Fraction(0)))
+        return out
+
+    def phases(self, b: int, length: int, typical: int) -> dict[str, int]:
+        figures = self.figures(b, length, typical)
+        return {k: figures[k] for k in PHASES if k in figures}
+
+    def at_peak(self, b: int, length: int, typical: int) -> dict[str, int]:
+        figures = self.figures(b, length, typical)
+        phases = {k: figures[k] for k in PHASES if k in figures}
+        phase = max(phases, key=lambda k: phases[k])
+        return {c: figures.get(f"at.{phase}.{c}", 0) for c in AT_PEAK}
+
+
+def _nodes(by_length: Mapping[int, Mapping[str, int]], x: int, what: str) -> list[tuple[Fraction, Mapping[str, int]]]:
+    """Lagrange weights of the traced lengths nearest to ``x`` (``x`` itself when traced; else the three nearest,
+    or two when only two were traced), with their figures."""
+    if x in by_length:
+        return [(Fraction(1), by_length[x])]
+    known = sorted(by_length)
+    if len(known) < 2 or not known[0] < x < known[-1]:
+        raise ValueError(f"{what} {x} is outside the traced lengths {known}: trace it")
+    chosen = sorted(sorted(known, key=lambda n: (abs(n - x), n))[:3])
+    if not chosen[0] < x < chosen[-1]:  # keep x inside the chosen nodes: interpolation, never extrapolation
+        below = max(n for n in known if n < x)
+        above = min(n for n in known if n > x)
+        third = [n for n in chosen if n not in (below, above)][:1]
+        chosen = sorted({below, above, *third})
+    weights = []
+    for i, xi in enumerate(chosen):
+        w = Fraction(1)
+        for j, xj in enumerate(chosen):
+            if i != j:
+                w *= Fraction(x - xj, xi - xj)
+        weights.append((w, by_length[xi]))
+    return weights
+
+
 def _peak(figures: Mapping[str, int]) -> int:
     return max(figures[k] for k in PHASES if k in figures)
 
@@ -152,4 +252,4 @@ def _round(x: Fraction) -> int:
     return int(x + Fraction(1, 2)) if x >= 0 else -int(-x + Fraction(1, 2))
 
 
-__all__ = ["AT_PEAK", "BatchModel", "Sample"]
+__all__ = ["AT_PEAK", "STEADY", "BatchModel", "GridModel", "GridSample", "Sample", "typical_key"]

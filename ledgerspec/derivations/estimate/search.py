@@ -9,8 +9,11 @@
 - :func:`fit_length`: the peak grows with ``max_length`` (quadratic terms, the typical length capped at
   ``sequence_p50``), so the search brackets the answer with estimates, each next length the secant's guess, until
   the largest fitting length and the next one (``step`` tokens apart) are both traced.
-- :func:`sweep_plan` / :func:`sweep_rows`: the Memory Sensitivity Matrix with the microbatch axis from the model:
-  two estimates per combination of the other axes (plus microbatch 1 when batches are padded), not one per cell.
+- :func:`sweep_rows`: the Memory Sensitivity Matrix with the microbatch axis from a
+  :class:`~ledgerspec.derivations.estimate.fitmodel.GridModel`: per combination of the other axes and per length,
+  two microbatches (plus microbatch 1 when batches are padded), not one estimate per cell (the length axis from
+  three traced lengths only on request: :func:`length_design`); the estimates run in parallel processes
+  (:func:`run_estimates`).
 
 Each estimate is :func:`ledgerspec.derivations.estimate.estimator.estimate` of a variant made with
 :func:`ledgerspec.derivations.estimate.sweep.apply`; ``estimate_fn`` replaces it in tests.
@@ -26,7 +29,7 @@ from typing import Any
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.estimate.fit import fit as fit_phases
-from ledgerspec.derivations.estimate.fitmodel import BatchModel, Sample
+from ledgerspec.derivations.estimate.fitmodel import BatchModel, GridModel, GridSample, Sample
 from ledgerspec.derivations.estimate.sweep import apply
 
 EstimateFn = Callable[[Document], Any]
@@ -320,31 +323,175 @@ def design(microbatches: Sequence[int], pads: bool) -> list[int]:
     return sorted(set(out))
 
 
-def sweep_rows(doc: Document, points: Sequence[dict[str, Any]], estimate_fn: EstimateFn) -> tuple[list[SweepRow], int]:
-    """Every point of a sweep, the microbatch axis from a :class:`BatchModel` per combination of the other axes;
-    the rows in the points' order and how many estimates were traced."""
+def length_design(
+    lengths: Sequence[int], typical: Callable[[int], int], decoupled: bool, interpolate: bool = False
+) -> list[tuple[int, int]]:
+    """The (max_length, typical length) pairs to trace for a sweep over ``lengths``; ``typical(L)`` is the typical
+    length of a point at max_length ``L``.
+
+    By default every length is traced with its own typical length: the length axis is exact, only the microbatch
+    axis is modelled. With ``interpolate`` and more than three lengths: the shortest, the longest and the one
+    nearest their geometric mean, every other length read from the quadratic through the three
+    (:class:`GridModel`); when ``decoupled`` (the typical length can be set apart from the worst one: not packed)
+    the typical lengths the sweep needs are spread over those traces, at most three of them, so the steady-state
+    phase is traced rather than interpolated. Not the default: on the 7B QLoRA of ``benchmarks/estimate_fit.py``
+    (padded, SDPA, checkpointing) the quadratic through 256, 1024 and 4096 tokens is 0.76 % under a full trace at
+    microbatch 1 and 2048 tokens: the backward peak moves from a fixed-size workspace at short lengths to the
+    per-token temporaries at long ones, a kink no quadratic through three lengths follows."""
+    values = sorted(set(lengths))
+    if len(values) <= 3 or not interpolate:
+        return [(n, typical(n)) for n in values]
+    lo, hi = values[0], values[-1]
+    middle = min(values[1:-1], key=lambda n: (abs(math.log(n / math.sqrt(lo * hi))), n))
+    traced = [lo, middle, hi]
+    natural = {n: typical(n) for n in traced}
+    if not decoupled:
+        return [(n, natural[n]) for n in traced]
+    needed = sorted({typical(n) for n in values})
+    if len(needed) > 3:  # more typical lengths than traces: the shortest, the longest and one near their middle
+        t_mid = min(needed[1:-1], key=lambda n: (abs(math.log(n / math.sqrt(needed[0] * needed[-1]))), n))
+        needed = [needed[0], t_mid, needed[-1]]
+    pairs: dict[int, int] = {}
+    for n in traced:  # keep a trace's own typical length where the sweep needs it (once)
+        if natural[n] in needed and natural[n] not in pairs.values():
+            pairs[n] = natural[n]
+    missing = [t for t in needed if t not in pairs.values()]
+    free = [n for n in traced if n not in pairs]
+    for t in missing:  # the shortest free trace that can hold it (a typical length is at most the worst)
+        holder = next((n for n in free if n >= t), None)
+        if holder is None:
+            break
+        pairs[holder] = t
+        free.remove(holder)
+    for n in free:
+        pairs[n] = natural[n]
+    return sorted(pairs.items())
+
+
+def probe(doc: Document, b: int | None, length: int | None, typical: int | None, values: dict[str, Any]) -> Document:
+    """The variant traced for one grid point: ``values`` (other axes), the microbatch and the max_length (None:
+    as declared) and, when it differs from the one the max_length gives, the typical length
+    (``workload.sequence_p50``)."""
+    from ledgerspec.contract.edit import variant
+
+    point = dict(values)
+    if b is not None:
+        point["microbatch"] = b
+    if length is not None:
+        point["max_length"] = length
+    out = apply(doc, point)
+    if typical is not None and config.read(out).workload.typical != typical:
+        out = variant(out, {("workload", "sequence_p50"): typical})
+        if config.read(out).workload.typical != typical:  # packed rows: the typical length is the worst
+            raise ValueError(f"cannot trace typical length {typical} at max_length {length}")
+    return out
+
+
+#: bytes of the figures of one estimate, as the parallel runner returns them
+Figures = dict[str, int]
+_PENDING: tuple[Sequence[Document], EstimateFn] | None = None
+
+
+def _run_one(index: int) -> Figures | None:
+    """One pending estimate, in a worker process (None when it failed: the parent runs it again to report it)."""
+    assert _PENDING is not None
+    docs, estimate_fn = _PENDING
+    try:
+        return dict(estimate_fn(docs[index]).figures)
+    except BaseException:  # reported by the parent's own run of the same estimate
+        return None
+
+
+def run_estimates(docs: Sequence[Document], estimate_fn: EstimateFn, jobs: int = 1) -> list[Figures]:
+    """Every document's figures, in ``jobs`` processes when more than one.
+
+    The workers are forked from this process (``multiprocessing``'s fork start method: they inherit the imported
+    modules, the documents and ``estimate_fn``, nothing is pickled on the way in); only their figures come back.
+    Fork before this process has traced anything: a process forked after a fake-tensor trace has been seen to
+    hang here (torch 2.13), so the CLI gives ``jobs`` only to a sweep, its first trace. An estimate that fails in
+    a worker is run again here, so its error is reported as a serial run reports it.
+    """
+    global _PENDING
+    import multiprocessing
+
+    if jobs <= 1 or len(docs) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [dict(estimate_fn(d).figures) for d in docs]
+    _PENDING = (docs, estimate_fn)
+    try:
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(docs))) as pool:
+            got = pool.map(_run_one, range(len(docs)), chunksize=1)
+    finally:
+        _PENDING = None
+    return [g if g is not None else dict(estimate_fn(d).figures) for g, d in zip(got, docs, strict=True)]
+
+
+def sweep_rows(
+    doc: Document,
+    points: Sequence[dict[str, Any]],
+    estimate_fn: EstimateFn,
+    jobs: int = 1,
+    interpolate_lengths: bool = False,
+) -> tuple[list[SweepRow], int]:
+    """Every point of a sweep from a :class:`GridModel` per combination of the other axes (the microbatch axis
+    from two or three traced microbatches, :func:`design`; the lengths each traced unless
+    ``interpolate_lengths``, :func:`length_design`); the rows in the points' order and how many estimates were
+    traced (in ``jobs`` processes: :func:`run_estimates`)."""
+    pads = padded(doc)
+    declared = config.read(doc).workload.microbatch or 1
+
+    def where(p: dict[str, Any]) -> tuple[int, int | None, int | None]:
+        w = config.read(apply(doc, p)).workload
+        return int(p.get("microbatch", declared)), w.worst, w.typical
+
     groups: dict[tuple[tuple[str, Any], ...], list[dict[str, Any]]] = {}
     for p in points:
-        key = tuple((k, v) for k, v in p.items() if k != "microbatch")
+        key = tuple((k, v) for k, v in p.items() if k not in ("microbatch", "max_length"))
         groups.setdefault(key, []).append(p)
-    pads = padded(doc)
-    rows: dict[int, SweepRow] = {}
-    traces = 0
-    declared = config.read(doc).workload.microbatch or 1
+    plans: list[tuple[dict[str, Any], list[tuple[int, int | None, int | None]]]] = []
     for key, members in groups.items():
         others = dict(key)
-        bs = [int(p.get("microbatch", declared)) for p in members]
-        if any("microbatch" not in p for p in members):  # microbatch is not an axis: one estimate per point
-            for p in members:
-                est = estimate_fn(apply(doc, p))
-                traces += 1
-                rows[id(p)] = SweepRow(p, dict(est.phases), dict(est.at_peak), True)
-            continue
-        model = batch_model(doc, design(bs, pads), estimate_fn, **others)
-        traces += len(model.samples)
-        for p, b in zip(members, bs, strict=True):
-            rows[id(p)] = SweepRow(p, model.phases(b), model.at_peak(b), model.traced(b))
-    return [rows[id(p)] for p in points], traces
+        at = [where(p) for p in members]
+        bs = design([b for b, _, _ in at], pads)
+        lengths = [n for _, n, _ in at if n is not None]
+        pairs: list[tuple[int | None, int | None]]
+        if any(n is None for _, n, _ in at):  # no length declared: the estimate says so itself
+            pairs = sorted({(n, t) for _, n, t in at}, key=str)
+        else:
+            decoupled = not config.read(doc).workload.packing
+
+            def typical_of(n: int, others: dict[str, Any] = others) -> int:
+                return config.read(apply(doc, {**others, "max_length": n})).workload.typical or n
+
+            pairs = list(length_design(lengths, typical_of, decoupled, interpolate_lengths))
+        plans.append((others, [(b, n, t) for n, t in pairs for b in bs]))
+    # an axis the sweep does not vary stays as declared (a microbatch set by a sweep drops the global batch)
+    swept = [("microbatch" in ms[0], "max_length" in ms[0]) for ms in groups.values()]
+    docs = [
+        probe(doc, b if by_b else None, n if by_n else None, t, others)
+        for (others, probes), (by_b, by_n) in zip(plans, swept, strict=True)
+        for b, n, t in probes
+    ]
+    figures = iter(run_estimates(docs, estimate_fn, jobs))
+    rows: dict[int, SweepRow] = {}
+    for (_, probes), members in zip(plans, groups.values(), strict=True):
+        samples = [GridSample(b, n or 0, t or 0, next(figures)) for b, n, t in probes]
+        model = GridModel(samples, pads)
+        for p in members:
+            b, n, t = where(p)
+            n, t = n or 0, t or 0
+            rows[id(p)] = SweepRow(p, model.phases(b, n, t), model.at_peak(b, n, t), model.traced(b, n, t))
+    return [rows[id(p)] for p in points], len(docs)
 
 
-__all__ = ["FitAnswer", "SweepRow", "batch_model", "design", "fit_length", "fit_microbatch", "sweep_rows"]
+__all__ = [
+    "FitAnswer",
+    "SweepRow",
+    "batch_model",
+    "design",
+    "fit_length",
+    "fit_microbatch",
+    "length_design",
+    "probe",
+    "run_estimates",
+    "sweep_rows",
+]
