@@ -118,6 +118,9 @@ def main() -> None:
         sweep_s, sweep_out, sweep_load, sweep_cpu = ledgerspec(
             "estimate", str(ledger), "--sweep", *SWEEP, "--device-memory", DEVICE, "--dry-run"
         )
+        jobs_s, _, jobs_load, jobs_cpu = ledgerspec(
+            "estimate", str(ledger), "--sweep", *SWEEP, "--device-memory", DEVICE, "--dry-run", "--jobs", "2"
+        )
         answer = fit_out.splitlines()[0]
         m = re.search(r": (\d+) \(peak", answer)
         checked = check(ledger, int(m.group(1))) if args.check and m else ""
@@ -137,6 +140,7 @@ def main() -> None:
         f"| `estimate --fit microbatch` | {fit_s:.1f} s | {fit_cpu:.1f} s | {fit_load:.1f} | under 15 s |",
         f"| `estimate --sweep {' '.join(SWEEP)}` | {sweep_s:.1f} s | {sweep_cpu:.1f} s | {sweep_load:.1f} "
         "| under 20 s |",
+        f"| the same sweep `--jobs 2` | {jobs_s:.1f} s | {jobs_cpu:.1f} s | {jobs_load:.1f} | under 20 s |",
         "",
         f"Answer: {answer}",
     ]

@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="--sweep: run its estimates in N processes (default: one per CPU this process may use, at most 4)",
+        help="--sweep: run its estimates in N forked processes (default 1: serial; try the number of CPUs)",
     )
     p.add_argument("--full", action="store_true", help="trace every layer instead of extrapolating (slower)")
     p.add_argument("--dry-run", action="store_true", help="print the estimate, write nothing")
@@ -214,15 +214,12 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    """Processes for a sweep's estimates: ``--jobs``, else one per usable CPU (at most 4)."""
-    import os
-
+    """Processes for a sweep's estimates: ``--jobs`` (0 or absent: 1, serial). Opt-in: forked workers gained nothing
+    on a saturated 2-core machine (benchmarks/results/estimate.md), and a process forked after a fake-tensor trace
+    has been seen to hang (:func:`ledgerspec.derivations.estimate.search.run_estimates`)."""
     if args.jobs < 0:
         raise LedgerspecError("--jobs must be >= 0", args.file, rule="usage", exit_code=EXIT_USAGE)
-    if args.jobs:
-        return int(args.jobs)
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(4, usable))
+    return max(1, int(args.jobs))
 
 
 def _print_components(rows: list[Any]) -> None:
