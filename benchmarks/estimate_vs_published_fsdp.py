@@ -16,7 +16,10 @@ A100-SXM4-80GB GPUs. The setup stated there:
 
 - accelerate.yaml: ``distributed_type: FSDP`` (FSDP1, ``FullyShardedDataParallel``), ``fsdp_sharding_strategy: 1``
   (FULL_SHARD), ``TRANSFORMER_BASED_WRAP`` (the Trainer replaces it by PEFT's ``fsdp_auto_wrap_policy``),
-  ``fsdp_backward_prefetch: BACKWARD_PRE``, ``fsdp_cpu_ram_efficient_loading: true``, ``fsdp_offload_params: false``,
+  ``fsdp_backward_prefetch_policy: BACKWARD_PRE`` (a key accelerate 1.0.1 no longer reads: its launcher passes only
+  ``fsdp_backward_prefetch`` on, ``utils/launch.py``, so the plugin's ``backward_prefetch`` is None and the ledgers
+  declare ``no_prefetch``; with BACKWARD_PRE each estimate would be one gathered decoder layer higher),
+  ``fsdp_cpu_ram_efficient_loading: true``, ``fsdp_offload_params: false``,
   ``mixed_precision: 'no'``;
 - defaults.yaml: ``gradient_checkpointing: True`` (transformers 4.48 then passes ``use_reentrant: True``),
   ``gradient_accumulation_steps: 1``, ``use_flash_attn: True``, ``max_steps: 100``;
@@ -228,8 +231,13 @@ EXPLAINED = f"""## What each published figure includes, and every difference
   `get_peft_model(..., autocast_adapter_dtype=False)` (bf16 adapters and AdamW state); PEFT's default float32
   adapters would bring the Mistral rows to -2.0% and the Llama-2-70B row to -0.8%, which the ledgers do not use
   (that would be fitting). The remaining tens of MB (Mistral) are not identified.
-- **Not modelled, each small here:** CUDA stream overlap (with `BACKWARD_PRE` an all-gather may be in flight while a
-  unit computes: at most one more decoder layer, 0.44 GB for a Mistral-7B bf16 layer, 0.11 GB for its 4-bit layer);
+- **Backward prefetch:** the runs' accelerate.yaml sets `fsdp_backward_prefetch_policy: BACKWARD_PRE`, a key accelerate
+  1.0.1 no longer reads (its launcher passes only `fsdp_backward_prefetch` on as `FSDP_BACKWARD_PREFETCH`,
+  `utils/launch.py`): the runs had no backward prefetch, and the ledgers declare `backward_prefetch: no_prefetch`.
+  Declared `backward_pre` instead, each estimate is one gathered decoder layer higher in backward (Mistral-7B LoRA
+  2 x 4,096: 13.71 GB, -9.5%): not used, since the runs did not prefetch.
+- **Not modelled, each small here:** CUDA stream overlap (an all-gather may be in flight while a unit computes: at
+  most one more decoder layer, 0.44 GB for a Mistral-7B bf16 layer, 0.11 GB for its 4-bit layer);
   flash-attn 2.7.3's own kernels versus the estimate's CUDA attention model; TRL 0.13's packing (the estimate packs
   the same 4,096 tokens per sequence); PEFT 0.13.2 versus the installed PEFT (the LoRA rows keep float32 adapters,
   PEFT's default; on the QLoRA rows TRL 0.13 builds the adapters with `autocast_adapter_dtype=False`, so they stay
