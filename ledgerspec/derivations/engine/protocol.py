@@ -25,6 +25,10 @@ from ledgerspec.derivations.engine.workload import Workload
 from ledgerspec.errors import first_line
 
 PROTOCOL_VERSION = "ledgerspec-measure/1"
+#: protocol runs (traces and measurements) started in this process: a process forked after a fake-tensor trace has
+#: been seen to hang (torch 2.13), so parallel sweeps fork only before the first one
+#: (:func:`ledgerspec.derivations.estimate.search.run_estimates`)
+RUNS_STARTED = 0
 PHASES = (
     "after_load",
     "after_adapter_injection",
@@ -218,6 +222,8 @@ def run_protocol(
     ``device`` is where tensors are created (``"cpu"`` for the tracker backends, fake included).
     Configuration errors (an unbuildable model, a bad optimizer name) raise before any phase runs.
     """
+    global RUNS_STARTED
+    RUNS_STARTED += 1
     spec = workload.spec
     result = ProtocolResult(
         backend.name,

@@ -407,14 +407,18 @@ def run_estimates(docs: Sequence[Document], estimate_fn: EstimateFn, jobs: int =
 
     The workers are forked from this process (``multiprocessing``'s fork start method: they inherit the imported
     modules, the documents and ``estimate_fn``, nothing is pickled on the way in); only their figures come back.
-    Fork before this process has traced anything: a process forked after a fake-tensor trace has been seen to
-    hang here (torch 2.13), so the CLI gives ``jobs`` only to a sweep, its first trace. An estimate that fails in
+    Forks only before this process has run any protocol (``protocol.RUNS_STARTED``; serial after): a process forked
+    after a fake-tensor trace has been seen to hang here (torch 2.13). A sweep from the CLI is its process's first
+    trace. An estimate that fails in
     a worker is run again here, so its error is reported as a serial run reports it.
     """
     global _PENDING
     import multiprocessing
 
-    if jobs <= 1 or len(docs) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    from ledgerspec.derivations.engine import protocol
+
+    serial = jobs <= 1 or len(docs) < 2 or "fork" not in multiprocessing.get_all_start_methods()
+    if serial or protocol.RUNS_STARTED:  # never fork after a trace in this process (see the docstring)
         return [dict(estimate_fn(d).figures) for d in docs]
     _PENDING = (docs, estimate_fn)
     try:
