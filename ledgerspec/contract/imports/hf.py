@@ -219,6 +219,30 @@ def _model_init_kwargs(src: Source, b: Builder, o: str) -> None:
         C.not_modelled(src, b, "model_init_kwargs", rest, f"model_init_kwargs {sorted(rest)} not modelled")
 
 
+#: ``fsdp_config`` keys the import reads, or that decide wrapping or saving, not what a rank holds (transformers 5.24
+#: ``TrainingArguments._fsdp_plugin_args``); FSDP1 reads more
+_FSDP_READ = frozenset(
+    {
+        "version",
+        "reshard_after_forward",
+        "cpu_offload",
+        "offload_params",
+        "activation_checkpointing",
+        "auto_wrap_policy",
+        "transformer_layer_cls_to_wrap",
+        "min_num_params",
+        "state_dict_type",
+        "cpu_ram_efficient_loading",
+        "sync_module_states",
+        "use_orig_params",
+        "xla",
+        "xla_fsdp_v2",
+        "xla_fsdp_grad_ckpt",
+    }
+)
+_FSDP1_READ = frozenset({"sharding_strategy", "backward_prefetch", "forward_prefetch", "limit_all_gathers"})
+
+
 def _parallel(src: Source, b: Builder, o: str) -> None:
     ds = src.take("deepspeed")
     fsdp = src.take("fsdp")
@@ -238,13 +262,13 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
         )
         version = as_int(src, "fsdp_config.version", cfg.get("version", 2))
         where = src.position("fsdp")
+        offload = bool(cfg.get("cpu_offload") or cfg.get("offload_params") or "offload" in items)
         if version == 2:
             reshard = cfg.get("reshard_after_forward")
             if reshard is None and "shard_grad_op" in items:
                 reshard = False
             elif reshard is None and "full_shard" in items:
                 reshard = True
-            offload = bool(cfg.get("cpu_offload") or cfg.get("offload_params") or "offload" in items)
             C.fsdp2(
                 src,
                 b,
@@ -254,37 +278,6 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
                 offload,
                 f"{TA} FSDP2 default reshard_after_forward: True",
             )
-            if cfg.get("activation_checkpointing"):
-                b.set(
-                    ("memory_options", "gradient_checkpointing"),
-                    True,
-                    o + "fsdp_config.activation_checkpointing",
-                    src.path,
-                )
-            rest = {
-                k: v
-                for k, v in cfg.items()
-                if k
-                not in (
-                    "version",
-                    "reshard_after_forward",
-                    "cpu_offload",
-                    "offload_params",
-                    "activation_checkpointing",
-                    "auto_wrap_policy",
-                    "transformer_layer_cls_to_wrap",
-                    "min_num_params",
-                    "state_dict_type",
-                    "cpu_ram_efficient_loading",
-                    "sync_module_states",
-                    "use_orig_params",
-                    "xla",
-                    "xla_fsdp_v2",
-                    "xla_fsdp_grad_ckpt",
-                )
-            }
-            if rest:
-                C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
         else:
             # transformers 5.x `_apply_legacy_fsdp_to_config`: an `fsdp` strategy word becomes
             # fsdp_config["reshard_after_forward"] (the FSDP1 strategy name); "offload" becomes cpu_offload
@@ -298,16 +291,9 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
                 where,
                 cfg,
                 strategy,
-                bool(cfg.get("cpu_offload") or cfg.get("offload_params") or "offload" in items),
+                offload,
                 f"{TA} FSDP1 default reshard_after_forward 'full_shard'",
             )
-            if cfg.get("activation_checkpointing"):
-                b.set(
-                    ("memory_options", "gradient_checkpointing"),
-                    True,
-                    o + "fsdp_config.activation_checkpointing",
-                    src.path,
-                )
             for key, default in (("backward_prefetch", "no_prefetch"), ("use_orig_params", True)):
                 if modelled and key not in cfg:
                     b.assume(
@@ -317,34 +303,14 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
                         f"{TA} FSDP1 default {key}: {default}",
                         src.path,
                     )
-            rest = {
-                k: v
-                for k, v in cfg.items()
-                if k
-                not in (
-                    "version",
-                    "reshard_after_forward",
-                    "sharding_strategy",
-                    "cpu_offload",
-                    "offload_params",
-                    "activation_checkpointing",
-                    "auto_wrap_policy",
-                    "transformer_layer_cls_to_wrap",
-                    "min_num_params",
-                    "state_dict_type",
-                    "cpu_ram_efficient_loading",
-                    "sync_module_states",
-                    "use_orig_params",
-                    "backward_prefetch",
-                    "forward_prefetch",
-                    "limit_all_gathers",
-                    "xla",
-                    "xla_fsdp_v2",
-                    "xla_fsdp_grad_ckpt",
-                )
-            }
-            if rest:
-                C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
+        if cfg.get("activation_checkpointing"):
+            b.set(
+                ("memory_options", "gradient_checkpointing"), True, o + "fsdp_config.activation_checkpointing", src.path
+            )
+        read = _FSDP_READ if version == 2 else _FSDP_READ | _FSDP1_READ
+        rest = {k: v for k, v in cfg.items() if k not in read}
+        if rest:
+            C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
         C.fsdp_mixed_precision(src, b, o + "bf16/fp16 under FSDP")
     if ds or fsdp:
         b.unknown(
