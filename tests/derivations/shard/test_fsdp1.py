@@ -21,6 +21,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from tests.support import TESTS
+from tests.support.per_rank import assert_rank_agrees, measured
 
 DATA = TESTS / "data" / "sharding"
 PROBE = TESTS / "truths" / "fsdp1_probe.py"
@@ -238,12 +239,8 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
     pytest.importorskip("peft")
     import shutil
 
-    from ledgerspec import resolve
-    from ledgerspec.contract.edit import set_figure, set_plain
-    from ledgerspec.contract.writer import atomic_write, render
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import mixed_precision, shard
-    from tests.support import run_cli
 
     shutil.copytree(DATA / "tiny", tmp_path / "tiny")
     text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")
@@ -252,14 +249,7 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
         text = text.replace(old, new)
     path = tmp_path / "fsdp1.ledger.yaml"
     path.write_text(text, encoding="utf-8")
-    doc = load(path)
-    resolve(doc, offline=True)
-    set_plain(doc, ("result", "target_device", "memory"), "1 GiB")
-    set_figure(doc, ("ledger", "activations"), 1_000_000, "CALCULATED", method="test fixture")
-    atomic_write(path, render(doc.data, doc.text))
-    code, _, err = run_cli("measure", path, "--nproc", "2")
-    assert code == 0, err
-    doc = load(path)
+    doc = measured(path, 2)
     assert doc.plain["parallelism"]["strategy"] == "fsdp1"
     mp = mixed_precision(doc)
     plan = S.fsdp1(
@@ -273,20 +263,7 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
     estimated = shard(load(path), estimate=True, target="cpu").estimate
     assert estimated is not None
     for real, est, calc in zip(doc.plain["x-measure-per-rank"]["ranks"], estimated.ranks, plan.ranks, strict=True):
-        for name, want in real["phases"].items():
-            got = est.phases[name]
-            if name.startswith("after_"):
-                assert got == want, (real["rank"], name)
-            else:
-                assert 0 <= want - got <= 2 * unit, (real["rank"], name, want, got)
-        m = real["measured"]
-        assert {k: m[k] for k in est.components} == est.components
-        assert (m["frozen_base"], m["adapter"], m["gradients"], m["optimizer"]) == (
-            calc.frozen_base,
-            calc.adapter,
-            calc.gradients,
-            calc.optimizer + calc.optimizer_host,
-        )
+        assert_rank_agrees(real, est, calc, unit)
 
 
 @pytest.mark.parametrize(
@@ -319,26 +296,15 @@ def test_hybrid_shard_on_four_ranks_holds_what_full_shard_holds_on_two(tmp_path:
     pytest.importorskip("peft")
     import shutil
 
-    from ledgerspec import resolve
-    from ledgerspec.contract.edit import set_figure, set_plain
-    from ledgerspec.contract.writer import atomic_write, render
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import shard
-    from tests.support import run_cli
 
     shutil.copytree(DATA / "tiny", tmp_path / "tiny")
     text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")
     text = text.replace("  strategy: fsdp2\n", "  strategy: fsdp1\n  shard_group_size: 2\n")
     path = tmp_path / "hybrid.ledger.yaml"
     path.write_text(text, encoding="utf-8")
-    doc = load(path)
-    resolve(doc, offline=True)
-    set_plain(doc, ("result", "target_device", "memory"), "1 GiB")
-    set_figure(doc, ("ledger", "activations"), 1_000_000, "CALCULATED", method="test fixture")
-    atomic_write(path, render(doc.data, doc.text))
-    code, _, err = run_cli("measure", path, "--nproc", "4")
-    assert code == 0, err
-    doc = load(path)
+    doc = measured(path, 4)
     real = doc.plain["x-measure-per-rank"]["ranks"]
     assert len(real) == 4
     estimated = shard(load(path), nproc=4, estimate=True, target="cpu")
@@ -346,18 +312,5 @@ def test_hybrid_shard_on_four_ranks_holds_what_full_shard_holds_on_two(tmp_path:
     plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2)
     unit = max(v for k, v in plan.unit_unsharded.items() if k != S.ROOT)
     for r in real:
-        est = estimated.estimate.ranks[r["rank"] % 2]
-        calc = plan.ranks[r["rank"] % 2]
-        for name, want in r["phases"].items():
-            got = est.phases[name]
-            if name.startswith("after_"):
-                assert got == want, (r["rank"], name)
-            else:
-                assert 0 <= want - got <= 2 * unit, (r["rank"], name, want, got)
-        m = r["measured"]
-        assert (m["frozen_base"], m["adapter"], m["gradients"], m["optimizer"]) == (
-            calc.frozen_base,
-            calc.adapter,
-            calc.gradients,
-            calc.optimizer + calc.optimizer_host,
-        )
+        group = r["rank"] % 2
+        assert_rank_agrees(r, estimated.estimate.ranks[group], plan.ranks[group], unit, components=False)

@@ -18,6 +18,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from tests.support import TESTS, run_cli
+from tests.support.per_rank import assert_rank_agrees, measured
 
 DATA = TESTS / "data" / "sharding"
 
@@ -80,21 +81,11 @@ def test_simulated_fsdp1_qlora_ranks_agree_with_the_real_run(tmp_path: Path) -> 
     ranks to the byte (steady-state peak 1,959,242 B)."""
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    from ledgerspec import resolve
-    from ledgerspec.contract.edit import set_figure, set_plain
-    from ledgerspec.contract.writer import atomic_write, render
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import shard
 
     path = _ledger(tmp_path, "tiny-lora-measure.ledger.yaml")
-    doc = load(path)
-    resolve(doc, offline=True)
-    set_plain(doc, ("result", "target_device", "memory"), "1 GiB")
-    set_figure(doc, ("ledger", "activations"), 1_000_000, "CALCULATED", method="test fixture")
-    atomic_write(path, render(doc.data, doc.text))
-    code, _, err = run_cli("measure", path, "--nproc", "2")
-    assert code == 0, err
-    doc = load(path)
+    doc = measured(path, 2)
     assert doc.plain["parallelism"]["strategy"] == "fsdp1"
     plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2)
     unit = max(v for k, v in plan.unit_unsharded.items() if k != S.ROOT)
@@ -102,20 +93,7 @@ def test_simulated_fsdp1_qlora_ranks_agree_with_the_real_run(tmp_path: Path) -> 
     assert estimated is not None and estimated.strategy == "fsdp1"
     assert "packed 4-bit weights" in estimated.method
     for real, est, calc in zip(doc.plain["x-measure-per-rank"]["ranks"], estimated.ranks, plan.ranks, strict=True):
-        for name, want in real["phases"].items():
-            got = est.phases[name]
-            if name.startswith("after_"):
-                assert got == want, (real["rank"], name)
-            else:
-                assert 0 <= want - got <= 2 * unit, (real["rank"], name, want, got)
-        m = real["measured"]
-        assert {k: m[k] for k in est.components} == est.components
-        assert (m["frozen_base"], m["adapter"], m["gradients"], m["optimizer"]) == (
-            calc.frozen_base,
-            calc.adapter,
-            calc.gradients,
-            calc.optimizer + calc.optimizer_host,
-        )
+        assert_rank_agrees(real, est, calc, unit)
 
 
 @pytest.mark.slow
