@@ -3,6 +3,7 @@ FSDP1 tests: plain, QLoRA, hybrid)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +28,32 @@ def measured(path: Path, nproc: int) -> Document:
     return load(path)
 
 
-def assert_rank_agrees(real: dict[str, Any], est: Any, calc: Any, unit: int, components: bool = True) -> None:
+def gloo_slack(unit_unsharded: Mapping[str, int]) -> int:
+    """How much more a real gloo rank may hold at a compute-phase peak than the simulation: the two largest gathered
+    units (the root's included), ``sum`` of the two largest of ``unit_unsharded``.
+
+    gloo runs each collective on its own thread, and its work object keeps the collective's tensors (an all-gather's
+    output buffer, a reduce-scatter's input) until that thread lets go of it, after the rank has moved on; the fake
+    process group of the simulation completes at once. On a busy machine that moves a measured peak up by the
+    buffers of the collectives still held. Observed on the tiny fp32 model (layer unit 258,784 B, root 577,440 B):
+    0 B alone; under load 65,448 B (a backward peak moved by 516 B of activations and 64,932 B of temporaries:
+    not one tensor), one layer unit, one layer unit + 18,432 B, and once (CI, two jobs at a time on 2 cores)
+    exactly the root's all-gather buffer (577,440 B; its bf16 twin, 288,720 B, on the bf16 model). Never less than
+    the simulation, and never more than the two largest units' buffers."""
+    sizes = sorted(unit_unsharded.values(), reverse=True)
+    return sum(sizes[:2])
+
+
+def assert_rank_agrees(real: dict[str, Any], est: Any, calc: Any, slack: int, components: bool = True) -> None:
     """One measured rank against its simulation and calculation: the model-state phases to the byte, the compute
-    phases a lower bound at most two gathered layer units under the measurement (gloo's collectives run on their own
-    thread), the measured components equal to the calculated state (and, with ``components``, to the simulated)."""
+    phases a lower bound at most ``slack`` (:func:`gloo_slack`) under the measurement, the measured components
+    equal to the calculated state (and, with ``components``, to the simulated)."""
     for name, want in real["phases"].items():
         got = est.phases[name]
         if name.startswith("after_"):
             assert got == want, (real["rank"], name)
         else:
-            assert 0 <= want - got <= 2 * unit, (real["rank"], name, want, got)
+            assert 0 <= want - got <= slack, (real["rank"], name, want, got)
     m = real["measured"]
     if components:
         assert {k: m[k] for k in est.components} == est.components

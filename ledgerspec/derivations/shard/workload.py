@@ -262,19 +262,24 @@ def _fake_storage_checks() -> Iterator[None]:
                 return
             runtime._reshard(state, handle, runtime._should_free_in_backward(state, handle))
 
-    patched: list[tuple[Any, str, Any]] = [
+    with patched(
         (runtime, "_catch_all_reshard", catch_all_reshard),
         (flat_param, "_same_storage", same),
         (flat_param, "_data_ptr_allocated", allocated),
-    ]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
-    for module, name, value in patched:
-        setattr(module, name, value)
-    try:
+    ):
         yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def patched(*replacements: tuple[Any, str, Any]) -> Iterator[None]:
+    """Each ``(owner, name, value)``: ``owner.name`` is ``value`` inside the block and what it was after it, whatever
+    happens (``unittest.mock.patch.object``, one per replacement)."""
+    from unittest import mock
+
+    with contextlib.ExitStack() as stack:
+        for owner, name, value in replacements:
+            stack.enter_context(mock.patch.object(owner, name, value))
+        yield
 
 
 def mp_policy(doc: Any) -> Any:

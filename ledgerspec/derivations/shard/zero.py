@@ -231,20 +231,15 @@ def fake_value_checks() -> Iterator[None]:
             return False
         return bool(original(norm))
 
-    patched: list[tuple[Any, str, Any]] = [
+    from ledgerspec.derivations.shard.workload import patched
+
+    with patched(
         (stage3, "is_invalid_grad_norm", checked),
         (stage12, "is_invalid_grad_norm", checked),
         (zutils, "assert_lst_len_same_as_other_ranks", lst_len),
         (zutils, "get_lst_from_rank0", from_rank0),
-    ]
-    saved = [(m, name, getattr(m, name)) for m, name, _ in patched]
-    for m, name, value in patched:
-        setattr(m, name, value)
-    try:
+    ):
         yield
-    finally:
-        for m, name, value in saved:
-            setattr(m, name, value)
 
 
 @cache

@@ -18,7 +18,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from tests.support import TESTS, run_cli
-from tests.support.per_rank import assert_rank_agrees, measured
+from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured
 
 DATA = TESTS / "data" / "sharding"
 
@@ -76,9 +76,9 @@ def test_simulated_fsdp1_qlora_ranks_agree_with_the_real_run(tmp_path: Path) -> 
     """``measure --nproc 2`` (a real FSDP1 QLoRA run per rank: torchrun, gloo, bitsandbytes 4-bit weights quantized on
     the CPU, PEFT LoRA, one AdamW step) against ``shard --estimate --target cpu`` (FSDP1 under fake tensors and a fake
     process group, bitsandbytes' layers replaced by fake 4-bit layers holding the packed weight) and the calculated
-    state. The model-state phases and components agree to the byte; compute phases are a lower bound by at most two
-    gathered layer units (gloo's collective thread, as for LoRA). Observed alone on the machine: every phase of both
-    ranks to the byte (steady-state peak 1,959,242 B)."""
+    state. The model-state phases and components agree to the byte; compute phases are a lower bound by at most the
+    two largest gathered units (gloo's collective thread, as for LoRA). Observed alone on the machine: every phase of
+    both ranks to the byte (steady-state peak 1,959,242 B)."""
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
     from ledgerspec.derivations.shard.model import document_descriptors
@@ -88,12 +88,12 @@ def test_simulated_fsdp1_qlora_ranks_agree_with_the_real_run(tmp_path: Path) -> 
     doc = measured(path, 2)
     assert doc.plain["parallelism"]["strategy"] == "fsdp1"
     plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2)
-    unit = max(v for k, v in plan.unit_unsharded.items() if k != S.ROOT)
+    slack = gloo_slack(plan.unit_unsharded)
     estimated = shard(load(path), estimate=True, target="cpu").estimate
     assert estimated is not None and estimated.strategy == "fsdp1"
     assert "packed 4-bit weights" in estimated.method
     for real, est, calc in zip(doc.plain["x-measure-per-rank"]["ranks"], estimated.ranks, plan.ranks, strict=True):
-        assert_rank_agrees(real, est, calc, unit)
+        assert_rank_agrees(real, est, calc, slack)
 
 
 @pytest.mark.slow

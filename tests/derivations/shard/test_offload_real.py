@@ -9,8 +9,10 @@ run's per-rank totals are what the simulation's device + host add up to (``total
 from the tensors' roles and is what the GPU run would see, less the staging copies (not checked here: no GPU).
 
 Observed alone on the machine (tiny Llama, LoRA r=5, fp32, AdamW, 2 ranks): FSDP2 every phase of both ranks to the
-byte (steady state 2,944,564 and 2,935,604 B; gloo's collective thread adds one unit to a backward peak now and
-then, as without offload); FSDP1 every phase to the byte (steady state 3,458,756 B on both ranks, 544,976 B above
+byte (steady state 2,944,564 and 2,935,604 B). On a busy machine gloo's collective thread holds a collective's
+buffers a moment longer (:func:`tests.support.per_rank.gloo_slack`): under load 65,448 B more in a backward or
+steady-state peak in about half of the runs, and once in CI the root unit's whole all-gather buffer (577,440 B);
+FSDP1 every phase to the byte (steady state 3,458,756 B on both ranks, 544,976 B above
 the run without offload: the pinned copy and the CPU gradient of each flat shard).
 """
 
@@ -23,6 +25,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from tests.support import TESTS, run_cli
+from tests.support.per_rank import gloo_slack
 
 pytestmark = pytest.mark.slow
 DATA = TESTS / "data" / "sharding"
@@ -62,7 +65,7 @@ def test_real_offloaded_ranks_equal_the_simulated_device_plus_host(tmp_path: Pat
         units = S.fsdp1(S.peft_fsdp1_units(descs), 2).unit_unsharded
     else:
         units = S.unit_unsharded_bytes(descs, 2)
-    unit = max(v for k, v in units.items() if k != S.ROOT)
+    slack = gloo_slack(units)
     estimated = shard(load(path), estimate=True, target="cpu").estimate
     assert estimated is not None
     for row, est in zip(real["ranks"], estimated.ranks, strict=True):
@@ -71,6 +74,6 @@ def test_real_offloaded_ranks_equal_the_simulated_device_plus_host(tmp_path: Pat
             got = est.total_phases[name]
             if name.startswith("after_"):
                 assert got == want, (row["rank"], name)
-            else:  # gloo's collectives run on their own thread: at most two gathered units more, as without offload
-                assert 0 <= want - got <= 2 * unit, (row["rank"], name, want, got)
+            else:  # gloo's collectives run on their own thread: at most the two largest gathered units more
+                assert 0 <= want - got <= slack, (row["rank"], name, want, got)
         assert est.phases["steady_state_peak"] < row["phases"]["steady_state_peak"]  # the device holds less
