@@ -175,15 +175,18 @@ def import_deepspeed(cpu: bool = True) -> Any:
     step, and its shared memory is no torch tensor. ``build_shm_op`` returning None is DeepSpeed's own path when the
     op is not available (``comm/torch.py``): training runs the same collectives through torch.distributed.
     """
+    import importlib
     import logging
 
     with cpu_accelerator() if cpu else contextlib.nullcontext():
         import deepspeed
-        import deepspeed.comm.torch as ds_torch_comm
         from deepspeed.accelerator import get_accelerator
 
         get_accelerator()  # fixed on first use
-    ds_torch_comm.build_shm_op = lambda: None
+    # the module itself: `import deepspeed.comm.torch as m` would bind `deepspeed.comm.torch` *the attribute*, which
+    # deepspeed.comm's star import makes the torch package, and the patch would miss DeepSpeed (checked by a test)
+    comm_torch: Any = importlib.import_module("deepspeed.comm.torch")
+    comm_torch.build_shm_op = lambda: None
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     from deepspeed.utils import logger
 

@@ -176,3 +176,31 @@ def test_the_importer_reads_the_zero_options() -> None:
     assert "deepspeed" in keys_of(result, "not-modelled")
     assert "zero_optimization.reduce_bucket_size" in result.text  # "auto": not read
     assert "reduce_bucket_size" not in (doc.plain["parallelism"].get("deepspeed") or {})
+
+
+@needs_deepspeed
+def test_deepspeed_never_compiles_its_shared_memory_op() -> None:
+    """``deepspeed.comm.torch.TorchBackend`` JIT-compiles ``ShareMemCommBuilder`` (a C++ op: the system compiler,
+    a minute on 2 cores, an error without one) unless ``build_shm_op`` says the op is unavailable. The patch must
+    reach DeepSpeed's own module: ``import deepspeed.comm.torch as m`` binds the *torch package* (an attribute of
+    ``deepspeed.comm`` after its star import), which is what an earlier version patched, so every real DeepSpeed
+    rank compiled the op. The backend DeepSpeed builds gets no op and no build is asked for."""
+    import sys
+
+    from ledgerspec.derivations.shard.zero import import_deepspeed
+
+    import_deepspeed()
+    import deepspeed.comm.torch as attribute
+
+    assert attribute.__name__ == "torch"  # the trap, as it is in this DeepSpeed
+    module = sys.modules["deepspeed.comm.torch"]
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    requested: list[str] = []
+    original = OpBuilder.jit_load
+    OpBuilder.jit_load = lambda self, verbose=True: requested.append(self.name)
+    try:
+        assert module.build_shm_op() is None
+    finally:
+        OpBuilder.jit_load = original
+    assert requested == []
