@@ -177,6 +177,71 @@ def simulate_rank(
     return out
 
 
+def prepare_trace(
+    doc: Document, target: str, layers: str, offline: bool, refuse: Callable[[Any], None]
+) -> tuple[Any, Any, Plan]:
+    """What every per-rank simulation checks and reads first: the target, the intake, the workload (``refuse``
+    raises for a workload the strategy cannot run), the attention, the model config and the trace plan (``layers``:
+    ``auto`` or ``full``). Returns the workload spec, the model source and the plan."""
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+    from ledgerspec.derivations.estimate import estimator as E
+    from ledgerspec.derivations.estimate.extrapolate import plan
+    from ledgerspec.derivations.stack.build import load_config
+
+    if target not in E.TARGETS:
+        raise ValueError(f"target must be one of {E.TARGETS}")
+    E._check_intake(doc)
+    spec = WorkloadSpec.from_document(doc)
+    refuse(spec)
+    E._check_attention(doc, spec.attention)
+    source = load_config(doc, offline=offline)
+    try:
+        est_plan = plan(source.config)
+    except ValueError:
+        raise _err(doc, ("identity",), "the model has no num_hidden_layers: not a decoder stack") from None
+    if layers == "full":
+        est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
+    return spec, source, est_plan
+
+
+def probe_runner(
+    doc: Document,
+    source: Any,
+    est_plan: Plan,
+    say: Progress,
+    label: str,
+    simulate: Callable[[Any, int], dict[str, int]],
+) -> Callable[[int], dict[str, int]]:
+    """A rank's figures at the model's depth: ``simulate(model_source, rank)`` at the plan's two probe depths,
+    extended to every layer (or at full depth when the plan has no probes). ``label`` (with ``{rank}``) names the
+    rank in progress lines; a failure inside torch & co. becomes one clear line, never a wrong number."""
+    from ledgerspec.derivations.estimate import estimator as E
+    from ledgerspec.derivations.estimate.extrapolate import extend_all, with_layers
+    from ledgerspec.derivations.stack.build import ModelSource
+
+    def run(n: int | None, rank: int) -> dict[str, int]:
+        src = (
+            source
+            if n is None
+            else ModelSource(with_layers(source.config, n), source.config_file, source.sha256, source.architecture)
+        )
+        say(f"simulating {label.format(rank=rank)} with {n or est_plan.layers} layers")
+        try:
+            return simulate(src, rank)
+        except LedgerspecError:
+            raise
+        except Exception as exc:
+            raise E._fail(doc, exc, source.architecture) from None
+
+    def figures(rank: int) -> dict[str, int]:
+        if est_plan.probes is None:
+            return run(None, rank)
+        n1, n2 = est_plan.probes
+        return extend_all(run(n1, rank), run(n2, rank), n1, n2, est_plan.layers)
+
+    return figures
+
+
 def estimate_per_rank(
     doc: Document,
     world: int,
@@ -187,30 +252,17 @@ def estimate_per_rank(
     offline: bool = True,
 ) -> ShardEstimate:
     """The per-rank estimate of ``doc`` on ``world`` FSDP2 ranks (``descs``: the full model's descriptors)."""
-    from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.estimate import estimator as E
-    from ledgerspec.derivations.estimate.extrapolate import extend_all, plan, with_layers
-    from ledgerspec.derivations.stack.build import ModelSource, load_config
-
     started = time.perf_counter()
     say = progress or (lambda _msg: None)
-    if target not in E.TARGETS:
-        raise ValueError(f"target must be one of {E.TARGETS}")
-    E._check_intake(doc)
-    spec = WorkloadSpec.from_document(doc)
-    if spec.quant is not None:
-        why = qlora_shardable(spec.quant.storage_dtype, spec.loaded_dtype)
-        if why:  # `shard` checks the document first; this guards direct callers
-            raise _err(doc, ("base_model", "quantization", "storage_dtype"), why)
-    E._check_attention(doc, spec.attention)
+
+    def refuse(spec: Any) -> None:
+        if spec.quant is not None:
+            why = qlora_shardable(spec.quant.storage_dtype, spec.loaded_dtype)
+            if why:  # `shard` checks the document first; this guards direct callers
+                raise _err(doc, ("base_model", "quantization", "storage_dtype"), why)
+
+    spec, source, est_plan = prepare_trace(doc, target, layers, offline, refuse)
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
-    source = load_config(doc, offline=offline)
-    try:
-        est_plan = plan(source.config)
-    except ValueError:
-        raise _err(doc, ("identity",), "the model has no num_hidden_layers: not a decoder stack") from None
-    if layers == "full":
-        est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
     from ledgerspec.derivations.shard import state as S
     from ledgerspec.derivations.shard.sharder import is_fsdp1, mixed_precision
 
@@ -232,27 +284,13 @@ def estimate_per_rank(
         units = unit_unsharded_bytes(descs, world, mp.param_dtype if mp else None)
         kept = kept_after_forward(units, reshard)  # gathered parameters in "held after the forward"
 
-    def run(n: int | None, rank: int) -> dict[str, int]:
-        src = (
-            source
-            if n is None
-            else ModelSource(with_layers(source.config, n), source.config_file, source.sha256, source.architecture)
-        )
-        say(f"simulating rank {rank} of {world} with {n or est_plan.layers} layers")
-        try:
-            return simulate_rank(doc, spec, src, target, world, rank, reshard)
-        except LedgerspecError:
-            raise
-        except Exception as exc:  # one clear line, never a wrong number
-            raise E._fail(doc, exc, source.architecture) from None
+    def simulate(src: Any, rank: int) -> dict[str, int]:
+        return simulate_rank(doc, spec, src, target, world, rank, reshard)
 
+    rank_figures = probe_runner(doc, source, est_plan, say, f"rank {{rank}} of {world}", simulate)
     by_rank: dict[int, RankEstimate] = {}
     for rep, members in groups.items():
-        if est_plan.probes is None:
-            figures = run(None, rep)
-        else:
-            n1, n2 = est_plan.probes
-            figures = extend_all(run(n1, rep), run(n2, rep), n1, n2, est_plan.layers)
+        figures = rank_figures(rep)
         offloaded = "host_peak" in figures
         for r in members:
             by_rank[r] = RankEstimate(

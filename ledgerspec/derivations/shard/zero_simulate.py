@@ -38,8 +38,13 @@ from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
 from ledgerspec.derivations.estimate.fit import PHASES
-from ledgerspec.derivations.shard.simulate import RankEstimate, ShardEstimate, fake_process_group
-from ledgerspec.errors import LedgerspecError
+from ledgerspec.derivations.shard.simulate import (
+    RankEstimate,
+    ShardEstimate,
+    fake_process_group,
+    prepare_trace,
+    probe_runner,
+)
 
 _err = ErrorAt("shard")
 #: why ZeRO-3 is never extrapolated from shallower probes
@@ -180,54 +185,31 @@ def estimate_zero_per_rank(
     offline: bool = True,
 ) -> ShardEstimate:
     """The per-rank estimate of ``doc`` on ``world`` DeepSpeed ZeRO-2/3 ranks."""
-    from ledgerspec.derivations.engine.workload import WorkloadSpec
     from ledgerspec.derivations.estimate import estimator as E
-    from ledgerspec.derivations.estimate.extrapolate import extend_all, plan, with_layers
-    from ledgerspec.derivations.shard.zero import zero_options, zero_refusal
-    from ledgerspec.derivations.stack.build import ModelSource, load_config
+    from ledgerspec.derivations.shard.zero import ZeroOptions, zero_options, zero_refusal
 
     started = time.perf_counter()
     say = progress or (lambda _msg: None)
-    if target not in E.TARGETS:
-        raise ValueError(f"target must be one of {E.TARGETS}")
-    E._check_intake(doc)
-    spec = WorkloadSpec.from_document(doc)
-    why = zero_refusal(spec)
-    if why:
-        raise _err(doc, ("parallelism", "strategy"), why)
-    options = zero_options(doc)
-    E._check_attention(doc, spec.attention)
-    source = load_config(doc, offline=offline)
-    try:
-        est_plan = plan(source.config)
-    except ValueError:
-        raise _err(doc, ("identity",), "the model has no num_hidden_layers: not a decoder stack") from None
-    if layers == "full":
-        est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
-    elif options.stage == 3 and est_plan.probes is not None:
+    read: list[ZeroOptions] = []
+
+    def refuse(spec: Any) -> None:
+        why = zero_refusal(spec)
+        if why:
+            raise _err(doc, ("parallelism", "strategy"), why)
+        read.append(zero_options(doc))
+
+    spec, source, est_plan = prepare_trace(doc, target, layers, offline, refuse)
+    options = read[0]
+    if layers != "full" and options.stage == 3 and est_plan.probes is not None:
         est_plan = Plan(est_plan.layers, est_plan.period, None, ZERO3_FULL)
 
-    def run(n: int | None, rank: int) -> dict[str, int]:
-        src = (
-            source
-            if n is None
-            else ModelSource(with_layers(source.config, n), source.config_file, source.sha256, source.architecture)
-        )
-        say(f"simulating ZeRO-{options.stage} rank {rank} of {world} with {n or est_plan.layers} layers")
-        try:
-            return simulate_zero_rank(doc, spec, src, target, world, rank)
-        except LedgerspecError:
-            raise
-        except Exception as exc:
-            raise E._fail(doc, exc, source.architecture) from None
+    def simulate(src: Any, rank: int) -> dict[str, int]:
+        return simulate_zero_rank(doc, spec, src, target, world, rank)
 
+    run = probe_runner(doc, source, est_plan, say, f"ZeRO-{options.stage} rank {{rank}} of {world}", simulate)
     simulated: dict[int, dict[str, int]] = {}
     for rep in sorted({0, world - 1}):
-        if est_plan.probes is None:
-            simulated[rep] = run(None, rep)
-        else:
-            n1, n2 = est_plan.probes
-            simulated[rep] = extend_all(run(n1, rep), run(n2, rep), n1, n2, est_plan.layers)
+        simulated[rep] = run(rep)
     ranks = []
     for r in range(world):
         rep = r if r in simulated else 0
