@@ -542,7 +542,8 @@ PARALLELISM = F(
         F(
             "shard_group_size",
             INT,
-            "Hybrid sharding (FSDP1 `HYBRID_SHARD`, or `_HYBRID_SHARD_ZERO2` with `reshard_after_forward: false`): "
+            "Hybrid sharding (FSDP1 `HYBRID_SHARD`, or `_HYBRID_SHARD_ZERO2` with `reshard_after_forward: false`; "
+            "FSDP2 `fully_shard` on a 2-D (replicate, shard) device mesh, HSDP): "
             "the ranks of one shard group, usually the GPUs of one node. Parameters, gradients and optimizer "
             "state are sharded within a group and replicated across groups, so each rank holds what it would "
             "hold on `shard_group_size` GPUs. Absent: every rank is in one group (`FULL_SHARD` / `SHARD_GRAD_OP`).",

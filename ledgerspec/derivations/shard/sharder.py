@@ -42,8 +42,9 @@ def world_size(doc: Document, nproc: int | None) -> int:
 
 def shard_group(doc: Document, world: int) -> int:
     """The ranks one parameter is sharded over: ``parallelism.shard_group_size`` under hybrid sharding (FSDP1
-    ``HYBRID_SHARD``; each rank then holds what it holds on that many ranks: its group's shard, replicated across
-    the groups), else ``world``. A size that does not divide ``world`` is a usage error at its line."""
+    ``HYBRID_SHARD``, FSDP2 ``fully_shard`` on a 2-D (replicate, shard) device mesh; each rank then holds what it
+    holds on that many ranks: its group's shard, replicated across the groups), else ``world``. A size that does
+    not divide ``world`` is a usage error at its line."""
     path = ("parallelism", "shard_group_size")
     value = doc.get(*path)
     if not value.present or value.unknown:
@@ -57,12 +58,15 @@ def shard_group(doc: Document, world: int) -> int:
             "the GPUs of one node, e.g. 8 of 16",
             exit_code=EXIT_USAGE,
         )
-    if size < world and not is_fsdp1(doc):
+    from ledgerspec.derivations.shard.zero import zero_stage
+
+    if size < world and zero_stage(doc) is not None:
         raise _err(
             doc,
             path,
-            "hybrid sharding is modelled for FSDP1 (HYBRID_SHARD) only",
-            "set parallelism.strategy: fsdp1, or drop shard_group_size",
+            "hybrid sharding is modelled for FSDP (FSDP1 HYBRID_SHARD, FSDP2 on a (replicate, shard) mesh), not for "
+            "DeepSpeed's hierarchical partitioning (hpZ, MiCS)",
+            "set parallelism.strategy: fsdp1 or fsdp2, or drop shard_group_size",
             exit_code=EXIT_USAGE,
         )
     return size
@@ -380,9 +384,14 @@ def shard(
     plan, zero = compute(doc, descs, group)
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
     if group < world:
+        how = (
+            f"HYBRID_SHARD{'' if _reshard(doc) else '_ZERO2'}"
+            if is_fsdp1(doc)
+            else f"FSDP2 on a ({world // group} replicate, {group} shard) device mesh, HSDP"
+        )
         ext["hybrid"] = (
-            f"{world} ranks in {world // group} shard groups of {group} (HYBRID_SHARD"
-            f"{'' if _reshard(doc) else '_ZERO2'}): rank r holds what rank r mod {group} holds, listed once"
+            f"{world} ranks in {world // group} shard groups of {group} ({how}): rank r holds what rank r mod "
+            f"{group} holds, listed once"
         )
     mp = mixed_precision(doc)
     if mp is not None:

@@ -75,6 +75,9 @@ def sharded_workload(base: type) -> Any:
             adapters_in_declared_dtype(model, self.spec.adapter_dtype)
             policy = mp_policy(self.doc)
             kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward, "mp_policy": policy}
+            mesh = hybrid_mesh(self.doc)
+            if mesh is not None:  # HSDP: shards within a group of shard_group_size ranks, replicas across groups
+                kwargs["mesh"] = mesh
             if self.cpu_offload:
                 from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -115,6 +118,28 @@ def sharded_workload(base: type) -> Any:
     return Sharded
 
 
+def hybrid_mesh(doc: Any) -> Any:
+    """The (replicate, shard) device mesh of hybrid sharding (``parallelism.shard_group_size`` below the world size)
+    in an initialised process group; None otherwise (one shard group: the simulation's fake group is one).
+
+    Made before the protocol's phases (in ``prepare``): the mesh's rank tensors are host-side bookkeeping (CPU
+    tensors on a GPU run too), not training memory; made inside "load" they were 16 B there."""
+    import torch
+
+    if not torch.distributed.is_initialized():
+        return None
+    from ledgerspec.derivations.shard.sharder import shard_group
+
+    world = torch.distributed.get_world_size()
+    group = shard_group(doc, world)
+    if group >= world:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(kind, (world // group, group), mesh_dim_names=("replicate", "shard"))
+
+
 @cache
 def fsdp1_workload(base: type) -> Any:
     """A subclass of the workload class ``base`` wrapped in FSDP1 as transformers' Trainer + accelerate wrap a PEFT
@@ -147,20 +172,7 @@ def fsdp1_workload(base: type) -> Any:
                 return
             super().prepare()
             adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
-            import torch
-
-            if torch.distributed.is_initialized():
-                from ledgerspec.derivations.shard.sharder import shard_group
-
-                world = torch.distributed.get_world_size()
-                group = shard_group(self.doc, world)
-                if group < world:
-                    # made before the protocol's phases: the mesh's rank tensors are host-side bookkeeping (CPU
-                    # tensors on a GPU run too), not training memory; made inside "load" they were 16 B there
-                    from torch.distributed.device_mesh import init_device_mesh
-
-                    kind = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-                    self._mesh = init_device_mesh(kind, (world // group, group), mesh_dim_names=("replicate", "shard"))
+            self._mesh = hybrid_mesh(self.doc)
 
         def materialise_base(self, device: Any) -> None:
             self.device = device
