@@ -109,13 +109,21 @@ def test_refused_in_one_line_before_anything_runs(tmp_path: Path, command: str, 
     assert path.read_bytes() == before
 
 
-def test_validate_reports_it_and_plain_shard_still_calculates(tmp_path: Path) -> None:
-    """A pure document check: ``validate`` says so (LS061, an error); ``shard`` without ``--estimate`` runs no step and
-    still writes the calculated per-rank state."""
-    pytest.importorskip("torch")
+def test_validate_reports_it(tmp_path: Path) -> None:
+    """A pure document check: ``validate`` says so (LS061, an error, at the policy's ``param_dtype``)."""
     path = _ledger(tmp_path, autocast=False)
     code, out, _ = run_cli("validate", path)
-    assert code == 1 and "LS061" in out, out
+    at = path.read_text(encoding="utf-8").splitlines().index("  mixed_precision_policy: {param_dtype: bfloat16}") + 1
+    assert code == 1 and f"{path.name}:{at}:" in out and "LS061" in out, out
+    code, out, _ = run_cli("validate", _ledger(tmp_path, autocast=True, name="autocast.ledger.yaml"))
+    assert "LS061" not in out, out
+
+
+@pytest.mark.slow
+def test_plain_shard_still_calculates(tmp_path: Path) -> None:
+    """``shard`` without ``--estimate`` runs no step: it still writes the calculated per-rank state."""
+    pytest.importorskip("torch")
+    path = _ledger(tmp_path, autocast=False)
     code, _, err = run_cli("shard", path)
     assert code == 0, err
     assert "x-per-rank" in load(path).plain["parallelism"]
