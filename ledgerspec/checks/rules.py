@@ -1,5 +1,5 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012, LS023, LS032, LS043 and LS090.
-One function per rule, named after it.
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012, LS023, LS032, LS043, LS061 and
+LS090. One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
 :class:`~ledgerspec.checks.findings.Hit`; the validator adds positions and severities.
@@ -20,6 +20,7 @@ from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.files import CONFIG_PATH, ConfigFile
 from ledgerspec.contract.fingerprint import STAMPS, stale
+from ledgerspec.contract.fsdp1_precision import lora_input_dtype_conflict
 from ledgerspec.contract.intake import dotted
 from ledgerspec.contract.optimizers import OPTIMIZERS, optimizer_spec, suggest
 from ledgerspec.contract.units import decimal_note, decimal_unit, format_size
@@ -428,6 +429,20 @@ def ls060_multi_gpu(ctx: Context) -> Iterator[Hit]:
             f"gpu_count {gpus} without parallelism.per_rank_peak (one figure per rank)",
             sev,
         )
+
+
+@rule(
+    "LS061",
+    ERROR,
+    "FSDP1 MixedPrecision without autocast over adapters in another dtype: the first forward fails",
+    "add training.mixed_precision: bf16 (autocast, as accelerate runs the policy), or declare adapter.dtype equal to "
+    "param_dtype, or use strategy fsdp2 (docs/multi-gpu.md gives the torch and PEFT source lines)",
+    example="parallelism:\n  strategy: fsdp1\n  mixed_precision_policy: {param_dtype: bfloat16}",
+)
+def ls061_fsdp1_mixed_precision_without_autocast(ctx: Context) -> Iterator[Hit]:
+    conflict = lora_input_dtype_conflict(ctx.doc)
+    if conflict is not None:
+        yield Hit(ptr(*conflict.path), conflict.message)
 
 
 @rule(

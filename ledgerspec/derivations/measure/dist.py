@@ -40,7 +40,7 @@ from typing import Any
 
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_qlora, cpu_offload
+from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_fsdp1_mixed_precision, check_qlora, cpu_offload
 from ledgerspec.derivations.shard.zero import zero_stage
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
@@ -522,6 +522,7 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
             raise LedgerspecError(why, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="see docs/multi-gpu.md")
     elif base.spec.get("quant") is not None:
         check_qlora(doc, rule="measure", code=EXIT_USAGE)  # the layout FSDP2 can shard, before launching
+    check_fsdp1_mixed_precision(doc, rule="measure")  # a first forward no real run survives, before launching
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     offload = cpu_offload(doc) is not None
     return DistRequest(base.doc_text, base.doc_path, base.spec, nproc, device, steps, reshard, offload)

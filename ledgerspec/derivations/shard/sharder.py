@@ -14,6 +14,7 @@ from typing import Any
 from ledgerspec.contract import config, dtypes
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.edit import Change, set_extension
+from ledgerspec.contract.fsdp1_precision import declares_fsdp1, lora_input_dtype_conflict
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
@@ -150,10 +151,6 @@ def mixed_precision(doc: Document) -> MixedPrecision | None:
     return MixedPrecision(out["param_dtype"], out["reduce_dtype"])
 
 
-#: ``parallelism.strategy`` values that select FSDP1 (``FullyShardedDataParallel``); anything else is FSDP2
-FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
-
-
 def cpu_offload(doc: Document) -> tuple[str, ...] | None:
     """Where the document turns CPU offload on (``parallelism.cpu_offload`` or ``memory_options.cpu_offload``)."""
     for path in (("parallelism", "cpu_offload"), ("memory_options", "cpu_offload")):
@@ -165,10 +162,16 @@ def cpu_offload(doc: Document) -> tuple[str, ...] | None:
 def is_fsdp1(doc: Document) -> bool:
     """``parallelism.strategy: fsdp1`` (or, without a strategy, ``memory_options.sharding: fsdp1``): FSDP1 as the
     Trainer/accelerate run it (``fsdp_version: 1``)."""
-    text = doc.get("parallelism", "strategy").text()
-    if text is None:
-        return (doc.get("memory_options", "sharding").text() or "").strip().lower() == "fsdp1"
-    return text.strip().lower() in FSDP1_NAMES
+    return declares_fsdp1(doc)
+
+
+def check_fsdp1_mixed_precision(doc: Document, rule: str = "shard", code: int = EXIT_USAGE) -> None:
+    """Refuse, before any step runs, FSDP1 ``MixedPrecision(param_dtype)`` without autocast over adapters in another
+    dtype: every real run fails at the first LoRA forward, and the simulation cannot be trusted to (its meta ``mm``
+    does not check dtypes); see :mod:`ledgerspec.contract.fsdp1_precision` for the source lines."""
+    conflict = lora_input_dtype_conflict(doc)
+    if conflict is not None:
+        raise _err(doc, conflict.path, conflict.message, conflict.hint, exit_code=code, rule=rule)
 
 
 #: ``parallelism.backward_prefetch`` words -> ``torch.distributed.fsdp.BackwardPrefetch`` member (None: no prefetch)
@@ -365,6 +368,8 @@ def shard(
 
     world = world_size(doc, nproc)
     check_qlora(doc)
+    if estimate:  # a step no real run takes (issue 16): one line before anything is simulated
+        check_fsdp1_mixed_precision(doc)
     offload = cpu_offload(doc)
     strategy = (doc.get("parallelism", "strategy").text() or doc.get("memory_options", "sharding").text() or "").lower()
     if estimate and offload is not None and strategy.startswith(("zero", "deepspeed")):
