@@ -181,9 +181,47 @@ class TrackerSnapshot:
     categories: dict[str, int] = field(default_factory=dict)
 
 
+class MixedDtypeMatmul(RuntimeError):
+    """A simulated matrix product over operands of different dtypes: a step that cannot run.
+
+    The real CPU and CUDA kernels of ``mm``/``addmm``/``bmm``/``baddbmm`` refuse it ("expected m1 and m2 to have
+    the same dtype", ``aten/src/ATen/native/LinearAlgebra.cpp`` and ``cuda/Blas.cpp``), but the meta kernels of
+    ``mm``/``addmm``, the ones fake tensors run (``torch/_meta_registrations.py`` ``meta_mm``; torch 2.13's bmm and
+    baddbmm meta kernels do check), check no dtypes: without this check a
+    simulation would carry on in the first operand's dtype and give figures for a run that fails at its first
+    forward (found with FSDP1 ``MixedPrecision`` without autocast, issue 16). Autocast has cast the operands before
+    a dispatch mode sees them (the Autocast key is above the Python key), so a valid step never trips it."""
+
+    def __init__(self, func: Any, dtypes: list[Any]) -> None:
+        self.func = func
+        shown = " and ".join(str(d).replace("torch.", "") for d in dtypes)
+        super().__init__(f"{func} of {shown} operands: the real kernel refuses mixed dtypes")
+
+
+@cache
+def _matmuls() -> frozenset[Any]:
+    import torch
+
+    aten = torch.ops.aten
+    return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+
+
+def _check_matmul_dtypes(func: Any, args: Any) -> None:
+    """Raise :class:`MixedDtypeMatmul` when fake operands of a matrix product differ in dtype (real tensors are
+    left to their own kernels)."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if len({a.dtype for a in tensors}) > 1 and any(is_fake(a) for a in tensors):
+        raise MixedDtypeMatmul(func, [a.dtype for a in tensors])
+
+
 @cache
 def _mode_class() -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    matmuls = _matmuls()
 
     class _TrackingMode(TorchDispatchMode):
         def __init__(self, tracker: MemoryTracker) -> None:
@@ -191,6 +229,8 @@ def _mode_class() -> Any:
             self.tracker = tracker
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in matmuls:
+                _check_matmul_dtypes(func, args)
             out = func(*args, **(kwargs or {}))
             self.tracker._register_outputs(out)
             return out

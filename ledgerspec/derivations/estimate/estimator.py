@@ -277,6 +277,16 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
         )
     name = type(exc).__name__
     op = getattr(exc, "func", None) or getattr(exc, "op", None)
+    from ledgerspec.derivations.engine.tracker import MixedDtypeMatmul
+
+    if isinstance(exc, MixedDtypeMatmul):  # not a limit of the simulation: the declared step cannot run
+        return _err(
+            doc,
+            ("identity",),
+            f"the declared step cannot run: {text} (the simulation found it; a real run fails there)",
+            "check the dtypes: adapter.dtype, base_model.loaded_dtype, training.mixed_precision (autocast casts "
+            "both operands), parallelism.mixed_precision_policy",
+        )
     if failed_in_optimizer_step(exc):  # forward and backward traced; the optimizer's update failed
         at = f" in op {op}" if op is not None else ""
         return _err(

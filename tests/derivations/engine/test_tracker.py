@@ -192,3 +192,70 @@ def test_the_resize_wrapper_is_removed_whatever_the_exit_order() -> None:
     with pytest.raises(RuntimeError), MemoryTracker():
         raise RuntimeError("boom")
     assert "resize_" not in torch.UntypedStorage.__dict__
+
+
+MATMULS = {
+    "mm": lambda a, b: torch.mm(a, b),
+    "addmm": lambda a, b: torch.addmm(a.new_zeros(4, 4), a, b),
+    "bmm": lambda a, b: torch.bmm(a[None], b[None]),
+    "baddbmm": lambda a, b: torch.baddbmm(a.new_zeros(1, 4, 4), a[None], b[None]),
+}
+
+
+#: whether torch's own meta kernel (what fake tensors run) refuses mixed dtypes (torch 2.13: bmm/baddbmm do)
+META_CHECKS = {"mm": False, "addmm": False, "bmm": True, "baddbmm": True}
+
+
+@pytest.mark.parametrize("op", sorted(MATMULS))
+def test_a_mixed_dtype_matrix_product_fails_in_the_simulation_as_it_fails_for_real(op: str) -> None:
+    """The real CPU kernel refuses fp32 x bf16 operands; the meta kernels fake tensors run for ``mm``/``addmm`` do
+    not (so a simulation would go on with figures for a step that cannot run); under the tracker every fake product
+    of mixed dtypes fails, by :class:`MixedDtypeMatmul`. Same-dtype operands pass everywhere."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ledgerspec.derivations.engine.tracker import MixedDtypeMatmul
+
+    run = MATMULS[op]
+    with pytest.raises(RuntimeError, match=r"dtype|scalar type"):  # the truth: the real kernel
+        run(torch.ones(4, 4), torch.ones(4, 4, dtype=torch.bfloat16))
+    with FakeTensorMode():  # the gap (mm, addmm): their meta kernels check no dtypes
+        if META_CHECKS[op]:
+            with pytest.raises(RuntimeError, match=r"dtype|scalar type"):
+                run(torch.ones(4, 4), torch.ones(4, 4, dtype=torch.bfloat16))
+        else:
+            run(torch.ones(4, 4), torch.ones(4, 4, dtype=torch.bfloat16))
+    with FakeTensorMode(), MemoryTracker():
+        with pytest.raises(MixedDtypeMatmul, match="float32 and bfloat16"):
+            run(torch.ones(4, 4), torch.ones(4, 4, dtype=torch.bfloat16))
+        run(torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
+
+
+def test_a_step_that_cannot_run_is_reported_as_such_not_simulated(tmp_path: Any, monkeypatch: Any) -> None:
+    """PEFT casts a LoRA layer's input to the adapter's dtype; with that cast off (what PEFT's own
+    ``peft.helpers.disable_input_dtype_casting`` does), fp32 adapters on a bf16 base without autocast cannot run:
+    the real step fails in ``F.linear`` (the truth, run here on real CPU tensors), and ``estimate`` says the declared
+    step cannot run, at one line, instead of giving figures."""
+    import shutil
+
+    pytest.importorskip("peft")
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from ledgerspec.contract.document import load
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.measure.measurer import make_request, run_request
+    from ledgerspec.errors import LedgerspecError
+    from tests.support import TESTS
+
+    data = TESTS / "data" / "sharding"
+    shutil.copytree(data / "tiny", tmp_path / "tiny")
+    text = (data / "tiny-lora-bf16-r2.ledger.yaml").read_text(encoding="utf-8")
+    path = tmp_path / "bf16.ledger.yaml"
+    one_device = text.split("\nmemory_options:")[0] + "\nmemory_options:\n  gradient_checkpointing: false\n"
+    path.write_text(one_device, encoding="utf-8")  # one device, no autocast
+    monkeypatch.setattr(BaseTunerLayer, "_cast_input_dtype", lambda self, x, dtype: x)
+    with pytest.raises(RuntimeError, match="dtype"):  # the real run
+        run_request(make_request(load(path), "cpu", 2, None, None))
+    with pytest.raises(LedgerspecError) as caught:
+        estimate(load(path), target="cpu")
+    assert "the declared step cannot run: aten.mm.default of " in str(caught.value)
+    assert "bfloat16" in str(caught.value) and "float32" in str(caught.value)
