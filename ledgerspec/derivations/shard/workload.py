@@ -208,7 +208,7 @@ def fsdp1_workload(base: type) -> Any:
             stack = getattr(self, "stack", None)  # the estimate's workload: fake tensors
             if stack is not None and any(is_fake(p) for p in model.parameters()):
                 stack.enter_context(_fake_storage_checks())
-            return FullyShardedDataParallel(
+            wrapped = FullyShardedDataParallel(
                 model,
                 auto_wrap_policy=fsdp_auto_wrap_policy(model),
                 sharding_strategy=strategy,
@@ -225,6 +225,14 @@ def fsdp1_workload(base: type) -> Any:
                 ),
                 device_mesh=mesh,
             )
+            from ledgerspec.derivations.shard.legacy_checkpoint import (
+                checkpoint_outside_units,
+                models_outside_checkpoint,
+            )
+
+            if models_outside_checkpoint(self.doc):  # transformers < 4.52 as declared: the checkpoint wraps the unit
+                checkpoint_outside_units(wrapped)
+            return wrapped
 
     Fsdp1.__name__ = Fsdp1.__qualname__ = f"Fsdp1{base.__name__}"
     return Fsdp1
