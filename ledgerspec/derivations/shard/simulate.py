@@ -147,6 +147,10 @@ def simulate_rank(
         warnings.simplefilter("ignore")  # DTensor's "random operators on a cpu mesh" warning: values do not matter
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.reshard_after_forward = reshard_after_forward
+        if is_fsdp1(doc):  # transformers < 4.52 as declared: the checkpoint around each FSDP1 unit
+            from ledgerspec.derivations.shard.legacy_checkpoint import models_outside_checkpoint
+
+            workload.checkpoint_outside = models_outside_checkpoint(doc)
         backend = (O.split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
         split: Any = backend.tracker
         if offload:

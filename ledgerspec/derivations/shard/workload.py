@@ -138,6 +138,9 @@ def fsdp1_workload(base: type) -> Any:
         reshard_after_forward: bool | None = None
         #: CPUOffload(offload_params=True): flat shards, their gradients and the optimizer step on the host
         cpu_offload: bool = False
+        #: the simulation of a declared transformers < 4.52: checkpoint each unit from outside
+        #: (:mod:`ledgerspec.derivations.shard.legacy_checkpoint`); a measurement runs the installed stack as it is
+        checkpoint_outside: bool = False
 
         #: hybrid sharding's (replicate, shard) device mesh, None without it
         _mesh: Any = None
@@ -225,12 +228,9 @@ def fsdp1_workload(base: type) -> Any:
                 ),
                 device_mesh=mesh,
             )
-            from ledgerspec.derivations.shard.legacy_checkpoint import (
-                checkpoint_outside_units,
-                models_outside_checkpoint,
-            )
+            if self.checkpoint_outside:  # transformers < 4.52 as declared: the checkpoint wraps the unit
+                from ledgerspec.derivations.shard.legacy_checkpoint import checkpoint_outside_units
 
-            if models_outside_checkpoint(self.doc):  # transformers < 4.52 as declared: the checkpoint wraps the unit
                 checkpoint_outside_units(wrapped)
             return wrapped
 
