@@ -78,7 +78,8 @@ def method_note(doc: Any) -> str:
     """What the method text says when the declared checkpoint placement is modelled."""
     return (
         f"transformers {doc.get('software', 'transformers').value} as declared: gradient checkpointing wraps each "
-        "FSDP1 unit from outside (before 4.52.0), so each layer's input and its gradient stay until backward ends"
+        "FSDP1 unit from outside (before 4.52.0; with reentrant checkpointing each layer's input and its gradient "
+        "then stay until backward ends)"
     )
 
 
