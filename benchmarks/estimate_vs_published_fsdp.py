@@ -136,7 +136,7 @@ class Row:
     phases: dict[str, int]
     activations: int
     seconds: float
-    installed_loss_peak: int  # the same estimate with the installed transformers' loss (software.transformers removed)
+    installed_loss_peak: int  # the same estimate with the installed transformers (software.transformers removed)
     fsdp2_peak: int  # the same ledger simulated under FSDP2 (parallelism.strategy: fsdp2), for comparison
 
     @staticmethod
@@ -166,7 +166,7 @@ HEADER = [
     "published peak GB",
     "estimated peak GB (FSDP1, declared stack)",
     "difference",
-    "of which transformers 4.48's loss GB",
+    "of which the declared transformers 4.48 GB",
     "same ledger under FSDP2 GB",
     "published after train() GB",
     "estimated model state GB",
@@ -186,6 +186,7 @@ def estimate_run(run: Run) -> Row:
     seconds = time.perf_counter() - started
     assert est is not None and est.strategy == "fsdp1", run.key
     assert "ForCausalLMLoss before 4.49.0" in est.method, run.key  # the declared transformers 4.48.1's loss
+    assert "wraps each FSDP1 unit from outside" in est.method, run.key  # and its checkpoint placement
     declared = "  transformers: 4.48.1\n"
     assert declared in text, run.key
     installed = shard(from_text(text.replace(declared, ""), str(path)), estimate=True, target="cuda").estimate
@@ -215,14 +216,26 @@ EXPLAINED = f"""## What each published figure includes, and every difference
   nvidia-smi column, shown for scale and not compared). The estimate is the same quantity: the largest phase of rank
   0's simulated FSDP1 step (512-byte allocator rounding). The window of `train()` also holds the FSDP1 wrapping
   (`accelerator.prepare` runs inside it); the simulation starts from the wrapped model.
-- **transformers 4.48's loss (modelled, moves nothing here):** the runs used transformers 4.48.1, whose
-  `ForCausalLMLoss` upcasts the logits to float32 and then copies them shifted
-  (`shift_logits = logits[..., :-1, :].contiguous()`, {LOSS_SOURCE}); 4.49.0 and later (the installed one too) pad
-  and shift the labels instead. The ledgers declare `software.transformers: 4.48.1`, so the simulation runs that loss
-  (known difference `transformers-causal-lm-loss-shift-copy`): one more float32 tensor of `sequences x 4,095 x
-  32,000` values (1.05 GB at 2 sequences per rank) at the loss and at the start of backward. The column "of which
-  transformers 4.48's loss" is the simulated peak minus the same simulation with the installed loss: the copy is not
-  where the simulated peak is, so it changes the peak by less than 0.01 GB.
+- **transformers 4.48.1 as declared (modelled; column "of which the declared transformers 4.48"):** the simulated
+  peak minus the same simulation with the installed transformers. Two behaviours of 4.48.1, each measured on the CPU
+  with the declared stack (torch 2.4.1, transformers 4.48.1, accelerate 1.0.1, PEFT 0.13.2) running this FSDP1 step
+  for real on 2 gloo ranks (`benchmarks/fsdp1_cpu_repro.py`, results in `published-multi-gpu-cpu-repro.md`):
+  - *the loss* (known difference `transformers-causal-lm-loss-shift-copy`): `ForCausalLMLoss` upcasts the logits to
+    float32 and copies them shifted (`shift_logits = logits[..., :-1, :].contiguous()`, {LOSS_SOURCE}); the float32
+    logits stay referenced (`logits = logits.float()`) until the loss returns, so at the cross-entropy three float32
+    logits-sized tensors are alive (the logits, the shifted copy, the log-softmax): 1.05 GB each at 2 x 4,096 tokens
+    of a 32,000-token vocabulary. This raises the forward peak of every row by one such tensor;
+  - *the checkpoint around the FSDP1 unit* (known difference `transformers-checkpoint-outside-fsdp-unit`): 4.48.1
+    checkpoints each decoder layer from the model's loop, `checkpoint(decoder_layer.__call__, ...)`, and under FSDP1
+    the decoder layer is the FSDP unit; 4.52.0 moved checkpointing inside the layer (`GradientCheckpointingLayer`).
+    With the checkpoint outside, the reentrant recompute calls the unit with detached inputs that require grad, and a
+    frozen unit (PEFT's wrap policy gives the LoRA modules units of their own) registers FSDP1's reshard-only
+    `register_multi_grad_hook` on them (torch `distributed/fsdp/_runtime_utils.py`,
+    `_register_post_backward_reshard_only_hook`): the hook holds each input's `AccumulateGrad`, which holds the input
+    and the gradient accumulated into it, until FSDP1's final callback removes the hook at the end of backward. Every
+    decoder layer's input and its gradient stay alive until backward ends: two bf16 hidden states per layer and
+    token, 2 x 80 x 8,192 x 2 B = 2.6 MB per token on Llama-2-70B. That is where the Llama-2-70B row's peak is
+    (late in backward) and why it was 10.5 GB low; on the Mistral-7B LoRA rows it moves the peak into backward too.
 - **After `train()`** (`mem_torch_mem_alloc_in_bytes`): `torch.cuda.memory_allocated()` of rank 0 when `train()`
   returns: the frozen-base and adapter shards, the buffers, and AdamW's state for this rank's elements (the Trainer's
   `model.zero_grad()` has freed the gradients). The estimate's figure is rank 0's simulated
@@ -249,27 +262,18 @@ EXPLAINED = f"""## What each published figure includes, and every difference
 
 UNEXPLAINED = """## What is not explained
 
-**Mistral-7B.** The model state agrees (within 4%); the peak is low by {mistral}. The gap grows with the tokens per
-rank: {growth}
-That is {per_token} per token of the 8,192 more tokens: per-token memory alive at the real peak and not at the
-simulated one, of the size of one float32 row of logits (32,000 x 4 B = 128 KB) or of one decoder layer's
-recomputed activations (same order). The strategy is not it: the same ledgers simulated under FSDP2 differ from FSDP1
-by a fraction of a GB (column "same ledger under FSDP2"). transformers 4.48's loss copy is a candidate of the logits'
-size, but the simulation that runs it does not put it at the peak (the simulated peak is later in backward). Which
-tensor it is needs a GPU run of the declared stack with a memory snapshot
-(`torch.cuda.memory._record_memory_history`).
+**Mistral-7B.** The peak is {mistral} against the published figures (model state within 4%). The tokens per rank:
+{growth} ({per_token} per token of the 8,192 more tokens, published minus estimated). The LoRA rows are now a little
+over the published peak: their simulated peak is late in backward, where the declared checkpoint placement holds two
+hidden states per layer and token; the CUDA kernels there (flash-attn 2.7.3's backward, the fp32 LoRA casts) are
+modelled, not measured. The QLoRA rows stay below by 7-8%; their simulated peak is at the loss in forward, and the
+same placement is not at their peak. What the QLoRA runs hold besides (bitsandbytes 0.43.3's kernels and buffers,
+accelerate 1.0.1's float32 upcast of every trainable flat parameter that is not float32 when `mixed_precision` is
+not "no", read in its `prepare_model` (`accelerator.py` lines 1537-1569), which would make the adapters float32 in the
+run although TRL 0.13 builds them in bf16: not measured here) is not settled without a GPU run.
 
-**Llama-2-70B QLoRA does not land.** The estimate is {seventy_diff} ({seventy_gap:.2f} GB under the published
-peak) while rank 0's model state after `train()` agrees within {seventy_after}: the sharding is right, the step is
-not. The {seventy_gap:.2f} GB is not a logits-sized tensor (1.05 GB at 2 x 4,095 x 32,000 float32 values: the
-vocabulary and tokens of the Mistral rows); not something left per decoder layer ({per_layer:.0f} MB a layer over 80
-layers; the same mechanism on Mistral-7B's 32 layers of half the width would leave about 1-4 GB more there than the
-Mistral gaps leave room for); not the gathered units (one 4-bit Llama-2-70B layer gathered is 0.43 GB, the root
-1.05 GB). What the window of `max_memory_allocated` holds and the simulated step does not: everything `train()` does
-before the first step, above all the FSDP1 wrapping (`sync_module_states`) of a model loaded with
-`fsdp_cpu_ram_efficient_loading`, whose rank 0 holds the weights on the CPU until they reach the GPU unit by unit; it
-is larger in every unit of a 70B model. Not settled without GPUs and the model; the ledger is committed so the run is
-re-estimated as soon as the cause is modelled.
+**Llama-2-70B QLoRA** is {seventy_diff} against the published peak ({seventy_gap:+.2f} GB left); its model state after
+`train()` agrees within {seventy_after}.
 """
 
 
@@ -344,7 +348,6 @@ def unexplained(rows: list[Row]) -> str:
         seventy_diff=f"{Row.diff(seventy.peak, seventy.run.peak):+.1%}",
         seventy_after=f"{abs(Row.diff(seventy.after, seventy.run.after)):.1%}",
         seventy_gap=gap,
-        per_layer=gap * 1000 / 80,
     )
 
 

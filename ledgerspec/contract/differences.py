@@ -90,6 +90,24 @@ KNOWN: tuple[KnownDifference, ...] = (
             "src/transformers/loss/loss_utils.py, ForCausalLMLoss, at 4.48.1 and at 4.49.0",
         ),
     ),
+    KnownDifference(
+        id="transformers-checkpoint-outside-fsdp-unit",
+        package="transformers",
+        changed_in="4.52.0",
+        older="gradient checkpointing wraps each decoder layer's call from the model's loop, i.e. the FSDP1 unit "
+        "from outside: with reentrant checkpointing and a frozen unit (PEFT's wrap policy), FSDP1's reshard-only "
+        "multi-grad hook on the recompute's detached inputs keeps every layer's input and its gradient until "
+        "backward ends (two hidden states per layer and token)",
+        newer="GradientCheckpointingLayer checkpoints inside the layer's forward, inside the FSDP1 unit: each layer's "
+        "input and gradient are freed as backward passes it",
+        figures="the backward peak of an FSDP1 step with gradient checkpointing (reentrant)",
+        sources=(
+            "https://github.com/huggingface/transformers/blob/v4.48.1/src/transformers/models/mistral/"
+            "modeling_mistral.py#L549",
+            "https://github.com/huggingface/transformers/pull/37223 (GradientCheckpointingLayer, 4.52.0)",
+            "torch/distributed/fsdp/_runtime_utils.py, _register_post_backward_reshard_only_hook (2.4.1 and 2.13)",
+        ),
+    ),
 )
 
 BY_ID = {d.id: d for d in KNOWN}

@@ -38,16 +38,26 @@ def shifted_copy_loss(
     shift_labels: Any = None,
     **kwargs: Any,
 ) -> Any:
-    """The causal-LM loss as transformers < 4.49 computed it: float32 logits, then a shifted contiguous copy."""
+    """The causal-LM loss as transformers < 4.49 computed it: float32 logits, then a shifted contiguous copy.
+
+    Line for line what 4.48.1 holds: ``logits = logits.float()`` rebinds the name, so the full float32 logits stay
+    referenced until the function returns, i.e. alive together with the shifted copy and the cross-entropy's
+    float32 log-softmax (two float32 logits-sized tensors besides the caller's logits, three at the cross-entropy).
+    Measured on the CPU with transformers 4.48.1 (benchmarks/fsdp1_cpu_repro.py): the forward peak is at that
+    cross-entropy and holds all three.
+    """
     from transformers.loss.loss_utils import fixed_cross_entropy
 
-    full = logits.float()
+    logits = logits.float()  # kept alive until the loss returns, as in 4.48.1
     if shift_labels is None:
-        full = full[..., :-1, :].contiguous()  # the copy that 4.49.0 removed
+        shift_logits = logits[..., :-1, :].contiguous()  # the copy that 4.49.0 removed
         shift_labels = labels[..., 1:].contiguous()
-    flat = full.view(-1, vocab_size)
+    else:
+        shift_logits = logits
+    flat = shift_logits.view(-1, vocab_size)
     target = shift_labels.reshape(-1).to(flat.device)
-    return fixed_cross_entropy(flat, target, num_items_in_batch, ignore_index, **kwargs)
+    loss = fixed_cross_entropy(flat, target, num_items_in_batch, ignore_index, **kwargs)
+    return loss
 
 
 def method_note(doc: Any) -> str:

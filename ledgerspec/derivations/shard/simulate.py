@@ -147,6 +147,10 @@ def simulate_rank(
         warnings.simplefilter("ignore")  # DTensor's "random operators on a cpu mesh" warning: values do not matter
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.reshard_after_forward = reshard_after_forward
+        if is_fsdp1(doc):  # transformers < 4.52 as declared: the checkpoint around each FSDP1 unit
+            from ledgerspec.derivations.shard.legacy_checkpoint import models_outside_checkpoint
+
+            workload.checkpoint_outside = models_outside_checkpoint(doc)
         backend = (O.split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
         split: Any = backend.tracker
         if offload:
@@ -315,6 +319,10 @@ def estimate_per_rank(
         method = f"{describe('fsdp1' if is_fsdp1(doc) else 'fsdp2')}: {OFFLOAD_METHOD}; {method}"
     if legacy_loss.models_shift_copy(doc):
         method += "; " + legacy_loss.method_note(doc)
+    from ledgerspec.derivations.shard import legacy_checkpoint
+
+    if is_fsdp1(doc) and legacy_checkpoint.models_outside_checkpoint(doc) and spec.gradient_checkpointing:
+        method += "; " + legacy_checkpoint.method_note(doc)
     return ShardEstimate(
         world,
         reshard,

@@ -163,6 +163,9 @@ def fsdp1_workload(base: type) -> Any:
         reshard_after_forward: bool | None = None
         #: CPUOffload(offload_params=True): flat shards, their gradients and the optimizer step on the host
         cpu_offload: bool = False
+        #: the simulation of a declared transformers < 4.52: checkpoint each unit from outside
+        #: (:mod:`ledgerspec.derivations.shard.legacy_checkpoint`); a measurement runs the installed stack as it is
+        checkpoint_outside: bool = False
 
         #: hybrid sharding's (replicate, shard) device mesh, None without it
         _mesh: Any = None
@@ -220,7 +223,7 @@ def fsdp1_workload(base: type) -> Any:
             stack = getattr(self, "stack", None)  # the estimate's workload: fake tensors
             if stack is not None and any(is_fake(p) for p in model.parameters()):
                 stack.enter_context(_fake_storage_checks())
-            return FullyShardedDataParallel(
+            wrapped = FullyShardedDataParallel(
                 model,
                 auto_wrap_policy=fsdp_auto_wrap_policy(model),
                 sharding_strategy=strategy,
@@ -237,6 +240,11 @@ def fsdp1_workload(base: type) -> Any:
                 ),
                 device_mesh=mesh,
             )
+            if self.checkpoint_outside:  # transformers < 4.52 as declared: the checkpoint wraps the unit
+                from ledgerspec.derivations.shard.legacy_checkpoint import checkpoint_outside_units
+
+                checkpoint_outside_units(wrapped)
+            return wrapped
 
     Fsdp1.__name__ = Fsdp1.__qualname__ = f"Fsdp1{base.__name__}"
     return Fsdp1
