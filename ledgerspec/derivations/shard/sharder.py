@@ -413,7 +413,10 @@ def shard(
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)
         ext["reshard_after_forward"] = FSDP2_DEFAULT
-    if offload is not None:  # issue 16: what moves to the host (ledgerspec.derivations.shard.offload)
+    from ledgerspec.derivations.shard.zero import zero_stage
+
+    if offload is not None and zero_stage(doc) is None:  # issue 16: what FSDP moves to the host (shard.offload);
+        # ZeRO's offload is its zeroN_offload row, not FSDP's CPUOffload
         from ledgerspec.derivations.shard import offload as O
 
         ext["cpu_offload"] = O.extension(plan, descs, "fsdp1" if is_fsdp1(doc) else "fsdp2", ".".join(offload))
@@ -423,8 +426,6 @@ def shard(
 
         if device_memory is None:
             device_memory = doc.get("result", "target_device", "memory").size()
-        from ledgerspec.derivations.shard.zero import zero_stage
-
         if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3: DeepSpeed's own engine per rank (issue 16)
             from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
 

@@ -61,7 +61,7 @@ def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load_for
     from ledgerspec.contract.units import format_size
     from ledgerspec.contract.writer import save
-    from ledgerspec.derivations.shard.sharder import shard
+    from ledgerspec.derivations.shard.sharder import cpu_offload, shard
 
     doc = load_for(args.file, "shard")
     memory = device_memory_bytes(args.device_memory, args.file)
@@ -84,6 +84,12 @@ def run_shard(args: argparse.Namespace) -> int:
     )
     plan = result.plan
     reshard = result.extension["reshard_after_forward"]
+    from ledgerspec.derivations.shard.zero import zero_stage
+
+    stage = zero_stage(doc)
+    if stage is not None:  # the declared strategy first: its row is below the FSDP table
+        row = f"zero{stage}_offload" if cpu_offload(doc) is not None else f"zero{stage}"
+        print(f"declared: DeepSpeed ZeRO-{stage} (its model state per rank: the {row} row below); for comparison:")
     print(
         f"{result.extension['strategy'].split(' ')[0].upper()} on {plan.world_size} ranks, reshard_after_forward="
         f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}"

@@ -204,3 +204,19 @@ def test_deepspeed_never_compiles_its_shared_memory_op() -> None:
     finally:
         OpBuilder.jit_load = original
     assert requested == []
+
+
+def test_shard_of_a_zero_ledger_names_its_row_not_fsdp_offload(tmp_path: Path) -> None:
+    """``strategy: zero3`` with ``cpu_offload: true``: ``shard`` names the declared ZeRO-3 offload row first and
+    writes no FSDP ``CPUOffloadPolicy`` block (ZeRO's offload is not FSDP's); the FSDP2 table stays, for comparison."""
+    pytest.importorskip("torch")
+    from tests.support import run_cli
+
+    path = _zero_ledger(tmp_path, 3)
+    path.write_text(path.read_text("utf-8").replace("  strategy: zero3\n", "  strategy: zero3\n  cpu_offload: true\n"))
+    code, out, err = run_cli("shard", path)
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("declared: DeepSpeed ZeRO-3") and "zero3_offload row" in out
+    assert "CPUOffloadPolicy" not in out
+    ext = load(path).plain["parallelism"]["x-per-rank"]
+    assert "cpu_offload" not in ext and ext["zero"]["zero3_offload"]["host"]["value"] > 0
