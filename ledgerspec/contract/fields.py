@@ -509,6 +509,13 @@ PARALLELISM = F(
                     "Dtype of the gradient reduce-scatter; the reduced shard is cast back to the parameter's "
                     "dtype. Absent: param_dtype.",
                 ),
+                F(
+                    "buffer_dtype",
+                    STRING,
+                    "FSDP1 only (`MixedPrecision.buffer_dtype`; FSDP2's policy has none): the dtype FSDP1 casts the "
+                    "model's floating buffers to at the first forward (e.g. the rotary `inv_freq`); accelerate's "
+                    "`mixed_precision: bf16` sets it to bf16. Absent: the buffers keep their dtype.",
+                ),
             ),
         ),
         F(

@@ -77,7 +77,8 @@ def test_fsdp_settings_as_accelerate_reads_them(name: str, monkeypatch: pytest.M
     if policy is None:
         assert value("mixed_precision_policy") == "absent"
     else:
-        for key in ("param_dtype", "reduce_dtype"):
+        keys = ("param_dtype", "reduce_dtype") + (("buffer_dtype",) if plugin.fsdp_version == 1 else ())
+        for key in keys:
             assert value("mixed_precision_policy", key) == str(getattr(policy, key)).removeprefix("torch.")
     assert keys_of(result, "unknown-key") == []
 

@@ -407,12 +407,16 @@ def fsdp1(
 def fsdp_mixed_precision(src: Source, b: Builder, origin: str) -> None:
     """accelerate's FSDP mixed precision: with ``mixed_precision`` bf16/fp16 the FSDP plugin gets
     ``MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, ...)`` (accelerate 1.15 ``AcceleratorState`` ->
-    ``FullyShardedDataParallelPlugin.set_mixed_precision``, FSDP1 and FSDP2 alike), so the gathered parameters,
-    compute and reduction run in that dtype. Needs ``training.mixed_precision`` set before."""
+    ``FullyShardedDataParallelPlugin.set_mixed_precision``, FSDP1 and FSDP2 alike; FSDP1 also gets
+    ``buffer_dtype=dtype`` unless ``buffer_autocast``, off by default), so the gathered parameters, compute and
+    reduction run in that dtype. Needs ``training.mixed_precision`` set before."""
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(str(b.value(("training", "mixed_precision")) or ""))
     if dtype is None:
         return
-    for key in ("param_dtype", "reduce_dtype"):
+    keys = ["param_dtype", "reduce_dtype"]
+    if b.value(("parallelism", "strategy")) == "fsdp1":  # FSDP1: buffer_dtype too (buffer_autocast off, the default)
+        keys.append("buffer_dtype")
+    for key in keys:
         b.set(
             ("parallelism", "mixed_precision_policy", key),
             dtype,

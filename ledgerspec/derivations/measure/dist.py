@@ -108,7 +108,14 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
     gathered_dtype = mp.param_dtype if mp else None  # parallelism.mixed_precision_policy (issue 16)
     plan: S.Fsdp1Plan | S.Fsdp2Plan
     if is_fsdp1(doc):  # parallelism.strategy: fsdp1 (issue 16): FSDP1's root stays gathered into backward too
-        plan = S.fsdp1(S.peft_fsdp1_units(descs), world, optimizer, reshard is not False, gathered_dtype)
+        plan = S.fsdp1(
+            S.peft_fsdp1_units(descs),
+            world,
+            optimizer,
+            reshard is not False,
+            gathered_dtype,
+            buffer_dtype=mp.buffer_dtype if mp else None,
+        )
         units = plan.unit_unsharded
         kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
     else:

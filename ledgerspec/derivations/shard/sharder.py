@@ -121,9 +121,13 @@ class MixedPrecision:
 
     param_dtype: str | None
     reduce_dtype: str | None
+    #: FSDP1's ``MixedPrecision.buffer_dtype`` (``_runtime_utils._root_pre_forward`` casts the floating buffers to
+    #: it at the first forward, ``_cast_buffers_to_dtype_and_device``); FSDP2's policy has no such field
+    buffer_dtype: str | None = None
 
     def describe(self) -> str:
-        return f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype})"
+        buffers = f", buffer_dtype={self.buffer_dtype}" if self.buffer_dtype else ""
+        return f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{buffers})"
 
 
 def mixed_precision(doc: Document) -> MixedPrecision | None:
@@ -131,7 +135,7 @@ def mixed_precision(doc: Document) -> MixedPrecision | None:
     if not doc.get(*MIXED_PRECISION).present:
         return None
     out: dict[str, str | None] = {}
-    for key in ("param_dtype", "reduce_dtype"):
+    for key in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         value = doc.get(*MIXED_PRECISION, key)
         text = value.text()
         if text is None:
@@ -146,9 +150,18 @@ def mixed_precision(doc: Document) -> MixedPrecision | None:
                 exit_code=EXIT_USAGE,
             )
         out[key] = name
-    if out["param_dtype"] is None and out["reduce_dtype"] is None:
+    if out["buffer_dtype"] is not None and not is_fsdp1(doc):
+        raise _err(
+            doc,
+            (*MIXED_PRECISION, "buffer_dtype"),
+            "buffer_dtype is FSDP1's (MixedPrecision); FSDP2's MixedPrecisionPolicy has none: its buffers keep "
+            "their dtype",
+            "drop buffer_dtype, or set parallelism.strategy: fsdp1",
+            exit_code=EXIT_USAGE,
+        )
+    if all(v is None for v in out.values()):
         return None
-    return MixedPrecision(out["param_dtype"], out["reduce_dtype"])
+    return MixedPrecision(out["param_dtype"], out["reduce_dtype"], out["buffer_dtype"])
 
 
 def cpu_offload(doc: Document) -> tuple[str, ...] | None:
@@ -323,6 +336,7 @@ def compute(
                 reshard_after_forward=_reshard(doc),
                 param_dtype=param_dtype,
                 use_orig_params=fsdp1_options(doc).use_orig_params,
+                buffer_dtype=mp.buffer_dtype if mp else None,
             )
         else:
             plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
@@ -401,6 +415,8 @@ def shard(
     mp = mixed_precision(doc)
     if mp is not None:
         ext["mixed_precision_policy"] = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype}
+        if mp.buffer_dtype:
+            ext["mixed_precision_policy"]["buffer_dtype"] = mp.buffer_dtype
     if is_fsdp1(doc):
         opts = fsdp1_options(doc)
         ext["fsdp1_options"] = {

@@ -169,7 +169,9 @@ def simulate_rank(
         raise _err(doc, ("identity",), f"the simulated FSDP2 step stopped early ({result.oom_message})")
     out = {name: rec.figure for name, rec in result.phases.items()}
     out["activations"] = result.activations_saved or 0
-    held = by_component(result.phases["after_adapter_injection"].census)
+    # as a measurement reads them (measurer.measured_components): held in the training steps, e.g. after FSDP1 has
+    # cast the buffers to MixedPrecision.buffer_dtype at the first forward
+    held = by_component(result.phases["steady_state_peak"].census)
     out["component.frozen_base"] = held.get("frozen_base", 0)
     out["component.adapter"] = held.get("adapter", 0)
     out["component.gradients"] = by_component(result.phases["backward_peak"].census).get("gradients", 0)
@@ -273,7 +275,12 @@ def estimate_per_rank(
     mp = mixed_precision(doc)
     if is_fsdp1(doc):  # ranks hold equal flat shards; their optimizer elements can differ
         p1 = S.fsdp1(
-            S.peft_fsdp1_units(descs), world, spec.optimizer, reshard is not False, mp.param_dtype if mp else None
+            S.peft_fsdp1_units(descs),
+            world,
+            spec.optimizer,
+            reshard is not False,
+            mp.param_dtype if mp else None,
+            buffer_dtype=mp.buffer_dtype if mp else None,
         )
         layouts: dict[tuple[int, ...], list[int]] = {}
         for rs in p1.ranks:

@@ -356,6 +356,15 @@ class Fsdp1Plan:
     param_dtype: str | None = None
 
 
+def _buffer_bytes(p: ParamDesc, buffer_dtype: str | None) -> int:
+    """A buffer's bytes once FSDP1 has cast it to ``buffer_dtype`` (floating buffers only,
+    ``_runtime_utils._get_buffers_and_dtypes_for_computation``)."""
+    if buffer_dtype is None or not p.dtype.startswith(("float", "bfloat")):
+        return p.nbytes
+    size = dtypes.itemsize(buffer_dtype)
+    return p.numel * (size if size is not None else p.itemsize)
+
+
 def fsdp1(
     params: list[ParamDesc],
     world: int,
@@ -363,6 +372,7 @@ def fsdp1(
     reshard_after_forward: bool = True,
     param_dtype: str | None = None,
     use_orig_params: bool = True,
+    buffer_dtype: str | None = None,
 ) -> Fsdp1Plan:
     """Per-rank state of FSDP1 ``FULL_SHARD`` (``reshard_after_forward``) or ``SHARD_GRAD_OP`` over the units of
     ``params`` (give them :func:`peft_fsdp1_units` for the Trainer's wrapping).
@@ -372,12 +382,14 @@ def fsdp1(
     reduce-scatter output); buffers are whole on every rank. With ``use_orig_params`` the optimizer sees the
     original parameters as views of this rank's part of the shard: its state covers the elements of each
     trainable parameter that fall in this rank's range (no padding), and a parameter with none there gets no
-    state. ``MixedPrecision.param_dtype`` (``param_dtype``) changes only the gathered units.
+    state. ``MixedPrecision.param_dtype`` (``param_dtype``) changes only the gathered units;
+    ``MixedPrecision.buffer_dtype`` (``buffer_dtype``) the floating buffers, as FSDP1 casts them at the first forward
+    (the figures are those of the training steps).
     """
     spec = fsdp2_optimizer(optimizer)
     units = flat_units(params, world, use_orig_params, param_dtype)
     ranks = [RankState(r) for r in range(world)]
-    buffers = sum(p.nbytes for p in params if p.kind == "buffer")
+    buffers = sum(_buffer_bytes(p, buffer_dtype) for p in params if p.kind == "buffer")
     for rs in ranks:
         rs.frozen_base += buffers
         for u in units.values():

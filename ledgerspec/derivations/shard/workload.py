@@ -209,6 +209,7 @@ def fsdp1_workload(base: type) -> Any:
                 policy = MixedPrecision(
                     param_dtype=getattr(torch, mp.param_dtype) if mp.param_dtype else None,
                     reduce_dtype=getattr(torch, mp.reduce_dtype) if mp.reduce_dtype else None,
+                    buffer_dtype=getattr(torch, mp.buffer_dtype) if mp.buffer_dtype else None,
                 )
             strategy = (
                 ShardingStrategy.SHARD_GRAD_OP if self.reshard_after_forward is False else ShardingStrategy.FULL_SHARD

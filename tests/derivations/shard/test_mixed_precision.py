@@ -56,6 +56,17 @@ def test_a_policy_dtype_must_be_floating(tmp_path: Path) -> None:
     assert "Traceback" not in err and path.read_bytes() == before
 
 
+def test_buffer_dtype_is_fsdp1s_only(tmp_path: Path) -> None:
+    """FSDP2's ``MixedPrecisionPolicy`` has no ``buffer_dtype`` (torch ``_fully_shard/_fsdp_api.py``): declared under
+    FSDP2 it is one line at its place, exit 2, the file untouched."""
+    path = _copy(tmp_path, [("    reduce_dtype: float32\n", "    reduce_dtype: float32\n    buffer_dtype: bfloat16\n")])
+    before = path.read_bytes()
+    code, _, err = run_cli("shard", path)
+    line = path.read_text(encoding="utf-8").splitlines().index("    buffer_dtype: bfloat16") + 1
+    assert code == 2 and f"{path.name}:{line}:" in err and "buffer_dtype is FSDP1's" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and path.read_bytes() == before
+
+
 def test_gathered_units_are_in_param_dtype(tmp_path: Path) -> None:
     """Every parameter of the ledger is float32: gathered in bfloat16 they take exactly half the bytes; the shards,
     gradients and optimizer state do not change (the probe's truth, ``test_sharding_fsdp2.py``)."""
