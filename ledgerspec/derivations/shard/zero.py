@@ -124,16 +124,17 @@ def zero_options(doc: Document) -> ZeroOptions:
     return ZeroOptions(stage, **options)
 
 
-def ds_config(spec: Any, options: ZeroOptions) -> dict[str, Any]:
+def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False) -> dict[str, Any]:
     """The DeepSpeed config the Trainer hands to ``deepspeed.initialize`` for this workload (``auto`` values filled
-    from the TrainingArguments as ``HfTrainerDeepSpeedConfig.trainer_config_process`` does)."""
+    from the TrainingArguments as ``HfTrainerDeepSpeedConfig.trainer_config_process`` does: ``bf16.enabled`` from
+    ``--bf16``)."""
     return {
         "train_micro_batch_size_per_gpu": spec.microbatch,
         "gradient_accumulation_steps": spec.accumulation,
         "gradient_clipping": spec.max_grad_norm,
         "zero_optimization": options.zero_optimization(),
         "zero_allow_untested_optimizer": True,  # transformers sets it when the Trainer builds the optimizer
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -142,10 +143,10 @@ def ds_config(spec: Any, options: ZeroOptions) -> dict[str, Any]:
 
 def zero_refusal(spec: Any) -> str | None:
     """Why this workload cannot run under the DeepSpeed path, or None."""
-    if spec.autocast_dtype is not None:
+    if spec.autocast_dtype == "float16":
         return (
-            "DeepSpeed ZeRO with training.mixed_precision (the engine's bf16/fp16 modes cast the model and keep fp32 "
-            "master partitions) is not simulated or measured yet; use training.mixed_precision: no"
+            "DeepSpeed ZeRO with training.mixed_precision: fp16 (the engine's fp16 mode and its loss scaler) is not "
+            "simulated or measured yet; bf16 and no mixed precision are"
         )
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
@@ -207,6 +208,10 @@ def fake_value_checks() -> Iterator[None]:
     ``assert_lst_len_same_as_other_ranks`` / ``get_lst_from_rank0``: an int64 tensor broadcast from rank 0 and read
     back with ``.item()``); every simulated rank runs the same program, so the fake versions allocate and broadcast
     the same tensors and return this rank's own list.
+
+    With ``bf16.enabled`` the optimizer step also reads its overflow flag on the host (``stage_1_and_2.py`` 3248,
+    ``stage3.py`` 3042: ``overflow = overflow_gpu[0].item()``, after the flag's tensors are made and all-reduced):
+    answered "no overflow", the step finite gradients take.
     """
     import deepspeed.runtime.zero.stage3 as stage3
     import deepspeed.runtime.zero.stage_1_and_2 as stage12
@@ -234,9 +239,26 @@ def fake_value_checks() -> Iterator[None]:
             return False
         return bool(original(norm))
 
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
     from ledgerspec.derivations.shard.workload import patched
 
+    def flag_unread(method: Any) -> Any:
+        def has_overflow(self: Any, *args: Any, **kwargs: Any) -> bool:
+            try:
+                return bool(method(self, *args, **kwargs))
+            except DataDependentOutputException:  # the flag's host read (`overflow_gpu[0].item()`), fake only
+                return False  # after every allocation and all-reduce of the real check: the step of finite gradients
+
+        return has_overflow
+
     with patched(
+        (
+            stage3.DeepSpeedZeroOptimizer_Stage3,
+            "has_overflow",
+            flag_unread(stage3.DeepSpeedZeroOptimizer_Stage3.has_overflow),
+        ),
+        (stage12.DeepSpeedZeroOptimizer, "has_overflow", flag_unread(stage12.DeepSpeedZeroOptimizer.has_overflow)),
         (stage3, "is_invalid_grad_norm", checked),
         (stage12, "is_invalid_grad_norm", checked),
         (zutils, "assert_lst_len_same_as_other_ranks", lst_len),
@@ -250,20 +272,29 @@ def zero_workload(base: type) -> Any:
     """A subclass of the workload class ``base`` trained by DeepSpeed ZeRO-2/3 (set ``options`` before ``prepare``)."""
 
     class Zero(base):
+        spec: Any
         options: ZeroOptions = ZeroOptions(3)
         engine: Any = None
+        #: DeepSpeed's bf16 mode (``training.mixed_precision: bf16``, the Trainer's ``--bf16`` -> ``bf16.enabled``):
+        #: the engine runs the model in bf16 and keeps fp32 master partitions; accelerate runs no autocast under
+        #: DeepSpeed (accelerate 1.15 ``Accelerator.__init__``: ``native_amp`` stays False for DEEPSPEED), so the
+        #: step runs without it
+        bf16: bool = False
 
         def prepare(self) -> None:
             if self.model is not None:
                 return
             from ledgerspec.derivations.shard.workload import adapters_in_declared_dtype
 
+            if self.spec.autocast_dtype == "bfloat16":
+                self.bf16 = True
+                self.spec = self.spec.changed(autocast_dtype=None)
             super().prepare()
             adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
 
         def _zero_init(self) -> Any:
             deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
-            return deepspeed.zero.Init(config_dict_or_path=ds_config(self.spec, self.options))
+            return deepspeed.zero.Init(config_dict_or_path=ds_config(self.spec, self.options, self.bf16))
 
         def _materialise(self, device: Any, adapters: bool) -> None:
             if adapters or self.options.stage != 3:
@@ -294,7 +325,7 @@ def zero_workload(base: type) -> Any:
                 model.to = lambda *args, **kwargs: model
             try:
                 engine, optimizer, _, _ = deepspeed.initialize(
-                    model=model, optimizer=client, config=ds_config(self.spec, self.options)
+                    model=model, optimizer=client, config=ds_config(self.spec, self.options, self.bf16)
                 )
             finally:
                 if fake:
