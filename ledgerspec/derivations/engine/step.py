@@ -200,7 +200,7 @@ class TrainerLoop(TrainingStep):
 
         # accelerator.backward: `loss = loss / self.gradient_accumulation_steps` (1: the Trainer does not use
         # accelerate's accumulation), then the scaler or a plain backward
-        super().backward(loss / 1)
+        self.accelerator_backward(loss / 1)
         step_loss = loss.detach()  # training_step returns `loss.detach()`
         # logging_nan_inf_filter (default on): `torch.isnan(x) or torch.isinf(x)`, one bool tensor at a time
         check = torch.isnan(step_loss)
@@ -210,6 +210,10 @@ class TrainerLoop(TrainingStep):
         del check
         self.tr_loss += step_loss
         self.step_loss = step_loss
+
+    def accelerator_backward(self, loss: Any) -> None:
+        """What ``accelerator.backward`` runs on the scaled loss (a DeepSpeed engine replaces it)."""
+        super().backward(loss)
 
     def optimizer_step(self) -> None:
         import torch

@@ -370,19 +370,8 @@ def zero_step(workload: Any) -> Any:
             """``engine.step`` zeroed them (the Trainer's ``model.zero_grad()`` finds nothing)."""
 
     class ZeroTrainer(ZeroMixin, TrainerLoop):
-        def backward(self, loss: Any) -> None:
-            import torch
-            from torch._subclasses.fake_tensor import is_fake
-
-            self.w.engine.backward(loss / 1)  # accelerate: DeepSpeedEngineWrapper.backward -> engine.backward
-            step_loss = loss.detach()
-            check = torch.isnan(step_loss)
-            if is_fake(check) or not bool(check):
-                del check
-                check = torch.isinf(step_loss)
-            del check
-            self.tr_loss += step_loss
-            self.step_loss = step_loss
+        def accelerator_backward(self, loss: Any) -> None:
+            self.w.engine.backward(loss)  # accelerate: DeepSpeedEngineWrapper.backward -> engine.backward
 
     class ZeroCustom(ZeroMixin, CustomLoop):
         def backward(self, loss: Any) -> None:
