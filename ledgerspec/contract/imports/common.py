@@ -295,13 +295,7 @@ def fsdp2(
     reshard_default_note: str | None,
 ) -> None:
     """FSDP2 as the ledger knows it: parameters, gradients and optimizer state sharded per rank."""
-    b.set(("memory_options", "sharding"), "fsdp2", origin, src.path, where)
-    b.set(("parallelism", "strategy"), "fsdp2", origin, src.path, where)
-    place = "cpu" if offload else "sharded"
-    for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-        b.set(("parallelism", k), place, origin + (" with CPU offload" if offload else ""), src.path)
-    b.set(("memory_options", "cpu_offload"), bool(offload), origin, src.path)
-    b.set(("parallelism", "cpu_offload"), bool(offload), origin, src.path)
+    _sharded(src, b, origin, where, "fsdp2", offload)
     if reshard is not None:
         b.set(("parallelism", "reshard_after_forward"), bool(reshard), origin, src.path, where)
     elif reshard_default_note:
@@ -319,6 +313,18 @@ _FSDP1_OPTIONS = {
     "limit_all_gathers": "limit_all_gathers",
     "use_orig_params": "use_orig_params",
 }
+
+
+def _sharded(src: Source, b: Builder, origin: str, where: tuple[Any, Any], strategy: str, offload: Any) -> None:
+    """FSDP1 and FSDP2 alike: the strategy, and parameters, gradients and optimizer state sharded per rank (on the
+    host with CPU offload)."""
+    b.set(("memory_options", "sharding"), strategy, origin, src.path, where)
+    b.set(("parallelism", "strategy"), strategy, origin, src.path, where)
+    place = "cpu" if offload else "sharded"
+    for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
+        b.set(("parallelism", k), place, origin + (" with CPU offload" if offload else ""), src.path)
+    b.set(("memory_options", "cpu_offload"), bool(offload), origin, src.path)
+    b.set(("parallelism", "cpu_offload"), bool(offload), origin, src.path)
 
 
 def fsdp1_strategy(value: Any) -> str | None:
@@ -362,13 +368,7 @@ def fsdp1(
         )
         b.unknown(("memory_options", "sharding"), f"{origin}: FSDP1 {strategy} (not modelled)", src.path)
         return False
-    b.set(("memory_options", "sharding"), "fsdp1", origin, src.path, where)
-    b.set(("parallelism", "strategy"), "fsdp1", origin, src.path, where)
-    place = "cpu" if offload else "sharded"
-    for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-        b.set(("parallelism", k), place, origin + (" with CPU offload" if offload else ""), src.path)
-    b.set(("memory_options", "cpu_offload"), bool(offload), origin, src.path)
-    b.set(("parallelism", "cpu_offload"), bool(offload), origin, src.path)
+    _sharded(src, b, origin, where, "fsdp1", offload)
     if name.startswith("HYBRID"):
         if group:
             b.set(("parallelism", "shard_group_size"), group, f"{origin}: {name} within a node", src.path, where)
