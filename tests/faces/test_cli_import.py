@@ -107,3 +107,18 @@ def test_every_fixture_resolves_offline(tmp_path: Path, name: str) -> None:
     assert doc.get("method", "trainable_parameters").source == "VERIFIED"
     code, stdout, stderr = run_cli("validate", ledger)
     assert code == 0, stdout + stderr
+
+
+def test_init_from_an_intake_escapes_its_comments_controls_on_the_terminal_only(tmp_path: Path) -> None:
+    """A comment copied from the intake may hold a tab (the one control character YAML lets a comment have; the
+    loader refuses the others): on the terminal it is shown as an escape (terminal output never interprets user
+    strings), in the ``-o`` file it stays byte for byte."""
+    intake = tmp_path / "tab.intake.yaml"
+    intake.write_text("ledgerspec: intake/v1\nidentity:\n  model_id: UNKNOWN  # a\tb\n", encoding="utf-8")
+    code, out, err = run_cli("init", "--from", intake)
+    assert code == 0, err
+    assert "# a\\tb" in out and "\t" not in out
+    written = tmp_path / "out.ledger.yaml"
+    code, _, err = run_cli("init", "--from", intake, "-o", written)
+    assert code == 0, err
+    assert "# a\tb" in written.read_text(encoding="utf-8")

@@ -89,10 +89,13 @@ def _refuse_existing(output: str, force: bool) -> None:
 
 
 def write(text: str, output: str | None, force: bool) -> None:
+    """A YAML document to ``output`` byte for byte, or to the terminal with every control character a copied
+    comment may carry (a tab, an escape sequence) shown as an escape (:class:`ledgerspec.errors.PrintableLines`)."""
     from ledgerspec.contract.writer import atomic_write
+    from ledgerspec.errors import PrintableLines
 
     if output:
         _refuse_existing(output, force)
         atomic_write(output, text, force=force)
     else:
-        sys.stdout.write(text)
+        PrintableLines(sys.stdout).write(text)

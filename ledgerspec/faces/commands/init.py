@@ -8,7 +8,6 @@ imported first, with the same findings, and the skeleton is made from that intak
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_OK, LedgerspecError
@@ -35,7 +34,7 @@ def run_init(args: argparse.Namespace) -> int:
 
     from ledgerspec.contract.document import load, require_header
     from ledgerspec.contract.skeleton import skeleton
-    from ledgerspec.contract.writer import atomic_write, check_writable
+    from ledgerspec.contract.writer import check_writable
 
     files: list[str] = args.from_files or []
     intake = None
@@ -58,11 +57,9 @@ def run_init(args: argparse.Namespace) -> int:
         if args.gpu_count is not None and args.gpu_count < 1:
             raise LedgerspecError(f"--gpu-count must be at least 1, got {args.gpu_count}", rule="init")
         _, intake = convert(files, args, args.output)
-    text = skeleton(intake, args.output)
-    if args.output:
-        atomic_write(args.output, text, force=args.force)
-    else:
-        sys.stdout.write(text)
+    from ledgerspec.faces.commands.imports import write
+
+    write(skeleton(intake, args.output), args.output, args.force)
     return EXIT_OK
 
 
