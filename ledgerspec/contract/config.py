@@ -267,6 +267,7 @@ DEEPSPEED_KEYS = {
     "allgather_bucket_size": False,
     "overlap_comm": True,
     "contiguous_gradients": True,
+    "zero_force_ds_cpu_optimizer": True,  # top-level in a DeepSpeed config, not in zero_optimization
 }
 
 

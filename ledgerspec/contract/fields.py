@@ -608,6 +608,13 @@ PARALLELISM = F(
                     SWITCH,
                     "Copy gradients into one contiguous buffer as they are produced (default true).",
                 ),
+                F(
+                    "zero_force_ds_cpu_optimizer",
+                    SWITCH,
+                    "The top-level DeepSpeed key (default true): with offload (`optimizer_placement: cpu`) the step "
+                    "runs DeepSpeedCPUAdam, built from the DeepSpeed config's `optimizer` block; DeepSpeed refuses "
+                    "another client optimizer. false: the Trainer's own optimizer steps the host partitions.",
+                ),
             ),
         ),
         F(

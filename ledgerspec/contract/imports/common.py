@@ -210,7 +210,14 @@ def deepspeed(
     b.set(("memory_options", "cpu_offload"), offload, f"{origin}: offload_optimizer/offload_param", src.path)
     b.set(("parallelism", "cpu_offload"), offload, f"{origin}: offload_optimizer/offload_param", src.path)
     read = _zero_options(src, b, zero, origin)
-    rest = {k: v for k, v in config.items() if k not in _DS_READ and k not in _DS_ECHO}
+    force = config.get("zero_force_ds_cpu_optimizer")
+    if isinstance(force, bool):  # top-level: which optimizer steps the host partitions under offload
+        b.set(("parallelism", "deepspeed", "zero_force_ds_cpu_optimizer"), force, f"{origin}", src.path)
+    rest = {
+        k: v
+        for k, v in config.items()
+        if k not in _DS_READ and k not in _DS_ECHO and not (k == "zero_force_ds_cpu_optimizer" and isinstance(v, bool))
+    }
     rest.update({f"zero_optimization.{k}": v for k, v in zero.items() if k not in _DS_ZERO_READ and k not in read})
     if rest:
         not_modelled(

@@ -232,7 +232,7 @@ def _mode_class() -> Any:
             if func in matmuls:
                 _check_matmul_dtypes(func, args)
             out = func(*args, **(kwargs or {}))
-            self.tracker._register_outputs(out)
+            self.tracker._on_op(args, out)
             return out
 
     return _TrackingMode
@@ -326,6 +326,10 @@ class MemoryTracker:
             self._add(entry.category, nbytes - entry.nbytes)
             entry.nbytes = nbytes
             self._check_peak()
+
+    def _on_op(self, args: Any, out: Any) -> None:
+        """Every op the dispatch mode sees: its outputs are registered (a subclass may look at the inputs)."""
+        self._register_outputs(out)
 
     def _register_outputs(self, out: Any) -> None:
         import torch

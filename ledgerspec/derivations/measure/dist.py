@@ -461,9 +461,20 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     stage = zero_stage(doc)
     set_plain(doc, (*p, "strategy"), f"zero{stage}" if stage else "fsdp1" if fsdp1 else STRATEGY, force=True)
     offloaded = cpu_offload(doc) is not None  # the run offloaded (DistRequest.cpu_offload): on the host, as imports say
+    hosted = {"parameter_placement": offloaded, "gradient_placement": offloaded, "optimizer_placement": offloaded}
+    if stage:  # DeepSpeed: what the run offloaded (offload_optimizer: gradients and optimizer; offload_param)
+        from ledgerspec.derivations.shard.zero import zero_options
+
+        zo = zero_options(doc)
+        offloaded = zo.offloaded
+        hosted = {
+            "parameter_placement": zo.offload_param,
+            "gradient_placement": zo.offload_optimizer,
+            "optimizer_placement": zo.offload_optimizer,
+        }
     for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
         replicated = stage == 2 and key == "parameter_placement"  # ZeRO-2 keeps whole parameters on every rank
-        set_plain(doc, (*p, key), "cpu" if offloaded else "replicated" if replicated else "sharded", force=True)
+        set_plain(doc, (*p, key), "cpu" if hosted[key] else "replicated" if replicated else "sharded", force=True)
     if all(doc.get(*where, "cpu_offload").switch() is None for where in (p, ("memory_options",))):
         # the run was without offload; a declared value (false, OFF, true: the run offloaded) stays as written
         set_plain(doc, (*p, "cpu_offload"), False, force=True)
@@ -476,7 +487,14 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
 
         text = f"zero{stage} (DeepSpeed's engine: {zero_options(doc).describe()})"
     ext = per_rank_extension(outs, reshard, *([text] if text else []))
-    if offloaded:  # issue 16: the run offloaded as declared
+    if offloaded and stage:  # issue 16: DeepSpeed's offload, as the engine ran it
+        ext["cpu_offload"] = f"DeepSpeed ZeRO-{stage} {zero_options(doc).describe()}" + (
+            "; without an accelerator DeepSpeed's host and device are the same memory and its pin_memory() a no-op: "
+            "every figure counts both sides"
+            if merged.backend != "cuda"
+            else ""
+        )
+    elif offloaded:  # issue 16: the run offloaded as declared
         from ledgerspec.derivations.shard.offload import describe
 
         ext["cpu_offload"] = describe("fsdp1" if fsdp1 else "fsdp2") + (
@@ -522,9 +540,9 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     base = single(doc, device, steps, None, None)
     if zero_stage(doc) is not None:
         from ledgerspec.derivations.engine.workload import WorkloadSpec
-        from ledgerspec.derivations.shard.zero import zero_refusal
+        from ledgerspec.derivations.shard.zero import zero_options, zero_refusal
 
-        why = zero_refusal(WorkloadSpec.from_json(base.spec))
+        why = zero_refusal(WorkloadSpec.from_json(base.spec), zero_options(doc))
         if why:
             raise LedgerspecError(why, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="see docs/multi-gpu.md")
     elif base.spec.get("quant") is not None:

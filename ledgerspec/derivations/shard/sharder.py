@@ -303,6 +303,25 @@ def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], opt
             "device_total": _fig(z.device_total, how),
             "host": _fig(z.host, how + ", on the host"),
         }
+        if z.offload:  # issue 16: what comes back per step (DeepSpeed 0.19.8's copies, read from its source)
+            part = f"ceil(bytes/{w})"
+            zero_out[key]["to_host_per_micro_step"] = _fig(
+                z.to_host,
+                f"device -> host: the rank's reduced gradient partition, {part}"
+                + (" (once per optimizer step under ZeRO-1)" if z.stage == 1 else ""),
+            )
+            if z.stage == 3:
+                zero_out[key]["to_device_per_micro_step"] = _fig(
+                    z.to_device_per_micro_step,
+                    f"host -> device: every parameter partition ({part}) fetched before its all-gather, in forward "
+                    "and again in backward (offload_param)",
+                )
+            else:
+                zero_out[key]["to_device_per_step"] = _fig(
+                    z.to_device_per_step,
+                    f"host -> device after the optimizer step: the updated trainable partition ({part}), then "
+                    "all-gathered",
+                )
     strategy = (
         "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy: decoder layers + each "
         f"trainable leaf module + root, {'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
@@ -385,16 +404,6 @@ def shard(
     if estimate:  # a step no real run takes (issue 16): one line before anything is simulated
         check_fsdp1_mixed_precision(doc)
     offload = cpu_offload(doc)
-    strategy = (doc.get("parallelism", "strategy").text() or doc.get("memory_options", "sharding").text() or "").lower()
-    if estimate and offload is not None and strategy.startswith(("zero", "deepspeed")):
-        raise _err(
-            doc,
-            offload,
-            "ZeRO offload (DeepSpeed offload_optimizer / offload_param) is not simulated; the FSDP offload model "
-            "(CPUOffloadPolicy / CPUOffload) does not apply to it",
-            "drop --estimate (the zero*_offload rows give ZeRO's model state with offload)",
-            exit_code=EXIT_USAGE,
-        )
     try:
         descs = document_descriptors(doc, offline=offline, trust_remote_code=trust_remote_code)
     except ValueError as exc:

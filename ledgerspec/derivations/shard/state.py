@@ -470,6 +470,15 @@ class ZeroState:
     gradients: int
     optimizer: int
     host: int  # bytes moved to the host by offload
+    #: offload only (DeepSpeed 0.19.8): device -> host, the rank's reduced gradient partition (ZeRO-2/3 each
+    #: micro-step, ``partition_grads`` / ``copy_grads_in_partition``; ZeRO-1 once per optimizer step)
+    to_host: int = 0
+    #: offload only: host -> device per optimizer step, the updated trainable partition in the parameters' dtype
+    #: (ZeRO-1/2 ``_optimizer_step`` then the all-gather; ZeRO-3 without offload_param); 0 with offload_param
+    to_device_per_step: int = 0
+    #: ZeRO-3 with offload_param: host -> device per micro-step, every partition fetched before its all-gather in
+    #: forward and again in backward (persistent small parameters stay on the device: counted as partitioned here)
+    to_device_per_micro_step: int = 0
 
     @property
     def device_total(self) -> int:
@@ -503,7 +512,13 @@ def zero(
     grads = gradient_bytes if stage == 1 else part(gradient_bytes)
     opt = part(optimizer_bytes)
     host = 0
+    moves: dict[str, int] = {}
     if offload:
+        moves["to_host"] = part(gradient_bytes)
+        if stage == 3:
+            moves["to_device_per_micro_step"] = 2 * (part(frozen_bytes) + part(trainable_bytes))
+        else:
+            moves["to_device_per_step"] = part(trainable_bytes)
         host += opt
         opt = 0
         if stage >= 2:
@@ -512,7 +527,7 @@ def zero(
         if stage == 3:
             host += params
             params = 0
-    return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host)
+    return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host, **moves)
 
 
 def totals(params: list[ParamDesc], optimizer: str = "adamw_torch") -> dict[str, int]:

@@ -28,8 +28,13 @@ The order of work is transformers' Trainer with a DeepSpeed config (``transforme
 
 Mixed precision: the Trainer does not autocast under DeepSpeed; ``bf16``/``fp16`` in the DeepSpeed config makes the
 engine cast the model (``engine._configure_distributed_model``: ``self.module.bfloat16()``) and keep fp32 master
-partitions. This module runs fp32 or the parameters' own dtype only (``training.mixed_precision: no``); other values
-are refused (:func:`zero_refusal`).
+partitions. ``training.mixed_precision: bf16`` runs the engine's bf16 mode; fp16 (its loss scaler) is refused
+(:func:`zero_refusal`).
+
+CPU offload (``offload_optimizer`` / ``offload_param`` from the document's placements, :func:`zero_offload`) is
+passed to DeepSpeed in the same config; with DeepSpeed's default ``zero_force_ds_cpu_optimizer`` the step runs
+``DeepSpeedCPUAdam`` from the config's ``optimizer`` block. How the simulation keeps the host apart:
+:mod:`ledgerspec.derivations.shard.zero_offload`.
 """
 
 from __future__ import annotations
@@ -65,6 +70,14 @@ class ZeroOptions:
     allgather_bucket_size: int = 500_000_000  # config.py:132 pp_int(5e8)
     overlap_comm: bool | None = None  # config.py:138, 384-386
     contiguous_gradients: bool = True  # config.py:102
+    #: ``offload_optimizer: {device: cpu}``: the fp32 partitions, their gradients and the optimizer on the host
+    offload_optimizer: bool = False
+    #: ``offload_param: {device: cpu}`` (ZeRO-3 only): the parameter partitions on the host
+    offload_param: bool = False
+    #: the top-level ``zero_force_ds_cpu_optimizer`` (default true, ``runtime/constants.py``): with
+    #: ``offload_optimizer`` DeepSpeed refuses a client optimizer other than ``DeepSpeedCPUAdam`` (``engine.py``
+    #: 2342-2346), so the step runs the optimizer of the config's ``optimizer`` block, ``DeepSpeedCPUAdam``
+    force_ds_cpu_optimizer: bool = True
 
     def zero_optimization(self) -> dict[str, Any]:
         """The ``zero_optimization`` block of a DeepSpeed config."""
@@ -76,6 +89,10 @@ class ZeroOptions:
         }
         if self.overlap_comm is not None:
             block["overlap_comm"] = self.overlap_comm
+        if self.offload_optimizer:
+            block["offload_optimizer"] = {"device": "cpu"}
+        if self.offload_param:
+            block["offload_param"] = {"device": "cpu"}
         if self.stage == 3:
             block.update(
                 stage3_prefetch_bucket_size=self.prefetch_bucket_size,
@@ -85,9 +102,26 @@ class ZeroOptions:
             )
         return block
 
+    @property
+    def offloaded(self) -> bool:
+        return self.offload_optimizer or self.offload_param
+
+    @property
+    def cpu_adam(self) -> bool:
+        """The step runs ``DeepSpeedCPUAdam`` built from the config's ``optimizer`` block (not the Trainer's)."""
+        return self.offload_optimizer and self.force_ds_cpu_optimizer
+
     def describe(self) -> str:
         z = self.zero_optimization()
-        return ", ".join(f"{k}={v}" for k, v in z.items())
+        for key in ("offload_optimizer", "offload_param"):
+            if key in z:
+                z[key] = "cpu"
+        text = ", ".join(f"{k}={v}" for k, v in z.items())
+        if self.cpu_adam:
+            text += ", optimizer DeepSpeedCPUAdam"
+        elif self.offload_optimizer:
+            text += ", zero_force_ds_cpu_optimizer=False (the Trainer's optimizer on the host)"
+        return text
 
 
 #: ledger key under ``parallelism.deepspeed`` -> ZeroOptions attribute
@@ -100,7 +134,10 @@ OPTION_KEYS = {
     "allgather_bucket_size": "allgather_bucket_size",
     "overlap_comm": "overlap_comm",
     "contiguous_gradients": "contiguous_gradients",
+    "zero_force_ds_cpu_optimizer": "force_ds_cpu_optimizer",
 }
+#: ``optimizer.name`` values DeepSpeedCPUAdam stands for under ZeRO-Offload (the config's ``optimizer`` block type)
+CPU_ADAM_TYPES = {"adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adam": "Adam"}
 
 
 def zero_stage(doc: Document) -> int | None:
@@ -121,14 +158,43 @@ def zero_options(doc: Document) -> ZeroOptions:
     if stage is None:
         raise ValueError("the document does not declare parallelism.strategy zero2 or zero3")
     options: dict[str, Any] = {OPTION_KEYS[key]: value for key, value in config.read(doc).deepspeed}
-    return ZeroOptions(stage, **options)
+    optimizer, param = zero_offload(doc, stage)
+    return ZeroOptions(stage, offload_optimizer=optimizer, offload_param=param, **options)
+
+
+def placement(doc: Document, key: str) -> str:
+    """``parallelism.<key>`` as written, lower case (``""`` when absent)."""
+    return (doc.get("parallelism", key).text() or "").strip().lower()
+
+
+def zero_offload(doc: Document, stage: int) -> tuple[bool, bool]:
+    """(``offload_optimizer``, ``offload_param``) as the document declares them: ``optimizer_placement: cpu`` and
+    ``parameter_placement: cpu`` (what the DeepSpeed import writes for ``offload_optimizer`` / ``offload_param``);
+    with neither, ``cpu_offload: true`` means both for ZeRO-3 and the optimizer's for ZeRO-2, as the calculated
+    ``zeroN_offload`` rows count it."""
+    optimizer = placement(doc, "optimizer_placement") == "cpu"
+    param = placement(doc, "parameter_placement") == "cpu"
+    if not (optimizer or param):
+        on = any(doc.get(*where, "cpu_offload").switch() for where in (("parallelism",), ("memory_options",)))
+        optimizer, param = on, on and stage == 3
+    return optimizer, param
 
 
 def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False) -> dict[str, Any]:
     """The DeepSpeed config the Trainer hands to ``deepspeed.initialize`` for this workload (``auto`` values filled
     from the TrainingArguments as ``HfTrainerDeepSpeedConfig.trainer_config_process`` does: ``bf16.enabled`` from
-    ``--bf16``)."""
-    return {
+    ``--bf16``). With ``offload_optimizer`` and DeepSpeed's default ``zero_force_ds_cpu_optimizer``, the config
+    names the optimizer (``"optimizer": {"type": "AdamW"}``), as DeepSpeed's offload examples do: DeepSpeed builds
+    ``DeepSpeedCPUAdam`` from it (``engine.py`` ``get_optimizer_configuration``)."""
+    from ledgerspec.derivations.engine.workload import LEARNING_RATE
+
+    extra: dict[str, Any] = {"zero_force_ds_cpu_optimizer": options.force_ds_cpu_optimizer}
+    if options.cpu_adam:
+        extra["optimizer"] = {
+            "type": CPU_ADAM_TYPES.get(spec.optimizer, "AdamW"),
+            "params": {"lr": LEARNING_RATE, "weight_decay": 0.0},
+        }
+    return extra | {
         "train_micro_batch_size_per_gpu": spec.microbatch,
         "gradient_accumulation_steps": spec.accumulation,
         "gradient_clipping": spec.max_grad_norm,
@@ -141,8 +207,17 @@ def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False) -> dict[str, 
     }
 
 
-def zero_refusal(spec: Any) -> str | None:
-    """Why this workload cannot run under the DeepSpeed path, or None."""
+def zero_refusal(spec: Any, options: ZeroOptions | None = None) -> str | None:
+    """Why this workload cannot run under the DeepSpeed path (with ``options``), or None."""
+    if options is not None and options.offload_param and options.stage != 3:
+        return "parameter_placement: cpu (DeepSpeed offload_param) exists for ZeRO-3 only"
+    if options is not None and options.cpu_adam and spec.optimizer not in CPU_ADAM_TYPES:
+        return (
+            f"ZeRO-Offload runs DeepSpeedCPUAdam (Adam/AdamW) and refuses a client optimizer ({spec.optimizer}) "
+            "unless zero_force_ds_cpu_optimizer is false (deepspeed engine.py: ZeRORuntimeException); declare "
+            "parallelism.deepspeed.zero_force_ds_cpu_optimizer: false to step the Trainer's optimizer on the host, "
+            "or an Adam optimizer"
+        )
     if spec.autocast_dtype == "float16":
         return (
             "DeepSpeed ZeRO with training.mixed_precision: fp16 (the engine's fp16 mode and its loss scaler) is not "
@@ -209,6 +284,13 @@ def fake_value_checks() -> Iterator[None]:
     back with ``.item()``); every simulated rank runs the same program, so the fake versions allocate and broadcast
     the same tensors and return this rank's own list.
 
+    Under ZeRO-Offload the gradient norm is summed on the host (``complete_grad_norm_calculation_for_cpu_offload``,
+    ``stage3.py`` 1975-2003, ``stage_1_and_2.py`` 1914-1954: ``float(total_norm)`` / ``.item()`` of the per-parameter
+    norms, then a one-element tensor made and all-reduced): those reads are answered 1.0 (:func:`finite_reads`), a
+    finite norm; ZeRO-1/2 also checks each offloaded gradient for NaN/Inf as it arrives
+    (``update_offload_overflow_tracker``, ``stage_1_and_2.py`` 1791: the truth of ``has_inf_or_nan``), answered
+    "none". Every tensor these methods make is still made.
+
     With ``bf16.enabled`` the optimizer step also reads its overflow flag on the host (``stage_1_and_2.py`` 3248,
     ``stage3.py`` 3042: ``overflow = overflow_gpu[0].item()``, after the flag's tensors are made and all-reduced):
     answered "no overflow", the step finite gradients take.
@@ -252,7 +334,20 @@ def fake_value_checks() -> Iterator[None]:
 
         return has_overflow
 
+    def norm_read(method: Any) -> Any:
+        def complete(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with finite_reads():
+                return method(self, *args, **kwargs)
+
+        return complete
+
+    cpu_norm = "complete_grad_norm_calculation_for_cpu_offload"
+    overflow = "update_offload_overflow_tracker"
+    z3, z12 = stage3.DeepSpeedZeroOptimizer_Stage3, stage12.DeepSpeedZeroOptimizer
     with patched(
+        (z3, cpu_norm, norm_read(getattr(z3, cpu_norm))),
+        (z12, cpu_norm, norm_read(getattr(z12, cpu_norm))),
+        (z12, overflow, norm_read(getattr(z12, overflow))),
         (
             stage3.DeepSpeedZeroOptimizer_Stage3,
             "has_overflow",
@@ -263,6 +358,30 @@ def fake_value_checks() -> Iterator[None]:
         (stage12, "is_invalid_grad_norm", checked),
         (zutils, "assert_lst_len_same_as_other_ranks", lst_len),
         (zutils, "get_lst_from_rank0", from_rank0),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def finite_reads() -> Iterator[None]:
+    """Inside the block, a host read of a fake tensor's value answers as finite gradients do: ``item()`` and
+    ``float()`` 1.0 (a norm), truth False (a NaN/Inf check); a real tensor's read is its value."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    def read(original: Any, value: Any) -> Any:
+        def answer(self: Any) -> Any:
+            return value if is_fake(self) else original(self)
+
+        return answer
+
+    from ledgerspec.derivations.shard.workload import patched
+
+    T = torch.Tensor
+    with patched(
+        (T, "item", read(T.item, 1.0)),
+        (T, "__float__", read(T.__float__, 1.0)),
+        (T, "__bool__", read(T.__bool__, False)),
     ):
         yield
 
@@ -280,6 +399,8 @@ def zero_workload(base: type) -> Any:
         #: DeepSpeed (accelerate 1.15 ``Accelerator.__init__``: ``native_amp`` stays False for DEEPSPEED), so the
         #: step runs without it
         bf16: bool = False
+        #: the simulation's side-keeping tracker under offload (:mod:`ledgerspec.derivations.shard.zero_offload`)
+        sides: Any = None
 
         def prepare(self) -> None:
             if self.model is not None:
@@ -315,8 +436,16 @@ def zero_workload(base: type) -> Any:
             from torch._subclasses.fake_tensor import is_fake
 
             deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
-            client = super().make_optimizer()
             model = self.model
+            client: Any = None
+            params: Any = None
+            if self.options.cpu_adam:  # transformers: a DummyOptim over the trainable parameters, DeepSpeed builds
+                # DeepSpeedCPUAdam from the config's optimizer block (deepspeed_optim_sched, _prepare_deepspeed)
+                params = [p for p in model.parameters() if p.requires_grad]
+            else:
+                if self.options.offload_optimizer:  # it steps the host partitions: torch's CPU defaults (no foreach)
+                    self.optimizer_device = "cpu"
+                client = super().make_optimizer()
             fake = any(is_fake(p) for p in model.parameters() if not p.is_meta)
             if fake:
                 # engine._configure_distributed_model: `self.module.to(self.device)`, a no-op for tensors already
@@ -325,12 +454,19 @@ def zero_workload(base: type) -> Any:
                 model.to = lambda *args, **kwargs: model
             try:
                 engine, optimizer, _, _ = deepspeed.initialize(
-                    model=model, optimizer=client, config=ds_config(self.spec, self.options, self.bf16)
+                    model=model,
+                    optimizer=client,
+                    model_parameters=params,
+                    config=ds_config(self.spec, self.options, self.bf16),
                 )
             finally:
                 if fake:
                     del model.to
             self.engine, self.optimizer = engine, optimizer
+            if self.sides is not None:  # simulated offload: the host optimizer's allocations on the host
+                from ledgerspec.derivations.shard.zero_offload import host_optimizer
+
+                host_optimizer(optimizer, self.sides)
             return optimizer
 
         @property

@@ -55,6 +55,17 @@ ZERO3_FULL = (
 )
 
 
+#: how the simulated phases are split under ZeRO offload (the estimate's method text)
+ZERO_OFFLOAD_METHOD = (
+    "offload: phases are the device's, each tensor on the side DeepSpeed names for it (host: what it makes with its "
+    "offload device or torch's default device, the outputs of host tensors, the host optimizer's step, its host "
+    "buffers by name), host_peak the most the host side held; the host reads of the gradient norm answered finite; "
+)
+#: added when the step runs DeepSpeedCPUAdam
+CPU_ADAM_METHOD = "DeepSpeedCPUAdam's C++ update (in place, no torch tensor) stood in for; "
+
+
+
 @contextlib.contextmanager
 def rank_environment(rank: int, world: int) -> Iterator[None]:
     """The variables torchrun sets for a rank on one node, for the duration of one simulated rank."""
@@ -110,12 +121,22 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
     import_deepspeed()
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
     cls = zero_workload(_estimate_workload_class())
+    options = zero_options(doc)
+    sides: dict[str, tuple[int, int]] = {}
     with rank_environment(rank, world), deepspeed_globals(), fake_process_group(rank, world), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         workload = cls(doc, run_spec, source, spec.attention, target)
-        workload.options = zero_options(doc)
+        workload.options = options
         workload.stack.enter_context(fake_value_checks())
         backend = TrackerBackend(fake=True, granularity=granularity(target))
+        if options.offloaded:  # issue 16: ZeRO offload, each storage on the side a GPU run puts it
+            from ledgerspec.derivations.shard.offload import recording_sides
+            from ledgerspec.derivations.shard.zero_offload import offload_sides, sides_tracker_class
+
+            backend.tracker = sides_tracker_class()(granularity=granularity(target))
+            workload.sides = backend.tracker
+            workload.stack.enter_context(offload_sides(backend.tracker, options, target == "cuda"))
+            sides = workload.stack.enter_context(recording_sides(backend))
         with workload.stack:
             result = run_protocol(workload, backend, device="cpu", steps=1)
             held = zero_components(workload) if result.complete else {}
@@ -125,6 +146,11 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
     out["activations"] = result.activations_saved or 0
     for key, value in held.items():
         out[f"component.{key}"] = value
+    if options.offloaded:
+        for name, (device, host) in sides.items():
+            out[f"device.{name}"], out[f"host.{name}"] = device, host
+        split: Any = backend.tracker
+        out["host_peak"] = split.host_max
     return out
 
 
@@ -193,7 +219,7 @@ def estimate_zero_per_rank(
     read: list[ZeroOptions] = []
 
     def refuse(spec: Any) -> None:
-        why = zero_refusal(spec)
+        why = zero_refusal(spec, zero_options(doc))
         if why:
             raise _err(doc, ("parallelism", "strategy"), why)
         read.append(zero_options(doc))
@@ -214,21 +240,28 @@ def estimate_zero_per_rank(
     for r in range(world):
         rep = r if r in simulated else 0
         figures = simulated[rep]
-        ranks.append(
-            RankEstimate(
-                r,
-                {k: figures[k] for k in PHASES},
-                figures["activations"],
-                {k: figures[f"component.{k}"] for k in F.RESIDENT},
-                rep,
-            )
+        offloaded = "host_peak" in figures
+        rank = RankEstimate(
+            r,
+            {k: figures[f"device.{k}" if offloaded else k] for k in PHASES},
+            figures["activations"],
+            {k: figures[f"component.{k}"] for k in F.RESIDENT},
+            rep,
         )
+        if offloaded:  # phases: the device's; the host's and the totals beside them
+            rank.host_phases = {k: figures[f"host.{k}"] for k in PHASES}
+            rank.total_phases = {k: figures[k] for k in PHASES}
+            rank.host_peak = figures["host_peak"]
+        ranks.append(rank)
     method = (
         f"ledgerspec shard --estimate: DeepSpeed ZeRO-{options.stage} (deepspeed "
         f"{_version()}, {options.describe()}) run per rank by DeepSpeed's own engine under torch FakeTensorMode with "
         f"a fake process group of {world} ranks: zero.Init partitions at load, deepspeed.initialize with the "
         "Trainer's optimizer, engine forward/backward/step; the gradient-norm check answered finite; ignores NCCL "
-        "buffers, CUDA context, allocator caching and stream overlap; " + E.method_text(est_plan, spec, target)
+        "buffers, CUDA context, allocator caching and stream overlap; "
+        + (ZERO_OFFLOAD_METHOD if options.offloaded else "")
+        + (CPU_ADAM_METHOD if options.cpu_adam else "")
+        + E.method_text(est_plan, spec, target)
     )
     notes = [f"simulated rank(s) {', '.join(str(r) for r in simulated)}; every rank partitions into the same sizes"]
     return ShardEstimate(

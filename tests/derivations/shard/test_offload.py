@@ -235,16 +235,6 @@ def test_measure_nproc_keeps_a_declared_cpu_offload(
     assert places == ({"cpu"} if requested else {"sharded"})
 
 
-def test_zero_offload_is_not_simulated_as_fsdp_offload(tmp_path: Path) -> None:
-    """DeepSpeed's offload is another mechanism: ``--estimate`` refuses it (one line, exit 2, file unchanged)."""
-    path = _ledger(tmp_path, "zero3")
-    before = path.read_bytes()
-    code, _, err = run_cli("shard", path, "--estimate")
-    line = path.read_text().splitlines().index("  cpu_offload: true") + 1
-    assert code == 2 and f"{path.name}:{line}:" in err and "ZeRO offload" in err and "Traceback" not in err, err
-    assert path.read_bytes() == before
-
-
 def test_staging_copy_before_the_all_gather() -> None:
     """On the CPU FSDP2's ``.to(self.device)`` of the host shard is the shard itself (no copy, so a CPU run cannot
     show the device copy a GPU makes); the cuda-target simulation makes that copy, in the shard's bytes."""

@@ -13,8 +13,10 @@ gloo threads, as documented for FSDP in ``benchmarks/results/per_rank.md``); the
 So rank 0 (and a receiving rank: seen once on rank 1) may be higher by exactly the bytes of the last parameter
 partitioned in that phase: ``after_load`` (``zero.Init`` at load: the tiny model's ``lm_head``, 1001 x 72 fp32 =
 288,288 B) or ``after_optimizer_init`` (``deepspeed.initialize`` partitions the adapters: the last one is layer 1's
-``down_proj.lora_B``, 72 x 5 fp32 = 1,440 B). The same timing once held ZeRO-2's one-element gradient-norm
-all-reduce (4 B) into a measured optimizer step (``NORM_ALL_REDUCE``). Every other phase is equal to the byte.
+``down_proj.lora_B``, 72 x 5 fp32 = 1,440 B; once, with two pytest workers running real DeepSpeed ranks side by
+side, the one broadcast before it, layer 1's ``down_proj.lora_A``, 5 x 200 fp32 = 4,000 B: ``HELD_BROADCASTS``). The
+same timing once held ZeRO-2's one-element gradient-norm all-reduce (4 B) into a measured optimizer step
+(``NORM_ALL_REDUCE``). Every other phase is equal to the byte.
 DeepSpeed's bf16 mode (the Trainer's ``--bf16``) runs too: every phase of both stages equal, with the same
 broadcast timing.
 """
@@ -41,6 +43,8 @@ needs_deepspeed = pytest.mark.skipif(
 )
 #: the last parameter broadcast from rank 0 in each phase on the tiny model (see the module docstring)
 LAST_BROADCAST = {"after_load": 1001 * 72 * 4, "after_optimizer_init": 72 * 5 * 4}
+#: what gloo was seen to hold per phase: the last broadcast, or (under load, once) the one before it
+HELD_BROADCASTS = {"after_load": {LAST_BROADCAST["after_load"]}, "after_optimizer_init": {72 * 5 * 4, 5 * 200 * 4}}
 #: ZeRO-2's optimizer step all-reduces the gradient norm as a one-element float32 tensor (``stage_1_and_2.py``
 #: 1944, ``total_dev_norm``); seen once (CI-like load, rank 0) 4 B above the simulation in optimizer_step_peak: gloo's
 #: work object still held it, the same timing as LAST_BROADCAST
@@ -163,7 +167,7 @@ def test_simulated_phases_equal_the_real_deepspeed_run(runs: dict[str, Any]) -> 
         sim = rank.phases
         diff = {k: real[k] - sim[k] for k in PHASES if real[k] != sim[k]}
         if runs["stage"] == 3:  # gloo may still hold a phase's last broadcast (docstring; seen on rank 0 only)
-            assert all(LAST_BROADCAST.get(k) == v for k, v in diff.items()), diff
+            assert all(v in HELD_BROADCASTS.get(k, ()) for k, v in diff.items()), diff
         else:
             assert all(NORM_ALL_REDUCE.get(k) == v for k, v in diff.items()), (out.rank, diff)
 
