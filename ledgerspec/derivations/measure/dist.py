@@ -162,6 +162,10 @@ def run_rank(req: DistRequest) -> RankOutput:
         workload = zero_workload(Workload)(doc, spec)
         workload.options = zero_options(doc)
         result = run_protocol(workload, backend, device=device, steps=req.steps)
+        if result.complete:
+            from ledgerspec.derivations.shard.zero_simulate import check_steps
+
+            check_steps(doc, workload.engine, 1 + req.steps)
         return RankOutput(rank, result, software_versions(workload, req.device), {})
     workload = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(Workload)(doc, spec)
     workload.reshard_after_forward = req.reshard_after_forward
@@ -473,11 +477,12 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
             "optimizer_placement": zo.offload_optimizer,
         }
     for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-        replicated = stage == 2 and key == "parameter_placement"  # ZeRO-2 keeps whole parameters on every rank
+        replicated = stage in (1, 2) and key == "parameter_placement"  # ZeRO-1/2 keep whole parameters
         set_plain(doc, (*p, key), "cpu" if hosted[key] else "replicated" if replicated else "sharded", force=True)
     if all(doc.get(*where, "cpu_offload").switch() is None for where in (p, ("memory_options",))):
-        # the run was without offload; a declared value (false, OFF, true: the run offloaded) stays as written
-        set_plain(doc, (*p, "cpu_offload"), False, force=True)
+        # not declared: what the run did (DeepSpeed may offload by its placements alone); a declared value (false,
+        # OFF, true: the run offloaded) stays as written
+        set_plain(doc, (*p, "cpu_offload"), offloaded, force=True)
     if reshard is not None:
         set_plain(doc, (*p, "reshard_after_forward"), reshard, force=True)
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)

@@ -303,24 +303,31 @@ def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], opt
             "device_total": _fig(z.device_total, how),
             "host": _fig(z.host, how + ", on the host"),
         }
-        if z.offload:  # issue 16: what comes back per step (DeepSpeed 0.19.8's copies, read from its source)
-            part = f"ceil(bytes/{w})"
-            zero_out[key]["to_host_per_micro_step"] = _fig(
+        if z.offload:  # issue 16: what moves each step (DeepSpeed 0.19.8's copies: state.zero_offload_traffic)
+            part = f"the rank's gradient partition, ceil(bytes/{w})"
+            zero_out[key]["to_host_per_step"] = _fig(
                 z.to_host,
-                f"device -> host: the rank's reduced gradient partition, {part}"
-                + (" (once per optimizer step under ZeRO-1)" if z.stage == 1 else ""),
+                f"device -> host per optimizer step: {part} each micro-step when accumulating"
+                + (" (and brought back to add to)" if z.stage < 3 else " (and back to the device)")
+                + ", then in fp32 into the host's gradient",
+            )
+            zero_out[key]["to_device_per_step"] = _fig(
+                z.to_device_per_step,
+                "host -> device per optimizer step: "
+                + (
+                    "the gradient partition back to accumulate on the device, each micro-step"
+                    if z.stage == 3
+                    else "the accumulated gradients back from the second micro-step on, and the updated trainable "
+                    "partition after the step (then all-gathered)"
+                ),
             )
             if z.stage == 3:
                 zero_out[key]["to_device_per_micro_step"] = _fig(
                     z.to_device_per_micro_step,
-                    f"host -> device: every parameter partition ({part}) fetched before its all-gather, in forward "
-                    "and again in backward (offload_param)",
-                )
-            else:
-                zero_out[key]["to_device_per_step"] = _fig(
-                    z.to_device_per_step,
-                    f"host -> device after the optimizer step: the updated trainable partition ({part}), then "
-                    "all-gathered",
+                    f"host -> device per micro-step, at most: every parameter partition (ceil(bytes/{w})) fetched "
+                    "before its all-gather in forward, in backward and in the recompute under gradient "
+                    "checkpointing (offload_param; persistent small parameters and those kept by "
+                    "stage3_max_reuse_distance are not fetched again)",
                 )
     strategy = (
         "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy: decoder layers + each "
@@ -365,6 +372,10 @@ def compute(
             where = ("adapter", "dtype") if doc.get("adapter", "dtype").present else ("parallelism", "strategy")
         raise _err(doc, where, str(exc)) from None
     t = S.totals(descs, optimizer)
+    from ledgerspec.contract import config
+
+    cfg = config.read(doc)
+    master = sum(p.nbytes // p.itemsize * 4 for p in descs if p.trainable and p.kind == "param")
     zero = {
         f"zero{stage}{'_offload' if off else ''}": S.zero(
             stage,
@@ -375,6 +386,9 @@ def compute(
             t["optimizer"],
             offload=off,
             replicated_bytes=t["replicated"],
+            master_bytes=master,
+            accumulation=cfg.workload.gradient_accumulation or 1,
+            recompute=bool(cfg.gradient_checkpointing),
         )
         for stage in (1, 2, 3)
         for off in (False, True)

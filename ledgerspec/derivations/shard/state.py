@@ -470,14 +470,12 @@ class ZeroState:
     gradients: int
     optimizer: int
     host: int  # bytes moved to the host by offload
-    #: offload only (DeepSpeed 0.19.8): device -> host, the rank's reduced gradient partition (ZeRO-2/3 each
-    #: micro-step, ``partition_grads`` / ``copy_grads_in_partition``; ZeRO-1 once per optimizer step)
+    #: offload only (DeepSpeed 0.19.8's copies, :func:`zero_offload_traffic`): device -> host per optimizer step
     to_host: int = 0
-    #: offload only: host -> device per optimizer step, the updated trainable partition in the parameters' dtype
-    #: (ZeRO-1/2 ``_optimizer_step`` then the all-gather; ZeRO-3 without offload_param); 0 with offload_param
+    #: offload only: host -> device per optimizer step (gradients brought back to accumulate, updated parameters)
     to_device_per_step: int = 0
-    #: ZeRO-3 with offload_param: host -> device per micro-step, every partition fetched before its all-gather in
-    #: forward and again in backward (persistent small parameters stay on the device: counted as partitioned here)
+    #: ZeRO-3 with offload_param: host -> device per micro-step at most, every partition fetched before its
+    #: all-gather (forward, backward, and the recompute under gradient checkpointing)
     to_device_per_micro_step: int = 0
 
     @property
@@ -494,13 +492,18 @@ def zero(
     optimizer_bytes: int,
     offload: bool = False,
     replicated_bytes: int = 0,
+    master_bytes: int = 0,
+    accumulation: int = 1,
+    recompute: bool = False,
 ) -> ZeroState:
     """Per-rank model state of ZeRO stage 1/2/3 (``ceil(bytes / world)`` per partitioned component).
 
     Stage 1 partitions the optimizer state, 2 also the gradients, 3 also the parameters (frozen and
     trainable). ``offload`` = ``offload_optimizer`` (the optimizer state and, from stage 2 on, the
     partitioned gradients go to the host) plus, for stage 3, ``offload_param``. ``replicated_bytes`` (buffers,
-    quantization constants) stay whole on every rank's device.
+    quantization constants) stay whole on every rank's device. With offload, ``master_bytes`` (the trainable
+    parameters in fp32), ``accumulation`` (micro-steps per optimizer step) and ``recompute`` (gradient
+    checkpointing) give what moves each step (:func:`zero_offload_traffic`).
     """
     if stage not in (1, 2, 3):
         raise ValueError("ZeRO stage must be 1, 2 or 3")
@@ -514,11 +517,14 @@ def zero(
     host = 0
     moves: dict[str, int] = {}
     if offload:
-        moves["to_host"] = part(gradient_bytes)
-        if stage == 3:
-            moves["to_device_per_micro_step"] = 2 * (part(frozen_bytes) + part(trainable_bytes))
-        else:
-            moves["to_device_per_step"] = part(trainable_bytes)
+        moves = zero_offload_traffic(
+            stage,
+            part(gradient_bytes),
+            part(master_bytes),
+            part(frozen_bytes) + part(trainable_bytes),
+            accumulation,
+            recompute,
+        )
         host += opt
         opt = 0
         if stage >= 2:
@@ -528,6 +534,37 @@ def zero(
             host += params
             params = 0
     return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host, **moves)
+
+
+def zero_offload_traffic(
+    stage: int, grads: int, master: int, params: int, accumulation: int, recompute: bool
+) -> dict[str, int]:
+    """What DeepSpeed 0.19.8 copies between host and device per optimizer step of ``accumulation`` micro-steps
+    under ZeRO-Offload, for one rank: ``grads`` its gradient partition in the gradients' dtype (DeepSpeed's
+    ``grad_accum_dtype``, by default the model's), ``master`` the same partition in fp32, ``params`` its parameter
+    partitions (ZeRO-3 with ``offload_param``).
+
+    ZeRO-1/2 (``stage_1_and_2.py``): with accumulation, every micro-step copies the rank's gradients to the host and,
+    from the second on, brings the accumulated ones back to add to (``async_accumulate_grad_in_cpu_via_gpu``,
+    1809-1856: whole parameters of the partition, counted here as the partition); the last micro-step copies the
+    partition into the fp32 gradient on the host (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``, 1887-1897);
+    after the step the updated partition goes back to the device in the parameters' dtype, then is all-gathered.
+    ZeRO-3 (``stage3.py`` ``partition_grads``): every micro-step copies the reduced partition to the host and back
+    to the device to accumulate (2025-2036), the last one also into the fp32 gradient (1457); with
+    ``offload_param`` the update stays on the host and every non-persistent partition is fetched to the device
+    before its all-gather: once in forward, again in backward when it was released (``stage3_max_reuse_distance``
+    may keep it; an upper bound), once more for the recompute under gradient checkpointing.
+    """
+    k = max(1, accumulation)
+    if stage == 3:
+        fetches = 3 if recompute else 2
+        return {
+            "to_host": k * grads + master,
+            "to_device_per_step": k * grads,
+            "to_device_per_micro_step": fetches * params,
+        }
+    to_host = (k * grads if k > 1 else 0) + master
+    return {"to_host": to_host, "to_device_per_step": (k - 1) * grads + grads}
 
 
 def totals(params: list[ParamDesc], optimizer: str = "adamw_torch") -> dict[str, int]:

@@ -28,8 +28,8 @@ The order of work is transformers' Trainer with a DeepSpeed config (``transforme
 
 Mixed precision: the Trainer does not autocast under DeepSpeed; ``bf16``/``fp16`` in the DeepSpeed config makes the
 engine cast the model (``engine._configure_distributed_model``: ``self.module.bfloat16()``) and keep fp32 master
-partitions. ``training.mixed_precision: bf16`` runs the engine's bf16 mode; fp16 (its loss scaler) is refused
-(:func:`zero_refusal`).
+partitions. ``training.mixed_precision: bf16`` / ``fp16`` run the engine's bf16 / fp16 mode (fp16 with its dynamic
+loss scaler; DeepSpeed's CPU accelerator is told fp16 is supported, :func:`import_deepspeed`).
 
 CPU offload (``offload_optimizer`` / ``offload_param`` from the document's placements, :func:`zero_offload`) is
 passed to DeepSpeed in the same config; with DeepSpeed's default ``zero_force_ds_cpu_optimizer`` the step runs
@@ -49,7 +49,7 @@ from typing import Any
 from ledgerspec.contract.document import Document
 
 #: ``parallelism.strategy`` / ``memory_options.sharding`` values run by this module
-STRATEGIES = ("zero2", "zero3")
+STRATEGIES = ("zero1", "zero2", "zero3")
 DEEPSPEED_VERSION = "0.19.8"
 
 
@@ -78,6 +78,10 @@ class ZeroOptions:
     #: ``offload_optimizer`` DeepSpeed refuses a client optimizer other than ``DeepSpeedCPUAdam`` (``engine.py``
     #: 2342-2346), so the step runs the optimizer of the config's ``optimizer`` block, ``DeepSpeedCPUAdam``
     force_ds_cpu_optimizer: bool = True
+    #: a placement declared ``nvme`` (DeepSpeed's NVMe offload, ZeRO-Infinity): refused, not modelled
+    nvme: bool = False
+    #: ``cpu_offload: false`` declared beside a ``cpu`` placement: refused (which one ran?)
+    contradicted: bool = False
 
     def zero_optimization(self) -> dict[str, Any]:
         """The ``zero_optimization`` block of a DeepSpeed config."""
@@ -141,7 +145,7 @@ CPU_ADAM_TYPES = {"adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adam": 
 
 
 def zero_stage(doc: Document) -> int | None:
-    """2 or 3 when the document runs DeepSpeed ZeRO-2/3 (``parallelism.strategy``, else ``memory_options.sharding``)."""
+    """1, 2 or 3 when the document runs DeepSpeed ZeRO (``parallelism.strategy``, else ``memory_options.sharding``)."""
     strategy = doc.get("parallelism", "strategy").text()
     if strategy is None:
         strategy = doc.get("memory_options", "sharding").text()
@@ -159,7 +163,12 @@ def zero_options(doc: Document) -> ZeroOptions:
         raise ValueError("the document does not declare parallelism.strategy zero2 or zero3")
     options: dict[str, Any] = {OPTION_KEYS[key]: value for key, value in config.read(doc).deepspeed}
     optimizer, param = zero_offload(doc, stage)
-    return ZeroOptions(stage, offload_optimizer=optimizer, offload_param=param, **options)
+    nvme = any(placement(doc, k) == "nvme" for k in ("optimizer_placement", "parameter_placement"))
+    off = [doc.get(*where, "cpu_offload").switch() for where in (("parallelism",), ("memory_options",))]
+    contradicted = (optimizer or param) and False in off
+    return ZeroOptions(
+        stage, offload_optimizer=optimizer, offload_param=param, nvme=nvme, contradicted=contradicted, **options
+    )
 
 
 def placement(doc: Document, key: str) -> str:
@@ -180,7 +189,7 @@ def zero_offload(doc: Document, stage: int) -> tuple[bool, bool]:
     return optimizer, param
 
 
-def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False) -> dict[str, Any]:
+def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False, fp16: bool = False) -> dict[str, Any]:
     """The DeepSpeed config the Trainer hands to ``deepspeed.initialize`` for this workload (``auto`` values filled
     from the TrainingArguments as ``HfTrainerDeepSpeedConfig.trainer_config_process`` does: ``bf16.enabled`` from
     ``--bf16``). With ``offload_optimizer`` and DeepSpeed's default ``zero_force_ds_cpu_optimizer``, the config
@@ -201,7 +210,7 @@ def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False) -> dict[str, 
         "zero_optimization": options.zero_optimization(),
         "zero_allow_untested_optimizer": True,  # transformers sets it when the Trainer builds the optimizer
         "bf16": {"enabled": bf16},
-        "fp16": {"enabled": False},
+        "fp16": {"enabled": fp16},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -209,6 +218,13 @@ def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False) -> dict[str, 
 
 def zero_refusal(spec: Any, options: ZeroOptions | None = None) -> str | None:
     """Why this workload cannot run under the DeepSpeed path (with ``options``), or None."""
+    if options is not None and options.contradicted:
+        return (
+            "cpu_offload: false is declared beside a cpu placement (DeepSpeed offload_optimizer / offload_param): "
+            "declare what the run does, one or the other"
+        )
+    if options is not None and options.nvme:
+        return "NVMe offload (a placement: nvme) is not simulated or measured; CPU offload (cpu) is"
     if options is not None and options.offload_param and options.stage != 3:
         return "parameter_placement: cpu (DeepSpeed offload_param) exists for ZeRO-3 only"
     if options is not None and options.cpu_adam and spec.optimizer not in CPU_ADAM_TYPES:
@@ -217,11 +233,6 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None) -> str | None:
             "unless zero_force_ds_cpu_optimizer is false (deepspeed engine.py: ZeRORuntimeException); declare "
             "parallelism.deepspeed.zero_force_ds_cpu_optimizer: false to step the Trainer's optimizer on the host, "
             "or an Adam optimizer"
-        )
-    if spec.autocast_dtype == "float16":
-        return (
-            "DeepSpeed ZeRO with training.mixed_precision: fp16 (the engine's fp16 mode and its loss scaler) is not "
-            "simulated or measured yet; bf16 and no mixed precision are"
         )
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
@@ -258,7 +269,12 @@ def import_deepspeed(cpu: bool = True) -> Any:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        get_accelerator()  # fixed on first use
+        accelerator = get_accelerator()  # fixed on first use
+    if cpu and accelerator._name == "cpu":
+        # DeepSpeed's CPU accelerator says fp16 only where oneDNN has fast fp16 kernels (AVX512-FP16,
+        # `cpu_accelerator.py` is_fp16_supported); torch runs fp16 on any CPU, slowly. The engine's fp16 mode is run
+        # here for its memory, which does not depend on the kernels' speed
+        accelerator.is_fp16_supported = lambda: True
     # the module itself: `import deepspeed.comm.torch as m` would bind `deepspeed.comm.torch` *the attribute*, which
     # deepspeed.comm's star import makes the torch package, and the patch would miss DeepSpeed (checked by a test)
     comm_torch: Any = importlib.import_module("deepspeed.comm.torch")
@@ -388,7 +404,7 @@ def finite_reads() -> Iterator[None]:
 
 @cache
 def zero_workload(base: type) -> Any:
-    """A subclass of the workload class ``base`` trained by DeepSpeed ZeRO-2/3 (set ``options`` before ``prepare``)."""
+    """A subclass of the workload class ``base`` trained by DeepSpeed ZeRO (set ``options`` before ``prepare``)."""
 
     class Zero(base):
         spec: Any
@@ -399,6 +415,10 @@ def zero_workload(base: type) -> Any:
         #: DeepSpeed (accelerate 1.15 ``Accelerator.__init__``: ``native_amp`` stays False for DEEPSPEED), so the
         #: step runs without it
         bf16: bool = False
+        #: DeepSpeed's fp16 mode (``training.mixed_precision: fp16``, the Trainer's ``--fp16`` -> ``fp16.enabled``):
+        #: the model in fp16, fp32 master partitions, the dynamic loss scaler (``fp16.loss_scale: 0``, DeepSpeed's
+        #: default: the loss multiplied by the scale before backward, the overflow flag read after the reduction)
+        fp16: bool = False
         #: the simulation's side-keeping tracker under offload (:mod:`ledgerspec.derivations.shard.zero_offload`)
         sides: Any = None
 
@@ -407,15 +427,16 @@ def zero_workload(base: type) -> Any:
                 return
             from ledgerspec.derivations.shard.workload import adapters_in_declared_dtype
 
-            if self.spec.autocast_dtype == "bfloat16":
-                self.bf16 = True
+            if self.spec.autocast_dtype in ("bfloat16", "float16"):
+                self.bf16 = self.spec.autocast_dtype == "bfloat16"
+                self.fp16 = not self.bf16
                 self.spec = self.spec.changed(autocast_dtype=None)
             super().prepare()
             adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
 
         def _zero_init(self) -> Any:
             deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
-            return deepspeed.zero.Init(config_dict_or_path=ds_config(self.spec, self.options, self.bf16))
+            return deepspeed.zero.Init(config_dict_or_path=ds_config(self.spec, self.options, self.bf16, self.fp16))
 
         def _materialise(self, device: Any, adapters: bool) -> None:
             if adapters or self.options.stage != 3:
@@ -457,7 +478,7 @@ def zero_workload(base: type) -> Any:
                     model=model,
                     optimizer=client,
                     model_parameters=params,
-                    config=ds_config(self.spec, self.options, self.bf16),
+                    config=ds_config(self.spec, self.options, self.bf16, self.fp16),
                 )
             finally:
                 if fake:
@@ -466,7 +487,7 @@ def zero_workload(base: type) -> Any:
             if self.sides is not None:  # simulated offload: the host optimizer's allocations on the host
                 from ledgerspec.derivations.shard.zero_offload import host_optimizer
 
-                host_optimizer(optimizer, self.sides)
+                host_optimizer(optimizer, self.sides, self.options)
             return optimizer
 
         @property
@@ -485,6 +506,17 @@ def zero_step(workload: Any) -> Any:
 
     class ZeroMixin:
         w: Any
+        backwards = 0
+
+        def engine_backward(self, loss: Any) -> None:
+            """accelerate's ``DeepSpeedEngineWrapper.backward`` (accelerate 1.15 ``utils/deepspeed.py`` 264-281):
+            the engine is told whether this micro-step ends the accumulation
+            (``set_gradient_accumulation_boundary(sync_gradients)``), then ``engine.backward``; ``engine.step`` runs
+            once, after the last one (:meth:`optimizer_step`). Without the boundary the engine counts micro-steps only
+            in ``step()`` and, called once per optimizer step, would never reach one with accumulation."""
+            self.backwards += 1
+            self.w.engine.set_gradient_accumulation_boundary(self.backwards % self.w.spec.accumulation == 0)
+            self.w.engine.backward(loss)
 
         @contextlib.contextmanager
         def _engine(self) -> Iterator[None]:
@@ -507,11 +539,11 @@ def zero_step(workload: Any) -> Any:
 
     class ZeroTrainer(ZeroMixin, TrainerLoop):
         def accelerator_backward(self, loss: Any) -> None:
-            self.w.engine.backward(loss)  # accelerate: DeepSpeedEngineWrapper.backward -> engine.backward
+            self.engine_backward(loss)  # accelerate: DeepSpeedEngineWrapper.backward
 
     class ZeroCustom(ZeroMixin, CustomLoop):
         def backward(self, loss: Any) -> None:
-            self.w.engine.backward(loss)
+            self.engine_backward(loss)
 
     return ZeroTrainer(workload) if workload.spec.loop == "trainer" else ZeroCustom(workload)
 

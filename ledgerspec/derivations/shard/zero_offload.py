@@ -5,32 +5,38 @@
 the host in its own code: ZeRO-1/2 ``self.device = 'cpu'`` (``stage_1_and_2.py`` 278), ZeRO-3
 ``self.device = OffloadDeviceEnum.cpu`` (``stage3.py`` 333) and ``zero.Init``'s ``remote_device`` from
 ``offload_param.device`` (``partition_parameters.py`` 1161-1168); the device is
-``get_accelerator().current_device_name()``. Every host buffer is made with ``device=self.device`` (or
-``remote_device``) or converted with ``.to(self.device)``; on a CPU-only machine both names are ``"cpu"``.
+``get_accelerator().current_device_name()``. Most host buffers are made with ``device=self.device`` (or
+``remote_device``) or converted with ``.to(self.device)``; on a CPU-only machine both names are ``"cpu"``. The rest
+are made with no device (``stage3.py`` 906-907), with the ``.device`` of another host tensor
+(``stage_1_and_2.py`` 567-570) or by ``.cpu()``: rules 2 and 5 below.
 
 So, in the simulation only (:func:`offload_sides`), each storage is put on its side as a GPU run would put it:
 
-1. **Named host.** ZeRO-1/2's ``device`` and ``zero.Init``'s ``remote_device`` are stored as :class:`HostName`
+1. **Named host.** ZeRO-1/2's ``device``, ZeRO-3's ``subgroup_to_device`` and ``zero.Init``'s ``remote_device`` are
+   stored as :class:`HostName`
    (a ``str`` equal to ``"cpu"``) when offload is declared; ZeRO-3's optimizer already holds the enum member. A torch
    call given such a device (a factory, ``Tensor.to``) or ``Tensor.cpu()`` allocates on the host; with the cuda
    target, ``.to(host)`` of a device tensor that returns the tensor itself (the CPU run's no-op) is made a copy, the
    transfer a GPU run makes.
 2. **torch's default device.** A factory without a device called from DeepSpeed's ZeRO code allocates where torch
-   allocates by default, the host (``stage3.py`` 905: ``param_groups_fp16_flat_cpu_memory``).
+   allocates by default, the host (``stage3.py`` 906-907: ``param_groups_fp16_flat_cpu_memory``).
 3. **Where the inputs are.** An op whose tensor inputs are all on the host makes its outputs there (the optimizer's
    norms of host gradients, ``clone`` of a host partition).
-4. **The host optimizer.** Everything ``DeepSpeedCPUAdam.step`` (or the client optimizer's, with
-   ``zero_force_ds_cpu_optimizer: false``) allocates: it steps the host partitions.
-5. **The host buffers by name.** After ``deepspeed.initialize``, the buffers DeepSpeed keeps on the host
-   (:data:`HOST_BUFFERS`) are put there whatever the rules above said: some are made with ``device=`` the
-   ``.device`` of another host tensor, a ``torch.device("cpu")`` that names nothing on a CPU-only run.
+4. **The host optimizer.** With ``offload_optimizer``, everything ``DeepSpeedCPUAdam.step`` (or the client
+   optimizer's, with ``zero_force_ds_cpu_optimizer: false``) allocates: it steps the host partitions.
+5. **The optimizer's buffers by name.** After ``deepspeed.initialize``, the buffers of :data:`HOST_BUFFERS` are put
+   on the host with ``offload_optimizer`` and on the device without it, whatever the rules above said: some are
+   made with ``device=`` the ``.device`` of another host tensor, a ``torch.device("cpu")`` that names nothing on a
+   CPU-only run; with ``offload_param`` alone ZeRO-3's fp32 master partitions are ``.to(self.device)`` copies of host
+   partitions, a no-op on the CPU.
 
-Everything else is on the device. The totals do not depend on the sides. Rule 1's copies are made for the cuda
-target only (transient, freed at once); for the cpu target a transfer is the CPU's no-op, so the totals are those
-of a real run on the CPU, compared to the byte by ``tests/derivations/shard/test_zero_offload.py``; a tensor
-converted by such a no-op keeps its side. Not made on either target: the host -> device copies DeepSpeed makes of
-one gradient partition at a time in backward (``stage3.py`` 2028 ``grad_buffer.to(grad_partition.device)``; on a GPU
-the norm of that partition is computed on the device, here on the host).
+Everything else is on the device. The totals do not depend on the sides. For the cuda target the transfers a GPU
+run makes are made: rule 1's device -> host copies, and DeepSpeed's ``.to(<the device>)`` of a host tensor becomes a
+device copy (``stage3.py`` 2028/2034: each gradient partition brought back to accumulate; ``partition_parameters.py``
+1360/1396: each offloaded parameter partition before its all-gather), transient. For the cpu target a transfer is
+the CPU's no-op, so the totals are those of a real run on the CPU, compared to the byte by
+``tests/derivations/shard/test_zero_offload.py``; a tensor converted by such a no-op keeps its side (the norm of a
+gradient partition, computed on the device on a GPU, is the host's here: a few bytes).
 
 ``DeepSpeedCPUAdam`` is a C++ op (``CPUAdamBuilder``, compiled on first use); fake tensors have no data for it. Its
 update works in place on the tensors it is given (``ops/adam/cpu_adam.py`` ``step``: the state tensors are made in
@@ -75,11 +81,13 @@ def _is_host(value: Any) -> bool:
 
 
 def _named_device(args: Any, kwargs: Any) -> Any:
+    import torch
+
     device = kwargs.get("device") if kwargs else None
     if device is not None:
         return device
     for a in args[1:3]:  # Tensor.to(device, dtype) / Tensor.to(dtype)
-        if isinstance(a, str):
+        if isinstance(a, str | torch.device):
             return a
     return None
 
@@ -100,7 +108,18 @@ def _sides_mode(tracker: Any, transfers: bool) -> Any:
                 caller = sys._getframe(1).f_globals.get("__name__", "")
                 host = caller.startswith("deepspeed.runtime.zero")
             if not host:
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                if (
+                    transfers
+                    and func is torch.Tensor.to
+                    and device is not None
+                    and out is args[0]
+                    and tracker.on_host(out)
+                    and sys._getframe(1).f_globals.get("__name__", "").startswith("deepspeed.")
+                ):
+                    with tracker.devicing():
+                        out = out.clone()  # the host -> device transfer a GPU run makes (a no-op on the CPU)
+                return out
             with tracker.hosting():
                 out = func(*args, **kwargs)
                 if (
@@ -131,8 +150,19 @@ def sides_tracker_class() -> type:
             super().__init__(*args, **kwargs)
             self.grads_to_host = False
 
+        _devicing = 0
+
         def _host_now(self) -> bool:
-            return bool(self._hosting > 0)
+            return bool(self._hosting > 0) and not self._devicing
+
+        @contextlib.contextmanager
+        def devicing(self) -> Iterator[None]:
+            """Inside: new storages on the device whatever their inputs (a transfer to the device)."""
+            self._devicing += 1
+            try:
+                yield
+            finally:
+                self._devicing -= 1
 
         def on_host(self, t: Any) -> bool:
             lt = local_tensor(t)
@@ -140,7 +170,7 @@ def sides_tracker_class() -> type:
 
         def _on_op(self, args: Any, out: Any) -> None:
             inputs = [a for a in _tensors(args, torch.Tensor)]
-            if inputs and all(self.on_host(t) for t in inputs):
+            if not self._devicing and inputs and all(self.on_host(t) for t in inputs):
                 with self.hosting():
                     self._register_outputs(out)
             else:
@@ -159,11 +189,13 @@ def _tensors(args: Any, cls: type) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def offload_sides(tracker: Any, options: Any, transfers: bool) -> Iterator[None]:
-    """Rules 1-4 of the module docstring while the simulated ZeRO step runs with ``tracker`` (a
+    """Rules 1-3 of the module docstring while the simulated ZeRO step runs with ``tracker`` (a
     :func:`sides_tracker_class` instance) and the ``options`` (:class:`ledgerspec.derivations.shard.zero.ZeroOptions`)
-    it declares; ``DeepSpeedCPUAdam``'s op replaced by :func:`cpu_adam_stand_in`. ``transfers`` (the cuda target):
-    rule 1's device -> host copies are made; without it (the cpu target) a transfer is the no-op it is on the CPU
-    and the totals are those of a real run on the CPU."""
+    it declares; ``DeepSpeedCPUAdam``'s op replaced by :func:`cpu_adam_stand_in` (rules 4-5:
+    :func:`host_optimizer`). ``transfers`` (the cuda target): the copies between host and device a GPU run makes are
+    made; without it (the cpu target) a transfer is the no-op it is on the CPU and the totals are those of a real run
+    on the CPU. The patched classes get their own attributes back on exit; objects made inside (the engine and its
+    optimizer) keep the patched values and are not used after it."""
     from unittest import mock
 
     import deepspeed.runtime.zero.partition_parameters as pp
@@ -238,17 +270,18 @@ def _held(value: Any) -> Iterator[Any]:
             yield from _held(v)
 
 
-def host_optimizer(optimizer: Any, tracker: Any) -> None:
-    """After ``deepspeed.initialize``: rule 5, the host buffers DeepSpeed made from the device of another host
-    tensor (``device=weights_partition.device``: a ``torch.device`` on a CPU-only run, no name to tell) or converted
-    by the CPU's no-op ``.to``, put on the host by what they are (:data:`HOST_BUFFERS`); and rule 4, the basic
-    optimizer inside DeepSpeed's ZeRO optimizer steps under ``tracker.hosting()`` (an instance attribute on that
-    object only)."""
+def host_optimizer(optimizer: Any, tracker: Any, options: Any) -> None:
+    """After ``deepspeed.initialize``: rule 5, the optimizer's buffers of :data:`HOST_BUFFERS` put on the host with
+    ``offload_optimizer`` (some were made from the device of another host tensor, ``device=weights_partition.device``:
+    a ``torch.device`` on a CPU-only run, no name to tell; some converted by the CPU's no-op ``.to``) and on the
+    device without it (``offload_param`` alone: ZeRO-3's fp32 master partitions and gradients stay on the device,
+    made by ``.to(self.device)`` of host partitions); and rule 4 with ``offload_optimizer``, the basic optimizer
+    inside DeepSpeed's ZeRO optimizer steps under ``tracker.hosting()`` (an instance attribute on that object)."""
     for name in HOST_BUFFERS:
         for t in _held(getattr(optimizer, name, None)):
-            tracker.to_side(t, host=True)
+            tracker.to_side(t, host=options.offload_optimizer)
     basic = getattr(optimizer, "optimizer", None)
-    if basic is None:
+    if basic is None or not options.offload_optimizer:
         return
     step = basic.step
 

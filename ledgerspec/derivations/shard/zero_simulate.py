@@ -1,4 +1,4 @@
-"""``shard --estimate`` under DeepSpeed ZeRO-2/3: DeepSpeed's own engine run per rank on fake tensors (issue 16).
+"""``shard --estimate`` under DeepSpeed ZeRO-1/2/3: DeepSpeed's own engine run per rank on fake tensors (issue 16).
 
 For rank ``r`` of ``W`` a fake process group (:func:`ledgerspec.derivations.shard.simulate.fake_process_group`:
 collectives return at once, their outputs are the buffers DeepSpeed itself allocates) is initialised in this process,
@@ -63,7 +63,6 @@ ZERO_OFFLOAD_METHOD = (
 )
 #: added when the step runs DeepSpeedCPUAdam
 CPU_ADAM_METHOD = "DeepSpeedCPUAdam's C++ update (in place, no torch tensor) stood in for; "
-
 
 
 @contextlib.contextmanager
@@ -142,6 +141,7 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
             held = zero_components(workload) if result.complete else {}
     if result.oom or not result.complete:
         raise _err(doc, ("identity",), f"the simulated ZeRO step stopped early ({result.oom_message})")
+    check_steps(doc, workload.engine, 1 + 1)
     out = {name: rec.figure for name, rec in result.phases.items()}
     out["activations"] = result.activations_saved or 0
     for key, value in held.items():
@@ -152,6 +152,20 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
         split: Any = backend.tracker
         out["host_peak"] = split.host_max
     return out
+
+
+def check_steps(doc: Document, engine: Any, expected: int) -> None:
+    """DeepSpeed's own count of optimizer steps (``engine.global_steps``, advanced only at an accumulation boundary)
+    is the protocol's: a step the engine skipped would leave figures of a run that skips updates."""
+    taken = getattr(engine, "global_steps", expected)
+    if taken != expected:
+        raise _err(
+            doc,
+            ("workload", "gradient_accumulation"),
+            f"DeepSpeed's engine took {taken} optimizer steps where the protocol ran {expected}: the figures would be "
+            "of a run that skips updates",
+            "report this: the engine was not told its accumulation boundary",
+        )
 
 
 def zero_components(workload: Any) -> dict[str, int]:
@@ -210,7 +224,7 @@ def estimate_zero_per_rank(
     progress: Any = None,
     offline: bool = True,
 ) -> ShardEstimate:
-    """The per-rank estimate of ``doc`` on ``world`` DeepSpeed ZeRO-2/3 ranks."""
+    """The per-rank estimate of ``doc`` on ``world`` DeepSpeed ZeRO-1/2/3 ranks."""
     from ledgerspec.derivations.estimate import estimator as E
     from ledgerspec.derivations.shard.zero import ZeroOptions, zero_options, zero_refusal
 

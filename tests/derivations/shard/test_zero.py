@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2/3 per rank (issue 16 item 3): the options read from the ledger, and the simulated step per rank
+"""DeepSpeed ZeRO-1/2/3 per rank (issue 16 item 3): the options read from the ledger, and the simulated step per rank
 (``shard --estimate``: DeepSpeed's own engine under a fake process group and fake tensors) against a REAL DeepSpeed
 run of the same workload (``measure --nproc 2``: torchrun, gloo on the CPU, ``DS_ACCELERATOR=cpu``).
 
@@ -17,8 +17,8 @@ partitioned in that phase: ``after_load`` (``zero.Init`` at load: the tiny model
 side, the one broadcast before it, layer 1's ``down_proj.lora_A``, 5 x 200 fp32 = 4,000 B: ``HELD_BROADCASTS``). The
 same timing once held ZeRO-2's one-element gradient-norm all-reduce (4 B) into a measured optimizer step
 (``NORM_ALL_REDUCE``). Every other phase is equal to the byte.
-DeepSpeed's bf16 mode (the Trainer's ``--bf16``) runs too: every phase of both stages equal, with the same
-broadcast timing.
+DeepSpeed's bf16 and fp16 modes (the Trainer's ``--bf16`` / ``--fp16``) run too: every phase of both stages equal,
+with the same broadcast timing; so does ZeRO-1.
 """
 
 from __future__ import annotations
@@ -116,42 +116,62 @@ def test_defaults_are_deepspeeds_own() -> None:
             assert getattr(ours, key) == getattr(theirs, key), (stage, key)
 
 
-def test_fp16_is_refused_bf16_is_not(tmp_path: Path) -> None:
+def test_the_engine_mixed_precision_modes_are_not_refused(tmp_path: Path) -> None:
+    """bf16 and fp16 (the Trainer's ``--bf16`` / ``--fp16``: DeepSpeed's own modes, no autocast) run; the real runs
+    below check them."""
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.shard.zero import zero_refusal
+    from ledgerspec.derivations.shard.zero import ds_config, zero_options, zero_refusal
 
     path = _zero_ledger(tmp_path, 3)
     text = path.read_text(encoding="utf-8")
-    path.write_text(text + "training:\n  mixed_precision: fp16\n", encoding="utf-8")
-    why = zero_refusal(WorkloadSpec.from_document(load(path)))
-    assert why is not None and "fp16" in why
-    path.write_text(text + "training:\n  mixed_precision: bf16\n", encoding="utf-8")
-    assert zero_refusal(WorkloadSpec.from_document(load(path))) is None
+    for mode in ("fp16", "bf16"):
+        path.write_text(text + f"training:\n  mixed_precision: {mode}\n", encoding="utf-8")
+        doc = load(path)
+        assert zero_refusal(WorkloadSpec.from_document(doc), zero_options(doc)) is None
+    config = ds_config(WorkloadSpec.from_document(doc), zero_options(doc), fp16=True)
+    assert config["fp16"] == {"enabled": True} and config["bf16"] == {"enabled": False}
 
 
 @pytest.fixture(
     scope="module",
-    params=[(3, False), (2, False), (3, True), (2, True)],
-    ids=["zero3", "zero2", "zero3-bf16", "zero2-bf16"],
+    params=[
+        (3, None),
+        (2, None),
+        (1, None),
+        (3, "bf16"),
+        (2, "bf16"),
+        (3, "fp16"),
+        (2, "fp16"),
+        (3, "ga2"),
+        (2, "ga2"),
+    ],
+    ids=["zero3", "zero2", "zero1", "zero3-bf16", "zero2-bf16", "zero3-fp16", "zero2-fp16", "zero3-ga2", "zero2-ga2"],
 )
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The real DeepSpeed run (2 ranks, gloo) and the simulation of the same ledger; ``-bf16``: the Trainer's
     ``--bf16`` (``training.mixed_precision: bf16``), DeepSpeed's bf16 mode: the engine runs the fp32-loaded model in
-    bf16 with fp32 master partitions, no autocast."""
+    bf16 with fp32 master partitions, no autocast; ``-fp16``: the Trainer's ``--fp16``, DeepSpeed's fp16 mode, the
+    same with the dynamic loss scaler (the loss scaled before backward; its overflow flag read after the reduction,
+    answered "no overflow" in the simulation). DeepSpeed's CPU accelerator says fp16 is unsupported without fast
+    oneDNN fp16 kernels; ``import_deepspeed`` says it is (torch runs fp16 on any CPU: memory does not depend on
+    speed). ZeRO-1: optimizer state partitioned, gradients whole (``stage_1_and_2.py`` without partition_gradients)."""
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     pytest.importorskip("peft")
     from ledgerspec.derivations.measure.dist import make_request, run_ranks
     from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
 
-    stage, bf16 = request.param
+    stage, precision = request.param
     # ZeRO-3: every parameter of the tiny model is under DeepSpeed's default persistence threshold (1e5 elements) and
     # would stay whole on every rank after the first forward; 0 makes every module gather and release its parameters
     options = "{reduce_bucket_size: 100000" + (", stage3_param_persistence_threshold: 0}" if stage == 3 else "}")
     path = _zero_ledger(tmp_path_factory.mktemp(f"zero{stage}"), stage, options)
-    if bf16:
+    if precision == "ga2":  # two micro-steps per optimizer step: the engine is told the boundary, as accelerate does
         text = path.read_text(encoding="utf-8")
-        path.write_text(text + "training:\n  loop: trainer\n  mixed_precision: bf16\n", encoding="utf-8")
+        path.write_text(text.replace("gradient_accumulation: 1", "gradient_accumulation: 2"), encoding="utf-8")
+    elif precision:
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text + f"training:\n  loop: trainer\n  mixed_precision: {precision}\n", encoding="utf-8")
     doc = load(path)
     real = run_ranks(make_request(doc, 2, "cpu", 2), timeout=300)
     est = estimate_zero_per_rank(doc, 2, target="cpu")
@@ -173,12 +193,36 @@ def test_simulated_phases_equal_the_real_deepspeed_run(runs: dict[str, Any]) -> 
 
 
 @pytest.mark.slow
+def test_a_step_the_engine_skips_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two micro-steps per optimizer step, DeepSpeed's engine steps only at a boundary it is told of (accelerate
+    calls ``set_gradient_accumulation_boundary`` before each backward); untold, it counts micro-steps in ``step()``
+    only, so one ``step()`` per optimizer step updates every other step. Every simulated and measured ZeRO run
+    checks DeepSpeed's own ``engine.global_steps`` (the ``runs`` above, ``-ga2`` included, pass that check); without
+    the boundary the check says so in one line."""
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    pytest.importorskip("peft")
+    from ledgerspec.derivations.shard.zero import import_deepspeed
+    from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
+    from ledgerspec.errors import LedgerspecError
+
+    import_deepspeed()
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    path = _zero_ledger(tmp_path, 3, "{reduce_bucket_size: 100000, stage3_param_persistence_threshold: 0}")
+    path.write_text(path.read_text("utf-8").replace("gradient_accumulation: 1", "gradient_accumulation: 2"))
+    monkeypatch.setattr(DeepSpeedEngine, "set_gradient_accumulation_boundary", lambda self, is_boundary: None)
+    with pytest.raises(LedgerspecError, match="took 1 optimizer steps where the protocol ran 2"):
+        estimate_zero_per_rank(load(path), 2, target="cpu")
+
+
+@pytest.mark.slow
 def test_the_rank_holds_partitions_not_the_model(runs: dict[str, Any]) -> None:
     """ZeRO-3 partitions the frozen base at load (half per rank, plus the persistent small parameters and buffers);
-    ZeRO-2 keeps it whole on every rank: the real runs' after_load differ by the partitioning."""
+    ZeRO-1/2 keep it whole on every rank: the real runs' after_load differ by the partitioning."""
     after_load = [o.result.phases["after_load"].figure for o in runs["real"]]
     est = [r.phases["after_load"] for r in runs["est"].ranks]
-    if runs["stage"] == 2:
+    if runs["stage"] < 3:
         assert after_load == est == [1048104, 1048104]  # the whole fp32 base and its buffers (census of the model)
     else:  # about half, on every rank; a real rank may still hold the last broadcast (module docstring)
         assert est[0] == est[1] < 1048104 // 2 + 50_000

@@ -51,6 +51,12 @@ CASES = {
     "zero2-optimizer": (2, "  optimizer_placement: cpu\n", ""),
     # ZeRO-3, offload_optimizer only, the Trainer's torch AdamW on the host (zero_force_ds_cpu_optimizer: false)
     "zero3-optimizer-client": (3, "  optimizer_placement: cpu\n", ", zero_force_ds_cpu_optimizer: false"),
+    # ZeRO-3, offload_param only: the parameter partitions on the host, the optimizer (the Trainer's) on the device
+    "zero3-param": (3, "  parameter_placement: cpu\n", ""),
+    # accumulating 2 micro-steps: ZeRO-2 keeps each gradient on the host between them and brings it back to add to
+    # (async_accumulate_grad_in_cpu_via_gpu); ZeRO-3 accumulates its host partitions through device copies
+    "zero2-optimizer-ga2": (2, "  optimizer_placement: cpu\n", ""),
+    "zero3-all-ga2": (3, "  cpu_offload: true\n", ""),
 }
 
 
@@ -63,7 +69,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
 
     stage, placements, extra = CASES[request.param]
-    if "client" not in request.param:
+    if "client" not in request.param and request.param != "zero3-param":  # DeepSpeedCPUAdam
         from ledgerspec.derivations.shard.zero import cpu_accelerator
 
         with cpu_accelerator():
@@ -72,6 +78,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             if not CPUAdamBuilder().is_compatible(verbose=False):  # a C++ compiler and ninja
                 pytest.skip("DeepSpeedCPUAdam cannot be compiled here (DeepSpeed's CPUAdamBuilder: not compatible)")
     path = _offload_ledger(tmp_path_factory.mktemp(request.param), stage, placements, extra)
+    if request.param.endswith("-ga2"):
+        path.write_text(path.read_text("utf-8").replace("gradient_accumulation: 1", "gradient_accumulation: 2"))
     doc = load(path)
     real = run_ranks(make_request(doc, W, "cpu", 2), timeout=420)  # the first run compiles DeepSpeedCPUAdam
     est = estimate_zero_per_rank(doc, W, target="cpu")
@@ -113,13 +121,19 @@ def test_the_device_keeps_only_what_deepspeed_leaves_there(runs: dict[str, Any])
         real = {name: out.result.phases[name].figure for name in PHASES}
         device, host = rank.phases, rank.host_phases
         assert host is not None and rank.host_peak is not None
-        if runs["case"] == "zero3-all":
+        if runs["case"].startswith("zero3-all"):
             assert device["after_load"] == BUFFERS  # every frozen partition on the host
             assert host["after_load"] == real["after_load"] - BUFFERS or (
                 real["after_load"] - BUFFERS - host["after_load"] == LAST_BROADCAST["after_load"]
             )
             assert device["after_optimizer_init"] == BUFFERS + REDUCE_BUCKET * 4
-        if runs["case"] == "zero2-optimizer":
+        if runs["case"] == "zero3-param":  # partitions on the host; on the device the fp32 master partition, its two
+            # gradient buffers and the one-byte NaN/Inf flag (stage3.py 335: device=self.device, the device here)
+            assert device["after_load"] == BUFFERS
+            assert device["after_optimizer_init"] == BUFFERS + REDUCE_BUCKET * 4 + 3 * part + 1
+            assert host["steady_state_peak"] == host["after_optimizer_init"]  # Adam's moments: the device's
+            continue
+        if runs["case"].startswith("zero2-optimizer"):
             whole = TRAINABLE_NUMEL * 4
             assert device["after_optimizer_init"] == real["after_load"] + whole + LARGEST_TRAINABLE * 4
             # fp32 partition + its gradient + the bit16 copy for the update + the largest gradient's host staging
@@ -141,12 +155,14 @@ def test_measure_writes_what_the_engine_offloaded(runs: dict[str, Any]) -> None:
     before = zero_options(doc)
     write_back(doc, runs["real"], "ledgerspec measure --nproc 2", None)
     p = doc.plain["parallelism"]
-    assert p["optimizer_placement"] == "cpu" and p["gradient_placement"] == "cpu"
-    if runs["case"] == "zero2-optimizer":
+    on = runs["case"] != "zero3-param"
+    assert (p["optimizer_placement"], p["gradient_placement"]) == (("cpu", "cpu") if on else ("sharded", "sharded"))
+    if runs["case"].startswith("zero2-optimizer"):
         assert p["parameter_placement"] == "replicated"
+    assert p["cpu_offload"] is True  # declared, or (placements alone) written as what ran
     text = doc.plain["x-measure-per-rank"]["cpu_offload"]
     assert text.startswith(f"DeepSpeed ZeRO-{runs['stage']}")
-    assert ("DeepSpeedCPUAdam" in text) == (runs["case"] != "zero3-optimizer-client")
+    assert ("DeepSpeedCPUAdam" in text) == (runs["case"] not in ("zero3-optimizer-client", "zero3-param"))
     assert zero_options(doc) == before  # the written placements declare the same offload
 
 
@@ -227,23 +243,41 @@ def test_shard_estimate_of_an_offloaded_zero_ledger(tmp_path: Path) -> None:
 
 
 def test_the_offload_rows_say_what_moves_each_step(tmp_path: Path) -> None:
-    """The calculated ``zero*_offload`` rows: the gradient partition to the host after each reduce, the updated
-    trainable partition back after the step (ZeRO-1/2), every parameter partition fetched twice per micro-step
-    (ZeRO-3 with offload_param). Expected from the tiny model's counts: 10,480 trainable and 262,008 frozen fp32
-    elements (the real simulated rank holds the frozen half, 524,016 B, on the host after load above)."""
+    """The calculated ``zero*_offload`` rows, per optimizer step of k micro-steps (DeepSpeed 0.19.8's copies, read from
+    its source: ``state.zero_offload_traffic``), from the tiny model's counts: 10,480 trainable and 262,008 frozen
+    fp32 elements (the real simulated rank holds the frozen half, 524,016 B, on the host after load above)."""
     pytest.importorskip("torch")
     from tests.support import run_cli
 
-    path = _offload_ledger(tmp_path, 3, "  cpu_offload: true\n")
-    code, _out, err = run_cli("shard", path)
-    assert code == 0, err
-    rows = load(path).plain["parallelism"]["x-per-rank"]["zero"]
-    trainable, frozen = TRAINABLE_NUMEL * 4, 262_008 * 4
-    for stage in (1, 2, 3):
-        row = rows[f"zero{stage}_offload"]
-        assert row["to_host_per_micro_step"]["value"] == trainable // W
-        if stage == 3:
-            assert row["to_device_per_micro_step"]["value"] == 2 * (frozen // W + trainable // W)
-        else:
-            assert row["to_device_per_step"]["value"] == trainable // W
-        assert "to_host_per_micro_step" not in rows[f"zero{stage}"]
+    trainable, frozen = TRAINABLE_NUMEL * 4 // W, 262_008 * 4 // W  # this rank's partitions (fp32 model)
+    for k in (1, 3):
+        path = _offload_ledger(tmp_path, 3, "  cpu_offload: true\n")
+        text = path.read_text("utf-8").replace("gradient_accumulation: 1", f"gradient_accumulation: {k}")
+        path.write_text(text, encoding="utf-8")
+        code, _out, err = run_cli("shard", path)
+        assert code == 0, err
+        rows = load(path).plain["parallelism"]["x-per-rank"]["zero"]
+        for stage in (1, 2):
+            row = rows[f"zero{stage}_offload"]
+            # accumulating: each micro-step's gradients out, and back from the second on; the fp32 copy at the end
+            assert row["to_host_per_step"]["value"] == (k * trainable if k > 1 else 0) + trainable
+            assert row["to_device_per_step"]["value"] == (k - 1) * trainable + trainable  # + the updated partition
+        z3 = rows["zero3_offload"]
+        assert z3["to_host_per_step"]["value"] == k * trainable + trainable
+        assert z3["to_device_per_step"]["value"] == k * trainable
+        assert z3["to_device_per_micro_step"]["value"] == 2 * (frozen + trainable)  # no checkpointing declared
+        assert "to_host_per_step" not in rows["zero3"]
+
+
+def test_nvme_and_contradictions_are_refused(tmp_path: Path) -> None:
+    """NVMe offload is not modelled (refused, not run as CPU offload); ``cpu_offload: false`` beside a ``cpu``
+    placement does not say which ran."""
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+    from ledgerspec.derivations.shard.zero import zero_options, zero_refusal
+
+    nvme = load(_offload_ledger(tmp_path, 3, "  cpu_offload: true\n  optimizer_placement: nvme\n"))
+    why = zero_refusal(WorkloadSpec.from_document(nvme), zero_options(nvme))
+    assert why is not None and "NVMe" in why
+    both = load(_offload_ledger(tmp_path, 2, "  cpu_offload: false\n  optimizer_placement: cpu\n"))
+    why2 = zero_refusal(WorkloadSpec.from_document(both), zero_options(both))
+    assert why2 is not None and "cpu_offload: false" in why2
