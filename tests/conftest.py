@@ -33,3 +33,25 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch, fake_cuda: FakeCuda) -> FakeNVML:
     nvml = FakeNVML(fake_cuda)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     return nvml
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup`` (``scripts/test``) as pytest-xdist means it: every test marked ``xdist_group(NAME)`` on
+    one worker. pytest-xdist 3.8 tags each such test by assigning ``item._nodeid = nodeid + "@NAME"``, which pytest
+    9 no longer reads (``Node.nodeid`` is ``str(self._id)``), so the groups were silently ignored and every
+    module-scoped fixture of a group (a real multi-rank run, a Trainer run, the built docs site) was set up on
+    both workers. The tag is written where pytest 9 reads it; nothing changes where xdist's own assignment works."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
+        if not names:
+            continue
+        tag = "@" + "_".join(names)
+        if not item.nodeid.endswith(tag):
+            item._id = coerce_node_id(item.nodeid + tag)

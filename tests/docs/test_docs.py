@@ -249,6 +249,7 @@ def test_description_check_catches_a_missing_description() -> None:
     assert [p for p, s in props if not _described(s, {})] == ["t/a/b"]
 
 
+@pytest.mark.xdist_group("docs-site")  # the built site, once
 def test_site_builds_strictly(site: Path) -> None:
     for page in (
         "index",
@@ -270,6 +271,7 @@ def test_site_builds_strictly(site: Path) -> None:
         assert (site / f"{page}.html").is_file(), page
 
 
+@pytest.mark.xdist_group("docs-site")  # the built site, once
 def test_no_external_loads_in_the_site(site: Path) -> None:
     loads = re.compile(r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=\"(?:https?:)?//", re.I)
     for page in site.glob("*.html"):
@@ -282,6 +284,7 @@ def _text(html: str) -> str:
     return re.sub(r"<[^>]+>", "", html).replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
 
 
+@pytest.mark.xdist_group("docs-site")  # the built site, once
 def test_field_reference_lists_every_schema_key(site: Path) -> None:
     page = _text((site / "fields.html").read_text(encoding="utf-8"))
     ledger = _schemas()["ledger.v1.json"]
@@ -294,6 +297,7 @@ def test_field_reference_lists_every_schema_key(site: Path) -> None:
         assert _text(first_words.replace("`", "")) in page.replace("`", ""), key
 
 
+@pytest.mark.xdist_group("docs-site")  # the built site, once
 def test_rule_catalogue_shows_every_rule_with_its_real_finding(site: Path) -> None:
     from ledgerspec.checks.registry import all_rules
 
@@ -304,6 +308,7 @@ def test_rule_catalogue_shows_every_rule_with_its_real_finding(site: Path) -> No
         assert re.search(rf"example\.yaml:\d+:\d+: {r.id} ", page), r.id
 
 
+@pytest.mark.xdist_group("docs-site")  # the built site, once
 def test_gallery_has_every_example_and_its_report(site: Path) -> None:
     page = (site / "gallery.html").read_text(encoding="utf-8")
     for path in sorted(EXAMPLES.glob("*.yaml")):
@@ -317,6 +322,7 @@ def test_gallery_has_every_example_and_its_report(site: Path) -> None:
         assert f"status {status}" in _text(page), path.name
 
 
+@pytest.mark.xdist_group("docs-site")  # the built site, once
 def test_cli_page_has_every_command(site: Path) -> None:
     from ledgerspec.faces.cli import build_parser
 

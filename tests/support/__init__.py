@@ -42,3 +42,16 @@ def load_script(path: Path, name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+def one_worker_each(prefix: str, params: list[Any], ids: list[str] | None = None) -> list[Any]:
+    """``params`` of a module-scoped fixture, each marked with its own ``xdist_group``: under ``--dist loadgroup``
+    (``scripts/test``) every test of one parameter runs on one worker, so the fixture is set up once, not once per
+    worker that happens to get one of its tests (a real multi-rank run or a simulation each time)."""
+    import pytest
+
+    names = ids if ids is not None else [str(p) for p in params]
+    return [
+        pytest.param(p, id=name, marks=pytest.mark.xdist_group(f"{prefix}-{name}"))
+        for p, name in zip(params, names, strict=True)
+    ]

@@ -25,7 +25,7 @@ DATA = TESTS / "data" / "measure"
 LLAMA = DATA / "tiny-llama-lora.yaml"
 QWEN_QLORA = DATA / "tiny-qwen2-qlora.yaml"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("protocol")]  # its module fixtures set up once
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -85,6 +85,7 @@ def llama7b() -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("estimate-llama7b")  # its module fixture, once
 def test_7b_peak_is_split_into_what_is_alive_then(llama7b: Any, cli: CliRunner) -> None:
     doc, est = llama7b  # extrapolated from two probe depths: the split must still add up to the peak
     assert sum(est.at_peak.values()) == est.peak_allocated
@@ -96,6 +97,7 @@ def test_7b_peak_is_split_into_what_is_alive_then(llama7b: Any, cli: CliRunner) 
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("estimate-llama7b")  # its module fixture, once
 def test_7b_components_equal_the_resolved_ledger(llama7b: Any) -> None:
     doc, est = llama7b
     for key in ("frozen_base", "adapter", "gradients"):
@@ -106,6 +108,7 @@ def test_7b_components_equal_the_resolved_ledger(llama7b: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("estimate-llama7b")  # its module fixture, once
 def test_7b_phases_are_ordered_as_a_training_step(llama7b: Any) -> None:
     _, est = llama7b
     p = est.phases

@@ -31,7 +31,7 @@ pytest.importorskip("peft")
 DATA = TESTS / "data" / "sharding"
 LEDGER = "tiny-lora-measure.ledger.yaml"
 WORLD = 2
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("measure-dist")]  # its module fixtures set up once
 
 
 #: the LoRA ledger turned into QLoRA: bf16 base quantized to nf4 with bf16 quant storage (FSDP2 can shard it)

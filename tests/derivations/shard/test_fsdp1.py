@@ -20,7 +20,7 @@ import pytest
 
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
-from tests.support import TESTS
+from tests.support import TESTS, one_worker_each
 from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured
 
 DATA = TESTS / "data" / "sharding"
@@ -74,7 +74,8 @@ def _run_probe(ledger: str, nproc: int, shard_grad_op: bool, out: Path) -> list[
 
 
 @pytest.fixture(
-    scope="module", params=CASES, ids=[f"{c[0]}-{c[1]}ranks{'-shard_grad_op' if c[2] else ''}" for c in CASES]
+    scope="module",
+    params=one_worker_each("fsdp1", CASES, [f"{c[0]}-{c[1]}ranks{'-shard_grad_op' if c[2] else ''}" for c in CASES]),
 )
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("peft")

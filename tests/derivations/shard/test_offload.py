@@ -19,7 +19,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.estimate.fit import PHASES
 from ledgerspec.derivations.shard import state as S
-from tests.support import TESTS, run_cli
+from tests.support import TESTS, one_worker_each, run_cli
 
 DATA = TESTS / "data" / "sharding"
 HELD = ("after_load", "after_adapter_injection", "after_optimizer_init")
@@ -49,7 +49,7 @@ def _buffer_bytes(path: Path) -> int:
     return sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-@pytest.fixture(scope="module", params=["fsdp2", "fsdp1"])
+@pytest.fixture(scope="module", params=one_worker_each("offload", ["fsdp2", "fsdp1"]))
 def simulated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``shard --estimate --target cpu`` with and without offload, same ledger otherwise."""
     pytest.importorskip("peft")

@@ -18,7 +18,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.derivations.shard.simulate import rank_groups
-from tests.support import TESTS, run_cli
+from tests.support import TESTS, one_worker_each, run_cli
 
 DATA = TESTS / "data" / "sharding"
 LEDGER = "tiny-lora.ledger.yaml"
@@ -62,7 +62,7 @@ def _copy(tmp: Path, ledger: str = LEDGER, edits: list[tuple[str, str]] | None =
     return tmp / ledger
 
 
-@pytest.fixture(scope="module", params=["lora", "qlora"])
+@pytest.fixture(scope="module", params=one_worker_each("shard-estimate", ["lora", "qlora"]))
 def estimated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("torch")
     from ledgerspec.derivations.shard.model import document_descriptors

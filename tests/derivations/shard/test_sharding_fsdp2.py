@@ -22,7 +22,7 @@ from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.derivations.shard.model import document_descriptors
 from ledgerspec.derivations.shard.sharder import mixed_precision
-from tests.support import TESTS
+from tests.support import TESTS, one_worker_each
 
 DATA = TESTS / "data" / "sharding"
 PROBE = TESTS / "truths" / "sharding_probe.py"
@@ -57,7 +57,10 @@ def _run_probe(ledger: str, nproc: int, reshard: str, out: Path) -> list[dict[st
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{c[0]}-{c[1]}ranks-reshard_{c[2]}" for c in CASES])
+@pytest.fixture(
+    scope="module",
+    params=one_worker_each("fsdp2", CASES, [f"{c[0]}-{c[1]}ranks-reshard_{c[2]}" for c in CASES]),
+)
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ledger, nproc, reshard = request.param
     ranks = _run_probe(ledger, nproc, reshard, tmp_path_factory.mktemp("probe"))
