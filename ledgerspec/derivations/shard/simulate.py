@@ -73,6 +73,31 @@ class RankEstimate:
     def peak(self) -> int:
         return max(self.phases.values())
 
+    @classmethod
+    def of(cls, rank: int, figures: dict[str, int], activations: int, components: dict[str, int], rep: int) -> Any:
+        """Rank ``rank`` from the simulated ``figures`` of rank ``rep``: with offload (:func:`add_sides`) the device's
+        phases, the host's and the totals beside them."""
+        if "host_peak" not in figures:
+            return cls(rank, {k: figures[k] for k in PHASES}, activations, components, rep)
+        return cls(
+            rank,
+            {k: figures[f"device.{k}"] for k in PHASES},
+            activations,
+            components,
+            rep,
+            host_phases={k: figures[f"host.{k}"] for k in PHASES},
+            total_phases={k: figures[k] for k in PHASES},
+            host_peak=figures["host_peak"],
+        )
+
+
+def add_sides(out: dict[str, int], sides: dict[str, tuple[int, int]], tracker: Any) -> None:
+    """A simulated rank's ``{phase: (device, host)}`` (:func:`ledgerspec.derivations.shard.offload.recording_sides`)
+    and its split tracker's host peak, into its figures as ``device.PHASE``, ``host.PHASE`` and ``host_peak``."""
+    for name, (device, host) in sides.items():
+        out[f"device.{name}"], out[f"host.{name}"] = device, host
+    out["host_peak"] = tracker.host_max
+
 
 @dataclass
 class ShardEstimate:
@@ -177,9 +202,7 @@ def simulate_rank(
     out["component.gradients"] = by_component(result.phases["backward_peak"].census).get("gradients", 0)
     out["component.optimizer"] = by_component(result.phases["optimizer_step_peak"].census).get("optimizer", 0)
     if offload:
-        for name, (device, host) in sides.items():
-            out[f"device.{name}"], out[f"host.{name}"] = device, host
-        out["host_peak"] = split.host_max
+        add_sides(out, sides, split)
     return out
 
 
@@ -302,19 +325,14 @@ def estimate_per_rank(
     by_rank: dict[int, RankEstimate] = {}
     for rep, members in groups.items():
         figures = rank_figures(rep)
-        offloaded = "host_peak" in figures
         for r in members:
-            by_rank[r] = RankEstimate(
+            by_rank[r] = RankEstimate.of(
                 r,
-                {k: figures[f"device.{k}" if offloaded else k] for k in PHASES},
+                figures,
                 max(0, figures["activations"] - kept),
                 {k: figures[f"component.{k}"] for k in COMPONENTS},
                 rep,
             )
-            if offloaded:  # phases: the device's; the host's and the totals beside them
-                by_rank[r].host_phases = {k: figures[f"host.{k}"] for k in PHASES}
-                by_rank[r].total_phases = {k: figures[k] for k in PHASES}
-                by_rank[r].host_peak = figures["host_peak"]
     ranks = [by_rank[r] for r in range(world)]
     notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
     from ledgerspec.derivations.estimate import legacy_loss

@@ -37,10 +37,10 @@ from typing import Any
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
-from ledgerspec.derivations.estimate.fit import PHASES
 from ledgerspec.derivations.shard.simulate import (
     RankEstimate,
     ShardEstimate,
+    add_sides,
     fake_process_group,
     prepare_trace,
     probe_runner,
@@ -147,10 +147,7 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
     for key, value in held.items():
         out[f"component.{key}"] = value
     if options.offloaded:
-        for name, (device, host) in sides.items():
-            out[f"device.{name}"], out[f"host.{name}"] = device, host
-        split: Any = backend.tracker
-        out["host_peak"] = split.host_max
+        add_sides(out, sides, backend.tracker)
     return out
 
 
@@ -233,10 +230,11 @@ def estimate_zero_per_rank(
     read: list[ZeroOptions] = []
 
     def refuse(spec: Any) -> None:
-        why = zero_refusal(spec, zero_options(doc))
+        options = zero_options(doc)
+        why = zero_refusal(spec, options)
         if why:
             raise _err(doc, ("parallelism", "strategy"), why)
-        read.append(zero_options(doc))
+        read.append(options)
 
     spec, source, est_plan = prepare_trace(doc, target, layers, offline, refuse)
     options = read[0]
@@ -254,19 +252,8 @@ def estimate_zero_per_rank(
     for r in range(world):
         rep = r if r in simulated else 0
         figures = simulated[rep]
-        offloaded = "host_peak" in figures
-        rank = RankEstimate(
-            r,
-            {k: figures[f"device.{k}" if offloaded else k] for k in PHASES},
-            figures["activations"],
-            {k: figures[f"component.{k}"] for k in F.RESIDENT},
-            rep,
-        )
-        if offloaded:  # phases: the device's; the host's and the totals beside them
-            rank.host_phases = {k: figures[f"host.{k}"] for k in PHASES}
-            rank.total_phases = {k: figures[k] for k in PHASES}
-            rank.host_peak = figures["host_peak"]
-        ranks.append(rank)
+        components = {k: figures[f"component.{k}"] for k in F.RESIDENT}
+        ranks.append(RankEstimate.of(r, figures, figures["activations"], components, rep))
     method = (
         f"ledgerspec shard --estimate: DeepSpeed ZeRO-{options.stage} (deepspeed "
         f"{_version()}, {options.describe()}) run per rank by DeepSpeed's own engine under torch FakeTensorMode with "
