@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,12 @@ import pytest
 
 from tests.support import REPO_ROOT, CliRunner, run_cli
 from tests.support.fake_cuda import FakeCuda, FakeNVML
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No estimate cache in tests (subprocesses inherit this): every CLI estimate traces, so a test that patches
+    what a trace depends on is never answered from an earlier run. The cache's own tests set a folder."""
+    os.environ["LEDGERSPEC_CACHE_DIR"] = "off"
 
 
 @pytest.fixture(scope="session")

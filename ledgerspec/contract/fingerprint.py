@@ -201,6 +201,17 @@ def digests(doc: Document, inputs: Inputs) -> dict[str, str]:
     return {section: section_digest(doc, section, keys) for section, keys in inputs.items()}
 
 
+def input_digest(doc: Document) -> str:
+    """SHA-256 of every input section of ``doc`` exactly as written (canonical JSON of the values, provenance and
+    notes included): a cache key that any edit of an input section changes. Stricter than :func:`digests` (which
+    ignores spellings and fields no tool reads), so a cache keyed on it can only miss, never answer for another
+    configuration. The output sections (``ledger``, ``phases``, ``result``, ``x-estimate``...) are left out: writing
+    an answer back does not change the question."""
+    values = {name: doc.plain[name] for name in sorted(F.INPUT_SECTION_NAMES) if name in doc.plain}
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def stored(doc: Document, extension: str) -> dict[str, str] | None:
     """The fingerprint stored in ``extension`` (``x-resolve``...), or None when there is none (not checked)."""
     block = doc.plain.get(extension)
@@ -246,6 +257,7 @@ __all__ = [
     "WORKLOAD_INPUTS",
     "changed_sections",
     "digests",
+    "input_digest",
     "section_digest",
     "stale",
     "stored",

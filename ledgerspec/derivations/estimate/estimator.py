@@ -29,6 +29,7 @@ from typing import Any
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.units import format_size
+from ledgerspec.derivations.estimate.cache import EstimateCache, cached, plain
 from ledgerspec.derivations.estimate.extrapolate import Plan, extend_all, plan, with_layers
 from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
 from ledgerspec.derivations.stack.census import Progress
@@ -71,6 +72,8 @@ class Estimate:
     stack: dict[str, str] = field(default_factory=dict)
     #: the known stack differences that apply (``x-estimate.differences``, :mod:`ledgerspec.contract.differences`)
     differences: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: answered from the estimate cache: the seconds the original trace took (None: traced now)
+    cached_from: float | None = None
 
     @property
     def peak_phase(self) -> str:
@@ -82,6 +85,26 @@ class Estimate:
 
     def fit(self, device_memory: int) -> Fit:
         return fit(self.phases, device_memory)
+
+    def to_cache(self) -> dict[str, Any]:
+        """JSON-ready data for :mod:`.cache` (``seconds`` is the time the trace took)."""
+        return plain(self)
+
+    @classmethod
+    def from_cache(cls, data: dict[str, Any], seconds: float) -> Estimate:
+        """An estimate read back from :mod:`.cache`: ``seconds`` is the look-up's, ``cached_from`` the trace's."""
+        fields_ = dict(data)
+        plan_ = fields_.pop("plan")
+        probes = plan_.get("probes")
+        traced = float(fields_.pop("seconds"))
+        fields_.pop("cached_from", None)
+        est = cls(
+            plan=Plan(int(plan_["layers"]), int(plan_["period"]), tuple(probes) if probes else None, plan_["reason"]),
+            seconds=seconds,
+            **fields_,
+        )
+        est.cached_from = traced
+        return est
 
 
 _err = ErrorAt("estimate")
@@ -378,20 +401,39 @@ def method_text(est_plan: Plan, spec: Any, target: str) -> str:
 
 
 def estimate(
-    doc: Document, target: str = "cuda", layers: str = "auto", progress: Progress | None = None, offline: bool = True
+    doc: Document,
+    target: str = "cuda",
+    layers: str = "auto",
+    progress: Progress | None = None,
+    offline: bool = True,
+    store: EstimateCache | None = None,
 ) -> Estimate:
-    """The estimate of ``doc``. ``layers``: ``auto`` (extrapolate when possible) or ``full``."""
+    """The estimate of ``doc``. ``layers``: ``auto`` (extrapolate when possible) or ``full``. With ``store``, an
+    estimate of the same inputs on the same stack is answered from it (:mod:`.cache`), and a new one is kept there.
+    """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
+    if doc.kind not in ("ledger", "intake"):
+        raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
+    _check_intake(doc)
+    question = {"target": target, "layers": layers, "offline": offline}
+    return cached(  # type: ignore[no-any-return]
+        store,
+        doc,
+        question,
+        lambda: _estimate(doc, target, layers, progress, offline),
+        Estimate.to_cache,
+        Estimate.from_cache,
+    )
+
+
+def _estimate(doc: Document, target: str, layers: str, progress: Progress | None, offline: bool) -> Estimate:
     started = time.perf_counter()
     say = progress or (lambda _msg: None)
     say("loading the model config")
     from ledgerspec.derivations.engine.workload import WorkloadSpec
     from ledgerspec.derivations.stack.build import MULTIMODAL_LIMIT, ModelSource, load_config, model_class
 
-    if doc.kind not in ("ledger", "intake"):
-        raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
-    _check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
     _check_attention(doc, spec.attention)
     source = load_config(doc, offline=offline)

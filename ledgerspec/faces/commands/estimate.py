@@ -69,6 +69,12 @@ def register(subparsers: Any) -> None:
         "serial)",
     )
     p.add_argument("--full", action="store_true", help="trace every layer instead of extrapolating (slower)")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="trace again instead of answering from the estimate cache (LEDGERSPEC_CACHE_DIR, default "
+        "~/.cache/ledgerspec; safe to delete)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the estimate, write nothing")
     add_force(p)
     p.add_argument("-v", "--verbose", action="store_true", help="--sweep: the components alive at each peak")
@@ -116,11 +122,11 @@ def run_estimate(args: argparse.Namespace) -> int:
             exit_code=EXIT_USAGE,
         )
     from ledgerspec.contract.writer import check_writable, save
-    from ledgerspec.derivations.estimate.estimator import device_memory_of, estimate, write_back
+    from ledgerspec.derivations.estimate.estimator import device_memory_of, write_back
 
     if writes and doc.kind != "intake":
         check_writable(args.output or args.file, force=args.force)  # before the simulated step
-    est = estimate(doc, target=args.target, layers="full" if args.full else "auto")
+    est = _estimate_fn(args)(doc)
     target_memory = device if device is not None else device_memory_of(doc)
     _print(est, target_memory)
     code = EXIT_OK
@@ -176,14 +182,21 @@ def _print(est: Any, device: int | None) -> None:
         )
     for note in est.notes:  # the declared stack's known differences (docs: Declared stack)
         print(printable(f"  stack: {note}"), file=out)
-    print(f"  time: {est.seconds:.1f} s", file=out)
+    if est.cached_from is not None:
+        print(f"  time: {est.seconds:.1f} s (from the estimate cache; traced in {est.cached_from:.1f} s)", file=out)
+    else:
+        print(f"  time: {est.seconds:.1f} s", file=out)
 
 
 def _estimate_fn(args: argparse.Namespace) -> Any:
+    """One estimate of a document (or a variant of it) as the arguments ask, through the estimate cache unless
+    ``--no-cache``."""
+    from ledgerspec.derivations.estimate.cache import EstimateCache
     from ledgerspec.derivations.estimate.estimator import estimate
 
     layers = "full" if args.full else "auto"
-    return lambda variant: estimate(variant, target=args.target, layers=layers)
+    store = None if args.no_cache else EstimateCache.from_environment()
+    return lambda variant: estimate(variant, target=args.target, layers=layers, store=store)
 
 
 def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
