@@ -56,3 +56,50 @@ def test_only_that_record_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
         "some other bitsandbytes warning",
         MESSAGE + " (another logger)",
     ]
+
+
+def test_compile_is_deferred_to_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside the block ``torch.compile`` only wraps; the real one runs at the first call, once, with the same
+    options (as a call and as a decorator factory), and is itself again after the block."""
+    torch = pytest.importorskip("torch")
+    from ledgerspec.derivations.stack.quiet import deferred_compile
+
+    calls: list[tuple[object, dict[str, object]]] = []
+
+    def real(model: object = None, **options: object) -> object:
+        calls.append((model, options))
+        return lambda *a: ("compiled", a)
+
+    monkeypatch.setattr(torch, "compile", real)
+
+    def double(x: int) -> int:
+        return 2 * x
+
+    with deferred_compile():
+        plain = torch.compile(double, dynamic=False)
+        factory = torch.compile(fullgraph=True)(double)
+    assert torch.compile is real and calls == []
+    assert plain.__name__ == "double"
+    assert plain(3) == ("compiled", (3,)) and plain(4) == ("compiled", (4,))
+    assert factory(5) == ("compiled", (5,))
+    assert calls == [(double, {"dynamic": False}), (double, {"fullgraph": True})]
+
+
+@pytest.mark.slow
+def test_importing_peft_loads_no_compiler() -> None:
+    """bitsandbytes 0.50 wraps kernels in ``torch.compile`` at import: through :func:`quiet_bitsandbytes` that loads
+    no TorchInductor compiler (``torch._inductor.compile_fx``), which a plain ``import peft`` does."""
+    probe = "import sys; {}import peft; print('torch._inductor.compile_fx' in sys.modules)"
+    plain = subprocess.run([sys.executable, "-c", probe.format("")], capture_output=True, text=True, timeout=120)
+    quiet = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            probe.format("from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes; quiet_bitsandbytes(); "),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.stdout.split()[-1] == "True", plain.stderr
+    assert quiet.stdout.split()[-1] == "False", quiet.stderr
