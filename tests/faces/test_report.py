@@ -157,7 +157,9 @@ def test_html_is_self_contained(cli: CliRunner, path: Path, tmp_path: Path) -> N
         for attr in ("src", "href", "{http://www.w3.org/1999/xlink}href"):
             value = el.get(attr)
             assert value is None or not re.match(r"^\s*(https?:)?//", value), f"<{el.tag} {attr}={value}> loads"
-    assert "<script" not in text
+    scripts = root.findall(".//script")
+    assert all(el.get("src") is None for el in scripts), "inline scripts only"
+    assert len(scripts) == (1 if root.find(".//*[@id='what-if']") is not None else 0), "a script only for the what-if"
     assert "@import" not in text and not re.search(r"url\((?!#)", text)  # url(#pattern): in the page itself
     assert root.find(".//style") is not None  # inline CSS
     assert root.find(f".//{SVG}svg") is not None or "No component has a known size yet" in text

@@ -417,7 +417,7 @@ def estimate(
         raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
     _check_intake(doc)
     question = {"target": target, "layers": layers, "offline": offline}
-    return cached(  # type: ignore[no-any-return]
+    return cached(
         store,
         doc,
         question,

@@ -78,7 +78,7 @@ def deferred_compile() -> Iterator[None]:
 
         return call
 
-    torch.compile = deferred  # type: ignore[assignment]
+    torch.compile = deferred
     try:
         yield
     finally:

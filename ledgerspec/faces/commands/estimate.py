@@ -1,5 +1,5 @@
 """``ledgerspec estimate FILE [--device-memory SIZE] [-o OUT] [--sweep NAME=V1,V2 ...] [--fit NAME ...]
-[--devices [CATALOGUE]] [--target cuda|cpu]``."""
+[--devices [CATALOGUE]] [--what-if] [--target cuda|cpu]``."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ def register(subparsers: Any) -> None:
         "microbatch; CATALOGUE: a YAML file that adds or replaces devices; writes x-devices",
     )
     p.add_argument(
+        "--what-if",
+        action="store_true",
+        help="estimate a grid around the declared configuration (microbatch 1-16, max_length x1/4..x2, checkpointing "
+        "off/on) and store it in x-what-if, for the sliders of `ledgerspec report --html`",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=0,
@@ -93,7 +99,12 @@ def run_estimate(args: argparse.Namespace) -> int:
         target_memory_note(doc, args.file)
     modes = [
         name
-        for name, on in (("--sweep", args.sweep), ("--fit", args.fit), ("--devices", args.devices))
+        for name, on in (
+            ("--sweep", args.sweep),
+            ("--fit", args.fit),
+            ("--devices", args.devices),
+            ("--what-if", args.what_if),
+        )
         if on is not None and on is not False
     ]
     if len(modes) > 1:
@@ -109,6 +120,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         return _run_fit(doc, args, device)
     if args.devices is not None:
         return _run_devices(doc, args)
+    if args.what_if:
+        return _run_what_if(doc, args, device)
     writes = not args.dry_run
     if doc.kind == "intake" and writes and args.output:
         line, col = doc.position("/ledgerspec")
@@ -352,6 +365,30 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
         block["inputs"] = digests(doc, WORKLOAD_INPUTS)
         set_extension(doc, (devices.EXTENSION,), block)
         _save(doc, args, devices.EXTENSION)
+    return EXIT_OK
+
+
+def _run_what_if(doc: Any, args: argparse.Namespace, device: int | None) -> int:
+    from ledgerspec.derivations.estimate import sweep, whatif
+    from ledgerspec.derivations.estimate.estimator import device_memory_of
+
+    target_memory = device if device is not None else device_memory_of(doc)
+    axes = whatif.default_axes(doc)
+    writes = _writable(doc, args)
+    result = whatif.what_if(doc, _estimate_fn(args), axes, jobs=_jobs(args), device_memory=target_memory)
+    rows = [(c.point, c.peak) for c in result.cells]
+    sys.stdout.write(sweep.render(rows, axes, doc, target_memory))
+    print(
+        f"(what-if: {len(result.cells)} configurations from {result.traced} traced estimates; {result.seconds:.1f} s)"
+    )
+    if writes:
+        from ledgerspec.contract.edit import set_extension
+        from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
+
+        block = result.to_extension()
+        block["inputs"] = digests(doc, WORKLOAD_INPUTS)
+        set_extension(doc, (whatif.EXTENSION,), block)
+        _save(doc, args, whatif.EXTENSION)
     return EXIT_OK
 
 

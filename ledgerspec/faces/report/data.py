@@ -119,6 +119,33 @@ class Pair:
 
 
 @dataclass
+class WhatIfData:
+    """``x-what-if`` (``estimate --what-if``): the grid's axes and every point's predicted peak, for the sliders."""
+
+    microbatch: list[int]
+    max_length: list[int]
+    checkpointing: list[bool]
+    #: (microbatch, max_length, checkpointing) -> (peak, phase, traced)
+    cells: dict[tuple[int, int, bool], tuple[int, str, bool]]
+    declared: tuple[int, int, bool]
+    device_memory: int | None
+    note: str
+
+    def data(self) -> dict[str, object]:
+        """What the page's script reads (plain JSON: every key the script uses, nothing else)."""
+        return {
+            "microbatch": self.microbatch,
+            "max_length": self.max_length,
+            "checkpointing": self.checkpointing,
+            "cells": [
+                [b, n, c, peak, phase, traced] for (b, n, c), (peak, phase, traced) in sorted(self.cells.items())
+            ],
+            "declared": list(self.declared),
+            "device_memory": self.device_memory,
+        }
+
+
+@dataclass
 class ReportData:
     path: str
     kind: str
@@ -150,6 +177,8 @@ class ReportData:
     devices_note: str | None = None
     #: ``estimate --fit`` as stored in ``x-fit``: the largest values that fit, one row per searched input
     fits: list[FitRow] = field(default_factory=list)
+    #: ``estimate --what-if`` as stored in ``x-what-if`` (None: absent or unreadable)
+    what_if: WhatIfData | None = None
 
     @property
     def segments(self) -> list[Entry]:
@@ -292,6 +321,7 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
             t for t in (_edited_since(doc, "x-devices"), doc.get("x-devices", "usable_memory").text()) if t
         ),
         fits=_fit_rows(doc),
+        what_if=_what_if(doc, capacity),
     )
 
 
@@ -346,6 +376,42 @@ def _fit_rows(doc: Document) -> list[FitRow]:
             )
         )
     return out
+
+
+def _what_if(doc: Document, capacity: int | None) -> WhatIfData | None:
+    """``x-what-if`` (written by ``estimate --what-if``); None when absent or not a whole grid of readable cells."""
+    raw = doc.get("x-what-if").raw
+    if not isinstance(raw, dict) or not isinstance(raw.get("axes"), dict) or not isinstance(raw.get("cells"), list):
+        return None
+    axes = raw["axes"]
+    bs = [b for b in axes.get("microbatch") or [] if _int(b) is not None and b > 0]
+    ns = [n for n in axes.get("max_length") or [] if _int(n) is not None and n > 0]
+    cs = [c for c in axes.get("gradient_checkpointing") or [] if isinstance(c, bool)]
+    cells: dict[tuple[int, int, bool], tuple[int, str, bool]] = {}
+    for item in raw["cells"]:
+        if not isinstance(item, dict):
+            continue
+        b, n, peak = _int(item.get("microbatch")), _int(item.get("max_length")), _int(item.get("peak"))
+        c = item.get("gradient_checkpointing")
+        if b is None or n is None or not isinstance(c, bool) or peak is None:
+            continue
+        cells[(b, n, c)] = (peak, shown(str(item.get("phase", ""))), bool(item.get("traced")))
+    if not bs or not ns or not cs or any((b, n, c) not in cells for b in bs for n in ns for c in cs):
+        return None
+    declared = raw.get("declared")
+    declared = declared if isinstance(declared, dict) else {}
+    point = (declared.get("microbatch"), declared.get("max_length"), declared.get("gradient_checkpointing"))
+    start = point if point in cells else (bs[0], ns[0], cs[0])
+    memory = _int(raw.get("device_memory"))
+    return WhatIfData(
+        sorted(set(bs)),
+        sorted(set(ns)),
+        sorted(set(cs)),
+        cells,
+        (int(start[0]), int(start[1]), bool(start[2])),
+        capacity if capacity is not None else memory,
+        _edited_since(doc, "x-what-if"),
+    )
 
 
 def _edited_since(doc: Document, extension: str) -> str:

@@ -1,4 +1,5 @@
-"""The HTML face of ``ledgerspec report --html``: one self-contained file, inline CSS and SVG, no script.
+"""The HTML face of ``ledgerspec report --html``: one self-contained file, inline CSS and SVG; a script only for
+the what-if sliders, when the ledger holds a what-if grid (``estimate --what-if``).
 
 The page is well-formed XML (XHTML-compatible) so that it can be checked by a parser and embedded
 anywhere; it loads nothing from the network. It draws :class:`~ledgerspec.faces.report.data.ReportData`.
@@ -7,6 +8,7 @@ anywhere; it loads nothing from the network. It draws :class:`~ledgerspec.faces.
 from __future__ import annotations
 
 import html
+import json
 
 from ledgerspec.checks.findings import ERROR, INFO, WARNING
 from ledgerspec.contract.units import format_size
@@ -21,6 +23,7 @@ from ledgerspec.faces.report.data import (
     Pair,
     PhasePoint,
     ReportData,
+    WhatIfData,
     shown,
 )
 from ledgerspec.version import __version__
@@ -114,6 +117,11 @@ ul.reasons{margin:4px 0;padding-left:20px;font-size:13.5px}
 .f-error{color:#cf222e}.f-warning{color:#9a6700}.f-info{color:#57606a}
 svg text{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
 footer{color:#8c959f;font-size:12px;margin-top:32px}
+.whatif .controls{display:flex;flex-wrap:wrap;gap:8px 24px;align-items:center;margin:8px 0}
+.whatif label{font-size:13.5px;white-space:nowrap}.whatif input[type=range]{vertical-align:middle;width:180px}
+.whatif output{font-weight:700;font-variant-numeric:tabular-nums;display:inline-block;min-width:3.5em}
+.whatif input[type=number]{width:5em}
+.wi-verdict{color:#fff;font-weight:700;padding:6px 12px;border-radius:6px;font-size:17px;margin:6px 0}
 """
 
 
@@ -158,6 +166,8 @@ def render_html(d: ReportData) -> str:
         parts += ["<h2>Largest that fits</h2>", _fits_table(d.fits)]
     if d.devices:
         parts += ["<h2>Which device</h2>", _devices_table(d.devices, d.devices_note)]
+    if d.what_if is not None:
+        parts += ["<h2>What if</h2>", _what_if(d.what_if)]
     parts += [
         "<h2>Memory components</h2>",
         _bar_svg(d),
@@ -179,8 +189,9 @@ def render_html(d: ReportData) -> str:
         _findings(d),
         "<h2>Provenance</h2>",
         _provenance_legend(),
-        f"<footer>ledgerspec {escape(__version__)} · a self-contained page: no script, nothing loaded from the "
-        "network</footer>",
+        f"<footer>ledgerspec {escape(__version__)} · a self-contained page: "
+        f"{'one inline script (the what-if sliders)' if d.what_if is not None else 'no script'}, nothing loaded from "
+        "the network</footer>",
         "</main></body></html>",
     ]
     return "\n".join(parts) + "\n"
@@ -261,6 +272,110 @@ def _devices_table(rows: list[DeviceRow], note: str | None) -> str:
     if note:
         out.append(f'<p class="muted">{escape(note)}</p>')
     return "\n".join(out)
+
+
+#: the what-if sliders: reads the grid from the section's ``data-grid``, shows the chosen cell; a starting point may
+#: come from the address (``#what-if=microbatch:4,max_length:2048,gradient_checkpointing:on,memory_gib:24``). Kept
+#: well-formed XML (inside CDATA, no ``]]>``) and without a network or storage access.
+WHAT_IF_SCRIPT = """//<![CDATA[
+(function () {
+  var root = document.getElementById("what-if");
+  if (!root) { return; }
+  var g = JSON.parse(root.getAttribute("data-grid"));
+  var cells = {};
+  g.cells.forEach(function (c) { cells[c[0] + "/" + c[1] + "/" + c[2]] = c; });
+  var el = function (id) { return document.getElementById(id); };
+  var GiB = 1073741824;
+  function size(n) {
+    var units = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0, v = Math.abs(n);
+    while (v >= 1024 && i !== units.length - 1) { v /= 1024; i += 1; }
+    return (n >= 0 ? "" : "\u2212") + (i === 0 ? String(v) : v.toFixed(2)) + " " + units[i];
+  }
+  function set(point) {
+    var b = g.microbatch.indexOf(point[0]), n = g.max_length.indexOf(point[1]);
+    if (b >= 0) { el("wi-b").value = b; }
+    if (n >= 0) { el("wi-n").value = n; }
+    el("wi-c").checked = point[2] === true;
+  }
+  function fromAddress() {
+    var m = /what-if=([^&]*)/.exec(decodeURIComponent(window.location.hash || ""));
+    if (!m) { return; }
+    var p = g.declared.slice();
+    m[1].split(",").forEach(function (kv) {
+      var parts = kv.split(":"), k = parts[0], v = parts[1];
+      if (k === "microbatch") { p[0] = parseInt(v, 10); }
+      if (k === "max_length") { p[1] = parseInt(v, 10); }
+      if (k === "gradient_checkpointing") { p[2] = (v === "on" || v === "true"); }
+      if (k === "memory_gib") { el("wi-m").value = v; }
+    });
+    set(p);
+  }
+  function show() {
+    var b = g.microbatch[el("wi-b").value], n = g.max_length[el("wi-n").value], c = el("wi-c").checked;
+    var cell = cells[b + "/" + n + "/" + c];
+    el("wi-b-v").textContent = String(b);
+    el("wi-n-v").textContent = String(n);
+    el("wi-peak").textContent = size(cell[3]);
+    el("wi-phase").textContent = cell[4];
+    el("wi-how").textContent = cell[5] ? "traced" : "microbatch model";
+    var gib = parseFloat(el("wi-m").value);
+    var v = el("wi-verdict");
+    if (!(gib > 0)) {
+      v.textContent = "UNKNOWN: no device memory";
+      v.setAttribute("data-verdict", "UNKNOWN");
+      v.style.background = "#57606a";
+      el("wi-headroom").textContent = "-";
+      return;
+    }
+    var memory = Math.round(gib * GiB), headroom = memory - cell[3], fits = headroom >= 0;
+    v.setAttribute("data-verdict", fits ? "FITS" : "DOES NOT FIT");
+    v.style.background = fits ? "#1a7f37" : "#cf222e";
+    v.textContent = (fits ? "FITS" : "DOES NOT FIT") + ": peak " + size(cell[3]) + " on " + size(memory) +
+      (fits ? ", headroom " + size(headroom) : ", short by " + size(-headroom)) + " (" + cell[4] + ")";
+    el("wi-headroom").textContent = size(headroom);
+  }
+  ["wi-b", "wi-n", "wi-c", "wi-m"].forEach(function (id) { el(id).addEventListener("input", show); });
+  window.addEventListener("hashchange", function () { fromAddress(); show(); });
+  fromAddress();
+  show();
+})();
+//]]>"""
+
+
+def _what_if(w: WhatIfData) -> str:
+    """The sliders over ``x-what-if`` and what they show (without a script: the declared point, as text)."""
+    b0, n0, c0 = w.declared
+    peak, phase, traced = w.cells[w.declared]
+    memory = "" if w.device_memory is None else f"{w.device_memory / 2**30:g}"
+    grid = escape(json.dumps(w.data(), separators=(",", ":")))
+    checked = ' checked="checked"' if c0 else ""
+    note = f'<p class="muted">{escape(w.note)}</p>' if w.note else ""
+    return "\n".join(
+        [
+            f'<div class="whatif" id="what-if" data-grid="{grid}">',
+            '<p class="muted">Move the sliders: the predicted peak of each configuration (<code>ledgerspec estimate '
+            "--what-if</code>: traced estimates, and the microbatch model between them), against the device memory. "
+            "Allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too.</p>",
+            note,
+            '<div class="controls">',
+            f'<label>microbatch <input type="range" id="wi-b" min="0" max="{len(w.microbatch) - 1}" step="1" '
+            f'value="{w.microbatch.index(b0)}"/> <output id="wi-b-v">{b0}</output></label>',
+            f'<label>max_length <input type="range" id="wi-n" min="0" max="{len(w.max_length) - 1}" step="1" '
+            f'value="{w.max_length.index(n0)}"/> <output id="wi-n-v">{n0}</output></label>',
+            f'<label><input type="checkbox" id="wi-c"{checked}/> gradient checkpointing</label>',
+            f'<label>device memory <input type="number" id="wi-m" min="0" step="0.5" value="{memory}"/> GiB</label>',
+            "</div>",
+            f'<div class="wi-verdict" id="wi-verdict" data-verdict="UNKNOWN" style="background:#57606a">declared: '
+            f"peak {_size(peak)} ({escape(phase)})</div>",
+            '<table class="whatif-cell"><thead><tr><th class="num">predicted peak</th><th>peak phase</th>'
+            '<th class="num">headroom</th><th>how</th></tr></thead><tbody><tr>'
+            f'<td class="num" id="wi-peak">{_size(peak)}</td><td id="wi-phase">{escape(phase)}</td>'
+            f'<td class="num" id="wi-headroom">-</td><td id="wi-how">{"traced" if traced else "microbatch model"}</td>'
+            "</tr></tbody></table>",
+            "</div>",
+            f"<script>{WHAT_IF_SCRIPT}</script>",
+        ]
+    )
 
 
 def _opt(n: int | None) -> str:
