@@ -2,7 +2,8 @@
 
 - :mod:`.workload`: the model, optimizer and batches a document declares (shared by measure, estimate, shard);
 - :mod:`.tracker`: a dispatch-level tracker of every live tensor storage, by category;
-- :mod:`.protocol`: the measurement protocol's phases over a memory backend (tracker or CUDA allocator).
+- :mod:`.protocol`: the measurement protocol's phases over a memory backend (tracker or CUDA allocator);
+- :mod:`.beside`: two independent simulations at once, the second in a forked process.
 """
 
 from ledgerspec.derivations.engine.protocol import ProtocolResult, run_protocol

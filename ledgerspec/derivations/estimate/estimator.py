@@ -407,9 +407,12 @@ def estimate(
     progress: Progress | None = None,
     offline: bool = True,
     store: EstimateCache | None = None,
+    parallel: bool = False,
 ) -> Estimate:
     """The estimate of ``doc``. ``layers``: ``auto`` (extrapolate when possible) or ``full``. With ``store``, an
     estimate of the same inputs on the same stack is answered from it (:mod:`.cache`), and a new one is kept there.
+    ``parallel``: trace the two depth probes at once, the deeper one in a forked process, when this process has
+    traced nothing yet (:mod:`ledgerspec.derivations.engine.beside`; the figures are the same either way).
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
@@ -421,13 +424,15 @@ def estimate(
         store,
         doc,
         question,
-        lambda: _estimate(doc, target, layers, progress, offline),
+        lambda: _estimate(doc, target, layers, progress, offline, parallel),
         Estimate.to_cache,
         Estimate.from_cache,
     )
 
 
-def _estimate(doc: Document, target: str, layers: str, progress: Progress | None, offline: bool) -> Estimate:
+def _estimate(
+    doc: Document, target: str, layers: str, progress: Progress | None, offline: bool, parallel: bool
+) -> Estimate:
     started = time.perf_counter()
     say = progress or (lambda _msg: None)
     say("loading the model config")
@@ -470,7 +475,10 @@ def _estimate(doc: Document, target: str, layers: str, progress: Progress | None
         figures = run(None)
     else:
         n1, n2 = est_plan.probes
-        figures = extend_all(run(n1), run(n2), n1, n2, est_plan.layers)
+        from ledgerspec.derivations.engine.beside import both
+
+        shallow, deep = both(lambda: run(n1), lambda: run(n2), parallel)
+        figures = extend_all(shallow, deep, n1, n2, est_plan.layers)
     differences, notes = _differences(doc, spec, keep_input, figures.pop("stack.fused_experts", 0))
     phases = {k: figures[k] for k in PHASES}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}

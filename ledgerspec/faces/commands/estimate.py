@@ -139,7 +139,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     if writes and doc.kind != "intake":
         check_writable(args.output or args.file, force=args.force)  # before the simulated step
-    est = _estimate_fn(args)(doc)
+    est = _estimate_fn(args, parallel=True)(doc)  # one estimate: its two depth probes at once
     target_memory = device if device is not None else device_memory_of(doc)
     _print(est, target_memory)
     code = EXIT_OK
@@ -201,15 +201,16 @@ def _print(est: Any, device: int | None) -> None:
         print(f"  time: {est.seconds:.1f} s", file=out)
 
 
-def _estimate_fn(args: argparse.Namespace) -> Any:
+def _estimate_fn(args: argparse.Namespace, parallel: bool = False) -> Any:
     """One estimate of a document (or a variant of it) as the arguments ask, through the estimate cache unless
-    ``--no-cache``."""
+    ``--no-cache``; ``parallel``: its depth probes in two processes (a single estimate: a sweep's estimates run in
+    processes of their own instead)."""
     from ledgerspec.derivations.estimate.cache import EstimateCache
     from ledgerspec.derivations.estimate.estimator import estimate
 
     layers = "full" if args.full else "auto"
     store = None if args.no_cache else EstimateCache.from_environment()
-    return lambda variant: estimate(variant, target=args.target, layers=layers, store=store)
+    return lambda variant: estimate(variant, target=args.target, layers=layers, store=store, parallel=parallel)
 
 
 def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
@@ -295,7 +296,7 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     if args.fit_step < 1:
         raise LedgerspecError("--fit-step must be >= 1", args.file, rule="usage", exit_code=EXIT_USAGE)
     writes = _writable(doc, args)
-    estimate_fn = _estimate_fn(args)
+    estimate_fn = _estimate_fn(args, parallel=True)  # the first estimate's probes at once (the rest follow it)
     answers = []
     for name in dict.fromkeys(args.fit):
         if name == "microbatch":
@@ -332,7 +333,7 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     catalogue = devices.load_catalogue(args.devices or None)
     writes = _writable(doc, args)
-    result = devices.compare(doc, catalogue, _estimate_fn(args))
+    result = devices.compare(doc, catalogue, _estimate_fn(args, parallel=True))
     head = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch")
     cells = [
         (

@@ -1,0 +1,92 @@
+"""Two simulations at once (:mod:`ledgerspec.derivations.engine.beside`): the same answers as in turn, errors
+reported as they would be in turn, and in turn whenever a fork is not safe."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ledgerspec.derivations.engine import beside, protocol
+from ledgerspec.errors import LedgerspecError
+
+
+@pytest.fixture
+def forkable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "RUNS_STARTED", 0)
+    monkeypatch.setattr(beside, "usable_cpus", lambda: 2)
+
+
+def test_the_second_runs_in_another_process(forkable: None) -> None:
+    here = os.getpid()
+    a, b = beside.both(lambda: ("first", os.getpid()), lambda: ("second", os.getpid()))
+    assert a == ("first", here)
+    assert b[0] == "second" and b[1] != here
+
+
+def test_an_error_of_the_second_is_raised_here(forkable: None) -> None:
+    def fails() -> None:
+        raise LedgerspecError("cannot model this", "x.yaml", 3, 1, rule="estimate", hint="measure instead")
+
+    with pytest.raises(LedgerspecError) as info:
+        beside.both(lambda: 1, fails)
+    assert info.value.format() == "x.yaml:3:1: estimate: cannot model this (hint: measure instead)"
+
+
+def test_a_child_that_sends_nothing_is_run_again_here(forkable: None) -> None:
+    calls: list[int] = []
+
+    def second() -> int:
+        calls.append(os.getpid())
+        if os.getpid() != here:
+            os._exit(3)  # dies without an answer
+        return 42
+
+    here = os.getpid()
+    assert beside.both(lambda: 1, second) == (1, 42)
+    assert calls == [here]  # the child's append stayed in the child
+
+
+def test_an_error_of_the_first_stops_the_child(forkable: None) -> None:
+    def first() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        beside.both(first, lambda: __import__("time").sleep(60))
+
+
+@pytest.mark.parametrize("why", ["traced", "one-cpu", "off"])
+def test_in_turn_when_a_fork_is_not_safe(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    monkeypatch.setattr(protocol, "RUNS_STARTED", 1 if why == "traced" else 0)
+    monkeypatch.setattr(beside, "usable_cpus", lambda: 1 if why == "one-cpu" else 2)
+    here = os.getpid()
+    assert beside.both(os.getpid, os.getpid, parallel=why != "off") == (here, here)
+
+
+@pytest.mark.slow
+def test_an_estimate_with_its_probes_at_once_equals_one_in_turn() -> None:
+    """A fresh process (nothing traced yet, as the CLI) traces the two depth probes at once: every figure equals the
+    probes traced one after the other (in this test's process)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from tests.support import REPO_ROOT
+    from tests.support.estimate_docs import ledger
+
+    code = (
+        "import json, os\n"
+        "from ledgerspec.derivations.engine import beside\n"
+        "from ledgerspec.derivations.estimate.estimator import estimate\n"
+        "from tests.support.estimate_docs import ledger\n"
+        "assert beside.can_fork()\n"
+        "print(json.dumps(estimate(ledger(checkpointing=True), parallel=True).figures))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    serial = estimate(ledger(checkpointing=True))
+    assert serial.plan.probes == (2, 3)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == serial.figures
