@@ -40,7 +40,12 @@ def ledgerspec(*args: str) -> tuple[float, str, float, float]:
     before = os.times()
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "ledgerspec", *args], capture_output=True, text=True, cwd=ROOT, check=False
+        [sys.executable, "-m", "ledgerspec", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        env={**os.environ, "LEDGERSPEC_CACHE_DIR": "off"},  # every run traced (benchmarks/startup.py: the cache)
     )
     wall = time.perf_counter() - t0
     after = os.times()

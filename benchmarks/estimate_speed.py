@@ -9,6 +9,7 @@ microbatch 1, sequence 2048, gradient checkpointing on, sdpa. Each run is a fres
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -55,6 +56,7 @@ def run(path: Path) -> tuple[float, float, int, str]:
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env={**os.environ, "LEDGERSPEC_CACHE_DIR": "off"},  # every run traced (benchmarks/startup.py: the cache)
     )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
