@@ -251,7 +251,7 @@ def _fsdp2_worst(doc: Document, world: int) -> int:
     """The worst rank's predicted peak on ``world`` FSDP2 (or FSDP1) ranks (a simulated step per distinct rank
     layout)."""
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import check_qlora
+    from ledgerspec.derivations.shard.options import check_qlora
     from ledgerspec.derivations.shard.simulate import estimate_per_rank
 
     check_qlora(doc, rule="devices")

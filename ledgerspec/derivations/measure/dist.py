@@ -40,8 +40,13 @@ from typing import Any
 
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_fsdp1_mixed_precision, check_qlora, cpu_offload
-from ledgerspec.derivations.shard.zero import zero_stage
+from ledgerspec.derivations.shard.options import (
+    FSDP2_DEFAULT,
+    check_fsdp1_mixed_precision,
+    check_qlora,
+    cpu_offload,
+    zero_stage,
+)
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
 EXTENSION = "x-measure-per-rank"
@@ -101,7 +106,7 @@ class DistOutcome:
 def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: bool | None) -> dict[str, int]:
     from ledgerspec.derivations.shard import state as S
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import is_fsdp1, mixed_precision
+    from ledgerspec.derivations.shard.options import is_fsdp1, mixed_precision
 
     descs = document_descriptors(doc)
     mp = mixed_precision(doc)
@@ -154,9 +159,9 @@ def run_rank(req: DistRequest) -> RankOutput:
     else:
         backend = TrackerBackend()
         device = "cpu"
-    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard.options import is_fsdp1, zero_options, zero_stage
     from ledgerspec.derivations.shard.workload import fsdp1_workload, sharded_workload
-    from ledgerspec.derivations.shard.zero import zero_options, zero_stage, zero_workload
+    from ledgerspec.derivations.shard.zero import zero_workload
 
     if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3 by its own engine (issue 16): no FSDP plan to compare
         workload = zero_workload(Workload)(doc, spec)
@@ -171,7 +176,7 @@ def run_rank(req: DistRequest) -> RankOutput:
     workload.reshard_after_forward = req.reshard_after_forward
     workload.cpu_offload = req.cpu_offload
     from ledgerspec.derivations.shard.offload import pinning_as_copies
-    from ledgerspec.derivations.shard.sharder import shard_group
+    from ledgerspec.derivations.shard.options import shard_group
 
     with pinning_as_copies() if req.cpu_offload else contextlib.nullcontext():
         result = run_protocol(workload, backend, device=device, steps=req.steps)
@@ -436,7 +441,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     """Write the ranks' results into ``doc`` (in memory). Returns notes for the user."""
     from ledgerspec.contract.edit import set_extension, set_figure, set_plain
     from ledgerspec.derivations.measure import measurer as M
-    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard.options import is_fsdp1
 
     merged = worst_rank(outs)
     notes = M.write_back(doc, M.ChildOutput(merged, outs[0].software), command, compare=False)
@@ -467,7 +472,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     offloaded = cpu_offload(doc) is not None  # the run offloaded (DistRequest.cpu_offload): on the host, as imports say
     hosted = {"parameter_placement": offloaded, "gradient_placement": offloaded, "optimizer_placement": offloaded}
     if stage:  # DeepSpeed: what the run offloaded (offload_optimizer: gradients and optimizer; offload_param)
-        from ledgerspec.derivations.shard.zero import zero_options
+        from ledgerspec.derivations.shard.options import zero_options
 
         zo = zero_options(doc)
         offloaded = zo.offloaded
@@ -488,7 +493,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
     text = "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy)" if fsdp1 else None
     if stage:
-        from ledgerspec.derivations.shard.zero import zero_options
+        from ledgerspec.derivations.shard.options import zero_options
 
         text = f"zero{stage} (DeepSpeed's engine: {zero_options(doc).describe()})"
     ext = per_rank_extension(outs, reshard, *([text] if text else []))
@@ -518,7 +523,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
 
 
 def _label(doc: Document) -> str:
-    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard.options import is_fsdp1
 
     stage = zero_stage(doc)
     return f"DeepSpeed ZeRO-{stage}" if stage else "FSDP1" if is_fsdp1(doc) else "FSDP2"
@@ -545,7 +550,8 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     base = single(doc, device, steps, None, None)
     if zero_stage(doc) is not None:
         from ledgerspec.derivations.engine.workload import WorkloadSpec
-        from ledgerspec.derivations.shard.zero import zero_options, zero_refusal
+        from ledgerspec.derivations.shard.options import zero_options
+        from ledgerspec.derivations.shard.zero import zero_refusal
 
         why = zero_refusal(WorkloadSpec.from_json(base.spec), zero_options(doc))
         if why:

@@ -29,6 +29,9 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
+from ledgerspec.derivations.shard.model import adapters_in_declared_dtype
+from ledgerspec.derivations.shard.patching import patched
+
 
 def fsdp_params(model: Any) -> list[Any]:
     """Every ``FSDPParam`` of every ``fully_shard``-ed module of ``model``."""
@@ -128,7 +131,7 @@ def hybrid_mesh(doc: Any) -> Any:
 
     if not torch.distributed.is_initialized():
         return None
-    from ledgerspec.derivations.shard.sharder import shard_group
+    from ledgerspec.derivations.shard.options import shard_group
 
     world = torch.distributed.get_world_size()
     group = shard_group(doc, world)
@@ -146,7 +149,7 @@ def fsdp1_workload(base: type) -> Any:
     model: ``FullyShardedDataParallel(model, auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model),
     sharding_strategy=FULL_SHARD (or SHARD_GRAD_OP), use_orig_params, limit_all_gathers, backward_prefetch,
     forward_prefetch, mixed_precision=MixedPrecision(param_dtype, reduce_dtype), device_id=cpu)`` with the declared
-    options (:func:`ledgerspec.derivations.shard.sharder.fsdp1_options`: the Trainer's defaults when absent,
+    options (:func:`ledgerspec.derivations.shard.options.fsdp1_options`: the Trainer's defaults when absent,
     ``backward_prefetch=None`` among them, not FSDP1's own ``BACKWARD_PRE``) (accelerate 1.15
     ``Accelerator.prepare_model``; transformers 5 ``update_fsdp_plugin_peft``).
 
@@ -200,7 +203,7 @@ def fsdp1_workload(base: type) -> Any:
                 ShardingStrategy,
             )
 
-            from ledgerspec.derivations.shard.sharder import fsdp1_options, mixed_precision
+            from ledgerspec.derivations.shard.options import fsdp1_options, mixed_precision
 
             mp = mixed_precision(self.doc)
             opts = fsdp1_options(self.doc)
@@ -291,25 +294,13 @@ def _fake_storage_checks() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def patched(*replacements: tuple[Any, str, Any]) -> Iterator[None]:
-    """Each ``(owner, name, value)``: ``owner.name`` is ``value`` inside the block and what it was after it, whatever
-    happens (``unittest.mock.patch.object``, one per replacement)."""
-    from unittest import mock
-
-    with contextlib.ExitStack() as stack:
-        for owner, name, value in replacements:
-            stack.enter_context(mock.patch.object(owner, name, value))
-        yield
-
-
 def mp_policy(doc: Any) -> Any:
     """The ``MixedPrecisionPolicy`` the document declares (``parallelism.mixed_precision_policy``), else FSDP2's
     default ``MixedPrecisionPolicy()`` (no casts), as accelerate passes it (``fsdp2_prepare_model``)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ledgerspec.derivations.shard.sharder import mixed_precision
+    from ledgerspec.derivations.shard.options import mixed_precision
 
     mp = mixed_precision(doc)
     if mp is None:
@@ -318,35 +309,6 @@ def mp_policy(doc: Any) -> Any:
         param_dtype=getattr(torch, mp.param_dtype) if mp.param_dtype else None,
         reduce_dtype=getattr(torch, mp.reduce_dtype) if mp.reduce_dtype else None,
     )
-
-
-def adapters_in_declared_dtype(model: Any, adapter_dtype: str | None) -> int:
-    """Cast every trainable meta parameter to ``adapter.dtype`` BEFORE ``fully_shard``; returns how many changed.
-
-    A user's run casts the adapter (``model.to(bf16)``, PEFT's ``autocast_adapter_dtype=False``, ...) before
-    accelerate or the user wraps the model, so ``fully_shard`` meets parameters already in their training dtype.
-    FSDP2 records that dtype when it shards (``FSDPParam.init_dtype_attrs``: ``self.orig_dtype =
-    self.sharded_param.dtype``, torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_param.py``), all-gathers and
-    reduce-scatters in it (no ``MixedPrecisionPolicy``: ``param_dtype`` and ``reduce_dtype`` stay None), and AdamW
-    creates its state with ``torch.zeros_like(p)`` on the sharded parameter (``optim/adam.py``, ``_init_group``), so
-    the state follows the parameter's dtype: bf16 adapters have bf16 gradients and bf16 ``exp_avg``/``exp_avg_sq``.
-
-    Casting after ``fully_shard`` (``p.data = p.data.to(bf16)`` on the sharded DTensor, what the single-device
-    workload does at injection) leaves FSDP2's padded shard storage and recorded dtype at float32: the gradient
-    then arrives in one dtype and AdamW's state in another, a step no real run takes (the meta kernel of
-    ``aten.lerp_`` refused it: issue 16).
-    """
-    import torch
-
-    if adapter_dtype is None:  # PEFT's default: float32 adapters, as PEFT built them
-        return 0
-    target = getattr(torch, adapter_dtype)
-    changed = 0
-    for p in model.parameters():
-        if p.requires_grad and p.is_meta and p.is_floating_point() and p.dtype != target:
-            p.data = p.data.to(target)
-            changed += 1
-    return changed
 
 
 def pack_4bit_on_meta(model: Any) -> list[Any]:

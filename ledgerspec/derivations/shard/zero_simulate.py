@@ -1,6 +1,6 @@
 """``shard --estimate`` under DeepSpeed ZeRO-1/2/3: DeepSpeed's own engine run per rank on fake tensors (issue 16).
 
-For rank ``r`` of ``W`` a fake process group (:func:`ledgerspec.derivations.shard.simulate.fake_process_group`:
+For rank ``r`` of ``W`` a fake process group (:func:`ledgerspec.derivations.shard.simulation.fake_process_group`:
 collectives return at once, their outputs are the buffers DeepSpeed itself allocates) is initialised in this process,
 with the environment torchrun would give the rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``: DeepSpeed reads
 ``LOCAL_RANK`` to name its device), and the estimate's workload is run through the measurement protocol by
@@ -37,7 +37,7 @@ from typing import Any
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
-from ledgerspec.derivations.shard.simulate import (
+from ledgerspec.derivations.shard.simulation import (
     RankEstimate,
     ShardEstimate,
     add_sides,
@@ -115,7 +115,8 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
     from ledgerspec.derivations.engine.backends import TrackerBackend
     from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.estimate.estimator import _estimate_workload_class, granularity
-    from ledgerspec.derivations.shard.zero import fake_value_checks, import_deepspeed, zero_options, zero_workload
+    from ledgerspec.derivations.shard.options import zero_options
+    from ledgerspec.derivations.shard.zero import fake_value_checks, import_deepspeed, zero_workload
 
     import_deepspeed()
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
@@ -223,7 +224,8 @@ def estimate_zero_per_rank(
 ) -> ShardEstimate:
     """The per-rank estimate of ``doc`` on ``world`` DeepSpeed ZeRO-1/2/3 ranks."""
     from ledgerspec.derivations.estimate import estimator as E
-    from ledgerspec.derivations.shard.zero import ZeroOptions, zero_options, zero_refusal
+    from ledgerspec.derivations.shard.options import ZeroOptions, zero_options
+    from ledgerspec.derivations.shard.zero import zero_refusal
 
     started = time.perf_counter()
     say = progress or (lambda _msg: None)

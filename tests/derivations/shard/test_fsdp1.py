@@ -80,7 +80,7 @@ def _run_probe(ledger: str, nproc: int, shard_grad_op: bool, out: Path) -> list[
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("peft")
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import mixed_precision
+    from ledgerspec.derivations.shard.options import mixed_precision
 
     ledger, nproc, shard_grad_op = request.param
     ranks = _run_probe(ledger, nproc, shard_grad_op, tmp_path_factory.mktemp("fsdp1"))
@@ -256,7 +256,8 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
     import shutil
 
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import mixed_precision, shard
+    from ledgerspec.derivations.shard.options import mixed_precision
+    from ledgerspec.derivations.shard.sharder import shard
 
     shutil.copytree(DATA / "tiny", tmp_path / "tiny")
     text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")

@@ -180,7 +180,7 @@ def _fsdp_layouts(doc: Any, workload_class: Any, rank: int) -> dict[str, tuple[A
     import warnings
 
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.shard.simulate import fake_process_group
+    from ledgerspec.derivations.shard.simulation import fake_process_group
     from ledgerspec.derivations.shard.workload import fsdp_params, sharded_workload
     from ledgerspec.derivations.stack.build import load_config
 

@@ -21,7 +21,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.derivations.shard.model import document_descriptors
-from ledgerspec.derivations.shard.sharder import mixed_precision
+from ledgerspec.derivations.shard.options import mixed_precision
 from tests.support import TESTS, one_worker_each
 
 DATA = TESTS / "data" / "sharding"

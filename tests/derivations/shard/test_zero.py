@@ -77,7 +77,7 @@ def _zero_ledger(tmp: Path, stage: int, options: str = "{reduce_bucket_size: 100
 
 
 def test_options_read_from_the_ledger(tmp_path: Path) -> None:
-    from ledgerspec.derivations.shard.zero import ZeroOptions, zero_options, zero_stage
+    from ledgerspec.derivations.shard.options import ZeroOptions, zero_options, zero_stage
 
     path = _zero_ledger(
         tmp_path,
@@ -105,7 +105,8 @@ def test_options_read_from_the_ledger(tmp_path: Path) -> None:
 @needs_deepspeed
 def test_defaults_are_deepspeeds_own() -> None:
     """Absent keys mean DeepSpeed's defaults: the same values as DeepSpeed's own ``DeepSpeedZeroConfig``."""
-    from ledgerspec.derivations.shard.zero import ZeroOptions, cpu_accelerator
+    from ledgerspec.derivations.shard.options import ZeroOptions
+    from ledgerspec.derivations.shard.zero import cpu_accelerator
 
     with cpu_accelerator():
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -130,7 +131,8 @@ def test_the_engine_mixed_precision_modes_are_not_refused(tmp_path: Path) -> Non
     """bf16 and fp16 (the Trainer's ``--bf16`` / ``--fp16``: DeepSpeed's own modes, no autocast) run; the real runs
     below check them."""
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.shard.zero import ds_config, zero_options, zero_refusal
+    from ledgerspec.derivations.shard.options import zero_options
+    from ledgerspec.derivations.shard.zero import ds_config, zero_refusal
 
     path = _zero_ledger(tmp_path, 3)
     text = path.read_text(encoding="utf-8")
