@@ -10,7 +10,7 @@ table costs two or three traced estimates, plus one simulated FSDP2 step per GPU
 
 GPU counts follow the declared sharding: with none (data parallel) every GPU holds the whole model and its own
 microbatch, so more GPUs do not lower the peak of one (the table says so once instead of repeating rows); with
-``fsdp2`` each count's worst rank comes from :func:`ledgerspec.derivations.shard.simulate.estimate_per_rank`, and
+``fsdp2`` each count's worst rank comes from :func:`ledgerspec.derivations.shard.fsdp.simulate.estimate_per_rank`, and
 its other microbatches from the same bytes per row as one GPU (activations are per rank and do not shard).
 ZeRO stages are calculated by ``ledgerspec shard`` (model state only) and are not simulated here.
 """
@@ -250,9 +250,9 @@ def _largest(
 def _fsdp2_worst(doc: Document, world: int) -> int:
     """The worst rank's predicted peak on ``world`` FSDP2 (or FSDP1) ranks (a simulated step per distinct rank
     layout)."""
+    from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.options import check_qlora
-    from ledgerspec.derivations.shard.simulate import estimate_per_rank
 
     check_qlora(doc, rule="devices")
     descs = document_descriptors(doc)

@@ -4,7 +4,7 @@ The parent process never imports torch. It picks a free loopback port (a bound s
 ``torchrun --nproc_per_node N -m ledgerspec.derivations.measure.dist --rank REQUEST OUTDIR`` and waits.
 Every rank (gloo on the CPU, nccl on CUDA) builds the document's workload on the meta device
 (:class:`ledgerspec.derivations.engine.workload.Workload`: exact model, adapters), applies ``fully_shard`` to every
-decoder layer and then to the root (:mod:`ledgerspec.derivations.shard.workload`), and runs the SAME
+decoder layer and then to the root (:mod:`ledgerspec.derivations.shard.fsdp.workload`), and runs the SAME
 phases as a single-device measurement, :func:`ledgerspec.derivations.engine.protocol.run_protocol`, with its own
 backend (tensor tracking on the CPU: FSDP2's all-gather buffers and reduce-scatter outputs are real tensors and
 are counted; allocator counters on CUDA). Materialising allocates only this rank's padded shards: the base
@@ -20,7 +20,7 @@ the per-rank phase table and the calculated-vs-measured model state in ``x-measu
 QLoRA is measured when bitsandbytes stores the packed 4-bit weights in the loaded float dtype
 (``bnb_4bit_quant_storage``, checked before launching): FSDP2 shards the packed weights like any parameter, every
 rank keeps the whole quantization state, and bitsandbytes' ``Linear4bit`` finds it again on the module for the
-gathered weight (:mod:`ledgerspec.derivations.shard.workload`). Not supported with ``--nproc``:
+gathered weight (:mod:`ledgerspec.derivations.shard.fsdp.workload`). Not supported with ``--nproc``:
 ``--memory-limit`` (a simulated OOM on one rank would leave the others waiting in a collective). An out-of-memory
 error on any rank ends the run without writing.
 """
@@ -159,23 +159,23 @@ def run_rank(req: DistRequest) -> RankOutput:
     else:
         backend = TrackerBackend()
         device = "cpu"
+    from ledgerspec.derivations.shard.fsdp.workload import fsdp1_workload, sharded_workload
     from ledgerspec.derivations.shard.options import is_fsdp1, zero_options, zero_stage
-    from ledgerspec.derivations.shard.workload import fsdp1_workload, sharded_workload
-    from ledgerspec.derivations.shard.zero import zero_workload
+    from ledgerspec.derivations.shard.zero.engine import zero_workload
 
     if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3 by its own engine (issue 16): no FSDP plan to compare
         workload = zero_workload(Workload)(doc, spec)
         workload.options = zero_options(doc)
         result = run_protocol(workload, backend, device=device, steps=req.steps)
         if result.complete:
-            from ledgerspec.derivations.shard.zero_simulate import check_steps
+            from ledgerspec.derivations.shard.zero.simulate import check_steps
 
             check_steps(doc, workload.engine, 1 + req.steps)
         return RankOutput(rank, result, software_versions(workload, req.device), {})
     workload = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(Workload)(doc, spec)
     workload.reshard_after_forward = req.reshard_after_forward
     workload.cpu_offload = req.cpu_offload
-    from ledgerspec.derivations.shard.offload import pinning_as_copies
+    from ledgerspec.derivations.shard.offload.fsdp import pinning_as_copies
     from ledgerspec.derivations.shard.options import shard_group
 
     with pinning_as_copies() if req.cpu_offload else contextlib.nullcontext():
@@ -216,7 +216,7 @@ def _rank_main(request_file: str, out_dir: str) -> int:
         torch.set_num_threads(1)  # tracked bytes do not depend on threads; avoids spin-waits on a busy host
     dist.init_process_group("nccl" if use_cuda else "gloo")
     if zero_stage(from_text(req.doc_text, req.doc_path)) is not None:
-        from ledgerspec.derivations.shard.zero import import_deepspeed
+        from ledgerspec.derivations.shard.zero.engine import import_deepspeed
 
         import_deepspeed(cpu=not use_cuda)  # DS_ACCELERATOR=cpu on gloo ranks; deepspeed.comm wraps the group
     rank = dist.get_rank()
@@ -505,7 +505,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
             else ""
         )
     elif offloaded:  # issue 16: the run offloaded as declared
-        from ledgerspec.derivations.shard.offload import describe
+        from ledgerspec.derivations.shard.offload.fsdp import describe
 
         ext["cpu_offload"] = describe("fsdp1" if fsdp1 else "fsdp2") + (
             "; without an accelerator pin_memory() is a plain copy (the same host bytes) and FSDP1's CPU stream "
@@ -551,7 +551,7 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     if zero_stage(doc) is not None:
         from ledgerspec.derivations.engine.workload import WorkloadSpec
         from ledgerspec.derivations.shard.options import zero_options
-        from ledgerspec.derivations.shard.zero import zero_refusal
+        from ledgerspec.derivations.shard.zero.engine import zero_refusal
 
         why = zero_refusal(WorkloadSpec.from_json(base.spec), zero_options(doc))
         if why:

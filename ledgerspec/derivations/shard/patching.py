@@ -1,8 +1,8 @@
 """Library attributes replaced for the duration of a block, and put back whatever happens.
 
 The simulations ask torch and DeepSpeed questions their code answers with data pointers or values that fake
-tensors do not have (:mod:`.workload`'s FSDP1 storage checks, :mod:`.zero`'s host reads of gradient values); each
-such replacement goes through :func:`patched`. No torch.
+tensors do not have (FSDP1's storage checks in :mod:`.fsdp.workload`, the host reads of gradient values in
+:mod:`.zero.engine`); each such replacement goes through :func:`patched`. No torch.
 """
 
 from __future__ import annotations

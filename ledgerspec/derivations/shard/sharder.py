@@ -1,9 +1,11 @@
 """Write the calculated per-rank state into a document: ``parallelism.x-per-rank`` (CALCULATED figures).
 
-FSDP2 per-rank figures for each rank plus ZeRO-1/2/3 (without and with CPU offload) for comparison, each a
-long-form figure ``{value, source: CALCULATED, method}``. With ``estimate=True`` an ``estimate`` block is added:
-each rank's predicted phases from a simulated FSDP2 step (:mod:`ledgerspec.derivations.shard.simulate`) and,
-given a device memory, the fit verdict. The declared ``parallelism`` inputs are not touched.
+The FSDP2 (or FSDP1) per-rank figures for each rank plus ZeRO-1/2/3 (without and with CPU offload) for comparison,
+each a long-form figure ``{value, source: CALCULATED, method}``; with CPU offload declared, what FSDP moves to the
+host (:mod:`ledgerspec.derivations.shard.offload.fsdp`). With ``estimate=True`` an ``estimate`` block is added: each
+rank's predicted phases from a simulated step of the declared strategy (FSDP2 or FSDP1:
+:mod:`ledgerspec.derivations.shard.fsdp.simulate`; DeepSpeed ZeRO: :mod:`ledgerspec.derivations.shard.zero.simulate`)
+and, given a device memory, the fit verdict. The declared ``parallelism`` inputs are not touched.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class ShardResult:
     zero: dict[str, S.ZeroState]
     extension: dict[str, Any]
     change: Change | None
-    estimate: Any = None  # sharding_estimate.ShardEstimate with estimate=True
+    estimate: Any = None  # simulation.ShardEstimate with estimate=True
     device_memory: int | None = None
 
 
@@ -241,20 +243,20 @@ def shard(
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)
         ext["reshard_after_forward"] = FSDP2_DEFAULT
-    if offload is not None and zero_stage(doc) is None:  # issue 16: what FSDP moves to the host (shard.offload);
+    if offload is not None and zero_stage(doc) is None:  # issue 16: what FSDP moves to the host (offload.fsdp);
         # ZeRO's offload is its zeroN_offload row, not FSDP's CPUOffload
-        from ledgerspec.derivations.shard import offload as O
+        from ledgerspec.derivations.shard.offload import fsdp as O
 
         ext["cpu_offload"] = O.extension(plan, descs, "fsdp1" if is_fsdp1(doc) else "fsdp2", ".".join(offload))
     est = None
     if estimate:
-        from ledgerspec.derivations.shard.simulate import estimate_per_rank
+        from ledgerspec.derivations.shard.fsdp import estimate_per_rank
         from ledgerspec.derivations.shard.simulation import extension_block
 
         if device_memory is None:
             device_memory = doc.get("result", "target_device", "memory").size()
         if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3: DeepSpeed's own engine per rank (issue 16)
-            from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
+            from ledgerspec.derivations.shard.zero import estimate_zero_per_rank
 
             est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline)
         else:

@@ -1,4 +1,4 @@
-"""What every per-rank simulation shares, FSDP's (:mod:`.simulate`) and DeepSpeed ZeRO's (:mod:`.zero_simulate`).
+"""What every per-rank simulation shares, FSDP's (:mod:`.fsdp.simulate`) and DeepSpeed ZeRO's (:mod:`.zero.simulate`).
 
 - :class:`RankEstimate` and :class:`ShardEstimate`: one rank's predicted phases, and every rank's with the method;
 - :func:`add_sides`: a rank's device and host figures under CPU offload, beside its totals;
@@ -67,7 +67,7 @@ class RankEstimate:
 
 
 def add_sides(out: dict[str, int], sides: dict[str, tuple[int, int]], tracker: Any) -> None:
-    """A simulated rank's ``{phase: (device, host)}`` (:func:`ledgerspec.derivations.shard.offload.recording_sides`)
+    """A simulated rank's ``{phase: (device, host)}`` (:func:`.offload.sides.recording_sides`)
     and its split tracker's host peak, into its figures as ``device.PHASE``, ``host.PHASE`` and ``host_peak``."""
     for name, (device, host) in sides.items():
         out[f"device.{name}"], out[f"host.{name}"] = device, host

@@ -2,7 +2,7 @@
 
 With ``cpu_offload: true`` (FSDP2 ``CPUOffloadPolicy``, FSDP1 ``CPUOffload``) the calculated figures say what moves to
 the host and what comes back per micro-step, and ``--estimate`` predicts the device's phases and each rank's
-``host_peak`` (:mod:`ledgerspec.derivations.shard.offload`).
+``host_peak`` (:mod:`ledgerspec.derivations.shard.offload.fsdp`).
 
 Calculates what each rank holds under FSDP2 (``fully_shard`` per decoder layer + root), with ZeRO-1/2/3 for
 comparison, prints a per-rank table and writes ``parallelism.x-per-rank`` into the document. ``--estimate``

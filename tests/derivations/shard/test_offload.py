@@ -241,9 +241,9 @@ def test_staging_copy_before_the_all_gather() -> None:
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from ledgerspec.derivations.shard.offload import staging_on_the_device
+    from ledgerspec.derivations.shard.fsdp.workload import fsdp_params
+    from ledgerspec.derivations.shard.offload.fsdp import staging_on_the_device
     from ledgerspec.derivations.shard.simulation import fake_process_group
-    from ledgerspec.derivations.shard.workload import fsdp_params
 
     def storage(t: Any) -> int:
         return int(t.untyped_storage()._cdata)

@@ -136,12 +136,12 @@ def _sides_mode(tracker: Any, transfers: bool) -> Any:
 
 
 def sides_tracker_class() -> type:
-    """:func:`ledgerspec.derivations.shard.offload.split_tracker_class` with rule 3 (outputs of all-host inputs on the
+    """:func:`.sides.split_tracker_class` with rule 3 (outputs of all-host inputs on the
     host) and without FSDP's rules (the optimizer phase and gradient hooks decide nothing here)."""
     import torch
 
     from ledgerspec.derivations.engine.tracker import local_tensor
-    from ledgerspec.derivations.shard.offload import split_tracker_class
+    from ledgerspec.derivations.shard.offload.sides import split_tracker_class
 
     base = split_tracker_class()
 

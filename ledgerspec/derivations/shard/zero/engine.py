@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 per rank: the ledger's workload run by DeepSpeed's own engine (issue 16 item 3).
 
 Shared by ``measure --nproc`` with ``parallelism.strategy: zero2|zero3`` (real tensors, one process per rank under
-torchrun, gloo on the CPU: ``DS_ACCELERATOR=cpu``) and ``shard --estimate`` (:mod:`ledgerspec.derivations.shard.
-zero_simulate`: the same engine under a fake process group and ``FakeTensorMode``). Nothing here is a formula: what
+torchrun, gloo on the CPU: ``DS_ACCELERATOR=cpu``) and ``shard --estimate`` (:mod:`ledgerspec.derivations.shard.zero.
+simulate`: the same engine under a fake process group and ``FakeTensorMode``). Nothing here is a formula: what
 a rank holds is what DeepSpeed 0.19.8 allocates, counted by the dispatch-level tracker.
 
 The order of work is transformers' Trainer with a DeepSpeed config (``transformers.integrations.deepspeed``,
@@ -34,7 +34,7 @@ loss scaler; DeepSpeed's CPU accelerator is told fp16 is supported, :func:`impor
 CPU offload (``offload_optimizer`` / ``offload_param`` from the document's placements,
 :func:`ledgerspec.derivations.shard.options.zero_offload`) is passed to DeepSpeed in the same config; with DeepSpeed's
 default ``zero_force_ds_cpu_optimizer`` the step runs ``DeepSpeedCPUAdam`` from the config's ``optimizer`` block.
-How the simulation keeps the host apart: :mod:`ledgerspec.derivations.shard.zero_offload`.
+How the simulation keeps the host apart: :mod:`ledgerspec.derivations.shard.offload.zero`.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def zero_workload(base: type) -> Any:
         #: the model in fp16, fp32 master partitions, the dynamic loss scaler (``fp16.loss_scale: 0``, DeepSpeed's
         #: default: the loss multiplied by the scale before backward, the overflow flag read after the reduction)
         fp16: bool = False
-        #: the simulation's side-keeping tracker under offload (:mod:`ledgerspec.derivations.shard.zero_offload`)
+        #: the simulation's side-keeping tracker under offload (:mod:`ledgerspec.derivations.shard.offload.zero`)
         sides: Any = None
 
         def prepare(self) -> None:
@@ -343,7 +343,7 @@ def zero_workload(base: type) -> Any:
                     del model.to
             self.engine, self.optimizer = engine, optimizer
             if self.sides is not None:  # simulated offload: the host optimizer's allocations on the host
-                from ledgerspec.derivations.shard.zero_offload import host_optimizer
+                from ledgerspec.derivations.shard.offload.zero import host_optimizer
 
                 host_optimizer(optimizer, self.sides, self.options)
             return optimizer

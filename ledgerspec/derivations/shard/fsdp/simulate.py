@@ -5,7 +5,7 @@
 buffers are the ones FSDP2 itself allocates) is initialised in this process and the estimate's workload
 (:func:`ledgerspec.derivations.estimate.estimator.trace`'s: exact model, adapters, optimizer, checkpointing, the CUDA
 attention model, 512-byte allocator rounding for the cuda target) is sharded with ``fully_shard`` per decoder
-layer + root (:mod:`ledgerspec.derivations.shard.workload`) and run through the measurement protocol
+layer + root (:mod:`ledgerspec.derivations.shard.fsdp.workload`) and run through the measurement protocol
 under ``FakeTensorMode`` with the dispatch-level tracker. What this rank holds is therefore what FSDP2 really
 allocates: its padded shards, the all-gathered units while they compute (and the root kept gathered), the
 unsharded gradients before reduce-scatter and the padded gradient shards after it, the optimizer state of
@@ -78,11 +78,12 @@ def simulate_rank(
     from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.engine.tracker import by_component
     from ledgerspec.derivations.estimate.estimator import _estimate_workload_class, granularity
-    from ledgerspec.derivations.shard.workload import sharded_workload
+    from ledgerspec.derivations.shard.fsdp.workload import sharded_workload
 
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))  # as estimate.trace: enough for the peaks
-    from ledgerspec.derivations.shard import offload as O
-    from ledgerspec.derivations.shard.workload import fsdp1_workload
+    from ledgerspec.derivations.shard.fsdp.workload import fsdp1_workload
+    from ledgerspec.derivations.shard.offload import fsdp as O
+    from ledgerspec.derivations.shard.offload.sides import recording_sides, split_backend
 
     cls = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(_estimate_workload_class())
     offload = cpu_offload(doc) is not None  # issue 16: CPU offload, each storage on its side by its role
@@ -94,10 +95,10 @@ def simulate_rank(
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.reshard_after_forward = reshard_after_forward
         if is_fsdp1(doc):  # transformers < 4.52 as declared: the checkpoint around each FSDP1 unit
-            from ledgerspec.derivations.shard.legacy_checkpoint import models_outside_checkpoint
+            from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import models_outside_checkpoint
 
             workload.checkpoint_outside = models_outside_checkpoint(doc)
-        backend = (O.split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
+        backend = (split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
         split: Any = backend.tracker
         if offload:
             workload.split = split
@@ -106,7 +107,7 @@ def simulate_rank(
             extra.enter_context(O.hosting_resharded_params(split))
             if target == "cuda" and not is_fsdp1(doc):  # FSDP2's device copy of the shards before each all-gather
                 extra.enter_context(O.staging_on_the_device())
-            sides = extra.enter_context(O.recording_sides(backend))
+            sides = extra.enter_context(recording_sides(backend))
         from ledgerspec.derivations.estimate.legacy_loss import declared_loss
 
         with workload.stack, declared_loss(doc):  # transformers < 4.49's loss when the ledger declares it
@@ -194,12 +195,12 @@ def estimate_per_rank(
 
     method = method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None, is_fsdp1(doc))
     if ranks and ranks[0].host_peak is not None:
-        from ledgerspec.derivations.shard.offload import OFFLOAD_METHOD, describe
+        from ledgerspec.derivations.shard.offload.fsdp import OFFLOAD_METHOD, describe
 
         method = f"{describe('fsdp1' if is_fsdp1(doc) else 'fsdp2')}: {OFFLOAD_METHOD}; {method}"
     if legacy_loss.models_shift_copy(doc):
         method += "; " + legacy_loss.method_note(doc)
-    from ledgerspec.derivations.shard import legacy_checkpoint
+    from ledgerspec.derivations.shard.fsdp import legacy_checkpoint
 
     if is_fsdp1(doc) and legacy_checkpoint.models_outside_checkpoint(doc) and spec.gradient_checkpointing:
         method += "; " + legacy_checkpoint.method_note(doc)

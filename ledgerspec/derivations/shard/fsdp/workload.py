@@ -1,7 +1,7 @@
 """A workload sharded with FSDP2: ``fully_shard`` per decoder layer + root on the meta device, shards materialised.
 
 Shared by ``measure --nproc`` (:mod:`ledgerspec.derivations.measure.dist`, real tensors, one process per rank
-under torchrun) and the per-rank estimate (:mod:`ledgerspec.derivations.shard.simulate`, fake tensors and a
+under torchrun) and the per-rank estimate (:mod:`ledgerspec.derivations.shard.fsdp.simulate`, fake tensors and a
 fake process group). :func:`sharded_workload` derives, from any :class:`ledgerspec.derivations.engine.workload.Workload`
 class, one whose ``prepare`` also applies ``fully_shard`` to every decoder layer (the no-split classes, as
 :mod:`ledgerspec.derivations.shard.model` finds them) and then to the root, on the meta device, and whose
@@ -167,7 +167,7 @@ def fsdp1_workload(base: type) -> Any:
         #: CPUOffload(offload_params=True): flat shards, their gradients and the optimizer step on the host
         cpu_offload: bool = False
         #: the simulation of a declared transformers < 4.52: checkpoint each unit from outside
-        #: (:mod:`ledgerspec.derivations.shard.legacy_checkpoint`); a measurement runs the installed stack as it is
+        #: (:mod:`ledgerspec.derivations.shard.fsdp.legacy_checkpoint`); a measurement runs the installed stack as it is
         checkpoint_outside: bool = False
 
         #: hybrid sharding's (replicate, shard) device mesh, None without it
@@ -245,7 +245,7 @@ def fsdp1_workload(base: type) -> Any:
                 device_mesh=mesh,
             )
             if self.checkpoint_outside:  # transformers < 4.52 as declared: the checkpoint wraps the unit
-                from ledgerspec.derivations.shard.legacy_checkpoint import checkpoint_outside_units
+                from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import checkpoint_outside_units
 
                 checkpoint_outside_units(wrapped)
             return wrapped
