@@ -1,7 +1,7 @@
 """Library attributes replaced for the duration of a block, and put back whatever happens.
 
 The simulations ask torch and DeepSpeed questions their code answers with data pointers or values that fake
-tensors do not have (FSDP1's storage checks in :mod:`.fsdp.workload`, the host reads of gradient values in
+tensors do not have (FSDP1's storage checks in :mod:`.fsdp.storage_checks`, the host reads of gradient values in
 :mod:`.zero.engine`); each such replacement goes through :func:`patched`. No torch.
 """
 

@@ -305,6 +305,62 @@ def test_a_bad_fsdp1_option_is_one_line_at_its_place(tmp_path: Path, line: str, 
     assert len(err.strip().splitlines()) == 1 and path.read_bytes() == before
 
 
+def test_the_fsdp1_storage_check_replacements_were_read_in_the_installed_torch() -> None:
+    """The simulation replaces three private FSDP1 functions for fake tensors
+    (:mod:`ledgerspec.derivations.shard.fsdp.storage_checks`); they are the ones the replacements were written against
+    only on the torch release recorded there. Pinned: a torch upgrade fails here until the patches are re-checked."""
+    torch = pytest.importorskip("torch")
+    from ledgerspec.derivations.shard.fsdp.storage_checks import CHECKED, unchecked_function
+
+    installed = torch.__version__.split("+")[0]
+    assert installed in CHECKED, (
+        f"torch {installed} is installed; FSDP1's storage-check replacements were read in torch {', '.join(CHECKED)}. "
+        "Re-check the patches: read the functions of REPLACED in ledgerspec/derivations/shard/fsdp/storage_checks.py "
+        "again, adapt fake_storage_checks to them, and record this release's digests in CHECKED"
+    )
+    assert unchecked_function() is None
+
+
+def _other(*args: Any) -> bool:
+    """Not the function FSDP1 has (a planted change of a replaced one)."""
+    return True
+
+
+def test_a_changed_fsdp1_function_is_never_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entering the replacements on a torch whose function differs refuses before anything is replaced."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.fsdp._flat_param as flat_param
+
+    from ledgerspec.derivations.shard.fsdp.storage_checks import fake_storage_checks
+    from ledgerspec.errors import LedgerspecError
+
+    monkeypatch.setattr(flat_param, "_same_storage", _other)
+    with pytest.raises(LedgerspecError) as info, fake_storage_checks():
+        pytest.fail("the replacements were entered")
+    assert f"torch {torch.__version__}'s torch.distributed.fsdp._flat_param._same_storage is not" in info.value.message
+    assert flat_param._same_storage is _other and info.value.exit_code == 2
+
+
+def test_a_changed_fsdp1_function_makes_the_simulation_refuse_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shard --estimate`` of an FSDP1 ledger on a torch whose replaced function changed: one line (exit 2) naming the
+    installed torch and the function, with the way out; no traceback, the ledger untouched."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.fsdp._flat_param as flat_param
+
+    from tests.support import run_cli
+
+    monkeypatch.setattr(flat_param, "_data_ptr_allocated", _other)  # the last of the three: each one is checked
+    path = _fsdp1_ledger(tmp_path)
+    before = path.read_bytes()
+    code, out, err = run_cli("shard", path, "--estimate", "--target", "cpu")
+    assert code == 2 and out == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"torch {torch.__version__}'s torch.distributed.fsdp._flat_param._data_ptr_allocated is not" in err, err
+    assert "FSDP1 simulation was checked against torch 2.13.0" in err and "ledgerspec measure --nproc" in err, err
+    assert path.read_bytes() == before
+
+
 @pytest.mark.slow
 def test_hybrid_shard_on_four_ranks_holds_what_full_shard_holds_on_two(tmp_path: Path) -> None:
     """``shard_group_size: 2`` on 4 ranks: a real FSDP1 ``HYBRID_SHARD`` run (a (replicate=2, shard=2) device mesh,

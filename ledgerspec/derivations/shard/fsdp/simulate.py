@@ -146,6 +146,10 @@ def estimate_per_rank(
             why = qlora_shardable(spec.quant.storage_dtype, spec.loaded_dtype)
             if why:  # `shard` checks the document first; this guards direct callers
                 raise _err(doc, ("base_model", "quantization", "storage_dtype"), why)
+        if is_fsdp1(doc):  # FSDP1's storage checks are replaced for fake tensors: only on the torch they were read in
+            from ledgerspec.derivations.shard.fsdp.storage_checks import refuse_unchecked_torch
+
+            refuse_unchecked_torch(doc)
 
     spec, source, est_plan = prepare_trace(doc, target, layers, offline, refuse)
     reshard = doc.get("parallelism", "reshard_after_forward").switch()

@@ -24,13 +24,10 @@ Imports torch only inside functions.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 from ledgerspec.derivations.shard.model import adapters_in_declared_dtype
-from ledgerspec.derivations.shard.patching import patched
 
 
 def fsdp_params(model: Any) -> list[Any]:
@@ -203,6 +200,7 @@ def fsdp1_workload(base: type) -> Any:
                 ShardingStrategy,
             )
 
+            from ledgerspec.derivations.shard.fsdp.storage_checks import fake_storage_checks
             from ledgerspec.derivations.shard.options import fsdp1_options, mixed_precision
 
             mp = mixed_precision(self.doc)
@@ -226,7 +224,7 @@ def fsdp1_workload(base: type) -> Any:
                 )
             stack = getattr(self, "stack", None)  # the estimate's workload: fake tensors
             if stack is not None and any(is_fake(p) for p in model.parameters()):
-                stack.enter_context(_fake_storage_checks())
+                stack.enter_context(fake_storage_checks())
             wrapped = FullyShardedDataParallel(
                 model,
                 auto_wrap_policy=fsdp_auto_wrap_policy(model),
@@ -252,46 +250,6 @@ def fsdp1_workload(base: type) -> Any:
 
     Fsdp1.__name__ = Fsdp1.__qualname__ = f"Fsdp1{base.__name__}"
     return Fsdp1
-
-
-@contextlib.contextmanager
-def _fake_storage_checks() -> Iterator[None]:
-    """FSDP1's storage checks asked of the storages, not of ``data_ptr()`` (used with fake tensors only).
-
-    torch 2.13 FSDP1 tells storages apart by their data pointers: ``_runtime_utils._catch_all_reshard`` decides a
-    handle is "already resharded" when ``flat_param.data_ptr() == flat_param._local_shard.data_ptr()`` ("This
-    already-resharded check is brittle", pytorch#83956), ``_flat_param._same_storage`` compares
-    ``untyped_storage().data_ptr()`` and ``_data_ptr_allocated`` tests ``data_ptr() > 0``. Fake tensors all have
-    data pointer 0: under ``FakeTensorMode`` every frozen unit gathered in backward (the root, the last layer: no
-    gradient hook reshards them) looked resharded and stayed gathered through the optimizer step (812,448 B above
-    the real run on the tiny test model), and ``SHARD_GRAD_OP`` failed ("the unsharded flat parameter should be
-    allocated"). Here the same questions are asked of the storage objects and their sizes, which is what the
-    pointers mean on real tensors.
-    """
-    import torch.distributed.fsdp._flat_param as flat_param
-    import torch.distributed.fsdp._runtime_utils as runtime
-
-    def same(a: Any, b: Any) -> bool:
-        a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
-        return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
-
-    def allocated(t: Any) -> bool:
-        return bool(t.untyped_storage().nbytes() > 0)
-
-    def catch_all_reshard(state: Any) -> None:
-        handle = state._handle
-        if handle:
-            flat = handle.flat_param
-            if same(flat, flat._local_shard) and not handle._skipped_use_sharded_views:
-                return
-            runtime._reshard(state, handle, runtime._should_free_in_backward(state, handle))
-
-    with patched(
-        (runtime, "_catch_all_reshard", catch_all_reshard),
-        (flat_param, "_same_storage", same),
-        (flat_param, "_data_ptr_allocated", allocated),
-    ):
-        yield
 
 
 def mp_policy(doc: Any) -> Any:
