@@ -9,10 +9,6 @@ meta model's descriptors.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +17,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from tests.support import TESTS, one_worker_each
-from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured
+from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured, probe_ranks
 
 DATA = TESTS / "data" / "sharding"
 PROBE = TESTS / "truths" / "fsdp1_probe.py"
@@ -55,24 +51,6 @@ def test_one_dtype_per_flat_parameter() -> None:
         S.flat_units(descs, 2)
 
 
-def _run_probe(ledger: str, nproc: int, shard_grad_op: bool, out: Path) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(PROBE),
-        str(DATA / ledger),
-        str(out),
-        *(["--shard-grad-op"] if shard_grad_op else []),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-
-
 @pytest.fixture(
     scope="module",
     params=one_worker_each("fsdp1", CASES, [f"{c[0]}-{c[1]}ranks{'-shard_grad_op' if c[2] else ''}" for c in CASES]),
@@ -83,7 +61,8 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     from ledgerspec.derivations.shard.options import mixed_precision
 
     ledger, nproc, shard_grad_op = request.param
-    ranks = _run_probe(ledger, nproc, shard_grad_op, tmp_path_factory.mktemp("fsdp1"))
+    flags = ["--shard-grad-op"] if shard_grad_op else []
+    ranks = probe_ranks(PROBE, nproc, DATA / ledger, tmp_path_factory.mktemp("fsdp1"), *flags)
     doc = load(DATA / ledger)
     mp = mixed_precision(doc)
     descs = S.peft_fsdp1_units(document_descriptors(doc))
