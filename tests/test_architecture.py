@@ -316,6 +316,65 @@ def test_no_import_circles_inside_any_wing() -> None:
     assert not found, "import circles (move the shared pieces down into a module both import):\n" + "\n".join(found)
 
 
+SHARD = "ledgerspec.derivations.shard"
+#: the shard room's floors, lowest first (each name a module or a subpackage of ``shard``): the base every strategy
+#: imports, CPU offload (both FSDP's and ZeRO's), the strategies, the entry point that dispatches to them, and the
+#: package's ``__init__`` that exports it
+SHARD_FLOORS = (
+    ("state", "model", "options", "patching", "simulation"),
+    ("offload",),
+    ("fsdp", "zero"),
+    ("sharder",),
+    ("",),
+)
+
+
+def shard_sideways(imports: list[Import], modules: frozenset[str] = MODULE_NAMES) -> list[str]:
+    """The imports inside ``shard`` that do not point down a floor of :data:`SHARD_FLOORS`: a strategy importing
+    another (FSDP <-> ZeRO), offload or the base importing a strategy, anything importing the sharder. Within the
+    base and within one part (``fsdp.simulate`` -> ``fsdp.workload``) imports are free (the circle test orders them)."""
+    floor = {part: i for i, parts in enumerate(SHARD_FLOORS) for part in parts}
+
+    def part(module: str) -> str:
+        return module.removeprefix(SHARD).lstrip(".").split(".")[0]
+
+    bad = []
+    for src, targets in import_graph(imports, modules).items():
+        if not src.startswith(SHARD):
+            continue
+        for dst, imps in targets.items():
+            if not dst.startswith(SHARD) or part(dst) == part(src):
+                continue
+            a, b = floor[part(src)], floor[part(dst)]
+            if b > a or (b == a and a > 0):
+                why = f"{part(src) or 'shard'} must not import {part(dst) or 'shard'}"
+                bad += [f"{i.file.relative_to(PACKAGE.parent)}:{i.line}: {src} -> {dst}  ({why})" for i in imps]
+    return sorted(set(bad))
+
+
+def test_the_shard_rooms_import_only_downwards() -> None:
+    """Inside ``shard`` each strategy's room imports only the base (and offload), never another strategy, and only the
+    sharder (on top) imports the strategies; a planted ZeRO -> FSDP import is caught."""
+    room = PACKAGE / "derivations" / "shard"
+    parts = {p.stem for p in room.glob("*.py") if p.stem != "__init__"} | {
+        p.parent.name for p in room.glob("*/__init__.py")
+    }
+    assert parts <= {part for floor in SHARD_FLOORS for part in floor}, (
+        "every module and subpackage of shard is on a floor"
+    )
+    zero = room / "zero" / "engine.py"
+    planted = [
+        Import(f"{SHARD}.fsdp.workload.x", zero, 1, True, False),
+        Import(f"{SHARD}.options", zero, 2, False, False),
+    ]
+    assert shard_sideways(planted) == [
+        f"ledgerspec/derivations/shard/zero/engine.py:1: {SHARD}.zero.engine -> {SHARD}.fsdp.workload  "
+        "(zero must not import fsdp)"
+    ]
+    bad = shard_sideways(ALL_IMPORTS)
+    assert not bad, "imports that do not point down the shard room's floors:\n" + "\n".join(bad)
+
+
 def test_contract_imports_only_stdlib_jsonschema_and_ruamel() -> None:
     stdlib = set(sys.stdlib_module_names)
     bad = [
