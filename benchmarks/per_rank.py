@@ -169,7 +169,7 @@ REPEATS = 3
 def part3(lines: list[str]) -> None:
     from ledgerspec.derivations.engine.protocol import PHASES
     from ledgerspec.derivations.measure.dist import make_request, run_ranks
-    from ledgerspec.derivations.shard.simulate import estimate_per_rank
+    from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
 
     lines += [
         "## 3. Per-rank estimate vs per-rank measurement (CPU, gloo)",
@@ -220,7 +220,7 @@ def part3(lines: list[str]) -> None:
 
 
 def part4(lines: list[str]) -> None:
-    from ledgerspec.derivations.shard.simulate import estimate_per_rank
+    from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
 
     lines += ["## 4. Llama-2-7b LoRA on 2 x 24 GiB: per-rank estimate (target cuda)", ""]
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,11 +5,13 @@
 - **contract** (schema, the document model, the one reading of the configuration, loader/writer, every edit)
   imports only the standard library, jsonschema, referencing and ruamel.yaml;
 - **checks** (rules, the status ladder) imports contract; pure functions of a document (no I/O);
-- **derivations** (the rooms stack, engine, resolve, estimate, measure, shard) imports contract; the only code that
-  imports torch & co., and only inside functions; it never touches a document's tree or plain copy itself;
+- **derivations** (the rooms stack, engine, resolve, estimate, measure, shard, devices) imports contract; the only
+  code that imports torch & co., and only inside functions; it never touches a document's tree or plain copy itself;
 - **faces** (the CLI, reports, status settling) may import every wing; so may the package root (``ledgerspec``,
   ``ledgerspec.__main__``), which is a face. ``ledgerspec.errors`` and ``ledgerspec.version`` sit under the
   contract: every wing may import them.
+
+Inside a wing the arrows point one way too: no import circles (lazy imports inside functions count).
 """
 
 from __future__ import annotations
@@ -195,6 +197,184 @@ def test_every_module_follows_the_rule() -> None:
     assert not bad, "imports that point outward (see this module's docstring):\n" + "\n".join(bad)
 
 
+def module_name(file: Path) -> str:
+    """The dotted name of the module ``file`` holds (a package's ``__init__.py`` is the package)."""
+    parts = list(file.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULE_NAMES = frozenset(module_name(f) for f in MODULES)
+
+
+def _loaded(name: str, modules: frozenset[str]) -> str | None:
+    """The module an imported dotted name loads: itself, or the nearest package or module that defines it
+    (``ledgerspec.derivations.shard.sharder.shard`` loads ``ledgerspec.derivations.shard.sharder``)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(imports: list[Import], modules: frozenset[str]) -> dict[str, dict[str, list[Import]]]:
+    """``{module: {module it imports: [the imports]}}`` among ``modules``. Lazy imports (inside functions) and
+    dynamic ones count; ``TYPE_CHECKING`` imports do not (they never run), nor does an import of one of the module's
+    own ancestor packages (Python imports a module's parent packages before the module anyway)."""
+    graph: dict[str, dict[str, list[Import]]] = {m: {} for m in modules}
+    for imp in imports:
+        src, dst = module_name(imp.file), _loaded(imp.module, modules)
+        if imp.type_only or dst is None or dst == src or src.startswith(dst + "."):
+            continue
+        graph.setdefault(src, {}).setdefault(dst, []).append(imp)
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, list[Import]]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph``, each sorted; a component of two or more modules is a
+    circle (every module in it reaches every other)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def circles(imports: list[Import], modules: frozenset[str] = MODULE_NAMES) -> list[str]:
+    """Every import circle among ``modules``: its modules, then each of its edges as ``file:line: a -> b``."""
+    graph = import_graph(imports, modules)
+    out = []
+    for component in strongly_connected(graph):
+        if len(component) < 2:
+            continue
+        members = set(component)
+        lines = [f"circle of {len(component)} modules: {', '.join(component)}"]
+        for src in component:
+            for dst, imps in sorted(graph[src].items()):
+                if dst in members:
+                    for file, line, nested in sorted({(i.file, i.line, i.nested) for i in imps}):
+                        lazy = " (inside a function)" if nested else ""
+                        lines.append(f"  {file.relative_to(PACKAGE.parent)}:{line}: {src} -> {dst}{lazy}")
+        out.append("\n".join(lines))
+    return out
+
+
+def test_the_circle_detector_finds_a_planted_circle() -> None:
+    """The check below is only as good as this: a planted three-module circle (one edge lazy) is found with the
+    file:line of each edge; an import of an ancestor package and a ``TYPE_CHECKING`` import close no circle."""
+    room = PACKAGE / "derivations" / "planted"
+    a, b, c, init = (room / f"{n}.py" for n in ("a", "b", "c", "__init__"))
+    mod = "ledgerspec.derivations.planted"
+    modules = frozenset({mod, f"{mod}.a", f"{mod}.b", f"{mod}.c"})
+    imports = [
+        Import(f"{mod}.b.thing", a, 3, False, False),
+        Import(f"{mod}.c", b, 5, True, False),  # lazy: counts
+        Import(f"{mod}.a", c, 7, False, False),
+        Import(f"{mod}.a", init, 1, False, False),  # the package imports a: the ancestor edges back are not circles
+        Import(mod, a, 2, False, False),
+        Import(f"{mod}.c", init, 2, False, False),
+        Import(f"{mod}.b", c, 9, False, True),  # TYPE_CHECKING only: no edge
+    ]
+    found = circles(imports, modules)
+    assert len(found) == 1, found
+    assert found[0].splitlines() == [
+        f"circle of 3 modules: {mod}.a, {mod}.b, {mod}.c",
+        f"  ledgerspec/derivations/planted/a.py:3: {mod}.a -> {mod}.b",
+        f"  ledgerspec/derivations/planted/b.py:5: {mod}.b -> {mod}.c (inside a function)",
+        f"  ledgerspec/derivations/planted/c.py:7: {mod}.c -> {mod}.a",
+    ]
+    assert circles(imports[:2] + imports[3:], modules) == [], "breaking one edge breaks the circle"
+    assert _loaded("ledgerspec.derivations.shard.sharder.shard", MODULE_NAMES) == "ledgerspec.derivations.shard.sharder"
+
+
+def test_no_import_circles_inside_any_wing() -> None:
+    """No import circles inside any wing (nor across wings, which the rule above already forbids): every module can be
+    read after the modules it imports. Lazy imports inside functions count: they are how a circle hides."""
+    found = circles(ALL_IMPORTS)
+    assert not found, "import circles (move the shared pieces down into a module both import):\n" + "\n".join(found)
+
+
+SHARD = "ledgerspec.derivations.shard"
+#: the shard room's floors, lowest first (each name a module or a subpackage of ``shard``): the base every strategy
+#: imports, CPU offload (both FSDP's and ZeRO's), the strategies, the entry point that dispatches to them, and the
+#: package's ``__init__`` that exports it
+SHARD_FLOORS = (
+    ("state", "model", "options", "patching", "simulation"),
+    ("offload",),
+    ("fsdp", "zero"),
+    ("sharder",),
+    ("",),
+)
+
+
+def shard_sideways(imports: list[Import], modules: frozenset[str] = MODULE_NAMES) -> list[str]:
+    """The imports inside ``shard`` that do not point down a floor of :data:`SHARD_FLOORS`: a strategy importing
+    another (FSDP <-> ZeRO), offload or the base importing a strategy, anything importing the sharder. Within the
+    base and within one part (``fsdp.simulate`` -> ``fsdp.workload``) imports are free (the circle test orders them)."""
+    floor = {part: i for i, parts in enumerate(SHARD_FLOORS) for part in parts}
+
+    def part(module: str) -> str:
+        return module.removeprefix(SHARD).lstrip(".").split(".")[0]
+
+    bad = []
+    for src, targets in import_graph(imports, modules).items():
+        if not src.startswith(SHARD):
+            continue
+        for dst, imps in targets.items():
+            if not dst.startswith(SHARD) or part(dst) == part(src):
+                continue
+            a, b = floor[part(src)], floor[part(dst)]
+            if b > a or (b == a and a > 0):
+                why = f"{part(src) or 'shard'} must not import {part(dst) or 'shard'}"
+                bad += [f"{i.file.relative_to(PACKAGE.parent)}:{i.line}: {src} -> {dst}  ({why})" for i in imps]
+    return sorted(set(bad))
+
+
+def test_the_shard_rooms_import_only_downwards() -> None:
+    """Inside ``shard`` each strategy's room imports only the base (and offload), never another strategy, and only the
+    sharder (on top) imports the strategies; a planted ZeRO -> FSDP import is caught."""
+    room = PACKAGE / "derivations" / "shard"
+    parts = {p.stem for p in room.glob("*.py") if p.stem != "__init__"} | {
+        p.parent.name for p in room.glob("*/__init__.py")
+    }
+    assert parts <= {part for floor in SHARD_FLOORS for part in floor}, (
+        "every module and subpackage of shard is on a floor"
+    )
+    zero = room / "zero" / "engine.py"
+    planted = [
+        Import(f"{SHARD}.fsdp.workload.x", zero, 1, True, False),
+        Import(f"{SHARD}.options", zero, 2, False, False),
+    ]
+    assert shard_sideways(planted) == [
+        f"ledgerspec/derivations/shard/zero/engine.py:1: {SHARD}.zero.engine -> {SHARD}.fsdp.workload  "
+        "(zero must not import fsdp)"
+    ]
+    bad = shard_sideways(ALL_IMPORTS)
+    assert not bad, "imports that do not point down the shard room's floors:\n" + "\n".join(bad)
+
+
 def test_contract_imports_only_stdlib_jsonschema_and_ruamel() -> None:
     stdlib = set(sys.stdlib_module_names)
     bad = [
@@ -295,6 +475,7 @@ def test_every_room_exports_its_entry_point() -> None:
         "estimate": "estimate",
         "measure": "measure",
         "shard": "shard",
+        "devices": "compare",
     }
     rooms = sorted(p.name for p in (PACKAGE / "derivations").iterdir() if (p / "__init__.py").is_file())
     assert sorted(entries) == [r for r in rooms if r in entries] and set(rooms) <= set(entries) | {"integrations"}

@@ -3,7 +3,7 @@
 Markers in the Markdown pages are replaced when the site is built:
 
 - ``<!-- ledgerspec:fields -->``: the field reference, read from ``schema/*.json``;
-- ``<!-- ledgerspec:rules -->``: the rule catalogue, from ``ledgerspec.checks.registry.all_rules()``, with
+- ``<!-- ledgerspec:rules -->``: the rule catalogue, from ``ledgerspec.checks.catalogue.all_rules()``, with
   each rule's example validated now and the finding it really produces;
 - ``<!-- ledgerspec:gallery -->``: every file in ``examples/`` with its validation result and its HTML
   report (written next to the page as ``reports/NAME.html``);
@@ -171,7 +171,7 @@ def differences_markdown() -> str:
 
 
 def rules_markdown() -> str:
-    from ledgerspec.checks.registry import all_rules
+    from ledgerspec.checks.catalogue import all_rules
     from ledgerspec.checks.validate import validate
     from ledgerspec.contract.document import from_text
 

@@ -1,4 +1,7 @@
-"""The rule registry: each rule is data (id, severity, title, hint) plus a pure check function."""
+"""The rule registry: each rule is data (id, severity, title, hint) plus a pure check function.
+
+It records rules and imports none: :mod:`ledgerspec.checks.rules` registers them with :func:`rule`, and
+:func:`ledgerspec.checks.catalogue.all_rules` (above both) lists them."""
 
 from __future__ import annotations
 
@@ -37,9 +40,3 @@ def rule(id: str, severity: str, title: str, hint: str, example: str = "") -> Ca
         return check
 
     return register
-
-
-def all_rules() -> list[Rule]:
-    from ledgerspec.checks import rules  # noqa: F401  (registers the catalogue)
-
-    return [RULES[k] for k in sorted(RULES)]

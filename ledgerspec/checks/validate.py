@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ledgerspec.checks.catalogue import all_rules
 from ledgerspec.checks.context import Context
 from ledgerspec.checks.findings import ERROR, SEVERITY_ORDER, Finding, Hit
 from ledgerspec.checks.ladder import StatusResult, supported_status
-from ledgerspec.checks.registry import all_rules
 from ledgerspec.checks.schema_check import schema_hits
 from ledgerspec.checks.verdict import Verdict, verdict
 from ledgerspec.contract.document import Document, header_problem

@@ -185,7 +185,7 @@ class Config:
     accepted_differences: tuple[str, ...] = ()
     conflicts: tuple[Conflict, ...] = field(default_factory=tuple)
     #: ``parallelism.deepspeed``: the ZeRO options written (DeepSpeed key -> int or bool); absent keys are
-    #: DeepSpeed's defaults (:class:`ledgerspec.derivations.shard.zero.ZeroOptions`)
+    #: DeepSpeed's defaults (:class:`ledgerspec.derivations.shard.options.ZeroOptions`)
     deepspeed: tuple[tuple[str, int | bool], ...] = ()
 
     @property

@@ -135,7 +135,7 @@ def github_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
 @reporter("sarif")
 def sarif_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
     """SARIF 2.1.0 for code scanning."""
-    from ledgerspec.checks.registry import all_rules
+    from ledgerspec.checks.catalogue import all_rules
 
     rules = all_rules()
     extra = [

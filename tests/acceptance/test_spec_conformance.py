@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from ledgerspec.checks.catalogue import all_rules
 from ledgerspec.checks.ladder import supported_status
-from ledgerspec.checks.registry import all_rules
 from ledgerspec.checks.validate import validate
 from ledgerspec.contract.document import Document, from_text, load
 from ledgerspec.contract.edit import set_figure

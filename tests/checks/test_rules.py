@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from ledgerspec.checks.catalogue import all_rules
 from ledgerspec.checks.findings import ERROR, INFO, WARNING, Finding
-from ledgerspec.checks.registry import Rule, all_rules
+from ledgerspec.checks.registry import Rule
 from ledgerspec.checks.validate import validate
 from ledgerspec.contract.document import from_text, load
 from tests.support import TESTS

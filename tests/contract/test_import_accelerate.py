@@ -62,7 +62,7 @@ def test_fsdp_settings_as_accelerate_reads_them(name: str, monkeypatch: pytest.M
     offloaded = bool(getattr(offload, "offload_params", False)) or type(offload).__name__ == "CPUOffloadPolicy"
     assert value("cpu_offload") is offloaded
     if plugin.fsdp_version == 1:
-        from ledgerspec.derivations.shard.sharder import fsdp1_options
+        from ledgerspec.derivations.shard.options import fsdp1_options
 
         assert value("reshard_after_forward") is (plugin.sharding_strategy.name == "FULL_SHARD")
         # the intake as the simulation reads it (absent settings at their documented defaults)

@@ -299,7 +299,7 @@ def test_field_reference_lists_every_schema_key(site: Path) -> None:
 
 @pytest.mark.xdist_group("docs-site")  # the built site, once
 def test_rule_catalogue_shows_every_rule_with_its_real_finding(site: Path) -> None:
-    from ledgerspec.checks.registry import all_rules
+    from ledgerspec.checks.catalogue import all_rules
 
     page = _text((site / "rules.html").read_text(encoding="utf-8"))
     assert "does not trigger its rule" not in page

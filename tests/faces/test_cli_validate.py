@@ -16,8 +16,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+from ledgerspec.checks.catalogue import all_rules
 from ledgerspec.checks.findings import ERROR, Finding
-from ledgerspec.checks.registry import all_rules
 from ledgerspec.checks.validate import Report
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import load

@@ -1,13 +1,38 @@
 """Per-rank comparisons of a real ``measure --nproc`` run with ``shard --estimate`` and the calculated state (the
-FSDP1 tests: plain, QLoRA, hybrid)."""
+FSDP1 tests: plain, QLoRA, hybrid), and the one launcher of the ground-truth probes under torchrun
+(:func:`run_probe`: ``tests/truths/sharding_probe.py``, ``fsdp1_probe.py``, ``fsdp1_mixed_precision_probe.py``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract.document import Document, load
+
+
+def run_probe(probe: Path, nproc: int, *args: str | os.PathLike[str], timeout: int = 180) -> None:
+    """``torchrun --standalone --nproc_per_node NPROC PROBE ARGS...``: a ground truth run per rank (gloo on the CPU, one
+    thread per rank, the Hub offline); the test fails with the end of its stderr when a rank fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(probe)]
+    proc = subprocess.run(
+        [*run, *map(str, args)], env=env, capture_output=True, text=True, errors="replace", timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def probe_ranks(
+    probe: Path, nproc: int, source: Path, out: Path, *options: str | os.PathLike[str], timeout: int = 180
+) -> list[Any]:
+    """:func:`run_probe` of a probe run as ``PROBE SOURCE OUT [OPTIONS]`` that writes what each rank holds to
+    ``OUT/rank{r}.json``: the ranks' reports, in rank order."""
+    run_probe(probe, nproc, source, out, *options, timeout=timeout)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def measured(path: Path, nproc: int) -> Document:

@@ -8,8 +8,8 @@ tensors, the buffers, and the unsharded (gathered) parameter storages seen while
 
     torchrun --nproc_per_node 2 tests/truths/sharding_probe.py DOC OUTDIR [--reshard-after-forward false]
 
-This is the ground truth ``tests/test_sharding_fsdp2.py`` compares :mod:`ledgerspec.derivations.shard.state`
-with; it uses gloo on the CPU and nccl on CUDA.
+This is the ground truth ``tests/derivations/shard/test_sharding_fsdp2.py`` compares
+:mod:`ledgerspec.derivations.shard.state` with; it uses gloo on the CPU and nccl on CUDA.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@
 - :mod:`.fit`: the fit verdict against a device;
 - :mod:`.sweep`: the Memory Sensitivity Matrix;
 - :mod:`.fitmodel`: every figure as a straight line in the microbatch, from two traced estimates;
-- :mod:`.search`: the largest microbatch or sequence length that fits, and the sweep on the model;
-- :mod:`.devices`: which device: a catalogue of accelerators (``devices.yaml``) and GPU counts.
+- :mod:`.search`: the largest microbatch or sequence length that fits, and the sweep on the model.
+
+Which device (a catalogue of accelerators and GPU counts) is the room above this one and ``shard``:
+:mod:`ledgerspec.derivations.devices`.
 """
 
 from ledgerspec.derivations.estimate.estimator import Estimate, estimate

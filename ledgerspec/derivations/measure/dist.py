@@ -4,7 +4,7 @@ The parent process never imports torch. It picks a free loopback port (a bound s
 ``torchrun --nproc_per_node N -m ledgerspec.derivations.measure.dist --rank REQUEST OUTDIR`` and waits.
 Every rank (gloo on the CPU, nccl on CUDA) builds the document's workload on the meta device
 (:class:`ledgerspec.derivations.engine.workload.Workload`: exact model, adapters), applies ``fully_shard`` to every
-decoder layer and then to the root (:mod:`ledgerspec.derivations.shard.workload`), and runs the SAME
+decoder layer and then to the root (:mod:`ledgerspec.derivations.shard.fsdp.workload`), and runs the SAME
 phases as a single-device measurement, :func:`ledgerspec.derivations.engine.protocol.run_protocol`, with its own
 backend (tensor tracking on the CPU: FSDP2's all-gather buffers and reduce-scatter outputs are real tensors and
 are counted; allocator counters on CUDA). Materialising allocates only this rank's padded shards: the base
@@ -20,7 +20,7 @@ the per-rank phase table and the calculated-vs-measured model state in ``x-measu
 QLoRA is measured when bitsandbytes stores the packed 4-bit weights in the loaded float dtype
 (``bnb_4bit_quant_storage``, checked before launching): FSDP2 shards the packed weights like any parameter, every
 rank keeps the whole quantization state, and bitsandbytes' ``Linear4bit`` finds it again on the module for the
-gathered weight (:mod:`ledgerspec.derivations.shard.workload`). Not supported with ``--nproc``:
+gathered weight (:mod:`ledgerspec.derivations.shard.fsdp.workload`). Not supported with ``--nproc``:
 ``--memory-limit`` (a simulated OOM on one rank would leave the others waiting in a collective). An out-of-memory
 error on any rank ends the run without writing.
 """
@@ -40,8 +40,13 @@ from typing import Any
 
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, from_text
-from ledgerspec.derivations.shard.sharder import FSDP2_DEFAULT, check_fsdp1_mixed_precision, check_qlora, cpu_offload
-from ledgerspec.derivations.shard.zero import zero_stage
+from ledgerspec.derivations.shard.options import (
+    FSDP2_DEFAULT,
+    check_fsdp1_mixed_precision,
+    check_qlora,
+    cpu_offload,
+    zero_stage,
+)
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
 
 EXTENSION = "x-measure-per-rank"
@@ -101,7 +106,7 @@ class DistOutcome:
 def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: bool | None) -> dict[str, int]:
     from ledgerspec.derivations.shard import state as S
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import is_fsdp1, mixed_precision
+    from ledgerspec.derivations.shard.options import is_fsdp1, mixed_precision
 
     descs = document_descriptors(doc)
     mp = mixed_precision(doc)
@@ -154,24 +159,24 @@ def run_rank(req: DistRequest) -> RankOutput:
     else:
         backend = TrackerBackend()
         device = "cpu"
-    from ledgerspec.derivations.shard.sharder import is_fsdp1
-    from ledgerspec.derivations.shard.workload import fsdp1_workload, sharded_workload
-    from ledgerspec.derivations.shard.zero import zero_options, zero_stage, zero_workload
+    from ledgerspec.derivations.shard.fsdp.workload import fsdp1_workload, sharded_workload
+    from ledgerspec.derivations.shard.options import is_fsdp1, zero_options, zero_stage
+    from ledgerspec.derivations.shard.zero.engine import zero_workload
 
     if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3 by its own engine (issue 16): no FSDP plan to compare
         workload = zero_workload(Workload)(doc, spec)
         workload.options = zero_options(doc)
         result = run_protocol(workload, backend, device=device, steps=req.steps)
         if result.complete:
-            from ledgerspec.derivations.shard.zero_simulate import check_steps
+            from ledgerspec.derivations.shard.zero.simulate import check_steps
 
             check_steps(doc, workload.engine, 1 + req.steps)
         return RankOutput(rank, result, software_versions(workload, req.device), {})
     workload = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(Workload)(doc, spec)
     workload.reshard_after_forward = req.reshard_after_forward
     workload.cpu_offload = req.cpu_offload
-    from ledgerspec.derivations.shard.offload import pinning_as_copies
-    from ledgerspec.derivations.shard.sharder import shard_group
+    from ledgerspec.derivations.shard.offload.fsdp import pinning_as_copies
+    from ledgerspec.derivations.shard.options import shard_group
 
     with pinning_as_copies() if req.cpu_offload else contextlib.nullcontext():
         result = run_protocol(workload, backend, device=device, steps=req.steps)
@@ -211,7 +216,7 @@ def _rank_main(request_file: str, out_dir: str) -> int:
         torch.set_num_threads(1)  # tracked bytes do not depend on threads; avoids spin-waits on a busy host
     dist.init_process_group("nccl" if use_cuda else "gloo")
     if zero_stage(from_text(req.doc_text, req.doc_path)) is not None:
-        from ledgerspec.derivations.shard.zero import import_deepspeed
+        from ledgerspec.derivations.shard.zero.engine import import_deepspeed
 
         import_deepspeed(cpu=not use_cuda)  # DS_ACCELERATOR=cpu on gloo ranks; deepspeed.comm wraps the group
     rank = dist.get_rank()
@@ -436,7 +441,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     """Write the ranks' results into ``doc`` (in memory). Returns notes for the user."""
     from ledgerspec.contract.edit import set_extension, set_figure, set_plain
     from ledgerspec.derivations.measure import measurer as M
-    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard.options import is_fsdp1
 
     merged = worst_rank(outs)
     notes = M.write_back(doc, M.ChildOutput(merged, outs[0].software), command, compare=False)
@@ -467,7 +472,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     offloaded = cpu_offload(doc) is not None  # the run offloaded (DistRequest.cpu_offload): on the host, as imports say
     hosted = {"parameter_placement": offloaded, "gradient_placement": offloaded, "optimizer_placement": offloaded}
     if stage:  # DeepSpeed: what the run offloaded (offload_optimizer: gradients and optimizer; offload_param)
-        from ledgerspec.derivations.shard.zero import zero_options
+        from ledgerspec.derivations.shard.options import zero_options
 
         zo = zero_options(doc)
         offloaded = zo.offloaded
@@ -488,7 +493,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
     text = "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy)" if fsdp1 else None
     if stage:
-        from ledgerspec.derivations.shard.zero import zero_options
+        from ledgerspec.derivations.shard.options import zero_options
 
         text = f"zero{stage} (DeepSpeed's engine: {zero_options(doc).describe()})"
     ext = per_rank_extension(outs, reshard, *([text] if text else []))
@@ -500,7 +505,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
             else ""
         )
     elif offloaded:  # issue 16: the run offloaded as declared
-        from ledgerspec.derivations.shard.offload import describe
+        from ledgerspec.derivations.shard.offload.fsdp import describe
 
         ext["cpu_offload"] = describe("fsdp1" if fsdp1 else "fsdp2") + (
             "; without an accelerator pin_memory() is a plain copy (the same host bytes) and FSDP1's CPU stream "
@@ -518,7 +523,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
 
 
 def _label(doc: Document) -> str:
-    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard.options import is_fsdp1
 
     stage = zero_stage(doc)
     return f"DeepSpeed ZeRO-{stage}" if stage else "FSDP1" if is_fsdp1(doc) else "FSDP2"
@@ -545,7 +550,8 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     base = single(doc, device, steps, None, None)
     if zero_stage(doc) is not None:
         from ledgerspec.derivations.engine.workload import WorkloadSpec
-        from ledgerspec.derivations.shard.zero import zero_options, zero_refusal
+        from ledgerspec.derivations.shard.options import zero_options
+        from ledgerspec.derivations.shard.zero.engine import zero_refusal
 
         why = zero_refusal(WorkloadSpec.from_json(base.spec), zero_options(doc))
         if why:

@@ -1,4 +1,5 @@
-"""From a built model to FSDP2 units and parameter descriptors (the torch side of :mod:`sharding`).
+"""From a built model to FSDP2 units and parameter descriptors (the torch side of :mod:`.state`), and the adapters
+in their declared dtype before any wrapper (FSDP2, FSDP1, DeepSpeed) meets them (:func:`adapters_in_declared_dtype`).
 
 The units are the ones a ``fully_shard`` per decoder layer + root wrap gives: every module whose class is in
 the model's ``_no_split_modules`` (transformers' decoder-layer classes, what accelerate's FSDP auto-wrap
@@ -73,6 +74,35 @@ def descriptors(model: Any) -> list[ParamDesc]:
             )
         )
     return out
+
+
+def adapters_in_declared_dtype(model: Any, adapter_dtype: str | None) -> int:
+    """Cast every trainable meta parameter to ``adapter.dtype`` BEFORE ``fully_shard``; returns how many changed.
+
+    A user's run casts the adapter (``model.to(bf16)``, PEFT's ``autocast_adapter_dtype=False``, ...) before
+    accelerate or the user wraps the model, so ``fully_shard`` meets parameters already in their training dtype.
+    FSDP2 records that dtype when it shards (``FSDPParam.init_dtype_attrs``: ``self.orig_dtype =
+    self.sharded_param.dtype``, torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_param.py``), all-gathers and
+    reduce-scatters in it (no ``MixedPrecisionPolicy``: ``param_dtype`` and ``reduce_dtype`` stay None), and AdamW
+    creates its state with ``torch.zeros_like(p)`` on the sharded parameter (``optim/adam.py``, ``_init_group``), so
+    the state follows the parameter's dtype: bf16 adapters have bf16 gradients and bf16 ``exp_avg``/``exp_avg_sq``.
+
+    Casting after ``fully_shard`` (``p.data = p.data.to(bf16)`` on the sharded DTensor, what the single-device
+    workload does at injection) leaves FSDP2's padded shard storage and recorded dtype at float32: the gradient
+    then arrives in one dtype and AdamW's state in another, a step no real run takes (the meta kernel of
+    ``aten.lerp_`` refused it: issue 16).
+    """
+    import torch
+
+    if adapter_dtype is None:  # PEFT's default: float32 adapters, as PEFT built them
+        return 0
+    target = getattr(torch, adapter_dtype)
+    changed = 0
+    for p in model.parameters():
+        if p.requires_grad and p.is_meta and p.is_floating_point() and p.dtype != target:
+            p.data = p.data.to(target)
+            changed += 1
+    return changed
 
 
 _PEFT_PREFIX = "base_model.model."

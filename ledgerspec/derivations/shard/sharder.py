@@ -1,9 +1,11 @@
 """Write the calculated per-rank state into a document: ``parallelism.x-per-rank`` (CALCULATED figures).
 
-FSDP2 per-rank figures for each rank plus ZeRO-1/2/3 (without and with CPU offload) for comparison, each a
-long-form figure ``{value, source: CALCULATED, method}``. With ``estimate=True`` an ``estimate`` block is added:
-each rank's predicted phases from a simulated FSDP2 step (:mod:`ledgerspec.derivations.shard.simulate`) and,
-given a device memory, the fit verdict. The declared ``parallelism`` inputs are not touched.
+The FSDP2 (or FSDP1) per-rank figures for each rank plus ZeRO-1/2/3 (without and with CPU offload) for comparison,
+each a long-form figure ``{value, source: CALCULATED, method}``; with CPU offload declared, what FSDP moves to the
+host (:mod:`ledgerspec.derivations.shard.offload.fsdp`). With ``estimate=True`` an ``estimate`` block is added: each
+rank's predicted phases from a simulated step of the declared strategy (FSDP2 or FSDP1:
+:mod:`ledgerspec.derivations.shard.fsdp.simulate`; DeepSpeed ZeRO: :mod:`ledgerspec.derivations.shard.zero.simulate`)
+and, given a device memory, the fit verdict. The declared ``parallelism`` inputs are not touched.
 """
 
 from __future__ import annotations
@@ -11,236 +13,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ledgerspec.contract import config, dtypes
+from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.edit import Change, set_extension
-from ledgerspec.contract.fsdp1_precision import declares_fsdp1, lora_input_dtype_conflict
 from ledgerspec.derivations.shard import state as S
-from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
+from ledgerspec.derivations.shard.options import (
+    FSDP2_DEFAULT,
+    check_fsdp1_mixed_precision,
+    check_qlora,
+    cpu_offload,
+    fsdp1_options,
+    is_fsdp1,
+    mixed_precision,
+    shard_group,
+    world_size,
+    zero_stage,
+)
 
 EXTENSION = ("parallelism", "x-per-rank")
 
 
 _err = ErrorAt("shard")
-
-
-def world_size(doc: Document, nproc: int | None) -> int:
-    if nproc is not None:
-        if nproc < 1:
-            raise LedgerspecError(f"--nproc must be >= 1, got {nproc}", doc.path, rule="shard", exit_code=EXIT_USAGE)
-        return nproc
-    gpus = doc.get("parallelism", "gpu_count").integer()
-    if gpus is None or gpus < 1:
-        raise _err(
-            doc,
-            ("parallelism",) if doc.get("parallelism").present else ("ledgerspec",),
-            "no rank count: parallelism.gpu_count is missing or UNKNOWN",
-            "pass --nproc N",
-            exit_code=EXIT_USAGE,
-        )
-    return gpus
-
-
-def shard_group(doc: Document, world: int) -> int:
-    """The ranks one parameter is sharded over: ``parallelism.shard_group_size`` under hybrid sharding (FSDP1
-    ``HYBRID_SHARD``, FSDP2 ``fully_shard`` on a 2-D (replicate, shard) device mesh; each rank then holds what it
-    holds on that many ranks: its group's shard, replicated across the groups), else ``world``. A size that does
-    not divide ``world`` is a usage error at its line."""
-    path = ("parallelism", "shard_group_size")
-    value = doc.get(*path)
-    if not value.present or value.unknown:
-        return world
-    size = value.integer()
-    if size is None or size < 1 or world % size:
-        raise _err(
-            doc,
-            path,
-            f"shard_group_size {value.value!r} must be a whole number that divides the {world} ranks",
-            "the GPUs of one node, e.g. 8 of 16",
-            exit_code=EXIT_USAGE,
-        )
-    from ledgerspec.derivations.shard.zero import zero_stage
-
-    if size < world and zero_stage(doc) is not None:
-        raise _err(
-            doc,
-            path,
-            "hybrid sharding is modelled for FSDP (FSDP1 HYBRID_SHARD, FSDP2 on a (replicate, shard) mesh), not for "
-            "DeepSpeed's hierarchical partitioning (hpZ, MiCS)",
-            "set parallelism.strategy: fsdp1 or fsdp2, or drop shard_group_size",
-            exit_code=EXIT_USAGE,
-        )
-    return size
-
-
-def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -> None:
-    """QLoRA is shardable only with ``bnb_4bit_quant_storage`` equal to the loaded float dtype (``shard`` and
-    ``measure --nproc`` both refuse other layouts here, each under its own rule name and exit code)."""
-    cfg = config.read(doc)
-    if not cfg.quantized:
-        return
-    q = config.QUANT
-    if cfg.quantization.type == "int8":
-        name = "FSDP1" if is_fsdp1(doc) else "FSDP2"
-        raise _err(
-            doc, (*q, "type"), f"{name} per rank covers 4-bit (nf4/fp4) QLoRA, not int8", exit_code=code, rule=rule
-        )
-    storage = doc.get(*q, "storage_dtype")
-    why = S.qlora_shardable(cfg.quantization.storage_dtype, cfg.loaded_dtype)
-    if why:
-        path = (*q, "storage_dtype") if storage.present else (q if doc.get(*q).present else ("base_model",))
-        raise _err(
-            doc,
-            path,
-            why,
-            "set base_model.quantization.storage_dtype to the loaded dtype "
-            "(BitsAndBytesConfig(bnb_4bit_quant_storage=...)), as FSDP-QLoRA recipes do",
-            exit_code=code,
-            rule=rule,
-        )
-
-
-#: how an unset ``reshard_after_forward`` is reported (as ``measure --nproc`` records it)
-FSDP2_DEFAULT = "fsdp2 default"
-
-MIXED_PRECISION = ("parallelism", "mixed_precision_policy")
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """``parallelism.mixed_precision_policy``: FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
-
-    torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_api.py``: ``param_dtype`` is the dtype of the unsharded
-    parameter (all-gather, forward and backward compute, the unsharded gradient); ``reduce_dtype`` the dtype of the
-    reduce-scatter (None: the gradient's, i.e. ``param_dtype``); ``FSDPParam.init_dtype_attrs`` drops either when
-    it equals what the parameter already has, and never casts non-floating parameters. accelerate 1.15
-    (``FullyShardedDataParallelPlugin.set_mixed_precision``) sets ``param_dtype = reduce_dtype = output_dtype`` to
-    the ``mixed_precision`` dtype and (``fsdp_utils.fsdp2_prepare_model``) upcasts the trainable parameters to
-    float32 before ``fully_shard``; declare ``adapter.dtype: float32`` for that.
-    """
-
-    param_dtype: str | None
-    reduce_dtype: str | None
-    #: FSDP1's ``MixedPrecision.buffer_dtype`` (``_runtime_utils._root_pre_forward`` casts the floating buffers to
-    #: it at the first forward, ``_cast_buffers_to_dtype_and_device``); FSDP2's policy has no such field
-    buffer_dtype: str | None = None
-
-    def describe(self) -> str:
-        buffers = f", buffer_dtype={self.buffer_dtype}" if self.buffer_dtype else ""
-        return f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}{buffers})"
-
-
-def mixed_precision(doc: Document) -> MixedPrecision | None:
-    """The declared policy, None when absent (FSDP2's default); a dtype that is not floating is an error."""
-    if not doc.get(*MIXED_PRECISION).present:
-        return None
-    out: dict[str, str | None] = {}
-    for key in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-        value = doc.get(*MIXED_PRECISION, key)
-        text = value.text()
-        if text is None:
-            out[key] = None
-            continue
-        name = dtypes.canonical(text)
-        if name is None or not name.startswith(("float", "bfloat")):
-            raise _err(
-                doc,
-                (*MIXED_PRECISION, key),
-                f"{key} must be a floating dtype (float32, bfloat16, float16), got {text!r}",
-                exit_code=EXIT_USAGE,
-            )
-        out[key] = name
-    if out["buffer_dtype"] is not None and not is_fsdp1(doc):
-        raise _err(
-            doc,
-            (*MIXED_PRECISION, "buffer_dtype"),
-            "buffer_dtype is FSDP1's (MixedPrecision); FSDP2's MixedPrecisionPolicy has none: its buffers keep "
-            "their dtype",
-            "drop buffer_dtype, or set parallelism.strategy: fsdp1",
-            exit_code=EXIT_USAGE,
-        )
-    if all(v is None for v in out.values()):
-        return None
-    return MixedPrecision(out["param_dtype"], out["reduce_dtype"], out["buffer_dtype"])
-
-
-def cpu_offload(doc: Document) -> tuple[str, ...] | None:
-    """Where the document turns CPU offload on (``parallelism.cpu_offload`` or ``memory_options.cpu_offload``)."""
-    for path in (("parallelism", "cpu_offload"), ("memory_options", "cpu_offload")):
-        if doc.get(*path).switch():
-            return path
-    return None
-
-
-def is_fsdp1(doc: Document) -> bool:
-    """``parallelism.strategy: fsdp1`` (or, without a strategy, ``memory_options.sharding: fsdp1``): FSDP1 as the
-    Trainer/accelerate run it (``fsdp_version: 1``)."""
-    return declares_fsdp1(doc)
-
-
-def check_fsdp1_mixed_precision(doc: Document, rule: str = "shard", code: int = EXIT_USAGE) -> None:
-    """Refuse, before any step runs, FSDP1 ``MixedPrecision(param_dtype)`` without autocast over adapters in another
-    dtype: every real run fails at the first LoRA forward, and the simulation cannot be trusted to (its meta ``mm``
-    does not check dtypes); see :mod:`ledgerspec.contract.fsdp1_precision` for the source lines."""
-    conflict = lora_input_dtype_conflict(doc)
-    if conflict is not None:
-        raise _err(doc, conflict.path, conflict.message, conflict.hint, exit_code=code, rule=rule)
-
-
-#: ``parallelism.backward_prefetch`` words -> ``torch.distributed.fsdp.BackwardPrefetch`` member (None: no prefetch)
-BACKWARD_PREFETCH = {"backward_pre": "BACKWARD_PRE", "backward_post": "BACKWARD_POST", "no_prefetch": None}
-
-
-@dataclass(frozen=True)
-class Fsdp1Options:
-    """FSDP1's wrapping options as accelerate passes them to ``FullyShardedDataParallel`` (accelerate 1.15
-    ``Accelerator.prepare_model``), with the defaults of transformers' ``TrainingArguments`` (5.x
-    ``_fsdp_plugin_args``: ``backward_prefetch`` 'NO_PREFETCH', ``forward_prefetch`` false, ``use_orig_params``
-    true) and accelerate's ``limit_all_gathers`` true."""
-
-    backward_prefetch: str | None = None  # a BackwardPrefetch member name
-    forward_prefetch: bool = False
-    limit_all_gathers: bool = True
-    use_orig_params: bool = True
-
-    def describe(self) -> str:
-        return (
-            f"backward_prefetch={self.backward_prefetch or 'None'}, forward_prefetch={self.forward_prefetch}, "
-            f"limit_all_gathers={self.limit_all_gathers}, use_orig_params={self.use_orig_params}"
-        )
-
-
-def fsdp1_options(doc: Document) -> Fsdp1Options:
-    """The declared FSDP1 options (absent ones at the Trainer's defaults); a bad value is a usage error at its line."""
-    path = ("parallelism", "backward_prefetch")
-    text = doc.get(*path).text()
-    prefetch = None
-    if text is not None:
-        key = text.strip().lower().replace("-", "_")
-        if key not in BACKWARD_PREFETCH:
-            raise _err(
-                doc,
-                path,
-                f"backward_prefetch {text!r} is not one of {', '.join(BACKWARD_PREFETCH)}",
-                exit_code=EXIT_USAGE,
-            )
-        prefetch = BACKWARD_PREFETCH[key]
-
-    def switch(name: str, default: bool) -> bool:
-        value = doc.get("parallelism", name)
-        if not value.present or value.text() is None:
-            return default
-        on = value.switch()
-        if on is None:
-            raise _err(doc, ("parallelism", name), f"{name} must be true or false", exit_code=EXIT_USAGE)
-        return on
-
-    return Fsdp1Options(
-        prefetch,
-        switch("forward_prefetch", False),
-        switch("limit_all_gathers", True),
-        switch("use_orig_params", True),
-    )
 
 
 def _reshard(doc: Document) -> bool:
@@ -254,7 +47,7 @@ class ShardResult:
     zero: dict[str, S.ZeroState]
     extension: dict[str, Any]
     change: Change | None
-    estimate: Any = None  # sharding_estimate.ShardEstimate with estimate=True
+    estimate: Any = None  # simulation.ShardEstimate with estimate=True
     device_memory: int | None = None
 
 
@@ -372,8 +165,6 @@ def compute(
             where = ("adapter", "dtype") if doc.get("adapter", "dtype").present else ("parallelism", "strategy")
         raise _err(doc, where, str(exc)) from None
     t = S.totals(descs, optimizer)
-    from ledgerspec.contract import config
-
     cfg = config.read(doc)
     master = sum(p.nbytes // p.itemsize * 4 for p in descs if p.trainable and p.kind == "param")
     zero = {
@@ -452,21 +243,20 @@ def shard(
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)
         ext["reshard_after_forward"] = FSDP2_DEFAULT
-    from ledgerspec.derivations.shard.zero import zero_stage
-
-    if offload is not None and zero_stage(doc) is None:  # issue 16: what FSDP moves to the host (shard.offload);
+    if offload is not None and zero_stage(doc) is None:  # issue 16: what FSDP moves to the host (offload.fsdp);
         # ZeRO's offload is its zeroN_offload row, not FSDP's CPUOffload
-        from ledgerspec.derivations.shard import offload as O
+        from ledgerspec.derivations.shard.offload import fsdp as O
 
         ext["cpu_offload"] = O.extension(plan, descs, "fsdp1" if is_fsdp1(doc) else "fsdp2", ".".join(offload))
     est = None
     if estimate:
-        from ledgerspec.derivations.shard.simulate import estimate_per_rank, extension_block
+        from ledgerspec.derivations.shard.fsdp import estimate_per_rank
+        from ledgerspec.derivations.shard.simulation import extension_block
 
         if device_memory is None:
             device_memory = doc.get("result", "target_device", "memory").size()
         if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3: DeepSpeed's own engine per rank (issue 16)
-            from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
+            from ledgerspec.derivations.shard.zero import estimate_zero_per_rank
 
             est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline)
         else:

@@ -328,12 +328,14 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
     import time
 
     from ledgerspec.contract.units import format_size
-    from ledgerspec.derivations.estimate import devices
+    from ledgerspec.derivations.devices import compare
+    from ledgerspec.derivations.devices.catalogue import load_catalogue, usable_note
+    from ledgerspec.derivations.devices.comparison import EXTENSION
 
     started = time.perf_counter()
-    catalogue = devices.load_catalogue(args.devices or None)
+    catalogue = load_catalogue(args.devices or None)
     writes = _writable(doc, args)
-    result = devices.compare(doc, catalogue, _estimate_fn(args, parallel=True))
+    result = compare(doc, catalogue, _estimate_fn(args, parallel=True))
     head = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch")
     cells = [
         (
@@ -356,7 +358,7 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     for note in result.notes:
         print(f"  note: {note}")
-    print(f"  {devices.usable_note(catalogue)}")
+    print(f"  {usable_note(catalogue)}")
     print(f"  (traced at microbatch {', '.join(map(str, result.traced))}; {time.perf_counter() - started:.1f} s)")
     if writes:
         from ledgerspec.contract.edit import set_extension
@@ -364,8 +366,8 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
 
         block = result.to_extension()
         block["inputs"] = digests(doc, WORKLOAD_INPUTS)
-        set_extension(doc, (devices.EXTENSION,), block)
-        _save(doc, args, devices.EXTENSION)
+        set_extension(doc, (EXTENSION,), block)
+        _save(doc, args, EXTENSION)
     return EXIT_OK
 
 

@@ -2,7 +2,7 @@
 
 With ``cpu_offload: true`` (FSDP2 ``CPUOffloadPolicy``, FSDP1 ``CPUOffload``) the calculated figures say what moves to
 the host and what comes back per micro-step, and ``--estimate`` predicts the device's phases and each rank's
-``host_peak`` (:mod:`ledgerspec.derivations.shard.offload`).
+``host_peak`` (:mod:`ledgerspec.derivations.shard.offload.fsdp`).
 
 Calculates what each rank holds under FSDP2 (``fully_shard`` per decoder layer + root), with ZeRO-1/2/3 for
 comparison, prints a per-rank table and writes ``parallelism.x-per-rank`` into the document. ``--estimate``
@@ -61,7 +61,8 @@ def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load_for
     from ledgerspec.contract.units import format_size
     from ledgerspec.contract.writer import save
-    from ledgerspec.derivations.shard.sharder import cpu_offload, shard
+    from ledgerspec.derivations.shard.options import cpu_offload
+    from ledgerspec.derivations.shard.sharder import shard
 
     doc = load_for(args.file, "shard")
     memory = device_memory_bytes(args.device_memory, args.file)
@@ -84,7 +85,7 @@ def run_shard(args: argparse.Namespace) -> int:
     )
     plan = result.plan
     reshard = result.extension["reshard_after_forward"]
-    from ledgerspec.derivations.shard.zero import zero_stage
+    from ledgerspec.derivations.shard.options import zero_stage
 
     stage = zero_stage(doc)
     if stage is not None:  # the declared strategy first: its row is below the FSDP table

@@ -9,10 +9,6 @@ meta model's descriptors.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +17,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from tests.support import TESTS, one_worker_each
-from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured
+from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured, probe_ranks
 
 DATA = TESTS / "data" / "sharding"
 PROBE = TESTS / "truths" / "fsdp1_probe.py"
@@ -55,24 +51,6 @@ def test_one_dtype_per_flat_parameter() -> None:
         S.flat_units(descs, 2)
 
 
-def _run_probe(ledger: str, nproc: int, shard_grad_op: bool, out: Path) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(PROBE),
-        str(DATA / ledger),
-        str(out),
-        *(["--shard-grad-op"] if shard_grad_op else []),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-
-
 @pytest.fixture(
     scope="module",
     params=one_worker_each("fsdp1", CASES, [f"{c[0]}-{c[1]}ranks{'-shard_grad_op' if c[2] else ''}" for c in CASES]),
@@ -80,10 +58,11 @@ def _run_probe(ledger: str, nproc: int, shard_grad_op: bool, out: Path) -> list[
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("peft")
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import mixed_precision
+    from ledgerspec.derivations.shard.options import mixed_precision
 
     ledger, nproc, shard_grad_op = request.param
-    ranks = _run_probe(ledger, nproc, shard_grad_op, tmp_path_factory.mktemp("fsdp1"))
+    flags = ["--shard-grad-op"] if shard_grad_op else []
+    ranks = probe_ranks(PROBE, nproc, DATA / ledger, tmp_path_factory.mktemp("fsdp1"), *flags)
     doc = load(DATA / ledger)
     mp = mixed_precision(doc)
     descs = S.peft_fsdp1_units(document_descriptors(doc))
@@ -256,7 +235,8 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
     import shutil
 
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import mixed_precision, shard
+    from ledgerspec.derivations.shard.options import mixed_precision
+    from ledgerspec.derivations.shard.sharder import shard
 
     shutil.copytree(DATA / "tiny", tmp_path / "tiny")
     text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")
@@ -302,6 +282,62 @@ def test_a_bad_fsdp1_option_is_one_line_at_its_place(tmp_path: Path, line: str, 
     at = text.splitlines().index(line.rstrip("\n")) + 1
     assert code == exit_code and f"{path.name}:{at}:" in err and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and path.read_bytes() == before
+
+
+def test_the_fsdp1_storage_check_replacements_were_read_in_the_installed_torch() -> None:
+    """The simulation replaces three private FSDP1 functions for fake tensors
+    (:mod:`ledgerspec.derivations.shard.fsdp.storage_checks`); they are the ones the replacements were written against
+    only on the torch release recorded there. Pinned: a torch upgrade fails here until the patches are re-checked."""
+    torch = pytest.importorskip("torch")
+    from ledgerspec.derivations.shard.fsdp.storage_checks import CHECKED, unchecked_function
+
+    installed = torch.__version__.split("+")[0]
+    assert installed in CHECKED, (
+        f"torch {installed} is installed; FSDP1's storage-check replacements were read in torch {', '.join(CHECKED)}. "
+        "Re-check the patches: read the functions of REPLACED in ledgerspec/derivations/shard/fsdp/storage_checks.py "
+        "again, adapt fake_storage_checks to them, and record this release's digests in CHECKED"
+    )
+    assert unchecked_function() is None
+
+
+def _other(*args: Any) -> bool:
+    """Not the function FSDP1 has (a planted change of a replaced one)."""
+    return True
+
+
+def test_a_changed_fsdp1_function_is_never_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entering the replacements on a torch whose function differs refuses before anything is replaced."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.fsdp._flat_param as flat_param
+
+    from ledgerspec.derivations.shard.fsdp.storage_checks import fake_storage_checks
+    from ledgerspec.errors import LedgerspecError
+
+    monkeypatch.setattr(flat_param, "_same_storage", _other)
+    with pytest.raises(LedgerspecError) as info, fake_storage_checks():
+        pytest.fail("the replacements were entered")
+    assert f"torch {torch.__version__}'s torch.distributed.fsdp._flat_param._same_storage is not" in info.value.message
+    assert flat_param._same_storage is _other and info.value.exit_code == 2
+
+
+def test_a_changed_fsdp1_function_makes_the_simulation_refuse_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shard --estimate`` of an FSDP1 ledger on a torch whose replaced function changed: one line (exit 2) naming the
+    installed torch and the function, with the way out; no traceback, the ledger untouched."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.fsdp._flat_param as flat_param
+
+    from tests.support import run_cli
+
+    monkeypatch.setattr(flat_param, "_data_ptr_allocated", _other)  # the last of the three: each one is checked
+    path = _fsdp1_ledger(tmp_path)
+    before = path.read_bytes()
+    code, out, err = run_cli("shard", path, "--estimate", "--target", "cpu")
+    assert code == 2 and out == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"torch {torch.__version__}'s torch.distributed.fsdp._flat_param._data_ptr_allocated is not" in err, err
+    assert "FSDP1 simulation was checked against torch 2.13.0" in err and "ledgerspec measure --nproc" in err, err
+    assert path.read_bytes() == before
 
 
 @pytest.mark.slow

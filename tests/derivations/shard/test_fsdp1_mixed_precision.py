@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from tests.support import TESTS, run_cli
-from tests.support.per_rank import assert_rank_agrees, measured
+from tests.support.per_rank import assert_rank_agrees, measured, run_probe
 
 DATA = TESTS / "data" / "sharding"
 PROBE = TESTS / "truths" / "fsdp1_mixed_precision_probe.py"
@@ -131,10 +129,7 @@ def test_plain_shard_still_calculates(tmp_path: Path) -> None:
 
 def _probe(tmp: Path, *args: str) -> dict[str, str | bool]:
     out = tmp / "probe.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(PROBE)]
-    proc = subprocess.run([*cmd, str(DATA / "tiny"), str(out), *args], env=env, capture_output=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_probe(PROBE, 2, DATA / "tiny", out, *args, timeout=240)
     result: dict[str, str | bool] = json.loads(out.read_text(encoding="utf-8"))
     return result
 

@@ -18,7 +18,7 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from tests.support import TESTS, run_cli
-from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured
+from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured, probe_ranks
 
 DATA = TESTS / "data" / "sharding"
 
@@ -106,11 +106,6 @@ def test_calculated_state_equals_transformers_loaded_4bit_model_under_fsdp1(tmp_
     over the meta model's descriptors."""
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    import json
-    import os
-    import subprocess
-    import sys
-
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -121,23 +116,8 @@ def test_calculated_state_equals_transformers_loaded_4bit_model_under_fsdp1(tmp_
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(DATA / "tiny")
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(checkpoint)
-    out = tmp_path / "ranks"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(TESTS / "truths" / "fsdp1_probe.py"),
-        str(path),
-        str(out),
-        "--pretrained",
-        str(checkpoint),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    probe = TESTS / "truths" / "fsdp1_probe.py"
+    ranks = probe_ranks(probe, 2, path, tmp_path / "ranks", "--pretrained", checkpoint, timeout=240)
     plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(load(path))), 2)
     for real, calc in zip(ranks, plan.ranks, strict=True):
         got = {u["unit"]: u for u in real["units"]}

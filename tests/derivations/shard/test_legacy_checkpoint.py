@@ -1,5 +1,5 @@
 """transformers < 4.52's checkpoint around each FSDP1 unit, modelled when a ledger declares it (known difference
-``transformers-checkpoint-outside-fsdp-unit``, :mod:`ledgerspec.derivations.shard.legacy_checkpoint`).
+``transformers-checkpoint-outside-fsdp-unit``, :mod:`ledgerspec.derivations.shard.fsdp.legacy_checkpoint`).
 
 The ground truth is ``tests/truths/checkpoint_outside_fsdp1_unit.py``: real FSDP1 (gloo, one process) over frozen
 units, checkpointed as 4.48.1's loop did and as ``GradientCheckpointingLayer`` does, written without ledgerspec. The
@@ -27,7 +27,7 @@ LEDGER = "ledgerspec: ledger/v1\nsoftware: {transformers: '%s'}\n"
     ("declared", "modelled"), [("4.48.1", True), ("4.51.3", True), ("4.52.0", False), ("5.2", False)]
 )
 def test_modelled_only_when_declared_older(declared: str, modelled: bool) -> None:
-    from ledgerspec.derivations.shard.legacy_checkpoint import models_outside_checkpoint
+    from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import models_outside_checkpoint
 
     assert models_outside_checkpoint(from_text(LEDGER % declared, "x.ledger.yaml")) is modelled
     assert models_outside_checkpoint(from_text("ledgerspec: ledger/v1\n", "x.ledger.yaml")) is False

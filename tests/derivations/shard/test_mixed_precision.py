@@ -113,7 +113,8 @@ def test_simulated_ranks_agree_with_the_real_fsdp2_run(tmp_path: Path, edits: li
     the estimate on rank 1 (two bf16 layer units of 129,392 B + 29,936 B)."""
     pytest.importorskip("peft")
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import mixed_precision, shard
+    from ledgerspec.derivations.shard.options import mixed_precision
+    from ledgerspec.derivations.shard.sharder import shard
 
     path = _resolved(tmp_path, edits)
     code, _, err = run_cli("measure", path, "--nproc", "2")

@@ -158,7 +158,7 @@ def test_offload_makes_a_tight_device_fit(simulated: dict[str, Any]) -> None:
 
 
 def test_memory_options_cpu_offload_turns_it_on_too(tmp_path: Path) -> None:
-    from ledgerspec.derivations.shard.sharder import cpu_offload
+    from ledgerspec.derivations.shard.options import cpu_offload
 
     path = _ledger(tmp_path, "fsdp2", offload="")
     text = path.read_text().replace("  sharding: fsdp2\n", "  sharding: fsdp2\n  cpu_offload: ON\n")
@@ -175,7 +175,7 @@ def test_memory_options_cpu_offload_turns_it_on_too(tmp_path: Path) -> None:
 def test_sharding_fsdp1_is_a_valid_word_and_selects_fsdp1(tmp_path: Path) -> None:
     import json
 
-    from ledgerspec.derivations.shard.sharder import is_fsdp1
+    from ledgerspec.derivations.shard.options import is_fsdp1
 
     path = _ledger(tmp_path, "fsdp1", offload="")
     path.write_text(path.read_text().replace("  sharding: fsdp2\n", "  sharding: fsdp1\n"))
@@ -241,9 +241,9 @@ def test_staging_copy_before_the_all_gather() -> None:
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from ledgerspec.derivations.shard.offload import staging_on_the_device
-    from ledgerspec.derivations.shard.simulate import fake_process_group
-    from ledgerspec.derivations.shard.workload import fsdp_params
+    from ledgerspec.derivations.shard.fsdp.workload import fsdp_params
+    from ledgerspec.derivations.shard.offload.fsdp import staging_on_the_device
+    from ledgerspec.derivations.shard.simulation import fake_process_group
 
     def storage(t: Any) -> int:
         return int(t.untyped_storage()._cdata)

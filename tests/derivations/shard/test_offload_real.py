@@ -4,7 +4,7 @@
 pin_memory=False))`` runs on gloo as it is; FSDP1 ``CPUOffload(offload_params=True)`` always pins its shard and its
 CPU gradient (``FlatParamHandle.init_flat_param_attributes``), which needs an accelerator, so on a CPU-only host
 ``pin_memory()`` is a plain copy (the same host bytes) and its final CPU-stream ``synchronize`` a no-op
-(:func:`ledgerspec.derivations.shard.offload.pinning_as_copies`). On the CPU every byte is host memory: the real
+(:func:`ledgerspec.derivations.shard.offload.fsdp.pinning_as_copies`). On the CPU every byte is host memory: the real
 run's per-rank totals are what the simulation's device + host add up to (``total_phases``); the split itself follows
 from the tensors' roles and is what the GPU run would see, less the staging copies (not checked here: no GPU).
 

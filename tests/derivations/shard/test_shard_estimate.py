@@ -17,7 +17,7 @@ import pytest
 
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
-from ledgerspec.derivations.shard.simulate import rank_groups
+from ledgerspec.derivations.shard.fsdp.simulate import rank_groups
 from tests.support import TESTS, one_worker_each, run_cli
 
 DATA = TESTS / "data" / "sharding"
@@ -165,7 +165,7 @@ def test_refusals_change_nothing(tmp_path: Path, ledger: str, args: list[str], m
 def test_direct_callers_of_the_estimate_are_refused_uint8_storage(tmp_path: Path) -> None:
     """``shard`` checks the storage first; ``estimate_per_rank`` guards itself too (never a wrong number)."""
     pytest.importorskip("torch")
-    from ledgerspec.derivations.shard.simulate import estimate_per_rank
+    from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
     from ledgerspec.errors import LedgerspecError
 
     doc = load(_copy(tmp_path, "tiny-qlora-uint8-storage.ledger.yaml"))
@@ -180,8 +180,8 @@ def _fsdp_layouts(doc: Any, workload_class: Any, rank: int) -> dict[str, tuple[A
     import warnings
 
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.shard.simulate import fake_process_group
-    from ledgerspec.derivations.shard.workload import fsdp_params, sharded_workload
+    from ledgerspec.derivations.shard.fsdp.workload import fsdp_params, sharded_workload
+    from ledgerspec.derivations.shard.simulation import fake_process_group
     from ledgerspec.derivations.stack.build import load_config
 
     spec = WorkloadSpec.from_document(doc)

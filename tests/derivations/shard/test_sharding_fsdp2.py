@@ -9,11 +9,6 @@ test come from :mod:`ledgerspec.derivations.shard.state` over the meta model's d
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,8 +16,9 @@ import pytest
 from ledgerspec.contract.document import load
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.derivations.shard.model import document_descriptors
-from ledgerspec.derivations.shard.sharder import mixed_precision
+from ledgerspec.derivations.shard.options import mixed_precision
 from tests.support import TESTS, one_worker_each
+from tests.support.per_rank import probe_ranks
 
 DATA = TESTS / "data" / "sharding"
 PROBE = TESTS / "truths" / "sharding_probe.py"
@@ -38,32 +34,15 @@ CASES = [
 ]
 
 
-def _run_probe(ledger: str, nproc: int, reshard: str, out: Path) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(PROBE),
-        str(DATA / ledger),
-        str(out),
-        "--reshard-after-forward",
-        reshard,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-
-
 @pytest.fixture(
     scope="module",
     params=one_worker_each("fsdp2", CASES, [f"{c[0]}-{c[1]}ranks-reshard_{c[2]}" for c in CASES]),
 )
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ledger, nproc, reshard = request.param
-    ranks = _run_probe(ledger, nproc, reshard, tmp_path_factory.mktemp("probe"))
+    ranks = probe_ranks(
+        PROBE, nproc, DATA / ledger, tmp_path_factory.mktemp("probe"), "--reshard-after-forward", reshard
+    )
     doc = load(DATA / ledger)
     descs = document_descriptors(doc)
     mp = mixed_precision(doc)

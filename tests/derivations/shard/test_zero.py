@@ -77,7 +77,7 @@ def _zero_ledger(tmp: Path, stage: int, options: str = "{reduce_bucket_size: 100
 
 
 def test_options_read_from_the_ledger(tmp_path: Path) -> None:
-    from ledgerspec.derivations.shard.zero import ZeroOptions, zero_options, zero_stage
+    from ledgerspec.derivations.shard.options import ZeroOptions, zero_options, zero_stage
 
     path = _zero_ledger(
         tmp_path,
@@ -105,7 +105,8 @@ def test_options_read_from_the_ledger(tmp_path: Path) -> None:
 @needs_deepspeed
 def test_defaults_are_deepspeeds_own() -> None:
     """Absent keys mean DeepSpeed's defaults: the same values as DeepSpeed's own ``DeepSpeedZeroConfig``."""
-    from ledgerspec.derivations.shard.zero import ZeroOptions, cpu_accelerator
+    from ledgerspec.derivations.shard.options import ZeroOptions
+    from ledgerspec.derivations.shard.zero.engine import cpu_accelerator
 
     with cpu_accelerator():
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -130,7 +131,8 @@ def test_the_engine_mixed_precision_modes_are_not_refused(tmp_path: Path) -> Non
     """bf16 and fp16 (the Trainer's ``--bf16`` / ``--fp16``: DeepSpeed's own modes, no autocast) run; the real runs
     below check them."""
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.shard.zero import ds_config, zero_options, zero_refusal
+    from ledgerspec.derivations.shard.options import zero_options
+    from ledgerspec.derivations.shard.zero.engine import ds_config, zero_refusal
 
     path = _zero_ledger(tmp_path, 3)
     text = path.read_text(encoding="utf-8")
@@ -164,7 +166,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         pytest.skip("deepspeed is not installed")
     pytest.importorskip("peft")
     from ledgerspec.derivations.measure.dist import make_request, run_ranks
-    from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
+    from ledgerspec.derivations.shard.zero.simulate import estimate_zero_per_rank
 
     stage, precision = request.param
     # ZeRO-3: every parameter of the tiny model is under DeepSpeed's default persistence threshold (1e5 elements) and
@@ -206,8 +208,8 @@ def test_a_step_the_engine_skips_is_an_error(tmp_path: Path, monkeypatch: pytest
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     pytest.importorskip("peft")
-    from ledgerspec.derivations.shard.zero import import_deepspeed
-    from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
+    from ledgerspec.derivations.shard.zero.engine import import_deepspeed
+    from ledgerspec.derivations.shard.zero.simulate import estimate_zero_per_rank
     from ledgerspec.errors import LedgerspecError
 
     import_deepspeed()
@@ -257,7 +259,7 @@ def test_deepspeed_never_compiles_its_shared_memory_op() -> None:
     rank compiled the op. The backend DeepSpeed builds gets no op and no build is asked for."""
     import sys
 
-    from ledgerspec.derivations.shard.zero import import_deepspeed
+    from ledgerspec.derivations.shard.zero.engine import import_deepspeed
 
     import_deepspeed()
     import deepspeed.comm.torch as attribute

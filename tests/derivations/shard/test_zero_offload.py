@@ -64,11 +64,11 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         pytest.skip("deepspeed is not installed")
     pytest.importorskip("peft")
     from ledgerspec.derivations.measure.dist import make_request, run_ranks
-    from ledgerspec.derivations.shard.zero_simulate import estimate_zero_per_rank
+    from ledgerspec.derivations.shard.zero.simulate import estimate_zero_per_rank
 
     stage, placements, extra = CASES[request.param]
     if "client" not in request.param and request.param != "zero3-param":  # DeepSpeedCPUAdam
-        from ledgerspec.derivations.shard.zero import cpu_accelerator
+        from ledgerspec.derivations.shard.zero.engine import cpu_accelerator
 
         with cpu_accelerator():
             from deepspeed.ops.op_builder import CPUAdamBuilder
@@ -147,7 +147,7 @@ def test_measure_writes_what_the_engine_offloaded(runs: dict[str, Any]) -> None:
     """The measured ledger says which parts went to the host (ZeRO-2 keeps its parameters replicated on the device)
     and which optimizer stepped them; read back, it declares the same offload."""
     from ledgerspec.derivations.measure.dist import write_back
-    from ledgerspec.derivations.shard.zero import zero_options
+    from ledgerspec.derivations.shard.options import zero_options
 
     doc = load(runs["path"])
     before = zero_options(doc)
@@ -165,7 +165,7 @@ def test_measure_writes_what_the_engine_offloaded(runs: dict[str, Any]) -> None:
 
 
 def test_offload_is_read_from_the_placements_or_cpu_offload(tmp_path: Path) -> None:
-    from ledgerspec.derivations.shard.zero import zero_options
+    from ledgerspec.derivations.shard.options import zero_options
 
     all3 = zero_options(load(_offload_ledger(tmp_path, 3, "  cpu_offload: true\n")))
     assert (all3.offload_optimizer, all3.offload_param, all3.cpu_adam) == (True, True, True)
@@ -183,7 +183,8 @@ def test_what_deepspeed_refuses_is_refused(tmp_path: Path) -> None:
     """DeepSpeed refuses a client optimizer under offload unless ``zero_force_ds_cpu_optimizer`` is false (its
     ``ZeRORuntimeException``); ``offload_param`` is ZeRO-3's only."""
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.shard.zero import zero_options, zero_refusal
+    from ledgerspec.derivations.shard.options import zero_options
+    from ledgerspec.derivations.shard.zero.engine import zero_refusal
 
     path = _offload_ledger(tmp_path, 3, "  optimizer_placement: cpu\n")
     path.write_text(path.read_text("utf-8").replace("name: adamw_torch", "name: sgd"), encoding="utf-8")
@@ -271,7 +272,8 @@ def test_nvme_and_contradictions_are_refused(tmp_path: Path) -> None:
     """NVMe offload is not modelled (refused, not run as CPU offload); ``cpu_offload: false`` beside a ``cpu``
     placement does not say which ran."""
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.shard.zero import zero_options, zero_refusal
+    from ledgerspec.derivations.shard.options import zero_options
+    from ledgerspec.derivations.shard.zero.engine import zero_refusal
 
     nvme = load(_offload_ledger(tmp_path, 3, "  cpu_offload: true\n  optimizer_placement: nvme\n"))
     why = zero_refusal(WorkloadSpec.from_document(nvme), zero_options(nvme))

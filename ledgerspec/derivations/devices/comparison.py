@@ -1,8 +1,8 @@
 """Which device: the estimate against a catalogue of accelerators and GPU counts (``estimate --devices``).
 
-The catalogue (``devices.yaml`` beside this module; a user file of the same shape adds or replaces devices by name)
-gives each accelerator's memory as the vendor states it and as PyTorch reports it, and what a training process
-cannot give to tensors (the CUDA context, the cuBLAS workspace): the predicted peak is compared with
+The catalogue (:mod:`.catalogue`: ``devices.yaml``, and a user file of the same shape that adds or replaces devices
+by name) gives each accelerator's memory as the vendor states it and as PyTorch reports it, and what a training
+process cannot give to tensors (the CUDA context, the cuBLAS workspace): the predicted peak is compared with
 ``usable = total - reserve``. For each device and GPU count the answer is: fits or not, the headroom, and the
 largest microbatch that fits (from :class:`~ledgerspec.derivations.estimate.fitmodel.BatchModel`, so the whole
 table costs two or three traced estimates, plus one simulated FSDP2 step per GPU count when the ledger declares
@@ -10,7 +10,7 @@ table costs two or three traced estimates, plus one simulated FSDP2 step per GPU
 
 GPU counts follow the declared sharding: with none (data parallel) every GPU holds the whole model and its own
 microbatch, so more GPUs do not lower the peak of one (the table says so once instead of repeating rows); with
-``fsdp2`` each count's worst rank comes from :func:`ledgerspec.derivations.shard.simulate.estimate_per_rank`, and
+``fsdp2`` each count's worst rank comes from :func:`ledgerspec.derivations.shard.fsdp.simulate.estimate_per_rank`, and
 its other microbatches from the same bytes per row as one GPU (activations are per rank and do not shard).
 ZeRO stages are calculated by ``ledgerspec shard`` (model state only) and are not simulated here.
 """
@@ -20,40 +20,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 from ledgerspec.contract.document import Document
-from ledgerspec.contract.units import UnitError, format_size, parse_size
+from ledgerspec.derivations.devices.catalogue import Catalogue, Device, usable_note
 from ledgerspec.derivations.estimate.fitmodel import BatchModel
 from ledgerspec.derivations.estimate.search import EstimateFn, batch_model, padded
-from ledgerspec.errors import EXIT_USAGE, LedgerspecError
+from ledgerspec.errors import LedgerspecError
 
-CATALOGUE = Path(__file__).with_name("devices.yaml")
-#: how the built-in catalogue is named in a ledger (not the path where the package is installed)
-BUILT_IN = "derivations/estimate/devices.yaml"
 COUNTS = (1, 2, 4, 8)
 EXTENSION = "x-devices"
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    vendor_memory: str  # as sold ("24 GB")
-    total: int  # bytes, as PyTorch reports them (torch.cuda.get_device_properties(0).total_memory)
-    reserve: int  # bytes no tensor can have (CUDA context, cuBLAS workspace)
-    source: str
-
-    @property
-    def usable(self) -> int:
-        return self.total - self.reserve
-
-
-@dataclass(frozen=True)
-class Catalogue:
-    devices: list[Device]
-    reserve_source: str
-    files: list[str]
 
 
 @dataclass
@@ -103,66 +79,6 @@ class Comparison:
             "notes": list(self.notes),
             "catalogue": self.catalogue.files,
         }
-
-
-def usable_note(catalogue: Catalogue) -> str:
-    return (
-        "usable memory = the total PyTorch reports - what the CUDA context and the cuBLAS workspace take "
-        f"({catalogue.reserve_source}); the caching allocator's slack (reserved - allocated) comes on top and "
-        "depends on the workload (`ledgerspec measure` records it)"
-    )
-
-
-def _bad(file: str, message: str) -> LedgerspecError:
-    return LedgerspecError(message, file, rule="devices", exit_code=EXIT_USAGE, hint="see " + str(CATALOGUE))
-
-
-def _size(value: Any, file: str, what: str) -> int:
-    try:
-        return parse_size(value)
-    except UnitError as exc:
-        raise _bad(file, f"{what}: {exc}") from None
-
-
-def load_catalogue(extra: str | None = None) -> Catalogue:
-    """The built-in catalogue, with the devices of ``extra`` (a YAML file of the same shape) added or replacing
-    those of the same name; its ``default_reserve``/``reserve_source`` replace the built-in ones when given."""
-    from ruamel.yaml import YAML
-
-    files = [CATALOGUE] + ([Path(extra)] if extra else [])
-    by_name: dict[str, Device] = {}
-    default_reserve = 0
-    reserve_source = ""
-    for path in files:
-        shown = str(path)
-        try:
-            data = YAML(typ="safe").load(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise _bad(shown, f"cannot read the device catalogue: {exc.strerror or exc}") from None
-        except Exception as exc:  # ruamel's parse errors: one line
-            raise _bad(shown, f"not a YAML device catalogue: {str(exc).splitlines()[0]}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("devices", []), list):
-            raise _bad(shown, "a device catalogue is a mapping with a list `devices`")
-        if "default_reserve" in data:
-            default_reserve = _size(data["default_reserve"], shown, "default_reserve")
-        if isinstance(data.get("reserve_source"), str):
-            reserve_source = " ".join(data["reserve_source"].split())
-        for i, item in enumerate(data.get("devices", [])):
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "total" not in item:
-                raise _bad(shown, f"devices[{i}] needs `name` and `total` (bytes as PyTorch reports them)")
-            total = _size(item["total"], shown, f"devices[{i}].total")
-            reserve = _size(item.get("reserve", default_reserve), shown, f"devices[{i}].reserve")
-            if reserve >= total:
-                raise _bad(shown, f"devices[{i}]: reserve {reserve} B is not below total {total} B")
-            by_name[item["name"]] = Device(
-                item["name"],
-                str(item.get("vendor_memory", format_size(total))),
-                total,
-                reserve,
-                " ".join(str(item.get("source", "")).split()),
-            )
-    named = ["ledgerspec " + BUILT_IN] + ([str(extra)] if extra else [])
-    return Catalogue(list(by_name.values()), reserve_source, named)
 
 
 def _design(declared: int, pads: bool) -> list[int]:
@@ -250,13 +166,13 @@ def _largest(
 def _fsdp2_worst(doc: Document, world: int) -> int:
     """The worst rank's predicted peak on ``world`` FSDP2 (or FSDP1) ranks (a simulated step per distinct rank
     layout)."""
+    from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.sharder import check_qlora
-    from ledgerspec.derivations.shard.simulate import estimate_per_rank
+    from ledgerspec.derivations.shard.options import check_qlora
 
     check_qlora(doc, rule="devices")
     descs = document_descriptors(doc)
     return estimate_per_rank(doc, world, descs).worst
 
 
-__all__ = ["CATALOGUE", "COUNTS", "EXTENSION", "Catalogue", "Comparison", "Device", "Row", "compare", "load_catalogue"]
+__all__ = ["COUNTS", "EXTENSION", "Comparison", "Row", "compare"]

@@ -1,11 +1,11 @@
-"""The per-rank estimate under FSDP2: a simulated FSDP2 training step per rank, fake tensors, fake process group.
+"""The per-rank estimate under FSDP2 and FSDP1: a simulated training step per rank, fake tensors, fake process group.
 
 "Does it fit on 2 x 24 GB?" before renting: for rank ``r`` of ``W``, a fake process group
 (``torch.testing._internal.distributed.fake_pg.FakeStore``: collectives return at once, their output
 buffers are the ones FSDP2 itself allocates) is initialised in this process and the estimate's workload
 (:func:`ledgerspec.derivations.estimate.estimator.trace`'s: exact model, adapters, optimizer, checkpointing, the CUDA
 attention model, 512-byte allocator rounding for the cuda target) is sharded with ``fully_shard`` per decoder
-layer + root (:mod:`ledgerspec.derivations.shard.workload`) and run through the measurement protocol
+layer + root (:mod:`ledgerspec.derivations.shard.fsdp.workload`) and run through the measurement protocol
 under ``FakeTensorMode`` with the dispatch-level tracker. What this rank holds is therefore what FSDP2 really
 allocates: its padded shards, the all-gathered units while they compute (and the root kept gathered), the
 unsharded gradients before reduce-scatter and the padded gradient shards after it, the optimizer state of
@@ -33,14 +33,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
-from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
+from ledgerspec.derivations.shard.options import cpu_offload, is_fsdp1, mixed_precision
+from ledgerspec.derivations.shard.simulation import (
+    COMPONENTS,
+    Progress,
+    RankEstimate,
+    ShardEstimate,
+    add_sides,
+    fake_process_group,
+    prepare_trace,
+    probe_runner,
+)
 from ledgerspec.derivations.shard.state import (
     ParamDesc,
     chunk_rows,
@@ -48,76 +55,6 @@ from ledgerspec.derivations.shard.state import (
     qlora_shardable,
     unit_unsharded_bytes,
 )
-from ledgerspec.errors import LedgerspecError
-
-Progress = Callable[[str], None]
-COMPONENTS = F.RESIDENT
-
-
-@dataclass
-class RankEstimate:
-    """One rank's predicted phases (bytes allocated by PyTorch tensors)."""
-
-    rank: int
-    phases: dict[str, int]
-    activations: int  # held after the first forward, less the parameters FSDP2 keeps gathered into backward
-    components: dict[str, int]
-    simulated_as: int  # the rank whose simulation these figures are (same local rows for every parameter)
-    #: with CPU offload (issue 16): ``phases`` are the device's; what the host holds per phase, both sides together
-    #: (what a CPU-only run counts), and the host's peak over the whole step
-    host_phases: dict[str, int] | None = None
-    total_phases: dict[str, int] | None = None
-    host_peak: int | None = None
-
-    @property
-    def peak(self) -> int:
-        return max(self.phases.values())
-
-    @classmethod
-    def of(cls, rank: int, figures: dict[str, int], activations: int, components: dict[str, int], rep: int) -> Any:
-        """Rank ``rank`` from the simulated ``figures`` of rank ``rep``: with offload (:func:`add_sides`) the device's
-        phases, the host's and the totals beside them."""
-        if "host_peak" not in figures:
-            return cls(rank, {k: figures[k] for k in PHASES}, activations, components, rep)
-        return cls(
-            rank,
-            {k: figures[f"device.{k}"] for k in PHASES},
-            activations,
-            components,
-            rep,
-            host_phases={k: figures[f"host.{k}"] for k in PHASES},
-            total_phases={k: figures[k] for k in PHASES},
-            host_peak=figures["host_peak"],
-        )
-
-
-def add_sides(out: dict[str, int], sides: dict[str, tuple[int, int]], tracker: Any) -> None:
-    """A simulated rank's ``{phase: (device, host)}`` (:func:`ledgerspec.derivations.shard.offload.recording_sides`)
-    and its split tracker's host peak, into its figures as ``device.PHASE``, ``host.PHASE`` and ``host_peak``."""
-    for name, (device, host) in sides.items():
-        out[f"device.{name}"], out[f"host.{name}"] = device, host
-    out["host_peak"] = tracker.host_max
-
-
-@dataclass
-class ShardEstimate:
-    world_size: int
-    reshard_after_forward: bool | None
-    target: str
-    ranks: list[RankEstimate]
-    plan: Plan
-    method: str
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-    strategy: str = "fsdp2"  # or fsdp1 (parallelism.strategy)
-
-    @property
-    def worst(self) -> int:
-        return max(r.peak for r in self.ranks)
-
-    def fits(self, device_memory: int) -> list[Fit]:
-        return [fit(r.phases, device_memory) for r in self.ranks]
-
 
 _err = ErrorAt("shard")
 
@@ -131,21 +68,6 @@ def rank_groups(descs: list[ParamDesc], world: int) -> dict[int, list[int]]:
     return {members[0]: members for members in layouts.values()}
 
 
-@contextlib.contextmanager
-def fake_process_group(rank: int, world: int) -> Iterator[None]:
-    """A fake default process group of ``world`` ranks, this process being ``rank`` (no communication)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def simulate_rank(
     doc: Document, spec: Any, source: Any, target: str, world: int, rank: int, reshard_after_forward: bool | None
 ) -> dict[str, int]:
@@ -156,12 +78,12 @@ def simulate_rank(
     from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.engine.tracker import by_component
     from ledgerspec.derivations.estimate.estimator import _estimate_workload_class, granularity
-    from ledgerspec.derivations.shard.workload import sharded_workload
+    from ledgerspec.derivations.shard.fsdp.workload import sharded_workload
 
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))  # as estimate.trace: enough for the peaks
-    from ledgerspec.derivations.shard import offload as O
-    from ledgerspec.derivations.shard.sharder import cpu_offload, is_fsdp1
-    from ledgerspec.derivations.shard.workload import fsdp1_workload
+    from ledgerspec.derivations.shard.fsdp.workload import fsdp1_workload
+    from ledgerspec.derivations.shard.offload import fsdp as O
+    from ledgerspec.derivations.shard.offload.sides import recording_sides, split_backend
 
     cls = (fsdp1_workload if is_fsdp1(doc) else sharded_workload)(_estimate_workload_class())
     offload = cpu_offload(doc) is not None  # issue 16: CPU offload, each storage on its side by its role
@@ -173,10 +95,10 @@ def simulate_rank(
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.reshard_after_forward = reshard_after_forward
         if is_fsdp1(doc):  # transformers < 4.52 as declared: the checkpoint around each FSDP1 unit
-            from ledgerspec.derivations.shard.legacy_checkpoint import models_outside_checkpoint
+            from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import models_outside_checkpoint
 
             workload.checkpoint_outside = models_outside_checkpoint(doc)
-        backend = (O.split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
+        backend = (split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
         split: Any = backend.tracker
         if offload:
             workload.split = split
@@ -185,7 +107,7 @@ def simulate_rank(
             extra.enter_context(O.hosting_resharded_params(split))
             if target == "cuda" and not is_fsdp1(doc):  # FSDP2's device copy of the shards before each all-gather
                 extra.enter_context(O.staging_on_the_device())
-            sides = extra.enter_context(O.recording_sides(backend))
+            sides = extra.enter_context(recording_sides(backend))
         from ledgerspec.derivations.estimate.legacy_loss import declared_loss
 
         with workload.stack, declared_loss(doc):  # transformers < 4.49's loss when the ledger declares it
@@ -206,71 +128,6 @@ def simulate_rank(
     return out
 
 
-def prepare_trace(
-    doc: Document, target: str, layers: str, offline: bool, refuse: Callable[[Any], None]
-) -> tuple[Any, Any, Plan]:
-    """What every per-rank simulation checks and reads first: the target, the intake, the workload (``refuse``
-    raises for a workload the strategy cannot run), the attention, the model config and the trace plan (``layers``:
-    ``auto`` or ``full``). Returns the workload spec, the model source and the plan."""
-    from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.estimate import estimator as E
-    from ledgerspec.derivations.estimate.extrapolate import plan
-    from ledgerspec.derivations.stack.build import load_config
-
-    if target not in E.TARGETS:
-        raise ValueError(f"target must be one of {E.TARGETS}")
-    E._check_intake(doc)
-    spec = WorkloadSpec.from_document(doc)
-    refuse(spec)
-    E._check_attention(doc, spec.attention)
-    source = load_config(doc, offline=offline)
-    try:
-        est_plan = plan(source.config)
-    except ValueError:
-        raise _err(doc, ("identity",), "the model has no num_hidden_layers: not a decoder stack") from None
-    if layers == "full":
-        est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
-    return spec, source, est_plan
-
-
-def probe_runner(
-    doc: Document,
-    source: Any,
-    est_plan: Plan,
-    say: Progress,
-    label: str,
-    simulate: Callable[[Any, int], dict[str, int]],
-) -> Callable[[int], dict[str, int]]:
-    """A rank's figures at the model's depth: ``simulate(model_source, rank)`` at the plan's two probe depths,
-    extended to every layer (or at full depth when the plan has no probes). ``label`` (with ``{rank}``) names the
-    rank in progress lines; a failure inside torch & co. becomes one clear line, never a wrong number."""
-    from ledgerspec.derivations.estimate import estimator as E
-    from ledgerspec.derivations.estimate.extrapolate import extend_all, with_layers
-    from ledgerspec.derivations.stack.build import ModelSource
-
-    def run(n: int | None, rank: int) -> dict[str, int]:
-        src = (
-            source
-            if n is None
-            else ModelSource(with_layers(source.config, n), source.config_file, source.sha256, source.architecture)
-        )
-        say(f"simulating {label.format(rank=rank)} with {n or est_plan.layers} layers")
-        try:
-            return simulate(src, rank)
-        except LedgerspecError:
-            raise
-        except Exception as exc:
-            raise E._fail(doc, exc, source.architecture) from None
-
-    def figures(rank: int) -> dict[str, int]:
-        if est_plan.probes is None:
-            return run(None, rank)
-        n1, n2 = est_plan.probes
-        return extend_all(run(n1, rank), run(n2, rank), n1, n2, est_plan.layers)
-
-    return figures
-
-
 def estimate_per_rank(
     doc: Document,
     world: int,
@@ -289,11 +146,14 @@ def estimate_per_rank(
             why = qlora_shardable(spec.quant.storage_dtype, spec.loaded_dtype)
             if why:  # `shard` checks the document first; this guards direct callers
                 raise _err(doc, ("base_model", "quantization", "storage_dtype"), why)
+        if is_fsdp1(doc):  # FSDP1's storage checks are replaced for fake tensors: only on the torch they were read in
+            from ledgerspec.derivations.shard.fsdp.storage_checks import refuse_unchecked_torch
+
+            refuse_unchecked_torch(doc)
 
     spec, source, est_plan = prepare_trace(doc, target, layers, offline, refuse)
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     from ledgerspec.derivations.shard import state as S
-    from ledgerspec.derivations.shard.sharder import is_fsdp1, mixed_precision
 
     mp = mixed_precision(doc)
     if is_fsdp1(doc):  # ranks hold equal flat shards; their optimizer elements can differ
@@ -339,12 +199,12 @@ def estimate_per_rank(
 
     method = method_text(world, reshard, est_plan, spec, target, mp.describe() if mp else None, is_fsdp1(doc))
     if ranks and ranks[0].host_peak is not None:
-        from ledgerspec.derivations.shard.offload import OFFLOAD_METHOD, describe
+        from ledgerspec.derivations.shard.offload.fsdp import OFFLOAD_METHOD, describe
 
         method = f"{describe('fsdp1' if is_fsdp1(doc) else 'fsdp2')}: {OFFLOAD_METHOD}; {method}"
     if legacy_loss.models_shift_copy(doc):
         method += "; " + legacy_loss.method_note(doc)
-    from ledgerspec.derivations.shard import legacy_checkpoint
+    from ledgerspec.derivations.shard.fsdp import legacy_checkpoint
 
     if is_fsdp1(doc) and legacy_checkpoint.models_outside_checkpoint(doc) and spec.gradient_checkpointing:
         method += "; " + legacy_checkpoint.method_note(doc)
@@ -400,69 +260,4 @@ def method_text(
     )
 
 
-def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, Any]:
-    """The ``estimate`` block of ``parallelism.x-per-rank``."""
-    ranks = []
-    fits = est.fits(device_memory) if device_memory is not None else None
-    for i, r in enumerate(est.ranks):
-        row: dict[str, Any] = {
-            "rank": r.rank,
-            "peak_allocated": {
-                "value": r.peak,
-                "source": "CALCULATED",
-                "method": f"maximum of rank {r.rank}'s simulated phase peaks",
-            },
-            "phases": dict(r.phases),
-            "activations": r.activations,
-            "components": dict(r.components),
-        }
-        if r.host_peak is not None and r.host_phases is not None and r.total_phases is not None:
-            row["host_peak"] = {
-                "value": r.host_peak,
-                "source": "CALCULATED",
-                "method": f"rank {r.rank}'s host memory under CPU offload: the most its host-side tensors held at once "
-                "(sharded parameters, gradient shards, optimizer state and step), simulated",
-            }
-            row["host_phases"] = dict(r.host_phases)
-            row["total_phases"] = dict(r.total_phases)
-        if r.simulated_as != r.rank:
-            row["same_as_rank"] = r.simulated_as
-        if fits is not None:
-            row["fits"] = fits[i].fits
-            row["headroom"] = fits[i].headroom
-            if fits[i].oom_phase_key:
-                row["oom_phase"] = fits[i].oom_phase_key
-        ranks.append(row)
-    block: dict[str, Any] = {
-        "source": "CALCULATED",
-        "method": est.method,
-        "target": est.target,
-        "worst_rank_peak": {
-            "value": est.worst,
-            "source": "CALCULATED",
-            "method": "the largest per-rank predicted peak (never a sum across ranks)",
-        },
-        "ranks": ranks,
-    }
-    hosts = [r.host_peak for r in est.ranks if r.host_peak is not None]
-    if hosts:  # CPU offload: phases are the device's; the host's peak is its own figure (the spec's host_peak)
-        block["worst_rank_host_peak"] = {
-            "value": max(hosts),
-            "source": "CALCULATED",
-            "method": "the largest per-rank host_peak (each rank's host memory; never a sum across ranks)",
-        }
-    if device_memory is not None and fits is not None:
-        block["device_memory"] = device_memory
-        block["fits"] = all(f.fits for f in fits)
-    return block
-
-
-__all__ = [
-    "RankEstimate",
-    "ShardEstimate",
-    "estimate_per_rank",
-    "extension_block",
-    "fake_process_group",
-    "rank_groups",
-    "simulate_rank",
-]
+__all__ = ["estimate_per_rank", "method_text", "rank_groups", "simulate_rank"]

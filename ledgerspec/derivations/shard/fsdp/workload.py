@@ -1,7 +1,7 @@
 """A workload sharded with FSDP2: ``fully_shard`` per decoder layer + root on the meta device, shards materialised.
 
 Shared by ``measure --nproc`` (:mod:`ledgerspec.derivations.measure.dist`, real tensors, one process per rank
-under torchrun) and the per-rank estimate (:mod:`ledgerspec.derivations.shard.simulate`, fake tensors and a
+under torchrun) and the per-rank estimate (:mod:`ledgerspec.derivations.shard.fsdp.simulate`, fake tensors and a
 fake process group). :func:`sharded_workload` derives, from any :class:`ledgerspec.derivations.engine.workload.Workload`
 class, one whose ``prepare`` also applies ``fully_shard`` to every decoder layer (the no-split classes, as
 :mod:`ledgerspec.derivations.shard.model` finds them) and then to the root, on the meta device, and whose
@@ -24,10 +24,10 @@ Imports torch only inside functions.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
+
+from ledgerspec.derivations.shard.model import adapters_in_declared_dtype
 
 
 def fsdp_params(model: Any) -> list[Any]:
@@ -128,7 +128,7 @@ def hybrid_mesh(doc: Any) -> Any:
 
     if not torch.distributed.is_initialized():
         return None
-    from ledgerspec.derivations.shard.sharder import shard_group
+    from ledgerspec.derivations.shard.options import shard_group
 
     world = torch.distributed.get_world_size()
     group = shard_group(doc, world)
@@ -146,7 +146,7 @@ def fsdp1_workload(base: type) -> Any:
     model: ``FullyShardedDataParallel(model, auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model),
     sharding_strategy=FULL_SHARD (or SHARD_GRAD_OP), use_orig_params, limit_all_gathers, backward_prefetch,
     forward_prefetch, mixed_precision=MixedPrecision(param_dtype, reduce_dtype), device_id=cpu)`` with the declared
-    options (:func:`ledgerspec.derivations.shard.sharder.fsdp1_options`: the Trainer's defaults when absent,
+    options (:func:`ledgerspec.derivations.shard.options.fsdp1_options`: the Trainer's defaults when absent,
     ``backward_prefetch=None`` among them, not FSDP1's own ``BACKWARD_PRE``) (accelerate 1.15
     ``Accelerator.prepare_model``; transformers 5 ``update_fsdp_plugin_peft``).
 
@@ -164,7 +164,7 @@ def fsdp1_workload(base: type) -> Any:
         #: CPUOffload(offload_params=True): flat shards, their gradients and the optimizer step on the host
         cpu_offload: bool = False
         #: the simulation of a declared transformers < 4.52: checkpoint each unit from outside
-        #: (:mod:`ledgerspec.derivations.shard.legacy_checkpoint`); a measurement runs the installed stack as it is
+        #: (:mod:`ledgerspec.derivations.shard.fsdp.legacy_checkpoint`); a measurement runs the installed stack as it is
         checkpoint_outside: bool = False
 
         #: hybrid sharding's (replicate, shard) device mesh, None without it
@@ -200,7 +200,8 @@ def fsdp1_workload(base: type) -> Any:
                 ShardingStrategy,
             )
 
-            from ledgerspec.derivations.shard.sharder import fsdp1_options, mixed_precision
+            from ledgerspec.derivations.shard.fsdp.storage_checks import fake_storage_checks
+            from ledgerspec.derivations.shard.options import fsdp1_options, mixed_precision
 
             mp = mixed_precision(self.doc)
             opts = fsdp1_options(self.doc)
@@ -223,7 +224,7 @@ def fsdp1_workload(base: type) -> Any:
                 )
             stack = getattr(self, "stack", None)  # the estimate's workload: fake tensors
             if stack is not None and any(is_fake(p) for p in model.parameters()):
-                stack.enter_context(_fake_storage_checks())
+                stack.enter_context(fake_storage_checks())
             wrapped = FullyShardedDataParallel(
                 model,
                 auto_wrap_policy=fsdp_auto_wrap_policy(model),
@@ -242,7 +243,7 @@ def fsdp1_workload(base: type) -> Any:
                 device_mesh=mesh,
             )
             if self.checkpoint_outside:  # transformers < 4.52 as declared: the checkpoint wraps the unit
-                from ledgerspec.derivations.shard.legacy_checkpoint import checkpoint_outside_units
+                from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import checkpoint_outside_units
 
                 checkpoint_outside_units(wrapped)
             return wrapped
@@ -251,65 +252,13 @@ def fsdp1_workload(base: type) -> Any:
     return Fsdp1
 
 
-@contextlib.contextmanager
-def _fake_storage_checks() -> Iterator[None]:
-    """FSDP1's storage checks asked of the storages, not of ``data_ptr()`` (used with fake tensors only).
-
-    torch 2.13 FSDP1 tells storages apart by their data pointers: ``_runtime_utils._catch_all_reshard`` decides a
-    handle is "already resharded" when ``flat_param.data_ptr() == flat_param._local_shard.data_ptr()`` ("This
-    already-resharded check is brittle", pytorch#83956), ``_flat_param._same_storage`` compares
-    ``untyped_storage().data_ptr()`` and ``_data_ptr_allocated`` tests ``data_ptr() > 0``. Fake tensors all have
-    data pointer 0: under ``FakeTensorMode`` every frozen unit gathered in backward (the root, the last layer: no
-    gradient hook reshards them) looked resharded and stayed gathered through the optimizer step (812,448 B above
-    the real run on the tiny test model), and ``SHARD_GRAD_OP`` failed ("the unsharded flat parameter should be
-    allocated"). Here the same questions are asked of the storage objects and their sizes, which is what the
-    pointers mean on real tensors.
-    """
-    import torch.distributed.fsdp._flat_param as flat_param
-    import torch.distributed.fsdp._runtime_utils as runtime
-
-    def same(a: Any, b: Any) -> bool:
-        a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
-        return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
-
-    def allocated(t: Any) -> bool:
-        return bool(t.untyped_storage().nbytes() > 0)
-
-    def catch_all_reshard(state: Any) -> None:
-        handle = state._handle
-        if handle:
-            flat = handle.flat_param
-            if same(flat, flat._local_shard) and not handle._skipped_use_sharded_views:
-                return
-            runtime._reshard(state, handle, runtime._should_free_in_backward(state, handle))
-
-    with patched(
-        (runtime, "_catch_all_reshard", catch_all_reshard),
-        (flat_param, "_same_storage", same),
-        (flat_param, "_data_ptr_allocated", allocated),
-    ):
-        yield
-
-
-@contextlib.contextmanager
-def patched(*replacements: tuple[Any, str, Any]) -> Iterator[None]:
-    """Each ``(owner, name, value)``: ``owner.name`` is ``value`` inside the block and what it was after it, whatever
-    happens (``unittest.mock.patch.object``, one per replacement)."""
-    from unittest import mock
-
-    with contextlib.ExitStack() as stack:
-        for owner, name, value in replacements:
-            stack.enter_context(mock.patch.object(owner, name, value))
-        yield
-
-
 def mp_policy(doc: Any) -> Any:
     """The ``MixedPrecisionPolicy`` the document declares (``parallelism.mixed_precision_policy``), else FSDP2's
     default ``MixedPrecisionPolicy()`` (no casts), as accelerate passes it (``fsdp2_prepare_model``)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ledgerspec.derivations.shard.sharder import mixed_precision
+    from ledgerspec.derivations.shard.options import mixed_precision
 
     mp = mixed_precision(doc)
     if mp is None:
@@ -318,35 +267,6 @@ def mp_policy(doc: Any) -> Any:
         param_dtype=getattr(torch, mp.param_dtype) if mp.param_dtype else None,
         reduce_dtype=getattr(torch, mp.reduce_dtype) if mp.reduce_dtype else None,
     )
-
-
-def adapters_in_declared_dtype(model: Any, adapter_dtype: str | None) -> int:
-    """Cast every trainable meta parameter to ``adapter.dtype`` BEFORE ``fully_shard``; returns how many changed.
-
-    A user's run casts the adapter (``model.to(bf16)``, PEFT's ``autocast_adapter_dtype=False``, ...) before
-    accelerate or the user wraps the model, so ``fully_shard`` meets parameters already in their training dtype.
-    FSDP2 records that dtype when it shards (``FSDPParam.init_dtype_attrs``: ``self.orig_dtype =
-    self.sharded_param.dtype``, torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_param.py``), all-gathers and
-    reduce-scatters in it (no ``MixedPrecisionPolicy``: ``param_dtype`` and ``reduce_dtype`` stay None), and AdamW
-    creates its state with ``torch.zeros_like(p)`` on the sharded parameter (``optim/adam.py``, ``_init_group``), so
-    the state follows the parameter's dtype: bf16 adapters have bf16 gradients and bf16 ``exp_avg``/``exp_avg_sq``.
-
-    Casting after ``fully_shard`` (``p.data = p.data.to(bf16)`` on the sharded DTensor, what the single-device
-    workload does at injection) leaves FSDP2's padded shard storage and recorded dtype at float32: the gradient
-    then arrives in one dtype and AdamW's state in another, a step no real run takes (the meta kernel of
-    ``aten.lerp_`` refused it: issue 16).
-    """
-    import torch
-
-    if adapter_dtype is None:  # PEFT's default: float32 adapters, as PEFT built them
-        return 0
-    target = getattr(torch, adapter_dtype)
-    changed = 0
-    for p in model.parameters():
-        if p.requires_grad and p.is_meta and p.is_floating_point() and p.dtype != target:
-            p.data = p.data.to(target)
-            changed += 1
-    return changed
 
 
 def pack_4bit_on_meta(model: Any) -> list[Any]:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ledgerspec.derivations.estimate.devices import CATALOGUE, compare, load_catalogue
+from ledgerspec.derivations.devices import compare
+from ledgerspec.derivations.devices.catalogue import CATALOGUE, load_catalogue
 from ledgerspec.derivations.estimate.fit import PHASES
 from ledgerspec.derivations.estimate.fitmodel import AT_PEAK
 from ledgerspec.errors import LedgerspecError
@@ -53,7 +54,7 @@ def test_a_user_file_adds_and_replaces_devices(tmp_path: Path) -> None:
     by = {d.name: d for d in cat.devices}
     assert by["NVIDIA GeForce RTX 4090"].reserve == 600 * 2**20 and by["NVIDIA GeForce RTX 4090"].source == "mine"
     assert by["My Card"].total == 16 * 2**30 and by["My Card"].reserve == load_catalogue().devices[0].reserve
-    assert cat.files == ["ledgerspec derivations/estimate/devices.yaml", str(mine)]
+    assert cat.files == ["ledgerspec derivations/devices/devices.yaml", str(mine)]
 
 
 @pytest.mark.parametrize(

@@ -136,12 +136,12 @@ def _sides_mode(tracker: Any, transfers: bool) -> Any:
 
 
 def sides_tracker_class() -> type:
-    """:func:`ledgerspec.derivations.shard.offload.split_tracker_class` with rule 3 (outputs of all-host inputs on the
+    """:func:`.sides.split_tracker_class` with rule 3 (outputs of all-host inputs on the
     host) and without FSDP's rules (the optimizer phase and gradient hooks decide nothing here)."""
     import torch
 
     from ledgerspec.derivations.engine.tracker import local_tensor
-    from ledgerspec.derivations.shard.offload import split_tracker_class
+    from ledgerspec.derivations.shard.offload.sides import split_tracker_class
 
     base = split_tracker_class()
 
@@ -190,12 +190,12 @@ def _tensors(args: Any, cls: type) -> Iterator[Any]:
 @contextlib.contextmanager
 def offload_sides(tracker: Any, options: Any, transfers: bool) -> Iterator[None]:
     """Rules 1-3 of the module docstring while the simulated ZeRO step runs with ``tracker`` (a
-    :func:`sides_tracker_class` instance) and the ``options`` (:class:`ledgerspec.derivations.shard.zero.ZeroOptions`)
-    it declares; ``DeepSpeedCPUAdam``'s op replaced by :func:`cpu_adam_stand_in` (rules 4-5:
-    :func:`host_optimizer`). ``transfers`` (the cuda target): the copies between host and device a GPU run makes are
-    made; without it (the cpu target) a transfer is the no-op it is on the CPU and the totals are those of a real run
-    on the CPU. The patched classes get their own attributes back on exit; objects made inside (the engine and its
-    optimizer) keep the patched values and are not used after it."""
+    :func:`sides_tracker_class` instance) and the ``options``
+    (:class:`ledgerspec.derivations.shard.options.ZeroOptions`) it declares; ``DeepSpeedCPUAdam``'s op replaced by
+    :func:`cpu_adam_stand_in` (rules 4-5: :func:`host_optimizer`). ``transfers`` (the cuda target): the copies between
+    host and device a GPU run makes are made; without it (the cpu target) a transfer is the no-op it is on the CPU and
+    the totals are those of a real run on the CPU. The patched classes get their own attributes back on exit; objects
+    made inside (the engine and its optimizer) keep the patched values and are not used after it."""
     from unittest import mock
 
     import deepspeed.runtime.zero.partition_parameters as pp

@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 per rank: the ledger's workload run by DeepSpeed's own engine (issue 16 item 3).
 
 Shared by ``measure --nproc`` with ``parallelism.strategy: zero2|zero3`` (real tensors, one process per rank under
-torchrun, gloo on the CPU: ``DS_ACCELERATOR=cpu``) and ``shard --estimate`` (:mod:`ledgerspec.derivations.shard.
-zero_simulate`: the same engine under a fake process group and ``FakeTensorMode``). Nothing here is a formula: what
+torchrun, gloo on the CPU: ``DS_ACCELERATOR=cpu``) and ``shard --estimate`` (:mod:`ledgerspec.derivations.shard.zero.
+simulate`: the same engine under a fake process group and ``FakeTensorMode``). Nothing here is a formula: what
 a rank holds is what DeepSpeed 0.19.8 allocates, counted by the dispatch-level tracker.
 
 The order of work is transformers' Trainer with a DeepSpeed config (``transformers.integrations.deepspeed``,
@@ -31,10 +31,10 @@ engine cast the model (``engine._configure_distributed_model``: ``self.module.bf
 partitions. ``training.mixed_precision: bf16`` / ``fp16`` run the engine's bf16 / fp16 mode (fp16 with its dynamic
 loss scaler; DeepSpeed's CPU accelerator is told fp16 is supported, :func:`import_deepspeed`).
 
-CPU offload (``offload_optimizer`` / ``offload_param`` from the document's placements, :func:`zero_offload`) is
-passed to DeepSpeed in the same config; with DeepSpeed's default ``zero_force_ds_cpu_optimizer`` the step runs
-``DeepSpeedCPUAdam`` from the config's ``optimizer`` block. How the simulation keeps the host apart:
-:mod:`ledgerspec.derivations.shard.zero_offload`.
+CPU offload (``offload_optimizer`` / ``offload_param`` from the document's placements,
+:func:`ledgerspec.derivations.shard.options.zero_offload`) is passed to DeepSpeed in the same config; with DeepSpeed's
+default ``zero_force_ds_cpu_optimizer`` the step runs ``DeepSpeedCPUAdam`` from the config's ``optimizer`` block.
+How the simulation keeps the host apart: :mod:`ledgerspec.derivations.shard.offload.zero`.
 """
 
 from __future__ import annotations
@@ -42,151 +42,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from ledgerspec.contract.document import Document
+from ledgerspec.derivations.shard.options import CPU_ADAM_TYPES, ZeroOptions
+from ledgerspec.derivations.shard.patching import patched
 
-#: ``parallelism.strategy`` / ``memory_options.sharding`` values run by this module
-STRATEGIES = ("zero1", "zero2", "zero3")
 DEEPSPEED_VERSION = "0.19.8"
-
-
-@dataclass(frozen=True)
-class ZeroOptions:
-    """The DeepSpeed ``zero_optimization`` options that set per-rank memory, as the ledger declares them.
-
-    Defaults are DeepSpeed 0.19.8's own (``deepspeed/runtime/zero/config.py``, ``DeepSpeedZeroConfig``); ``None`` for
-    ``overlap_comm`` is DeepSpeed's dynamic default (true for stage 3, false otherwise: ``overlap_comm_valid``).
-    """
-
-    stage: int
-    prefetch_bucket_size: int = 50_000_000  # config.py:222 stage3_prefetch_bucket_size pp_int(5e7)
-    max_live_parameters: int = 1_000_000_000  # config.py:245 stage3_max_live_parameters pp_int(1e9)
-    max_reuse_distance: int = 1_000_000_000  # config.py:251 stage3_max_reuse_distance pp_int(1e9)
-    param_persistence_threshold: int = 100_000  # config.py:228 stage3_param_persistence_threshold pp_int(1e5)
-    reduce_bucket_size: int = 500_000_000  # config.py:113 pp_int(5e8)
-    allgather_bucket_size: int = 500_000_000  # config.py:132 pp_int(5e8)
-    overlap_comm: bool | None = None  # config.py:138, 384-386
-    contiguous_gradients: bool = True  # config.py:102
-    #: ``offload_optimizer: {device: cpu}``: the fp32 partitions, their gradients and the optimizer on the host
-    offload_optimizer: bool = False
-    #: ``offload_param: {device: cpu}`` (ZeRO-3 only): the parameter partitions on the host
-    offload_param: bool = False
-    #: the top-level ``zero_force_ds_cpu_optimizer`` (default true, ``runtime/constants.py``): with
-    #: ``offload_optimizer`` DeepSpeed refuses a client optimizer other than ``DeepSpeedCPUAdam`` (``engine.py``
-    #: 2342-2346), so the step runs the optimizer of the config's ``optimizer`` block, ``DeepSpeedCPUAdam``
-    force_ds_cpu_optimizer: bool = True
-    #: a placement declared ``nvme`` (DeepSpeed's NVMe offload, ZeRO-Infinity): refused, not modelled
-    nvme: bool = False
-    #: ``cpu_offload: false`` declared beside a ``cpu`` placement: refused (which one ran?)
-    contradicted: bool = False
-
-    def zero_optimization(self) -> dict[str, Any]:
-        """The ``zero_optimization`` block of a DeepSpeed config."""
-        block: dict[str, Any] = {
-            "stage": self.stage,
-            "reduce_bucket_size": self.reduce_bucket_size,
-            "allgather_bucket_size": self.allgather_bucket_size,
-            "contiguous_gradients": self.contiguous_gradients,
-        }
-        if self.overlap_comm is not None:
-            block["overlap_comm"] = self.overlap_comm
-        if self.offload_optimizer:
-            block["offload_optimizer"] = {"device": "cpu"}
-        if self.offload_param:
-            block["offload_param"] = {"device": "cpu"}
-        if self.stage == 3:
-            block.update(
-                stage3_prefetch_bucket_size=self.prefetch_bucket_size,
-                stage3_max_live_parameters=self.max_live_parameters,
-                stage3_max_reuse_distance=self.max_reuse_distance,
-                stage3_param_persistence_threshold=self.param_persistence_threshold,
-            )
-        return block
-
-    @property
-    def offloaded(self) -> bool:
-        return self.offload_optimizer or self.offload_param
-
-    @property
-    def cpu_adam(self) -> bool:
-        """The step runs ``DeepSpeedCPUAdam`` built from the config's ``optimizer`` block (not the Trainer's)."""
-        return self.offload_optimizer and self.force_ds_cpu_optimizer
-
-    def describe(self) -> str:
-        z = self.zero_optimization()
-        for key in ("offload_optimizer", "offload_param"):
-            if key in z:
-                z[key] = "cpu"
-        text = ", ".join(f"{k}={v}" for k, v in z.items())
-        if self.cpu_adam:
-            text += ", optimizer DeepSpeedCPUAdam"
-        elif self.offload_optimizer:
-            text += ", zero_force_ds_cpu_optimizer=False (the Trainer's optimizer on the host)"
-        return text
-
-
-#: ledger key under ``parallelism.deepspeed`` -> ZeroOptions attribute
-OPTION_KEYS = {
-    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "stage3_max_live_parameters": "max_live_parameters",
-    "stage3_max_reuse_distance": "max_reuse_distance",
-    "stage3_param_persistence_threshold": "param_persistence_threshold",
-    "reduce_bucket_size": "reduce_bucket_size",
-    "allgather_bucket_size": "allgather_bucket_size",
-    "overlap_comm": "overlap_comm",
-    "contiguous_gradients": "contiguous_gradients",
-    "zero_force_ds_cpu_optimizer": "force_ds_cpu_optimizer",
-}
-#: ``optimizer.name`` values DeepSpeedCPUAdam stands for under ZeRO-Offload (the config's ``optimizer`` block type)
-CPU_ADAM_TYPES = {"adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adam": "Adam"}
-
-
-def zero_stage(doc: Document) -> int | None:
-    """1, 2 or 3 when the document runs DeepSpeed ZeRO (``parallelism.strategy``, else ``memory_options.sharding``)."""
-    strategy = doc.get("parallelism", "strategy").text()
-    if strategy is None:
-        strategy = doc.get("memory_options", "sharding").text()
-    if strategy in STRATEGIES:
-        return int(strategy[-1])
-    return None
-
-
-def zero_options(doc: Document) -> ZeroOptions:
-    """The ZeRO options the document declares (``parallelism.deepspeed``), DeepSpeed's defaults for the rest."""
-    from ledgerspec.contract import config
-
-    stage = zero_stage(doc)
-    if stage is None:
-        raise ValueError("the document does not declare parallelism.strategy zero2 or zero3")
-    options: dict[str, Any] = {OPTION_KEYS[key]: value for key, value in config.read(doc).deepspeed}
-    optimizer, param = zero_offload(doc, stage)
-    nvme = any(placement(doc, k) == "nvme" for k in ("optimizer_placement", "parameter_placement"))
-    off = [doc.get(*where, "cpu_offload").switch() for where in (("parallelism",), ("memory_options",))]
-    contradicted = (optimizer or param) and False in off
-    return ZeroOptions(
-        stage, offload_optimizer=optimizer, offload_param=param, nvme=nvme, contradicted=contradicted, **options
-    )
-
-
-def placement(doc: Document, key: str) -> str:
-    """``parallelism.<key>`` as written, lower case (``""`` when absent)."""
-    return (doc.get("parallelism", key).text() or "").strip().lower()
-
-
-def zero_offload(doc: Document, stage: int) -> tuple[bool, bool]:
-    """(``offload_optimizer``, ``offload_param``) as the document declares them: ``optimizer_placement: cpu`` and
-    ``parameter_placement: cpu`` (what the DeepSpeed import writes for ``offload_optimizer`` / ``offload_param``);
-    with neither, ``cpu_offload: true`` means both for ZeRO-3 and the optimizer's for ZeRO-2, as the calculated
-    ``zeroN_offload`` rows count it."""
-    optimizer = placement(doc, "optimizer_placement") == "cpu"
-    param = placement(doc, "parameter_placement") == "cpu"
-    if not (optimizer or param):
-        on = any(doc.get(*where, "cpu_offload").switch() for where in (("parallelism",), ("memory_options",)))
-        optimizer, param = on, on and stage == 3
-    return optimizer, param
 
 
 def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False, fp16: bool = False) -> dict[str, Any]:
@@ -339,8 +201,6 @@ def fake_value_checks() -> Iterator[None]:
 
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from ledgerspec.derivations.shard.workload import patched
-
     def flag_unread(method: Any) -> Any:
         def has_overflow(self: Any, *args: Any, **kwargs: Any) -> bool:
             try:
@@ -391,8 +251,6 @@ def finite_reads() -> Iterator[None]:
 
         return answer
 
-    from ledgerspec.derivations.shard.workload import patched
-
     T = torch.Tensor
     with patched(
         (T, "item", read(T.item, 1.0)),
@@ -419,13 +277,13 @@ def zero_workload(base: type) -> Any:
         #: the model in fp16, fp32 master partitions, the dynamic loss scaler (``fp16.loss_scale: 0``, DeepSpeed's
         #: default: the loss multiplied by the scale before backward, the overflow flag read after the reduction)
         fp16: bool = False
-        #: the simulation's side-keeping tracker under offload (:mod:`ledgerspec.derivations.shard.zero_offload`)
+        #: the simulation's side-keeping tracker under offload (:mod:`ledgerspec.derivations.shard.offload.zero`)
         sides: Any = None
 
         def prepare(self) -> None:
             if self.model is not None:
                 return
-            from ledgerspec.derivations.shard.workload import adapters_in_declared_dtype
+            from ledgerspec.derivations.shard.model import adapters_in_declared_dtype
 
             if self.spec.autocast_dtype in ("bfloat16", "float16"):
                 self.bf16 = self.spec.autocast_dtype == "bfloat16"
@@ -485,7 +343,7 @@ def zero_workload(base: type) -> Any:
                     del model.to
             self.engine, self.optimizer = engine, optimizer
             if self.sides is not None:  # simulated offload: the host optimizer's allocations on the host
-                from ledgerspec.derivations.shard.zero_offload import host_optimizer
+                from ledgerspec.derivations.shard.offload.zero import host_optimizer
 
                 host_optimizer(optimizer, self.sides, self.options)
             return optimizer
@@ -548,14 +406,4 @@ def zero_step(workload: Any) -> Any:
     return ZeroTrainer(workload) if workload.spec.loop == "trainer" else ZeroCustom(workload)
 
 
-__all__ = [
-    "OPTION_KEYS",
-    "STRATEGIES",
-    "ZeroOptions",
-    "ds_config",
-    "import_deepspeed",
-    "zero_options",
-    "zero_refusal",
-    "zero_stage",
-    "zero_workload",
-]
+__all__ = ["DEEPSPEED_VERSION", "ds_config", "import_deepspeed", "zero_refusal", "zero_workload"]

@@ -1,10 +1,10 @@
 """``shard --estimate`` under DeepSpeed ZeRO-1/2/3: DeepSpeed's own engine run per rank on fake tensors (issue 16).
 
-For rank ``r`` of ``W`` a fake process group (:func:`ledgerspec.derivations.shard.simulate.fake_process_group`:
+For rank ``r`` of ``W`` a fake process group (:func:`ledgerspec.derivations.shard.simulation.fake_process_group`:
 collectives return at once, their outputs are the buffers DeepSpeed itself allocates) is initialised in this process,
 with the environment torchrun would give the rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``: DeepSpeed reads
 ``LOCAL_RANK`` to name its device), and the estimate's workload is run through the measurement protocol by
-DeepSpeed 0.19.8's engine (:func:`ledgerspec.derivations.shard.zero.zero_workload`) under ``FakeTensorMode`` with the
+DeepSpeed 0.19.8's engine (:func:`.engine.zero_workload`) under ``FakeTensorMode`` with the
 dispatch-level tracker: ``zero.Init``'s partitions at load, ``deepspeed.initialize`` with the Trainer's torch
 optimizer, ``engine(**batch)`` / ``engine.backward`` / ``engine.step``. What the rank holds is therefore what
 DeepSpeed allocates: its parameter partitions (and the persistent small parameters whole), the parameters its
@@ -12,7 +12,7 @@ coordinator gathers and prefetches during compute, the gradient reduce buffers (
 ``reduce_bucket_size`` buffer, ZeRO-2's IPG bucket), the flat fp32 partitions and the optimizer state of its share.
 
 Three host reads of values have no answer under fake tensors and are answered as a real run answers them
-(:func:`ledgerspec.derivations.shard.zero.fake_value_checks`): the gradient-norm validity check (finite), ZeRO-3's
+(:func:`.engine.fake_value_checks`): the gradient-norm validity check (finite), ZeRO-3's
 cross-rank trace-order check (every simulated rank runs the same program) and ``module.to(cpu)`` (a no-op).
 
 Every rank partitions into the same sizes (ZeRO-3 ``partition_size = aligned numel // W`` for every rank; ZeRO-1/2
@@ -37,7 +37,7 @@ from typing import Any
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
-from ledgerspec.derivations.shard.simulate import (
+from ledgerspec.derivations.shard.simulation import (
     RankEstimate,
     ShardEstimate,
     add_sides,
@@ -115,7 +115,8 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
     from ledgerspec.derivations.engine.backends import TrackerBackend
     from ledgerspec.derivations.engine.protocol import run_protocol
     from ledgerspec.derivations.estimate.estimator import _estimate_workload_class, granularity
-    from ledgerspec.derivations.shard.zero import fake_value_checks, import_deepspeed, zero_options, zero_workload
+    from ledgerspec.derivations.shard.options import zero_options
+    from ledgerspec.derivations.shard.zero.engine import fake_value_checks, import_deepspeed, zero_workload
 
     import_deepspeed()
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2))
@@ -129,8 +130,8 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
         workload.stack.enter_context(fake_value_checks())
         backend = TrackerBackend(fake=True, granularity=granularity(target))
         if options.offloaded:  # issue 16: ZeRO offload, each storage on the side a GPU run puts it
-            from ledgerspec.derivations.shard.offload import recording_sides
-            from ledgerspec.derivations.shard.zero_offload import offload_sides, sides_tracker_class
+            from ledgerspec.derivations.shard.offload.sides import recording_sides
+            from ledgerspec.derivations.shard.offload.zero import offload_sides, sides_tracker_class
 
             backend.tracker = sides_tracker_class()(granularity=granularity(target))
             workload.sides = backend.tracker
@@ -223,7 +224,8 @@ def estimate_zero_per_rank(
 ) -> ShardEstimate:
     """The per-rank estimate of ``doc`` on ``world`` DeepSpeed ZeRO-1/2/3 ranks."""
     from ledgerspec.derivations.estimate import estimator as E
-    from ledgerspec.derivations.shard.zero import ZeroOptions, zero_options, zero_refusal
+    from ledgerspec.derivations.shard.options import ZeroOptions, zero_options
+    from ledgerspec.derivations.shard.zero.engine import zero_refusal
 
     started = time.perf_counter()
     say = progress or (lambda _msg: None)

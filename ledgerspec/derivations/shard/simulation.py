@@ -1,0 +1,244 @@
+"""What every per-rank simulation shares, FSDP's (:mod:`.fsdp.simulate`) and DeepSpeed ZeRO's (:mod:`.zero.simulate`).
+
+- :class:`RankEstimate` and :class:`ShardEstimate`: one rank's predicted phases, and every rank's with the method;
+- :func:`add_sides`: a rank's device and host figures under CPU offload, beside its totals;
+- :func:`fake_process_group`: a fake default process group of ``W`` ranks, this process being one of them;
+- :func:`prepare_trace`: the target, intake, workload, attention, model config and trace plan, checked and read;
+- :func:`probe_runner`: a rank's figures at the model's depth, from two probe depths or the full one;
+- :func:`extension_block`: the ``estimate`` block of ``parallelism.x-per-rank``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledgerspec.contract import fields as F
+from ledgerspec.contract.document import Document, ErrorAt
+from ledgerspec.derivations.estimate.extrapolate import Plan
+from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
+from ledgerspec.errors import LedgerspecError
+
+#: a progress line's receiver
+Progress = Callable[[str], None]
+#: the model-state components of a rank's figures
+COMPONENTS = F.RESIDENT
+
+_err = ErrorAt("shard")
+
+
+@dataclass
+class RankEstimate:
+    """One rank's predicted phases (bytes allocated by PyTorch tensors)."""
+
+    rank: int
+    phases: dict[str, int]
+    activations: int  # held after the first forward, less the parameters FSDP2 keeps gathered into backward
+    components: dict[str, int]
+    simulated_as: int  # the rank whose simulation these figures are (same local rows for every parameter)
+    #: with CPU offload (issue 16): ``phases`` are the device's; what the host holds per phase, both sides together
+    #: (what a CPU-only run counts), and the host's peak over the whole step
+    host_phases: dict[str, int] | None = None
+    total_phases: dict[str, int] | None = None
+    host_peak: int | None = None
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @classmethod
+    def of(cls, rank: int, figures: dict[str, int], activations: int, components: dict[str, int], rep: int) -> Any:
+        """Rank ``rank`` from the simulated ``figures`` of rank ``rep``: with offload (:func:`add_sides`) the device's
+        phases, the host's and the totals beside them."""
+        if "host_peak" not in figures:
+            return cls(rank, {k: figures[k] for k in PHASES}, activations, components, rep)
+        return cls(
+            rank,
+            {k: figures[f"device.{k}"] for k in PHASES},
+            activations,
+            components,
+            rep,
+            host_phases={k: figures[f"host.{k}"] for k in PHASES},
+            total_phases={k: figures[k] for k in PHASES},
+            host_peak=figures["host_peak"],
+        )
+
+
+def add_sides(out: dict[str, int], sides: dict[str, tuple[int, int]], tracker: Any) -> None:
+    """A simulated rank's ``{phase: (device, host)}`` (:func:`.offload.sides.recording_sides`)
+    and its split tracker's host peak, into its figures as ``device.PHASE``, ``host.PHASE`` and ``host_peak``."""
+    for name, (device, host) in sides.items():
+        out[f"device.{name}"], out[f"host.{name}"] = device, host
+    out["host_peak"] = tracker.host_max
+
+
+@dataclass
+class ShardEstimate:
+    world_size: int
+    reshard_after_forward: bool | None
+    target: str
+    ranks: list[RankEstimate]
+    plan: Plan
+    method: str
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    strategy: str = "fsdp2"  # or fsdp1 (parallelism.strategy)
+
+    @property
+    def worst(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    def fits(self, device_memory: int) -> list[Fit]:
+        return [fit(r.phases, device_memory) for r in self.ranks]
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world: int) -> Iterator[None]:
+    """A fake default process group of ``world`` ranks, this process being ``rank`` (no communication)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def prepare_trace(
+    doc: Document, target: str, layers: str, offline: bool, refuse: Callable[[Any], None]
+) -> tuple[Any, Any, Plan]:
+    """What every per-rank simulation checks and reads first: the target, the intake, the workload (``refuse``
+    raises for a workload the strategy cannot run), the attention, the model config and the trace plan (``layers``:
+    ``auto`` or ``full``). Returns the workload spec, the model source and the plan."""
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+    from ledgerspec.derivations.estimate import estimator as E
+    from ledgerspec.derivations.estimate.extrapolate import plan
+    from ledgerspec.derivations.stack.build import load_config
+
+    if target not in E.TARGETS:
+        raise ValueError(f"target must be one of {E.TARGETS}")
+    E._check_intake(doc)
+    spec = WorkloadSpec.from_document(doc)
+    refuse(spec)
+    E._check_attention(doc, spec.attention)
+    source = load_config(doc, offline=offline)
+    try:
+        est_plan = plan(source.config)
+    except ValueError:
+        raise _err(doc, ("identity",), "the model has no num_hidden_layers: not a decoder stack") from None
+    if layers == "full":
+        est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
+    return spec, source, est_plan
+
+
+def probe_runner(
+    doc: Document,
+    source: Any,
+    est_plan: Plan,
+    say: Progress,
+    label: str,
+    simulate: Callable[[Any, int], dict[str, int]],
+) -> Callable[[int], dict[str, int]]:
+    """A rank's figures at the model's depth: ``simulate(model_source, rank)`` at the plan's two probe depths,
+    extended to every layer (or at full depth when the plan has no probes). ``label`` (with ``{rank}``) names the
+    rank in progress lines; a failure inside torch & co. becomes one clear line, never a wrong number."""
+    from ledgerspec.derivations.estimate import estimator as E
+    from ledgerspec.derivations.estimate.extrapolate import extend_all, with_layers
+    from ledgerspec.derivations.stack.build import ModelSource
+
+    def run(n: int | None, rank: int) -> dict[str, int]:
+        src = (
+            source
+            if n is None
+            else ModelSource(with_layers(source.config, n), source.config_file, source.sha256, source.architecture)
+        )
+        say(f"simulating {label.format(rank=rank)} with {n or est_plan.layers} layers")
+        try:
+            return simulate(src, rank)
+        except LedgerspecError:
+            raise
+        except Exception as exc:
+            raise E._fail(doc, exc, source.architecture) from None
+
+    def figures(rank: int) -> dict[str, int]:
+        if est_plan.probes is None:
+            return run(None, rank)
+        n1, n2 = est_plan.probes
+        return extend_all(run(n1, rank), run(n2, rank), n1, n2, est_plan.layers)
+
+    return figures
+
+
+def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, Any]:
+    """The ``estimate`` block of ``parallelism.x-per-rank``."""
+    ranks = []
+    fits = est.fits(device_memory) if device_memory is not None else None
+    for i, r in enumerate(est.ranks):
+        row: dict[str, Any] = {
+            "rank": r.rank,
+            "peak_allocated": {
+                "value": r.peak,
+                "source": "CALCULATED",
+                "method": f"maximum of rank {r.rank}'s simulated phase peaks",
+            },
+            "phases": dict(r.phases),
+            "activations": r.activations,
+            "components": dict(r.components),
+        }
+        if r.host_peak is not None and r.host_phases is not None and r.total_phases is not None:
+            row["host_peak"] = {
+                "value": r.host_peak,
+                "source": "CALCULATED",
+                "method": f"rank {r.rank}'s host memory under CPU offload: the most its host-side tensors held at once "
+                "(sharded parameters, gradient shards, optimizer state and step), simulated",
+            }
+            row["host_phases"] = dict(r.host_phases)
+            row["total_phases"] = dict(r.total_phases)
+        if r.simulated_as != r.rank:
+            row["same_as_rank"] = r.simulated_as
+        if fits is not None:
+            row["fits"] = fits[i].fits
+            row["headroom"] = fits[i].headroom
+            if fits[i].oom_phase_key:
+                row["oom_phase"] = fits[i].oom_phase_key
+        ranks.append(row)
+    block: dict[str, Any] = {
+        "source": "CALCULATED",
+        "method": est.method,
+        "target": est.target,
+        "worst_rank_peak": {
+            "value": est.worst,
+            "source": "CALCULATED",
+            "method": "the largest per-rank predicted peak (never a sum across ranks)",
+        },
+        "ranks": ranks,
+    }
+    hosts = [r.host_peak for r in est.ranks if r.host_peak is not None]
+    if hosts:  # CPU offload: phases are the device's; the host's peak is its own figure (the spec's host_peak)
+        block["worst_rank_host_peak"] = {
+            "value": max(hosts),
+            "source": "CALCULATED",
+            "method": "the largest per-rank host_peak (each rank's host memory; never a sum across ranks)",
+        }
+    if device_memory is not None and fits is not None:
+        block["device_memory"] = device_memory
+        block["fits"] = all(f.fits for f in fits)
+    return block
+
+
+__all__ = [
+    "COMPONENTS",
+    "Progress",
+    "RankEstimate",
+    "ShardEstimate",
+    "add_sides",
+    "extension_block",
+    "fake_process_group",
+    "prepare_trace",
+    "probe_runner",
+]
