@@ -24,10 +24,10 @@ from typing import Any
 
 def main(argv: list[str]) -> int:
     import torch
-    from transformers import TrainerCallback, default_data_collator
+    from transformers import TrainerCallback
 
     from ledgerspec.integrations.transformers import LedgerCallback
-    from tests.truths.trainer_run import _dataset, _model, ordered_trainer, training_args
+    from tests.truths.trainer_run import _model, trainer_for
 
     torch.set_num_threads(1)
     case = json.loads(open(argv[1], encoding="utf-8").read())
@@ -37,26 +37,8 @@ def main(argv: list[str]) -> int:
 
         config = AutoConfig.from_pretrained(case["config"])
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, case["loaded_dtype"]))
-        vocab = int(config.vocab_size)
     else:
         model = _model(case, os.path.join(work, "base"))
-        vocab = int(model.get_base_model().config.get_text_config().vocab_size)
-    args = training_args(case, work, use_cpu=case.get("device", "cpu") == "cpu", **case.get("training_args", {}))
-
-    class Ordered(ordered_trainer()):  # type: ignore[misc]
-        def create_optimizer(self, *a: Any, **kw: Any) -> Any:
-            optimizer = super().create_optimizer(*a, **kw)
-            if case.get("break") == "optimizer":  # at optimizer step ``break_at`` (default: the first)
-                original, calls = optimizer.step, [0]
-
-                def broken(*a: Any, **kw: Any) -> Any:
-                    calls[0] += 1
-                    if calls[0] >= case.get("break_at", 1):
-                        raise RuntimeError("a bug in the user's optimizer")
-                    return original(*a, **kw)
-
-                optimizer.step = broken
-            return optimizer
 
     class Timer(TrainerCallback):
         """Wall time of each optimizer step (on_step_begin to on_step_end; CUDA synchronised)."""
@@ -77,13 +59,8 @@ def main(argv: list[str]) -> int:
 
     timer = Timer()
     callback = None if case.get("no_callback") else LedgerCallback(argv[2], **case.get("callback", {}))
-    trainer = Ordered(
-        model=model,
-        args=args,
-        train_dataset=_dataset(case, vocab),
-        data_collator=default_data_collator,
-        callbacks=[timer] + ([callback] if callback is not None else []),
-    )
+    callbacks = [c for c in (timer, callback) if c is not None]
+    trainer = trainer_for(model, work, case, callbacks, **case.get("training_args", {}))
     raised = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

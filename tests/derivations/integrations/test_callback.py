@@ -26,6 +26,7 @@ pytest.importorskip("transformers")
 
 from ledgerspec.contract.document import load
 from tests.support import DATA, REPO_ROOT, run_cli
+from tests.truths.trainer_run import default_case
 
 pytestmark = pytest.mark.slow
 
@@ -41,30 +42,7 @@ PHASES = (
 
 
 def case(arch: str = "tiny-llama", **over: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "config": arch,
-        "loaded_dtype": "bfloat16",
-        "attention": "sdpa",
-        "rank": 4,
-        "targets": ["q_proj", "v_proj"],
-        "mixed_precision": "no",
-        "gradient_checkpointing": False,
-        "microbatch": 2,
-        "accumulation": 1,
-        "seq_worst": 64,
-        "seq_typical": 32,
-        "steps": 2,
-        "padded": True,
-        "packing": False,
-        "mask": True,
-        "max_grad_norm": 1.0,
-        "optimizer": "adamw_torch",
-        "quant": None,
-        "prepare_kbit": False,
-        "adapter_dtype": None,
-        "trl_casts": None,
-    }
-    return {**base, **over}
+    return default_case(arch, **over)
 
 
 QLORA = {"type": "nf4", "double_quant": True, "compute_dtype": "bfloat16", "storage_dtype": "uint8"}
