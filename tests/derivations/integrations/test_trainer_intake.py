@@ -209,3 +209,35 @@ def test_a_hub_model_points_at_the_shipped_config(tmp_path: Path) -> None:
     assert doc.get("identity", "model_id").value == "Qwen/Qwen2.5-14B"
     shipped = (tmp_path / str(doc.get("identity", "config_path").value)).resolve()
     assert shipped == (DATA.parent.parent / "examples" / "configs" / "qwen2.5-14b").resolve()
+
+
+def test_the_revision_is_the_commit_the_config_was_loaded_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.19+ keeps no commit on a loaded config: the commit is the one snapshot of the repository in the
+    Hugging Face cache whose config.json is the live config (the cache is laid out here as huggingface_hub lays it
+    out, ``models--ORG--NAME/snapshots/COMMIT/config.json``); two snapshots holding that config tell nothing. Before
+    5.19 ``from_pretrained`` kept the snapshot's commit as ``config._commit_hash`` (``extract_commit_hash`` of the
+    cached file's path), which wins."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from ledgerspec.derivations.integrations.trainer_intake import hub_commit
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshots = tmp_path / "models--tests--tiny-llama" / "snapshots"
+    loaded, earlier, twin = "1" * 40, "2" * 40, "3" * 40
+    config = AutoConfig.from_pretrained(DATA / "measure" / "tiny-llama")
+    config.save_pretrained(snapshots / loaded)
+    AutoConfig.from_pretrained(DATA / "measure" / "tiny-llama", num_hidden_layers=1).save_pretrained(
+        snapshots / earlier
+    )
+    config._name_or_path = "tests/tiny-llama"  # as from_pretrained("tests/tiny-llama") sets it
+    config.use_cache = False  # as the Trainer sets it (args.use_cache)
+    found = hub_commit(config)
+    assert found is not None and found[0] == loaded
+    config.num_hidden_layers = 3  # edited after loading: no snapshot holds it
+    assert hub_commit(config) is None
+    config.num_hidden_layers = 2
+    config.save_pretrained(snapshots / twin)  # the same config at another commit
+    assert hub_commit(config) is None
+    config._commit_hash = loaded  # transformers < 5.19
+    assert hub_commit(config) == (loaded, "trainer.model.config._commit_hash (the Hub commit loaded)")
