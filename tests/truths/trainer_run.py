@@ -24,7 +24,8 @@ Run as a script (one run per process: accelerate keeps global state)::
     python tests/truths/trainer_run.py CASE.json OUT.json [--memtracker]
 
 :func:`trainer_for` builds that Trainer (:func:`default_case` is the tests' usual case); the other tests that run or
-read a Trainer of the tiny models build theirs with it too (the callback runs, ``intake_from_trainer``'s tests).
+read a Trainer of the tiny models build theirs with it too (the callback runs, ``intake_from_trainer``'s tests), and
+:func:`component_counter` counts the ledger's components in a run's live tensors.
 
 ``CASE.json`` names the config folder, dtypes, LoRA recipe, quantization (and ``bitsandbytes_keeps_input``: the
 installed bitsandbytes patched to keep ``MatMul4Bit``'s input as versions before 0.43.2 did), k-bit preparation,
@@ -97,20 +98,22 @@ def _model(case: dict[str, Any], folder: str) -> Any:
     dtype = getattr(torch, case["loaded_dtype"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=case["attention"])
-    q = case.get("quant")
-    if q:
-        model.save_pretrained(folder)  # then load it as a user loads a QLoRA base
+    q, hub = case.get("quant"), case.get("hub")
+    if q or hub:  # then load it as a user loads a QLoRA base, or a model downloaded from the Hub
+        name = _hub_snapshot(model, hub) if hub else folder
+        if not hub:
+            model.save_pretrained(folder)
         del model
-        bnb = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=q["type"],
-            bnb_4bit_use_double_quant=q["double_quant"],
-            bnb_4bit_compute_dtype=getattr(torch, q["compute_dtype"]),
-            bnb_4bit_quant_storage=getattr(torch, q["storage_dtype"]),
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=bnb, dtype=dtype, attn_implementation=case["attention"]
-        )
+        load: dict[str, Any] = {"local_files_only": True} if hub else {}
+        if q:
+            load["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type=q["type"],
+                bnb_4bit_use_double_quant=q["double_quant"],
+                bnb_4bit_compute_dtype=getattr(torch, q["compute_dtype"]),
+                bnb_4bit_quant_storage=getattr(torch, q["storage_dtype"]),
+            )
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=case["attention"], **load)
     if case.get("prepare_kbit"):
         model = prepare_model_for_kbit_training(
             model,
@@ -132,6 +135,21 @@ def _model(case: dict[str, Any], folder: str) -> Any:
     if case.get("trl_casts"):
         _casting(model, getattr(torch, case["trl_casts"]))
     return model
+
+
+def _hub_snapshot(model: Any, hub: dict[str, str]) -> str:
+    """``model`` saved as a download from the Hub leaves it in the Hugging Face cache (``HF_HUB_CACHE``):
+    ``models--ORG--NAME/snapshots/COMMIT/`` with the files, ``refs/main`` naming the commit (huggingface_hub's cache
+    layout); returns the repository id to load it by (``from_pretrained(repo, local_files_only=True)`` resolves
+    ``main`` through ``refs/main``, as an offline load of a downloaded model does)."""
+    from huggingface_hub import constants
+
+    repo = os.path.join(constants.HF_HUB_CACHE, "models--" + hub["repo"].replace("/", "--"))
+    model.save_pretrained(os.path.join(repo, "snapshots", hub["commit"]))
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", "main"), "w", encoding="utf-8") as fh:
+        fh.write(hub["commit"])
+    return hub["repo"]
 
 
 def _quant_state_tensors(model: Any) -> list[Any]:
@@ -186,6 +204,51 @@ def _optimizer_tensors(optimizer: Any) -> list[Any]:
 
     walk(optimizer)
     return out
+
+
+def _bytes(tensors: Any) -> int:
+    """numel x element size of each tensor, once (a tensor reachable twice, e.g. bitsandbytes' quantile maps in every
+    parameter's state, counts once)."""
+    once = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return sum(once.values())
+
+
+def component_counter() -> Any:
+    """A ``TrainerCallback`` that counts the ledger's components in the live tensors, numel x element size:
+    ``frozen_base`` (the frozen parameters, the buffers and bitsandbytes' quantization state) and ``adapter`` (the
+    trainable parameters) at train begin; ``gradients`` (every parameter's ``.grad``) and ``optimizer`` (the tensors
+    of the optimizer's state and those it made when built) at its first step, after the step and before
+    ``zero_grad`` (``on_optimizer_step``). Its ``counts`` holds them."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Components(TrainerCallback):
+        def __init__(self) -> None:
+            self.counts: dict[str, int] = {}
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            params = list(model.parameters())
+            frozen = [p for p in params if not p.requires_grad]
+            self.counts["frozen_base"] = _bytes([*frozen, *model.buffers(), *_quant_state_tensors(model)])
+            self.counts["adapter"] = _bytes(p for p in params if p.requires_grad)
+
+        def on_optimizer_step(
+            self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any
+        ) -> None:
+            if "gradients" in self.counts:
+                return
+            self.counts["gradients"] = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+            held = [v for per_param in optimizer.state.values() for v in per_param.values()]
+            held += [
+                w
+                for v in held
+                if isinstance(v, dict | list | tuple)
+                for w in (v.values() if isinstance(v, dict) else v)
+            ]
+            tensors = [v for v in held if isinstance(v, torch.Tensor)] + _optimizer_tensors(optimizer)
+            self.counts["optimizer"] = _bytes(tensors)
+
+    return Components()
 
 
 def _bitsandbytes_0_43_1() -> None:

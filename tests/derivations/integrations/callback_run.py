@@ -7,8 +7,9 @@ builds the model, PEFT the adapters, the first step at the worst length, the oth
 ``CASE.json`` is a truth case plus ``callback`` (the callback's keyword arguments), ``break`` (``"optimizer"``: the
 optimizer's step number ``break_at`` raises a RuntimeError, a crashed run), ``full`` (no adapters: a full
 fine-tune), ``training_args`` (more TrainingArguments), ``no_callback`` (the same run without it) and ``device``
-(``cuda``: the run on the GPU). ``OUT.json`` gets what ``train()`` raised (or null), the callback's ``failure`` and
-each step's wall time.
+(``cuda``: the run on the GPU), ``hub`` (the model loaded from a Hugging Face cache snapshot, see the truth's
+``_model``) and ``count`` (the truth's ``component_counter`` runs too). ``OUT.json`` gets what ``train()`` raised (or
+null), the callback's ``failure``, each step's wall time and, with ``count``, the components counted.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> int:
     from transformers import TrainerCallback
 
     from ledgerspec.integrations.transformers import LedgerCallback
-    from tests.truths.trainer_run import _model, trainer_for
+    from tests.truths.trainer_run import _model, component_counter, trainer_for
 
     torch.set_num_threads(1)
     case = json.loads(open(argv[1], encoding="utf-8").read())
@@ -59,7 +60,8 @@ def main(argv: list[str]) -> int:
 
     timer = Timer()
     callback = None if case.get("no_callback") else LedgerCallback(argv[2], **case.get("callback", {}))
-    callbacks = [c for c in (timer, callback) if c is not None]
+    counter = component_counter() if case.get("count") else None
+    callbacks = [c for c in (timer, callback, counter) if c is not None]
     trainer = trainer_for(model, work, case, callbacks, **case.get("training_args", {}))
     raised = None
     with warnings.catch_warnings():
@@ -73,6 +75,7 @@ def main(argv: list[str]) -> int:
         "failure": callback.failure if callback is not None else None,
         "steps": trainer.state.global_step,
         "step_seconds": timer.seconds,
+        **({"components": counter.counts} if counter is not None else {}),
     }
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: one OUT file per rank
     with open(argv[3] + (f".rank{rank}" if rank else ""), "w", encoding="utf-8") as fh:
