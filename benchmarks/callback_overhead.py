@@ -68,32 +68,13 @@ def write_config(folder: Path, name: str) -> Path:
 
 
 def case(name: str, folder: Path, device: str, steps: int, **over: Any) -> dict[str, Any]:
+    from tests.truths.trainer_run import default_case
+
     *_, mb, worst, typical = CONFIGS[name]
-    return {
-        "config": str(folder),
-        "loaded_dtype": "bfloat16",
-        "attention": "sdpa",
-        "rank": 4,
-        "targets": ["q_proj", "v_proj"],
-        "mixed_precision": "bf16" if device == "cuda" else "no",
-        "gradient_checkpointing": False,
-        "microbatch": mb,
-        "accumulation": 1,
-        "seq_worst": worst,
-        "seq_typical": typical,
-        "steps": steps,
-        "padded": True,
-        "packing": False,
-        "mask": True,
-        "max_grad_norm": 1.0,
-        "optimizer": "adamw_torch",
-        "quant": None,
-        "prepare_kbit": False,
-        "adapter_dtype": None,
-        "trl_casts": None,
-        "device": device,
-        **over,
-    }
+    shape = {"microbatch": mb, "seq_worst": worst, "seq_typical": typical, "steps": steps}
+    return default_case(
+        str(folder), mixed_precision="bf16" if device == "cuda" else "no", device=device, **shape, **over
+    )
 
 
 def run(c: dict[str, Any], work: Path, ledger: Path) -> dict[str, Any]:

@@ -23,6 +23,10 @@ Run as a script (one run per process: accelerate keeps global state)::
 
     python tests/truths/trainer_run.py CASE.json OUT.json [--memtracker]
 
+:func:`trainer_for` builds that Trainer (:func:`default_case` is the tests' usual case); the other tests that run or
+read a Trainer of the tiny models build theirs with it too (the callback runs, ``intake_from_trainer``'s tests), and
+:func:`component_counter` counts the ledger's components in a run's live tensors.
+
 ``CASE.json`` names the config folder, dtypes, LoRA recipe, quantization (and ``bitsandbytes_keeps_input``: the
 installed bitsandbytes patched to keep ``MatMul4Bit``'s input as versions before 0.43.2 did), k-bit preparation,
 TRL-style casts, mixed precision, checkpointing, microbatch/accumulation/lengths, padding, optimizer and clipping;
@@ -39,6 +43,7 @@ import os
 import sys
 import tempfile
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -93,20 +98,22 @@ def _model(case: dict[str, Any], folder: str) -> Any:
     dtype = getattr(torch, case["loaded_dtype"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=case["attention"])
-    q = case.get("quant")
-    if q:
-        model.save_pretrained(folder)  # then load it as a user loads a QLoRA base
+    q, hub = case.get("quant"), case.get("hub")
+    if q or hub:  # then load it as a user loads a QLoRA base, or a model downloaded from the Hub
+        name = _hub_snapshot(model, hub) if hub else folder
+        if not hub:
+            model.save_pretrained(folder)
         del model
-        bnb = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=q["type"],
-            bnb_4bit_use_double_quant=q["double_quant"],
-            bnb_4bit_compute_dtype=getattr(torch, q["compute_dtype"]),
-            bnb_4bit_quant_storage=getattr(torch, q["storage_dtype"]),
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=bnb, dtype=dtype, attn_implementation=case["attention"]
-        )
+        load: dict[str, Any] = {"local_files_only": True} if hub else {}
+        if q:
+            load["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type=q["type"],
+                bnb_4bit_use_double_quant=q["double_quant"],
+                bnb_4bit_compute_dtype=getattr(torch, q["compute_dtype"]),
+                bnb_4bit_quant_storage=getattr(torch, q["storage_dtype"]),
+            )
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=case["attention"], **load)
     if case.get("prepare_kbit"):
         model = prepare_model_for_kbit_training(
             model,
@@ -128,6 +135,21 @@ def _model(case: dict[str, Any], folder: str) -> Any:
     if case.get("trl_casts"):
         _casting(model, getattr(torch, case["trl_casts"]))
     return model
+
+
+def _hub_snapshot(model: Any, hub: dict[str, str]) -> str:
+    """``model`` saved as a download from the Hub leaves it in the Hugging Face cache (``HF_HUB_CACHE``):
+    ``models--ORG--NAME/snapshots/COMMIT/`` with the files, ``refs/main`` naming the commit (huggingface_hub's cache
+    layout); returns the repository id to load it by (``from_pretrained(repo, local_files_only=True)`` resolves
+    ``main`` through ``refs/main``, as an offline load of a downloaded model does)."""
+    from huggingface_hub import constants
+
+    repo = os.path.join(constants.HF_HUB_CACHE, "models--" + hub["repo"].replace("/", "--"))
+    model.save_pretrained(os.path.join(repo, "snapshots", hub["commit"]))
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", "main"), "w", encoding="utf-8") as fh:
+        fh.write(hub["commit"])
+    return hub["repo"]
 
 
 def _quant_state_tensors(model: Any) -> list[Any]:
@@ -184,6 +206,51 @@ def _optimizer_tensors(optimizer: Any) -> list[Any]:
     return out
 
 
+def _bytes(tensors: Any) -> int:
+    """numel x element size of each tensor, once (a tensor reachable twice, e.g. bitsandbytes' quantile maps in every
+    parameter's state, counts once)."""
+    once = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return sum(once.values())
+
+
+def component_counter() -> Any:
+    """A ``TrainerCallback`` that counts the ledger's components in the live tensors, numel x element size:
+    ``frozen_base`` (the frozen parameters, the buffers and bitsandbytes' quantization state) and ``adapter`` (the
+    trainable parameters) at train begin; ``gradients`` (every parameter's ``.grad``) and ``optimizer`` (the tensors
+    of the optimizer's state and those it made when built) at its first step, after the step and before
+    ``zero_grad`` (``on_optimizer_step``). Its ``counts`` holds them."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Components(TrainerCallback):
+        def __init__(self) -> None:
+            self.counts: dict[str, int] = {}
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            params = list(model.parameters())
+            frozen = [p for p in params if not p.requires_grad]
+            self.counts["frozen_base"] = _bytes([*frozen, *model.buffers(), *_quant_state_tensors(model)])
+            self.counts["adapter"] = _bytes(p for p in params if p.requires_grad)
+
+        def on_optimizer_step(
+            self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any
+        ) -> None:
+            if "gradients" in self.counts:
+                return
+            self.counts["gradients"] = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+            held = [v for per_param in optimizer.state.values() for v in per_param.values()]
+            held += [
+                w
+                for v in held
+                if isinstance(v, dict | list | tuple)
+                for w in (v.values() if isinstance(v, dict) else v)
+            ]
+            tensors = [v for v in held if isinstance(v, torch.Tensor)] + _optimizer_tensors(optimizer)
+            self.counts["optimizer"] = _bytes(tensors)
+
+    return Components()
+
+
 def _bitsandbytes_0_43_1() -> None:
     """bitsandbytes < 0.43.2's ``MatMul4Bit``: ``ctx.tensors = (A, B)`` when an input needs a gradient (0.43.1's
     bitsandbytes/autograd/_functions.py), on the installed bitsandbytes: its forward, then its input kept."""
@@ -200,20 +267,23 @@ def _bitsandbytes_0_43_1() -> None:
     MatMul4Bit.forward = staticmethod(forward)  # type: ignore[method-assign]
 
 
-def training_args(case: dict[str, Any], work: str, **extra: Any) -> Any:
-    """The ``TrainingArguments`` of a truth case (the callback runs use them too): CPU, the case's batch, accumulation,
-    steps, clipping, optimizer and checkpointing (non-reentrant), nothing saved or logged."""
+def training_args(case: dict[str, Any] | None, work: str, **extra: Any) -> Any:
+    """The ``TrainingArguments`` of a truth case (the callback runs use them too): the case's device (``device``,
+    default cpu), batch, accumulation, steps, clipping, optimizer and checkpointing (non-reentrant), nothing saved or
+    logged; without a case, transformers' defaults on the CPU (a Trainer to read, not to train). ``extra`` wins."""
     import dataclasses
 
     from transformers import TrainingArguments
 
+    if case is None:
+        return TrainingArguments(**{"output_dir": os.path.join(work, "out"), "use_cpu": True, "report_to": [], **extra})
     # transformers 5 renames gradient_checkpointing* to activation_checkpointing* (the old names still work, with a
     # FutureWarning)
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     settings: dict[str, Any] = {
         "output_dir": os.path.join(work, "out"),
-        "use_cpu": True,
+        "use_cpu": case.get("device", "cpu") == "cpu",
         "bf16": case["mixed_precision"] == "bf16",
         "per_device_train_batch_size": case["microbatch"],
         "gradient_accumulation_steps": case["accumulation"],
@@ -232,22 +302,93 @@ def training_args(case: dict[str, Any], work: str, **extra: Any) -> Any:
     return TrainingArguments(**{**settings, **extra})
 
 
-def ordered_trainer() -> Any:
-    """``transformers.Trainer`` with the data in order (a sequential sampler): the first step sees the worst length."""
+def default_case(config: str, **over: Any) -> dict[str, Any]:
+    """A truth case: LoRA r=4 on q/v of the model of ``config`` (a folder) in bfloat16, fp32 adapters, AdamW, no
+    mixed precision or checkpointing, microbatch 2, one step at 64 tokens then two at 32 (padded rows); ``over``
+    changes any of it."""
+    return {
+        "config": config,
+        "loaded_dtype": "bfloat16",
+        "attention": "sdpa",
+        "rank": 4,
+        "targets": ["q_proj", "v_proj"],
+        "mixed_precision": "no",
+        "gradient_checkpointing": False,
+        "microbatch": 2,
+        "accumulation": 1,
+        "seq_worst": 64,
+        "seq_typical": 32,
+        "steps": 2,
+        "padded": True,
+        "packing": False,
+        "mask": True,
+        "max_grad_norm": 1.0,
+        "optimizer": "adamw_torch",
+        "quant": None,
+        "prepare_kbit": False,
+        "adapter_dtype": None,
+        "trl_casts": None,
+        **over,
+    }
+
+
+def trainer_for(
+    model: Any, work: str, case: dict[str, Any] | None = None, callbacks: Sequence[Any] = (), **settings: Any
+) -> Any:
+    """The ``transformers.Trainer`` the tests build for the tiny models, with :func:`training_args` (``settings``
+    change them). With a truth case: its data in order (a sequential sampler: the first step sees the worst length),
+    fp16 on the CPU turned on as accelerate would on a GPU (see the module docstring), and ``break``:
+    ``"optimizer"`` makes optimizer step ``break_at`` (default: the first) raise a RuntimeError (a crashed run).
+    Without a case: no data (a Trainer to read, e.g. by ``intake_from_trainer``, not to train)."""
     import torch
-    from transformers import Trainer
+    from transformers import Trainer, default_data_collator
+
+    args = training_args(case, work, **settings)
+    if case is None:
+        return Trainer(model=model, args=args, callbacks=list(callbacks))
+    spec: dict[str, Any] = case  # a case, for the methods below
 
     class Ordered(Trainer):
         def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
             return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[arg-type]
 
-    return Ordered
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if spec["mixed_precision"] == "fp16" and self.args.use_cpu:
+                from accelerate.state import AcceleratorState
+
+                AcceleratorState()._mixed_precision = "fp16"
+                self.accelerator.native_amp = True
+                self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+        def create_optimizer(self, *a: Any, **kw: Any) -> Any:
+            optimizer = super().create_optimizer(*a, **kw)
+            if spec.get("break") == "optimizer":
+                original, calls = optimizer.step, [0]
+
+                def broken(*a: Any, **kw: Any) -> Any:
+                    calls[0] += 1
+                    if calls[0] >= spec.get("break_at", 1):
+                        raise RuntimeError("a bug in the user's optimizer")
+                    return original(*a, **kw)
+
+                optimizer.step = broken  # type: ignore[method-assign]
+            return optimizer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return Ordered(
+        model=model,
+        args=args,
+        train_dataset=_dataset(case, int(base.config.get_text_config().vocab_size)),
+        data_collator=default_data_collator,
+        callbacks=list(callbacks),
+    )
 
 
 def run(case: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed._tools.mem_tracker import _MemRefType
-    from transformers import TrainerCallback, default_data_collator
+    from transformers import TrainerCallback
 
     from ledgerspec.derivations.engine.tracker import MemoryTracker
 
@@ -256,20 +397,6 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
         _bitsandbytes_0_43_1()
     work = tempfile.mkdtemp(prefix="ledgerspec-truth-")
     model = _model(case, os.path.join(work, "base"))
-    vocab = int(model.get_base_model().config.get_text_config().vocab_size)
-    mp = case["mixed_precision"]
-    args = training_args(case, work)
-
-    class Ordered(ordered_trainer()):  # type: ignore[misc]
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            if mp == "fp16":  # what accelerate does for fp16 on a GPU, on the CPU (see the module docstring)
-                from accelerate.state import AcceleratorState
-
-                AcceleratorState()._mixed_precision = "fp16"
-                self.accelerator.native_amp = True
-                self.accelerator.scaler = torch.amp.GradScaler("cpu")
-
     tracker = MemoryTracker()
 
     phases: dict[str, int] = {}
@@ -320,13 +447,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             phases["memtracker_param"] = int(sum(s.get(_MemRefType.PARAM, 0) for s in peak.values()))
             tracker.__exit__(None, None, None)
 
-    trainer = Ordered(
-        model=model,
-        args=args,
-        train_dataset=_dataset(case, vocab),
-        data_collator=default_data_collator,
-        callbacks=[Phases()],
-    )
+    trainer = trainer_for(model, work, case, [Phases()])
     top = trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model
 
     def pre(*_: Any, **__: Any) -> None:

@@ -201,16 +201,7 @@ def convert(src: Source, b: Builder) -> None:
 
     # -- training step ------------------------------------------------------------------------------------------
     b.set(("training", "loop"), "trainer", o + "trains with transformers' Trainer (AxolotlTrainer)")
-    if src.has("max_grad_norm"):
-        b.set(("training", "max_grad_norm"), src.number("max_grad_norm"), o + "max_grad_norm", src.path)
-    else:
-        b.assume(
-            ("training", "max_grad_norm"),
-            1.0,
-            o + "max_grad_norm not set",
-            f"{LABEL} passes no max_grad_norm: transformers TrainingArguments default 1.0",
-            src.path,
-        )
+    C.max_grad_norm(src, b, o, "max_grad_norm not set", f"{LABEL} passes no max_grad_norm: ")
     b.assume(
         ("training", "use_cache"),
         False,
@@ -528,29 +519,9 @@ def _parallel(src: Source, b: Builder, o: str, ds_config: dict[str, Any] | None)
         if rest:
             C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
         C.fsdp_mixed_precision(src, b, "axolotl: bf16/fp16 under FSDP")
-    if ds or fsdp_cfg or fsdp_list:
-        b.unknown(
-            ("parallelism", "gpu_count"),
-            "axolotl: the number of GPUs comes from the launcher (accelerate/torchrun): give --gpu-count",
-            src.path,
-        )
-        b.unknown(("workload", "dp_world_size"), "axolotl: data-parallel ranks = GPUs: give --gpu-count", src.path)
-    else:
-        for path in (("parallelism", "gpu_count"), ("workload", "dp_world_size")):
-            b.assume(
-                path,
-                1,
-                "axolotl: no deepspeed/fsdp settings",
-                "no multi-GPU settings in the file; `accelerate launch` may still start several DDP ranks",
-                src.path,
-            )
-        b.assume(
-            ("memory_options", "sharding"),
-            "none",
-            "axolotl: no deepspeed/fsdp settings",
-            "no sharding settings",
-            src.path,
-        )
+    multi = ds or fsdp_cfg or fsdp_list
+    launcher = "the launcher (accelerate/torchrun)"
+    C.launched_ranks(src, b, multi, "axolotl: ", "no deepspeed/fsdp settings", launcher, "`accelerate launch`")
     for key in ("ddp",):
         src.take(key)
     for key in (

@@ -112,6 +112,46 @@ def account_for_rest(src: Source, b: Builder, tool: str, label: str) -> None:
             b.not_modelled.setdefault(src.path, {})[key] = value
 
 
+def max_grad_norm(src: Source, b: Builder, o: str, unset: str = "max_grad_norm", tool_note: str = "") -> None:
+    """``training.max_grad_norm`` from the file's ``max_grad_norm``, else transformers' ``TrainingArguments`` default
+    1.0 as an ASSUMPTION (from ``o + unset``, its note after ``tool_note``): the tools pass none of their own."""
+    path = ("training", "max_grad_norm")
+    if src.has("max_grad_norm"):
+        b.set(path, src.number("max_grad_norm"), o + "max_grad_norm", src.path)
+    else:
+        b.assume(path, 1.0, o + unset, tool_note + "transformers TrainingArguments default 1.0", src.path)
+
+
+def launched_ranks(
+    src: Source,
+    b: Builder,
+    multi: Any,
+    o: str,
+    single: str,
+    launcher: str = "the launcher",
+    launch: str = "the launcher",
+) -> None:
+    """``parallelism.gpu_count`` and ``workload.dp_world_size``. With multi-GPU settings in the file (``multi``: its
+    DeepSpeed or FSDP settings) the launcher starts the ranks: UNKNOWN, ``--gpu-count`` gives them. Else one rank and
+    no sharding, as ASSUMPTIONs from ``o + single`` (``launch``, what may still start several DDP ranks).
+    ``launcher``: what starts them, in the tool's words."""
+    if multi:
+        b.unknown(
+            ("parallelism", "gpu_count"), f"{o}the number of GPUs comes from {launcher}: give --gpu-count", src.path
+        )
+        b.unknown(("workload", "dp_world_size"), o + "data-parallel ranks = GPUs: give --gpu-count", src.path)
+        return
+    for path in (("parallelism", "gpu_count"), ("workload", "dp_world_size")):
+        b.assume(
+            path,
+            1,
+            o + single,
+            f"no multi-GPU settings in the file; {launch} may still start several DDP ranks",
+            src.path,
+        )
+    b.assume(("memory_options", "sharding"), "none", o + single, "no sharding settings", src.path)
+
+
 def not_modelled(src: Source, b: Builder, key: str, value: Any, why: str, where: tuple[Any, Any] | None = None) -> None:
     """A set value the ledger cannot express: a finding with ``why``, the value kept in ``x-import.not_modelled``."""
     b.finding(src.path, where or src.position(key.split(".")[0]), key, why, "not-modelled")

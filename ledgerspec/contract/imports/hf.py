@@ -312,21 +312,7 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
         if rest:
             C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
         C.fsdp_mixed_precision(src, b, o + "bf16/fp16 under FSDP")
-    if ds or fsdp:
-        b.unknown(
-            ("parallelism", "gpu_count"), o + "the number of GPUs comes from the launcher: give --gpu-count", src.path
-        )
-        b.unknown(("workload", "dp_world_size"), o + "data-parallel ranks = GPUs: give --gpu-count", src.path)
-    else:
-        for path in (("parallelism", "gpu_count"), ("workload", "dp_world_size")):
-            b.assume(
-                path,
-                1,
-                o + "no deepspeed/fsdp",
-                "no multi-GPU settings in the file; the launcher may still start several DDP ranks",
-                src.path,
-            )
-        b.assume(("memory_options", "sharding"), "none", o + "no deepspeed/fsdp", "no sharding settings", src.path)
+    C.launched_ranks(src, b, ds or fsdp, o, "no deepspeed/fsdp")
 
 
 def adapter_config(src: Source, b: Builder) -> None:

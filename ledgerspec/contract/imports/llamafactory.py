@@ -244,16 +244,7 @@ def convert(src: Source, b: Builder) -> None:
             "transformers 5.x TrainingArguments default optim",
             src.path,
         )
-    if src.has("max_grad_norm"):
-        b.set(("training", "max_grad_norm"), src.number("max_grad_norm"), o + "max_grad_norm", src.path)
-    else:
-        b.assume(
-            ("training", "max_grad_norm"),
-            1.0,
-            o + "max_grad_norm",
-            "transformers TrainingArguments default 1.0",
-            src.path,
-        )
+    C.max_grad_norm(src, b, o)
     b.assume(
         ("training", "use_cache"),
         False,
@@ -341,19 +332,5 @@ def convert(src: Source, b: Builder) -> None:
             f"{LABEL} runs FSDP through `accelerate launch --config_file` (its version and sharding live there): "
             "not read; set memory_options.sharding by hand",
         )
-    if ds or fsdp or fsdp_cfg:
-        b.unknown(
-            ("parallelism", "gpu_count"), o + "the number of GPUs comes from the launcher: give --gpu-count", src.path
-        )
-        b.unknown(("workload", "dp_world_size"), o + "data-parallel ranks = GPUs: give --gpu-count", src.path)
-    else:
-        for path in (("parallelism", "gpu_count"), ("workload", "dp_world_size")):
-            b.assume(
-                path,
-                1,
-                o + "no deepspeed settings",
-                "no multi-GPU settings in the file; the launcher may still start several DDP ranks",
-                src.path,
-            )
-        b.assume(("memory_options", "sharding"), "none", o + "no deepspeed settings", "no sharding settings", src.path)
+    C.launched_ranks(src, b, ds or fsdp or fsdp_cfg, o, "no deepspeed settings")
     C.account_for_rest(src, b, TOOL, LABEL)

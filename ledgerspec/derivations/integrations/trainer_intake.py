@@ -14,9 +14,10 @@ is read first and wins:
 - ``base_model.prepare_for_kbit_training``: PEFT's ``prepare_model_for_kbit_training`` casts every 16-bit
   parameter that is not a 4-bit weight to float32 (peft/utils/other.py, PEFT 0.21): a quantized 16-bit base whose
   other frozen parameters are all float32 had it;
-- ``software.attention_implementation``: ``config._attn_implementation``; ``identity.revision``: the config's
-  ``_commit_hash`` (a Hub download), else PEFT's ``revision``; ``identity.config_path``: the folder the config was
-  read from, when it is a local folder with a ``config.json``;
+- ``software.attention_implementation``: ``config._attn_implementation``; ``identity.revision``: the Hub commit
+  the config was loaded from (:func:`hub_commit`: the config's ``_commit_hash`` before transformers 5.19, else the
+  one snapshot in the Hugging Face cache that holds this config), else PEFT's ``revision``;
+  ``identity.config_path``: the folder the config was read from, when it is a local folder with a ``config.json``;
 - ``parallelism.gpu_count`` and ``workload.dp_world_size``: ``args.world_size`` (the launcher's ranks).
 
 Values read from the objects are plain values (provenance CONFIGURATION) with a comment naming the attribute;
@@ -30,6 +31,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -235,9 +237,11 @@ def _identity(b: Builder, config: Any, lora: Any, output: str | None) -> None:
     name = getattr(config, "_name_or_path", None) or getattr(lora, "base_model_name_or_path", None)
     if name:
         b.set(("identity", "model_id"), str(name), "trainer.model.config._name_or_path")
-    revision = getattr(config, "_commit_hash", None) or getattr(lora, "revision", None)
-    if revision:
-        b.set(("identity", "revision"), str(revision), "trainer.model.config._commit_hash (the Hub commit loaded)")
+    revision = hub_commit(config)
+    if revision is not None:
+        b.set(("identity", "revision"), revision[0], revision[1])
+    elif getattr(lora, "revision", None):
+        b.set(("identity", "revision"), str(lora.revision), "trainer.model.peft_config: revision (the base's)")
     archs = getattr(config, "architectures", None)
     if isinstance(archs, list | tuple) and archs:
         b.set(("identity", "architecture"), str(archs[0]), "trainer.model.config.architectures")
@@ -260,6 +264,72 @@ def _identity(b: Builder, config: Any, lora: Any, output: str | None) -> None:
     impl = getattr(config, "_attn_implementation", None)
     if impl:
         b.set(("software", "attention_implementation"), str(impl), "trainer.model.config._attn_implementation")
+
+
+#: a Hub repository id (``org/name``), as ``from_pretrained`` keeps it in ``config.name_or_path``
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+#: config settings that loading and training change (not the Hub file's): compared with the cached config.json
+#: without them
+_SET_AT_LOAD = frozenset(
+    {
+        "_name_or_path",
+        "dtype",
+        "torch_dtype",
+        "quantization_config",
+        "use_cache",
+        "transformers_version",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+    }
+)
+
+
+def hub_commit(config: Any) -> tuple[str, str] | None:
+    """The Hub commit the model's config was loaded from, with where it was read, or None when it is not known.
+
+    transformers before 5.19 keeps it on the config (``_commit_hash``: ``from_pretrained`` reads it off the cache
+    path ``.../snapshots/<commit>/config.json``, ``utils/hub.py`` ``extract_commit_hash``); 5.19 dropped that key
+    (the revision is resolved once per load and kept nowhere). Then the Hugging Face cache (``HF_HUB_CACHE``, where
+    ``from_pretrained`` of a repository id reads every file) is asked: the commit is the one snapshot of the
+    repository whose config.json is the live config (settings that loading and training change aside,
+    :data:`_SET_AT_LOAD`); several such snapshots, or none (a ``cache_dir`` elsewhere, a config edited after
+    loading), tell nothing.
+    """
+    commit = getattr(config, "_commit_hash", None)
+    if isinstance(commit, str) and commit:
+        return commit, "trainer.model.config._commit_hash (the Hub commit loaded)"
+    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    if not isinstance(name, str) or not _REPO_ID.match(name) or os.path.exists(name):
+        return None
+    from huggingface_hub import constants
+
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}"
+    snapshots = sorted(repo.glob("snapshots/*/config.json")) if repo.is_dir() else []
+    found = [f.parent.name for f in snapshots if _COMMIT.match(f.parent.name) and _same_config(config, f)]
+    if len(found) != 1:
+        return None
+    return found[0], (
+        f"the one snapshot of {name} in the Hugging Face cache whose config.json is the live config "
+        f"(HF_HUB_CACHE/{repo.name}/snapshots/{found[0][:12]}...)"
+    )
+
+
+def _same_config(config: Any, file: Path) -> bool:
+    """Whether ``file`` (a config.json), read by the live config's class, is the live config, :data:`_SET_AT_LOAD`
+    aside (at every level: multimodal configs nest theirs)."""
+    try:
+        cached = type(config).from_json_file(str(file))
+        return bool(_comparable(cached.to_dict()) == _comparable(config.to_dict()))
+    except Exception:  # a file another class cannot read is another model's
+        return False
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items() if k not in _SET_AT_LOAD}
+    return value
 
 
 def _dtypes(b: Builder, peft_model: Any, base: Any, config: Any, adapter: str) -> None:
@@ -307,4 +377,4 @@ def _prepared(b: Builder, base: Any, quantized: bool) -> None:
     )
 
 
-__all__ = ["MINIMUM", "adapted_modules", "intake_from_objects", "intake_from_trainer", "target_names"]
+__all__ = ["MINIMUM", "adapted_modules", "hub_commit", "intake_from_objects", "intake_from_trainer", "target_names"]

@@ -26,6 +26,13 @@ What a callback can and cannot observe (the protocol's phases):
   ``DataLoaderShard`` fetches one ahead); on a GPU that batch is still on the host. The callback finds it (the
   batch tensors fetched before the step that the step's forwards never received) and leaves it out, so the CPU
   figures are the device's.
+- ``ledger.frozen_base``, ``adapter``, ``gradients``, ``optimizer``: MEASURED by the census of the live tensors
+  (unique storages on the run's device): the frozen parameters, buffers and quantization state, and the trainable
+  parameters, at ``on_train_begin``; the gradients and every tensor the optimizer holds at ``on_optimizer_step`` of
+  the first optimizer step (after the step, before ``zero_grad``; the optimizer's after the first step it did not
+  skip). An FSDP or DeepSpeed run writes none of them (a rank's shards are not the single-device figures).
+  ``identity.model_id`` and ``revision`` are read from the live model where an existing ledger does not declare them
+  (:meth:`Recorder._identity_from`).
 - An out-of-memory error in ``training_step`` (forward, loss, backward) or in the optimizer step is recorded with
   its phase and written before the exception propagates; the callback cannot see an error raised elsewhere (data
   loading, gradient clipping, evaluation): the run's own traceback is the report then.
@@ -46,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import statistics
 import sys
 import time
@@ -111,6 +119,33 @@ def optimizer_tensors(optimizer: Any) -> list[Any]:
     return out
 
 
+def outside_state(optimizer: Any, known: dict[int, Any], device: str | None) -> dict[int, int]:
+    """The storages of :func:`optimizer_tensors` (an optimizer's tensors outside its ``state``) that ``known`` (a
+    census's storage keys) does not hold, on ``device`` (None: any): ``{storage key: nbytes}``."""
+    from ledgerspec.derivations.engine.tracker import storage_key, storage_nbytes
+
+    out: dict[int, int] = {}
+    for t in optimizer_tensors(optimizer):
+        if device is not None and t.device.type != device:
+            continue
+        key = storage_key(t)
+        if key not in known:
+            out.setdefault(key, storage_nbytes(t))
+    return out
+
+
+def _sharded(args: Any, trainer: Any) -> str | None:
+    """Why the ledger's components are not written: an FSDP or DeepSpeed run holds a rank's shard of each (and
+    DeepSpeed keeps the gradients outside ``.grad``), not the single-device figures ``ledger.*`` are."""
+    for name, arg, attr in (("FSDP", "fsdp", "is_fsdp_enabled"), ("DeepSpeed", "deepspeed", "is_deepspeed_enabled")):
+        if getattr(args, arg, None) or getattr(trainer, attr, False):
+            return (
+                f"a {name} run holds a rank's shard of each component, not the single-device figures of ledger.* "
+                "(`ledgerspec shard` sizes the ranks)"
+            )
+    return None
+
+
 def find_trainer(model: Any) -> Any:
     """The ``transformers.Trainer`` whose training loop called this callback (a callback is given the model and
     the optimizer, not the trainer): the ``self`` of a calling frame that is a Trainer of ``model``."""
@@ -132,6 +167,7 @@ def find_trainer(model: Any) -> Any:
         del frame
 
 
+_HEX = re.compile(r"^[0-9a-f]{7,40}$")  # a commit hash, abbreviated or full
 #: what the callback compares between an existing ledger and the live run
 COMPARED = (
     ("method", "kind"),
@@ -146,22 +182,32 @@ COMPARED = (
     ("training", "mixed_precision"),
     ("optimizer", "name"),
     ("memory_options", "gradient_checkpointing"),
+    ("identity", "model_id"),
+    ("identity", "revision"),
 )
 
 
 def declared_vs_live(doc: Document, live: Document) -> list[str]:
     """The settings in which the ledger's declared configuration differs from the live objects' (both known;
-    ``target_modules: all-linear`` is not compared with the resolved names)."""
+    ``target_modules: all-linear`` is not compared with the resolved names, a model loaded from a local folder has no
+    model id to compare, and a revision is compared only when both are commit hashes: a branch or a tag names a
+    commit that changes)."""
     out = []
     for path in COMPARED:
         a, b = doc.get(*path), live.get(*path)
         if not (a.known and b.known):
             continue
         va, vb = a.value, b.value
+        if path == ("identity", "model_id") and os.path.exists(str(vb)):
+            continue
         if isinstance(va, list) and isinstance(vb, list):
             same = sorted(map(str, va)) == sorted(map(str, vb))
         elif isinstance(va, str) and path == ("method", "target_modules"):
             same = True  # a pattern or all-linear: the live list is its resolution
+        elif path == ("identity", "revision"):
+            hashes = [str(v).lower() for v in (va, vb)]
+            short, long = sorted(hashes, key=len)
+            same = not all(_HEX.match(h) for h in hashes) or long.startswith(short)
         else:
             same = str(va).lower() == str(vb).lower()
         if not same:
@@ -244,6 +290,9 @@ class Recorder:
         self._times: list[float] = []
         self._before_forward: int | None = None
         self._previous: dict[str, Any] = {}
+        self._optimizer: Any = None  # the optimizer the Trainer steps (accelerate's wrapper)
+        self.components: dict[str, int] = {}  # ledger.frozen_base, adapter, gradients, optimizer: census bytes
+        self.components_note: str | None = None  # why they are not written (a sharded run)
 
     # -- guarded events ------------------------------------------------------------------------------------------
     def _guard(self, what: str, fn: Callable[[], None]) -> None:
@@ -325,7 +374,9 @@ class Recorder:
         self._trainer = find_trainer(model)
         if os.path.exists(self.path):
             doc = require_header(load(self.path), "callback")
-            self.differences = declared_vs_live(doc, intake_from_objects(model, args, self.path))
+            live = intake_from_objects(model, args, self.path)
+            self.differences = declared_vs_live(doc, live)
+            self._identity_from(live, doc)
             if self.differences:
                 log.warning(
                     "ledgerspec LedgerCallback (%s): the ledger declares another configuration than the run (%s); "
@@ -345,6 +396,20 @@ class Recorder:
         to_ledger(doc)
         self.doc = doc
 
+    def _identity_from(self, live: Document, doc: Document) -> None:
+        """``identity.model_id`` (a Hub repository id, not a local folder) and ``identity.revision`` read from the
+        live model, where the ledger does not declare them (where it does, :func:`declared_vs_live` compares)."""
+        from ledgerspec.contract.edit import set_plain
+
+        for key in ("model_id", "revision"):
+            value = live.get("identity", key)
+            if doc.get("identity", key).known or not value.known:
+                continue
+            if key == "model_id" and os.path.exists(str(value.value)):
+                continue  # a local folder is no identity; config_path and config_sha256 pin it
+            set_plain(doc, ("identity", key), value.value)
+            self.notes.append(f"identity.{key}: {value.value}, read from the live model")
+
     def _start_backend(self, args: Any, model: Any, optimizer: Any) -> None:
         from ledgerspec.derivations.engine.backends import CudaBackend, TrackerBackend
         from ledgerspec.derivations.engine.protocol import ProtocolResult
@@ -362,6 +427,8 @@ class Recorder:
                 f"the run is on {kind!r}: the callback measures cpu and cuda runs", self.path, rule="callback"
             )
         self._live = _Live(model, _unwrap_optimizer(optimizer))
+        self._optimizer = optimizer
+        self.components_note = _sharded(args, self._trainer)
         accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
         self.result = ProtocolResult(
             self.backend.name,
@@ -394,11 +461,14 @@ class Recorder:
         """after_load / after_adapter_injection / after_optimizer_init: the bytes held at train begin, by the census
         of the live objects (see the module docstring)."""
         from ledgerspec.derivations.engine.protocol import PhaseRecord
-        from ledgerspec.derivations.engine.tracker import census, census_storages, storage_key
+        from ledgerspec.derivations.engine.tracker import by_component, census, census_storages
 
         b = self.backend
         live = self._live
         counts = census(live.model, live.optimizer, b.census_device)
+        parts = by_component(counts)
+        if self.components_note is None and parts["frozen_base"] > 0 and parts["adapter"] > 0:
+            self.components.update(frozen_base=parts["frozen_base"], adapter=parts["adapter"])
         known = census_storages(live.model, live.optimizer, b.census_device)
         # on CUDA the caching allocator rounds every block up to 512 B (c10/cuda/CUDACachingAllocator.cpp,
         # kMinBlockSize), and memory_allocated counts the rounded blocks: the census is rounded the same way
@@ -408,15 +478,8 @@ class Recorder:
             rounded[cat] += -(-n // unit) * unit
         base = rounded["frozen_params"] + rounded["buffers"] + rounded["quant_state"]
         adapters = base + rounded["adapter"]
-        extra = 0  # optimizer tensors outside its state (bitsandbytes' maps)
-        seen: set[int] = set()
-        for t in optimizer_tensors(live.optimizer):
-            if b.census_device is not None and t.device.type != b.census_device:
-                continue
-            key = storage_key(t)
-            if key not in known and key not in seen:
-                seen.add(key)
-                extra += -(-int(t.untyped_storage().nbytes()) // unit) * unit
+        # optimizer tensors outside its state (bitsandbytes' maps)
+        extra = sum(-(-n // unit) * unit for n in outside_state(live.optimizer, known, b.census_device).values())
         with_optimizer = adapters + rounded["optimizer"] + extra
         if b.name == "cuda":  # the allocator's own figure: every tensor on the device now
             with_optimizer = b.current()
@@ -502,6 +565,31 @@ class Recorder:
             self.backend.set_context("temporary")
 
         self._guard("forward end", run)
+
+    def optimizer_stepped(self) -> None:
+        """``on_optimizer_step`` (after the optimizer step, before ``zero_grad``): ``ledger.gradients`` (the
+        parameters' gradients, once every trainable parameter has one) and ``ledger.optimizer`` (every tensor the
+        optimizer holds, after the first step it did not skip: its state exists from then on), each counted once."""
+        from ledgerspec.derivations.engine.tracker import census_storages
+
+        if self.components_note is not None or {"gradients", "optimizer"} <= self.components.keys():
+            return
+        live, device = self._live, self.backend.census_device
+        if "gradients" not in self.components:
+            trainable = [p for p in live.model.parameters() if p.requires_grad]
+            if trainable and all(p.grad is not None for p in trainable):
+                storages = census_storages(live.model, None, device).values()
+                grads = sum(n for cat, n in storages if cat == "gradients")
+                if grads > 0:
+                    self.components["gradients"] = grads
+        if (
+            "optimizer" not in self.components
+            and live.optimizer is not None
+            and not getattr(self._optimizer, "step_was_skipped", False)
+        ):
+            state = census_storages(None, live.optimizer, device)
+            outside = outside_state(live.optimizer, state, device)
+            self.components["optimizer"] = sum(n for _, n in state.values()) + sum(outside.values())
 
     def _after_backward(self) -> None:
         self._keep("backward")
@@ -682,7 +770,7 @@ class Recorder:
         self._save(why, ranks)
 
     def _save(self, why: str, ranks: list[tuple[int, dict[str, Any]]]) -> None:
-        from ledgerspec.contract.edit import set_extension, set_plain
+        from ledgerspec.contract.edit import set_extension, set_figure, set_plain
         from ledgerspec.contract.writer import save
         from ledgerspec.derivations.engine.protocol import ProtocolResult
         from ledgerspec.derivations.measure.measurer import ChildOutput, write_back
@@ -697,6 +785,8 @@ class Recorder:
                 if not doc.get("workload", key).known:
                     set_plain(doc, ("workload", key), value)
                     self.notes.append(f"workload.{key}: {value}, from the {len(self.lengths)} step(s) the callback saw")
+        for key, value in self.components.items():
+            set_figure(doc, ("ledger", key), value, "MEASURED", self._counted(key))
         self._say_what_is_replaced()
         command = f"LedgerCallback({self.path!r}) in {os.path.basename(sys.argv[0]) or 'python'} ({why})"
         software = ranks[0][1]["software"]
@@ -713,6 +803,23 @@ class Recorder:
         for note in [*self.notes, *notes]:
             log.info("ledgerspec LedgerCallback (%s): %s", self.path, note)
         self.notes.clear()
+
+    def _counted(self, key: str) -> str:
+        """The ``method`` of a ``ledger`` component the census counted (see :meth:`optimizer_stepped`)."""
+        what = {
+            "frozen_base": "the frozen parameters, buffers and quantization state, at on_train_begin",
+            "adapter": "the trainable parameters (the adapters), at on_train_begin",
+            "gradients": "the trainable parameters' .grad at the first optimizer step (on_optimizer_step: after "
+            "backward, before zero_grad)",
+            "optimizer": "the optimizer's state and the tensors it made when built (bitsandbytes' quantile maps), "
+            "after its first step (on_optimizer_step)",
+        }[key]
+        device = self.backend.census_device
+        where = f"on the {device} device" if device else "on the cpu"
+        if device and key == "optimizer":
+            where += " (host tensors, e.g. AdamW's step scalars, not counted)"
+        ranks = f"; rank 0 of {self.world} (DDP replicates them)" if self.world > 1 else ""
+        return f"census of the live tensors of the run (LedgerCallback): unique storages of {what}, {where}{ranks}"
 
     def _say_what_is_replaced(self) -> None:
         """Another run's MEASURED step figures are replaced by this run's: said in the log, never silently."""
@@ -739,6 +846,7 @@ class Recorder:
             "sequence_lengths": list(self.lengths),
             "batch_held_ahead": list(self.ahead),
             **({"declared_vs_run": list(self.differences)} if self.differences else {}),
+            **({"components_not_written": self.components_note} if self.components_note else {}),
             "observed": (
                 "after_load, after_adapter_injection, after_optimizer_init: bytes held at on_train_begin (census of "
                 "the live model and optimizer); forward/backward/optimizer_step: the run's first optimizer step; "
@@ -841,6 +949,9 @@ def callback_class(settle: Callable[[Document, bool], Any] | None = None) -> typ
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._guard("step begin", self.step_begin)
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._guard("optimizer step", self.optimizer_stepped)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._guard("step end", lambda: self.step_end(int(state.global_step)))

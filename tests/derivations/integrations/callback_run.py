@@ -7,8 +7,9 @@ builds the model, PEFT the adapters, the first step at the worst length, the oth
 ``CASE.json`` is a truth case plus ``callback`` (the callback's keyword arguments), ``break`` (``"optimizer"``: the
 optimizer's step number ``break_at`` raises a RuntimeError, a crashed run), ``full`` (no adapters: a full
 fine-tune), ``training_args`` (more TrainingArguments), ``no_callback`` (the same run without it) and ``device``
-(``cuda``: the run on the GPU). ``OUT.json`` gets what ``train()`` raised (or null), the callback's ``failure`` and
-each step's wall time.
+(``cuda``: the run on the GPU), ``hub`` (the model loaded from a Hugging Face cache snapshot, see the truth's
+``_model``) and ``count`` (the truth's ``component_counter`` runs too). ``OUT.json`` gets what ``train()`` raised (or
+null), the callback's ``failure``, each step's wall time and, with ``count``, the components counted.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Any
 
 def main(argv: list[str]) -> int:
     import torch
-    from transformers import TrainerCallback, default_data_collator
+    from transformers import TrainerCallback
 
     from ledgerspec.integrations.transformers import LedgerCallback
-    from tests.truths.trainer_run import _dataset, _model, ordered_trainer, training_args
+    from tests.truths.trainer_run import _model, component_counter, trainer_for
 
     torch.set_num_threads(1)
     case = json.loads(open(argv[1], encoding="utf-8").read())
@@ -37,26 +38,8 @@ def main(argv: list[str]) -> int:
 
         config = AutoConfig.from_pretrained(case["config"])
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, case["loaded_dtype"]))
-        vocab = int(config.vocab_size)
     else:
         model = _model(case, os.path.join(work, "base"))
-        vocab = int(model.get_base_model().config.get_text_config().vocab_size)
-    args = training_args(case, work, use_cpu=case.get("device", "cpu") == "cpu", **case.get("training_args", {}))
-
-    class Ordered(ordered_trainer()):  # type: ignore[misc]
-        def create_optimizer(self, *a: Any, **kw: Any) -> Any:
-            optimizer = super().create_optimizer(*a, **kw)
-            if case.get("break") == "optimizer":  # at optimizer step ``break_at`` (default: the first)
-                original, calls = optimizer.step, [0]
-
-                def broken(*a: Any, **kw: Any) -> Any:
-                    calls[0] += 1
-                    if calls[0] >= case.get("break_at", 1):
-                        raise RuntimeError("a bug in the user's optimizer")
-                    return original(*a, **kw)
-
-                optimizer.step = broken
-            return optimizer
 
     class Timer(TrainerCallback):
         """Wall time of each optimizer step (on_step_begin to on_step_end; CUDA synchronised)."""
@@ -77,13 +60,9 @@ def main(argv: list[str]) -> int:
 
     timer = Timer()
     callback = None if case.get("no_callback") else LedgerCallback(argv[2], **case.get("callback", {}))
-    trainer = Ordered(
-        model=model,
-        args=args,
-        train_dataset=_dataset(case, vocab),
-        data_collator=default_data_collator,
-        callbacks=[timer] + ([callback] if callback is not None else []),
-    )
+    counter = component_counter() if case.get("count") else None
+    callbacks = [c for c in (timer, callback, counter) if c is not None]
+    trainer = trainer_for(model, work, case, callbacks, **case.get("training_args", {}))
     raised = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -96,6 +75,7 @@ def main(argv: list[str]) -> int:
         "failure": callback.failure if callback is not None else None,
         "steps": trainer.state.global_step,
         "step_seconds": timer.seconds,
+        **({"components": counter.counts} if counter is not None else {}),
     }
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: one OUT file per rank
     with open(argv[3] + (f".rank{rank}" if rank else ""), "w", encoding="utf-8") as fh:

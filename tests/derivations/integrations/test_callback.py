@@ -26,6 +26,7 @@ pytest.importorskip("transformers")
 
 from ledgerspec.contract.document import load
 from tests.support import DATA, REPO_ROOT, run_cli
+from tests.truths.trainer_run import default_case
 
 pytestmark = pytest.mark.slow
 
@@ -41,30 +42,7 @@ PHASES = (
 
 
 def case(arch: str = "tiny-llama", **over: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "config": arch,
-        "loaded_dtype": "bfloat16",
-        "attention": "sdpa",
-        "rank": 4,
-        "targets": ["q_proj", "v_proj"],
-        "mixed_precision": "no",
-        "gradient_checkpointing": False,
-        "microbatch": 2,
-        "accumulation": 1,
-        "seq_worst": 64,
-        "seq_typical": 32,
-        "steps": 2,
-        "padded": True,
-        "packing": False,
-        "mask": True,
-        "max_grad_norm": 1.0,
-        "optimizer": "adamw_torch",
-        "quant": None,
-        "prepare_kbit": False,
-        "adapter_dtype": None,
-        "trl_casts": None,
-    }
-    return {**base, **over}
+    return default_case(arch, **over)
 
 
 QLORA = {"type": "nf4", "double_quant": True, "compute_dtype": "bfloat16", "storage_dtype": "uint8"}
@@ -79,8 +57,11 @@ CASES = {
 }
 
 
-def run_trainer(folder: Path, c: dict[str, Any], ledger: Path | None = None) -> dict[str, Any]:
-    """The Trainer with the callback, in a fresh process; what ``train()`` raised and the callback's failure."""
+def run_trainer(
+    folder: Path, c: dict[str, Any], ledger: Path | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The Trainer with the callback, in a fresh process (``env``: more environment variables); what ``train()``
+    raised and the callback's failure."""
     arch = c["config"]
     if not (folder / arch).exists():
         shutil.copytree(DATA / "measure" / arch, folder / arch)
@@ -88,7 +69,7 @@ def run_trainer(folder: Path, c: dict[str, Any], ledger: Path | None = None) -> 
     case_file, out_file = folder / "case.json", folder / "out.json"
     case_file.write_text(json.dumps(c), encoding="utf-8")
     ledger = ledger or folder / "run.ledger.yaml"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     proc = subprocess.run(
         [
             sys.executable,
@@ -120,7 +101,7 @@ def recorded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     if request.param in _RECORDED:
         return _RECORDED[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    out = run_trainer(folder, CASES[request.param])
+    out = run_trainer(folder, {**CASES[request.param], "count": True})
     assert out["raised"] is None and out["failure"] is None, out
     measured = folder / "measured.ledger.yaml"
     shutil.copy(folder / "run.ledger.yaml", measured)
@@ -130,6 +111,7 @@ def recorded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         "callback": load(str(folder / "run.ledger.yaml")),
         "measure": load(str(measured)),
         "folder": folder,
+        "counted": out["components"],
     }
     return _RECORDED[request.param]
 
@@ -150,6 +132,18 @@ def test_every_phase_equals_measure_cpu_to_the_byte(recorded: dict[str, Any]) ->
     assert got == want
     assert all(cb.get("phases", p).effective_source(True) == "MEASURED" for p in PHASES)
     assert cb.get("metrics", "peak_allocated").value == ms.get("metrics", "peak_allocated").value
+
+
+COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+
+
+def test_the_components_are_the_live_tensors_counted(recorded: dict[str, Any]) -> None:
+    """``ledger.frozen_base``, ``adapter``, ``gradients``, ``optimizer`` MEASURED: the bytes the truth's
+    ``component_counter`` counts in the same run's tensors (numel x element size; the optimizer after its first step,
+    the gradients before ``zero_grad``)."""
+    cb = recorded["callback"]
+    assert {k: cb.get("ledger", k).value for k in COMPONENTS} == recorded["counted"]
+    assert all(cb.get("ledger", k).effective_source(True) == "MEASURED" for k in COMPONENTS)
 
 
 def test_the_ledger_records_versions_device_and_what_was_seen(recorded: dict[str, Any]) -> None:
@@ -303,3 +297,45 @@ def test_save_every_writes_during_the_run(tmp_path: Path) -> None:
     doc = load(str(tmp_path / "run.ledger.yaml"))
     assert doc.get("x-callback").value["written_at"] == "every" and doc.get("x-callback").value["steps_seen"] == 1
     assert doc.get("phases", "optimizer_step_peak").known and not doc.get("phases", "steady_state_peak").present
+
+
+HUB = {"repo": "tests/tiny-llama", "commit": "3f2c9a1e8b7d6c5f4e3d2c1b0a9f8e7d6c5b4a39"}
+
+
+def _hub_env(folder: Path) -> dict[str, str]:
+    """The Hugging Face cache the run loads the model from (the truth's ``_model`` puts it there), offline."""
+    return {"HF_HUB_CACHE": str(folder / "hf-cache"), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_hub_model_s_ledger_is_calculated_by_itself(tmp_path: Path) -> None:
+    """A model loaded by repository id from the Hugging Face cache (``from_pretrained("tests/tiny-llama")``, as a
+    downloaded model loads): the callback's own ledger names the repository and the commit of the snapshot it was
+    loaded from, and its component figures are the run's tensors counted, so it is CALCULATED with no
+    ``ledgerspec resolve`` (the status ``validate`` computes, not only the one the callback declared)."""
+    out = run_trainer(tmp_path, {**case(), "hub": HUB, "count": True}, env=_hub_env(tmp_path))
+    assert out["raised"] is None and out["failure"] is None, out
+    ledger = tmp_path / "run.ledger.yaml"
+    doc = load(str(ledger))
+    assert doc.get("identity", "model_id").value == HUB["repo"]
+    assert doc.get("identity", "revision").value == HUB["commit"]
+    assert {k: doc.get("ledger", k).value for k in COMPONENTS} == out["components"]
+    code, text, err = run_cli("validate", "--format", "json", str(ledger))
+    assert code == 0, text + err
+    assert json.loads(text)["files"][0]["supported_status"] == "CALCULATED"
+    assert doc.get("status").value == "CALCULATED"
+
+
+def test_an_existing_ledger_gets_the_live_identity_where_it_declares_none(tmp_path: Path) -> None:
+    """A hand-written ledger without a model id that pins another commit: the callback fills the model id from the
+    live model and reports the commit it declares next to the one the run loaded (the declared one stays)."""
+    shutil.copytree(DATA / "measure" / "tiny-llama", tmp_path / "tiny-llama")
+    declared = "0" * 40
+    ledger = tmp_path / "run.ledger.yaml"
+    ledger.write_text(LEDGER.replace("model_id: tests/tiny-llama", f"revision: '{declared}'"), encoding="utf-8")
+    out = run_trainer(tmp_path, {**case(), "hub": HUB}, ledger, env=_hub_env(tmp_path))
+    assert out["raised"] is None and out["failure"] is None, out
+    doc = load(str(ledger))
+    assert doc.get("identity", "model_id").value == HUB["repo"]
+    assert doc.get("identity", "revision").value == declared
+    differences = doc.get("x-callback").value["declared_vs_run"]
+    assert f"identity.revision: declared {declared!r}, the run has {HUB['commit']!r}" in differences

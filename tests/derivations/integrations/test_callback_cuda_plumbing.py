@@ -22,6 +22,7 @@ from ledgerspec.derivations.engine import backends  # noqa: E402
 from ledgerspec.derivations.integrations.transformers import Recorder  # noqa: E402
 from tests.support import DATA  # noqa: E402
 from tests.support.fake_cuda import DEVICE_NAME, FakeCuda, FakeNVML, FakeOOM, MiB, roundup  # noqa: E402
+from tests.truths.trainer_run import training_args  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +45,12 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 
 def live(tmp_path: Path) -> tuple[Any, Any, Any]:
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(DATA / "measure" / "tiny-llama")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, report_to=[])
+    args = training_args(None, str(tmp_path), use_cpu=False, per_device_train_batch_size=2)
     cuda_args = types.SimpleNamespace(**{k: getattr(args, k) for k in ("world_size", "process_index")})
     cuda_args.device = torch.device("cuda", 0)
     cuda_args.to_dict = args.to_dict

@@ -27,6 +27,7 @@ from ledgerspec.contract.document import from_text  # noqa: E402
 from ledgerspec.derivations.resolve.resolver import resolve  # noqa: E402
 from ledgerspec.errors import LedgerspecError  # noqa: E402
 from tests.support import DATA  # noqa: E402
+from tests.truths.trainer_run import trainer_for  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer-intake")]
 
@@ -99,7 +100,7 @@ optimizer: {name: adamw_torch}
 
 def build_trainer(c: Case, folder: Path) -> Any:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     config = AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
@@ -120,16 +121,8 @@ def build_trainer(c: Case, folder: Path) -> Any:
     if c.prepare:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = get_peft_model(model, LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **c.lora))
-    args = TrainingArguments(
-        output_dir=str(folder.parent / "out"),
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        optim=c.optim,
-        max_grad_norm=1.0,
-        report_to=[],
-    )
-    return Trainer(model=model, args=args)
+    settings: dict[str, Any] = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "optim": c.optim}
+    return trainer_for(model, str(folder.parent), max_grad_norm=1.0, **settings)
 
 
 def hand_intake(c: Case, config_path: str) -> str:
@@ -182,14 +175,13 @@ def test_the_intake_of_a_live_trainer_resolves_like_the_hand_written_one(c: Case
 
 
 def test_a_trainer_without_peft_is_a_clear_error(tmp_path: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(DATA / "measure" / "tiny-llama")
     model = AutoModelForCausalLM.from_config(config)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = Trainer(model=model, args=args)
+        trainer = trainer_for(model, str(tmp_path))
     with pytest.raises(LedgerspecError, match="full fine-tune") as err:
         ledgerspec.intake_from_trainer(trainer)
     assert err.value.hint and "get_peft_model" in err.value.hint
@@ -205,15 +197,47 @@ def test_a_hub_model_points_at_the_shipped_config(tmp_path: Path) -> None:
     """A model loaded from the Hub (``_name_or_path`` is its repository, not a folder) gets ledgerspec's shipped copy
     of that repository's published config (examples/configs/SOURCES.md), so ``resolve`` runs offline."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(DATA / "measure" / "tiny-qwen2")
     config._name_or_path = "Qwen/Qwen2.5-14B"  # as from_pretrained("Qwen/Qwen2.5-14B") sets it
     model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+        trainer = trainer_for(model, str(tmp_path))
     doc = ledgerspec.intake_from_trainer(trainer, str(tmp_path / "live.intake.yaml"))
     assert doc.get("identity", "model_id").value == "Qwen/Qwen2.5-14B"
     shipped = (tmp_path / str(doc.get("identity", "config_path").value)).resolve()
     assert shipped == (DATA.parent.parent / "examples" / "configs" / "qwen2.5-14b").resolve()
+
+
+def test_the_revision_is_the_commit_the_config_was_loaded_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.19+ keeps no commit on a loaded config: the commit is the one snapshot of the repository in the
+    Hugging Face cache whose config.json is the live config (the cache is laid out here as huggingface_hub lays it
+    out, ``models--ORG--NAME/snapshots/COMMIT/config.json``); two snapshots holding that config tell nothing. Before
+    5.19 ``from_pretrained`` kept the snapshot's commit as ``config._commit_hash`` (``extract_commit_hash`` of the
+    cached file's path), which wins."""
+    from huggingface_hub import constants
+    from transformers import AutoConfig
+
+    from ledgerspec.derivations.integrations.trainer_intake import hub_commit
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshots = tmp_path / "models--tests--tiny-llama" / "snapshots"
+    loaded, earlier, twin = "1" * 40, "2" * 40, "3" * 40
+    config = AutoConfig.from_pretrained(DATA / "measure" / "tiny-llama")
+    config.save_pretrained(snapshots / loaded)
+    AutoConfig.from_pretrained(DATA / "measure" / "tiny-llama", num_hidden_layers=1).save_pretrained(
+        snapshots / earlier
+    )
+    config._name_or_path = "tests/tiny-llama"  # as from_pretrained("tests/tiny-llama") sets it
+    config.use_cache = False  # as the Trainer sets it (args.use_cache)
+    found = hub_commit(config)
+    assert found is not None and found[0] == loaded
+    config.num_hidden_layers = 3  # edited after loading: no snapshot holds it
+    assert hub_commit(config) is None
+    config.num_hidden_layers = 2
+    config.save_pretrained(snapshots / twin)  # the same config at another commit
+    assert hub_commit(config) is None
+    config._commit_hash = loaded  # transformers < 5.19
+    assert hub_commit(config) == (loaded, "trainer.model.config._commit_hash (the Hub commit loaded)")
