@@ -9,8 +9,14 @@ into the protocol's phases the way the protocol does (held bytes for ``after_*``
 replay's allocated figures can be set beside the tracker's and its reserved figures read off.
 
 The stream is that of the traced depth: the estimate's probes have fewer decoder layers than the model
-(:mod:`ledgerspec.derivations.estimate.extrapolate`); ``layers=None`` traces the depth the plan would trace in
-full, an integer that many layers.
+(:mod:`ledgerspec.derivations.estimate.extrapolate`); ``layers=None`` traces the model's own depth, an integer that
+many layers. A full-depth stream from the two probes is not built yet. What a diff of the probes' streams shows
+(tiny Llama, 2, 3 and 4 layers, signatures ``(alloc|free, bytes)``): in every forward and loss+backward window the
+deeper stream is the shallower one with one contiguous block inserted, of the same length per added layer (95
+events forward, 181 backward), so those windows extend by repeating the block with fresh ids (the backward
+copies freeing the forward copies last-in first-out); the optimizer windows do not (foreach kernels allocate one
+tensor per parameter inside each op, and a few buffers grow with the parameter count: four to six insertions and
+replacements per window), and need a third probe or per-parameter tags to be extended.
 """
 
 from __future__ import annotations
