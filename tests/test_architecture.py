@@ -5,8 +5,9 @@
 - **contract** (schema, the document model, the one reading of the configuration, loader/writer, every edit)
   imports only the standard library, jsonschema, referencing and ruamel.yaml;
 - **checks** (rules, the status ladder) imports contract; pure functions of a document (no I/O);
-- **derivations** (the rooms stack, engine, resolve, estimate, measure, shard, devices) imports contract; the only
-  code that imports torch & co., and only inside functions; it never touches a document's tree or plain copy itself;
+- **derivations** (the rooms stack, engine, resolve, estimate, measure, shard, devices, allocator) imports contract;
+  the only code that imports torch & co., and only inside functions; it never touches a document's tree or plain copy
+  itself;
 - **faces** (the CLI, reports, status settling) may import every wing; so may the package root (``ledgerspec``,
   ``ledgerspec.__main__``), which is a face. ``ledgerspec.errors`` and ``ledgerspec.version`` sit under the
   contract: every wing may import them.
@@ -476,6 +477,7 @@ def test_every_room_exports_its_entry_point() -> None:
         "measure": "measure",
         "shard": "shard",
         "devices": "compare",
+        "allocator": "replay",
     }
     rooms = sorted(p.name for p in (PACKAGE / "derivations").iterdir() if (p / "__init__.py").is_file())
     assert sorted(entries) == [r for r in rooms if r in entries] and set(rooms) <= set(entries) | {"integrations"}

@@ -279,9 +279,18 @@ class MemoryTracker:
     allocation that brings the total above it raise :class:`SimulatedOOM`. ``granularity`` rounds each
     storage up to a multiple of it (512 models the CUDA caching allocator's rounding, which
     ``max_memory_allocated`` counts; 1, the default, counts exact bytes; empty storages stay 0).
+
+    ``events=True`` keeps an event log (:attr:`events`, off by default: None, and nothing is recorded) of what a
+    CUDA caching allocator would be asked, in order: ``("alloc", id, nbytes, 0)`` for every new storage of
+    ``nbytes > 0`` (the bytes requested, before any rounding: the allocator rounds them itself), ``("free", id)``
+    when it is released, and ``("phase", name)`` markers (:meth:`mark`). A storage resize is what
+    ``resize_bytes_cuda`` (``aten/src/ATen/native/cuda/Resize.cpp``) does on a GPU: the new size is allocated
+    first (nothing for 0 bytes), then the old buffer freed, so FSDP2's ``resize_(0)`` is a free and the
+    ``resize_(n)`` that gathers a parameter again an allocation. The tracker's own count moves by the difference
+    at once, so for a resize between two non-zero sizes its peak misses the moment both buffers are alive.
     """
 
-    def __init__(self, limit: int | None = None, granularity: int = 1) -> None:
+    def __init__(self, limit: int | None = None, granularity: int = 1, events: bool = False) -> None:
         if granularity < 1:
             raise ValueError("granularity must be >= 1")
         self._mode = _mode_class()(self)
@@ -294,6 +303,9 @@ class MemoryTracker:
         self.peak = 0
         self.peak_categories: dict[str, int] = dict(self._totals)
         self._hooks: list[Any] = []
+        #: the allocation event log (None: not kept)
+        self.events: list[tuple[Any, ...]] | None = [] if events else None
+        self._event_ids: dict[int, tuple[int, int]] = {}  # storage key -> (event id, bytes) of its live buffer
 
     # -- dispatch ------------------------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
@@ -322,6 +334,8 @@ class MemoryTracker:
         if entry is None:
             return
         nbytes = self._rounded(storage)
+        if self.events is not None:
+            self._log_resize(int(storage._cdata), int(storage.nbytes()))
         if nbytes != entry.nbytes:
             self._add(entry.category, nbytes - entry.nbytes)
             entry.nbytes = nbytes
@@ -355,6 +369,8 @@ class MemoryTracker:
             return
         nbytes = self._rounded(storage)
         self._live[key] = _Entry(nbytes, self.context)
+        if self.events is not None:
+            self._log_alloc(key, int(storage.nbytes()))
         weakref.finalize(storage, self._release, key)
         self._add(self.context, nbytes)
         self._check_peak()
@@ -363,6 +379,39 @@ class MemoryTracker:
         entry = self._live.pop(key, None)
         if entry is not None:
             self._add(entry.category, -entry.nbytes)
+            if self.events is not None:
+                self._log_free(key)
+
+    # -- the event log (``events=True``) -------------------------------------------------------------------------
+    def _log_alloc(self, key: int, nbytes: int) -> None:
+        assert self.events is not None
+        if nbytes > 0:  # the caching allocator is not called for 0 bytes
+            ident = len(self.events)
+            self._event_ids[key] = (ident, nbytes)
+            self.events.append(("alloc", ident, nbytes, 0))
+
+    def _log_free(self, key: int) -> None:
+        assert self.events is not None
+        live = self._event_ids.pop(key, None)
+        if live is not None:
+            self.events.append(("free", live[0]))
+
+    def _log_resize(self, key: int, nbytes: int) -> None:
+        """A live storage now of ``nbytes``: if that changed, a new buffer (if any), then the old one freed
+        (``resize_bytes_cuda``)."""
+        assert self.events is not None
+        old = self._event_ids.get(key)
+        if (old[1] if old is not None else 0) == nbytes:
+            return
+        self._event_ids.pop(key, None)
+        self._log_alloc(key, nbytes)
+        if old is not None:
+            self.events.append(("free", old[0]))
+
+    def mark(self, name: str) -> None:
+        """A phase marker in the event log (no-op without one)."""
+        if self.events is not None:
+            self.events.append(("phase", name))
 
     def _add(self, category: str, nbytes: int) -> None:
         self._totals[category] = self._totals.get(category, 0) + nbytes

@@ -250,11 +250,15 @@ def _estimate_workload_class() -> Any:
     return EstimateWorkload
 
 
-def trace(doc: Document, spec: Any, source: Any, target: str = "cuda", keep_4bit_input: bool = False) -> dict[str, int]:
+def trace(
+    doc: Document, spec: Any, source: Any, target: str = "cuda", keep_4bit_input: bool = False, backend: Any = None
+) -> dict[str, int]:
     """One simulated protocol run (:func:`ledgerspec.derivations.engine.protocol.run_protocol` with fake tensors).
 
     Accumulation runs two micro-steps, not all of them: from the second micro-step on, the gradients are
     allocated and every micro-step allocates the same tensors, so the peaks are those of the full run.
+    ``backend``: a fake-tensor :class:`TrackerBackend` of the target's granularity to count with instead of a new
+    one (:mod:`ledgerspec.derivations.allocator.step` passes one that keeps the allocation event log).
     """
     from ledgerspec.derivations.engine.backends import TrackerBackend
     from ledgerspec.derivations.engine.protocol import run_protocol
@@ -262,7 +266,7 @@ def trace(doc: Document, spec: Any, source: Any, target: str = "cuda", keep_4bit
 
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2), prefetch=spec.accumulation)
     workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target, keep_4bit_input)
-    backend = TrackerBackend(fake=True, granularity=granularity(target))
+    backend = backend if backend is not None else TrackerBackend(fake=True, granularity=granularity(target))
     from ledgerspec.derivations.estimate.legacy_loss import declared_loss
 
     with workload.stack, warnings.catch_warnings(), declared_loss(doc):  # transformers < 4.49's loss if declared

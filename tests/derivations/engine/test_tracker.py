@@ -259,3 +259,54 @@ def test_a_step_that_cannot_run_is_reported_as_such_not_simulated(tmp_path: Any,
         estimate(load(path), target="cpu")
     assert "the declared step cannot run: aten.mm.default of " in str(caught.value)
     assert "bfloat16" in str(caught.value) and "float32" in str(caught.value)
+
+
+# -- the allocation event log (replayed by ledgerspec.derivations.allocator) ---------------------------------------
+
+
+def test_the_event_log_is_off_by_default() -> None:
+    with MemoryTracker(granularity=512) as tr:
+        a = torch.empty(100)
+        tr.mark("forward")
+        del a
+    assert tr.events is None
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_the_event_log_records_requests_in_order(fake: bool) -> None:
+    """What the caching allocator is asked: one request per new storage, with the bytes requested (the allocator
+    rounds them itself), none for views, in-place ops or empty storages (``NativeCachingAllocator::allocate`` calls
+    ``malloc`` only ``if (size != 0)``), a free when the storage dies, markers where they were set."""
+    with maybe_fake(fake), MemoryTracker(granularity=512, events=True) as tr:
+        a = torch.empty(3, dtype=torch.uint8)
+        tr.mark("next")
+        b = torch.empty(129, dtype=torch.float32)
+        view = b[1:5]
+        b.add_(1.0)
+        empty = torch.empty(0)
+        del a
+        gc.collect()
+        assert tr.current == 1024  # the tracker's own count: 516 B rounded to 1024
+    assert tr.events is not None
+    ids = [e[1] for e in tr.events if e[0] == "alloc"]
+    assert tr.events == [("alloc", ids[0], 3, 0), ("phase", "next"), ("alloc", ids[1], 516, 0), ("free", ids[0])]
+    del b, view, empty
+
+
+def test_a_storage_resize_is_logged_as_the_gpu_does_it() -> None:
+    """``resize_bytes_cuda`` (aten/src/ATen/native/cuda/Resize.cpp): ``size_bytes == 0`` replaces the data pointer
+    with null (the old buffer is freed, nothing allocated); otherwise ``allocator->allocate(size_bytes)`` runs
+    first and the old buffer is freed when ``set_data_ptr_noswap`` overwrites it: alloc new, then free old."""
+    with MemoryTracker(granularity=512, events=True) as tr:
+        t = torch.empty(1000, dtype=torch.float32)
+        storage = t.untyped_storage()
+        storage.resize_(0)  # FSDP2's free of a gathered parameter
+        storage.resize_(8000)  # and its gathering again
+        storage.resize_(6000)
+        storage.resize_(6000)  # no change: nothing asked
+    assert tr.events is not None
+    kinds = [(e[0], e[2] if e[0] == "alloc" else None) for e in tr.events]
+    assert kinds == [("alloc", 4000), ("free", None), ("alloc", 8000), ("alloc", 6000), ("free", None)]
+    first, _, second, third, last = tr.events
+    assert tr.events[1][1] == first[1] and last[1] == second[1] and third[1] not in (first[1], second[1])
+    del t

@@ -1,0 +1,184 @@
+"""Replay a stream of allocations and frees through the caching-allocator model.
+
+Events (plain tuples, JSON-friendly):
+
+- ``("alloc", id, nbytes, stream)``: a storage of ``nbytes`` (as requested, before rounding) on ``stream``;
+- ``("free", id)``: its release;
+- ``("phase", name)``: from here on the figures count for phase ``name`` (until the next marker);
+- ``("settings", text)``: ``torch.cuda.memory._set_allocator_settings(text)``;
+- ``("empty_cache",)``: ``torch.cuda.empty_cache()``.
+
+The result says, per phase, the peak allocated and reserved bytes and what was held at its end, and the first
+out-of-memory: which event, how much it asked for, what was allocated and reserved then, and how much of the
+reserve was free but unusable (fragmentation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledgerspec.derivations.allocator.caching import Block, CachingAllocator, OutOfMemory
+from ledgerspec.derivations.allocator.config import AllocatorConfig
+
+Event = tuple[Any, ...]
+#: the phase of the events before the first marker
+START = "start"
+
+
+@dataclass
+class PhaseReplay:
+    """One phase: peaks while it ran, and what was held when it ended."""
+
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    end_allocated: int = 0
+    end_reserved: int = 0
+    #: largest ``reserved - allocated`` seen in the phase (cached but unallocated bytes)
+    peak_cached: int = 0
+
+
+@dataclass
+class ReplayOOM:
+    """The first out-of-memory of a replay."""
+
+    event: int  # index in the event list
+    id: Any
+    phase: str
+    requested: int  # bytes asked for
+    alloc_size: int  # bytes the allocator tried to get from cudaMalloc
+    allocated: int  # after the release-and-retry path
+    reserved: int
+    capacity: int | None
+    rejected: bool = False  # throw_on_cudamalloc_oom's pre-emptive rejection
+
+    @property
+    def free_unusable(self) -> int:
+        """Reserved bytes no tensor held and that could not serve the request: fragmentation."""
+        return self.reserved - self.allocated
+
+
+@dataclass
+class ReplayResult:
+    phases: dict[str, PhaseReplay] = field(default_factory=dict)
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    oom: ReplayOOM | None = None
+    stats: dict[str, int] = field(default_factory=dict)
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    events: int = 0  # events replayed (up to and including the OOM)
+
+    @property
+    def fits(self) -> bool:
+        return self.oom is None
+
+
+def replay(
+    events: Iterable[Event],
+    config: AllocatorConfig | str | None = None,
+    capacity: int | None = None,
+    device_total: int | None = None,
+    memory_fraction: float | None = None,
+    stop_at_oom: bool = True,
+    allocator: CachingAllocator | None = None,
+) -> ReplayResult:
+    """Replay ``events`` (see the module docstring) through a fresh :class:`CachingAllocator` (or ``allocator``).
+
+    ``config``: an :class:`AllocatorConfig` or a ``PYTORCH_CUDA_ALLOC_CONF`` string. ``capacity``: the bytes cudaMalloc
+    can get (None: unlimited). ``memory_fraction``: ``torch.cuda.set_per_process_memory_fraction`` (needs
+    ``device_total``). With ``stop_at_oom`` (the default) the replay ends at the first out-of-memory, as a training
+    step would; otherwise the failed allocation is skipped (its free too) and the replay goes on.
+    """
+    if isinstance(config, str):
+        config = AllocatorConfig.parse(config)
+    alloc = allocator if allocator is not None else CachingAllocator(config, capacity, device_total)
+    if memory_fraction is not None:
+        alloc.set_memory_fraction(memory_fraction)
+    live: dict[Any, Block | None] = {}
+    failed: set[Any] = set()
+    result = ReplayResult()
+    phase = START
+    current = result.phases.setdefault(phase, PhaseReplay())
+    n = 0
+    for n, event in enumerate(events):
+        kind = event[0]
+        if kind == "alloc":
+            _, key, nbytes, *rest = event
+            stream = int(rest[0]) if rest else 0
+            if key in live:
+                raise ValueError(f"event {n}: id {key!r} is already allocated")
+            try:
+                live[key] = alloc.malloc(int(nbytes), stream)
+            except OutOfMemory as exc:
+                if result.oom is None:
+                    result.oom = ReplayOOM(
+                        n, key, phase, exc.requested, exc.alloc_size, exc.allocated, exc.reserved, exc.capacity,
+                        exc.rejected,
+                    )  # fmt: skip
+                if stop_at_oom:
+                    break
+                failed.add(key)
+                continue
+        elif kind == "free":
+            key = event[1]
+            if key in failed:
+                failed.discard(key)
+                continue
+            if key not in live:
+                raise ValueError(f"event {n}: id {key!r} is not allocated")
+            alloc.free(live.pop(key))
+        elif kind == "phase":
+            _close(current, alloc)
+            phase = str(event[1])
+            current = result.phases.setdefault(phase, PhaseReplay())
+            current.peak_allocated = max(current.peak_allocated, alloc.allocated)
+            current.peak_reserved = max(current.peak_reserved, alloc.reserved)
+            continue
+        elif kind == "settings":
+            alloc.set_allocator_settings(str(event[1]))
+        elif kind == "empty_cache":
+            alloc.empty_cache()
+        else:
+            raise ValueError(f"event {n}: unknown event {kind!r}")
+        current.peak_allocated = max(current.peak_allocated, alloc.allocated)
+        current.peak_reserved = max(current.peak_reserved, alloc.reserved)
+        current.peak_cached = max(current.peak_cached, alloc.reserved - alloc.allocated)
+    _close(current, alloc)
+    if phase != START and result.phases[START] == PhaseReplay():
+        del result.phases[START]
+    result.events = n + 1 if result.oom is None or not stop_at_oom else result.oom.event + 1
+    result.stats = alloc.memory_stats()
+    result.peak_allocated = result.stats["allocated_bytes.all.peak"]
+    result.peak_reserved = result.stats["reserved_bytes.all.peak"]
+    result.segments = alloc.segments()
+    return result
+
+
+def _close(phase: PhaseReplay, alloc: CachingAllocator) -> None:
+    phase.end_allocated = alloc.allocated
+    phase.end_reserved = alloc.reserved
+
+
+def events_from_trace(trace: Sequence[dict[str, Any]]) -> list[Event]:
+    """The ``alloc``/``free`` events of a ``device_traces`` entry list (``torch.cuda.memory._snapshot()``):
+    ``alloc`` entries become allocations keyed by address, ``free_requested`` their frees; the allocator's own
+    entries (``segment_*``, ``free_completed``, ``oom``, ``snapshot``) are what a replay predicts, so they are left
+    out. A block freed and allocated again at the same address gets a fresh id."""
+    out: list[Event] = []
+    current: dict[int, int] = {}
+    serial = 0
+    for entry in trace:
+        action = entry["action"]
+        if action == "alloc":
+            serial += 1
+            current[int(entry["addr"])] = serial
+            out.append(("alloc", serial, int(entry["size"]), int(entry.get("stream", 0))))
+        elif action == "free_requested":
+            key = current.pop(int(entry["addr"]), None)
+            if key is not None:
+                out.append(("free", key))
+    return out
+
+
+__all__ = ["START", "Event", "PhaseReplay", "ReplayOOM", "ReplayResult", "events_from_trace", "replay"]
