@@ -15,8 +15,15 @@ from tests.support.fake_cuda import FakeCuda, FakeNVML
 
 def pytest_configure(config: pytest.Config) -> None:
     """No estimate cache in tests (subprocesses inherit this): every CLI estimate traces, so a test that patches
-    what a trace depends on is never answered from an earlier run. The cache's own tests set a folder."""
+    what a trace depends on is never answered from an earlier run. The cache's own tests set a folder.
+
+    The measurement's processes (``measure``'s child, the ranks of ``measure --nproc``, the truths' runs and probes)
+    are forked from a server that has imported the stack once per test process instead of importing it again in
+    every fresh Python (``LEDGERSPEC_LAUNCHER=forkserver``, :mod:`ledgerspec.derivations.measure.launch`: each is
+    still a process of its own, with its own environment, and ranks still rendezvous over gloo); the torchrun path
+    is run by ``tests/derivations/measure/test_launch.py``."""
     os.environ["LEDGERSPEC_CACHE_DIR"] = "off"
+    os.environ.setdefault("LEDGERSPEC_LAUNCHER", "forkserver")
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,18 @@ def run_cli(*args: str | os.PathLike[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def fresh_python(
+    args: list[str | os.PathLike[str]], env: dict[str, str] | None = None, timeout: float = 600, cwd: Path | None = None
+) -> Any:
+    """``python ARGS`` in a process of its own, as the measurement starts its processes
+    (:func:`ledgerspec.derivations.measure.launch.run`: in the test session forked from a server that has imported the
+    stack once, ``LEDGERSPEC_LAUNCHER=forkserver``); its exit code and output (``.returncode``, ``.stdout``,
+    ``.stderr``)."""
+    from ledgerspec.derivations.measure import launch
+
+    return launch.run([str(a) for a in args], env, timeout, cwd=str(cwd) if cwd is not None else None)
+
+
 def load_script(path: Path, name: str) -> Any:
     """A script without a .py suffix, imported as a module."""
     loader = importlib.machinery.SourceFileLoader(name, str(path))

@@ -1,13 +1,11 @@
 """Per-rank comparisons of a real ``measure --nproc`` run with ``shard --estimate`` and the calculated state (the
-FSDP1 tests: plain, QLoRA, hybrid), and the one launcher of the ground-truth probes under torchrun
+FSDP1 tests: plain, QLoRA, hybrid), and the one launcher of the ground-truth probes as ranks
 (:func:`run_probe`: ``tests/truths/sharding_probe.py``, ``fsdp1_probe.py``, ``fsdp1_mixed_precision_probe.py``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,14 +14,16 @@ from ledgerspec.contract.document import Document, load
 
 
 def run_probe(probe: Path, nproc: int, *args: str | os.PathLike[str], timeout: int = 180) -> None:
-    """``torchrun --standalone --nproc_per_node NPROC PROBE ARGS...``: a ground truth run per rank (gloo on the CPU, one
-    thread per rank, the Hub offline); the test fails with the end of its stderr when a rank fails."""
+    """``PROBE ARGS...`` as NPROC ranks, started as ``torchrun --nproc_per_node NPROC`` starts them (gloo on the CPU,
+    one thread per rank, the Hub offline; :func:`ledgerspec.derivations.measure.launch.run_ranks`, forked from a
+    preloaded server in the test session): a ground truth run per rank; the test fails with the end of its stderr
+    when a rank fails."""
+    from ledgerspec.derivations.measure import launch
+    from ledgerspec.derivations.measure.dist import free_port
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(probe)]
-    proc = subprocess.run(
-        [*run, *map(str, args)], env=env, capture_output=True, text=True, errors="replace", timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, stderr = launch.run_ranks([str(probe), *map(str, args)], nproc, env, free_port(), timeout)
+    assert code == 0, stderr[-3000:]
 
 
 def probe_ranks(

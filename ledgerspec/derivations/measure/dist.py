@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -311,15 +310,7 @@ def run_ranks(req: DistRequest, timeout: float | None = DEFAULT_TIMEOUT_S) -> li
         out_dir = os.path.join(tmp, "ranks")
         os.mkdir(out_dir)
         Path(req_file).write_text(json.dumps(req.__dict__), encoding="utf-8")
-        cmd = torchrun_command(req_file, out_dir, req.nproc, free_port())
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
-        )
-        try:
-            _, stderr = proc.communicate(timeout=timeout)
-        except BaseException:  # KeyboardInterrupt, timeout: no rank may outlive us
-            _kill_group(proc)
-            raise
+        returncode, stderr = _launch(req_file, out_dir, req.nproc, timeout)
         payloads: dict[int, dict[str, Any]] = {}
         for r in range(req.nproc):
             f = Path(out_dir) / f"rank{r}.json"
@@ -351,10 +342,10 @@ def run_ranks(req: DistRequest, timeout: float | None = DEFAULT_TIMEOUT_S) -> li
                 exit_code=EXIT_FINDINGS,
                 hint="per-rank OOMs are not recorded: size it with `ledgerspec shard --estimate` or use more ranks",
             )
-    if len(outs) != req.nproc or proc.returncode != 0:
+    if len(outs) != req.nproc or returncode != 0:
         tail = " | ".join(line for line in stderr.strip().splitlines()[-3:])
         raise LedgerspecError(
-            f"torchrun exited {proc.returncode} with {len(outs)} of {req.nproc} ranks reporting: {tail or 'no output'}",
+            f"torchrun exited {returncode} with {len(outs)} of {req.nproc} ranks reporting: {tail or 'no output'}",
             req.doc_path,
             rule="measure",
             exit_code=EXIT_FINDINGS,
@@ -363,14 +354,18 @@ def run_ranks(req: DistRequest, timeout: float | None = DEFAULT_TIMEOUT_S) -> li
     return outs
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    import signal
+def _launch(req_file: str, out_dir: str, nproc: int, timeout: float | None) -> tuple[int, str]:
+    """The ranks, run to their end: under torchrun (its own session: on a timeout or Ctrl-C the whole session is
+    killed, no rank outlives us), or, with ``LEDGERSPEC_LAUNCHER=forkserver``, started directly as torchrun would
+    start them (:mod:`.launch`). The exit code and standard error."""
+    from ledgerspec.derivations.measure import launch
 
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: a session of our own making
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.wait()
+    port = free_port()
+    if launch.mode() == "forkserver":
+        args = ["-m", "ledgerspec.derivations.measure.dist", "--rank", req_file, out_dir]
+        return launch.run_ranks(args, nproc, _env(), port, timeout)
+    done = launch.run(torchrun_command(req_file, out_dir, nproc, port)[1:], _env(), timeout, new_session=True)
+    return done.returncode, done.stderr
 
 
 # -- merging and write-back -----------------------------------------------------------------------------------------

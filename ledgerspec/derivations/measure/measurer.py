@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -164,18 +163,16 @@ def run_child(req: Request, timeout: float | None = None) -> ChildOutput:
     with tempfile.TemporaryDirectory(prefix="ledgerspec-measure-") as tmp:
         req_file, res_file = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
         Path(req_file).write_text(json.dumps(req.__dict__), encoding="utf-8")
-        cmd = [sys.executable, "-m", "ledgerspec.derivations.measure.measurer", "--child", req_file, res_file]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            _, stderr = proc.communicate(timeout=timeout)
-        except BaseException:  # KeyboardInterrupt, timeout: the child must not outlive us
-            proc.kill()
-            proc.wait()
-            raise
+        from ledgerspec.derivations.measure import launch
+
+        # KeyboardInterrupt, timeout: the child is killed (it must not outlive us) and the error propagates
+        args = ["-m", "ledgerspec.derivations.measure.measurer", "--child", req_file, res_file]
+        done = launch.run(args, None, timeout)
+        stderr = done.stderr
         if not os.path.exists(res_file):
             tail = " | ".join(line for line in stderr.strip().splitlines()[-3:])
             raise LedgerspecError(
-                f"the measurement process died (exit {proc.returncode}) before reporting: {tail or 'no output'}",
+                f"the measurement process died (exit {done.returncode}) before reporting: {tail or 'no output'}",
                 req.doc_path,
                 rule="measure",
                 exit_code=EXIT_FINDINGS,

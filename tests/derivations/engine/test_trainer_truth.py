@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
 from ledgerspec.contract.document import load
-from tests.support import DATA, TESTS, CliRunner
+from tests.support import DATA, TESTS, CliRunner, fresh_python
 
 pytestmark = pytest.mark.slow
 
@@ -194,12 +192,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     case_file.write_text(json.dumps(truth_case(c, folder)), encoding="utf-8")
     truth: dict[str, Any] = {}
     for mode in ((), ("--memtracker",)):  # MemTracker runs apart: it perturbs the run (see the truth's docstring)
-        proc = subprocess.run(
-            [sys.executable, str(TRUTH), str(case_file), str(out_file), *mode],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        proc = fresh_python([TRUTH, case_file, out_file, *mode])
         assert proc.returncode == 0, proc.stderr[-3000:]
         phases = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
         truth.update(phases if not mode else {"memtracker_peak": phases["memtracker_peak"]})
@@ -209,9 +202,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def _truth(case: dict[str, Any], folder: Path, *mode: str) -> dict[str, Any]:
     case_file, out_file = folder / "case.json", folder / "truth.json"
     case_file.write_text(json.dumps(case), encoding="utf-8")
-    proc = subprocess.run(
-        [sys.executable, str(TRUTH), str(case_file), str(out_file), *mode], capture_output=True, text=True, timeout=600
-    )
+    proc = fresh_python([TRUTH, case_file, out_file, *mode])
     assert proc.returncode == 0, proc.stderr[-3000:]
     phases: dict[str, Any] = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
     return phases

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 from ledgerspec.contract.document import load
-from tests.support import DATA, REPO_ROOT, run_cli
+from tests.support import DATA, REPO_ROOT, fresh_python, run_cli
 from tests.truths.trainer_run import default_case
 
 pytestmark = pytest.mark.slow
@@ -70,20 +68,8 @@ def run_trainer(
     case_file.write_text(json.dumps(c), encoding="utf-8")
     ledger = ledger or folder / "run.ledger.yaml"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.derivations.integrations.callback_run",
-            str(case_file),
-            str(ledger),
-            str(out_file),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO_ROOT,
-        env=env,
+    proc = fresh_python(
+        ["-m", "tests.derivations.integrations.callback_run", case_file, ledger, out_file], env, cwd=REPO_ROOT
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out: dict[str, Any] = json.loads(out_file.read_text(encoding="utf-8"))
@@ -207,21 +193,18 @@ def test_two_ddp_ranks_on_gloo_are_gathered_by_rank_0(tmp_path: Path) -> None:
     itself, rank 0 gathers and writes the worst rank per phase and ``parallelism.per_rank_peak``. The independent
     side: ``measure --device cpu`` of the same ledger (one process): DDP replicates the model, so the held phases
     are equal on every rank, and rank 0's first forward (the two rows at the worst length) is the measured one."""
-    import socket
+    from ledgerspec.derivations.measure import launch
+    from ledgerspec.derivations.measure.dist import free_port
 
     arch = "tiny-llama"
     shutil.copytree(DATA / "measure" / arch, tmp_path / arch)
     c = {**case(), "config": str(tmp_path / arch)}
     case_file, ledger, out_file = tmp_path / "case.json", tmp_path / "run.ledger.yaml", tmp_path / "out.json"
     case_file.write_text(json.dumps(c), encoding="utf-8")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    run = [*torchrun, "-m", "tests.derivations.integrations.callback_run", str(case_file), str(ledger), str(out_file)]
+    run = ["-m", "tests.derivations.integrations.callback_run", str(case_file), str(ledger), str(out_file)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(run, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, stderr = launch.run_ranks(run, 2, env, free_port(), timeout=600)  # as torchrun --nproc_per_node 2
+    assert code == 0, stderr[-3000:]
     for name in ("out.json", "out.json.rank1"):
         out = json.loads((tmp_path / name).read_text(encoding="utf-8"))
         assert out["raised"] is None and out["failure"] is None and out["steps"] == 3, out

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
 from ledgerspec.contract.document import from_text
-from tests.support import TESTS
+from tests.support import TESTS, fresh_python
 
 TRUTH = TESTS / "truths" / "checkpoint_outside_fsdp1_unit.py"
 LEDGER = "ledgerspec: ledger/v1\nsoftware: {transformers: '%s'}\n"
@@ -35,9 +33,7 @@ def test_modelled_only_when_declared_older(declared: str, modelled: bool) -> Non
 
 def _truth(where: str) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(TRUTH), where], env=env, capture_output=True, text=True, timeout=180, check=False
-    )
+    proc = fresh_python([TRUTH, where], env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
