@@ -165,6 +165,34 @@ TRAINER_DEFAULTS = Training()
 
 
 @dataclass(frozen=True)
+class Nccl:
+    """``software.nccl`` (the version) and ``parallelism.nccl.*`` as written; None: NCCL's default (the docs'
+    outside-allocator catalogue, :mod:`ledgerspec.derivations.devices.outside`, says which)."""
+
+    version: str | None = None
+    buffsize: int | None = None  # NCCL_BUFFSIZE, bytes
+    channels: int | None = None
+    nvls_enable: bool | None = None
+    runtime_connect: bool | None = None
+    communicators: int | None = None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the process holds on the device besides its tensors depends on: the GPU, the CUDA/ROCm and torch
+    versions, the module loading mode, the ranks and NCCL's settings, the caching allocator's settings."""
+
+    gpu_name: str | None = None
+    cuda: str | None = None
+    rocm: str | None = None
+    torch: str | None = None
+    module_loading: str = "LAZY"  # LAZY | EAGER (CUDA's default on Linux since 12.2, PyTorch's since 1.13)
+    alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF as written; None: unset
+    world_size: int = 1  # parallelism.gpu_count, else workload.dp_world_size, else 1
+    nccl: Nccl = field(default_factory=Nccl)
+
+
+@dataclass(frozen=True)
 class Config:
     """The training configuration of one document."""
 
@@ -187,6 +215,8 @@ class Config:
     #: ``parallelism.deepspeed``: the ZeRO options written (DeepSpeed key -> int or bool); absent keys are
     #: DeepSpeed's defaults (:class:`ledgerspec.derivations.shard.options.ZeroOptions`)
     deepspeed: tuple[tuple[str, int | bool], ...] = ()
+    #: the device runtime: what sizes the memory held outside PyTorch's caching allocator (issue 23)
+    runtime: Runtime = field(default_factory=Runtime)
 
     @property
     def quantized(self) -> bool:
@@ -254,6 +284,33 @@ def _read(doc: Document) -> Config:
         accepted_differences=_strings(doc.get("software", "accepted_differences")),
         conflicts=tuple(conflicts),
         deepspeed=_deepspeed(doc),
+        runtime=_runtime(doc),
+    )
+
+
+def _runtime(doc: Document) -> Runtime:
+    def text(*path: str) -> str | None:
+        value = doc.get(*path).text()
+        return value.strip() if value and value.strip() else None
+
+    loading = (text("software", "cuda_module_loading") or "LAZY").upper()
+    p = ("parallelism", "nccl")
+    return Runtime(
+        gpu_name=text("software", "gpu_name"),
+        cuda=text("software", "cuda"),
+        rocm=text("software", "rocm"),
+        torch=text("software", "torch"),
+        module_loading=loading if loading in ("LAZY", "EAGER") else "LAZY",
+        alloc_conf=doc.get("software", "pytorch_cuda_alloc_conf").text(),
+        world_size=_int(doc, "parallelism", "gpu_count") or _int(doc, "workload", "dp_world_size") or 1,
+        nccl=Nccl(
+            version=text("software", "nccl"),
+            buffsize=doc.get(*p, "buffsize").size(),
+            channels=_int(doc, *p, "channels"),
+            nvls_enable=doc.get(*p, "nvls_enable").switch(),
+            runtime_connect=doc.get(*p, "runtime_connect").switch(),
+            communicators=_int(doc, *p, "communicators"),
+        ),
     )
 
 
@@ -377,8 +434,10 @@ __all__ = [
     "TRAINER_DEFAULTS",
     "Config",
     "Conflict",
+    "Nccl",
     "Optimizer",
     "Quantization",
+    "Runtime",
     "Training",
     "Workload",
     "problem",

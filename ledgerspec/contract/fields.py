@@ -155,6 +155,27 @@ SOFTWARE = F(
         F("kernel_backend", STRING, "Other kernel backend in use (e.g. Liger, Unsloth kernels), if any."),
         F("gpu_name", STRING, "The GPU model the stack runs on, e.g. `NVIDIA H100 80GB HBM3`."),
         F(
+            "nccl",
+            STRING,
+            "NCCL version the distributed run uses (`torch.cuda.nccl.version()`), e.g. `2.27.5`: its buffers outside "
+            "the caching allocator changed with versions (NVLS buffers shrank sixfold in 2.22). Absent: NCCL 2.22 or "
+            "later is assumed.",
+        ),
+        F(
+            "cuda_module_loading",
+            ENUM,
+            "`CUDA_MODULE_LOADING`: `LAZY` loads each kernel module on its first use, `EAGER` loads every module of "
+            "every library at start (hundreds of MiB more device memory outside the caching allocator). Absent: "
+            "`LAZY` (CUDA's default on Linux since 12.2; PyTorch sets it when unset since 1.13).",
+            enum=("LAZY", "EAGER"),
+        ),
+        F(
+            "pytorch_cuda_alloc_conf",
+            STRING,
+            "`PYTORCH_CUDA_ALLOC_CONF` as set for the run (e.g. `expandable_segments:True`): the caching allocator's "
+            "settings, read as PyTorch parses them. Absent: unset (PyTorch's defaults).",
+        ),
+        F(
             "accepted_differences",
             STRINGS,
             "Known memory-relevant differences between the declared versions above and the stack ledgerspec "
@@ -618,6 +639,46 @@ PARALLELISM = F(
             ),
         ),
         F(
+            "nccl",
+            OBJECT,
+            "NCCL settings of the run (the `NCCL_*` environment), for the device memory NCCL's communicators hold "
+            "outside the caching allocator on every rank. Absent keys take NCCL's defaults, documented on each key.",
+            children=(
+                F(
+                    "buffsize",
+                    SIZE,
+                    "`NCCL_BUFFSIZE`: the Simple protocol's buffer per channel and connection (default 4 MiB; the LL "
+                    "and LL128 buffers, 512 KiB and 4.6875 MiB, come on top). " + _MEM,
+                ),
+                F(
+                    "channels",
+                    INT,
+                    "Channels NCCL uses for collectives (`NCCL_MAX_NCHANNELS` caps them). Absent: what NCCL picks for "
+                    "the topology (the docs' outside-allocator catalogue assumes 16 with NVLink, 2 over PCIe).",
+                    minimum=1,
+                ),
+                F(
+                    "nvls_enable",
+                    SWITCH,
+                    "`NCCL_NVLS_ENABLE`: NVLink SHARP buffers on NVSwitch systems (H100/H200/B200 SXM boards). Absent: "
+                    "NCCL's automatic choice (on where the GPUs support multicast).",
+                ),
+                F(
+                    "runtime_connect",
+                    SWITCH,
+                    "`NCCL_RUNTIME_CONNECT` (NCCL 2.22+): connect, and allocate the buffers of, only the algorithms a "
+                    "collective uses (true, NCCL's default) or all of them at init (false).",
+                ),
+                F(
+                    "communicators",
+                    INT,
+                    "NCCL communicators on each rank that run collectives (one per process group used, e.g. 2 for "
+                    "HSDP's shard and replicate groups): each holds its own buffers. Default 1.",
+                    minimum=0,
+                ),
+            ),
+        ),
+        F(
             "per_rank_peak",
             FIGURES,
             "Peak memory of each rank, one figure per rank. A single total summed across "
@@ -695,8 +756,8 @@ METRICS = F(
         F(
             "device_peak",
             MEMORY,
-            "Device-level peak of the process from NVML: includes the CUDA context, cuBLAS "
-            "workspaces and NCCL buffers the allocator does not see. " + _MEM + _SRC,
+            "Device-level peak of the process from NVML: the caching allocator's reserved bytes plus what it does "
+            "not see (the CUDA context and kernel modules, NCCL buffers; see `outside_allocator`). " + _MEM + _SRC,
         ),
         F("host_peak", MEMORY, "Peak host (CPU) memory; required with activation offload. " + _MEM + _SRC),
         F(
@@ -704,6 +765,59 @@ METRICS = F(
             SECONDS,
             "Time of one training step in seconds; required with activation offload. " + _SRC,
             minimum=0,
+        ),
+    ),
+)
+
+OUTSIDE_ALLOCATOR = F(
+    "outside_allocator",
+    OBJECT,
+    "Device memory one rank holds OUTSIDE PyTorch's caching allocator: the CUDA context and kernel modules, NCCL's "
+    "buffers, unified memory. `torch.cuda.max_memory_reserved` never sees it; NVML does (`metrics.device_peak`). "
+    "Absent: the docs' outside-allocator catalogue gives a figure for the declared stack (`software.gpu_name`, "
+    "`cuda`, `cuda_module_loading`, `parallelism.gpu_count`, `parallelism.nccl`). `ledgerspec measure --device "
+    "cuda` writes what it saw (MEASURED), which replaces the catalogue's figure.",
+    children=(
+        F(
+            "context",
+            MEMORY,
+            "The CUDA context and the modules loaded with it: device memory of the process after CUDA is "
+            "initialised and before its first allocation (MEASURED: NVML's used memory of the process then). "
+            + _MEM
+            + _SRC,
+        ),
+        F(
+            "nccl",
+            MEMORY,
+            "NCCL communicators' buffers on this rank (per channel and connection, NVLS buffers): 0 on one GPU. "
+            + _MEM
+            + _SRC,
+        ),
+        F(
+            "other",
+            MEMORY,
+            "Everything else outside the allocator: kernel modules loaded at their first use (lazy loading), "
+            "library handles' own memory, resident pages of unified memory (bitsandbytes' paged optimizers). "
+            + _MEM
+            + _SRC,
+        ),
+        F(
+            "after_load",
+            MEMORY,
+            "Device memory outside the allocator at the end of `after_load`: NVML's used memory of the process minus "
+            "`torch.cuda.memory_reserved`, read together. " + _MEM + _SRC,
+        ),
+        F(
+            "total",
+            MEMORY,
+            "This rank's figure to add to the caching allocator's reserved bytes for the device-level peak: "
+            "MEASURED as `metrics.device_peak - peak reserved` of the phase with the device peak; else the sum of "
+            "the parts. With several ranks, the worst rank. " + _MEM + _SRC,
+        ),
+        F(
+            "per_rank",
+            FIGURES,
+            "`total` of each rank, one figure per rank (`ledgerspec measure --nproc`). " + _MEM + _SRC,
         ),
     ),
 )
@@ -846,6 +960,7 @@ LEDGER_SECTIONS = (
     LEDGER,
     PHASES,
     METRICS,
+    OUTSIDE_ALLOCATOR,
     COMPARISON,
     MEASUREMENT,
     RESULT,

@@ -612,7 +612,9 @@ def test_every_ledger_section_and_key_of_the_spec_is_in_the_schema(section: str)
 #: the keys the catalogue adds to the spec's (optional, with documented defaults), each a deliberate addition
 ADDED: dict[str, list[str]] = {
     "training": ["loop", "mixed_precision", "use_cache", "max_grad_norm"],  # the step users actually run
-    "software": ["accepted_differences"],  # the declared stack vs the one figures were computed with
+    # the declared stack vs the one figures were computed with; issue 23: what the device holds outside the caching
+    # allocator depends on the NCCL version, the module loading mode; the allocator's own settings
+    "software": ["accepted_differences", "nccl", "cuda_module_loading", "pytorch_cuda_alloc_conf"],
     "base_model": ["module_dtypes"],  # dtypes left by k-bit preparation and a trainer's casts
     "method": ["exclude_modules"],  # PEFT's exclude_modules: e.g. a vision tower under all-linear (issue 17)
     "base_model.quantization": ["desc_act", "dequantized"],  # bases quantized by GPTQ / MXFP4 (issue 17)
@@ -626,6 +628,7 @@ ADDED: dict[str, list[str]] = {
         "use_orig_params",
         "shard_group_size",
         "deepspeed",
+        "nccl",  # issue 23: the NCCL settings that size its buffers on every rank
     ],
     "parallelism.deepspeed": [  # DeepSpeed ZeRO options that set per-rank memory (issue 16)
         "stage3_prefetch_bucket_size",
@@ -637,6 +640,9 @@ ADDED: dict[str, list[str]] = {
         "overlap_comm",
         "contiguous_gradients",
     ],
+    "parallelism.nccl": ["buffsize", "channels", "nvls_enable", "runtime_connect", "communicators"],  # issue 23
+    # issue 23: device memory outside PyTorch's caching allocator, per rank (the CUDA context, NCCL's buffers)
+    "outside_allocator": ["context", "nccl", "other", "after_load", "total", "per_rank"],
 }
 
 
