@@ -73,6 +73,10 @@ class FakeCuda:
         self.resets = 0
         self.memory = types.SimpleNamespace(_record_memory_history=self._record, _dump_snapshot=self._dump)
         self.recording: str | None = None
+        # device memory outside the allocator beyond the CONTEXT: kernel modules the first forward loads (lazy
+        # loading), set by a test; `outside` is what the fake device holds of it now
+        self.lazy_modules = 0
+        self.outside = 0
 
     # what the workload does
     def alloc(self, n: int) -> None:
@@ -113,8 +117,11 @@ class FakeCuda:
     def max_memory_reserved(self, index: int | None = None) -> int:
         return self.peak_reserved
 
+    def memory_reserved(self, index: int | None = None) -> int:
+        return self.reserved
+
     def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
-        return TOTAL - (CONTEXT + self.reserved), TOTAL
+        return TOTAL - (CONTEXT + self.outside + self.reserved), TOTAL
 
     def get_device_properties(self, index: int) -> Any:
         return types.SimpleNamespace(name=DEVICE_NAME, total_memory=TOTAL, uuid=UUID, major=9, minor=0)
@@ -163,7 +170,7 @@ class FakeNVML(types.ModuleType):
         return DRIVER.encode()  # old nvidia-ml-py returns bytes
 
     def ours(self) -> int:
-        return self.value if self.value is not None else CONTEXT + self.cuda.reserved
+        return self.value if self.value is not None else CONTEXT + self.cuda.outside + self.cuda.reserved
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:
         assert handle == "handle0"
@@ -235,6 +242,7 @@ class FakeWorkload:
 
     def forward(self, ids: int) -> int:
         self._enter("forward")
+        self.cuda.outside = self.cuda.lazy_modules  # the first launch of the step's kernels loads their modules
         seq = self._live["seq"]
         self.cuda.alloc(act_bytes(seq))
         self.cuda.alloc(logits_bytes(seq))

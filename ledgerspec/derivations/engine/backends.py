@@ -52,6 +52,15 @@ class Backend:
     def peak_categories(self) -> dict[str, int] | None:
         return None
 
+    def outside_now(self) -> int | None:
+        """Device bytes outside the caching allocator now (device-level used - reserved, read together); None
+        where there is no device to read."""
+        return None
+
+    def context_reading(self) -> dict[str, Any] | None:
+        """What the device held before the first allocation (the CUDA context): ``{"used", "reserved", "source"}``."""
+        return None
+
     def set_context(self, category: str) -> None:
         """Provisional category of the allocations that follow (tracker backends only)."""
 
@@ -250,6 +259,14 @@ class DeviceSampler:
             if epoch == self._epoch and (self._peak is None or value > self._peak):
                 self._peak = int(value)
 
+    def read(self) -> int | None:
+        """One reading now (not kept as a peak); None when it fails."""
+        try:
+            value = self._read()
+        except Exception:
+            return None
+        return None if value is None else int(value)
+
     def reset(self) -> None:
         with self._lock:
             self._epoch += 1
@@ -313,6 +330,7 @@ class CudaBackend(Backend):
         self.sampler: DeviceSampler | None = None
         self.recording = False
         self.history_problem: str | None = None  # why no memory history is recorded (no OOM snapshot then)
+        self.context: dict[str, Any] | None = None  # the device before the first allocation (session start)
 
     @property
     def cuda(self) -> Any:
@@ -333,6 +351,9 @@ class CudaBackend(Backend):
                 self.history_problem = described(exc, 200)
         try:
             self.sampler = DeviceSampler(cuda, self.index, self.sample_interval, self._nvml)
+            # the sampler's synchronize created the CUDA context; nothing is allocated yet: what the device holds
+            # for this process now is the context and the modules loaded with it
+            self.context = self._read_context(self.sampler)
             self.sampler.start()
             yield
         finally:
@@ -362,6 +383,32 @@ class CudaBackend(Backend):
 
     def reserved_peak(self) -> int | None:
         return int(self.cuda.max_memory_reserved(self.index))
+
+    def _reserved_now(self) -> int | None:
+        try:
+            return int(self.cuda.memory_reserved(self.index))
+        except Exception:  # a stand-in without it
+            return None
+
+    def _read_context(self, sampler: DeviceSampler) -> dict[str, Any] | None:
+        used = sampler.read()
+        if used is None:
+            return None
+        return {"used": used, "reserved": self._reserved_now() or 0, "source": sampler.source}
+
+    def context_reading(self) -> dict[str, Any] | None:
+        return dict(self.context) if self.context is not None else None
+
+    def outside_now(self) -> int | None:
+        if self.sampler is None:
+            return None
+        cuda = self.cuda
+        cuda.synchronize(self.index)
+        reserved = self._reserved_now()
+        used = self.sampler.read()
+        if used is None or reserved is None:
+            return None
+        return max(used - reserved, 0)
 
     def device_peak(self) -> int | None:
         return self.sampler.peak() if self.sampler is not None else None

@@ -58,6 +58,8 @@ class PhaseRecord:
     categories_at_peak: dict[str, int] | None = None
     census: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    #: cuda: device bytes outside the caching allocator at the end of the phase (used - reserved, read together)
+    outside: int | None = None
 
 
 @dataclass
@@ -89,6 +91,8 @@ class ProtocolResult:
     snapshot_path: str | None = None
     trainable_parameters: int | None = None
     device: dict[str, Any] = field(default_factory=dict)
+    #: cuda: the device before the first allocation: {"used", "reserved", "source"} (the CUDA context)
+    context: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:
@@ -112,6 +116,19 @@ class ProtocolResult:
         if self.failed_phase_device is not None:
             vals.append(self.failed_phase_device)
         return max(vals) if vals else None
+
+    def outside_at_peak(self) -> tuple[int, str] | None:
+        """(device bytes outside the caching allocator at the device peak, the phase): ``device_peak -
+        reserved_peak`` of the phase with the highest device peak. Both counters only grow within a phase (segments
+        are kept; modules, NCCL buffers stay), so both peaks fall at its end and the difference is what lay outside
+        the allocator then; a phase whose allocator released segments (an OOM's free-and-retry) reads low."""
+        best: tuple[int, int, str] | None = None
+        for name, rec in self.phases.items():
+            if rec.device_peak is None or rec.reserved_peak is None:
+                continue
+            if best is None or rec.device_peak > best[0]:
+                best = (rec.device_peak, max(rec.device_peak - rec.reserved_peak, 0), name)
+        return (best[1], best[2]) if best is not None else None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,6 +168,7 @@ class ProtocolRun:
             self.backend.peak_categories(),
             census(self.workload.model, self.workload.optimizer, self.backend.census_device),
             time.perf_counter() - t0,
+            self.backend.outside_now(),
         )
         self.result.phases[name] = rec
         return rec
@@ -259,6 +277,7 @@ def run_protocol(
             )
             result.snapshot_path = backend.on_oom(snapshot_path)
         result.device = backend.device_info()
+        result.context = backend.context_reading()
     result.trainable_parameters = workload.trainable_parameters() if workload.model is not None else None
     result.host_peak = _host_peak()
     return result
@@ -298,6 +317,7 @@ def _phases(run: ProtocolRun, steps: int) -> None:
         run.micro_step(spec.seq_worst, i, i == 0, peaks, cats, extra)
     elapsed = time.perf_counter() - t0
     held_census = census(w.model, w.optimizer, b.census_device)
+    outside = b.outside_now()
     for key, name in (("forward", "forward_peak"), ("backward", "backward_peak")):
         run.result.phases[name] = PhaseRecord(
             name,
@@ -309,6 +329,7 @@ def _phases(run: ProtocolRun, steps: int) -> None:
             cats.get(key),
             held_census,
             elapsed,
+            outside,
         )
 
     t0 = run.start("optimizer_step", "optimizer")
@@ -348,6 +369,7 @@ def _phases(run: ProtocolRun, steps: int) -> None:
         cats.get(best),
         census(w.model, w.optimizer, b.census_device),
         time.perf_counter() - t_all,
+        b.outside_now(),
     )
     run.result.step_time_s = sum(times) / len(times) if times else None
     w.step.finish()

@@ -486,6 +486,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
     if reshard is not None:
         set_plain(doc, (*p, "reshard_after_forward"), reshard, force=True)
     set_plain(doc, (*p, "per_rank_peak"), peaks, force=True)
+    _write_outside(doc, outs)
     text = "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy)" if fsdp1 else None
     if stage:
         from ledgerspec.derivations.shard.options import zero_options
@@ -515,6 +516,39 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
         + f" B; metrics.peak_allocated is the worst rank ({worst} B)"
     )
     return notes
+
+
+def _write_outside(doc: Document, outs: list[RankOutput]) -> None:
+    """``outside_allocator.per_rank`` (each rank's bytes outside the caching allocator at its device peak) and the
+    worst rank's ``total`` and ``context`` (never a sum), when every rank measured them (cuda)."""
+    from ledgerspec.contract.edit import set_figure, set_plain
+    from ledgerspec.derivations.measure.measurer import outside_figures
+
+    figures = [outside_figures(o.result) for o in outs]
+    n = len(outs)
+    if not figures or not all("total" in f for f in figures):
+        return
+    set_plain(
+        doc,
+        ("outside_allocator", "per_rank"),
+        [
+            {"value": f["total"][0], "source": "MEASURED", "method": f"rank {o.rank} of {n}: {f['total'][1]}"}
+            for o, f in zip(outs, figures, strict=True)
+        ],
+        force=True,
+    )
+    for key in ("total", "context"):
+        known = [(f[key], o.rank) for o, f in zip(outs, figures, strict=True) if key in f]
+        if len(known) == n:
+            (value, method), rank = max(known, key=lambda x: x[0][0])
+            set_figure(
+                doc,
+                ("outside_allocator", key),
+                value,
+                "MEASURED",
+                f"the worst of {n} ranks (rank {rank}; not a sum): {method}",
+                force=True,
+            )
 
 
 def _label(doc: Document) -> str:

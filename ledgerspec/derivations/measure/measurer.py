@@ -10,11 +10,14 @@ never leaves a half-written ledger.
 Write-back (source MEASURED): ``phases``, ``metrics``, ``measurement``, ``software`` (read from
 the child's running stack), ``comparison`` (the ledger's calculated subtotal against the measured
 peak), ``result.oom``/``oom_phase``; on cuda also ``ledger.activations`` (bytes held by the
-forward at the worst shape). Details that have no ledger key go to ``x-measure``.
+forward at the worst shape) and ``outside_allocator`` (device memory the caching allocator does not see: the CUDA
+context before the first allocation, at the end of ``after_load``, at the device peak). Details that have no ledger
+key go to ``x-measure``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -121,6 +124,13 @@ def software_versions(workload: Any, device: str) -> dict[str, str]:
         if getattr(torch.version, "hip", None):
             out["rocm"] = str(torch.version.hip)
         out["gpu_name"] = torch.cuda.get_device_name()
+        with contextlib.suppress(Exception):  # a build without NCCL
+            out["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+        loading = os.environ.get("CUDA_MODULE_LOADING", "").strip().upper()
+        if loading in ("LAZY", "EAGER"):
+            out["cuda_module_loading"] = loading
+        if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+            out["pytorch_cuda_alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     model = getattr(workload, "model", None)
     if model is not None:
         impl = getattr(model.get_base_model().config, "_attn_implementation", None)
@@ -295,6 +305,8 @@ def write_back(doc: Document, out: ChildOutput, command: str, compare: bool = Tr
                 f"{r.device.get('device_memory_source')}, sampled in a thread during each phase",
                 force=True,
             )
+        for key, (value, method) in outside_figures(r).items():
+            set_figure(doc, ("outside_allocator", key), value, "MEASURED", method, force=True)
         if r.activations_saved is not None and not r.oom:
             set_figure(
                 doc,
@@ -354,6 +366,43 @@ def _software(out: ChildOutput) -> dict[str, str]:
     elif r.device.get("driver"):
         software["driver"] = str(r.device["driver"])
     return software
+
+
+#: the ``outside_allocator`` keys a measurement writes (a new one replaces the MEASURED ones it finds)
+OUTSIDE_KEYS = ("context", "after_load", "total", "per_rank")
+
+
+def outside_figures(r: Any) -> dict[str, tuple[int, str]]:
+    """What a cuda run saw outside the caching allocator: ``context`` (before the first allocation),
+    ``after_load`` (at the end of the phase) and ``total`` (at the device peak), each as (bytes, method)."""
+    if r.backend != "cuda":
+        return {}
+    src = str(r.device.get("device_memory_source") or (r.context or {}).get("source") or "device memory")
+    if "device-wide" in src:
+        src += "; other processes on the device count too"
+    out: dict[str, tuple[int, str]] = {}
+    ctx = r.context or {}
+    if ctx.get("used") is not None:
+        used, reserved = int(ctx["used"]), int(ctx.get("reserved") or 0)
+        out["context"] = (
+            max(used - reserved, 0),
+            f"{src}, after the CUDA context was created and before the first allocation"
+            + (f" (minus {reserved} B the allocator had reserved)" if reserved else ""),
+        )
+    after = r.phases.get("after_load")
+    if after is not None and after.outside is not None:
+        out["after_load"] = (
+            after.outside,
+            f"{src} minus torch.cuda.memory_reserved, read together at the end of after_load",
+        )
+    at = r.outside_at_peak()
+    if at is not None:
+        out["total"] = (
+            at[0],
+            f"device peak minus torch.cuda.max_memory_reserved of the phase with the device peak ({at[1]}); "
+            f"device memory from {src}",
+        )
+    return out
 
 
 def _write_measurement(doc: Document, r: Any, command: str) -> None:
@@ -475,7 +524,17 @@ def _forget_previous_measurement(doc: Document) -> None:
     ``peak_reserved`` next to a cpu run, or a ``forward_peak`` the new run never reached)."""
     for section, keys in _OWNED.items():
         remove_keys(doc, section, keys, prune=False)
+    for key in OUTSIDE_KEYS:  # an earlier measurement's; a figure the user declared stays
+        if _measured(doc.get("outside_allocator", key).raw):
+            remove(doc, ("outside_allocator", key), prune=False)
     remove(doc, ("x-measure",))
+
+
+def _measured(raw: Any) -> bool:
+    """A MEASURED figure, or a list of them (``per_rank``)."""
+    if isinstance(raw, list):
+        return bool(raw) and all(_measured(item) for item in raw)
+    return isinstance(raw, dict) and raw.get("source") == "MEASURED"
 
 
 def _write_result(doc: Document, r: Any) -> None:
@@ -549,6 +608,11 @@ def _extension(r: Any) -> dict[str, Any]:
     for key in ("device_memory_source", "memory_history"):
         if r.device.get(key):
             ext[key] = r.device[key]
+    if r.context is not None:
+        ext["context"] = dict(r.context)
+    outside = {name: rec.outside for name, rec in r.phases.items() if rec.outside is not None}
+    if outside:
+        ext["outside_allocator_at_phase_end"] = outside
     return ext
 
 
@@ -567,6 +631,7 @@ __all__ = [
     "explain",
     "make_request",
     "measure",
+    "outside_figures",
     "run_child",
     "run_request",
     "snapshot_path_for",

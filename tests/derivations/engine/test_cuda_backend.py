@@ -386,3 +386,59 @@ def test_constructing_the_backend_touches_no_device() -> None:
             raise AssertionError(f"torch.cuda.{name} used before the session")
 
     CudaBackend(cuda=Exploding(), record_history=True)  # the child builds it before anything else
+
+
+# -- outside the caching allocator (issue 23) ---------------------------------------------------------------------
+
+
+def test_the_context_is_read_before_the_first_allocation(fake_cuda: FakeCuda, fake_nvml: FakeNVML) -> None:
+    """NVML's used memory of the process right after the context exists and before any tensor: the CONTEXT."""
+    result, backend, _ = run_fake(fake_cuda)
+    assert result.context == {"used": CONTEXT, "reserved": 0, "source": backend.sampler.source}  # type: ignore[union-attr]
+    assert fake_cuda.events.index(("init", None)) < fake_cuda.events.index(("alloc", BASE))
+
+
+def test_outside_is_used_minus_reserved_at_each_phase_end_and_at_the_device_peak(
+    fake_cuda: FakeCuda, fake_nvml: FakeNVML
+) -> None:
+    """Modules loaded at the first forward (lazy loading) grow the memory outside the allocator after load."""
+    fake_cuda.lazy_modules = 96 * MiB
+    result, _, _ = run_fake(fake_cuda)
+    outside = {name: rec.outside for name, rec in result.phases.items()}
+    assert outside["after_load"] == CONTEXT  # nothing loaded yet beyond the context
+    assert outside["after_optimizer_init"] == CONTEXT
+    for name in ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_peak"):
+        assert outside[name] == CONTEXT + 96 * MiB, name
+    at = result.outside_at_peak()
+    assert at is not None and at[0] == CONTEXT + 96 * MiB
+    top = result.phases[at[1]]
+    assert top.device_peak == result.device_peak()  # the phase that holds the device peak
+
+
+def test_outside_falls_back_to_cuda_mem_get_info(monkeypatch: pytest.MonkeyPatch, fake_cuda: FakeCuda) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    fake_cuda.lazy_modules = 10 * MiB
+    result, _, _ = run_fake(fake_cuda)
+    assert result.context is not None and result.context["used"] == CONTEXT
+    assert result.context["source"].startswith("cudaMemGetInfo")
+    assert result.phases["steady_state_peak"].outside == CONTEXT + 10 * MiB
+
+
+def test_no_device_reading_means_no_outside_figure(fake_cuda: FakeCuda, fake_nvml: FakeNVML) -> None:
+    fake_nvml.mode = "host_pid"
+
+    def broken(handle: str) -> Any:
+        raise RuntimeError("NVML_ERROR_UNKNOWN")
+
+    fake_nvml.nvmlDeviceGetMemoryInfo = broken  # type: ignore[method-assign]
+    result, _, _ = run_fake(fake_cuda)
+    assert result.context is None
+    assert all(rec.outside is None for rec in result.phases.values())
+    assert result.outside_at_peak() is None
+
+
+def test_the_tracker_backends_read_nothing_outside() -> None:
+    from ledgerspec.derivations.engine.backends import TrackerBackend
+
+    backend = TrackerBackend()
+    assert backend.outside_now() is None and backend.context_reading() is None

@@ -141,3 +141,79 @@ def test_each_nccl_rank_needs_its_own_gpu(
 
     problem = cuda_rank_problem(available, count, local_rank, nproc)
     assert (problem is None) if needle is None else (needle in (problem or ""))
+
+
+# -- outside the caching allocator (issue 23) ---------------------------------------------------------------------
+
+
+def test_write_back_records_what_lay_outside_the_allocator_as_measured(
+    ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """outside_allocator.context = NVML before the first allocation, after_load = used - reserved at the end of the
+    phase, total = device_peak - peak reserved at the device peak; the fake's modules load at the first forward."""
+    from ledgerspec.checks.validate import validate
+    from ledgerspec.contract.document import load
+    from ledgerspec.derivations.measure.measurer import write_back
+
+    fake_cuda.lazy_modules = 64 * 2**20
+    doc = load(ledger)
+    write_back(doc, cuda_output(fake_cuda, monkeypatch), "ledgerspec measure x --device cuda")
+    got = {k: doc.get("outside_allocator", k) for k in ("context", "after_load", "total")}
+    assert {k: (v.source, v.size()) for k, v in got.items()} == {
+        "context": ("MEASURED", CONTEXT),
+        "after_load": ("MEASURED", CONTEXT),
+        "total": ("MEASURED", CONTEXT + 64 * 2**20),
+    }
+    assert "before the first allocation" in str(got["context"].method)
+    assert "NVML per-process" in str(got["total"].method)
+    # the device peak is the allocator's reserved peak plus what lay outside it
+    assert doc.get("metrics", "device_peak").size() == (doc.get("metrics", "peak_reserved").size() or 0) + (
+        got["total"].size() or 0
+    )
+    assert doc.get("x-measure", "context", "used").value == CONTEXT
+    report = validate(doc)
+    assert not [f for f in report.findings if f.severity == "error"], report.findings
+
+
+def test_a_new_measurement_replaces_measured_outside_figures_and_keeps_a_declared_one(
+    ledger: Path, fake_cuda: FakeCuda, fake_nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ledgerspec.contract.document import load
+    from ledgerspec.contract.edit import set_figure
+    from ledgerspec.derivations.measure.measurer import write_back
+
+    doc = load(ledger)
+    write_back(doc, cuda_output(fake_cuda, monkeypatch), "first")
+    assert doc.get("outside_allocator", "context").source == "MEASURED"
+    set_figure(doc, ("outside_allocator", "nccl"), "300 MiB", "ASSUMPTION", note="the user's own figure", force=True)
+    cpu = cuda_output(fake_cuda, monkeypatch)
+    cpu.result.backend = "cpu"  # a later cpu run reads no device: the cuda run's figures must not outlive it
+    write_back(doc, cpu, "second")
+    assert not doc.get("outside_allocator", "context").present
+    assert not doc.get("outside_allocator", "total").present
+    assert doc.get("outside_allocator", "nccl").size() == 300 * 2**20
+
+
+def test_per_rank_outside_figures_and_the_worst_rank(fake_cuda: FakeCuda, fake_nvml: FakeNVML) -> None:
+    """measure --nproc: one MEASURED figure per rank, the worst as total (never a sum)."""
+    from ledgerspec.contract.document import from_text
+    from ledgerspec.derivations.engine.protocol import ProtocolResult
+    from ledgerspec.derivations.measure.dist import RankOutput, _write_outside
+    from tests.support.fake_cuda import run_fake
+
+    outs = []
+    for rank, modules in ((0, 10 * 2**20), (1, 40 * 2**20)):
+        cuda = FakeCuda()
+        fake_nvml.cuda = cuda
+        cuda.lazy_modules = modules
+        result, _, _ = run_fake(cuda)
+        outs.append(RankOutput(rank, ProtocolResult.from_json(result.to_json())))
+    doc = from_text("ledgerspec: ledger/v1\n")
+    _write_outside(doc, outs)
+    per_rank = doc.get("outside_allocator", "per_rank").value
+    assert [(p["value"], p["source"]) for p in per_rank] == [
+        (CONTEXT + 10 * 2**20, "MEASURED"),
+        (CONTEXT + 40 * 2**20, "MEASURED"),
+    ]
+    total = doc.get("outside_allocator", "total")
+    assert total.size() == CONTEXT + 40 * 2**20 and "rank 1" in str(total.method)
