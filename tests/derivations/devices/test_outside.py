@@ -1,0 +1,201 @@
+"""The catalogue of device memory outside PyTorch's caching allocator (``devices/outside.yaml``, issue 23).
+
+Expected figures come from the published sources the catalogue cites, worked out here by hand: NCCL's buffer sizes
+from its source's definitions (NVIDIA/nccl v2.30.7 ``src/init.cc``, ``src/transport/nvls.cc``), the 10 MiB NCCL
+allocation of one connection from NVIDIA/nccl#1685's ``NCCL_DEBUG_SUBSYS=ALLOC`` log, the 8,519,680 B cuBLAS
+workspace from pytorch/pytorch#95668 (``torch.cuda.memory_allocated`` after a Linear on an A10G), the contexts from
+the per-process nvidia-smi figures of invoke-ai/InvokeAI#9413 (RTX 3090: 256 MiB), unslothai/unsloth-zoo#1053
+(RTX 6000 Ada: 426 MiB) and unslothai/unsloth#8669 (B200: 612 MiB). Nothing here is a GPU measurement of ours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ledgerspec.contract.document import from_text
+from ledgerspec.derivations.devices import outside as O
+from tests.support import REPO_ROOT
+
+MiB = 2**20
+#: NCCL's protocol buffers of one connection, from src/init.cc's definitions
+LL = 8 * 512 * 8 * 16  # NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x sizeof(ncclLLFifoLine)
+LL128 = 120 * 640 * 8 * 8  # NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x sizeof(uint64_t)
+SIMPLE = 1 << 22  # DEFAULT_BUFFSIZE
+
+
+def part(est: O.Estimate, name: str) -> O.Part:
+    p = est.part(name)
+    assert p is not None, name
+    return p
+
+
+def test_every_entry_names_listed_sources_with_a_url() -> None:
+    cat = O.load()
+    assert cat.sources and all(s.url.startswith("https://") and s.what for s in cat.sources.values())
+    for arch, r in cat.context.items():
+        assert r.sources and r.basis in ("measured-public", "source", "assumption"), arch
+        assert r.low <= r.typical <= r.high
+    for lib in cat.libraries:
+        assert lib.sources and lib.where in ("inside the allocator", "unified memory", "host", "not used")
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "link"),
+    [
+        ("NVIDIA GeForce RTX 4090", "sm_89", "pcie"),
+        ("NVIDIA L40S", "sm_89", "pcie"),
+        ("NVIDIA RTX 6000 Ada Generation", "sm_89", "pcie"),
+        ("NVIDIA GeForce RTX 3090", "sm_86", "pcie"),
+        ("NVIDIA A10G", "sm_86", "pcie"),
+        ("NVIDIA RTX A6000", "sm_86", "pcie"),
+        ("NVIDIA A100-SXM4-80GB", "sm_80", "nvlink"),
+        ("NVIDIA A100 80GB PCIe", "sm_80", "pcie"),
+        ("NVIDIA H100 80GB HBM3", "sm_90", "nvlink"),
+        ("NVIDIA H100 PCIe", "sm_90", "pcie"),
+        ("NVIDIA H200", "sm_90", "nvlink"),
+        ("NVIDIA B200", "sm_100", "nvlink"),
+        ("AMD Instinct MI300X", "gfx942", "nvlink"),
+        ("Some Future GPU", "unknown", "pcie"),
+    ],
+)
+def test_gpu_names_map_to_their_architecture(name: str, arch: str, link: str) -> None:
+    assert O.architecture(name) == (arch, link)
+
+
+def test_every_device_of_the_device_catalogue_has_an_architecture() -> None:
+    from ledgerspec.derivations.devices.catalogue import load_catalogue
+
+    for device in load_catalogue().devices:
+        assert O.architecture(device.name)[0] != "unknown", device.name
+
+
+def test_the_published_contexts() -> None:
+    cat = O.load()
+    assert {a: (cat.context[a].typical, cat.context[a].basis) for a in ("sm_86", "sm_89", "sm_100")} == {
+        "sm_86": (256 * MiB, "measured-public"),
+        "sm_89": (426 * MiB, "measured-public"),
+        "sm_100": (612 * MiB, "measured-public"),
+    }
+    # no published figure for these: an assumption, never passed off as a measurement
+    assert {cat.context[a].basis for a in ("sm_80", "sm_90", "gfx942", "unknown")} == {"assumption"}
+
+
+def test_one_gpu_has_no_nccl_and_the_cublas_workspace_is_never_counted() -> None:
+    est = O.estimate(O.Stack(gpu_name="NVIDIA A10G"))
+    assert part(est, "nccl").typical == 0
+    cublas = part(est, "cuBLAS workspaces")
+    assert cublas.inside_allocator and not cublas.counted
+    assert cublas.low == 8_519_680  # one handle: what pytorch/pytorch#95668 saw in memory_allocated
+    assert cublas.typical == 2 * 8_519_680  # the Python thread's handle and the autograd thread's
+    assert est.typical == sum(p.typical for p in est.parts if p.name != "cuBLAS workspaces")
+    assert part(O.estimate(O.Stack(gpu_name="NVIDIA H100 80GB HBM3")), "cuBLAS workspaces").low == 32 * MiB
+
+
+def test_an_nccl_connection_is_its_three_protocol_buffers() -> None:
+    """Two PCIe GPUs, NCCL declared (2.27, 4 channels): 4 channels x 1 ring connection, no NVLS."""
+    stack = O.Stack(gpu_name="NVIDIA GeForce RTX 4090", world_size=2, nccl=O.NcclSettings(version="2.27.5", channels=4))
+    nccl = part(O.estimate(stack), "nccl")
+    conn = LL + LL128 + SIMPLE
+    assert conn == 9_633_792  # 9.1875 MiB
+    assert nccl.typical == 4 * conn + 8 * MiB
+    assert nccl.provenance == "CALCULATED"  # the formula from NCCL's source, every input declared
+    # the high side rounds a connection to NCCL's 2 MiB allocations: the 10485760 B of NVIDIA/nccl#1685
+    assert (nccl.high - 32 * MiB) % 10_485_760 == 0
+    smaller = part(
+        O.estimate(
+            O.Stack(
+                gpu_name="NVIDIA GeForce RTX 4090",
+                world_size=2,
+                nccl=O.NcclSettings(version="2.27.5", channels=4, buffsize=1 * MiB),
+            )
+        ),
+        "nccl",
+    )
+    assert nccl.typical - smaller.typical == 4 * (SIMPLE - 1 * MiB)  # NCCL_BUFFSIZE is the Simple buffer
+
+
+def test_nvls_on_eight_h100s_before_and_since_nccl_2_22() -> None:
+    """nvls.cc: channels x 2 x buffer x nHeads; 16 channels on sm_90, one head per GPU of the node."""
+
+    def nvls(version: str | None, enable: bool | None = None) -> int:
+        settings = O.NcclSettings(version=version, channels=16, nvls_enable=enable)
+        est = O.estimate(O.Stack(gpu_name="NVIDIA H100 80GB HBM3", world_size=8, nccl=settings))
+        rings = 16 * (LL + LL128 + SIMPLE) * (1 if version is None or version >= "2.22" else 3)
+        return part(est, "nccl").typical - rings - 8 * MiB
+
+    assert nvls("2.27.5") == 16 * 2 * (128 * 1024 * 8) * 8 == 268_435_456  # 256 MiB per rank
+    assert nvls("2.18.3") == 16 * 2 * (SIMPLE + 2 * MiB) * 8 == 1_610_612_736  # 1.5 GiB per rank
+    assert nvls("2.27.5", enable=False) == 0
+    assert nvls("2.16.5") == 0  # NVLS came with 2.17
+    # an undeclared NCCL: 2.22 or later assumed, the older NVLS buffers in the range
+    est = O.estimate(O.Stack(gpu_name="NVIDIA H100 80GB HBM3", world_size=8))
+    assert part(est, "nccl").high >= 1_610_612_736 and part(est, "nccl").provenance == "ASSUMPTION"
+    # PCIe H100s have no NVSwitch
+    pcie = O.estimate(O.Stack(gpu_name="NVIDIA H100 PCIe", world_size=2, nccl=O.NcclSettings(version="2.27.5")))
+    assert part(pcie, "nccl").typical < 64 * MiB
+
+
+def test_a_published_per_communicator_figure_lies_in_the_range() -> None:
+    """NVIDIA/nccl#964: 4 A100s with NVLink, an NCCL of 2023 (no runtime connect): 688 MB per process group."""
+    est = O.estimate(O.Stack(gpu_name="NVIDIA A100-SXM4-80GB", world_size=4, nccl=O.NcclSettings(version="2.18.3")))
+    nccl = part(est, "nccl")
+    assert nccl.low <= 688 * 10**6 <= nccl.high
+    two = O.estimate(O.Stack(gpu_name="NVIDIA A100-SXM4-80GB", world_size=4, nccl=O.NcclSettings(communicators=2)))
+    one = O.estimate(O.Stack(gpu_name="NVIDIA A100-SXM4-80GB", world_size=4))
+    assert part(two, "nccl").typical == 2 * part(one, "nccl").typical  # each communicator its own buffers
+
+
+def test_module_loading() -> None:
+    lazy = O.estimate(O.Stack(gpu_name="NVIDIA L40S"))
+    eager = O.estimate(O.Stack(gpu_name="NVIDIA L40S", module_loading="EAGER"))
+    cat = O.load()
+    assert part(eager, "context").typical == part(lazy, "context").typical + cat.eager_modules.typical
+    assert part(eager, "other").typical == 0  # the step's modules are already in the context
+    assert O.eager_loading(O.Stack(cuda="11.6"))  # before 11.7 there is no lazy loading
+    assert O.eager_loading(O.Stack(cuda="11.8", torch="1.12.1"))  # torch < 1.13 did not set LAZY
+    assert not O.eager_loading(O.Stack(cuda="12.4", torch="1.12.1"))  # CUDA 12.2+: LAZY by default
+    assert not O.eager_loading(O.Stack(cuda="12.8", torch="2.13.0"))
+
+
+def test_the_document_the_ledger_figure_wins_over_the_catalogue() -> None:
+    base = "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA H100 80GB HBM3, nccl: 2.27.5}\n"
+    doc = from_text(base + "parallelism: {gpu_count: 8, nccl: {channels: 16}}\n")
+    fig = O.for_document(doc)
+    assert fig.estimate is not None and fig.source == "ASSUMPTION"  # the context is an assumption
+    assert part(fig.estimate, "nccl").provenance == "CALCULATED"
+    assert fig.bytes == fig.estimate.typical
+    measured = from_text(base + "outside_allocator: {total: {value: 1 GiB, source: MEASURED, method: m}}\n")
+    got = O.for_document(measured)
+    assert (got.bytes, got.source, got.estimate) == (2**30, "MEASURED", None)
+
+
+def test_a_paged_optimizer_adds_unified_memory_up_to_its_state() -> None:
+    doc = from_text(
+        "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA A100-SXM4-80GB}\noptimizer: {name: paged_adamw_8bit}\n"
+        "ledger: {optimizer: {value: 3 GiB, source: CALCULATED, method: m}}\n"
+    )
+    est = O.estimate(O.stack_of(doc))
+    um = part(est, "unified memory")
+    assert (um.typical, um.high) == (0, 3 * 2**30)
+    plain = O.estimate(O.stack_of(from_text("ledgerspec: ledger/v1\noptimizer: {name: adamw_torch}\n")))
+    assert plain.part("unified memory") is None
+
+
+def test_the_docs_page_renders_the_catalogue() -> None:
+    page = (REPO_ROOT / "docs" / "outside-allocator.md").read_text(encoding="utf-8")
+    assert "<!-- ledgerspec:outside -->" in page
+    assert "outside-allocator.md" in (REPO_ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    text = O.markdown()
+    cat = O.load()
+    for arch in cat.context:
+        assert f"| {arch} |" in text
+    for src in cat.sources.values():
+        assert f'id="src-{src.id}"' in text and src.url in text
+    for name, _, _ in O.EXAMPLES:
+        assert name in text
+
+
+def test_the_catalogue_ships_beside_the_module() -> None:
+    assert Path(O.CATALOGUE).name == "outside.yaml" and Path(O.CATALOGUE).is_file()
