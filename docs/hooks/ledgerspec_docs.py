@@ -8,7 +8,9 @@ Markers in the Markdown pages are replaced when the site is built:
 - ``<!-- ledgerspec:gallery -->``: every file in ``examples/`` with its validation result and its HTML
   report (written next to the page as ``reports/NAME.html``);
 - ``<!-- ledgerspec:cli -->``: ``ledgerspec COMMAND --help`` for every command of this build;
-- ``<!-- ledgerspec:differences -->``: the known stack differences, from ``ledgerspec.contract.differences.KNOWN``.
+- ``<!-- ledgerspec:differences -->``: the known stack differences, from ``ledgerspec.contract.differences.KNOWN``;
+- ``<!-- ledgerspec:outside -->``: what lies outside the caching allocator, from
+  ``ledgerspec/derivations/devices/outside.yaml`` (:func:`ledgerspec.derivations.devices.outside.markdown`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         "<!-- ledgerspec:gallery -->": gallery_markdown,
         "<!-- ledgerspec:cli -->": cli_markdown,
         "<!-- ledgerspec:differences -->": differences_markdown,
+        "<!-- ledgerspec:outside -->": outside_markdown,
     }
     for marker, make in generators.items():
         if marker in markdown:
@@ -168,6 +171,12 @@ def differences_markdown() -> str:
             f"{_cell(d.figures)} | {sources} |"
         )
     return "\n".join(out) + "\n"
+
+
+def outside_markdown() -> str:
+    from ledgerspec.derivations.devices.outside import markdown
+
+    return markdown()
 
 
 def rules_markdown() -> str:
