@@ -11,7 +11,7 @@ validate itself; the run must end in exit 0, 1 or 2 with no internal error and p
 (:func:`tests.support.entry_points.check_run`).
 
 The default run tries :data:`DEFAULT_EXAMPLES` documents; the test marked slow tries ``LEDGERSPEC_FUZZ_EXAMPLES``
-(default 5,000).
+(default 5,000), in :data:`SHARDS` parts of independent random documents.
 """
 
 from __future__ import annotations
@@ -246,8 +246,13 @@ def test_mutated_documents_through_every_entry_point(document: bytes, entry: str
     _check(document, entry)
 
 
+#: the slow run's documents in this many independent parts, so that the test workers share them
+SHARDS = 4
+
+
 @pytest.mark.slow
-@settings(max_examples=SLOW_EXAMPLES, deadline=None, suppress_health_check=_HEALTH)
-@given(documents(), st.sampled_from(ENTRY_POINTS))
-def test_many_mutated_documents_through_every_entry_point(document: bytes, entry: str) -> None:
+@pytest.mark.parametrize("shard", range(SHARDS))
+@settings(max_examples=max(1, SLOW_EXAMPLES // SHARDS), deadline=None, suppress_health_check=_HEALTH)
+@given(document=documents(), entry=st.sampled_from(ENTRY_POINTS))
+def test_many_mutated_documents_through_every_entry_point(shard: int, document: bytes, entry: str) -> None:
     _check(document, entry)

@@ -13,34 +13,48 @@ from ledgerspec.derivations.stack.quiet import LOGGER, MESSAGE, quiet_bitsandbyt
 NOISY = "Failed to load CPU gemm_4bit_forward"
 
 
-def _stderr(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stderr
+COMPILER = "torch._inductor.compile_fx"
+#: a derivation that imports peft (``lora_config``, used by resolve, estimate, measure), in a fresh process
+THROUGH_A_DERIVATION = (
+    "import sys\n"
+    "from ledgerspec.derivations.stack.build import lora_config\n"
+    "from ledgerspec.contract.document import from_text\n"
+    "lora_config(from_text('ledgerspec: intake/v1\\nmethod: {kind: LoRA, rank: 8, target_modules: [q_proj]}\\n', "
+    "'x.yaml'))\n"
+    f"print({COMPILER!r} in sys.modules)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def imports() -> dict[str, subprocess.CompletedProcess[str]]:
+    """``import peft`` in a fresh process, plainly and through a derivation: what each printed, and whether it
+    loaded TorchInductor's compiler."""
+    out = {}
+    for name, code in (
+        ("plain", f"import sys, peft; print({COMPILER!r} in sys.modules)"),
+        ("quiet", THROUGH_A_DERIVATION),
+    ):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out[name] = proc
+    return out
 
 
 @pytest.mark.slow
-def test_import_is_quiet() -> None:
-    """``import peft`` imports bitsandbytes, which logs the line on this machine's CPU."""
-    plain = _stderr("import peft")
-    if NOISY not in plain:
+def test_import_is_quiet(imports: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    """``import peft`` imports bitsandbytes, which logs the line on this machine's CPU; a derivation that imports
+    peft prints nothing."""
+    if NOISY not in imports["plain"].stderr:
         pytest.skip("this CPU/bitsandbytes does not log the kernels-community line (no AVX512-BF16?)")
-    quiet = _stderr(
-        "from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes; quiet_bitsandbytes(); import peft"
-    )
-    assert NOISY not in quiet, quiet
+    assert NOISY not in imports["quiet"].stderr, imports["quiet"].stderr
 
 
 @pytest.mark.slow
-def test_derivations_import_peft_quietly() -> None:
-    """A derivation that imports peft (``lora_config``, used by resolve, estimate, measure) prints nothing."""
-    text = "ledgerspec: intake/v1\\nmethod: {kind: LoRA, rank: 8, target_modules: [q_proj]}\\n"
-    code = (
-        "from ledgerspec.derivations.stack.build import lora_config; "
-        "from ledgerspec.contract.document import from_text; "
-        f"lora_config(from_text('{text}', 'x.yaml'))"
-    )
-    assert NOISY not in _stderr(code)
+def test_importing_peft_loads_no_compiler(imports: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    """bitsandbytes 0.50 wraps kernels in ``torch.compile`` at import: a plain ``import peft`` loads TorchInductor's
+    compiler, a derivation (through :func:`quiet_bitsandbytes`) does not."""
+    assert imports["plain"].stdout.split()[-1] == "True"
+    assert imports["quiet"].stdout.split()[-1] == "False"
 
 
 def test_only_that_record_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
@@ -83,23 +97,3 @@ def test_compile_is_deferred_to_the_first_call(monkeypatch: pytest.MonkeyPatch) 
     assert plain(3) == ("compiled", (3,)) and plain(4) == ("compiled", (4,))
     assert factory(5) == ("compiled", (5,))
     assert calls == [(double, {"dynamic": False}), (double, {"fullgraph": True})]
-
-
-@pytest.mark.slow
-def test_importing_peft_loads_no_compiler() -> None:
-    """bitsandbytes 0.50 wraps kernels in ``torch.compile`` at import: through :func:`quiet_bitsandbytes` that loads
-    no TorchInductor compiler (``torch._inductor.compile_fx``), which a plain ``import peft`` does."""
-    probe = "import sys; {}import peft; print('torch._inductor.compile_fx' in sys.modules)"
-    plain = subprocess.run([sys.executable, "-c", probe.format("")], capture_output=True, text=True, timeout=120)
-    quiet = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            probe.format("from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes; quiet_bitsandbytes(); "),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert plain.stdout.split()[-1] == "True", plain.stderr
-    assert quiet.stdout.split()[-1] == "False", quiet.stderr
