@@ -160,10 +160,15 @@ def _run(command: str, cwd: Path) -> tuple[int, str]:
     [p for p in PAGES if any(b.marker not in ("needs-gpu", "not-run") and b.commands for b in shell_blocks(p))],
     ids=_page_id,
 )
-def test_documented_commands_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every command of the page, in order, in a fresh copy of the examples; exit codes as documented."""
+def test_documented_commands_run(
+    page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docs_estimate_cache: Path
+) -> None:
+    """Every command of the page, in order, in a fresh copy of the examples; exit codes as documented. The
+    estimates go through one estimate cache for the pages, as a user's repeated commands do (docs: "The estimate
+    cache")."""
     shutil.copytree(EXAMPLES, tmp_path / "examples")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LEDGERSPEC_CACHE_DIR", str(docs_estimate_cache))
     for b in shell_blocks(page):
         if b.marker in ("needs-gpu", "not-run"):
             continue
@@ -172,6 +177,11 @@ def test_documented_commands_run(page: Path, tmp_path: Path, monkeypatch: pytest
             code, output = _run(command, tmp_path)
             assert "Traceback" not in output, f"{_page_id(page)}:{b.line}: `{command}`\n{output}"
             assert code == want, f"{_page_id(page)}:{b.line}: `{command}` exited {code}, not {want}\n{output}"
+
+
+@pytest.fixture(scope="session")
+def docs_estimate_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("estimate-cache")
 
 
 # -- the site -------------------------------------------------------------------------------------------

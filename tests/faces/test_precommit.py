@@ -27,7 +27,11 @@ GOOD = EXAMPLES / "llama-2-7b-lora.ledger.yaml"
 BAD = EXAMPLES / "naive-article-audit.ledger.yaml"  # counts gradients for all 7B parameters: LS020
 DOWNGRADED = EXAMPLES / "downgraded.ledger.yaml"  # declares VALIDATED, supports CANDIDATE
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(PRE_COMMIT is None, reason="pre-commit is a [dev] dependency")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PRE_COMMIT is None, reason="pre-commit is a [dev] dependency"),
+    pytest.mark.xdist_group("pre-commit"),  # one worker: the hook environment (PRE_COMMIT_HOME) is built once
+]
 
 
 def test_hook_manifest() -> None:

@@ -41,6 +41,7 @@ def imports() -> dict[str, subprocess.CompletedProcess[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("quiet-imports")  # its module fixture, once
 def test_import_is_quiet(imports: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``import peft`` imports bitsandbytes, which logs the line on this machine's CPU; a derivation that imports
     peft prints nothing."""
@@ -50,6 +51,7 @@ def test_import_is_quiet(imports: dict[str, subprocess.CompletedProcess[str]]) -
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("quiet-imports")  # its module fixture, once
 def test_importing_peft_loads_no_compiler(imports: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """bitsandbytes 0.50 wraps kernels in ``torch.compile`` at import: a plain ``import peft`` loads TorchInductor's
     compiler, a derivation (through :func:`quiet_bitsandbytes`) does not."""
