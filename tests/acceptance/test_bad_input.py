@@ -177,6 +177,7 @@ def test_twenty_megabyte_file_is_refused_before_parsing(tmp_path: Path, cli: Cli
     assert f"{path}:1:1: load: error: file is {path.stat().st_size} bytes, over the {MAX_FILE_BYTES}-byte limit" in out
 
 
+@pytest.mark.slow  # the whole corpus, or a process per case: the full suite, not the edit loop
 def test_too_many_nodes_is_refused(tmp_path: Path, cli: CliRunner) -> None:
     path = tmp_path / "wide.ledger.yaml"
     path.write_text("ledgerspec: ledger/v1\nx-list: [" + ", ".join(["1"] * (MAX_NODES + 10)) + "]\n")
@@ -239,6 +240,7 @@ def test_python_tags_never_execute(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not (tmp_path / "ledgerspec-pwned").exists()
 
 
+@pytest.mark.slow  # the whole corpus, or a process per case: the full suite, not the edit loop
 def test_real_subprocess_on_the_whole_corpus(tmp_path: Path) -> None:
     """One real process over every bad file: the console script path, with python tags in the mix."""
     files = [str(_bad(n)) for n in sorted(CASES)]
@@ -310,6 +312,7 @@ def _line_of(run: Run, name: str) -> list[str]:
     return [ln for ln in run.text.splitlines() if ln.startswith(f"{run.path}:{line}:")]
 
 
+@pytest.mark.slow  # the whole corpus, or a process per case: the full suite, not the edit loop
 @pytest.mark.parametrize(("name", "entry"), EVERY)
 def test_every_command_refuses_or_reads_the_corpus_cleanly(name: str, entry: str, tmp_path: Path) -> None:
     """Exit 0/1/2, never an internal error; a file refused at load is refused by every command with the same one
@@ -352,6 +355,7 @@ def test_every_command_refuses_or_reads_the_corpus_cleanly(name: str, entry: str
     assert not [p for p in (tmp_path / "work").iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_resolve_and_estimate_refuse_a_bad_file_without_importing_torch(tmp_path: Path) -> None:
     """A real process with torch made unimportable: every file refused at load (or by its header) is refused by
     resolve and estimate with validate's line, exit 2 (an import of torch would be an internal error, exit 70)."""
@@ -480,6 +484,7 @@ HOSTILE_NAMES = [
 ]
 
 
+@pytest.mark.slow  # the whole corpus, or a process per case: the full suite, not the edit loop
 @pytest.mark.parametrize("name", HOSTILE_NAMES, ids=["non-utf8", "uri-chars", "controls", "unicode-bidi"])
 def test_every_output_format_is_valid_utf8_whatever_the_file_name(name: str, tmp_path: Path) -> None:
     """A non-UTF-8 name used to crash report --html and validate's text and JSON output; SARIF carried the raw path
@@ -508,6 +513,7 @@ def test_every_output_format_is_valid_utf8_whatever_the_file_name(name: str, tmp
     assert "/" not in uri and unquote_to_bytes(uri) == os.fsencode(name)  # a relative reference
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 @pytest.mark.parametrize("fmt", ["text", "json", "github", "sarif"])
 @pytest.mark.parametrize("locale", ["C.UTF-8", "C"])
 def test_a_real_process_writes_valid_utf8_under_a_strict_or_c_locale(fmt: str, locale: str, tmp_path: Path) -> None:

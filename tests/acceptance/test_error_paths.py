@@ -310,6 +310,7 @@ def test_an_unexpected_exception_is_an_internal_error(
         cli(*_argv(cmd, path))
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_a_crash_of_the_measurement_child_is_an_internal_error(
     cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -30,7 +30,7 @@ from ledgerspec.contract.loader import make_yaml
 from tests.support import BAD, CASES, EXAMPLES
 from tests.support.entry_points import ENTRY_POINTS, check_run, run_entry, sarif_errors
 
-DEFAULT_EXAMPLES = 200
+DEFAULT_EXAMPLES = 40
 SLOW_EXAMPLES = int(os.environ.get("LEDGERSPEC_FUZZ_EXAMPLES", "5000"))
 
 FILES = sorted(

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -22,8 +23,10 @@ from ledgerspec.contract.document import Document, from_text, load
 from ledgerspec.contract.fingerprint import RESOLVE_INPUTS, WORKLOAD_INPUTS, changed_sections, digests, section_digest
 from tests.support import EXAMPLES, CliRunner
 
-pytest.importorskip("torch")
-pytest.importorskip("peft")
+pytestmark = pytest.mark.skipif(  # checked without importing them: collection stays light
+    importlib.util.find_spec("torch") is None or importlib.util.find_spec("peft") is None,
+    reason="needs torch and peft (resolve)",
+)
 
 TINY = EXAMPLES / "tiny" / "tiny-llama-lora.ledger.yaml"
 QLORA = {  # the tiny example as QLoRA: a bf16 base quantized to nf4

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -64,9 +65,23 @@ def test_the_key_lists_cover_the_fuzzed_keys() -> None:
         assert set(keys) <= known_keys(tools[fmt]) | {"peft_type"}, fmt
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture]}
+
+
+@settings(max_examples=100, **_FUZZ)  # type: ignore[arg-type]
 @given(fmt=st.sampled_from(sorted(_KEYS)), data=st.data())
 def test_any_values_give_an_intake_or_one_clear_error(tmp_path: Path, fmt: str, data: Any) -> None:
+    _imports_or_refuses(tmp_path, fmt, data)
+
+
+@pytest.mark.slow  # 300 more configurations in the full suite
+@settings(max_examples=300, **_FUZZ)  # type: ignore[arg-type]
+@given(fmt=st.sampled_from(sorted(_KEYS)), data=st.data())
+def test_many_values_give_an_intake_or_one_clear_error(tmp_path: Path, fmt: str, data: Any) -> None:
+    _imports_or_refuses(tmp_path, fmt, data)
+
+
+def _imports_or_refuses(tmp_path: Path, fmt: str, data: Any) -> None:
     keys = data.draw(st.lists(st.sampled_from(_KEYS[fmt]), unique=True, max_size=12))
     config = {k: data.draw(_VALUES) for k in keys}
     if fmt == "axolotl" and data.draw(st.booleans()):  # most runs past the adapter check

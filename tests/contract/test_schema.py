@@ -97,6 +97,7 @@ def _check_jsonschema(schema: str, *files: Path) -> subprocess.CompletedProcess[
     )
 
 
+@pytest.mark.slow  # starts check-jsonschema processes: the full suite, not the edit loop
 @pytest.mark.parametrize(("kind", "schema"), [("ledger", "ledger.v1.json"), ("intake", "intake.v1.json")])
 def test_check_jsonschema_accepts_the_examples(kind: str, schema: str) -> None:
     files = [p for p in _documents(kind) if p.parent == EXAMPLES or p.parent.name == "accepted"]
@@ -106,6 +107,7 @@ def test_check_jsonschema_accepts_the_examples(kind: str, schema: str) -> None:
     assert "ok -- validation done" in proc.stdout
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_check_jsonschema_agrees_with_our_schema_step_on_every_case() -> None:
     """Every ledger in examples/ and tests/cases/ that our schema step accepts, check-jsonschema accepts too."""
     from ledgerspec.checks.schema_check import schema_hits
@@ -117,6 +119,7 @@ def test_check_jsonschema_agrees_with_our_schema_step_on_every_case() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # starts check-jsonschema processes: the full suite, not the edit loop
 @pytest.mark.parametrize("bad", ["unit_gibb", "typo_top_key", "unknown_source", "negative_size", "wrong_types"])
 def test_check_jsonschema_rejects_a_bad_ledger(bad: str) -> None:
     path = BAD / f"{bad}.ledger.yaml"
@@ -126,6 +129,7 @@ def test_check_jsonschema_rejects_a_bad_ledger(bad: str) -> None:
     assert str(path) in proc.stdout
 
 
+@pytest.mark.slow  # starts check-jsonschema processes: the full suite, not the edit loop
 def test_check_jsonschema_rejects_a_ledger_as_intake() -> None:
     proc = _check_jsonschema("intake.v1.json", EXAMPLES / "llama-2-7b-lora.ledger.yaml")
     assert proc.returncode == 1

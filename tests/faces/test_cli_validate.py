@@ -533,6 +533,7 @@ def test_validate_imports_no_heavy_library() -> None:
     assert not imported & set(HEAVY), f"validate imported {sorted(imported & set(HEAVY))}"
 
 
+@pytest.mark.slow  # the whole corpus, or a process per case: the full suite, not the edit loop
 def test_validate_never_touches_the_network(cli: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("validate opened a network connection")

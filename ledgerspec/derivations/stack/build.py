@@ -107,14 +107,18 @@ def lora_rank(doc: Document) -> int:
 
 def preflight(doc: Document, trust_remote_code: bool = False) -> None:
     """The checks of :func:`load_config` and :func:`lora_config` that need no torch, for a parent process to fail
-    fast before it starts a child that imports torch."""
-    config_file(doc, trust_remote_code)
+    fast before it starts a child that imports torch (the config's pin too: ``identity.config_sha256``)."""
+    local = config_file(doc, trust_remote_code)
+    if local is not None:
+        _check_pin(doc, local[0], hashlib.sha256(local[1]).hexdigest())
     lora_rank(doc)
 
 
 def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = False) -> ModelSource:
     """The model config named by ``identity.config_path`` (relative to the document) or ``model_id``+``revision``."""
     local = config_file(doc, trust_remote_code)
+    if local is not None:  # the pin first: a config other than the pinned one is refused before transformers loads
+        _check_pin(doc, local[0], hashlib.sha256(local[1]).hexdigest())
     from transformers import AutoConfig
 
     if local is not None:
@@ -134,7 +138,6 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
             raise _err(doc, ("identity", "config_path"), f"transformers cannot read {file}: {msg}", hint) from None
         archs = data.get("architectures") or []
         sha256 = hashlib.sha256(raw).hexdigest()
-        _check_pin(doc, file, sha256)
         return ModelSource(config, str(file), sha256, archs[0] if archs else None, (note,) if note else ())
 
     model_id = doc.get("identity", "model_id").text()

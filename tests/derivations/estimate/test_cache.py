@@ -49,6 +49,7 @@ def _same(a: Estimate, b: Estimate) -> None:
     assert (a.at_peak, a.figures, a.stack, a.differences) == (b.at_peak, b.figures, b.stack, b.differences)
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_an_answer_from_the_cache_equals_a_fresh_trace(ledger: Path, store: C.EstimateCache) -> None:
     fresh = estimate(load(ledger))  # no store: traced
     first = estimate(load(ledger), store=store)
@@ -73,6 +74,7 @@ def test_each_input_that_changes_the_trace_changes_the_key(ledger: Path, store: 
     assert C.key(load(ledger), {"target": "cuda"}) != base
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_writing_the_answer_back_keeps_the_key(ledger: Path, store: C.EstimateCache) -> None:
     """estimate writes ledger.activations, x-estimate, result and the status: outputs, not inputs."""
     from tests.support import run_cli
@@ -101,6 +103,7 @@ def test_code_and_stack_are_in_the_key(ledger: Path, monkeypatch: pytest.MonkeyP
     assert C.key(doc, {}) != base
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_a_corrupt_or_foreign_entry_is_a_miss_and_is_replaced(ledger: Path, store: C.EstimateCache) -> None:
     first = estimate(load(ledger), store=store)
     (entry,) = _entries(store)
@@ -115,6 +118,7 @@ def test_a_corrupt_or_foreign_entry_is_a_miss_and_is_replaced(ledger: Path, stor
     assert estimate(load(ledger), store=store).cached_from is None
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_a_cache_that_cannot_be_written_is_no_cache(ledger: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("", encoding="utf-8")

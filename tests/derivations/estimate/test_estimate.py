@@ -129,6 +129,7 @@ def _copy(tmp_path: Path, text: str, name: str = "t.ledger.yaml", arch: str = "t
     return path
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_writes_activations_and_phases_with_provenance(tmp_path: Path, cli: CliRunner) -> None:
     path = _copy(tmp_path, ledger_text(checkpointing=True))
     code, out, err = cli("estimate", path, "--device-memory", "1GiB")
@@ -147,6 +148,7 @@ def test_writes_activations_and_phases_with_provenance(tmp_path: Path, cli: CliR
     assert doc.get("result", "fits").switch() is True
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_does_not_fit_names_the_first_phase_over_the_device(tmp_path: Path, cli: CliRunner) -> None:
     path = _copy(tmp_path, ledger_text())
     est = estimate(load(path))
@@ -162,6 +164,7 @@ def test_does_not_fit_names_the_first_phase_over_the_device(tmp_path: Path, cli:
     assert doc.get("result", "fits").switch() is False
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_status_reaches_candidate(tmp_path: Path, cli: CliRunner) -> None:
     from ledgerspec.checks.ladder import supported_status
 
@@ -181,6 +184,7 @@ def test_status_reaches_candidate(tmp_path: Path, cli: CliRunner) -> None:
     assert supported_status(load(path)).status == "CANDIDATE"
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_measured_activations_are_kept(tmp_path: Path, cli: CliRunner) -> None:
     path = _copy(tmp_path, ledger_text() + "ledger:\n  activations: {value: 12345, source: MEASURED}\n")
     code, _, err = cli("estimate", path)
@@ -191,6 +195,7 @@ def test_measured_activations_are_kept(tmp_path: Path, cli: CliRunner) -> None:
     assert doc.get("x-estimate", "peak_allocated").size()
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_intake_is_printed_not_written(tmp_path: Path, cli: CliRunner) -> None:
     text = ledger_text().replace("ledgerspec: ledger/v1", "ledgerspec: intake/v1").replace("status: CALCULATED\n", "")
     path = _copy(tmp_path, text, "t.intake.yaml")
@@ -284,6 +289,7 @@ def test_sweep_prints_the_matrix_and_the_largest_fitting(tmp_path: Path, cli: Cl
     assert code == 1 and "no configuration fits" in out  # as a single estimate that does not fit
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_checkpointing_and_microbatch_move_the_estimate_the_right_way() -> None:
     def peak(**kw: Any) -> Any:
         return estimate(ledger(seq=128, **kw))

@@ -38,7 +38,7 @@ sys.exit(int(os.environ.get("EXIT", "0")))
 """
 
 
-@pytest.fixture(params=["subprocess", "forkserver"])
+@pytest.fixture(params=["subprocess", pytest.param("forkserver", marks=pytest.mark.slow)])  # its server: seconds
 def launcher(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv(launch.ENV, request.param)
     return str(request.param)
@@ -72,6 +72,7 @@ def test_a_module_runs_as_python_m(tmp_path: Path, launcher: str) -> None:
     assert json.loads(out.read_text(encoding="utf-8"))["name"] == "__main__"
 
 
+@pytest.mark.slow  # starts the fork server: seconds
 def test_an_environment_read_at_import_gets_a_fresh_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(launch.ENV, "forkserver")
     launch.run([str(_script(tmp_path)), str(tmp_path / "a.json")], timeout=120)  # the server runs
@@ -81,6 +82,7 @@ def test_an_environment_read_at_import_gets_a_fresh_python(tmp_path: Path, monke
     assert same.wait(120).returncode == 0 and other.wait(120).returncode == 0
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_a_timeout_kills_the_process(tmp_path: Path, launcher: str) -> None:
     script = tmp_path / "sleep.py"
     script.write_text("import time\ntime.sleep(60)\n", encoding="utf-8")

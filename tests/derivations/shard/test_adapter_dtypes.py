@@ -96,6 +96,7 @@ def _check_shard_estimate(path: Path) -> None:
         )
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_bf16_adapters_on_a_bf16_base_shard_estimate(tmp_path: Path) -> None:
     """The case of the issue: ``shard --estimate`` runs the step and its state is the calculated bf16 state."""
     pytest.importorskip("torch")

@@ -189,6 +189,7 @@ MEASURED = {
 }
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_backward_prefetch_keeps_one_more_unit_gathered_in_backward(tmp_path: Path) -> None:
     """``backward_prefetch: backward_pre`` all-gathers the next unit before the current one's gradients: the simulated
     backward peak is one decoder-layer unit (the calculated unsharded flat parameter) above no prefetch, the

@@ -64,6 +64,7 @@ def simulated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return {"strategy": request.param, "path": off, "out": out, "doc": load(off), "plain": plain}
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_the_estimate_writes_device_phases_and_a_host_peak_per_rank(simulated: dict[str, Any]) -> None:
     est = simulated["doc"].plain["parallelism"]["x-per-rank"]["estimate"]
     assert "CPUOffload" in est["method"] and "host_peak" in est["method"]
@@ -83,6 +84,7 @@ def test_the_estimate_writes_device_phases_and_a_host_peak_per_rank(simulated: d
     assert "host_peak" in simulated["out"]
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_after_load_the_device_holds_only_the_buffers(simulated: dict[str, Any]) -> None:
     """Every shard is on the host; FSDP moves the buffers (rotary inv_freq) to the device."""
     buffers = _buffer_bytes(simulated["path"])
@@ -91,6 +93,7 @@ def test_after_load_the_device_holds_only_the_buffers(simulated: dict[str, Any])
         assert row["phases"]["after_optimizer_init"] == buffers
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_the_host_holds_the_sharded_state_at_the_optimizer_step(simulated: dict[str, Any]) -> None:
     """At the step the host holds at least every shard, gradient shard and optimizer state of the rank's plan."""
     from ledgerspec.derivations.shard.model import document_descriptors
@@ -105,6 +108,7 @@ def test_the_host_holds_the_sharded_state_at_the_optimizer_step(simulated: dict[
         assert row["phases"]["optimizer_step_peak"] < rs.gradients + rs.optimizer  # the step runs on the host
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_fsdp2_offload_totals_equal_the_run_without_offload(simulated: dict[str, Any]) -> None:
     """On the CPU FSDP2's host <-> device copies are the tensors themselves (``.to(cpu)`` of a CPU tensor), so both
     sides together are the figures of the same step without offload; FSDP1 differs (its pinned copy of each shard
@@ -118,6 +122,7 @@ def test_fsdp2_offload_totals_equal_the_run_without_offload(simulated: dict[str,
         assert row["phases"]["steady_state_peak"] < plain.phases["steady_state_peak"]
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_calculated_block_says_what_moves_to_the_host(simulated: dict[str, Any]) -> None:
     from ledgerspec.derivations.shard.model import document_descriptors
 
@@ -141,6 +146,7 @@ def test_calculated_block_says_what_moves_to_the_host(simulated: dict[str, Any])
     assert "CPU offload (" in simulated["out"] and "to the host" in simulated["out"]
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_offload_makes_a_tight_device_fit(simulated: dict[str, Any]) -> None:
     """The fit verdict is the device's: a budget between the offloaded device peak and the peak without offload fits
     only with offload."""

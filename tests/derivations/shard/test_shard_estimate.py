@@ -75,6 +75,7 @@ def estimated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return {"result": result, "plan": plan, "doc": doc, "kind": request.param}
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_static_phases_are_the_calculated_shards(estimated: dict[str, Any]) -> None:
     for est, calc in zip(estimated["result"].estimate.ranks, estimated["plan"].ranks, strict=True):
         assert est.phases["after_load"] == calc.frozen_base
@@ -84,6 +85,7 @@ def test_static_phases_are_the_calculated_shards(estimated: dict[str, Any]) -> N
         assert c["optimizer"] == calc.optimizer + calc.optimizer_host  # target cpu: the step scalars count too
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_each_rank_is_simulated_with_its_own_rows(estimated: dict[str, Any]) -> None:
     r0, r1 = estimated["result"].estimate.ranks
     assert r0.simulated_as == 0 and r1.simulated_as == 1
@@ -95,6 +97,7 @@ def test_each_rank_is_simulated_with_its_own_rows(estimated: dict[str, Any]) -> 
     )
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_compute_holds_gathered_units_and_unsharded_activations(estimated: dict[str, Any]) -> None:
     plan = estimated["plan"]
     for est, calc in zip(estimated["result"].estimate.ranks, plan.ranks, strict=True):
@@ -124,6 +127,7 @@ def test_per_rank_activations_are_the_single_device_activations(tmp_path: Path, 
     assert [r.activations for r in ranks] == [single] * len(ranks)
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_written_as_calculated_with_method_and_fit(estimated: dict[str, Any]) -> None:
     block = estimated["doc"].plain["parallelism"]["x-per-rank"]["estimate"]
     assert block["source"] == "CALCULATED" and block["target"] == "cpu"
@@ -135,6 +139,7 @@ def test_written_as_calculated_with_method_and_fit(estimated: dict[str, Any]) ->
     assert all(r["peak_allocated"]["source"] == "CALCULATED" and r["fits"] for r in block["ranks"])
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_does_not_fit_exits_1_and_still_writes(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     path = _copy(tmp_path)
@@ -234,6 +239,7 @@ def test_qlora_fake_packed_weights_are_sharded_as_the_measured_ones(tmp_path: Pa
         assert rows == S.chunk_rows(full[0], 2)[rank]
 
 
+@pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_qlora_forward_uses_the_gathered_packed_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every fake 4-bit forward sees its layer's all-gathered packed weight (the whole packed shape, a plain tensor
     FSDP2 unsharded), never the rank's DTensor shard."""
