@@ -1,12 +1,15 @@
 """The full-depth event stream built from three shallow probes (:mod:`ledgerspec.derivations.allocator.depth`).
 
 The truth is always a stream of the full depth produced independently: a toy step written out here, layer by layer,
-for the construction's rules.
+for the construction's rules (fast), and real full-depth traces of the estimate's step for tiny models of each layer
+pattern (slow): event by event the same allocations and frees, and the replay's figures the same phase by phase.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -165,3 +168,127 @@ def test_canonical_streams_ignore_ids_not_which_allocation_is_freed() -> None:
     b = [("alloc", 1, 10, 0), ("alloc", 2, 10, 0), ("free", 1)]
     c = [("alloc", 1, 10, 0), ("alloc", 2, 10, 0), ("free", 2)]
     assert canonical(a) == canonical(b) != canonical(c)
+
+
+# -- real steps: the construction against full-depth traces ----------------------------------------------------------
+
+REAL = [
+    pytest.param({"arch": "tiny-llama-gqa", "microbatch": 2, "seq": 64}, id="llama"),
+    pytest.param(
+        {"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 2, "microbatch": 1, "seq": 64},
+        id="llama-ckpt-accum2",
+    ),
+    pytest.param({"arch": "tiny-qwen2", "seq": 128, "accumulation": 2}, id="qwen2-accum2"),
+    pytest.param(
+        {"arch": "tiny-mistral", "checkpointing": True, "seq": 128, "targets": "all-linear"}, id="mistral-ckpt"
+    ),
+    pytest.param({"arch": "tiny-qwen2", "quant": "nf4", "targets": "all-linear", "seq": 80}, id="qwen2-qlora-nf4"),
+    pytest.param(
+        {
+            "arch": "tiny-llama-gqa",
+            "quant": "nf4",
+            "dtype": "float16",
+            "checkpointing": True,
+            "accumulation": 2,
+            "optimizer": "paged_adamw_8bit",
+            "targets": "all-linear",
+            "microbatch": 1,
+            "seq": 48,
+        },
+        id="llama-qlora-paged8bit-ckpt-accum2",
+    ),
+    pytest.param({"arch": "tiny-llama-gqa", "loop": "custom", "seq": 64}, id="llama-custom-loop"),
+    # Gemma2's sliding/full pattern (period 2, probes 4, 6, 8): a 12-layer copy of the tiny config, so that the
+    # stream is built past the third probe
+    pytest.param(
+        {"arch": "tiny-gemma2", "attention": "eager", "seq": 128, "accumulation": 2, "layers": 12}, id="gemma2-accum2"
+    ),
+    pytest.param(
+        {"arch": "tiny-gemma2", "attention": "flash_attention_2", "seq": 128, "checkpointing": True, "layers": 12},
+        id="gemma2-flash-ckpt",
+    ),
+    # deep: 32 layers, 30 periods past the shallowest probe
+    pytest.param({"arch": "tiny-llama-gqa", "seq": 32, "layers": 32}, id="llama-32-layers"),
+]
+
+
+def real_doc(case: dict[str, Any], tmp_path: Path) -> Any:
+    """The case's ledger; with ``layers``, over a copy of the tiny config that deep (its layer pattern continued)."""
+    from ledgerspec.contract.document import from_text
+    from tests.support.estimate_docs import DATA, ledger, ledger_text
+
+    case = dict(case)
+    layers = case.pop("layers", None)
+    if layers is None:
+        return ledger(**case)
+    config = json.loads((DATA / case["arch"] / "config.json").read_text())
+    types = config.get("layer_types")
+    config["num_hidden_layers"] = layers
+    if types:
+        config["layer_types"] = [types[n % 2] for n in range(layers)]
+    (tmp_path / case["arch"]).mkdir()
+    (tmp_path / case["arch"] / "config.json").write_text(json.dumps(config))
+    return from_text(ledger_text(**case), str(tmp_path / "test.ledger.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", REAL)
+def test_the_stream_built_from_probes_is_the_full_depth_trace(case: dict[str, Any], tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.allocator.step import full_depth_events, replay_step, step_events
+
+    doc = real_doc(case, tmp_path)
+    step = full_depth_events(doc)
+    assert step.fallback is None and step.method.startswith("built from the probes"), step.method
+    full = step_events(doc, layers=None)
+    assert step.layers == full.layers and step.windows == full.windows
+    assert canonical(step.events) == canonical(full.events)
+    ours, truth = replay_step(doc, step=step), replay_step(doc, step=full)
+    assert ours.phases == truth.phases
+    for name, figures in truth.phases.items():
+        assert figures.allocated == full.figures[name], name  # the trace's own count at full depth
+
+
+@pytest.mark.slow
+def test_the_first_oom_at_full_depth_is_the_full_traces(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.allocator.step import replay_step, reserved_step, step_events
+
+    doc = real_doc({"arch": "tiny-llama-gqa", "seq": 64, "accumulation": 2, "layers": 16}, tmp_path)
+    truth = replay_step(doc, step=step_events(doc, layers=None))
+    capacity = max(p.reserved for p in truth.phases.values()) - 1
+    tight = reserved_step(doc, capacity=capacity)
+    expected = replay_step(doc, capacity=capacity, step=step_events(doc, layers=None))
+    assert tight.oom is not None and tight.oom == expected.oom
+    assert tight.oom.free_unusable == tight.oom.reserved - tight.oom.allocated
+    assert tight.oom.reserved + tight.oom.alloc_size > capacity
+    roomy = reserved_step(doc, capacity=capacity + 1)
+    assert roomy.fits and roomy.phases == truth.phases
+
+
+@pytest.mark.slow
+def test_streams_the_probes_cannot_give_are_traced_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.allocator import step as step_module
+    from tests.support.estimate_docs import ledger
+
+    def refuse(streams: Any, layers: int) -> list[Event]:
+        raise NotExtensible("a free follows no rule of the depth pattern")
+
+    monkeypatch.setattr(step_module, "extend_stream", refuse)
+    doc = ledger(seq=32)
+    step = step_module.full_depth_events(doc)
+    assert step.fallback is not None and "traced all 8 layers instead" in step.fallback
+    assert "\n" not in step.fallback and "follows no rule" in step.fallback
+    assert canonical(step.events) == canonical(step_module.step_events(doc, layers=None).events)
+
+
+@pytest.mark.slow
+def test_a_stack_too_shallow_for_a_third_probe_is_traced_in_full() -> None:
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.allocator.step import full_depth_events
+    from tests.support.estimate_docs import ledger
+
+    step = full_depth_events(ledger(arch="tiny-gemma2", attention="eager", seq=32))  # 8 layers, probes 4 and 6
+    assert step.fallback is None and step.layers == 8
+    assert step.method == "traced with all 8 decoder layers (a third probe would be as deep)"
