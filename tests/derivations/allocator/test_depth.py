@@ -292,3 +292,17 @@ def test_a_stack_too_shallow_for_a_third_probe_is_traced_in_full() -> None:
     step = full_depth_events(ledger(arch="tiny-gemma2", attention="eager", seq=32))  # 8 layers, probes 4 and 6
     assert step.fallback is None and step.layers == 8
     assert step.method == "traced with all 8 decoder layers (a third probe would be as deep)"
+
+
+@pytest.mark.slow
+def test_the_built_streams_figures_are_the_estimates(tmp_path: Path) -> None:
+    # the estimate extrapolates its probes' figures linearly; the built stream, replayed, counts the same bytes
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.allocator.step import reserved_step
+    from ledgerspec.derivations.estimate.estimator import estimate
+
+    doc = real_doc({"arch": "tiny-qwen2", "checkpointing": True, "seq": 128, "layers": 16}, tmp_path)
+    replayed, est = reserved_step(doc), estimate(doc)
+    assert replayed.step.method.startswith("built from the probes")
+    assert {name: f.allocated for name, f in replayed.phases.items()} == est.phases
+    assert all(f.allocator_allocated >= f.allocated for f in replayed.phases.values())
