@@ -10,8 +10,11 @@ a device of a given capacity, after the allocator's free-and-retry path. Pure Py
 - :mod:`.caching`: :class:`CachingAllocator`, the model of ``DeviceCachingAllocator`` (pools, best fit, splitting,
   merging, garbage collection, release-and-retry, expandable segments, ``memory_stats`` and snapshot segments);
 - :mod:`.replay`: :func:`replay`, an event stream through the model, peaks per phase and the first OOM;
+- :mod:`.depth`: :func:`extend_stream`, the event stream of a full depth built, event by event, from three shallow
+  probes' streams (or :class:`NotExtensible`, one line why);
 - :mod:`.step`: :func:`replay_step`, the estimate's simulated step as an event stream (at a traced depth),
-  replayed.
+  replayed; :func:`reserved_step`, the entry point for reserved bytes: the step at the model's full depth (built
+  from probes, else traced in full, saying why), replayed, per protocol phase, with the first out-of-memory.
 
 Versions: the torch 2.13.0 wheel (``git_version`` cf30153c4c131c8164ee7798e5022d810682e2cb) ships the headers
 ``c10/core/AllocatorConfig.h``, ``c10/cuda/CUDAAllocatorConfig.h``, ``c10/cuda/CUDACachingAllocator.h`` and
@@ -23,13 +26,19 @@ modelled, and are cited by function and condition.
 
 from ledgerspec.derivations.allocator.caching import CachingAllocator, OutOfMemory
 from ledgerspec.derivations.allocator.config import AllocatorConfig, AllocatorConfigError
+from ledgerspec.derivations.allocator.depth import NotExtensible, extend_stream
 from ledgerspec.derivations.allocator.replay import ReplayResult, replay
+from ledgerspec.derivations.allocator.step import StepReplay, reserved_step
 
 __all__ = [
     "AllocatorConfig",
     "AllocatorConfigError",
     "CachingAllocator",
+    "NotExtensible",
     "OutOfMemory",
     "ReplayResult",
+    "StepReplay",
+    "extend_stream",
     "replay",
+    "reserved_step",
 ]

@@ -8,7 +8,9 @@ Events (plain tuples, JSON-friendly):
 - ``("settings", text)``: ``torch.cuda.memory._set_allocator_settings(text)``;
 - ``("empty_cache",)``: ``torch.cuda.empty_cache()``.
 
-The result says, per phase, the peak allocated and reserved bytes and what was held at its end, and the first
+The result says, per phase, the peak allocated and reserved bytes and what was held at its end (``allocated`` as the
+allocator counts it: whole blocks, so a request served by a cached block less than 1 MiB larger counts that block;
+``counted`` as the estimate's tracker counts it: each live request rounded up to 512 B), and the first
 out-of-memory: which event, how much it asked for, what was allocated and reserved then, and how much of the
 reserve was free but unusable (fragmentation).
 """
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ledgerspec.derivations.allocator.caching import Block, CachingAllocator, OutOfMemory
-from ledgerspec.derivations.allocator.config import AllocatorConfig
+from ledgerspec.derivations.allocator.config import AllocatorConfig, kMinBlockSize
 
 Event = tuple[Any, ...]
 #: the phase of the events before the first marker
@@ -37,6 +39,10 @@ class PhaseReplay:
     end_reserved: int = 0
     #: largest ``reserved - allocated`` seen in the phase (cached but unallocated bytes)
     peak_cached: int = 0
+    #: the live requests, each rounded up to the replay's ``granularity`` (what the estimate's tracker counts): peak
+    #: and at the end
+    peak_counted: int = 0
+    end_counted: int = 0
 
 
 @dataclass
@@ -82,13 +88,15 @@ def replay(
     memory_fraction: float | None = None,
     stop_at_oom: bool = True,
     allocator: CachingAllocator | None = None,
+    granularity: int = kMinBlockSize,
 ) -> ReplayResult:
     """Replay ``events`` (see the module docstring) through a fresh :class:`CachingAllocator` (or ``allocator``).
 
     ``config``: an :class:`AllocatorConfig` or a ``PYTORCH_CUDA_ALLOC_CONF`` string. ``capacity``: the bytes cudaMalloc
     can get (None: unlimited). ``memory_fraction``: ``torch.cuda.set_per_process_memory_fraction`` (needs
     ``device_total``). With ``stop_at_oom`` (the default) the replay ends at the first out-of-memory, as a training
-    step would; otherwise the failed allocation is skipped (its free too) and the replay goes on.
+    step would; otherwise the failed allocation is skipped (its free too) and the replay goes on. ``granularity``:
+    what each request is rounded up to in the ``counted`` figures (512, the estimate's tracker for a CUDA target).
     """
     if isinstance(config, str):
         config = AllocatorConfig.parse(config)
@@ -96,6 +104,8 @@ def replay(
     if memory_fraction is not None:
         alloc.set_memory_fraction(memory_fraction)
     live: dict[Any, Block | None] = {}
+    counts: dict[Any, int] = {}
+    counted = 0
     failed: set[Any] = set()
     result = ReplayResult()
     phase = START
@@ -110,6 +120,8 @@ def replay(
                 raise ValueError(f"event {n}: id {key!r} is already allocated")
             try:
                 live[key] = alloc.malloc(int(nbytes), stream)
+                counts[key] = -(-int(nbytes) // granularity) * granularity
+                counted += counts[key]
             except OutOfMemory as exc:
                 if result.oom is None:
                     result.oom = ReplayOOM(
@@ -128,12 +140,14 @@ def replay(
             if key not in live:
                 raise ValueError(f"event {n}: id {key!r} is not allocated")
             alloc.free(live.pop(key))
+            counted -= counts.pop(key)
         elif kind == "phase":
-            _close(current, alloc)
+            _close(current, alloc, counted)
             phase = str(event[1])
             current = result.phases.setdefault(phase, PhaseReplay())
             current.peak_allocated = max(current.peak_allocated, alloc.allocated)
             current.peak_reserved = max(current.peak_reserved, alloc.reserved)
+            current.peak_counted = max(current.peak_counted, counted)
             continue
         elif kind == "settings":
             alloc.set_allocator_settings(str(event[1]))
@@ -144,7 +158,8 @@ def replay(
         current.peak_allocated = max(current.peak_allocated, alloc.allocated)
         current.peak_reserved = max(current.peak_reserved, alloc.reserved)
         current.peak_cached = max(current.peak_cached, alloc.reserved - alloc.allocated)
-    _close(current, alloc)
+        current.peak_counted = max(current.peak_counted, counted)
+    _close(current, alloc, counted)
     if phase != START and result.phases[START] == PhaseReplay():
         del result.phases[START]
     result.events = n + 1 if result.oom is None or not stop_at_oom else result.oom.event + 1
@@ -155,9 +170,10 @@ def replay(
     return result
 
 
-def _close(phase: PhaseReplay, alloc: CachingAllocator) -> None:
+def _close(phase: PhaseReplay, alloc: CachingAllocator, counted: int) -> None:
     phase.end_allocated = alloc.allocated
     phase.end_reserved = alloc.reserved
+    phase.end_counted = counted
 
 
 def events_from_trace(trace: Sequence[dict[str, Any]]) -> list[Event]:

@@ -8,26 +8,34 @@ micro-step, optimizer step, then the steady-state step). :func:`replay_step` rep
 into the protocol's phases the way the protocol does (held bytes for ``after_*``, peaks for the others), so the
 replay's allocated figures can be set beside the tracker's and its reserved figures read off.
 
-The stream is that of the traced depth: the estimate's probes have fewer decoder layers than the model
-(:mod:`ledgerspec.derivations.estimate.extrapolate`); ``layers=None`` traces the model's own depth, an integer that
-many layers. A full-depth stream from the two probes is not built yet. What a diff of the probes' streams shows
-(tiny Llama, 2, 3 and 4 layers, signatures ``(alloc|free, bytes)``): in every forward and loss+backward window the
-deeper stream is the shallower one with one contiguous block inserted, of the same length per added layer (95
-events forward, 181 backward), so those windows extend by repeating the block with fresh ids (the backward
-copies freeing the forward copies last-in first-out); the optimizer windows do not (foreach kernels allocate one
-tensor per parameter inside each op, and a few buffers grow with the parameter count: four to six insertions and
-replacements per window), and need a third probe or per-parameter tags to be extended.
+:func:`step_events` gives the stream of a traced depth (``layers``; None: the model's own). The estimate traces
+shallow probes and extrapolates its figures (:mod:`ledgerspec.derivations.estimate.extrapolate`), but reserved bytes
+are not linear in the depth: the replay needs the whole step. :func:`full_depth_events` builds the full-depth stream
+from three probes (the estimate's ``2p + r`` and ``3p + r`` layers and ``4p + r``) with
+:mod:`ledgerspec.derivations.allocator.depth`, event by event as a full trace gives it, and traces the full depth
+instead, saying why, when the probes' streams do not fit the pattern (or the model is too shallow or irregular for
+probes). :func:`reserved_step` replays that stream: the entry point for reserved bytes, fragmentation and the first
+out-of-memory at full depth.
+
+What a diff of the probes' streams shows (tiny Llama, 2, 3 and 4 layers): in every forward and loss+backward window
+the deeper stream is the shallower one with one contiguous block inserted per added layer (95 events forward, 181
+backward; the backward copies free the forward copies last-in first-out); the optimizer windows interleave
+per-parameter allocations (foreach kernels allocate one tensor per parameter inside each op) and a few buffers grow
+with the parameter count: one block per kernel and a size that grows by the same bytes per layer, which
+:mod:`.depth` models as slots and sizes in arithmetic progression.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.allocator.config import AllocatorConfig
-from ledgerspec.derivations.allocator.replay import Event, ReplayResult, replay
+from ledgerspec.derivations.allocator.depth import NotExtensible, extend_stream
+from ledgerspec.derivations.allocator.replay import Event, ReplayOOM, ReplayResult, replay
 
 #: the protocol's phases (:data:`ledgerspec.derivations.engine.protocol.PHASES`) whose figure is held at the end
 HELD = ("after_load", "after_adapter_injection", "after_optimizer_init")
@@ -35,21 +43,52 @@ HELD = ("after_load", "after_adapter_injection", "after_optimizer_init")
 
 @dataclass
 class StepEvents:
-    """A traced step: its event stream, the window labels in order, the tracker's own figures."""
+    """A step's event stream (traced, or built from probes), the window labels in order, the estimate's figures."""
 
     events: list[Event]
     windows: list[str]
     accumulation: int
-    #: the estimate's figures of this trace (:func:`ledgerspec.derivations.estimate.estimator.trace`)
+    #: the estimate's figures of this trace (:func:`ledgerspec.derivations.estimate.estimator.trace`); for a stream
+    #: built from probes, the probes' figures extended to the depth as the estimate extends them
     figures: dict[str, int]
-    #: the tracker's peak and held bytes per window (its own bookkeeping, independent of the replay)
+    #: the tracker's peak and held bytes per window (its own bookkeeping, independent of the replay; traces only)
     tracker_windows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: the decoder layers of the stream (None: not recorded)
+    layers: int | None = None
+    #: how the stream was obtained, in words ("traced ..." or "built from the probes ...")
+    method: str = ""
+    #: why a stream that was to be built from probes was traced in full instead (one line; None: no fallback)
+    fallback: str | None = None
+    #: seconds spent tracing and building
+    seconds: float = 0.0
+    #: of those, seconds spent building the stream from the probes' streams (0 for a trace)
+    build_seconds: float = 0.0
 
 
 @dataclass
 class PhaseFigures:
-    allocated: int  # the protocol's figure: held bytes for after_*, else the peak
+    """One protocol phase of a replay: held bytes for ``after_*``, else the peak during the phase."""
+
+    #: as the estimate's tracker counts: each live request rounded up to 512 B (the tracker's figure at this depth)
+    allocated: int
     reserved: int  # peak reserved during the phase
+    #: as the allocator counts (``torch.cuda.memory_allocated``): whole blocks, so a request served by a cached large
+    #: block less than 1 MiB bigger (not split) counts that block; >= ``allocated``
+    allocator_allocated: int = 0
+
+
+@dataclass
+class StepOOM:
+    """The first out-of-memory of a replay, after the allocator's free-and-retry path."""
+
+    phase: str  # the protocol phase (:data:`ledgerspec.derivations.engine.protocol.PHASES`)
+    window: str  # the protocol window (``"4:temporary"``: the loss and backward of the first micro-step)
+    requested: int  # bytes the failed allocation asked for
+    alloc_size: int  # bytes the allocator tried to get from cudaMalloc
+    allocated: int  # allocated by tensors then (the allocator's count)
+    reserved: int  # reserved by the allocator then
+    #: reserved bytes no tensor held and that could not serve the request (fragmentation)
+    free_unusable: int
 
 
 @dataclass
@@ -57,6 +96,11 @@ class StepReplay:
     step: StepEvents
     replay: ReplayResult
     phases: dict[str, PhaseFigures]
+    oom: StepOOM | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.oom is None
 
 
 @cache
@@ -94,6 +138,7 @@ def _event_backend_class() -> Any:
 
 def step_events(doc: Document, layers: int | None = None, target: str = "cuda", offline: bool = True) -> StepEvents:
     """Trace ``doc``'s step (``layers`` decoder layers; None: as many as the model has) with the event log on."""
+    started = time.perf_counter()
     from ledgerspec.derivations.engine.workload import WorkloadSpec
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.extrapolate import with_layers
@@ -109,7 +154,76 @@ def step_events(doc: Document, layers: int | None = None, target: str = "cuda", 
     backend.close_window()
     events = backend.tracker.events
     assert events is not None
-    return StepEvents(list(events), list(backend.windows), min(spec.accumulation, 2), figures, backend.window_figures)
+    depth = layers if layers is not None else _layer_count(source.config)
+    return StepEvents(
+        list(events),
+        list(backend.windows),
+        min(spec.accumulation, 2),
+        figures,
+        backend.window_figures,
+        depth,
+        f"traced with {depth} decoder layers",
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _layer_count(config: Any) -> int | None:
+    from ledgerspec.derivations.estimate.extrapolate import layer_count
+
+    return layer_count(config)
+
+
+def full_depth_events(doc: Document, target: str = "cuda", offline: bool = True, parallel: bool = False) -> StepEvents:
+    """The event stream of ``doc``'s step at the model's full depth: built from three probes' streams when the
+    estimate would extrapolate (:mod:`.depth`), else (an irregular or shallow stack) traced in full; a stream the
+    probes cannot give exactly is traced in full too, with the reason in :attr:`StepEvents.fallback`.
+    ``parallel``: the deepest probe in a forked process while the other two run here
+    (:func:`ledgerspec.derivations.engine.beside.both`; the same stream either way)."""
+    from ledgerspec.derivations.engine.beside import both
+    from ledgerspec.derivations.estimate.extrapolate import extend_all, plan
+    from ledgerspec.derivations.stack.build import load_config
+
+    started = time.perf_counter()
+    est_plan = plan(load_config(doc, offline=offline).config)
+    if est_plan.probes is None:
+        full = step_events(doc, None, target, offline)
+        full.method = f"traced with all {est_plan.layers} decoder layers ({est_plan.reason})"
+        return full
+    n1, n2 = est_plan.probes
+    n3 = n2 + est_plan.period
+    if n3 >= est_plan.layers:
+        full = step_events(doc, None, target, offline)
+        full.method = f"traced with all {est_plan.layers} decoder layers (a third probe would be as deep)"
+        return full
+    (shallow, second), third = both(
+        lambda: (step_events(doc, n1, target, offline), step_events(doc, n2, target, offline)),
+        lambda: step_events(doc, n3, target, offline),
+        parallel,
+    )
+    building = time.perf_counter()
+    try:
+        if not shallow.windows == second.windows == third.windows:
+            raise NotExtensible("the probes ran different protocol windows")
+        events = extend_stream({n1: shallow.events, n2: second.events, n3: third.events}, est_plan.layers)
+    except NotExtensible as exc:
+        full = step_events(doc, None, target, offline)
+        full.fallback = (
+            f"the probes' allocation streams ({n1}, {n2}, {n3} layers) do not extend to {est_plan.layers} layers "
+            f"exactly ({exc}): traced all {est_plan.layers} layers instead"
+        )
+        full.method = f"traced with all {est_plan.layers} decoder layers (the probes did not extend)"
+        full.seconds = time.perf_counter() - started
+        return full
+    return StepEvents(
+        events,
+        list(shallow.windows),
+        shallow.accumulation,
+        extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers),
+        layers=est_plan.layers,
+        method=f"built from the probes with {n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}",
+        seconds=time.perf_counter() - started,
+        build_seconds=time.perf_counter() - building,
+    )
 
 
 def protocol_windows(windows: list[str], accumulation: int, steps: int = 1) -> dict[str, list[str]]:
@@ -143,16 +257,59 @@ def replay_step(
 ) -> StepReplay:
     """The estimate's step (traced now, or ``step``) replayed through the allocator: per protocol phase the
     allocated figure (as the protocol defines it) and the peak reserved bytes, and the first OOM if any."""
+    from ledgerspec.derivations.estimate.estimator import granularity
+
     traced = step if step is not None else step_events(doc, layers, target)
-    result = replay(traced.events, config, capacity, device_total)
+    result = replay(traced.events, config, capacity, device_total, granularity=granularity(target))
     phases: dict[str, PhaseFigures] = {}
-    for name, labels in protocol_windows(traced.windows, traced.accumulation).items():
+    windows = protocol_windows(traced.windows, traced.accumulation)
+    for name, labels in windows.items():
         parts = [result.phases[label] for label in labels if label in result.phases]
         if not parts:
             continue
-        allocated = parts[-1].end_allocated if name in HELD else max(p.peak_allocated for p in parts)
-        phases[name] = PhaseFigures(allocated, max(p.peak_reserved for p in parts))
-    return StepReplay(traced, result, phases)
+        if name in HELD:
+            counted, allocated = parts[-1].end_counted, parts[-1].end_allocated
+        else:
+            counted, allocated = max(p.peak_counted for p in parts), max(p.peak_allocated for p in parts)
+        phases[name] = PhaseFigures(counted, max(p.peak_reserved for p in parts), allocated)
+    return StepReplay(traced, result, phases, _oom(result.oom, windows))
 
 
-__all__ = ["HELD", "PhaseFigures", "StepEvents", "StepReplay", "protocol_windows", "replay_step", "step_events"]
+def _oom(oom: ReplayOOM | None, windows: dict[str, list[str]]) -> StepOOM | None:
+    if oom is None:
+        return None
+    phase = next((name for name, labels in windows.items() if oom.phase in labels), oom.phase)
+    return StepOOM(phase, oom.phase, oom.requested, oom.alloc_size, oom.allocated, oom.reserved, oom.free_unusable)
+
+
+def reserved_step(
+    doc: Document,
+    target: str = "cuda",
+    config: AllocatorConfig | str | None = None,
+    capacity: int | None = None,
+    device_total: int | None = None,
+    offline: bool = True,
+    parallel: bool = False,
+) -> StepReplay:
+    """``doc``'s step at the model's full depth (:func:`full_depth_events`) replayed through the allocator model
+    (``config``: an :class:`AllocatorConfig` or a ``PYTORCH_CUDA_ALLOC_CONF`` string): per protocol phase the
+    allocated bytes (the estimate's count, and the allocator's), the peak reserved bytes, and with a ``capacity``
+    (the bytes cudaMalloc can get) the first out-of-memory after the allocator's free-and-retry path (the step
+    stops there: later phases have no figures). :attr:`StepEvents.fallback` says why the stream was traced in full
+    where it was to be built from probes."""
+    step = full_depth_events(doc, target, offline, parallel)
+    return replay_step(doc, config=config, capacity=capacity, device_total=device_total, target=target, step=step)
+
+
+__all__ = [
+    "HELD",
+    "PhaseFigures",
+    "StepEvents",
+    "StepOOM",
+    "StepReplay",
+    "full_depth_events",
+    "protocol_windows",
+    "replay_step",
+    "reserved_step",
+    "step_events",
+]

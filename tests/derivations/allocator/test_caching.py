@@ -254,3 +254,25 @@ def test_expandable_segments_unmap_free_pages_when_memory_runs_out() -> None:
         "segment_map",
     ]
     assert [seg["stream"] for seg in a.segments()] == [1] and len(a.expandable_segments) == 1
+
+
+def test_a_replay_counts_requests_as_the_tracker_and_blocks_as_the_allocator() -> None:
+    """A cached 12 MiB block serves an 11.5 MiB request whole (should_split: 0.5 MiB left, not > kSmallSize): the
+    allocator's allocated bytes count the block, the replay's ``counted`` the request rounded up to 512 B (what the
+    estimate's tracker adds)."""
+    from ledgerspec.derivations.allocator.replay import replay
+
+    events = [
+        ("phase", "a"),
+        ("alloc", 1, 12 * MiB, 0),
+        ("free", 1),
+        ("phase", "b"),
+        ("alloc", 2, 23 * MiB // 2 + 1, 0),  # round_size: 11.5 MiB + 512
+        ("alloc", 3, 100, 0),  # small pool: a 512 B block
+    ]
+    result = replay(events)
+    a, b = result.phases["a"], result.phases["b"]
+    assert (a.peak_counted, a.end_counted, a.peak_allocated) == (12 * MiB, 0, 12 * MiB)
+    assert b.peak_counted == b.end_counted == 23 * MiB // 2 + 512 + 512
+    assert b.peak_allocated == b.end_allocated == 12 * MiB + 512
+    assert b.peak_reserved == 12 * MiB + 2 * MiB
