@@ -24,6 +24,9 @@ def pytest_configure(config: pytest.Config) -> None:
     is run by ``tests/derivations/measure/test_launch.py``."""
     os.environ["LEDGERSPEC_CACHE_DIR"] = "off"
     os.environ.setdefault("LEDGERSPEC_LAUNCHER", "forkserver")
+    from ledgerspec.derivations.measure import launch
+
+    launch.remember_environment()  # the session's environment, whatever a test has set when the server starts
 
 
 @pytest.fixture(scope="session")

@@ -97,3 +97,13 @@ def _imports_or_refuses(tmp_path: Path, fmt: str, data: Any) -> None:
         return
     doc = from_text(result.text)
     assert doc.kind == "intake"
+
+
+def test_a_control_character_in_a_value_reaches_the_comment_escaped(tmp_path: Path) -> None:
+    """Found by the fuzz above: LLaMA-Factory's ``quantization_bit: "\\b"`` was quoted raw in the comment beside
+    ``method.kind``, and YAML forbids control characters there: the intake could not be read back."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"quantization_bit": "\x08"}))
+    result = import_files([str(path)], fmt="llamafactory")
+    assert "\x08" not in result.text and "quantization_bit \\x08" in result.text
+    from_text(result.text)  # reads back

@@ -9,6 +9,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from ledgerspec.contract import fields as F
 from ledgerspec.contract import writer
+from ledgerspec.errors import printable
 
 if TYPE_CHECKING:
     from ledgerspec.contract.imports.builder import Builder, Entry
@@ -110,4 +111,6 @@ def _extension(b: Builder) -> CommentedMap:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    """A comment's text: one line, and a control character of the user's value (which YAML forbids in a comment)
+    written as its escape."""
+    return printable(" ".join(text.split()))

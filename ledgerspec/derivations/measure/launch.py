@@ -256,10 +256,20 @@ def run_ranks(
 # -- the fork server ------------------------------------------------------------------------------------------------
 
 _SERVER_ENV: dict[str, str] | None = None
+_BASE_ENV: dict[str, str] | None = None
+
+
+def remember_environment() -> None:
+    """Start the fork server, when it is first needed, with this process's environment as it is NOW (not as it is
+    at that later moment): for a test session, whose tests change the environment for a while (a later launch
+    with the session's environment is then forked, not started afresh)."""
+    global _BASE_ENV
+    _BASE_ENV = dict(os.environ)
 
 
 def _context() -> Any:
-    """The ``forkserver`` context, its server started (once) with this process's environment and :data:`PRELOAD`."""
+    """The ``forkserver`` context, its server started (once) with this process's environment (or the one
+    :func:`remember_environment` kept) and :data:`PRELOAD`."""
     import multiprocessing
 
     global _SERVER_ENV
@@ -268,8 +278,16 @@ def _context() -> Any:
         ctx.set_forkserver_preload([m for m in PRELOAD if _importable(m)])
         from multiprocessing import forkserver
 
-        forkserver.ensure_running()  # with this process's environment, as every fresh Python would have it
-        _SERVER_ENV = dict(os.environ)
+        env = dict(os.environ) if _BASE_ENV is None else _BASE_ENV
+        now = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            forkserver.ensure_running()  # the server inherits this environment
+        finally:
+            os.environ.clear()
+            os.environ.update(now)
+        _SERVER_ENV = env
     return ctx
 
 
@@ -298,7 +316,7 @@ def _importable(module: str) -> bool:
 
 def _server_can_run(env: Mapping[str, str]) -> bool:
     """Whether a child forked from the server sees ``env`` as a fresh Python would (see the module docstring)."""
-    server = _SERVER_ENV if _SERVER_ENV is not None else dict(os.environ)
+    server = _SERVER_ENV or _BASE_ENV or dict(os.environ)
     keys = (set(server) | set(env)) - PER_LAUNCH - APPLIED
     if _offline(server) and not _offline(env):  # the child can be made offline, not online again
         return False

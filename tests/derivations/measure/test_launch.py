@@ -128,3 +128,21 @@ def test_measure_nproc_under_torchrun_equals_the_forked_ranks(tmp_path: Path, mo
         got[how] = [{k: o.result.phases[k].figure for k in HELD_PHASES} for o in outs]
     assert got["subprocess"] == got["forkserver"]
     assert sys.executable  # the torchrun path ran: a fresh interpreter per rank
+
+
+@pytest.mark.slow  # starts the fork server: seconds
+def test_the_server_keeps_the_session_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that changes the environment while the server first starts does not make every later launch of the
+    session a fresh Python: the server starts with the environment kept by ``remember_environment``."""
+    monkeypatch.setenv(launch.ENV, "forkserver")
+    monkeypatch.setattr(launch, "_SERVER_ENV", None)
+    monkeypatch.setattr(launch, "_BASE_ENV", None)
+    launch.remember_environment()
+    monkeypatch.setenv("A_TEST_ONLY_VARIABLE", "1")
+    first = launch.start([str(_script(tmp_path)), str(tmp_path / "a.json")], dict(os.environ))
+    assert not first.forked  # its environment is not the session's
+    assert first.wait(120).returncode == 0
+    monkeypatch.delenv("A_TEST_ONLY_VARIABLE")
+    later = launch.start([str(_script(tmp_path)), str(tmp_path / "b.json")], dict(os.environ))
+    assert later.forked
+    assert later.wait(120).returncode == 0
