@@ -60,8 +60,30 @@ def timed(args: list[str], cache: Path) -> tuple[float, float, float, str]:
     return wall, cpu, load, lines[-1] if lines else ""
 
 
+def reference() -> str:
+    """How fast this machine is right now, for comparing runs on a shared machine: a fixed pure-Python loop and
+    ``import torch, transformers.modeling_utils, peft`` in a fresh process (the floor of a cold estimate)."""
+    code = (
+        "import time\nt = time.perf_counter()\ns = 0\nfor i in range(20_000_000):\n    s += i\n"
+        "print(time.perf_counter() - t)"
+    )
+    loop = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    t0 = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-c", "import torch, transformers.modeling_utils, peft"], capture_output=True, check=True
+    )
+    imports = time.perf_counter() - t0
+    return (
+        f"Reference, measured just before: a 20,000,000-iteration Python loop {loop:.2f} s; "
+        f"`import torch, transformers.modeling_utils, peft` in a fresh process {imports:.1f} s (every cold answer "
+        "pays it)."
+    )
+
+
 def main() -> None:
     rows: list[str] = []
+    speed = reference()
+    print(speed, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         lora = lora_ledger(folder)
@@ -101,6 +123,8 @@ def main() -> None:
             "included), CPU time of the command and its worker processes, and the one-minute load average before "
             "it. Cold: an empty estimate cache. Again: the same command right after, with the cache the cold run "
             "filled.",
+            "",
+            speed,
             "",
             "| question | cache | wall | CPU | load | target |",
             "| --- | --- | --- | --- | --- | --- |",
