@@ -29,6 +29,19 @@ def pytest_configure(config: pytest.Config) -> None:
     launch.remember_environment()  # the session's environment, whatever a test has set when the server starts
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Every test (its fixtures' setup and teardown included) leaves the environment as it found it. What the
+    libraries set when a test imports them stays in that test: DeepSpeed's import sets
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which made every later launch of that worker a fresh Python (the fork
+    server's environment no longer matched) and a whole CI run minutes slower."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
