@@ -24,9 +24,16 @@ def pytest_configure(config: pytest.Config) -> None:
     is run by ``tests/derivations/measure/test_launch.py``."""
     os.environ["LEDGERSPEC_CACHE_DIR"] = "off"
     os.environ.setdefault("LEDGERSPEC_LAUNCHER", "forkserver")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The fork server starts, when first needed, with the session's environment as it is once the tests are
+    collected, whatever a test has set by then: collecting imports the stack, and an import may set a variable
+    (torch sets ``TORCHINDUCTOR_CACHE_DIR``). Kept before collection, the server's environment differed from every
+    test's, and every launch was a fresh Python."""
     from ledgerspec.derivations.measure import launch
 
-    launch.remember_environment()  # the session's environment, whatever a test has set when the server starts
+    launch.remember_environment()
 
 
 @pytest.hookimpl(hookwrapper=True)
