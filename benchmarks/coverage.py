@@ -7,8 +7,10 @@ expert-parameter wrapper refuses any other value, see the DeepSeek row with drop
 AdamW, gradient checkpointing, one row of 256 tokens; QLoRA is the same on a bitsandbytes nf4 base with double
 quantization (for the GPTQ row: the published GPTQ base). A cell is ``✓`` with its figure (total parameters for
 resolve, predicted peak for estimate), ``✓`` plus the limits the tools named (their notes), or ``refused:`` with
-the one-line reason the tool gave. Results go to ``benchmarks/results/coverage.md`` with the machine it ran on;
-``tests/benchmarks/test_coverage.py`` checks the committed matrix against a fast subset of its cells.
+the one-line reason the tool gave. A cell runs as the command does: validate's input checks first (the preflight
+of ``ledgerspec resolve``/``estimate``), then the step. Results go to ``benchmarks/results/coverage.md`` with the
+machine it ran on; ``tests/benchmarks/test_coverage.py`` re-runs every resolve cell of the committed matrix (and
+some estimate cells) and compares the text.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -135,15 +138,31 @@ def _short(note: str) -> str:
     return note.split(":", 1)[0].strip()
 
 
+def checked_intake(f: Family, kind: str, step: str) -> Any:
+    """The cell's intake as ``ledgerspec resolve``/``estimate`` reads it before importing torch: the header, then
+    validate's input checks (:func:`ledgerspec.faces.preflight.preflight`: a rule such as LS030 refuses here).
+    Raises the command's :class:`~ledgerspec.errors.LedgerspecError`; cheap (no torch)."""
+    from ledgerspec.contract.document import from_text, require_header
+    from ledgerspec.faces.preflight import preflight
+
+    doc = require_header(from_text(intake(f, kind), f"<{f.config} {kind}>"), step)
+    preflight(doc, step)
+    return doc
+
+
+def refusal(exc: Any) -> Cell:
+    return Cell(False, exc.message + (f" (hint: {exc.hint})" if exc.hint else ""), 0.0)
+
+
 def run_cell(f: Family, kind: str, step: str) -> Cell:
-    from ledgerspec.contract.document import from_text
+    """One cell as the command runs it: :func:`checked_intake`, then the step."""
     from ledgerspec.derivations.estimate.estimator import estimate
     from ledgerspec.derivations.resolve.resolver import resolve
     from ledgerspec.errors import LedgerspecError
 
-    doc = from_text(intake(f, kind), f"<{f.config} {kind}>")
     started = time.perf_counter()
     try:
+        doc = checked_intake(f, kind, step)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if step == "resolve":
@@ -157,7 +176,9 @@ def run_cell(f: Family, kind: str, step: str) -> Cell:
                 text = f"peak {_gib(est.peak_allocated)} ({est.peak_phase})"
                 limits = ["text-only batch"] if "vision-language model" in est.method else []
     except LedgerspecError as exc:
-        return Cell(False, exc.message + (f" (hint: {exc.hint})" if exc.hint else ""), time.perf_counter() - started)
+        cell = refusal(exc)
+        cell.seconds = time.perf_counter() - started
+        return cell
     return Cell(True, text, time.perf_counter() - started, limits)
 
 

@@ -21,7 +21,7 @@ from ledgerspec.contract import fields as F
 from ledgerspec.contract.files import CONFIG_PATH, ConfigFile
 from ledgerspec.contract.fingerprint import STAMPS, stale
 from ledgerspec.contract.fsdp1_precision import lora_input_dtype_conflict
-from ledgerspec.contract.intake import dotted
+from ledgerspec.contract.intake import dotted, quantization_fields
 from ledgerspec.contract.optimizers import OPTIMIZERS, optimizer_spec, suggest
 from ledgerspec.contract.units import decimal_note, decimal_unit, format_size
 from ledgerspec.contract.values import Value
@@ -235,30 +235,29 @@ def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
 @rule(
     "LS030",
     ERROR,
-    "QLoRA described only by bits: quant type / double quant / compute dtype / storage dtype missing",
-    "give base_model.quantization type, double_quant, compute_dtype and storage_dtype (or write "
-    "UNKNOWN to say you know they are missing)",
+    "QLoRA described only by bits: quant type (and, for bitsandbytes 4-bit, double quant / compute dtype / "
+    "storage dtype) missing",
+    f"give base_model.quantization.type (nf4, fp4, int8, {', '.join(C.OTHER_SCHEMES)}); for a bitsandbytes 4-bit "
+    "base (nf4, fp4) also double_quant, compute_dtype and storage_dtype (or write UNKNOWN to say you know they are "
+    "missing)",
     example="method: {kind: QLoRA}\nbase_model: {quantization: {bits: 4}}",
 )
 def ls030_qlora_only_bits(ctx: Context) -> Iterator[Hit]:
-    if not C.read(ctx.doc).quantized:
-        return
-    missing = [
-        k
-        for k in ("type", "double_quant", "compute_dtype", "storage_dtype")
-        if not ctx.get("base_model", "quantization", k).present
-    ]
+    q = C.read(ctx.doc).quantization
+    # the minimum intake's own list: a GPTQ/AWQ/... or LLM.int8 base needs its type only (issue 26)
+    missing = [k for k in quantization_fields(q) if not ctx.get("base_model", "quantization", k).present]
     if missing:
         where = (
             ptr("base_model", "quantization")
             if ctx.doc.section("base_model").get("quantization") is not None
             else ptr("method", "kind")
         )
+        said = q.type or (f"{q.bits}-bit" if q.bits else "QLoRA")
         yield Hit(
             where,
             "QLoRA without "
             + ", ".join(f"quantization.{k}" for k in missing)
-            + ": '4-bit' alone does not determine the base storage",
+            + f": '{said}' alone does not determine the base storage",
         )
 
 

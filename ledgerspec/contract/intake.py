@@ -15,6 +15,17 @@ from ledgerspec.contract.values import Value
 QLORA_FIELDS = ("type", "double_quant", "compute_dtype", "storage_dtype")
 
 
+def quantization_fields(q: C.Quantization) -> tuple[str, ...]:
+    """The ``base_model.quantization`` fields the minimum intake asks of a quantized base (none of a base that is not
+    quantized): a base another library quantized (GPTQ, AWQ, ...) or LLM.int8 has no double quantization, compute or
+    storage dtype to declare, so its ``type`` is all (its bits and group size are read from the ledger, else from
+    the checkpoint's ``quantization_config``); any other, bitsandbytes 4-bit or a type not declared, all of
+    :data:`QLORA_FIELDS`. One answer for the status ladder and rule LS030."""
+    if not q.quantized:
+        return ()
+    return ("type",) if q.scheme in ("int8", *C.OTHER_SCHEMES) else QLORA_FIELDS
+
+
 def dotted(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
@@ -45,12 +56,8 @@ def minimum_intake_gaps(doc: Document) -> list[str]:
     need("method", "rank")
     need_one(("method", "target_modules"), ("method", "target_parameters"))
     need("base_model", "loaded_dtype")
-    q = C.read(doc).quantization
-    if q.quantized:
-        # a base another library quantized (GPTQ, AWQ, ...) or LLM.int8 has no double quantization, compute or
-        # storage dtype to declare: its type (and the checkpoint's quantization_config) determine the storage
-        for key in QLORA_FIELDS if q.scheme not in ("int8", *C.OTHER_SCHEMES) else ("type",):
-            need(*C.QUANT, key)
+    for key in quantization_fields(C.read(doc).quantization):
+        need(*C.QUANT, key)
     need("adapter", "dtype")
     need("workload", "microbatch")
     need_one(("workload", "max_length"), ("workload", "sequence_p95"))
@@ -75,4 +82,4 @@ def optimizer_gaps(doc: Document) -> list[str]:
     ]
 
 
-__all__ = ["QLORA_FIELDS", "dotted", "minimum_intake_gaps", "optimizer_gaps", "state"]
+__all__ = ["QLORA_FIELDS", "dotted", "minimum_intake_gaps", "optimizer_gaps", "quantization_fields", "state"]

@@ -233,3 +233,35 @@ def test_ls090_leaves_derivations_alone(note: str) -> None:
     from ledgerspec.checks.rules import SHORTCUTS
 
     assert not [what for pattern, what, _ in SHORTCUTS if pattern.search(note)], note
+
+
+@pytest.mark.parametrize(
+    ("quantization", "missing"),
+    [
+        ("{bits: 4}", ["type", "double_quant", "compute_dtype", "storage_dtype"]),
+        ("{type: nf4}", ["double_quant", "compute_dtype", "storage_dtype"]),
+        ("{type: fp4, double_quant: false}", ["compute_dtype", "storage_dtype"]),
+        ("{bits: 8}", ["type"]),
+        ("{type: int8}", []),
+        ("{type: gptq}", []),
+        ("{type: awq, bits: 4}", []),
+        ("{type: mxfp4}", []),
+        ("{type: hqq}", []),
+        ("{type: torchao_nf4}", []),
+    ],
+)
+def test_ls030_asks_what_the_minimum_intake_asks(quantization: str, missing: list[str]) -> None:
+    """LS030 blocks resolve (an input rule): it asks a quantized base for the quantization fields the minimum intake
+    asks, no more. bitsandbytes 4-bit (nf4, fp4) needs double_quant, compute_dtype and storage_dtype; a GPTQ/AWQ/...
+    base or LLM.int8 only its type (issue 26: the GPTQ coverage cell was refused for bnb_4bit fields)."""
+    from ledgerspec.contract.intake import minimum_intake_gaps
+
+    doc = from_text(f"ledgerspec: ledger/v1\nmethod: {{kind: QLoRA}}\nbase_model: {{quantization: {quantization}}}\n")
+    findings = [f for f in validate(doc).findings if f.rule == "LS030"]
+    gaps = [g for g in minimum_intake_gaps(doc) if g.startswith("base_model.quantization.")]
+    assert [g.split()[0].rsplit(".", 1)[1] for g in gaps] == missing
+    if not missing:
+        assert not findings, findings
+        return
+    assert len(findings) == 1 and findings[0].pointer == "/base_model/quantization"
+    assert ", ".join(f"quantization.{k}" for k in missing) + ":" in findings[0].message
