@@ -54,11 +54,49 @@ def assumption_inputs(doc: Document) -> list[str]:
     return out
 
 
+#: where the estimate's device-level figure is, and the allocated one it stands in for
+DEVICE_PEAK = "x-estimate.device_peak"
+ALLOCATED_PEAK = "x-estimate.peak_allocated"
+
+
+def device_prediction(doc: Document) -> tuple[int | None, str | None]:
+    """The estimate's device-level peak (``x-estimate.device_peak``: the allocator model's peak reserved plus what
+    lies outside the allocator) when it was predicted for what the document declares now: ``(bytes, None)``; else
+    ``(None, why)`` (``why`` None: there is none). It holds for the device memory, the allocator settings
+    (``software.pytorch_cuda_alloc_conf``), the figure outside the allocator (``outside_allocator.total``, or none)
+    and the device's name it was predicted with; the estimate's input fingerprint covers the rest (LS006)."""
+    v = doc.get("x-estimate", "device_peak")
+    size = v.size()
+    if size is None or v.effective_source(True) not in ("CALCULATED", "ASSUMPTION") or cpu_estimate(doc):
+        return None, None
+    again = "run `ledgerspec estimate FILE` again"
+    target = doc.get("result", "target_device", "memory").size()
+    judged = doc.get("x-estimate", "verdict", "device_memory").size()
+    if target is not None and judged != target:
+        return None, f"{DEVICE_PEAK} was predicted for another device memory: {again}"
+    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
+    if (doc.get("x-estimate", "verdict", "alloc_conf").text() or "").strip() != conf:
+        return None, f"{DEVICE_PEAK} was predicted with other allocator settings (pytorch_cuda_alloc_conf): {again}"
+    used = doc.get("x-estimate", "outside_allocator").size()
+    declared = doc.get("outside_allocator", "total").size()
+    from_ledger = doc.get("x-estimate", "verdict", "outside_from").text() == "outside_allocator.total"
+    if (declared is not None or from_ledger) and declared != used:
+        return None, f"{DEVICE_PEAK} was predicted with another outside_allocator.total: {again}"
+    name = doc.get("result", "target_device", "name").text()
+    if (
+        doc.get("x-estimate", "verdict", "named_by").text() == "result.target_device.name"
+        and name != doc.get("x-estimate", "verdict", "device").text()
+    ):
+        return None, f"{DEVICE_PEAK} was predicted for another result.target_device.name: {again}"
+    return size, None
+
+
 def best_peak(doc: Document) -> tuple[int | None, str | None]:
     """The strongest available peak figure: measured (device, reserved, allocated; the protocol's, then a pilot
-    run's), then the estimate's predicted peak. Never a sum of ledger components: a peak has temporaries a sum
-    does not hold (logits and loss in fp32, attention workspaces, dequantized weights), and an assumed
-    ``temporary`` added to the sum is the "subtotal + overhead" shortcut the method refuses."""
+    run's), then the estimate's predicted device-level peak when it holds for the declared device
+    (:func:`device_prediction`), else its predicted allocated peak. Never a sum of ledger components: a peak has
+    temporaries a sum does not hold (logits and loss in fp32, attention workspaces, dequantized weights), and an
+    assumed ``temporary`` added to the sum is the "subtotal + overhead" shortcut the method refuses."""
     pilot = pilot_section(doc)
     for section, key in (
         ("metrics", "device_peak"),
@@ -72,9 +110,12 @@ def best_peak(doc: Document) -> tuple[int | None, str | None]:
         v = doc.get(section, key)
         if v.source == "MEASURED" and v.size() is not None:
             return v.size(), f"{section}.{key} (MEASURED)"
+    device, _ = device_prediction(doc)
+    if device is not None:
+        return device, DEVICE_PEAK
     est = doc.get("x-estimate", "peak_allocated")
     if est.source in EXACT_SOURCES and est.size() is not None and not cpu_estimate(doc):
-        return est.size(), "x-estimate.peak_allocated"
+        return est.size(), ALLOCATED_PEAK
     return None, None
 
 

@@ -42,8 +42,8 @@ def stale_evidence(doc: Document, level: str, best_peak_from: str | None = None)
         measured_peak = any(doc.get("metrics", k).source == "MEASURED" for k in _PEAKS)
         if doc.get("ledger", "activations").source == "CALCULATED" and not measured_peak:
             out.append(f"ledger.activations is CALCULATED from other inputs: {why}")
-        if best_peak_from == "x-estimate.peak_allocated":
-            out.append(f"the predicted peak x-estimate.peak_allocated is from other inputs: {why}")
+        if best_peak_from in ("x-estimate.peak_allocated", "x-estimate.device_peak"):
+            out.append(f"the predicted peak {best_peak_from} is from other inputs: {why}")
     elif level == "VALIDATED" and "measure" in changed:
         why = edited_since("measure", changed["measure"])
         out.append(f"the measurement (x-measure, phases, metrics) is of other inputs: {why}")

@@ -12,7 +12,15 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ledgerspec.checks.ladder import LADDER, RANK, StatusResult, cpu_estimate, pilot_section
+from ledgerspec.checks.ladder import (
+    DEVICE_PEAK,
+    LADDER,
+    RANK,
+    StatusResult,
+    cpu_estimate,
+    device_prediction,
+    pilot_section,
+)
 from ledgerspec.checks.stale import stale_evidence
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.units import format_size
@@ -105,11 +113,13 @@ def _field(peak_from: str) -> str:
     return peak_from.split(" ")[0]
 
 
-def _predicted_oom_phase(doc: Document, device: int) -> str | None:
-    """The first phase of ``x-estimate.phases`` above ``device`` (the estimate's own ``oom_phase`` when written for
-    this device)."""
+def _predicted_oom_phase(doc: Document, device: int, device_level: bool) -> str | None:
+    """The phase a prediction runs out of memory in: the estimate's own ``oom_phase`` when written for this device
+    at the level compared (``device_level``: the allocator replay's; else the allocated peaks'), else the first phase
+    of ``x-estimate.phases`` above ``device``."""
     recorded = doc.get("x-estimate", "oom_phase").text()
-    if recorded and doc.get("x-estimate", "device_memory").integer() == device:
+    at_device_level = doc.get("x-estimate", "verdict").present
+    if recorded and doc.get("x-estimate", "device_memory").integer() == device and device_level == at_device_level:
         return recorded
     for key, word in _PHASE_WORDS.items():
         size = doc.get("x-estimate", "phases", key).integer()
@@ -156,13 +166,19 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
     oom = None
     notes: list[str] = []
     if not fits and provenance == "predicted":
-        oom = _predicted_oom_phase(doc, device)
+        oom = _predicted_oom_phase(doc, device, peak_from == DEVICE_PEAK)
     pilot_oom = doc.get(pilot_section(doc), "oom_phase").text()
     if provenance == "pilot" and pilot_oom:
         fits, oom = False, pilot_oom
     qualifier = ""
     if provenance == "predicted":
-        qualifier = "allocated tensors only: keep room for the CUDA context and the allocator's cache"
+        if peak_from == DEVICE_PEAK:
+            qualifier = _device_qualifier(doc)
+        else:
+            qualifier = "allocated tensors only: keep room for the CUDA context and the allocator's cache"
+            why_not = device_prediction(doc)[1]
+            if why_not:
+                qualifier += f"; {why_not}"
         if stale_evidence(doc, "CANDIDATE", peak_from):
             qualifier = "from inputs edited since: run `ledgerspec estimate FILE` again"
     elif provenance == "measured" and doc.get("measurement", "device").text() == "cpu":
@@ -181,6 +197,33 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
         qualifier,
         notes,
     )
+
+
+def _device_qualifier(doc: Document) -> str:
+    """What the device-level prediction is made of, and what decided it: the allocator model's reserved bytes, the
+    bytes outside the allocator (with their provenance), the allocated peak; the fragmentation and the setting that
+    would change the outcome when fragmentation decides."""
+    reserved = doc.get("x-estimate", "peak_reserved").size()
+    out = doc.get("x-estimate", "outside_allocator")
+    allocated = doc.get("x-estimate", "peak_allocated").size()
+    parts = []
+    if reserved is not None and out.size() is not None:
+        parts.append(
+            f"device-level: reserved {format_size(reserved)} (allocator model) + {format_size(out.size() or 0)} "
+            f"outside the allocator ({out.effective_source(True)})"
+        )
+    if allocated is not None:
+        parts.append(f"allocated {format_size(allocated)}")
+    v = ("x-estimate", "verdict")
+    fragmentation = doc.get(*v, "fragmentation").size()
+    if doc.get(*v, "decided_by").text() == "fragmentation" and fragmentation is not None:
+        parts.append(f"decided by fragmentation ({format_size(fragmentation)} free but unusable at the out-of-memory)")
+        conf = doc.get(*v, "setting", "conf").text()
+        margin = doc.get(*v, "setting", "margin").size()
+        if conf and margin is not None:
+            parts.append(f"with PYTORCH_CUDA_ALLOC_CONF={conf} it fits, margin {format_size(margin)}")
+    parts.append("a model, not measured")
+    return "; ".join(parts)
 
 
 def _measured_oom(

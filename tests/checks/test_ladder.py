@@ -542,3 +542,58 @@ def test_a_declared_version_on_the_computed_side_holds_nothing() -> None:
     d = _on_another_stack()
     d["software"]["bitsandbytes"] = "0.43.2"
     assert status_of(d)[0] == "CANDIDATE"
+
+
+# -- the estimate's device-level prediction (issue 23) ------------------------------------------------------------
+
+
+def device_level(device_peak: int, memory: int = 24 * GiB, **verdict: Any) -> dict[str, Any]:
+    """``candidate()`` with the device-level figures ``estimate`` writes when a verdict is asked."""
+    d = candidate()
+    d["result"]["target_device"]["memory"] = memory
+    d["x-estimate"].update(
+        {
+            "peak_reserved": calc(device_peak - GiB, "allocator model"),
+            "outside_allocator": {"value": GiB, "source": "ASSUMPTION", "note": "catalogue"},
+            "device_peak": {"value": device_peak, "source": "ASSUMPTION", "note": "reserved + outside"},
+            "verdict": {
+                "compared": "x-estimate.device_peak",
+                "device_memory": memory,
+                "alloc_conf": "",
+                "named_by": "result.target_device.name",
+                "device": "RTX 4090",
+                "outside_from": "catalogue",
+                **verdict,
+            },
+        }
+    )
+    return d
+
+
+def test_the_device_level_prediction_decides_the_fit_when_it_holds_for_the_declared_device() -> None:
+    """The allocated peak (18 GiB) fits 24 GiB; the device-level peak decides: 23 GiB fits, 25 GiB does not."""
+    assert status_of(device_level(23 * GiB))[0] == "CANDIDATE"
+    status, reasons = status_of(device_level(25 * GiB))
+    assert status == "CALCULATED"
+    assert any("best peak (x-estimate.device_peak)" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("result", "target_device", "memory"), 40 * GiB),  # another device memory
+        (("software", "pytorch_cuda_alloc_conf"), "expandable_segments:True"),  # other allocator settings
+        (("outside_allocator",), {"total": measured("700MiB")}),  # a measured figure outside the allocator since
+        (("result", "target_device", "name"), "A100 40GB"),  # another device named
+    ],
+)
+def test_a_device_level_prediction_for_other_settings_falls_back_to_the_allocated_peak(
+    path: tuple[str, ...], value: Any
+) -> None:
+    d = device_level(25 * GiB)
+    node = d
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    res = supported_status(from_text(json.dumps(d)))
+    assert res.best_peak_from == "x-estimate.peak_allocated" and res.best_peak == 18 * GiB

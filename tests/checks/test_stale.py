@@ -265,7 +265,7 @@ def test_measure_writing_the_default_attention_in_is_no_edit() -> None:
 @pytest.mark.slow
 def test_an_edited_workload_makes_the_estimate_stale(work: Path, cli: CliRunner) -> None:
     text = resolved(work, cli, variant())
-    code, _, err = cli("estimate", work, "--device-memory", "64MiB")
+    code, _, err = cli("estimate", work, "--device-memory", "2GiB")  # the tiny step + the CUDA context
     assert code == 0, err
     estimated = work.read_text(encoding="utf-8")
     assert set(load(work).plain["x-estimate"]["inputs"]) == set(WORKLOAD_INPUTS)
@@ -290,7 +290,7 @@ def test_an_edited_workload_makes_the_estimate_stale(work: Path, cli: CliRunner)
     }
 
     work.write_text(edited, encoding="utf-8")
-    code, _, err = cli("estimate", work, "--device-memory", "64MiB")
+    code, _, err = cli("estimate", work, "--device-memory", "2GiB")  # the tiny step + the CUDA context
     assert code == 0, err
     again = validate(load(work))
     assert stale_findings(again) == [] and again.supported_status == "CANDIDATE"

@@ -71,3 +71,46 @@ def test_next_steps_fold_the_reasons_into_one_line_per_kind() -> None:
     est = next_steps(["CANDIDATE needs a peak figure: a predicted peak"], "my.ledger.yaml")
     assert est[0].line().endswith("`ledgerspec estimate my.ledger.yaml`")  # the file named, not FILE
     assert next_status("CALCULATED") == "CANDIDATE" and next_status("VALIDATED") is None
+
+
+DEVICE = BASE + """software:
+  pytorch_cuda_alloc_conf: ""
+x-estimate:
+  peak_allocated: {value: 20GiB, source: CALCULATED, method: m}
+  phases: {forward_peak: 21474836480}
+  device_memory: 25769803776
+  fits: false
+  oom_phase: backward
+  peak_reserved: {value: 23GiB, source: CALCULATED, method: allocator model}
+  outside_allocator: {value: 1GiB, source: ASSUMPTION, note: catalogue}
+  device_peak: {value: 24.5GiB, source: ASSUMPTION, note: reserved + outside}
+  verdict:
+    device_memory: 25769803776
+    alloc_conf: ""
+    named_by: result.target_device.name
+    device: RTX 4090
+    outside_from: catalogue
+    decided_by: fragmentation
+    fragmentation: 1GiB
+    setting: {conf: "expandable_segments:True", margin: 512MiB}
+"""
+
+
+def test_the_device_level_prediction_is_what_the_verdict_compares() -> None:
+    """The allocated peak (20 GiB) fits 24 GiB; the allocator replay and the bytes outside it do not: the verdict says
+    which figure, by how much, the replay's phase, the fragmentation and the setting that would change it."""
+    v = _verdict(DEVICE)
+    assert v.answer == DOES_NOT_FIT and v.peak_field == "x-estimate.device_peak"  # type: ignore[attr-defined]
+    assert v.headroom == -(2**29) and v.oom_phase == "backward"  # type: ignore[attr-defined]
+    text = v.sentence()  # type: ignore[attr-defined]
+    assert "predicted peak 24.50 GiB (x-estimate.device_peak), 512.00 MiB over" in text
+    assert "reserved 23.00 GiB (allocator model) + 1.00 GiB outside the allocator (ASSUMPTION)" in text
+    assert "allocated 20.00 GiB" in text and "decided by fragmentation (1.00 GiB free but unusable" in text
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it fits, margin 512.00 MiB" in text
+
+
+def test_without_a_device_level_prediction_for_this_device_the_verdict_says_allocated_only() -> None:
+    v = _verdict(DEVICE.replace("  pytorch_cuda_alloc_conf: \"\"", "  pytorch_cuda_alloc_conf: max_split_size_mb:128"))
+    assert v.answer == FITS and v.peak_field == "x-estimate.peak_allocated"  # type: ignore[attr-defined]
+    assert v.oom_phase is None  # type: ignore[attr-defined]
+    assert "allocated tensors only" in v.sentence() and "other allocator settings" in v.sentence()  # type: ignore[attr-defined]

@@ -63,6 +63,9 @@ class StepEvents:
     seconds: float = 0.0
     #: of those, seconds spent building the stream from the probes' streams (0 for a trace)
     build_seconds: float = 0.0
+    #: the plain estimate's figures of this step (its probes extended as it extends them, or its full trace), when
+    #: the traces behind this stream include the estimate's own (:func:`full_depth_from`); None: not traced here
+    estimate_figures: dict[str, int] | None = None
 
 
 @dataclass
@@ -138,27 +141,27 @@ def _event_backend_class() -> Any:
 
 def step_events(doc: Document, layers: int | None = None, target: str = "cuda", offline: bool = True) -> StepEvents:
     """Trace ``doc``'s step (``layers`` decoder layers; None: as many as the model has) with the event log on."""
-    started = time.perf_counter()
-    from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.estimate import estimator
-    from ledgerspec.derivations.estimate.extrapolate import with_layers
-    from ledgerspec.derivations.stack.build import ModelSource, load_config
+    from ledgerspec.derivations.estimate.estimator import prepare
 
-    spec = WorkloadSpec.from_document(doc)
-    source = load_config(doc, offline=offline)
-    if layers is not None:
-        source = ModelSource(with_layers(source.config, layers), source.config_file, source.sha256, source.architecture)
-    backend = _event_backend_class()(estimator.granularity(target))
-    keep = estimator._keeps_4bit_input(doc, spec)
-    figures = estimator.trace(doc, spec, source, target, keep, backend=backend)
+    return probe_events(prepare(doc, target, offline=offline), layers)
+
+
+def probe_events(prepared: Any, layers: int | None = None) -> StepEvents:
+    """:func:`step_events` of a prepared estimate (:class:`ledgerspec.derivations.estimate.estimator.Prepared`):
+    its trace at ``layers`` decoder layers (None: all) with the event log on; its figures are the estimate's."""
+    started = time.perf_counter()
+    from ledgerspec.derivations.estimate.estimator import granularity
+
+    backend = _event_backend_class()(granularity(prepared.target))
+    figures = prepared.trace(layers, backend=backend)
     backend.close_window()
     events = backend.tracker.events
     assert events is not None
-    depth = layers if layers is not None else _layer_count(source.config)
+    depth = layers if layers is not None else _layer_count(prepared.source.config)
     return StepEvents(
         list(events),
         list(backend.windows),
-        min(spec.accumulation, 2),
+        min(prepared.spec.accumulation, 2),
         figures,
         backend.window_figures,
         depth,
@@ -179,50 +182,63 @@ def full_depth_events(doc: Document, target: str = "cuda", offline: bool = True,
     probes cannot give exactly is traced in full too, with the reason in :attr:`StepEvents.fallback`.
     ``parallel``: the deepest probe in a forked process while the other two run here
     (:func:`ledgerspec.derivations.engine.beside.both`; the same stream either way)."""
+    from ledgerspec.derivations.estimate.estimator import prepare
+
+    return full_depth_from(prepare(doc, target, offline=offline), parallel)
+
+
+def full_depth_from(prepared: Any, parallel: bool = False) -> StepEvents:
+    """:func:`full_depth_events` of a prepared estimate (:func:`ledgerspec.derivations.estimate.estimator.prepare`;
+    with ``layers="full"`` the full depth is traced). :attr:`StepEvents.estimate_figures` holds the figures the
+    plain estimate gives (its two probes extended, or its full trace) whenever the probes traced here include its
+    own, so one set of traces answers both."""
     from ledgerspec.derivations.engine.beside import both
-    from ledgerspec.derivations.estimate.extrapolate import extend_all, plan
-    from ledgerspec.derivations.stack.build import load_config
+    from ledgerspec.derivations.estimate.extrapolate import extend_all
 
     started = time.perf_counter()
-    est_plan = plan(load_config(doc, offline=offline).config)
+    est_plan = prepared.plan
     if est_plan.probes is None:
-        full = step_events(doc, None, target, offline)
+        full = probe_events(prepared, None)
         full.method = f"traced with all {est_plan.layers} decoder layers ({est_plan.reason})"
+        full.estimate_figures = full.figures
         return full
     n1, n2 = est_plan.probes
     n3 = n2 + est_plan.period
     if n3 >= est_plan.layers:
-        full = step_events(doc, None, target, offline)
+        full = probe_events(prepared, None)
         full.method = f"traced with all {est_plan.layers} decoder layers (a third probe would be as deep)"
         return full
     (shallow, second), third = both(
-        lambda: (step_events(doc, n1, target, offline), step_events(doc, n2, target, offline)),
-        lambda: step_events(doc, n3, target, offline),
+        lambda: (probe_events(prepared, n1), probe_events(prepared, n2)),
+        lambda: probe_events(prepared, n3),
         parallel,
     )
+    estimated = extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers)
     building = time.perf_counter()
     try:
         if not shallow.windows == second.windows == third.windows:
             raise NotExtensible("the probes ran different protocol windows")
         events = extend_stream({n1: shallow.events, n2: second.events, n3: third.events}, est_plan.layers)
     except NotExtensible as exc:
-        full = step_events(doc, None, target, offline)
+        full = probe_events(prepared, None)
         full.fallback = (
             f"the probes' allocation streams ({n1}, {n2}, {n3} layers) do not extend to {est_plan.layers} layers "
             f"exactly ({exc}): traced all {est_plan.layers} layers instead"
         )
         full.method = f"traced with all {est_plan.layers} decoder layers (the probes did not extend)"
         full.seconds = time.perf_counter() - started
+        full.estimate_figures = estimated
         return full
     return StepEvents(
         events,
         list(shallow.windows),
         shallow.accumulation,
-        extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers),
+        estimated,
         layers=est_plan.layers,
         method=f"built from the probes with {n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}",
         seconds=time.perf_counter() - started,
         build_seconds=time.perf_counter() - building,
+        estimate_figures=estimated,
     )
 
 
@@ -308,6 +324,8 @@ __all__ = [
     "StepOOM",
     "StepReplay",
     "full_depth_events",
+    "full_depth_from",
+    "probe_events",
     "protocol_windows",
     "replay_step",
     "reserved_step",

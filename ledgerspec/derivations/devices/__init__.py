@@ -6,7 +6,10 @@ per GPU count when the ledger declares FSDP).
 - :mod:`.comparison`: :func:`compare`, every device for every GPU count: fits, headroom, largest microbatch;
 - :mod:`.outside`: what a rank holds outside PyTorch's caching allocator (``outside.yaml``: the CUDA context by
   architecture, NCCL's buffers, unified memory; the cuBLAS workspaces listed as inside), per declared stack, with
-  sources; a ledger's ``outside_allocator.total`` replaces it.
+  sources; a ledger's ``outside_allocator.total`` replaces it;
+- :mod:`.prediction`: :func:`~.prediction.estimate_on_device`, the estimate's step on one device: the allocator
+  model's reserved bytes per phase (the full-depth stream of :mod:`ledgerspec.derivations.allocator`), plus what lies
+  outside the allocator, and the verdict: the replay against the capacity the allocator can get completes or not.
 """
 
 from ledgerspec.derivations.devices.comparison import Comparison, compare

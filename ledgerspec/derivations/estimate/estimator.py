@@ -420,9 +420,7 @@ def estimate(
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}")
-    if doc.kind not in ("ledger", "intake"):
-        raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
-    _check_intake(doc)
+    check_document(doc)
     question = {"target": target, "layers": layers, "offline": offline}
     return cached(
         store,
@@ -434,21 +432,57 @@ def estimate(
     )
 
 
-def _estimate(
-    doc: Document, target: str, layers: str, progress: Progress | None, offline: bool, parallel: bool
-) -> Estimate:
+@dataclass
+class Prepared:
+    """What an estimate of a document traces, read once (:func:`prepare`): the workload, the model's config and the
+    depth plan. :meth:`trace` runs one protocol at a depth; :func:`assemble` turns the (extended) figures into an
+    :class:`Estimate`. The allocator's full-depth stream (:mod:`ledgerspec.derivations.allocator.step`) traces
+    through the same object, so its probes give the estimate's figures too."""
+
+    doc: Document
+    spec: Any
+    source: Any
+    plan: Plan
+    target: str
+    keep_input: bool
+    say: Progress
+    started: float
+
+    def trace(self, layers: int | None, backend: Any = None) -> dict[str, int]:
+        """One simulated protocol run with ``layers`` decoder layers (None: the model's own), counted by
+        ``backend`` (None: a new tracker); a failure inside torch or transformers as one clear line."""
+        from ledgerspec.derivations.stack.build import ModelSource
+
+        source = self.source
+        if layers is not None:
+            source = ModelSource(
+                with_layers(source.config, layers), source.config_file, source.sha256, source.architecture
+            )
+        self.say(f"tracing {layers or self.plan.layers} layers")
+        try:
+            return trace(self.doc, self.spec, source, self.target, self.keep_input, backend=backend)
+        except LedgerspecError:
+            raise
+        except Exception as exc:  # any failure inside torch/transformers: one clear line, never a wrong number
+            raise _fail(self.doc, exc, self.source.architecture) from None
+
+
+def prepare(
+    doc: Document, target: str = "cuda", layers: str = "auto", progress: Progress | None = None, offline: bool = True
+) -> Prepared:
+    """Read what an estimate of ``doc`` traces (``layers``: ``auto`` extrapolates from probes when the stack allows,
+    ``full`` traces every layer); the errors the estimate gives before it traces anything."""
     started = time.perf_counter()
     say = progress or (lambda _msg: None)
     say("loading the model config")
     from ledgerspec.derivations.engine.workload import WorkloadSpec
-    from ledgerspec.derivations.stack.build import MULTIMODAL_LIMIT, ModelSource, load_config, model_class
+    from ledgerspec.derivations.stack.build import load_config
 
     spec = WorkloadSpec.from_document(doc)
     _check_attention(doc, spec.attention)
     source = load_config(doc, offline=offline)
-    config = source.config
     try:
-        est_plan = plan(config)
+        est_plan = plan(source.config)
     except ValueError:
         raise _err(
             doc,
@@ -459,36 +493,36 @@ def _estimate(
         ) from None
     if layers == "full":
         est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
+    return Prepared(doc, spec, source, est_plan, target, _keeps_4bit_input(doc, spec), say, started)
 
-    def run(n: int | None) -> dict[str, int]:
-        src = (
-            source
-            if n is None
-            else ModelSource(with_layers(config, n), source.config_file, source.sha256, source.architecture)
-        )
-        say(f"tracing {n or est_plan.layers} layers")
-        try:
-            return trace(doc, spec, src, target, keep_input)
-        except LedgerspecError:
-            raise
-        except Exception as exc:  # any failure inside torch/transformers: one clear line, never a wrong number
-            raise _fail(doc, exc, source.architecture) from None
 
-    keep_input = _keeps_4bit_input(doc, spec)
-    if est_plan.probes is None:
-        figures = run(None)
+def _estimate(
+    doc: Document, target: str, layers: str, progress: Progress | None, offline: bool, parallel: bool
+) -> Estimate:
+    p = prepare(doc, target, layers, progress, offline)
+    if p.plan.probes is None:
+        figures = p.trace(None)
     else:
-        n1, n2 = est_plan.probes
+        n1, n2 = p.plan.probes
         from ledgerspec.derivations.engine.beside import both
 
-        shallow, deep = both(lambda: run(n1), lambda: run(n2), parallel)
-        figures = extend_all(shallow, deep, n1, n2, est_plan.layers)
-    differences, notes = _differences(doc, spec, keep_input, figures.pop("stack.fused_experts", 0))
+        shallow, deep = both(lambda: p.trace(n1), lambda: p.trace(n2), parallel)
+        figures = extend_all(shallow, deep, n1, n2, p.plan.layers)
+    return assemble(p, figures)
+
+
+def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
+    """The :class:`Estimate` of the figures of ``p``'s step at full depth (traced, or extended from the probes)."""
+    from ledgerspec.derivations.stack.build import MULTIMODAL_LIMIT, model_class
+
+    doc, spec, est_plan, target = p.doc, p.spec, p.plan, p.target
+    figures = dict(figures)
+    differences, notes = _differences(doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0))
     phases = {k: figures[k] for k in PHASES}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec, target)
-    if keep_input:
+    if p.keep_input:
         method += (
             f"; bitsandbytes {doc.get('software', 'bitsandbytes').value} as declared: each 4-bit layer keeps its "
             "input for backward (MatMul4Bit before 0.43.2)"
@@ -497,7 +531,7 @@ def _estimate(
 
     if legacy_loss.models_shift_copy(doc):
         method += "; " + legacy_loss.method_note(doc)
-    if (chosen := model_class(config)) is not None and chosen.multimodal:  # stack.build: the class the config calls for
+    if (chosen := model_class(p.source.config)) is not None and chosen.multimodal:  # the class the config calls for
         method += f"; {MULTIMODAL_LIMIT}"
     at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
     return Estimate(
@@ -507,7 +541,7 @@ def _estimate(
         est_plan,
         spec.attention,
         target,
-        time.perf_counter() - started,
+        time.perf_counter() - p.started,
         method,
         notes=notes,
         at_peak=at_peak,
@@ -564,6 +598,13 @@ def _differences(
     return out, notes
 
 
+def check_document(doc: Document) -> None:
+    """What the estimate refuses before it imports anything heavy: not a ledgerspec document, an incomplete intake."""
+    if doc.kind not in ("ledger", "intake"):
+        raise _err(doc, ("ledgerspec",), "not a ledgerspec document", "start with `ledgerspec: ledger/v1`")
+    _check_intake(doc)
+
+
 def _check_intake(doc: Document) -> None:
     """The simulation needs the minimum intake (the model's identity may be a local config instead)."""
     from ledgerspec.contract.intake import minimum_intake_gaps
@@ -597,11 +638,18 @@ def device_memory_of(doc: Document) -> int | None:
     return doc.get("result", "target_device", "memory").size()
 
 
-def write_back(doc: Document, est: Estimate, device_memory: int | None, from_flag: bool) -> list[Any]:
+def write_back(
+    doc: Document, est: Estimate, device_memory: int | None, from_flag: bool, device: Any = None
+) -> list[Any]:
     """Record the estimate in a ledger: ``ledger.activations``, ``x-estimate`` and, with a device, the fit.
 
     ``temporary`` is never written (MEASURED only). A stronger ``ledger.activations`` (MEASURED) is kept.
     ``x-estimate.inputs`` fingerprints the fields the estimate read (:mod:`ledgerspec.contract.fingerprint`).
+    ``device``: the prediction on the device
+    (:class:`ledgerspec.derivations.devices.prediction.DevicePrediction`): the verdict (``fits``, ``headroom``,
+    ``oom_phase``, ``result.fits``) is then the device's, and its figures (``peak_reserved``, ``device_peak``, per
+    phase, and ``verdict``) are written beside the allocated ones; without it the verdict compares the allocated
+    peak.
     """
     from ledgerspec.contract.edit import set_extension, set_figure, set_plain
     from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
@@ -626,13 +674,19 @@ def write_back(doc: Document, est: Estimate, device_memory: int | None, from_fla
         "tool": f"ledgerspec {__version__}",
     }
     if device_memory is not None:
-        verdict = est.fit(device_memory)
-        block.update({"device_memory": device_memory, "fits": verdict.fits, "headroom": verdict.headroom})
-        if verdict.oom_phase:
-            block["oom_phase"] = verdict.oom_phase
+        if device is not None and device.total == device_memory:
+            fits, headroom, oom_phase = device.fits, device.margin, device.oom_word
+        else:
+            verdict = est.fit(device_memory)
+            fits, headroom, oom_phase = verdict.fits, verdict.headroom, verdict.oom_phase
+        block.update({"device_memory": device_memory, "fits": fits, "headroom": headroom})
+        if oom_phase:
+            block["oom_phase"] = oom_phase
+        if device is not None and device.total == device_memory:
+            block.update(device.extension())
         if from_flag:
             changes.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
-        changes.append(set_plain(doc, ("result", "fits"), verdict.fits, force=True))
+        changes.append(set_plain(doc, ("result", "fits"), fits, force=True))
     block["stack"] = dict(est.stack)
     if est.differences:
         block["differences"] = {k: dict(v) for k, v in est.differences.items()}

@@ -139,11 +139,16 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     if writes and doc.kind != "intake":
         check_writable(args.output or args.file, force=args.force)  # before the simulated step
-    est = _estimate_fn(args, parallel=True)(doc)  # one estimate: its two depth probes at once
     target_memory = device if device is not None else device_memory_of(doc)
-    _print(est, target_memory)
+    prediction = None
+    if target_memory is not None and args.target == "cuda":  # a verdict is asked: decided on the device
+        est, prediction = _estimate_on_device(doc, args, target_memory, from_flag=device is not None)
+    else:
+        est = _estimate_fn(args, parallel=True)(doc)  # one estimate: its two depth probes at once
+    _print(est, target_memory, prediction)
     code = EXIT_OK
-    if target_memory is not None and not est.fit(target_memory).fits:
+    fits = prediction.fits if prediction is not None else target_memory is None or est.fit(target_memory).fits
+    if not fits:
         code = EXIT_FINDINGS
     if doc.kind == "intake":
         print(
@@ -153,7 +158,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         return code
     if not writes:
         return code
-    changes = write_back(doc, est, target_memory, from_flag=device is not None)
+    changes = write_back(doc, est, target_memory, from_flag=device is not None, device=prediction)
     for ch in changes:
         if ch.skipped:
             print(printable(f"{args.file}: kept {ch.pointer}: {ch.skipped}"), file=sys.stderr)
@@ -168,7 +173,18 @@ def run_estimate(args: argparse.Namespace) -> int:
     return code
 
 
-def _print(est: Any, device: int | None) -> None:
+def _estimate_on_device(doc: Any, args: argparse.Namespace, memory: int, from_flag: bool) -> tuple[Any, Any]:
+    """The estimate and its prediction on the device (a third probe and the allocator replay), through the estimate
+    cache unless ``--no-cache``."""
+    from ledgerspec.derivations.devices.prediction import estimate_on_device
+    from ledgerspec.derivations.estimate.cache import EstimateCache
+
+    store = None if args.no_cache else EstimateCache.from_environment()
+    layers = "full" if args.full else "auto"
+    return estimate_on_device(doc, memory, from_flag, args.target, layers, store=store, parallel=True)
+
+
+def _print(est: Any, device: int | None, prediction: Any = None) -> None:
     from ledgerspec.contract.units import format_size
 
     out = sys.stdout
@@ -186,7 +202,9 @@ def _print(est: Any, device: int | None) -> None:
                 "dequantization workspaces)",
                 file=out,
             )
-    if device is not None:
+    if prediction is not None:
+        _print_device(est, prediction)
+    elif device is not None:
         verdict = est.fit(device)
         print(f"  {verdict.sentence()}", file=out)
         print(
@@ -197,8 +215,65 @@ def _print(est: Any, device: int | None) -> None:
         print(printable(f"  stack: {note}"), file=out)
     if est.cached_from is not None:
         print(f"  time: {est.seconds:.1f} s (from the estimate cache; traced in {est.cached_from:.1f} s)", file=out)
+    elif prediction is not None:
+        print(
+            f"  time: {est.seconds + prediction.replayed.seconds:.1f} s (three probes traced for the device verdict; "
+            f"the allocator replays {prediction.replayed.seconds:.1f} s)",
+            file=out,
+        )
     else:
         print(f"  time: {est.seconds:.1f} s", file=out)
+
+
+def _print_device(est: Any, p: Any) -> None:
+    """The estimate on the device: per phase allocated, reserved and device-level bytes, then the verdict."""
+    from ledgerspec.contract.units import format_size
+
+    out = sys.stdout
+    r = p.replayed
+    print(
+        printable(
+            f"  on the device: {p.device_text()}, {format_size(p.total)} ({r.stream}, {r.events:,} allocation events, "
+            f"replayed through the caching-allocator model; {p.conf_text()}):"
+        ),
+        file=out,
+    )
+    if r.fallback:
+        print(printable(f"    ({r.fallback})"), file=out)
+    head = ("phase", "allocated", "reserved", "device-level")
+    print(f"    {head[0]:<24}{head[1]:>12}{head[2]:>12}{head[3]:>14}", file=out)
+    for key, value in est.phases.items():
+        ph = p.phases.get(key)
+        reserved = format_size(ph.reserved) if ph is not None else "-"
+        level = format_size(ph.device) if ph is not None else "-"
+        print(f"    {key:<24}{format_size(value):>12}{reserved:>12}{level:>14}", file=out)
+    print(
+        f"    {'peak':<24}{format_size(est.peak_allocated):>12}{format_size(p.peak_reserved):>12}"
+        f"{format_size(p.device_peak):>14}",
+        file=out,
+    )
+    print(
+        printable(f"  outside the allocator: {format_size(p.outside)} ({p.outside_provenance}): {p.outside_text()}"),
+        file=out,
+    )
+    print(f"  {p.sentence()}", file=out)
+    for line in p.lines():
+        print(printable(f"  {line}"), file=out)
+    allocated = est.fit(p.total)
+    print(
+        f"  allocated only: {'fits' if allocated.fits else 'does NOT fit'}, peak {format_size(est.peak_allocated)}, "
+        + (
+            f"headroom {format_size(allocated.headroom)}"
+            if allocated.fits
+            else f"{format_size(-allocated.headroom)} over"
+        ),
+        file=out,
+    )
+    print(
+        "  (device-level figures are a model, not a measurement: PyTorch 2.13's caching allocator replayed, and the "
+        "bytes outside it as stated; `ledgerspec measure --device cuda` measures both)",
+        file=out,
+    )
 
 
 def _estimate_fn(args: argparse.Namespace, parallel: bool = False) -> Any:

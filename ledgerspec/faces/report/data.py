@@ -106,7 +106,11 @@ class PhasePoint:
     name: str
     label: str
     measured: Entry | None
-    estimated: Entry | None
+    estimated: Entry | None  # allocated (``x-estimate.phases``)
+    #: the estimate's device-level prediction (``estimate`` with a device): the allocator model's reserved bytes
+    #: (``x-estimate.reserved_phases``) and reserved plus what lies outside the allocator (``device_phases``)
+    reserved: Entry | None = None
+    device: Entry | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,11 @@ class ReportData:
     def has_phases(self) -> bool:
         return any(p.measured is not None or p.estimated is not None for p in self.phases)
 
+    @property
+    def has_device_phases(self) -> bool:
+        """The estimate predicted reserved and device-level bytes per phase (``estimate`` asked a verdict)."""
+        return any(p.reserved is not None or p.device is not None for p in self.phases)
+
 
 def shown(text: object) -> str:
     """A user's string as the report shows it, in every form (terminal, plain, HTML): on one line (whitespace runs,
@@ -255,6 +264,18 @@ def _estimate(doc: Document, key: str) -> Entry | None:
     return None
 
 
+def _predicted_on_device(doc: Document, group: str, key: str, peak: str) -> Entry | None:
+    """A phase of the estimate's device-level prediction (``x-estimate.GROUP.KEY``), with the provenance of its peak
+    figure (``x-estimate.PEAK``: CALCULATED for the allocator model's reserved bytes; the device-level figure is an
+    ASSUMPTION when the bytes outside the allocator are)."""
+    path = (ESTIMATE, group, key)
+    if not doc.get(*path).present:
+        return None
+    e = entry(doc, path, F.Field(key, F.MEMORY, ""))
+    source = doc.get(ESTIMATE, peak).effective_source(True)
+    return replace(e, source=shown(source))
+
+
 def _measured(doc: Document, *path: str) -> Entry | None:
     e = entry(doc, path)
     return e if e.source == "MEASURED" else None
@@ -287,7 +308,14 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
     capacity, capacity_label = _capacity(doc)
     peak, peak_label = best_peak(doc)
     phases = [
-        PhasePoint(name, PHASE_LABELS.get(name, name), _measured(doc, "phases", name), _estimate(doc, name))
+        PhasePoint(
+            name,
+            PHASE_LABELS.get(name, name),
+            _measured(doc, "phases", name),
+            _estimate(doc, name),
+            _predicted_on_device(doc, "reserved_phases", name, "peak_reserved"),
+            _predicted_on_device(doc, "device_phases", name, "device_peak"),
+        )
         for name in PHASE_LABELS
     ]
     title = doc.get("title").text()

@@ -176,6 +176,8 @@ def render_html(d: ReportData) -> str:
     ]
     if d.has_phases:
         parts += ["<h2>Phase timeline</h2>", _timeline_svg(d.phases, d.capacity)]
+    if d.has_device_phases:
+        parts += ["<h2>On the device (predicted)</h2>", _device_phases_table(d)]
     if d.at_peak:
         parts += [f"<h2>Alive at the estimated peak ({escape(d.at_peak_phase or '')})</h2>", _at_peak_table(d)]
     if d.pairs:
@@ -550,6 +552,31 @@ def _components_table(d: ReportData) -> str:
             f'<td class="detail">{escape(e.detail)}</td></tr>'
         )
     rows.append("</tbody></table>")
+    return "\n".join(rows)
+
+
+def _device_phases_table(d: ReportData) -> str:
+    """Per phase, the estimate's allocated bytes beside the allocator model's reserved bytes and the device-level
+    bytes (reserved + outside the allocator), and the measured figure where there is one."""
+    rows = [
+        '<table class="device-phases"><thead><tr><th>phase</th><th class="num">allocated</th>'
+        '<th class="num">reserved</th><th></th><th class="num">device-level</th><th></th>'
+        '<th class="num">measured</th></tr></thead><tbody>'
+    ]
+    for p in d.phases:
+        allocated = escape(p.estimated.display) if p.estimated is not None else "-"
+        measured = escape(p.measured.display) if p.measured is not None else "-"
+        rows.append(
+            f'<tr data-phase="{escape(p.name)}"><td>{escape(p.label)}</td><td class="num">{allocated}</td>'
+            f'{_entry_cells(p.reserved)}{_entry_cells(p.device)}<td class="num">{measured}</td></tr>'
+        )
+    rows.append(
+        '</tbody></table><p class="muted">Allocated: the tensors (x-estimate.phases). Reserved: the segments of '
+        "PyTorch's caching allocator, modelled by replaying the step's allocations (x-estimate.reserved_phases). "
+        "Device-level: reserved plus what lies outside the allocator, the CUDA context and modules, NCCL's buffers "
+        "(x-estimate.device_phases). Predicted, not measured: <code>ledgerspec measure --device cuda</code> measures "
+        "them.</p>"
+    )
     return "\n".join(rows)
 
 

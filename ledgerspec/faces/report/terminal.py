@@ -20,6 +20,7 @@ from ledgerspec.faces.report.data import (
     DeviceRow,
     Entry,
     FitRow,
+    PhasePoint,
     ReportData,
     shown,
 )
@@ -199,15 +200,10 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH, verbose: bo
     for e in notable:
         w(textwrap.fill(_input_line(e), PLAIN_WIDTH, initial_indent="  ", subsequent_indent="    ") + "\n")
     if d.has_phases:
-        w("\nphases (estimated vs measured)\n")
-        _plain_table(
-            out,
-            ("phase", "estimated", "measured"),
-            [
-                (p.label, p.estimated.display if p.estimated else "-", p.measured.display if p.measured else "-")
-                for p in d.phases
-            ],
-        )
+        w(f"\n{_phases_title(d)}\n")
+        _plain_table(out, _phase_head(d), [_phase_cells(d, p) for p in d.phases])
+        if d.has_device_phases:
+            w(f"  ({DEVICE_PHASES_NOTE})\n")
     if d.at_peak:
         w(f"\n{_at_peak_title(d)}\n")
         _plain_table(
@@ -218,6 +214,33 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH, verbose: bo
     for f in d.findings:
         if f.severity != INFO:
             w(f"  {f.line}:{f.column} {f.rule} {f.severity}: {f.message}\n")
+
+
+DEVICE_PHASES_NOTE = (
+    "reserved: the allocator model's segments; device-level: reserved + what lies outside the allocator "
+    "(x-estimate.outside_allocator); predicted, not measured"
+)
+
+
+def _phases_title(d: ReportData) -> str:
+    if d.has_device_phases:
+        return "phases (estimated: allocated, reserved, device-level; vs measured)"
+    return "phases (estimated vs measured)"
+
+
+def _phase_head(d: ReportData) -> tuple[str, ...]:
+    if d.has_device_phases:
+        return ("phase", "allocated", "reserved", "device-level", "measured")
+    return ("phase", "estimated", "measured")
+
+
+def _phase_cells(d: ReportData, p: PhasePoint) -> tuple[str, ...]:
+    def cell(e: Entry | None) -> str:
+        return e.display if e is not None else "-"
+
+    if d.has_device_phases:
+        return (p.label, cell(p.estimated), cell(p.reserved), cell(p.device), cell(p.measured))
+    return (p.label, cell(p.estimated), cell(p.measured))
 
 
 FIT_HEAD = ("input", "largest that fits", "its peak", "next value", "its peak", "device", "note")
@@ -396,13 +419,15 @@ def render_rich(
             row.append(f" {_flat(e.detail)}")
         console.print(row)
     if d.has_phases:
-        t = Table(title="phases (estimated vs measured)", title_justify="left", box=SIMPLE_HEAD)
-        for col in ("phase", "estimated", "measured"):
+        t = Table(title=_phases_title(d), title_justify="left", box=SIMPLE_HEAD)
+        for col in _phase_head(d):
             t.add_column(col)
         for p in d.phases:
-            t.add_row(p.label, p.estimated.display if p.estimated else "-", p.measured.display if p.measured else "-")
+            t.add_row(*_phase_cells(d, p))
         console.print()
         console.print(t)
+        if d.has_device_phases:
+            console.print(Text(f"  ({DEVICE_PHASES_NOTE})"))
     if d.at_peak:
         t = Table(box=SIMPLE_HEAD)
         t.add_column("component")

@@ -1,0 +1,613 @@
+"""What the device holds during the step, and whether the step fits it: the estimate's verdict on the device.
+
+The estimate predicts the bytes PyTorch tensors hold, phase by phase, exactly. A device runs out of memory when the
+caching allocator cannot get another segment: what it has *reserved* (tensors, the blocks it keeps cached, the parts
+of split blocks no request fits) plus what lies *outside* it (the CUDA context and the kernel modules, NCCL's buffers)
+reaches the device's total. :func:`estimate_on_device` answers both questions from one set of traces:
+
+1. the step's allocation stream at full depth (:func:`ledgerspec.derivations.allocator.step.full_depth_from`: the
+   estimate's two probes plus a third, built event by event; its probes give the plain estimate's figures unchanged);
+2. what lies outside the allocator on the target device (:func:`outside_of`): the ledger's ``outside_allocator.total``
+   when it holds one (MEASURED by ``measure --device cuda``, or declared), else the catalogue (``outside.yaml``) for the
+   device's architecture, the device named by :func:`target_of`;
+3. the stream replayed through the allocator model (:mod:`ledgerspec.derivations.allocator.replay`, the ledger's
+   ``software.pytorch_cuda_alloc_conf`` or PyTorch's defaults) twice: without a limit, for the reserved bytes per
+   phase, and against the capacity the allocator can get (the device's total minus what lies outside), for the
+   verdict: it **fits** when that replay completes without an out-of-memory, the allocator's free-and-retry path
+   included. When the tensors alone fit but the replay runs out (fragmentation decides), the replay is run again
+   with ``expandable_segments:True`` and with ``max_split_size_mb`` values (:data:`SPLIT_TRIES`), and the one that
+   makes it fit by the most is named.
+
+The device-level peak is the peak reserved plus the bytes outside the allocator (the whole step long: modules loaded
+during the step are counted from the first phase on, an upper bound for the early phases). ``fits`` holds exactly
+when that peak is at most the device's total: a replay against the capacity takes the same decisions as the one
+without a limit until a ``cudaMalloc`` would pass the capacity, so a replay that runs out reserves more than the
+capacity without a limit, and one that completes never reserves more than the capacity.
+
+Nothing here was measured on a GPU: the allocator model follows PyTorch 2.13's source and is checked against recorded
+streams; the bytes outside the allocator are an ASSUMPTION unless the ledger holds a measured figure.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ledgerspec.contract.document import Document, ErrorAt
+from ledgerspec.contract.units import format_size, parse_size
+from ledgerspec.derivations.devices import outside
+
+MiB = 2**20
+#: ``max_split_size_mb`` values a fragmentation-decided verdict tries (each one replay of the stream)
+SPLIT_TRIES = (20, 64, 128, 256, 512)
+EXPANDABLE = "expandable_segments:True"
+#: how near a catalogue device's total (or its vendor memory) must be to the asked memory to name it
+NAME_TOLERANCE = 0.01
+#: bump when the cached form of a device prediction changes
+FORMAT = 1
+
+_err = ErrorAt("estimate")
+
+
+# -- which device --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device a verdict is asked for: its total (bytes, as PyTorch reports it), its name and how it was named."""
+
+    total: int
+    name: str | None
+    #: ``result.target_device.name``, ``catalogue``, ``software.gpu_name`` or ``none``
+    named_by: str
+    #: how, in words
+    how: str = ""
+
+
+def catalogue_match(total: int) -> tuple[Any, list[str]] | None:
+    """The built-in device catalogue's entry whose total (as PyTorch reports it) or vendor memory is nearest to
+    ``total`` within :data:`NAME_TOLERANCE`, and the names of the other entries as near; None: none is."""
+    from ledgerspec.contract.units import UnitError
+    from ledgerspec.derivations.devices.catalogue import load_catalogue
+
+    found: list[tuple[float, int, Any]] = []
+    for i, device in enumerate(load_catalogue().devices):
+        sizes = [device.total]
+        try:
+            sizes.append(parse_size(device.vendor_memory))
+        except UnitError:
+            pass
+        distance = min(abs(s - total) / total for s in sizes)
+        if distance <= NAME_TOLERANCE:
+            found.append((distance, i, device))
+    if not found:
+        return None
+    found.sort(key=lambda f: (f[0], f[1]))
+    best = found[0]
+    return best[2], [d.name for dist, _, d in found[1:] if dist == best[0]]
+
+
+def target_of(doc: Document, total: int, from_flag: bool = False) -> Target:
+    """Name the device of ``total`` bytes: ``result.target_device.name`` (unless ``--device-memory`` asked about
+    another size than the ledger's target), else the device catalogue's entry whose total or vendor memory matches
+    (within 1 %, the nearest), else ``software.gpu_name``, else unnamed (the outside catalogue's unknown-GPU
+    figure)."""
+    name = doc.get("result", "target_device", "name").text()
+    declared = doc.get("result", "target_device", "memory").size()
+    if name and name.strip() and (not from_flag or declared is None or declared == total):
+        return Target(total, name.strip(), "result.target_device.name", "result.target_device.name")
+    match = catalogue_match(total)
+    if match is not None:
+        device, others = match
+        also = f"; as near: {', '.join(others)}" if others else ""
+        return Target(
+            total,
+            device.name,
+            "catalogue",
+            f"the device catalogue's entry nearest to {format_size(total)} ({format_size(device.total)} as PyTorch "
+            f"reports it, {device.vendor_memory} as sold{also})",
+        )
+    gpu = doc.get("software", "gpu_name").text()
+    if gpu and gpu.strip():
+        return Target(total, gpu.strip(), "software.gpu_name", "software.gpu_name")
+    return Target(total, None, "none", "nothing: no result.target_device.name, catalogue entry or software.gpu_name")
+
+
+def outside_of(doc: Document, target: Target) -> outside.Figure:
+    """The bytes this rank holds outside the caching allocator on ``target``: the ledger's
+    ``outside_allocator.total`` when it holds one, else the outside catalogue's estimate for the declared stack on
+    the named device (:func:`ledgerspec.derivations.devices.outside.estimate`)."""
+    v = doc.get("outside_allocator", "total")
+    size = v.size()
+    if size is not None:
+        why = " ".join((v.note or v.method or "").split())
+        return outside.Figure(size, v.effective_source(True), "outside_allocator.total" + (f" ({why})" if why else ""))
+    stack = replace(outside.stack_of(doc), gpu_name=target.name)
+    est = outside.estimate(stack)
+    return outside.Figure(est.typical, est.provenance, est.method(), est)
+
+
+# -- the prediction ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PhaseDevice:
+    """One protocol phase on the device (held bytes for ``after_*``, else the peak during the phase)."""
+
+    allocated: int  # as the estimate counts: each live request rounded up to 512 B
+    allocator_allocated: int  # as ``torch.cuda.memory_allocated`` counts: whole blocks
+    reserved: int  # the allocator's segments
+    device: int  # reserved + outside the allocator
+
+
+@dataclass
+class Tried:
+    """The replay against the capacity again, with one allocator setting more."""
+
+    setting: str  # added to the ledger's PYTORCH_CUDA_ALLOC_CONF
+    conf: str  # the whole setting replayed
+    fits: bool
+    peak_reserved: int  # on the device: the replay's peak (up to its out-of-memory when it runs out)
+    margin: int  # fits: capacity - peak reserved; else minus what the failing allocation lacked
+    oom_phase: str | None = None
+
+
+@dataclass
+class DeviceOOM:
+    """The first out-of-memory of the replay against the capacity, after the allocator's free-and-retry."""
+
+    phase: str  # the protocol phase (``backward_peak``)
+    requested: int  # bytes the tensor asked for
+    alloc_size: int  # bytes the allocator asked cudaMalloc for
+    allocated: int  # held by tensors then (whole blocks)
+    reserved: int  # reserved then, after releasing what it could
+    fragmentation: int  # reserved - allocated then: free, but in blocks that could not serve the request
+    short: int  # reserved + alloc_size - capacity: what the allocation lacked
+
+
+@dataclass
+class Replayed:
+    """What the replays found (the part of a :class:`DevicePrediction` the estimate cache keeps)."""
+
+    total: int
+    outside: int
+    capacity: int
+    alloc_conf: str
+    phases: dict[str, PhaseDevice]
+    fits: bool
+    #: the peak reserved without a limit (the step's own; equal to the phases' when it fits without a retry)
+    free_peak_reserved: int
+    oom: DeviceOOM | None = None
+    tried: list[Tried] = field(default_factory=list)
+    stream: str = ""  # how the full-depth stream was obtained
+    fallback: str | None = None  # why it was traced in full
+    events: int = 0
+    seconds: float = 0.0  # the third probe's share is in the estimate's time; this: building and replaying
+
+    def to_cache(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_cache(cls, data: dict[str, Any]) -> Replayed:
+        data = dict(data)
+        data["phases"] = {k: PhaseDevice(**v) for k, v in data["phases"].items()}
+        data["oom"] = DeviceOOM(**data["oom"]) if data.get("oom") else None
+        data["tried"] = [Tried(**t) for t in data.get("tried") or []]
+        return cls(**data)
+
+
+@dataclass
+class DevicePrediction:
+    """The estimate's step on a device: per phase allocated, reserved and device-level bytes, and the verdict."""
+
+    target: Target
+    outside_figure: outside.Figure
+    replayed: Replayed
+    #: answered from the estimate cache (the seconds the replays took then)
+    cached: bool = False
+
+    # -- figures
+    @property
+    def total(self) -> int:
+        return self.replayed.total
+
+    @property
+    def capacity(self) -> int:
+        return self.replayed.capacity
+
+    @property
+    def outside(self) -> int:
+        return self.replayed.outside
+
+    @property
+    def phases(self) -> dict[str, PhaseDevice]:
+        return self.replayed.phases
+
+    @property
+    def fits(self) -> bool:
+        return self.replayed.fits
+
+    @property
+    def oom(self) -> DeviceOOM | None:
+        return self.replayed.oom
+
+    @property
+    def peak_allocated(self) -> int:
+        return max(p.allocated for p in self.phases.values())
+
+    @property
+    def peak_allocator_allocated(self) -> int:
+        return max(p.allocator_allocated for p in self.phases.values())
+
+    @property
+    def peak_reserved(self) -> int:
+        return max(p.reserved for p in self.phases.values())
+
+    @property
+    def device_peak(self) -> int:
+        return self.peak_reserved + self.outside
+
+    @property
+    def margin(self) -> int:
+        """The device's total minus the device-level peak: negative when it does not fit."""
+        return self.total - self.device_peak
+
+    @property
+    def fragmentation(self) -> int:
+        """At the out-of-memory: the reserve that was free but could not serve the request; when it fits: the reserve
+        above the allocated peak (peak reserved - peak allocated, whole blocks)."""
+        if self.oom is not None:
+            return self.oom.fragmentation
+        return self.peak_reserved - self.peak_allocator_allocated
+
+    @property
+    def decided_by(self) -> str:
+        """``fragmentation`` when the tensors alone fit the capacity but the replay runs out; ``allocated`` when the
+        tensors alone do not; ``none`` when it fits."""
+        if self.fits:
+            return "none"
+        return "fragmentation" if self.peak_allocated <= self.capacity else "allocated"
+
+    @property
+    def best_try(self) -> Tried | None:
+        """The setting that makes it fit by the most (None: none tried does)."""
+        fitting = [t for t in self.replayed.tried if t.fits]
+        return max(fitting, key=lambda t: t.margin) if fitting else None
+
+    @property
+    def outside_provenance(self) -> str:
+        return self.outside_figure.source
+
+    @property
+    def device_provenance(self) -> str:
+        """CALCULATED when the bytes outside the allocator are measured or calculated, else ASSUMPTION."""
+        return "CALCULATED" if self.outside_provenance in ("MEASURED", "VERIFIED", "CALCULATED") else "ASSUMPTION"
+
+    @property
+    def oom_word(self) -> str | None:
+        from ledgerspec.derivations.estimate.fit import OOM_PHASE
+
+        return OOM_PHASE.get(self.oom.phase, self.oom.phase) if self.oom is not None else None
+
+    # -- words
+    def conf_text(self) -> str:
+        conf = self.replayed.alloc_conf
+        return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)"
+
+    def device_text(self) -> str:
+        est = self.outside_figure.estimate
+        arch = "" if est is None else " (architecture unknown)" if est.arch == "unknown" else f" ({est.arch})"
+        return f"{self.target.name}{arch}" if self.target.name else f"an unnamed device{arch}"
+
+    def outside_text(self) -> str:
+        f = self.outside_figure
+        if f.estimate is None:
+            return f"{f.method}, as the ledger holds it"
+        parts = " + ".join(f"{p.name} {format_size(p.typical)}" for p in f.estimate.counted if p.typical)
+        return (
+            f"{self.device_text()}, named by {self.target.how}: {parts or 'nothing'} from the outside-allocator "
+            f"catalogue, range {format_size(f.estimate.low)} to {format_size(f.estimate.high)}"
+        )
+
+    def reserved_method(self) -> str:
+        r = self.replayed
+        how = (
+            "the replay against the device"
+            if self.fits
+            else "the replay without a limit (the one against the device stopped at its out-of-memory)"
+        )
+        return (
+            f"the step's allocation stream at full depth ({r.stream}) replayed through ledgerspec's model of "
+            f"PyTorch 2.13's CUDA caching allocator, {self.conf_text()}; per phase from {how}; a model, not a "
+            "measurement"
+        )
+
+    def sentence(self) -> str:
+        """The verdict in one line: which figure, the margin, the fragmentation."""
+        dev = format_size(self.device_peak)
+        total = format_size(self.total)
+        split = f"reserved {format_size(self.peak_reserved)} + {format_size(self.outside)} outside the allocator"
+        if self.fits:
+            return (
+                f"fits on the device: device peak {dev} of {total} ({split}), margin {format_size(self.margin)}; "
+                f"the allocator model's replay against the {format_size(self.capacity)} it can get completes"
+            )
+        oom = self.oom
+        assert oom is not None
+        return (
+            f"does NOT fit on the device: the allocator model runs out of memory in phase {self.oom_word} "
+            f"({oom.phase}) asking for {format_size(oom.requested)} with {format_size(oom.reserved)} reserved of the "
+            f"{format_size(self.capacity)} it can get, after freeing its cache; device peak without a limit {dev} of "
+            f"{total} ({split}), {format_size(-self.margin)} over"
+        )
+
+    def lines(self) -> list[str]:
+        """What ``estimate`` prints under the verdict: the fragmentation, what decided it, what would change it."""
+        out: list[str] = []
+        if self.fits:
+            out.append(
+                f"reserve above the allocated peak: {format_size(self.fragmentation)} (peak reserved "
+                f"{format_size(self.peak_reserved)} - peak allocated {format_size(self.peak_allocator_allocated)}, "
+                "whole blocks: cached blocks and split remainders)"
+            )
+        else:
+            oom = self.oom
+            assert oom is not None
+            out.append(
+                f"fragmentation at the out-of-memory: {format_size(oom.fragmentation)} of the "
+                f"{format_size(oom.reserved)} reserved was free but in blocks that could not serve the request; it "
+                f"lacked {format_size(oom.short)}"
+            )
+            if self.decided_by == "fragmentation":
+                out.append(
+                    f"decided by fragmentation: the allocated peak {format_size(self.peak_allocated)} fits the "
+                    f"{format_size(self.capacity)} the allocator can get, the allocator's blocks do not"
+                )
+                for t in self.replayed.tried:
+                    if t.fits:
+                        gain = self.replayed.free_peak_reserved - t.peak_reserved
+                        out.append(
+                            f"with {t.setting}: fits, peak reserved {format_size(t.peak_reserved)} "
+                            f"({format_size(gain)} less than without a limit and the declared setting), margin "
+                            f"{format_size(t.margin)}"
+                        )
+                    else:
+                        out.append(
+                            f"with {t.setting}: still runs out in phase {t.oom_phase}, lacking {format_size(-t.margin)}"
+                        )
+                best = self.best_try
+                out.append(
+                    f"set PYTORCH_CUDA_ALLOC_CONF={best.conf} (software.pytorch_cuda_alloc_conf) to fit"
+                    if best is not None
+                    else "no allocator setting tried makes it fit"
+                )
+            else:
+                out.append(
+                    f"decided by the tensors: the allocated peak {format_size(self.peak_allocated)} alone is more "
+                    f"than the {format_size(self.capacity)} the allocator can get; no allocator setting changes that"
+                )
+        return out
+
+    # -- the ledger
+    def extension(self) -> dict[str, Any]:
+        """The device-level entries of ``x-estimate`` (merged into the block :func:`write_back` writes)."""
+        r = self.replayed
+        device_source = self.device_provenance
+        device_note = (
+            f"peak reserved (allocator model) + outside the allocator, {self.outside_provenance}: "
+            f"{self.outside_text()}; no GPU measured this prediction"
+        )
+        device_peak: dict[str, Any] = {"value": self.device_peak, "source": device_source}
+        device_peak["note" if device_source == "ASSUMPTION" else "method"] = device_note
+        outside_entry: dict[str, Any] = {"value": self.outside, "source": self.outside_provenance}
+        outside_entry["note" if self.outside_provenance == "ASSUMPTION" else "method"] = self.outside_text()
+        verdict: dict[str, Any] = {
+            "compared": "x-estimate.device_peak",
+            "device_memory": self.total,
+            "device": self.target.name if self.target.name else "unnamed",
+            "capacity": self.capacity,
+            "fits": self.fits,
+            "margin": self.margin,
+            "fragmentation": self.fragmentation,
+            "decided_by": self.decided_by,
+            "alloc_conf": r.alloc_conf,
+            "named_by": self.target.named_by,
+            "outside_from": "catalogue" if self.outside_figure.estimate is not None else "outside_allocator.total",
+            "allocated": {
+                "peak": self.peak_allocated,
+                "fits": self.peak_allocated <= self.total,
+                "headroom": self.total - self.peak_allocated,
+            },
+        }
+        if self.oom is not None:
+            verdict["oom"] = asdict(self.oom)
+        if r.tried:
+            verdict["tried"] = [
+                {"setting": t.setting, "fits": t.fits, "peak_reserved": t.peak_reserved, "margin": t.margin}
+                | ({"oom_phase": t.oom_phase} if t.oom_phase else {})
+                for t in r.tried
+            ]
+            best = self.best_try
+            if best is not None:
+                verdict["setting"] = {
+                    "conf": best.conf,
+                    "peak_reserved": best.peak_reserved,
+                    "margin": best.margin,
+                    "reserved_less": r.free_peak_reserved - best.peak_reserved,
+                }
+        return {
+            "peak_reserved": {"value": self.peak_reserved, "source": "CALCULATED", "method": self.reserved_method()},
+            "reserved_phases": {k: p.reserved for k, p in self.phases.items()},
+            "outside_allocator": outside_entry,
+            "device_peak": device_peak,
+            "device_phases": {k: p.device for k, p in self.phases.items()},
+            "verdict": verdict,
+        }
+
+
+# -- computing it ----------------------------------------------------------------------------------------------------
+
+
+def _config(doc: Document, text: str) -> Any:
+    from ledgerspec.derivations.allocator.config import AllocatorConfig, AllocatorConfigError
+
+    try:
+        return AllocatorConfig.parse(text)
+    except AllocatorConfigError as exc:
+        raise _err(
+            doc,
+            ("software", "pytorch_cuda_alloc_conf"),
+            f"PyTorch would refuse this allocator setting: {exc.message}",
+            "write PYTORCH_CUDA_ALLOC_CONF as set for the run (e.g. expandable_segments:True)",
+        ) from None
+
+
+def _tries(config: Any, conf: str) -> list[tuple[str, str]]:
+    """(setting, whole conf) to replay again when fragmentation decides: expandable segments, then split limits."""
+    out: list[tuple[str, str]] = []
+    joined = (lambda s: f"{conf},{s}") if conf else (lambda s: s)
+    if not config.expandable_segments:
+        out.append((EXPANDABLE, joined(EXPANDABLE)))
+    for mb in SPLIT_TRIES:
+        if mb * MiB >= config.large_segment_size and mb * MiB != config.max_split_size:
+            setting = f"max_split_size_mb:{mb}"
+            out.append((setting, joined(setting)))
+    return out
+
+
+def replay_on_device(
+    doc: Document, step: Any, total: int, outside_bytes: int, conf: str, target: str = "cuda"
+) -> Replayed:
+    """Replay ``step`` (a full-depth :class:`~ledgerspec.derivations.allocator.step.StepEvents`) for a device of
+    ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring)."""
+    from ledgerspec.derivations.allocator.config import AllocatorConfig
+    from ledgerspec.derivations.allocator.step import replay_step
+
+    started = time.perf_counter()
+    config = _config(doc, conf)
+    capacity = max(0, total - outside_bytes)
+    free = replay_step(doc, config=config, device_total=total, target=target, step=step)
+    free_peak = max((p.reserved for p in free.phases.values()), default=0)
+    if free.oom is None and free_peak <= capacity:
+        on = free  # no cudaMalloc passes the capacity: the replay against it takes the same decisions
+    else:
+        on = replay_step(doc, config=config, capacity=capacity, device_total=total, target=target, step=step)
+    shown = on if on.oom is None else free
+    phases = {
+        k: PhaseDevice(p.allocated, p.allocator_allocated, p.reserved, p.reserved + outside_bytes)
+        for k, p in shown.phases.items()
+    }
+    oom = None
+    if on.oom is not None:
+        o = on.oom
+        lacked = o.reserved + o.alloc_size - capacity
+        oom = DeviceOOM(o.phase, o.requested, o.alloc_size, o.allocated, o.reserved, o.free_unusable, lacked)
+    result = Replayed(
+        total,
+        outside_bytes,
+        capacity,
+        conf,
+        phases,
+        on.oom is None,
+        free_peak,
+        oom,
+        stream=step.method,
+        fallback=step.fallback,
+        events=len(step.events),
+    )
+    peak_allocated = max((p.allocated for p in phases.values()), default=0)
+    if oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
+        for setting, whole in _tries(config, conf):
+            config_again = AllocatorConfig.parse(whole)
+            again = replay_step(doc, None, config_again, capacity, total, target, step)
+            reserved = max((p.reserved for p in again.phases.values()), default=0)
+            if again.oom is None:
+                result.tried.append(Tried(setting, whole, True, reserved, capacity - reserved))
+            else:
+                a = again.oom
+                from ledgerspec.derivations.estimate.fit import OOM_PHASE
+
+                lacked = a.reserved + a.alloc_size - capacity
+                result.tried.append(Tried(setting, whole, False, a.reserved, -lacked, OOM_PHASE.get(a.phase, a.phase)))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def estimate_on_device(
+    doc: Document,
+    device_memory: int,
+    from_flag: bool = False,
+    target: str = "cuda",
+    layers: str = "auto",
+    offline: bool = True,
+    store: Any = None,
+    parallel: bool = False,
+    progress: Any = None,
+) -> tuple[Any, DevicePrediction]:
+    """The estimate of ``doc`` (its figures exactly as :func:`ledgerspec.derivations.estimate.estimate` gives them)
+    and its :class:`DevicePrediction` for a device of ``device_memory`` bytes (``from_flag``: asked with
+    ``--device-memory``, see :func:`target_of`). One set of traces: the estimate's probes and a third. With ``store``
+    (an :class:`~ledgerspec.derivations.estimate.cache.EstimateCache`) the answer is kept and read back under a key
+    that holds everything the replay depends on besides the estimate's inputs: the device's total, the bytes outside
+    the allocator and the allocator's settings."""
+    from ledgerspec.derivations.estimate import estimator
+    from ledgerspec.derivations.estimate.cache import cached
+    from ledgerspec.derivations.estimate.cache import key as cache_key
+
+    if target != "cuda":
+        raise ValueError("the device verdict models the CUDA caching allocator: target cuda only")
+    estimator.check_document(doc)
+    named = target_of(doc, device_memory, from_flag)
+    figure = outside_of(doc, named)
+    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
+    _config(doc, conf)  # a setting PyTorch refuses: one line at the field, before anything is traced
+    plain_question = {"target": target, "layers": layers, "offline": offline}
+    question = {
+        **plain_question,
+        "device": {"format": FORMAT, "total": device_memory, "outside": figure.bytes, "alloc_conf": conf},
+    }
+
+    def compute() -> tuple[Any, Replayed]:
+        from ledgerspec.derivations.allocator.step import full_depth_from
+        from ledgerspec.derivations.estimate.extrapolate import extend_all
+
+        p = estimator.prepare(doc, target, layers, progress, offline)
+        step = full_depth_from(p, parallel)
+        figures = step.estimate_figures
+        if figures is None:  # a stack too shallow for a third probe was traced in full: the estimate's own probes
+            assert p.plan.probes is not None
+            n1, n2 = p.plan.probes
+            figures = extend_all(p.trace(n1), p.trace(n2), n1, n2, p.plan.layers)
+        est = estimator.assemble(p, figures)
+        replayed = replay_on_device(doc, step, device_memory, figure.bytes, conf, target)
+        if store is not None and (plain_key := cache_key(doc, plain_question)) is not None:
+            store.put(plain_key, est.to_cache())  # the plain question is answered by these traces too
+        return est, replayed
+
+    def encode(answer: tuple[Any, Replayed]) -> dict[str, Any]:
+        return {"estimate": answer[0].to_cache(), "device": answer[1].to_cache()}
+
+    def decode(data: dict[str, Any], seconds: float) -> tuple[Any, Replayed, bool]:
+        return estimator.Estimate.from_cache(data["estimate"], seconds), Replayed.from_cache(data["device"]), True
+
+    answer = cached(store, doc, question, lambda: (*compute(), False), lambda a: encode((a[0], a[1])), decode)
+    est, replayed, from_cache = answer
+    return est, DevicePrediction(named, figure, replayed, cached=from_cache)
+
+
+__all__ = [
+    "EXPANDABLE",
+    "SPLIT_TRIES",
+    "DeviceOOM",
+    "DevicePrediction",
+    "PhaseDevice",
+    "Replayed",
+    "Target",
+    "Tried",
+    "catalogue_match",
+    "estimate_on_device",
+    "outside_of",
+    "replay_on_device",
+    "target_of",
+]
