@@ -73,7 +73,9 @@ def test_next_steps_fold_the_reasons_into_one_line_per_kind() -> None:
     assert next_status("CALCULATED") == "CANDIDATE" and next_status("VALIDATED") is None
 
 
-DEVICE = BASE + """software:
+DEVICE = (
+    BASE
+    + """software:
   pytorch_cuda_alloc_conf: ""
 x-estimate:
   peak_allocated: {value: 20GiB, source: CALCULATED, method: m}
@@ -94,6 +96,7 @@ x-estimate:
     fragmentation: 1GiB
     setting: {conf: "expandable_segments:True", margin: 512MiB}
 """
+)
 
 
 def test_the_device_level_prediction_is_what_the_verdict_compares() -> None:
@@ -110,7 +113,7 @@ def test_the_device_level_prediction_is_what_the_verdict_compares() -> None:
 
 
 def test_without_a_device_level_prediction_for_this_device_the_verdict_says_allocated_only() -> None:
-    v = _verdict(DEVICE.replace("  pytorch_cuda_alloc_conf: \"\"", "  pytorch_cuda_alloc_conf: max_split_size_mb:128"))
+    v = _verdict(DEVICE.replace('  pytorch_cuda_alloc_conf: ""', "  pytorch_cuda_alloc_conf: max_split_size_mb:128"))
     assert v.answer == FITS and v.peak_field == "x-estimate.peak_allocated"  # type: ignore[attr-defined]
     assert v.oom_phase is None  # type: ignore[attr-defined]
     assert "allocated tensors only" in v.sentence() and "other allocator settings" in v.sentence()  # type: ignore[attr-defined]
