@@ -627,18 +627,33 @@ class Workload:
 
         return torch.device(self.device).type if self.device is not None else "cpu"
 
-    def grad_scaler(self) -> Any:
-        """The fp16 loss scaler accelerate creates (``torch.amp.GradScaler``), on this workload's device; under
-        fake tensors one that skips the host read of ``found_inf`` (the step is taken: nothing is inf)."""
+    def grad_scaler_class(self) -> Any:
+        """The fp16 loss scaler class accelerate creates for this workload: ``torch.amp.GradScaler`` (one device, and
+        FSDP2: accelerate 1.15 ``get_fsdp2_grad_scaler``); FSDP1 overrides it."""
         import torch
+
+        return torch.amp.GradScaler
+
+    def grad_scaler(self) -> Any:
+        """The fp16 loss scaler accelerate creates (:meth:`grad_scaler_class`), on this workload's device; under
+        fake tensors one that skips the host read of ``found_inf`` (the step is taken: nothing is inf)."""
         from torch._subclasses.fake_tensor import is_fake
 
+        scaler = self.grad_scaler_class()
         if not is_fake(next(p for p in self.model.parameters() if p.requires_grad)):
-            return torch.amp.GradScaler(self.device_type)
+            return scaler(self.device_type)
 
-        class FakeGradScaler(torch.amp.GradScaler):
+        class FakeGradScaler(scaler):  # type: ignore[misc,valid-type]
             def _maybe_opt_step(self, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
                 return optimizer.step(*args, **kwargs)
+
+            def _amp_update_scale_cpu_(self, found_inf: Any) -> None:
+                # ShardedGradScaler's update on the CPU (torch 2.13 sharded_grad_scaler.py L288-307) without its
+                # host reads: nothing is inf and the growth interval (2,000 steps) is not reached; the same tensors
+                tracker: Any = self._growth_tracker  # type: ignore[has-type]
+                successful = tracker + 1
+                _ = successful == self._growth_interval
+                self._growth_tracker = successful
 
         return FakeGradScaler(self.device_type)
 

@@ -314,6 +314,16 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
             "check the dtypes: adapter.dtype, base_model.loaded_dtype, training.mixed_precision (autocast casts "
             "both operands), parallelism.mixed_precision_policy",
         )
+    if isinstance(exc, ValueError) and "Attempting to unscale FP16 gradients" in str(exc):
+        return _err(
+            doc,
+            ("adapter", "dtype") if doc.get("adapter", "dtype").present else ("identity",),
+            "the declared step cannot run: fp16 loss scaling refuses float16 gradients (torch.amp.GradScaler, which "
+            "accelerate uses on one GPU and under FSDP2; only FSDP1's ShardedGradScaler unscales them), so a real run "
+            "fails at its first optimizer step as the simulation did",
+            "keep the adapters in float32 (adapter.dtype: float32; fp16 autocast still computes in float16), or train "
+            "in bf16 (training.mixed_precision: bf16)",
+        )
     if failed_in_optimizer_step(exc):  # forward and backward traced; the optimizer's update failed
         at = f" in op {op}" if op is not None else ""
         return _err(

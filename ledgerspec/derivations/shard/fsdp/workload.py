@@ -177,6 +177,15 @@ def fsdp1_workload(base: type) -> Any:
             adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
             self._mesh = hybrid_mesh(self.doc)
 
+        def grad_scaler_class(self) -> Any:
+            """accelerate's fp16 scaler under FSDP1: ``ShardedGradScaler`` (accelerate 1.15
+            ``utils/modeling.py:get_grad_scaler``, ``DistributedType.FSDP`` without FSDP2), which unscales float16
+            gradients (``_unscale_grads_(..., allow_fp16=True)``) and all-reduces ``found_inf`` over the ranks;
+            ``torch.amp.GradScaler`` refuses float16 gradients."""
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler
+
         def materialise_base(self, device: Any) -> None:
             self.device = device
             self._materialise(device, adapters=False)
