@@ -119,6 +119,22 @@ def granularity(target: str) -> int:
 
 
 @contextlib.contextmanager
+def _no_meta_failure_log() -> Iterator[None]:
+    """torch logs every failing meta kernel with its traceback before raising (``torch/_subclasses/fake_tensor.py``:
+    ``log.exception("failed while attempting to run meta for %s", func)``, 22 lines on stderr); the estimate turns
+    the failure into one line of its own (:func:`_fail`)."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
+@contextlib.contextmanager
 def _unpacked_rows() -> Iterator[None]:
     """Let transformers see the synthetic rows as unpacked, as it does with real tensors.
 
@@ -238,6 +254,10 @@ def _estimate_workload_class() -> Any:
 
                 self.stack.enter_context(EmulatedAutocast(CUDA_POLICY, getattr(torch, self.spec.autocast_dtype)))
             self.stack.enter_context(_unpacked_rows())
+            self.stack.enter_context(_no_meta_failure_log())
+            from ledgerspec.derivations.estimate.grouped_mm import grouped_mm_any_float
+
+            grouped_mm_any_float()  # fp16 / fp32 experts: the meta kernel takes what the kernels take
             if self.spec.padded or (self.spec.loop == "trainer" and self.spec.pads_rows):
                 self.stack.enter_context(_mask_rows(self.spec.padded))
 
