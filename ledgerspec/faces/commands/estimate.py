@@ -373,6 +373,7 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     writes = _writable(doc, args)
     estimate_fn = _estimate_fn(args, parallel=True)  # the first estimate's probes at once (the rest follow it)
     answers = []
+    on_device: dict[str, Any] = {}
     for name in dict.fromkeys(args.fit):
         if name == "microbatch":
             answer = search.fit_microbatch(doc, memory, estimate_fn, exact=args.exact)
@@ -384,19 +385,45 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
         if answer.at_peak and answer.largest is not None:
             parts = ", ".join(f"{k.replace('_', ' ')} {format_size(n)}" for k, n in answer.at_peak.items() if n)
             print(f"  alive at the peak of {answer.largest}: {parts}")
+        if args.target == "cuda" and answer.largest is not None:  # the allocated answer, decided on the device
+            checked = _check_on_device(doc, args, answer, memory)
+            on_device[name] = checked
+            for line in checked.lines():
+                print(printable(f"  {line}"))
+            answer.seconds += checked.seconds
         print(f"  time: {answer.seconds:.1f} s")
-    print("(allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)")
+    if on_device:
+        print(
+            "(on the device: the allocator model's reserved bytes plus what lies outside the allocator, a model, not "
+            "measured; the allocated answer above counts tensors only)"
+        )
+    else:
+        print("(allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)")
     if writes:
         from ledgerspec.contract.edit import set_extension
         from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
 
         block = dict(doc.get("x-fit").raw) if isinstance(doc.get("x-fit").raw, dict) else {}
         block.update({a.name: a.to_extension() for a in answers})
+        for name, checked in on_device.items():
+            block[name]["device"] = checked.to_extension()
         block["source"] = "CALCULATED"
         block["inputs"] = digests(doc, WORKLOAD_INPUTS)
         set_extension(doc, ("x-fit",), block)
         _save(doc, args, "x-fit")
-    return EXIT_OK if all(a.largest is not None for a in answers) else EXIT_FINDINGS
+    fitting = all(a.largest is not None for a in answers) and all(c.largest is not None for c in on_device.values())
+    return EXIT_OK if fitting else EXIT_FINDINGS
+
+
+def _check_on_device(doc: Any, args: argparse.Namespace, answer: Any, memory: int) -> Any:
+    """``answer`` checked on the device (:mod:`ledgerspec.derivations.devices.fit_check`), through the estimate
+    cache unless ``--no-cache``."""
+    from ledgerspec.derivations.devices.fit_check import check_on_device
+    from ledgerspec.derivations.estimate.cache import EstimateCache
+
+    store = None if args.no_cache else EstimateCache.from_environment()
+    step = 1 if answer.name == "microbatch" else args.fit_step
+    return check_on_device(doc, answer, memory, step=step, store=store, parallel=True)
 
 
 def _run_devices(doc: Any, args: argparse.Namespace) -> int:

@@ -1,0 +1,117 @@
+"""The largest microbatch or length that fits, decided on the device (issue 23): ``estimate --fit`` finds the largest
+value whose allocated peak fits (:mod:`ledgerspec.derivations.estimate.search`, from two or more traced estimates and
+the microbatch model); :func:`check_on_device` then replays that value's step through the caching-allocator model
+with what lies outside the allocator (:func:`ledgerspec.derivations.devices.prediction.estimate_on_device`) and, while
+it does not fit, the value one step below, until one does (at most :data:`TRIES` values).
+
+What the device holds is never less than the tensors it holds (the allocator's reserve covers every allocated block,
+and the capacity it can get is the device's total minus what lies outside it), so the answer on the device is never
+above the allocated one: stepping down from it finds it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledgerspec.contract.document import Document
+from ledgerspec.contract.units import format_size
+
+#: values a check replays at most (each: one estimate with a third probe, and the allocator replays)
+TRIES = 4
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One value's step on the device."""
+
+    value: int
+    fits: bool
+    device_peak: int
+    margin: int  # the device's total minus the device-level peak (negative: over)
+    decided_by: str  # none, allocated or fragmentation
+    setting: str | None = None  # when fragmentation decides: the allocator setting that makes it fit by the most
+    cached: bool = False
+
+
+@dataclass
+class DeviceFit:
+    """The allocated answer of ``--fit NAME`` checked on the device."""
+
+    name: str  # microbatch or max_length
+    device_memory: int
+    allocated_largest: int | None
+    largest: int | None  # the largest checked value that fits on the device (None: none checked does)
+    checked: list[Checked] = field(default_factory=list)
+    exhausted: bool = False  # stopped after TRIES values without one that fits
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        """What ``estimate --fit`` prints under the allocated answer."""
+        out = []
+        for c in self.checked:
+            verdict = "fits" if c.fits else f"does NOT fit ({c.decided_by} decides)"
+            over = f"margin {format_size(c.margin)}" if c.margin >= 0 else f"{format_size(-c.margin)} over"
+            out.append(
+                f"on the device: {self.name} {c.value} {verdict}, device peak {format_size(c.device_peak)} of "
+                f"{format_size(self.device_memory)}, {over}"
+                + (f"; with PYTORCH_CUDA_ALLOC_CONF={c.setting} it fits" if c.setting else "")
+            )
+        if self.largest is not None and self.largest != self.allocated_largest:
+            out.append(
+                f"largest {self.name} that fits on the device: {self.largest} (the allocated tensors alone allow "
+                f"{self.allocated_largest})"
+            )
+        elif self.largest is None and self.checked:
+            lowest = self.checked[-1].value
+            out.append(
+                f"no {self.name} checked fits on the device (down to {lowest}"
+                + (
+                    f", after {TRIES} values: try --fit again with a smaller device or check lower values"
+                    if self.exhausted
+                    else ""
+                )
+                + ")"
+            )
+        return out
+
+    def to_extension(self) -> dict[str, Any]:
+        """``x-fit.NAME.device``: the answer on the device and each value checked."""
+        return {
+            "largest": self.largest,
+            "compared": "x-estimate.device_peak of each checked value (allocator model + outside the allocator)",
+            "checked": {
+                str(c.value): {"fits": c.fits, "device_peak": c.device_peak, "margin": c.margin}
+                | ({"fits_with": c.setting} if c.setting else {})
+                for c in self.checked
+            },
+        }
+
+
+def check_on_device(
+    doc: Document, answer: Any, device_memory: int, step: int = 1, store: Any = None, parallel: bool = False
+) -> DeviceFit:
+    """Check ``answer`` (a :class:`~ledgerspec.derivations.estimate.search.FitAnswer` for ``doc``) on a device of
+    ``device_memory`` bytes, stepping down by ``step`` (1 for the microbatch, the length step for ``max_length``)."""
+    from ledgerspec.derivations.devices.prediction import estimate_on_device
+    from ledgerspec.derivations.estimate.sweep import apply
+
+    started = time.perf_counter()
+    result = DeviceFit(answer.name, device_memory, answer.largest, None)
+    value = answer.largest
+    while value is not None and value >= max(1, step) and len(result.checked) < TRIES:
+        _, p = estimate_on_device(apply(doc, {answer.name: value}), device_memory, store=store, parallel=parallel)
+        best = p.best_try
+        setting = best.conf if best is not None and not p.fits else None
+        result.checked.append(Checked(value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached))
+        if p.fits:
+            result.largest = value
+            break
+        value -= step
+    result.exhausted = result.largest is None and len(result.checked) == TRIES
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+__all__ = ["TRIES", "Checked", "DeviceFit", "check_on_device"]

@@ -1,0 +1,68 @@
+"""``estimate --fit`` decided on the device (issue 23, :mod:`ledgerspec.derivations.devices.fit_check`): the largest
+value whose allocated peak fits is replayed through the allocator model with what lies outside the allocator, and
+stepped down until one fits on the device.
+
+The device is built so that the two answers differ: its memory lies between the allocated peaks of microbatch 3 and
+4, and the bytes declared outside the allocator leave the allocator exactly what microbatch 2 reserves. Each value's
+verdict is the plain ``estimate --device-memory`` of that microbatch's ledger (tests/derivations/devices/
+test_prediction.py checks that verdict against hand-followed allocator streams).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ledgerspec.contract.document import from_text, load
+from tests.support import CliRunner
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.slow  # traces the tiny model a dozen times
+def test_the_device_answer_steps_down_from_the_allocated_one(tmp_path: Path, cli: CliRunner) -> None:
+    from ledgerspec.derivations.devices.prediction import estimate_on_device
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.estimate.sweep import apply
+    from tests.support.estimate_docs import DATA, ledger_text
+
+    shutil.copytree(DATA / "tiny-llama-gqa", tmp_path / "tiny-llama-gqa")
+    base = ledger_text(microbatch=1, seq=128)
+    doc = from_text(base, str(tmp_path / "t.ledger.yaml"))
+    allocated = {b: estimate(apply(doc, {"microbatch": b})).peak_allocated for b in (2, 3, 4)}
+    memory = (allocated[3] + allocated[4]) // 2
+    reserved2 = estimate_on_device(apply(doc, {"microbatch": 2}), memory)[1].replayed.free_peak_reserved
+    outside = memory - reserved2  # the allocator can get exactly what microbatch 2 reserves
+    path = tmp_path / "t.ledger.yaml"
+    path.write_text(
+        base + f"outside_allocator:\n  total: {{value: {outside}, source: ASSUMPTION, note: test}}\n", encoding="utf-8"
+    )
+    declared = load(path)
+    want = {b: estimate_on_device(apply(declared, {"microbatch": b}), memory)[1] for b in (2, 3)}
+    assert want[2].fits and not want[3].fits  # the device as built
+
+    code, out, err = cli("estimate", path, "--fit", "microbatch", "--device-memory", str(memory))
+    assert code == 0, err
+    assert "largest microbatch that fits" in out and ": 3 (peak" in out  # the allocated answer
+    assert "on the device: microbatch 3 does NOT fit" in out and "on the device: microbatch 2 fits" in out
+    assert "largest microbatch that fits on the device: 2 (the allocated tensors alone allow 3)" in out
+    block = load(path).plain["x-fit"]["microbatch"]
+    assert block["largest"] == 3 and block["device"]["largest"] == 2
+    for b in (2, 3):
+        checked = block["device"]["checked"][str(b)]
+        assert (checked["fits"], checked["device_peak"]) == (want[b].fits, want[b].device_peak)
+
+
+@pytest.mark.slow
+def test_the_cpu_target_keeps_the_allocated_answer(tmp_path: Path, cli: CliRunner) -> None:
+    from tests.support.estimate_docs import DATA, ledger_text
+
+    shutil.copytree(DATA / "tiny-llama-gqa", tmp_path / "tiny-llama-gqa")
+    path = tmp_path / "t.ledger.yaml"
+    path.write_text(ledger_text(microbatch=1, seq=128), encoding="utf-8")
+    code, out, err = cli("estimate", path, "--fit", "microbatch", "--device-memory", "64MiB", "--target", "cpu")
+    assert code == 0, err
+    assert "on the device" not in out and "allocated tensors only" in out
+    assert "device" not in load(path).plain["x-fit"]["microbatch"]
