@@ -400,10 +400,20 @@ def _fit_rows(doc: Document) -> list[FitRow]:
                 _int(item.get("above")),
                 _int(item.get("peak_above")),
                 _int(item.get("device_memory")),
-                stale or str(item.get("note", "")),
+                stale or _on_device(item.get("device")) + str(item.get("note", "")),
             )
         )
     return out
+
+
+def _on_device(block: object) -> str:
+    """The start of a fit row's note when `estimate --fit` checked its answer on the device (`x-fit.NAME.device`)."""
+    if not isinstance(block, dict) or "checked" not in block:
+        return ""
+    largest = _int(block.get("largest"))
+    if largest is None:
+        return "on the device (allocator model + outside the allocator): none of the values checked fits; "
+    return f"on the device (allocator model + outside the allocator): largest {largest}; "
 
 
 def _what_if(doc: Document, capacity: int | None) -> WhatIfData | None:

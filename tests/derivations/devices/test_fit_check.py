@@ -53,6 +53,10 @@ def test_the_device_answer_steps_down_from_the_allocated_one(tmp_path: Path, cli
     for b in (2, 3):
         checked = block["device"]["checked"][str(b)]
         assert (checked["fits"], checked["device_peak"]) == (want[b].fits, want[b].device_peak)
+    code, report, _ = cli("report", path, "--plain")  # the report's fit table says both answers
+    assert code == 0 and "on the device (allocator model + outside the allocator): largest 2;" in " ".join(
+        report.split()
+    )
 
 
 @pytest.mark.slow
