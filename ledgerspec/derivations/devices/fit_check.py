@@ -2,11 +2,11 @@
 value whose allocated peak fits (:mod:`ledgerspec.derivations.estimate.search`, from two or more traced estimates and
 the microbatch model); :func:`check_on_device` then replays that value's step through the caching-allocator model
 with what lies outside the allocator (:func:`ledgerspec.derivations.devices.prediction.estimate_on_device`) and, while
-it does not fit, the value one step below, until one does (at most :data:`TRIES` values).
+it does not fit, lower values (:func:`check_on_device`), at most :data:`TRIES` of them.
 
 What the device holds is never less than the tensors it holds (the allocator's reserve covers every allocated block,
 and the capacity it can get is the device's total minus what lies outside it), so the answer on the device is never
-above the allocated one: stepping down from it finds it.
+above the allocated one: searching below it finds it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ledgerspec.contract.document import Document
 from ledgerspec.contract.units import format_size
 
 #: values a check replays at most (each: one estimate with a third probe, and the allocator replays)
-TRIES = 4
+TRIES = 5
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,21 @@ class DeviceFit:
                 + (f"; with PYTORCH_CUDA_ALLOC_CONF={c.setting} it fits" if c.setting else "")
             )
         if self.largest is not None and self.largest != self.allocated_largest:
+            failing = [c.value for c in self.checked if not c.fits and c.value > (self.largest or 0)]
+            between = (
+                f"; not checked between {self.largest} and {min(failing)} after {TRIES} values"
+                if self.exhausted and failing
+                else ""
+            )
             out.append(
                 f"largest {self.name} that fits on the device: {self.largest} (the allocated tensors alone allow "
-                f"{self.allocated_largest})"
+                f"{self.allocated_largest}{between})"
             )
         elif self.largest is None and self.checked:
             lowest = self.checked[-1].value
             out.append(
                 f"no {self.name} checked fits on the device (down to {lowest}"
-                + (
-                    f", after {TRIES} values: try --fit again with a smaller device or check lower values"
-                    if self.exhausted
-                    else ""
-                )
+                + (f", after {TRIES} values" if self.exhausted else "")
                 + ")"
             )
         return out
@@ -93,23 +95,44 @@ def check_on_device(
     doc: Document, answer: Any, device_memory: int, step: int = 1, store: Any = None, parallel: bool = False
 ) -> DeviceFit:
     """Check ``answer`` (a :class:`~ledgerspec.derivations.estimate.search.FitAnswer` for ``doc``) on a device of
-    ``device_memory`` bytes, stepping down by ``step`` (1 for the microbatch, the length step for ``max_length``)."""
+    ``device_memory`` bytes, in multiples of ``step`` (1 for the microbatch, the length step for ``max_length``).
+
+    The first value is the allocated answer. While none checked fits, the next is lower by what the last one lacked
+    divided by the bytes one step adds (the slope between the answer's two farthest traced values; at least one
+    step); once one fits below one that does not, the gap between them is halved. At most :data:`TRIES` values."""
+    import math
+
     from ledgerspec.derivations.devices.prediction import estimate_on_device
     from ledgerspec.derivations.estimate.sweep import apply
 
     started = time.perf_counter()
     result = DeviceFit(answer.name, device_memory, answer.largest, None)
+    peaks = {int(v): int(p) for v, p in answer.peaks.items()}
+    slope = (peaks[max(peaks)] - peaks[min(peaks)]) / (max(peaks) - min(peaks)) if len(peaks) > 1 else None
+    lowest = max(1, step)
+    lo: int | None = None  # the largest value checked that fits
+    hi: int | None = None  # the smallest value checked that does not
     value = answer.largest
-    while value is not None and value >= max(1, step) and len(result.checked) < TRIES:
+    while value is not None and len(result.checked) < TRIES:
         _, p = estimate_on_device(apply(doc, {answer.name: value}), device_memory, store=store, parallel=parallel)
         best = p.best_try
         setting = best.conf if best is not None and not p.fits else None
         result.checked.append(Checked(value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached))
         if p.fits:
-            result.largest = value
-            break
-        value -= step
-    result.exhausted = result.largest is None and len(result.checked) == TRIES
+            lo = value
+        else:
+            hi = value
+        if lo is None:  # nothing fits yet: down by what it lacked
+            steps = math.ceil(-p.margin / slope / step) if slope and slope > 0 else 1
+            value = value - max(1, steps) * step
+            if value < lowest:
+                value = lowest if hi != lowest else None
+        elif hi is not None and hi - lo > step:  # one fits, one above it does not: halve the gap
+            value = lo + max(1, (hi - lo) // (2 * step)) * step
+        else:
+            value = None
+    result.largest = lo
+    result.exhausted = value is not None
     result.seconds = time.perf_counter() - started
     return result
 
