@@ -10,14 +10,12 @@ input checks (no torch), which is where that refusal came from. Estimates are sl
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
-import sys
 from typing import Any
 
 import pytest
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, load_script
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "coverage.md"
 DOCS = REPO_ROOT / "docs" / "models.md"
@@ -52,12 +50,7 @@ def _committed() -> dict[tuple[str, str], str]:
 @functools.cache
 def _benchmark() -> Any:
     """``benchmarks/coverage.py`` as a module (it imports no torch until a cell runs)."""
-    spec = importlib.util.spec_from_file_location("coverage_benchmark", REPO_ROOT / "benchmarks" / "coverage.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["coverage_benchmark"] = module  # its dataclasses need the module in sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO_ROOT / "benchmarks" / "coverage.py", "coverage_benchmark")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, load_script
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "device.md"
 SCRIPT = REPO_ROOT / "benchmarks" / "device_vs_published.py"
@@ -20,15 +20,7 @@ pytestmark = pytest.mark.skipif(not RESULTS.exists(), reason="no committed resul
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("device_published_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["device_published_benchmark"] = module  # its dataclasses need the module in sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "device_published_benchmark")
 
 
 def _rows() -> dict[str, list[str]]:

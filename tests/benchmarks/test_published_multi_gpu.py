@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, load_script
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "published-multi-gpu.md"
 SCRIPT = REPO_ROOT / "benchmarks" / "estimate_vs_published_fsdp.py"
@@ -18,15 +18,7 @@ pytestmark = pytest.mark.skipif(not RESULTS.exists(), reason="no committed resul
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("published_fsdp_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["published_fsdp_benchmark"] = module  # its dataclasses need the module in sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "published_fsdp_benchmark")
 
 
 def _rows() -> dict[str, list[str]]:

@@ -47,11 +47,15 @@ def fresh_python(
 
 
 def load_script(path: Path, name: str) -> Any:
-    """A script without a .py suffix, imported as a module."""
+    """A script (a ``benchmarks/`` file, or one without a .py suffix), imported as the module ``name``, registered in
+    ``sys.modules`` (a script's dataclasses look their module up there)."""
+    import sys
+
     loader = importlib.machinery.SourceFileLoader(name, str(path))
     spec = importlib.util.spec_from_loader(loader.name, loader)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     loader.exec_module(module)
     return module
 

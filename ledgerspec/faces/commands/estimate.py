@@ -177,11 +177,9 @@ def _estimate_on_device(doc: Any, args: argparse.Namespace, memory: int, from_fl
     """The estimate and its prediction on the device (a third probe and the allocator replay), through the estimate
     cache unless ``--no-cache``."""
     from ledgerspec.derivations.devices.prediction import estimate_on_device
-    from ledgerspec.derivations.estimate.cache import EstimateCache
 
-    store = None if args.no_cache else EstimateCache.from_environment()
     layers = "full" if args.full else "auto"
-    return estimate_on_device(doc, memory, from_flag, args.target, layers, store=store, parallel=True)
+    return estimate_on_device(doc, memory, from_flag, args.target, layers, store=_store(args), parallel=True)
 
 
 def _print(est: Any, device: int | None, prediction: Any = None) -> None:
@@ -280,11 +278,10 @@ def _estimate_fn(args: argparse.Namespace, parallel: bool = False) -> Any:
     """One estimate of a document (or a variant of it) as the arguments ask, through the estimate cache unless
     ``--no-cache``; ``parallel``: its depth probes in two processes (a single estimate: a sweep's estimates run in
     processes of their own instead)."""
-    from ledgerspec.derivations.estimate.cache import EstimateCache
     from ledgerspec.derivations.estimate.estimator import estimate
 
     layers = "full" if args.full else "auto"
-    store = None if args.no_cache else EstimateCache.from_environment()
+    store = _store(args)
     return lambda variant: estimate(variant, target=args.target, layers=layers, store=store, parallel=parallel)
 
 
@@ -419,11 +416,16 @@ def _check_on_device(doc: Any, args: argparse.Namespace, answer: Any, memory: in
     """``answer`` checked on the device (:mod:`ledgerspec.derivations.devices.fit_check`), through the estimate
     cache unless ``--no-cache``."""
     from ledgerspec.derivations.devices.fit_check import check_on_device
+
+    step = 1 if answer.name == "microbatch" else args.fit_step
+    return check_on_device(doc, answer, memory, step=step, store=_store(args), parallel=True)
+
+
+def _store(args: argparse.Namespace) -> Any:
+    """The estimate cache the arguments ask for: None with ``--no-cache``."""
     from ledgerspec.derivations.estimate.cache import EstimateCache
 
-    store = None if args.no_cache else EstimateCache.from_environment()
-    step = 1 if answer.name == "microbatch" else args.fit_step
-    return check_on_device(doc, answer, memory, step=step, store=store, parallel=True)
+    return None if args.no_cache else EstimateCache.from_environment()
 
 
 def _run_devices(doc: Any, args: argparse.Namespace) -> int:
