@@ -234,6 +234,7 @@ def supported_status(doc: Document) -> StatusResult:
         for d in stack_differences(doc, read(doc).accepted_differences)
         if not d.accepted
     ]
+    held += _unmodelled_kernels(doc, res.best_peak_from)
     if held:
         res.reasons = held
         return res
@@ -248,6 +249,24 @@ def supported_status(doc: Document) -> StatusResult:
         return res
     res.status = "VALIDATED"
     return res
+
+
+def _unmodelled_kernels(doc: Document, peak_from: str | None) -> list[str]:
+    """A predicted peak is not the declared step's when a declared kernel is not modelled (rule LS013); a measured
+    peak ran the kernels themselves."""
+    from ledgerspec.contract.kernels import is_modelled
+
+    if peak_from is None or "MEASURED" in peak_from:
+        return []
+    kernels = read(doc).kernels
+    names = [name for op, name in kernels.declared() if not is_modelled(op, name)]
+    names += list(kernels.other)
+    if not names:
+        return []
+    return [
+        f"CANDIDATE needs a prediction of the declared step: the estimate does not model {', '.join(names)} "
+        "(software.kernels, LS013); measure the run, or declare the kernels the estimate models"
+    ]
 
 
 def validated_gaps(doc: Document) -> list[str]:

@@ -1,5 +1,5 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012, LS023, LS032, LS043, LS061 and
-LS090. One function per rule, named after it.
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012, LS013, LS023, LS032, LS043,
+LS061 and LS090. One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
 :class:`~ledgerspec.checks.findings.Hit`; the validator adds positions and severities.
@@ -151,6 +151,45 @@ def ls012_declared_stack_differs(ctx: Context) -> Iterator[Hit]:
             )
         else:
             yield Hit(ptr("software", diff.difference.package), diff.message(), severity=WARNING)
+
+
+@rule(
+    "LS013",
+    WARNING,
+    "a declared kernel replacement the estimate does not model, or one ledgerspec does not know",
+    "the estimate runs transformers' own op there: measure the run (`ledgerspec measure`), or turn the kernel off "
+    "for a run the estimate describes; a near-miss id gets a did-you-mean (docs: The kernels users switch on)",
+    example="software:\n  kernels: {lora_projections: [axolotl_lora_mlp], other: [unsloth]}",
+)
+def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
+    from ledgerspec.contract import kernels as K
+
+    declared = C.read(ctx.doc).kernels
+    for op, name in declared.declared():
+        spec = K.kernel(name)
+        where = ptr("software", "kernels", op)
+        if spec is None:
+            near = K.suggest(name, op)
+            hint = f" (did you mean {near}?)" if near else f" (known: {', '.join(K.ids_for(op))}, eager)"
+            yield Hit(
+                where,
+                f"kernel {name!r} is not one ledgerspec knows for {op}{hint}: the estimate runs the eager {op} instead",
+            )
+        elif spec.op != op:
+            yield Hit(where, f"kernel {name!r} replaces {spec.op}, not {op}: declare it as software.kernels.{spec.op}")
+        elif not spec.modelled:
+            yield Hit(
+                where,
+                f"kernel {name!r} ({spec.package}: {spec.summary}) is not modelled: the estimate runs "
+                f"the eager {op} instead",
+            )
+    for name in declared.other:
+        ops = K.likely_ops(name)
+        likely = f"it likely replaces {', '.join(ops)}" if ops else "the ops it replaces are not known"
+        yield Hit(
+            ptr("software", "kernels", "other"),
+            f"kernel replacement {name!r} is not modelled ({likely}): the estimate runs transformers' own ops there",
+        )
 
 
 @rule(

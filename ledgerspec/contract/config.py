@@ -193,6 +193,34 @@ class Runtime:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """``software.kernels`` as declared: one kernel id per op (lower-case; ``eager`` when absent), the fused LoRA
+    kernels, the replacements named as their tools name them (``other``) and the packages' versions."""
+
+    cross_entropy: str = "eager"
+    norm: str = "eager"
+    mlp_activation: str = "eager"
+    rope: str = "eager"
+    lora_projections: tuple[str, ...] = ()
+    other: tuple[str, ...] = ()
+    packages: tuple[tuple[str, str], ...] = ()
+
+    def declared(self) -> tuple[tuple[str, str], ...]:
+        """(op, kernel id) of every op whose kernel is not transformers' or PEFT's own, in the catalogue's order."""
+        pairs = [(op, getattr(self, op)) for op in ("cross_entropy", "norm", "mlp_activation", "rope")]
+        pairs += [("lora_projections", k) for k in self.lora_projections]
+        return tuple((op, k) for op, k in pairs if k != "eager")
+
+    @property
+    def fused_loss(self) -> bool:
+        """The loss never holds the logits (a fused linear cross-entropy)."""
+        return self.cross_entropy in ("liger_fused_linear_cross_entropy", "cut_cross_entropy")
+
+    def version(self, package: str) -> str | None:
+        return dict(self.packages).get(package)
+
+
+@dataclass(frozen=True)
 class Config:
     """The training configuration of one document."""
 
@@ -217,6 +245,8 @@ class Config:
     deepspeed: tuple[tuple[str, int | bool], ...] = ()
     #: the device runtime: what sizes the memory held outside PyTorch's caching allocator (issue 23)
     runtime: Runtime = field(default_factory=Runtime)
+    #: ``software.kernels``: the kernels that replace transformers' modules in the step
+    kernels: Kernels = field(default_factory=Kernels)
 
     @property
     def quantized(self) -> bool:
@@ -285,6 +315,24 @@ def _read(doc: Document) -> Config:
         conflicts=tuple(conflicts),
         deepspeed=_deepspeed(doc),
         runtime=_runtime(doc),
+        kernels=_kernels(doc),
+    )
+
+
+def _kernels(doc: Document) -> Kernels:
+    def op(name: str) -> str:
+        value = doc.get("software", "kernels", name).text()
+        return value.strip().lower() if value and value.strip() else "eager"
+
+    lora = tuple(k.strip().lower() for k in _strings(doc.get("software", "kernels", "lora_projections")) if k.strip())
+    return Kernels(
+        cross_entropy=op("cross_entropy"),
+        norm=op("norm"),
+        mlp_activation=op("mlp_activation"),
+        rope=op("rope"),
+        lora_projections=tuple(k for k in lora if k != "eager"),
+        other=tuple(k.strip() for k in _strings(doc.get("software", "kernels", "other")) if k.strip()),
+        packages=_strmap(doc.get("software", "kernels", "packages")),
     )
 
 

@@ -152,7 +152,51 @@ SOFTWARE = F(
             "transformers `attn_implementation` (eager, sdpa, flash_attention_2, "
             "...): eager attention materialises the batch x heads x seq^2 score matrix, fused kernels do not.",
         ),
-        F("kernel_backend", STRING, "Other kernel backend in use (e.g. Liger, Unsloth kernels), if any."),
+        F(
+            "kernel_backend",
+            STRING,
+            "Other kernel backend in use (e.g. Liger, Unsloth kernels), if any, in words; `kernels` says which op "
+            "each replaces.",
+        ),
+        F(
+            "kernels",
+            OBJECT,
+            "The kernels that replace transformers' own modules in the step, per op (docs: The kernels users switch "
+            "on). Each value is a kernel id from the docs' kernel catalogue (e.g. `liger_fused_linear_cross_entropy`, "
+            "`cut_cross_entropy`, `liger_rms_norm`), or `eager` for transformers' module. Absent: `eager` "
+            "everywhere. A kernel ledgerspec does not model, or does not know, is a finding (LS013), never silence.",
+            children=(
+                F(
+                    "cross_entropy",
+                    STRING,
+                    "The loss over the vocabulary: `eager` (transformers' `lm_head` then its causal-LM loss on the "
+                    "logits), or a fused linear cross-entropy that never holds the logits "
+                    "(`liger_fused_linear_cross_entropy`, `cut_cross_entropy`, `trl_chunked_nll`), or Liger's "
+                    "`liger_cross_entropy` on the logits.",
+                ),
+                F("norm", STRING, "The RMSNorm/LayerNorm modules: `eager`, `liger_rms_norm`, `liger_layer_norm`."),
+                F("mlp_activation", STRING, "The gated MLP's activation: `eager`, `liger_swiglu`, `liger_geglu`."),
+                F("rope", STRING, "Rotary position embedding: `eager`, `liger_rope`."),
+                F(
+                    "lora_projections",
+                    STRINGS,
+                    "Fused LoRA autograd kernels in place of PEFT's layers, e.g. axolotl's `axolotl_lora_mlp`, "
+                    "`axolotl_lora_qkv`, `axolotl_lora_o` (`eager`: PEFT's layers).",
+                ),
+                F(
+                    "other",
+                    STRINGS,
+                    "Other kernel replacements in effect, named as their tool names them (a plugin class, an "
+                    "Unsloth patch): each is a finding until ledgerspec models it.",
+                ),
+                F(
+                    "packages",
+                    STRMAP,
+                    "The kernels' packages and their versions, e.g. `{liger-kernel: 0.8.5}`: a kernel's saved "
+                    "tensors change between versions.",
+                ),
+            ),
+        ),
         F("gpu_name", STRING, "The GPU model the stack runs on, e.g. `NVIDIA H100 80GB HBM3`."),
         F(
             "nccl",

@@ -82,7 +82,10 @@ RESOLVE_INPUTS: Inputs = {
 WORKLOAD_INPUTS: Inputs = {
     **RESOLVE_INPUTS,
     "method": (*RESOLVE_INPUTS["method"], ("dropout",)),
-    "software": (("attention_implementation",),),
+    "software": (
+        ("attention_implementation",),
+        *(("kernels", op) for op in ("cross_entropy", "norm", "mlp_activation", "rope", "lora_projections")),
+    ),
     "workload": (
         ("max_length",),
         ("sequence_p50",),
@@ -129,6 +132,7 @@ CASELESS_INPUTS = {
     ("identity", "config_sha256"),
     ("training", "loop"),
     ("training", "mixed_precision"),
+    *(("software", "kernels", op) for op in ("cross_entropy", "norm", "mlp_activation", "rope")),
 }
 #: numbers read as floats (``1`` and ``1.0`` are one input); added after the first stamps, so no stamp changes
 FLOAT_INPUTS = {("training", "max_grad_norm")}
@@ -139,6 +143,7 @@ SET_INPUTS = {
     ("method", "exclude_modules"),
     ("method", "modules_to_save"),
     ("base_model", "quantization", "skip_modules"),
+    ("software", "kernels", "lora_projections"),
 }
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from ledgerspec.contract.imports import common as C
 from ledgerspec.contract.imports.builder import Builder
 from ledgerspec.contract.imports.source import Source, as_int
+from ledgerspec.contract.kernels import likely_ops
 
 TOOL = "axolotl"
 LABEL = f"axolotl {C.VERSIONS['axolotl']}"
@@ -388,7 +389,30 @@ def _attention(src: Source, b: Builder, o: str) -> None:
         )
 
 
+#: axolotl's LoRA kernel switches -> (kernel id, the projections that must all carry LoRA for it to attach:
+#: ``monkeypatch/lora_kernels.py`` patches q/k/v together, o alone, gate/up/down together)
+_LORA_KERNEL_IDS = {
+    "lora_mlp_kernel": ("axolotl_lora_mlp", ("gate_proj", "up_proj", "down_proj")),
+    "lora_qkv_kernel": ("axolotl_lora_qkv", ("q_proj", "k_proj", "v_proj")),
+    "lora_o_kernel": ("axolotl_lora_o", ("o_proj",)),
+}
+#: axolotl's Liger plugin switches (``integrations/liger/args.py``; unset is off) -> Liger's switch names
+_LIGER_FLAGS = {
+    "liger_rope": "rope",
+    "liger_rms_norm": "rms_norm",
+    "liger_layer_norm": "layer_norm",
+    "liger_glu_activation": "swiglu",
+    "liger_swiglu": "swiglu",
+    "liger_cross_entropy": "cross_entropy",
+    "liger_fused_linear_cross_entropy": "fused_linear_cross_entropy",
+}
+
+
 def _kernels(src: Source, b: Builder, adapter: Any, load8: bool) -> None:
+    """``software.kernels`` as axolotl will run them: its LoRA kernels (auto-enabled for LoRA/QLoRA when no
+    ``lora_*_kernel`` is set: ``check_auto_enable_lora_kernels``, ``utils/schemas/validation.py``
+    ``lora_kernels_auto_enable``), the Liger plugin's switches and the Cut Cross-Entropy plugin."""
+    o = "axolotl: "
     set_kernels = {k: src.take(k) for k in _LORA_KERNELS if src.has(k)}
     on = [k for k, v in set_kernels.items() if v]
     auto = (
@@ -396,9 +420,19 @@ def _kernels(src: Source, b: Builder, adapter: Any, load8: bool) -> None:
         and adapter in ("lora", "qlora")
         and not (adapter == "lora" and load8)
         and not src.peek("rl")
+        and not src.peek("nvfp4_merge_aware")
         and not src.peek("trust_remote_code")
         and not (src.peek("fsdp_config") and str(src.peek("fsdp_version")) != "2")
     )
+    targets = b.entries.get(("method", "target_modules"))
+    wrapped = targets.value if targets is not None else None
+
+    def attaches(projections: tuple[str, ...]) -> bool:
+        if wrapped == "all-linear":
+            return True
+        names = [wrapped] if isinstance(wrapped, str) else list(wrapped or [])
+        return all(any(p == n or str(n).endswith(p) for n in names) for p in projections)
+
     if on or auto:
         why = (
             f"{', '.join(on)} true"
@@ -406,24 +440,69 @@ def _kernels(src: Source, b: Builder, adapter: Any, load8: bool) -> None:
             else f"{LABEL} auto-enables lora_mlp_kernel, lora_qkv_kernel, lora_o_kernel and lora_embedding_kernel "
             "for LoRA/QLoRA when none is set (check_auto_enable_lora_kernels)"
         )
+        ids = [kid for key, (kid, group) in _LORA_KERNEL_IDS.items() if (auto or key in on) and attaches(group)]
         b.set(("software", "kernel_backend"), "axolotl LoRA kernels", "axolotl: " + why, src.path)
+        if ids:
+            b.set(
+                ("software", "kernels", "lora_projections"),
+                ids,
+                o + why + "; each attaches where all its projections carry LoRA (apply_lora_kernel_patches)",
+                src.path,
+            )
+            b.set(("software", "kernels", "packages"), {"axolotl": C.VERSIONS["axolotl"]}, o + "the kernels' package")
         b.finding(
             src.path,
             src.position(on[0]) if on else src.position("adapter"),
             on[0] if on else "adapter",
-            f"{why}: fused LoRA autograd kernels save other tensors than PEFT's layers and are not modelled; set "
-            "them false in axolotl for a run the estimate describes",
+            f"{why}: fused LoRA autograd kernels save other tensors than PEFT's layers and are not modelled "
+            "(software.kernels.lora_projections, LS013); set them false in axolotl for a run the estimate describes",
             "not-modelled",
         )
-    for key in (
-        "liger_rope",
-        "liger_rms_norm",
-        "liger_glu_activation",
-        "liger_layer_norm",
-        "liger_fused_linear_cross_entropy",
-    ):
-        if src.has(key) and src.peek(key):
-            C.not_modelled(src, b, key, src.take(key), "Liger kernels change activation memory: not modelled")
+    elif set_kernels and adapter in ("lora", "qlora"):
+        b.set(
+            ("software", "kernels", "lora_projections"), ["eager"], o + "lora_*_kernel false: PEFT's layers", src.path
+        )
+    plugins = src.take("plugins") or []
+    plugins = [str(p) for p in plugins] if isinstance(plugins, list) else [str(plugins)]
+    liger = any("liger" in p.lower() for p in plugins)
+    cce = any("cut_cross_entropy" in p.lower() for p in plugins)
+    flags = {key: src.take(key) for key in _LIGER_FLAGS if src.has(key)}
+    if liger:
+        chosen: dict[str, str] = {}
+        for key, value in flags.items():
+            op, name = C.LIGER_SWITCHES[_LIGER_FLAGS[key]]
+            if value:
+                if key in ("liger_glu_activation", "liger_swiglu") and "gemma" in str(src.peek("base_model")).lower():
+                    name = "liger_geglu"
+                chosen[op] = name
+        if chosen:
+            C.kernels(b, chosen, o + "LigerPlugin with " + ", ".join(k for k, v in flags.items() if v), src.path)
+    elif any(flags.values()):
+        for key, value in flags.items():
+            if value:
+                C.not_modelled(
+                    src,
+                    b,
+                    key,
+                    value,
+                    "a Liger switch without axolotl.integrations.liger.LigerPlugin in "
+                    "plugins: axolotl does not apply it",
+                )
+    if cce:
+        setting = src.take("cut_cross_entropy")
+        if setting is None or setting:
+            b.set(
+                ("software", "kernels", "cross_entropy"),
+                "cut_cross_entropy",
+                o + "CutCrossEntropyPlugin (cut_cross_entropy defaults to true when the plugin is listed)",
+                src.path,
+            )
+    other = [p for p in plugins if "liger" not in p.lower() and "cut_cross_entropy" not in p.lower()]
+    for p in other:
+        b.finding(src.path, src.position("plugins"), "plugins", f"plugin {p} is not modelled", "not-modelled")
+    kernel_like = [p for p in other if likely_ops(p)]
+    if kernel_like:
+        b.set(("software", "kernels", "other"), kernel_like, o + "plugins that replace kernels", src.path)
 
 
 def _zero3(ref: Any) -> bool | None:

@@ -158,6 +158,49 @@ def not_modelled(src: Source, b: Builder, key: str, value: Any, why: str, where:
     b.not_modelled.setdefault(src.path, {})[key] = value
 
 
+#: what Liger turns on when a tool applies it with no per-kernel settings (``apply_liger_kernel_to_llama`` and the other
+#: Llama-like models' functions, liger-kernel 0.8.5 ``transformers/monkey_patch.py``: rope, rms_norm, swiglu and the
+#: fused linear cross-entropy on; the plain cross-entropy off)
+LIGER_DEFAULTS = {
+    "rope": "liger_rope",
+    "norm": "liger_rms_norm",
+    "mlp_activation": "liger_swiglu",
+    "cross_entropy": "liger_fused_linear_cross_entropy",
+}
+#: Liger's per-kernel switches (``liger_kernel_config`` keys, ``apply_liger_kernel_to_*`` arguments) -> (op, kernel)
+LIGER_SWITCHES = {
+    "rope": ("rope", "liger_rope"),
+    "rms_norm": ("norm", "liger_rms_norm"),
+    "layer_norm": ("norm", "liger_layer_norm"),
+    "swiglu": ("mlp_activation", "liger_swiglu"),
+    "geglu": ("mlp_activation", "liger_geglu"),
+    "cross_entropy": ("cross_entropy", "liger_cross_entropy"),
+    "fused_linear_cross_entropy": ("cross_entropy", "liger_fused_linear_cross_entropy"),
+}
+
+
+def kernels(b: Builder, chosen: dict[str, str], origin: str, file: str) -> None:
+    """``software.kernels.<op>`` for each op of ``chosen`` (op -> kernel id), all from one setting."""
+    for op, name in chosen.items():
+        b.set(("software", "kernels", op), name, origin, file)
+
+
+def liger_kernels(config: Any) -> dict[str, str]:
+    """The kernels Liger applies with the per-kernel ``config`` (None or {}: its defaults; a key set to false turns
+    that kernel off, true turns it on, over the defaults)."""
+    chosen = dict(LIGER_DEFAULTS)
+    if isinstance(config, dict):
+        for key, on in config.items():
+            if key not in LIGER_SWITCHES:
+                continue
+            op, name = LIGER_SWITCHES[key]
+            if on:
+                chosen[op] = name
+            elif chosen.get(op) == name:
+                chosen[op] = "eager"
+    return chosen
+
+
 def dtype_name(value: Any) -> str | None:
     """``bf16``, ``torch.bfloat16``, ``bfloat16`` -> ``bfloat16``; None for anything else (``auto``)."""
     return dtypes.canonical(str(value)) if isinstance(value, str) else None

@@ -146,11 +146,29 @@ def training_args(src: Source, b: Builder) -> None:
     else:
         b.set((*mo, "activation_offload"), False, "TrainingArguments have no activation offload setting", src.path)
 
-    if src.take("use_liger_kernel"):
+    liger = src.take("use_liger_kernel")
+    liger_config = src.take("liger_kernel_config")
+    if liger:
         b.set(("software", "kernel_backend"), "liger", o + "use_liger_kernel", src.path)
-        C.not_modelled(src, b, "use_liger_kernel", True, "Liger kernels change activation memory: not modelled")
+        chosen = C.liger_kernels(liger_config)
+        how = "liger_kernel_config over Liger's defaults" if isinstance(liger_config, dict) else "Liger's defaults"
+        if trl:  # SFTTrainer turns Liger's fused cross-entropy off: its own chunked LM head computes the loss
+            chosen.pop("cross_entropy", None)
+        C.kernels(
+            b,
+            chosen,
+            o + f"use_liger_kernel: the Trainer applies {how} to the model (rope, rms_norm, swiglu, fused linear "
+            "cross-entropy for Llama-like models)",
+            src.path,
+        )
     loss = src.take("loss_type")
-    if trl and loss in (None, "chunked_nll") and not src.peek("use_liger_kernel"):
+    if trl and loss in (None, "chunked_nll"):
+        b.set(
+            ("software", "kernels", "cross_entropy"),
+            "trl_chunked_nll",
+            o + f"loss_type {loss or 'not set'}: {TRL} computes the loss with its chunked LM head (chunked_nll)",
+            src.path,
+        )
         C.not_modelled(
             src,
             b,

@@ -304,10 +304,15 @@ def convert(src: Source, b: Builder) -> None:
         "use_badam",
         "mixture_of_depths",
     ):
+        if key == "enable_liger_kernel" and src.has(key) and src.peek(key):
+            src.take(key)
+            _liger(src, b, o)
+            continue
         if src.has(key) and src.peek(key):
             C.not_modelled(src, b, key, src.take(key), f"{key} changes training memory and is not modelled")
-            if key in ("use_unsloth", "enable_liger_kernel"):
-                b.set(("software", "kernel_backend"), "unsloth" if key == "use_unsloth" else "liger", o + key, src.path)
+            if key == "use_unsloth":
+                b.set(("software", "kernel_backend"), "unsloth", o + key, src.path)
+                b.set(("software", "kernels", "other"), ["unsloth"], o + "use_unsloth: its patched model", src.path)
 
     # -- parallelism --------------------------------------------------------------------------------------------
     ds = src.take("deepspeed")
@@ -334,3 +339,15 @@ def convert(src: Source, b: Builder) -> None:
         )
     C.launched_ranks(src, b, ds or fsdp or fsdp_cfg, o, "no deepspeed settings")
     C.account_for_rest(src, b, TOOL, LABEL)
+
+
+def _liger(src: Source, b: Builder, o: str) -> None:
+    """``enable_liger_kernel``: applied before the model loads with Liger's defaults for pt/sft; for the other stages
+    (which need the logits) the fused linear cross-entropy off and the plain one on (llamafactory 0.9.5,
+    ``model/model_utils/liger_kernel.py:94-100``)."""
+    stage = src.peek("stage") or "sft"
+    chosen = dict(C.LIGER_DEFAULTS)
+    if stage not in ("pt", "sft"):
+        chosen["cross_entropy"] = "liger_cross_entropy"
+    b.set(("software", "kernel_backend"), "liger", o + "enable_liger_kernel", src.path)
+    C.kernels(b, chosen, o + f"enable_liger_kernel (stage {stage}): Liger's kernels for Llama-like models", src.path)

@@ -115,6 +115,8 @@ class WorkloadSpec:
     #: micro-batches the Trainer loop fetches per optimizer step when fewer micro-steps are run (the estimate runs
     #: two of them: every further one allocates the same); None: ``accumulation``
     prefetch: int | None = None
+    #: ``software.kernels``: the kernels that replace transformers' modules (the estimate models some of them)
+    kernels: config.Kernels = dataclasses.field(default_factory=config.Kernels)
 
     @property
     def padded(self) -> bool:
@@ -214,6 +216,7 @@ class WorkloadSpec:
             t.use_cache,
             t.max_grad_norm,
             module_dtypes,
+            kernels=cfg.kernels,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -233,6 +236,12 @@ class WorkloadSpec:
                 q["skip_modules"] = tuple(q["skip_modules"])
             data["quant"] = QuantSpec(**q)
         data["module_dtypes"] = tuple(tuple(pair) for pair in data.get("module_dtypes") or ())
+        if isinstance(data.get("kernels"), dict):
+            k = dict(data["kernels"])
+            for key in ("lora_projections", "other"):
+                k[key] = tuple(k.get(key) or ())
+            k["packages"] = tuple(tuple(pair) for pair in k.get("packages") or ())
+            data["kernels"] = config.Kernels(**k)
         return cls(**data)
 
 

@@ -249,6 +249,11 @@ def _estimate_workload_class() -> Any:
             from ledgerspec.derivations.estimate.attention import cuda_attention
 
             self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
+            from ledgerspec.derivations.kernels.apply import simulated_kernels
+
+            self.stack.enter_context(
+                simulated_kernels(self.model, self.spec.kernels, self.spec.autocast_dtype, self.target == "cuda")
+            )
             if self.target == "cuda" and self.spec.autocast_dtype is not None:
                 from ledgerspec.derivations.engine.autocast import CUDA_POLICY, EmulatedAutocast
 
@@ -510,6 +515,7 @@ def prepare(
 
     spec = WorkloadSpec.from_document(doc)
     _check_attention(doc, spec.attention)
+    _check_kernels(doc, spec, target)
     source = load_config(doc, offline=offline)
     try:
         est_plan = plan(source.config)
@@ -561,6 +567,10 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
 
     if legacy_loss.models_shift_copy(doc):
         method += "; " + legacy_loss.method_note(doc)
+    from ledgerspec.derivations.kernels.apply import method_note as kernels_note
+
+    if kernels_note(spec.kernels):
+        method += "; " + str(kernels_note(spec.kernels))
     if (chosen := model_class(p.source.config)) is not None and chosen.multimodal:  # the class the config calls for
         method += f"; {MULTIMODAL_LIMIT}"
     at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
@@ -648,6 +658,31 @@ def _check_intake(doc: Document) -> None:
             tuple(first),
             f"cannot simulate an incomplete configuration: {'; '.join(gaps)}",
             f"fill the minimum intake (`ledgerspec validate {doc.path} -v` lists it)",
+        )
+
+
+def _check_kernels(doc: Document, spec: Any, target: str) -> None:
+    """The declared kernels the simulation models run on a CUDA GPU and inside the model's forward."""
+    from ledgerspec.derivations.kernels.apply import modelled
+
+    done = modelled(spec.kernels)
+    if not done:
+        return
+    op, name = done[0]
+    if target == "cpu":
+        raise _err(
+            doc,
+            ("software", "kernels", op),
+            f"{name} is a Triton kernel: it does not run on the CPU, so `estimate --target cpu` cannot model it",
+            "estimate for the GPU (the default target), or declare eager kernels for a CPU check",
+        )
+    if op == "cross_entropy" and spec.loop != "trainer" and spec.kernels.fused_loss:
+        raise _err(
+            doc,
+            ("software", "kernels", "cross_entropy"),
+            f"{name} computes the loss inside the model's forward from its labels; training.loop: custom keeps the "
+            "logits and computes its own loss",
+            "use training.loop: trainer (the Trainer's step), or declare cross_entropy: eager",
         )
 
 
