@@ -5,9 +5,9 @@ fake tensors under the dispatch-level tracker.
     python benchmarks/liger_published.py     # writes benchmarks/results/liger.md
 
 Source: linkedin/Liger-Kernel ``benchmark/data/all_benchmark_data.csv`` at commit
-ead96b618e5c67bddc6a6e9bcb99bfe6b5ab661c (blob 196e2d97b3680f426cc905aa6b6fd67db3d97af1), its ``memory`` rows of fused_linear_cross_entropy, rms_norm, swiglu,
-geglu and rope, providers ``liger`` and ``huggingface``: 68 rows, copied unchanged to
-``benchmarks/published-liger/liger_memory.csv``. Each value is the median over 10 calls of
+ead96b618e5c67bddc6a6e9bcb99bfe6b5ab661c (blob 196e2d97b3680f426cc905aa6b6fd67db3d97af1), its ``memory`` rows of
+fused_linear_cross_entropy, rms_norm, swiglu, geglu and rope, providers ``liger`` and ``huggingface``: 68 rows, copied
+unchanged to ``benchmarks/published-liger/liger_memory.csv``. Each value is the median over 10 calls of
 ``torch.cuda.max_memory_allocated() / 2**20`` right after ``torch.cuda.memory.reset_peak_memory_stats()``
 (``benchmark/scripts/utils.py`` ``_test_memory``, lines 81-105 at b5672a1, lines 92-114 at ead96b6): an absolute
 peak, so every tensor alive before the reset (inputs, weights, the ``.grad`` of earlier calls) counts.

@@ -614,7 +614,8 @@ ADDED: dict[str, list[str]] = {
     "training": ["loop", "mixed_precision", "use_cache", "max_grad_norm"],  # the step users actually run
     # the declared stack vs the one figures were computed with; issue 23: what the device holds outside the caching
     # allocator depends on the NCCL version, the module loading mode; the allocator's own settings
-    "software": ["accepted_differences", "nccl", "cuda_module_loading", "pytorch_cuda_alloc_conf"],
+    # issue 25: the kernels that replace transformers' modules, per op
+    "software": ["accepted_differences", "nccl", "cuda_module_loading", "pytorch_cuda_alloc_conf", "kernels"],
     "base_model": ["module_dtypes"],  # dtypes left by k-bit preparation and a trainer's casts
     "method": ["exclude_modules"],  # PEFT's exclude_modules: e.g. a vision tower under all-linear (issue 17)
     "base_model.quantization": ["desc_act", "dequantized"],  # bases quantized by GPTQ / MXFP4 (issue 17)
