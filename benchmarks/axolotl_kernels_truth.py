@@ -126,7 +126,9 @@ def run_axolotl(case: Case) -> Any:
 
 def run_model(case: Case) -> Any:
     """A ``run`` calling ledgerspec's model of the same function."""
-    from ledgerspec.derivations.kernels.axolotl import LoRA_O, LoRA_QKV
+    from ledgerspec.derivations.kernels import axolotl
+    LoRA_O = axolotl.functions().LoRA_O
+    LoRA_QKV = axolotl.functions().LoRA_QKV
 
     def run(d: dict[str, Any]) -> Any:
         x, x_drop, layers = d["x"], d["x_drop"], d["layers"]

@@ -194,7 +194,9 @@ def _setup_flce(row: Row) -> Setup:
 def _flce_call(row: Row, torch_lin: Any, liger_lin: Any) -> Callable[[], None]:
     import torch
 
-    from ledgerspec.derivations.kernels.liger import FusedLinearCrossEntropy
+    from ledgerspec.derivations.kernels import liger
+
+    FusedLinearCrossEntropy = liger.functions().FusedLinearCrossEntropy
 
     bt, h, v, dtype = row.x, row.config["H"], row.config["V"], _dtype(row.config["dtype"])
     ce = torch.nn.CrossEntropyLoss(ignore_index=-100, reduction="mean")
@@ -226,7 +228,9 @@ def _setup_rms_norm(row: Row) -> Setup:
 def _rms_norm_call(row: Row, liger_weight: Any, llama_rms: Any) -> Callable[[], None]:
     import torch
 
-    from ledgerspec.derivations.kernels.liger import RMSNorm
+    from ledgerspec.derivations.kernels import liger
+
+    RMSNorm = liger.functions().RMSNorm
 
     m, h, dtype = row.config["M"], row.x, _dtype(row.config["dtype"])
     x = torch.randn((m, h), dtype=dtype)
@@ -245,7 +249,9 @@ def _mlp(row: Row, dtype: Any) -> Any:
     from transformers.models.llama.configuration_llama import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from ledgerspec.derivations.kernels.liger import GatedActivation
+    from ledgerspec.derivations.kernels import liger
+
+    GatedActivation = liger.functions().GatedActivation
 
     cfg = row.config
     config = LlamaConfig(
@@ -324,7 +330,9 @@ def _rope_call(row: Row, rotary_emb: Any) -> Callable[[], None]:
     import torch
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from ledgerspec.derivations.kernels.liger import rotary_pos_emb
+    from ledgerspec.derivations.kernels import liger
+
+    rotary_pos_emb = liger.functions().rotary_pos_emb
 
     cfg = row.config
     nq, nkv, dtype = cfg["num_q_heads"], cfg["num_kv_heads"], _dtype(cfg["dtype"])

@@ -478,6 +478,7 @@ def test_every_room_exports_its_entry_point() -> None:
         "shard": "shard",
         "devices": "compare",
         "allocator": "replay",
+        "kernels": "simulated_kernels",
     }
     rooms = sorted(p.name for p in (PACKAGE / "derivations").iterdir() if (p / "__init__.py").is_file())
     assert sorted(entries) == [r for r in rooms if r in entries] and set(rooms) <= set(entries) | {"integrations"}

@@ -69,8 +69,14 @@ def test_unknown_key_and_liger() -> None:
     doc, result = imported("llamafactory/unknown-keys.yaml")
     assert keys_of(result, "unknown-key") == ["lora_targt"]
     assert "did you mean 'lora_target'" in next(f.message for f in result.findings if f.key == "lora_targt")
-    assert keys_of(result, "not-modelled") == ["enable_liger_kernel"]
+    assert keys_of(result, "not-modelled") == []  # Liger's kernels are declared, and modelled (issue 25)
     assert plain(doc, "software", "kernel_backend") == "liger"
+    assert plain(doc, "software", "kernels") == {  # enable_liger_kernel, stage sft: Liger's defaults (loader.py:142)
+        "rope": "liger_rope",
+        "norm": "liger_rms_norm",
+        "mlp_activation": "liger_swiglu",
+        "cross_entropy": "liger_fused_linear_cross_entropy",
+    }
 
 
 def test_a_full_fine_tune_is_refused(tmp_path: object) -> None:

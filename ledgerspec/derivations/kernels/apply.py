@@ -98,8 +98,8 @@ def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]
     def loss_function(logits: Any, labels: Any, vocab_size: int = 0, num_items_in_batch: Any = None, **kw: Any) -> Any:
         hidden = logits  # the lm_head passed the hidden states through
         if name == "cut_cross_entropy":
-            return cce.linear_cross_entropy_loss(hidden, weight, labels, num_items_in_batch)
-        return liger.fused_linear_cross_entropy_loss(hidden, weight, labels, num_items_in_batch, on_cuda, amp)
+            return cce.functions().linear_cross_entropy_loss(hidden, weight, labels, num_items_in_batch)
+        return liger.functions().fused_linear_cross_entropy_loss(hidden, weight, labels, num_items_in_batch, on_cuda, amp)
 
     def passthrough(self: Any, hidden: Any, *args: Any, **kwargs: Any) -> Any:
         return hidden
@@ -126,7 +126,8 @@ def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]
 
 @contextlib.contextmanager
 def _norms(base: Any) -> Iterator[None]:
-    from ledgerspec.derivations.kernels.liger import RMSNorm
+    from ledgerspec.derivations.kernels import liger
+    RMSNorm = liger.functions().RMSNorm
 
     def forward(self: Any, hidden: Any) -> Any:
         return RMSNorm.apply(hidden, self.weight, "Gemma" not in type(self).__name__, SM_COUNT)
@@ -140,7 +141,8 @@ def _norms(base: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _mlps(base: Any) -> Iterator[None]:
-    from ledgerspec.derivations.kernels.liger import GatedActivation
+    from ledgerspec.derivations.kernels import liger
+    GatedActivation = liger.functions().GatedActivation
 
     def forward(self: Any, x: Any) -> Any:
         return self.down_proj(GatedActivation.apply(self.gate_proj(x), self.up_proj(x)))
@@ -178,7 +180,10 @@ def _axolotl_lora(base: Any, ids: list[str]) -> Iterator[None]:
     """axolotl's ``apply_lora_kernel_patches`` (monkeypatch/lora_kernels.py): the fused function where every
     projection of its group carries LoRA. The attention calls q, k, v in turn with one input: q's forward runs the
     fused function and hands k and v their outputs."""
-    from ledgerspec.derivations.kernels.axolotl import LoRA_MLP, LoRA_O, LoRA_QKV
+    from ledgerspec.derivations.kernels import axolotl
+    LoRA_MLP = axolotl.functions().LoRA_MLP
+    LoRA_O = axolotl.functions().LoRA_O
+    LoRA_QKV = axolotl.functions().LoRA_QKV
 
     def qkv_forward(self: Any, x: Any) -> Any:
         parts = [_lora_parts(p) for p in self._ls_qkv]
@@ -223,7 +228,8 @@ def _axolotl_lora(base: Any, ids: list[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _rope(base: Any) -> Iterator[None]:
-    from ledgerspec.derivations.kernels.liger import rotary_pos_emb
+    from ledgerspec.derivations.kernels import liger
+    rotary_pos_emb = liger.functions().rotary_pos_emb
 
     modeling = sys.modules[type(base).__module__]
     saved = getattr(modeling, "apply_rotary_pos_emb", None)
