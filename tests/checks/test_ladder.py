@@ -597,3 +597,23 @@ def test_a_device_level_prediction_for_other_settings_falls_back_to_the_allocate
     node[path[-1]] = value
     res = supported_status(from_text(json.dumps(d)))
     assert res.best_peak_from == "x-estimate.peak_allocated" and res.best_peak == 18 * GiB
+
+
+# -- declared kernels (issue 25) -------------------------------------------------------------------------------------
+
+
+def test_a_predicted_peak_of_a_step_with_an_unmodelled_kernel_is_not_candidate() -> None:
+    """The estimate ran transformers' own op where the run uses a kernel it does not model: its peak is not the
+    declared step's (LS013); a modelled kernel, or a MEASURED peak (the run itself), holds nothing."""
+    assert status_of(candidate())[0] == "CANDIDATE"
+    status, reasons = status_of(with_change(candidate, ("software", "kernels"), {"other": ["unsloth"]}))
+    assert status == "CALCULATED"
+    assert reasons == [
+        "CANDIDATE needs a prediction of the declared step: the estimate does not model unsloth (software.kernels, "
+        "LS013); measure the run, or declare the kernels the estimate models"
+    ]
+    modelled = {"cross_entropy": "liger_fused_linear_cross_entropy", "norm": "liger_rms_norm"}
+    assert status_of(with_change(candidate, ("software", "kernels"), modelled))[0] == "CANDIDATE"
+    run = with_change(candidate, ("software", "kernels"), {"lora_projections": ["fms_fused_lora"]})
+    run["metrics"] = {"peak_allocated": measured(20 * GiB)}
+    assert status_of(run)[0] == "CANDIDATE"

@@ -123,3 +123,55 @@ def test_qlora_under_zero3_skips_prepare_model_for_kbit_training(tmp_path: Path)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
     doc, _ = imported(tmp_path / "qlora.yml")
     assert plain(doc, "base_model", "prepare_for_kbit_training") is True
+
+
+# -- the kernels axolotl will run (issue 25) -------------------------------------------------------------------------
+
+
+def test_default_lora_kernels_are_declared_where_they_attach() -> None:
+    """No lora_*_kernel set: axolotl auto-enables them for LoRA/QLoRA (check_auto_enable_lora_kernels); each attaches
+    where all its projections carry LoRA (apply_lora_kernel_patches): all-linear gets the three."""
+    doc, _ = imported("axolotl/lora.yml")
+    assert plain(doc, "software", "kernels", "lora_projections") == [
+        "axolotl_lora_mlp",
+        "axolotl_lora_qkv",
+        "axolotl_lora_o",
+    ]
+    assert config.read(doc).kernels.lora_projections == ("axolotl_lora_mlp", "axolotl_lora_qkv", "axolotl_lora_o")
+
+
+def test_a_kernel_whose_projections_are_not_all_lora_does_not_attach(tmp_path: Path) -> None:
+    text = (IMPORTS / "axolotl" / "lora.yml").read_text(encoding="utf-8")
+    text = text.replace("lora_target_linear: true", "lora_target_modules: [q_proj, v_proj, o_proj]")
+    (tmp_path / "lora.yml").write_text(text, encoding="utf-8")
+    doc, _ = imported(tmp_path / "lora.yml")
+    assert plain(doc, "software", "kernels", "lora_projections") == ["axolotl_lora_o"]  # no k_proj: no qkv
+
+
+def test_kernels_switched_off_are_peft_layers() -> None:
+    doc, _ = imported("axolotl/qlora.yml")  # the four lora_*_kernel: false
+    assert plain(doc, "software", "kernels", "lora_projections") == ["eager"]
+
+
+def test_liger_and_cut_cross_entropy_plugins(tmp_path: Path) -> None:
+    text = (IMPORTS / "axolotl" / "qlora.yml").read_text(encoding="utf-8")
+    text += (
+        "plugins:\n  - axolotl.integrations.liger.LigerPlugin\n"
+        "  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n  - acme.plugins.FastRopePlugin\n"
+        "liger_rms_norm: true\nliger_glu_activation: true\nliger_rope: false\n"
+    )
+    (tmp_path / "qlora.yml").write_text(text, encoding="utf-8")
+    doc, result = imported(tmp_path / "qlora.yml")
+    kernels = doc.get("software", "kernels").value
+    assert {k: v for k, v in kernels.items() if k != "lora_projections"} == {
+        "cross_entropy": "cut_cross_entropy",  # the plugin listed: cut_cross_entropy defaults to true
+        "norm": "liger_rms_norm",
+        "mlp_activation": "liger_swiglu",
+        "other": ["acme.plugins.FastRopePlugin"],  # a plugin whose name says it replaces a kernel
+    }
+    assert "plugin acme.plugins.FastRopePlugin is not modelled" in [f.message for f in result.findings]
+    lines = [f.message for f in validate(doc).findings if f.rule == "LS013"]
+    assert lines == [
+        "kernel replacement 'acme.plugins.FastRopePlugin' is not modelled (it likely replaces rope): the estimate runs "
+        "transformers' own ops there"
+    ]

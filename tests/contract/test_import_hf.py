@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from ledgerspec.checks.validate import validate
 from tests.support.imports import IMPORTS, imported, keys_of, plain
@@ -52,8 +53,11 @@ def test_sft_config_qlora_from_the_config_quantization() -> None:
     assert plain(doc, "workload", "max_length") == 2048
     assert plain(doc, "memory_options", "checkpointing_kind") == "non-reentrant"
     assert plain(doc, "method", "target_modules") == "all-linear"
-    # TRL 1.9's default loss computes the lm_head in chunks: a finding, never silent
+    # TRL 1.9's default loss computes the lm_head in chunks: a finding, never silent, and a declared kernel that
+    # LS013 names and the ladder holds below CANDIDATE (issue 25)
     assert keys_of(result, "not-modelled") == ["loss_type"]
+    assert plain(doc, "software", "kernels", "cross_entropy") == "trl_chunked_nll"
+    assert [f.pointer for f in validate(doc).findings if f.rule == "LS013"] == ["/software/kernels/cross_entropy"]
 
 
 def test_fsdp2_yaml() -> None:
@@ -88,3 +92,22 @@ def test_unknown_adapter_keys_and_layers_to_transform(tmp_path: Path) -> None:
     _, result = imported(tmp_path / "adapter_config.json")
     assert keys_of(result, "not-modelled") == ["layers_to_transform"]
     assert keys_of(result, "unknown-key") == ["lora_rnak"]
+
+
+# -- use_liger_kernel and TRL's loss (issue 25) ----------------------------------------------------------------------
+
+
+def _args(tmp_path: Path, args: dict[str, Any], name: str = "training_args.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({"output_dir": "out", "learning_rate": 1e-4, **args}), encoding="utf-8")
+    return path
+
+
+def test_use_liger_kernel_declares_liger_defaults_and_the_config_over_them(tmp_path: Path) -> None:
+    doc, _ = imported(_args(tmp_path, {"use_liger_kernel": True, "liger_kernel_config": {"rope": False}}))
+    assert doc.get("software", "kernels").value == {
+        "norm": "liger_rms_norm",
+        "mlp_activation": "liger_swiglu",
+        "cross_entropy": "liger_fused_linear_cross_entropy",
+        "rope": "eager",
+    }

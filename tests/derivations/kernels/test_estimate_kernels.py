@@ -1,0 +1,97 @@
+"""The declared kernels change the simulated step as their tools change the real one (``software.kernels``).
+
+Expected figures come from the model's config and arithmetic, not from the estimate: a fused linear cross-entropy
+never holds the logits, whose size is tokens x vocabulary x bytes; axolotl's LoRA kernels train the same adapters
+(the same gradients and optimizer state) and keep fewer activations.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from ledgerspec.contract.document import from_text
+from ledgerspec.errors import LedgerspecError
+from tests.support import EXAMPLES
+
+CONFIG = EXAMPLES / "configs" / "llama-3.2-1b" / "config.json"
+VOCAB = json.loads(CONFIG.read_text(encoding="utf-8"))["vocab_size"]
+SEQ, ROWS = 1024, 2
+TOKENS = SEQ * ROWS
+
+
+def ledger(kernels: str = "", checkpointing: bool = True, loop: str = "trainer", targets: str = "[q_proj, v_proj]") -> Any:
+    text = f"""ledgerspec: ledger/v1
+identity: {{model_id: meta-llama/Llama-3.2-1B, revision: main, config_path: {CONFIG}}}
+method: {{kind: LoRA, rank: 16, alpha: 32, dropout: 0.0, target_modules: {targets}, bias: none}}
+base_model: {{loaded_dtype: bfloat16, quantized: false}}
+adapter: {{dtype: float32}}
+workload: {{max_length: {SEQ}, packing: true, microbatch: {ROWS}, gradient_accumulation: 1}}
+optimizer: {{name: adamw_torch}}
+memory_options: {{gradient_checkpointing: {str(checkpointing).lower()}}}
+training: {{mixed_precision: bf16, loop: {loop}}}
+software:
+  kernels: {{{kernels}}}
+"""
+    return from_text(text, "k.ledger.yaml")
+
+
+def run(doc: Any, target: str = "cuda") -> Any:
+    from ledgerspec.derivations.estimate.estimator import estimate
+
+    return estimate(doc, target=target)
+
+
+@pytest.fixture(scope="module")
+def eager() -> Any:
+    return run(ledger())
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("kernels-eager")
+@pytest.mark.parametrize("kernel", ["liger_fused_linear_cross_entropy", "cut_cross_entropy"])
+def test_a_fused_cross_entropy_drops_the_logits(eager: Any, kernel: str) -> None:
+    fused = run(ledger(f"cross_entropy: {kernel}"))
+    bf16_logits = TOKENS * VOCAB * 2
+    # the eager step holds the bf16 logits and their float32 copy at once at the loss; the fused one neither
+    assert eager.peak_allocated - fused.peak_allocated >= bf16_logits * 3
+    # at the fused step's peak, nothing owned by no component is as large as one bf16 logits tensor
+    assert fused.at_peak["temporary"] < bf16_logits
+    assert fused.components["gradients"] == eager.components["gradients"]  # the same adapters train
+    assert kernel in fused.method
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("kernels-eager")
+def test_a_kernel_the_estimate_does_not_model_leaves_the_step_as_it_was(eager: Any) -> None:
+    other = run(ledger("cross_entropy: trl_chunked_nll, other: [unsloth]"))
+    assert other.phases == eager.phases
+    assert "declared kernels modelled" not in other.method
+
+
+@pytest.mark.slow
+def test_axolotl_lora_kernels_train_the_same_adapters_and_keep_fewer_activations() -> None:
+    targets = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
+    peft = run(ledger(checkpointing=False, targets=targets))
+    fused = run(
+        ledger("lora_projections: [axolotl_lora_qkv, axolotl_lora_o, axolotl_lora_mlp]", False, targets=targets)
+    )
+    for component in ("adapter", "gradients", "optimizer"):
+        assert fused.components[component] == peft.components[component], component
+    assert fused.activations < peft.activations
+    # per layer the fused MLP keeps no activation output (intermediate x tokens x 2 bytes) nor product
+    config = json.loads(CONFIG.read_text(encoding="utf-8"))
+    per_layer = TOKENS * config["intermediate_size"] * 2
+    assert peft.activations - fused.activations >= config["num_hidden_layers"] * per_layer
+
+
+def test_a_triton_kernel_is_not_estimated_for_the_cpu() -> None:
+    with pytest.raises(LedgerspecError, match="Triton kernel: it does not run on the CPU"):
+        run(ledger("norm: liger_rms_norm"), target="cpu")
+
+
+def test_a_fused_loss_needs_the_trainer_step() -> None:
+    with pytest.raises(LedgerspecError, match="custom keeps the logits"):
+        run(ledger("cross_entropy: cut_cross_entropy", loop="custom"))
