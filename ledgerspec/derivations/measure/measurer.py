@@ -218,6 +218,17 @@ def make_request(
             hint="on cuda the device's own memory is the limit",
         )
     spec = spec or WorkloadSpec.from_document(doc)
+    declared = spec.kernels.declared() + tuple(("other", k) for k in spec.kernels.other)
+    if declared:
+        op, name = declared[0]
+        raise LedgerspecError(
+            f"{doc.path}: software.kernels.{op}: {name}: `ledgerspec measure` runs transformers' and PEFT's own "
+            "modules, not the declared kernels, so it would measure another step",
+            rule="measure",
+            exit_code=EXIT_USAGE,
+            hint="record the run you launch with its kernels (LedgerCallback), or declare the kernels eager to "
+            "measure the eager step",
+        )
     preflight(doc)  # a missing or broken config.json, rank 0: before a child imports torch
     return Request(doc.text, os.path.abspath(doc.path), spec.to_json(), device, steps, memory_limit, snapshot_path)
 

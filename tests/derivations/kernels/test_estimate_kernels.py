@@ -95,3 +95,12 @@ def test_a_triton_kernel_is_not_estimated_for_the_cpu() -> None:
 def test_a_fused_loss_needs_the_trainer_step() -> None:
     with pytest.raises(LedgerspecError, match="custom keeps the logits"):
         run(ledger("cross_entropy: cut_cross_entropy", loop="custom"))
+
+
+def test_measure_refuses_a_step_with_declared_kernels() -> None:
+    """``measure`` runs transformers' and PEFT's modules: with declared kernels it would measure another step."""
+    from ledgerspec.derivations.measure.measurer import make_request
+
+    with pytest.raises(LedgerspecError, match="would measure another step") as err:
+        make_request(ledger("lora_projections: [axolotl_lora_o]"), "cpu", 2, None, None)
+    assert err.value.exit_code == 2
