@@ -127,6 +127,7 @@ def run_axolotl(case: Case) -> Any:
 def run_model(case: Case) -> Any:
     """A ``run`` calling ledgerspec's model of the same function."""
     from ledgerspec.derivations.kernels import axolotl
+
     LoRA_O = axolotl.functions().LoRA_O
     LoRA_QKV = axolotl.functions().LoRA_QKV
 
@@ -146,8 +147,9 @@ def main() -> int:
     if src:
         sys.path.insert(0, src)
     sys.path.insert(0, str(ROOT))
-    import axolotl  # noqa: F401  (fails clearly when the kernels are not importable)
     from importlib.metadata import PackageNotFoundError, version
+
+    import axolotl  # noqa: F401  (fails clearly when the kernels are not importable)
 
     try:
         ax_version = version("axolotl")

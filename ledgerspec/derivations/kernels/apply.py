@@ -99,7 +99,9 @@ def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]
         hidden = logits  # the lm_head passed the hidden states through
         if name == "cut_cross_entropy":
             return cce.functions().linear_cross_entropy_loss(hidden, weight, labels, num_items_in_batch)
-        return liger.functions().fused_linear_cross_entropy_loss(hidden, weight, labels, num_items_in_batch, on_cuda, amp)
+        return liger.functions().fused_linear_cross_entropy_loss(
+            hidden, weight, labels, num_items_in_batch, on_cuda, amp
+        )
 
     def passthrough(self: Any, hidden: Any, *args: Any, **kwargs: Any) -> Any:
         return hidden
@@ -127,6 +129,7 @@ def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]
 @contextlib.contextmanager
 def _norms(base: Any) -> Iterator[None]:
     from ledgerspec.derivations.kernels import liger
+
     RMSNorm = liger.functions().RMSNorm
 
     def forward(self: Any, hidden: Any) -> Any:
@@ -142,6 +145,7 @@ def _norms(base: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _mlps(base: Any) -> Iterator[None]:
     from ledgerspec.derivations.kernels import liger
+
     GatedActivation = liger.functions().GatedActivation
 
     def forward(self: Any, x: Any) -> Any:
@@ -181,6 +185,7 @@ def _axolotl_lora(base: Any, ids: list[str]) -> Iterator[None]:
     projection of its group carries LoRA. The attention calls q, k, v in turn with one input: q's forward runs the
     fused function and hands k and v their outputs."""
     from ledgerspec.derivations.kernels import axolotl
+
     LoRA_MLP = axolotl.functions().LoRA_MLP
     LoRA_O = axolotl.functions().LoRA_O
     LoRA_QKV = axolotl.functions().LoRA_QKV
@@ -229,6 +234,7 @@ def _axolotl_lora(base: Any, ids: list[str]) -> Iterator[None]:
 @contextlib.contextmanager
 def _rope(base: Any) -> Iterator[None]:
     from ledgerspec.derivations.kernels import liger
+
     rotary_pos_emb = liger.functions().rotary_pos_emb
 
     modeling = sys.modules[type(base).__module__]

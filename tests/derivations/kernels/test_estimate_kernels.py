@@ -22,7 +22,9 @@ SEQ, ROWS = 1024, 2
 TOKENS = SEQ * ROWS
 
 
-def ledger(kernels: str = "", checkpointing: bool = True, loop: str = "trainer", targets: str = "[q_proj, v_proj]") -> Any:
+def ledger(
+    kernels: str = "", checkpointing: bool = True, loop: str = "trainer", targets: str = "[q_proj, v_proj]"
+) -> Any:
     text = f"""ledgerspec: ledger/v1
 identity: {{model_id: meta-llama/Llama-3.2-1B, revision: main, config_path: {CONFIG}}}
 method: {{kind: LoRA, rank: 16, alpha: 32, dropout: 0.0, target_modules: {targets}, bias: none}}
