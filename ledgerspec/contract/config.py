@@ -214,7 +214,7 @@ class Kernels:
     @property
     def fused_loss(self) -> bool:
         """The loss never holds the logits (a fused linear cross-entropy)."""
-        return self.cross_entropy in ("liger_fused_linear_cross_entropy", "cut_cross_entropy")
+        return self.cross_entropy in ("liger_fused_linear_cross_entropy", "cut_cross_entropy", "trl_chunked_nll")
 
     def version(self, package: str) -> str | None:
         return dict(self.packages).get(package)

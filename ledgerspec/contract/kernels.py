@@ -70,9 +70,10 @@ KERNELS: dict[str, KernelSpec] = {
             "trl_chunked_nll",
             "cross_entropy",
             "trl",
-            False,
-            "TRL's chunked negative log-likelihood: the lm_head matmul on non-ignored tokens in chunks",
-            "trl/trainer/sft_trainer.py (1.16)",
+            True,
+            "TRL's fused LM head (SFTTrainer's default loss): the valid positions' hidden states gathered, the lm_head "
+            "in (4096 x 32768) tiles of one buffer, seven float32 statistics per token; the logits are never held",
+            "trl/kernels/chunked_logprob.py, trl/trainer/utils.py (1.16)",
         ),
         _k(
             "fms_fused_cross_entropy",

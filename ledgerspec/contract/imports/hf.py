@@ -169,16 +169,6 @@ def training_args(src: Source, b: Builder) -> None:
             o + f"loss_type {loss or 'not set'}: {TRL} computes the loss with its chunked LM head (chunked_nll)",
             src.path,
         )
-        C.not_modelled(
-            src,
-            b,
-            "loss_type",
-            "chunked_nll",
-            f"{TRL} computes the loss as chunked_nll (its default): the lm_head matmul runs on the non-ignored tokens "
-            "in chunks and the full logits are never held, which ledgerspec's Trainer step does not model (its "
-            "activation figures include the logits); set loss_type: nll for a run the estimate describes",
-            src.position("loss_type") if src.has("loss_type") else (1, 1),
-        )
     elif loss not in (None, "nll"):
         C.not_modelled(src, b, "loss_type", loss, f"loss_type {loss!r} computes the loss differently: not modelled")
     if src.take("auto_find_batch_size"):

@@ -673,7 +673,8 @@ def _check_kernels(doc: Document, spec: Any, target: str) -> None:
         raise _err(
             doc,
             ("software", "kernels", op),
-            f"{name} is a Triton kernel: it does not run on the CPU, so `estimate --target cpu` cannot model it",
+            f"{name} runs a Triton kernel on the GPU, which the CPU does not run (it runs other code or nothing), so "
+            "`estimate --target cpu` cannot model it",
             "estimate for the GPU (the default target), or declare eager kernels for a CPU check",
         )
     if op == "cross_entropy" and spec.loop != "trainer" and spec.kernels.fused_loss:

@@ -3,7 +3,8 @@
 What each tool does to the model, done to the simulated one with the allocation models of
 :mod:`ledgerspec.derivations.kernels.liger` and :mod:`ledgerspec.derivations.kernels.cce`:
 
-- a fused linear cross-entropy: Liger's ``lce_forward`` (liger-kernel 0.8.5, ``transformers/model/llama.py:113-115``)
+- a fused linear cross-entropy (and TRL's fused LM head, :mod:`.trl`): Liger's ``lce_forward`` (liger-kernel 0.8.5,
+  ``transformers/model/llama.py:113-115``)
   and the CCE fork's ``cce_forward`` skip the ``lm_head`` when training with labels and return ``logits=None``;
   here the model's own forward runs with its ``lm_head`` passing the hidden states through and its loss function
   replaced by the fused kernel on ``lm_head.weight``, and the returned logits dropped;
@@ -90,13 +91,15 @@ def _rebind(stack: contextlib.ExitStack, module: Any, forward: Any) -> None:
 
 @contextlib.contextmanager
 def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]:
-    from ledgerspec.derivations.kernels import cce, liger
+    from ledgerspec.derivations.kernels import cce, liger, trl
 
     head = base.get_output_embeddings()
     weight = head.weight
 
     def loss_function(logits: Any, labels: Any, vocab_size: int = 0, num_items_in_batch: Any = None, **kw: Any) -> Any:
         hidden = logits  # the lm_head passed the hidden states through
+        if name == "trl_chunked_nll":
+            return trl.functions().chunked_nll_loss(hidden, weight, labels, num_items_in_batch, amp)
         if name == "cut_cross_entropy":
             return cce.functions().linear_cross_entropy_loss(hidden, weight, labels, num_items_in_batch)
         return liger.functions().fused_linear_cross_entropy_loss(

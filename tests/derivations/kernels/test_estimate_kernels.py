@@ -53,7 +53,7 @@ def eager() -> Any:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("kernels-eager")
-@pytest.mark.parametrize("kernel", ["liger_fused_linear_cross_entropy", "cut_cross_entropy"])
+@pytest.mark.parametrize("kernel", ["liger_fused_linear_cross_entropy", "cut_cross_entropy", "trl_chunked_nll"])
 def test_a_fused_cross_entropy_drops_the_logits(eager: Any, kernel: str) -> None:
     fused = run(ledger(f"cross_entropy: {kernel}"))
     bf16_logits = TOKENS * VOCAB * 2
@@ -68,7 +68,7 @@ def test_a_fused_cross_entropy_drops_the_logits(eager: Any, kernel: str) -> None
 @pytest.mark.slow
 @pytest.mark.xdist_group("kernels-eager")
 def test_a_kernel_the_estimate_does_not_model_leaves_the_step_as_it_was(eager: Any) -> None:
-    other = run(ledger("cross_entropy: trl_chunked_nll, other: [unsloth]"))
+    other = run(ledger("cross_entropy: liger_cross_entropy, other: [unsloth]"))
     assert other.phases == eager.phases
     assert "declared kernels modelled" not in other.method
 
@@ -90,7 +90,7 @@ def test_axolotl_lora_kernels_train_the_same_adapters_and_keep_fewer_activations
 
 
 def test_a_triton_kernel_is_not_estimated_for_the_cpu() -> None:
-    with pytest.raises(LedgerspecError, match="Triton kernel: it does not run on the CPU"):
+    with pytest.raises(LedgerspecError, match="runs a Triton kernel on the GPU, which the CPU does not run"):
         run(ledger("norm: liger_rms_norm"), target="cpu")
 
 
