@@ -32,6 +32,7 @@ EXAMPLE_KERNELS = {
     "none (transformers' modules)": "",
     "`cross_entropy: liger_fused_linear_cross_entropy`": "{cross_entropy: liger_fused_linear_cross_entropy}",
     "`cross_entropy: cut_cross_entropy`": "{cross_entropy: cut_cross_entropy}",
+    "`cross_entropy: trl_chunked_nll` (TRL's `SFTTrainer`, its default)": "{cross_entropy: trl_chunked_nll}",
     "Liger's defaults (fused cross-entropy, RMSNorm, SwiGLU, RoPE)": (
         "{cross_entropy: liger_fused_linear_cross_entropy, norm: liger_rms_norm, mlp_activation: liger_swiglu, "
         "rope: liger_rope}"

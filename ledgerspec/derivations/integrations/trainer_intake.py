@@ -18,7 +18,10 @@ is read first and wins:
   the config was loaded from (:func:`hub_commit`: the config's ``_commit_hash`` before transformers 5.19, else the
   one snapshot in the Hugging Face cache that holds this config), else PEFT's ``revision``;
   ``identity.config_path``: the folder the config was read from, when it is a local folder with a ``config.json``;
-- ``parallelism.gpu_count`` and ``workload.dp_world_size``: ``args.world_size`` (the launcher's ranks).
+- ``parallelism.gpu_count`` and ``workload.dp_world_size``: ``args.world_size`` (the launcher's ranks);
+- ``software.kernels``: the kernels the tools put on the live model (:func:`kernels_in_use`: Liger's, TRL's fused LM
+  head, Cut Cross-Entropy's forward, axolotl's LoRA kernels), besides those the arguments switch on
+  (``use_liger_kernel``, TRL's loss).
 
 Values read from the objects are plain values (provenance CONFIGURATION) with a comment naming the attribute;
 the tools' defaults are never needed (a live object holds every setting). ``workload.max_length`` is UNKNOWN for a
@@ -187,6 +190,8 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None) -> Doc
         f"{origin}: PEFT LoRA on a quantized base" if quantized else f"{origin}: PEFT LoRA",
     )
     _prepared(b, base, quantized)
+    for op, (value, seen) in kernels_in_use(base).items():
+        b.set(("software", "kernels", op), value, f"{origin}: {seen}")
     world = int(getattr(args, "world_size", 1) or 1)
     for path in (("parallelism", "gpu_count"), ("workload", "dp_world_size")):
         b.set(path, world, "trainer.args.world_size (the launcher's ranks)")
@@ -231,6 +236,61 @@ _ORIGINS = (
 )
 _IMPORT_HEAD = '# Imported by `ledgerspec import` (mapping: docs "From your setup").'
 _HEAD = '# Read from a live Trainer by ledgerspec.intake_from_trainer (docs "From your setup").'
+
+
+def _function(f: Any) -> tuple[str, str]:
+    """(module, qualified name) of a function or bound method."""
+    f = getattr(f, "__func__", f)
+    return str(getattr(f, "__module__", "") or ""), str(getattr(f, "__qualname__", "") or "")
+
+
+#: words in a Liger module's or function's name -> (op, kernel id)
+_LIGER_NAMES = (
+    ("rmsnorm", ("norm", "liger_rms_norm")),
+    ("rms_norm", ("norm", "liger_rms_norm")),
+    ("layernorm", ("norm", "liger_layer_norm")),
+    ("layer_norm", ("norm", "liger_layer_norm")),
+    ("swiglu", ("mlp_activation", "liger_swiglu")),
+    ("geglu", ("mlp_activation", "liger_geglu")),
+)
+
+
+def kernels_in_use(base: Any) -> dict[str, tuple[Any, str]]:
+    """The kernels the tools put on a live model, read off its functions: op -> (``software.kernels`` value, what
+    was seen). Liger patches instances (``forward`` rebound to ``lce_forward``, ``LigerRMSNorm.forward``...,
+    liger-kernel ``transformers/monkey_patch.py``) or classes; TRL's ``add_fused_lm_head`` rebinds ``forward`` to its
+    ``_fused_forward``; the CCE fork's ``cce_patch`` replaces the class's ``forward``; axolotl's
+    ``apply_lora_kernel_patches`` binds ``apply_qkv``/``apply_o`` on the attention and the MLP's ``forward``."""
+    import sys
+
+    found: dict[str, tuple[Any, str]] = {}
+    module, name = _function(getattr(base, "forward", None))
+    if module.startswith("liger_kernel"):
+        found["cross_entropy"] = ("liger_fused_linear_cross_entropy", f"forward is {module}.{name}")
+    elif module.startswith("trl.") and name.endswith("_fused_forward"):
+        found["cross_entropy"] = ("trl_chunked_nll", f"forward is TRL's fused LM head ({module}.{name})")
+    elif module.startswith("cut_cross_entropy"):
+        found["cross_entropy"] = ("cut_cross_entropy", f"forward is {module}.{name}")
+    lora: list[str] = []
+    for m in base.modules():
+        module, name = _function(getattr(m, "forward", None))
+        words = (type(m).__module__ + "." + type(m).__name__ + " " + module + "." + name).lower()
+        if "liger_kernel" in words:
+            for word, (op, kernel) in _LIGER_NAMES:
+                if word in words and op not in found:
+                    found[op] = (kernel, f"{type(m).__name__}.forward is {module}.{name}")
+        for attr, kernel in (("apply_qkv", "axolotl_lora_qkv"), ("apply_o", "axolotl_lora_o")):
+            if attr in m.__dict__ and kernel not in lora:
+                lora.append(kernel)
+        if module.startswith("axolotl.kernels") and "mlp" in name.lower() and "axolotl_lora_mlp" not in lora:
+            lora.append("axolotl_lora_mlp")
+    if lora:
+        found["lora_projections"] = (lora, "axolotl's LoRA kernels bound on the modules (apply_qkv, apply_o, MLP)")
+    modeling = sys.modules.get(type(base).__module__)
+    rope_module, rope_name = _function(getattr(modeling, "apply_rotary_pos_emb", None))
+    if rope_module.startswith("liger_kernel"):
+        found["rope"] = ("liger_rope", f"apply_rotary_pos_emb is {rope_module}.{rope_name}")
+    return found
 
 
 def _identity(b: Builder, config: Any, lora: Any, output: str | None) -> None:

@@ -241,3 +241,44 @@ def test_the_revision_is_the_commit_the_config_was_loaded_from(tmp_path: Path, m
     assert hub_commit(config) is None
     config._commit_hash = loaded  # transformers < 5.19
     assert hub_commit(config) == (loaded, "trainer.model.config._commit_hash (the Hub commit loaded)")
+
+
+def _as_tool(fn: Any, module: str, qualname: str) -> Any:
+    """``fn`` named as the tool's own function is (liger-kernel, TRL, axolotl are not installed here)."""
+    fn.__module__, fn.__qualname__ = module, qualname
+    return fn
+
+
+def test_the_kernels_a_tool_put_on_the_live_model_are_declared(tmp_path: Path) -> None:
+    """What Liger's instance patching (``_apply_liger_kernel_to_instance``: ``forward`` rebound to ``lce_forward``,
+    each RMSNorm's to ``LigerRMSNorm.forward``) and axolotl's ``apply_lora_kernel_patches`` (``apply_qkv``/``apply_o``
+    bound on the attention) leave on the model is read off it, beside what ``use_liger_kernel`` switches on."""
+    import types
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(DATA / "measure" / "tiny-llama")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=targets))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_for(model, str(tmp_path), use_liger_kernel=True)
+    plain = ledgerspec.intake_from_trainer(trainer)
+    assert plain.get("software", "kernels", "cross_entropy").value == "liger_fused_linear_cross_entropy"  # the args
+    base = model.get_base_model()
+    lce = _as_tool(lambda self, *a, **k: None, "liger_kernel.transformers.model.llama", "lce_forward")
+    base.forward = types.MethodType(lce, base)
+    norm = _as_tool(lambda self, x: x, "liger_kernel.transformers.rms_norm", "LigerRMSNorm.forward")
+    for m in base.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.forward = types.MethodType(norm, m)
+        if hasattr(m, "q_proj"):
+            m.apply_qkv = types.MethodType(_as_tool(lambda s, x: x, "axolotl.kernels.lora", "apply_lora_qkv"), m)
+            m.apply_o = types.MethodType(_as_tool(lambda s, x: x, "axolotl.kernels.lora", "apply_lora_o"), m)
+    doc = ledgerspec.intake_from_trainer(trainer)
+    kernels = doc.get("software", "kernels").value
+    assert kernels["cross_entropy"] == "liger_fused_linear_cross_entropy"
+    assert kernels["norm"] == "liger_rms_norm"
+    assert kernels["lora_projections"] == ["axolotl_lora_qkv", "axolotl_lora_o"]
+    assert "lce_forward" in doc.text and "LigerRMSNorm.forward" in doc.text  # the comments say what was seen
