@@ -234,6 +234,8 @@ class Config:
     gradient_checkpointing: bool | None
     checkpointing_kind: str | None
     attention: str | None
+    #: ``memory_options.activation_offload``: saved activations moved to host memory
+    activation_offload: bool | None = None
     training: Training = TRAINER_DEFAULTS
     #: ``base_model.module_dtypes``: module-name substring -> dtype (as written), in the order written
     module_dtypes: tuple[tuple[str, str], ...] = ()
@@ -308,6 +310,7 @@ def _read(doc: Document) -> Config:
         ),
         gradient_checkpointing=doc.get("memory_options", "gradient_checkpointing").switch(),
         checkpointing_kind=doc.get("memory_options", "checkpointing_kind").text(),
+        activation_offload=doc.get("memory_options", "activation_offload").switch(),
         attention=doc.get("software", "attention_implementation").text(),
         training=_training(doc),
         module_dtypes=_strmap(doc.get("base_model", "module_dtypes")),

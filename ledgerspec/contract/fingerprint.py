@@ -95,7 +95,7 @@ WORKLOAD_INPUTS: Inputs = {
         ("microbatch",),
         ("gradient_accumulation",),
     ),
-    "memory_options": (("gradient_checkpointing",), ("checkpointing_kind",)),
+    "memory_options": (("gradient_checkpointing",), ("checkpointing_kind",), ("activation_offload",)),
     "training": (("loop",), ("mixed_precision",), ("use_cache",), ("max_grad_norm",)),
 }
 

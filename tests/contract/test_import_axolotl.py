@@ -175,3 +175,15 @@ def test_liger_and_cut_cross_entropy_plugins(tmp_path: Path) -> None:
         "kernel replacement 'acme.plugins.FastRopePlugin' is not modelled (it likely replaces rope): the estimate runs "
         "transformers' own ops there"
     ]
+
+
+def test_activation_offloading_on_lora_replaces_checkpointing(tmp_path: Path) -> None:
+    """``gradient_checkpointing: offload`` on LoRA: axolotl turns the Trainer's checkpointing off and offloads every
+    saved activation (core/builders/base.py; loaders/model.py applies no recompute wrap to adapters)."""
+    text = (IMPORTS / "axolotl" / "qlora.yml").read_text(encoding="utf-8")
+    text = text.replace("gradient_checkpointing: true", "gradient_checkpointing: offload")
+    (tmp_path / "qlora.yml").write_text(text, encoding="utf-8")
+    doc, _ = imported(tmp_path / "qlora.yml")
+    assert plain(doc, "memory_options", "activation_offload") is True
+    assert plain(doc, "memory_options", "gradient_checkpointing") is False
+    assert plain(doc, "memory_options", "checkpointing_kind") == "absent"

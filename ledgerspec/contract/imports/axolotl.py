@@ -370,6 +370,18 @@ def _checkpointing(src: Source, b: Builder, o: str, adapter: Any) -> None:
         b.set((*mo, "offload_mode"), f"axolotl activation_offloading {ao}", o + "activation_offloading", src.path)
     elif not gc or gc is True:
         b.set((*mo, "activation_offload"), False, o + "activation_offloading not set", src.path)
+    if (ao in (True, "legacy", "disk") or gc in ("offload", "offload_disk")) and adapter in ("lora", "qlora"):
+        # the trainer's gradient_checkpointing is turned off and adapters get no recompute wrap: every saved
+        # activation is offloaded, none recomputed (core/builders/base.py, loaders/model.py)
+        b.entries.pop((*mo, "gradient_checkpointing"), None)
+        b.entries.pop((*mo, "checkpointing_kind"), None)
+        b.set(
+            (*mo, "gradient_checkpointing"),
+            False,
+            o + "activation offloading on a LoRA/QLoRA run: axolotl turns the Trainer's gradient checkpointing off and "
+            "offloads the activations instead of recomputing them",
+            src.path,
+        )
 
 
 def _attention(src: Source, b: Builder, o: str) -> None:

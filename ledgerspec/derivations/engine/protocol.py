@@ -198,17 +198,18 @@ class ProtocolRun:
         if index == 0:
             step.start(seq, w.spec.prefetch or w.spec.accumulation)
         before = b.current()
-        out = step.forward(index)
-        if first:
-            self.result.activations_saved = b.current() - before
-        self._keep(peaks, cats, extra, "forward")
-        self.where = "loss"
-        b.set_context("temporary")
-        b.reset_peak()
-        loss = step.loss(out, index)
-        self.where = "backward"
-        step.backward(loss)
-        del out, loss
+        with w.saved_tensors():
+            out = step.forward(index)
+            if first:
+                self.result.activations_saved = b.current() - before
+            self._keep(peaks, cats, extra, "forward")
+            self.where = "loss"
+            b.set_context("temporary")
+            b.reset_peak()
+            loss = step.loss(out, index)
+            self.where = "backward"
+            step.backward(loss)
+            del out, loss
         step.release(index)
         self._keep(peaks, cats, extra, "backward")
 

@@ -117,6 +117,8 @@ class WorkloadSpec:
     prefetch: int | None = None
     #: ``software.kernels``: the kernels that replace transformers' modules (the estimate models some of them)
     kernels: config.Kernels = dataclasses.field(default_factory=config.Kernels)
+    #: ``memory_options.activation_offload``: saved activations moved to the host (TRL's OffloadActivations)
+    offload: bool = False
 
     @property
     def padded(self) -> bool:
@@ -217,6 +219,7 @@ class WorkloadSpec:
             t.max_grad_norm,
             module_dtypes,
             kernels=cfg.kernels,
+            offload=bool(cfg.activation_offload),
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -620,6 +623,13 @@ class Workload:
         if self.spec.use_cache is not None:
             return {"use_cache": self.spec.use_cache}
         return {"use_cache": False} if self.spec.loop == "trainer" else {}
+
+    def saved_tensors(self) -> Any:
+        """The context one micro-step (forward to backward) runs in: what happens to the tensors it saves for
+        backward (nothing here; the estimate models activation offloading)."""
+        import contextlib
+
+        return contextlib.nullcontext()
 
     @property
     def step(self) -> Any:

@@ -237,6 +237,8 @@ def _estimate_workload_class() -> Any:
             self.keep_4bit_input = keep_4bit_input
             #: the 4-bit size minus the loaded size of fused expert parameters bitsandbytes leaves unquantized
             self.fused_experts = 0
+            #: the activation offloading hooks, when the ledger declares it (:mod:`..kernels.offload`)
+            self.offload: Any = None
 
         def prepare(self) -> None:
             super().prepare()
@@ -254,6 +256,11 @@ def _estimate_workload_class() -> Any:
             self.stack.enter_context(
                 simulated_kernels(self.model, self.spec.kernels, self.spec.autocast_dtype, self.target == "cuda")
             )
+            if self.spec.offload:
+                from ledgerspec.derivations.kernels.offload import Offload
+
+                self.offload = Offload(self.model)
+                self.stack.callback(self.offload.close)
             if self.target == "cuda" and self.spec.autocast_dtype is not None:
                 from ledgerspec.derivations.engine.autocast import CUDA_POLICY, EmulatedAutocast
 
@@ -265,6 +272,10 @@ def _estimate_workload_class() -> Any:
             grouped_mm_any_float()  # fp16 / fp32 experts: the meta kernel takes what the kernels take
             if self.spec.padded or (self.spec.loop == "trainer" and self.spec.pads_rows):
                 self.stack.enter_context(_mask_rows(self.spec.padded))
+
+        def saved_tensors(self) -> Any:
+            """With ``memory_options.activation_offload``: TRL's offloading hooks (:mod:`..kernels.offload`)."""
+            return self.offload if self.offload is not None else super().saved_tensors()
 
         def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
             """FlashAttention: padded rows modelled as full rows (the mask is not passed, see :func:`method_text`)."""
@@ -311,6 +322,8 @@ def trace(
     out["component.gradients"] = grads.get("gradients", 0)
     out["component.optimizer"] = state.get("optimizer", 0)
     out["stack.fused_experts"] = workload.fused_experts
+    if workload.offload is not None:
+        out["host.offloaded_peak"] = workload.offload.host_peak
     for name, rec in result.phases.items():  # what is alive at each phase's peak, by ledger component
         live = by_component(rec.categories_at_peak or {})
         for comp in AT_PEAK:
@@ -571,6 +584,12 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
 
     if kernels_note(spec.kernels):
         method += "; " + str(kernels_note(spec.kernels))
+    if spec.offload:
+        method += (
+            "; activation offloading as TRL's OffloadActivations does it (streams, pinned host memory, tensors of "
+            "1 KiB and more but parameters, five kept on the device while their copy runs, copied back per autograd "
+            f"node): host memory held {figures.get('host.offloaded_peak', 0):,} B at most"
+        )
     if (chosen := model_class(p.source.config)) is not None and chosen.multimodal:  # the class the config calls for
         method += f"; {MULTIMODAL_LIMIT}"
     at_peak = {comp: figures[f"at.{peak_phase(phases)}.{comp}"] for comp in AT_PEAK}
@@ -753,6 +772,12 @@ def write_back(
         if from_flag:
             changes.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
         changes.append(set_plain(doc, ("result", "fits"), fits, force=True))
+    if "host.offloaded_peak" in est.figures:
+        block["host_offloaded_peak"] = {
+            "value": est.figures["host.offloaded_peak"],
+            "source": "CALCULATED",
+            "method": "host memory the offloaded activations hold at most (pinned; not device memory)",
+        }
     block["stack"] = dict(est.stack)
     if est.differences:
         block["differences"] = {k: dict(v) for k, v in est.differences.items()}

@@ -229,6 +229,14 @@ def make_request(
             hint="record the run you launch with its kernels (LedgerCallback), or declare the kernels eager to "
             "measure the eager step",
         )
+    if spec.offload:
+        raise LedgerspecError(
+            f"{doc.path}: memory_options.activation_offload: `ledgerspec measure` does not offload activations, so "
+            "it would measure another step",
+            rule="measure",
+            exit_code=EXIT_USAGE,
+            hint="record the run you launch (LedgerCallback), or set activation_offload: false to measure without",
+        )
     preflight(doc)  # a missing or broken config.json, rank 0: before a child imports torch
     return Request(doc.text, os.path.abspath(doc.path), spec.to_json(), device, steps, memory_limit, snapshot_path)
 

@@ -191,6 +191,9 @@ def _print(est: Any, device: int | None, prediction: Any = None) -> None:
         print(f"  {key:<24}{format_size(value):>12}  {value:,} B", file=out)
     print(f"  {'activations':<24}{format_size(est.activations):>12}  {est.activations:,} B", file=out)
     print(f"  {'peak allocated':<24}{format_size(est.peak_allocated):>12}  {est.peak_allocated:,} B", file=out)
+    host = est.figures.get("host.offloaded_peak")
+    if host is not None:
+        print(f"  {'offloaded to the host':<24}{format_size(host):>12}  {host:,} B (pinned host memory)", file=out)
     if est.at_peak:
         parts = ", ".join(f"{name.replace('_', ' ')} {format_size(n)}" for name, n in est.at_peak.items() if n)
         print(f"  alive at the peak ({est.peak_phase}): {parts}", file=out)
