@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ledgerspec.checks.validate import validate
@@ -90,3 +92,17 @@ def test_a_full_fine_tune_is_refused(tmp_path: object) -> None:
     with pytest.raises(LedgerspecError, match="finetuning_type 'full'") as exc:
         imported(bad)
     assert exc.value.exit_code == 2 and exc.value.line == 7
+
+
+def test_unsloth_is_declared_as_kernels_the_estimate_does_not_model(tmp_path: Path) -> None:
+    """``use_unsloth`` / ``use_unsloth_gc``: Unsloth's patched model and its offloaded checkpointing replace ops the
+    estimate runs eagerly: declared in ``software.kernels.other``, so LS013 names them (issue 25)."""
+    path = tmp_path / "unsloth.yaml"
+    path.write_text(
+        "model_name_or_path: meta-llama/Llama-2-7b-hf\nstage: sft\nfinetuning_type: lora\nuse_unsloth: true\n"
+        "use_unsloth_gc: true\n",
+        encoding="utf-8",
+    )
+    doc, _ = imported(path)
+    assert plain(doc, "software", "kernels", "other") == ["unsloth", "unsloth_gradient_checkpointing"]
+    assert [f.rule for f in validate(doc).findings if f.rule == "LS013"] == ["LS013", "LS013"]
