@@ -466,9 +466,9 @@ def _kernels(src: Source, b: Builder, adapter: Any, load8: bool) -> None:
             src.path,
             src.position(on[0]) if on else src.position("adapter"),
             on[0] if on else "adapter",
-            f"{why}: fused LoRA autograd kernels save other tensors than PEFT's layers and are not modelled "
-            "(software.kernels.lora_projections, LS013); set them false in axolotl for a run the estimate describes",
-            "not-modelled",
+            f"{why}: fused LoRA autograd kernels that save other tensors than PEFT's layers, declared in "
+            "software.kernels.lora_projections where they attach (the estimate models them)",
+            "note",
         )
     elif set_kernels and adapter in ("lora", "qlora"):
         b.set(
