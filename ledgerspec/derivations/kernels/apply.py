@@ -94,10 +94,11 @@ def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]
     from ledgerspec.derivations.kernels import cce, liger, trl
 
     head = base.get_output_embeddings()
-    weight = head.weight
 
     def loss_function(logits: Any, labels: Any, vocab_size: int = 0, num_items_in_batch: Any = None, **kw: Any) -> Any:
         hidden = logits  # the lm_head passed the hidden states through
+        # looked up at each call, as the tools do: FSDP swaps in the gathered parameter during forward
+        weight = base.get_output_embeddings().weight
         if name == "trl_chunked_nll":
             return trl.functions().chunked_nll_loss(hidden, weight, labels, num_items_in_batch, amp)
         if name == "cut_cross_entropy":

@@ -106,3 +106,25 @@ def test_measure_refuses_a_step_with_declared_kernels() -> None:
     with pytest.raises(LedgerspecError, match="would measure another step") as err:
         make_request(ledger("lora_projections: [axolotl_lora_o]"), "cpu", 2, None, None)
     assert err.value.exit_code == 2
+
+
+@pytest.mark.slow
+def test_the_kernels_run_in_each_ranks_fsdp2_step(tmp_path: Any) -> None:
+    """``shard --estimate`` simulates every rank with the declared kernels; the fused loss looks the lm_head weight
+    up at each call (FSDP2 gathers it during forward), as Liger's and TRL's forwards do."""
+    import shutil
+
+    from ledgerspec.contract.document import load
+    from ledgerspec.derivations.shard.sharder import shard
+    from tests.support import DATA
+
+    shutil.copytree(DATA / "sharding" / "tiny", tmp_path / "tiny")
+    text = (DATA / "sharding" / "tiny-lora-mp.ledger.yaml").read_text(encoding="utf-8")
+    kernels = "  kernels: {cross_entropy: liger_fused_linear_cross_entropy, norm: liger_rms_norm, rope: liger_rope}\n"
+    (tmp_path / "e.ledger.yaml").write_text(text, encoding="utf-8")
+    (tmp_path / "k.ledger.yaml").write_text(text.replace("software:\n", "software:\n" + kernels, 1), encoding="utf-8")
+    plain = shard(load(tmp_path / "e.ledger.yaml"), estimate=True).estimate.ranks
+    fused = shard(load(tmp_path / "k.ledger.yaml"), estimate=True).estimate.ranks
+    for p, f in zip(plain, fused, strict=True):
+        assert f.phases["forward_peak"] < p.phases["forward_peak"]
+        assert f.components["gradients"] == p.components["gradients"]
