@@ -147,10 +147,17 @@ SET_INPUTS = {
 }
 
 
+#: inputs added after documents were stamped, which importers always wrote as ``false``: left out when false (as when
+#: absent), so that the stamps of those documents still hold
+LEFT_OUT_WHEN_FALSE = {("memory_options", "activation_offload")}
+
+
 def _value(doc: Document, path: tuple[str, ...], verbatim: bool = False) -> tuple[bool, Any]:
     v = doc.get(*path)
     if not v.present:
         return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
+    if path in LEFT_OUT_WHEN_FALSE and not v.unknown and v.switch() is False:
+        return False, None
     if v.unknown:
         return True, v.source or "UNKNOWN"
     return True, v.value if verbatim else _meaning(doc, path, v.value)

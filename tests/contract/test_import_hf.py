@@ -111,3 +111,10 @@ def test_use_liger_kernel_declares_liger_defaults_and_the_config_over_them(tmp_p
         "cross_entropy": "liger_fused_linear_cross_entropy",
         "rope": "eager",
     }
+
+
+def test_trl_loss_type_nll_is_its_fused_head_too(tmp_path: Path) -> None:
+    """TRL 1.16: ``nll`` is the default and ``chunked_nll`` its deprecated alias, both through the fused LM head; TRL
+    1.9 computed ``nll`` on the logits: declared, as an ASSUMPTION saying so."""
+    doc, _ = imported(_args(tmp_path, {"dataset_text_field": "text", "loss_type": "nll"}, "sft_config.json"))
+    assert plain(doc, "software", "kernels", "cross_entropy") == ("ASSUMPTION", "trl_chunked_nll")

@@ -329,6 +329,9 @@ def _int(src: Source, b: Builder, key: str, path: tuple[str, ...], fallback: int
         b.assume(path, fallback, "axolotl: " + key, default(key, fallback), src.path)
 
 
+_OFFLOAD_MODES = {"disk": "to disk", "hidden_states": "the checkpointed hidden states only", "legacy": "one stream"}
+
+
 def _checkpointing(src: Source, b: Builder, o: str, adapter: Any) -> None:
     mo = ("memory_options",)
     gc = src.take("gradient_checkpointing")
@@ -368,6 +371,16 @@ def _checkpointing(src: Source, b: Builder, o: str, adapter: Any) -> None:
     if ao:
         b.set((*mo, "activation_offload"), True, o + f"activation_offloading: {ao}", src.path)
         b.set((*mo, "offload_mode"), f"axolotl activation_offloading {ao}", o + "activation_offloading", src.path)
+    mode = ao if ao not in (None, True, False) else ("disk" if gc == "offload_disk" else None)
+    if mode in ("disk", "hidden_states", "legacy"):
+        b.finding(
+            src.path,
+            src.position("activation_offloading" if ao else "gradient_checkpointing"),
+            "activation_offloading",
+            f"offloading mode {mode} ({_OFFLOAD_MODES[mode]}) is estimated as TRL's streamed offloading to pinned "
+            "host memory: not modelled as such",
+            "not-modelled",
+        )
     elif not gc or gc is True:
         b.set((*mo, "activation_offload"), False, o + "activation_offloading not set", src.path)
     if (ao in (True, "legacy", "disk") or gc in ("offload", "offload_disk")) and adapter in ("lora", "qlora"):

@@ -169,6 +169,15 @@ def training_args(src: Source, b: Builder) -> None:
             o + f"loss_type {loss or 'not set'}: {TRL} computes the loss with its chunked LM head (chunked_nll)",
             src.path,
         )
+    elif trl and loss in ("nll", "dft"):
+        b.assume(
+            ("software", "kernels", "cross_entropy"),
+            "trl_chunked_nll",
+            o + f"loss_type {loss}",
+            f"TRL 1.16 computes loss_type {loss} with its fused LM head too (chunked_nll is its deprecated alias; dft "
+            "weighs the per-token loss, a few per-token tensors more); TRL 1.9 computed nll on the model's logits",
+            src.path,
+        )
     elif loss not in (None, "nll"):
         C.not_modelled(src, b, "loss_type", loss, f"loss_type {loss!r} computes the loss differently: not modelled")
     if src.take("auto_find_batch_size"):

@@ -314,11 +314,11 @@ def convert(src: Source, b: Builder) -> None:
                 b.set(("software", "kernel_backend"), "unsloth", o + key, src.path)
             if key in ("use_unsloth", "use_unsloth_gc"):
                 other = [k for k in ("use_unsloth", "use_unsloth_gc") if src.peek(k) or k == key]
-                names = {"use_unsloth": "unsloth", "use_unsloth_gc": "unsloth_gradient_checkpointing"}
+                kernel_names = {"use_unsloth": "unsloth", "use_unsloth_gc": "unsloth_gradient_checkpointing"}
                 b.entries.pop(("software", "kernels", "other"), None)
                 b.set(
                     ("software", "kernels", "other"),
-                    [names[k] for k in other],
+                    [kernel_names[k] for k in other],
                     o + " + ".join(other) + ": Unsloth's patched model / its offloaded checkpointing (hidden states "
                     "to pageable host memory)",
                     src.path,

@@ -119,6 +119,8 @@ class WorkloadSpec:
     kernels: config.Kernels = dataclasses.field(default_factory=config.Kernels)
     #: ``memory_options.activation_offload``: saved activations moved to the host (TRL's OffloadActivations)
     offload: bool = False
+    #: ``memory_options.offload_mode`` as written (whose offloading: TRL's, axolotl's)
+    offload_mode: str | None = None
 
     @property
     def padded(self) -> bool:
@@ -220,6 +222,7 @@ class WorkloadSpec:
             module_dtypes,
             kernels=cfg.kernels,
             offload=bool(cfg.activation_offload),
+            offload_mode=doc.get("memory_options", "offload_mode").text(),
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:

@@ -259,7 +259,9 @@ def _estimate_workload_class() -> Any:
             if self.spec.offload:
                 from ledgerspec.derivations.kernels.offload import Offload
 
-                self.offload = Offload(self.model)
+                # axolotl's LoRA manager does not call update_model_params (its offload_mode says axolotl)
+                axolotl = (self.spec.offload_mode or "").lower().startswith("axolotl")
+                self.offload = Offload(self.model, param_storages=not axolotl)
                 self.stack.callback(self.offload.close)
             if self.target == "cuda" and self.spec.autocast_dtype is not None:
                 from ledgerspec.derivations.engine.autocast import CUDA_POLICY, EmulatedAutocast

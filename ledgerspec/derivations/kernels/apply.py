@@ -119,14 +119,23 @@ def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]
         return out
 
     had_loss = "_loss_function" in base.__dict__
+    saved_loss = base.__dict__.get("_loss_function")
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    softcap = getattr(text, "final_logit_softcapping", None)
     with contextlib.ExitStack() as stack:
         _rebind(stack, head, passthrough)
         _rebind(stack, base, forward)
         base._loss_function = loss_function
+        if softcap is not None:  # the kernels cap the logits inside (Liger passes softcap in): not the hidden states
+            text.final_logit_softcapping = None
         try:
             yield
         finally:
-            if not had_loss:
+            if softcap is not None:
+                text.final_logit_softcapping = softcap
+            if had_loss:
+                base._loss_function = saved_loss
+            else:
                 del base._loss_function
 
 
@@ -137,7 +146,9 @@ def _norms(base: Any) -> Iterator[None]:
     RMSNorm = liger.functions().RMSNorm
 
     def forward(self: Any, hidden: Any) -> Any:
-        return RMSNorm.apply(hidden, self.weight, "Gemma" not in type(self).__name__, SM_COUNT)
+        # Liger rebinds Gemma 2/3 norms with in_place=False (their residual reads the input again), others in place
+        name = type(self).__name__
+        return RMSNorm.apply(hidden, self.weight, not name.startswith(("Gemma2", "Gemma3")), SM_COUNT)
 
     with contextlib.ExitStack() as stack:
         for module in base.modules():
@@ -226,6 +237,9 @@ def _axolotl_lora(base: Any, ids: list[str]) -> Iterator[None]:
                 _rebind(stack, qkv[0], qkv_forward)
                 _rebind(stack, qkv[1], handed)
                 _rebind(stack, qkv[2], handed)
+                for proj in qkv[1:]:
+                    proj._ls_out = None  # type: ignore[union-attr]
+                    stack.callback(delattr, proj, "_ls_out")
             o = getattr(module, "o_proj", None)
             if "axolotl_lora_o" in ids and o is not None and _lora_parts(o):
                 _rebind(stack, o, o_forward)

@@ -57,9 +57,11 @@ def functions() -> Any:
             ordering = order.to(torch.int32)
             del order
             de = torch.zeros_like(e)  # cce_backward.py: every row, the embeddings' dtype
+            # a trainable classifier: `dc = zeros_like(c)` (accum_c_fp32 off), returned as `dc.to(c.dtype)`
+            dc = torch.zeros_like(c) if ctx.needs_input_grad[1] else None
             dc_locks = torch.empty((c.shape[0] // 64 + 1,), dtype=torch.int32, device=e.device)  # per vocabulary block
             del dc_locks, ordering
-            return de, None, None, None
+            return de, dc, None, None
 
     def linear_cross_entropy_loss(hidden: Any, weight: Any, labels: Any, num_items_in_batch: Any) -> Any:
         """``apply_lce`` (fork ``transformers/utils.py:97-165``): reduction ``sum`` divided by

@@ -6,13 +6,14 @@ each training step in, is a ``saved_tensors_hooks`` pair. :class:`Offload` is th
 with the host copies counted as host bytes (they are not device memory) instead of allocated:
 
 - pack (``pack_tensor``, :200-340): a saved tensor stays on the device when it is under 1,024 bytes, a parameter, a
-  parameter's storage (``update_model_params``), or a storage already offloaded and still in the forward window;
-  else a non-contiguous one is made contiguous (a view with an offset cloned) on the device, its bytes go to the
-  host, and (streams mode, the default) the device tensor stays referenced until five newer tensors were packed
-  (``max_fwd_stash_size``), so the copy can finish;
+  parameter's storage (``update_model_params``; TRL's manager only), or the same (storage, offset, dtype) as a
+  tensor still tracked (then it is tracked again); else a non-contiguous one is made contiguous (a view with an
+  offset cloned) on the device, its bytes go to the host, and (streams mode, the default) the device tensor stays
+  referenced until the pack counter moved five further (``max_fwd_stash_size``), so the copy can finish;
 - unpack (``unpack_tensor_with_streams``, :385-530): a tensor still in the forward window is used as it is; any
-  other is copied back to a new device tensor, kept until the next autograd node starts unpacking (the previous
-  node's copies are released then); the host copy is released; at the end of backward what is left goes.
+  other is copied back to a new device tensor; once the autograd node that unpacked it has run (its post-hook), the
+  forward window and the previous node's copies are released; the host copy is released; at the end of backward
+  what is left goes.
 
 Tensors saved inside ``lm_head`` are not offloaded (TRL's ``NoOpManager`` on the output layer).
 """
@@ -28,21 +29,27 @@ MAX_FWD_STASH = 5
 
 
 class Offload:
-    """The saved-tensor hooks of one micro-step (forward and backward), and the host bytes they hold."""
+    """The saved-tensor hooks of one micro-step (forward and backward), and the host bytes they hold.
 
-    def __init__(self, model: Any) -> None:
+    ``param_storages``: TRL's ``get_act_offloading_ctx_manager`` calls ``update_model_params`` (tensors sharing a
+    parameter's storage stay on the device); axolotl's LoRA variant does not (only ``nn.Parameter`` instances stay).
+    """
+
+    def __init__(self, model: Any, param_storages: bool = True) -> None:
         from ledgerspec.derivations.engine.tracker import storage_key
 
-        self.key = storage_key
+        self.storage = storage_key
         self.model = model
+        self.param_storages = param_storages
         self.params: set[int] = set()
         self.host_current = 0
         self.host_peak = 0
         self._next = 0
         self._packed: dict[int, tuple[Any, ...]] = {}  # id -> ("device", tensor) | ("host", shape, stride, dtype, n)
         self._fwd: OrderedDict[int, Any] = OrderedDict()  # id -> device tensor kept while its copy runs
-        self._fwd_storage: dict[int, int] = {}  # storage key -> id, while in the forward window
-        self._bwd: dict[int, Any] = {}
+        self._key_to_id: dict[tuple[Any, ...], int] = {}  # storage_to_tensor_id
+        self._id_to_key: dict[int, tuple[Any, ...]] = {}  # _storage_key_by_tensor_id
+        self._bwd: dict[int, Any] = {}  # copied back, kept until the next node's hook
         self._node: Any = None
         self._paused = 0
         self._hooks: Any = None
@@ -59,7 +66,7 @@ class Offload:
         import torch
 
         # the parameters' storages as they are now (``update_model_params``): the model is materialised by now
-        self.params = {self.key(p) for p in self.model.parameters()} | {self.key(b) for b in self.model.buffers()}
+        self.params = {self.storage(p) for p in self.model.parameters()} if self.param_storages else set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self
@@ -72,61 +79,83 @@ class Offload:
         for handle in self._handles:
             handle.remove()
 
+    def _key(self, t: Any) -> tuple[Any, ...]:
+        """``_get_unique_tensor_key`` (:53-80): the storage, the offset into it and the dtype."""
+        return (self.storage(t), t.storage_offset(), t.dtype)
+
+    def _track(self, key: tuple[Any, ...], tid: int) -> None:
+        self._key_to_id[key] = tid
+        self._id_to_key[tid] = key
+
+    def _untrack(self, tid: int) -> None:
+        key = self._id_to_key.pop(tid, None)
+        if key is not None and self._key_to_id.get(key) == tid:
+            del self._key_to_id[key]
+
     def pack(self, t: Any) -> Any:
         import torch
 
         tid = self._next
         self._next += 1
-        key = self.key(t)
-        nbytes = t.numel() * t.element_size()
+        key = self._key(t)
+        if key in self._key_to_id:  # already offloaded and tracked: kept on the device, tracked again (:218-223)
+            self._packed[tid] = ("device", t)
+            self._track(key, tid)
+            return tid
         keep = (
             self._paused > 0
-            or key in self._fwd_storage
-            or nbytes < MIN_OFFLOAD_BYTES
+            or t.numel() * t.element_size() < MIN_OFFLOAD_BYTES
             or isinstance(t, torch.nn.Parameter)
-            or key in self.params
+            or self.storage(t) in self.params
         )
         if keep:
             self._packed[tid] = ("device", t)
             return tid
-        if 0 not in t.stride() and (not t.is_contiguous() or t.storage_offset() != 0):
+        broadcast = 0 in t.stride()
+        if not broadcast and (not t.is_contiguous() or t.storage_offset() != 0):
             t = t.clone(memory_format=torch.contiguous_format) if t.storage_offset() != 0 else t.contiguous()
-        for old in [i for i in self._fwd if i <= tid - MAX_FWD_STASH]:  # copies done long enough ago
-            self._release_fwd(old)
-        host = t.untyped_storage().nbytes() if 0 in t.stride() else t.numel() * t.element_size()
+        for old in [i for i in self._fwd if i <= tid - MAX_FWD_STASH]:  # copies done long enough ago (:280-290)
+            self._fwd.pop(old)
+            self._untrack(old)
+        host = t.untyped_storage().nbytes() if broadcast else t.numel() * t.element_size()
         self._packed[tid] = ("host", t.size(), t.stride(), t.dtype, host)
         self.host_current += host
         self.host_peak = max(self.host_peak, self.host_current)
         self._fwd[tid] = t
-        self._fwd_storage[self.key(t)] = tid
+        self._track(key, tid)
         return tid
-
-    def _release_fwd(self, tid: int) -> None:
-        t = self._fwd.pop(tid, None)
-        if t is not None:
-            self._fwd_storage = {k: v for k, v in self._fwd_storage.items() if v != tid}
 
     def unpack(self, tid: int) -> Any:
         import torch
 
         entry = self._packed.pop(tid)
         if entry[0] == "device":
+            self._untrack(tid)
             return entry[1]
         _, shape, stride, dtype, host = entry
         node = torch._C._current_autograd_node()
-        if node is not self._node:  # a new node: the previous node's copies can go
+        previous: list[int] = []
+        if node is not self._node:  # a new node: the previous node's copies go once this node has run
             self._node = node
-            self._bwd.clear()
+            previous = list(self._bwd)
         self.host_current -= host
         if tid in self._fwd:  # still on the device: no copy back
             t = self._fwd[tid]
         else:
             t = torch.empty_strided(shape, stride, dtype=dtype)
             self._bwd[tid] = t
-        for old in list(self._fwd):  # in backward now: the forward window is released after this node
-            if old != tid:
-                self._release_fwd(old)
-        self._release_fwd(tid)
+
+        def after(outputs: Any, inputs: Any) -> Any:  # the node's post-hook (:470-524)
+            for old in list(self._fwd):  # in backward now: the forward window is released
+                self._fwd.pop(old)
+                self._untrack(old)
+            for old in previous:
+                self._bwd.pop(old, None)
+            return outputs
+
+        if node is not None:
+            node.register_hook(after)
+        self._untrack(tid)
         return t
 
     def finish(self) -> None:
@@ -136,7 +165,8 @@ class Offload:
                 self.host_current -= entry[4]
         self._packed.clear()
         self._fwd.clear()
-        self._fwd_storage.clear()
+        self._key_to_id.clear()
+        self._id_to_key.clear()
         self._bwd.clear()
         self._node = None
 

@@ -96,12 +96,18 @@ def functions() -> Any:
             n, dev = hidden.shape[0], hidden.device
             grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)  # :418-420
             mm_buf = torch.empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=ctx.compute_dtype, device=dev)
+            grad_weight = None
+            if ctx.needs_input_grad[1]:  # a trainable lm_head: its gradient accumulated in float32 too (:421-423)
+                grad_weight = torch.zeros(_weight.shape, dtype=torch.float32, device=dev)
             if grad_logprobs is not None:
                 grad_logprobs = grad_logprobs.float().contiguous()
             # per tile: the projection into mm_buf, the Triton kernel turns it into the logits' gradient in place,
             # `torch.addmm(acc, tile, w, out_dtype=float32, out=acc)` into grad_hidden (CUDA, 16-bit inputs)
             del mm_buf, grad_logprobs
-            return grad_hidden.to(hidden.dtype), None, None, None  # :455
+            hidden_grad = grad_hidden.to(hidden.dtype)  # :455
+            del grad_hidden
+            weight_grad = grad_weight.to(_weight.dtype) if grad_weight is not None else None
+            return hidden_grad, weight_grad, None, None
 
     def chunked_nll_loss(hidden: Any, weight: Any, labels: Any, num_items_in_batch: Any, autocast_dtype: Any) -> Any:
         """``_fused_forward`` from the backbone's last hidden state, and ``SFTTrainer.compute_loss``'s loss."""

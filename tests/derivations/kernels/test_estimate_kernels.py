@@ -128,3 +128,33 @@ def test_the_kernels_run_in_each_ranks_fsdp2_step(tmp_path: Any) -> None:
     for p, f in zip(plain, fused, strict=True):
         assert f.phases["forward_peak"] < p.phases["forward_peak"]
         assert f.components["gradients"] == p.components["gradients"]
+
+
+@pytest.mark.slow
+def test_a_trainable_lm_head_gets_its_gradient_through_every_fused_loss() -> None:
+    """``modules_to_save: [lm_head]``: the fused kernels return the classifier's gradient too (Liger's ``grad_weight``,
+    CCE's ``dc``, TRL's float32 ``grad_weight``), so the gradients and optimizer state are the eager step's."""
+    config = EXAMPLES / "configs" / "mistral-7b-v0.1" / "config.json"
+
+    def doc(kernels: str) -> Any:
+        return from_text(
+            f"""ledgerspec: ledger/v1
+identity: {{model_id: mistralai/Mistral-7B-v0.1, revision: main, config_path: {config}}}
+method: {{kind: LoRA, rank: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj], bias: none,
+  modules_to_save: [lm_head]}}
+base_model: {{loaded_dtype: bfloat16, quantized: false}}
+adapter: {{dtype: float32}}
+workload: {{max_length: 256, packing: true, microbatch: 1, gradient_accumulation: 1}}
+optimizer: {{name: adamw_torch}}
+memory_options: {{gradient_checkpointing: true}}
+training: {{mixed_precision: bf16}}
+software: {{kernels: {{{kernels}}}}}
+""",
+            "m.ledger.yaml",
+        )
+
+    eager = run(doc(""))
+    for kernel in ("liger_fused_linear_cross_entropy", "cut_cross_entropy", "trl_chunked_nll"):
+        fused = run(doc(f"cross_entropy: {kernel}"))
+        assert fused.components["gradients"] == eager.components["gradients"], kernel
+        assert fused.components["optimizer"] == eager.components["optimizer"], kernel

@@ -33,6 +33,8 @@ def test_what_the_step_saves_goes_to_the_host(checkpointing: bool) -> None:
     assert abs(host - plain.activations) <= 0.02 * plain.activations
     assert off.activations < plain.activations  # what stays on the device after forward
     assert off.peak_allocated <= plain.peak_allocated
+    if not checkpointing:  # the saved activations dominate the peak: it drops by about a quarter (docs)
+        assert off.peak_allocated < 0.8 * plain.peak_allocated
     assert "host.offloaded_peak" not in plain.figures
     assert "activation offloading as TRL's OffloadActivations does it" in off.method
 
