@@ -15,6 +15,7 @@ caught and recorded with the phase it happened in; anything else propagates.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -198,7 +199,8 @@ class ProtocolRun:
         if index == 0:
             step.start(seq, w.spec.prefetch or w.spec.accumulation)
         before = b.current()
-        with w.saved_tensors():
+        saved_tensors = getattr(w, "saved_tensors", contextlib.nullcontext)  # a workload may not hook saved tensors
+        with saved_tensors():
             out = step.forward(index)
             if first:
                 self.result.activations_saved = b.current() - before
