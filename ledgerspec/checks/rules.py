@@ -1,4 +1,4 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012, LS013, LS023, LS032, LS043,
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012-LS014, LS023, LS032, LS043,
 LS061 and LS090. One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
@@ -189,6 +189,24 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
         yield Hit(
             ptr("software", "kernels", "other"),
             f"kernel replacement {name!r} is not modelled ({likely}): the estimate runs transformers' own ops there",
+        )
+
+
+@rule(
+    "LS014",
+    WARNING,
+    "training.objective is a preference or RL objective: the step is simulated for supervised fine-tuning only",
+    "a DPO/KTO/ORPO/CPO step runs chosen and rejected together and (DPO, KTO) a reference pass, GRPO/RLOO/PPO a "
+    "generation phase; record the real trainer's run (LedgerCallback) until the estimate models them",
+    example="training: {objective: dpo}",
+)
+def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
+    objective = C.read(ctx.doc).training.objective
+    if objective != "sft" and ctx.get("training", "objective").known:
+        yield Hit(
+            ptr("training", "objective"),
+            f"training.objective {objective}: `estimate` and `measure` simulate supervised fine-tuning only; this "
+            "run's memory is not what they would size",
         )
 
 

@@ -149,6 +149,7 @@ class Training:
     mixed_precision: str = "no"  # no | bf16 | fp16
     use_cache: bool | None = None  # None: the model config's value
     max_grad_norm: float = 1.0  # 0: no clipping
+    objective: str = "sft"  # sft | dpo | kto | orpo | cpo | grpo | rloo | ppo | reward
 
     @property
     def autocast_dtype(self) -> str | None:
@@ -400,6 +401,7 @@ def _training(doc: Document) -> Training:
         mixed_precision=text("mixed_precision", TRAINER_DEFAULTS.mixed_precision),
         use_cache=doc.get("training", "use_cache").switch(),
         max_grad_norm=float(norm) if norm is not None and norm >= 0 else TRAINER_DEFAULTS.max_grad_norm,
+        objective=text("objective", TRAINER_DEFAULTS.objective),
     )
 
 

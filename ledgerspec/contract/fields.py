@@ -456,6 +456,16 @@ TRAINING = F(
             "disables it).",
             minimum=0,
         ),
+        F(
+            "objective",
+            ENUM,
+            "What the step optimizes, as TRL's trainers run it: `sft` (default: supervised fine-tuning, one forward "
+            "of the batch), `dpo`, `kto`, `orpo`, `cpo` (preference pairs: chosen and rejected in one forward, a "
+            "reference pass for DPO/KTO), `grpo`, `rloo`, `ppo` (online RL: a generation phase, then training on "
+            "prompt + completion), `reward` (a reward model on chosen/rejected pairs). The estimate and `measure` "
+            "simulate `sft` only (LS014).",
+            enum=("sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo", "ppo", "reward"),
+        ),
     ),
 )
 

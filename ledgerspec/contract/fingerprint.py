@@ -96,7 +96,7 @@ WORKLOAD_INPUTS: Inputs = {
         ("gradient_accumulation",),
     ),
     "memory_options": (("gradient_checkpointing",), ("checkpointing_kind",), ("activation_offload",)),
-    "training": (("loop",), ("mixed_precision",), ("use_cache",), ("max_grad_norm",)),
+    "training": (("loop",), ("mixed_precision",), ("use_cache",), ("max_grad_norm",), ("objective",)),
 }
 
 #: each stamp: the extension that holds it, the inputs it covers, the command that refreshes it
@@ -147,17 +147,20 @@ SET_INPUTS = {
 }
 
 
-#: inputs added after documents were stamped, which importers always wrote as ``false``: left out when false (as when
-#: absent), so that the stamps of those documents still hold
-LEFT_OUT_WHEN_FALSE = {("memory_options", "activation_offload")}
+#: inputs added after documents were stamped, left out of the digest when they hold the value an absent one means
+#: (importers always wrote ``activation_offload: false``), so that the stamps of those documents still hold
+LEFT_OUT_WHEN = {("memory_options", "activation_offload"): False, ("training", "objective"): "sft"}
 
 
 def _value(doc: Document, path: tuple[str, ...], verbatim: bool = False) -> tuple[bool, Any]:
     v = doc.get(*path)
     if not v.present:
         return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
-    if path in LEFT_OUT_WHEN_FALSE and not v.unknown and v.switch() is False:
-        return False, None
+    if path in LEFT_OUT_WHEN and not v.unknown:
+        default = LEFT_OUT_WHEN[path]
+        same = v.switch() is False if default is False else str(v.value).strip().lower() == default
+        if same:
+            return False, None
     if v.unknown:
         return True, v.source or "UNKNOWN"
     return True, v.value if verbatim else _meaning(doc, path, v.value)

@@ -236,6 +236,7 @@ def convert(src: Source, b: Builder) -> None:
     # -- attention and kernels ------------------------------------------------------------------------------------
     _attention(src, b, o)
     _kernels(src, b, adapter, load8)
+    _objective(src, b, o)
 
     # -- parallelism --------------------------------------------------------------------------------------------
     _parallel(src, b, o, ds_config)
@@ -528,6 +529,24 @@ def _kernels(src: Source, b: Builder, adapter: Any, load8: bool) -> None:
     kernel_like = [p for p in other if likely_ops(p)]
     if kernel_like:
         b.set(("software", "kernels", "other"), kernel_like, o + "plugins that replace kernels", src.path)
+
+
+#: axolotl's ``rl:`` values (``utils/schemas/enums.py`` RLType) -> ``training.objective``: IPO is DPO's trainer with
+#: another loss, SimPO CPO's
+_RL = {"dpo": "dpo", "ipo": "dpo", "kto": "kto", "orpo": "orpo", "simpo": "cpo", "cpo": "cpo", "grpo": "grpo"}
+
+
+def _objective(src: Source, b: Builder, o: str) -> None:
+    """``training.objective``: ``rl:`` names the TRL trainer axolotl builds; without it, supervised fine-tuning."""
+    rl = src.take("rl")
+    if not rl:
+        b.set(("training", "objective"), "sft", o + "no rl: supervised fine-tuning", src.path)
+        return
+    value = _RL.get(str(rl).strip().lower())
+    if value is None:
+        C.not_modelled(src, b, "rl", rl, f"rl: {rl} is not an objective the ledger names")
+        return
+    b.set(("training", "objective"), value, o + f"rl: {rl}", src.path, src.position("rl"))
 
 
 def _zero3(ref: Any) -> bool | None:

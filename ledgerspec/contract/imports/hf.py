@@ -41,6 +41,37 @@ def is_trl(src: Source) -> bool:
     return bool(set(src.plain) & TRL_KEYS)
 
 
+#: keys only one TRL trainer's config has -> ``training.objective`` (trl 1.16: ``KTOConfig``, ``RewardConfig``,
+#: ``GRPOConfig``/``RLOOConfig``, ``CPOConfig``, ``DPOConfig``), checked in this order
+TRL_OBJECTIVE_KEYS = (
+    (("desirable_weight", "undesirable_weight"), "kto"),
+    (("center_rewards_coefficient",), "reward"),
+    (("num_generations", "steps_per_generation", "use_vllm", "vllm_mode"), "grpo"),
+    (("cpo_alpha", "simpo_gamma"), "cpo"),
+    (("ref_model_init_kwargs", "precompute_ref_log_probs", "rpo_alpha", "reference_free", "ref_adapter_name"), "dpo"),
+)
+
+
+def objective(src: Source, b: Builder, o: str) -> None:
+    """``training.objective`` from the keys of a TRL trainer's config (a dump of ``DPOConfig`` etc.)."""
+    keys = set(src.plain)
+    for names, value in TRL_OBJECTIVE_KEYS:
+        found = sorted(keys.intersection(names))
+        if not found:
+            continue
+        if value == "grpo":
+            b.assume(
+                ("training", "objective"),
+                "grpo",
+                o + ", ".join(found),
+                "GRPOConfig's keys; RLOOConfig has them too (declare rloo for an RLOO run)",
+                src.path,
+            )
+        else:
+            b.set(("training", "objective"), value, o + f"{', '.join(found)}: a {value.upper()} trainer's config")
+        return
+
+
 def training_args(src: Source, b: Builder) -> None:
     trl = is_trl(src)
     b.facts["trl"] = b.facts.get("trl", False) or trl
@@ -49,6 +80,7 @@ def training_args(src: Source, b: Builder) -> None:
     b.tools.append(f"{label} ({src.path})")
     o = "SFTConfig: " if trl else "TrainingArguments: "
     w, mo = ("workload",), ("memory_options",)
+    objective(src, b, "TRL config: ")
 
     def take(key: str, path: tuple[str, ...], fallback: Any, conv: Any = None) -> Any:
         if src.has(key):

@@ -59,6 +59,9 @@ def convert(src: Source, b: Builder) -> None:
             hint="set finetuning_type: lora, or size this run another way",
         )
     stage = src.take("stage", "sft")
+    objective = {"sft": "sft", "pt": "sft", "dpo": "dpo", "kto": "kto", "rm": "reward", "ppo": "ppo"}.get(str(stage))
+    if objective is not None:
+        b.set(("training", "objective"), objective, o + f"stage {stage}", src.path)
     if stage not in ("sft", "pt"):
         C.not_modelled(
             src,

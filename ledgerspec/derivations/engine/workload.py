@@ -190,6 +190,16 @@ class WorkloadSpec:
         t = cfg.training
         if t.loop not in LOOPS:
             raise _err(doc, ("training", "loop"), f"unknown training loop {t.loop!r}", f"use one of {', '.join(LOOPS)}")
+        if t.objective != "sft":
+            raise _err(
+                doc,
+                ("training", "objective"),
+                f"training.objective {t.objective}: the training step (estimate, measure, shard) simulates supervised "
+                "fine-tuning only; a preference or RL objective runs other forwards (chosen and rejected, a reference "
+                "pass, generation) that it does not model yet",
+                "size the run with a measurement of the real trainer (LedgerCallback), or estimate its SFT step as a "
+                "lower bound with training.objective: sft",
+            )
         if t.mixed_precision not in MIXED_PRECISION:
             raise _err(
                 doc,

@@ -1,0 +1,76 @@
+"""``training.objective`` (issue 24, first part): every importer says what the run optimizes, and a preference or RL
+objective is never sized as supervised fine-tuning in silence: LS014, a hold on the status, and the step refuses it.
+
+Expected values: the tools' own switches (axolotl's ``rl:``, LLaMA-Factory's ``stage:``, the keys only one TRL 1.16
+trainer config has)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ledgerspec.checks.validate import validate
+from ledgerspec.contract.document import from_text
+from ledgerspec.errors import LedgerspecError
+from tests.support.imports import IMPORTS, imported, plain
+from tests.support.ledgers import candidate, status_of, with_change
+
+
+@pytest.mark.parametrize(("rl", "objective"), [("dpo", "dpo"), ("ipo", "dpo"), ("kto", "kto"), ("grpo", "grpo")])
+def test_axolotl_rl_names_the_objective(tmp_path: Path, rl: str, objective: str) -> None:
+    text = (IMPORTS / "axolotl" / "qlora.yml").read_text(encoding="utf-8") + f"rl: {rl}\n"
+    (tmp_path / "rl.yml").write_text(text, encoding="utf-8")
+    doc, _ = imported(tmp_path / "rl.yml")
+    assert plain(doc, "training", "objective") == objective
+    assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == ["/training/objective"]
+
+
+def test_axolotl_without_rl_is_sft() -> None:
+    doc, _ = imported("axolotl/qlora.yml")
+    assert plain(doc, "training", "objective") == "sft"
+
+
+@pytest.mark.parametrize(("stage", "objective"), [("sft", "sft"), ("dpo", "dpo"), ("kto", "kto"), ("rm", "reward")])
+def test_llamafactory_stage_names_the_objective(tmp_path: Path, stage: str, objective: str) -> None:
+    path = tmp_path / "lf.yaml"
+    path.write_text(
+        f"model_name_or_path: meta-llama/Llama-2-7b-hf\nstage: {stage}\nfinetuning_type: lora\n", encoding="utf-8"
+    )
+    doc, _ = imported(path)
+    assert plain(doc, "training", "objective") == objective
+
+
+@pytest.mark.parametrize(
+    ("keys", "objective"),
+    [
+        ({"beta": 0.1, "precompute_ref_log_probs": False, "max_length": 1024}, "dpo"),
+        ({"desirable_weight": 1.0, "undesirable_weight": 1.0}, "kto"),
+        ({"center_rewards_coefficient": None}, "reward"),
+        ({"num_generations": 8, "max_completion_length": 256}, ("ASSUMPTION", "grpo")),
+    ],
+)
+def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, object], objective: object) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"output_dir": "out", "learning_rate": 1e-5, **keys}), encoding="utf-8")
+    doc, _ = imported(path)
+    assert plain(doc, "training", "objective") == objective
+
+
+def test_the_step_refuses_an_objective_it_does_not_simulate() -> None:
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+
+    text = (IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
+    doc = from_text(text + "training:\n  objective: dpo\n", str(IMPORTS / "x.ledger.yaml"))
+    with pytest.raises(LedgerspecError, match="simulates supervised fine-tuning only") as err:
+        WorkloadSpec.from_document(doc)
+    assert err.value.hint and "LedgerCallback" in err.value.hint
+
+
+def test_a_predicted_peak_of_another_objective_is_not_candidate() -> None:
+    status, reasons = status_of(with_change(candidate, ("training", "objective"), "grpo"))
+    assert status == "CALCULATED"
+    assert any("training.objective grpo is not simulated" in r for r in reasons)
+    assert status_of(with_change(candidate, ("training", "objective"), "sft"))[0] == "CANDIDATE"
