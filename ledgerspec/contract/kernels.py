@@ -151,6 +151,16 @@ KERNELS: dict[str, KernelSpec] = {
     )
 }
 
+#: the model types Liger patches (``MODEL_TYPE_TO_APPLY_LIGER_FN``, liger-kernel 0.8.5
+#: ``transformers/monkey_patch.py``): for any other, ``_apply_liger_kernel_to_instance`` applies nothing
+LIGER_MODEL_TYPES = frozenset(
+    """deepseek_v2 deepseek_v3 deepseek_v4 gemma gemma2 gemma3_text gemma3 gemma4_text gemma4 glm4 glm4v glm4v_moe
+    gpt_oss internvl llama llama4_text llama4 llava granite mllama mllama_text_model ministral mistral mixtral
+    muse_glimmer nemotron olmo2 pixtral olmo3 qwen2 qwen3 qwen3_moe qwen2_vl qwen2_vl_text qwen2_5_vl qwen2_5_vl_text
+    qwen3_next qwen3_5 qwen3_5_text qwen3_5_moe qwen3_5_moe_text qwen3_vl qwen3_vl_text qwen3_vl_moe qwen3_vl_moe_text
+    smollm3 phi3 paligemma falcon_h1 smolvlm hunyuan_v1_dense hunyuan_v1_moe exaone4""".split()
+)
+
 #: words in a kernel's name and the ops they suggest it replaces (for one ledgerspec does not know)
 _HINTS = (
     (r"unsloth", OPS),
@@ -197,4 +207,15 @@ def ids_for(op: str) -> tuple[str, ...]:
     return tuple(k.id for k in KERNELS.values() if k.op == op)
 
 
-__all__ = ["EAGER", "KERNELS", "OPS", "KernelSpec", "ids_for", "is_modelled", "kernel", "likely_ops", "suggest"]
+__all__ = [
+    "EAGER",
+    "KERNELS",
+    "LIGER_MODEL_TYPES",
+    "OPS",
+    "KernelSpec",
+    "ids_for",
+    "is_modelled",
+    "kernel",
+    "likely_ops",
+    "suggest",
+]

@@ -583,9 +583,14 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     if legacy_loss.models_shift_copy(doc):
         method += "; " + legacy_loss.method_note(doc)
     from ledgerspec.derivations.kernels.apply import method_note as kernels_note
+    from ledgerspec.derivations.kernels.apply import unpatched_note
 
     if kernels_note(spec.kernels):
         method += "; " + str(kernels_note(spec.kernels))
+    text_config = p.source.config.get_text_config() if hasattr(p.source.config, "get_text_config") else None
+    model_type = getattr(p.source.config, "model_type", None) or getattr(text_config, "model_type", None)
+    if unpatched := unpatched_note(spec.kernels, model_type):
+        method += "; " + unpatched
     if spec.offload:
         method += (
             "; activation offloading as TRL's OffloadActivations does it (streams, pinned host memory, tensors of "

@@ -27,16 +27,40 @@ from collections.abc import Iterator
 from typing import Any
 
 from ledgerspec.contract.config import Kernels
-from ledgerspec.contract.kernels import is_modelled
+from ledgerspec.contract.kernels import LIGER_MODEL_TYPES, is_modelled
 
 #: streaming multiprocessors of the GPU Liger's RMSNorm sums weight gradients over (an H100/H200's 132); only a
 #: norm weight that trains (full fine-tuning) allocates by it
 SM_COUNT = 132
 
 
-def modelled(kernels: Kernels) -> tuple[tuple[str, str], ...]:
-    """The declared (op, kernel) pairs the simulation puts in place."""
-    return tuple((op, k) for op, k in kernels.declared() if is_modelled(op, k))
+def modelled(kernels: Kernels, model_type: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The declared (op, kernel) pairs the simulation puts in place; Liger's only on the model types it patches
+    (``model_type`` None: not known yet, every declared one)."""
+    return tuple(
+        (op, k)
+        for op, k in kernels.declared()
+        if is_modelled(op, k)
+        and not (model_type is not None and k.startswith("liger_") and not liger_patches(model_type))
+    )
+
+
+def liger_patches(model_type: str) -> bool:
+    """Whether Liger applies its kernels to a model of this type (it applies nothing to the others)."""
+    return model_type in LIGER_MODEL_TYPES
+
+
+def unpatched_note(kernels: Kernels, model_type: str | None) -> str | None:
+    """The method text's note on declared Liger kernels that Liger does not apply to this model type."""
+    if model_type is None or liger_patches(model_type):
+        return None
+    names = [k for _, k in kernels.declared() if k.startswith("liger_")]
+    if not names:
+        return None
+    return (
+        f"declared {', '.join(names)} not applied: Liger patches no {model_type} model (MODEL_TYPE_TO_APPLY_LIGER_FN), "
+        "so the step runs transformers' modules there"
+    )
 
 
 def method_note(kernels: Kernels) -> str | None:
@@ -53,11 +77,12 @@ def simulated_kernels(model: Any, kernels: Kernels, autocast_dtype: str | None, 
     """While inside, the model runs the declared kernels that are modelled (see the module docstring)."""
     import torch
 
-    pairs = dict(modelled(kernels))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(base.config, "model_type", None)
+    pairs = dict(modelled(kernels, model_type))
     if not pairs:
         yield
         return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     amp = getattr(torch, autocast_dtype) if autocast_dtype else None
     with contextlib.ExitStack() as stack:
         if "cross_entropy" in pairs:
@@ -68,7 +93,7 @@ def simulated_kernels(model: Any, kernels: Kernels, autocast_dtype: str | None, 
             stack.enter_context(_mlps(base))
         if "rope" in pairs:
             stack.enter_context(_rope(base))
-        lora = [k for op, k in modelled(kernels) if op == "lora_projections"]
+        lora = [k for op, k in modelled(kernels, model_type) if op == "lora_projections"]
         if lora:
             stack.enter_context(_axolotl_lora(base, lora))
         yield
@@ -267,4 +292,4 @@ def _rope(base: Any) -> Iterator[None]:
         modeling.apply_rotary_pos_emb = saved  # type: ignore[attr-defined]
 
 
-__all__ = ["SM_COUNT", "method_note", "modelled", "simulated_kernels"]
+__all__ = ["SM_COUNT", "liger_patches", "method_note", "modelled", "simulated_kernels", "unpatched_note"]

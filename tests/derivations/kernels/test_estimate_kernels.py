@@ -158,3 +158,23 @@ software: {{kernels: {{{kernels}}}}}
         fused = run(doc(f"cross_entropy: {kernel}"))
         assert fused.components["gradients"] == eager.components["gradients"], kernel
         assert fused.components["optimizer"] == eager.components["optimizer"], kernel
+
+
+def test_liger_applies_nothing_to_a_model_type_it_does_not_patch() -> None:
+    """``_apply_liger_kernel_to_instance`` looks the model type up in ``MODEL_TYPE_TO_APPLY_LIGER_FN`` (liger-kernel
+    0.8.5) and applies nothing to any other: the simulation leaves transformers' modules there, and says so."""
+    from ledgerspec.contract.config import Kernels
+    from ledgerspec.derivations.kernels.apply import modelled, unpatched_note
+
+    kernels = Kernels(
+        cross_entropy="liger_fused_linear_cross_entropy", norm="liger_rms_norm", lora_projections=("axolotl_lora_o",)
+    )
+    assert dict(modelled(kernels, "llama")) == {
+        "cross_entropy": "liger_fused_linear_cross_entropy",
+        "norm": "liger_rms_norm",
+        "lora_projections": "axolotl_lora_o",
+    }
+    assert modelled(kernels, "falcon") == (("lora_projections", "axolotl_lora_o"),)
+    assert unpatched_note(kernels, "llama") is None
+    note = unpatched_note(kernels, "falcon")
+    assert note is not None and "liger_rms_norm" in note and "falcon" in note
