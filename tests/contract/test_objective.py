@@ -74,3 +74,46 @@ def test_a_predicted_peak_of_another_objective_is_not_candidate() -> None:
     assert status == "CALCULATED"
     assert any("training.objective grpo is not simulated" in r for r in reasons)
     assert status_of(with_change(candidate, ("training", "objective"), "sft"))[0] == "CANDIDATE"
+
+
+def test_a_grpo_config_dump_gives_its_generation_settings(tmp_path: Path) -> None:
+    """GRPOConfig's fields keep their names (trl 1.16, grpo_config.py); ``beta: 0.0`` (its default) means no
+    reference model."""
+    path = tmp_path / "grpo.json"
+    keys = {
+        "num_generations": 4,
+        "max_completion_length": 256,
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_gpu_memory_utilization": 0.25,
+        "beta": 0.0,
+    }
+    path.write_text(json.dumps({"output_dir": "out", **keys}), encoding="utf-8")
+    doc, result = imported(path)
+    s = ("training", "objective_settings")
+    assert [plain(doc, *s, k) for k in ("num_generations", "max_completion_length", "use_vllm", "vllm_mode")] == [
+        4,
+        256,
+        True,
+        "colocate",
+    ]
+    assert plain(doc, *s, "vllm_gpu_memory_utilization") == 0.25
+    assert plain(doc, *s, "reference") == "none"
+    assert not [f for f in result.findings if f.key in keys and f.kind == "unknown-key"]
+
+
+def test_dpo_references_by_tool(tmp_path: Path) -> None:
+    """DPO with PEFT and no reference model: the adapters disabled (an ASSUMPTION); precomputed when asked; a
+    LLaMA-Factory ``ref_model``: a second model; ``pref_loss: orpo`` runs without one."""
+    text = (IMPORTS / "axolotl" / "qlora.yml").read_text(encoding="utf-8")
+    (tmp_path / "a.yml").write_text(text + "rl: dpo\n", encoding="utf-8")
+    (tmp_path / "b.yml").write_text(text + "rl: dpo\nprecompute_ref_log_probs: true\n", encoding="utf-8")
+    s = ("training", "objective_settings", "reference")
+    assert plain(imported(tmp_path / "a.yml")[0], *s) == ("ASSUMPTION", "adapter_disabled")
+    assert plain(imported(tmp_path / "b.yml")[0], *s) == "precomputed"
+    lf = "model_name_or_path: meta-llama/Llama-2-7b-hf\nstage: dpo\nfinetuning_type: lora\n"
+    (tmp_path / "c.yaml").write_text(lf + "ref_model: meta-llama/Llama-2-7b-hf\n", encoding="utf-8")
+    (tmp_path / "d.yaml").write_text(lf + "pref_loss: orpo\n", encoding="utf-8")
+    assert plain(imported(tmp_path / "c.yaml")[0], *s) == "model"
+    orpo = imported(tmp_path / "d.yaml")[0]
+    assert (plain(orpo, "training", "objective"), plain(orpo, *s)) == ("orpo", "none")

@@ -547,6 +547,11 @@ def _objective(src: Source, b: Builder, o: str) -> None:
         C.not_modelled(src, b, "rl", rl, f"rl: {rl} is not an objective the ledger names")
         return
     b.set(("training", "objective"), value, o + f"rl: {rl}", src.path, src.position("rl"))
+    trl = src.take("trl") if src.has("trl") else None  # axolotl's `trl:` block: TRL's GRPO/RLOO config fields
+    trl = trl if isinstance(trl, dict) else {}
+    C.objective_settings(b, trl, o + "trl.", src.path)
+    precomputed = src.take("precompute_ref_log_probs") if src.has("precompute_ref_log_probs") else None
+    C.reference(b, value, precomputed, trl.get("beta", src.peek("rl_beta")), o, src.path)
 
 
 def _zero3(ref: Any) -> bool | None:

@@ -201,6 +201,46 @@ def liger_kernels(config: Any) -> dict[str, str]:
     return chosen
 
 
+#: ``training.objective_settings`` keys read as TRL 1.16's config fields of the same name
+OBJECTIVE_SETTINGS = (
+    "max_completion_length",
+    "num_generations",
+    "generation_batch_size",
+    "steps_per_generation",
+    "use_vllm",
+    "vllm_mode",
+    "vllm_gpu_memory_utilization",
+)
+OS = ("training", "objective_settings")
+
+
+def objective_settings(b: Builder, values: dict[str, Any], origin: str, file: str) -> None:
+    """``training.objective_settings.*`` from a mapping of TRL's field names (None values skipped)."""
+    for key in OBJECTIVE_SETTINGS:
+        if values.get(key) is not None:
+            b.set((*OS, key), values[key], origin + key, file)
+
+
+def reference(b: Builder, objective: str, precomputed: Any, beta: Any, origin: str, file: str) -> None:
+    """``training.objective_settings.reference`` for an objective: precomputed when asked, none for objectives without
+    a reference (ORPO, CPO; GRPO/RLOO at ``beta: 0``, TRL's default), else TRL's default with PEFT and no
+    ``ref_model``: the adapters disabled (an ASSUMPTION: the trainer may be given a reference model)."""
+    if objective in ("sft", "reward", "ppo"):
+        return
+    if precomputed:
+        b.set((*OS, "reference"), "precomputed", origin + "precompute_ref_log_probs", file)
+    elif objective in ("orpo", "cpo") or (objective in ("grpo", "rloo") and not beta):
+        b.set((*OS, "reference"), "none", origin + f"{objective}{'' if beta is None else f' beta {beta}'}", file)
+    else:
+        b.assume(
+            (*OS, "reference"),
+            "adapter_disabled",
+            origin + "no reference model in the config",
+            "TRL's default with a PEFT model and no ref_model: the same model with its adapters disabled",
+            file,
+        )
+
+
 def dtype_name(value: Any) -> str | None:
     """``bf16``, ``torch.bfloat16``, ``bfloat16`` -> ``bfloat16``; None for anything else (``auto``)."""
     return dtypes.canonical(str(value)) if isinstance(value, str) else None

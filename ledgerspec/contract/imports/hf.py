@@ -69,6 +69,11 @@ def objective(src: Source, b: Builder, o: str) -> None:
             )
         else:
             b.set(("training", "objective"), value, o + f"{', '.join(found)}: a {value.upper()} trainer's config")
+        settings = {k: src.take(k) for k in C.OBJECTIVE_SETTINGS if src.has(k)}
+        C.objective_settings(b, settings, o, src.path)
+        precomputed = src.take("precompute_ref_log_probs") if src.has("precompute_ref_log_probs") else None
+        beta = src.take("beta") if src.has("beta") else None  # read for the reference: 0 means none (GRPO)
+        C.reference(b, value, precomputed, beta, o, src.path)
         return
 
 

@@ -60,8 +60,23 @@ def convert(src: Source, b: Builder) -> None:
         )
     stage = src.take("stage", "sft")
     objective = {"sft": "sft", "pt": "sft", "dpo": "dpo", "kto": "kto", "rm": "reward", "ppo": "ppo"}.get(str(stage))
+    loss = str(src.peek("pref_loss") or "sigmoid")
+    if objective == "dpo" and loss in ("orpo", "simpo"):  # LLaMA-Factory's DPO stage runs them without a reference
+        objective = "orpo" if loss == "orpo" else "cpo"
     if objective is not None:
-        b.set(("training", "objective"), objective, o + f"stage {stage}", src.path)
+        b.set(
+            ("training", "objective"),
+            objective,
+            o + f"stage {stage}" + (f", pref_loss {loss}" if stage == "dpo" else ""),
+            src.path,
+        )
+    if objective in ("dpo", "kto"):
+        if src.peek("ref_model"):
+            b.set(("training", "objective_settings", "reference"), "model", o + "ref_model", src.path)
+        else:
+            C.reference(b, objective, None, None, o, src.path)
+    elif objective in ("orpo", "cpo"):
+        C.reference(b, objective, None, None, o, src.path)
     if stage not in ("sft", "pt"):
         C.not_modelled(
             src,
