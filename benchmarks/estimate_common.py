@@ -1,4 +1,5 @@
-"""Shared by the ``benchmarks/estimate_*.py`` scripts: the machine line and the sectioned results file."""
+"""Shared by the ``benchmarks/estimate_*.py`` scripts: the machine line, Markdown tables and the sectioned results
+file."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def machine() -> str:
         f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPU cores, Python "
         f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
     )
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a Markdown table: the header, its rule, one line per row of cells."""
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in rows]
 
 
 def write_section(name: str, body: str) -> None:

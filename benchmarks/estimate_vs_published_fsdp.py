@@ -48,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.estimate_common import markdown_table  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-multi-gpu"
@@ -295,10 +296,8 @@ def render(rows: list[Row], elapsed: float) -> str:
         "ledger says how it was translated. Published = rank 0's `TrainerMemoryTracker` figures (bytes, shown in "
         "GB = 1e9 B).",
         "",
-        "| " + " | ".join(HEADER) + " |",
-        "| " + " | ".join("---" for _ in HEADER) + " |",
+        *markdown_table(HEADER, [row.cells() for row in rows]),
     ]
-    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
     lines += [
         "",
         "Rank 0's simulated phases (GB; the estimate is their maximum):",

@@ -57,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import machine  # noqa: E402
+from benchmarks.estimate_common import machine, markdown_table  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-liger-runs"
 RESULTS = ROOT / "benchmarks" / "results" / "liger-runs.md"
@@ -311,9 +311,7 @@ def estimate_run(run: Run) -> Row:
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join("---" for _ in HEADER) + " |"]
-    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(markdown_table(HEADER, [r.cells() for r in rows]))
 
 
 def _span(values: list[float]) -> str:
