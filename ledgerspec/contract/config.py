@@ -217,9 +217,6 @@ class Kernels:
         """The loss never holds the logits (a fused linear cross-entropy)."""
         return self.cross_entropy in ("liger_fused_linear_cross_entropy", "cut_cross_entropy", "trl_chunked_nll")
 
-    def version(self, package: str) -> str | None:
-        return dict(self.packages).get(package)
-
 
 @dataclass(frozen=True)
 class Config:

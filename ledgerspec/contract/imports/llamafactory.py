@@ -330,17 +330,16 @@ def convert(src: Source, b: Builder) -> None:
             C.not_modelled(src, b, key, src.take(key), f"{key} changes training memory and is not modelled")
             if key == "use_unsloth":
                 b.set(("software", "kernel_backend"), "unsloth", o + key, src.path)
-            if key in ("use_unsloth", "use_unsloth_gc"):
-                other = [k for k in ("use_unsloth", "use_unsloth_gc") if src.peek(k) or k == key]
-                kernel_names = {"use_unsloth": "unsloth", "use_unsloth_gc": "unsloth_gradient_checkpointing"}
-                b.entries.pop(("software", "kernels", "other"), None)
-                b.set(
-                    ("software", "kernels", "other"),
-                    [kernel_names[k] for k in other],
-                    o + " + ".join(other) + ": Unsloth's patched model / its offloaded checkpointing (hidden states "
-                    "to pageable host memory)",
-                    src.path,
-                )
+    unsloth = {"use_unsloth": "unsloth", "use_unsloth_gc": "unsloth_gradient_checkpointing"}
+    on = [k for k in unsloth if src.peek(k)]
+    if on:
+        b.set(
+            ("software", "kernels", "other"),
+            [unsloth[k] for k in on],
+            o + " + ".join(on) + ": Unsloth's patched model / its offloaded checkpointing (hidden states to pageable "
+            "host memory)",
+            src.path,
+        )
 
     # -- parallelism --------------------------------------------------------------------------------------------
     ds = src.take("deepspeed")

@@ -79,7 +79,8 @@ def simulated_kernels(model: Any, kernels: Kernels, autocast_dtype: str | None, 
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     model_type = getattr(base.config, "model_type", None)
-    pairs = dict(modelled(kernels, model_type))
+    done = modelled(kernels, model_type)
+    pairs = dict(done)  # one kernel per op, but lora_projections may hold several: read from `done` below
     if not pairs:
         yield
         return
@@ -93,7 +94,7 @@ def simulated_kernels(model: Any, kernels: Kernels, autocast_dtype: str | None, 
             stack.enter_context(_mlps(base))
         if "rope" in pairs:
             stack.enter_context(_rope(base))
-        lora = [k for op, k in modelled(kernels, model_type) if op == "lora_projections"]
+        lora = [k for op, k in done if op == "lora_projections"]
         if lora:
             stack.enter_context(_axolotl_lora(base, lora))
         yield
