@@ -235,11 +235,11 @@ def supported_status(doc: Document) -> StatusResult:
         if not d.accepted
     ]
     held += _unmodelled_kernels(doc, res.best_peak_from)
-    objective = read(doc).training.objective
-    if objective != "sft" and res.best_peak_from is not None and "MEASURED" not in res.best_peak_from:
+    training = read(doc).training
+    if not training.simulated and res.best_peak_from is not None and "MEASURED" not in res.best_peak_from:
         held.append(
-            f"CANDIDATE needs a prediction of the declared step: training.objective {objective} is not simulated "
-            "(LS014); measure the run"
+            f"CANDIDATE needs a prediction of the declared step: training.objective {training.objective} is not "
+            "simulated (LS014); measure the run"
         )
     if held:
         res.reasons = held

@@ -195,18 +195,22 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
 @rule(
     "LS014",
     WARNING,
-    "training.objective is a preference or RL objective: the step is simulated for supervised fine-tuning only",
-    "a DPO/KTO/ORPO/CPO step runs chosen and rejected together and (DPO, KTO) a reference pass, GRPO/RLOO/PPO a "
-    "generation phase; record the real trainer's run (LedgerCallback) until the estimate models them",
-    example="training: {objective: dpo}",
+    "training.objective is one whose step the estimate does not simulate",
+    "KTO/ORPO/CPO run other batches, GRPO/RLOO/PPO a generation phase, a reward model a score head, and DPO with a "
+    "separate reference model holds a second model: record the real trainer's run (LedgerCallback) until the "
+    "estimate models them (supervised fine-tuning and DPO with its reference from the policy or precomputed are "
+    "simulated)",
+    example="training: {objective: kto}",
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
-    objective = C.read(ctx.doc).training.objective
-    if objective != "sft" and ctx.get("training", "objective").known:
+    training = C.read(ctx.doc).training
+    if not training.simulated and ctx.get("training", "objective").known:
+        what = f"training.objective {training.objective}"
+        if training.objective == "dpo":
+            what += f" with reference {training.dpo_reference}"
         yield Hit(
             ptr("training", "objective"),
-            f"training.objective {objective}: `estimate` and `measure` simulate supervised fine-tuning only; this "
-            "run's memory is not what they would size",
+            f"{what}: `estimate` and `measure` do not simulate this step; its memory is not what they would size",
         )
 
 

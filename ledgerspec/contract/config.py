@@ -150,6 +150,24 @@ class Training:
     use_cache: bool | None = None  # None: the model config's value
     max_grad_norm: float = 1.0  # 0: no clipping
     objective: str = "sft"  # sft | dpo | kto | orpo | cpo | grpo | rloo | ppo | reward
+    #: ``training.objective_settings.reference`` as written (None: TRL's default for the objective)
+    reference: str | None = None
+    #: ``training.objective_settings.max_completion_length`` (None: not declared)
+    max_completion_length: int | None = None
+
+    @property
+    def simulated(self) -> bool:
+        """Whether ``estimate`` and ``measure`` simulate this objective's step (:data:`SIMULATED_OBJECTIVES`; DPO
+        with its reference from the policy itself or precomputed, not from a separate model)."""
+        if self.objective not in SIMULATED_OBJECTIVES:
+            return False
+        return self.objective != "dpo" or self.dpo_reference in DPO_REFERENCES
+
+    @property
+    def dpo_reference(self) -> str:
+        """Where DPO's reference log-probs come from: as declared, else TRL's default for a PEFT policy
+        (``adapter_disabled``: dpo_trainer.py:908-914, 1328-1336, TRL 1.16)."""
+        return self.reference or "adapter_disabled"
 
     @property
     def autocast_dtype(self) -> str | None:
@@ -160,6 +178,11 @@ class Training:
     def clips(self) -> bool:
         return self.max_grad_norm > 0
 
+
+#: the objectives whose step ``estimate`` and ``measure`` simulate (the others are declared for the record, LS014)
+SIMULATED_OBJECTIVES = ("sft", "dpo")
+#: DPO's reference kinds the simulation runs: the PEFT policy with its adapters off, or log-probs precomputed
+DPO_REFERENCES = ("adapter_disabled", "precomputed")
 
 #: ``transformers.Trainer``'s defaults, for a document without a ``training`` section
 TRAINER_DEFAULTS = Training()
@@ -399,7 +422,13 @@ def _training(doc: Document) -> Training:
         use_cache=doc.get("training", "use_cache").switch(),
         max_grad_norm=float(norm) if norm is not None and norm >= 0 else TRAINER_DEFAULTS.max_grad_norm,
         objective=text("objective", TRAINER_DEFAULTS.objective),
+        reference=(doc.get("training", "objective_settings", "reference").text() or "").strip().lower() or None,
+        max_completion_length=_positive(doc.get("training", "objective_settings", "max_completion_length").number()),
     )
+
+
+def _positive(value: float | None) -> int | None:
+    return int(value) if value is not None and value >= 1 else None
 
 
 def _strmap(value: Value) -> tuple[tuple[str, str], ...]:

@@ -463,15 +463,15 @@ TRAINING = F(
             "of the batch), `dpo`, `kto`, `orpo`, `cpo` (preference pairs: chosen and rejected in one forward, a "
             "reference pass for DPO/KTO), `grpo`, `rloo`, `ppo` (online RL: a generation phase, then training on "
             "prompt + completion), `reward` (a reward model on chosen/rejected pairs). The estimate and `measure` "
-            "simulate `sft` only (LS014).",
+            "simulate `sft` and `dpo` (its reference from the policy or precomputed); the others get LS014.",
             enum=("sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo", "ppo", "reward"),
         ),
         F(
             "objective_settings",
             OBJECT,
             "The settings of a preference or RL objective that change memory, as TRL 1.16's trainer configs name "
-            "them (absent: TRL's defaults, given on each key). Declared for the record: the step is not simulated "
-            "for these objectives yet (LS014).",
+            "them (absent: TRL's defaults, given on each key). The DPO step reads `reference` and "
+            "`max_completion_length`; for the objectives not simulated yet they are declared for the record (LS014).",
             children=(
                 F(
                     "reference",
@@ -486,7 +486,9 @@ TRAINING = F(
                 F(
                     "max_completion_length",
                     INT,
-                    "Tokens generated per completion (GRPO/RLOO, default 512, grpo_config.py:494).",
+                    "Tokens generated per completion (GRPO/RLOO, default 512, grpo_config.py:494). For DPO: the "
+                    "completion tokens of a row (TRL 1.16 has no such setting: absent, the estimate for a GPU takes "
+                    "every position after the first, an upper bound; its fused head scores completion tokens only).",
                     minimum=1,
                 ),
                 F(

@@ -96,7 +96,16 @@ WORKLOAD_INPUTS: Inputs = {
         ("gradient_accumulation",),
     ),
     "memory_options": (("gradient_checkpointing",), ("checkpointing_kind",), ("activation_offload",)),
-    "training": (("loop",), ("mixed_precision",), ("use_cache",), ("max_grad_norm",), ("objective",)),
+    "training": (
+        ("loop",),
+        ("mixed_precision",),
+        ("use_cache",),
+        ("max_grad_norm",),
+        ("objective",),
+        # the DPO step reads them (absent: not in the digest, so no earlier stamp changes)
+        ("objective_settings", "reference"),
+        ("objective_settings", "max_completion_length"),
+    ),
 }
 
 #: each stamp: the extension that holds it, the inputs it covers, the command that refreshes it
@@ -132,6 +141,7 @@ CASELESS_INPUTS = {
     ("identity", "config_sha256"),
     ("training", "loop"),
     ("training", "mixed_precision"),
+    ("training", "objective_settings", "reference"),
     *(("software", "kernels", op) for op in ("cross_entropy", "norm", "mlp_activation", "rope")),
 }
 #: numbers read as floats (``1`` and ``1.0`` are one input); added after the first stamps, so no stamp changes

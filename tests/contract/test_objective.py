@@ -1,5 +1,6 @@
 """``training.objective`` (issue 24, first part): every importer says what the run optimizes, and a preference or RL
-objective is never sized as supervised fine-tuning in silence: LS014, a hold on the status, and the step refuses it.
+objective is never sized as supervised fine-tuning in silence: DPO's step is simulated (its reference from the policy or
+precomputed), the others get LS014, a hold on the status, and the step refuses them.
 
 Expected values: the tools' own switches (axolotl's ``rl:``, LLaMA-Factory's ``stage:``, the keys only one TRL 1.16
 trainer config has)."""
@@ -24,7 +25,9 @@ def test_axolotl_rl_names_the_objective(tmp_path: Path, rl: str, objective: str)
     (tmp_path / "rl.yml").write_text(text, encoding="utf-8")
     doc, _ = imported(tmp_path / "rl.yml")
     assert plain(doc, "training", "objective") == objective
-    assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == ["/training/objective"]
+    # DPO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) is simulated
+    expected = [] if objective == "dpo" else ["/training/objective"]
+    assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == expected
 
 
 def test_axolotl_without_rl_is_sft() -> None:
@@ -58,15 +61,43 @@ def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, obj
     assert plain(doc, "training", "objective") == objective
 
 
-def test_the_step_refuses_an_objective_it_does_not_simulate() -> None:
+@pytest.mark.parametrize(
+    ("training", "says"),
+    [
+        ("  objective: kto\n", "training.objective kto:"),
+        (
+            "  objective: dpo\n  objective_settings: {reference: model}\n",
+            "training.objective dpo with reference model:",
+        ),
+    ],
+)
+def test_the_step_refuses_an_objective_it_does_not_simulate(training: str, says: str) -> None:
     pytest.importorskip("torch")
     from ledgerspec.derivations.engine.workload import WorkloadSpec
 
     text = (IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
-    doc = from_text(text + "training:\n  objective: dpo\n", str(IMPORTS / "x.ledger.yaml"))
-    with pytest.raises(LedgerspecError, match="simulates supervised fine-tuning only") as err:
+    doc = from_text(text + "training:\n" + training, str(IMPORTS / "x.ledger.yaml"))
+    with pytest.raises(LedgerspecError, match="simulates supervised fine-tuning and DPO") as err:
         WorkloadSpec.from_document(doc)
+    assert says in str(err.value)
     assert err.value.hint and "LedgerCallback" in err.value.hint
+
+
+def test_dpo_is_simulated_with_its_reference_from_the_policy_or_precomputed() -> None:
+    """TRL 1.16's ``DPOTrainer`` given a ``peft_config`` disables the adapters for the reference
+    (dpo_trainer.py:1328-1336) or reads precomputed log-probs (:1318-1319): both are simulated, so no LS014; a
+    separate reference model is not (LS014 names the reference)."""
+    from ledgerspec.contract import config
+
+    text = (IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
+    for settings, simulated in (("", True), ("{reference: precomputed}", True), ("{reference: model}", False)):
+        body = "training:\n  objective: dpo\n" + (f"  objective_settings: {settings}\n" if settings else "")
+        doc = from_text(text + body, str(IMPORTS / "x.ledger.yaml"))
+        assert config.read(doc).training.simulated is simulated
+        hits = [f.message for f in validate(doc).findings if f.rule == "LS014"]
+        assert (hits == []) is simulated
+        if not simulated:
+            assert "dpo with reference model" in hits[0]
 
 
 def test_a_predicted_peak_of_another_objective_is_not_candidate() -> None:
@@ -74,6 +105,7 @@ def test_a_predicted_peak_of_another_objective_is_not_candidate() -> None:
     assert status == "CALCULATED"
     assert any("training.objective grpo is not simulated" in r for r in reasons)
     assert status_of(with_change(candidate, ("training", "objective"), "sft"))[0] == "CANDIDATE"
+    assert status_of(with_change(candidate, ("training", "objective"), "dpo"))[0] == "CANDIDATE"
 
 
 def test_a_grpo_config_dump_gives_its_generation_settings(tmp_path: Path) -> None:

@@ -121,11 +121,20 @@ class WorkloadSpec:
     offload: bool = False
     #: ``memory_options.offload_mode`` as written (whose offloading: TRL's, axolotl's)
     offload_mode: str | None = None
+    #: ``training.objective``: sft | dpo (the objectives the step simulates, ``config.SIMULATED_OBJECTIVES``)
+    objective: str = "sft"
+    #: DPO: where the reference log-probs come from (adapter_disabled | precomputed)
+    reference: str | None = None
+    #: DPO: completion tokens per chosen row (``objective_settings.max_completion_length``, at most length - 1);
+    #: None: every position after the first (one prompt token)
+    completion: int | None = None
 
     @property
     def padded(self) -> bool:
-        """Whether a micro-step's batch carries padding and an attention mask (see :func:`rows_are_padded`)."""
-        return self.pads_rows and self.microbatch > 1
+        """Whether a micro-step's batch carries padding and an attention mask (see :func:`rows_are_padded`); DPO's
+        always does: its collator pads the rejected rows to the chosen ones (the synthetic rejected row is a token
+        shorter, :meth:`Workload.preference_batch`)."""
+        return (self.pads_rows and self.microbatch > 1) or self.objective == "dpo"
 
     @classmethod
     def from_document(cls, doc: Document) -> WorkloadSpec:
@@ -190,16 +199,35 @@ class WorkloadSpec:
         t = cfg.training
         if t.loop not in LOOPS:
             raise _err(doc, ("training", "loop"), f"unknown training loop {t.loop!r}", f"use one of {', '.join(LOOPS)}")
-        if t.objective != "sft":
+        if not t.simulated:
+            what = f"training.objective {t.objective}"
+            if t.objective == "dpo":
+                what += f" with reference {t.dpo_reference}"
             raise _err(
                 doc,
-                ("training", "objective"),
-                f"training.objective {t.objective}: the training step (estimate, measure, shard) simulates supervised "
-                "fine-tuning only; a preference or RL objective runs other forwards (chosen and rejected, a reference "
-                "pass, generation) that it does not model yet",
+                ("training", "objective_settings", "reference") if t.objective == "dpo" else ("training", "objective"),
+                f"{what}: the training step (estimate, measure, shard) simulates supervised fine-tuning and DPO with "
+                "its reference from the policy (adapter_disabled) or precomputed; this one runs other forwards (a "
+                "second model, other batches, generation) that it does not model yet",
                 "size the run with a measurement of the real trainer (LedgerCallback), or estimate its SFT step as a "
                 "lower bound with training.objective: sft",
             )
+        kernels = cfg.kernels
+        if t.objective == "dpo":
+            if t.loop != "trainer":
+                raise _err(
+                    doc, ("training", "loop"), "training.objective dpo runs TRL's DPOTrainer: training.loop trainer"
+                )
+            if kernels.cross_entropy not in ("eager", "trl_chunked_nll"):
+                raise _err(
+                    doc,
+                    ("software", "kernels", "cross_entropy"),
+                    f"TRL's DPOTrainer scores with its own fused LM head and refuses {kernels.cross_entropy} "
+                    "(dpo_trainer.py:936-950, TRL 1.16)",
+                    "remove software.kernels.cross_entropy (the DPO step always runs TRL's fused head)",
+                )
+            # the fused head is the DPO step's own (``preference.DPOLoop``), not a loss kernel put in the model
+            kernels = dataclasses.replace(kernels, cross_entropy="eager")
         if t.mixed_precision not in MIXED_PRECISION:
             raise _err(
                 doc,
@@ -230,9 +258,12 @@ class WorkloadSpec:
             t.use_cache,
             t.max_grad_norm,
             module_dtypes,
-            kernels=cfg.kernels,
+            kernels=kernels,
             offload=bool(cfg.activation_offload),
             offload_mode=doc.get("memory_options", "offload_mode").text(),
+            objective=t.objective,
+            reference=t.dpo_reference if t.objective == "dpo" else None,
+            completion=t.max_completion_length if t.objective == "dpo" else None,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -271,7 +302,20 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
 
 def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
     """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
-    if spec.loop == "trainer":
+    if spec.objective == "dpo":
+        reference = (
+            "the reference log-probs precomputed (read from the batch)"
+            if spec.reference == "precomputed"
+            else "the reference forward of the same model with its adapters off, without grad and checkpointing"
+        )
+        loop = (
+            "TRL 1.16's DPOTrainer step: chosen and rejected rows in one batch (twice the rows of the microbatch), the "
+            f"policy's forward through TRL's fused LM head (no logits held), {reference}, the sigmoid loss and "
+            "TRL's metrics, the loss divided by the accumulation steps"
+        )
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.loop == "trainer":
         loop = (
             "the transformers.Trainer step: the micro-batches of a step fetched together, the loss computed inside "
             "the model's forward from labels (normalised by the step's label tokens) and the outputs released "
@@ -625,6 +669,55 @@ class Workload:
         out["labels"] = labels
         return out
 
+    def prompt_length(self, seq_len: int) -> int:
+        """DPO: the synthetic rows' prompt tokens (at least one): ``seq_len`` minus the declared completion length."""
+        completion = min(self.spec.completion or seq_len - 1, seq_len - 1)
+        return max(seq_len - completion, 1)
+
+    def completion_counts(self, seq_len: int) -> tuple[int, int]:
+        """DPO: the completion positions (the shifted labels that are not -100) of the chosen rows and of the
+        rejected rows of one synthetic batch (:meth:`preference_batch`)."""
+        chosen = seq_len - self.prompt_length(seq_len)
+        return self.spec.microbatch * chosen, self.spec.microbatch * max(chosen - 1, 0)
+
+    def preference_batch(self, seq_len: int) -> dict[str, Any]:
+        """A DPO micro-batch as TRL's ``DataCollatorForPreference`` hands it over (dpo_trainer.py:146-200, TRL 1.16):
+        the ``microbatch`` chosen rows (prompt + completion, ``seq_len`` tokens), then the rejected ones (a token
+        shorter, padded: a real pair's completions differ in length), ``input_ids``, ``attention_mask``,
+        ``completion_mask`` (int64); with precomputed reference log-probs the two float32 columns the dataset
+        carries (``torch.tensor`` of the rows' floats)."""
+        import torch
+
+        b, prompt = self.spec.microbatch, self.prompt_length(seq_len)
+        vocab = int(self.model.get_base_model().config.get_text_config().vocab_size)
+        ids = torch.randint(0, vocab, (2 * b, seq_len), device=self.device)
+        attention = torch.ones((2 * b, seq_len), dtype=torch.long, device=self.device)
+        attention[b:, -1] = 0
+        completion = torch.ones((2 * b, seq_len), dtype=torch.long, device=self.device)
+        completion[:, :prompt] = 0
+        completion[b:, -1] = 0
+        out = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+        if self.spec.reference == "precomputed":
+            out["ref_chosen_logps"] = torch.zeros((b,), dtype=torch.float32, device=self.device)
+            out["ref_rejected_logps"] = torch.zeros((b,), dtype=torch.float32, device=self.device)
+        return out
+
+    def fused_lm_head(self) -> None:
+        """DPO: TRL's fused LM head on the base model (``add_fused_lm_head``, as ``DPOTrainer.__init__`` patches it,
+        dpo_trainer.py:955-960): TRL's own code, its torch path on the CPU."""
+        try:
+            from trl.trainer.utils import add_fused_lm_head
+        except ImportError:
+            raise _err(
+                self.doc,
+                ("training", "objective"),
+                "the DPO step on the CPU runs TRL's own fused LM head, and TRL is not installed",
+                "pip install 'trl>=1.16' (or estimate for the GPU: the default target models TRL's Triton path)",
+            ) from None
+        from ledgerspec.derivations.kernels.trl import DPO_OUTPUTS
+
+        add_fused_lm_head(self.model.get_base_model(), outputs=DPO_OUTPUTS)
+
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """What the model's forward receives of a batch (the estimate drops the mask for FlashAttention)."""
         return batch
@@ -648,9 +741,14 @@ class Workload:
     def step(self) -> Any:
         """The declared loop (:mod:`ledgerspec.derivations.engine.step`), one object for the whole run."""
         if self._step is None:
-            from ledgerspec.derivations.engine.step import training_step
+            if self.spec.objective == "dpo":
+                from ledgerspec.derivations.engine.preference import DPOLoop
 
-            self._step = training_step(self)
+                self._step = DPOLoop(self)
+            else:
+                from ledgerspec.derivations.engine.step import training_step
+
+                self._step = training_step(self)
         return self._step
 
     @property

@@ -275,6 +275,22 @@ def _estimate_workload_class() -> Any:
             if self.spec.padded or (self.spec.loop == "trainer" and self.spec.pads_rows):
                 self.stack.enter_context(_mask_rows(self.spec.padded))
 
+        def fused_lm_head(self) -> None:
+            """DPO: TRL's fused LM head; on the CUDA target its Triton path, as modelled by
+            :mod:`ledgerspec.derivations.kernels.trl` (the completion positions gathered and scored)."""
+            if self.target != "cuda":
+                super().fused_lm_head()
+                return
+            from ledgerspec.derivations.kernels import trl
+
+            amp = getattr(torch, self.spec.autocast_dtype) if self.spec.autocast_dtype else None
+            trl.functions().add_fused_lm_head(
+                self.model.get_base_model(),
+                trl.DPO_OUTPUTS,
+                amp,
+                lambda shifted: sum(self.completion_counts(int(shifted.shape[1]) + 1)),
+            )
+
         def saved_tensors(self) -> Any:
             """With ``memory_options.activation_offload``: TRL's offloading hooks (:mod:`..kernels.offload`)."""
             return self.offload if self.offload is not None else super().saved_tensors()

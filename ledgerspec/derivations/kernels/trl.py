@@ -18,10 +18,16 @@ for full rows.
 
 from __future__ import annotations
 
+import types
+from dataclasses import dataclass
 from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
+#: the per-token fields ``SFTTrainer`` asks of the head (sft_trainer.py:1142-1147) and ``DPOTrainer`` (dpo_trainer.py:
+#: 955)
+SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 #: ``TOKEN_CHUNK_SIZE`` (kernels/chunked_logprob.py:29) and ``_CHUNKED_LOGPROB_CHUNK_SIZE`` (trainer/utils.py:1506)
 TOKEN_CHUNK_SIZE = 4096
 VOCAB_CHUNK_SIZE = 32768
@@ -31,6 +37,7 @@ VOCAB_CHUNK_SIZE = 32768
 def functions() -> Any:
     """The module's autograd functions and helpers, built on first use (torch is imported here, not on import)."""
     import torch
+    from transformers.utils import ModelOutput
 
     class GatherValid(torch.autograd.Function):
         """``hidden_states[mask]`` (``_fused_forward``): a ``(valid, hidden)`` copy; its backward puts the gradient
@@ -66,12 +73,14 @@ def functions() -> Any:
         Triton device (the tiles folded in registers)."""
 
         @staticmethod
-        def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, compute_dtype: Any) -> Any:
+        def forward(
+            ctx: Any, hidden: Any, weight: Any, targets: Any, compute_dtype: Any, outputs: tuple[str, ...] = SFT_OUTPUTS
+        ) -> Any:
             ctx.set_materialize_grads(False)
             n, dev = hidden.shape[0], hidden.device
             f32 = torch.float32
             stats = [torch.empty((n,), dtype=f32, device=dev) for _ in range(7)]  # :352-358
-            running_max, sum_exp, x_sum_exp, _sq, _z, max_before_target, target_logit = stats
+            running_max, sum_exp, x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit = stats
             mm_buf = torch.empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=compute_dtype, device=dev)
             for start in range(0, n, TOKEN_CHUNK_SIZE):  # :361-389
                 chunk = hidden[start : start + TOKEN_CHUNK_SIZE].to(compute_dtype)  # a copy when the dtype differs
@@ -82,16 +91,20 @@ def functions() -> Any:
             del mm_buf
             log_z = running_max + torch.log(sum_exp)  # :391-396
             logprobs = target_logit - log_z
-            entropy = log_z - x_sum_exp / sum_exp
-            is_top1 = (target_logit >= running_max) & (target_logit > max_before_target)
-            del stats, running_max, sum_exp, x_sum_exp, _sq, _z, max_before_target, target_logit
-            ctx.save_for_backward(hidden, weight, targets, log_z, entropy)  # :399
+            entropy = log_z - x_sum_exp / sum_exp if "entropy" in outputs else None
+            log_sum_sq = torch.log(sq_sum_exp) - 2 * torch.log(sum_exp) if "log_sum_sq_probs" in outputs else None
+            mean_logits = z_sum / weight.shape[0] if "mean_logits" in outputs else None
+            is_top1 = (
+                (target_logit >= running_max) & (target_logit > max_before_target) if "is_top1" in outputs else None
+            )
+            del stats, running_max, sum_exp, x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit
+            ctx.save_for_backward(hidden, weight, targets, log_z, log_z if entropy is None else entropy)  # :399
             ctx.compute_dtype = compute_dtype
-            ctx.mark_non_differentiable(is_top1)
-            return logprobs, entropy, is_top1
+            ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean_logits, is_top1) if x is not None))
+            return logprobs, entropy, log_sum_sq, mean_logits, is_top1
 
         @staticmethod
-        def backward(ctx: Any, grad_logprobs: Any, grad_entropy: Any, _top1: Any) -> Any:
+        def backward(ctx: Any, grad_logprobs: Any, grad_entropy: Any, *_: Any) -> Any:
             hidden, _weight, _targets, _log_z, _entropy = ctx.saved_tensors
             n, dev = hidden.shape[0], hidden.device
             grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)  # :418-420
@@ -107,7 +120,7 @@ def functions() -> Any:
             hidden_grad = grad_hidden.to(hidden.dtype)  # :455
             del grad_hidden
             weight_grad = grad_weight.to(_weight.dtype) if grad_weight is not None else None
-            return hidden_grad, weight_grad, None, None
+            return hidden_grad, weight_grad, None, None, None
 
     def chunked_nll_loss(hidden: Any, weight: Any, labels: Any, num_items_in_batch: Any, autocast_dtype: Any) -> Any:
         """``_fused_forward`` from the backbone's last hidden state, and ``SFTTrainer.compute_loss``'s loss."""
@@ -118,7 +131,7 @@ def functions() -> Any:
         gathered = GatherValid.apply(h, n_valid)
         targets = torch.empty((n_valid,), dtype=shifted.dtype, device=shifted.device)  # `labels[mask]`
         compute_dtype = autocast_dtype or hidden.dtype
-        logprobs, entropy, is_top1 = ChunkedLogProb.apply(gathered, weight, targets, compute_dtype)
+        logprobs, entropy, _, _, is_top1 = ChunkedLogProb.apply(gathered, weight, targets, compute_dtype)
         del gathered, targets
         shape = mask.shape
         log_probs = ScatterValid.apply(logprobs, shape)
@@ -132,7 +145,63 @@ def functions() -> Any:
         del fused_loss, per_token_loss, entropy_full, top1_full, mask
         return loss
 
+    @dataclass
+    class FusedCausalLMOutput(ModelOutput):
+        """TRL's ``FusedCausalLMOutput`` (trainer/utils.py:1509-1540): its fields, for the steps that read them."""
+
+        loss: Any = None
+        log_probs: Any = None
+        entropy: Any = None
+        log_sum_sq_probs: Any = None
+        mean_logits: Any = None
+        is_top1: Any = None
+        label_mask: Any = None
+        aux_loss: Any = None
+
+    def add_fused_lm_head(model: Any, outputs: tuple[str, ...], autocast_dtype: Any, valid: Any) -> None:
+        """``add_fused_lm_head(model, outputs=...)`` (trainer/utils.py:1548-1700) as a Triton device runs it: the
+        patched forward, with ``fused_lm_head=True``, runs the backbone, scores the positions whose next label is not
+        ignored (``valid(labels)``: how many, which a fake tensor cannot count) through the head in tiles, scatters
+        each per-token field back to ``(batch, length - 1)`` and returns the mean negative log-likelihood."""
+        original = model.forward
+
+        def fused_forward(self: Any, *args: Any, fused_lm_head: bool = False, labels: Any = None, **kwargs: Any) -> Any:
+            if not fused_lm_head:
+                return original(*args, labels=labels, **kwargs) if labels is not None else original(*args, **kwargs)
+            kwargs["use_cache"] = False  # :1627
+            backbone = self.base_model(*args, **kwargs)
+            hidden = backbone.last_hidden_state[:, :-1]  # :1631-1633
+            shifted = labels[:, 1:]
+            weight = self.get_output_embeddings().weight  # looked up at each call (:1637-1646)
+            mask = shifted != -100  # :1643
+            n_valid = int(valid(shifted))
+            gathered = GatherValid.apply(hidden, n_valid)  # `hidden_states[mask]` (:1660)
+            targets = torch.empty((n_valid,), dtype=shifted.dtype, device=shifted.device)  # `labels[mask]`
+            compute_dtype = autocast_dtype or hidden.dtype
+            fields = ChunkedLogProb.apply(gathered, weight, targets, compute_dtype, outputs)
+            del gathered, targets
+            # `x.new_zeros(mask.shape).masked_scatter(mask, x)` for each field computed (:1671-1674)
+            per_token = [None if x is None else ScatterValid.apply(x, mask.shape) for x in fields]
+            del fields
+            log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = per_token
+            del per_token
+            assert log_probs is not None  # always computed (:1572-1573)
+            loss = -log_probs.sum() / mask.sum().clamp(min=1)  # :1678
+            return FusedCausalLMOutput(
+                loss=loss,
+                log_probs=log_probs,
+                entropy=entropy,
+                log_sum_sq_probs=log_sum_sq_probs,
+                mean_logits=mean_logits,
+                is_top1=is_top1,
+                label_mask=mask,
+            )
+
+        model.forward = types.MethodType(fused_forward, model)
+
     return SimpleNamespace(
+        add_fused_lm_head=add_fused_lm_head,
+        FusedCausalLMOutput=FusedCausalLMOutput,
         GatherValid=GatherValid,
         ScatterValid=ScatterValid,
         ChunkedLogProb=ChunkedLogProb,
@@ -140,4 +209,4 @@ def functions() -> Any:
     )
 
 
-__all__ = ["TOKEN_CHUNK_SIZE", "VOCAB_CHUNK_SIZE", "functions"]
+__all__ = ["DPO_OUTPUTS", "SFT_OUTPUTS", "TOKEN_CHUNK_SIZE", "VOCAB_CHUNK_SIZE", "functions"]
