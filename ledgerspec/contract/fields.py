@@ -477,11 +477,13 @@ TRAINING = F(
                     "reference",
                     ENUM,
                     "Where DPO/KTO (and GRPO with `beta > 0`) get reference log-probabilities: `adapter_disabled` "
-                    "(the same PEFT model with its adapters off, one more forward without grad: TRL's default with "
-                    "PEFT and no `ref_model`, dpo_trainer.py:1323-1336), `model` (a second model loaded beside the "
-                    "policy), `precomputed` (`precompute_ref_log_probs: true`, default false, dpo_config.py:227: "
+                    "(the same PEFT model with its adapters off, one more forward without grad: TRL's default when "
+                    "the trainer is given a `peft_config` and no `ref_model`, dpo_trainer.py:1323-1336), "
+                    "`adapter_copy` (a PEFT model handed to TRL 1.16's DPOTrainer: a frozen copy of its adapter, "
+                    "named `ref`, is the reference, dpo_trainer.py:666-691), `model` (a second model loaded beside "
+                    "the policy), `precomputed` (`precompute_ref_log_probs: true`, default false, dpo_config.py:227: "
                     "before training), `none` (ORPO, CPO/SimPO; GRPO's default `beta: 0.0`, grpo_config.py:681).",
-                    enum=("adapter_disabled", "model", "precomputed", "none"),
+                    enum=("adapter_disabled", "adapter_copy", "model", "precomputed", "none"),
                 ),
                 F(
                     "max_completion_length",

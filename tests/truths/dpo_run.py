@@ -22,7 +22,9 @@ Run as a script (one run per process: accelerate keeps global state)::
 ``CASE.json`` is a ``trainer_run`` case (the model is handed to ``DPOTrainer`` unwrapped, with the case's LoRA as
 its ``peft_config``: the trainer wraps it, and for a 4-bit base casts the adapters to bfloat16) plus ``reference``
 (``adapter_disabled``: the PEFT model with its adapters off, TRL's reference for a ``peft_config``; ``precomputed``:
-log-probs computed before training), ``prompt`` (prompt tokens of every row) and ``beta``.
+log-probs computed before training), ``prompt`` (prompt tokens of every row) and ``beta``; ``wrapped`` hands the
+trainer the PEFT model instead (TRL then adds a frozen copy of the adapter as the reference); ``ledger`` adds
+``LedgerCallback`` writing that ledger.
 """
 
 from __future__ import annotations
@@ -115,6 +117,16 @@ def _lora(case: dict[str, Any]) -> Any:
     )
 
 
+def _ledger_callback(case: dict[str, Any]) -> list[Any]:
+    """``ledgerspec.integrations.transformers.LedgerCallback`` writing to ``case["ledger"]``, when the case names one
+    (the callback's own test; the tracker's phases are then not a truth: the callback's work counts in them)."""
+    if not case.get("ledger"):
+        return []
+    from ledgerspec.integrations.transformers import LedgerCallback
+
+    return [LedgerCallback(case["ledger"])]
+
+
 def _memtracker() -> Any:
     """PyTorch's ``MemTracker`` (frozen-safe, as the Trainer truth uses it) without module statistics for the forwards
     that run without grad (the reference's): it refuses a second top-level forward per step, while its global
@@ -147,7 +159,12 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="ledgerspec-dpo-truth-")
     base_folder = os.path.join(work, "base")
-    base = _base(case, base_folder)
+    if case.get("wrapped"):  # a PEFT model handed to the trainer (TRL then trains against a copy of its adapter)
+        from tests.truths.trainer_run import _model
+
+        base, peft_config = _model(case, base_folder), None
+    else:
+        base, peft_config = _base(case, base_folder), _lora(case)
     vocab = int(base.config.get_text_config().vocab_size)
     names = {f.name for f in dataclasses.fields(DPOConfig)}
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
@@ -229,11 +246,11 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         trainer = Ordered(
             model=base,
-            peft_config=_lora(case),
+            peft_config=peft_config,
             args=args,
             train_dataset=_rows(case, vocab),
             processing_class=_tokenizer(vocab),
-            callbacks=[Phases()],
+            callbacks=[Phases(), *_ledger_callback(case)],
         )
 
     def pre(*_: Any, **__: Any) -> None:

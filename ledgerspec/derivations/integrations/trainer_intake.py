@@ -155,11 +155,12 @@ def intake_from_trainer(trainer: Any, output: str | None = None) -> Document:
     args = getattr(trainer, "args", None)
     if model is None or args is None:
         raise _error("not a transformers Trainer (no .model and .args)", "pass the Trainer you train with")
-    return intake_from_objects(model, args, output)
+    return intake_from_objects(model, args, output, trainer)
 
 
-def intake_from_objects(model: Any, args: Any, output: str | None = None) -> Document:
-    """:func:`intake_from_trainer` from the model and the ``TrainingArguments`` (what a callback receives)."""
+def intake_from_objects(model: Any, args: Any, output: str | None = None, trainer: Any = None) -> Document:
+    """:func:`intake_from_trainer` from the model and the ``TrainingArguments`` (what a callback receives; with the
+    trainer when it is known, its reference model is read too)."""
     peft_model, lora, adapter = peft_parts(model)
     base = peft_model.get_base_model()
     config = base.config
@@ -204,6 +205,7 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None) -> Doc
     )
     args_dump = {k: v for k, v in _plain_dict(args.to_dict()).items() if not k.startswith("_")}
     hf.training_args(_source("trainer.args", "training-args", args_dump), b)
+    _reference(b, peft_model, trainer)
     if world > 1 and b.value(("memory_options", "sharding")) in (None, "none"):
         b.set(("memory_options", "sharding"), "none", "trainer.args: no FSDP or DeepSpeed: DDP")
         b.set(("parallelism", "strategy"), "ddp", "trainer.args: no FSDP or DeepSpeed")
@@ -227,6 +229,21 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None) -> Doc
                 entry.origin = new + entry.origin[len(old) :]
     text = b.render().replace(_IMPORT_HEAD, _HEAD, 1)
     return from_text(text, output or "<trainer>")
+
+
+def _reference(b: Builder, peft_model: Any, trainer: Any) -> None:
+    """DPO's reference, read from the live objects where the arguments leave it to TRL's defaults (TRL 1.16,
+    dpo_trainer.py): a ``ref_model`` on the trainer is a second model; a PEFT model handed to the trainer gets a frozen
+    copy of its adapter named ``ref`` (:666-691) and trains against it; else the adapters are disabled."""
+    path = ("training", "objective_settings", "reference")
+    if b.value(("training", "objective")) != "dpo" or b.value(path) == "precomputed":
+        return
+    if trainer is not None and getattr(trainer, "ref_model", None) is not None:
+        b.set(path, "model", "trainer.ref_model: a separate reference model")
+    elif "ref" in (getattr(peft_model, "peft_config", None) or {}):
+        b.set(path, "adapter_copy", "trainer.model.peft_config['ref']: TRL's frozen copy of the adapter")
+    elif trainer is not None or "default" in (getattr(peft_model, "peft_config", None) or {}):
+        b.set(path, "adapter_disabled", "trainer.model: one adapter and no ref_model: TRL disables the adapters")
 
 
 _ORIGINS = (

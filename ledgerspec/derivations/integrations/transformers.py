@@ -285,6 +285,8 @@ class Recorder:
         self._step_cats: dict[str, Any] = {}
         self._step_extra: dict[str, int] = {}
         self._consumed: set[int] = set()
+        self._step_inputs: list[tuple[str, int]] = []  # (key, storage) of the micro-batches handed to training_step
+        self._forward_keys: set[str] = set()  # the keyword arguments the step's forwards received
         self._step_len = 0
         self._step_t0 = 0.0
         self._times: list[float] = []
@@ -374,7 +376,7 @@ class Recorder:
         self._trainer = find_trainer(model)
         if os.path.exists(self.path):
             doc = require_header(load(self.path), "callback")
-            live = intake_from_objects(model, args, self.path)
+            live = intake_from_objects(model, args, self.path, self._trainer)
             self.differences = declared_vs_live(doc, live)
             self._identity_from(live, doc)
             if self.differences:
@@ -392,7 +394,7 @@ class Recorder:
             if self._previous:
                 self._previous["command"] = doc.get("measurement", "command").value
         else:
-            doc = intake_from_objects(model, args, self.path)
+            doc = intake_from_objects(model, args, self.path, self._trainer)
         to_ledger(doc)
         self.doc = doc
 
@@ -507,6 +509,7 @@ class Recorder:
 
             def training_step(*a: Any, **kw: Any) -> Any:
                 self._in_step = True
+                self._guard("step inputs", lambda: self._consume_step_inputs(a, kw))
                 try:
                     out = original(*a, **kw)
                 except BaseException as exc:
@@ -533,6 +536,16 @@ class Recorder:
             self._restore.append(lambda: delattr(optimizer, "step"))
 
     # -- the step ------------------------------------------------------------------------------------------------
+    def _consume_step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The micro-batch handed to ``training_step(model, inputs)``: its tensors under keys no forward receives
+        (DPO's ``completion_mask``: TRL derives the labels from it) are this step's, not the batch held ahead
+        (:meth:`_held_ahead`; the others count as the forwards' inputs do)."""
+        from ledgerspec.derivations.engine.tracker import storage_key
+
+        inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
+        if isinstance(inputs, dict):
+            self._step_inputs.extend((k, storage_key(v)) for k, v in inputs.items() if _tensors_in((), {k: v}))
+
     def _pre_forward(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.active or not self._in_step:
             return
@@ -542,6 +555,7 @@ class Recorder:
 
             tensors = _tensors_in(args, kwargs)
             self._consumed.update(storage_key(t) for t in tensors)
+            self._forward_keys.update(kwargs)
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is not None and getattr(ids, "dim", lambda: 0)() >= 1:
                 self._step_len = max(self._step_len, int(ids.shape[-1]))
@@ -669,6 +683,7 @@ class Recorder:
         self.steps_done += 1
         self._step_peaks, self._step_cats, self._step_extra = {}, {}, {}
         self._consumed.clear()
+        self._step_inputs, self._forward_keys = [], set()
         self._step_len = 0
         self.where = "step"
         b.set_context("inputs")
@@ -681,7 +696,8 @@ class Recorder:
         if tracker is None:
             return 0
         # the tracker's live storages (engine/tracker.py keeps them in ``_live``: key -> nbytes, category)
-        return sum(e.nbytes for key, e in tracker._live.items() if e.category == "inputs" and key not in self._consumed)
+        consumed = self._consumed | {s for k, s in self._step_inputs if k not in self._forward_keys}
+        return sum(e.nbytes for key, e in tracker._live.items() if e.category == "inputs" and key not in consumed)
 
     # -- failures ------------------------------------------------------------------------------------------------
     def _failed(self, exc: BaseException) -> None:

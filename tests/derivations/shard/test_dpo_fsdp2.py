@@ -1,0 +1,63 @@
+"""DPO under FSDP2 (issue 24): ``measure --nproc 2`` (a real FSDP2 run per rank: the DPO step of
+:mod:`ledgerspec.derivations.engine.preference`, TRL's own fused LM head on the CPU, gloo) against ``shard --estimate
+--target cpu`` (the simulated one) and the calculated state, as the other FSDP2 runs are compared
+(``tests/support/per_rank.py``): the model-state phases and components to the byte, the compute phases within the
+gloo-thread slack. The single-device DPO step is checked against TRL's real ``DPOTrainer`` in
+``tests/derivations/engine/test_dpo_truth.py``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ledgerspec.contract.document import load
+from ledgerspec.derivations.shard import state as S
+from tests.support import TESTS
+from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured
+
+pytestmark = pytest.mark.slow
+
+DATA = TESTS / "data" / "sharding"
+LEDGER = "tiny-lora-mp.ledger.yaml"
+
+
+def _dpo(tmp: Path) -> Path:
+    shutil.copytree(DATA / "tiny", tmp / "tiny")
+    text = (DATA / LEDGER).read_text(encoding="utf-8")
+    policy = "  mixed_precision_policy:\n    param_dtype: bfloat16\n    reduce_dtype: float32\n"
+    assert policy in text
+    text = text.replace(policy, "") + "training:\n  loop: trainer\n  objective: dpo\n"
+    (tmp / "dpo.ledger.yaml").write_text(text, encoding="utf-8")
+    return tmp / "dpo.ledger.yaml"
+
+
+def test_dpo_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    pytest.importorskip("trl")
+    from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import shard
+
+    path = _dpo(tmp_path)
+    doc = measured(path, 2)
+    real = doc.plain["x-measure-per-rank"]["ranks"]
+    assert len(real) == 2
+    estimated = shard(load(path), nproc=2, estimate=True, target="cpu")
+    assert estimated.estimate is not None
+    plan = S.fsdp2(document_descriptors(doc), 2, "adamw_torch")
+    slack = gloo_slack(plan.unit_unsharded)
+    for r in real:
+        assert_rank_agrees(r, estimated.estimate.ranks[r["rank"]], plan.ranks[r["rank"]], slack)
+    # the DPO step ran: chosen and rejected rows, a reference forward, TRL's head (far above an SFT step's logits)
+    sft = shard(load(_sft(tmp_path, path)), nproc=2, estimate=True, target="cpu")
+    assert sft.estimate is not None
+    assert estimated.estimate.ranks[0].phases["forward_peak"] > sft.estimate.ranks[0].phases["forward_peak"]
+
+
+def _sft(tmp: Path, dpo: Path) -> Path:
+    out = tmp / "sft.ledger.yaml"
+    out.write_text(
+        dpo.read_text(encoding="utf-8").replace("  objective: dpo\n", "  objective: sft\n"), encoding="utf-8"
+    )
+    return out
