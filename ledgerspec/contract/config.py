@@ -154,6 +154,8 @@ class Training:
     reference: str | None = None
     #: ``training.objective_settings.max_completion_length`` (None: not declared)
     max_completion_length: int | None = None
+    #: ``training.objective_settings.disable_dropout`` (TRL's default: true)
+    disable_dropout: bool = True
 
     @property
     def simulated(self) -> bool:
@@ -424,6 +426,7 @@ def _training(doc: Document) -> Training:
         objective=text("objective", TRAINER_DEFAULTS.objective),
         reference=(doc.get("training", "objective_settings", "reference").text() or "").strip().lower() or None,
         max_completion_length=_positive(doc.get("training", "objective_settings", "max_completion_length").number()),
+        disable_dropout=doc.get("training", "objective_settings", "disable_dropout").switch() is not False,
     )
 
 

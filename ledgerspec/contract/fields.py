@@ -486,6 +486,12 @@ TRAINING = F(
                     enum=("adapter_disabled", "adapter_copy", "model", "precomputed", "none"),
                 ),
                 F(
+                    "disable_dropout",
+                    SWITCH,
+                    "Every dropout module's probability set to 0 before training (DPO/KTO/GRPO/RLOO: TRL's "
+                    "`disable_dropout`, default true, dpo_config.py:185): LoRA's dropout then allocates nothing.",
+                ),
+                F(
                     "max_completion_length",
                     INT,
                     "Tokens generated per completion (GRPO/RLOO, default 512, grpo_config.py:494). For DPO: the "

@@ -105,6 +105,7 @@ WORKLOAD_INPUTS: Inputs = {
         # the DPO step reads them (absent: not in the digest, so no earlier stamp changes)
         ("objective_settings", "reference"),
         ("objective_settings", "max_completion_length"),
+        ("objective_settings", "disable_dropout"),
     ),
 }
 

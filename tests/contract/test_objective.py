@@ -149,3 +149,54 @@ def test_dpo_references_by_tool(tmp_path: Path) -> None:
     assert plain(imported(tmp_path / "c.yaml")[0], *s) == "model"
     orpo = imported(tmp_path / "d.yaml")[0]
     assert (plain(orpo, "training", "objective"), plain(orpo, *s)) == ("orpo", "none")
+
+
+def test_axolotl_dpo_on_a_quantized_base_trains_bfloat16_adapters(tmp_path: Path) -> None:
+    """axolotl hands TRL's DPOTrainer a ``peft_config``; TRL 1.16 then casts the adapters of a quantized model to
+    bfloat16 (dpo_trainer.py:717-725), where axolotl's own SFT trainer keeps PEFT's float32."""
+    text = (IMPORTS / "axolotl" / "qlora.yml").read_text(encoding="utf-8")
+    (tmp_path / "dpo.yml").write_text(text + "rl: dpo\n", encoding="utf-8")
+    assert plain(imported("axolotl/qlora.yml")[0], "adapter", "dtype") == ("ASSUMPTION", "float32")
+    assert plain(imported(tmp_path / "dpo.yml")[0], "adapter", "dtype") == ("ASSUMPTION", "bfloat16")
+
+
+def test_a_trl_dpo_config_dump_is_read_with_its_own_fields() -> None:
+    """A real TRL 1.16 ``DPOConfig`` dump (tests/data/imports/hf/make_fixtures.py dpo) beside a QLoRA adapter and model
+    config: DPO, its fields known (no "not a setting" finding), the adapters bfloat16 as TRL casts them on a
+    quantized base, TRL's dropout switch carried (its default, true), the loss type ignored (per-row floats)."""
+    doc, result = imported("hf/dpo/dpo_config.json", "hf/dpo/adapter_config.json", "hf/dpo/config.json")
+    assert plain(doc, "training", "objective") == "dpo"
+    assert [f.key for f in result.findings if f.kind == "unknown-key"] == []
+    assert plain(doc, "adapter", "dtype") == ("ASSUMPTION", "bfloat16")
+    assert plain(doc, "training", "objective_settings", "disable_dropout") is True
+    assert plain(doc, "training", "objective_settings", "reference") == ("ASSUMPTION", "adapter_disabled")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "files", [("axolotl-dpo",), ("hf/dpo/dpo_config.json", "hf/dpo/adapter_config.json", "hf/dpo/config.json")]
+)
+def test_a_dpo_setup_imports_resolves_estimates_and_reports(tmp_path: Path, files: tuple[str, ...]) -> None:
+    """Done-when of issue 24 for DPO: an axolotl ``rl: dpo`` config and TRL's DPOConfig import, resolve, estimate and
+    report, with nothing UNKNOWN that the estimate needs."""
+    pytest.importorskip("torch")
+    from tests.support import run_cli
+
+    if files == ("axolotl-dpo",):
+        text = (IMPORTS / "axolotl" / "qlora.yml").read_text(encoding="utf-8") + "rl: dpo\n"
+        (tmp_path / "dpo.yml").write_text(text, encoding="utf-8")
+        paths = [tmp_path / "dpo.yml"]
+    else:
+        paths = [IMPORTS / f for f in files]
+    intake, ledger = tmp_path / "dpo.intake.yaml", tmp_path / "dpo.ledger.yaml"
+    code, _, err = run_cli("import", *paths, "-o", intake)
+    assert code == 0, err
+    code, _, err = run_cli("resolve", intake, "-o", ledger)
+    assert code == 0, err
+    code, _, err = run_cli("estimate", ledger, "--device-memory", "24GiB")
+    assert code == 0, err
+    assert "DPOTrainer step" in (
+        from_text(ledger.read_text("utf-8"), str(ledger)).get("ledger", "activations").method or ""
+    )
+    code, _, err = run_cli("report", ledger)
+    assert code == 0, err

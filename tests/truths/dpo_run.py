@@ -111,7 +111,7 @@ def _lora(case: dict[str, Any]) -> Any:
     return LoraConfig(
         r=case["rank"],
         lora_alpha=2 * case["rank"],
-        lora_dropout=0.0,
+        lora_dropout=case.get("dropout", 0.0),
         target_modules=case["targets"],
         task_type="CAUSAL_LM",
     )

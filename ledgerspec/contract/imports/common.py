@@ -32,7 +32,7 @@ def known_keys(tool: str) -> frozenset[str]:
     text = resources.files("ledgerspec.contract.imports").joinpath("keys", f"{tool}.txt").read_text("utf-8")
     keys = frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
     # an SFTConfig is a TrainingArguments: a dump from an older transformers holds that version's fields too
-    return keys | known_keys("transformers") if tool == "trl" else keys
+    return keys | known_keys("transformers") if tool.startswith("trl") else keys
 
 
 #: settings that change what is learned, logged or saved, not what is resident during a step
@@ -210,6 +210,7 @@ OBJECTIVE_SETTINGS = (
     "use_vllm",
     "vllm_mode",
     "vllm_gpu_memory_utilization",
+    "disable_dropout",
 )
 OS = ("training", "objective_settings")
 

@@ -198,8 +198,13 @@ def training_args(src: Source, b: Builder) -> None:
             "cross-entropy for Llama-like models)",
             src.path,
         )
+    dpo = b.value(("training", "objective")) == "dpo"
     loss = src.take("loss_type")
-    if trl and loss in (None, "chunked_nll"):
+    if dpo:
+        # DPOTrainer scores with its fused LM head whatever the loss (dpo_trainer.py:955); its loss types combine
+        # per-sequence log-probs, a few floats per row (:1386-1528)
+        b.ignored.setdefault(src.path, []).append("loss_type")
+    elif trl and loss in (None, "chunked_nll"):
         b.set(
             ("software", "kernels", "cross_entropy"),
             "trl_chunked_nll",
@@ -226,6 +231,8 @@ def training_args(src: Source, b: Builder) -> None:
             "note",
         )
     _parallel(src, b, o)
+    if dpo:  # a DPOConfig dump: its own fields (TRL 1.16)
+        tool, label = "trl-dpo", "TRL 1.16.0 DPOConfig"
     C.account_for_rest(src, b, tool, label)
 
 

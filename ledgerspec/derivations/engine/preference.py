@@ -59,6 +59,10 @@ class DPOLoop(TrainerLoop):
                 self.scaler = self.w.grad_scaler()
         if not self.patched:
             self.w.fused_lm_head()
+            if self.spec.disable_dropout:  # `disable_dropout_in_model` (trainer/utils.py:194-197), dpo_trainer.py:932
+                for module in self.w.model.modules():
+                    if isinstance(module, torch.nn.Dropout):
+                        module.p = 0
             self.patched = True
         batches = [self.w.preference_batch(seq) for _ in range(micro_steps)]
         self.batches, self.num_items = batches, None

@@ -128,6 +128,8 @@ class WorkloadSpec:
     #: DPO: completion tokens per chosen row (``objective_settings.max_completion_length``, at most length - 1);
     #: None: every position after the first (one prompt token)
     completion: int | None = None
+    #: DPO: TRL sets every dropout's probability to 0 before training (``disable_dropout``, default true)
+    disable_dropout: bool = False
 
     @property
     def padded(self) -> bool:
@@ -264,6 +266,7 @@ class WorkloadSpec:
             objective=t.objective,
             reference=t.dpo_reference if t.objective == "dpo" else None,
             completion=t.max_completion_length if t.objective == "dpo" else None,
+            disable_dropout=t.objective == "dpo" and t.disable_dropout,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -313,6 +316,8 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
             f"policy's forward through TRL's fused LM head (no logits held), {reference}, the sigmoid loss and "
             "TRL's metrics, the loss divided by the accumulation steps"
         )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
         if spec.max_grad_norm > 0:
             loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
     elif spec.loop == "trainer":

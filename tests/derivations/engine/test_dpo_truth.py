@@ -48,10 +48,13 @@ class Case:
     base: TrainerCase
     reference: str = "adapter_disabled"
     memtracker: bool = False
+    dropout: float = 0.0
 
 
-def _c(name: str, reference: str = "adapter_disabled", memtracker: bool = False, **over: Any) -> Case:
-    return Case(name, TrainerCase(name, **over), reference, memtracker)
+def _c(
+    name: str, reference: str = "adapter_disabled", memtracker: bool = False, dropout: float = 0.0, **over: Any
+) -> Case:
+    return Case(name, TrainerCase(name, **over), reference, memtracker, dropout)
 
 
 #: QLoRA: TRL casts the adapters of a quantized model to bfloat16 (dpo_trainer.py:717-725), and does not prepare it.
@@ -75,18 +78,26 @@ CASES = [
     ),
     _c("accumulation-2", mixed_precision="bf16", accumulation=2),
     _c("microbatch-1", mixed_precision="bf16", microbatch=1),
+    # LoRA dropout 0.1 declared: TRL's disable_dropout (default true) sets it to 0 before training
+    _c("lora-dropout-disabled-by-trl", mixed_precision="bf16", dropout=0.1),
 ]
 
 
 def ledger_text(c: Case) -> str:
-    text = trainer_ledger(c.base)
+    text = trainer_ledger(c.base).replace("  dropout: 0.0\n", f"  dropout: {c.dropout}\n", 1)
     settings = "" if c.reference == "adapter_disabled" else f"  objective_settings: {{reference: {c.reference}}}\n"
     return text.replace("training:\n", "training:\n  objective: dpo\n" + settings, 1)
 
 
 def truth_case(c: Case, folder: Path) -> dict[str, Any]:
     # one prompt token per row: the ledger declares no completion length (the estimate's rows, Workload.prompt_length)
-    return {**trainer_truth_case(c.base, folder), "reference": c.reference, "prompt": 1, "beta": 0.1}
+    return {
+        **trainer_truth_case(c.base, folder),
+        "reference": c.reference,
+        "prompt": 1,
+        "beta": 0.1,
+        "dropout": c.dropout,
+    }
 
 
 def next_batch_bytes(c: Case) -> int:

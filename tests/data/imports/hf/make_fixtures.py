@@ -1,6 +1,6 @@
 """How the JSON fixtures of this folder were made: by the libraries themselves (transformers 5.24.0, PEFT 0.21.2,
-TRL 1.9.0), so that their keys and values are exactly what those versions write. Run once by hand (TRL is not a
-dependency of ledgerspec: put it on PYTHONPATH); the tests only read the files.
+TRL 1.9.0; the DPO folder TRL 1.16.0), so that their keys and values are exactly what those versions write. Run once
+by hand (TRL 1.9.0 on PYTHONPATH for the first ones); the tests only read the files.
 
     PYTHONPATH=/path/to/trl-1.9.0:. .venv/bin/python tests/data/imports/hf/make_fixtures.py
 """
@@ -83,5 +83,33 @@ def main() -> None:
     (HERE / "qlora" / "config.json").write_text(config.to_json_string())
 
 
+def dpo() -> None:
+    """3. DPO on a QLoRA base: TRL 1.16's DPOConfig (TRL is a dev dependency since), the QLoRA folder's adapter and
+    model config. ``make_fixtures.py dpo`` writes this folder only (the others stay TRL 1.9.0's)."""
+    from trl import DPOConfig
+
+    warnings.filterwarnings("ignore")
+    folder = HERE / "dpo"
+    folder.mkdir(exist_ok=True)
+    config = DPOConfig(
+        output_dir="out/mistral-7b-qlora-dpo",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=8,
+        max_length=1024,
+        optim="paged_adamw_8bit",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa"},
+        bf16=False,
+        use_cpu=True,
+    )
+    data = json.loads(config.to_json_string())
+    data.update(use_cpu=False, bf16=True)
+    (folder / "dpo_config.json").write_text(json.dumps(data, indent=2) + "\n")
+    for name in ("adapter_config.json", "config.json"):
+        shutil.copy(HERE / "qlora" / name, folder / name)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    dpo() if sys.argv[1:] == ["dpo"] else main()
