@@ -64,7 +64,7 @@ CHANGES: dict[str, Change] = {
             "(`dW = torch.zeros_like(X)`, `torch.sum(dW, dim=0)`); from 0.2.0 the buffer in W's dtype (float32 under "
             "Gemma casting), the sum cast `.to(W.dtype)`, the reciprocal RMS in float32",
             f"{_REPO} v0.1.1 (b418557) {_OPS}/rms_norm.py:124, :164, :184; v0.2.0 (c6fb35e) rms_norm.py:228-233, "
-            ":277-283, :306",
+            ":277-284, :306",
         ),
         Change(
             "rms_dw_rows",
