@@ -30,7 +30,7 @@ from ledgerspec.contract.config import Kernels
 from ledgerspec.contract.kernels import LIGER_MODEL_TYPES, is_modelled
 
 #: streaming multiprocessors of the GPU Liger's RMSNorm sums weight gradients over (an H100/H200's 132); only a
-#: norm weight that trains (full fine-tuning) allocates by it
+#: norm weight that trains (full fine-tuning) allocates by it, or every norm's under liger-kernel 0.4.0-0.8.4
 SM_COUNT = 132
 
 
@@ -64,12 +64,16 @@ def unpatched_note(kernels: Kernels, model_type: str | None) -> str | None:
 
 
 def method_note(kernels: Kernels) -> str | None:
-    """What the method text says of the declared kernels."""
+    """What the method text says of the declared kernels (and of a declared liger-kernel release)."""
+    from ledgerspec.derivations.kernels import liger
+
     done = modelled(kernels)
     if not done:
         return None
     names = ", ".join(k for _, k in done)
-    return f"declared kernels modelled (allocation models of their sources): {names}"
+    note = f"declared kernels modelled (allocation models of their sources): {names}"
+    version = liger.version_note(kernels.packages) if any(k.startswith("liger_") for _, k in done) else None
+    return note if version is None else f"{note}; {version}"
 
 
 @contextlib.contextmanager
@@ -84,12 +88,17 @@ def simulated_kernels(model: Any, kernels: Kernels, autocast_dtype: str | None, 
     if not pairs:
         yield
         return
+    from ledgerspec.derivations.engine import cuda_reduce
+    from ledgerspec.derivations.kernels import liger
+
     amp = getattr(torch, autocast_dtype) if autocast_dtype else None
+    release = liger.declared_release(kernels.packages)
+    device = cuda_reduce.CudaDevice(SM_COUNT) if on_cuda else None
     with contextlib.ExitStack() as stack:
         if "cross_entropy" in pairs:
-            stack.enter_context(_fused_loss(base, pairs["cross_entropy"], amp, on_cuda))
+            stack.enter_context(_fused_loss(base, pairs["cross_entropy"], amp, on_cuda, release))
         if "norm" in pairs:
-            stack.enter_context(_norms(base))
+            stack.enter_context(_norms(base, release, device))
         if "mlp_activation" in pairs:
             stack.enter_context(_mlps(base))
         if "rope" in pairs:
@@ -116,7 +125,7 @@ def _rebind(stack: contextlib.ExitStack, module: Any, forward: Any) -> None:
 
 
 @contextlib.contextmanager
-def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]:
+def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool, release: tuple[int, int, int]) -> Iterator[None]:
     from ledgerspec.derivations.kernels import cce, liger, trl
 
     head = base.get_output_embeddings()
@@ -130,7 +139,7 @@ def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]
         if name == "cut_cross_entropy":
             return cce.functions().linear_cross_entropy_loss(hidden, weight, labels, num_items_in_batch)
         return liger.functions().fused_linear_cross_entropy_loss(
-            hidden, weight, labels, num_items_in_batch, on_cuda, amp
+            hidden, weight, labels, num_items_in_batch, on_cuda, amp, release
         )
 
     def passthrough(self: Any, hidden: Any, *args: Any, **kwargs: Any) -> Any:
@@ -166,15 +175,18 @@ def _fused_loss(base: Any, name: str, amp: Any, on_cuda: bool) -> Iterator[None]
 
 
 @contextlib.contextmanager
-def _norms(base: Any) -> Iterator[None]:
+def _norms(base: Any, release: tuple[int, int, int], device: Any) -> Iterator[None]:
+    """``device``: the CUDA device whose reduction staging the weight-gradient sums take (None: not CUDA)."""
     from ledgerspec.derivations.kernels import liger
 
     RMSNorm = liger.functions().RMSNorm
 
     def forward(self: Any, hidden: Any) -> Any:
-        # Liger rebinds Gemma 2/3 norms with in_place=False (their residual reads the input again), others in place
+        # Liger rebinds Gemma 2/3 norms with in_place=False (their residual reads the input again), others in place;
+        # every Gemma norm with casting_mode="gemma" (monkey_patch.py, _patch_rms_norm_module)
         name = type(self).__name__
-        return RMSNorm.apply(hidden, self.weight, not name.startswith(("Gemma2", "Gemma3")), SM_COUNT)
+        in_place = not name.startswith(("Gemma2", "Gemma3"))
+        return RMSNorm.apply(hidden, self.weight, in_place, SM_COUNT, release, name.startswith("Gemma"), device)
 
     with contextlib.ExitStack() as stack:
         for module in base.modules():
