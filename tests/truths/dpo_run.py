@@ -148,16 +148,29 @@ def _memtracker() -> Any:
 
 
 def run(case: dict[str, Any]) -> dict[str, Any]:
+    from trl import DPOConfig, DPOTrainer
+
+    dpo = {
+        "precompute_ref_log_probs": case["reference"] == "precomputed",
+        "beta": case["beta"],
+    }
+    return run_trainer(case, DPOTrainer, DPOConfig, _rows, dpo)
+
+
+def run_trainer(
+    case: dict[str, Any], trainer_class: Any, config_class: Any, rows: Any, settings: dict[str, Any]
+) -> Any:
+    """A TRL trainer of ``trainer_class`` (its config ``config_class`` with the case's settings and ``settings``) over
+    ``rows(case, vocab)``, instrumented as the module docstring says; its phases (and the MemTracker peak)."""
     import dataclasses
 
     import torch
     from transformers import TrainerCallback
-    from trl import DPOConfig, DPOTrainer
 
     from ledgerspec.derivations.engine.tracker import MemoryTracker
 
     torch.set_num_threads(1)
-    work = tempfile.mkdtemp(prefix="ledgerspec-dpo-truth-")
+    work = tempfile.mkdtemp(prefix="ledgerspec-trl-truth-")
     base_folder = os.path.join(work, "base")
     if case.get("wrapped"):  # a PEFT model handed to the trainer (TRL then trains against a copy of its adapter)
         from tests.truths.trainer_run import _model
@@ -166,9 +179,9 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     else:
         base, peft_config = _base(case, base_folder), _lora(case)
     vocab = int(base.config.get_text_config().vocab_size)
-    names = {f.name for f in dataclasses.fields(DPOConfig)}
+    names = {f.name for f in dataclasses.fields(config_class)}
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    args = DPOConfig(
+    args = config_class(
         output_dir=os.path.join(work, "out"),
         use_cpu=True,
         bf16=case["mixed_precision"] == "bf16",
@@ -184,8 +197,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
         dataloader_num_workers=0,
         disable_tqdm=True,
         max_length=case["seq_worst"],
-        precompute_ref_log_probs=case["reference"] == "precomputed",
-        beta=case["beta"],
+        **settings,
         **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
     )
     tracker = MemoryTracker()
@@ -235,12 +247,12 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
                 phases["memtracker_peak"] = int(sum(s.get("Total", 0) for s in peak.values()))
             tracker.__exit__(None, None, None)
 
-    class Ordered(DPOTrainer):
+    class Ordered(trainer_class):
         def _prepare_dataset(self, dataset: Any, *a: Any, **kw: Any) -> Any:
             return dataset  # already tokenized (see the module docstring)
 
         def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
-            return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[arg-type]
+            return torch.utils.data.SequentialSampler(self.train_dataset)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -248,7 +260,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             model=base,
             peft_config=peft_config,
             args=args,
-            train_dataset=_rows(case, vocab),
+            train_dataset=rows(case, vocab),
             processing_class=_tokenizer(vocab),
             callbacks=[Phases(), *_ledger_callback(case)],
         )
@@ -271,7 +283,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             run_state["mem"].reset_mod_stats()
         return out
 
-    trainer.training_step = training_step  # type: ignore[method-assign]
+    trainer.training_step = training_step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()

@@ -320,6 +320,14 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
             loop += ", dropout off (TRL's disable_dropout)"
         if spec.max_grad_norm > 0:
             loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.loop == "trainer" and spec.kernels.cross_entropy == "trl_chunked_nll":
+        loop = (
+            "TRL 1.16's SFTTrainer step (a transformers.Trainer step): the micro-batches of a step fetched together, "
+            "the loss from TRL's fused LM head's per-token log-probs (its own code on the CPU, its Triton path "
+            "modelled for a GPU; no logits held), normalised by the step's label tokens, TRL's metrics"
+        )
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
     elif spec.loop == "trainer":
         loop = (
             "the transformers.Trainer step: the micro-batches of a step fetched together, the loss computed inside "
@@ -707,9 +715,17 @@ class Workload:
             out["ref_rejected_logps"] = torch.zeros((b,), dtype=torch.float32, device=self.device)
         return out
 
-    def fused_lm_head(self) -> None:
-        """DPO: TRL's fused LM head on the base model (``add_fused_lm_head``, as ``DPOTrainer.__init__`` patches it,
-        dpo_trainer.py:955-960): TRL's own code, its torch path on the CPU."""
+    @property
+    def trl_head_runs_here(self) -> bool:
+        """SFT with TRL's fused LM head declared (``software.kernels.cross_entropy: trl_chunked_nll``) under the Trainer
+        loop: the step runs TRL's own head (:mod:`ledgerspec.derivations.engine.trl_sft`)."""
+        s = self.spec
+        return s.objective == "sft" and s.loop == "trainer" and s.kernels.cross_entropy == "trl_chunked_nll"
+
+    def fused_lm_head(self, outputs: tuple[str, ...] | None = None) -> None:
+        """TRL's fused LM head on the base model (``add_fused_lm_head``, as ``DPOTrainer.__init__`` and
+        ``SFTTrainer.__init__`` patch it, dpo_trainer.py:955-960, sft_trainer.py:1142-1147): TRL's own code, its torch
+        path on the CPU; ``outputs``: the per-token fields (None: DPO's)."""
         try:
             from trl.trainer.utils import add_fused_lm_head
         except ImportError:
@@ -721,7 +737,7 @@ class Workload:
             ) from None
         from ledgerspec.derivations.kernels.trl import DPO_OUTPUTS
 
-        add_fused_lm_head(self.model.get_base_model(), outputs=DPO_OUTPUTS)
+        add_fused_lm_head(self.model.get_base_model(), outputs=outputs or DPO_OUTPUTS)
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """What the model's forward receives of a batch (the estimate drops the mask for FlashAttention)."""
@@ -750,6 +766,10 @@ class Workload:
                 from ledgerspec.derivations.engine.preference import DPOLoop
 
                 self._step = DPOLoop(self)
+            elif self.trl_head_runs_here:
+                from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
+
+                self._step = TRLSFTLoop(self)
             else:
                 from ledgerspec.derivations.engine.step import training_step
 

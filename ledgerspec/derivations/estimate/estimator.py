@@ -275,18 +275,23 @@ def _estimate_workload_class() -> Any:
             if self.spec.padded or (self.spec.loop == "trainer" and self.spec.pads_rows):
                 self.stack.enter_context(_mask_rows(self.spec.padded))
 
-        def fused_lm_head(self) -> None:
+        @property
+        def trl_head_runs_here(self) -> bool:
+            """On the CUDA target TRL's head is its Triton path, modelled in the loss (kernels/apply.py)."""
+            return self.target != "cuda" and super().trl_head_runs_here
+
+        def fused_lm_head(self, outputs: tuple[str, ...] | None = None) -> None:
             """DPO: TRL's fused LM head; on the CUDA target its Triton path, as modelled by
             :mod:`ledgerspec.derivations.kernels.trl` (the completion positions gathered and scored)."""
             if self.target != "cuda":
-                super().fused_lm_head()
+                super().fused_lm_head(outputs)
                 return
             from ledgerspec.derivations.kernels import trl
 
             amp = getattr(torch, self.spec.autocast_dtype) if self.spec.autocast_dtype else None
             trl.functions().add_fused_lm_head(
                 self.model.get_base_model(),
-                trl.DPO_OUTPUTS,
+                outputs or trl.DPO_OUTPUTS,
                 amp,
                 lambda shifted: sum(self.completion_counts(int(shifted.shape[1]) + 1)),
             )
@@ -708,6 +713,8 @@ def _check_kernels(doc: Document, spec: Any, target: str) -> None:
     from ledgerspec.derivations.kernels.apply import modelled
 
     done = modelled(spec.kernels)
+    if target == "cpu" and spec.loop == "trainer":  # TRL's fused head runs on the CPU as it is (engine/trl_sft.py)
+        done = tuple((op, k) for op, k in done if not (op == "cross_entropy" and k == "trl_chunked_nll"))
     if not done:
         return
     op, name = done[0]

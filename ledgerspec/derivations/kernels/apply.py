@@ -95,7 +95,8 @@ def simulated_kernels(model: Any, kernels: Kernels, autocast_dtype: str | None, 
     release = liger.declared_release(kernels.packages)
     device = cuda_reduce.CudaDevice(SM_COUNT) if on_cuda else None
     with contextlib.ExitStack() as stack:
-        if "cross_entropy" in pairs:
+        # TRL's head off CUDA: the step runs TRL's own code (engine/trl_sft.py), not a modelled loss
+        if "cross_entropy" in pairs and (on_cuda or pairs["cross_entropy"] != "trl_chunked_nll"):
             stack.enter_context(_fused_loss(base, pairs["cross_entropy"], amp, on_cuda, release))
         if "norm" in pairs:
             stack.enter_context(_norms(base, release, device))

@@ -219,6 +219,12 @@ def make_request(
         )
     spec = spec or WorkloadSpec.from_document(doc)
     declared = spec.kernels.declared() + tuple(("other", k) for k in spec.kernels.other)
+    # TRL's fused LM head runs here as TRL runs it (its torch path): the step is SFTTrainer's (engine/trl_sft.py)
+    declared = tuple(
+        (op, k)
+        for op, k in declared
+        if not (op == "cross_entropy" and k == "trl_chunked_nll" and spec.loop == "trainer")
+    )
     if declared:
         op, name = declared[0]
         raise LedgerspecError(
