@@ -204,10 +204,8 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
     training = C.read(ctx.doc).training
-    if not training.simulated and ctx.get("training", "objective").known:
-        what = f"training.objective {training.objective}"
-        if training.objective == "dpo":
-            what += f" with reference {training.dpo_reference}"
+    what = training.not_simulated
+    if what is not None and ctx.get("training", "objective").known:
         yield Hit(
             ptr("training", "objective"),
             f"{what}: `estimate` and `measure` do not simulate this step; its memory is not what they would size",

@@ -156,14 +156,31 @@ class Training:
     max_completion_length: int | None = None
     #: ``training.objective_settings.disable_dropout`` (TRL's default: true)
     disable_dropout: bool = True
+    #: ``software.trl`` as written (None: not declared)
+    trl: str | None = None
 
     @property
     def simulated(self) -> bool:
         """Whether ``estimate`` and ``measure`` simulate this objective's step (:data:`SIMULATED_OBJECTIVES`; DPO
-        with its reference from the policy itself or precomputed, not from a separate model)."""
+        as TRL 1.16's ``DPOTrainer`` runs it, with its reference from the policy itself or precomputed)."""
+        return self.not_simulated is None
+
+    @property
+    def not_simulated(self) -> str | None:
+        """Why the step of this objective is not simulated (the one line LS014 and the step say), None when it is."""
         if self.objective not in SIMULATED_OBJECTIVES:
-            return False
-        return self.objective != "dpo" or self.dpo_reference in DPO_REFERENCES
+            return f"training.objective {self.objective}"
+        if self.objective != "dpo":
+            return None
+        if self.dpo_reference not in DPO_REFERENCES:
+            return f"training.objective dpo with reference {self.dpo_reference}"
+        from ledgerspec.contract.differences import version_tuple
+
+        release = version_tuple(self.trl) if self.trl else None
+        if release is not None and release < DPO_TRL:
+            # TRL's DPOTrainer before its fused LM head computed the full logits of the policy and the reference
+            return f"training.objective dpo on TRL {self.trl} (the step simulated is TRL 1.16's)"
+        return None
 
     @property
     def dpo_reference(self) -> str:
@@ -185,6 +202,8 @@ class Training:
 SIMULATED_OBJECTIVES = ("sft", "dpo")
 #: DPO's reference kinds the simulation runs: the PEFT policy with its adapters off, or log-probs precomputed
 DPO_REFERENCES = ("adapter_disabled", "precomputed")
+#: the TRL release whose DPOTrainer the DPO step follows (its fused LM head); a declared older one is not simulated
+DPO_TRL = (1, 16, 0)
 
 #: ``transformers.Trainer``'s defaults, for a document without a ``training`` section
 TRAINER_DEFAULTS = Training()
@@ -427,6 +446,7 @@ def _training(doc: Document) -> Training:
         reference=(doc.get("training", "objective_settings", "reference").text() or "").strip().lower() or None,
         max_completion_length=_positive(doc.get("training", "objective_settings", "max_completion_length").number()),
         disable_dropout=doc.get("training", "objective_settings", "disable_dropout").switch() is not False,
+        trl=doc.get("software", "trl").text(),
     )
 
 

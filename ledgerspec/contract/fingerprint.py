@@ -160,16 +160,33 @@ SET_INPUTS = {
 
 #: inputs added after documents were stamped, left out of the digest when they hold the value an absent one means
 #: (importers always wrote ``activation_offload: false``), so that the stamps of those documents still hold
-LEFT_OUT_WHEN = {("memory_options", "activation_offload"): False, ("training", "objective"): "sft"}
+LEFT_OUT_WHEN = {
+    ("memory_options", "activation_offload"): False,
+    ("training", "objective"): "sft",
+    # read by the DPO step since it is simulated; TRL's defaults left out (the importers wrote the reference)
+    ("training", "objective_settings", "reference"): "adapter_disabled",
+    ("training", "objective_settings", "disable_dropout"): True,
+}
+#: inputs only the DPO step reads: hashed for a DPO document only (the other objectives' stamps never read them)
+DPO_ONLY = {
+    ("training", "objective_settings", "reference"),
+    ("training", "objective_settings", "max_completion_length"),
+    ("training", "objective_settings", "disable_dropout"),
+}
 
 
 def _value(doc: Document, path: tuple[str, ...], verbatim: bool = False) -> tuple[bool, Any]:
     v = doc.get(*path)
     if not v.present:
         return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
+    if path in DPO_ONLY and str(doc.get("training", "objective").value).strip().lower() != "dpo":
+        return False, None
     if path in LEFT_OUT_WHEN and not v.unknown:
         default = LEFT_OUT_WHEN[path]
-        same = v.switch() is False if default is False else str(v.value).strip().lower() == default
+        if isinstance(default, bool):
+            same = v.switch() is default
+        else:
+            same = str(v.value).strip().lower() == default
         if same:
             return False, None
     if v.unknown:

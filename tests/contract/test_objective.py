@@ -77,7 +77,7 @@ def test_the_step_refuses_an_objective_it_does_not_simulate(training: str, says:
 
     text = (IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
     doc = from_text(text + "training:\n" + training, str(IMPORTS / "x.ledger.yaml"))
-    with pytest.raises(LedgerspecError, match="simulates supervised fine-tuning and DPO") as err:
+    with pytest.raises(LedgerspecError, match="simulates supervised fine-tuning and TRL 1") as err:
         WorkloadSpec.from_document(doc)
     assert says in str(err.value)
     assert err.value.hint and "LedgerCallback" in err.value.hint
@@ -200,3 +200,43 @@ def test_a_dpo_setup_imports_resolves_estimates_and_reports(tmp_path: Path, file
     )
     code, _, err = run_cli("report", ledger)
     assert code == 0, err
+
+
+def test_the_objective_settings_keep_earlier_stamps() -> None:
+    """Stamps written before the DPO step was simulated never hashed ``objective_settings``: TRL's defaults (the
+    reference the importers wrote, dropout disabled) and every other objective's settings stay out of the digest; a
+    DPO document's precomputed reference is in it (it changes the step)."""
+    from ledgerspec.contract import fingerprint as F
+
+    text = (IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
+
+    def digest(training: str) -> str:
+        doc = from_text(text + "training:\n" + training, str(IMPORTS / "x.ledger.yaml"))
+        return F.digests(doc, F.WORKLOAD_INPUTS)["training"]
+
+    assert digest("  objective: dpo\n") == digest(
+        "  objective: dpo\n  objective_settings: {reference: adapter_disabled, disable_dropout: true}\n"
+    )
+    assert digest("  objective: kto\n") == digest("  objective: kto\n  objective_settings: {reference: model}\n")
+    assert digest("  objective: grpo\n") == digest(
+        "  objective: grpo\n  objective_settings: {reference: none, max_completion_length: 256}\n"
+    )
+    assert digest("  objective: dpo\n") != digest("  objective: dpo\n  objective_settings: {reference: precomputed}\n")
+
+
+def test_llamafactory_dpo_runs_an_older_trl_and_is_not_simulated(tmp_path: Path) -> None:
+    """LLaMA-Factory's DPO trainer subclasses TRL's at the TRL it pins (trl>=0.8.6,<=0.9.6), whose DPOTrainer computes
+    the full logits of the policy and the reference: not TRL 1.16's step, so LS014 names it and the status is held."""
+    path = tmp_path / "lf.yaml"
+    path.write_text(
+        "model_name_or_path: meta-llama/Llama-2-7b-hf\nstage: dpo\nfinetuning_type: lora\n", encoding="utf-8"
+    )
+    doc, _ = imported(path)
+    assert plain(doc, "software", "trl") == ("ASSUMPTION", "0.9.6")
+    hits = [f.message for f in validate(doc).findings if f.rule == "LS014"]
+    assert len(hits) == 1 and "dpo on TRL 0.9.6" in hits[0]
+    sft = tmp_path / "sft.yaml"
+    sft.write_text(
+        "model_name_or_path: meta-llama/Llama-2-7b-hf\nstage: sft\nfinetuning_type: lora\n", encoding="utf-8"
+    )
+    assert plain(imported(sft)[0], "software", "trl") == "absent"

@@ -1,5 +1,6 @@
 """docs/objectives.md says what the code does: its table of simulated objectives is the contract's, and its worked
-example's peaks are what `estimate` gives for the shipped ledger with the edits each row names."""
+example's peaks are what `estimate` gives for the shipped ledger with the edits each row names (a check that the page
+is not stale, not a truth: the DPO step's truths are tests/derivations/engine/test_dpo_truth.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ def test_the_simulated_objectives_are_the_contracts() -> None:
     rows = _rows("| objective | simulated | how |")
     simulated = {r[0].split(",")[0].strip("` ") for r in rows if r[1] == "yes"}
     assert simulated == set(config.SIMULATED_OBJECTIVES)
-    assert "`adapter_disabled` or `precomputed`" in rows[1][0]
-    assert set(config.DPO_REFERENCES) == {"adapter_disabled", "precomputed"}
+    # each DPO row's claim, against what the contract answers
+    assert "`adapter_disabled` or `precomputed`" in rows[1][0] and rows[1][1] == "yes"
+    assert all(config.Training(objective="dpo", reference=r).simulated for r in ("adapter_disabled", "precomputed"))
+    assert "`adapter_copy` or `model`" in rows[2][0] and rows[2][1].startswith("no")
+    assert not any(config.Training(objective="dpo", reference=r).simulated for r in ("adapter_copy", "model"))
+    assert "older than 1.16" in rows[3][0] and rows[3][1].startswith("no")
+    assert not config.Training(objective="dpo", trl="0.9.6").simulated
+    assert config.Training(objective="dpo", trl="1.16.0").simulated
 
 
 def _edited(step: str, checkpointing: str) -> str:

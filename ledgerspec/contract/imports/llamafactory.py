@@ -70,6 +70,15 @@ def convert(src: Source, b: Builder) -> None:
             o + f"stage {stage}" + (f", pref_loss {loss}" if stage == "dpo" else ""),
             src.path,
         )
+    if objective not in (None, "sft"):  # its DPO/KTO/RM/PPO trainers subclass TRL's, at the TRL it pins
+        b.assume(
+            ("software", "trl"),
+            "0.9.6",
+            o + f"stage {stage}: LLaMA-Factory's trainer for it subclasses TRL's",
+            f"LLaMA-Factory {C.VERSIONS['llamafactory']} requires trl>=0.8.6,<=0.9.6 (extras/misc.py check_version): "
+            "the newest it accepts, whose DPOTrainer computes the full logits",
+            src.path,
+        )
     if objective in ("dpo", "kto"):
         if src.peek("ref_model"):
             b.set(("training", "objective_settings", "reference"), "model", o + "ref_model", src.path)

@@ -19,9 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ledgerspec.derivations.engine.step import TrainerLoop, convert_to_fp32
-
-#: the per-token fields SFTTrainer asks of the head (sft_trainer.py:1142-1147)
-SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+from ledgerspec.derivations.kernels.trl import SFT_OUTPUTS
 
 
 class TRLSFTLoop(TrainerLoop):
@@ -78,4 +76,4 @@ class TRLSFTLoop(TrainerLoop):
         self.outputs, self.batch = None, {}
 
 
-__all__ = ["SFT_OUTPUTS", "TRLSFTLoop"]
+__all__ = ["TRLSFTLoop"]

@@ -199,18 +199,23 @@ class WorkloadSpec:
             raise _err(doc, ("workload", "microbatch"), "workload.microbatch must be an integer >= 1")
         worst, typical = sequence_shapes(doc)
         t = cfg.training
+        if t.objective == "dpo" and w.packing and w.worst is not None:
+            # TRL 1.16's DPO neither packs nor runs padding-free (dpo_config.py:210-218: it warns and pads): the rows
+            # are prompt + completion pairs at their own lengths
+            typical = dataclasses.replace(w, packing=False).typical or worst
         if t.loop not in LOOPS:
             raise _err(doc, ("training", "loop"), f"unknown training loop {t.loop!r}", f"use one of {', '.join(LOOPS)}")
-        if not t.simulated:
-            what = f"training.objective {t.objective}"
+        what = t.not_simulated
+        if what is not None:
+            where: tuple[str, ...] = ("training", "objective")
             if t.objective == "dpo":
-                what += f" with reference {t.dpo_reference}"
+                where = ("software", "trl") if " on TRL " in what else ("training", "objective_settings", "reference")
             raise _err(
                 doc,
-                ("training", "objective_settings", "reference") if t.objective == "dpo" else ("training", "objective"),
-                f"{what}: the training step (estimate, measure, shard) simulates supervised fine-tuning and DPO with "
-                "its reference from the policy (adapter_disabled) or precomputed; this one runs other forwards (a "
-                "second model, other batches, generation) that it does not model yet",
+                where,
+                f"{what}: the training step (estimate, measure, shard) simulates supervised fine-tuning and TRL 1.16's "
+                "DPO with its reference from the policy (adapter_disabled) or precomputed; this one runs other "
+                "forwards or tensors (a second model, other batches, generation, full logits) it does not model yet",
                 "size the run with a measurement of the real trainer (LedgerCallback), or estimate its SFT step as a "
                 "lower bound with training.objective: sft",
             )
@@ -218,17 +223,14 @@ class WorkloadSpec:
         if t.objective == "dpo":
             if t.loop != "trainer":
                 raise _err(
-                    doc, ("training", "loop"), "training.objective dpo runs TRL's DPOTrainer: training.loop trainer"
-                )
-            if kernels.cross_entropy not in ("eager", "trl_chunked_nll"):
-                raise _err(
                     doc,
-                    ("software", "kernels", "cross_entropy"),
-                    f"TRL's DPOTrainer scores with its own fused LM head and refuses {kernels.cross_entropy} "
-                    "(dpo_trainer.py:936-950, TRL 1.16)",
-                    "remove software.kernels.cross_entropy (the DPO step always runs TRL's fused head)",
+                    ("training", "loop"),
+                    "training.objective dpo runs TRL's DPOTrainer, a transformers.Trainer: not a custom loop",
+                    "set training.loop: trainer",
                 )
-            # the fused head is the DPO step's own (``preference.DPOLoop``), not a loss kernel put in the model
+            # DPOTrainer scores through its own fused head (``preference.DPOLoop``): a fused cross-entropy patched into
+            # the model's forward (Liger's, Cut Cross-Entropy's) is reached only with fused_lm_head=False
+            # (trainer/utils.py:1602-1610), so no declared cross_entropy kernel plays a part
             kernels = dataclasses.replace(kernels, cross_entropy="eager")
         if t.mixed_precision not in MIXED_PRECISION:
             raise _err(
@@ -731,8 +733,9 @@ class Workload:
         except ImportError:
             raise _err(
                 self.doc,
-                ("training", "objective"),
-                "the DPO step on the CPU runs TRL's own fused LM head, and TRL is not installed",
+                ("training", "objective") if self.spec.objective == "dpo" else ("software", "kernels", "cross_entropy"),
+                "the step runs TRL's own fused LM head on the CPU (DPO, or SFT with trl_chunked_nll), and TRL is "
+                "not installed",
                 "pip install 'trl>=1.16' (or estimate for the GPU: the default target models TRL's Triton path)",
             ) from None
         from ledgerspec.derivations.kernels.trl import DPO_OUTPUTS

@@ -69,8 +69,8 @@ def functions() -> Any:
             return torch.empty((ctx.n,), dtype=grad.dtype, device=grad.device), None
 
     class ChunkedLogProb(torch.autograd.Function):
-        """``ChunkedLogProbFunction`` with ``outputs=("log_probs", "entropy", "is_top1")`` and a frozen LM head, on a
-        Triton device (the tiles folded in registers)."""
+        """``ChunkedLogProbFunction`` with the per-token fields asked (``outputs``) and a frozen LM head, on a Triton
+        device (the tiles folded in registers)."""
 
         @staticmethod
         def forward(
@@ -116,6 +116,12 @@ def functions() -> Any:
                 grad_logprobs = grad_logprobs.float().contiguous()
             # per tile: the projection into mm_buf, the Triton kernel turns it into the logits' gradient in place,
             # `torch.addmm(acc, tile, w, out_dtype=float32, out=acc)` into grad_hidden (CUDA, 16-bit inputs)
+            for start in range(0, n, TOKEN_CHUNK_SIZE):
+                chunk = hidden[start : start + TOKEN_CHUNK_SIZE].to(ctx.compute_dtype)  # :420, a copy if it casts
+                for v in range(0, _weight.shape[0], VOCAB_CHUNK_SIZE):
+                    w = _weight[v : v + VOCAB_CHUNK_SIZE].to(ctx.compute_dtype)  # :423, a copy if it casts
+                    del w
+                del chunk
             del mm_buf, grad_logprobs
             hidden_grad = grad_hidden.to(hidden.dtype)  # :455
             del grad_hidden

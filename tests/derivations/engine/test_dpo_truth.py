@@ -34,11 +34,17 @@ from tests.derivations.engine.test_trainer_truth import Case as TrainerCase
 from tests.derivations.engine.test_trainer_truth import ledger_text as trainer_ledger
 from tests.derivations.engine.test_trainer_truth import truth_case as trainer_truth_case
 from tests.support import DATA, TESTS, fresh_python
+from tests.support.step_truth import (
+    STEP_PHASES,
+    assert_estimate_is_the_measurement,
+    assert_measure_is_the_truth,
+    assert_memtracker_agrees,
+    run_three_ways,
+)
 
 pytestmark = pytest.mark.slow
 
 TRUTH = TESTS / "truths" / "dpo_run.py"
-STEP_PHASES = ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_peak")
 TYPICAL = 32
 
 
@@ -111,54 +117,26 @@ def next_batch_bytes(c: Case) -> int:
     params=[pytest.param(c, id=c.name, marks=pytest.mark.xdist_group(f"dpo-{c.name}")) for c in CASES],
 )
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from tests.support import run_cli
-
     c: Case = request.param
     folder = tmp_path_factory.mktemp(c.name)
-    shutil.copytree(DATA / "measure" / c.base.arch, folder / c.base.arch)
-    measured, estimated = folder / "measured.ledger.yaml", folder / "estimated.ledger.yaml"
-    for path in (measured, estimated):
-        path.write_text(ledger_text(c), encoding="utf-8")
-    code, _, err = run_cli("measure", str(measured), "--device", "cpu")
-    assert code == 0, err
-    code, _, err = run_cli("estimate", str(estimated), "--target", "cpu", "--full")
-    assert code == 0, err
-    case_file, out_file = folder / "case.json", folder / "truth.json"
-    case_file.write_text(json.dumps(truth_case(c, folder)), encoding="utf-8")
-    truth: dict[str, Any] = {}
-    for mode in ((), ("--memtracker",)) if c.memtracker else ((),):
-        proc = fresh_python([TRUTH, case_file, out_file, *mode])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        phases = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
-        truth.update(phases if not mode else {"memtracker_peak": phases["memtracker_peak"]})
-    return {"case": c, "measured": load(measured), "estimated": load(estimated), "truth": truth}
-
-
-def _measured(doc: Any, phase: str) -> int:
-    return int(doc.get("phases", phase).size() or -1)
+    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, c.memtracker)
+    return {"case": c, **out}
 
 
 def test_measure_is_the_real_dpo_trainer_step_to_the_byte(runs: dict[str, Any]) -> None:
-    c, doc, truth = runs["case"], runs["measured"], runs["truth"]
-    ahead = next_batch_bytes(c)
-    got = {p: _measured(doc, p) for p in STEP_PHASES}
-    want = {p: truth[p] - ahead for p in STEP_PHASES}
-    assert got == want, f"{c.name}: measure {got} vs DPOTrainer (minus the batch held ahead, {ahead} B) {want}"
+    c = runs["case"]
+    assert_measure_is_the_truth(c.name, runs["measured"], runs["truth"], next_batch_bytes(c))
 
 
 def test_the_cpu_estimate_is_the_measurement_to_the_byte(runs: dict[str, Any]) -> None:
-    est, doc = runs["estimated"], runs["measured"]
-    for phase in STEP_PHASES:
-        assert est.get("x-estimate", "phases", phase).value == _measured(doc, phase), phase
+    assert_estimate_is_the_measurement(runs["estimated"], runs["measured"])
 
 
 def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> None:
-    c, doc, truth = runs["case"], runs["measured"], runs["truth"]
+    c = runs["case"]
     if not c.memtracker:
         pytest.skip("MemTracker watches the cases marked for it (each is a second real run)")
-    peak = int(doc.get("metrics", "peak_allocated").size() or 0)
-    mem = truth["memtracker_peak"] - next_batch_bytes(c)
-    assert abs(mem - peak) <= 0.01 * peak, (c.name, mem, peak)
+    assert_memtracker_agrees(c.name, runs["measured"], runs["truth"], next_batch_bytes(c))
 
 
 def test_the_method_says_which_step_ran(runs: dict[str, Any]) -> None:

@@ -1,0 +1,63 @@
+"""One configuration run three ways on the CPU, as the step truths compare them (``tests/derivations/engine/
+test_dpo_truth.py``, ``test_trl_sft_truth.py``): the real trainer's run (a script of ``tests/truths/``, read from the
+outside), ``ledgerspec measure --device cpu`` and ``ledgerspec estimate --target cpu --full`` of the ledger that
+declares the configuration; and the comparisons they make, the batch the CPU DataLoader holds ahead set apart."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ledgerspec.contract.document import Document, load
+from tests.support import DATA, fresh_python, run_cli
+
+STEP_PHASES = ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_peak")
+
+
+def run_three_ways(
+    folder: Path, arch: str, ledger: str, case: dict[str, Any], truth: Path, memtracker: bool
+) -> dict[str, Any]:
+    """``measured``, ``estimated`` (the two documents) and ``truth`` (the truth script's phases; with
+    ``memtracker``, a second real run's ``memtracker_peak`` too) of one configuration."""
+    shutil.copytree(DATA / "measure" / arch, folder / arch)
+    measured, estimated = folder / "measured.ledger.yaml", folder / "estimated.ledger.yaml"
+    for path in (measured, estimated):
+        path.write_text(ledger, encoding="utf-8")
+    code, _, err = run_cli("measure", str(measured), "--device", "cpu")
+    assert code == 0, err
+    code, _, err = run_cli("estimate", str(estimated), "--target", "cpu", "--full")
+    assert code == 0, err
+    case_file, out_file = folder / "case.json", folder / "truth.json"
+    case_file.write_text(json.dumps(case), encoding="utf-8")
+    phases: dict[str, Any] = {}
+    for mode in ((), ("--memtracker",)) if memtracker else ((),):
+        proc = fresh_python([truth, case_file, out_file, *mode])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
+        phases.update(got if not mode else {"memtracker_peak": got["memtracker_peak"]})
+    return {"measured": load(measured), "estimated": load(estimated), "truth": phases}
+
+
+def measured_phase(doc: Document, phase: str) -> int:
+    return int(doc.get("phases", phase).size() or -1)
+
+
+def assert_measure_is_the_truth(name: str, doc: Document, truth: dict[str, Any], ahead: int) -> None:
+    """Every step phase of the measurement is the real run's, less the ``ahead`` bytes of the next micro-batch."""
+    got = {p: measured_phase(doc, p) for p in STEP_PHASES}
+    want = {p: truth[p] - ahead for p in STEP_PHASES}
+    assert got == want, f"{name}: measure {got} vs the real trainer (minus the batch held ahead, {ahead} B) {want}"
+
+
+def assert_estimate_is_the_measurement(est: Document, doc: Document) -> None:
+    for phase in STEP_PHASES:
+        assert est.get("x-estimate", "phases", phase).value == measured_phase(doc, phase), phase
+
+
+def assert_memtracker_agrees(name: str, doc: Document, truth: dict[str, Any], ahead: int) -> None:
+    """PyTorch's own tracker over the real run: its peak is the measurement's (within 1 %)."""
+    peak = int(doc.get("metrics", "peak_allocated").size() or 0)
+    mem = truth["memtracker_peak"] - ahead
+    assert abs(mem - peak) <= 0.01 * peak, (name, mem, peak)
