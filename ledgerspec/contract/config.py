@@ -200,8 +200,9 @@ class Training:
 
 #: the objectives whose step ``estimate`` and ``measure`` simulate (the others are declared for the record, LS014)
 SIMULATED_OBJECTIVES = ("sft", "dpo")
-#: DPO's reference kinds the simulation runs: the PEFT policy with its adapters off, or log-probs precomputed
-DPO_REFERENCES = ("adapter_disabled", "precomputed")
+#: DPO's reference kinds the simulation runs: the PEFT policy with its adapters off, a frozen copy of its adapter (a
+#: PEFT model handed to the trainer), or log-probs precomputed
+DPO_REFERENCES = ("adapter_disabled", "adapter_copy", "precomputed")
 #: the TRL release whose DPOTrainer the DPO step follows (its fused LM head); a declared older one is not simulated
 DPO_TRL = (1, 16, 0)
 

@@ -103,11 +103,27 @@ class DPOLoop(TrainerLoop):
                 batch["ref_chosen_logps"],
                 batch["ref_rejected_logps"],
             )
-        else:  # :1320-1336: adapters off, no grad, activation checkpointing switched off around the call
-            with torch.no_grad(), self._no_checkpointing(), self.w.model.disable_adapter():
+        else:  # :1320-1336: adapters off (or the `ref` copy active), no grad, checkpointing switched off around it
+            with torch.no_grad(), self._no_checkpointing(), self._reference_adapter():
                 held["ref_outputs"] = self._call(kwargs, labels)
         self.held = held
         return None
+
+    @contextlib.contextmanager
+    def _reference_adapter(self) -> Any:
+        """TRL's ``use_adapter`` (trainer/utils.py:1415-1451): ``disable_adapter()`` for ``adapter_disabled``, else
+        ``set_adapter("ref")`` and back to the previous adapter."""
+        model = self.w.model
+        if self.spec.reference != "adapter_copy":
+            with model.disable_adapter():
+                yield
+            return
+        previous = model.active_adapter
+        model.set_adapter("ref")
+        try:
+            yield
+        finally:
+            model.set_adapter(previous)
 
     @contextlib.contextmanager
     def _no_checkpointing(self) -> Any:

@@ -123,7 +123,7 @@ class WorkloadSpec:
     offload_mode: str | None = None
     #: ``training.objective``: sft | dpo (the objectives the step simulates, ``config.SIMULATED_OBJECTIVES``)
     objective: str = "sft"
-    #: DPO: where the reference log-probs come from (adapter_disabled | precomputed)
+    #: DPO: where the reference log-probs come from (adapter_disabled | adapter_copy | precomputed)
     reference: str | None = None
     #: DPO: completion tokens per chosen row (``objective_settings.max_completion_length``, at most length - 1);
     #: None: every position after the first (one prompt token)
@@ -308,10 +308,13 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
 def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
     """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
     if spec.objective == "dpo":
-        reference = (
-            "the reference log-probs precomputed (read from the batch)"
-            if spec.reference == "precomputed"
-            else "the reference forward of the same model with its adapters off, without grad and checkpointing"
+        reference = {
+            "precomputed": "the reference log-probs precomputed (read from the batch)",
+            "adapter_copy": "the reference forward through TRL's frozen copy of the adapter (`ref`), without grad "
+            "and checkpointing",
+        }.get(
+            spec.reference or "adapter_disabled",
+            "the reference forward of the same model with its adapters off, without grad and checkpointing",
         )
         loop = (
             "TRL 1.16's DPOTrainer step: chosen and rejected rows in one batch (twice the rows of the microbatch), the "
@@ -387,6 +390,8 @@ class Workload:
         self.model: Any = None  # the PeftModel
         self.optimizer: Any = None
         self._memo: dict[int, Any] = {}
+        #: frozen parameters made in the adapter phase (DPO's reference copy of the adapter)
+        self._late: set[int] = set()
         self.device: Any = None
         #: the device whose optimizer defaults to model ("cuda": torch's AdamW picks ``foreach`` there)
         self.optimizer_device: str | None = None
@@ -423,6 +428,8 @@ class Workload:
                     gradient_checkpointing_kwargs={"use_reentrant": spec.reentrant},
                 )
         self.model = inject_adapters(self.doc, base)
+        if spec.reference == "adapter_copy":
+            self._reference_adapter()
         cast_module_dtypes(self.model, spec.module_dtypes)
         if spec.quant is not None:
             self._prewarm_bnb()
@@ -501,13 +508,28 @@ class Workload:
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.model.train()
 
+    def _reference_adapter(self) -> None:
+        """DPO with ``reference: adapter_copy``: TRL 1.16's ``DPOTrainer`` handed a PEFT model adds a copy of its
+        adapter named ``ref`` (``model.add_adapter("ref", default_config)``, then the values copied in place:
+        dpo_trainer.py:666-691); PEFT makes it frozen (the active adapter stays ``default``) in its own dtype. Added
+        on the meta device with the other adapters, created with them (:meth:`materialise_adapters`)."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            self.model.add_adapter("ref", self.model.peft_config["default"])
+        self._late = {id(p) for n, p in self.model.named_parameters() if ".ref." in n}
+
     def _materialise(self, device: Any, adapters: bool) -> None:
         import torch
 
         for module in self.model.modules():
             for pname, p in list(module._parameters.items()):
-                # after injection the trainable parameters are exactly the adapter's (PEFT froze the rest)
-                if p is None or not p.is_meta or p.requires_grad != adapters:
+                # after injection the trainable parameters are exactly the adapter's (PEFT froze the rest); a frozen
+                # reference adapter is made with them
+                if p is None or not p.is_meta or (p.requires_grad or id(p) in self._late) != adapters:
                     continue
                 module._parameters[pname] = self._new_param(p, device, module)
             if adapters:
