@@ -29,7 +29,6 @@ trainer the PEFT model instead (TRL then adds a frozen copy of the adapter as th
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -38,11 +37,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.truths.trainer_run import (
-    _FrozenSafeMemTracker,
-    _optimizer_tensors,
-    _quant_state_tensors,
-)
+from tests.truths.trainer_run import PhaseReader, _FrozenSafeMemTracker, main
 
 
 def _rows(case: dict[str, Any], vocab: int) -> Any:
@@ -165,9 +160,6 @@ def run_trainer(
     import dataclasses
 
     import torch
-    from transformers import TrainerCallback
-
-    from ledgerspec.derivations.engine.tracker import MemoryTracker
 
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="ledgerspec-trl-truth-")
@@ -200,52 +192,7 @@ def run_trainer(
         **settings,
         **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
     )
-    tracker = MemoryTracker()
-    phases: dict[str, int] = {}
-    run_state: dict[str, Any] = {"step": 0, "mem": None}
-
-    def keep(name: str) -> None:
-        phases[name] = max(phases.get(name, 0), tracker.peak)
-        tracker.reset_peak()
-
-    def phase_of(kind: str) -> str:
-        return f"{kind}_peak" if run_state["step"] == 0 else "steady_state_peak"
-
-    class Phases(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            tracker.__enter__()
-            model: Any = trainer.model
-            tracker.track_existing(list(model.parameters()) + list(model.buffers()), "frozen_params")
-            tracker.track_existing(_quant_state_tensors(model), "quant_state")
-            tracker.track_existing(_optimizer_tensors(trainer.optimizer), "optimizer")
-            tracker.track_existing([trainer._tr_loss], "temporary")
-            tracker.reset_peak()
-            if not case.get("memtracker"):
-                return
-            memtracker = _memtracker()
-            memtracker.track_external(
-                model,
-                trainer.optimizer,
-                trainer._tr_loss,
-                *_quant_state_tensors(model),
-                *_optimizer_tensors(trainer.optimizer),
-            )
-            memtracker.__enter__()
-            run_state["mem"] = memtracker
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            keep("optimizer_step_peak" if run_state["step"] == 0 else "steady_state_peak")
-            run_state["step"] += 1
-            if run_state["mem"] is not None:
-                run_state["mem"].reset_mod_stats()
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            mem = run_state["mem"]
-            if mem is not None:
-                mem.__exit__(None, None, None)
-                peak = mem.get_tracker_snapshot("peak")
-                phases["memtracker_peak"] = int(sum(s.get("Total", 0) for s in peak.values()))
-            tracker.__exit__(None, None, None)
+    reader = PhaseReader(case, _memtracker)
 
     class Ordered(trainer_class):
         def _prepare_dataset(self, dataset: Any, *a: Any, **kw: Any) -> Any:
@@ -262,42 +209,11 @@ def run_trainer(
             args=args,
             train_dataset=rows(case, vocab),
             processing_class=_tokenizer(vocab),
-            callbacks=[Phases(), *_ledger_callback(case)],
+            callbacks=[reader.callback(), *_ledger_callback(case)],
         )
-
-    def pre(*_: Any, **__: Any) -> None:
-        tracker.reset_peak()
-
-    def post(_m: Any, _a: Any, out: Any) -> None:
-        keep(phase_of("forward"))
-
-    policy: Any = trainer.model
-    policy.register_forward_pre_hook(pre)
-    policy.register_forward_hook(post)
-    original_step = trainer.training_step
-
-    def training_step(*a: Any, **kw: Any) -> Any:
-        out = original_step(*a, **kw)
-        keep(phase_of("backward"))
-        if run_state["mem"] is not None:
-            run_state["mem"].reset_mod_stats()
-        return out
-
-    trainer.training_step = training_step
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.train()
-    return {"phases": phases}
-
-
-def main(argv: list[str]) -> int:
-    case = json.loads(open(argv[1], encoding="utf-8").read())
-    case["memtracker"] = "--memtracker" in argv[3:]
-    out = run(case)
-    with open(argv[2], "w", encoding="utf-8") as fh:
-        json.dump(out, fh)
-    return 0
+    reader.install(trainer)
+    return reader.train()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main(sys.argv, run))

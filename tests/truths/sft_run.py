@@ -13,7 +13,6 @@ each micro-batch a token shorter (the collator pads it), and the sampler is sequ
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.truths.dpo_run import run_trainer
+from tests.truths.trainer_run import main
 
 
 def _rows(case: dict[str, Any], vocab: int) -> Any:
@@ -43,14 +43,5 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     return run_trainer(case, SFTTrainer, SFTConfig, _rows, {"packing": False})
 
 
-def main(argv: list[str]) -> int:
-    case = json.loads(open(argv[1], encoding="utf-8").read())
-    case["memtracker"] = "--memtracker" in argv[3:]
-    out = run(case)
-    with open(argv[2], "w", encoding="utf-8") as fh:
-        json.dump(out, fh)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main(sys.argv, run))

@@ -385,94 +385,112 @@ def trainer_for(
     )
 
 
+class PhaseReader:
+    """The outside instrumentation of a truth run (the module docstring): the tensor tracker's peak kept per phase
+    (:meth:`callback` before the trainer is built, :meth:`install` after), and with ``case["memtracker"]`` a MemTracker
+    of ``memtracker`` (a factory) over the whole run. Shared by this run and the TRL trainers' (``dpo_run.py``)."""
+
+    def __init__(self, case: dict[str, Any], memtracker: Any = None) -> None:
+        from ledgerspec.derivations.engine.tracker import MemoryTracker
+
+        self.case = case
+        self.tracker = MemoryTracker()
+        self.phases: dict[str, int] = {}
+        self.step = 0
+        self.mem: Any = None
+        self.memtracker = memtracker or _FrozenSafeMemTracker
+        self.trainer: Any = None
+
+    def keep(self, name: str) -> None:
+        self.phases[name] = max(self.phases.get(name, 0), self.tracker.peak)
+        self.tracker.reset_peak()
+
+    def phase_of(self, kind: str) -> str:
+        return f"{kind}_peak" if self.step == 0 else "steady_state_peak"
+
+    def callback(self) -> Any:
+        """The ``TrainerCallback`` that starts the trackers at train begin and keeps the optimizer-step phases."""
+        from torch.distributed._tools.mem_tracker import _MemRefType
+        from transformers import TrainerCallback
+
+        reader = self
+
+        class Phases(TrainerCallback):
+            def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                trainer, tracker = reader.trainer, reader.tracker
+                model: Any = trainer.model
+                tracker.__enter__()
+                tracker.track_existing(list(model.parameters()) + list(model.buffers()), "frozen_params")
+                tracker.track_existing(_quant_state_tensors(model), "quant_state")
+                tracker.track_existing(_optimizer_tensors(trainer.optimizer), "optimizer")
+                tracker.track_existing([trainer._tr_loss], "temporary")
+                tracker.reset_peak()
+                if not reader.case.get("memtracker"):
+                    return
+                memtracker = reader.memtracker()
+                memtracker.track_external(
+                    model,
+                    trainer.optimizer,
+                    trainer._tr_loss,
+                    *_quant_state_tensors(model),
+                    *_optimizer_tensors(trainer.optimizer),
+                )
+                memtracker.__enter__()
+                reader.mem = memtracker
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                reader.keep("optimizer_step_peak" if reader.step == 0 else "steady_state_peak")
+                reader.step += 1
+                if reader.mem is not None:
+                    reader.mem.reset_mod_stats()
+
+            def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                mem = reader.mem
+                if mem is not None:
+                    mem.__exit__(None, None, None)
+                    peak = mem.get_tracker_snapshot("peak")
+                    reader.phases["memtracker_peak"] = int(sum(s.get("Total", 0) for s in peak.values()))
+                    reader.phases["memtracker_param"] = int(sum(s.get(_MemRefType.PARAM, 0) for s in peak.values()))
+                reader.tracker.__exit__(None, None, None)
+
+        return Phases()
+
+    def install(self, trainer: Any) -> None:
+        """The forward hooks on the trainer's model (a pre-hook resets the peak, a hook keeps the forward phase: a
+        step's several forwards make one phase) and ``training_step`` wrapped (the loss + backward phase)."""
+        self.trainer = trainer
+        model: Any = trainer.model
+        model.register_forward_pre_hook(lambda *_a, **_k: self.tracker.reset_peak())
+        model.register_forward_hook(lambda *_a: self.keep(self.phase_of("forward")))
+        original_step = trainer.training_step
+
+        def training_step(*a: Any, **kw: Any) -> Any:
+            out = original_step(*a, **kw)
+            self.keep(self.phase_of("backward"))
+            if self.mem is not None:  # MemTracker tracks one call of each module between resets
+                self.mem.reset_mod_stats()
+            return out
+
+        trainer.training_step = training_step
+
+    def train(self) -> dict[str, Any]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.trainer.train()
+        return {"phases": self.phases}
+
+
 def run(case: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from torch.distributed._tools.mem_tracker import _MemRefType
-    from transformers import TrainerCallback
-
-    from ledgerspec.derivations.engine.tracker import MemoryTracker
 
     torch.set_num_threads(1)
     if case.get("bitsandbytes_keeps_input"):
         _bitsandbytes_0_43_1()
     work = tempfile.mkdtemp(prefix="ledgerspec-truth-")
     model = _model(case, os.path.join(work, "base"))
-    tracker = MemoryTracker()
-
-    phases: dict[str, int] = {}
-    run_state: dict[str, Any] = {"step": 0, "mem": None}
-
-    def keep(name: str) -> None:
-        phases[name] = max(phases.get(name, 0), tracker.peak)
-        tracker.reset_peak()
-
-    def phase_of(kind: str) -> str:
-        return f"{kind}_peak" if run_state["step"] == 0 else "steady_state_peak"
-
-    class Phases(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            tracker.__enter__()
-            tracker.track_existing(list(model.parameters()) + list(model.buffers()), "frozen_params")
-            tracker.track_existing(_quant_state_tensors(model), "quant_state")
-            tracker.track_existing(_optimizer_tensors(trainer.optimizer), "optimizer")
-            tracker.track_existing([trainer._tr_loss], "temporary")
-            tracker.reset_peak()
-            if not case.get("memtracker"):
-                return
-            memtracker = _FrozenSafeMemTracker()
-            memtracker.track_external(
-                model,
-                trainer.optimizer,
-                trainer._tr_loss,
-                *_quant_state_tensors(model),
-                *_optimizer_tensors(trainer.optimizer),
-            )
-            memtracker.__enter__()
-            run_state["mem"] = memtracker
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            keep("optimizer_step_peak" if run_state["step"] == 0 else "steady_state_peak")
-            run_state["step"] += 1
-            if run_state["mem"] is not None:
-                run_state["mem"].reset_mod_stats()
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            mem = run_state["mem"]
-            if mem is None:
-                tracker.__exit__(None, None, None)
-                return
-            mem.__exit__(None, None, None)
-            peak = mem.get_tracker_snapshot("peak")
-            phases["memtracker_peak"] = int(sum(s.get("Total", 0) for s in peak.values()))
-            phases["memtracker_param"] = int(sum(s.get(_MemRefType.PARAM, 0) for s in peak.values()))
-            tracker.__exit__(None, None, None)
-
-    trainer = trainer_for(model, work, case, [Phases()])
-    top = trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model
-
-    def pre(*_: Any, **__: Any) -> None:
-        tracker.reset_peak()
-
-    def post(_m: Any, _a: Any, out: Any) -> None:
-        keep(phase_of("forward"))
-
-    model.register_forward_pre_hook(pre)
-    model.register_forward_hook(post)
-    original_step = trainer.training_step
-
-    def training_step(*a: Any, **kw: Any) -> Any:
-        out = original_step(*a, **kw)
-        keep(phase_of("backward"))
-        if run_state["mem"] is not None:  # MemTracker tracks one call of each module between resets
-            run_state["mem"].reset_mod_stats()
-        return out
-
-    trainer.training_step = training_step
-    del top
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.train()
-    return {"phases": phases}
+    reader = PhaseReader(case)
+    reader.install(trainer_for(model, work, case, [reader.callback()]))
+    return reader.train()
 
 
 class _FrozenSafeMemTracker:
@@ -505,10 +523,12 @@ class _NoHook:
         pass
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], run_case: Any = None) -> int:
+    """``SCRIPT CASE.json OUT.json [--memtracker]``: ``run_case`` (this module's :func:`run` by default) of the case,
+    its result written to OUT.json."""
     case = json.loads(open(argv[1], encoding="utf-8").read())
     case["memtracker"] = "--memtracker" in argv[3:]
-    out = run(case)
+    out = (run_case or run)(case)
     with open(argv[2], "w", encoding="utf-8") as fh:
         json.dump(out, fh)
     return 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ledgerspec.derivations.engine.step import TrainerLoop, convert_to_fp32
+from ledgerspec.derivations.engine.step import TrainerLoop
 
 #: DPOConfig's default ``beta`` (dpo_config.py:297): memory does not depend on it
 BETA = 0.1
@@ -67,11 +67,6 @@ class DPOLoop(TrainerLoop):
         batches = [self.w.preference_batch(seq) for _ in range(micro_steps)]
         self.batches, self.num_items = batches, None
 
-    def _call(self, kwargs: dict[str, Any], labels: Any) -> Any:
-        with self.autocast():
-            out = self.w.model(**kwargs, labels=labels, fused_lm_head=True)
-        return convert_to_fp32(out) if self.spec.autocast_dtype is not None else out
-
     def forward(self, i: int) -> Any:
         """The policy's forward and the reference's (the step's model calls), up to the reference's outputs."""
         import torch
@@ -82,7 +77,7 @@ class DPOLoop(TrainerLoop):
         completion_mask = batch["completion_mask"]
         shift_completion_mask = completion_mask[..., 1:]
         labels = batch["input_ids"].masked_fill(completion_mask == 0, -100)  # :1296
-        outputs = self._call(kwargs, labels)  # :1297
+        outputs = self.call(kwargs, labels=labels, fused_lm_head=True)  # :1297
         seq_len = shift_completion_mask.size(1)
         per_token_logps = outputs.log_probs[:, -seq_len:]
         logps = per_token_logps.sum(dim=1)  # :1302
@@ -105,7 +100,7 @@ class DPOLoop(TrainerLoop):
             )
         else:  # :1320-1336: adapters off (or the `ref` copy active), no grad, checkpointing switched off around it
             with torch.no_grad(), self._no_checkpointing(), self._reference_adapter():
-                held["ref_outputs"] = self._call(kwargs, labels)
+                held["ref_outputs"] = self.call(kwargs, labels=labels, fused_lm_head=True)
         self.held = held
         return None
 

@@ -179,12 +179,16 @@ class TrainerLoop(TrainingStep):
         num_items = num_items.to(self.w.device) / 1  # `/ (tp * cp * sp size)`
         self.batches, self.num_items = batches, num_items
 
+    def call(self, inputs: dict[str, Any], **extra: Any) -> Any:
+        """The model called as the prepared model is: in the autocast region, its outputs converted to fp32 after it
+        under mixed precision (accelerate's ConvertOutputsToFp32)."""
+        with self.autocast():
+            outputs = self.w.model(**inputs, **extra)
+        return convert_to_fp32(outputs) if self.spec.autocast_dtype is not None else outputs
+
     def forward(self, i: int) -> Any:
         inputs = self.w.model_inputs(self.batches[i])
-        with self.autocast():
-            outputs = self.w.model(**inputs, **self.w.cache_kwargs(), num_items_in_batch=self.num_items)
-        if self.spec.autocast_dtype is not None:
-            outputs = convert_to_fp32(outputs)  # accelerate's ConvertOutputsToFp32, outside the autocast region
+        outputs = self.call(inputs, **self.w.cache_kwargs(), num_items_in_batch=self.num_items)
         loss = outputs["loss"]
         del outputs  # compute_loss returns the loss only
         return loss

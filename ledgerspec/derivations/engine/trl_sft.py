@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledgerspec.derivations.engine.step import TrainerLoop, convert_to_fp32
+from ledgerspec.derivations.engine.step import TrainerLoop
 from ledgerspec.derivations.kernels.trl import SFT_OUTPUTS
 
 
@@ -42,10 +42,7 @@ class TRLSFTLoop(TrainerLoop):
     def forward(self, i: int) -> Any:
         inputs = dict(self.w.model_inputs(self.batches[i]))
         inputs["use_cache"] = False  # :1563
-        with self.autocast():
-            outputs = self.w.model(**inputs, fused_lm_head=True)  # :1597
-        if self.spec.autocast_dtype is not None:
-            outputs = convert_to_fp32(outputs)
+        outputs = self.call(inputs, fused_lm_head=True)  # :1597
         self.outputs, self.batch = outputs, inputs
         return None
 

@@ -128,17 +128,24 @@ def functions() -> Any:
             weight_grad = grad_weight.to(_weight.dtype) if grad_weight is not None else None
             return hidden_grad, weight_grad, None, None, None
 
+    def scored(
+        hidden: Any, shifted: Any, weight: Any, n_valid: int, compute_dtype: Any, outputs: tuple[str, ...] = SFT_OUTPUTS
+    ) -> Any:
+        """The head's per-token fields of the ``n_valid`` positions whose next label is not ignored: their hidden
+        states gathered (``hidden_states[mask]``, :1660) with their labels (``labels[mask]``), scored in tiles."""
+        gathered = GatherValid.apply(hidden, n_valid)
+        targets = torch.empty((n_valid,), dtype=shifted.dtype, device=shifted.device)
+        fields = ChunkedLogProb.apply(gathered, weight, targets, compute_dtype, outputs)
+        del gathered, targets
+        return fields
+
     def chunked_nll_loss(hidden: Any, weight: Any, labels: Any, num_items_in_batch: Any, autocast_dtype: Any) -> Any:
         """``_fused_forward`` from the backbone's last hidden state, and ``SFTTrainer.compute_loss``'s loss."""
         h = hidden[:, :-1]
         shifted = labels[:, 1:]
         mask = shifted != -100  # (batch, length - 1) bool
         n_valid = int(shifted.shape[0] * shifted.shape[1])
-        gathered = GatherValid.apply(h, n_valid)
-        targets = torch.empty((n_valid,), dtype=shifted.dtype, device=shifted.device)  # `labels[mask]`
-        compute_dtype = autocast_dtype or hidden.dtype
-        logprobs, entropy, _, _, is_top1 = ChunkedLogProb.apply(gathered, weight, targets, compute_dtype)
-        del gathered, targets
+        logprobs, entropy, _, _, is_top1 = scored(h, shifted, weight, n_valid, autocast_dtype or hidden.dtype)
         shape = mask.shape
         log_probs = ScatterValid.apply(logprobs, shape)
         entropy_full = ScatterValid.apply(entropy.detach(), shape)
@@ -180,12 +187,7 @@ def functions() -> Any:
             shifted = labels[:, 1:]
             weight = self.get_output_embeddings().weight  # looked up at each call (:1637-1646)
             mask = shifted != -100  # :1643
-            n_valid = int(valid(shifted))
-            gathered = GatherValid.apply(hidden, n_valid)  # `hidden_states[mask]` (:1660)
-            targets = torch.empty((n_valid,), dtype=shifted.dtype, device=shifted.device)  # `labels[mask]`
-            compute_dtype = autocast_dtype or hidden.dtype
-            fields = ChunkedLogProb.apply(gathered, weight, targets, compute_dtype, outputs)
-            del gathered, targets
+            fields = scored(hidden, shifted, weight, int(valid(shifted)), autocast_dtype or hidden.dtype, outputs)
             # `x.new_zeros(mask.shape).masked_scatter(mask, x)` for each field computed (:1671-1674)
             per_token = [None if x is None else ScatterValid.apply(x, mask.shape) for x in fields]
             del fields

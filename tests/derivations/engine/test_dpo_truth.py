@@ -178,12 +178,23 @@ def _callback_run(folder: Path, c: Case, **extra: Any) -> Path:
     return ledger
 
 
+def assert_callback_is_the_measurement(folder: Path, ledger: Path) -> None:
+    """Every step phase the callback recorded equals ``measure --device cpu`` of the ledger it wrote, to the byte."""
+    from tests.support import run_cli
+
+    measured = folder / "measured.ledger.yaml"
+    shutil.copy(ledger, measured)
+    code, _, err = run_cli("measure", str(measured), "--device", "cpu")
+    assert code == 0, err
+    got = {p: load(ledger).get("phases", p).value for p in STEP_PHASES}
+    assert got == {p: load(measured).get("phases", p).value for p in STEP_PHASES}
+
+
 def test_the_callback_on_a_dpo_trainer_records_the_dpo_step(tmp_path: Path) -> None:
     """``LedgerCallback`` on TRL's ``DPOTrainer``: the ledger it writes says DPO with the reference read from the live
     trainer, and every phase it recorded equals ``measure --device cpu`` of that ledger to the byte (the two forwards
     of a step are one forward phase; the ``completion_mask`` no forward receives is this step's batch, not the one
     held ahead)."""
-    from tests.support import run_cli
 
     c = CASES[0]
     ledger = _callback_run(tmp_path, c)
@@ -191,27 +202,16 @@ def test_the_callback_on_a_dpo_trainer_records_the_dpo_step(tmp_path: Path) -> N
     assert doc.get("training", "objective").value == "dpo"
     reference = doc.get("training", "objective_settings", "reference")
     assert (reference.value, reference.effective_source(False)) == ("adapter_disabled", "DECLARED")  # not assumed
-    measured = tmp_path / "measured.ledger.yaml"
-    shutil.copy(ledger, measured)
-    code, _, err = run_cli("measure", str(measured), "--device", "cpu")
-    assert code == 0, err
-    got = {p: load(ledger).get("phases", p).value for p in STEP_PHASES}
-    assert got == {p: load(measured).get("phases", p).value for p in STEP_PHASES}
+    assert_callback_is_the_measurement(tmp_path, ledger)
 
 
 def test_a_peft_model_handed_to_the_dpo_trainer_trains_against_a_copy_of_its_adapter(tmp_path: Path) -> None:
     """TRL 1.16 adds a frozen copy of the adapter, ``ref``, when it is given a PEFT model (dpo_trainer.py:666-691): the
     callback's ledger says ``adapter_copy``, which the step simulates (no LS014), and its phases equal measure's."""
     from ledgerspec.checks.validate import validate
-    from tests.support import run_cli
 
     ledger = _callback_run(tmp_path, CASES[0], wrapped=True)
     doc = load(ledger)
     assert doc.get("training", "objective_settings", "reference").value == "adapter_copy"
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == []
-    measured = tmp_path / "measured.ledger.yaml"
-    shutil.copy(ledger, measured)
-    code, _, err = run_cli("measure", str(measured), "--device", "cpu")
-    assert code == 0, err
-    got = {p: load(ledger).get("phases", p).value for p in STEP_PHASES}
-    assert got == {p: load(measured).get("phases", p).value for p in STEP_PHASES}
+    assert_callback_is_the_measurement(tmp_path, ledger)
