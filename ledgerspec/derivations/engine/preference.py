@@ -53,10 +53,6 @@ class DPOLoop(TrainerLoop):
     def start(self, seq: int, micro_steps: int) -> None:
         import torch
 
-        if self.tr_loss is None:
-            self.tr_loss = torch.tensor(0.0, device=self.w.device)
-            if self.spec.autocast_dtype == "float16":
-                self.scaler = self.w.grad_scaler()
         if not self.patched:
             self.w.fused_lm_head()
             if self.spec.disable_dropout:  # `disable_dropout_in_model` (trainer/utils.py:194-197), dpo_trainer.py:932
@@ -64,8 +60,11 @@ class DPOLoop(TrainerLoop):
                     if isinstance(module, torch.nn.Dropout):
                         module.p = 0
             self.patched = True
-        batches = [self.w.preference_batch(seq) for _ in range(micro_steps)]
-        self.batches, self.num_items = batches, None
+        super().start(seq, micro_steps)
+
+    def fetch(self, seq: int, micro_steps: int) -> tuple[list[dict[str, Any]], Any]:
+        """The preference collator's micro-batches; no ``labels``, so no ``num_items_in_batch``."""
+        return [self.w.preference_batch(seq) for _ in range(micro_steps)], None
 
     def forward(self, i: int) -> Any:
         """The policy's forward and the reference's (the step's model calls), up to the reference's outputs."""

@@ -174,10 +174,13 @@ class TrainerLoop(TrainingStep):
             if self.spec.autocast_dtype == "float16":
                 self.scaler = self.w.grad_scaler()
         # get_batch_samples: the new micro-batches exist before the old list is dropped
+        self.batches, self.num_items = self.fetch(seq, micro_steps)
+
+    def fetch(self, seq: int, micro_steps: int) -> tuple[list[dict[str, Any]], Any]:
+        """``get_batch_samples``: the step's micro-batches and ``num_items_in_batch`` (the label tokens)."""
         batches = [self.w.trainer_batch(seq) for _ in range(micro_steps)]
         num_items = sum(b["labels"][..., 1:].ne(-100).sum() for b in batches)
-        num_items = num_items.to(self.w.device) / 1  # `/ (tp * cp * sp size)`
-        self.batches, self.num_items = batches, num_items
+        return batches, num_items.to(self.w.device) / 1  # `/ (tp * cp * sp size)`
 
     def call(self, inputs: dict[str, Any], **extra: Any) -> Any:
         """The model called as the prepared model is: in the autocast region, its outputs converted to fp32 after it
