@@ -153,6 +153,21 @@ def test_the_engine_mixed_precision_modes_are_not_refused(tmp_path: Path) -> Non
     assert config["fp16"] == {"enabled": True} and config["bf16"] == {"enabled": False}
 
 
+def test_dpo_under_zero_is_refused_not_sized_as_sft(tmp_path: Path) -> None:
+    """The DeepSpeed path runs its own Trainer step object: a DPO workload is refused there (one line) instead of
+    running that SFT step."""
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+    from ledgerspec.derivations.shard.options import zero_options
+    from ledgerspec.derivations.shard.zero.engine import zero_refusal
+
+    path = _zero_ledger(tmp_path, 3)
+    path.write_text(path.read_text(encoding="utf-8") + "training:\n  objective: dpo\n", encoding="utf-8")
+    doc = load(path)
+    assert zero_refusal(WorkloadSpec.from_document(doc), zero_options(doc)) == (
+        "training.objective dpo under DeepSpeed ZeRO is not simulated or measured"
+    )
+
+
 @pytest.fixture(
     scope="module",
     # each mode once per ZeRO optimizer class (stage3.py, stage_1_and_2.py): ZeRO-3's bf16, ZeRO-2's fp16 (every mode

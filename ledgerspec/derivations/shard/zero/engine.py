@@ -98,6 +98,8 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None) -> str | None:
         )
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
+    if spec.objective != "sft":  # its step object is the Trainer's: it would run an SFT step
+        return f"training.objective {spec.objective} under DeepSpeed ZeRO is not simulated or measured"
     return None
 
 
