@@ -582,7 +582,7 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
         from ledgerspec.derivations.shard.options import zero_options
         from ledgerspec.derivations.shard.zero.engine import zero_refusal
 
-        why = zero_refusal(WorkloadSpec.from_json(base.spec), zero_options(doc))
+        why = zero_refusal(WorkloadSpec.from_json(base.spec), zero_options(doc), on_cpu=device == "cpu")
         if why:
             raise LedgerspecError(why, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="see docs/multi-gpu.md")
     elif base.spec.get("quant") is not None:

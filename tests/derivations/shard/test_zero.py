@@ -154,8 +154,8 @@ def test_the_engine_mixed_precision_modes_are_not_refused(tmp_path: Path) -> Non
 
 
 def test_dpo_under_zero_is_refused_not_sized_as_sft(tmp_path: Path) -> None:
-    """The DeepSpeed path runs its own Trainer step object: a DPO workload is refused there (one line) instead of
-    running that SFT step."""
+    """The DeepSpeed path runs its own Trainer step object: a DPO workload, or TRL's own head on the CPU, is refused
+    there (one line) instead of running that other step."""
     from ledgerspec.derivations.engine.workload import WorkloadSpec
     from ledgerspec.derivations.shard.options import zero_options
     from ledgerspec.derivations.shard.zero.engine import zero_refusal
@@ -166,6 +166,12 @@ def test_dpo_under_zero_is_refused_not_sized_as_sft(tmp_path: Path) -> None:
     assert zero_refusal(WorkloadSpec.from_document(doc), zero_options(doc)) == (
         "training.objective dpo under DeepSpeed ZeRO is not simulated or measured"
     )
+    # nor TRL's own head on the CPU (the GPU target's modelled head runs inside the model's loss: it stays)
+    text = path.read_text(encoding="utf-8").replace("  objective: dpo\n", "  objective: sft\n")
+    path.write_text(text.replace("software:\n", "software:\n  kernels: {cross_entropy: trl_chunked_nll}\n"), "utf-8")
+    spec = WorkloadSpec.from_document(load(path))
+    assert "TRL's fused LM head on the CPU" in (zero_refusal(spec, zero_options(doc), on_cpu=True) or "")
+    assert zero_refusal(spec, zero_options(doc), on_cpu=False) is None
 
 
 @pytest.fixture(

@@ -78,8 +78,9 @@ def ds_config(spec: Any, options: ZeroOptions, bf16: bool = False, fp16: bool = 
     }
 
 
-def zero_refusal(spec: Any, options: ZeroOptions | None = None) -> str | None:
-    """Why this workload cannot run under the DeepSpeed path (with ``options``), or None."""
+def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = False) -> str | None:
+    """Why this workload cannot run under the DeepSpeed path (with ``options``; ``on_cpu``: CPU kernels, as
+    ``measure --device cpu`` and ``--target cpu`` run them), or None."""
     if options is not None and options.contradicted:
         return (
             "cpu_offload: false is declared beside a cpu placement (DeepSpeed offload_optimizer / offload_param): "
@@ -98,8 +99,14 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None) -> str | None:
         )
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
-    if spec.objective != "sft":  # its step object is the Trainer's: it would run an SFT step
+    # the path's own step object is the Trainer's (:func:`zero_step`), not the workload's: it would run another step
+    if spec.objective != "sft":
         return f"training.objective {spec.objective} under DeepSpeed ZeRO is not simulated or measured"
+    if on_cpu and spec.loop == "trainer" and spec.kernels.cross_entropy == "trl_chunked_nll":
+        return (
+            "TRL's fused LM head on the CPU under DeepSpeed ZeRO is not simulated or measured (estimate for the GPU: "
+            "its Triton path is modelled there)"
+        )
     return None
 
 

@@ -233,7 +233,7 @@ def estimate_zero_per_rank(
 
     def refuse(spec: Any) -> None:
         options = zero_options(doc)
-        why = zero_refusal(spec, options)
+        why = zero_refusal(spec, options, on_cpu=target != "cuda")
         if why:
             raise _err(doc, ("parallelism", "strategy"), why)
         read.append(options)
