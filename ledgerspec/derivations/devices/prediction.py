@@ -114,16 +114,19 @@ def target_of(doc: Document, total: int, from_flag: bool = False) -> Target:
     return Target(total, None, "none", "nothing: no result.target_device.name, catalogue entry or software.gpu_name")
 
 
-def outside_of(doc: Document, target: Target) -> outside.Figure:
+def outside_of(doc: Document, target: Target, world: int | None = None) -> outside.Figure:
     """The bytes this rank holds outside the caching allocator on ``target``: the ledger's
     ``outside_allocator.total`` when it holds one, else the outside catalogue's estimate for the declared stack on
-    the named device (:func:`ledgerspec.derivations.devices.outside.estimate`)."""
+    the named device (:func:`ledgerspec.derivations.devices.outside.estimate`; ``world``: the ranks it runs on, when
+    not the ledger's ``parallelism.gpu_count``, e.g. ``shard --nproc``)."""
     v = doc.get("outside_allocator", "total")
     size = v.size()
     if size is not None:
         why = " ".join((v.note or v.method or "").split())
         return outside.Figure(size, v.effective_source(True), "outside_allocator.total" + (f" ({why})" if why else ""))
     stack = replace(outside.stack_of(doc), gpu_name=target.name)
+    if world is not None:
+        stack = replace(stack, world_size=world)
     est = outside.estimate(stack)
     return outside.Figure(est.typical, est.provenance, est.method(), est)
 

@@ -305,6 +305,8 @@ class MemoryTracker:
         self._hooks: list[Any] = []
         #: the allocation event log (None: not kept)
         self.events: list[tuple[Any, ...]] | None = [] if events else None
+        #: the stream an allocation is made on (None: all on stream 0)
+        self.stream_of: Any = None
         self._event_ids: dict[int, tuple[int, int]] = {}  # storage key -> (event id, bytes) of its live buffer
 
     # -- dispatch ------------------------------------------------------------------------------------------------
@@ -388,7 +390,7 @@ class MemoryTracker:
         if nbytes > 0:  # the caching allocator is not called for 0 bytes
             ident = len(self.events)
             self._event_ids[key] = (ident, nbytes)
-            self.events.append(("alloc", ident, nbytes, 0))
+            self.events.append(("alloc", ident, nbytes, self.stream_of() if self.stream_of else 0))
 
     def _log_free(self, key: int) -> None:
         assert self.events is not None

@@ -523,26 +523,30 @@ class Workload:
         self._late = {id(p) for n, p in self.model.named_parameters() if ".ref." in n}
 
     def _materialise(self, device: Any, adapters: bool) -> None:
+        for module in self.model.modules():
+            self._materialise_module(module, device, adapters)
+
+    def _materialise_module(self, module: Any, device: Any, adapters: bool) -> None:
+        """One module's own meta parameters (the adapter's, or the others) and, with the others, its own buffers."""
         import torch
 
-        for module in self.model.modules():
-            for pname, p in list(module._parameters.items()):
-                # after injection the trainable parameters are exactly the adapter's (PEFT froze the rest); a frozen
-                # reference adapter is made with them
-                if p is None or not p.is_meta or (p.requires_grad or id(p) in self._late) != adapters:
-                    continue
-                module._parameters[pname] = self._new_param(p, device, module)
-            if adapters:
+        for pname, p in list(module._parameters.items()):
+            # after injection the trainable parameters are exactly the adapter's (PEFT froze the rest); a frozen
+            # reference adapter is made with them
+            if p is None or not p.is_meta or (p.requires_grad or id(p) in self._late) != adapters:
                 continue
-            for bname, b in list(module._buffers.items()):
-                if b is not None and b.is_meta:
-                    new = self._memo.get(id(b))
-                    if new is None:
-                        new = torch.empty_like(b, device=device)
-                        if new.is_floating_point():
-                            new.zero_()
-                        self._memo[id(b)] = new
-                    module._buffers[bname] = new
+            module._parameters[pname] = self._new_param(p, device, module)
+        if adapters:
+            return
+        for bname, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                new = self._memo.get(id(b))
+                if new is None:
+                    new = torch.empty_like(b, device=device)
+                    if new.is_floating_point():
+                        new.zero_()
+                    self._memo[id(b)] = new
+                module._buffers[bname] = new
 
     def _new_param(self, p: Any, device: Any, module: Any) -> Any:
         import torch

@@ -253,14 +253,36 @@ def shard(
         from ledgerspec.derivations.shard.fsdp import estimate_per_rank
         from ledgerspec.derivations.shard.simulation import extension_block
 
+        from_flag = device_memory is not None
         if device_memory is None:
             device_memory = doc.get("result", "target_device", "memory").size()
+        # issue 23: with a device, the verdict is the allocator model's replay of each rank's stream plus what lies
+        # outside the allocator, as `estimate` decides for one GPU; what is not replayed says why
+        not_on_device = (
+            "zero"
+            if zero_stage(doc) is not None
+            else "offload"
+            if offload is not None
+            else "cpu"
+            if target != "cuda"
+            else None
+        )
+        on_device = device_memory is not None and not_on_device is None
         if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3: DeepSpeed's own engine per rank (issue 16)
             from ledgerspec.derivations.shard.zero import estimate_zero_per_rank
 
             est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline)
         else:
-            est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline)
+            est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline, streams=on_device)
+        if on_device:
+            from ledgerspec.derivations.devices.per_rank import ranks_on_device
+
+            assert device_memory is not None
+            est.device = ranks_on_device(doc, est, device_memory, world, from_flag)
+        elif device_memory is not None and not_on_device is not None:
+            from ledgerspec.derivations.devices.per_rank import NOT_ON_DEVICE
+
+            est.allocated_only = NOT_ON_DEVICE[not_on_device]
         ext["estimate"] = extension_block(est, device_memory)
     change = set_extension(doc, EXTENSION, ext)
     return ShardResult(plan, zero, ext, change, est, device_memory)
