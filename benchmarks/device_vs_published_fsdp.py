@@ -145,6 +145,9 @@ def main() -> None:
     outcome = sum((r.run.ran == r.fits) for r in rows)
     ran = [r for r in rows if r.run.ran]
     diffs = sorted((r.device - r.run.nvidia) / r.run.nvidia for r in ran)
+    oom = [r for r in rows if not r.run.ran]
+    bs4_peak = f"{oom[0].device / GiB:.2f}" if oom else "-"
+    bs4_margin = f"{oom[0].margin / GiB:.2f}" if oom else "-"
     median = diffs[len(diffs) // 2] if diffs else 0.0
     body = f"""# `shard --estimate` on the device vs published 2-GPU FSDP1 runs
 
@@ -168,23 +171,28 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
 
 - **The allocator matters more than the tensors' excess:** the reserve above the allocated peak (reserved -
   allocated) is 1.2-10 GiB here. The replay keeps a pool per stream: FSDP1 all-gathers into its unshard stream and
-  reduces gradients on its post-backward stream, so those blocks are not reused by the compute stream (the same
-  streams merged into one change the 70B rows by under 0.6 GiB). The load matters most: a Trainer run does not place
+  reduces gradients on its post-backward stream, so those blocks are not reused by the compute stream (with every
+  allocation on one stream the 70B rows' reserved peaks moved by 0.04 and 0.53 GiB, before the pending frees below
+  were modelled). The load matters most: a Trainer run does not place
   an FSDP model on the device; FSDP1 moves (or, with `cpu_ram_efficient_loading`, materialises) each unit as it wraps
   it, flattens and shards it. Simulated with the whole model on the device first (as the allocated estimate may, since
   the held bytes are the same), the Mistral-7B LoRA row reserved 21 GiB at load and its device-level peak was 25.9
   GiB, +42 %; unit by unit it is the figure above.
-- **The device-level figures are low by the median above.** Not modelled, each a lead: FSDP1 frees an unsharded flat
-  parameter with `record_stream` on the compute stream (`_flat_param.py`), so on a GPU its block returns to the pool
-  only once the compute stream has used it, while the CPU runs ahead up to `limit_all_gathers`' two in-flight
-  all-gathers (the replay frees at once: about one more unsharded decoder layer per rank, 0.4 GiB on the 70B 4-bit
-  layers, 0.44 GiB on Mistral's bf16 ones); the QLoRA rows' allocated peaks are themselves 7.7 % low (see
-  `published-multi-gpu.md`); the outside figure is the catalogue's (an ASSUMPTION: `measure --device cuda` records it).
+- **The host runs ahead of the device, and the replay follows it:** FSDP1 frees each unsharded flat parameter after
+  `record_stream` on the compute stream, so its block returns to the pool only once the GPU has used it, and the
+  host waits for the GPU only at FSDP1's rate limiter (two all-gathers in flight) and at the Trainer's loss check.
+  Modelled (pending frees and `sync` points in each rank's stream): +0.1 GiB on the Mistral QLoRA rows (a 4-bit
+  decoder layer), +0.4 GiB on the 70B and Mistral LoRA rows (one more unsharded layer).
+- **The device-level figures are still low by the median above, most on the QLoRA rows.** Their allocated peaks
+  are themselves 7.7 % low (`published-multi-gpu.md`: the 2-GPU QLoRA rows' unexplained part), and the outside
+  figure is the catalogue's (an ASSUMPTION: `measure --device cuda` records it); what else the GPUs held is not
+  known without a GPU run of this step (`scripts/gpu-check`).
 - **The run that ran out of memory is not yet predicted to:** the 70B QLoRA row at 4 sequences per rank is predicted
-  at the margin shown on the 80 GiB the ledger declares (PyTorch reports an A100-80GB's total as 79.25 GiB in its
-  out-of-memory messages, e.g. https://github.com/wbfwonderful/Vad-R1/issues/11; the catalogue holds nvidia-smi's
-  81,920 MiB). With the 2-sequence row 1.7 GiB (3.3 %) low, the same shortfall would put it over: the delayed frees
-  above are the next thing to model.
+  at {bs4_peak} GiB, {bs4_margin} GiB under the 80 GiB the ledger declares. PyTorch reports an A100-80GB's total as
+  79.25 GiB in its out-of-memory messages (e.g. https://github.com/wbfwonderful/Vad-R1/issues/11: "GPU 2 has a total
+  capacity of 79.25 GiB"), where the device catalogue holds nvidia-smi's 81,920 MiB: against 79.25 GiB the same
+  replay does not fit. The margin either way is inside the error the trained rows show, so this row is not
+  evidence for the model either way yet.
 """
     if only:
         print(body)

@@ -11,9 +11,9 @@ the allocator on that rank (:func:`ledgerspec.derivations.devices.prediction.out
 :func:`ledgerspec.derivations.devices.prediction.replay_on_device`, the single-GPU verdict, per rank: the same
 free-and-retry, the same settings tried when fragmentation decides.
 
-Not modelled, each said in the method: a free is immediate (FSDP1 calls ``record_stream`` on an unsharded flat
-parameter it frees, so on a GPU its block returns to the pool only when the compute stream has used it; FSDP2 does
-not), and the CPU running ahead of the GPU (FSDP1's ``limit_all_gathers`` lets two all-gathers be in flight).
+The host runs ahead of the device: FSDP1's ``record_stream`` frees are pending in the replay until the host waits
+for the device (FSDP1's rate limiter, the Trainer's loss check): :func:`ledgerspec.derivations.shard.simulation.
+device_waits`.
 """
 
 from __future__ import annotations

@@ -118,27 +118,88 @@ def device_fit(d: Any) -> Fit:
     return Fit(d.total, d.device_peak, d.fits, d.margin, OOM_PHASE.get(key, key) if key else None, key)
 
 
-def stream_numbers() -> Callable[[], int]:
+@contextlib.contextmanager
+def device_waits(backend: Any, numbers: Any, trainer: bool) -> Iterator[None]:
+    """What a simulated rank's event log needs besides its allocations for the replay to free blocks when a GPU
+    would: FSDP1's ``record_stream`` calls (``_no_dispatch_record_stream``, a no-op for CPU tensors; on a GPU the
+    unsharded flat parameter freed on the compute stream and the gradient handed to the post-backward stream go back
+    to the pool only once the other stream has used them: the tracker logs their frees as pending), and the points
+    where the host waits for the device: FSDP1's rate limiter (``limit_all_gathers``: before each all-gather,
+    ``event.synchronize()`` on the free event two reshards back, ``_runtime_utils._unshard``; every pending free
+    before that event's ``record()`` has completed) and, under transformers' Trainer, the check of each
+    micro-step's loss (``torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)`` in a boolean context with
+    ``logging_nan_inf_filter``, the default, trainer.py: the device has finished the micro-step)."""
+    import torch
+    import torch.distributed.fsdp._flat_param as flat_param
+    import torch.distributed.fsdp._runtime_utils as runtime_utils
+
+    tracker = backend.tracker
+
+    def record_stream(tensor: Any, stream: Any) -> None:
+        tracker.record_stream(tensor.untyped_storage(), numbers.of(stream))
+
+    class Event(torch.cpu.Event):
+        """``torch.cpu.Event`` (no-ops), noting how many pending frees were logged when it was recorded."""
+
+        before: int | None = None
+
+        def record(self, stream: Any = None) -> None:
+            self.before = tracker.pending_frees
+
+        def synchronize(self) -> None:
+            if self.before is not None:
+                tracker.sync(tracker.pending_frees - self.before)
+
+    reset_peak = backend.reset_peak
+
+    def reset_with_check() -> None:
+        if trainer and backend.windows and backend.windows[-1].endswith(":temporary"):
+            tracker.sync(0)  # the Trainer's loss check after each micro-step's backward
+        reset_peak()
+
+    saved = (flat_param._no_dispatch_record_stream, runtime_utils._no_dispatch_record_stream, torch.cpu.Event)
+    flat_param._no_dispatch_record_stream = record_stream
+    runtime_utils._no_dispatch_record_stream = record_stream
+    torch.cpu.Event = Event  # type: ignore[misc]
+    backend.reset_peak = reset_with_check
+    try:
+        yield
+    finally:
+        flat_param._no_dispatch_record_stream, runtime_utils._no_dispatch_record_stream = saved[:2]
+        torch.cpu.Event = saved[2]  # type: ignore[misc]
+        backend.reset_peak = reset_peak
+
+
+class StreamNumbers:
+    """Streams as small numbers, for the event log of a simulated rank (see :func:`stream_numbers`)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._numbers = {id(torch.cpu.current_stream()): 0}
+        self._keep: list[Any] = []  # the stream objects, so that an id is never reused while numbered
+
+    def of(self, stream: Any) -> int:
+        n = self._numbers.get(id(stream))
+        if n is None:
+            n = self._numbers[id(stream)] = len(self._numbers)
+            self._keep.append(stream)
+        return n
+
+    def __call__(self) -> int:
+        import torch
+
+        return self.of(torch.cpu.current_stream())
+
+
+def stream_numbers() -> StreamNumbers:
     """The current stream as a small number, for the event log of a simulated rank: 0 for the default stream, then
     1, 2, ... in the order FSDP first allocates on its streams (FSDP1's unshard and post-backward streams, FSDP2's
     all-gather copy-in, all-gather and reduce-scatter streams). The simulation runs on the CPU device, where
     ``torch.cpu.stream(s)`` sets the stream ``torch.cpu.current_stream()`` returns exactly as FSDP's
     ``device_handle.stream(s)`` does on CUDA; the caching allocator keeps a pool per stream, so the replay needs
     them apart."""
-    import torch
-
-    numbers = {id(torch.cpu.current_stream()): 0}
-    keep: list[Any] = []  # the stream objects, so that an id is never reused while numbered
-
-    def current() -> int:
-        s = torch.cpu.current_stream()
-        n = numbers.get(id(s))
-        if n is None:
-            n = numbers[id(s)] = len(numbers)
-            keep.append(s)
-        return n
-
-    return current
+    return StreamNumbers()
 
 
 def recorded(backend: Any, spec: Any, source: Any, figures: dict[str, int]) -> Any:
@@ -357,8 +418,10 @@ __all__ = [
     "Progress",
     "RankEstimate",
     "ShardEstimate",
+    "StreamNumbers",
     "add_sides",
     "device_fit",
+    "device_waits",
     "extension_block",
     "fake_process_group",
     "prepare_trace",

@@ -63,6 +63,22 @@ def test_fsdp_allocates_on_streams_of_its_own(both: dict[str, Any]) -> None:
     assert 0 in streams and len(streams) >= 3, streams
 
 
+def test_the_host_runs_ahead_of_the_device(both: dict[str, Any]) -> None:
+    """FSDP1's ``record_stream`` frees are pending until the host waits: at its rate limiter (two all-gathers in
+    flight: the wait before the third leaves the last reshard's free pending) and at the Trainer's loss check after
+    each micro-step (every pending free completes). FSDP2 calls no ``record_stream``."""
+    events = both["streamed"].ranks[0].step.events
+    pending = [e for e in events if e[0] == "free" and e[2:] == ("pending",)]
+    syncs = [e[1] for e in events if e[0] == "sync"]
+    if both["strategy"] == "fsdp2":
+        assert pending == []
+        return
+    units = 2 + 1  # the tiny model's decoder layers and the root: one unsharded flat parameter each, per pass
+    assert len(pending) >= 2 * units  # freed after forward and again after backward
+    assert syncs.count(0) == 2  # one micro-step in the first step, one in the steady state
+    assert any(keep > 0 for keep in syncs)  # the rate limiter's wait leaves later frees pending
+
+
 def test_fsdp1_brings_one_unit_at_a_time_to_the_device(both: dict[str, Any]) -> None:
     """The load window holds at most the rank's shards plus two unsharded units (the unit's parameters and the flat
     parameter FSDP1 flattens them into), never the whole unsharded model, as a Trainer + accelerate run loads."""

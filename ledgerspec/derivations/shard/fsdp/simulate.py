@@ -116,10 +116,12 @@ def simulate_rank(
             raise ValueError("the allocation stream of a CPU-offloaded rank is not recorded")
         if record is not None:  # the same tracker, keeping its event log
             from ledgerspec.derivations.allocator.step import _event_backend_class
-            from ledgerspec.derivations.shard.simulation import stream_numbers
+            from ledgerspec.derivations.shard.simulation import device_waits, stream_numbers
 
             backend = _event_backend_class()(granularity(target))
-            backend.tracker.stream_of = stream_numbers()
+            numbers = stream_numbers()
+            backend.tracker.stream_of = numbers
+            extra.enter_context(device_waits(backend, numbers, spec.loop == "trainer"))
         else:
             backend = (split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
         split: Any = backend.tracker
