@@ -480,17 +480,28 @@ def _tries(config: Any, conf: str) -> list[tuple[str, str]]:
 
 
 def replay_on_device(
-    doc: Document, step: Any, total: int, outside_bytes: int, conf: str, target: str = "cuda"
+    doc: Document,
+    step: Any,
+    total: int,
+    outside_bytes: int,
+    conf: str,
+    target: str = "cuda",
+    free: Any = None,
+    tries: bool = True,
 ) -> Replayed:
     """Replay ``step`` (a full-depth :class:`~ledgerspec.derivations.allocator.step.StepEvents`) for a device of
-    ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring)."""
+    ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring). ``free``: the replay
+    without a limit when the caller has it already (:func:`free_replay`: the same for every device unless the
+    settings depend on the device's total); ``tries``: replay the allocator settings that could make a
+    fragmentation-decided verdict fit."""
     from ledgerspec.derivations.allocator.config import AllocatorConfig
     from ledgerspec.derivations.allocator.step import replay_step
 
     started = time.perf_counter()
     config = _config(doc, conf)
     capacity = max(0, total - outside_bytes)
-    free = replay_step(doc, config=config, device_total=total, target=target, step=step)
+    if free is None or depends_on_total(config):
+        free = replay_step(doc, config=config, device_total=total, target=target, step=step)
     free_peak = max((p.reserved for p in free.phases.values()), default=0)
     if free.oom is None and free_peak <= capacity:
         on = free  # no cudaMalloc passes the capacity: the replay against it takes the same decisions
@@ -520,7 +531,7 @@ def replay_on_device(
         events=len(step.events),
     )
     peak_allocated = max((p.allocated for p in phases.values()), default=0)
-    if oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
+    if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
         for setting, whole in _tries(config, conf):
             config_again = AllocatorConfig.parse(whole)
             again = replay_step(doc, None, config_again, capacity, total, target, step)
@@ -535,6 +546,19 @@ def replay_on_device(
                 result.tried.append(Tried(setting, whole, False, a.reserved, -lacked, OOM_PHASE.get(a.phase, a.phase)))
     result.seconds = time.perf_counter() - started
     return result
+
+
+def depends_on_total(config: Any) -> bool:
+    """Whether a replay without a limit depends on the device's total: expandable segments reserve address space
+    relative to it, ``per_process_memory_fraction`` caps the allocator by it."""
+    return bool(config.expandable_segments) or config.per_process_memory_fraction < 1.0
+
+
+def free_replay(doc: Document, step: Any, conf: str, target: str = "cuda") -> Any:
+    """``step`` replayed without a limit (for :func:`replay_on_device`'s ``free``)."""
+    from ledgerspec.derivations.allocator.step import replay_step
+
+    return replay_step(doc, config=_config(doc, conf), target=target, step=step)
 
 
 def estimate_on_device(
@@ -609,7 +633,9 @@ __all__ = [
     "Target",
     "Tried",
     "catalogue_match",
+    "depends_on_total",
     "estimate_on_device",
+    "free_replay",
     "outside_of",
     "replay_on_device",
     "target_of",

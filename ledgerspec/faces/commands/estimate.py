@@ -442,8 +442,8 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     catalogue = load_catalogue(args.devices or None)
     writes = _writable(doc, args)
-    result = compare(doc, catalogue, _estimate_fn(args, parallel=True))
-    head = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch")
+    result = compare(doc, catalogue, _estimate_fn(args, parallel=True), on_device=args.target == "cuda")
+    head = ("device", "GPUs", "vendor", "usable", "peak/GPU", "device peak", "fits", "headroom", "largest microbatch")
     cells = [
         (
             r.device.name,
@@ -451,7 +451,8 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
             r.device.vendor_memory,
             format_size(r.device.usable),
             format_size(r.peak) if r.peak is not None else "-",
-            "yes" if r.fits else "NO",
+            format_size(r.device_peak) if r.device_peak is not None else "-",
+            ("yes" if r.fits else "NO") + (" (fragmentation)" if r.decided_by == "fragmentation" else ""),
             (format_size(r.headroom) if r.headroom >= 0 else "-" + format_size(-r.headroom))
             if r.headroom is not None
             else "-",
