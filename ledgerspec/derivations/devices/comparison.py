@@ -101,6 +101,7 @@ def compare(
     counts: Sequence[int] = COUNTS,
     per_rank: Any = None,
     on_device: bool = False,
+    single_step: Any = None,
 ) -> Comparison:
     """Every device of ``catalogue`` for every GPU count the declared sharding supports.
 
@@ -109,10 +110,18 @@ def compare(
     allocation stream at full depth (per simulated rank for a sharded count) replayed through the caching-allocator
     model against what that device's allocator can get (its total minus what lies outside the allocator there:
     :func:`ledgerspec.derivations.devices.prediction.outside_of`), as ``estimate`` decides for one device; the
-    largest microbatch stays the allocated tensors' answer against the usable memory."""
+    largest microbatch stays the allocated tensors' answer against the usable memory. ``single_step() -> StepEvents``:
+    one GPU's stream (default: traced here; the command passes
+    :func:`ledgerspec.derivations.devices.prediction.step_and_estimate`'s, which leaves the declared microbatch's
+    estimate in the cache for the microbatch model), called before the microbatch model traces."""
     from ledgerspec.contract import config
 
     declared = config.read(doc).workload.microbatch or 1
+    steps: dict[int, list[Any]] = {}
+    if on_device:
+        from ledgerspec.derivations.allocator.step import full_depth_events
+
+        steps[1] = [single_step() if single_step is not None else full_depth_events(doc, "cuda")]
     pads = padded(doc)
     model = batch_model(doc, _design(declared, pads), estimate_fn)
     single = model.peak(declared)
@@ -121,11 +130,6 @@ def compare(
     notes: list[str] = []
     peaks: dict[int, int] = {1: single}
     wanted = [n for n in counts if n >= 1]
-    steps: dict[int, list[Any]] = {}
-    if on_device:
-        from ledgerspec.derivations.allocator.step import full_depth_events
-
-        steps[1] = [full_depth_events(doc, "cuda")]
     if sharding in ("fsdp1", "fsdp2"):
 
         def sharded(world: int) -> int:

@@ -548,6 +548,37 @@ def replay_on_device(
     return result
 
 
+def step_and_estimate(
+    doc: Document,
+    target: str = "cuda",
+    layers: str = "auto",
+    offline: bool = True,
+    store: Any = None,
+    parallel: bool = False,
+    progress: Any = None,
+) -> tuple[Any, Any]:
+    """The estimate of ``doc`` and its step's allocation stream at full depth, from one set of traces (the
+    estimate's probes and a third); with ``store`` the plain estimate is kept in the cache, so that a later
+    ``estimate`` of the same question (a plain one, or a microbatch model's) is read back, not traced."""
+    from ledgerspec.derivations.allocator.step import full_depth_from
+    from ledgerspec.derivations.estimate import estimator
+    from ledgerspec.derivations.estimate.cache import key as cache_key
+    from ledgerspec.derivations.estimate.extrapolate import extend_all
+
+    p = estimator.prepare(doc, target, layers, progress, offline)
+    step = full_depth_from(p, parallel)
+    figures = step.estimate_figures
+    if figures is None:  # a stack too shallow for a third probe was traced in full: the estimate's own probes
+        assert p.plan.probes is not None
+        n1, n2 = p.plan.probes
+        figures = extend_all(p.trace(n1), p.trace(n2), n1, n2, p.plan.layers)
+    est = estimator.assemble(p, figures)
+    plain_question = {"target": target, "layers": layers, "offline": offline}
+    if store is not None and (plain_key := cache_key(doc, plain_question)) is not None:
+        store.put(plain_key, est.to_cache())  # the plain question is answered by these traces too
+    return est, step
+
+
 def depends_on_total(config: Any) -> bool:
     """Whether a replay without a limit depends on the device's total: expandable segments reserve address space
     relative to it, ``per_process_memory_fraction`` caps the allocator by it."""
@@ -580,7 +611,6 @@ def estimate_on_device(
     the allocator and the allocator's settings."""
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import cached
-    from ledgerspec.derivations.estimate.cache import key as cache_key
 
     if target != "cuda":
         raise ValueError("the device verdict models the CUDA caching allocator: target cuda only")
@@ -596,21 +626,8 @@ def estimate_on_device(
     }
 
     def compute() -> tuple[Any, Replayed]:
-        from ledgerspec.derivations.allocator.step import full_depth_from
-        from ledgerspec.derivations.estimate.extrapolate import extend_all
-
-        p = estimator.prepare(doc, target, layers, progress, offline)
-        step = full_depth_from(p, parallel)
-        figures = step.estimate_figures
-        if figures is None:  # a stack too shallow for a third probe was traced in full: the estimate's own probes
-            assert p.plan.probes is not None
-            n1, n2 = p.plan.probes
-            figures = extend_all(p.trace(n1), p.trace(n2), n1, n2, p.plan.layers)
-        est = estimator.assemble(p, figures)
-        replayed = replay_on_device(doc, step, device_memory, figure.bytes, conf, target)
-        if store is not None and (plain_key := cache_key(doc, plain_question)) is not None:
-            store.put(plain_key, est.to_cache())  # the plain question is answered by these traces too
-        return est, replayed
+        est, step = step_and_estimate(doc, target, layers, offline, store, parallel, progress)
+        return est, replay_on_device(doc, step, device_memory, figure.bytes, conf, target)
 
     def encode(answer: tuple[Any, Replayed]) -> dict[str, Any]:
         return {"estimate": answer[0].to_cache(), "device": answer[1].to_cache()}
@@ -638,5 +655,6 @@ __all__ = [
     "free_replay",
     "outside_of",
     "replay_on_device",
+    "step_and_estimate",
     "target_of",
 ]
