@@ -147,7 +147,8 @@ def compute(
     plan: S.Fsdp2Plan | S.Fsdp1Plan
     try:
         if is_fsdp1(doc):
-            units = S.peft_fsdp1_units(descs)
+            # full fine-tuning: accelerate's transformer-based wrap (decoder layers + root), not PEFT's policy
+            units = descs if config.read(doc).full else S.peft_fsdp1_units(descs)
             plan = S.fsdp1(
                 units,
                 world,

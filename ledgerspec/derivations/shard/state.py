@@ -409,6 +409,8 @@ def fsdp1(
             rs.optimizer_host += state.host
     unsharded = {name: u.numel * gathered_itemsize(u.offsets[0][0], param_dtype) for name, u in units.items()}
     layers = {k: v for k, v in unsharded.items() if k != ROOT and not units[k].trainable}
+    if not layers:  # full fine-tuning: the decoder layers are the trainable units (LoRA's are its adapter leaves)
+        layers = {k: v for k, v in unsharded.items() if k != ROOT}
     if reshard_after_forward:
         gathered = [ROOT] if ROOT in unsharded else []
         if layers:

@@ -27,6 +27,8 @@ CASES = [
     ("tiny-lora.ledger.yaml", 2, False),  # fp32: alignment to 4 elements, vocab 1001 and LoRA rank 5 uneven
     ("tiny-lora-bf16-r2.ledger.yaml", 3, True),  # bf16 base + fp32 LoRA r=2: one dtype per flat parameter
     ("tiny-lora-mp.ledger.yaml", 2, False),  # MixedPrecision(param_dtype=bf16): alignment by the compute dtype
+    # full fine-tuning (issue 26): accelerate's transformer-based wrap, every flat parameter trainable
+    ("tiny-full-bf16.ledger.yaml", 3, False),
 ]
 
 
@@ -65,7 +67,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     ranks = probe_ranks(PROBE, nproc, DATA / ledger, tmp_path_factory.mktemp("fsdp1"), *flags)
     doc = load(DATA / ledger)
     mp = mixed_precision(doc)
-    descs = S.peft_fsdp1_units(document_descriptors(doc))
+    descs = document_descriptors(doc)
+    if doc.get("method", "kind").text() != "full":  # PEFT's wrap policy; full: decoder layers + root
+        descs = S.peft_fsdp1_units(descs)
     plan = S.fsdp1(
         descs, nproc, "adamw_torch", reshard_after_forward=not shard_grad_op, param_dtype=mp.param_dtype if mp else None
     )
