@@ -29,6 +29,7 @@ from ledgerspec.derivations.shard.options import (
     world_size,
     zero_stage,
 )
+from ledgerspec.derivations.stack.optimizer_state import TensorShape, optimizer_spec, state_bytes
 
 EXTENSION = ("parallelism", "x-per-rank")
 
@@ -92,7 +93,10 @@ def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], opt
         zero_out[key] = {
             "parameters": _fig(z.parameters, how),
             "gradients": _fig(z.gradients, how),
-            "optimizer": _fig(z.optimizer, how),
+            "optimizer": _fig(
+                z.optimizer,
+                how + f": the state of the fp32 partition + DeepSpeed's fp32 master partition ({z.master:,} B)",
+            ),
             "device_total": _fig(z.device_total, how),
             "host": _fig(z.host, how + ", on the host"),
         }
@@ -168,6 +172,10 @@ def compute(
     t = S.totals(descs, optimizer)
     cfg = config.read(doc)
     master = sum(p.nbytes // p.itemsize * 4 for p in descs if p.trainable and p.kind == "param")
+    # DeepSpeed's optimizer steps the fp32 master partition: its state is that of fp32 parameters (issue 26)
+    spec = optimizer_spec(optimizer)
+    fp32 = [TensorShape(p.shape, max(p.itemsize, 4)) for p in descs if p.trainable and p.kind == "param"]
+    ds_state = state_bytes(spec, fp32).device if spec is not None else t["optimizer"]
     zero = {
         f"zero{stage}{'_offload' if off else ''}": S.zero(
             stage,
@@ -175,7 +183,7 @@ def compute(
             t["frozen"],
             t["trainable"],
             t["gradients"],
-            t["optimizer"],
+            ds_state,
             offload=off,
             replicated_bytes=t["replicated"],
             master_bytes=master,
