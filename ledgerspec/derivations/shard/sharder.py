@@ -126,9 +126,14 @@ def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], opt
                     "checkpointing (offload_param; persistent small parameters and those kept by "
                     "stage3_max_reuse_distance are not fetched again)",
                 )
+    wrap = (
+        "accelerate's transformer-based wrap (full fine-tuning): decoder layers + root"
+        if all(u.trainable for u in getattr(plan, "units", {}).values())
+        else "PEFT's fsdp_auto_wrap_policy: decoder layers + each trainable leaf module + root"
+    )
     strategy = (
-        "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy: decoder layers + each "
-        f"trainable leaf module + root, {'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
+        f"fsdp1 (FullyShardedDataParallel, use_orig_params, {wrap}, "
+        f"{'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
         if fsdp1
         else "fsdp2 (fully_shard per decoder layer + root)"
     )
