@@ -35,7 +35,7 @@ def default(key: str, value: Any) -> str:
 def convert(src: Source, b: Builder) -> None:
     b.tools.append(f"{LABEL} ({src.path})")
     o = "LLaMA-Factory: "
-    q = ("base_model", "quantization")
+    m, q = ("method",), ("base_model", "quantization")
 
     if src.has("model_name_or_path"):
         b.set(("identity", "model_id"), str(src.take("model_name_or_path")), o + "model_name_or_path", src.path)
@@ -58,7 +58,7 @@ def convert(src: Source, b: Builder) -> None:
             rule="import",
             hint="set finetuning_type: lora or full, or size this run another way",
         )
-    full = ft == "full"
+    full = ft == "full"  # every parameter trained (_setup_full_tuning): see _full
     if full and src.peek("quantization_bit") is not None:
         from ledgerspec.errors import LedgerspecError
 
@@ -72,6 +72,7 @@ def convert(src: Source, b: Builder) -> None:
             rule="import",
             hint="remove quantization_bit for full fine-tuning, or set finetuning_type: lora",
         )
+    lora_keys = [k for k in _LORA_KEYS if src.has(k)] if full else []
     stage = src.take("stage", "sft")
     objective = {"sft": "sft", "pt": "sft", "dpo": "dpo", "kto": "kto", "rm": "reward", "ppo": "ppo"}.get(str(stage))
     loss = str(src.peek("pref_loss") or "sigmoid")
@@ -147,18 +148,48 @@ def convert(src: Source, b: Builder) -> None:
     bits = src.take("quantization_bit")
     method = src.take("quantization_method", "bnb")
     quantized = bits is not None
-    if full:
-        _full(src, b, o)
-        b.set(C.QUANTIZED, False, o + "no quantization_bit", src.path)
+    b.set(
+        ("method", "kind"),
+        "full" if full else "QLoRA" if quantized else "LoRA",
+        o + (f"finetuning_type {ft}" if full else f"finetuning_type lora, quantization_bit {bits}"),
+        src.path,
+    )
+    b.set(C.QUANTIZED, quantized, o + "quantization_bit", src.path)
+    rank = src.take("lora_rank")
+    if rank is not None:
+        rank = as_int(src, "lora_rank", rank)
+    if rank is None:
+        rank = 8
+        b.assume((*m, "rank"), 8, o + "lora_rank", default("lora_rank", 8), src.path)
     else:
-        b.set(
-            ("method", "kind"),
-            "QLoRA" if quantized else "LoRA",
-            o + f"finetuning_type lora, quantization_bit {bits}",
-            src.path,
+        b.set((*m, "rank"), int(rank), o + "lora_rank", src.path, src.position("lora_rank"))
+    if src.has("lora_alpha"):
+        b.set((*m, "alpha"), src.take("lora_alpha"), o + "lora_alpha", src.path)
+    else:
+        b.assume((*m, "alpha"), int(rank) * 2, o + "lora_alpha", default("lora_alpha", "lora_rank * 2"), src.path)
+    if src.has("lora_dropout"):
+        b.set((*m, "dropout"), src.number("lora_dropout"), o + "lora_dropout", src.path)
+    else:
+        b.assume((*m, "dropout"), 0.0, o + "lora_dropout", default("lora_dropout", 0.0), src.path)
+    target = src.take("lora_target")
+    names = [t.strip() for t in str(target).split(",") if t.strip()] if target is not None else ["all"]
+    value: Any = "all-linear" if names == ["all"] else names
+    why = "all: every Linear except the output layer (find_all_linear_modules)" if value == "all-linear" else ""
+    if target is None:
+        b.assume(
+            (*m, "target_modules"), value, o + "lora_target", default("lora_target", "all") + f" ({why})", src.path
         )
-        b.set(C.QUANTIZED, quantized, o + "quantization_bit", src.path)
-        _lora(src, b, o)
+    else:
+        b.set((*m, "target_modules"), value, o + "lora_target" + (f" {why}" if why else ""), src.path)
+    if src.has("additional_target"):
+        extra = [t.strip() for t in str(src.take("additional_target")).split(",") if t.strip()]
+        b.set((*m, "modules_to_save"), extra, o + "additional_target", src.path)
+    b.assume((*m, "bias"), "none", o + "PEFT LoraConfig bias", f"{LABEL} passes no bias: PEFT default 'none'", src.path)
+    if src.has("use_dora"):
+        b.set((*m, "use_dora"), bool(src.take("use_dora")), o + "use_dora", src.path)
+    else:
+        b.assume((*m, "use_dora"), False, o + "use_dora", default("use_dora", False), src.path)
+
     # -- quantization -------------------------------------------------------------------------------------------
     if quantized:
         if method != "bnb":
@@ -213,8 +244,20 @@ def convert(src: Source, b: Builder) -> None:
             src.path,
         )
     dtype = b.value(("base_model", "loaded_dtype")) if pure else "float32"
-    if not full:
-        _adapter_dtype(src, b, o, pure, dtype)
+    b.set(
+        ("adapter", "dtype"),
+        dtype,
+        o
+        + (
+            "pure_bf16: trainable params stay in half precision"
+            if pure
+            else "trainable params cast to float32 (_setup_lora_tuning)"
+        ),
+        src.path,
+    )
+
+    if full:
+        _full(src, b, lora_keys)
 
     # -- workload -----------------------------------------------------------------------------------------------
     w = ("workload",)
@@ -361,58 +404,6 @@ def convert(src: Source, b: Builder) -> None:
     C.account_for_rest(src, b, TOOL, LABEL)
 
 
-def _lora(src: Source, b: Builder, o: str) -> None:
-    m = ("method",)
-    rank = src.take("lora_rank")
-    if rank is not None:
-        rank = as_int(src, "lora_rank", rank)
-    if rank is None:
-        rank = 8
-        b.assume((*m, "rank"), 8, o + "lora_rank", default("lora_rank", 8), src.path)
-    else:
-        b.set((*m, "rank"), int(rank), o + "lora_rank", src.path, src.position("lora_rank"))
-    if src.has("lora_alpha"):
-        b.set((*m, "alpha"), src.take("lora_alpha"), o + "lora_alpha", src.path)
-    else:
-        b.assume((*m, "alpha"), int(rank) * 2, o + "lora_alpha", default("lora_alpha", "lora_rank * 2"), src.path)
-    if src.has("lora_dropout"):
-        b.set((*m, "dropout"), src.number("lora_dropout"), o + "lora_dropout", src.path)
-    else:
-        b.assume((*m, "dropout"), 0.0, o + "lora_dropout", default("lora_dropout", 0.0), src.path)
-    target = src.take("lora_target")
-    names = [t.strip() for t in str(target).split(",") if t.strip()] if target is not None else ["all"]
-    value: Any = "all-linear" if names == ["all"] else names
-    why = "all: every Linear except the output layer (find_all_linear_modules)" if value == "all-linear" else ""
-    if target is None:
-        b.assume(
-            (*m, "target_modules"), value, o + "lora_target", default("lora_target", "all") + f" ({why})", src.path
-        )
-    else:
-        b.set((*m, "target_modules"), value, o + "lora_target" + (f" {why}" if why else ""), src.path)
-    if src.has("additional_target"):
-        extra = [t.strip() for t in str(src.take("additional_target")).split(",") if t.strip()]
-        b.set((*m, "modules_to_save"), extra, o + "additional_target", src.path)
-    b.assume((*m, "bias"), "none", o + "PEFT LoraConfig bias", f"{LABEL} passes no bias: PEFT default 'none'", src.path)
-    if src.has("use_dora"):
-        b.set((*m, "use_dora"), bool(src.take("use_dora")), o + "use_dora", src.path)
-    else:
-        b.assume((*m, "use_dora"), False, o + "use_dora", default("use_dora", False), src.path)
-
-
-def _adapter_dtype(src: Source, b: Builder, o: str, pure: Any, dtype: Any) -> None:
-    b.set(
-        ("adapter", "dtype"),
-        dtype,
-        o
-        + (
-            "pure_bf16: trainable params stay in half precision"
-            if pure
-            else "trainable params cast to float32 (_setup_lora_tuning)"
-        ),
-        src.path,
-    )
-
-
 #: LoRA settings LLaMA-Factory reads only with finetuning_type lora (hparams/finetuning_args.py)
 _LORA_KEYS = (
     "lora_rank",
@@ -428,16 +419,16 @@ _LORA_KEYS = (
 )
 
 
-def _full(src: Source, b: Builder, o: str) -> None:
-    """``finetuning_type: full``: every parameter trained (``_setup_full_tuning``, model/adapter.py); unless
-    ``pure_bf16`` (or ZeRO-3/FSDP, which LLaMA-Factory leaves alone), ``init_adapter`` casts the trainable parameters
-    to float32 (``cast_trainable_params_to_fp32``), so the run holds float32 weights under bf16/fp16 autocast: the
-    precision section writes that ``loaded_dtype``. The LoRA keys are not read (listed as ignored)."""
-    b.set(("method", "kind"), "full", o + "finetuning_type full (_setup_full_tuning)", src.path)
-    for key in _LORA_KEYS:
-        if src.has(key):
-            src.take(key)
-            b.ignored.setdefault(src.path, []).append(key)
+def _full(src: Source, b: Builder, lora_keys: list[str]) -> None:
+    """``finetuning_type: full``: every parameter trained (``_setup_full_tuning``, model/adapter.py), no adapters.
+    Unless ``pure_bf16`` (or ZeRO-3/FSDP, which LLaMA-Factory leaves alone), ``init_adapter`` casts the trainable
+    parameters to float32 (``cast_trainable_params_to_fp32``): the precision section wrote that ``loaded_dtype``. The
+    LoRA mapping above ran as for any file; its fields are taken out again (a full fine-tune has no rank, targets or
+    adapter dtype) and the LoRA keys the file holds are listed as not read."""
+    for path in [p for p in b.entries if p[0] == "adapter" or (p[0] == "method" and p[1] != "kind")]:
+        del b.entries[path]
+    for key in lora_keys:
+        b.ignored.setdefault(src.path, []).append(key)
 
 
 def _liger(src: Source, b: Builder, o: str) -> None:
