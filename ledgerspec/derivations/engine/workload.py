@@ -130,6 +130,8 @@ class WorkloadSpec:
     completion: int | None = None
     #: DPO: TRL sets every dropout's probability to 0 before training (``disable_dropout``, default true)
     disable_dropout: bool = False
+    #: ``method.kind: full``: no adapters; every floating parameter of the model is trained
+    full: bool = False
 
     @property
     def padded(self) -> bool:
@@ -150,6 +152,20 @@ class WorkloadSpec:
         loaded = dtype(("base_model", "loaded_dtype"), "float32")
         quant = None
         q = cfg.quantization
+        if cfg.full and q.quantized:
+            raise _err(
+                doc,
+                ("method", "kind"),
+                "method.kind full trains every weight, but the base is quantized: quantized weights cannot be trained",
+                "load the base unquantized (base_model.quantized: false) for full fine-tuning, or choose QLoRA",
+            )
+        if cfg.full and cfg.training.objective == "dpo":
+            raise _err(
+                doc,
+                ("method", "kind"),
+                "DPO with method.kind full needs a separate reference model, which the step does not simulate",
+                "estimate the SFT step (training.objective: sft) or DPO with LoRA",
+            )
         if q.quantized:
             path = config.QUANT
             if not q.four_bit:
@@ -171,7 +187,8 @@ class WorkloadSpec:
                 q.blocksize,
                 q.skip_modules,
             )
-        adapter = dtype(("adapter", "dtype")) if cfg.adapter_dtype else None  # None: PEFT's float32
+        # None: PEFT's float32 (full fine-tuning has no adapters: the weights keep their loaded dtypes)
+        adapter = dtype(("adapter", "dtype")) if cfg.adapter_dtype and not cfg.full else None
         opt = cfg.optimizer.key
         if opt not in OPTIMIZERS:
             raise _err(
@@ -269,6 +286,7 @@ class WorkloadSpec:
             reference=t.dpo_reference if t.objective == "dpo" else None,
             completion=t.max_completion_length if t.objective == "dpo" else None,
             disable_dropout=t.objective == "dpo" and t.disable_dropout,
+            full=cfg.full,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -380,6 +398,16 @@ def _is_4bit(p: Any) -> bool:
     return type(p).__name__ == "Params4bit"
 
 
+def _full_model(base: Any) -> Any:
+    """The model of full fine-tuning: transformers' model itself, no PEFT wrapper. Its parameters are made frozen
+    here and loaded as the base (the protocol's "load", as ``from_pretrained`` loads them), then all made trainable
+    in the adapter phase, where nothing is injected (:meth:`Workload.materialise_adapters`). ``get_base_model`` is
+    the model itself, as the step asks a PEFT model for its base."""
+    base.requires_grad_(False)
+    base.__dict__["get_base_model"] = lambda: base
+    return base
+
+
 class Workload:
     """The model, optimizer and batches of one spec; see the module docstring for the order of calls."""
 
@@ -427,7 +455,10 @@ class Workload:
                     use_gradient_checkpointing=spec.gradient_checkpointing,
                     gradient_checkpointing_kwargs={"use_reentrant": spec.reentrant},
                 )
-        self.model = inject_adapters(self.doc, base)
+        if spec.full:
+            self.model = _full_model(base)
+        else:
+            self.model = inject_adapters(self.doc, base)
         if spec.reference == "adapter_copy":
             self._reference_adapter()
         cast_module_dtypes(self.model, spec.module_dtypes)
@@ -492,9 +523,12 @@ class Workload:
 
         self._materialise(device, adapters=True)
         target = getattr(torch, self.spec.adapter_dtype) if self.spec.adapter_dtype else None
+        if self.spec.full:  # the loaded weights become the trained ones: nothing is created
+            for p in self.model.parameters():
+                p.requires_grad_(p.is_floating_point())
         with torch.no_grad():
             for p in self.model.parameters():
-                if p.requires_grad:
+                if p.requires_grad and not self.spec.full:
                     if target is not None and p.dtype != target:
                         p.data = p.data.to(target)
                     p.normal_(0.0, 0.02)

@@ -272,7 +272,12 @@ def method_text(
         how += f", {policy}"
     if fsdp1:
         how = (
-            "FSDP1 FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy, "
+            "FSDP1 FullyShardedDataParallel, use_orig_params, "
+            + (
+                "accelerate's transformer-based wrap (full fine-tuning), "
+                if getattr(spec, "full", False)
+                else "PEFT's fsdp_auto_wrap_policy, "
+            )
             + ("SHARD_GRAD_OP" if reshard is False else "FULL_SHARD")
             + (f", {policy}" if policy else "")
             + "; FSDP1's data_ptr storage checks asked of the storages (fake tensors have no data pointers)"

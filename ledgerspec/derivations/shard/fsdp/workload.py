@@ -140,6 +140,18 @@ def hybrid_mesh(doc: Any) -> Any:
     return init_device_mesh(kind, (world // group, group), mesh_dim_names=("replicate", "shard"))
 
 
+def _layer_policy(model: Any) -> Any:
+    """accelerate's ``TRANSFORMER_BASED_WRAP`` for a model that is not a PEFT model: each class of the model's
+    ``_no_split_modules`` is a unit (``transformer_auto_wrap_policy``), the rest belongs to the root."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+
+
 @cache
 def fsdp1_workload(base: type) -> Any:
     """A subclass of the workload class ``base`` wrapped in FSDP1 as transformers' Trainer + accelerate wrap a PEFT
@@ -182,6 +194,12 @@ def fsdp1_workload(base: type) -> Any:
         #: wrapping (the allocation stream the device-level verdict replays: see :func:`fsdp1_workload`)
         load_per_unit: bool = False
 
+        def _train_all(self) -> None:
+            """Full fine-tuning: the model FSDP1 wraps is trainable (one ``requires_grad`` per unit)."""
+            if self.spec.full:
+                for p in self.model.parameters():
+                    p.requires_grad_(p.is_floating_point())
+
         def _unit_init(self, module: Any) -> None:
             """FSDP1's ``param_init_fn``: ``module``'s own parameters and buffers, made on the device."""
             self._materialise_module(module, self.device, adapters=False)
@@ -206,12 +224,14 @@ def fsdp1_workload(base: type) -> Any:
         def materialise_base(self, device: Any) -> None:
             self.device = device
             if self.load_per_unit:  # each unit's parameters made as FSDP1 wraps it (param_init_fn)
+                self._train_all()
                 self.model = self._wrap(self.model)
                 self._init_base()
             else:
                 self._materialise(device, adapters=False)
                 self._materialise(device, adapters=True)
                 self._init_base()
+                self._train_all()
                 self.model = self._wrap(self.model)
             # the materialisation memo (tied weights) must not outlive the wrapping: with use_orig_params=False
             # FSDP1 replaces the original parameters by views of its flat parameter, and a Trainer holds no other
@@ -257,7 +277,8 @@ def fsdp1_workload(base: type) -> Any:
                 stack.enter_context(fake_storage_checks())
             wrapped = FullyShardedDataParallel(
                 model,
-                auto_wrap_policy=fsdp_auto_wrap_policy(model),
+                # full fine-tuning: accelerate's TRANSFORMER_BASED_WRAP (no PEFT model: no update_fsdp_plugin_peft)
+                auto_wrap_policy=_layer_policy(model) if self.spec.full else fsdp_auto_wrap_policy(model),
                 sharding_strategy=strategy,
                 use_orig_params=opts.use_orig_params,
                 limit_all_gathers=opts.limit_all_gathers,
