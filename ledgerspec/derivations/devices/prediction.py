@@ -404,12 +404,13 @@ class DevicePrediction:
     def sentence(self) -> str:
         """The verdict in one line: which figure, the margin, the fragmentation."""
         dev = format_size(self.device_peak)
-        total = format_size(self.cuda_total) + (f" ({self.cuda_note})" if self.cuda_note else "")
+        total = format_size(self.cuda_total)
+        note = f"; {self.cuda_note}" if self.cuda_note else ""
         split = f"reserved {format_size(self.peak_reserved)} + {format_size(self.outside)} outside the allocator"
         if self.fits:
             return (
                 f"fits on the device: device peak {dev} of {total} ({split}), margin {format_size(self.margin)}; "
-                f"the allocator model's replay against the {format_size(self.capacity)} it can get completes"
+                f"the allocator model's replay against the {format_size(self.capacity)} it can get completes{note}"
             )
         oom = self.oom
         assert oom is not None
@@ -417,7 +418,7 @@ class DevicePrediction:
             f"does NOT fit on the device: the allocator model runs out of memory in phase {self.oom_word} "
             f"({oom.phase}) asking for {format_size(oom.requested)} with {format_size(oom.reserved)} reserved of the "
             f"{format_size(self.capacity)} it can get, after freeing its cache; device peak without a limit {dev} of "
-            f"{total} ({split}), {format_size(-self.margin)} over"
+            f"{total} ({split}), {format_size(-self.margin)} over{note}"
         )
 
     def lines(self) -> list[str]:
