@@ -57,7 +57,7 @@ class Device:
 
 
 #: words a device's name carries that do not tell devices apart
-_VENDOR_WORDS = frozenset({"nvidia", "amd", "tesla"})
+_VENDOR_WORDS = frozenset({"nvidia", "amd", "tesla", "geforce"})
 
 
 def name_tokens(name: str) -> frozenset[str]:

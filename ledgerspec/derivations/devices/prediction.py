@@ -13,14 +13,15 @@ reaches the device's total. :func:`estimate_on_device` answers both questions fr
 3. the stream replayed through the allocator model (:mod:`ledgerspec.derivations.allocator.replay`, the ledger's
    ``software.pytorch_cuda_alloc_conf`` or PyTorch's defaults) twice: without a limit, for the reserved bytes per
    phase, and against the capacity the allocator can get (the device's total minus what lies outside), for the
-   verdict: it **fits** when that replay completes without an out-of-memory, the allocator's free-and-retry path
-   included. When the tensors alone fit but the replay runs out (fragmentation decides), the replay is run again
-   with ``expandable_segments:True`` and with ``max_split_size_mb`` values (:data:`SPLIT_TRIES`), and the one that
-   makes it fit by the most is named.
+   verdict (the device's total is CUDA's own, ``cudaMemGetInfo``'s, when the declared memory is a named catalogue
+   card's nominal one: :func:`cuda_total_of`; the allocator can never hold more): it **fits** when that replay
+   completes without an out-of-memory, the allocator's free-and-retry path included. When the tensors alone fit but
+   the replay runs out (fragmentation decides), the replay is run again with ``expandable_segments:True`` and with
+   ``max_split_size_mb`` values (:data:`SPLIT_TRIES`), and the one that makes it fit by the most is named.
 
 The device-level peak is the peak reserved plus the bytes outside the allocator (the whole step long: modules loaded
 during the step are counted from the first phase on, an upper bound for the early phases). ``fits`` holds exactly
-when that peak is at most the device's total: a replay against the capacity takes the same decisions as the one
+when that peak is at most the device's (CUDA) total: a replay against the capacity takes the same decisions as the one
 without a limit until a ``cudaMalloc`` would pass the capacity, so a replay that runs out reserves more than the
 capacity without a limit, and one that completes never reserves more than the capacity.
 
@@ -100,7 +101,7 @@ def cuda_total_of(total: int, name: str | None, catalogue: Any = None) -> tuple[
     device = device_named(name, devices)
     if device is None or total not in device.nominal():
         return total, ""
-    short = device.name.removeprefix("NVIDIA ").removeprefix("AMD ")
+    short = device.name.removeprefix("NVIDIA ").removeprefix("AMD ").removeprefix("GeForce ")
     if device.capacity_assumed:
         return total, (
             f"ASSUMPTION: {_article(short)} {short}'s CUDA total is taken as the declared {format_size(total)}: the "

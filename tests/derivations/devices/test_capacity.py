@@ -61,6 +61,7 @@ def test_names_as_torch_reports_them_are_the_catalogue_entries() -> None:
         "NVIDIA A100-SXM4-40GB": "NVIDIA A100 40GB",
         "NVIDIA H100 80GB HBM3": "NVIDIA H100 80GB HBM3",
         "NVIDIA GeForce RTX 4090": "NVIDIA GeForce RTX 4090",
+        "RTX 4090": "NVIDIA GeForce RTX 4090",  # as a ledger may name it
         "NVIDIA L40S": "NVIDIA L40S",
         "NVIDIA L40": None,  # another board
         "NVIDIA A100": None,  # which one?
