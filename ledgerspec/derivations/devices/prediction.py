@@ -155,6 +155,9 @@ def _named(doc: Document, total: int, from_flag: bool, catalogue: Any) -> Target
     declared = doc.get("result", "target_device", "memory").size()
     if name and name.strip() and (not from_flag or declared is None or declared == total):
         return Target(total, name.strip(), "result.target_device.name", "result.target_device.name")
+    gpu = doc.get("software", "gpu_name").text()
+    if gpu and gpu.strip() and _is_nominal_of(gpu, total, catalogue):  # the declared card, at its own memory
+        return Target(total, gpu.strip(), "software.gpu_name", "software.gpu_name (a catalogue card at its memory)")
     match = catalogue_match(total, catalogue)
     if match is not None:
         device, others = match
@@ -166,10 +169,18 @@ def _named(doc: Document, total: int, from_flag: bool, catalogue: Any) -> Target
             f"the device catalogue's entry nearest to {format_size(total)} ({format_size(device.total)} as PyTorch "
             f"reports it, {device.vendor_memory} as sold{also})",
         )
-    gpu = doc.get("software", "gpu_name").text()
     if gpu and gpu.strip():
         return Target(total, gpu.strip(), "software.gpu_name", "software.gpu_name")
     return Target(total, None, "none", "nothing: no result.target_device.name, catalogue entry or software.gpu_name")
+
+
+def _is_nominal_of(name: str, total: int, catalogue: Any) -> bool:
+    """Whether ``name`` is a catalogue card and ``total`` its nominal memory (an H100 declared on 80 GiB is the H100,
+    not the A100 80GB that the memory alone would name)."""
+    from ledgerspec.derivations.devices.catalogue import device_named, load_catalogue
+
+    device = device_named(name, (catalogue if catalogue is not None else load_catalogue()).devices)
+    return device is not None and total in device.nominal()
 
 
 def outside_of(doc: Document, target: Target, world: int | None = None) -> outside.Figure:

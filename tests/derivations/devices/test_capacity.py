@@ -89,6 +89,13 @@ def test_a_named_cards_nominal_memory_is_replayed_against_its_cuda_total() -> No
     # named by software.gpu_name
     gpu = _doc("software:\n  gpu_name: NVIDIA L40S\n")
     assert _printed(P.target_of(gpu, 48 * 10**9).cuda_total) == 44.42
+    # an H100 declared on 80 GiB is the H100 (79.11 GiB), not the A100 80GB the memory alone would name
+    h100 = P.target_of(_doc("software:\n  gpu_name: NVIDIA H100 80GB HBM3\n"), 80 * GiB)
+    assert (h100.name, h100.named_by, _printed(h100.cuda_total)) == (
+        "NVIDIA H100 80GB HBM3",
+        "software.gpu_name",
+        79.11,
+    )
 
 
 def test_a_user_catalogue_without_capacity_falls_back_to_total_and_says_so(tmp_path: Path) -> None:
