@@ -177,6 +177,10 @@ trained: {", ".join(r.cells()[7] for r in ran)}.
   checked against recorded streams (`tests/derivations/allocator/`), not yet against a GPU run of this step.
 - **The bytes outside the allocator are the catalogue's** (CUDA context and modules on an A100, 706 MiB; range in
   `docs/outside-allocator.md`), an ASSUMPTION: `ledgerspec measure --device cuda` measures them.
+- **Each verdict is decided against the card's CUDA total**, 79.25 GiB for the declared `NVIDIA A100-SXM4-80GB` on
+  `80 GiB` (`cudaMemGetInfo`'s total, which PyTorch's out-of-memory message prints as "total capacity": the device
+  catalogue's `capacity`, with its sources), not nvidia-smi's 80 GiB: the caching allocator can never hold more. No
+  row is near either: the verdicts are those decided against 80 GiB.
 - **Llama-2-70B LoRA on one 80 GB card ran out of memory**, as predicted: its bf16 weights alone are about 128 GiB, so
   the allocated tensors decide, not the allocator.
 """

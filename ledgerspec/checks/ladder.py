@@ -91,6 +91,18 @@ def device_prediction(doc: Document) -> tuple[int | None, str | None]:
     return size, None
 
 
+def compared_total(doc: Document, target: int, peak_from: str | None) -> int:
+    """The device total a peak is compared with: for the estimate's device-level peak (held for this device memory:
+    :func:`device_prediction`), the card's CUDA total it was decided against (``x-estimate.verdict.cuda_total``:
+    a named card's nominal memory is replayed against CUDA's own, lower total); else, and for a ledger estimated
+    before that field, ``target`` (``result.target_device.memory``)."""
+    if peak_from == DEVICE_PEAK:
+        cuda_total = doc.get("x-estimate", "verdict", "cuda_total").size()
+        if cuda_total is not None and cuda_total < target:
+            return cuda_total
+    return target
+
+
 def best_peak(doc: Document) -> tuple[int | None, str | None]:
     """The strongest available peak figure: measured (device, reserved, allocated; the protocol's, then a pilot
     run's), then the estimate's predicted device-level peak when it holds for the declared device
@@ -203,14 +215,16 @@ def supported_status(doc: Document) -> StatusResult:
             "CANDIDATE needs a peak figure: a predicted peak (`ledgerspec estimate FILE` writes "
             "x-estimate) or a MEASURED one (metrics or a pilot); a sum of ledger components is not a peak"
         )
-    elif target is not None and res.best_peak > target:
+    elif target is not None and res.best_peak > (limit := compared_total(doc, target, res.best_peak_from)):
         pilot = (
             " (a pilot run's: remove x-pilot if it measured another configuration)"
             if (res.best_peak_from or "").startswith("x-pilot.")
             else ""
         )
         held.append(
-            f"best peak ({res.best_peak_from}) = {res.best_peak} B does not fit the target device ({target} B){pilot}"
+            f"best peak ({res.best_peak_from}) = {res.best_peak} B does not fit the target device ({limit} B"
+            + (f", its CUDA total; declared {target} B" if limit != target else "")
+            + f"){pilot}"
         )
     if doc.get("result", "fits").switch() is False:
         held.append("result.fits is false")

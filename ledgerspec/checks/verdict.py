@@ -17,6 +17,7 @@ from ledgerspec.checks.ladder import (
     LADDER,
     RANK,
     StatusResult,
+    compared_total,
     cpu_estimate,
     device_prediction,
     pilot_section,
@@ -161,7 +162,13 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
         return Verdict(UNKNOWN, device, name, why=why)
     peak, peak_from = status.best_peak, status.best_peak_from
     provenance = _provenance(peak_from)
-    headroom = device - peak
+    limit = compared_total(doc, device, peak_from)  # the card's CUDA total for a device-level prediction
+    cuda_note = ""
+    if limit != device:
+        cuda_note = doc.get("x-estimate", "verdict", "cuda_total_note").text() or (
+            f"its CUDA total is {format_size(limit)}, not the declared {format_size(device)}"
+        )
+    headroom = limit - peak
     fits = headroom >= 0
     oom = None
     notes: list[str] = []
@@ -174,6 +181,8 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
     if provenance == "predicted":
         if peak_from == DEVICE_PEAK:
             qualifier = _device_qualifier(doc)
+            if cuda_note:
+                qualifier = f"{cuda_note}; {qualifier}"
         else:
             qualifier = "allocated tensors only: keep room for the CUDA context and the allocator's cache"
             why_not = device_prediction(doc)[1]

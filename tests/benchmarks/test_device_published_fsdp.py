@@ -76,3 +76,19 @@ def test_a_row_re_estimated_gives_the_committed_cells(bench: Any) -> None:
     pytest.importorskip("bitsandbytes")
     run = next(r for r in bench.RUNS if r.key == "fms-mistral-7b-qlora-2gpu-bs2")
     assert bench.estimate_run(run).cells() == _rows()[run.key]
+
+
+def test_each_verdict_is_decided_against_the_a100s_cuda_total() -> None:
+    """The ledgers declare `NVIDIA A100-SXM4-80GB` on 80 GiB; the caching allocator can never hold more than CUDA's
+    total, 79.25 GiB on that card as PyTorch's out-of-memory messages print it (levihsu/OOTDiffusion#235,
+    wbfwonderful/Vad-R1#11): each margin is 79.25 GiB less the device-level peak, negative when it does not fit; a
+    peak without a limit above 79.25 GiB fits only when the replay against the capacity completes after the
+    allocator's free-and-retry (then its own peak is at most the capacity: a margin of at least 0)."""
+    for key, c in _rows().items():
+        margin = float(re.search(r"margin (-?[0-9.]+)", c[11]).group(1))  # type: ignore[union-attr]
+        unlimited = float(c[6])
+        if unlimited <= 79.25 or c[11].startswith("does not fit"):
+            assert abs(79.25 - unlimited - margin) <= 0.011, key
+        else:
+            assert margin >= 0, key
+        assert c[11].startswith("does not fit") == (margin < 0), key

@@ -117,3 +117,25 @@ def test_without_a_device_level_prediction_for_this_device_the_verdict_says_allo
     assert v.answer == FITS and v.peak_field == "x-estimate.peak_allocated"  # type: ignore[attr-defined]
     assert v.oom_phase is None  # type: ignore[attr-defined]
     assert "allocated tensors only" in v.sentence() and "other allocator settings" in v.sentence()  # type: ignore[attr-defined]
+
+
+def test_a_device_level_prediction_is_compared_with_the_cuda_total_it_was_decided_against() -> None:
+    """23.75 GiB predicted on a 24 GiB RTX 4090 whose CUDA total is 23.64 GiB (PyTorch's out-of-memory messages in
+    3DTopia/Phidias-Diffusion#8, TMElyralab/MuseTalk#76): it does not fit, and the verdict says against what; the
+    same ledger estimated before `cuda_total` was recorded reads as it did (against the declared 24 GiB)."""
+    cuda = round(23.64 * 2**30)
+    fits = DEVICE.replace("24.5GiB, source: ASSUMPTION", "23.75GiB, source: ASSUMPTION")
+    old = _verdict(fits)
+    assert old.answer == FITS and old.peak_field == "x-estimate.device_peak"  # type: ignore[attr-defined]
+    note = "an RTX 4090's CUDA total is 23.64 GiB, not the declared 24.00 GiB"
+    new = fits.replace(
+        "    device_memory: 25769803776\n    alloc_conf",
+        f'    device_memory: 25769803776\n    cuda_total: {cuda}\n    cuda_total_note: "{note}"\n    alloc_conf',
+    )
+    v = _verdict(new)
+    assert v.answer == DOES_NOT_FIT and v.headroom == cuda - round(23.75 * 2**30)  # type: ignore[attr-defined]
+    assert note in v.sentence()  # type: ignore[attr-defined]
+    from ledgerspec.checks.ladder import DEVICE_PEAK, compared_total
+
+    assert compared_total(from_text(new), 24 * 2**30, DEVICE_PEAK) == cuda  # what the status ladder compares too
+    assert compared_total(from_text(new), 24 * 2**30, "x-estimate.peak_allocated") == 24 * 2**30

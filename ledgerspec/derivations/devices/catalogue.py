@@ -8,6 +8,7 @@ training process cannot give to tensors (the CUDA context, the cuBLAS workspace)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,56 @@ class Device:
     total: int  # bytes, as PyTorch reports them (torch.cuda.get_device_properties(0).total_memory)
     reserve: int  # bytes no tensor can have (CUDA context, cuBLAS workspace)
     source: str
+    #: bytes CUDA (HIP) reports as the device's total (``cudaMemGetInfo``'s total, what PyTorch's out-of-memory message
+    #: prints as "total capacity"): the most the caching allocator can ever hold; ``total`` when the file gives none
+    capacity: int = 0
+    #: True when the file gives no ``capacity`` and ``total`` stands in for it (an ASSUMPTION: CUDA's total is below)
+    capacity_assumed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.capacity <= 0:
+            object.__setattr__(self, "capacity", self.total)
+            object.__setattr__(self, "capacity_assumed", True)
 
     @property
     def usable(self) -> int:
         return self.total - self.reserve
+
+    def nominal(self) -> list[int]:
+        """The memories a ledger may declare for this device as its own: its total as nvidia-smi prints it, and its
+        vendor memory in GB (decimal, as sold) or in GiB (``80 GB`` -> 80 GB and 80 GiB)."""
+        sizes = [self.total]
+        m = re.match(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(GB|GiB|TB|TiB)\s*$", self.vendor_memory)
+        if m:
+            n = float(m.group(1))
+            scale = {"GB": (10**9, 2**30), "GiB": (10**9, 2**30), "TB": (10**12, 2**40), "TiB": (10**12, 2**40)}
+            dec, binary = scale[m.group(2)]
+            sizes += [int(n * dec), int(n * binary)]
+        return sizes
+
+
+#: words a device's name carries that do not tell devices apart
+_VENDOR_WORDS = frozenset({"nvidia", "amd", "tesla", "geforce"})
+
+
+def name_tokens(name: str) -> frozenset[str]:
+    """The words of a device name, lower case, without the vendor: ``NVIDIA A100-SXM4-80GB`` -> a100, sxm4, 80gb."""
+    return frozenset(t for t in re.split(r"[^0-9a-z]+", name.lower()) if t and t not in _VENDOR_WORDS)
+
+
+def device_named(name: str, devices: list[Device]) -> Device | None:
+    """The catalogue entry a reported device name is: the entry whose name's words (less the vendor) are all among
+    the reported name's words, the one with the most words when several are (``NVIDIA A100-SXM4-80GB`` and ``NVIDIA
+    A100 80GB PCIe`` are the entry ``NVIDIA A100 80GB``; ``NVIDIA A100`` alone is neither A100 entry); None: none,
+    or two entries as specific."""
+    words = name_tokens(name)
+    found = [(len(name_tokens(d.name)), d) for d in devices if name_tokens(d.name) and name_tokens(d.name) <= words]
+    if not found:
+        return None
+    found.sort(key=lambda f: -f[0])
+    if len(found) > 1 and found[1][0] == found[0][0]:
+        return None
+    return found[0][1]
 
 
 @dataclass(frozen=True)
@@ -89,15 +136,34 @@ def load_catalogue(extra: str | None = None) -> Catalogue:
             reserve = _size(item.get("reserve", default_reserve), shown, f"devices[{i}].reserve")
             if reserve >= total:
                 raise _bad(shown, f"devices[{i}]: reserve {reserve} B is not below total {total} B")
+            capacity = 0
+            if "capacity" in item:
+                capacity = _size(item["capacity"], shown, f"devices[{i}].capacity")
+                if not 0 < capacity <= total:
+                    raise _bad(
+                        shown,
+                        f"devices[{i}]: capacity {capacity} B is not in (0, total {total} B]: CUDA's total "
+                        "(cudaMemGetInfo) is at most nvidia-smi's",
+                    )
             by_name[item["name"]] = Device(
                 item["name"],
                 str(item.get("vendor_memory", format_size(total))),
                 total,
                 reserve,
                 " ".join(str(item.get("source", "")).split()),
+                capacity,
             )
     named = ["ledgerspec " + BUILT_IN] + ([str(extra)] if extra else [])
     return Catalogue(list(by_name.values()), reserve_source, named)
 
 
-__all__ = ["BUILT_IN", "CATALOGUE", "Catalogue", "Device", "load_catalogue", "usable_note"]
+__all__ = [
+    "BUILT_IN",
+    "CATALOGUE",
+    "Catalogue",
+    "Device",
+    "device_named",
+    "load_catalogue",
+    "name_tokens",
+    "usable_note",
+]

@@ -52,6 +52,7 @@ class Row:
             "gpus": self.gpus,
             "vendor_memory": self.device.vendor_memory,
             "total": self.device.total,
+            "capacity": self.device.capacity,
             "memory": self.device.usable,
             "peak": self.peak,
             "fits": self.fits,
@@ -181,8 +182,9 @@ def compare(
     if verdict is not None:
         notes.append(
             "fits and headroom: decided on the device at the declared microbatch (the step's allocation stream "
-            "replayed through the caching-allocator model against each device's total less what lies outside the "
-            "allocator there: the CUDA context and modules, NCCL's buffers); headroom = total - device-level peak; "
+            "replayed through the caching-allocator model against each device's CUDA total (its capacity in the "
+            "catalogue: what cudaMemGetInfo reports, below nvidia-smi's total) less what lies outside the allocator "
+            "there: the CUDA context and modules, NCCL's buffers); headroom = capacity - device-level peak; "
             "the largest microbatch: the allocated tensors against the usable memory"
         )
     return Comparison(rows, declared, sharding, notes, catalogue, sorted(s.microbatch for s in model.samples))
@@ -204,11 +206,20 @@ def _on_device(doc: Document, steps: dict[int, list[Any]]) -> Any:
     free = {id(step): free_replay(doc, step, conf) for group in steps.values() for step in group}
 
     def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str]:
-        target = Target(device.total, device.name, "catalogue", "the device catalogue's entry")
+        target = Target(device.total, device.name, "catalogue", "the device catalogue's entry", device.capacity)
         figure = outside_of(doc, target, gpus)
         worst: DevicePrediction | None = None
         for step in steps[gpus]:
-            replayed = replay_on_device(doc, step, device.total, figure.bytes, conf, free=free[id(step)], tries=False)
+            replayed = replay_on_device(
+                doc,
+                step,
+                device.total,
+                figure.bytes,
+                conf,
+                free=free[id(step)],
+                tries=False,
+                cuda_total=device.capacity,
+            )
             p = DevicePrediction(target, figure, replayed)
             if worst is None or (p.fits, p.margin) < (worst.fits, worst.margin):
                 worst = p

@@ -5,11 +5,12 @@ card's size. :func:`ranks_on_device` takes the per-rank estimate of an FSDP step
 allocation stream at full depth (:func:`ledgerspec.derivations.shard.fsdp.simulate.estimate_per_rank` with
 ``streams=True``: every allocation on the stream FSDP made it on, so FSDP's all-gather, copy-in and reduce-scatter
 buffers come from pools of their own, as the caching allocator keeps one pool per stream) and replays each through
-the allocator model against the capacity that rank's allocator can get: the device's total minus what lies outside
-the allocator on that rank (:func:`ledgerspec.derivations.devices.prediction.outside_of`: the ledger's
-``outside_allocator.total``, else the catalogue for the named device with NCCL's buffers for the world size). It is
-:func:`ledgerspec.derivations.devices.prediction.replay_on_device`, the single-GPU verdict, per rank: the same
-free-and-retry, the same settings tried when fragmentation decides.
+the allocator model against the capacity that rank's allocator can get: the device's total (CUDA's own when the
+declared memory is a catalogue device's nominal one: :func:`ledgerspec.derivations.devices.prediction.cuda_total_of`)
+minus what lies outside the allocator on that rank (:func:`ledgerspec.derivations.devices.prediction.outside_of`:
+the ledger's ``outside_allocator.total``, else the catalogue for the named device with NCCL's buffers for the world
+size). It is :func:`ledgerspec.derivations.devices.prediction.replay_on_device`, the single-GPU verdict, per rank:
+the same free-and-retry, the same settings tried when fragmentation decides.
 
 The host runs ahead of the device: FSDP1's ``record_stream`` frees are pending in the replay until the host waits
 for the device (FSDP1's rate limiter, the Trainer's loss check): :func:`ledgerspec.derivations.shard.simulation.
@@ -53,7 +54,9 @@ def ranks_on_device(doc: Document, est: Any, device_memory: int, world: int, fro
             raise ValueError(f"rank {r.rank} has no allocation stream (estimate_per_rank(..., streams=True))")
         got = by_step.get(id(r.step))
         if got is None:
-            replayed = replay_on_device(doc, r.step, device_memory, figure.bytes, conf, est.target)
+            replayed = replay_on_device(
+                doc, r.step, device_memory, figure.bytes, conf, est.target, cuda_total=named.cuda_total
+            )
             got = by_step[id(r.step)] = DevicePrediction(named, figure, replayed)
         out.append(got)
     return out

@@ -13,14 +13,15 @@ reaches the device's total. :func:`estimate_on_device` answers both questions fr
 3. the stream replayed through the allocator model (:mod:`ledgerspec.derivations.allocator.replay`, the ledger's
    ``software.pytorch_cuda_alloc_conf`` or PyTorch's defaults) twice: without a limit, for the reserved bytes per
    phase, and against the capacity the allocator can get (the device's total minus what lies outside), for the
-   verdict: it **fits** when that replay completes without an out-of-memory, the allocator's free-and-retry path
-   included. When the tensors alone fit but the replay runs out (fragmentation decides), the replay is run again
-   with ``expandable_segments:True`` and with ``max_split_size_mb`` values (:data:`SPLIT_TRIES`), and the one that
-   makes it fit by the most is named.
+   verdict (the device's total is CUDA's own, ``cudaMemGetInfo``'s, when the declared memory is a named catalogue
+   card's nominal one: :func:`cuda_total_of`; the allocator can never hold more): it **fits** when that replay
+   completes without an out-of-memory, the allocator's free-and-retry path included. When the tensors alone fit but
+   the replay runs out (fragmentation decides), the replay is run again with ``expandable_segments:True`` and with
+   ``max_split_size_mb`` values (:data:`SPLIT_TRIES`), and the one that makes it fit by the most is named.
 
 The device-level peak is the peak reserved plus the bytes outside the allocator (the whole step long: modules loaded
 during the step are counted from the first phase on, an upper bound for the early phases). ``fits`` holds exactly
-when that peak is at most the device's total: a replay against the capacity takes the same decisions as the one
+when that peak is at most the device's (CUDA) total: a replay against the capacity takes the same decisions as the one
 without a limit until a ``cudaMalloc`` would pass the capacity, so a replay that runs out reserves more than the
 capacity without a limit, and one that completes never reserves more than the capacity.
 
@@ -45,7 +46,7 @@ EXPANDABLE = "expandable_segments:True"
 #: how near a catalogue device's total (or its vendor memory) must be to the asked memory to name it
 NAME_TOLERANCE = 0.01
 #: bump when the cached form of a device prediction changes
-FORMAT = 1
+FORMAT = 2
 
 _err = ErrorAt("estimate")
 
@@ -63,16 +64,66 @@ class Target:
     named_by: str
     #: how, in words
     how: str = ""
+    #: the total the caching allocator can ever get (CUDA's own, ``cudaMemGetInfo``; see :func:`cuda_total_of`):
+    #: ``total`` unless the declared memory is the named catalogue device's nominal one (0: ``total``)
+    cuda_total: int = 0
+    #: how ``cuda_total`` was chosen, in one phrase ("an A100 80GB's CUDA total is 79.25 GiB, not the declared
+    #: 80.00 GiB"); empty when it is ``total``
+    cuda_note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.cuda_total <= 0:
+            object.__setattr__(self, "cuda_total", self.total)
 
 
-def catalogue_match(total: int) -> tuple[Any, list[str]] | None:
-    """The built-in device catalogue's entry whose total (as PyTorch reports it) or vendor memory is nearest to
-    ``total`` within :data:`NAME_TOLERANCE`, and the names of the other entries as near; None: none is."""
+def _article(short: str) -> str:
+    """ "a" or "an" before a device's short name (letters read out: an A100, an H100, an RTX 4090, a GeForce)."""
+    head = short[:1].upper()
+    acronym = len(short) > 1 and (short[1].isdigit() or short[1].isupper())
+    vowel_sound = head in "AEIOU" or (acronym and head in "FHLMNRSX")
+    return "an" if vowel_sound else "a"
+
+
+def cuda_total_of(total: int, name: str | None, catalogue: Any = None) -> tuple[int, str]:
+    """The device total the caching allocator can ever get, for a declared ``total`` on the device ``name``, and
+    the phrase that says so. PyTorch's allocator gets its segments from ``cudaMalloc`` and reports the device's
+    total as ``cudaMemGetInfo``'s (c10/cuda/CUDACachingAllocator.cpp, ``DeviceCachingAllocator::malloc``: the
+    out-of-memory message's "total capacity"), which is below nvidia-smi's total and the vendor's size. When
+    ``name`` is a catalogue entry (:func:`~ledgerspec.derivations.devices.catalogue.device_named`) and ``total`` is
+    that entry's nominal memory (its nvidia-smi total, or its vendor memory in GB or GiB), the entry's ``capacity``
+    (``total`` where the catalogue gives none, said); else ``total`` as it is (a MIG slice, ``--device-memory
+    20GiB``): ``(total, "")``."""
+    from ledgerspec.derivations.devices.catalogue import device_named, load_catalogue
+
+    if not name:
+        return total, ""
+    devices = (catalogue if catalogue is not None else load_catalogue()).devices
+    device = device_named(name, devices)
+    if device is None or total not in device.nominal():
+        return total, ""
+    short = device.name.removeprefix("NVIDIA ").removeprefix("AMD ").removeprefix("GeForce ")
+    if device.capacity_assumed:
+        return total, (
+            f"ASSUMPTION: {_article(short)} {short}'s CUDA total is taken as the declared {format_size(total)}: the "
+            "device catalogue gives no capacity for it (CUDA's own total is a little lower)"
+        )
+    if device.capacity == total:
+        return total, ""
+    return device.capacity, (
+        f"{_article(short)} {short}'s CUDA total is {format_size(device.capacity)}, not the declared "
+        f"{format_size(total)}"
+    )
+
+
+def catalogue_match(total: int, catalogue: Any = None) -> tuple[Any, list[str]] | None:
+    """The device catalogue's entry (the built-in one unless ``catalogue`` is given) whose total (as PyTorch reports
+    it) or vendor memory is nearest to ``total`` within :data:`NAME_TOLERANCE`, and the names of the other entries
+    as near; None: none is."""
     from ledgerspec.contract.units import UnitError
     from ledgerspec.derivations.devices.catalogue import load_catalogue
 
     found: list[tuple[float, int, Any]] = []
-    for i, device in enumerate(load_catalogue().devices):
+    for i, device in enumerate((catalogue if catalogue is not None else load_catalogue()).devices):
         sizes = [device.total]
         try:
             sizes.append(parse_size(device.vendor_memory))
@@ -88,16 +139,26 @@ def catalogue_match(total: int) -> tuple[Any, list[str]] | None:
     return best[2], [d.name for dist, _, d in found[1:] if dist == best[0]]
 
 
-def target_of(doc: Document, total: int, from_flag: bool = False) -> Target:
+def target_of(doc: Document, total: int, from_flag: bool = False, catalogue: Any = None) -> Target:
     """Name the device of ``total`` bytes: ``result.target_device.name`` (unless ``--device-memory`` asked about
     another size than the ledger's target), else the device catalogue's entry whose total or vendor memory matches
     (within 1 %, the nearest), else ``software.gpu_name``, else unnamed (the outside catalogue's unknown-GPU
-    figure)."""
+    figure); and the total its caching allocator can get (:func:`cuda_total_of`). ``catalogue``: a
+    :class:`~ledgerspec.derivations.devices.catalogue.Catalogue` instead of the built-in one."""
+    named = _named(doc, total, from_flag, catalogue)
+    cuda_total, note = cuda_total_of(total, named.name, catalogue)
+    return replace(named, cuda_total=cuda_total, cuda_note=note)
+
+
+def _named(doc: Document, total: int, from_flag: bool, catalogue: Any) -> Target:
     name = doc.get("result", "target_device", "name").text()
     declared = doc.get("result", "target_device", "memory").size()
     if name and name.strip() and (not from_flag or declared is None or declared == total):
         return Target(total, name.strip(), "result.target_device.name", "result.target_device.name")
-    match = catalogue_match(total)
+    gpu = doc.get("software", "gpu_name").text()
+    if gpu and gpu.strip() and _is_nominal_of(gpu, total, catalogue):  # the declared card, at its own memory
+        return Target(total, gpu.strip(), "software.gpu_name", "software.gpu_name (a catalogue card at its memory)")
+    match = catalogue_match(total, catalogue)
     if match is not None:
         device, others = match
         also = f"; as near: {', '.join(others)}" if others else ""
@@ -108,10 +169,18 @@ def target_of(doc: Document, total: int, from_flag: bool = False) -> Target:
             f"the device catalogue's entry nearest to {format_size(total)} ({format_size(device.total)} as PyTorch "
             f"reports it, {device.vendor_memory} as sold{also})",
         )
-    gpu = doc.get("software", "gpu_name").text()
     if gpu and gpu.strip():
         return Target(total, gpu.strip(), "software.gpu_name", "software.gpu_name")
     return Target(total, None, "none", "nothing: no result.target_device.name, catalogue entry or software.gpu_name")
+
+
+def _is_nominal_of(name: str, total: int, catalogue: Any) -> bool:
+    """Whether ``name`` is a catalogue card and ``total`` its nominal memory (an H100 declared on 80 GiB is the H100,
+    not the A100 80GB that the memory alone would name)."""
+    from ledgerspec.derivations.devices.catalogue import device_named, load_catalogue
+
+    device = device_named(name, (catalogue if catalogue is not None else load_catalogue()).devices)
+    return device is not None and total in device.nominal()
 
 
 def outside_of(doc: Document, target: Target, world: int | None = None) -> outside.Figure:
@@ -187,6 +256,12 @@ class Replayed:
     fallback: str | None = None  # why it was traced in full
     events: int = 0
     seconds: float = 0.0  # the third probe's share is in the estimate's time; this: building and replaying
+    #: the device total replayed against (CUDA's, :func:`cuda_total_of`); ``total`` is the memory asked about
+    cuda_total: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cuda_total <= 0:
+            self.cuda_total = self.total
 
     def to_cache(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,7 +288,18 @@ class DevicePrediction:
     # -- figures
     @property
     def total(self) -> int:
+        """The device memory asked about (declared, or ``--device-memory``)."""
         return self.replayed.total
+
+    @property
+    def cuda_total(self) -> int:
+        """The device total the replay decided against: CUDA's own (:func:`cuda_total_of`), ``total`` unless the
+        declared memory is a catalogue device's nominal one."""
+        return self.replayed.cuda_total
+
+    @property
+    def cuda_note(self) -> str:
+        return self.target.cuda_note if self.target.cuda_total == self.cuda_total else ""
 
     @property
     def capacity(self) -> int:
@@ -253,8 +339,9 @@ class DevicePrediction:
 
     @property
     def margin(self) -> int:
-        """The device's total minus the device-level peak: negative when it does not fit."""
-        return self.total - self.device_peak
+        """The device's total (CUDA's, :attr:`cuda_total`) minus the device-level peak: negative when it does not
+        fit."""
+        return self.cuda_total - self.device_peak
 
     @property
     def fragmentation(self) -> int:
@@ -329,12 +416,13 @@ class DevicePrediction:
     def sentence(self) -> str:
         """The verdict in one line: which figure, the margin, the fragmentation."""
         dev = format_size(self.device_peak)
-        total = format_size(self.total)
+        total = format_size(self.cuda_total)
+        note = f"; {self.cuda_note}" if self.cuda_note else ""
         split = f"reserved {format_size(self.peak_reserved)} + {format_size(self.outside)} outside the allocator"
         if self.fits:
             return (
                 f"fits on the device: device peak {dev} of {total} ({split}), margin {format_size(self.margin)}; "
-                f"the allocator model's replay against the {format_size(self.capacity)} it can get completes"
+                f"the allocator model's replay against the {format_size(self.capacity)} it can get completes{note}"
             )
         oom = self.oom
         assert oom is not None
@@ -342,7 +430,7 @@ class DevicePrediction:
             f"does NOT fit on the device: the allocator model runs out of memory in phase {self.oom_word} "
             f"({oom.phase}) asking for {format_size(oom.requested)} with {format_size(oom.reserved)} reserved of the "
             f"{format_size(self.capacity)} it can get, after freeing its cache; device peak without a limit {dev} of "
-            f"{total} ({split}), {format_size(-self.margin)} over"
+            f"{total} ({split}), {format_size(-self.margin)} over{note}"
         )
 
     def lines(self) -> list[str]:
@@ -408,6 +496,7 @@ class DevicePrediction:
         verdict: dict[str, Any] = {
             "compared": "x-estimate.device_peak",
             "device_memory": self.total,
+            "cuda_total": self.cuda_total,
             "device": self.target.name if self.target.name else "unnamed",
             "capacity": self.capacity,
             "fits": self.fits,
@@ -423,6 +512,8 @@ class DevicePrediction:
                 "headroom": self.total - self.peak_allocated,
             },
         }
+        if self.cuda_note:
+            verdict["cuda_total_note"] = self.cuda_note
         if self.oom is not None:
             verdict["oom"] = asdict(self.oom)
         if r.tried:
@@ -488,25 +579,28 @@ def replay_on_device(
     target: str = "cuda",
     free: Any = None,
     tries: bool = True,
+    cuda_total: int | None = None,
 ) -> Replayed:
     """Replay ``step`` (a full-depth :class:`~ledgerspec.derivations.allocator.step.StepEvents`) for a device of
     ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring). ``free``: the replay
     without a limit when the caller has it already (:func:`free_replay`: the same for every device unless the
     settings depend on the device's total); ``tries``: replay the allocator settings that could make a
-    fragmentation-decided verdict fit."""
+    fragmentation-decided verdict fit; ``cuda_total``: the total the allocator can get when it is not ``total``
+    (:func:`cuda_total_of`): the capacity is ``cuda_total - outside_bytes``."""
     from ledgerspec.derivations.allocator.config import AllocatorConfig
     from ledgerspec.derivations.allocator.step import replay_step
 
     started = time.perf_counter()
     config = _config(doc, conf)
-    capacity = max(0, total - outside_bytes)
+    device_total = cuda_total or total
+    capacity = max(0, device_total - outside_bytes)
     if free is None or depends_on_total(config):
-        free = replay_step(doc, config=config, device_total=total, target=target, step=step)
+        free = replay_step(doc, config=config, device_total=device_total, target=target, step=step)
     free_peak = max((p.reserved for p in free.phases.values()), default=0)
     if free.oom is None and free_peak <= capacity:
         on = free  # no cudaMalloc passes the capacity: the replay against it takes the same decisions
     else:
-        on = replay_step(doc, config=config, capacity=capacity, device_total=total, target=target, step=step)
+        on = replay_step(doc, config=config, capacity=capacity, device_total=device_total, target=target, step=step)
     shown = on if on.oom is None else free
     phases = {
         k: PhaseDevice(p.allocated, p.allocator_allocated, p.reserved, p.reserved + outside_bytes)
@@ -529,12 +623,13 @@ def replay_on_device(
         stream=step.method,
         fallback=step.fallback,
         events=len(step.events),
+        cuda_total=device_total,
     )
     peak_allocated = max((p.allocated for p in phases.values()), default=0)
     if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
         for setting, whole in _tries(config, conf):
             config_again = AllocatorConfig.parse(whole)
-            again = replay_step(doc, None, config_again, capacity, total, target, step)
+            again = replay_step(doc, None, config_again, capacity, device_total, target, step)
             reserved = max((p.reserved for p in again.phases.values()), default=0)
             if again.oom is None:
                 result.tried.append(Tried(setting, whole, True, reserved, capacity - reserved))
@@ -602,32 +697,40 @@ def estimate_on_device(
     store: Any = None,
     parallel: bool = False,
     progress: Any = None,
+    catalogue: Any = None,
 ) -> tuple[Any, DevicePrediction]:
     """The estimate of ``doc`` (its figures exactly as :func:`ledgerspec.derivations.estimate.estimate` gives them)
     and its :class:`DevicePrediction` for a device of ``device_memory`` bytes (``from_flag``: asked with
     ``--device-memory``, see :func:`target_of`). One set of traces: the estimate's probes and a third. With ``store``
     (an :class:`~ledgerspec.derivations.estimate.cache.EstimateCache`) the answer is kept and read back under a key
     that holds everything the replay depends on besides the estimate's inputs: the device's total, the bytes outside
-    the allocator and the allocator's settings."""
+    the allocator and the allocator's settings. ``catalogue``: the device catalogue that names the device and gives
+    its CUDA total (:func:`target_of`; the built-in one when None)."""
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import cached
 
     if target != "cuda":
         raise ValueError("the device verdict models the CUDA caching allocator: target cuda only")
     estimator.check_document(doc)
-    named = target_of(doc, device_memory, from_flag)
+    named = target_of(doc, device_memory, from_flag, catalogue)
     figure = outside_of(doc, named)
     conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
     _config(doc, conf)  # a setting PyTorch refuses: one line at the field, before anything is traced
     plain_question = {"target": target, "layers": layers, "offline": offline}
     question = {
         **plain_question,
-        "device": {"format": FORMAT, "total": device_memory, "outside": figure.bytes, "alloc_conf": conf},
+        "device": {
+            "format": FORMAT,
+            "total": device_memory,
+            "cuda_total": named.cuda_total,
+            "outside": figure.bytes,
+            "alloc_conf": conf,
+        },
     }
 
     def compute() -> tuple[Any, Replayed]:
         est, step = step_and_estimate(doc, target, layers, offline, store, parallel, progress)
-        return est, replay_on_device(doc, step, device_memory, figure.bytes, conf, target)
+        return est, replay_on_device(doc, step, device_memory, figure.bytes, conf, target, cuda_total=named.cuda_total)
 
     def encode(answer: tuple[Any, Replayed]) -> dict[str, Any]:
         return {"estimate": answer[0].to_cache(), "device": answer[1].to_cache()}
@@ -650,6 +753,7 @@ __all__ = [
     "Target",
     "Tried",
     "catalogue_match",
+    "cuda_total_of",
     "depends_on_total",
     "estimate_on_device",
     "free_replay",

@@ -111,11 +111,11 @@ class ShardEstimate:
 
 def device_fit(d: Any) -> Fit:
     """A :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction` as a :class:`Fit`: the device-level
-    peak against the device's total, the first out-of-memory phase of the replay against its capacity."""
+    peak against the device's CUDA total, the first out-of-memory phase of the replay against its capacity."""
     from ledgerspec.derivations.estimate.fit import OOM_PHASE
 
     key = d.oom.phase if d.oom is not None else None
-    return Fit(d.total, d.device_peak, d.fits, d.margin, OOM_PHASE.get(key, key) if key else None, key)
+    return Fit(d.cuda_total, d.device_peak, d.fits, d.margin, OOM_PHASE.get(key, key) if key else None, key)
 
 
 @contextlib.contextmanager

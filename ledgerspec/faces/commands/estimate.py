@@ -234,7 +234,9 @@ def _print_device(est: Any, p: Any) -> None:
     r = p.replayed
     print(
         printable(
-            f"  on the device: {p.device_text()}, {format_size(p.total)} ({r.stream}, {r.events:,} allocation events, "
+            f"  on the device: {p.device_text()}, {format_size(p.total)}"
+            + (f" declared, {format_size(p.cuda_total)} CUDA total" if p.cuda_total != p.total else "")
+            + f" ({r.stream}, {r.events:,} allocation events, "
             f"replayed through the caching-allocator model; {p.conf_text()}):"
         ),
         file=out,
