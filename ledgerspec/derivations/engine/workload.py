@@ -63,6 +63,8 @@ OPTIMIZERS = (
 )
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 LOOPS = ("trainer", "custom")
+#: the objectives whose batches are chosen/rejected pairs in one batch (TRL's preference collators)
+PAIRED = ("dpo", "reward")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 LEARNING_RATE = 2e-4  # any value: memory does not depend on it
 
@@ -121,22 +123,24 @@ class WorkloadSpec:
     offload: bool = False
     #: ``memory_options.offload_mode`` as written (whose offloading: TRL's, axolotl's)
     offload_mode: str | None = None
-    #: ``training.objective``: sft | dpo (the objectives the step simulates, ``config.SIMULATED_OBJECTIVES``)
+    #: ``training.objective``: sft | dpo | reward (the objectives the step simulates, ``config.SIMULATED_OBJECTIVES``)
     objective: str = "sft"
     #: DPO: where the reference log-probs come from (adapter_disabled | adapter_copy | precomputed)
     reference: str | None = None
     #: DPO: completion tokens per chosen row (``objective_settings.max_completion_length``, at most length - 1);
     #: None: every position after the first (one prompt token)
     completion: int | None = None
-    #: DPO: TRL sets every dropout's probability to 0 before training (``disable_dropout``, default true)
+    #: DPO, reward: TRL sets every dropout's probability to 0 before training (``disable_dropout``, default true)
     disable_dropout: bool = False
+    #: reward: ``objective_settings.center_rewards_coefficient`` (None: off, TRL's default)
+    center_rewards: float | None = None
 
     @property
     def padded(self) -> bool:
         """Whether a micro-step's batch carries padding and an attention mask (see :func:`rows_are_padded`); DPO's
         always does: its collator pads the rejected rows to the chosen ones (the synthetic rejected row is a token
-        shorter, :meth:`Workload.preference_batch`)."""
-        return (self.pads_rows and self.microbatch > 1) or self.objective == "dpo"
+        shorter, :meth:`Workload.preference_batch`), and so does the reward model's (the same pairs)."""
+        return (self.pads_rows and self.microbatch > 1) or self.objective in PAIRED
 
     @classmethod
     def from_document(cls, doc: Document) -> WorkloadSpec:
@@ -199,38 +203,43 @@ class WorkloadSpec:
             raise _err(doc, ("workload", "microbatch"), "workload.microbatch must be an integer >= 1")
         worst, typical = sequence_shapes(doc)
         t = cfg.training
-        if t.objective == "dpo" and w.packing and w.worst is not None:
-            # TRL 1.16's DPO neither packs nor runs padding-free (dpo_config.py:210-218: it warns and pads): the rows
-            # are prompt + completion pairs at their own lengths
+        if t.objective in PAIRED and w.packing and w.worst is not None:
+            # TRL 1.16's DPO neither packs nor runs padding-free (dpo_config.py:210-218: it warns and pads), and its
+            # RewardConfig has neither setting (its collator pads, reward_trainer.py:203-229): the rows are pairs at
+            # their own lengths
             typical = dataclasses.replace(w, packing=False).typical or worst
         if t.loop not in LOOPS:
             raise _err(doc, ("training", "loop"), f"unknown training loop {t.loop!r}", f"use one of {', '.join(LOOPS)}")
         what = t.not_simulated
         if what is not None:
             where: tuple[str, ...] = ("training", "objective")
-            if t.objective == "dpo":
-                where = ("software", "trl") if " on TRL " in what else ("training", "objective_settings", "reference")
+            if " on TRL " in what:
+                where = ("software", "trl")
+            elif t.objective == "dpo":
+                where = ("training", "objective_settings", "reference")
             raise _err(
                 doc,
                 where,
                 f"{what}: the training step (estimate, measure, shard) simulates supervised fine-tuning and TRL 1.16's "
-                "DPO with its reference from the policy (adapter_disabled) or precomputed; this one runs other "
+                "DPO (its reference from the policy or precomputed) and reward models; this one runs other "
                 "forwards or tensors (a second model, other batches, generation, full logits) it does not model yet",
                 "size the run with a measurement of the real trainer (LedgerCallback), or estimate its SFT step as a "
                 "lower bound with training.objective: sft",
             )
         kernels = cfg.kernels
-        if t.objective == "dpo":
+        if t.objective in PAIRED:
             if t.loop != "trainer":
+                trainer = "DPOTrainer" if t.objective == "dpo" else "RewardTrainer"
                 raise _err(
                     doc,
                     ("training", "loop"),
-                    "training.objective dpo runs TRL's DPOTrainer, a transformers.Trainer: not a custom loop",
+                    f"training.objective {t.objective} runs TRL's {trainer}, a transformers.Trainer: not a custom loop",
                     "set training.loop: trainer",
                 )
             # DPOTrainer scores through its own fused head (``preference.DPOLoop``): a fused cross-entropy patched into
             # the model's forward (Liger's, Cut Cross-Entropy's) is reached only with fused_lm_head=False
-            # (trainer/utils.py:1602-1610), so no declared cross_entropy kernel plays a part
+            # (trainer/utils.py:1602-1610), so no declared cross_entropy kernel plays a part; a reward model has no LM
+            # head and no token loss at all (a score per row)
             kernels = dataclasses.replace(kernels, cross_entropy="eager")
         if t.mixed_precision not in MIXED_PRECISION:
             raise _err(
@@ -268,7 +277,8 @@ class WorkloadSpec:
             objective=t.objective,
             reference=t.dpo_reference if t.objective == "dpo" else None,
             completion=t.max_completion_length if t.objective == "dpo" else None,
-            disable_dropout=t.objective == "dpo" and t.disable_dropout,
+            disable_dropout=t.objective in PAIRED and t.disable_dropout,
+            center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -307,7 +317,19 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
 
 def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
     """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
-    if spec.objective == "dpo":
+    if spec.objective == "reward":
+        loop = (
+            "TRL 1.16's RewardTrainer step: a sequence classifier (AutoModelForSequenceClassification, one score, "
+            "PEFT's SEQ_CLS model with a trainable copy of the score head), chosen and rejected rows in one batch "
+            "(twice the rows of the microbatch), one forward to a score per row, the pairwise logsigmoid loss"
+            + (" with the centring term" if spec.center_rewards is not None else "")
+            + " and TRL's metrics, the loss divided by the accumulation steps"
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "dpo":
         reference = {
             "precomputed": "the reference log-probs precomputed (read from the batch)",
             "adapter_copy": "the reference forward through TRL's frozen copy of the adapter (`ref`), without grad "
@@ -492,10 +514,18 @@ class Workload:
 
         self._materialise(device, adapters=True)
         target = getattr(torch, self.spec.adapter_dtype) if self.spec.adapter_dtype else None
+        # a reward model's trainable copy of its score head keeps the base's dtype (PEFT upcasts adapter layers only,
+        # tuners_utils.cast_adapter_dtype), unless TRL casts every trainable parameter of a quantized base to
+        # bfloat16 (reward_trainer.py:549-554), which adapter.dtype then says
+        keep = (
+            {id(p) for n, p in self.model.named_parameters() if ".modules_to_save." in n}
+            if self.spec.objective == "reward" and self.spec.quant is None
+            else set()
+        )
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.requires_grad:
-                    if target is not None and p.dtype != target:
+                    if target is not None and p.dtype != target and id(p) not in keep:
                         p.data = p.data.to(target)
                     p.normal_(0.0, 0.02)
         if self.spec.gradient_checkpointing:
@@ -717,6 +747,19 @@ class Workload:
         chosen = seq_len - self.prompt_length(seq_len)
         return self.spec.microbatch * chosen, self.spec.microbatch * max(chosen - 1, 0)
 
+    def reward_batch(self, seq_len: int) -> dict[str, Any]:
+        """A reward model's micro-batch as TRL's ``reward_trainer.DataCollatorForPreference`` hands it over
+        (reward_trainer.py:203-229, TRL 1.16): the ``microbatch`` chosen rows (``seq_len`` tokens), then the rejected
+        ones (a token shorter, padded on the right), ``input_ids`` and ``attention_mask``, int64; no labels."""
+        import torch
+
+        b = self.spec.microbatch
+        vocab = int(self.model.get_base_model().config.get_text_config().vocab_size)
+        ids = torch.randint(0, vocab, (2 * b, seq_len), device=self.device)
+        attention = torch.ones((2 * b, seq_len), dtype=torch.long, device=self.device)
+        attention[b:, -1] = 0
+        return {"input_ids": ids, "attention_mask": attention}
+
     def preference_batch(self, seq_len: int) -> dict[str, Any]:
         """A DPO micro-batch as TRL's ``DataCollatorForPreference`` hands it over (dpo_trainer.py:146-200, TRL 1.16):
         the ``microbatch`` chosen rows (prompt + completion, ``seq_len`` tokens), then the rejected ones (a token
@@ -791,6 +834,10 @@ class Workload:
                 from ledgerspec.derivations.engine.preference import DPOLoop
 
                 self._step = DPOLoop(self)
+            elif self.spec.objective == "reward":
+                from ledgerspec.derivations.engine.reward import RewardLoop
+
+                self._step = RewardLoop(self)
             elif self.trl_head_runs_here:
                 from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
 
