@@ -215,20 +215,22 @@ def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
 @rule(
     "LS015",
     WARNING,
-    "DPO on a quantized base declares adapters that TRL casts to bfloat16",
-    "TRL 1.16's DPOTrainer casts every trainable parameter of a quantized model to bfloat16 before training "
-    "(dpo_trainer.py:717-725): declare adapter.dtype: bfloat16, as the importers do",
+    "DPO or a reward model on a quantized base declares adapters that TRL casts to bfloat16",
+    "TRL 1.16's DPOTrainer and RewardTrainer cast every trainable parameter of a quantized model to bfloat16 "
+    "before training (dpo_trainer.py:717-725, reward_trainer.py:549-554): declare adapter.dtype: bfloat16, as the "
+    "importers do",
     example="base_model: {quantized: true}\nadapter: {dtype: float32}\ntraining: {objective: dpo}",
 )
 def ls015_dpo_qlora_adapter_dtype(ctx: Context) -> Iterator[Hit]:
     cfg = C.read(ctx.doc)
-    if cfg.training.objective != "dpo" or not cfg.quantization.quantized or not cfg.training.simulated:
+    trainer = {"dpo": "DPOTrainer", "reward": "RewardTrainer"}.get(cfg.training.objective)
+    if trainer is None or not cfg.quantization.quantized or not cfg.training.simulated:
         return
     dtype = ctx.get("adapter", "dtype")
     if dtype.known and str(dtype.value).strip().lower() not in ("bfloat16", "bf16"):
         yield Hit(
             ptr("adapter", "dtype"),
-            f"adapter.dtype {dtype.value}: TRL's DPOTrainer trains the adapters of a quantized base in bfloat16, so "
+            f"adapter.dtype {dtype.value}: TRL's {trainer} trains the adapters of a quantized base in bfloat16, so "
             "the run holds bfloat16 adapters, gradients and optimizer state",
         )
 

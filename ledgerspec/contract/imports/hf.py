@@ -233,6 +233,8 @@ def training_args(src: Source, b: Builder) -> None:
     _parallel(src, b, o)
     if dpo:  # a DPOConfig dump: its own fields (TRL 1.16)
         tool, label = "trl-dpo", "TRL 1.16.0 DPOConfig"
+    elif b.value(("training", "objective")) == "reward":  # a RewardConfig dump (TRL 1.16)
+        tool, label = "trl-reward", "TRL 1.16.0 RewardConfig"
     C.account_for_rest(src, b, tool, label)
 
 
