@@ -196,11 +196,11 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
     "LS014",
     WARNING,
     "training.objective is one whose step the estimate does not simulate",
-    "KTO/ORPO/CPO run other batches, GRPO/RLOO/PPO a generation phase, a reward model a score head, and DPO with a "
-    "separate reference model holds a second model: record the real trainer's run (LedgerCallback) until the "
-    "estimate models them (supervised fine-tuning and DPO with its reference from the policy or precomputed are "
-    "simulated)",
-    example="training: {objective: kto}",
+    "ORPO/CPO run other losses on the logits, GRPO/RLOO/PPO a generation phase, and DPO/KTO with a separate reference "
+    "model hold a second model: record the real trainer's run (LedgerCallback) until the estimate models them "
+    "(supervised fine-tuning, DPO and KTO with their reference from the policy or precomputed, and reward models are "
+    "simulated, on TRL 1.16)",
+    example="training: {objective: orpo}",
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
     training = C.read(ctx.doc).training
@@ -215,15 +215,15 @@ def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
 @rule(
     "LS015",
     WARNING,
-    "DPO or a reward model on a quantized base declares adapters that TRL casts to bfloat16",
-    "TRL 1.16's DPOTrainer and RewardTrainer cast every trainable parameter of a quantized model to bfloat16 "
-    "before training (dpo_trainer.py:717-725, reward_trainer.py:549-554): declare adapter.dtype: bfloat16, as the "
-    "importers do",
+    "DPO, KTO or a reward model on a quantized base declares adapters that TRL casts to bfloat16",
+    "TRL 1.16's DPOTrainer, KTOTrainer and RewardTrainer cast every trainable parameter of a quantized model to "
+    "bfloat16 before training (dpo_trainer.py:717-725, kto_trainer.py:777-780, reward_trainer.py:549-554): declare "
+    "adapter.dtype: bfloat16, as the importers do",
     example="base_model: {quantized: true}\nadapter: {dtype: float32}\ntraining: {objective: dpo}",
 )
 def ls015_dpo_qlora_adapter_dtype(ctx: Context) -> Iterator[Hit]:
     cfg = C.read(ctx.doc)
-    trainer = {"dpo": "DPOTrainer", "reward": "RewardTrainer"}.get(cfg.training.objective)
+    trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}.get(cfg.training.objective)
     if trainer is None or not cfg.quantization.quantized or not cfg.training.simulated:
         return
     dtype = ctx.get("adapter", "dtype")

@@ -171,13 +171,13 @@ LEFT_OUT_WHEN = {
 #: inputs only some objectives' steps read -> those objectives: hashed for their documents only (the other objectives'
 #: stamps never read them)
 OBJECTIVE_ONLY = {
-    ("training", "objective_settings", "reference"): ("dpo",),
-    ("training", "objective_settings", "max_completion_length"): ("dpo",),
-    ("training", "objective_settings", "disable_dropout"): ("dpo", "reward"),
+    ("training", "objective_settings", "reference"): ("dpo", "kto"),
+    ("training", "objective_settings", "max_completion_length"): ("dpo", "kto"),
+    ("training", "objective_settings", "disable_dropout"): ("dpo", "reward", "kto"),
     ("training", "objective_settings", "center_rewards_coefficient"): ("reward",),
 }
 #: inputs only the DPO step reads
-DPO_ONLY = {path for path, objectives in OBJECTIVE_ONLY.items() if objectives == ("dpo",)}
+DPO_ONLY = {path for path, objectives in OBJECTIVE_ONLY.items() if "dpo" in objectives and "reward" not in objectives}
 
 
 def _value(doc: Document, path: tuple[str, ...], verbatim: bool = False) -> tuple[bool, Any]:

@@ -204,6 +204,10 @@ def training_args(src: Source, b: Builder) -> None:
         # DPOTrainer scores with its fused LM head whatever the loss (dpo_trainer.py:955); its loss types combine
         # per-sequence log-probs, a few floats per row (:1386-1528)
         b.ignored.setdefault(src.path, []).append("loss_type")
+    elif b.value(("training", "objective")) == "kto" and loss in (None, "kto"):
+        # KTOConfig's default loss (kto_config.py): the KL batch and the KTO loss the simulated step runs; its other
+        # loss, apo_zero_unpaired, has no KL batch (kto_trainer.py:815): not modelled (the finding below)
+        b.ignored.setdefault(src.path, []).append("loss_type")
     elif trl and loss in (None, "chunked_nll"):
         b.set(
             ("software", "kernels", "cross_entropy"),
@@ -235,6 +239,12 @@ def training_args(src: Source, b: Builder) -> None:
         tool, label = "trl-dpo", "TRL 1.16.0 DPOConfig"
     elif b.value(("training", "objective")) == "reward":  # a RewardConfig dump (TRL 1.16)
         tool, label = "trl-reward", "TRL 1.16.0 RewardConfig"
+    elif b.value(("training", "objective")) == "kto":  # a KTOConfig dump (TRL 1.16)
+        tool, label = "trl-kto", "TRL 1.16.0 KTOConfig"
+        for key in ("desirable_weight", "undesirable_weight"):  # the losses' weights: one float each (:1471-1474)
+            if src.has(key):
+                src.take(key)
+                b.ignored.setdefault(src.path, []).append(key)
     C.account_for_rest(src, b, tool, label)
 
 

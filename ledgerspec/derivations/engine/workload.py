@@ -65,6 +65,10 @@ ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_at
 LOOPS = ("trainer", "custom")
 #: the objectives whose batches are chosen/rejected pairs in one batch (TRL's preference collators)
 PAIRED = ("dpo", "reward")
+#: the objectives whose step is a TRL trainer's own (no packing, a Trainer loop, the trainer's own loss)
+TRL_STEPS = ("dpo", "reward", "kto")
+#: the objectives that score through TRL's fused LM head and have a reference (DPO, KTO)
+REFERENCED = ("dpo", "kto")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 LEARNING_RATE = 2e-4  # any value: memory does not depend on it
 
@@ -140,7 +144,11 @@ class WorkloadSpec:
         """Whether a micro-step's batch carries padding and an attention mask (see :func:`rows_are_padded`); DPO's
         always does: its collator pads the rejected rows to the chosen ones (the synthetic rejected row is a token
         shorter, :meth:`Workload.preference_batch`), and so does the reward model's (the same pairs)."""
-        return (self.pads_rows and self.microbatch > 1) or self.objective in PAIRED
+        return (
+            (self.pads_rows and self.microbatch > 1)
+            or self.objective in PAIRED
+            or (self.objective == "kto" and self.microbatch > 1)
+        )
 
     @classmethod
     def from_document(cls, doc: Document) -> WorkloadSpec:
@@ -203,7 +211,7 @@ class WorkloadSpec:
             raise _err(doc, ("workload", "microbatch"), "workload.microbatch must be an integer >= 1")
         worst, typical = sequence_shapes(doc)
         t = cfg.training
-        if t.objective in PAIRED and w.packing and w.worst is not None:
+        if t.objective in TRL_STEPS and w.packing and w.worst is not None:
             # TRL 1.16's DPO neither packs nor runs padding-free (dpo_config.py:210-218: it warns and pads), and its
             # RewardConfig has neither setting (its collator pads, reward_trainer.py:203-229): the rows are pairs at
             # their own lengths
@@ -215,7 +223,7 @@ class WorkloadSpec:
             where: tuple[str, ...] = ("training", "objective")
             if " on TRL " in what:
                 where = ("software", "trl")
-            elif t.objective == "dpo":
+            elif t.objective in REFERENCED:
                 where = ("training", "objective_settings", "reference")
             raise _err(
                 doc,
@@ -227,9 +235,9 @@ class WorkloadSpec:
                 "lower bound with training.objective: sft",
             )
         kernels = cfg.kernels
-        if t.objective in PAIRED:
+        if t.objective in TRL_STEPS:
             if t.loop != "trainer":
-                trainer = "DPOTrainer" if t.objective == "dpo" else "RewardTrainer"
+                trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer"}.get(t.objective, "RewardTrainer")
                 raise _err(
                     doc,
                     ("training", "loop"),
@@ -275,9 +283,9 @@ class WorkloadSpec:
             offload=bool(cfg.activation_offload),
             offload_mode=doc.get("memory_options", "offload_mode").text(),
             objective=t.objective,
-            reference=t.dpo_reference if t.objective == "dpo" else None,
-            completion=t.max_completion_length if t.objective == "dpo" else None,
-            disable_dropout=t.objective in PAIRED and t.disable_dropout,
+            reference=t.dpo_reference if t.objective in REFERENCED else None,
+            completion=t.max_completion_length if t.objective in REFERENCED else None,
+            disable_dropout=t.objective in TRL_STEPS and t.disable_dropout,
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
         )
 
@@ -324,6 +332,21 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
             "(twice the rows of the microbatch), one forward to a score per row, the pairwise logsigmoid loss"
             + (" with the centring term" if spec.center_rewards is not None else "")
             + " and TRL's metrics, the loss divided by the accumulation steps"
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "kto":
+        reference = {
+            "precomputed": "the reference log-probs precomputed (read from the batch)",
+            "adapter_copy": "the reference forwards through TRL's frozen copy of the adapter (`ref`)",
+        }.get(spec.reference or "adapter_disabled", "the reference forwards of the same model with its adapters off")
+        loop = (
+            "TRL 1.16's KTOTrainer step: unpaired rows with their labels and the KL batch of mismatched completions, "
+            "the policy's forward of the KL batch without grad, its forward of the batch through TRL's fused LM head "
+            f"(no logits held), {reference} (KL batch and batch, without grad and checkpointing), the KTO loss and "
+            "TRL's metrics, the loss divided by the accumulation steps"
         )
         if spec.disable_dropout:
             loop += ", dropout off (TRL's disable_dropout)"
@@ -747,6 +770,59 @@ class Workload:
         chosen = seq_len - self.prompt_length(seq_len)
         return self.spec.microbatch * chosen, self.spec.microbatch * max(chosen - 1, 0)
 
+    def kto_rows(self, seq_len: int) -> tuple[list[int], list[int], int]:
+        """KTO: the synthetic micro-batch's completion lengths, its KL batch's (each row's completion is the previous
+        row's, rotated within the batch as TRL's dataset preparation pairs them, kto_trainer.py:1140-1157) and the
+        prompt length: every row ``seq_len`` tokens but the last, a token shorter when there are several (a padded
+        batch, as a real one is)."""
+        b, prompt = self.spec.microbatch, self.prompt_length(seq_len)
+        full = seq_len - prompt
+        completions = [full] * b
+        if b > 1:
+            completions[-1] = full - 1
+        return completions, [completions[-1], *completions[:-1]], prompt
+
+    def head_positions(self, seq_len: int) -> int:
+        """The completion positions TRL's fused head scores in one forward of a synthetic batch ``seq_len`` wide
+        (its GPU path gathers these only): DPO's chosen and rejected rows, KTO's rows (its KL rows hold the same
+        completions, rotated)."""
+        if self.spec.objective == "kto":
+            return sum(self.kto_rows(seq_len)[0])
+        return sum(self.completion_counts(seq_len))
+
+    def kto_chosen(self) -> int:
+        """KTO: the desirable rows of a synthetic micro-batch (the first half, rounded up; ``label`` true)."""
+        return (self.spec.microbatch + 1) // 2
+
+    def kto_batch(self, seq_len: int) -> dict[str, Any]:
+        """A KTO micro-batch as TRL's ``DataCollatorForUnpairedPreference`` hands it over (kto_trainer.py:161-207,
+        TRL 1.16): ``input_ids``, ``attention_mask`` and ``completion_mask`` of the rows (prompt + completion, padded on
+        the right), the same three of the KL rows (``KL_`` prefix), int64; with precomputed reference log-probs
+        ``ref_logps`` and ``ref_KL_logps`` (float32); ``label`` (bool, the desirable rows first, :meth:`kto_chosen`)."""
+        import torch
+
+        b = self.spec.microbatch
+        completions, kl, prompt = self.kto_rows(seq_len)
+        vocab = int(self.model.get_base_model().config.get_text_config().vocab_size)
+        out: dict[str, Any] = {}
+        for prefix, lengths in (("", completions), ("KL_", kl)):
+            width = prompt + max(lengths)
+            ids = torch.randint(0, vocab, (b, width), device=self.device)
+            attention = torch.ones((b, width), dtype=torch.long, device=self.device)
+            completion = torch.zeros((b, width), dtype=torch.long, device=self.device)
+            for row, n in enumerate(lengths):
+                attention[row, prompt + n :] = 0
+                completion[row, prompt : prompt + n] = 1
+            out.update({f"{prefix}input_ids": ids, f"{prefix}attention_mask": attention})
+            out[f"{prefix}completion_mask"] = completion
+        if self.spec.reference == "precomputed":
+            out["ref_logps"] = torch.zeros((b,), dtype=torch.float32, device=self.device)
+            out["ref_KL_logps"] = torch.zeros((b,), dtype=torch.float32, device=self.device)
+        label = torch.zeros((b,), dtype=torch.bool, device=self.device)
+        label[: self.kto_chosen()] = True
+        out["label"] = label
+        return out
+
     def reward_batch(self, seq_len: int) -> dict[str, Any]:
         """A reward model's micro-batch as TRL's ``reward_trainer.DataCollatorForPreference`` hands it over
         (reward_trainer.py:203-229, TRL 1.16): the ``microbatch`` chosen rows (``seq_len`` tokens), then the rejected
@@ -798,7 +874,9 @@ class Workload:
         except ImportError:
             raise _err(
                 self.doc,
-                ("training", "objective") if self.spec.objective == "dpo" else ("software", "kernels", "cross_entropy"),
+                ("training", "objective")
+                if self.spec.objective in REFERENCED
+                else ("software", "kernels", "cross_entropy"),
                 "the step runs TRL's own fused LM head on the CPU (DPO, or SFT with trl_chunked_nll), and TRL is "
                 "not installed",
                 "pip install 'trl>=1.16' (or estimate for the GPU: the default target models TRL's Triton path)",
@@ -838,6 +916,10 @@ class Workload:
                 from ledgerspec.derivations.engine.reward import RewardLoop
 
                 self._step = RewardLoop(self)
+            elif self.spec.objective == "kto":
+                from ledgerspec.derivations.engine.kto import KTOLoop
+
+                self._step = KTOLoop(self)
             elif self.trl_head_runs_here:
                 from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
 

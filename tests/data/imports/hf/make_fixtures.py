@@ -1,5 +1,5 @@
 """How the JSON fixtures of this folder were made: by the libraries themselves (transformers 5.24.0, PEFT 0.21.2,
-TRL 1.9.0; the DPO and reward folders TRL 1.16.0), so that their keys and values are exactly what those versions
+TRL 1.9.0; the DPO, reward and KTO folders TRL 1.16.0), so that their keys and values are exactly what those versions
 write. Run once by hand (TRL 1.9.0 on PYTHONPATH for the first ones); the tests only read the files.
 
     PYTHONPATH=/path/to/trl-1.9.0:. .venv/bin/python tests/data/imports/hf/make_fixtures.py
@@ -139,7 +139,33 @@ def reward() -> None:
     shutil.copy(HERE / "qlora" / "config.json", folder / "config.json")
 
 
+def kto() -> None:
+    """5. KTO on a QLoRA base: TRL 1.16's KTOConfig, the QLoRA folder's adapter and model config. ``make_fixtures.py
+    kto`` writes this folder only."""
+    from trl import KTOConfig
+
+    warnings.filterwarnings("ignore")
+    folder = HERE / "kto"
+    folder.mkdir(exist_ok=True)
+    config = KTOConfig(
+        output_dir="out/mistral-7b-qlora-kto",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        max_length=1024,
+        optim="paged_adamw_8bit",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa"},
+        bf16=False,
+        use_cpu=True,
+    )
+    data = json.loads(config.to_json_string())
+    data.update(use_cpu=False, bf16=True)
+    (folder / "kto_config.json").write_text(json.dumps(data, indent=2) + "\n")
+    for name in ("adapter_config.json", "config.json"):
+        shutil.copy(HERE / "qlora" / name, folder / name)
+
+
 if __name__ == "__main__":
     import sys
 
-    {"dpo": dpo, "reward": reward}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"dpo": dpo, "reward": reward, "kto": kto}.get(sys.argv[1] if sys.argv[1:] else "", main)()
