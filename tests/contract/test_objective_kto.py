@@ -23,8 +23,10 @@ EXAMPLE = IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.ya
 FILES = ("hf/kto/kto_config.json", "hf/kto/adapter_config.json", "hf/kto/config.json")
 
 
-def _doc(training: str, software: str = "") -> Any:
-    text = EXAMPLE.read_text(encoding="utf-8") + (f"software:\n{software}" if software else "")
+def _doc(training: str, software: str = "", microbatch: int = 2) -> Any:
+    """The example ledger (one row per micro-step) with ``microbatch`` rows: KTO needs two or more."""
+    text = EXAMPLE.read_text(encoding="utf-8").replace("  microbatch: 1", f"  microbatch: {microbatch}", 1)
+    text += f"software:\n{software}" if software else ""
     return from_text(text + "training:\n" + training, str(IMPORTS / "x.ledger.yaml"))
 
 
@@ -54,6 +56,17 @@ def test_the_step_refuses_a_reference_model_and_a_custom_loop_in_one_line() -> N
     assert "\n" not in str(err.value) and err.value.hint and "LedgerCallback" in err.value.hint
     with pytest.raises(LedgerspecError, match=r"KTOTrainer, a transformers\.Trainer") as err:
         WorkloadSpec.from_document(_doc("  objective: kto\n  loop: custom\n"))
+    assert "\n" not in str(err.value)
+
+
+def test_one_row_per_micro_step_is_refused_as_trl_refuses_it() -> None:
+    """TRL 1.16's KTOTrainer raises for ``per_device_train_batch_size <= 1`` with its KL term (kto_trainer.py:844-847):
+    the step refuses it in one line at workload.microbatch."""
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+
+    with pytest.raises(LedgerspecError, match=r"KTOTrainer refuses it") as err:
+        WorkloadSpec.from_document(_doc("  objective: kto\n", microbatch=1))
     assert "\n" not in str(err.value)
 
 

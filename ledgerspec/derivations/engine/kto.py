@@ -126,7 +126,7 @@ class KTOLoop(DPOLoop):
                 torch.nonzero(bool_labels, as_tuple=False).view(-1),
                 torch.nonzero(~bool_labels, as_tuple=False).view(-1),
             )
-        chosen = self.w.kto_chosen()
+        chosen = self.w.kto_chosen()  # at least one row of each kind: the step needs two rows or more
         rejected = int(bool_labels.shape[0]) - chosen
         chosen_idx = torch.empty((chosen, 1), dtype=torch.long, device=bool_labels.device).view(-1)
         negated = ~bool_labels

@@ -235,6 +235,14 @@ class WorkloadSpec:
                 "lower bound with training.objective: sft",
             )
         kernels = cfg.kernels
+        if t.objective == "kto" and w.microbatch < 2:
+            raise _err(
+                doc,
+                ("workload", "microbatch"),
+                "training.objective kto with one row per micro-step: TRL 1.16's KTOTrainer refuses it (its KL term "
+                "pairs each prompt with another row's completion, kto_trainer.py:844-847)",
+                "set workload.microbatch to 2 or more",
+            )
         if t.objective in TRL_STEPS:
             if t.loop != "trainer":
                 trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer"}.get(t.objective, "RewardTrainer")
