@@ -196,15 +196,18 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
     "LS014",
     WARNING,
     "training.objective is one whose step the estimate does not simulate",
-    "ORPO/CPO run other losses on the logits, GRPO/RLOO/PPO a generation phase, and DPO/KTO with a separate reference "
-    "model hold a second model: record the real trainer's run (LedgerCallback) until the estimate models them "
-    "(supervised fine-tuning, DPO and KTO with their reference from the policy or precomputed, and reward models are "
-    "simulated, on TRL 1.16)",
-    example="training: {objective: orpo}",
+    "CPO runs another loss on the logits, GRPO/RLOO/PPO a generation phase, DPO/KTO with a separate reference model "
+    "hold a second model, and ORPO on a quantized base its own casts and autocast: record the real trainer's run "
+    "(LedgerCallback) until the estimate models them (supervised fine-tuning, DPO and KTO with their reference from "
+    "the policy or precomputed, reward models and ORPO are simulated, on TRL 1.16)",
+    example="training: {objective: cpo}",
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
-    training = C.read(ctx.doc).training
+    cfg = C.read(ctx.doc)
+    training = cfg.training
     what = training.not_simulated
+    if what is None and training.objective == "orpo" and cfg.quantization.quantized:
+        what = "training.objective orpo on a quantized base (TRL's ORPOTrainer prepares, casts and autocasts it)"
     if what is not None and ctx.get("training", "objective").known:
         yield Hit(
             ptr("training", "objective"),

@@ -64,9 +64,9 @@ OPTIMIZERS = (
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 LOOPS = ("trainer", "custom")
 #: the objectives whose batches are chosen/rejected pairs in one batch (TRL's preference collators)
-PAIRED = ("dpo", "reward")
+PAIRED = ("dpo", "reward", "orpo")
 #: the objectives whose step is a TRL trainer's own (no packing, a Trainer loop, the trainer's own loss)
-TRL_STEPS = ("dpo", "reward", "kto")
+TRL_STEPS = ("dpo", "reward", "kto", "orpo")
 #: the objectives that score through TRL's fused LM head and have a reference (DPO, KTO)
 REFERENCED = ("dpo", "kto")
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -243,9 +243,20 @@ class WorkloadSpec:
                 "pairs each prompt with another row's completion, kto_trainer.py:844-847)",
                 "set workload.microbatch to 2 or more",
             )
+        if t.objective == "orpo" and cfg.quantization.quantized:
+            raise _err(
+                doc,
+                config.QUANT,
+                "training.objective orpo on a quantized base: TRL 1.16's ORPOTrainer then prepares the model for k-bit "
+                "training, casts modules to bfloat16 and runs its loss in an autocast region of its own "
+                "(orpo_trainer.py:220-262, 880-892), which the step does not simulate",
+                "size the run with a measurement of the real trainer (LedgerCallback)",
+            )
         if t.objective in TRL_STEPS:
             if t.loop != "trainer":
-                trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer"}.get(t.objective, "RewardTrainer")
+                trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer"}.get(
+                    t.objective, "RewardTrainer"
+                )
                 raise _err(
                     doc,
                     ("training", "loop"),
@@ -255,7 +266,8 @@ class WorkloadSpec:
             # DPOTrainer scores through its own fused head (``preference.DPOLoop``): a fused cross-entropy patched into
             # the model's forward (Liger's, Cut Cross-Entropy's) is reached only with fused_lm_head=False
             # (trainer/utils.py:1602-1610), so no declared cross_entropy kernel plays a part; a reward model has no LM
-            # head and no token loss at all (a score per row)
+            # head and no token loss at all (a score per row); ORPO calls the model without labels and computes its
+            # cross-entropy itself on the full logits (orpo_trainer.py:779-800)
             kernels = dataclasses.replace(kernels, cross_entropy="eager")
         if t.mixed_precision not in MIXED_PRECISION:
             raise _err(
@@ -333,7 +345,18 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
 
 def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
     """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
-    if spec.objective == "reward":
+    if spec.objective == "orpo":
+        loop = (
+            "TRL 1.16's ORPOTrainer step (trl.experimental): chosen and rejected rows concatenated (twice the rows "
+            "of the microbatch), one forward to the full logits (held, fp32 under mixed precision), the chosen rows' "
+            "cross-entropy, the rows' average log-probs and the odds-ratio loss (TRL's own functions), TRL's "
+            "metrics, no reference, the loss divided by the accumulation steps"
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "reward":
         loop = (
             "TRL 1.16's RewardTrainer step: a sequence classifier (AutoModelForSequenceClassification, one score, "
             "PEFT's SEQ_CLS model with a trainable copy of the score head), chosen and rejected rows in one batch "
@@ -831,6 +854,27 @@ class Workload:
         out["label"] = label
         return out
 
+    def orpo_batch(self, seq_len: int) -> dict[str, Any]:
+        """An ORPO micro-batch as TRL's ``DPODataCollatorWithPadding`` hands over ``ORPOTrainer.tokenize_row``'s rows
+        (trl/experimental/utils.py, orpo_trainer.py:458-603, TRL 1.16): ``chosen_input_ids``, ``chosen_attention_mask``,
+        ``chosen_labels`` (-100 on the prompt) of the ``microbatch`` chosen rows (``seq_len`` tokens), the same three of
+        the rejected rows (a token shorter), ``prompt_input_ids`` and ``prompt_attention_mask``, int64."""
+        import torch
+
+        b, prompt = self.spec.microbatch, self.prompt_length(seq_len)
+        vocab = int(self.model.get_base_model().config.get_text_config().vocab_size)
+        out: dict[str, Any] = {}
+        for kind, length in (("chosen", seq_len), ("rejected", seq_len - 1)):
+            ids = torch.randint(0, vocab, (b, length), device=self.device)
+            out[f"{kind}_input_ids"] = ids
+            out[f"{kind}_attention_mask"] = torch.ones((b, length), dtype=torch.long, device=self.device)
+            labels = ids.clone()
+            labels[:, :prompt] = -100
+            out[f"{kind}_labels"] = labels
+        out["prompt_input_ids"] = torch.randint(0, vocab, (b, prompt), device=self.device)
+        out["prompt_attention_mask"] = torch.ones((b, prompt), dtype=torch.long, device=self.device)
+        return out
+
     def reward_batch(self, seq_len: int) -> dict[str, Any]:
         """A reward model's micro-batch as TRL's ``reward_trainer.DataCollatorForPreference`` hands it over
         (reward_trainer.py:203-229, TRL 1.16): the ``microbatch`` chosen rows (``seq_len`` tokens), then the rejected
@@ -928,6 +972,10 @@ class Workload:
                 from ledgerspec.derivations.engine.kto import KTOLoop
 
                 self._step = KTOLoop(self)
+            elif self.spec.objective == "orpo":
+                from ledgerspec.derivations.engine.orpo import ORPOLoop
+
+                self._step = ORPOLoop(self)
             elif self.trl_head_runs_here:
                 from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
 
