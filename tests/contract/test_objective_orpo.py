@@ -55,3 +55,16 @@ def test_orpo_on_a_quantized_base_is_not_simulated() -> None:
     assert "\n" not in str(err.value) and err.value.hint and "LedgerCallback" in err.value.hint
     spec = WorkloadSpec.from_document(_doc("  objective: orpo\n"))
     assert (spec.objective, spec.reference, spec.padded, spec.disable_dropout) == ("orpo", None, True, True)
+
+
+def test_a_trl_orpo_config_dump_is_read_with_its_own_fields() -> None:
+    """A real TRL 1.16 ``trl.experimental`` ``ORPOConfig`` dump (tests/data/imports/hf/make_fixtures.py orpo) beside a
+    LoRA adapter and model config: ORPO (its ``padding_value``, which no other TRL 1.16 config has), no reference,
+    its fields known, nothing left for LS014."""
+    from tests.support.imports import imported, plain
+
+    doc, result = imported("hf/orpo/orpo_config.json", "hf/orpo/adapter_config.json", "hf/orpo/config.json")
+    assert plain(doc, "training", "objective") == "orpo"
+    assert plain(doc, "training", "objective_settings", "reference") == "none"
+    assert [f.key for f in result.findings if f.kind == "unknown-key"] == []
+    assert _ls014(doc) == []

@@ -49,6 +49,9 @@ TRL_OBJECTIVE_KEYS = (
     (("num_generations", "steps_per_generation", "use_vllm", "vllm_mode"), "grpo"),
     (("cpo_alpha", "simpo_gamma"), "cpo"),
     (("ref_model_init_kwargs", "precompute_ref_log_probs", "rpo_alpha", "reference_free", "ref_adapter_name"), "dpo"),
+    # trl.experimental's ORPOConfig: after CPO's and DPO's (CPOConfig shares generate_during_eval and
+    # is_encoder_decoder, an older DPOConfig all three)
+    (("padding_value", "generate_during_eval", "is_encoder_decoder"), "orpo"),
 )
 
 
@@ -239,6 +242,8 @@ def training_args(src: Source, b: Builder) -> None:
         tool, label = "trl-dpo", "TRL 1.16.0 DPOConfig"
     elif b.value(("training", "objective")) == "reward":  # a RewardConfig dump (TRL 1.16)
         tool, label = "trl-reward", "TRL 1.16.0 RewardConfig"
+    elif b.value(("training", "objective")) == "orpo":  # an ORPOConfig dump (TRL 1.16, trl.experimental)
+        tool, label = "trl-orpo", "TRL 1.16.0 ORPOConfig"
     elif b.value(("training", "objective")) == "kto":  # a KTOConfig dump (TRL 1.16)
         tool, label = "trl-kto", "TRL 1.16.0 KTOConfig"
         for key in ("desirable_weight", "undesirable_weight"):  # the losses' weights: one float each (:1471-1474)
