@@ -196,18 +196,21 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
     "LS014",
     WARNING,
     "training.objective is one whose step the estimate does not simulate",
-    "CPO runs another loss on the logits, GRPO/RLOO/PPO a generation phase, DPO/KTO with a separate reference model "
-    "hold a second model, and ORPO on a quantized base its own casts and autocast: record the real trainer's run "
-    "(LedgerCallback) until the estimate models them (supervised fine-tuning, DPO and KTO with their reference from "
-    "the policy or precomputed, reward models and ORPO are simulated, on TRL 1.16)",
-    example="training: {objective: cpo}",
+    "GRPO/RLOO/PPO run a generation phase, DPO/KTO with a separate reference model hold a second model, and ORPO/CPO "
+    "on a quantized base their own casts and autocast: record the real trainer's run (LedgerCallback) until the "
+    "estimate models them (supervised fine-tuning, DPO and KTO with their reference from the policy or precomputed, "
+    "reward models, ORPO and CPO are simulated, on TRL 1.16)",
+    example="training: {objective: grpo}",
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
     cfg = C.read(ctx.doc)
     training = cfg.training
     what = training.not_simulated
-    if what is None and training.objective == "orpo" and cfg.quantization.quantized:
-        what = "training.objective orpo on a quantized base (TRL's ORPOTrainer prepares, casts and autocasts it)"
+    if what is None and training.objective in ("orpo", "cpo") and cfg.quantization.quantized:
+        what = (
+            f"training.objective {training.objective} on a quantized base (TRL's {training.objective.upper()}Trainer "
+            "prepares, casts and autocasts it)"
+        )
     if what is not None and ctx.get("training", "objective").known:
         yield Hit(
             ptr("training", "objective"),

@@ -202,14 +202,14 @@ class Training:
 
 
 #: the objectives whose step ``estimate`` and ``measure`` simulate (the others are declared for the record, LS014)
-SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo")
+SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo", "cpo")
 #: DPO's reference kinds the simulation runs: the PEFT policy with its adapters off, a frozen copy of its adapter (a
 #: PEFT model handed to the trainer), or log-probs precomputed
 DPO_REFERENCES = ("adapter_disabled", "adapter_copy", "precomputed")
 #: the TRL release whose DPOTrainer the DPO step follows (its fused LM head); a declared older one is not simulated
 DPO_TRL = (1, 16, 0)
 #: the TRL release whose trainer each simulated objective's step follows; a declared older one is not simulated
-OBJECTIVE_TRL = {"dpo": DPO_TRL, "reward": (1, 16, 0), "kto": (1, 16, 0), "orpo": (1, 16, 0)}
+OBJECTIVE_TRL = {"dpo": DPO_TRL, "reward": (1, 16, 0), "kto": (1, 16, 0), "orpo": (1, 16, 0), "cpo": (1, 16, 0)}
 
 #: ``transformers.Trainer``'s defaults, for a document without a ``training`` section
 TRAINER_DEFAULTS = Training()

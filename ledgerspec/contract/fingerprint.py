@@ -173,7 +173,7 @@ LEFT_OUT_WHEN = {
 OBJECTIVE_ONLY = {
     ("training", "objective_settings", "reference"): ("dpo", "kto"),
     ("training", "objective_settings", "max_completion_length"): ("dpo", "kto"),
-    ("training", "objective_settings", "disable_dropout"): ("dpo", "reward", "kto", "orpo"),
+    ("training", "objective_settings", "disable_dropout"): ("dpo", "reward", "kto", "orpo", "cpo"),
     ("training", "objective_settings", "center_rewards_coefficient"): ("reward",),
 }
 #: inputs only the DPO step reads

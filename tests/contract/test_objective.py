@@ -65,7 +65,7 @@ def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, obj
 @pytest.mark.parametrize(
     ("training", "says"),
     [
-        ("  objective: cpo\n", "training.objective cpo:"),
+        ("  objective: grpo\n", "training.objective grpo:"),
         (
             "  objective: dpo\n  objective_settings: {reference: model}\n",
             "training.objective dpo with reference model:",
@@ -218,7 +218,7 @@ def test_the_objective_settings_keep_earlier_stamps() -> None:
     assert digest("  objective: dpo\n") == digest(
         "  objective: dpo\n  objective_settings: {reference: adapter_disabled, disable_dropout: true}\n"
     )
-    assert digest("  objective: cpo\n") == digest("  objective: cpo\n  objective_settings: {reference: model}\n")
+    assert digest("  objective: rloo\n") == digest("  objective: rloo\n  objective_settings: {reference: model}\n")
     assert digest("  objective: kto\n") == digest(
         "  objective: kto\n  objective_settings: {reference: adapter_disabled}\n"
     )

@@ -244,6 +244,8 @@ def training_args(src: Source, b: Builder) -> None:
         tool, label = "trl-reward", "TRL 1.16.0 RewardConfig"
     elif b.value(("training", "objective")) == "orpo":  # an ORPOConfig dump (TRL 1.16, trl.experimental)
         tool, label = "trl-orpo", "TRL 1.16.0 ORPOConfig"
+    elif b.value(("training", "objective")) == "cpo":  # a CPOConfig dump (TRL 1.16, trl.experimental)
+        tool, label = "trl-cpo", "TRL 1.16.0 CPOConfig"
     elif b.value(("training", "objective")) == "kto":  # a KTOConfig dump (TRL 1.16)
         tool, label = "trl-kto", "TRL 1.16.0 KTOConfig"
         for key in ("desirable_weight", "undesirable_weight"):  # the losses' weights: one float each (:1471-1474)

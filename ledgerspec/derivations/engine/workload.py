@@ -64,9 +64,9 @@ OPTIMIZERS = (
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 LOOPS = ("trainer", "custom")
 #: the objectives whose batches are chosen/rejected pairs in one batch (TRL's preference collators)
-PAIRED = ("dpo", "reward", "orpo")
+PAIRED = ("dpo", "reward", "orpo", "cpo")
 #: the objectives whose step is a TRL trainer's own (no packing, a Trainer loop, the trainer's own loss)
-TRL_STEPS = ("dpo", "reward", "kto", "orpo")
+TRL_STEPS = ("dpo", "reward", "kto", "orpo", "cpo")
 #: the objectives that score through TRL's fused LM head and have a reference (DPO, KTO)
 REFERENCED = ("dpo", "kto")
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -243,18 +243,19 @@ class WorkloadSpec:
                 "pairs each prompt with another row's completion, kto_trainer.py:844-847)",
                 "set workload.microbatch to 2 or more",
             )
-        if t.objective == "orpo" and cfg.quantization.quantized:
+        if t.objective in ("orpo", "cpo") and cfg.quantization.quantized:
             raise _err(
                 doc,
                 config.QUANT,
-                "training.objective orpo on a quantized base: TRL 1.16's ORPOTrainer then prepares the model for k-bit "
-                "training, casts modules to bfloat16 and runs its loss in an autocast region of its own "
-                "(orpo_trainer.py:220-262, 880-892), which the step does not simulate",
+                f"training.objective {t.objective} on a quantized base: TRL 1.16's {t.objective.upper()}Trainer then "
+                "prepares the model for k-bit training, casts modules to bfloat16 and runs its loss in an autocast "
+                "region of its own (orpo_trainer.py:220-262, 880-892; cpo_trainer.py:210-255, 926-930), which the step "
+                "does not simulate",
                 "size the run with a measurement of the real trainer (LedgerCallback)",
             )
         if t.objective in TRL_STEPS:
             if t.loop != "trainer":
-                trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer"}.get(
+                trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer"}.get(
                     t.objective, "RewardTrainer"
                 )
                 raise _err(
@@ -345,7 +346,18 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
 
 def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
     """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
-    if spec.objective == "orpo":
+    if spec.objective == "cpo":
+        loop = (
+            "TRL 1.16's CPOTrainer step (trl.experimental, CPOConfig's defaults: sigmoid loss, cpo_alpha 1.0): chosen "
+            "and rejected rows concatenated (twice the rows of the microbatch), one forward to the full logits "
+            "(held, fp32 under mixed precision), the chosen rows' NLL, the rows' log-probs and the CPO loss (TRL's "
+            "own functions), TRL's metrics, no reference, the loss divided by the accumulation steps"
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "orpo":
         loop = (
             "TRL 1.16's ORPOTrainer step (trl.experimental): chosen and rejected rows concatenated (twice the rows "
             "of the microbatch), one forward to the full logits (held, fp32 under mixed precision), the chosen rows' "
@@ -976,6 +988,10 @@ class Workload:
                 from ledgerspec.derivations.engine.orpo import ORPOLoop
 
                 self._step = ORPOLoop(self)
+            elif self.spec.objective == "cpo":
+                from ledgerspec.derivations.engine.cpo import CPOLoop
+
+                self._step = CPOLoop(self)
             elif self.trl_head_runs_here:
                 from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
 
