@@ -13,8 +13,9 @@ peak minus its first sample, MiB: the caching allocator's segments plus the CUDA
 without training metrics whose nvidia-smi figure is at the card's capacity is a run that ran out of memory.
 
 Each row's ledger (``benchmarks/published-device/``) is the translation the multi-GPU benchmark uses
-(``benchmarks/published-multi-gpu/``, where every setting is explained), on one GPU; the estimate runs with the
-declared stack (transformers 4.48.1's loss) and decides on an 80 GiB A100 (``result.target_device``): the allocator
+(``benchmarks/published-multi-gpu/``, where every setting is explained), on one GPU, with this CSV's stack
+(transformers 4.45.2: its head's output upcast in the model, its loss's shifted copy); the estimate runs with the
+declared stack and decides on an 80 GiB A100 (``result.target_device``): the allocator
 model's reserved bytes plus the outside-allocator catalogue's figure for an A100 (an ASSUMPTION: nothing was measured
 on a GPU here). Left out: the Mixtral rows (the declared transformers 4.48 expert layout is not modelled yet, issue 26)
 and full fine-tuning (not a method ledgerspec sizes yet).
@@ -142,7 +143,7 @@ def main() -> None:
     rows = [estimate_run(run) for run in RUNS]
     outcome = sum((r.run.ran == r.fits) for r in rows)
     ran = [r for r in rows if r.run.ran]
-    per_sequence = ", ".join(f"{(r.allocated - (r.run.peak or 0)) / r.run.sequences / GiB:.3f}" for r in ran)
+    per_sequence = ", ".join(f"{(r.allocated - (r.run.peak or 0)) / r.run.sequences / GiB:+.3f}" for r in ran)
     logits = 4096 * 32000 * 2 / GiB  # one sequence's bf16 logits (Mistral's vocabulary of 32,000)
     missing = ", ".join(
         f"{((r.run.nvidia - (r.run.peak or 0)) - (r.device - r.allocated)) / GiB:.2f} GiB ({r.run.label})" for r in ran
@@ -165,15 +166,15 @@ trained: {", ".join(r.cells()[7] for r in ran)}.
 
 ## What the figures say, and what is not explained yet
 
-- **The device-level peak is near nvidia-smi for the runs that trained, partly by compensation:** the allocated
-  peak is estimated high (column 5) (the same ledgers under FSDP1 on 2 GPUs are within 2.2 %, with the declared
-  transformers 4.48 loss explained there; the single-GPU excess is not explained yet: it is {per_sequence} GiB
-  per sequence, the size of one sequence's bf16 logits, 4,096 x 32,000 x 2 B = {logits:.3f} GiB, a lead),
-  and the estimated reserve above
-  it (reserved + outside the allocator - allocated) is smaller than the published gap between nvidia-smi and
-  allocated by {missing}. Where the reserve goes missing is the next thing to find: the
-  allocator model is checked against recorded streams (`tests/derivations/allocator/`), not yet against a GPU run of
-  this step.
+- **The allocated peak is the published one, and so is the reserve above it:** these rows come from the CSV at
+  0aab2c6, whose runs used transformers 4.45.2 (`scripts/benchmarks/refs/requirements.txt` there), not the 4.48.1 of
+  the multi-GPU rows. 4.45 upcasts the head's output inside the model's forward (`logits =
+  self.lm_head(...).float()`), so the bf16 logits are freed before the loss (known difference
+  `transformers-causal-lm-float-logits-in-model`, modelled). Declared 4.48.1 as before, every row was one bf16
+  logits tensor per sequence high (4,096 x 32,000 x 2 B = {logits:.3f} GiB; {per_sequence} GiB per sequence
+  now, against the published allocated peak). The reserve above the allocated peak (reserved + outside the allocator
+  - allocated) is within {missing} of the published gap between nvidia-smi and allocated. The allocator model is
+  checked against recorded streams (`tests/derivations/allocator/`), not yet against a GPU run of this step.
 - **The bytes outside the allocator are the catalogue's** (CUDA context and modules on an A100, 706 MiB; range in
   `docs/outside-allocator.md`), an ASSUMPTION: `ledgerspec measure --device cuda` measures them.
 - **Llama-2-70B LoRA on one 80 GB card ran out of memory**, as predicted: its bf16 weights alone are about 128 GiB, so

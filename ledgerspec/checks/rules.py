@@ -305,7 +305,10 @@ def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
         ("adapter", ("method", "trainable_parameters"), ("adapter", "dtype")),
         ("gradients", ("gradients", "parameters"), ("gradients", "dtype")),
     )
+    full = C.read(ctx.doc).full
     for key, count_path, dtype_path in checks:
+        if full and key == "adapter":  # no adapters: ledger.adapter holds the model's weights, each in its own dtype
+            continue
         figure = ctx.get("ledger", key).size()
         count = ctx.get(*count_path).integer()
         dtype = ctx.get(*dtype_path).text()
@@ -331,7 +334,10 @@ def ls022_bytes_vs_dtype(ctx: Context) -> Iterator[Hit]:
     example="method: {kind: QLoRA}\nbase_model: {quantization: {bits: 4}}",
 )
 def ls030_qlora_only_bits(ctx: Context) -> Iterator[Hit]:
-    q = C.read(ctx.doc).quantization
+    cfg = C.read(ctx.doc)
+    if cfg.full:  # a quantized base cannot be fully fine-tuned: LS032 says so, whatever its fields
+        return
+    q = cfg.quantization
     # the minimum intake's own list: a GPTQ/AWQ/... or LLM.int8 base needs its type only (issue 26)
     missing = [k for k in quantization_fields(q) if not ctx.get("base_model", "quantization", k).present]
     if missing:
@@ -352,9 +358,11 @@ def ls030_qlora_only_bits(ctx: Context) -> Iterator[Hit]:
 @rule(
     "LS032",
     ERROR,
-    "method.kind and base_model.quantized disagree (QLoRA on a base declared unquantized)",
+    "method.kind and base_model.quantized disagree (QLoRA on a base declared unquantized, or full fine-tuning of a "
+    "quantized base)",
     "QLoRA adapts a quantized base: set base_model.quantized to true (and give quantization), or method.kind to "
-    "LoRA for a floating-point base",
+    "LoRA for a floating-point base; full fine-tuning trains floating-point weights: load the base unquantized "
+    "(base_model.quantized: false) or choose QLoRA",
     example="method: {kind: QLoRA}\nbase_model: {quantized: false}",
 )
 def ls032_kind_and_quantized_disagree(ctx: Context) -> Iterator[Hit]:

@@ -7,7 +7,8 @@ method, which raises one :class:`~ledgerspec.errors.LedgerspecError` at the fiel
 fields are collected in :attr:`Config.conflicts` (rule LS032 reports them). No torch: this is the contract.
 
 The one answer to "is the base quantized?" is :attr:`Quantization.quantized`: ``base_model.quantized`` when it is
-given, else ``method.kind == QLoRA``. ``method.kind: QLoRA`` with ``base_model.quantized: false`` is a conflict.
+given, else ``method.kind == QLoRA``. ``method.kind: QLoRA`` with ``base_model.quantized: false`` is a conflict, and
+so is ``method.kind: full`` (every weight trained) on a quantized base.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ledgerspec.errors import LedgerspecError
 
 Path = tuple[str, ...]
 QUANT: Path = ("base_model", "quantization")
+#: ``method.kind`` of full fine-tuning: every parameter trainable, gradients and optimizer state for all of them
+FULL = "full"
 #: the bitsandbytes 4-bit block size when none is declared (``Params4bit``'s default)
 BNB4_BLOCKSIZE = 64
 #: bitsandbytes' default ``bnb_4bit_quant_storage``
@@ -272,7 +275,7 @@ class Kernels:
 class Config:
     """The training configuration of one document."""
 
-    kind: str | None  # method.kind as written: LoRA | QLoRA | other
+    kind: str | None  # method.kind as written: LoRA | QLoRA | full | other
     quantization: Quantization
     loaded_dtype: str | None  # as written
     adapter_dtype: str | None  # as written (``mixed`` when resolve found several)
@@ -303,6 +306,11 @@ class Config:
         return self.quantization.quantized
 
     @property
+    def full(self) -> bool:
+        """``method.kind: full``: every parameter trainable, no adapters (issue 26)."""
+        return self.kind == FULL
+
+    @property
     def reentrant(self) -> bool:
         """``checkpointing_kind`` starts with ``reentrant`` (the default is transformers' non-reentrant)."""
         return (self.checkpointing_kind or "non-reentrant").strip().lower().startswith("reentrant")
@@ -330,6 +338,14 @@ def _read(doc: Document) -> Config:
                 ("base_model", "quantized"),
                 "method.kind is QLoRA (a quantized base) but base_model.quantized is false: the tools would size "
                 "an unquantized base",
+            )
+        )
+    if kind == FULL and quantized:
+        conflicts.append(
+            Conflict(
+                ("method", "kind"),
+                "method.kind is full (every weight trained) but the base is quantized: quantized weights cannot be "
+                "trained, so full fine-tuning needs a floating-point base",
             )
         )
     return Config(
@@ -544,6 +560,7 @@ def problem(doc: Document, path: Path, message: str, rule: str, hint: str | None
 __all__ = [
     "BNB4_BLOCKSIZE",
     "DEFAULT_STORAGE",
+    "FULL",
     "OTHER_SCHEMES",
     "QUANT",
     "TRAINER_DEFAULTS",

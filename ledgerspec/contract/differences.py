@@ -91,6 +91,23 @@ KNOWN: tuple[KnownDifference, ...] = (
         ),
     ),
     KnownDifference(
+        id="transformers-causal-lm-float-logits-in-model",
+        package="transformers",
+        changed_in="4.46.0",
+        older="the causal-LM model upcasts its head's output in its own forward (`logits = "
+        "self.lm_head(...).float()`): the model-dtype logits are freed at once and the model returns float32 logits",
+        newer="the model returns its head's output in the model's dtype and the loss upcasts a copy, so both are alive "
+        "at the loss (one more batch x length x vocab tensor in the model's dtype)",
+        figures="the forward peak of a causal-LM step whose head runs in 16 bits (loss computed by transformers)",
+        sources=(
+            "https://github.com/huggingface/transformers/blob/v4.45.2/src/transformers/models/llama/modeling_llama.py "
+            "(LlamaForCausalLM.forward: `self.lm_head(hidden_states[:, -num_logits_to_keep:, :]).float()`, 'TODO: "
+            "remove the float() operation in v4.46')",
+            "src/transformers/loss/loss_utils.py, ForCausalLMLoss, from 4.46.0 (`logits = logits.float()` inside the "
+            "loss, the caller's logits kept)",
+        ),
+    ),
+    KnownDifference(
         id="transformers-checkpoint-outside-fsdp-unit",
         package="transformers",
         changed_in="4.52.0",

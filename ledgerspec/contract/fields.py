@@ -237,9 +237,11 @@ METHOD = F(
         F(
             "kind",
             ENUM,
-            "Fine-tuning method: LoRA (adapters on a floating-point base) or QLoRA (adapters on a "
-            "quantized frozen base).",
-            enum=("LoRA", "QLoRA"),
+            "Fine-tuning method: LoRA (adapters on a floating-point base), QLoRA (adapters on a "
+            "quantized frozen base) or full (every parameter trainable, with gradients and optimizer state for all "
+            "of them; no adapters: rank, targets and adapter.dtype do not apply, and the base must not be "
+            "quantized).",
+            enum=("LoRA", "QLoRA", "full"),
         ),
         F(
             "rank",
@@ -827,9 +829,14 @@ PARALLELISM = F(
 _LEDGER_KEYS = (
     (
         "frozen_base",
-        "Frozen base weights and buffers, resident for computation (quantized storage and its constants for QLoRA).",
+        "Frozen base weights and buffers, resident for computation (quantized storage and its constants for QLoRA; "
+        "buffers only in full fine-tuning).",
     ),
-    ("adapter", "Adapter weights: trainable parameters x adapter dtype bytes."),
+    (
+        "adapter",
+        "Adapter weights: trainable parameters x adapter dtype bytes (in full fine-tuning: the trainable model "
+        "weights, every parameter in its own dtype).",
+    ),
     ("gradients", "Gradients: parameters with gradients x gradient dtype bytes."),
     (
         "optimizer",

@@ -53,12 +53,15 @@ def minimum_intake_gaps(doc: Document) -> list[str]:
     need("identity", "model_id")
     need_one(("identity", "revision"), ("identity", "config_sha256"))
     need("method", "kind")
-    need("method", "rank")
-    need_one(("method", "target_modules"), ("method", "target_parameters"))
+    full = C.read(doc).full  # full fine-tuning has no adapters: no rank, targets or adapter dtype to give
+    if not full:
+        need("method", "rank")
+        need_one(("method", "target_modules"), ("method", "target_parameters"))
     need("base_model", "loaded_dtype")
     for key in quantization_fields(C.read(doc).quantization):
         need(*C.QUANT, key)
-    need("adapter", "dtype")
+    if not full:
+        need("adapter", "dtype")
     need("workload", "microbatch")
     need_one(("workload", "max_length"), ("workload", "sequence_p95"))
     need("optimizer", "name")

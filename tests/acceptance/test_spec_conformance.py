@@ -724,6 +724,16 @@ def test_enumerated_words(path: tuple[str, ...], words: list[str]) -> None:
     assert ("schema", "/" + "/".join(path)) in errors(doc_of(nest(path, words[0].swapcase() + "x")))
 
 
+def test_method_kind_full_is_an_addition() -> None:
+    """The spec's `method.kind` words are `LoRA` and `QLoRA`; `full` (full fine-tuning, issue 26) is an addition
+    that leaves older documents' meaning unchanged: a word they could not hold before."""
+    from ledgerspec.contract import fields as F
+
+    kind = F.lookup("ledger", ("method", "kind"))
+    assert kind is not None and set(kind.enum or ()) - {"LoRA", "QLoRA"} == {"full"}
+    assert [e for e in errors(doc_of(nest(("method", "kind"), "full"))) if e[0] == "schema"] == []
+
+
 # -- The status ladder ------------------------------------------------------------------------------------------
 
 

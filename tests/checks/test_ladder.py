@@ -188,6 +188,41 @@ def test_lora_needs_no_quantization_fields() -> None:
     assert status_of(calculated())[0] == "CALCULATED"
 
 
+def full() -> dict[str, Any]:
+    """A full fine-tuning ledger: no adapters, so no rank, targets or adapter dtype (issue 26)."""
+    d = calculated()
+    d["method"] = {"kind": "full"}
+    d.pop("adapter", None)
+    return d
+
+
+def test_full_fine_tuning_needs_no_adapter_fields() -> None:
+    assert status_of(full())[0] == "CALCULATED"
+
+
+@pytest.mark.parametrize("path", [("method", "kind"), ("base_model", "loaded_dtype"), ("optimizer", "name")])
+def test_full_fine_tuning_keeps_the_rest_of_the_minimum_intake(path: tuple[str, ...]) -> None:
+    status, reasons = status_of(with_change(full, path, "UNKNOWN"))
+    assert status == "INSUFFICIENT DATA" and any(".".join(path) in r for r in reasons), reasons
+
+
+def test_lora_still_needs_its_adapter_fields() -> None:
+    d = with_change(full, ("method", "kind"), "LoRA")
+    status, reasons = status_of(d)
+    assert status == "INSUFFICIENT DATA"
+    assert {r.split(" is ")[0] for r in reasons} >= {
+        "minimum intake: method.rank",
+        "minimum intake: method.target_modules or method.target_parameters",
+        "minimum intake: adapter.dtype",
+    }, reasons
+
+
+def test_full_fine_tuning_of_a_quantized_base_is_refused_in_one_finding() -> None:
+    d = with_change(qlora, ("method", "kind"), "full")
+    found = [(f.rule, f.pointer) for f in validate(from_text(json.dumps(d), "<full>")).findings]
+    assert ("LS032", "/method/kind") in found and not [r for r, _ in found if r == "LS030"], found
+
+
 # -- 8-bit and paged optimizers --------------------------------------------------------------------
 
 

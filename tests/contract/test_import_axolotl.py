@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ledgerspec.checks.validate import validate
 from ledgerspec.contract import config
+from ledgerspec.errors import LedgerspecError
 from tests.support.imports import IMPORTS, imported, keys_of, plain
 
 
@@ -188,3 +191,24 @@ def test_activation_offloading_on_lora_replaces_checkpointing(tmp_path: Path) ->
     assert plain(doc, "memory_options", "activation_offload") is True
     assert plain(doc, "memory_options", "gradient_checkpointing") is False
     assert plain(doc, "memory_options", "checkpointing_kind") == "absent"
+
+
+def test_no_adapter_is_a_full_fine_tune() -> None:
+    """No ``adapter:``: axolotl trains every parameter of the model it loads in ``cfg.torch_dtype`` (issue 26)."""
+    doc, result = imported("axolotl/full.yml")
+    assert plain(doc, "method", "kind") == "full"
+    assert plain(doc, "base_model", "quantized") is False
+    assert plain(doc, "base_model", "loaded_dtype") == ("ASSUMPTION", "bfloat16")  # bf16: auto
+    assert plain(doc, "optimizer", "name") == "paged_adamw_8bit"
+    for absent in (("method", "rank"), ("method", "target_modules"), ("adapter", "dtype"), ("method", "bias")):
+        assert not doc.get(*absent).present, absent
+    assert keys_of(result, "unknown-key") == []
+    assert not [f for f in validate(doc).findings if f.severity == "error"]
+
+
+def test_a_full_fine_tune_of_a_quantized_base_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "full-4bit.yml"
+    path.write_text((IMPORTS / "axolotl" / "full.yml").read_text() + "load_in_4bit: true\n")
+    with pytest.raises(LedgerspecError, match="load_in_4bit without an adapter") as exc:
+        imported(path)
+    assert exc.value.exit_code == 2 and "\n" not in str(exc.value)

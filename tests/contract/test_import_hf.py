@@ -118,3 +118,16 @@ def test_trl_loss_type_nll_is_its_fused_head_too(tmp_path: Path) -> None:
     1.9 computed ``nll`` on the logits: declared, as an ASSUMPTION saying so."""
     doc, _ = imported(_args(tmp_path, {"dataset_text_field": "text", "loss_type": "nll"}, "sft_config.json"))
     assert plain(doc, "software", "kernels", "cross_entropy") == ("ASSUMPTION", "trl_chunked_nll")
+
+
+def test_training_arguments_without_an_adapter_config_are_a_full_fine_tune() -> None:
+    """A Trainer's arguments and the model's config, no PEFT ``adapter_config.json``: the Trainer trains every
+    parameter (issue 26). Said as an ASSUMPTION (the adapter config may just not have been given), so the adapter
+    fields are not asked for."""
+    doc, _ = imported("hf/lora/training_args.json", "hf/lora/config.json")
+    assert plain(doc, "method", "kind") == ("ASSUMPTION", "full")
+    for absent in (("method", "rank"), ("method", "target_modules"), ("adapter", "dtype")):
+        assert not doc.get(*absent).present, absent
+    assert not [f for f in validate(doc).findings if f.severity == "error"]
+    with_adapter, _ = imported("hf/lora/training_args.json", "hf/lora/adapter_config.json", "hf/lora/config.json")
+    assert plain(with_adapter, "method", "kind") == "LoRA"

@@ -81,16 +81,43 @@ def test_unknown_key_and_liger() -> None:
     }
 
 
-def test_a_full_fine_tune_is_refused(tmp_path: object) -> None:
-    from pathlib import Path
-
-    assert isinstance(tmp_path, Path)
-    bad = tmp_path / "full.yaml"
-    bad.write_text(
-        (IMPORTS / "llamafactory" / "lora.yaml").read_text().replace("finetuning_type: lora", "finetuning_type: full")
+def _full(tmp_path: Path, extra: str = "", ft: str = "full") -> Path:
+    path = tmp_path / "full.yaml"
+    text = (
+        (IMPORTS / "llamafactory" / "lora.yaml").read_text().replace("finetuning_type: lora", f"finetuning_type: {ft}")
     )
-    with pytest.raises(LedgerspecError, match="finetuning_type 'full'") as exc:
-        imported(bad)
+    path.write_text(text + extra)
+    return path
+
+
+def test_a_full_fine_tune_is_a_full_intake(tmp_path: Path) -> None:
+    """``finetuning_type: full``: every parameter trained (``_setup_full_tuning``), cast to float32 by
+    ``init_adapter`` (not pure_bf16, no quantization, no ZeRO-3/FSDP) and trained under bf16 autocast (``bf16: true``);
+    the LoRA keys are not read. The intake reaches the minimum intake without adapter fields."""
+    doc, result = imported(_full(tmp_path))
+    assert plain(doc, "method", "kind") == "full"
+    assert plain(doc, "base_model", "loaded_dtype") == "float32"
+    assert plain(doc, "training", "mixed_precision") == "bf16"
+    assert plain(doc, "base_model", "quantized") is False
+    for absent in (("method", "rank"), ("method", "target_modules"), ("adapter", "dtype")):
+        assert not doc.get(*absent).present, absent
+    assert result.findings == []
+    assert not [f for f in validate(doc).findings if f.severity == "error"]
+    assert "lora_rank" in str(doc.get("x-import", "ignored").value)  # a LoRA setting, not read for full
+
+
+def test_a_pure_bf16_full_fine_tune_keeps_the_half_precision_weights(tmp_path: Path) -> None:
+    doc, _ = imported(_full(tmp_path, "pure_bf16: true\n"))
+    assert plain(doc, "base_model", "loaded_dtype") == "bfloat16"
+    assert plain(doc, "training", "mixed_precision") == "no"
+
+
+def test_a_quantized_full_fine_tune_and_freeze_tuning_are_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(LedgerspecError, match="quantized base cannot be fully fine-tuned") as exc:
+        imported(_full(tmp_path, "quantization_bit: 4\n"))
+    assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
+    with pytest.raises(LedgerspecError, match="finetuning_type 'freeze'") as exc:
+        imported(_full(tmp_path, ft="freeze"))
     assert exc.value.exit_code == 2 and exc.value.line == 7
 
 

@@ -72,6 +72,17 @@ def _pretrained_4bit(doc: Any, path: str, dtype: Any) -> Any:
     return model.train()  # from_pretrained returns eval mode; the Trainer trains (bitsandbytes' CPU path differs)
 
 
+def _transformer_policy(model: Any) -> Any:
+    """What accelerate wraps a model that is not a PEFT model with (``fsdp_auto_wrap_policy:
+    TRANSFORMER_BASED_WRAP``, the Trainer's default): each ``_no_split_modules`` class is a unit, the rest the root."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    classes = {type(m) for m in model.modules() if type(m).__name__ in set(model._no_split_modules or ())}
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+
+
 def probe(
     doc_path: str, out_dir: str, shard_grad_op: bool = False, seed: int = 0, pretrained: str | None = None
 ) -> dict[str, Any]:
@@ -96,10 +107,12 @@ def probe(
         model = _pretrained_4bit(doc, pretrained, dtype)
     else:
         model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
-    model = build.inject_adapters(doc, model)
-    for p in model.parameters():  # the adapter dtype the ledger declares (PEFT upcasts to float32 by default)
-        if p.requires_grad:
-            p.data = p.data.to(adapter)
+    full = doc.get("method", "kind").text() == "full"  # full fine-tuning: the model itself, every weight trained
+    if not full:
+        model = build.inject_adapters(doc, model)
+        for p in model.parameters():  # the adapter dtype the ledger declares (PEFT upcasts to float32 by default)
+            if p.requires_grad:
+                p.data = p.data.to(adapter)
     names = {id(m): n for n, m in model.named_modules()}
     mp = {
         key: getattr(torch, text)
@@ -108,7 +121,7 @@ def probe(
     }
     wrapped = FSDP(
         model,
-        auto_wrap_policy=fsdp_auto_wrap_policy(model),
+        auto_wrap_policy=_transformer_policy(model) if full else fsdp_auto_wrap_policy(model),
         sharding_strategy=ShardingStrategy.SHARD_GRAD_OP if shard_grad_op else ShardingStrategy.FULL_SHARD,
         use_orig_params=True,
         limit_all_gathers=True,
@@ -121,7 +134,7 @@ def probe(
         return sum(_storage_bytes(getattr(h.flat_param, "_full_param_padded", None)) for _, h in handles)
 
     seen: list[int] = []
-    layer_classes = set(getattr(model.get_base_model(), "_no_split_modules", None) or [])
+    layer_classes = set(getattr(model if full else model.get_base_model(), "_no_split_modules", None) or [])
     for m in wrapped.modules():
         if type(m).__name__ in layer_classes:
             m.register_forward_pre_hook(lambda _m, _a: seen.append(gathered()))

@@ -58,7 +58,8 @@ def probe(doc_path: str, out_dir: str, reshard_after_forward: bool | None = None
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
-    model = build.inject_adapters(doc, model)
+    if doc.get("method", "kind").text() != "full":  # full fine-tuning: the model itself, every weight trained
+        model = build.inject_adapters(doc, model)
     layers = decoder_layers(model)
     # parallelism.mixed_precision_policy, read as plain text: torch's own MixedPrecisionPolicy does the rest
     policy = {

@@ -120,6 +120,8 @@ def _model(case: dict[str, Any], folder: str) -> Any:
             use_gradient_checkpointing=case["gradient_checkpointing"],
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
+    if case.get("full"):  # full fine-tuning: the Trainer trains the model transformers built, every parameter
+        return model
     lora = LoraConfig(
         r=case["rank"],
         lora_alpha=2 * case["rank"],
@@ -489,8 +491,12 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="ledgerspec-truth-")
     model = _model(case, os.path.join(work, "base"))
     reader = PhaseReader(case)
-    reader.install(trainer_for(model, work, case, [reader.callback()]))
-    return reader.train()
+    counter = component_counter() if case.get("count") else None  # arithmetic on live tensors: allocates nothing
+    reader.install(trainer_for(model, work, case, [reader.callback(), *([counter] if counter else [])]))
+    out = reader.train()
+    if counter is not None:
+        out["components"] = counter.counts
+    return out
 
 
 class _FrozenSafeMemTracker:

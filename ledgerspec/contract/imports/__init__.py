@@ -96,6 +96,15 @@ def _finish(
     if hf_family:
         if any(s.format == "adapter-config" for s in sources):
             b.set(("method", "kind"), "QLoRA" if quantized else "LoRA", "adapter_config.json + the base's quantization")
+        elif any(s.format == "training-args" for s in sources) and not quantized:
+            b.assume(
+                ("method", "kind"),
+                "full",
+                "training arguments without a PEFT adapter_config.json",
+                "no adapter config was given: the Trainer trains every parameter of the model (a full fine-tune); "
+                "import the run's adapter_config.json with it for LoRA",
+            )
+        if any(s.format == "adapter-config" for s in sources):
             trl = b.facts.get("trl", False)
             if trl and quantized and b.value(("training", "objective")) == "reward":
                 b.assume(
@@ -163,8 +172,11 @@ def _finish(
             b.set(("parallelism", "strategy"), "ddp", "--gpu-count > 1 without sharding settings")
             for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
                 b.set(("parallelism", k), "replicated", "DDP: every rank holds a full copy")
+    full = b.value(("method", "kind")) == "full"
     for path in MINIMUM:
         if path == ("method", "target_modules") and b.read_from_file(("method", "target_parameters")):
+            continue
+        if full and path in ADAPTER_FIELDS:  # full fine-tuning has no adapters
             continue
         if path not in b.entries:
             b.unknown(path, "not in the files: give it", first)
@@ -179,6 +191,8 @@ def _finish(
     )
 
 
+#: the minimum intake fields of the adapters, which full fine-tuning does not have
+ADAPTER_FIELDS = (("method", "rank"), ("method", "target_modules"), ("adapter", "dtype"))
 #: the minimum intake fields an import writes UNKNOWN when the sources do not tell
 MINIMUM = (
     ("identity", "model_id"),

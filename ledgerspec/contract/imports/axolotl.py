@@ -90,18 +90,34 @@ def convert(src: Source, b: Builder) -> None:
 
     # -- method -------------------------------------------------------------------------------------------------
     adapter = src.take("adapter")
-    if adapter not in ("lora", "qlora"):
+    full = adapter is None  # no adapter: axolotl fine-tunes every parameter of the model
+    if adapter not in ("lora", "qlora", None):
         from ledgerspec.errors import LedgerspecError
 
-        what = "no adapter (a full fine-tune)" if adapter is None else f"adapter {adapter!r}"
         raise LedgerspecError(
-            f"{what}: ledgerspec sizes LoRA and QLoRA fine-tunes only",
+            f"adapter {adapter!r}: ledgerspec sizes LoRA, QLoRA and full fine-tunes only",
             src.path,
             *src.position("adapter"),
             rule="import",
-            hint="set adapter: lora or qlora, or size this run another way",
+            hint="set adapter: lora or qlora (or leave it out for a full fine-tune), or size this run another way",
         )
-    if adapter == "qlora" or (adapter == "lora" and load8):
+    if full and (load4 or load8):
+        from ledgerspec.errors import LedgerspecError
+
+        key = "load_in_4bit" if load4 else "load_in_8bit"
+        raise LedgerspecError(
+            f"{key} without an adapter: a full fine-tune of a quantized base (quantized weights cannot be trained)",
+            src.path,
+            *src.position(key),
+            rule="import",
+            hint="set adapter: qlora (or lora with load_in_8bit), or remove the quantization for a full fine-tune",
+        )
+    if full:
+        b.set(("method", "kind"), "full", o + "no adapter: every parameter trained", src.path)
+        for key in [k for k in src.left() if k.startswith(("lora_", "peft_"))]:  # read with an adapter only
+            src.take(key)
+            b.ignored.setdefault(src.path, []).append(key)
+    elif adapter == "qlora" or (adapter == "lora" and load8):
         b.set(("method", "kind"), "QLoRA", o + f"adapter: {adapter}" + (" + load_in_8bit" if load8 else ""), src.path)
     elif adapter == "lora":
         b.set(("method", "kind"), "LoRA", o + "adapter: lora", src.path, at("adapter"))
@@ -114,8 +130,9 @@ def convert(src: Source, b: Builder) -> None:
                 "is read as not quantized",
                 "note",
             )
-    _lora(src, b, o)
-    b.set(("method", "bias"), "none", o + "always bias='none' (loaders/adapter.py)", src.path)
+    if not full:
+        _lora(src, b, o)
+        b.set(("method", "bias"), "none", o + "always bias='none' (loaders/adapter.py)", src.path)
 
     # -- base model ---------------------------------------------------------------------------------------------
     quantized = (adapter == "qlora" and load4) or (adapter == "lora" and load8)
@@ -167,7 +184,9 @@ def convert(src: Source, b: Builder) -> None:
         b.set(("base_model", "prepare_for_kbit_training"), False, o + "the base is not quantized", src.path)
     src.take("embeddings_skip_upcast")
     autocast = src.take("peft_autocast_adapter_dtype")
-    if autocast is False:
+    if full:
+        pass  # no adapters: the weights keep cfg.torch_dtype
+    elif autocast is False:
         b.set(("adapter", "dtype"), torch_dtype, o + "peft_autocast_adapter_dtype: false", src.path)
     else:
         b.assume(

@@ -46,18 +46,33 @@ def convert(src: Source, b: Builder) -> None:
         b.unknown(("identity", "revision"), o + "model_revision main (the Hub's latest)", src.path)
 
     ft = src.take("finetuning_type", "lora")
-    if ft != "lora":
+    if ft not in ("lora", "full"):
         from ledgerspec.errors import LedgerspecError
 
         line, col = src.position("finetuning_type")
         raise LedgerspecError(
-            f"finetuning_type {ft!r}: ledgerspec sizes LoRA and QLoRA fine-tunes only",
+            f"finetuning_type {ft!r}: ledgerspec sizes LoRA, QLoRA and full fine-tunes only",
             src.path,
             line,
             col,
             rule="import",
-            hint="set finetuning_type: lora, or size this run another way",
+            hint="set finetuning_type: lora or full, or size this run another way",
         )
+    full = ft == "full"  # every parameter trained (_setup_full_tuning): see _full
+    if full and src.peek("quantization_bit") is not None:
+        from ledgerspec.errors import LedgerspecError
+
+        line, col = src.position("quantization_bit")
+        raise LedgerspecError(
+            "finetuning_type full with quantization_bit: a quantized base cannot be fully fine-tuned (LLaMA-Factory "
+            "refuses it too: init_adapter, 'Quantized models can only be used for the LoRA tuning')",
+            src.path,
+            line,
+            col,
+            rule="import",
+            hint="remove quantization_bit for full fine-tuning, or set finetuning_type: lora",
+        )
+    lora_keys = [k for k in _LORA_KEYS if src.has(k)] if full else []
     stage = src.take("stage", "sft")
     objective = {"sft": "sft", "pt": "sft", "dpo": "dpo", "kto": "kto", "rm": "reward", "ppo": "ppo"}.get(str(stage))
     loss = str(src.peek("pref_loss") or "sigmoid")
@@ -104,7 +119,16 @@ def convert(src: Source, b: Builder) -> None:
     else:
         compute = None
     infer = src.take("infer_dtype", "auto")
-    if compute:
+    sharded = bool(src.peek("deepspeed") or src.peek("fsdp") or src.peek("fsdp_config"))
+    if full and not pure and not sharded:
+        b.set(
+            ("base_model", "loaded_dtype"),
+            "float32",
+            o + "finetuning_type full: init_adapter casts every trainable parameter to float32 "
+            "(cast_trainable_params_to_fp32: not pure_bf16, no quantization, no ZeRO-3/FSDP)",
+            src.path,
+        )
+    elif compute:
         b.set(("base_model", "loaded_dtype"), compute, o + "bf16/fp16/pure_bf16 -> compute_dtype", src.path)
     elif infer != "auto":
         b.set(("base_model", "loaded_dtype"), str(infer), o + "infer_dtype", src.path)
@@ -126,8 +150,8 @@ def convert(src: Source, b: Builder) -> None:
     quantized = bits is not None
     b.set(
         ("method", "kind"),
-        "QLoRA" if quantized else "LoRA",
-        o + f"finetuning_type lora, quantization_bit {bits}",
+        "full" if full else "QLoRA" if quantized else "LoRA",
+        o + (f"finetuning_type {ft}" if full else f"finetuning_type lora, quantization_bit {bits}"),
         src.path,
     )
     b.set(C.QUANTIZED, quantized, o + "quantization_bit", src.path)
@@ -231,6 +255,9 @@ def convert(src: Source, b: Builder) -> None:
         ),
         src.path,
     )
+
+    if full:
+        _full(src, b, lora_keys)
 
     # -- workload -----------------------------------------------------------------------------------------------
     w = ("workload",)
@@ -375,6 +402,33 @@ def convert(src: Source, b: Builder) -> None:
         )
     C.launched_ranks(src, b, ds or fsdp or fsdp_cfg, o, "no deepspeed settings")
     C.account_for_rest(src, b, TOOL, LABEL)
+
+
+#: LoRA settings LLaMA-Factory reads only with finetuning_type lora (hparams/finetuning_args.py)
+_LORA_KEYS = (
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target",
+    "additional_target",
+    "use_dora",
+    "use_rslora",
+    "pissa_init",
+    "pissa_iter",
+    "create_new_adapter",
+)
+
+
+def _full(src: Source, b: Builder, lora_keys: list[str]) -> None:
+    """``finetuning_type: full``: every parameter trained (``_setup_full_tuning``, model/adapter.py), no adapters.
+    Unless ``pure_bf16`` (or ZeRO-3/FSDP, which LLaMA-Factory leaves alone), ``init_adapter`` casts the trainable
+    parameters to float32 (``cast_trainable_params_to_fp32``): the precision section wrote that ``loaded_dtype``. The
+    LoRA mapping above ran as for any file; its fields are taken out again (a full fine-tune has no rank, targets or
+    adapter dtype) and the LoRA keys the file holds are listed as not read."""
+    for path in [p for p in b.entries if p[0] == "adapter" or (p[0] == "method" and p[1] != "kind")]:
+        del b.entries[path]
+    for key in lora_keys:
+        b.ignored.setdefault(src.path, []).append(key)
 
 
 def _liger(src: Source, b: Builder, o: str) -> None:

@@ -15,7 +15,13 @@ the same in both, except the two noted where they apply (the pre-emptive rejecti
 present in 2.13's header; the rounding of ``allowed_memory_maximum``). The tool that stores those copies gives
 character offsets, not line numbers, so rules are cited by function and by the condition they test.
 
-What is not modelled: cross-stream uses (``record_stream``: a free is immediate), CUDA graph private pools and
+Cross-stream uses: a block another stream used (``record_stream``) is freed with ``pending=True``: ``free`` then
+``insert_events`` (``if (!block->stream_uses.empty())``): it no longer counts as allocated, but it goes back to its
+pool only when the other stream's work up to the free has completed (``process_events`` at the next ``malloc``), which
+the replay is told by :meth:`CachingAllocator.complete_pending`; ``release_cached_blocks`` (``empty_cache`` and the
+out-of-memory path) first waits for all of them (``synchronize_and_free_events``).
+
+What is not modelled: CUDA graph private pools and
 ``MemPool``s, IPC, ``cudaMallocAsync``, the free-memory callbacks, and where the driver places a segment (addresses
 are handed out upwards, never reused, so ties between equal-size free blocks go to the older segment, as
 ``BlockComparatorSizeCounterAddress`` also orders them by segment registration first).
@@ -157,6 +163,7 @@ class Block:
 
     __slots__ = (
         "allocated",
+        "event_count",
         "expandable",
         "gc_count_base",
         "mapped",
@@ -178,6 +185,8 @@ class Block:
         self.ptr = ptr
         self.expandable = expandable
         self.allocated = False
+        #: outstanding events of other streams' uses: a freed block waiting for them (``pending``) is not free yet
+        self.event_count = 0
         self.mapped = True
         self.requested_size = 0
         self.prev: Block | None = None
@@ -334,6 +343,8 @@ class CachingAllocator:
         self.allowed_memory_maximum: int | None = None
         self._next_address = _ADDRESS_BASE
         self.trace: list[dict[str, Any]] | None = [] if record_history else None
+        #: freed blocks another stream used, in the order freed, waiting for that stream (``cuda_events``)
+        self.pending: list[Block] = []
         # DeviceCachingAllocator's constructor: setMemoryFraction(per_process_memory_fraction)
         self.set_memory_fraction(self.config.per_process_memory_fraction)
 
@@ -397,8 +408,10 @@ class CachingAllocator:
         split = self._should_split(p.block, size, p.expandable)
         return self._alloc_found_block(p, nbytes, split)
 
-    def free(self, block: Block | None) -> None:
-        """``free_locked`` (no other stream used the block, so ``free_block`` at once). None is a no-op."""
+    def free(self, block: Block | None, pending: bool = False) -> None:
+        """``free_locked``: ``free_block`` at once, or with ``pending`` (another stream used the block:
+        ``insert_events``) no longer allocated but kept out of the pool until :meth:`complete_pending`. None is a
+        no-op."""
         if block is None:
             return
         if not block.allocated:
@@ -409,7 +422,22 @@ class CachingAllocator:
         self._record("free_requested", block.ptr, block.requested_size, block.stream)
         if block.size >= self.config.max_split_size:
             self.stats.oversize_allocations.decrease(1)
+        if pending:
+            block.event_count = 1
+            self.pending.append(block)
+            return
         self._free_block(block)
+
+    def complete_pending(self, keep: int = 0) -> None:
+        """``process_events``: the other streams have completed the work recorded before the last ``keep`` pending
+        frees; every earlier pending block goes back to its pool (``free_block``), oldest first."""
+        done = len(self.pending) - max(0, keep)
+        if done <= 0:
+            return
+        finished, self.pending = self.pending[:done], self.pending[done:]
+        for block in finished:
+            block.event_count = 0
+            self._free_block(block)
 
     def empty_cache(self) -> None:
         """``emptyCache``: ``release_cached_blocks``."""
@@ -468,7 +496,7 @@ class CachingAllocator:
             b: Block | None = head
             total = allocated = requested = 0
             while b is not None and b.mapped:
-                state = "active_allocated" if b.allocated else "inactive"
+                state = "active_allocated" if b.allocated else "active_pending_free" if b.event_count else "inactive"
                 blocks.append({"address": b.ptr, "size": b.size, "requested_size": b.requested_size, "state": state})
                 total += b.size
                 if b.allocated:
@@ -641,7 +669,7 @@ class CachingAllocator:
 
     def _try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
         """``try_merge_blocks``: absorb a free neighbour with the same mapping state; returns its size (0: none)."""
-        if src is None or src.allocated or dst.mapped != src.mapped:
+        if src is None or src.allocated or src.event_count > 0 or dst.mapped != src.mapped:
             return 0
         if src.mapped:
             pool.erase(src)
@@ -740,8 +768,9 @@ class CachingAllocator:
         return True
 
     def _release_cached_blocks(self) -> bool:
-        """``release_cached_blocks`` (default pool, no capture): sync events (none are modelled), then
-        ``release_blocks`` of the large and the small pool."""
+        """``release_cached_blocks`` (default pool, no capture): ``synchronize_and_free_events`` (every pending
+        block back to its pool), then ``release_blocks`` of the large and the small pool."""
+        self.complete_pending(0)
         self.stats.num_sync_all_streams += 1
         self._release_blocks(self.large_blocks)
         self._release_blocks(self.small_blocks)
@@ -808,7 +837,7 @@ class CachingAllocator:
         device, in pages of 2 MiB or ``large_segment_size``), None when even that is too small."""
 
         def allocatable(b: Block | None) -> bool:
-            return b is not None and not b.allocated
+            return b is not None and not b.allocated and b.event_count == 0
 
         def has_space(b: Block | None) -> bool:
             total = 0

@@ -103,7 +103,7 @@ class _Stream:
                 s.kinds.append("free")
                 s.sizes.append(s.sizes[t])
                 s.targets.append(t)
-                s.sigs.append(("f", window - windows[t], s.sigs[t][1]))
+                s.sigs.append(("f", window - windows[t], s.sigs[t][1], *e[2:]))
             else:
                 if kind == "phase":
                     window += 1
@@ -128,7 +128,7 @@ def canonical(events: Sequence[Event]) -> list[tuple[Any, ...]]:
             order[e[1]] = len(order)
             out.append(("alloc", int(e[2]), int(e[3]) if len(e) > 3 else 0))
         elif e[0] == "free":
-            out.append(("free", order[e[1]]))
+            out.append(("free", order[e[1]], *e[2:]))
         else:
             out.append(tuple(e))
     return out
@@ -422,7 +422,7 @@ class DepthTemplate:
                 if ident not in live:
                     raise NotExtensible(f"event {len(out)}: a free of an allocation that is not alive at depth")
                 live.discard(ident)
-                out.append(("free", ident))
+                out.append(("free", ident, *event[2:]))
             else:
                 out.append(tuple(event))
 

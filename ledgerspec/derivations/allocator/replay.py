@@ -3,7 +3,9 @@
 Events (plain tuples, JSON-friendly):
 
 - ``("alloc", id, nbytes, stream)``: a storage of ``nbytes`` (as requested, before rounding) on ``stream``;
-- ``("free", id)``: its release;
+- ``("free", id)``: its release; ``("free", id, "pending")``: its release after another stream used it
+  (``record_stream``): the block returns to the pool at a later ``sync``;
+- ``("sync", keep)``: the other streams have caught up with all but the last ``keep`` pending releases;
 - ``("phase", name)``: from here on the figures count for phase ``name`` (until the next marker);
 - ``("settings", text)``: ``torch.cuda.memory._set_allocator_settings(text)``;
 - ``("empty_cache",)``: ``torch.cuda.empty_cache()``.
@@ -139,8 +141,10 @@ def replay(
                 continue
             if key not in live:
                 raise ValueError(f"event {n}: id {key!r} is not allocated")
-            alloc.free(live.pop(key))
+            alloc.free(live.pop(key), pending=len(event) > 2 and event[2] == "pending")
             counted -= counts.pop(key)
+        elif kind == "sync":
+            alloc.complete_pending(int(event[1]))
         elif kind == "phase":
             _close(current, alloc, counted)
             phase = str(event[1])

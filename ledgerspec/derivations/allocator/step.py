@@ -28,6 +28,7 @@ with the parameter count: one block per kernel and a size that grows by the same
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -192,27 +193,32 @@ def full_depth_from(prepared: Any, parallel: bool = False) -> StepEvents:
     with ``layers="full"`` the full depth is traced). :attr:`StepEvents.estimate_figures` holds the figures the
     plain estimate gives (its two probes extended, or its full trace) whenever the probes traced here include its
     own, so one set of traces answers both."""
+    return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel)
+
+
+def full_depth(probe: Callable[[int | None], StepEvents], est_plan: Any, parallel: bool = False) -> StepEvents:
+    """The full-depth stream of a step whose traces ``probe(layers)`` gives (None: every layer), by the depth plan
+    ``est_plan`` (:class:`ledgerspec.derivations.estimate.extrapolate.Plan`): the plan's two probes and a third one
+    period deeper, extended event by event (:mod:`.depth`), or the full trace when the plan has no probes, a third
+    probe would be as deep as the model, or the probes' streams do not extend (saying why). Used for the estimate's
+    step (:func:`full_depth_from`) and for each rank of a sharded one
+    (:func:`ledgerspec.derivations.shard.simulation.probe_runner`)."""
     from ledgerspec.derivations.engine.beside import both
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
     started = time.perf_counter()
-    est_plan = prepared.plan
     if est_plan.probes is None:
-        full = probe_events(prepared, None)
+        full = probe(None)
         full.method = f"traced with all {est_plan.layers} decoder layers ({est_plan.reason})"
         full.estimate_figures = full.figures
         return full
     n1, n2 = est_plan.probes
     n3 = n2 + est_plan.period
     if n3 >= est_plan.layers:
-        full = probe_events(prepared, None)
+        full = probe(None)
         full.method = f"traced with all {est_plan.layers} decoder layers (a third probe would be as deep)"
         return full
-    (shallow, second), third = both(
-        lambda: (probe_events(prepared, n1), probe_events(prepared, n2)),
-        lambda: probe_events(prepared, n3),
-        parallel,
-    )
+    (shallow, second), third = both(lambda: (probe(n1), probe(n2)), lambda: probe(n3), parallel)
     estimated = extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers)
     building = time.perf_counter()
     try:
@@ -220,7 +226,7 @@ def full_depth_from(prepared: Any, parallel: bool = False) -> StepEvents:
             raise NotExtensible("the probes ran different protocol windows")
         events = extend_stream({n1: shallow.events, n2: second.events, n3: third.events}, est_plan.layers)
     except NotExtensible as exc:
-        full = probe_events(prepared, None)
+        full = probe(None)
         full.fallback = (
             f"the probes' allocation streams ({n1}, {n2}, {n3} layers) do not extend to {est_plan.layers} layers "
             f"exactly ({exc}): traced all {est_plan.layers} layers instead"
@@ -323,6 +329,7 @@ __all__ = [
     "StepEvents",
     "StepOOM",
     "StepReplay",
+    "full_depth",
     "full_depth_events",
     "full_depth_from",
     "probe_events",

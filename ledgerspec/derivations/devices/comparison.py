@@ -41,6 +41,10 @@ class Row:
     headroom: int | None
     largest_microbatch: int | None
     note: str = ""
+    #: decided on the device (``on_device``): the worst rank's device-level peak (the allocator model's reserved
+    #: bytes + what lies outside the allocator on that device), then ``fits``/``headroom`` are that verdict's
+    device_peak: int | None = None
+    decided_by: str | None = None
 
     def to_extension(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -53,6 +57,8 @@ class Row:
             "fits": self.fits,
             "headroom": self.headroom,
             "largest_microbatch": self.largest_microbatch,
+            "device_peak": self.device_peak,
+            "decided_by": self.decided_by,
         }
         if self.note:
             out["note"] = self.note
@@ -94,13 +100,28 @@ def compare(
     estimate_fn: EstimateFn,
     counts: Sequence[int] = COUNTS,
     per_rank: Any = None,
+    on_device: bool = False,
+    single_step: Any = None,
 ) -> Comparison:
     """Every device of ``catalogue`` for every GPU count the declared sharding supports.
 
-    ``per_rank(world) -> worst rank's peak at the declared microbatch`` simulates FSDP2 (None: the real one)."""
+    ``per_rank(world) -> worst rank's peak at the declared microbatch`` simulates FSDP2 (None: the real one).
+    ``on_device`` (issue 23): each device's verdict at the declared microbatch is decided on the device: the step's
+    allocation stream at full depth (per simulated rank for a sharded count) replayed through the caching-allocator
+    model against what that device's allocator can get (its total minus what lies outside the allocator there:
+    :func:`ledgerspec.derivations.devices.prediction.outside_of`), as ``estimate`` decides for one device; the
+    largest microbatch stays the allocated tensors' answer against the usable memory. ``single_step() -> StepEvents``:
+    one GPU's stream (default: traced here; the command passes
+    :func:`ledgerspec.derivations.devices.prediction.step_and_estimate`'s, which leaves the declared microbatch's
+    estimate in the cache for the microbatch model), called before the microbatch model traces."""
     from ledgerspec.contract import config
 
     declared = config.read(doc).workload.microbatch or 1
+    steps: dict[int, list[Any]] = {}
+    if on_device:
+        from ledgerspec.derivations.allocator.step import full_depth_events
+
+        steps[1] = [single_step() if single_step is not None else full_depth_events(doc, "cuda")]
     pads = padded(doc)
     model = batch_model(doc, _design(declared, pads), estimate_fn)
     single = model.peak(declared)
@@ -110,7 +131,17 @@ def compare(
     peaks: dict[int, int] = {1: single}
     wanted = [n for n in counts if n >= 1]
     if sharding in ("fsdp1", "fsdp2"):
-        rank_peak = per_rank or (lambda world: _fsdp2_worst(doc, world))
+
+        def sharded(world: int) -> int:
+            from ledgerspec.derivations.shard.options import cpu_offload
+
+            if not on_device or cpu_offload(doc) is not None:  # an offloaded rank's stream is not recorded
+                return _fsdp2_worst(doc, world)
+            est = _fsdp_estimate(doc, world, streams=True)
+            steps[world] = list({id(r.step): r.step for r in est.ranks}.values())
+            return int(est.worst)
+
+        rank_peak = per_rank or sharded
         for n in wanted:
             if n > 1:
                 try:
@@ -132,21 +163,59 @@ def compare(
             "state per rank); one GPU shown"
         )
     rows: list[Row] = []
+    verdict = _on_device(doc, steps) if on_device else None
     for device in catalogue.devices:
         for n in sorted(peaks):
             peak = peaks[n]
-            fits = peak <= device.usable
-            rows.append(
-                Row(
-                    device,
-                    n,
-                    peak,
-                    fits,
-                    device.usable - peak,
-                    _largest(model, n, peak, single, per_row, declared, device.usable),
-                )
+            row = Row(
+                device,
+                n,
+                peak,
+                peak <= device.usable,
+                device.usable - peak,
+                _largest(model, n, peak, single, per_row, declared, device.usable),
             )
+            if verdict is not None and n in steps:
+                row.fits, row.headroom, row.device_peak, row.decided_by = verdict(device, n)
+            rows.append(row)
+    if verdict is not None:
+        notes.append(
+            "fits and headroom: decided on the device at the declared microbatch (the step's allocation stream "
+            "replayed through the caching-allocator model against each device's total less what lies outside the "
+            "allocator there: the CUDA context and modules, NCCL's buffers); headroom = total - device-level peak; "
+            "the largest microbatch: the allocated tensors against the usable memory"
+        )
     return Comparison(rows, declared, sharding, notes, catalogue, sorted(s.microbatch for s in model.samples))
+
+
+def _on_device(doc: Document, steps: dict[int, list[Any]]) -> Any:
+    """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by)`` for the worst rank of ``gpus``, each
+    distinct stream replayed without a limit once and against a device only when its peak passes that device's
+    capacity (a replay against a capacity takes the same decisions until then)."""
+    from ledgerspec.derivations.devices.prediction import (
+        DevicePrediction,
+        Target,
+        free_replay,
+        outside_of,
+        replay_on_device,
+    )
+
+    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
+    free = {id(step): free_replay(doc, step, conf) for group in steps.values() for step in group}
+
+    def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str]:
+        target = Target(device.total, device.name, "catalogue", "the device catalogue's entry")
+        figure = outside_of(doc, target, gpus)
+        worst: DevicePrediction | None = None
+        for step in steps[gpus]:
+            replayed = replay_on_device(doc, step, device.total, figure.bytes, conf, free=free[id(step)], tries=False)
+            p = DevicePrediction(target, figure, replayed)
+            if worst is None or (p.fits, p.margin) < (worst.fits, worst.margin):
+                worst = p
+        assert worst is not None
+        return worst.fits, worst.margin, worst.device_peak, worst.decided_by
+
+    return verdict
 
 
 def _largest(
@@ -166,13 +235,18 @@ def _largest(
 def _fsdp2_worst(doc: Document, world: int) -> int:
     """The worst rank's predicted peak on ``world`` FSDP2 (or FSDP1) ranks (a simulated step per distinct rank
     layout)."""
+    return int(_fsdp_estimate(doc, world).worst)
+
+
+def _fsdp_estimate(doc: Document, world: int, streams: bool = False) -> Any:
+    """The per-rank estimate on ``world`` FSDP2 (or FSDP1) ranks (``streams``: with each rank's allocation stream)."""
     from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.options import check_qlora
 
     check_qlora(doc, rule="devices")
     descs = document_descriptors(doc)
-    return estimate_per_rank(doc, world, descs).worst
+    return estimate_per_rank(doc, world, descs, streams=streams)
 
 
 __all__ = ["COUNTS", "EXTENSION", "Comparison", "Row", "compare"]

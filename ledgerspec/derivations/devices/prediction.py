@@ -114,16 +114,19 @@ def target_of(doc: Document, total: int, from_flag: bool = False) -> Target:
     return Target(total, None, "none", "nothing: no result.target_device.name, catalogue entry or software.gpu_name")
 
 
-def outside_of(doc: Document, target: Target) -> outside.Figure:
+def outside_of(doc: Document, target: Target, world: int | None = None) -> outside.Figure:
     """The bytes this rank holds outside the caching allocator on ``target``: the ledger's
     ``outside_allocator.total`` when it holds one, else the outside catalogue's estimate for the declared stack on
-    the named device (:func:`ledgerspec.derivations.devices.outside.estimate`)."""
+    the named device (:func:`ledgerspec.derivations.devices.outside.estimate`; ``world``: the ranks it runs on, when
+    not the ledger's ``parallelism.gpu_count``, e.g. ``shard --nproc``)."""
     v = doc.get("outside_allocator", "total")
     size = v.size()
     if size is not None:
         why = " ".join((v.note or v.method or "").split())
         return outside.Figure(size, v.effective_source(True), "outside_allocator.total" + (f" ({why})" if why else ""))
     stack = replace(outside.stack_of(doc), gpu_name=target.name)
+    if world is not None:
+        stack = replace(stack, world_size=world)
     est = outside.estimate(stack)
     return outside.Figure(est.typical, est.provenance, est.method(), est)
 
@@ -477,17 +480,28 @@ def _tries(config: Any, conf: str) -> list[tuple[str, str]]:
 
 
 def replay_on_device(
-    doc: Document, step: Any, total: int, outside_bytes: int, conf: str, target: str = "cuda"
+    doc: Document,
+    step: Any,
+    total: int,
+    outside_bytes: int,
+    conf: str,
+    target: str = "cuda",
+    free: Any = None,
+    tries: bool = True,
 ) -> Replayed:
     """Replay ``step`` (a full-depth :class:`~ledgerspec.derivations.allocator.step.StepEvents`) for a device of
-    ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring)."""
+    ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring). ``free``: the replay
+    without a limit when the caller has it already (:func:`free_replay`: the same for every device unless the
+    settings depend on the device's total); ``tries``: replay the allocator settings that could make a
+    fragmentation-decided verdict fit."""
     from ledgerspec.derivations.allocator.config import AllocatorConfig
     from ledgerspec.derivations.allocator.step import replay_step
 
     started = time.perf_counter()
     config = _config(doc, conf)
     capacity = max(0, total - outside_bytes)
-    free = replay_step(doc, config=config, device_total=total, target=target, step=step)
+    if free is None or depends_on_total(config):
+        free = replay_step(doc, config=config, device_total=total, target=target, step=step)
     free_peak = max((p.reserved for p in free.phases.values()), default=0)
     if free.oom is None and free_peak <= capacity:
         on = free  # no cudaMalloc passes the capacity: the replay against it takes the same decisions
@@ -517,7 +531,7 @@ def replay_on_device(
         events=len(step.events),
     )
     peak_allocated = max((p.allocated for p in phases.values()), default=0)
-    if oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
+    if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
         for setting, whole in _tries(config, conf):
             config_again = AllocatorConfig.parse(whole)
             again = replay_step(doc, None, config_again, capacity, total, target, step)
@@ -532,6 +546,50 @@ def replay_on_device(
                 result.tried.append(Tried(setting, whole, False, a.reserved, -lacked, OOM_PHASE.get(a.phase, a.phase)))
     result.seconds = time.perf_counter() - started
     return result
+
+
+def step_and_estimate(
+    doc: Document,
+    target: str = "cuda",
+    layers: str = "auto",
+    offline: bool = True,
+    store: Any = None,
+    parallel: bool = False,
+    progress: Any = None,
+) -> tuple[Any, Any]:
+    """The estimate of ``doc`` and its step's allocation stream at full depth, from one set of traces (the
+    estimate's probes and a third); with ``store`` the plain estimate is kept in the cache, so that a later
+    ``estimate`` of the same question (a plain one, or a microbatch model's) is read back, not traced."""
+    from ledgerspec.derivations.allocator.step import full_depth_from
+    from ledgerspec.derivations.estimate import estimator
+    from ledgerspec.derivations.estimate.cache import key as cache_key
+    from ledgerspec.derivations.estimate.extrapolate import extend_all
+
+    p = estimator.prepare(doc, target, layers, progress, offline)
+    step = full_depth_from(p, parallel)
+    figures = step.estimate_figures
+    if figures is None:  # a stack too shallow for a third probe was traced in full: the estimate's own probes
+        assert p.plan.probes is not None
+        n1, n2 = p.plan.probes
+        figures = extend_all(p.trace(n1), p.trace(n2), n1, n2, p.plan.layers)
+    est = estimator.assemble(p, figures)
+    plain_question = {"target": target, "layers": layers, "offline": offline}
+    if store is not None and (plain_key := cache_key(doc, plain_question)) is not None:
+        store.put(plain_key, est.to_cache())  # the plain question is answered by these traces too
+    return est, step
+
+
+def depends_on_total(config: Any) -> bool:
+    """Whether a replay without a limit depends on the device's total: expandable segments reserve address space
+    relative to it, ``per_process_memory_fraction`` caps the allocator by it."""
+    return bool(config.expandable_segments) or config.per_process_memory_fraction < 1.0
+
+
+def free_replay(doc: Document, step: Any, conf: str, target: str = "cuda") -> Any:
+    """``step`` replayed without a limit (for :func:`replay_on_device`'s ``free``)."""
+    from ledgerspec.derivations.allocator.step import replay_step
+
+    return replay_step(doc, config=_config(doc, conf), target=target, step=step)
 
 
 def estimate_on_device(
@@ -553,7 +611,6 @@ def estimate_on_device(
     the allocator and the allocator's settings."""
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import cached
-    from ledgerspec.derivations.estimate.cache import key as cache_key
 
     if target != "cuda":
         raise ValueError("the device verdict models the CUDA caching allocator: target cuda only")
@@ -569,21 +626,8 @@ def estimate_on_device(
     }
 
     def compute() -> tuple[Any, Replayed]:
-        from ledgerspec.derivations.allocator.step import full_depth_from
-        from ledgerspec.derivations.estimate.extrapolate import extend_all
-
-        p = estimator.prepare(doc, target, layers, progress, offline)
-        step = full_depth_from(p, parallel)
-        figures = step.estimate_figures
-        if figures is None:  # a stack too shallow for a third probe was traced in full: the estimate's own probes
-            assert p.plan.probes is not None
-            n1, n2 = p.plan.probes
-            figures = extend_all(p.trace(n1), p.trace(n2), n1, n2, p.plan.layers)
-        est = estimator.assemble(p, figures)
-        replayed = replay_on_device(doc, step, device_memory, figure.bytes, conf, target)
-        if store is not None and (plain_key := cache_key(doc, plain_question)) is not None:
-            store.put(plain_key, est.to_cache())  # the plain question is answered by these traces too
-        return est, replayed
+        est, step = step_and_estimate(doc, target, layers, offline, store, parallel, progress)
+        return est, replay_on_device(doc, step, device_memory, figure.bytes, conf, target)
 
     def encode(answer: tuple[Any, Replayed]) -> dict[str, Any]:
         return {"estimate": answer[0].to_cache(), "device": answer[1].to_cache()}
@@ -606,8 +650,11 @@ __all__ = [
     "Target",
     "Tried",
     "catalogue_match",
+    "depends_on_total",
     "estimate_on_device",
+    "free_replay",
     "outside_of",
     "replay_on_device",
+    "step_and_estimate",
     "target_of",
 ]

@@ -305,7 +305,14 @@ class MemoryTracker:
         self._hooks: list[Any] = []
         #: the allocation event log (None: not kept)
         self.events: list[tuple[Any, ...]] | None = [] if events else None
+        #: the stream an allocation is made on (None: all on stream 0)
+        self.stream_of: Any = None
         self._event_ids: dict[int, tuple[int, int]] = {}  # storage key -> (event id, bytes) of its live buffer
+        self._event_streams: dict[int, int] = {}  # event id -> its stream, while alive
+        #: live event ids another stream used (``record_stream``): their free is logged as pending
+        self._recorded: set[int] = set()
+        #: pending frees logged so far (``("free", id, "pending")``)
+        self.pending_frees = 0
 
     # -- dispatch ------------------------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
@@ -388,13 +395,41 @@ class MemoryTracker:
         if nbytes > 0:  # the caching allocator is not called for 0 bytes
             ident = len(self.events)
             self._event_ids[key] = (ident, nbytes)
-            self.events.append(("alloc", ident, nbytes, 0))
+            stream = self.stream_of() if self.stream_of else 0
+            if stream:
+                self._event_streams[ident] = stream
+            self.events.append(("alloc", ident, nbytes, stream))
+
+    def _free_event(self, ident: int) -> None:
+        assert self.events is not None
+        self._event_streams.pop(ident, None)
+        if ident in self._recorded:
+            self._recorded.discard(ident)
+            self.pending_frees += 1
+            self.events.append(("free", ident, "pending"))
+        else:
+            self.events.append(("free", ident))
 
     def _log_free(self, key: int) -> None:
         assert self.events is not None
         live = self._event_ids.pop(key, None)
         if live is not None:
-            self.events.append(("free", live[0]))
+            self._free_event(live[0])
+
+    def record_stream(self, storage: Any, stream: int) -> None:
+        """``tensor.record_stream(s)`` on a GPU: the live buffer of ``storage`` is used on stream ``stream`` (a
+        number as :attr:`stream_of` gives): if that is not the stream it was allocated on, its free is logged as
+        pending (the caching allocator returns it to the pool only once that stream has caught up)."""
+        if self.events is None:
+            return
+        live = self._event_ids.get(int(storage._cdata))
+        if live is not None and self._event_streams.get(live[0], 0) != stream:
+            self._recorded.add(live[0])
+
+    def sync(self, keep: int = 0) -> None:
+        """The host waited for the device: every pending free but the last ``keep`` has completed."""
+        if self.events is not None:
+            self.events.append(("sync", keep))
 
     def _log_resize(self, key: int, nbytes: int) -> None:
         """A live storage now of ``nbytes``: if that changed, a new buffer (if any), then the old one freed
@@ -406,7 +441,7 @@ class MemoryTracker:
         self._event_ids.pop(key, None)
         self._log_alloc(key, nbytes)
         if old is not None:
-            self.events.append(("free", old[0]))
+            self._free_event(old[0])
 
     def mark(self, name: str) -> None:
         """A phase marker in the event log (no-op without one)."""

@@ -136,6 +136,8 @@ class WorkloadSpec:
     completion: int | None = None
     #: DPO, reward: TRL sets every dropout's probability to 0 before training (``disable_dropout``, default true)
     disable_dropout: bool = False
+    #: ``method.kind: full``: no adapters; every floating parameter of the model is trained
+    full: bool = False
     #: reward: ``objective_settings.center_rewards_coefficient`` (None: off, TRL's default)
     center_rewards: float | None = None
 
@@ -162,6 +164,29 @@ class WorkloadSpec:
         loaded = dtype(("base_model", "loaded_dtype"), "float32")
         quant = None
         q = cfg.quantization
+        if cfg.full and q.quantized:
+            raise _err(
+                doc,
+                ("method", "kind"),
+                "method.kind full trains every weight, but the base is quantized: quantized weights cannot be trained",
+                "load the base unquantized (base_model.quantized: false) for full fine-tuning, or choose QLoRA",
+            )
+        if cfg.full and cfg.training.objective in REFERENCED:
+            name = cfg.training.objective.upper()
+            raise _err(
+                doc,
+                ("method", "kind"),
+                f"{name} with method.kind full needs a separate reference model, which the step does not simulate",
+                f"estimate the SFT step (training.objective: sft) or {name} with LoRA",
+            )
+        if cfg.full and cfg.training.objective in TRL_STEPS:
+            raise _err(
+                doc,
+                ("method", "kind"),
+                f"training.objective {cfg.training.objective} with method.kind full: the step simulates TRL's trainer "
+                "for this objective with LoRA/QLoRA only (its truths are adapter runs)",
+                "estimate it with LoRA, or the SFT step (training.objective: sft) for full fine-tuning",
+            )
         if q.quantized:
             path = config.QUANT
             if not q.four_bit:
@@ -183,7 +208,8 @@ class WorkloadSpec:
                 q.blocksize,
                 q.skip_modules,
             )
-        adapter = dtype(("adapter", "dtype")) if cfg.adapter_dtype else None  # None: PEFT's float32
+        # None: PEFT's float32 (full fine-tuning has no adapters: the weights keep their loaded dtypes)
+        adapter = dtype(("adapter", "dtype")) if cfg.adapter_dtype and not cfg.full else None
         opt = cfg.optimizer.key
         if opt not in OPTIMIZERS:
             raise _err(
@@ -307,6 +333,7 @@ class WorkloadSpec:
             reference=t.dpo_reference if t.objective in REFERENCED else None,
             completion=t.max_completion_length if t.objective in REFERENCED else None,
             disable_dropout=t.objective in TRL_STEPS and t.disable_dropout,
+            full=cfg.full,
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
         )
 
@@ -468,6 +495,16 @@ def _is_4bit(p: Any) -> bool:
     return type(p).__name__ == "Params4bit"
 
 
+def _full_model(base: Any) -> Any:
+    """The model of full fine-tuning: transformers' model itself, no PEFT wrapper. Its parameters are made frozen
+    here and loaded as the base (the protocol's "load", as ``from_pretrained`` loads them), then all made trainable
+    in the adapter phase, where nothing is injected (:meth:`Workload.materialise_adapters`). ``get_base_model`` is
+    the model itself, as the step asks a PEFT model for its base."""
+    base.requires_grad_(False)
+    base.__dict__["get_base_model"] = lambda: base
+    return base
+
+
 class Workload:
     """The model, optimizer and batches of one spec; see the module docstring for the order of calls."""
 
@@ -515,7 +552,10 @@ class Workload:
                     use_gradient_checkpointing=spec.gradient_checkpointing,
                     gradient_checkpointing_kwargs={"use_reentrant": spec.reentrant},
                 )
-        self.model = inject_adapters(self.doc, base)
+        if spec.full:
+            self.model = _full_model(base)
+        else:
+            self.model = inject_adapters(self.doc, base)
         if spec.reference == "adapter_copy":
             self._reference_adapter()
         cast_module_dtypes(self.model, spec.module_dtypes)
@@ -580,6 +620,9 @@ class Workload:
 
         self._materialise(device, adapters=True)
         target = getattr(torch, self.spec.adapter_dtype) if self.spec.adapter_dtype else None
+        if self.spec.full:  # the loaded weights become the trained ones: nothing is created
+            for p in self.model.parameters():
+                p.requires_grad_(p.is_floating_point())
         # a reward model's trainable copy of its score head keeps the base's dtype (PEFT upcasts adapter layers only,
         # tuners_utils.cast_adapter_dtype), unless TRL casts every trainable parameter of a quantized base to
         # bfloat16 (reward_trainer.py:549-554), which adapter.dtype then says
@@ -590,7 +633,7 @@ class Workload:
         )
         with torch.no_grad():
             for p in self.model.parameters():
-                if p.requires_grad:
+                if p.requires_grad and not self.spec.full:
                     if target is not None and p.dtype != target and id(p) not in keep:
                         p.data = p.data.to(target)
                     p.normal_(0.0, 0.02)
@@ -619,26 +662,30 @@ class Workload:
         self._late = {id(p) for n, p in self.model.named_parameters() if ".ref." in n}
 
     def _materialise(self, device: Any, adapters: bool) -> None:
+        for module in self.model.modules():
+            self._materialise_module(module, device, adapters)
+
+    def _materialise_module(self, module: Any, device: Any, adapters: bool) -> None:
+        """One module's own meta parameters (the adapter's, or the others) and, with the others, its own buffers."""
         import torch
 
-        for module in self.model.modules():
-            for pname, p in list(module._parameters.items()):
-                # after injection the trainable parameters are exactly the adapter's (PEFT froze the rest); a frozen
-                # reference adapter is made with them
-                if p is None or not p.is_meta or (p.requires_grad or id(p) in self._late) != adapters:
-                    continue
-                module._parameters[pname] = self._new_param(p, device, module)
-            if adapters:
+        for pname, p in list(module._parameters.items()):
+            # after injection the trainable parameters are exactly the adapter's (PEFT froze the rest); a frozen
+            # reference adapter is made with them
+            if p is None or not p.is_meta or (p.requires_grad or id(p) in self._late) != adapters:
                 continue
-            for bname, b in list(module._buffers.items()):
-                if b is not None and b.is_meta:
-                    new = self._memo.get(id(b))
-                    if new is None:
-                        new = torch.empty_like(b, device=device)
-                        if new.is_floating_point():
-                            new.zero_()
-                        self._memo[id(b)] = new
-                    module._buffers[bname] = new
+            module._parameters[pname] = self._new_param(p, device, module)
+        if adapters:
+            return
+        for bname, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                new = self._memo.get(id(b))
+                if new is None:
+                    new = torch.empty_like(b, device=device)
+                    if new.is_floating_point():
+                        new.zero_()
+                    self._memo[id(b)] = new
+                module._buffers[bname] = new
 
     def _new_param(self, p: Any, device: Any, module: Any) -> Any:
         import torch

@@ -328,7 +328,7 @@ def trace(
     backend = backend if backend is not None else TrackerBackend(fake=True, granularity=granularity(target))
     from ledgerspec.derivations.estimate.legacy_loss import declared_loss
 
-    with workload.stack, warnings.catch_warnings(), declared_loss(doc):  # transformers < 4.49's loss if declared
+    with workload.stack, warnings.catch_warnings(), declared_loss(doc, workload):  # transformers < 4.49 loss
         # the simulation builds a paged optimizer on the CPU, where bitsandbytes warns that paging falls back;
         # the estimate models the paged state itself, so the warning is about the simulation, not the user's run
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU", category=UserWarning)
@@ -663,6 +663,10 @@ def _differences(
 
     if models_shift_copy(doc):  # modelled as declared (transformers < 4.49's loss); recorded only then
         out[LOSS_KEY] = record(OLDER)
+        from ledgerspec.derivations.estimate.legacy_loss import FLOAT_KEY, models_float_logits
+
+        if models_float_logits(doc):  # and < 4.46's upcast in the model's forward
+            out[FLOAT_KEY] = record(OLDER)
     if spec.quant is None:
         return out, notes
     key = "bitsandbytes-4bit-matmul-input"

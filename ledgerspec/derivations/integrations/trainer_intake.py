@@ -40,6 +40,7 @@ from typing import Any
 
 from ledgerspec.contract.document import Document, from_text
 from ledgerspec.contract.imports import (
+    ADAPTER_FIELDS,
     MINIMUM,  # written UNKNOWN when the objects do not tell
     hf,
     shipped,
@@ -58,6 +59,28 @@ def _error(message: str, hint: str) -> LedgerspecError:
 
 def _dtype(d: Any) -> str:
     return str(d).removeprefix("torch.")
+
+
+def full_model(model: Any) -> Any:
+    """The model of a full fine-tune (no PEFT adapters, trainable parameters), unwrapped from DDP/accelerate; None
+    for a PEFT model or a model with nothing to train (:func:`peft_parts` says what is wrong with it)."""
+    inner = model
+    for _ in range(4):  # DDP / accelerate wrappers keep the model in .module
+        if hasattr(inner, "peft_config"):
+            return None
+        nested = getattr(inner, "module", None)
+        if nested is None:
+            break
+        inner = nested
+    if any(p.requires_grad for p in inner.parameters()):
+        return inner
+    return None
+
+
+def trained_parts(model: Any) -> None:
+    """A clear error for a model the callback cannot size: neither PEFT LoRA adapters nor a full fine-tune."""
+    if full_model(model) is None:
+        peft_parts(model)
 
 
 def peft_parts(model: Any) -> tuple[Any, Any, str]:
@@ -161,22 +184,30 @@ def intake_from_trainer(trainer: Any, output: str | None = None) -> Document:
 def intake_from_objects(model: Any, args: Any, output: str | None = None, trainer: Any = None) -> Document:
     """:func:`intake_from_trainer` from the model and the ``TrainingArguments`` (what a callback receives; with the
     trainer when it is known, its reference model is read too)."""
-    peft_model, lora, adapter = peft_parts(model)
-    base = peft_model.get_base_model()
+    full = full_model(model)  # a full fine-tune: the model itself, every parameter trained (issue 26)
+    if full is not None:
+        peft_model, lora, adapter = full, None, ""
+        base = full
+    else:
+        peft_model, lora, adapter = peft_parts(model)
+        base = peft_model.get_base_model()
     config = base.config
     b = Builder()
     origin = "trainer.model"
     _identity(b, config, lora, output)
-    _dtypes(b, peft_model, base, config, adapter)
-    targets = target_names(peft_model, adapter)
-    lora_dump = _plain_dict(lora.to_dict())
-    if targets is not None:
-        lora_dump["target_modules"] = targets
-    # the settings PEFT defaults to that the dump holds as None/False/{} (a live config holds every key)
-    lora_dump = {k: v for k, v in lora_dump.items() if k in ("r", "lora_alpha", "lora_dropout") or not is_off(v)}
-    lora_dump.pop("base_model_name_or_path", None)
-    lora_dump.pop("revision", None)
-    hf.adapter_config(_source(f"{origin}.peft_config[{adapter!r}]", "adapter-config", lora_dump), b)
+    if lora is None:
+        _full_dtypes(b, base, config)
+    else:
+        _dtypes(b, peft_model, base, config, adapter)
+        targets = target_names(peft_model, adapter)
+        lora_dump = _plain_dict(lora.to_dict())
+        if targets is not None:
+            lora_dump["target_modules"] = targets
+        # the settings PEFT defaults to that the dump holds as None/False/{} (a live config holds every key)
+        lora_dump = {k: v for k, v in lora_dump.items() if k in ("r", "lora_alpha", "lora_dropout") or not is_off(v)}
+        lora_dump.pop("base_model_name_or_path", None)
+        lora_dump.pop("revision", None)
+        hf.adapter_config(_source(f"{origin}.peft_config[{adapter!r}]", "adapter-config", lora_dump), b)
     qc = getattr(config, "quantization_config", None)
     if qc is not None:
         qd = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)
@@ -185,11 +216,20 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None, traine
         )
     b.set(QUANTIZED, bool(b.value(QUANTIZED)), "config.quantization_config" if qc is not None else "no quantization")
     quantized = bool(b.value(QUANTIZED))
-    b.set(
-        ("method", "kind"),
-        "QLoRA" if quantized else "LoRA",
-        f"{origin}: PEFT LoRA on a quantized base" if quantized else f"{origin}: PEFT LoRA",
-    )
+    if full is not None:
+        if quantized:
+            raise _error(
+                "the Trainer's model is quantized and has no PEFT adapters: a full fine-tune of a quantized base, "
+                "which cannot train its quantized weights",
+                "wrap the model with peft.get_peft_model(model, LoraConfig(...)) (QLoRA), or load it unquantized",
+            )
+        b.set(("method", "kind"), "full", f"{origin}: no PEFT adapters, every parameter trainable (a full fine-tune)")
+    else:
+        b.set(
+            ("method", "kind"),
+            "QLoRA" if quantized else "LoRA",
+            f"{origin}: PEFT LoRA on a quantized base" if quantized else f"{origin}: PEFT LoRA",
+        )
     _prepared(b, base, quantized)
     for op, (value, seen) in kernels_in_use(base).items():
         b.set(("software", "kernels", op), value, f"{origin}: {seen}")
@@ -216,13 +256,18 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None, traine
             continue
         if path == ("identity", "revision") and b.value(("identity", "config_sha256")):
             continue  # the minimum intake needs one of the two
+        if full is not None and path in ADAPTER_FIELDS:
+            continue  # full fine-tuning has no adapters
         if path not in b.entries:
             b.unknown(path, "the Trainer's objects do not tell: give it")
     model_id, rank = b.value(("identity", "model_id")), b.value(("method", "rank"))
-    b.titles.append(
-        f"{model_id or 'a model'}, {'QLoRA' if quantized else 'LoRA'} r={rank}, read from a live transformers.Trainer"
+    what = "full fine-tuning" if full is not None else f"{'QLoRA' if quantized else 'LoRA'} r={rank}"
+    b.titles.append(f"{model_id or 'a model'}, {what}, read from a live transformers.Trainer")
+    b.tools.append(
+        f"a live transformers.Trainer ({type(base).__name__}, no PEFT wrapper)"
+        if full is not None
+        else f"a live transformers.Trainer ({type(peft_model).__name__} over {type(base).__name__})"
     )
-    b.tools.append(f"a live transformers.Trainer ({type(peft_model).__name__} over {type(base).__name__})")
     for entry in b.entries.values():  # the importer's labels name files; here they are the live objects
         for old, new in _ORIGINS:
             if entry.origin.startswith(old):
@@ -424,6 +469,18 @@ def _dtypes(b: Builder, peft_model: Any, base: Any, config: Any, adapter: str) -
         if p.requires_grad and f".lora_A.{adapter}." in name:
             b.set(("adapter", "dtype"), _dtype(p.dtype), "the dtype of the real LoRA weights")
             break
+
+
+def _full_dtypes(b: Builder, base: Any, config: Any) -> None:
+    """Full fine-tuning: ``base_model.loaded_dtype`` is the dtype the trained parameters are in now (a tool may have
+    cast them after loading, as LLaMA-Factory casts them to float32), else the model config's."""
+    dtypes = {p.dtype for p in base.parameters() if p.requires_grad and p.dtype.is_floating_point}
+    if len(dtypes) == 1:
+        b.set(("base_model", "loaded_dtype"), _dtype(next(iter(dtypes))), "the dtype of the trained parameters")
+        return
+    loaded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if loaded is not None:
+        b.set(("base_model", "loaded_dtype"), _dtype(loaded), "trainer.model.config.dtype (the dtype loaded)")
 
 
 def _prepared(b: Builder, base: Any, quantized: bool) -> None:

@@ -41,7 +41,7 @@ What a callback can and cannot observe (the protocol's phases):
   sum) and ``parallelism.per_rank_peak``, as ``measure --nproc`` does. An out-of-memory error on one rank is
   written by rank 0 only, with its own figures (the other ranks are not there to gather).
 
-A failure of the callback itself (an unwritable path, a Trainer without PEFT adapters, ...) is logged once and the
+A failure of the callback itself (an unwritable path, a Trainer with nothing to train, ...) is logged once and the
 callback stops recording; training goes on. ``strict=True`` raises instead.
 
 The ``TrainerCallback`` subclass is made on first use (:func:`callback_class`), so that importing this module
@@ -343,9 +343,9 @@ class Recorder:
         if self.rank == 0:  # only rank 0 reads and writes the ledger
             self._open_document(args, model)
         else:
-            from ledgerspec.derivations.integrations.trainer_intake import peft_parts
+            from ledgerspec.derivations.integrations.trainer_intake import trained_parts
 
-            peft_parts(model)
+            trained_parts(model)
             self._trainer = find_trainer(model)
         self._start_backend(args, model, optimizer)
 
@@ -369,10 +369,10 @@ class Recorder:
         from ledgerspec.contract.document import load, require_header
         from ledgerspec.contract.edit import to_ledger
         from ledgerspec.contract.writer import check_writable
-        from ledgerspec.derivations.integrations.trainer_intake import intake_from_objects, peft_parts
+        from ledgerspec.derivations.integrations.trainer_intake import intake_from_objects, trained_parts
 
         check_writable(self.path, force=self.force)
-        peft_parts(model)  # a full fine-tune / no adapters: a clear message before anything else
+        trained_parts(model)  # neither adapters nor a full fine-tune: a clear message before anything else
         self._trainer = find_trainer(model)
         if os.path.exists(self.path):
             doc = require_header(load(self.path), "callback")
@@ -478,8 +478,13 @@ class Recorder:
         rounded = dict.fromkeys(counts, 0)
         for cat, n in known.values():
             rounded[cat] += -(-n // unit) * unit
+        from ledgerspec.derivations.integrations.trainer_intake import full_model
+
+        # full fine-tuning (no PEFT adapters): the trained weights are what was loaded; nothing is injected
+        full = full_model(live.model) is not None
         base = rounded["frozen_params"] + rounded["buffers"] + rounded["quant_state"]
-        adapters = base + rounded["adapter"]
+        base += rounded["adapter"] if full else 0
+        adapters = base + (0 if full else rounded["adapter"])
         # optimizer tensors outside its state (bitsandbytes' maps)
         extra = sum(-(-n // unit) * unit for n in outside_state(live.optimizer, known, b.census_device).values())
         with_optimizer = adapters + rounded["optimizer"] + extra

@@ -133,7 +133,8 @@ def software_versions(workload: Any, device: str) -> dict[str, str]:
             out["pytorch_cuda_alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     model = getattr(workload, "model", None)
     if model is not None:
-        impl = getattr(model.get_base_model().config, "_attn_implementation", None)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # full fine-tuning: no PEFT
+        impl = getattr(base.config, "_attn_implementation", None)
         if impl:
             out["attention_implementation"] = str(impl)
     return out

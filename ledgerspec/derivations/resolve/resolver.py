@@ -163,6 +163,13 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
         "adapter": f"trainable tensors x their dtype size: {_dtype_mix(trainable)}",
         "ledger_gradients": "gradient dtype = parameter dtype: same bytes as the trainable tensors",
     }
+    if c.full:
+        m["trainable"] = (
+            f"full fine-tuning: every floating parameter of {c.architecture} built on the meta device is trainable "
+            f"({len(trainable)} tensors, no adapters; see method.x-breakdown)"
+        )
+        m["gradients"] = "one gradient per parameter (full fine-tuning: every parameter has one)"
+        m["adapter"] = f"the trainable model weights (no adapters) x their dtype size: {_dtype_mix(trainable)}"
     parts = []
     if c.quant.kind in ("gptq", "awq", "mxfp4", "hqq", "torchao_nf4"):
         n_q = sum(1 for t in frozen if t.quantized)
@@ -220,7 +227,7 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
     if sha256:
         changes.append(set_plain(doc, ("identity", "config_sha256"), sha256))
     changes.append(set_figure(doc, ("identity", "total_parameters"), f.total_parameters, "VERIFIED", m["total"]))
-    if len({t.dtype for t in c.trainable}) > 1:  # e.g. fp32 LoRA + a bf16 modules_to_save copy (see LS022)
+    if not c.full and len({t.dtype for t in c.trainable}) > 1:  # e.g. fp32 LoRA + a bf16 modules_to_save copy
         changes.append(set_extension(doc, ("adapter", "x-lora-dtype"), c.adapter_dtype))
         if (doc.get("adapter", "dtype").text() or "").lower() != "mixed":
             changes.append(set_plain(doc, ("adapter", "dtype"), "mixed", force=True))

@@ -121,7 +121,8 @@ def document_descriptors(doc: Document, offline: bool = True, trust_remote_code:
     source = build.load_config(doc, offline=offline, trust_remote_code=trust_remote_code)
     c = census(doc, source, trust_remote_code=trust_remote_code)
     base = build.build_meta_model(doc, source, trust_remote_code=trust_remote_code)
-    units = [_PEFT_PREFIX + u for u in unit_names(base)]
+    prefix = "" if c.full else _PEFT_PREFIX  # full fine-tuning: the model's own names, no PEFT wrapper
+    units = [prefix + u for u in unit_names(base)]
 
     def unit_of(name: str) -> str:
         for u in units:

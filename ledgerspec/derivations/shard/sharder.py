@@ -29,6 +29,7 @@ from ledgerspec.derivations.shard.options import (
     world_size,
     zero_stage,
 )
+from ledgerspec.derivations.stack.optimizer_state import TensorShape, optimizer_spec, state_bytes
 
 EXTENSION = ("parallelism", "x-per-rank")
 
@@ -92,7 +93,10 @@ def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], opt
         zero_out[key] = {
             "parameters": _fig(z.parameters, how),
             "gradients": _fig(z.gradients, how),
-            "optimizer": _fig(z.optimizer, how),
+            "optimizer": _fig(
+                z.optimizer,
+                how + f": the state of the fp32 partition + DeepSpeed's fp32 master partition ({z.master:,} B)",
+            ),
             "device_total": _fig(z.device_total, how),
             "host": _fig(z.host, how + ", on the host"),
         }
@@ -122,9 +126,14 @@ def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], opt
                     "checkpointing (offload_param; persistent small parameters and those kept by "
                     "stage3_max_reuse_distance are not fetched again)",
                 )
+    wrap = (
+        "accelerate's transformer-based wrap (full fine-tuning): decoder layers + root"
+        if all(u.trainable for u in getattr(plan, "units", {}).values())
+        else "PEFT's fsdp_auto_wrap_policy: decoder layers + each trainable leaf module + root"
+    )
     strategy = (
-        "fsdp1 (FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy: decoder layers + each "
-        f"trainable leaf module + root, {'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
+        f"fsdp1 (FullyShardedDataParallel, use_orig_params, {wrap}, "
+        f"{'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
         if fsdp1
         else "fsdp2 (fully_shard per decoder layer + root)"
     )
@@ -147,7 +156,8 @@ def compute(
     plan: S.Fsdp2Plan | S.Fsdp1Plan
     try:
         if is_fsdp1(doc):
-            units = S.peft_fsdp1_units(descs)
+            # full fine-tuning: accelerate's transformer-based wrap (decoder layers + root), not PEFT's policy
+            units = descs if config.read(doc).full else S.peft_fsdp1_units(descs)
             plan = S.fsdp1(
                 units,
                 world,
@@ -167,6 +177,10 @@ def compute(
     t = S.totals(descs, optimizer)
     cfg = config.read(doc)
     master = sum(p.nbytes // p.itemsize * 4 for p in descs if p.trainable and p.kind == "param")
+    # DeepSpeed's optimizer steps the fp32 master partition: its state is that of fp32 parameters (issue 26)
+    spec = optimizer_spec(optimizer)
+    fp32 = [TensorShape(p.shape, max(p.itemsize, 4)) for p in descs if p.trainable and p.kind == "param"]
+    ds_state = state_bytes(spec, fp32).device if spec is not None else t["optimizer"]
     zero = {
         f"zero{stage}{'_offload' if off else ''}": S.zero(
             stage,
@@ -174,7 +188,7 @@ def compute(
             t["frozen"],
             t["trainable"],
             t["gradients"],
-            t["optimizer"],
+            ds_state,
             offload=off,
             replicated_bytes=t["replicated"],
             master_bytes=master,
@@ -253,14 +267,36 @@ def shard(
         from ledgerspec.derivations.shard.fsdp import estimate_per_rank
         from ledgerspec.derivations.shard.simulation import extension_block
 
+        from_flag = device_memory is not None
         if device_memory is None:
             device_memory = doc.get("result", "target_device", "memory").size()
+        # issue 23: with a device, the verdict is the allocator model's replay of each rank's stream plus what lies
+        # outside the allocator, as `estimate` decides for one GPU; what is not replayed says why
+        not_on_device = (
+            "zero"
+            if zero_stage(doc) is not None
+            else "offload"
+            if offload is not None
+            else "cpu"
+            if target != "cuda"
+            else None
+        )
+        on_device = device_memory is not None and not_on_device is None
         if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3: DeepSpeed's own engine per rank (issue 16)
             from ledgerspec.derivations.shard.zero import estimate_zero_per_rank
 
             est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline)
         else:
-            est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline)
+            est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline, streams=on_device)
+        if on_device:
+            from ledgerspec.derivations.devices.per_rank import ranks_on_device
+
+            assert device_memory is not None
+            est.device = ranks_on_device(doc, est, device_memory, world, from_flag)
+        elif device_memory is not None and not_on_device is not None:
+            from ledgerspec.derivations.devices.per_rank import NOT_ON_DEVICE
+
+            est.allocated_only = NOT_ON_DEVICE[not_on_device]
         ext["estimate"] = extension_block(est, device_memory)
     change = set_extension(doc, EXTENSION, ext)
     return ShardResult(plan, zero, ext, change, est, device_memory)

@@ -5,6 +5,8 @@
 - :func:`fake_process_group`: a fake default process group of ``W`` ranks, this process being one of them;
 - :func:`prepare_trace`: the target, intake, workload, attention, model config and trace plan, checked and read;
 - :func:`probe_runner`: a rank's figures at the model's depth, from two probe depths or the full one;
+- :func:`stream_runner`: a rank's allocation stream at the model's depth (for the allocator model's replay), each
+  allocation on the stream it was made on (:func:`stream_numbers`), with the same figures;
 - :func:`extension_block`: the ``estimate`` block of ``parallelism.x-per-rank``.
 """
 
@@ -43,6 +45,9 @@ class RankEstimate:
     host_phases: dict[str, int] | None = None
     total_phases: dict[str, int] | None = None
     host_peak: int | None = None
+    #: the rank's allocation stream at full depth (:class:`ledgerspec.derivations.allocator.step.StepEvents`), when
+    #: the device-level verdict was asked for (:func:`stream_runner`); shared by the ranks simulated as one
+    step: Any = None
 
     @property
     def peak(self) -> int:
@@ -90,8 +95,132 @@ class ShardEstimate:
     def worst(self) -> int:
         return max(r.peak for r in self.ranks)
 
+    #: each rank's prediction on the device (:class:`ledgerspec.derivations.devices.prediction.DevicePrediction`),
+    #: in rank order, when the verdict was decided on the device (:mod:`ledgerspec.derivations.devices.per_rank`)
+    device: list[Any] | None = None
+    #: why the verdict compares allocated tensors only (None: it is decided on the device, or no device was asked)
+    allocated_only: str | None = None
+
     def fits(self, device_memory: int) -> list[Fit]:
+        """Each rank's verdict for ``device_memory``: on the device (the allocator model's replay plus what lies
+        outside it) when :attr:`device` holds one for that memory, else the allocated phases against it."""
+        if self.device is not None and all(d.total == device_memory for d in self.device):
+            return [device_fit(d) for d in self.device]
         return [fit(r.phases, device_memory) for r in self.ranks]
+
+
+def device_fit(d: Any) -> Fit:
+    """A :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction` as a :class:`Fit`: the device-level
+    peak against the device's total, the first out-of-memory phase of the replay against its capacity."""
+    from ledgerspec.derivations.estimate.fit import OOM_PHASE
+
+    key = d.oom.phase if d.oom is not None else None
+    return Fit(d.total, d.device_peak, d.fits, d.margin, OOM_PHASE.get(key, key) if key else None, key)
+
+
+@contextlib.contextmanager
+def device_waits(backend: Any, numbers: Any, trainer: bool) -> Iterator[None]:
+    """What a simulated rank's event log needs besides its allocations for the replay to free blocks when a GPU
+    would: FSDP1's ``record_stream`` calls (``_no_dispatch_record_stream``, a no-op for CPU tensors; on a GPU the
+    unsharded flat parameter freed on the compute stream and the gradient handed to the post-backward stream go back
+    to the pool only once the other stream has used them: the tracker logs their frees as pending), and the points
+    where the host waits for the device: FSDP1's rate limiter (``limit_all_gathers``: before each all-gather,
+    ``event.synchronize()`` on the free event two reshards back, ``_runtime_utils._unshard``; every pending free
+    before that event's ``record()`` has completed) and, under transformers' Trainer, the check of each
+    micro-step's loss (``torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)`` in a boolean context with
+    ``logging_nan_inf_filter``, the default, trainer.py: the device has finished the micro-step)."""
+    import torch
+    import torch.distributed.fsdp._flat_param as flat_param
+    import torch.distributed.fsdp._runtime_utils as runtime_utils
+
+    tracker = backend.tracker
+
+    def record_stream(tensor: Any, stream: Any) -> None:
+        tracker.record_stream(tensor.untyped_storage(), numbers.of(stream))
+
+    class Event(torch.cpu.Event):
+        """``torch.cpu.Event`` (no-ops), noting how many pending frees were logged when it was recorded."""
+
+        before: int | None = None
+
+        def record(self, stream: Any = None) -> None:
+            self.before = tracker.pending_frees
+
+        def synchronize(self) -> None:
+            if self.before is not None:
+                tracker.sync(tracker.pending_frees - self.before)
+
+    reset_peak = backend.reset_peak
+
+    def reset_with_check() -> None:
+        if trainer and backend.windows and backend.windows[-1].endswith(":temporary"):
+            tracker.sync(0)  # the Trainer's loss check after each micro-step's backward
+        reset_peak()
+
+    saved = (flat_param._no_dispatch_record_stream, runtime_utils._no_dispatch_record_stream, torch.cpu.Event)
+    flat_param._no_dispatch_record_stream = record_stream
+    runtime_utils._no_dispatch_record_stream = record_stream
+    torch.cpu.Event = Event  # type: ignore[misc]
+    backend.reset_peak = reset_with_check
+    try:
+        yield
+    finally:
+        flat_param._no_dispatch_record_stream, runtime_utils._no_dispatch_record_stream = saved[:2]
+        torch.cpu.Event = saved[2]  # type: ignore[misc]
+        backend.reset_peak = reset_peak
+
+
+class StreamNumbers:
+    """Streams as small numbers, for the event log of a simulated rank (see :func:`stream_numbers`)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._numbers = {id(torch.cpu.current_stream()): 0}
+        self._keep: list[Any] = []  # the stream objects, so that an id is never reused while numbered
+
+    def of(self, stream: Any) -> int:
+        n = self._numbers.get(id(stream))
+        if n is None:
+            n = self._numbers[id(stream)] = len(self._numbers)
+            self._keep.append(stream)
+        return n
+
+    def __call__(self) -> int:
+        import torch
+
+        return self.of(torch.cpu.current_stream())
+
+
+def stream_numbers() -> StreamNumbers:
+    """The current stream as a small number, for the event log of a simulated rank: 0 for the default stream, then
+    1, 2, ... in the order FSDP first allocates on its streams (FSDP1's unshard and post-backward streams, FSDP2's
+    all-gather copy-in, all-gather and reduce-scatter streams). The simulation runs on the CPU device, where
+    ``torch.cpu.stream(s)`` sets the stream ``torch.cpu.current_stream()`` returns exactly as FSDP's
+    ``device_handle.stream(s)`` does on CUDA; the caching allocator keeps a pool per stream, so the replay needs
+    them apart."""
+    return StreamNumbers()
+
+
+def recorded(backend: Any, spec: Any, source: Any, figures: dict[str, int]) -> Any:
+    """The allocation stream a simulated rank's event backend (:func:`ledgerspec.derivations.allocator.step.
+    _event_backend_class`) logged, as :class:`~ledgerspec.derivations.allocator.step.StepEvents`."""
+    from ledgerspec.derivations.allocator.step import StepEvents
+    from ledgerspec.derivations.estimate.extrapolate import layer_count
+
+    backend.close_window()
+    events = backend.tracker.events
+    assert events is not None
+    depth = layer_count(source.config)
+    return StepEvents(
+        list(events),
+        list(backend.windows),
+        min(spec.accumulation, 2),
+        figures,
+        backend.window_figures,
+        depth,
+        f"traced with {depth} decoder layers",
+    )
 
 
 @contextlib.contextmanager
@@ -174,6 +303,47 @@ def probe_runner(
     return figures
 
 
+def stream_runner(
+    doc: Document,
+    source: Any,
+    est_plan: Plan,
+    say: Progress,
+    label: str,
+    simulate: Callable[..., dict[str, int]],
+) -> Callable[[int], Any]:
+    """A rank's allocation stream at the model's depth (:func:`ledgerspec.derivations.allocator.step.full_depth`:
+    the plan's two probes and a third, extended event by event, or a full trace), from ``simulate(model_source,
+    rank, record)`` as :func:`probe_runner` calls it with a ``record`` list that receives each run's stream. Its
+    :attr:`~ledgerspec.derivations.allocator.step.StepEvents.estimate_figures` are the figures
+    :func:`probe_runner` gives (the same two probes, extended the same way), None only when the model is too
+    shallow for a third probe (then ask :func:`probe_runner`)."""
+    from ledgerspec.derivations.allocator.step import full_depth
+    from ledgerspec.derivations.estimate import estimator as E
+    from ledgerspec.derivations.estimate.extrapolate import with_layers
+    from ledgerspec.derivations.stack.build import ModelSource
+
+    def step(rank: int) -> Any:
+        def probe(n: int | None) -> Any:
+            src = (
+                source
+                if n is None
+                else ModelSource(with_layers(source.config, n), source.config_file, source.sha256, source.architecture)
+            )
+            say(f"simulating {label.format(rank=rank)} with {n or est_plan.layers} layers (allocation stream)")
+            record: list[Any] = []
+            try:
+                simulate(src, rank, record)
+            except LedgerspecError:
+                raise
+            except Exception as exc:
+                raise E._fail(doc, exc, source.architecture) from None
+            return record[0]
+
+        return full_depth(probe, est_plan)
+
+    return step
+
+
 def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, Any]:
     """The ``estimate`` block of ``parallelism.x-per-rank``."""
     ranks = []
@@ -201,6 +371,10 @@ def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, 
             row["total_phases"] = dict(r.total_phases)
         if r.simulated_as != r.rank:
             row["same_as_rank"] = r.simulated_as
+        on_device = est.device is not None and fits is not None and fits[i].peak == est.device[i].device_peak
+        if on_device:  # issue 23: what the rank's device holds, and its verdict (as estimate's x-estimate has them)
+            assert est.device is not None
+            row.update(est.device[i].extension())
         if fits is not None:
             row["fits"] = fits[i].fits
             row["headroom"] = fits[i].headroom
@@ -228,6 +402,14 @@ def extension_block(est: ShardEstimate, device_memory: int | None) -> dict[str, 
     if device_memory is not None and fits is not None:
         block["device_memory"] = device_memory
         block["fits"] = all(f.fits for f in fits)
+        device = est.device is not None and all(d.total == device_memory for d in est.device)
+        block["compared"] = (
+            "each rank's device_peak (the allocator model's replay of its stream + what lies outside the allocator)"
+            if device
+            else "each rank's peak_allocated (tensors only"
+            + (f": {est.allocated_only}" if est.allocated_only else "")
+            + "; the CUDA context, allocator cache and NCCL buffers need headroom too)"
+        )
     return block
 
 
@@ -236,9 +418,15 @@ __all__ = [
     "Progress",
     "RankEstimate",
     "ShardEstimate",
+    "StreamNumbers",
     "add_sides",
+    "device_fit",
+    "device_waits",
     "extension_block",
     "fake_process_group",
     "prepare_trace",
     "probe_runner",
+    "recorded",
+    "stream_numbers",
+    "stream_runner",
 ]

@@ -409,6 +409,8 @@ def fsdp1(
             rs.optimizer_host += state.host
     unsharded = {name: u.numel * gathered_itemsize(u.offsets[0][0], param_dtype) for name, u in units.items()}
     layers = {k: v for k, v in unsharded.items() if k != ROOT and not units[k].trainable}
+    if not layers:  # full fine-tuning: the decoder layers are the trainable units (LoRA's are its adapter leaves)
+        layers = {k: v for k, v in unsharded.items() if k != ROOT}
     if reshard_after_forward:
         gathered = [ROOT] if ROOT in unsharded else []
         if layers:
@@ -477,6 +479,8 @@ class ZeroState:
     #: ZeRO-3 with offload_param: host -> device per micro-step at most, every partition fetched before its
     #: all-gather (forward, backward, and the recompute under gradient checkpointing)
     to_device_per_micro_step: int = 0
+    #: the fp32 master partition of the trainable parameters, part of ``optimizer`` (or of ``host`` with offload)
+    master: int = 0
 
     @property
     def device_total(self) -> int:
@@ -503,7 +507,11 @@ def zero(
     partitioned gradients go to the host) plus, for stage 3, ``offload_param``. ``replicated_bytes`` (buffers,
     quantization constants) stay whole on every rank's device. With offload, ``master_bytes`` (the trainable
     parameters in fp32), ``accumulation`` (micro-steps per optimizer step) and ``recompute`` (gradient
-    checkpointing) give what moves each step (:func:`zero_offload_traffic`).
+    checkpointing) give what moves each step (:func:`zero_offload_traffic`). ``master_bytes`` is also held: DeepSpeed
+    keeps an fp32 copy of the rank's partition of the trainable parameters, whatever their dtype (stage 1/2:
+    ``single_partition_of_fp32_groups``, stage 3: ``fp32_partitioned_groups_flat``), and its optimizer steps it:
+    ``optimizer_bytes`` is then the state of fp32 parameters; the master partition is part of ``optimizer`` (of
+    ``host`` with offload).
     """
     if stage not in (1, 2, 3):
         raise ValueError("ZeRO stage must be 1, 2 or 3")
@@ -513,7 +521,8 @@ def zero(
 
     params = frozen_bytes + trainable_bytes if stage < 3 else part(frozen_bytes) + part(trainable_bytes)
     grads = gradient_bytes if stage == 1 else part(gradient_bytes)
-    opt = part(optimizer_bytes)
+    master = part(master_bytes) if master_bytes else 0
+    opt = part(optimizer_bytes) + master
     host = 0
     moves: dict[str, int] = {}
     if offload:
@@ -533,7 +542,7 @@ def zero(
         if stage == 3:
             host += params
             params = 0
-    return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host, **moves)
+    return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host, **moves, master=master)
 
 
 def zero_offload_traffic(

@@ -111,7 +111,8 @@ def preflight(doc: Document, trust_remote_code: bool = False) -> None:
     local = config_file(doc, trust_remote_code)
     if local is not None:
         _check_pin(doc, local[0], hashlib.sha256(local[1]).hexdigest())
-    lora_rank(doc)
+    if not config.read(doc).full:  # full fine-tuning has no adapters
+        lora_rank(doc)
 
 
 def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = False) -> ModelSource:

@@ -165,6 +165,8 @@ class Census:
     notes: list[str] = field(default_factory=list)
     #: bnb4: transformers < 5's 4-bit per-expert size minus the fused experts' size here (``stack.versions``)
     fused_experts: int = 0
+    #: ``method.kind: full``: no adapters; every parameter is trainable
+    full: bool = False
 
     @property
     def trainable(self) -> list[TensorRecord]:
@@ -317,7 +319,10 @@ def census(
 
     timings: dict[str, float] = {}
     say = progress or (lambda _msg: None)
+    full = config.read(doc).full
     plan = quant_plan(doc, source)
+    if full and plan.kind:
+        raise full_of_quantized(doc)
     loaded = torch_dtype(doc, ("base_model", "loaded_dtype"), "float32")
     t = time.perf_counter()
     say("building the model on the meta device")
@@ -341,7 +346,9 @@ def census(
                 if type(m).__name__ == "GptOssExperts":
                     for b in (m.gate_up_proj_bias, m.down_proj_bias):
                         b.data = b.data.to(torch.float32)
-    prepare = config.read(doc).prepare_kbit
+    prepare = config.read(doc).prepare_kbit and not full
+    if full:  # full fine-tuning: no adapters, every floating parameter trainable (the model's own weights)
+        return _full_census(doc, source, model, total, loaded, timings, t)
     if prepare:  # peft.prepare_model_for_kbit_training: fp16/bf16 params that are not 4-bit go to fp32
         for p in model.parameters():
             if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in quantized_ids:
@@ -388,6 +395,45 @@ def census(
         coverage=cover.figures,
         notes=[*source.notes, *cover.notes],
         fused_experts=fused,
+    )
+
+
+def full_of_quantized(doc: Document) -> Exception:
+    """Full fine-tuning of a quantized base: one line at ``method.kind`` (rule LS032 says the same)."""
+    return _err(
+        doc,
+        ("method", "kind"),
+        "method.kind full trains every weight, but the base is quantized: quantized weights cannot be trained",
+        "load the base unquantized (base_model.quantized: false) for full fine-tuning, or choose QLoRA",
+    )
+
+
+def _full_census(
+    doc: Document, source: ModelSource, model: Any, total: int, loaded: Any, timings: dict[str, float], t: float
+) -> Census:
+    """The census of full fine-tuning: the model as transformers builds it, every floating parameter trainable
+    (what ``Trainer`` optimizes when no adapter is injected: ``requires_grad`` is true after ``from_pretrained``)."""
+    for p in model.parameters():
+        p.requires_grad_(p.is_floating_point())
+    cast_module_dtypes(model, config.read(doc).module_dtypes)  # frozen tensors only: none but buffers here
+    timings["quantize_rules"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tensors = _records(model, set())
+    breakdown = _breakdown(model, set(), full=True)
+    timings["count"] = time.perf_counter() - t
+    trainable_dtypes = sorted({r.dtype for r in tensors if r.trainable})
+    dtype = trainable_dtypes[0] if len(trainable_dtypes) == 1 else "mixed"
+    return Census(
+        type(model).__name__,
+        total,
+        tensors,
+        breakdown,
+        QuantPlan(None),
+        False,
+        dtype if trainable_dtypes else _dtype_name(loaded),
+        timings,
+        notes=list(source.notes),
+        full=True,
     )
 
 
@@ -473,8 +519,9 @@ def _pattern(name: str) -> str:
     return _LAYER_INDEX.sub(".*", name.removeprefix(_PREFIX))
 
 
-def _breakdown(model: Any, adapter_ids: set[int]) -> list[BreakdownRow]:
-    """Group the trainable tensors by owning module pattern, kind, base shape and rank."""
+def _breakdown(model: Any, adapter_ids: set[int], full: bool = False) -> list[BreakdownRow]:
+    """Group the trainable tensors by owning module pattern, kind, base shape and rank (``full``: the model's own
+    weights, kind ``weight``)."""
     quiet_bitsandbytes()
     from peft.tuners.lora import LoraLayer
 
@@ -516,7 +563,7 @@ def _breakdown(model: Any, adapter_ids: set[int]) -> list[BreakdownRow]:
             kind = "bias"
         else:
             owner = name.rsplit(".", 1)[0]
-            kind = "other"
+            kind = "weight" if full else "other"
         key = (_pattern(owner), kind, tuple(p.shape), None)
         groups.setdefault(key, []).append(p.numel())
     return [BreakdownRow(k[0], k[1], len(v), k[2], k[3], sum(v)) for k, v in groups.items()]

@@ -8,8 +8,9 @@ the library code (torch 2.13 ``torch.optim``, transformers ``Adafactor``, bitsan
   states); ``step`` is a host fp32 scalar, on the device only when ``fused`` or ``capturable``.
 - torch SGD: no state without momentum; with momentum one ``momentum_buffer`` = a clone of the gradient.
 - transformers Adafactor (``beta1=None``, the Trainer's default): a tensor with 2+ dims keeps a row and a
-  column second-moment vector (``shape[:-1]`` and ``shape[:-2] + shape[-1:]``) in the gradient dtype; a
-  vector keeps a full ``exp_avg_sq``; after the first step ``RMS`` is a 0-dim fp32 tensor per parameter.
+  column second-moment vector (``shape[:-1]`` and ``shape[:-2] + shape[-1:]``) in the gradient's dtype after
+  the step's upcast (``grad.float()`` for fp16/bf16: fp32 states on bf16 weights); a vector keeps a full
+  ``exp_avg_sq``; after the first step ``RMS`` is a 0-dim fp32 tensor per parameter.
 - bitsandbytes 8-bit (blockwise): uint8 states like the parameter plus one fp32 ``absmax`` per 256
   elements per state; tensors under ``min_8bit_size`` (4096) elements keep fp32 states. The quantile maps
   (``dynamic``, and ``udynamic`` for the second Adam state: 256 fp32 each) are shared by all tensors and
@@ -84,12 +85,13 @@ def state_bytes(
         elif spec.family == "sgd":
             out.device += spec.states * n * p.itemsize
         elif spec.family == "adafactor":
+            size = max(p.itemsize, FP32)  # the step upcasts fp16/bf16 gradients (grad.float()); states .to(grad)
             if len(p.shape) >= 2:
                 row = n // p.shape[-1]
                 col = n // p.shape[-2]
-                out.device += (row + col) * p.itemsize
+                out.device += (row + col) * size
             else:
-                out.device += n * p.itemsize
+                out.device += n * size
             out.device += FP32  # state["RMS"]: a 0-dim fp32 tensor after the first step
         elif spec.family == "bnb":
             eight = spec.bits == 8 and n >= min_8bit_size

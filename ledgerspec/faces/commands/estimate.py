@@ -442,8 +442,17 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     catalogue = load_catalogue(args.devices or None)
     writes = _writable(doc, args)
-    result = compare(doc, catalogue, _estimate_fn(args, parallel=True))
-    head = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch")
+    from ledgerspec.derivations.devices.prediction import step_and_estimate
+
+    layers = "full" if args.full else "auto"
+    store = _store(args)
+
+    def single_step() -> Any:  # one set of traces: the stream, and the declared microbatch's estimate (cached)
+        return step_and_estimate(doc, "cuda", layers, store=store, parallel=True)[1]
+
+    on_device = args.target == "cuda"
+    result = compare(doc, catalogue, _estimate_fn(args, parallel=True), on_device=on_device, single_step=single_step)
+    head = ("device", "GPUs", "vendor", "usable", "peak/GPU", "device peak", "fits", "headroom", "largest microbatch")
     cells = [
         (
             r.device.name,
@@ -451,7 +460,8 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
             r.device.vendor_memory,
             format_size(r.device.usable),
             format_size(r.peak) if r.peak is not None else "-",
-            "yes" if r.fits else "NO",
+            format_size(r.device_peak) if r.device_peak is not None else "-",
+            ("yes" if r.fits else "NO") + (" (fragmentation)" if r.decided_by == "fragmentation" else ""),
             (format_size(r.headroom) if r.headroom >= 0 else "-" + format_size(-r.headroom))
             if r.headroom is not None
             else "-",

@@ -1,4 +1,5 @@
-"""``ledgerspec report FILE [--html OUT]``: the ledger as a table and a stacked bar, in the terminal or as HTML.
+"""``ledgerspec report FILE [--html OUT | --beside OTHER]``: the ledger as a table and a stacked bar, in the terminal or
+as HTML, or two ledgers' components side by side.
 
 Exit codes: 0 when the report was produced (the validation result is part of the report; ``validate``
 is the gate), 2 when the file cannot be read or OUT cannot be written.
@@ -21,6 +22,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
     add_force(p, "with --html: write OUT even if it is read-only")
     p.add_argument("-v", "--verbose", action="store_true", help="list every reason that holds the status down")
+    p.add_argument(
+        "--beside",
+        metavar="OTHER",
+        help="show OTHER's components beside FILE's (plain text): a LoRA and a full fine-tuning ledger of one model",
+    )
     p.set_defaults(run=run_report)
 
 
@@ -29,6 +35,18 @@ def run_report(args: argparse.Namespace) -> int:
     from ledgerspec.faces.report.data import gather
 
     data = gather(load(args.file))
+    if getattr(args, "beside", None):
+        if args.html:
+            raise LedgerspecError(
+                "--beside shows two ledgers as text; --html draws one",
+                args.file,
+                rule="report",
+                hint="drop --html, or report each ledger to its own page",
+            )
+        from ledgerspec.faces.report.beside import render_beside
+
+        render_beside(data, gather(load(args.beside)), sys.stdout)
+        return EXIT_OK
     if args.html:
         import os
 

@@ -150,11 +150,29 @@ def _print_estimate(est: Any, device_memory: int | None) -> None:
 
     print(f"estimate ({est.target}, simulated {est.strategy.upper()} step per rank, {est.plan.describe()}):")
     fits = est.fits(device_memory) if device_memory is not None else None
+    device = est.device if fits is not None and est.device is not None else None
     for i, r in enumerate(est.ranks):
-        verdict = f"; {fits[i].sentence()}" if fits is not None else ""
+        verdict = ""
+        if device is not None:
+            verdict = f"; {device[i].sentence()}"
+        elif fits is not None:
+            verdict = f"; {fits[i].sentence()}"
         host = f", host_peak {format_size(r.host_peak)}" if r.host_peak is not None else ""
         acts = format_size(r.activations)
-        print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} (activations {acts}){host}{verdict}")
+        print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} allocated (activations {acts}){host}{verdict}")
     if fits is not None and device_memory is not None:
         answer = "fits" if all(f.fits for f in fits) else "does NOT fit"
-        print(f"{est.world_size} x {format_size(device_memory)}: {answer} (worst rank {format_size(est.worst)})")
+        if device is not None:
+            worst = max(range(len(device)), key=lambda i: device[i].device_peak)
+            for line in device[worst].lines():
+                print(f"      rank {est.ranks[worst].rank}: {line}")
+            print(
+                f"{est.world_size} x {format_size(device_memory)}: {answer} on the device (worst rank device peak "
+                f"{format_size(device[worst].device_peak)}; allocated {format_size(est.worst)})"
+            )
+        else:
+            why = f": {est.allocated_only}" if est.allocated_only else ""
+            print(
+                f"{est.world_size} x {format_size(device_memory)}: {answer} (worst rank {format_size(est.worst)}; "
+                f"allocated tensors only{why})"
+            )

@@ -56,6 +56,7 @@ class Case:
     optimizer: str = "adamw_torch"
     max_grad_norm: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
+    full: bool = False  # method.kind full: no adapters, every parameter trained (issue 26)
 
     @property
     def mask(self) -> bool:
@@ -86,6 +87,10 @@ CASES = [
     Case("microbatch-1", microbatch=1),
     Case("paged-adamw-8bit", optimizer="paged_adamw_8bit", mixed_precision="bf16"),
     Case("no-clipping", max_grad_norm=0.0),
+    # full fine-tuning: every parameter trained, its gradient and AdamW state in the parameter's dtype
+    Case("full-bf16", full=True),
+    Case("full-bf16-checkpointing", full=True, checkpointing=True),
+    Case("full-fp32-weights-bf16-autocast", loaded="float32", mixed_precision="bf16", full=True),
 ]
 
 
@@ -98,6 +103,18 @@ def ledger_text(c: Case, software: str = "") -> str:
         if c.quant
         else "  quantized: false\n"
     )
+    method = (
+        "  kind: full\n"
+        if c.full
+        else f"""  kind: {"QLoRA" if c.quant else "LoRA"}
+  rank: 4
+  alpha: 8
+  dropout: 0.0
+  target_modules: [q_proj, v_proj]
+  bias: none
+"""
+    )
+    adapter = "" if c.full else f"adapter:\n  dtype: {c.adapter}\n"
     return f"""ledgerspec: ledger/v1
 title: {c.name}
 identity:
@@ -107,17 +124,9 @@ identity:
 software:
   attention_implementation: sdpa
 {software}method:
-  kind: {"QLoRA" if c.quant else "LoRA"}
-  rank: 4
-  alpha: 8
-  dropout: 0.0
-  target_modules: [q_proj, v_proj]
-  bias: none
-base_model:
+{method}base_model:
   loaded_dtype: {c.loaded}
-{quant}adapter:
-  dtype: {c.adapter}
-workload:
+{quant}{adapter}workload:
   max_length: {WORST}
   sequence_p50: {TYPICAL}
   packing: {str(c.packing).lower()}
@@ -160,6 +169,8 @@ def truth_case(c: Case, folder: Path) -> dict[str, Any]:
         "prepare_kbit": c.prepare,
         "adapter_dtype": c.adapter if c.adapter != "float32" else None,
         "trl_casts": "bfloat16" if c.trl_casts else None,
+        "full": c.full,
+        "count": c.full,  # the ledger's components counted in the run's live tensors (resolve's truth)
     }
 
 
@@ -194,9 +205,12 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     for mode in ((), ("--memtracker",)):  # MemTracker runs apart: it perturbs the run (see the truth's docstring)
         proc = fresh_python([TRUTH, case_file, out_file, *mode])
         assert proc.returncode == 0, proc.stderr[-3000:]
-        phases = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
+        result = json.loads(out_file.read_text(encoding="utf-8"))
+        phases = result["phases"]
         truth.update(phases if not mode else {"memtracker_peak": phases["memtracker_peak"]})
-    return {"case": c, "measured": load(measured), "estimated": load(estimated), "truth": truth}
+        if not mode and "components" in result:
+            truth["components"] = result["components"]
+    return {"case": c, "measured": load(measured), "estimated": load(estimated), "truth": truth, "folder": folder}
 
 
 def _truth(case: dict[str, Any], folder: Path, *mode: str) -> dict[str, Any]:
@@ -259,6 +273,30 @@ def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> N
     peak = int(doc.get("metrics", "peak_allocated").size() or 0)
     mem = truth["memtracker_peak"] - next_batch_bytes(c)
     assert abs(mem - peak) <= 0.01 * peak, (c.name, mem, peak)
+
+
+def test_full_fine_tuning_resolves_to_the_trainers_tensors(runs: dict[str, Any]) -> None:
+    """``method.kind: full``: resolve's figures are the tensors the real Trainer holds, counted in its run (every
+    parameter trained: its weights, their gradients and AdamW's state after the first optimizer step)."""
+    from ledgerspec.derivations.resolve.resolver import resolve
+
+    c = runs["case"]
+    if not c.full:
+        pytest.skip("resolve's LoRA figures are checked against real tensors in tests/derivations/resolve")
+    counted = runs["truth"]["components"]
+    result = resolve(load(runs["folder"] / "estimated.ledger.yaml"))
+    f = result.figures
+    assert f.optimizer is not None
+    got = {
+        "frozen_base": f.frozen_base_bytes,
+        "adapter": f.adapter_bytes,
+        "gradients": f.gradient_bytes,
+        # AdamW's fp32 ``step`` scalars: on the host of a GPU run (not in the device figure), on the CPU here
+        "optimizer": f.optimizer.device + f.optimizer.host,
+    }
+    assert got == counted, c.name
+    assert f.optimizer.host == 4 * len(result.census.trainable)
+    assert f.trainable_parameters == f.total_parameters
 
 
 def test_the_method_says_which_step_ran(runs: dict[str, Any]) -> None:

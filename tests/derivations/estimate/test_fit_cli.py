@@ -66,6 +66,15 @@ def test_devices_answers_which_server_and_records_it(cli: CliRunner, tiny: Path)
     assert all(r["fits"] and r["largest_microbatch"] >= 1 for r in rows)
     _, report, _ = cli("report", "--plain", tiny)
     assert "which device (estimate --devices)" in report
+    # issue 23: decided on the device, each row as `estimate --device-memory` decides for that device
+    assert "device peak" in out and "decided on the device" in out
+    for r in rows:
+        assert r["device_peak"] > r["peak"] and r["headroom"] == r["total"] - r["device_peak"]
+    from ledgerspec.derivations.devices.prediction import estimate_on_device
+
+    rtx = next(r for r in rows if r["name"] == "NVIDIA GeForce RTX 4090")
+    _, single = estimate_on_device(load(tiny), rtx["total"], from_flag=True)  # the catalogue names the same card
+    assert single.target.name == rtx["name"] and single.device_peak == rtx["device_peak"]
 
 
 @pytest.mark.slow

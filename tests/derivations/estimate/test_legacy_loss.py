@@ -164,3 +164,42 @@ def test_holds_what_transformers_4_48_1_holds() -> None:
     assert peaks["modelled"] == peaks["4.48.1"], peaks
     full, shifted = batch * length * vocab * 4, batch * (length - 1) * vocab * 4
     assert peaks["4.48.1"][0] >= full + 2 * shifted  # the float32 logits, the shifted copy, the log-softmax
+
+
+@pytest.mark.parametrize(("declared", "modelled"), [("4.45.2", True), ("4.46.0", False), ("4.48.1", False)])
+def test_float_logits_modelled_only_before_4_46(declared: str, modelled: bool) -> None:
+    from ledgerspec.derivations.estimate.legacy_loss import models_float_logits
+
+    assert models_float_logits(from_text(LEDGER % declared, "x.ledger.yaml")) is modelled
+
+
+@pytest.mark.slow  # two traced estimates of the tiny model
+def test_before_4_46_the_16_bit_logits_are_gone_at_the_loss(tmp_path: Any) -> None:
+    """transformers 4.45.2's ``LlamaForCausalLM.forward``: ``logits = self.lm_head(...).float()`` (the bf16 output
+    is never bound), then the loss copies the shifted float32 logits as 4.46-4.48 do. So declared 4.45.2, the forward
+    peak (at the loss) is one bf16 ``batch x length x vocab`` tensor lower than declared 4.48.1, and nothing else
+    changes: 2 x 64 x 256 x 2 B (a multiple of 512: the CUDA rounding leaves it whole)."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    from ledgerspec.contract.document import load
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from tests.support import EXAMPLES
+
+    shutil.copytree(EXAMPLES / "tiny" / "tiny-llama", tmp_path / "tiny-llama")
+    text = (EXAMPLES / "tiny" / "tiny-llama-lora.ledger.yaml").read_text(encoding="utf-8")
+    text = text.replace("  loaded_dtype: float32\n", "  loaded_dtype: bfloat16\n")
+    peaks = {}
+    for version in ("4.45.2", "4.48.1"):
+        path = tmp_path / f"{version}.ledger.yaml"
+        path.write_text(
+            text.replace(
+                "  attention_implementation: sdpa\n", f"  attention_implementation: sdpa\n  transformers: {version}\n"
+            ),
+            encoding="utf-8",
+        )
+        peaks[version] = estimate(load(path), target="cuda").phases
+    batch, length, vocab = 2, 64, 256
+    assert peaks["4.48.1"]["forward_peak"] - peaks["4.45.2"]["forward_peak"] == batch * length * vocab * 2
+    for phase in ("after_load", "after_optimizer_init", "optimizer_step_peak"):
+        assert peaks["4.45.2"][phase] == peaks["4.48.1"][phase]

@@ -52,6 +52,8 @@ CASES = {
     "checkpointing-paged-adamw-8bit": case(
         mixed_precision="bf16", gradient_checkpointing=True, optimizer="paged_adamw_8bit"
     ),
+    # full fine-tuning (issue 26): no PEFT wrapper, every parameter trained
+    "full-fine-tuning": case(full=True),
 }
 
 
@@ -178,14 +180,17 @@ def test_an_unwritable_path_never_breaks_training(tmp_path: Path) -> None:
     out = run_trainer(tmp_path, case(), ledger)
     assert out["raised"] is None and out["steps"] == 3
     assert "cannot create the folder" in out["failure"]
-
-
-def test_a_full_fine_tune_gets_a_clear_message_and_strict_raises(tmp_path: Path) -> None:
-    out = run_trainer(tmp_path, {**case(), "full": True})
-    assert out["raised"] is None and out["steps"] == 3
-    assert "full fine-tune" in out["failure"] and "get_peft_model" in out["failure"]
-    strict = run_trainer(tmp_path, {**case(), "full": True, "callback": {"strict": True}})
+    strict = run_trainer(tmp_path, {**case(), "callback": {"strict": True}}, ledger)
     assert strict["raised"] is not None and strict["raised"].startswith("CallbackFailure")
+
+
+def test_a_full_fine_tune_is_recorded_as_one(recorded: dict[str, Any]) -> None:
+    """No PEFT adapters (issue 26): the callback writes ``method.kind: full`` and every parameter as trained."""
+    cb = recorded["callback"]
+    if cb.get("method", "kind").value != "full":
+        pytest.skip("the full fine-tuning case")
+    assert not cb.get("method", "rank").present and not cb.get("adapter", "dtype").present
+    assert cb.get("ledger", "adapter").value > 100 * cb.get("ledger", "frozen_base").value  # buffers only frozen
 
 
 def test_two_ddp_ranks_on_gloo_are_gathered_by_rank_0(tmp_path: Path) -> None:

@@ -174,17 +174,22 @@ def test_the_intake_of_a_live_trainer_resolves_like_the_hand_written_one(c: Case
         assert _figures(live) == _figures(hand)
 
 
-def test_a_trainer_without_peft_is_a_clear_error(tmp_path: Path) -> None:
+def test_a_trainer_without_peft_is_a_full_fine_tune_or_a_clear_error(tmp_path: Path) -> None:
+    """No PEFT adapters and trainable parameters: a full fine-tune (issue 26), in the dtype the trained parameters are
+    in now (LLaMA-Factory casts them to float32 after loading); nothing trainable: a clear error."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(DATA / "measure" / "tiny-llama")
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.float()  # what LLaMA-Factory's init_adapter does for finetuning_type full
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = trainer_for(model, str(tmp_path))
-    with pytest.raises(LedgerspecError, match="full fine-tune") as err:
-        ledgerspec.intake_from_trainer(trainer)
-    assert err.value.hint and "get_peft_model" in err.value.hint
+    live = ledgerspec.intake_from_trainer(trainer)
+    assert live.get("method", "kind").value == "full"
+    assert live.get("base_model", "loaded_dtype").value == "float32"
+    assert not live.get("method", "rank").present and not live.get("adapter", "dtype").present
     for p in model.parameters():
         p.requires_grad_(False)
     with pytest.raises(LedgerspecError, match="no PEFT adapters"):

@@ -44,6 +44,7 @@ class Case:
     prepare: bool = False
     min_8bit_size: int | None = None
     extra_lora: dict[str, Any] = field(default_factory=dict)
+    full: bool = False  # method.kind full: no adapters, every parameter trained
 
 
 CASES = [
@@ -134,6 +135,12 @@ CASES = [
         "paged_adamw_32bit",
         quant={"type": "nf4", "double_quant": True, "storage_dtype": "uint8"},
     ),
+    # full fine-tuning (issue 26): every parameter trained, gradients and optimizer state for all of them
+    Case("full-bf16-adamw", "llama_gqa", {}, "adamw_torch", full=True),
+    Case("full-fp32-adamw-fused", "llama_gqa", {}, "adamw_torch_fused", loaded="float32", full=True),
+    Case("full-bf16-adamw-8bit", "llama_gqa", {}, "adamw_8bit", min_8bit_size=256, full=True),
+    Case("full-tied-bias-adafactor", "qwen2_tied_bias", {}, "adafactor", full=True),
+    Case("full-moe-paged-32bit", "mixtral_tiny", {}, "paged_adamw_32bit", full=True),
 ]
 
 
@@ -253,9 +260,10 @@ def count_real_stack(case: Case, tmp: Path) -> Counted:
     for p in model.parameters():
         qs = getattr(p, "quant_state", None)
         logical += qs.shape.numel() if qs is not None else p.numel()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = get_peft_model(model, _lora_config(case), autocast_adapter_dtype=case.adapter == "float32")
+    if not case.full:  # full fine-tuning trains the model as transformers built it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = get_peft_model(model, _lora_config(case), autocast_adapter_dtype=case.adapter == "float32")
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(case, trainable)
     model.train()
@@ -267,6 +275,7 @@ def count_real_stack(case: Case, tmp: Path) -> Counted:
         opt.step()
     frozen_params = [p for p in model.parameters() if not p.requires_grad]
     assert all(p.grad is None for p in frozen_params), "a frozen tensor got a gradient"
+    assert not case.full or all(p.grad is not None for p in trainable), "a trained tensor got no gradient"
     int8_state = [
         t
         for m in model.modules()
@@ -307,7 +316,7 @@ def _document(case: Case, tmp: Path) -> str:
         "identity:",
         f"  config_path: {CONFIGS / (case.config + '.json')}",
         "method:",
-        f"  kind: {'QLoRA' if case.quant else 'LoRA'}",
+        f"  kind: {'full' if case.full else 'QLoRA' if case.quant else 'LoRA'}",
     ]
     lines += [f"  {k}: {json.dumps(v)}" for k, v in method.items()]
     lines += ["base_model:", f"  loaded_dtype: {case.loaded}"]
@@ -321,7 +330,8 @@ def _document(case: Case, tmp: Path) -> str:
             f"  quantization: {{type: {q['type']}, double_quant: {str(q['double_quant']).lower()}, "
             f"compute_dtype: bfloat16, storage_dtype: {q['storage_dtype']}}}"
         )
-    lines += ["adapter:", f"  dtype: {case.adapter}", "optimizer:", f"  name: {case.optimizer}"]
+    lines += [] if case.full else ["adapter:", f"  dtype: {case.adapter}"]
+    lines += ["optimizer:", f"  name: {case.optimizer}"]
     if case.min_8bit_size is not None:
         lines.append(f"  min_8bit_size: {case.min_8bit_size}")
     return "\n".join(lines) + "\n"
@@ -382,3 +392,36 @@ def test_a_declared_transformers_4_prices_its_quantized_linear_experts(tmp_path:
     entry = result.doc.get("x-resolve", "differences").raw["transformers-moe-fused-experts"]
     assert entry == {"computed_as": "newer", "bytes": quantized - fused}
     assert any(n.startswith("declared stack:") and "declares 4.48" in n for n in result.notes), result.notes
+
+
+def test_a_full_fine_tuning_ledger_validates_clean_and_reaches_calculated(tmp_path: Path) -> None:
+    """The ledger resolve writes for ``method.kind: full`` satisfies every rule (LS020-LS022 included): its
+    trainable, gradient and optimized counts are every parameter, and its breakdown lists the model's weights."""
+    from ledgerspec.checks.validate import validate
+    from ledgerspec.contract.writer import document_text
+
+    case = next(c for c in CASES if c.id == "full-bf16-adamw")
+    text = _document(case, tmp_path).replace("ledger/v1", "intake/v1")
+    text += "workload: {microbatch: 1, max_length: 8}\nmemory_options: {gradient_checkpointing: false}\n"
+    text = text.replace("identity:\n", "identity:\n  model_id: tiny/llama\n  revision: main\n")
+    result = resolve(from_text(text, str(tmp_path / "full.intake.yaml")))
+    report = validate(from_text(document_text(result.doc), str(tmp_path / "full.ledger.yaml")))
+    assert [f for f in report.findings if f.severity == "error"] == []
+    assert report.supported_status == "CALCULATED", report.reasons
+    f = result.figures
+    assert f.trainable_parameters == f.total_parameters
+    kinds = {r.kind for r in result.census.breakdown}
+    assert kinds == {"weight"}, kinds
+    assert sum(r.parameters for r in result.census.breakdown) == f.total_parameters
+
+
+def test_full_fine_tuning_of_a_quantized_base_is_one_line_at_method_kind(tmp_path: Path) -> None:
+    from ledgerspec.errors import LedgerspecError
+
+    case = next(c for c in CASES if c.id == "qlora-nf4-moe")
+    text = _document(case, tmp_path).replace("kind: QLoRA", "kind: full")
+    text = text.replace("  loaded_dtype: bfloat16\n", "  loaded_dtype: bfloat16\n  quantized: true\n")
+    with pytest.raises(LedgerspecError) as err:
+        resolve(from_text(text, str(tmp_path / "ledger.yaml")))
+    message = str(err.value)
+    assert "\n" not in message and "ledger.yaml:5:" in message and "quantized" in message, message

@@ -27,6 +27,8 @@ CASES = [
     ("tiny-lora.ledger.yaml", 2, False),  # fp32: alignment to 4 elements, vocab 1001 and LoRA rank 5 uneven
     ("tiny-lora-bf16-r2.ledger.yaml", 3, True),  # bf16 base + fp32 LoRA r=2: one dtype per flat parameter
     ("tiny-lora-mp.ledger.yaml", 2, False),  # MixedPrecision(param_dtype=bf16): alignment by the compute dtype
+    # full fine-tuning (issue 26): accelerate's transformer-based wrap, every flat parameter trainable
+    ("tiny-full-bf16.ledger.yaml", 3, False),
 ]
 
 
@@ -65,7 +67,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     ranks = probe_ranks(PROBE, nproc, DATA / ledger, tmp_path_factory.mktemp("fsdp1"), *flags)
     doc = load(DATA / ledger)
     mp = mixed_precision(doc)
-    descs = S.peft_fsdp1_units(document_descriptors(doc))
+    descs = document_descriptors(doc)
+    if doc.get("method", "kind").text() != "full":  # PEFT's wrap policy; full: decoder layers + root
+        descs = S.peft_fsdp1_units(descs)
     plan = S.fsdp1(
         descs, nproc, "adamw_torch", reshard_after_forward=not shard_grad_op, param_dtype=mp.param_dtype if mp else None
     )
@@ -165,6 +169,16 @@ MEASURED = {
         ("  strategy: fsdp2\n", "  strategy: fsdp1\n  backward_prefetch: BACKWARD_PRE\n  forward_prefetch: true\n"),
     ],
     "use_orig_params-false": [("  strategy: fsdp2\n", "  strategy: fsdp1\n  use_orig_params: false\n")],
+    # full fine-tuning (issue 26): accelerate's transformer-based wrap, every flat parameter trained
+    "full-fine-tuning": [
+        ("  strategy: fsdp2\n", "  strategy: fsdp1\n"),
+        (
+            "  kind: LoRA\n  rank: 5\n  alpha: 10\n  dropout: 0.0\n"
+            "  target_modules: [q_proj, k_proj, v_proj, o_proj, up_proj, down_proj]\n  bias: none\n",
+            "  kind: full\n",
+        ),
+        ("adapter:\n  dtype: float32\n", ""),
+    ],
     # accelerate's own bf16 policy for FSDP1 (set_mixed_precision: param, reduce and buffer dtype bf16)
     "accelerate-bf16-policy": [
         (
@@ -249,8 +263,9 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
     doc = measured(path, 2)
     assert doc.plain["parallelism"]["strategy"] == "fsdp1"
     mp = mixed_precision(doc)
+    descs = document_descriptors(doc)
     plan = S.fsdp1(
-        S.peft_fsdp1_units(document_descriptors(doc)),
+        descs if kind == "full-fine-tuning" else S.peft_fsdp1_units(descs),
         2,
         reshard_after_forward=kind != "shard_grad_op",
         param_dtype=mp.param_dtype if mp else None,

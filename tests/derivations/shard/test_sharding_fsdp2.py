@@ -31,6 +31,9 @@ CASES = [
     ("tiny-lora-bf16-r2.ledger.yaml", 3, "false"),
     # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) on fp32 shards (issue 16)
     ("tiny-lora-mp.ledger.yaml", 2, "true"),
+    # full fine-tuning (issue 26): every parameter, its gradient and its AdamW state sharded
+    ("tiny-full.ledger.yaml", 2, "true"),
+    ("tiny-full-bf16.ledger.yaml", 3, "auto"),
 ]
 
 

@@ -47,6 +47,7 @@ from ledgerspec.derivations.shard.simulation import (
     fake_process_group,
     prepare_trace,
     probe_runner,
+    stream_runner,
 )
 from ledgerspec.derivations.shard.state import (
     ParamDesc,
@@ -69,9 +70,20 @@ def rank_groups(descs: list[ParamDesc], world: int) -> dict[int, list[int]]:
 
 
 def simulate_rank(
-    doc: Document, spec: Any, source: Any, target: str, world: int, rank: int, reshard_after_forward: bool | None
+    doc: Document,
+    spec: Any,
+    source: Any,
+    target: str,
+    world: int,
+    rank: int,
+    reshard_after_forward: bool | None,
+    record: list[Any] | None = None,
 ) -> dict[str, int]:
-    """One simulated FSDP2 protocol run for ``rank`` of ``world``: phase figures, activations, components."""
+    """One simulated FSDP2 protocol run for ``rank`` of ``world``: phase figures, activations, components.
+
+    ``record``: a list that receives the run's allocation stream
+    (:class:`ledgerspec.derivations.allocator.step.StepEvents`), each allocation on the stream FSDP made it on
+    (:func:`ledgerspec.derivations.shard.simulation.stream_numbers`); the figures are the same either way."""
     import warnings
 
     from ledgerspec.derivations.engine.backends import TrackerBackend
@@ -94,11 +106,24 @@ def simulate_rank(
         warnings.simplefilter("ignore")  # DTensor's "random operators on a cpu mesh" warning: values do not matter
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.reshard_after_forward = reshard_after_forward
+        if record is not None and is_fsdp1(doc):  # the device-level stream: units reach the device one at a time
+            workload.load_per_unit = True
         if is_fsdp1(doc):  # transformers < 4.52 as declared: the checkpoint around each FSDP1 unit
             from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import models_outside_checkpoint
 
             workload.checkpoint_outside = models_outside_checkpoint(doc)
-        backend = (split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
+        if record is not None and offload:
+            raise ValueError("the allocation stream of a CPU-offloaded rank is not recorded")
+        if record is not None:  # the same tracker, keeping its event log
+            from ledgerspec.derivations.allocator.step import _event_backend_class
+            from ledgerspec.derivations.shard.simulation import device_waits, stream_numbers
+
+            backend = _event_backend_class()(granularity(target))
+            numbers = stream_numbers()
+            backend.tracker.stream_of = numbers
+            extra.enter_context(device_waits(backend, numbers, spec.loop == "trainer"))
+        else:
+            backend = (split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
         split: Any = backend.tracker
         if offload:
             workload.split = split
@@ -110,11 +135,15 @@ def simulate_rank(
             sides = extra.enter_context(recording_sides(backend))
         from ledgerspec.derivations.estimate.legacy_loss import declared_loss
 
-        with workload.stack, declared_loss(doc):  # transformers < 4.49's loss when the ledger declares it
+        with workload.stack, declared_loss(doc, workload):  # transformers < 4.49 loss when the ledger declares it
             result = run_protocol(workload, backend, device="cpu", steps=1)
     if result.oom or not result.complete:
         raise _err(doc, ("identity",), f"the simulated FSDP2 step stopped early ({result.oom_message})")
     out = {name: rec.figure for name, rec in result.phases.items()}
+    if record is not None:
+        from ledgerspec.derivations.shard.simulation import recorded
+
+        record.append(recorded(backend, run_spec, source, out))
     out["activations"] = result.activations_saved or 0
     # as a measurement reads them (measurer.measured_components): held in the training steps, e.g. after FSDP1 has
     # cast the buffers to MixedPrecision.buffer_dtype at the first forward
@@ -136,8 +165,11 @@ def estimate_per_rank(
     layers: str = "auto",
     progress: Progress | None = None,
     offline: bool = True,
+    streams: bool = False,
 ) -> ShardEstimate:
-    """The per-rank estimate of ``doc`` on ``world`` FSDP2 ranks (``descs``: the full model's descriptors)."""
+    """The per-rank estimate of ``doc`` on ``world`` FSDP2 ranks (``descs``: the full model's descriptors).
+    ``streams``: also each simulated rank's allocation stream at full depth (:attr:`RankEstimate.step`, for the
+    device-level verdict; one more probe per rank), the figures unchanged."""
     started = time.perf_counter()
     say = progress or (lambda _msg: None)
 
@@ -178,13 +210,15 @@ def estimate_per_rank(
         units = unit_unsharded_bytes(descs, world, mp.param_dtype if mp else None)
         kept = kept_after_forward(units, reshard)  # gathered parameters in "held after the forward"
 
-    def simulate(src: Any, rank: int) -> dict[str, int]:
-        return simulate_rank(doc, spec, src, target, world, rank, reshard)
+    def simulate(src: Any, rank: int, record: list[Any] | None = None) -> dict[str, int]:
+        return simulate_rank(doc, spec, src, target, world, rank, reshard, record)
 
     rank_figures = probe_runner(doc, source, est_plan, say, f"rank {{rank}} of {world}", simulate)
+    rank_step = stream_runner(doc, source, est_plan, say, f"rank {{rank}} of {world}", simulate)
     by_rank: dict[int, RankEstimate] = {}
     for rep, members in groups.items():
-        figures = rank_figures(rep)
+        step = rank_step(rep) if streams else None
+        figures = step.estimate_figures if step is not None and step.estimate_figures else rank_figures(rep)
         for r in members:
             by_rank[r] = RankEstimate.of(
                 r,
@@ -193,6 +227,7 @@ def estimate_per_rank(
                 {k: figures[f"component.{k}"] for k in COMPONENTS},
                 rep,
             )
+            by_rank[r].step = step
     ranks = [by_rank[r] for r in range(world)]
     notes = [f"simulated rank(s) {', '.join(str(r) for r in groups)}; the others hold the same local rows"]
     from ledgerspec.derivations.estimate import legacy_loss
@@ -237,7 +272,12 @@ def method_text(
         how += f", {policy}"
     if fsdp1:
         how = (
-            "FSDP1 FullyShardedDataParallel, use_orig_params, PEFT's fsdp_auto_wrap_policy, "
+            "FSDP1 FullyShardedDataParallel, use_orig_params, "
+            + (
+                "accelerate's transformer-based wrap (full fine-tuning), "
+                if getattr(spec, "full", False)
+                else "PEFT's fsdp_auto_wrap_policy, "
+            )
             + ("SHARD_GRAD_OP" if reshard is False else "FULL_SHARD")
             + (f", {policy}" if policy else "")
             + "; FSDP1's data_ptr storage checks asked of the storages (fake tensors have no data pointers)"

@@ -1,0 +1,132 @@
+"""``shard --estimate`` decides on the device, rank by rank (issue 23): each simulated rank's allocation stream, every
+allocation on the stream FSDP made it on, replayed through the allocator model plus what lies outside it.
+
+Independent figures: the per-rank plan of :mod:`ledgerspec.derivations.shard.state` (checked against real FSDP1 flat
+parameters in ``tests/derivations/shard/test_fsdp1.py``) bounds what the load may hold; the allocated figures must be
+the ones the plain simulation gives (the device-level verdict adds figures, it changes none).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledgerspec.contract.document import load
+from tests.support import TESTS, run_cli
+
+DATA = TESTS / "data" / "sharding"
+GiB = 2**30
+pytestmark = pytest.mark.slow  # simulated FSDP steps of a tiny model: a few seconds each
+
+
+def _ledger(tmp_path: Path, strategy: str, extra: str = "") -> Path:
+    shutil.copytree(DATA / "tiny", tmp_path / "tiny")
+    text = (DATA / "tiny-lora.ledger.yaml").read_text(encoding="utf-8")
+    text = text.replace("strategy: fsdp2", f"strategy: {strategy}").replace("sharding: fsdp2", f"sharding: {strategy}")
+    path = tmp_path / "ledger.yaml"
+    path.write_text(text + extra, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module", params=["fsdp1", "fsdp2"])
+def both(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("peft")
+    from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
+    from ledgerspec.derivations.shard.model import document_descriptors
+
+    path = _ledger(tmp_path_factory.mktemp(request.param), request.param)
+    doc = load(path)
+    descs = document_descriptors(doc)
+    plain = estimate_per_rank(doc, 2, descs, target="cuda")
+    streamed = estimate_per_rank(doc, 2, descs, target="cuda", streams=True)
+    return {"strategy": request.param, "doc": doc, "descs": descs, "plain": plain, "streamed": streamed, "path": path}
+
+
+def test_the_allocated_figures_do_not_change(both: dict[str, Any]) -> None:
+    plain, streamed = both["plain"], both["streamed"]
+    for a, b in zip(plain.ranks, streamed.ranks, strict=True):
+        assert a.phases == b.phases
+        assert a.components == b.components and a.activations == b.activations
+        assert a.step is None and b.step is not None
+        # the stream's own count of the tracker is the figures' tracker: the same run
+        assert b.step.figures["forward_peak"] == b.phases["forward_peak"]
+
+
+def test_fsdp_allocates_on_streams_of_its_own(both: dict[str, Any]) -> None:
+    """FSDP1 all-gathers into its unshard stream and reduces on its post-backward stream; FSDP2 copies in and
+    all-gathers on streams of its own: the replay gets them apart (the allocator keeps a pool per stream)."""
+    events = both["streamed"].ranks[0].step.events
+    streams = {e[3] for e in events if e[0] == "alloc"}
+    assert 0 in streams and len(streams) >= 3, streams
+
+
+def test_the_host_runs_ahead_of_the_device(both: dict[str, Any]) -> None:
+    """FSDP1's ``record_stream`` frees are pending until the host waits: at its rate limiter (two all-gathers in
+    flight: the wait before the third leaves the last reshard's free pending) and at the Trainer's loss check after
+    each micro-step (every pending free completes). FSDP2 calls no ``record_stream``."""
+    events = both["streamed"].ranks[0].step.events
+    pending = [e for e in events if e[0] == "free" and e[2:] == ("pending",)]
+    syncs = [e[1] for e in events if e[0] == "sync"]
+    if both["strategy"] == "fsdp2":
+        assert pending == []
+        return
+    units = 2 + 1  # the tiny model's decoder layers and the root: one unsharded flat parameter each, per pass
+    assert len(pending) >= 2 * units  # freed after forward and again after backward
+    assert syncs.count(0) == 2  # one micro-step in the first step, one in the steady state
+    assert any(keep > 0 for keep in syncs)  # the rate limiter's wait leaves later frees pending
+
+
+def test_fsdp1_brings_one_unit_at_a_time_to_the_device(both: dict[str, Any]) -> None:
+    """The load window holds at most the rank's shards plus two unsharded units (the unit's parameters and the flat
+    parameter FSDP1 flattens them into), never the whole unsharded model, as a Trainer + accelerate run loads."""
+    if both["strategy"] != "fsdp1":
+        pytest.skip("FSDP2 materialises only the shards in either case")
+    from ledgerspec.derivations.shard import state as S
+
+    plan = S.fsdp1(S.peft_fsdp1_units(both["descs"]), 2, "adamw_torch", True)
+    largest = max(plan.unit_unsharded.values())
+    whole = sum(plan.unit_unsharded.values())
+    step = both["streamed"].ranks[0].step
+    load_peak, held = step.tracker_windows[step.windows[0]]
+    rank0 = plan.ranks[0]
+    assert held == both["plain"].ranks[0].phases["after_load"]
+    shards = rank0.frozen_base + rank0.adapter
+    assert shards + largest <= load_peak <= shards + 2 * largest + 64 * 512
+    assert whole > largest  # (several units: the bound is not the whole model's)
+
+
+def test_the_verdict_is_decided_on_the_device(both: dict[str, Any]) -> None:
+    from ledgerspec.derivations.devices.per_rank import ranks_on_device
+
+    est = both["streamed"]
+    memory = 4 * GiB
+    est.device = ranks_on_device(both["doc"], est, memory, 2)
+    for r, d in zip(est.ranks, est.device, strict=True):
+        assert d.device_peak == d.peak_reserved + d.outside
+        assert d.peak_reserved >= d.peak_allocated >= r.peak  # whole blocks; the tracker's 512-byte count
+        assert d.outside > 0  # the CUDA context and two ranks' NCCL buffers (the catalogue)
+    fits = est.fits(memory)
+    assert [f.peak for f in fits] == [d.device_peak for d in est.device]
+    # a device larger than every allocated peak but smaller than the device-level one: does not fit
+    tight = max(r.peak for r in est.ranks) + 1024
+    est.device = ranks_on_device(both["doc"], est, tight, 2)
+    assert not any(d.fits for d in est.device)
+    assert not any(f.fits for f in est.fits(tight))
+
+
+def test_shard_says_which_figure_it_compared(both: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "out.yaml"
+    code, stdout, _ = run_cli("shard", both["path"], "--estimate", "--device-memory", "4GiB", "-o", out)
+    assert code == 0, stdout
+    assert "fits on the device: device peak" in stdout
+    assert "2 x 4.00 GiB: fits on the device (worst rank device peak" in stdout
+    block = load(out).get("parallelism", "x-per-rank", "estimate").raw
+    assert block["compared"].startswith("each rank's device_peak")
+    row = block["ranks"][0]
+    assert row["device_peak"]["value"] == row["peak_reserved"]["value"] + row["outside_allocator"]["value"]
+    assert row["verdict"]["fits"] is True and row["fits"] is True
+    code, stdout, _ = run_cli("shard", both["path"], "--estimate", "--device-memory", "4GiB", "--target", "cpu")
+    assert "allocated tensors only: the CPU target has no caching allocator to replay" in stdout
