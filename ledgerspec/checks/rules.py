@@ -196,15 +196,21 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
     "LS014",
     WARNING,
     "training.objective is one whose step the estimate does not simulate",
-    "KTO/ORPO/CPO run other batches, GRPO/RLOO/PPO a generation phase, a reward model a score head, and DPO with a "
-    "separate reference model holds a second model: record the real trainer's run (LedgerCallback) until the "
-    "estimate models them (supervised fine-tuning and DPO with its reference from the policy or precomputed are "
-    "simulated)",
-    example="training: {objective: kto}",
+    "GRPO/RLOO/PPO run a generation phase, DPO/KTO with a separate reference model hold a second model, and ORPO/CPO "
+    "on a quantized base their own casts and autocast: record the real trainer's run (LedgerCallback) until the "
+    "estimate models them (supervised fine-tuning, DPO and KTO with their reference from the policy or precomputed, "
+    "reward models, ORPO and CPO are simulated, on TRL 1.16)",
+    example="training: {objective: grpo}",
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
-    training = C.read(ctx.doc).training
+    cfg = C.read(ctx.doc)
+    training = cfg.training
     what = training.not_simulated
+    if what is None and training.objective in ("orpo", "cpo") and cfg.quantization.quantized:
+        what = (
+            f"training.objective {training.objective} on a quantized base (TRL's {training.objective.upper()}Trainer "
+            "prepares, casts and autocasts it)"
+        )
     if what is not None and ctx.get("training", "objective").known:
         yield Hit(
             ptr("training", "objective"),
@@ -215,20 +221,22 @@ def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
 @rule(
     "LS015",
     WARNING,
-    "DPO on a quantized base declares adapters that TRL casts to bfloat16",
-    "TRL 1.16's DPOTrainer casts every trainable parameter of a quantized model to bfloat16 before training "
-    "(dpo_trainer.py:717-725): declare adapter.dtype: bfloat16, as the importers do",
+    "DPO, KTO or a reward model on a quantized base declares adapters that TRL casts to bfloat16",
+    "TRL 1.16's DPOTrainer, KTOTrainer and RewardTrainer cast every trainable parameter of a quantized model to "
+    "bfloat16 before training (dpo_trainer.py:717-725, kto_trainer.py:777-780, reward_trainer.py:549-554): declare "
+    "adapter.dtype: bfloat16, as the importers do",
     example="base_model: {quantized: true}\nadapter: {dtype: float32}\ntraining: {objective: dpo}",
 )
 def ls015_dpo_qlora_adapter_dtype(ctx: Context) -> Iterator[Hit]:
     cfg = C.read(ctx.doc)
-    if cfg.training.objective != "dpo" or not cfg.quantization.quantized or not cfg.training.simulated:
+    trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}.get(cfg.training.objective)
+    if trainer is None or not cfg.quantization.quantized or not cfg.training.simulated:
         return
     dtype = ctx.get("adapter", "dtype")
     if dtype.known and str(dtype.value).strip().lower() not in ("bfloat16", "bf16"):
         yield Hit(
             ptr("adapter", "dtype"),
-            f"adapter.dtype {dtype.value}: TRL's DPOTrainer trains the adapters of a quantized base in bfloat16, so "
+            f"adapter.dtype {dtype.value}: TRL's {trainer} trains the adapters of a quantized base in bfloat16, so "
             "the run holds bfloat16 adapters, gradients and optimizer state",
         )
 

@@ -159,6 +159,8 @@ class Training:
     max_completion_length: int | None = None
     #: ``training.objective_settings.disable_dropout`` (TRL's default: true)
     disable_dropout: bool = True
+    #: ``training.objective_settings.center_rewards_coefficient`` (None: TRL's default, off)
+    center_rewards_coefficient: float | None = None
     #: ``software.trl`` as written (None: not declared)
     trl: str | None = None
 
@@ -173,16 +175,17 @@ class Training:
         """Why the step of this objective is not simulated (the one line LS014 and the step say), None when it is."""
         if self.objective not in SIMULATED_OBJECTIVES:
             return f"training.objective {self.objective}"
-        if self.objective != "dpo":
+        if self.objective == "sft":
             return None
-        if self.dpo_reference not in DPO_REFERENCES:
-            return f"training.objective dpo with reference {self.dpo_reference}"
+        if self.objective in ("dpo", "kto") and self.dpo_reference not in DPO_REFERENCES:
+            return f"training.objective {self.objective} with reference {self.dpo_reference}"
         from ledgerspec.contract.differences import version_tuple
 
         release = version_tuple(self.trl) if self.trl else None
-        if release is not None and release < DPO_TRL:
-            # TRL's DPOTrainer before its fused LM head computed the full logits of the policy and the reference
-            return f"training.objective dpo on TRL {self.trl} (the step simulated is TRL 1.16's)"
+        if release is not None and release < OBJECTIVE_TRL[self.objective]:
+            # TRL's DPOTrainer before its fused LM head computed the full logits of the policy and the reference;
+            # its RewardTrainer in TRL 0.x ran the chosen and the rejected rows in two forwards
+            return f"training.objective {self.objective} on TRL {self.trl} (the step simulated is TRL 1.16's)"
         return None
 
     @property
@@ -202,12 +205,14 @@ class Training:
 
 
 #: the objectives whose step ``estimate`` and ``measure`` simulate (the others are declared for the record, LS014)
-SIMULATED_OBJECTIVES = ("sft", "dpo")
+SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo", "cpo")
 #: DPO's reference kinds the simulation runs: the PEFT policy with its adapters off, a frozen copy of its adapter (a
 #: PEFT model handed to the trainer), or log-probs precomputed
 DPO_REFERENCES = ("adapter_disabled", "adapter_copy", "precomputed")
 #: the TRL release whose DPOTrainer the DPO step follows (its fused LM head); a declared older one is not simulated
 DPO_TRL = (1, 16, 0)
+#: the TRL release whose trainer each simulated objective's step follows; a declared older one is not simulated
+OBJECTIVE_TRL = {"dpo": DPO_TRL, "reward": (1, 16, 0), "kto": (1, 16, 0), "orpo": (1, 16, 0), "cpo": (1, 16, 0)}
 
 #: ``transformers.Trainer``'s defaults, for a document without a ``training`` section
 TRAINER_DEFAULTS = Training()
@@ -463,8 +468,15 @@ def _training(doc: Document) -> Training:
         reference=(doc.get("training", "objective_settings", "reference").text() or "").strip().lower() or None,
         max_completion_length=_positive(doc.get("training", "objective_settings", "max_completion_length").number()),
         disable_dropout=doc.get("training", "objective_settings", "disable_dropout").switch() is not False,
+        center_rewards_coefficient=_nonnegative(
+            doc.get("training", "objective_settings", "center_rewards_coefficient").number()
+        ),
         trl=doc.get("software", "trl").text(),
     )
+
+
+def _nonnegative(value: float | None) -> float | None:
+    return float(value) if value is not None and value >= 0 else None
 
 
 def _positive(value: float | None) -> int | None:

@@ -465,15 +465,17 @@ TRAINING = F(
             "of the batch), `dpo`, `kto`, `orpo`, `cpo` (preference pairs: chosen and rejected in one forward, a "
             "reference pass for DPO/KTO), `grpo`, `rloo`, `ppo` (online RL: a generation phase, then training on "
             "prompt + completion), `reward` (a reward model on chosen/rejected pairs). The estimate and `measure` "
-            "simulate `sft` and `dpo` (its reference from the policy or precomputed); the others get LS014.",
+            "simulate `sft`, `dpo` and `kto` (their reference from the policy or precomputed) and `reward` (TRL "
+            "1.16's RewardTrainer: a sequence classifier with a one-score head); the others get LS014.",
             enum=("sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo", "ppo", "reward"),
         ),
         F(
             "objective_settings",
             OBJECT,
             "The settings of a preference or RL objective that change memory, as TRL 1.16's trainer configs name "
-            "them (absent: TRL's defaults, given on each key). The DPO step reads `reference` and "
-            "`max_completion_length`; for the objectives not simulated yet they are declared for the record (LS014).",
+            "them (absent: TRL's defaults, given on each key). The DPO and KTO steps read `reference` and "
+            "`max_completion_length`, the reward step `center_rewards_coefficient`, all three `disable_dropout`; for "
+            "the objectives not simulated yet they are declared for the record (LS014).",
             children=(
                 F(
                     "reference",
@@ -490,8 +492,18 @@ TRAINING = F(
                 F(
                     "disable_dropout",
                     SWITCH,
-                    "Every dropout module's probability set to 0 before training (DPO/KTO/GRPO/RLOO: TRL's "
-                    "`disable_dropout`, default true, dpo_config.py:185): LoRA's dropout then allocates nothing.",
+                    "Every dropout module's probability set to 0 before training (DPO/KTO/GRPO/RLOO/reward: TRL's "
+                    "`disable_dropout`, default true, dpo_config.py:185, reward_config.py:128): LoRA's dropout then "
+                    "allocates nothing.",
+                ),
+                F(
+                    "center_rewards_coefficient",
+                    NUMBER,
+                    "Reward models: the coefficient of the auxiliary loss that centres the rewards near zero "
+                    "(TRL's `RewardConfig.center_rewards_coefficient`, default none: off, reward_config.py:160; "
+                    "reward_trainer.py:794-795 adds `coefficient * mean((chosen + rejected) ** 2)`, a few floats "
+                    "per pair).",
+                    minimum=0,
                 ),
                 F(
                     "max_completion_length",

@@ -102,10 +102,11 @@ WORKLOAD_INPUTS: Inputs = {
         ("use_cache",),
         ("max_grad_norm",),
         ("objective",),
-        # the DPO step reads them (absent: not in the digest, so no earlier stamp changes)
+        # the DPO and reward steps read them (absent: not in the digest, so no earlier stamp changes)
         ("objective_settings", "reference"),
         ("objective_settings", "max_completion_length"),
         ("objective_settings", "disable_dropout"),
+        ("objective_settings", "center_rewards_coefficient"),
     ),
 }
 
@@ -146,7 +147,7 @@ CASELESS_INPUTS = {
     *(("software", "kernels", op) for op in ("cross_entropy", "norm", "mlp_activation", "rope")),
 }
 #: numbers read as floats (``1`` and ``1.0`` are one input); added after the first stamps, so no stamp changes
-FLOAT_INPUTS = {("training", "max_grad_norm")}
+FLOAT_INPUTS = {("training", "max_grad_norm"), ("training", "objective_settings", "center_rewards_coefficient")}
 #: lists whose order the tools ignore (PEFT matches each module against the set)
 SET_INPUTS = {
     ("method", "target_modules"),
@@ -167,19 +168,24 @@ LEFT_OUT_WHEN = {
     ("training", "objective_settings", "reference"): "adapter_disabled",
     ("training", "objective_settings", "disable_dropout"): True,
 }
-#: inputs only the DPO step reads: hashed for a DPO document only (the other objectives' stamps never read them)
-DPO_ONLY = {
-    ("training", "objective_settings", "reference"),
-    ("training", "objective_settings", "max_completion_length"),
-    ("training", "objective_settings", "disable_dropout"),
+#: inputs only some objectives' steps read -> those objectives: hashed for their documents only (the other objectives'
+#: stamps never read them)
+OBJECTIVE_ONLY = {
+    ("training", "objective_settings", "reference"): ("dpo", "kto"),
+    ("training", "objective_settings", "max_completion_length"): ("dpo", "kto"),
+    ("training", "objective_settings", "disable_dropout"): ("dpo", "reward", "kto", "orpo", "cpo"),
+    ("training", "objective_settings", "center_rewards_coefficient"): ("reward",),
 }
+#: inputs only the DPO step reads
+DPO_ONLY = {path for path, objectives in OBJECTIVE_ONLY.items() if "dpo" in objectives and "reward" not in objectives}
 
 
 def _value(doc: Document, path: tuple[str, ...], verbatim: bool = False) -> tuple[bool, Any]:
     v = doc.get(*path)
     if not v.present:
         return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
-    if path in DPO_ONLY and str(doc.get("training", "objective").value).strip().lower() != "dpo":
+    objective = str(doc.get("training", "objective").value).strip().lower()
+    if path in OBJECTIVE_ONLY and objective not in OBJECTIVE_ONLY[path]:
         return False, None
     if path in LEFT_OUT_WHEN and not v.unknown:
         default = LEFT_OUT_WHEN[path]

@@ -25,8 +25,9 @@ def test_axolotl_rl_names_the_objective(tmp_path: Path, rl: str, objective: str)
     (tmp_path / "rl.yml").write_text(text, encoding="utf-8")
     doc, _ = imported(tmp_path / "rl.yml")
     assert plain(doc, "training", "objective") == objective
-    # DPO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) is simulated
-    expected = [] if objective == "dpo" else ["/training/objective"]
+    # DPO and KTO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) are
+    # simulated
+    expected = [] if objective in ("dpo", "kto") else ["/training/objective"]
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == expected
 
 
@@ -64,7 +65,7 @@ def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, obj
 @pytest.mark.parametrize(
     ("training", "says"),
     [
-        ("  objective: kto\n", "training.objective kto:"),
+        ("  objective: grpo\n", "training.objective grpo:"),
         (
             "  objective: dpo\n  objective_settings: {reference: model}\n",
             "training.objective dpo with reference model:",
@@ -217,7 +218,11 @@ def test_the_objective_settings_keep_earlier_stamps() -> None:
     assert digest("  objective: dpo\n") == digest(
         "  objective: dpo\n  objective_settings: {reference: adapter_disabled, disable_dropout: true}\n"
     )
-    assert digest("  objective: kto\n") == digest("  objective: kto\n  objective_settings: {reference: model}\n")
+    assert digest("  objective: rloo\n") == digest("  objective: rloo\n  objective_settings: {reference: model}\n")
+    assert digest("  objective: kto\n") == digest(
+        "  objective: kto\n  objective_settings: {reference: adapter_disabled}\n"
+    )
+    assert digest("  objective: kto\n") != digest("  objective: kto\n  objective_settings: {reference: precomputed}\n")
     assert digest("  objective: grpo\n") == digest(
         "  objective: grpo\n  objective_settings: {reference: none, max_completion_length: 256}\n"
     )

@@ -73,16 +73,19 @@ def _tokenizer(vocab: int) -> Any:
     )
 
 
-def _base(case: dict[str, Any], folder: str) -> Any:
+def _base(case: dict[str, Any], folder: str, auto_class: str = "AutoModelForCausalLM", **config_kwargs: Any) -> Any:
     """The base model of the case as a user loads it (QLoRA: saved, then loaded with a ``BitsAndBytesConfig``), no
-    adapters: ``DPOTrainer`` wraps it with the case's ``LoraConfig`` (its ``peft_config``)."""
+    adapters: ``DPOTrainer`` wraps it with the case's ``LoraConfig`` (its ``peft_config``). ``auto_class`` and
+    ``config_kwargs``: another head (a reward model's ``AutoModelForSequenceClassification``, ``num_labels=1``)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+    import transformers
+    from transformers import AutoConfig, BitsAndBytesConfig
 
-    config = AutoConfig.from_pretrained(case["config"])
+    auto = getattr(transformers, auto_class)
+    config = AutoConfig.from_pretrained(case["config"], **config_kwargs)
     dtype = getattr(torch, case["loaded_dtype"])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=case["attention"])
+    model = auto.from_config(config, dtype=dtype, attn_implementation=case["attention"])
     q = case.get("quant")
     if not q:
         return model
@@ -95,9 +98,7 @@ def _base(case: dict[str, Any], folder: str) -> Any:
         bnb_4bit_compute_dtype=getattr(torch, q["compute_dtype"]),
         bnb_4bit_quant_storage=getattr(torch, q["storage_dtype"]),
     )
-    return AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation=case["attention"], quantization_config=quant
-    )
+    return auto.from_pretrained(folder, dtype=dtype, attn_implementation=case["attention"], quantization_config=quant)
 
 
 def _lora(case: dict[str, Any]) -> Any:
@@ -108,7 +109,7 @@ def _lora(case: dict[str, Any]) -> Any:
         lora_alpha=2 * case["rank"],
         lora_dropout=case.get("dropout", 0.0),
         target_modules=case["targets"],
-        task_type="CAUSAL_LM",
+        task_type=case.get("task_type", "CAUSAL_LM"),
     )
 
 
@@ -153,10 +154,16 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_trainer(
-    case: dict[str, Any], trainer_class: Any, config_class: Any, rows: Any, settings: dict[str, Any]
+    case: dict[str, Any],
+    trainer_class: Any,
+    config_class: Any,
+    rows: Any,
+    settings: dict[str, Any],
+    make_base: Any = None,
 ) -> Any:
     """A TRL trainer of ``trainer_class`` (its config ``config_class`` with the case's settings and ``settings``) over
-    ``rows(case, vocab)``, instrumented as the module docstring says; its phases (and the MemTracker peak)."""
+    ``rows(case, vocab)``, instrumented as the module docstring says; its phases (and the MemTracker peak).
+    ``make_base``: what builds the unwrapped base model (default :func:`_base`, a causal LM)."""
     import dataclasses
 
     import torch
@@ -169,7 +176,7 @@ def run_trainer(
 
         base, peft_config = _model(case, base_folder), None
     else:
-        base, peft_config = _base(case, base_folder), _lora(case)
+        base, peft_config = (make_base or _base)(case, base_folder), _lora(case)
     vocab = int(base.config.get_text_config().vocab_size)
     names = {f.name for f in dataclasses.fields(config_class)}
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"

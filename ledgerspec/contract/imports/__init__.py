@@ -106,7 +106,15 @@ def _finish(
             )
         if any(s.format == "adapter-config" for s in sources):
             trl = b.facts.get("trl", False)
-            if trl and quantized:
+            if trl and quantized and b.value(("training", "objective")) == "reward":
+                b.assume(
+                    ("adapter", "dtype"),
+                    "bfloat16",
+                    "TRL RewardTrainer casts trainable parameters of a quantized model to bfloat16",
+                    "TRL 1.16.0 RewardTrainer: the adapters and the score head's copy on a quantized base are cast to "
+                    "bfloat16 (reward_trainer.py:549-554)",
+                )
+            elif trl and quantized:
                 b.assume(
                     ("adapter", "dtype"),
                     "bfloat16",

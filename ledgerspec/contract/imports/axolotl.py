@@ -572,15 +572,18 @@ def _objective(src: Source, b: Builder, o: str) -> None:
     precomputed = src.take("precompute_ref_log_probs") if src.has("precompute_ref_log_probs") else None
     C.reference(b, value, precomputed, trl.get("beta", src.peek("rl_beta")), o, src.path)
     adapter = b.entries.get(("adapter", "dtype"))
-    if value == "dpo" and b.value(C.QUANTIZED) and adapter is not None and adapter.assumed:
-        # axolotl hands TRL's DPOTrainer a peft_config: it wraps the model, then casts the trainable parameters of a
-        # quantized model to bfloat16 (TRL 1.16, dpo_trainer.py:717-725)
+    if value in ("dpo", "kto") and b.value(C.QUANTIZED) and adapter is not None and adapter.assumed:
+        # axolotl hands TRL's DPOTrainer/KTOTrainer a peft_config: it wraps the model, then casts the trainable
+        # parameters of a quantized model to bfloat16 (TRL 1.16, dpo_trainer.py:717-725, kto_trainer.py:777-780)
+        trainer, where = (
+            ("DPOTrainer", "dpo_trainer.py:717-725") if value == "dpo" else ("KTOTrainer", "kto_trainer.py:777-780")
+        )
         del b.entries[("adapter", "dtype")]
         b.assume(
             ("adapter", "dtype"),
             "bfloat16",
-            o + "rl: dpo on a quantized base",
-            "TRL 1.16 DPOTrainer casts the adapters of a quantized model to bfloat16 (dpo_trainer.py:717-725)",
+            o + f"rl: {value} on a quantized base",
+            f"TRL 1.16 {trainer} casts the adapters of a quantized model to bfloat16 ({where})",
             src.path,
         )
 

@@ -211,6 +211,7 @@ OBJECTIVE_SETTINGS = (
     "vllm_mode",
     "vllm_gpu_memory_utilization",
     "disable_dropout",
+    "center_rewards_coefficient",
 )
 OS = ("training", "objective_settings")
 

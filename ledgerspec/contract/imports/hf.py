@@ -49,6 +49,9 @@ TRL_OBJECTIVE_KEYS = (
     (("num_generations", "steps_per_generation", "use_vllm", "vllm_mode"), "grpo"),
     (("cpo_alpha", "simpo_gamma"), "cpo"),
     (("ref_model_init_kwargs", "precompute_ref_log_probs", "rpo_alpha", "reference_free", "ref_adapter_name"), "dpo"),
+    # trl.experimental's ORPOConfig: after CPO's and DPO's (CPOConfig shares generate_during_eval and
+    # is_encoder_decoder, an older DPOConfig all three)
+    (("padding_value", "generate_during_eval", "is_encoder_decoder"), "orpo"),
 )
 
 
@@ -204,6 +207,10 @@ def training_args(src: Source, b: Builder) -> None:
         # DPOTrainer scores with its fused LM head whatever the loss (dpo_trainer.py:955); its loss types combine
         # per-sequence log-probs, a few floats per row (:1386-1528)
         b.ignored.setdefault(src.path, []).append("loss_type")
+    elif b.value(("training", "objective")) == "kto" and loss in (None, "kto"):
+        # KTOConfig's default loss (kto_config.py): the KL batch and the KTO loss the simulated step runs; its other
+        # loss, apo_zero_unpaired, has no KL batch (kto_trainer.py:815): not modelled (the finding below)
+        b.ignored.setdefault(src.path, []).append("loss_type")
     elif trl and loss in (None, "chunked_nll"):
         b.set(
             ("software", "kernels", "cross_entropy"),
@@ -233,6 +240,18 @@ def training_args(src: Source, b: Builder) -> None:
     _parallel(src, b, o)
     if dpo:  # a DPOConfig dump: its own fields (TRL 1.16)
         tool, label = "trl-dpo", "TRL 1.16.0 DPOConfig"
+    elif b.value(("training", "objective")) == "reward":  # a RewardConfig dump (TRL 1.16)
+        tool, label = "trl-reward", "TRL 1.16.0 RewardConfig"
+    elif b.value(("training", "objective")) == "orpo":  # an ORPOConfig dump (TRL 1.16, trl.experimental)
+        tool, label = "trl-orpo", "TRL 1.16.0 ORPOConfig"
+    elif b.value(("training", "objective")) == "cpo":  # a CPOConfig dump (TRL 1.16, trl.experimental)
+        tool, label = "trl-cpo", "TRL 1.16.0 CPOConfig"
+    elif b.value(("training", "objective")) == "kto":  # a KTOConfig dump (TRL 1.16)
+        tool, label = "trl-kto", "TRL 1.16.0 KTOConfig"
+        for key in ("desirable_weight", "undesirable_weight"):  # the losses' weights: one float each (:1471-1474)
+            if src.has(key):
+                src.take(key)
+                b.ignored.setdefault(src.path, []).append(key)
     C.account_for_rest(src, b, tool, label)
 
 

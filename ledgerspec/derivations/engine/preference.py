@@ -44,6 +44,8 @@ class DPOLoop(TrainerLoop):
     """``DPOTrainer``'s step (see the module docstring for the source it follows)."""
 
     name = "dpo"
+    #: the per-token fields of TRL's fused head (None: DPO's, ``kernels.trl.DPO_OUTPUTS``)
+    head_outputs: tuple[str, ...] | None = None
 
     def __init__(self, workload: Any) -> None:
         super().__init__(workload)
@@ -54,7 +56,7 @@ class DPOLoop(TrainerLoop):
         import torch
 
         if not self.patched:
-            self.w.fused_lm_head()
+            self.w.fused_lm_head(self.head_outputs)
             if self.spec.disable_dropout:  # `disable_dropout_in_model` (trainer/utils.py:194-197), dpo_trainer.py:932
                 for module in self.w.model.modules():
                     if isinstance(module, torch.nn.Dropout):

@@ -63,6 +63,12 @@ OPTIMIZERS = (
 )
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 LOOPS = ("trainer", "custom")
+#: the objectives whose batches are chosen/rejected pairs in one batch (TRL's preference collators)
+PAIRED = ("dpo", "reward", "orpo", "cpo")
+#: the objectives whose step is a TRL trainer's own (no packing, a Trainer loop, the trainer's own loss)
+TRL_STEPS = ("dpo", "reward", "kto", "orpo", "cpo")
+#: the objectives that score through TRL's fused LM head and have a reference (DPO, KTO)
+REFERENCED = ("dpo", "kto")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 LEARNING_RATE = 2e-4  # any value: memory does not depend on it
 
@@ -121,24 +127,30 @@ class WorkloadSpec:
     offload: bool = False
     #: ``memory_options.offload_mode`` as written (whose offloading: TRL's, axolotl's)
     offload_mode: str | None = None
-    #: ``training.objective``: sft | dpo (the objectives the step simulates, ``config.SIMULATED_OBJECTIVES``)
+    #: ``training.objective``: sft | dpo | reward (the objectives the step simulates, ``config.SIMULATED_OBJECTIVES``)
     objective: str = "sft"
     #: DPO: where the reference log-probs come from (adapter_disabled | adapter_copy | precomputed)
     reference: str | None = None
     #: DPO: completion tokens per chosen row (``objective_settings.max_completion_length``, at most length - 1);
     #: None: every position after the first (one prompt token)
     completion: int | None = None
-    #: DPO: TRL sets every dropout's probability to 0 before training (``disable_dropout``, default true)
+    #: DPO, reward: TRL sets every dropout's probability to 0 before training (``disable_dropout``, default true)
     disable_dropout: bool = False
     #: ``method.kind: full``: no adapters; every floating parameter of the model is trained
     full: bool = False
+    #: reward: ``objective_settings.center_rewards_coefficient`` (None: off, TRL's default)
+    center_rewards: float | None = None
 
     @property
     def padded(self) -> bool:
         """Whether a micro-step's batch carries padding and an attention mask (see :func:`rows_are_padded`); DPO's
         always does: its collator pads the rejected rows to the chosen ones (the synthetic rejected row is a token
-        shorter, :meth:`Workload.preference_batch`)."""
-        return (self.pads_rows and self.microbatch > 1) or self.objective == "dpo"
+        shorter, :meth:`Workload.preference_batch`), and so does the reward model's (the same pairs)."""
+        return (
+            (self.pads_rows and self.microbatch > 1)
+            or self.objective in PAIRED
+            or (self.objective == "kto" and self.microbatch > 1)
+        )
 
     @classmethod
     def from_document(cls, doc: Document) -> WorkloadSpec:
@@ -159,12 +171,21 @@ class WorkloadSpec:
                 "method.kind full trains every weight, but the base is quantized: quantized weights cannot be trained",
                 "load the base unquantized (base_model.quantized: false) for full fine-tuning, or choose QLoRA",
             )
-        if cfg.full and cfg.training.objective == "dpo":
+        if cfg.full and cfg.training.objective in REFERENCED:
+            name = cfg.training.objective.upper()
             raise _err(
                 doc,
                 ("method", "kind"),
-                "DPO with method.kind full needs a separate reference model, which the step does not simulate",
-                "estimate the SFT step (training.objective: sft) or DPO with LoRA",
+                f"{name} with method.kind full needs a separate reference model, which the step does not simulate",
+                f"estimate the SFT step (training.objective: sft) or {name} with LoRA",
+            )
+        if cfg.full and cfg.training.objective in TRL_STEPS:
+            raise _err(
+                doc,
+                ("method", "kind"),
+                f"training.objective {cfg.training.objective} with method.kind full: the step simulates TRL's trainer "
+                "for this objective with LoRA/QLoRA only (its truths are adapter runs)",
+                "estimate it with LoRA, or the SFT step (training.objective: sft) for full fine-tuning",
             )
         if q.quantized:
             path = config.QUANT
@@ -216,38 +237,64 @@ class WorkloadSpec:
             raise _err(doc, ("workload", "microbatch"), "workload.microbatch must be an integer >= 1")
         worst, typical = sequence_shapes(doc)
         t = cfg.training
-        if t.objective == "dpo" and w.packing and w.worst is not None:
-            # TRL 1.16's DPO neither packs nor runs padding-free (dpo_config.py:210-218: it warns and pads): the rows
-            # are prompt + completion pairs at their own lengths
+        if t.objective in TRL_STEPS and w.packing and w.worst is not None:
+            # TRL 1.16's DPO neither packs nor runs padding-free (dpo_config.py:210-218: it warns and pads), and its
+            # RewardConfig has neither setting (its collator pads, reward_trainer.py:203-229): the rows are pairs at
+            # their own lengths
             typical = dataclasses.replace(w, packing=False).typical or worst
         if t.loop not in LOOPS:
             raise _err(doc, ("training", "loop"), f"unknown training loop {t.loop!r}", f"use one of {', '.join(LOOPS)}")
         what = t.not_simulated
         if what is not None:
             where: tuple[str, ...] = ("training", "objective")
-            if t.objective == "dpo":
-                where = ("software", "trl") if " on TRL " in what else ("training", "objective_settings", "reference")
+            if " on TRL " in what:
+                where = ("software", "trl")
+            elif t.objective in REFERENCED:
+                where = ("training", "objective_settings", "reference")
             raise _err(
                 doc,
                 where,
                 f"{what}: the training step (estimate, measure, shard) simulates supervised fine-tuning and TRL 1.16's "
-                "DPO with its reference from the policy (adapter_disabled) or precomputed; this one runs other "
+                "DPO (its reference from the policy or precomputed) and reward models; this one runs other "
                 "forwards or tensors (a second model, other batches, generation, full logits) it does not model yet",
                 "size the run with a measurement of the real trainer (LedgerCallback), or estimate its SFT step as a "
                 "lower bound with training.objective: sft",
             )
         kernels = cfg.kernels
-        if t.objective == "dpo":
+        if t.objective == "kto" and w.microbatch < 2:
+            raise _err(
+                doc,
+                ("workload", "microbatch"),
+                "training.objective kto with one row per micro-step: TRL 1.16's KTOTrainer refuses it (its KL term "
+                "pairs each prompt with another row's completion, kto_trainer.py:844-847)",
+                "set workload.microbatch to 2 or more",
+            )
+        if t.objective in ("orpo", "cpo") and cfg.quantization.quantized:
+            raise _err(
+                doc,
+                config.QUANT,
+                f"training.objective {t.objective} on a quantized base: TRL 1.16's {t.objective.upper()}Trainer then "
+                "prepares the model for k-bit training, casts modules to bfloat16 and runs its loss in an autocast "
+                "region of its own (orpo_trainer.py:220-262, 880-892; cpo_trainer.py:210-255, 926-930), which the step "
+                "does not simulate",
+                "size the run with a measurement of the real trainer (LedgerCallback)",
+            )
+        if t.objective in TRL_STEPS:
             if t.loop != "trainer":
+                trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer"}.get(
+                    t.objective, "RewardTrainer"
+                )
                 raise _err(
                     doc,
                     ("training", "loop"),
-                    "training.objective dpo runs TRL's DPOTrainer, a transformers.Trainer: not a custom loop",
+                    f"training.objective {t.objective} runs TRL's {trainer}, a transformers.Trainer: not a custom loop",
                     "set training.loop: trainer",
                 )
             # DPOTrainer scores through its own fused head (``preference.DPOLoop``): a fused cross-entropy patched into
             # the model's forward (Liger's, Cut Cross-Entropy's) is reached only with fused_lm_head=False
-            # (trainer/utils.py:1602-1610), so no declared cross_entropy kernel plays a part
+            # (trainer/utils.py:1602-1610), so no declared cross_entropy kernel plays a part; a reward model has no LM
+            # head and no token loss at all (a score per row); ORPO calls the model without labels and computes its
+            # cross-entropy itself on the full logits (orpo_trainer.py:779-800)
             kernels = dataclasses.replace(kernels, cross_entropy="eager")
         if t.mixed_precision not in MIXED_PRECISION:
             raise _err(
@@ -283,10 +330,11 @@ class WorkloadSpec:
             offload=bool(cfg.activation_offload),
             offload_mode=doc.get("memory_options", "offload_mode").text(),
             objective=t.objective,
-            reference=t.dpo_reference if t.objective == "dpo" else None,
-            completion=t.max_completion_length if t.objective == "dpo" else None,
-            disable_dropout=t.objective == "dpo" and t.disable_dropout,
+            reference=t.dpo_reference if t.objective in REFERENCED else None,
+            completion=t.max_completion_length if t.objective in REFERENCED else None,
+            disable_dropout=t.objective in TRL_STEPS and t.disable_dropout,
             full=cfg.full,
+            center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -325,7 +373,56 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
 
 def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
     """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
-    if spec.objective == "dpo":
+    if spec.objective == "cpo":
+        loop = (
+            "TRL 1.16's CPOTrainer step (trl.experimental, CPOConfig's defaults: sigmoid loss, cpo_alpha 1.0): chosen "
+            "and rejected rows concatenated (twice the rows of the microbatch), one forward to the full logits "
+            "(held, fp32 under mixed precision), the chosen rows' NLL, the rows' log-probs and the CPO loss (TRL's "
+            "own functions), TRL's metrics, no reference, the loss divided by the accumulation steps"
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "orpo":
+        loop = (
+            "TRL 1.16's ORPOTrainer step (trl.experimental): chosen and rejected rows concatenated (twice the rows "
+            "of the microbatch), one forward to the full logits (held, fp32 under mixed precision), the chosen rows' "
+            "cross-entropy, the rows' average log-probs and the odds-ratio loss (TRL's own functions), TRL's "
+            "metrics, no reference, the loss divided by the accumulation steps"
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "reward":
+        loop = (
+            "TRL 1.16's RewardTrainer step: a sequence classifier (AutoModelForSequenceClassification, one score, "
+            "PEFT's SEQ_CLS model with a trainable copy of the score head), chosen and rejected rows in one batch "
+            "(twice the rows of the microbatch), one forward to a score per row, the pairwise logsigmoid loss"
+            + (" with the centring term" if spec.center_rewards is not None else "")
+            + " and TRL's metrics, the loss divided by the accumulation steps"
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "kto":
+        reference = {
+            "precomputed": "the reference log-probs precomputed (read from the batch)",
+            "adapter_copy": "the reference forwards through TRL's frozen copy of the adapter (`ref`)",
+        }.get(spec.reference or "adapter_disabled", "the reference forwards of the same model with its adapters off")
+        loop = (
+            "TRL 1.16's KTOTrainer step: unpaired rows with their labels and the KL batch of mismatched completions, "
+            "the policy's forward of the KL batch without grad, its forward of the batch through TRL's fused LM head "
+            f"(no logits held), {reference} (KL batch and batch, without grad and checkpointing), the KTO loss and "
+            "TRL's metrics, the loss divided by the accumulation steps"
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "dpo":
         reference = {
             "precomputed": "the reference log-probs precomputed (read from the batch)",
             "adapter_copy": "the reference forward through TRL's frozen copy of the adapter (`ref`), without grad "
@@ -526,10 +623,18 @@ class Workload:
         if self.spec.full:  # the loaded weights become the trained ones: nothing is created
             for p in self.model.parameters():
                 p.requires_grad_(p.is_floating_point())
+        # a reward model's trainable copy of its score head keeps the base's dtype (PEFT upcasts adapter layers only,
+        # tuners_utils.cast_adapter_dtype), unless TRL casts every trainable parameter of a quantized base to
+        # bfloat16 (reward_trainer.py:549-554), which adapter.dtype then says
+        keep = (
+            {id(p) for n, p in self.model.named_parameters() if ".modules_to_save." in n}
+            if self.spec.objective == "reward" and self.spec.quant is None
+            else set()
+        )
         with torch.no_grad():
             for p in self.model.parameters():
                 if p.requires_grad and not self.spec.full:
-                    if target is not None and p.dtype != target:
+                    if target is not None and p.dtype != target and id(p) not in keep:
                         p.data = p.data.to(target)
                     p.normal_(0.0, 0.02)
         if self.spec.gradient_checkpointing:
@@ -755,6 +860,93 @@ class Workload:
         chosen = seq_len - self.prompt_length(seq_len)
         return self.spec.microbatch * chosen, self.spec.microbatch * max(chosen - 1, 0)
 
+    def kto_rows(self, seq_len: int) -> tuple[list[int], list[int], int]:
+        """KTO: the synthetic micro-batch's completion lengths, its KL batch's (each row's completion is the previous
+        row's, rotated within the batch as TRL's dataset preparation pairs them, kto_trainer.py:1140-1157) and the
+        prompt length: every row ``seq_len`` tokens but the last, a token shorter when there are several (a padded
+        batch, as a real one is)."""
+        b, prompt = self.spec.microbatch, self.prompt_length(seq_len)
+        full = seq_len - prompt
+        completions = [full] * b
+        if b > 1:
+            completions[-1] = full - 1
+        return completions, [completions[-1], *completions[:-1]], prompt
+
+    def head_positions(self, seq_len: int) -> int:
+        """The completion positions TRL's fused head scores in one forward of a synthetic batch ``seq_len`` wide
+        (its GPU path gathers these only): DPO's chosen and rejected rows, KTO's rows (its KL rows hold the same
+        completions, rotated)."""
+        if self.spec.objective == "kto":
+            return sum(self.kto_rows(seq_len)[0])
+        return sum(self.completion_counts(seq_len))
+
+    def kto_chosen(self) -> int:
+        """KTO: the desirable rows of a synthetic micro-batch (the first half, rounded up; ``label`` true)."""
+        return (self.spec.microbatch + 1) // 2
+
+    def kto_batch(self, seq_len: int) -> dict[str, Any]:
+        """A KTO micro-batch as TRL's ``DataCollatorForUnpairedPreference`` hands it over (kto_trainer.py:161-207,
+        TRL 1.16): ``input_ids``, ``attention_mask`` and ``completion_mask`` of the rows (prompt + completion, padded on
+        the right), the same three of the KL rows (``KL_`` prefix), int64; with precomputed reference log-probs
+        ``ref_logps`` and ``ref_KL_logps`` (float32); ``label`` (bool, the desirable rows first, :meth:`kto_chosen`)."""
+        import torch
+
+        b = self.spec.microbatch
+        completions, kl, prompt = self.kto_rows(seq_len)
+        vocab = int(self.model.get_base_model().config.get_text_config().vocab_size)
+        out: dict[str, Any] = {}
+        for prefix, lengths in (("", completions), ("KL_", kl)):
+            width = prompt + max(lengths)
+            ids = torch.randint(0, vocab, (b, width), device=self.device)
+            attention = torch.ones((b, width), dtype=torch.long, device=self.device)
+            completion = torch.zeros((b, width), dtype=torch.long, device=self.device)
+            for row, n in enumerate(lengths):
+                attention[row, prompt + n :] = 0
+                completion[row, prompt : prompt + n] = 1
+            out.update({f"{prefix}input_ids": ids, f"{prefix}attention_mask": attention})
+            out[f"{prefix}completion_mask"] = completion
+        if self.spec.reference == "precomputed":
+            out["ref_logps"] = torch.zeros((b,), dtype=torch.float32, device=self.device)
+            out["ref_KL_logps"] = torch.zeros((b,), dtype=torch.float32, device=self.device)
+        label = torch.zeros((b,), dtype=torch.bool, device=self.device)
+        label[: self.kto_chosen()] = True
+        out["label"] = label
+        return out
+
+    def orpo_batch(self, seq_len: int) -> dict[str, Any]:
+        """An ORPO micro-batch as TRL's ``DPODataCollatorWithPadding`` hands over ``ORPOTrainer.tokenize_row``'s rows
+        (trl/experimental/utils.py, orpo_trainer.py:458-603, TRL 1.16): ``chosen_input_ids``, ``chosen_attention_mask``,
+        ``chosen_labels`` (-100 on the prompt) of the ``microbatch`` chosen rows (``seq_len`` tokens), the same three of
+        the rejected rows (a token shorter), ``prompt_input_ids`` and ``prompt_attention_mask``, int64."""
+        import torch
+
+        b, prompt = self.spec.microbatch, self.prompt_length(seq_len)
+        vocab = int(self.model.get_base_model().config.get_text_config().vocab_size)
+        out: dict[str, Any] = {}
+        for kind, length in (("chosen", seq_len), ("rejected", seq_len - 1)):
+            ids = torch.randint(0, vocab, (b, length), device=self.device)
+            out[f"{kind}_input_ids"] = ids
+            out[f"{kind}_attention_mask"] = torch.ones((b, length), dtype=torch.long, device=self.device)
+            labels = ids.clone()
+            labels[:, :prompt] = -100
+            out[f"{kind}_labels"] = labels
+        out["prompt_input_ids"] = torch.randint(0, vocab, (b, prompt), device=self.device)
+        out["prompt_attention_mask"] = torch.ones((b, prompt), dtype=torch.long, device=self.device)
+        return out
+
+    def reward_batch(self, seq_len: int) -> dict[str, Any]:
+        """A reward model's micro-batch as TRL's ``reward_trainer.DataCollatorForPreference`` hands it over
+        (reward_trainer.py:203-229, TRL 1.16): the ``microbatch`` chosen rows (``seq_len`` tokens), then the rejected
+        ones (a token shorter, padded on the right), ``input_ids`` and ``attention_mask``, int64; no labels."""
+        import torch
+
+        b = self.spec.microbatch
+        vocab = int(self.model.get_base_model().config.get_text_config().vocab_size)
+        ids = torch.randint(0, vocab, (2 * b, seq_len), device=self.device)
+        attention = torch.ones((2 * b, seq_len), dtype=torch.long, device=self.device)
+        attention[b:, -1] = 0
+        return {"input_ids": ids, "attention_mask": attention}
+
     def preference_batch(self, seq_len: int) -> dict[str, Any]:
         """A DPO micro-batch as TRL's ``DataCollatorForPreference`` hands it over (dpo_trainer.py:146-200, TRL 1.16):
         the ``microbatch`` chosen rows (prompt + completion, ``seq_len`` tokens), then the rejected ones (a token
@@ -793,7 +985,9 @@ class Workload:
         except ImportError:
             raise _err(
                 self.doc,
-                ("training", "objective") if self.spec.objective == "dpo" else ("software", "kernels", "cross_entropy"),
+                ("training", "objective")
+                if self.spec.objective in REFERENCED
+                else ("software", "kernels", "cross_entropy"),
                 "the step runs TRL's own fused LM head on the CPU (DPO, or SFT with trl_chunked_nll), and TRL is "
                 "not installed",
                 "pip install 'trl>=1.16' (or estimate for the GPU: the default target models TRL's Triton path)",
@@ -829,6 +1023,22 @@ class Workload:
                 from ledgerspec.derivations.engine.preference import DPOLoop
 
                 self._step = DPOLoop(self)
+            elif self.spec.objective == "reward":
+                from ledgerspec.derivations.engine.reward import RewardLoop
+
+                self._step = RewardLoop(self)
+            elif self.spec.objective == "kto":
+                from ledgerspec.derivations.engine.kto import KTOLoop
+
+                self._step = KTOLoop(self)
+            elif self.spec.objective == "orpo":
+                from ledgerspec.derivations.engine.orpo import ORPOLoop
+
+                self._step = ORPOLoop(self)
+            elif self.spec.objective == "cpo":
+                from ledgerspec.derivations.engine.cpo import CPOLoop
+
+                self._step = CPOLoop(self)
             elif self.trl_head_runs_here:
                 from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
 

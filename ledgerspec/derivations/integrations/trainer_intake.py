@@ -277,11 +277,12 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None, traine
 
 
 def _reference(b: Builder, peft_model: Any, trainer: Any) -> None:
-    """DPO's reference, read from the live objects where the arguments leave it to TRL's defaults (TRL 1.16,
-    dpo_trainer.py): a ``ref_model`` on the trainer is a second model; a PEFT model handed to the trainer gets a frozen
-    copy of its adapter named ``ref`` (:666-691) and trains against it; else the adapters are disabled."""
+    """DPO's and KTO's reference, read from the live objects where the arguments leave it to TRL's defaults (TRL 1.16,
+    dpo_trainer.py, kto_trainer.py): a ``ref_model`` on the trainer is a second model; a PEFT model handed to the
+    trainer gets a frozen copy of its adapter named ``ref`` (dpo_trainer.py:666-691, kto_trainer.py:740-745) and trains
+    against it; else the adapters are disabled."""
     path = ("training", "objective_settings", "reference")
-    if b.value(("training", "objective")) != "dpo" or b.value(path) == "precomputed":
+    if b.value(("training", "objective")) not in ("dpo", "kto") or b.value(path) == "precomputed":
         return
     if trainer is not None and getattr(trainer, "ref_model", None) is not None:
         b.set(path, "model", "trainer.ref_model: a separate reference model")

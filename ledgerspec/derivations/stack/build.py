@@ -259,7 +259,9 @@ def lora_config(doc: Document) -> Any:
         "lora_dropout": m("method", "dropout").number() or 0.0,
         "bias": m("method", "bias").text() or "none",
         "use_dora": bool(m("method", "use_dora").switch()),
-        "task_type": "CAUSAL_LM",
+        # a reward model: PEFT's sequence-classification model, which adds its `score` head to modules_to_save (a
+        # trainable copy; peft_model.py PeftModelForSequenceClassification.__init__, PEFT 0.18)
+        "task_type": "SEQ_CLS" if is_reward_model(doc) else "CAUSAL_LM",
     }
     if params is not None:
         kwargs["target_parameters"] = [params] if isinstance(params, str) else list(params)
@@ -379,6 +381,27 @@ def decoder_layers(model: Any) -> tuple[str, Any] | None:
     return (f"{prefix}.{best[0]}" if prefix else best[0]), best[1]
 
 
+def is_reward_model(doc: Document) -> bool:
+    """``training.objective: reward``: the model is a sequence classifier with one score (TRL's ``RewardTrainer``)."""
+    return config.read(doc).training.objective == "reward"
+
+
+def reward_config(model_config: Any) -> Any:
+    """The config a reward model is built from, as TRL 1.16's ``RewardTrainer`` makes it: ``num_labels=1``
+    (reward_trainer.py:396; a model handed over must have it, :413-418), and a pad token id, which the sequence
+    classifier needs to find each row's last token (reward_trainer.py:563-572: the tokenizer's pad token, else its eos
+    token; any id allocates the same)."""
+    import copy
+
+    cfg = copy.deepcopy(model_config)
+    cfg.num_labels = 1
+    text = text_config(cfg)
+    if getattr(text, "pad_token_id", None) is None:
+        eos = getattr(text, "eos_token_id", None)
+        text.pad_token_id = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+    return cfg
+
+
 def build_base(
     doc: Document, config: Any, dtype: Any, trust_remote_code: bool = False, attention: str | None = None
 ) -> Any:
@@ -401,6 +424,19 @@ def build_base(
             "is it a language or vision-language model transformers knows? (custom code needs --trust-remote-code)",
         )
     auto = getattr(transformers, chosen.auto_class if chosen else "AutoModelForCausalLM")
+    if is_reward_model(doc):  # TRL's RewardTrainer builds AutoModelForSequenceClassification (reward_trainer.py:398)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+        model_type = getattr(config, "model_type", None)
+        if model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES and not trust_remote_code:
+            raise _err(
+                doc,
+                ("training", "objective"),
+                f"a reward model is a sequence classifier, and transformers has no sequence-classification class for "
+                f"model_type {model_type!r}",
+                "TRL's RewardTrainer builds AutoModelForSequenceClassification: is this model one it can build?",
+            )
+        auto, config = transformers.AutoModelForSequenceClassification, reward_config(config)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attention is not None:
         kwargs["attn_implementation"] = attention

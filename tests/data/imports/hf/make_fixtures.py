@@ -1,6 +1,6 @@
 """How the JSON fixtures of this folder were made: by the libraries themselves (transformers 5.24.0, PEFT 0.21.2,
-TRL 1.9.0; the DPO folder TRL 1.16.0), so that their keys and values are exactly what those versions write. Run once
-by hand (TRL 1.9.0 on PYTHONPATH for the first ones); the tests only read the files.
+TRL 1.9.0; the DPO, reward, KTO and ORPO folders TRL 1.16.0), so that their keys and values are exactly what those
+versions write. Run once by hand (TRL 1.9.0 on PYTHONPATH for the first ones); the tests only read the files.
 
     PYTHONPATH=/path/to/trl-1.9.0:. .venv/bin/python tests/data/imports/hf/make_fixtures.py
 """
@@ -109,7 +109,88 @@ def dpo() -> None:
         shutil.copy(HERE / "qlora" / name, folder / name)
 
 
+def reward() -> None:
+    """4. A reward model on a QLoRA base: TRL 1.16's RewardConfig, the QLoRA folder's model config and its adapter as a
+    ``SEQ_CLS`` LoRA saves it (PEFT adds the classifier heads to ``modules_to_save``: peft_model.py,
+    ``PeftModelForSequenceClassification.__init__``). ``make_fixtures.py reward`` writes this folder only."""
+    from trl import RewardConfig
+
+    warnings.filterwarnings("ignore")
+    folder = HERE / "reward"
+    folder.mkdir(exist_ok=True)
+    config = RewardConfig(
+        output_dir="out/mistral-7b-qlora-reward",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        max_length=1024,
+        center_rewards_coefficient=0.01,
+        optim="paged_adamw_8bit",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa"},
+        bf16=False,
+        use_cpu=True,
+    )
+    data = json.loads(config.to_json_string())
+    data.update(use_cpu=False, bf16=True)
+    (folder / "reward_config.json").write_text(json.dumps(data, indent=2) + "\n")
+    adapter = json.loads((HERE / "qlora" / "adapter_config.json").read_text())
+    adapter.update(task_type="SEQ_CLS", modules_to_save=["classifier", "score"])
+    (folder / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n")
+    shutil.copy(HERE / "qlora" / "config.json", folder / "config.json")
+
+
+def kto() -> None:
+    """5. KTO on a QLoRA base: TRL 1.16's KTOConfig, the QLoRA folder's adapter and model config. ``make_fixtures.py
+    kto`` writes this folder only."""
+    from trl import KTOConfig
+
+    warnings.filterwarnings("ignore")
+    folder = HERE / "kto"
+    folder.mkdir(exist_ok=True)
+    config = KTOConfig(
+        output_dir="out/mistral-7b-qlora-kto",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        max_length=1024,
+        optim="paged_adamw_8bit",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa"},
+        bf16=False,
+        use_cpu=True,
+    )
+    data = json.loads(config.to_json_string())
+    data.update(use_cpu=False, bf16=True)
+    (folder / "kto_config.json").write_text(json.dumps(data, indent=2) + "\n")
+    for name in ("adapter_config.json", "config.json"):
+        shutil.copy(HERE / "qlora" / name, folder / name)
+
+
+def orpo() -> None:
+    """6. ORPO on a bf16 base: TRL 1.16's ``trl.experimental`` ORPOConfig, the LoRA folder's adapter and model config.
+    ``make_fixtures.py orpo`` writes this folder only."""
+    from trl.experimental.orpo import ORPOConfig
+
+    warnings.filterwarnings("ignore")
+    folder = HERE / "orpo"
+    folder.mkdir(exist_ok=True)
+    config = ORPOConfig(
+        output_dir="out/llama-lora-orpo",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=8,
+        max_length=1024,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa"},
+        bf16=False,
+        use_cpu=True,
+    )
+    data = json.loads(config.to_json_string())
+    data.update(use_cpu=False, bf16=True)
+    (folder / "orpo_config.json").write_text(json.dumps(data, indent=2) + "\n")
+    for name in ("adapter_config.json", "config.json"):
+        shutil.copy(HERE / "lora" / name, folder / name)
+
+
 if __name__ == "__main__":
     import sys
 
-    dpo() if sys.argv[1:] == ["dpo"] else main()
+    {"dpo": dpo, "reward": reward, "kto": kto, "orpo": orpo}.get(sys.argv[1] if sys.argv[1:] else "", main)()

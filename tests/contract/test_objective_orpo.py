@@ -1,0 +1,95 @@
+"""``training.objective: orpo`` and ``cpo`` (issue 24): their steps on a 16/32-bit base are simulated as TRL 1.16's
+``trl.experimental`` ``ORPOTrainer`` and ``CPOTrainer`` run them (their truths: test_orpo_truth.py and
+test_cpo_truth.py in tests/derivations/engine); on a quantized base they are not (TRL prepares the model, casts
+modules and autocasts its loss, orpo_trainer.py:220-262, 880-892): LS014 names it and the step refuses it in one
+line; nor on a declared older TRL (LLaMA-Factory's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ledgerspec.checks.validate import validate
+from ledgerspec.contract import config
+from ledgerspec.contract.document import from_text
+from ledgerspec.errors import LedgerspecError
+from tests.support.imports import IMPORTS
+
+EXAMPLE = IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml"
+
+
+def _doc(training: str, software: str = "", quantized: bool = False) -> Any:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    if quantized:
+        assert "  quantized: false" in text
+        text = text.replace(
+            "  quantized: false",
+            "  quantized: true\n  quantization: {type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16}",
+            1,
+        )
+    text += f"software:\n{software}" if software else ""
+    return from_text(text + "training:\n" + training, str(IMPORTS / "x.ledger.yaml"))
+
+
+def _ls014(doc: Any) -> list[str]:
+    return [f.message for f in validate(doc).findings if f.rule == "LS014"]
+
+
+@pytest.mark.parametrize("objective", ["orpo", "cpo"])
+def test_it_is_simulated_on_a_16_bit_base_and_trl_1_16(objective: str) -> None:
+    assert config.Training(objective=objective).simulated
+    assert not config.Training(objective=objective, trl="0.9.6").simulated
+    assert _ls014(_doc(f"  objective: {objective}\n")) == []
+    hits = _ls014(_doc(f"  objective: {objective}\n", "  trl: 0.9.6\n"))
+    assert len(hits) == 1 and f"{objective} on TRL 0.9.6" in hits[0]
+
+
+@pytest.mark.parametrize("objective", ["orpo", "cpo"])
+def test_on_a_quantized_base_it_is_not_simulated(objective: str) -> None:
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+
+    doc = _doc(f"  objective: {objective}\n", quantized=True)
+    hits = _ls014(doc)
+    assert len(hits) == 1 and f"{objective} on a quantized base" in hits[0]
+    with pytest.raises(LedgerspecError, match=rf"{objective} on a quantized base") as err:
+        WorkloadSpec.from_document(doc)
+    assert "\n" not in str(err.value) and err.value.hint and "LedgerCallback" in err.value.hint
+    spec = WorkloadSpec.from_document(_doc(f"  objective: {objective}\n"))
+    assert (spec.objective, spec.reference, spec.padded, spec.disable_dropout) == (objective, None, True, True)
+
+
+def test_a_trl_orpo_config_dump_is_read_with_its_own_fields() -> None:
+    """A real TRL 1.16 ``trl.experimental`` ``ORPOConfig`` dump (tests/data/imports/hf/make_fixtures.py orpo) beside a
+    LoRA adapter and model config: ORPO (its ``padding_value``, which no other TRL 1.16 config has), no reference,
+    its fields known, nothing left for LS014."""
+    from tests.support.imports import imported, plain
+
+    doc, result = imported("hf/orpo/orpo_config.json", "hf/orpo/adapter_config.json", "hf/orpo/config.json")
+    assert plain(doc, "training", "objective") == "orpo"
+    assert plain(doc, "training", "objective_settings", "reference") == "none"
+    assert [f.key for f in result.findings if f.kind == "unknown-key"] == []
+    assert _ls014(doc) == []
+
+
+@pytest.mark.slow  # imports TRL (seconds)
+def test_a_trl_cpo_config_dump_is_read_with_its_own_fields(tmp_path: Any) -> None:
+    """TRL 1.16's ``CPOConfig`` as it dumps itself: CPO (its ``cpo_alpha``), no reference, its fields known."""
+    pytest.importorskip("trl")
+    import json
+    import warnings
+
+    from tests.support.imports import imported, plain
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.cpo import CPOConfig
+
+        dump = json.loads(CPOConfig(output_dir="out", use_cpu=True).to_json_string())
+    path = tmp_path / "cpo_config.json"
+    path.write_text(json.dumps(dump), encoding="utf-8")
+    doc, result = imported(path)
+    assert plain(doc, "training", "objective") == "cpo"
+    assert plain(doc, "training", "objective_settings", "reference") == "none"
+    assert [f.key for f in result.findings if f.kind == "unknown-key"] == []
