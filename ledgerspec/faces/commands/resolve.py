@@ -50,10 +50,14 @@ class _Progress:
 
 
 def _one_shot_process() -> bool:
-    """True when this process is the ``ledgerspec`` program itself (not a test runner or a notebook)."""
+    """True when this process is the ``ledgerspec`` program itself (not a test runner or a notebook): the
+    ``ledgerspec`` script, or ``python -m ledgerspec``, whose ``argv[0]`` is ``.../ledgerspec/__main__.py``. Any other
+    package's ``__main__.py`` (``python -m pytest``: ``.../pytest/__main__.py``) is not: a later estimate of a QLoRA
+    ledger in the same process needs the bitsandbytes that a one-shot resolve hides."""
     import os
 
-    return os.path.basename(sys.argv[0]) in ("ledgerspec", "__main__.py")
+    argv0 = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return os.path.basename(argv0) == "ledgerspec" or argv0.endswith(os.path.join("ledgerspec", "__main__.py"))
 
 
 def run_resolve(args: argparse.Namespace) -> int:
