@@ -184,7 +184,7 @@ def main() -> None:
             "free-and-retry."
         )
     median = diffs[len(diffs) // 2] if diffs else 0.0
-    body = f"""# `shard --estimate` on the device vs published 2-GPU FSDP1 runs
+    body = f"""# `shard --estimate` on the device vs published FSDP1 runs (2-GPU LoRA and QLoRA; full fine-tuning)
 
 Command: `python benchmarks/device_vs_published_fsdp.py`. Machine (for the estimate): {machine()}; no GPU used
 ({sum(r.seconds for r in rows):.0f} s for all rows).
@@ -234,7 +234,7 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
   out-of-memory message prints as "total capacity": 79.25 GiB for an A100-80GB (the device catalogue's `capacity`,
   with its sources), 0.75 GiB below nvidia-smi's 81,920 MiB that the ledgers' `80 GiB` declares. The ledgers name
   the card (`NVIDIA A100-SXM4-80GB`), so each rank replays against 79.25 GiB less what lies outside the allocator.
-- **The run that ran out of memory {bs4_text}** The margin either way is inside the error the trained rows show
+- **The run that ran out of memory {bs4_text} The margin either way is inside the error the trained rows show
   (their median above), so this row is not evidence for the model either way yet.
 """
     if only:
