@@ -522,7 +522,8 @@ def _quantization(doc: Document, quantized: bool) -> Quantization:
     skip = get("skip_modules")
     skip_modules = None
     if skip.known:
-        skip_modules = (str(skip.value),) if isinstance(skip.value, str) else tuple(str(v) for v in skip.value or ())
+        v = skip.value  # a name or a list of names; anything else is the schema check's finding, not a crash here
+        skip_modules = (str(v),) if isinstance(v, str) else tuple(str(x) for x in v) if isinstance(v, list) else ()
     return Quantization(
         True,
         scheme,

@@ -78,3 +78,20 @@ def test_nothing_outside_the_contract_reads_the_quantization_switch_itself() -> 
         "ledgerspec/contract/imports/common.py",
     }
     assert [r for r in readers if r.split(":")[0] not in allowed] == []
+
+
+@pytest.mark.parametrize(
+    ("written", "read"), [("lm_head", ("lm_head",)), ("[lm_head, score]", ("lm_head", "score")), ("1", ())]
+)
+def test_skip_modules_of_a_wrong_type_reads_as_none_and_validate_reports_it(
+    written: str, read: tuple[str, ...]
+) -> None:
+    """The hostile-input property test found ``skip_modules: 1`` making ``validate`` fail with an internal error
+    (the minimum-intake check reads the configuration before the schema's finding is shown)."""
+    text = (
+        "ledgerspec: intake/v1\nbase_model:\n  quantized: true\n  quantization:\n    type: nf4\n"
+        f"    skip_modules: {written}\n"
+    )
+    doc = from_text(text, "x.intake.yaml")
+    assert config.read(doc).quantization.skip_modules == read
+    minimum_intake_gaps(doc)  # no exception

@@ -60,7 +60,7 @@ def _c(name: str, reference: str = "adapter_disabled", memtracker: bool = False,
 #: the reference (as for DPO: bitsandbytes repacks the 4-bit weights on a CPU with AVX512-BF16 in eval mode).
 CASES = [
     _c("lora-bf16-autocast", mixed_precision="bf16", memtracker=True),
-    _c("lora-checkpointing", mixed_precision="bf16", checkpointing=True),
+    # (lora-checkpointing was equal to the byte on 2026-12-02: dropped for CI's time; checkpointing is the last case's)
     _c("lora-precomputed-reference", "precomputed", mixed_precision="bf16"),
     # a PEFT model handed to the trainer: TRL adds a frozen copy of its adapter, `ref` (kto_trainer.py:740-745)
     _c("lora-adapter-copy", "adapter_copy", mixed_precision="bf16"),

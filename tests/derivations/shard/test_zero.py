@@ -193,11 +193,12 @@ def test_dpo_under_zero_is_refused_not_sized_as_sft(tmp_path: Path) -> None:
 @pytest.fixture(
     scope="module",
     # each mode once per ZeRO optimizer class (stage3.py, stage_1_and_2.py): ZeRO-3's bf16, ZeRO-2's fp16 (every mode
-    # was run in both stages on 2026-12-01, equal to the byte)
+    # was run in both stages on 2026-12-01, equal to the byte); full fine-tuning in ZeRO-3 (ZeRO-2's full run was
+    # equal too on 2026-12-02, dropped for CI's time)
     params=one_worker_each(
         "zero",
-        [(3, None), (2, None), (1, None), (3, "bf16"), (2, "fp16"), (3, "ga2"), (2, "ga2"), (3, "full"), (2, "full")],
-        ["zero3", "zero2", "zero1", "zero3-bf16", "zero2-fp16", "zero3-ga2", "zero2-ga2", "zero3-full", "zero2-full"],
+        [(3, None), (2, None), (1, None), (3, "bf16"), (2, "fp16"), (3, "ga2"), (2, "ga2"), (3, "full")],
+        ["zero3", "zero2", "zero1", "zero3-bf16", "zero2-fp16", "zero3-ga2", "zero2-ga2", "zero3-full"],
     ),
 )
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
