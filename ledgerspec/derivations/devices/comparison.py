@@ -88,6 +88,41 @@ class Comparison:
         }
 
 
+#: bump when the cached form of a comparison changes
+FORMAT = 1
+
+
+def cached_compare(
+    doc: Document,
+    catalogue: Catalogue,
+    store: Any,
+    question: dict[str, Any],
+    compute: Any,
+) -> Comparison:
+    """``compute()`` (a :class:`Comparison` of ``doc`` against ``catalogue``), or its answer from the estimate cache
+    ``store`` (:mod:`ledgerspec.derivations.estimate.cache`) under a key that holds the estimate's inputs, the
+    ``question`` (target, layers, whether decided on the device) and every figure of the catalogue's devices: a
+    repeated ``--devices`` costs no trace (its device verdicts come from streams that are not cached themselves)."""
+    from dataclasses import asdict
+
+    from ledgerspec.derivations.estimate.cache import cached
+
+    devices = [asdict(d) for d in catalogue.devices]
+    full_question = {**question, "devices": {"format": FORMAT, "catalogue": devices}}
+    by_name = {d.name: d for d in catalogue.devices}
+
+    def encode(c: Comparison) -> dict[str, Any]:
+        rows = [{**asdict(r), "device": r.device.name} for r in c.rows]
+        return {"rows": rows, "microbatch": c.microbatch, "sharding": c.sharding, "notes": c.notes, "traced": c.traced}
+
+    def decode(data: dict[str, Any], seconds: float) -> Comparison:
+        rows = [Row(**{**r, "device": by_name[r["device"]]}) for r in data["rows"]]
+        return Comparison(rows, data["microbatch"], data["sharding"], list(data["notes"]), catalogue, data["traced"])
+
+    result: Comparison = cached(store, doc, full_question, compute, encode, decode)
+    return result
+
+
 def _design(declared: int, pads: bool) -> list[int]:
     """Microbatches to trace: the declared one and another of its regime (and two padded ones for a declared 1)."""
     if pads and declared == 1:
@@ -260,4 +295,4 @@ def _fsdp_estimate(doc: Document, world: int, streams: bool = False) -> Any:
     return estimate_per_rank(doc, world, descs, streams=streams)
 
 
-__all__ = ["COUNTS", "EXTENSION", "Comparison", "Row", "compare"]
+__all__ = ["COUNTS", "EXTENSION", "Comparison", "Row", "cached_compare", "compare"]

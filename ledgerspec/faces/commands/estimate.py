@@ -453,7 +453,17 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
         return step_and_estimate(doc, "cuda", layers, store=store, parallel=True)[1]
 
     on_device = args.target == "cuda"
-    result = compare(doc, catalogue, _estimate_fn(args, parallel=True), on_device=on_device, single_step=single_step)
+    from ledgerspec.derivations.devices.comparison import cached_compare
+
+    result = cached_compare(
+        doc,
+        catalogue,
+        store,
+        {"target": args.target, "layers": layers, "offline": True, "on_device": on_device},
+        lambda: compare(
+            doc, catalogue, _estimate_fn(args, parallel=True), on_device=on_device, single_step=single_step
+        ),
+    )
     head = ("device", "GPUs", "vendor", "usable", "peak/GPU", "device peak", "fits", "headroom", "largest microbatch")
     cells = [
         (

@@ -88,3 +88,30 @@ def test_sweep_rows_explain_themselves(cli: CliRunner, tiny: Path) -> None:
     assert code == 0
     assert "what is alive at each peak" in out and "(model)" in out and "(traced)" in out
     assert "activations" in out and "(8 configurations from 6 traced estimates" in out
+
+
+def test_devices_asked_again_is_read_from_the_cache(
+    cli: CliRunner, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repeated ``--devices`` costs no trace: its answer (device verdicts included, whose streams are not cached) is
+    kept under the ledger's inputs and the catalogue's figures; a changed catalogue asks again."""
+    import ledgerspec.derivations.devices.prediction as prediction
+
+    monkeypatch.setenv("LEDGERSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    code, first, err = cli("estimate", tiny, "--devices", "--dry-run")
+    assert code == 0, err
+
+    def no_trace(*args: object, **kwargs: object) -> None:
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(prediction, "step_and_estimate", no_trace)
+    code, again, err = cli("estimate", tiny, "--devices", "--dry-run")
+    assert code == 0, err
+    table = [line for line in first.splitlines() if "NVIDIA" in line or "AMD" in line]
+    assert table and table == [line for line in again.splitlines() if "NVIDIA" in line or "AMD" in line]
+    mine = tmp_path / "my-devices.yaml"
+    mine.write_text(
+        "devices:\n  - {name: My Card, vendor_memory: 8 GB, total: 8000000000, source: a test}\n", encoding="utf-8"
+    )
+    code, _, err = cli("estimate", tiny, "--devices", mine, "--dry-run")  # another catalogue: traced (and refused here)
+    assert code != 0 and "traced again" in err
