@@ -79,6 +79,21 @@ FULL_HELD = {
 }
 
 
+def explained_by_gloo_timing(diff: dict[str, int], stage: int, full: bool = False) -> bool:
+    """Whether every phase where a real rank differs from the simulation is one of the gloo timings above. LoRA
+    injection right after load sends nothing, so the load broadcast gloo still holds may still be held there too (seen
+    in CI, 2026-12-02: ZeRO-3 offload_param rank 0, the final norm's 288 B at after_load AND after_adapter_injection):
+    allowed only as the SAME bytes as after_load's, never as a difference of its own."""
+    allowed = NORM_ALL_REDUCE | (HELD_BROADCASTS if stage == 3 else {})
+    if full:
+        allowed = allowed | {k: v for k, v in FULL_HELD.items() if stage == 3 or k == "steady_state_peak"}
+    for phase, v in diff.items():
+        carried = phase == "after_adapter_injection" and stage == 3 and diff.get("after_load") == v
+        if v not in allowed.get(phase, ()) and not carried:
+            return False
+    return True
+
+
 #: the LoRA recipe of the tiny ledger, replaced by ``kind: full`` for the full fine-tuning runs
 _LORA_METHOD = (
     "  kind: LoRA\n  rank: 5\n  alpha: 10\n  dropout: 0.0\n"
@@ -247,10 +262,7 @@ def test_simulated_phases_equal_the_real_deepspeed_run(runs: dict[str, Any]) -> 
         sim = rank.phases
         diff = {k: real[k] - sim[k] for k in PHASES if real[k] != sim[k]}
         # gloo may still hold one broadcast of a phase (ZeRO-3) or the step's one-element all-reduces (docstring)
-        allowed = NORM_ALL_REDUCE | (HELD_BROADCASTS if runs["stage"] == 3 else {})
-        if runs["precision"] == "full":
-            allowed = allowed | {k: v for k, v in FULL_HELD.items() if runs["stage"] == 3 or k == "steady_state_peak"}
-        assert all(v in allowed.get(k, ()) for k, v in diff.items()), (out.rank, diff)
+        assert explained_by_gloo_timing(diff, runs["stage"], runs["precision"] == "full"), (out.rank, diff)
 
 
 @pytest.mark.slow
