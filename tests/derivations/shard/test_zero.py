@@ -19,7 +19,8 @@ side) gloo was also seen holding the broadcast before the last one instead: the 
 be higher by the bytes of one parameter broadcast in that phase, or (seen once, under load) of the last two
 (``HELD_BROADCASTS``), never by more. The
 same timing once held ZeRO-2's one-element gradient-norm all-reduce (4 B) into a measured optimizer step
-(``NORM_ALL_REDUCE``). Every other phase is equal to the byte.
+(``NORM_ALL_REDUCE``), and once (CI) kept the load's held broadcast into ``after_adapter_injection``, the same
+bytes as ``after_load``'s (``explained_by_gloo_timing``). Every other phase is equal to the byte.
 DeepSpeed's bf16 and fp16 modes (the Trainer's ``--bf16`` / ``--fp16``) run too: every phase of both stages equal,
 with the same broadcast timing; so does ZeRO-1.
 """
