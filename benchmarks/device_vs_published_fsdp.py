@@ -169,8 +169,7 @@ def main() -> None:
             "lies outside the "
             f"allocator: {bs4_over} GiB over the A100's {cuda_total} GiB CUDA total. Replayed against the "
             f"{bs4_capacity} GiB its allocator can get, the allocator frees its cached blocks and retries when "
-            f"`cudaMalloc` fails (as PyTorch does before it raises) and the step completes, {bs4_margin} to spare. "
-            "Against the declared 80 GiB it had 0.67 GiB."
+            f"`cudaMalloc` fails (as PyTorch does before it raises) and the step completes, {bs4_margin} to spare."
         )
     elif bs4.fits:
         bs4_text = (
@@ -184,6 +183,12 @@ def main() -> None:
             "free-and-retry."
         )
     median = diffs[len(diffs) // 2] if diffs else 0.0
+    two_gpu = [r for r in ran if "2gpu" in r.run.key and r.run.peak]
+    missing = [((r.run.nvidia - r.run.peak) - (r.device - r.allocated)) / GiB for r in two_gpu]
+    gaps = ", ".join(
+        f"{r.run.label} {(r.run.nvidia - r.run.peak) / GiB:.2f} / {(r.device - r.allocated) / GiB:.2f}" for r in two_gpu
+    )
+    gap_low, gap_high = (min(missing), max(missing)) if missing else (0.0, 0.0)
     body = f"""# `shard --estimate` on the device vs published FSDP1 runs (2-GPU LoRA and QLoRA; full fine-tuning)
 
 Command: `python benchmarks/device_vs_published_fsdp.py`. Machine (for the estimate): {machine()}; no GPU used
@@ -218,10 +223,17 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
   host waits for the GPU only at FSDP1's rate limiter (two all-gathers in flight) and at the Trainer's loss check.
   Modelled (pending frees and `sync` points in each rank's stream): +0.1 GiB on the Mistral QLoRA rows (a 4-bit
   decoder layer), +0.4 GiB on the 70B and Mistral LoRA rows (one more unsharded layer).
-- **The device-level figures are still low by the median above, most on the QLoRA rows.** Their allocated peaks
-  are themselves 7.7 % low (`published-multi-gpu.md`: the 2-GPU QLoRA rows' unexplained part), and the outside
-  figure is the catalogue's (an ASSUMPTION: `measure --device cuda` records it); what else the GPUs held is not
-  known without a GPU run of this step (`scripts/gpu-check`).
+- **What the 2-GPU runs hold above their allocated peak is still short.** The QLoRA rows' allocated peaks were
+  7.7 % low only through the depth extrapolation (`published-multi-gpu.md`: a step with the checkpoint around each
+  FSDP1 unit is traced at full depth now); the replay here had already used the 32 layers traced (the probes'
+  streams did not extend), so that moved no device-level figure. nvidia-smi minus the allocated peak, published
+  against predicted (GiB): {gaps}. Between {gap_low:.1f} and {gap_high:.1f} GiB per GPU is missing on every 2-GPU
+  row, about the same at 2 and 4 sequences per rank (not activations). The ledgers declare the runs' NCCL (2.20.5,
+  their requirements' `nvidia-nccl-cu12`), which connects every ring and tree channel at init: 0.29 GiB per GPU above
+  a newer NCCL's figure with the 16 channels the catalogue assumes for an NVLink board (its range reaches 32: 0.45
+  GiB more). The rest (the CUDA context's modules, NCCL's real channel count, what the allocator held from the
+  loading) is not known without a GPU run of this step (`scripts/gpu-check`; `measure --device cuda` records
+  `outside_allocator`).
 - **Full fine-tuning** (`method.kind: full`): its allocated peak is the published one (the optimizer step: weights,
   gradients, AdamW's two bf16 moments and one weight-sized set of foreach temporaries), and on 2 GPUs the replay
   finds most of the 10-19 GiB nvidia-smi shows above it. On one GPU the step reaches the card: without a limit the

@@ -210,6 +210,13 @@ def estimate_run(run: Run) -> Row:
     )
 
 
+#: the real run that checks the full-depth trace (benchmarks/results/fsdp1-cpu-repro/, published stack on the CPU)
+TALL = (
+    "`tiny-mistral-tall-lora-fsdp1-bf16-bs2` in `published-multi-gpu-cpu-repro.md`: real backward peak 279.01 MB; "
+    "the two probes extended 247.22 MB, -11.4%; every layer traced 277.46 MB, -0.6%; "
+    "`tests/derivations/shard/test_legacy_checkpoint.py`"
+)
+
 EXPLAINED = f"""## What each published figure includes, and every difference
 
 - **Peak** (`mem_peak_torch_mem_alloc_in_bytes`): `torch.cuda.max_memory_allocated()` of rank 0 over
@@ -237,6 +244,17 @@ EXPLAINED = f"""## What each published figure includes, and every difference
     decoder layer's input and its gradient stay alive until backward ends: two bf16 hidden states per layer and
     token, 2 x 80 x 8,192 x 2 B = 2.6 MB per token on Llama-2-70B. That is where the Llama-2-70B row's peak is
     (late in backward) and why it was 10.5 GB low; on the Mistral-7B LoRA rows it moves the peak into backward too.
+- **Every layer traced (the QLoRA rows' former 7.7%):** with the checkpoint around each unit, where backward
+  peaks depends on the depth. In a stack of 2 or 3 layers it peaks where the loss's backward begins (the float32
+  logits' gradients, the same at every depth); in a deep one at the first layer's recompute, where every layer's
+  input and gradient are alive (two hidden states per layer and token more than the shallow peak grows by). Each
+  phase is then the larger of two affine functions of the depth, and the estimate's two probes (2 and 3 layers)
+  extended linearly kept the shallow one: 8.70 / 14.72 GB on the Mistral-7B QLoRA rows (their forward, at the loss),
+  where the 32 layers traced peak late in backward. A step with this placement is now traced at full depth
+  (`ledgerspec/derivations/shard/fsdp/legacy_checkpoint.py`, `depth_plan`). Checked against the published stack run
+  for real: a tiny 48-layer Mistral (vocabulary 4,096) under the same Trainer, accelerate and FSDP1 on 2 gloo ranks
+  ({TALL}). The Llama-2-70B rows were already past the crossing at 2 and 3 layers (the same bytes either way); the
+  Mistral-7B LoRA rows rose by 0.05 / 0.29 GB.
 - **After `train()`** (`mem_torch_mem_alloc_in_bytes`): `torch.cuda.memory_allocated()` of rank 0 when `train()`
   returns: the frozen-base and adapter shards, the buffers, and AdamW's state for this rank's elements (the Trainer's
   `model.zero_grad()` has freed the gradients). The estimate's figure is rank 0's simulated
@@ -261,17 +279,52 @@ EXPLAINED = f"""## What each published figure includes, and every difference
   4,096 tokens), so a step's peak is the run's, unless something outside the step is higher.
 """
 
+CANDIDATES = """## The QLoRA rows' former gap: the candidates checked
+
+What the published QLoRA runs could do on each rank that the simulation did not, each checked against the sources of
+the runs' stack (fms-acceleration 876e2ed's `scripts/benchmarks/refs/requirements.txt`: torch 2.4.1, transformers
+4.48.1, accelerate 1.0.1, PEFT 0.13.2, TRL 0.13.0, bitsandbytes 0.43.3; scenario `baseline-peft-bnb`; the
+`accelerated-peft-bnb` rows publish the same bytes on 2 GPUs) and sized on the Mistral-7B rows (2 / 4 x 4,096 tokens):
+
+- **The depth extrapolation under the checkpoint around each unit** (checked: the 32 layers traced, and a 48-layer
+  run of the published stack on the CPU): +0.78 / +1.45 GB, the whole gap and about 1% more; Llama-2-70B 0; the
+  Mistral LoRA rows +0.05 / +0.29 GB. **The cause**: such a step is traced at full depth now.
+- **`bnb_4bit_quant_storage` bf16 and FSDP1's flat parameter** (one dtype per unit, padded to a multiple of the
+  ranks, 16-byte aligned views): modelled; `tests/derivations/shard/test_fsdp1_qlora.py` compares every flat
+  parameter's numel, shard and dtype with transformers loading the 4-bit model under FSDP1. Nothing missing.
+- **The quantization states** (absmax, nested absmax, code), whole on every rank: modelled as buffers (0.11 GB);
+  transformers 4.48.1 leaves them on the GPU when it moves the packed weight off it after quantizing
+  (`modeling_utils.py` lines 874-890). Nothing missing.
+- **`cpu_ram_efficient_loading` / `sync_module_states`** (rank 0 loads, FSDP1 broadcasts each unit as it wraps it,
+  inside `train()` before the first step): read in accelerate 1.0.1's `prepare_model` and FSDP1's init; one unit on
+  the device at a time (a 4-bit Mistral layer: 0.11 GB), below the step's peak. Not at the peak.
+- **FSDP1 `MixedPrecision` for the base** (param and reduce dtype bf16, the storage dtype): modelled, no cast of a
+  bf16 unit. Nothing missing.
+- **bitsandbytes' dequantization in the 4-bit matmul** (a bf16 weight per layer call in forward, recompute and
+  backward): modelled (the fake 4-bit layer allocates it; 0.23 GB at the MLP, in the peak). Nothing missing.
+- **The adapters' dtype:** TRL 0.13 builds them in bf16 and accelerate 1.0.1 upcasts every trainable flat parameter
+  that is not float32 under bf16 (`accelerator.py` lines 1537-1569): +0.04 GB of adapter shard and AdamW state per
+  rank (read and sized, not declared). Not at issue at the peak; about half of the after-`train()` gap (0.09 GB).
+- **Reentrant activation checkpointing** (transformers 4.48's default), **`max_grad_norm` 1.0** (the foreach norms
+  of the adapters' gradients), **accelerate's `prepare`**: declared and modelled. Nothing missing.
+
+"""
+
+
 UNEXPLAINED = """## What is not explained
 
 **Mistral-7B.** The peak is {mistral} against the published figures (model state within 4%). The tokens per rank:
-{growth} ({per_token} per token of the 8,192 more tokens, published minus estimated). The LoRA rows are now a little
-over the published peak: their simulated peak is late in backward, where the declared checkpoint placement holds two
-hidden states per layer and token; the CUDA kernels there (flash-attn 2.7.3's backward, the fp32 LoRA casts) are
-modelled, not measured. The QLoRA rows stay below by 7-8%; their simulated peak is at the loss in forward, and the
-same placement is not at their peak. What the QLoRA runs hold besides (bitsandbytes 0.43.3's kernels and buffers,
+{growth} ({per_token} per token of the 8,192 more tokens, published minus estimated). Every row's simulated peak is
+now late in backward, at the first layer's recompute, where the declared checkpoint placement holds two hidden
+states per layer and token; the CUDA kernels there (flash-attn 2.7.3's backward, the LoRA casts, bitsandbytes
+0.43.3's dequantization) are modelled, not measured, and the estimate lies {spread} from the published peaks.
+What else the runs did that the ledgers do not declare was read in the sources, each small at these peaks:
 accelerate 1.0.1's float32 upcast of every trainable flat parameter that is not float32 when `mixed_precision` is
-not "no", read in its `prepare_model` (`accelerator.py` lines 1537-1569), which would make the adapters float32 in the
-run although TRL 0.13 builds them in bf16: not measured here) is not settled without a GPU run.
+not "no" (`accelerator.py` lines 1537-1569: the QLoRA rows' bf16 adapters, about 0.04 GB of adapter shard and AdamW
+state per rank on Mistral-7B, half the after-`train()` gap), the quantization states (absmax, nested absmax, code) that
+every rank keeps whole (modelled: 0.11 GB on Mistral-7B), and transformers 4.48.1's loading of a 4-bit model under
+FSDP (every rank quantizes each weight on its GPU, one at a time, then moves it to the CPU or the meta device:
+`modeling_utils.py` lines 874-890; before `train()`, outside the published window).
 
 **Llama-2-70B QLoRA** is {seventy_diff} against the published peak ({seventy_gap:+.2f} GB left); its model state after
 `train()` agrees within {seventy_after}.
@@ -313,7 +366,7 @@ def render(rows: list[Row], elapsed: float) -> str:
             f"{row.activations / 1e9:.2f} | {row.seconds:.0f} |"
         )
     lines += ["", "Source rows: " + "; ".join(f"{r.run.key}: {r.run.source_row}" for r in rows) + ".", ""]
-    lines += [verdict(rows), "", EXPLAINED, unexplained(rows)]
+    lines += [verdict(rows), "", EXPLAINED, CANDIDATES, unexplained(rows)]
     return "\n".join(lines)
 
 
@@ -340,7 +393,9 @@ def unexplained(rows: list[Row]) -> str:
     if not mistral or seventy is None:
         return ""
     gap = (seventy.run.peak - seventy.peak) / 1e9
+    diffs = [Row.diff(r.peak, r.run.peak) for r in mistral]
     return UNEXPLAINED.format(
+        spread=f"{min(diffs):+.1%} to {max(diffs):+.1%}",
         mistral=", ".join(f"{Row.diff(r.peak, r.run.peak):+.1%}" for r in mistral),
         growth="; ".join(growth) + ".",
         per_token=" and ".join(per_token),

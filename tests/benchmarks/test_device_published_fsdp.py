@@ -71,7 +71,7 @@ def test_the_arithmetic_of_every_row(bench: Any) -> None:
         assert abs(float(c[8]) + float(c[9]) - float(c[6])) <= 0.011
 
 
-@pytest.mark.slow  # a 7B QLoRA FSDP1 step, three probes per rank: about 30 s
+@pytest.mark.slow  # a 7B QLoRA FSDP1 step, every layer traced (the checkpoint around each unit): about 30 s
 def test_a_row_re_estimated_gives_the_committed_cells(bench: Any) -> None:
     pytest.importorskip("bitsandbytes")
     run = next(r for r in bench.RUNS if r.key == "fms-mistral-7b-qlora-2gpu-bs2")

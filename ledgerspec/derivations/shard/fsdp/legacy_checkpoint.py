@@ -20,8 +20,17 @@ ends (measured with the declared stack on the CPU: benchmarks/results/published-
 :func:`checkpoint_outside_units` reproduces that placement on the installed transformers (known difference
 ``transformers-checkpoint-outside-fsdp-unit``): for every FSDP1 unit that wraps a ``GradientCheckpointingLayer``,
 the layer's own checkpointing is switched off and the unit's forward is run through the model's own checkpoint
-function (``_gradient_checkpointing_func``: ``use_reentrant`` as declared), as 4.48.1's loop did. Imports torch only
-inside functions.
+function (``_gradient_checkpointing_func``: ``use_reentrant`` as declared), as 4.48.1's loop did.
+
+:func:`depth_plan`: a step with this placement is simulated at the model's full depth, never extrapolated from two
+shallow probes. The held inputs and gradients make the backward peak move with depth: with two or three layers it is
+where the loss's backward starts (the logits' gradients, a constant), with many it is the first layer's recompute,
+where every layer's input and gradient are alive (two hidden states per layer and token, a slope the shallow probes'
+backward peak does not have). Each phase peak is then the larger of two affine functions of depth, and extending the
+probes' figures linearly keeps the shallow one. On the published Mistral-7B QLoRA FSDP1 run at 2 x 4,096 tokens per
+rank (benchmarks/results/published-multi-gpu.md) the probes of 2 and 3 layers, extended to 32, gave 8.70 GB (the loss
+in forward) where the 32 layers traced give 9.49 GB (late in backward); the published peak is 9.42 GB. Imports torch
+only inside functions.
 """
 
 from __future__ import annotations
@@ -74,6 +83,28 @@ def _outside(unit: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
     return layer._gradient_checkpointing_func(run, *args)
 
 
+#: why a step with the checkpoint outside its FSDP1 units is traced at full depth (the plan's reason, in the method)
+FULL_DEPTH_REASON = (
+    "the checkpoint around each FSDP1 unit keeps every layer's input and gradient until backward ends, so the backward "
+    "peak moves with depth (shallow probes peak at the loss's backward, deep stacks at the first layer's recompute) "
+    "and is not extrapolated"
+)
+
+
+def depth_plan(doc: Any, spec: Any, est_plan: Any) -> Any:
+    """The depth plan of a simulated FSDP1 step (``est_plan``, a
+    :class:`ledgerspec.derivations.estimate.extrapolate.Plan`): every layer traced when the checkpoint placement is
+    modelled (gradient checkpointing on, the declared transformers older than the installed placement, frozen decoder
+    units: an adapter method), else ``est_plan`` as it is."""
+    import dataclasses
+
+    if est_plan.probes is None or not (spec.gradient_checkpointing and models_outside_checkpoint(doc)):
+        return est_plan
+    if getattr(spec, "full", False):  # every unit trains: no reshard-only hook on its inputs, nothing held
+        return est_plan
+    return dataclasses.replace(est_plan, probes=None, reason=FULL_DEPTH_REASON)
+
+
 def method_note(doc: Any) -> str:
     """What the method text says when the declared checkpoint placement is modelled."""
     return (
@@ -83,4 +114,11 @@ def method_note(doc: Any) -> str:
     )
 
 
-__all__ = ["KEY", "checkpoint_outside_units", "method_note", "models_outside_checkpoint"]
+__all__ = [
+    "FULL_DEPTH_REASON",
+    "KEY",
+    "checkpoint_outside_units",
+    "depth_plan",
+    "method_note",
+    "models_outside_checkpoint",
+]

@@ -184,6 +184,10 @@ def estimate_per_rank(
             refuse_unchecked_torch(doc)
 
     spec, source, est_plan = prepare_trace(doc, target, layers, offline, refuse)
+    if is_fsdp1(doc):  # transformers < 4.52's checkpoint around each unit: the backward peak is not affine in depth
+        from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import depth_plan
+
+        est_plan = depth_plan(doc, spec, est_plan)
     reshard = doc.get("parallelism", "reshard_after_forward").switch()
     from ledgerspec.derivations.shard import state as S
 
