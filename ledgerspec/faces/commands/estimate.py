@@ -376,9 +376,17 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     estimate_fn = _estimate_fn(args, parallel=True)  # the first estimate's probes at once (the rest follow it)
     answers = []
     on_device: dict[str, Any] = {}
+    steps = None
     for name in dict.fromkeys(args.fit):
         if name == "microbatch":
-            answer = search.fit_microbatch(doc, memory, estimate_fn, exact=args.exact)
+            if args.target == "cuda":  # decided on the device: the search's traces keep their streams for it
+                from ledgerspec.derivations.devices.along import MicrobatchSteps
+
+                layers = "full" if args.full else "auto"
+                steps = MicrobatchSteps(doc, args.target, layers, _store(args), parallel=True)
+                answer = search.fit_microbatch(doc, memory, steps.estimate, exact=args.exact)
+            else:
+                answer = search.fit_microbatch(doc, memory, estimate_fn, exact=args.exact)
         else:
             answer = search.fit_length(doc, memory, estimate_fn, step=args.fit_step)
         answers.append(answer)
@@ -388,7 +396,7 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
             parts = ", ".join(f"{k.replace('_', ' ')} {format_size(n)}" for k, n in answer.at_peak.items() if n)
             print(f"  alive at the peak of {answer.largest}: {parts}")
         if args.target == "cuda" and answer.largest is not None:  # the allocated answer, decided on the device
-            checked = _check_on_device(doc, args, answer, memory)
+            checked = _check_on_device(doc, args, answer, memory, steps if name == "microbatch" else None)
             on_device[name] = checked
             for line in checked.lines():
                 print(printable(f"  {line}"))
@@ -417,13 +425,14 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     return EXIT_OK if fitting else EXIT_FINDINGS
 
 
-def _check_on_device(doc: Any, args: argparse.Namespace, answer: Any, memory: int) -> Any:
+def _check_on_device(doc: Any, args: argparse.Namespace, answer: Any, memory: int, steps: Any = None) -> Any:
     """``answer`` checked on the device (:mod:`ledgerspec.derivations.devices.fit_check`), through the estimate
-    cache unless ``--no-cache``."""
+    cache unless ``--no-cache``; ``steps``: the microbatch streams the search kept
+    (:class:`~ledgerspec.derivations.devices.along.MicrobatchSteps`)."""
     from ledgerspec.derivations.devices.fit_check import check_on_device
 
     step = 1 if answer.name == "microbatch" else args.fit_step
-    return check_on_device(doc, answer, memory, step=step, store=_store(args), parallel=True)
+    return check_on_device(doc, answer, memory, step=step, store=_store(args), parallel=True, along=steps)
 
 
 def _store(args: argparse.Namespace) -> Any:
