@@ -196,6 +196,10 @@ def full_depth_from(
     plain estimate gives (its two probes extended, or its full trace) whenever the probes traced here include its
     own, so one set of traces answers both. ``probes``: filled with every stream traced on the way, by depth (None:
     the full depth), e.g. for :mod:`ledgerspec.derivations.devices.along`."""
+    from ledgerspec.derivations.engine.beside import can_fork
+
+    if parallel and can_fork():
+        prepared.warm()  # the forked probe finds the model's modules imported
     return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel, probes)
 
 
