@@ -110,7 +110,7 @@ def what_if(
     started = time.perf_counter()
     axes = axes if axes is not None else default_axes(doc)
     points = grid(axes)
-    rows, traced = sweep_rows(doc, points, estimate_fn, jobs=jobs)
+    rows, traced = sweep_rows(doc, points, estimate_fn, jobs=jobs, warm=jobs > 1)
     cells = [Cell(dict(row.point), row.peak, row.peak_phase, row.traced) for row in rows]
     return WhatIf(axes, cells, declared_point(doc), traced, time.perf_counter() - started, device_memory)
 

@@ -300,7 +300,7 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     axes = sweep.parse_axes(args.sweep)
     target_memory = device if device is not None else device_memory_of(doc)
     points = sweep.grid(axes)
-    rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args))
+    rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args), warm=True)
     sys.stdout.write(sweep.render([(r.point, r.peak) for r in rows], axes, doc, target_memory))
     modelled = sum(1 for r in rows if not r.traced)
     if args.verbose:
