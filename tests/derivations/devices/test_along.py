@@ -8,6 +8,7 @@ count: the synthesised stream's replay must give them to the byte), and ``--fit`
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,24 +87,33 @@ def test_one_row_of_a_padded_batch_is_never_synthesised_from_two(traced: tuple[A
     assert canonical(ours.events) == canonical(step_events(apply(doc, {"microbatch": 1}), layers=None).events)
 
 
-def test_fit_checks_from_synthesised_streams_are_the_traced_checks() -> None:
+def test_fit_checks_from_synthesised_streams_are_the_traced_checks(tmp_path: Path) -> None:
     """``estimate --fit microbatch`` on the device: each value checked from a synthesised stream gives the verdict,
-    device peak and margin that tracing each value gives."""
+    device peak and margin that tracing each value gives; asked again, every answer comes from the cache."""
     pytest.importorskip("torch")
     from ledgerspec.derivations.devices.along import MicrobatchSteps
     from ledgerspec.derivations.devices.fit_check import check_on_device
     from ledgerspec.derivations.devices.prediction import estimate_on_device
+    from ledgerspec.derivations.estimate.cache import EstimateCache
     from ledgerspec.derivations.estimate.search import fit_microbatch
     from ledgerspec.derivations.estimate.sweep import apply
     from tests.support.estimate_docs import ledger
 
     doc = ledger(**CASES["lora-ckpt"])
-    along = MicrobatchSteps(doc)
+    store = EstimateCache(tmp_path / "cache")
+    along = MicrobatchSteps(doc, store=store)
     memory = 1000 * 2**20  # with the bytes outside the allocator, the allocated answer (4096) does not fit
     answer = fit_microbatch(doc, memory, along.estimate)
     ours = check_on_device(doc, answer, memory, along=along)
     # traced: the search's two microbatches and one row (its own regime); the others synthesised
     assert along.traces <= 3 and len(along.synthesised) >= 2, (along.traces, along.notes)
+    again = MicrobatchSteps(doc, store=store)
+    checked = check_on_device(doc, fit_microbatch(doc, memory, again.estimate), memory, along=again)
+    assert again.traces == 0 and not again.synthesised
+    assert [c.__dict__ | {"cached": False} for c in checked.checked] == [
+        c.__dict__ | {"cached": False} for c in ours.checked
+    ]
+    assert all(c.cached for c in checked.checked)
     for c in ours.checked:
         if c.value in along.synthesised:  # the truth: that microbatch traced and replayed on its own
             _, p = estimate_on_device(apply(doc, {"microbatch": c.value}), memory)
