@@ -160,6 +160,19 @@ class MicrobatchSteps:
         self.synthesised[b] = step
         return step
 
+    def lines(self) -> list[str]:
+        """How the streams checked on the device were obtained (what ``estimate --fit`` prints)."""
+        out = []
+        if self.synthesised:
+            values = ", ".join(map(str, sorted(self.synthesised)))
+            traced = ", ".join(map(str, sorted(self.steps)))
+            out.append(
+                f"streams on the device: microbatch {values} written from the full-depth streams traced at {traced} "
+                "(every allocation affine in the microbatch, checked event by event on the shallowest probe)"
+            )
+        out.extend(self.notes)
+        return out
+
     # -- verdicts
     def on_device(self, b: int, device_memory: int) -> Any:
         """The :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction` of microbatch ``b``: from the

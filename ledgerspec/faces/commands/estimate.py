@@ -400,6 +400,9 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
             on_device[name] = checked
             for line in checked.lines():
                 print(printable(f"  {line}"))
+            if steps is not None and name == "microbatch":
+                for line in steps.lines():
+                    print(printable(f"  {line}"))
             answer.seconds += checked.seconds
         print(f"  time: {answer.seconds:.1f} s")
     if on_device:
