@@ -290,6 +290,15 @@ def _estimate_fn(args: argparse.Namespace, parallel: bool = False) -> Any:
     return lambda variant: estimate(variant, target=args.target, layers=layers, store=store, parallel=parallel)
 
 
+def _warm(args: argparse.Namespace) -> Any:
+    """What a sweep runs before forking its workers: the stack imported, unless the cache answers every estimate."""
+    from ledgerspec.derivations.estimate.search import warm_stack
+
+    store = _store(args)
+    question = {"target": args.target, "layers": "full" if args.full else "auto", "offline": True}
+    return lambda docs: warm_stack(docs, store, question)
+
+
 def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     import time
 
@@ -300,7 +309,7 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     axes = sweep.parse_axes(args.sweep)
     target_memory = device if device is not None else device_memory_of(doc)
     points = sweep.grid(axes)
-    rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args), warm=True)
+    rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args), warm=_warm(args))
     sys.stdout.write(sweep.render([(r.point, r.peak) for r in rows], axes, doc, target_memory))
     modelled = sum(1 for r in rows if not r.traced)
     if args.verbose:
@@ -519,7 +528,9 @@ def _run_what_if(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     target_memory = device if device is not None else device_memory_of(doc)
     axes = whatif.default_axes(doc)
     writes = _writable(doc, args)
-    result = whatif.what_if(doc, _estimate_fn(args), axes, jobs=_jobs(args), device_memory=target_memory)
+    result = whatif.what_if(
+        doc, _estimate_fn(args), axes, jobs=_jobs(args), device_memory=target_memory, warm=_warm(args)
+    )
     rows = [(c.point, c.peak) for c in result.cells]
     sys.stdout.write(sweep.render(rows, axes, doc, target_memory))
     print(

@@ -64,3 +64,37 @@ def test_the_forked_probe_imports_nothing_of_the_stack_again(tmp_path: Path) -> 
     # the control: without the warm-up the forked probe imports the model's module itself
     assert "transformers.models.llama.modeling_llama" in cold["new"]  # type: ignore[operator]
     assert warm["figures"] == cold["figures"]
+
+
+SWEEP = """
+import json, sys
+from ledgerspec.faces.cli import main
+
+try:
+    main(["estimate", sys.argv[1], "--sweep", "microbatch=1,2", "--jobs", "2", "--dry-run"])
+except SystemExit:
+    pass
+print(json.dumps({"torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_sweep_the_cache_answers_imports_no_torch(tmp_path: Path) -> None:
+    """A sweep imports the stack before it forks its workers, but only when one of its estimates is traced: asked
+    again, the cache answers every one, and nothing imports torch (the warm-up would cost the repeat its answer)."""
+    from tests.support.estimate_docs import DATA, ledger_text
+
+    text = ledger_text(arch="tiny-llama-gqa", seq=32)
+    ledger = tmp_path / "tiny.ledger.yaml"
+    ledger.write_text(text.replace("config_path: tiny-llama-gqa/", f"config_path: {DATA}/tiny-llama-gqa/"))
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP, encoding="utf-8")
+    root = Path(__file__).resolve().parents[3]
+    # a Python of its own, not one forked from the test session's server (which has imported torch already)
+    env = {"PYTHONPATH": str(root), "LEDGERSPEC_CACHE_DIR": str(tmp_path / "cache")}
+    env["LEDGERSPEC_LAUNCHER"] = "subprocess"
+    seen = []
+    for _ in range(2):
+        proc = fresh_python([script, ledger], env=env, cwd=root)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        seen.append(json.loads(proc.stdout.strip().splitlines()[-1])["torch"])
+    assert seen == [True, False]
