@@ -114,11 +114,13 @@ def test_fit_checks_from_synthesised_streams_are_the_traced_checks(tmp_path: Pat
         c.__dict__ | {"cached": False} for c in ours.checked
     ]
     assert all(c.cached for c in checked.checked)
-    for c in ours.checked:
-        if c.value in along.synthesised:  # the truth: that microbatch traced and replayed on its own
-            _, p = estimate_on_device(apply(doc, {"microbatch": c.value}), memory)
-            assert p.replayed.stream.startswith("built from the probes"), p.replayed.stream
-            assert (c.fits, c.device_peak, c.margin, c.decided_by) == (p.fits, p.device_peak, p.margin, p.decided_by)
+    # the truth for the first and the last value written (the others as the first test checks streams): that
+    # microbatch traced and replayed on its own
+    written = [c for c in ours.checked if c.value in along.synthesised]
+    for c in {written[0].value: written[0], written[-1].value: written[-1]}.values():
+        _, p = estimate_on_device(apply(doc, {"microbatch": c.value}), memory)
+        assert p.replayed.stream.startswith("built from the probes"), p.replayed.stream
+        assert (c.fits, c.device_peak, c.margin, c.decided_by) == (p.fits, p.device_peak, p.margin, p.decided_by)
 
 
 def test_a_length_from_three_traced_lengths_is_the_trace() -> None:
