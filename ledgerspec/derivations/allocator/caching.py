@@ -77,8 +77,10 @@ class Stat:
     freed: int = 0
 
     def increase(self, amount: int) -> None:
-        self.current += amount
-        self.peak = max(self.peak, self.current)
+        current = self.current + amount
+        self.current = current
+        if current > self.peak:
+            self.peak = current
         self.allocated += amount
 
     def decrease(self, amount: int) -> None:
@@ -94,14 +96,17 @@ class StatArray:
 
     def __init__(self) -> None:
         self.by_pool = {p: Stat() for p in POOLS}
+        # the same Stat objects, read without a dict lookup (the replay's hottest path)
+        self._all = self.by_pool["all"]
+        self._small, self._large = self.by_pool["small_pool"], self.by_pool["large_pool"]
 
     def increase(self, small: bool, amount: int) -> None:
-        self.by_pool["all"].increase(amount)
-        self.by_pool["small_pool" if small else "large_pool"].increase(amount)
+        self._all.increase(amount)
+        (self._small if small else self._large).increase(amount)
 
     def decrease(self, small: bool, amount: int) -> None:
-        self.by_pool["all"].decrease(amount)
-        self.by_pool["small_pool" if small else "large_pool"].decrease(amount)
+        self._all.decrease(amount)
+        (self._small if small else self._large).decrease(amount)
 
     def change(self, small: bool, amount: int) -> None:
         if amount > 0:
@@ -111,7 +116,7 @@ class StatArray:
 
     @property
     def all(self) -> Stat:
-        return self.by_pool["all"]
+        return self._all
 
 
 @dataclass
@@ -412,13 +417,14 @@ class CachingAllocator:
         """``free_locked``: ``free_block`` at once, or with ``pending`` (another stream used the block:
         ``insert_events``) no longer allocated but kept out of the pool until :meth:`complete_pending`. None is a
         no-op."""
+        arrays = self.stats.arrays
         if block is None:
             return
         if not block.allocated:
             raise ValueError(f"{block} is not allocated")
         block.allocated = False
-        self.stats["allocation"].decrease(block.small, 1)
-        self.stats["allocated_bytes"].decrease(block.small, block.size)
+        arrays["allocation"].decrease(block.small, 1)
+        arrays["allocated_bytes"].decrease(block.small, block.size)
         self._record("free_requested", block.ptr, block.requested_size, block.stream)
         if block.size >= self.config.max_split_size:
             self.stats.oversize_allocations.decrease(1)
@@ -600,6 +606,7 @@ class CachingAllocator:
     def _alloc_found_block(self, p: _Params, orig_size: int, split: bool) -> Block:
         """``alloc_found_block``: split off the first ``size`` bytes (the rest goes back to the pool), mark it
         allocated, count it."""
+        arrays = self.stats.arrays
         assert p.block is not None
         block = p.block
         size = p.size
@@ -617,25 +624,25 @@ class CachingAllocator:
             p.pool.insert(remaining)
             if already_split and block.expandable is None:
                 # an already-split inactive block is shrunk by size bytes
-                self.stats["inactive_split_bytes"].decrease(block.small, block.size)
+                arrays["inactive_split_bytes"].decrease(block.small, block.size)
             elif block.expandable is None:
                 # a new split inactive block is created from a previously unsplit block
-                self.stats["inactive_split_bytes"].increase(block.small, remaining.size)
-                self.stats["inactive_split"].increase(block.small, 1)
+                arrays["inactive_split_bytes"].increase(block.small, remaining.size)
+                arrays["inactive_split"].increase(block.small, 1)
         elif already_split and block.expandable is None:
             # an already-split block is becoming active
-            self.stats["inactive_split_bytes"].decrease(block.small, block.size)
-            self.stats["inactive_split"].decrease(block.small, 1)
+            arrays["inactive_split_bytes"].decrease(block.small, block.size)
+            arrays["inactive_split"].decrease(block.small, 1)
         block.allocated = True
         block.requested_size = orig_size
         self._record("alloc", block.ptr, orig_size, block.stream)
         self.active_blocks.add(block)
         small = block.small
-        self.stats["allocation"].increase(small, 1)
-        self.stats["allocated_bytes"].increase(small, block.size)
-        self.stats["active"].increase(small, 1)
-        self.stats["active_bytes"].increase(small, block.size)
-        self.stats["requested_bytes"].increase(small, orig_size)
+        arrays["allocation"].increase(small, 1)
+        arrays["allocated_bytes"].increase(small, block.size)
+        arrays["active"].increase(small, 1)
+        arrays["active_bytes"].increase(small, block.size)
+        arrays["requested_bytes"].increase(small, orig_size)
         if block.size >= self.config.max_split_size:
             self.stats.oversize_allocations.increase(1)
         return block
@@ -644,6 +651,7 @@ class CachingAllocator:
     def _free_block(self, block: Block) -> None:
         """``free_block``: merge with free neighbours (``try_merge_blocks``), back into the pool, update the
         inactive-split counts (not for expandable segments) and the active counts."""
+        arrays = self.stats.arrays
         self._record("free_completed", block.ptr, block.requested_size, block.stream)
         original_size = block.size
         requested = block.requested_size
@@ -661,11 +669,11 @@ class CachingAllocator:
             net_blocks += 1
             net_size += block.size
         if block.expandable is None:
-            self.stats["inactive_split"].change(block.small, net_blocks)
-            self.stats["inactive_split_bytes"].change(block.small, net_size)
-        self.stats["active"].decrease(block.small, 1)
-        self.stats["active_bytes"].decrease(block.small, original_size)
-        self.stats["requested_bytes"].decrease(block.small, requested)
+            arrays["inactive_split"].change(block.small, net_blocks)
+            arrays["inactive_split_bytes"].change(block.small, net_size)
+        arrays["active"].decrease(block.small, 1)
+        arrays["active_bytes"].decrease(block.small, original_size)
+        arrays["requested_bytes"].decrease(block.small, requested)
 
     def _try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
         """``try_merge_blocks``: absorb a free neighbour with the same mapping state; returns its size (0: none)."""

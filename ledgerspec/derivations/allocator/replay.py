@@ -113,6 +113,9 @@ def replay(
     phase = START
     current = result.phases.setdefault(phase, PhaseReplay())
     n = 0
+    # the allocator's current allocated and reserved bytes (``alloc.allocated``/``reserved``), read directly: the
+    # same Stat objects for the whole replay
+    allocated_now, reserved_now = alloc.stats["allocated_bytes"].all, alloc.stats["reserved_bytes"].all
     for n, event in enumerate(events):
         kind = event[0]
         if kind == "alloc":
@@ -159,10 +162,15 @@ def replay(
             alloc.empty_cache()
         else:
             raise ValueError(f"event {n}: unknown event {kind!r}")
-        current.peak_allocated = max(current.peak_allocated, alloc.allocated)
-        current.peak_reserved = max(current.peak_reserved, alloc.reserved)
-        current.peak_cached = max(current.peak_cached, alloc.reserved - alloc.allocated)
-        current.peak_counted = max(current.peak_counted, counted)
+        allocated, reserved = allocated_now.current, reserved_now.current
+        if allocated > current.peak_allocated:
+            current.peak_allocated = allocated
+        if reserved > current.peak_reserved:
+            current.peak_reserved = reserved
+        if reserved - allocated > current.peak_cached:
+            current.peak_cached = reserved - allocated
+        if counted > current.peak_counted:
+            current.peak_counted = counted
     _close(current, alloc, counted)
     if phase != START and result.phases[START] == PhaseReplay():
         del result.phases[START]

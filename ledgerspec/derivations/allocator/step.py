@@ -188,25 +188,40 @@ def full_depth_events(doc: Document, target: str = "cuda", offline: bool = True,
     return full_depth_from(prepare(doc, target, offline=offline), parallel)
 
 
-def full_depth_from(prepared: Any, parallel: bool = False) -> StepEvents:
+def full_depth_from(
+    prepared: Any, parallel: bool = False, probes: dict[int | None, StepEvents] | None = None
+) -> StepEvents:
     """:func:`full_depth_events` of a prepared estimate (:func:`ledgerspec.derivations.estimate.estimator.prepare`;
     with ``layers="full"`` the full depth is traced). :attr:`StepEvents.estimate_figures` holds the figures the
     plain estimate gives (its two probes extended, or its full trace) whenever the probes traced here include its
-    own, so one set of traces answers both."""
-    return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel)
+    own, so one set of traces answers both. ``probes``: filled with every stream traced on the way, by depth (None:
+    the full depth), e.g. for :mod:`ledgerspec.derivations.devices.along`."""
+    from ledgerspec.derivations.engine.beside import can_fork
+
+    if parallel and can_fork():
+        prepared.warm()  # the forked probe finds the model's modules imported
+    return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel, probes)
 
 
-def full_depth(probe: Callable[[int | None], StepEvents], est_plan: Any, parallel: bool = False) -> StepEvents:
+def full_depth(
+    probe: Callable[[int | None], StepEvents],
+    est_plan: Any,
+    parallel: bool = False,
+    probes: dict[int | None, StepEvents] | None = None,
+) -> StepEvents:
     """The full-depth stream of a step whose traces ``probe(layers)`` gives (None: every layer), by the depth plan
     ``est_plan`` (:class:`ledgerspec.derivations.estimate.extrapolate.Plan`): the plan's two probes and a third one
     period deeper, extended event by event (:mod:`.depth`), or the full trace when the plan has no probes, a third
     probe would be as deep as the model, or the probes' streams do not extend (saying why). Used for the estimate's
     step (:func:`full_depth_from`) and for each rank of a sharded one
-    (:func:`ledgerspec.derivations.shard.simulation.probe_runner`)."""
+    (:func:`ledgerspec.derivations.shard.simulation.probe_runner`). ``probes``: filled with every stream traced, by
+    depth (None: the full depth)."""
     from ledgerspec.derivations.engine.beside import both
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
     started = time.perf_counter()
+    if probes is not None:
+        probe = _recording(probe, probes)
     if est_plan.probes is None:
         full = probe(None)
         full.method = f"traced with all {est_plan.layers} decoder layers ({est_plan.reason})"
@@ -246,6 +261,19 @@ def full_depth(probe: Callable[[int | None], StepEvents], est_plan: Any, paralle
         build_seconds=time.perf_counter() - building,
         estimate_figures=estimated,
     )
+
+
+def _recording(
+    probe: Callable[[int | None], StepEvents], log: dict[int | None, StepEvents]
+) -> Callable[[int | None], StepEvents]:
+    """``probe`` that also keeps each stream it traces in ``log`` (in this process: a probe traced in a forked one
+    is not kept)."""
+
+    def run(n: int | None) -> StepEvents:
+        log[n] = probe(n)
+        return log[n]
+
+    return run
 
 
 def protocol_windows(windows: list[str], accumulation: int, steps: int = 1) -> dict[str, list[str]]:

@@ -92,14 +92,22 @@ class DeviceFit:
 
 
 def check_on_device(
-    doc: Document, answer: Any, device_memory: int, step: int = 1, store: Any = None, parallel: bool = False
+    doc: Document,
+    answer: Any,
+    device_memory: int,
+    step: int = 1,
+    store: Any = None,
+    parallel: bool = False,
+    along: Any = None,
 ) -> DeviceFit:
     """Check ``answer`` (a :class:`~ledgerspec.derivations.estimate.search.FitAnswer` for ``doc``) on a device of
     ``device_memory`` bytes, in multiples of ``step`` (1 for the microbatch, the length step for ``max_length``).
 
     The first value is the allocated answer. While none checked fits, the next is lower by what the last one lacked
     divided by the bytes one step adds (the slope between the answer's two farthest traced values; at least one
-    step); once one fits below one that does not, the gap between them is halved. At most :data:`TRIES` values."""
+    step); once one fits below one that does not, the gap between them is halved. At most :data:`TRIES` values.
+    ``along``: a :class:`~ledgerspec.derivations.devices.along.MicrobatchSteps` of ``doc`` (microbatch only): each
+    value's stream from it, synthesised from the microbatches the search traced where that is exact (else traced)."""
     import math
 
     from ledgerspec.derivations.devices.prediction import estimate_on_device
@@ -114,7 +122,10 @@ def check_on_device(
     hi: int | None = None  # the smallest value checked that does not
     value = answer.largest
     while value is not None and len(result.checked) < TRIES:
-        _, p = estimate_on_device(apply(doc, {answer.name: value}), device_memory, store=store, parallel=parallel)
+        if along is not None and answer.name == "microbatch":
+            p = along.on_device(value, device_memory)
+        else:
+            _, p = estimate_on_device(apply(doc, {answer.name: value}), device_memory, store=store, parallel=parallel)
         best = p.best_try
         setting = best.conf if best is not None and not p.fits else None
         result.checked.append(Checked(value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached))

@@ -651,17 +651,19 @@ def step_and_estimate(
     store: Any = None,
     parallel: bool = False,
     progress: Any = None,
+    probes: dict[int | None, Any] | None = None,
 ) -> tuple[Any, Any]:
     """The estimate of ``doc`` and its step's allocation stream at full depth, from one set of traces (the
     estimate's probes and a third); with ``store`` the plain estimate is kept in the cache, so that a later
-    ``estimate`` of the same question (a plain one, or a microbatch model's) is read back, not traced."""
+    ``estimate`` of the same question (a plain one, or a microbatch model's) is read back, not traced. ``probes``:
+    filled with the probes' streams by depth (:func:`ledgerspec.derivations.allocator.step.full_depth_from`)."""
     from ledgerspec.derivations.allocator.step import full_depth_from
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import key as cache_key
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
     p = estimator.prepare(doc, target, layers, progress, offline)
-    step = full_depth_from(p, parallel)
+    step = full_depth_from(p, parallel, probes)
     figures = step.estimate_figures
     if figures is None:  # a stack too shallow for a third probe was traced in full: the estimate's own probes
         assert p.plan.probes is not None
@@ -687,6 +689,42 @@ def free_replay(doc: Document, step: Any, conf: str, target: str = "cuda") -> An
     return replay_step(doc, config=_config(doc, conf), target=target, step=step)
 
 
+def device_question(
+    doc: Document,
+    device_memory: int,
+    from_flag: bool = False,
+    target: str = "cuda",
+    layers: str = "auto",
+    offline: bool = True,
+    catalogue: Any = None,
+) -> tuple[Target, outside.Figure, str, dict[str, Any]]:
+    """What a verdict on a device of ``device_memory`` bytes depends on besides the estimate's inputs: the named
+    device, the bytes outside the allocator, the allocator's settings, and the cache question that holds them all
+    (see :func:`estimate_on_device`). Checks the document and the settings first (one line at the field)."""
+    from ledgerspec.derivations.estimate import estimator
+
+    if target != "cuda":
+        raise ValueError("the device verdict models the CUDA caching allocator: target cuda only")
+    estimator.check_document(doc)
+    named = target_of(doc, device_memory, from_flag, catalogue)
+    figure = outside_of(doc, named)
+    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
+    _config(doc, conf)  # a setting PyTorch refuses: one line at the field, before anything is traced
+    question = {
+        "target": target,
+        "layers": layers,
+        "offline": offline,
+        "device": {
+            "format": FORMAT,
+            "total": device_memory,
+            "cuda_total": named.cuda_total,
+            "outside": figure.bytes,
+            "alloc_conf": conf,
+        },
+    }
+    return named, figure, conf, question
+
+
 def estimate_on_device(
     doc: Document,
     device_memory: int,
@@ -698,6 +736,7 @@ def estimate_on_device(
     parallel: bool = False,
     progress: Any = None,
     catalogue: Any = None,
+    step_fn: Any = None,
 ) -> tuple[Any, DevicePrediction]:
     """The estimate of ``doc`` (its figures exactly as :func:`ledgerspec.derivations.estimate.estimate` gives them)
     and its :class:`DevicePrediction` for a device of ``device_memory`` bytes (``from_flag``: asked with
@@ -705,31 +744,18 @@ def estimate_on_device(
     (an :class:`~ledgerspec.derivations.estimate.cache.EstimateCache`) the answer is kept and read back under a key
     that holds everything the replay depends on besides the estimate's inputs: the device's total, the bytes outside
     the allocator and the allocator's settings. ``catalogue``: the device catalogue that names the device and gives
-    its CUDA total (:func:`target_of`; the built-in one when None)."""
+    its CUDA total (:func:`target_of`; the built-in one when None). ``step_fn``: ``() -> (estimate, step)`` when the
+    caller has traced them already (:func:`step_and_estimate`'s answer), called only on a cache miss."""
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import cached
 
-    if target != "cuda":
-        raise ValueError("the device verdict models the CUDA caching allocator: target cuda only")
-    estimator.check_document(doc)
-    named = target_of(doc, device_memory, from_flag, catalogue)
-    figure = outside_of(doc, named)
-    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
-    _config(doc, conf)  # a setting PyTorch refuses: one line at the field, before anything is traced
-    plain_question = {"target": target, "layers": layers, "offline": offline}
-    question = {
-        **plain_question,
-        "device": {
-            "format": FORMAT,
-            "total": device_memory,
-            "cuda_total": named.cuda_total,
-            "outside": figure.bytes,
-            "alloc_conf": conf,
-        },
-    }
+    named, figure, conf, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
 
     def compute() -> tuple[Any, Replayed]:
-        est, step = step_and_estimate(doc, target, layers, offline, store, parallel, progress)
+        if step_fn is not None:
+            est, step = step_fn()
+        else:
+            est, step = step_and_estimate(doc, target, layers, offline, store, parallel, progress)
         return est, replay_on_device(doc, step, device_memory, figure.bytes, conf, target, cuda_total=named.cuda_total)
 
     def encode(answer: tuple[Any, Replayed]) -> dict[str, Any]:
@@ -743,22 +769,94 @@ def estimate_on_device(
     return est, DevicePrediction(named, figure, replayed, cached=from_cache)
 
 
+#: the cache question's mark of a verdict whose stream was synthesised (:func:`stream_on_device`)
+SYNTHESISED = "synthesised"
+
+
+def stream_on_device(
+    doc: Document,
+    device_memory: int,
+    step_fn: Any,
+    from_flag: bool = False,
+    target: str = "cuda",
+    layers: str = "auto",
+    offline: bool = True,
+    store: Any = None,
+    catalogue: Any = None,
+) -> DevicePrediction:
+    """The :class:`DevicePrediction` of ``doc`` from a full-depth stream ``step_fn()`` gives without an estimate of
+    its own (one synthesised from streams traced at other values: :mod:`ledgerspec.derivations.devices.along`),
+    kept in the cache apart from :func:`estimate_on_device`'s answers (which hold a traced estimate too). Only a
+    cache miss calls ``step_fn``."""
+    from ledgerspec.derivations.estimate.cache import cached
+
+    named, figure, conf, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
+
+    def compute() -> tuple[Replayed, bool]:
+        step = step_fn()
+        replayed = replay_on_device(doc, step, device_memory, figure.bytes, conf, target, cuda_total=named.cuda_total)
+        return replayed, False
+
+    answer = cached(
+        store,
+        doc,
+        {**question, "stream": SYNTHESISED},
+        compute,
+        lambda a: a[0].to_cache(),
+        lambda data, _: (Replayed.from_cache(data), True),
+    )
+    return DevicePrediction(named, figure, answer[0], cached=answer[1])
+
+
+def cached_on_device(
+    doc: Document,
+    device_memory: int,
+    from_flag: bool = False,
+    target: str = "cuda",
+    layers: str = "auto",
+    offline: bool = True,
+    store: Any = None,
+    catalogue: Any = None,
+) -> DevicePrediction | None:
+    """The verdict the cache holds for ``doc`` on this device, traced or synthesised (None: not there)."""
+    from ledgerspec.derivations.estimate.cache import key
+
+    if store is None:
+        return None
+    named, figure, _, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
+    for q, synthesised in (({**question, "stream": SYNTHESISED}, True), (question, False)):
+        name = key(doc, q)
+        data = store.get(name) if name is not None else None
+        if data is None:
+            continue
+        try:
+            replayed = Replayed.from_cache(data if synthesised else data["device"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        return DevicePrediction(named, figure, replayed, cached=True)
+    return None
+
+
 __all__ = [
     "EXPANDABLE",
     "SPLIT_TRIES",
+    "SYNTHESISED",
     "DeviceOOM",
     "DevicePrediction",
     "PhaseDevice",
     "Replayed",
     "Target",
     "Tried",
+    "cached_on_device",
     "catalogue_match",
     "cuda_total_of",
     "depends_on_total",
+    "device_question",
     "estimate_on_device",
     "free_replay",
     "outside_of",
     "replay_on_device",
     "step_and_estimate",
+    "stream_on_device",
     "target_of",
 ]

@@ -402,11 +402,39 @@ def _run_one(index: int) -> Figures | None:
         return None
 
 
-def run_estimates(docs: Sequence[Document], estimate_fn: EstimateFn, jobs: int = 1) -> list[Figures]:
+def warm_stack(docs: Sequence[Document], store: Any = None, question: dict[str, Any] | None = None) -> None:
+    """Import the stack the estimates of ``docs`` trace before workers are forked, so that each finds it imported
+    instead of importing it itself (:meth:`ledgerspec.derivations.estimate.estimator.Prepared.warm`) — unless the
+    estimate cache ``store`` holds every one of them under ``question`` (then nothing is traced, and importing the
+    stack would cost a repeated sweep its whole answer). A document the estimate refuses is left to it to report."""
+    from ledgerspec.derivations.estimate.cache import key
+    from ledgerspec.derivations.estimate.estimator import prepare
+    from ledgerspec.errors import LedgerspecError
+
+    if not docs:
+        return
+    if store is not None and question is not None:
+        names = [key(d, question) for d in docs]
+        if all(n is not None and store.get(n) is not None for n in names):
+            return
+    try:
+        prepare(docs[0]).warm()
+    except (LedgerspecError, ValueError):
+        return
+
+
+def run_estimates(
+    docs: Sequence[Document],
+    estimate_fn: EstimateFn,
+    jobs: int = 1,
+    warm: Callable[[Sequence[Document]], None] | None = None,
+) -> list[Figures]:
     """Every document's figures, in ``jobs`` processes when more than one.
 
     The workers are forked from this process (``multiprocessing``'s fork start method: they inherit the imported
-    modules, the documents and ``estimate_fn``, nothing is pickled on the way in); only their figures come back.
+    modules, the documents and ``estimate_fn``, nothing is pickled on the way in), after ``warm(docs)`` (e.g.
+    :func:`warm_stack`: the stack imported here, which each worker would import again); only their figures come
+    back.
     Forks only before this process has run any protocol (``protocol.RUNS_STARTED``; serial after): a process forked
     after a fake-tensor trace has been seen to hang here (torch 2.13). A sweep from the CLI is its process's first
     trace. An estimate that fails in
@@ -420,6 +448,8 @@ def run_estimates(docs: Sequence[Document], estimate_fn: EstimateFn, jobs: int =
     serial = jobs <= 1 or len(docs) < 2 or "fork" not in multiprocessing.get_all_start_methods()
     if serial or protocol.RUNS_STARTED:  # never fork after a trace in this process (see the docstring)
         return [dict(estimate_fn(d).figures) for d in docs]
+    if warm is not None:
+        warm(docs)
     _PENDING = (docs, estimate_fn)
     try:
         with multiprocessing.get_context("fork").Pool(min(jobs, len(docs))) as pool:
@@ -435,11 +465,12 @@ def sweep_rows(
     estimate_fn: EstimateFn,
     jobs: int = 1,
     interpolate_lengths: bool = False,
+    warm: Callable[[Sequence[Document]], None] | None = None,
 ) -> tuple[list[SweepRow], int]:
     """Every point of a sweep from a :class:`GridModel` per combination of the other axes (the microbatch axis
     from two or three traced microbatches, :func:`design`; the lengths each traced unless
     ``interpolate_lengths``, :func:`length_design`); the rows in the points' order and how many estimates were
-    traced (in ``jobs`` processes: :func:`run_estimates`)."""
+    traced (in ``jobs`` processes: :func:`run_estimates`, ``warm`` as it says)."""
     pads = padded(doc)
     declared = config.read(doc).workload.microbatch or 1
 
@@ -475,7 +506,7 @@ def sweep_rows(
         for (others, probes), (by_b, by_n) in zip(plans, swept, strict=True)
         for b, n, t in probes
     ]
-    figures = iter(run_estimates(docs, estimate_fn, jobs))
+    figures = iter(run_estimates(docs, estimate_fn, jobs, warm))
     rows: dict[int, SweepRow] = {}
     for (_, probes), members in zip(plans, groups.values(), strict=True):
         samples = [GridSample(b, n or 0, t or 0, next(figures)) for b, n, t in probes]
@@ -498,4 +529,5 @@ __all__ = [
     "probe",
     "run_estimates",
     "sweep_rows",
+    "warm_stack",
 ]

@@ -105,12 +105,14 @@ def what_if(
     axes: list[Axis] | None = None,
     jobs: int = 1,
     device_memory: int | None = None,
+    warm: Any = None,
 ) -> WhatIf:
-    """Estimate every point of the grid (``axes``, else :func:`default_axes`)."""
+    """Estimate every point of the grid (``axes``, else :func:`default_axes`); ``warm``: as
+    :func:`~ledgerspec.derivations.estimate.search.run_estimates` takes it."""
     started = time.perf_counter()
     axes = axes if axes is not None else default_axes(doc)
     points = grid(axes)
-    rows, traced = sweep_rows(doc, points, estimate_fn, jobs=jobs)
+    rows, traced = sweep_rows(doc, points, estimate_fn, jobs=jobs, warm=warm)
     cells = [Cell(dict(row.point), row.peak, row.peak_phase, row.traced) for row in rows]
     return WhatIf(axes, cells, declared_point(doc), traced, time.perf_counter() - started, device_memory)
 

@@ -290,6 +290,15 @@ def _estimate_fn(args: argparse.Namespace, parallel: bool = False) -> Any:
     return lambda variant: estimate(variant, target=args.target, layers=layers, store=store, parallel=parallel)
 
 
+def _warm(args: argparse.Namespace) -> Any:
+    """What a sweep runs before forking its workers: the stack imported, unless the cache answers every estimate."""
+    from ledgerspec.derivations.estimate.search import warm_stack
+
+    store = _store(args)
+    question = {"target": args.target, "layers": "full" if args.full else "auto", "offline": True}
+    return lambda docs: warm_stack(docs, store, question)
+
+
 def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     import time
 
@@ -300,7 +309,7 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     axes = sweep.parse_axes(args.sweep)
     target_memory = device if device is not None else device_memory_of(doc)
     points = sweep.grid(axes)
-    rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args))
+    rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args), warm=_warm(args))
     sys.stdout.write(sweep.render([(r.point, r.peak) for r in rows], axes, doc, target_memory))
     modelled = sum(1 for r in rows if not r.traced)
     if args.verbose:
@@ -376,9 +385,17 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     estimate_fn = _estimate_fn(args, parallel=True)  # the first estimate's probes at once (the rest follow it)
     answers = []
     on_device: dict[str, Any] = {}
+    steps = None
     for name in dict.fromkeys(args.fit):
         if name == "microbatch":
-            answer = search.fit_microbatch(doc, memory, estimate_fn, exact=args.exact)
+            if args.target == "cuda":  # decided on the device: the search's traces keep their streams for it
+                from ledgerspec.derivations.devices.along import MicrobatchSteps
+
+                layers = "full" if args.full else "auto"
+                steps = MicrobatchSteps(doc, args.target, layers, _store(args), parallel=True)
+                answer = search.fit_microbatch(doc, memory, steps.estimate, exact=args.exact)
+            else:
+                answer = search.fit_microbatch(doc, memory, estimate_fn, exact=args.exact)
         else:
             answer = search.fit_length(doc, memory, estimate_fn, step=args.fit_step)
         answers.append(answer)
@@ -388,10 +405,13 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
             parts = ", ".join(f"{k.replace('_', ' ')} {format_size(n)}" for k, n in answer.at_peak.items() if n)
             print(f"  alive at the peak of {answer.largest}: {parts}")
         if args.target == "cuda" and answer.largest is not None:  # the allocated answer, decided on the device
-            checked = _check_on_device(doc, args, answer, memory)
+            checked = _check_on_device(doc, args, answer, memory, steps if name == "microbatch" else None)
             on_device[name] = checked
             for line in checked.lines():
                 print(printable(f"  {line}"))
+            if steps is not None and name == "microbatch":
+                for line in steps.lines():
+                    print(printable(f"  {line}"))
             answer.seconds += checked.seconds
         print(f"  time: {answer.seconds:.1f} s")
     if on_device:
@@ -417,13 +437,14 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     return EXIT_OK if fitting else EXIT_FINDINGS
 
 
-def _check_on_device(doc: Any, args: argparse.Namespace, answer: Any, memory: int) -> Any:
+def _check_on_device(doc: Any, args: argparse.Namespace, answer: Any, memory: int, steps: Any = None) -> Any:
     """``answer`` checked on the device (:mod:`ledgerspec.derivations.devices.fit_check`), through the estimate
-    cache unless ``--no-cache``."""
+    cache unless ``--no-cache``; ``steps``: the microbatch streams the search kept
+    (:class:`~ledgerspec.derivations.devices.along.MicrobatchSteps`)."""
     from ledgerspec.derivations.devices.fit_check import check_on_device
 
     step = 1 if answer.name == "microbatch" else args.fit_step
-    return check_on_device(doc, answer, memory, step=step, store=_store(args), parallel=True)
+    return check_on_device(doc, answer, memory, step=step, store=_store(args), parallel=True, along=steps)
 
 
 def _store(args: argparse.Namespace) -> Any:
@@ -507,7 +528,9 @@ def _run_what_if(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     target_memory = device if device is not None else device_memory_of(doc)
     axes = whatif.default_axes(doc)
     writes = _writable(doc, args)
-    result = whatif.what_if(doc, _estimate_fn(args), axes, jobs=_jobs(args), device_memory=target_memory)
+    result = whatif.what_if(
+        doc, _estimate_fn(args), axes, jobs=_jobs(args), device_memory=target_memory, warm=_warm(args)
+    )
     rows = [(c.point, c.peak) for c in result.cells]
     sys.stdout.write(sweep.render(rows, axes, doc, target_memory))
     print(

@@ -1,0 +1,203 @@
+"""Device verdicts along the microbatch at the cost of the delta: full-depth streams traced at two microbatches, every
+other one synthesised from them event by event (:mod:`ledgerspec.derivations.allocator.affine`), checked first.
+
+``estimate --fit microbatch`` decides up to five microbatches on the device (:mod:`.fit_check`); each used to trace
+its own full-depth stream (the estimate's two depth probes and a third). :class:`MicrobatchSteps` is the fit's
+``estimate_fn`` as well: each estimate the search traces (:func:`step_and_estimate`) keeps its full-depth stream and
+its shallowest probe's stream. A microbatch that was not traced is then written from two traced ones of its regime
+(a batch of one row is not padded: its own structure) when
+
+1. the two full-depth streams have one structure (the same events in the same order, each free releasing the same
+   allocation; only sizes differ), and
+2. the shallowest probe, traced once at a third microbatch (the first one synthesised), lies event by event on the
+   line through the other two microbatches' probes: every allocation's bytes an exact affine function of the
+   microbatch, and the structure the same.
+
+Every event of the full-depth stream is an event of the probes at that depth, repeated per layer (the depth template,
+:mod:`ledgerspec.derivations.allocator.depth`), so the third microbatch's probe checks each kind of event the stream
+holds. Anything that does not hold raises :class:`~ledgerspec.derivations.allocator.affine.NotPolynomial`, and the
+microbatch is traced as before (its stream kept: the next one may use it). ``tests/derivations/devices/test_along.py``
+compares synthesised streams with real traces event by event (LoRA and QLoRA, checkpointing on and off).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ledgerspec.contract import config
+from ledgerspec.contract.document import Document
+from ledgerspec.derivations.allocator.affine import NotPolynomial, family
+
+
+class MicrobatchSteps:
+    """Full-depth steps of ``doc``'s microbatch variants: traced at a few, synthesised at the others."""
+
+    def __init__(
+        self,
+        doc: Document,
+        target: str = "cuda",
+        layers: str = "auto",
+        store: Any = None,
+        parallel: bool = False,
+        offline: bool = True,
+    ) -> None:
+        self.doc = doc
+        self.target = target
+        self.layers = layers
+        self.store = store
+        self.parallel = parallel
+        self.offline = offline
+        self.padded = config.read(doc).workload.pads_rows
+        self.steps: dict[int, Any] = {}  # microbatch -> traced full-depth StepEvents
+        self.estimates: dict[int, Any] = {}
+        self.shallow: dict[int, list[Any]] = {}  # microbatch -> the shallowest probe's events
+        self.shallow_depth: int | None = None
+        self.checked: dict[int, str | None] = {}  # regime -> None (checked) or why synthesis is refused
+        self.synthesised: dict[int, Any] = {}
+        self.traces = 0  # full-depth traces run here
+        self.notes: list[str] = []
+
+    # -- traces
+    def _variant(self, b: int) -> Document:
+        from ledgerspec.derivations.estimate.sweep import apply
+
+        return apply(self.doc, {"microbatch": b})
+
+    def _microbatch(self, doc: Document) -> int:
+        return int(config.read(doc).workload.microbatch or 1)
+
+    def regime(self, b: int) -> int:
+        return 0 if self.padded and b == 1 else 1
+
+    def trace(self, b: int, doc: Document | None = None) -> tuple[Any, Any]:
+        """The estimate and full-depth stream of microbatch ``b``, traced (and kept)."""
+        from ledgerspec.derivations.devices.prediction import step_and_estimate
+
+        if b in self.steps:
+            return self.estimates[b], self.steps[b]
+        probes: dict[int | None, Any] = {}
+        variant = doc if doc is not None else self._variant(b)
+        est, step = step_and_estimate(
+            variant, self.target, self.layers, self.offline, self.store, self.parallel and not self.steps, None, probes
+        )
+        self.traces += 1
+        self.steps[b], self.estimates[b] = step, est
+        depths = [n for n in probes if n is not None]
+        if depths:
+            self.shallow_depth = min(depths)
+            self.shallow[b] = list(probes[self.shallow_depth].events)
+        elif None in probes:
+            self.shallow[b] = list(probes[None].events)
+        return est, step
+
+    def estimate(self, doc: Document) -> Any:
+        """The search's ``estimate_fn``: the plain estimate (from the cache when it holds it; else traced with its
+        full-depth stream, which is kept)."""
+        from ledgerspec.derivations.estimate.cache import cached
+        from ledgerspec.derivations.estimate.estimator import Estimate
+
+        question = {"target": self.target, "layers": self.layers, "offline": self.offline}
+        b = self._microbatch(doc)
+        return cached(self.store, doc, question, lambda: self.trace(b, doc)[0], Estimate.to_cache, Estimate.from_cache)
+
+    # -- synthesis
+    def _pair(self, b: int) -> tuple[int, int] | None:
+        same = sorted(
+            (v for v in self.steps if self.regime(v) == self.regime(b) and v != b), key=lambda v: (abs(v - b), v)
+        )
+        return (min(same[0], same[1]), max(same[0], same[1])) if len(same) >= 2 else None
+
+    def _shallow_at(self, b: int) -> list[Any]:
+        """The shallowest probe's stream at microbatch ``b`` (one trace)."""
+        from ledgerspec.derivations.allocator.step import probe_events
+        from ledgerspec.derivations.estimate.estimator import prepare
+
+        prepared = prepare(self._variant(b), self.target, self.layers, offline=self.offline)
+        return list(probe_events(prepared, self.shallow_depth).events)
+
+    def synthesise(self, b: int) -> Any:
+        """The full-depth stream of microbatch ``b`` written from two traced ones of its regime (checked as the
+        module docstring says); raises :class:`NotPolynomial` (or ValueError without two traced microbatches)."""
+        from ledgerspec.derivations.allocator.step import StepEvents
+
+        if b in self.synthesised:
+            return self.synthesised[b]
+        pair = self._pair(b)
+        if pair is None:
+            raise ValueError(f"no two traced microbatches in the regime of microbatch {b}")
+        started = time.perf_counter()
+        regime = self.regime(b)
+        if regime not in self.checked:
+            try:
+                if self.shallow_depth is None or any(v not in self.shallow for v in pair):
+                    raise NotPolynomial("the probes' streams were not kept")
+                family({**{v: self.shallow[v] for v in pair}, b: self._shallow_at(b)}, 1, "microbatch")
+                self.checked[regime] = None
+            except NotPolynomial as exc:
+                self.checked[regime] = str(exc)
+        why = self.checked[regime]
+        if why is not None:
+            raise NotPolynomial(why)
+        one, two = (self.steps[v] for v in pair)
+        if one.windows != two.windows:
+            raise NotPolynomial("the traced microbatches ran different protocol windows")
+        events = family({v: self.steps[v].events for v in pair}, 1, "microbatch").stream(b)
+        step = StepEvents(
+            events,
+            list(one.windows),
+            one.accumulation,
+            {},
+            layers=one.layers,
+            method=f"synthesised from the full-depth streams of microbatch {pair[0]} and {pair[1]} (every "
+            f"allocation affine in the microbatch, checked on the shallowest probe at {b})"
+            if not self.synthesised
+            else f"synthesised from the full-depth streams of microbatch {pair[0]} and {pair[1]} (every allocation "
+            "affine in the microbatch)",
+            seconds=time.perf_counter() - started,
+        )
+        self.synthesised[b] = step
+        return step
+
+    def lines(self) -> list[str]:
+        """How the streams checked on the device were obtained (what ``estimate --fit`` prints)."""
+        out = []
+        if self.synthesised:
+            values = ", ".join(map(str, sorted(self.synthesised)))
+            traced = ", ".join(map(str, sorted(self.steps)))
+            out.append(
+                f"streams on the device: microbatch {values} written from the full-depth streams traced at {traced} "
+                "(every allocation affine in the microbatch, checked event by event on the shallowest probe)"
+            )
+        out.extend(self.notes)
+        return out
+
+    # -- verdicts
+    def on_device(self, b: int, device_memory: int) -> Any:
+        """The :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction` of microbatch ``b``: from the
+        cache, from its traced stream, from a synthesised one, or traced now (in that order)."""
+        from ledgerspec.derivations.devices.prediction import cached_on_device, estimate_on_device, stream_on_device
+
+        variant = self._variant(b)
+        kept = cached_on_device(variant, device_memory, False, self.target, self.layers, self.offline, self.store)
+        if kept is not None:
+            return kept
+        if b not in self.steps:
+            try:
+                step = self.synthesise(b)
+            except (NotPolynomial, ValueError) as exc:
+                if isinstance(exc, NotPolynomial):
+                    self.notes.append(f"microbatch {b} traced: {exc}")
+            else:
+                return stream_on_device(
+                    variant, device_memory, lambda: step, False, self.target, self.layers, self.offline, self.store
+                )
+        fn: Callable[[], tuple[Any, Any]] = lambda: self.trace(b, variant)  # noqa: E731
+        _, p = estimate_on_device(
+            variant, device_memory, False, self.target, self.layers, self.offline, self.store, step_fn=fn
+        )
+        return p
+
+
+__all__ = ["MicrobatchSteps"]

@@ -1,0 +1,145 @@
+"""Device verdicts along the microbatch from two traced streams (:mod:`ledgerspec.derivations.devices.along`), and
+streams along the length (:mod:`ledgerspec.derivations.allocator.affine`), against real traces of tiny models.
+
+The truth is always a real trace at the value asked for, made without the synthesis: the whole step's stream traced
+at full depth (event by event the same allocations and frees), the plain estimate's phase figures (the tracker's own
+count: the synthesised stream's replay must give them to the byte), and ``--fit``'s checks traced one by one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledgerspec.derivations.allocator.depth import canonical
+from tests.support import one_worker_each
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    "lora": {"arch": "tiny-llama-gqa", "seq": 32},
+    "lora-ckpt": {"arch": "tiny-llama-gqa", "seq": 32, "checkpointing": True},
+    "qlora": {"arch": "tiny-qwen2", "quant": "nf4", "targets": "all-linear", "seq": 32},
+    "qlora-ckpt-paged8bit": {
+        "arch": "tiny-llama-gqa",
+        "quant": "nf4",
+        "checkpointing": True,
+        "optimizer": "paged_adamw_8bit",
+        "targets": "all-linear",
+        "seq": 32,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=one_worker_each("along", list(CASES), list(CASES)))
+def traced(request: pytest.FixtureRequest) -> tuple[Any, Any]:
+    """The case's ledger and its :class:`MicrobatchSteps` with microbatches 2 and 3 traced (as the search would)."""
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.devices.along import MicrobatchSteps
+    from tests.support.estimate_docs import ledger
+
+    doc = ledger(**CASES[request.param])
+    steps = MicrobatchSteps(doc)
+    for b in (2, 3):
+        steps.trace(b)
+    return doc, steps
+
+
+def test_a_synthesised_microbatch_is_the_full_depth_trace_and_the_estimate(traced: tuple[Any, Any]) -> None:
+    from ledgerspec.derivations.allocator.step import replay_step, step_events
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.estimate.sweep import apply
+
+    doc, steps = traced
+    b = 7
+    ours = steps.synthesise(b)
+    assert ours.method.startswith("synthesised from the full-depth streams of microbatch 2 and 3"), ours.method
+    variant = apply(doc, {"microbatch": b})
+    truth = step_events(variant, layers=None)  # every layer traced at microbatch 7
+    assert ours.windows == truth.windows
+    assert canonical(ours.events) == canonical(truth.events)
+    replayed = replay_step(variant, step=ours)
+    assert replayed.phases == replay_step(variant, step=truth).phases
+    plain = estimate(variant)  # the tracker's own figures at microbatch 7
+    for name, figures in replayed.phases.items():
+        assert figures.allocated == plain.phases[name], name
+
+
+def test_one_row_of_a_padded_batch_is_never_synthesised_from_two(traced: tuple[Any, Any]) -> None:
+    """A batch of one row is not padded: its own structure. Where rows are padded it is its own regime (no two
+    traced microbatches in it); where they are not, it may be synthesised only if the check passes, and then it is
+    the trace."""
+    from ledgerspec.derivations.allocator.affine import NotPolynomial
+    from ledgerspec.derivations.allocator.step import step_events
+    from ledgerspec.derivations.estimate.sweep import apply
+
+    doc, steps = traced
+    if steps.padded:
+        with pytest.raises(ValueError, match="no two traced microbatches"):
+            steps.synthesise(1)
+        return
+    try:
+        ours = steps.synthesise(1)
+    except NotPolynomial:
+        return
+    assert canonical(ours.events) == canonical(step_events(apply(doc, {"microbatch": 1}), layers=None).events)
+
+
+def test_fit_checks_from_synthesised_streams_are_the_traced_checks(tmp_path: Path) -> None:
+    """``estimate --fit microbatch`` on the device: each value checked from a synthesised stream gives the verdict,
+    device peak and margin that tracing each value gives; asked again, every answer comes from the cache."""
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.devices.along import MicrobatchSteps
+    from ledgerspec.derivations.devices.fit_check import check_on_device
+    from ledgerspec.derivations.devices.prediction import estimate_on_device
+    from ledgerspec.derivations.estimate.cache import EstimateCache
+    from ledgerspec.derivations.estimate.search import fit_microbatch
+    from ledgerspec.derivations.estimate.sweep import apply
+    from tests.support.estimate_docs import ledger
+
+    doc = ledger(**CASES["lora-ckpt"])
+    store = EstimateCache(tmp_path / "cache")
+    along = MicrobatchSteps(doc, store=store)
+    memory = 1000 * 2**20  # with the bytes outside the allocator, the allocated answer (4096) does not fit
+    answer = fit_microbatch(doc, memory, along.estimate)
+    ours = check_on_device(doc, answer, memory, along=along)
+    # traced: the search's two microbatches and one row (its own regime); the others synthesised
+    assert along.traces <= 3 and len(along.synthesised) >= 2, (along.traces, along.notes)
+    again = MicrobatchSteps(doc, store=store)
+    checked = check_on_device(doc, fit_microbatch(doc, memory, again.estimate), memory, along=again)
+    assert again.traces == 0 and not again.synthesised
+    assert [c.__dict__ | {"cached": False} for c in checked.checked] == [
+        c.__dict__ | {"cached": False} for c in ours.checked
+    ]
+    assert all(c.cached for c in checked.checked)
+    # the truth for the first and the last value written (the others as the first test checks streams): that
+    # microbatch traced and replayed on its own
+    written = [c for c in ours.checked if c.value in along.synthesised]
+    for c in {written[0].value: written[0], written[-1].value: written[-1]}.values():
+        _, p = estimate_on_device(apply(doc, {"microbatch": c.value}), memory)
+        assert p.replayed.stream.startswith("built from the probes"), p.replayed.stream
+        assert (c.fits, c.device_peak, c.margin, c.decided_by) == (p.fits, p.device_peak, p.margin, p.decided_by)
+
+
+def test_a_length_from_three_traced_lengths_is_the_trace() -> None:
+    """Along ``max_length`` each allocation is a polynomial of degree 2 at lengths that are powers of two (eager
+    attention.s ``L x L`` mask); the shallowest probe's streams at 32, 64 and 128 tokens define it, 256 checks it,
+    and 512 is the trace. At 48 tokens a workspace SDPA rounds up to a power of two leaves the polynomial: refused."""
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.allocator.affine import NotPolynomial, family
+    from ledgerspec.derivations.allocator.step import step_events
+    from ledgerspec.derivations.estimate.sweep import apply
+    from tests.support.estimate_docs import ledger
+
+    doc = ledger(arch="tiny-llama-gqa", attention="sdpa", checkpointing=True, microbatch=2, seq=512)
+
+    def probe(n: int) -> list[Any]:
+        return step_events(apply(doc, {"max_length": n}), layers=2).events
+
+    streams = {n: probe(n) for n in (32, 64, 128, 256)}
+    fam = family(streams, 2, "max_length")
+    assert canonical(fam.stream(512)) == canonical(probe(512))
+    with pytest.raises(NotPolynomial):
+        family({**streams, 48: probe(48)}, 2, "max_length")
