@@ -869,6 +869,11 @@ _PHASE_KEYS = (
     ("after_load", "Allocated memory after loading the base model (protocol step 2)."),
     ("after_adapter_injection", "After injecting the exact adapters (step 3)."),
     ("after_optimizer_init", "After creating the optimizer (step 4; Adam states appear at the first step)."),
+    (
+        "generation_peak",
+        "Online RL (GRPO): peak during the first representative step's generation phase (the completions "
+        "generated with the KV cache under no_grad, scored, their reference log-probs), before its forward.",
+    ),
     ("forward_peak", "Peak during a representative forward pass (step 5)."),
     ("backward_peak", "Peak during loss + backward (step 6)."),
     ("optimizer_step_peak", "Peak during the optimizer step (step 7)."),

@@ -25,9 +25,9 @@ def test_axolotl_rl_names_the_objective(tmp_path: Path, rl: str, objective: str)
     (tmp_path / "rl.yml").write_text(text, encoding="utf-8")
     doc, _ = imported(tmp_path / "rl.yml")
     assert plain(doc, "training", "objective") == objective
-    # DPO and KTO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) are
-    # simulated
-    expected = [] if objective in ("dpo", "kto") else ["/training/objective"]
+    # DPO and KTO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) and
+    # GRPO (transformers' generate unless `trl.use_vllm` is set) are simulated
+    expected = [] if objective in ("dpo", "kto", "grpo") else ["/training/objective"]
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == expected
 
 
@@ -65,7 +65,8 @@ def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, obj
 @pytest.mark.parametrize(
     ("training", "says"),
     [
-        ("  objective: grpo\n", "training.objective grpo:"),
+        ("  objective: rloo\n", "training.objective rloo:"),
+        ("  objective: grpo\n  objective_settings: {use_vllm: true}\n", "training.objective grpo with use_vllm"),
         (
             "  objective: dpo\n  objective_settings: {reference: model}\n",
             "training.objective dpo with reference model:",
@@ -102,9 +103,9 @@ def test_dpo_is_simulated_with_its_reference_from_the_policy_or_precomputed() ->
 
 
 def test_a_predicted_peak_of_another_objective_is_not_candidate() -> None:
-    status, reasons = status_of(with_change(candidate, ("training", "objective"), "grpo"))
+    status, reasons = status_of(with_change(candidate, ("training", "objective"), "rloo"))
     assert status == "CALCULATED"
-    assert any("training.objective grpo is not simulated" in r for r in reasons)
+    assert any("training.objective rloo is not simulated" in r for r in reasons)
     assert status_of(with_change(candidate, ("training", "objective"), "sft"))[0] == "CANDIDATE"
     assert status_of(with_change(candidate, ("training", "objective"), "dpo"))[0] == "CANDIDATE"
 

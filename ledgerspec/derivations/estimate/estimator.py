@@ -247,7 +247,12 @@ def _estimate_workload_class() -> Any:
                 from ledgerspec.derivations.stack.versions import fused_experts_4bit_change
 
                 self.fused_experts = fused_experts_4bit_change(self.model, self.spec.quant.double_quant)
-                model_4bit_layers(self.model, getattr(torch, self.spec.loaded_dtype), self.keep_4bit_input)
+                model_4bit_layers(
+                    self.model,
+                    getattr(torch, self.spec.loaded_dtype),
+                    self.keep_4bit_input,
+                    cpu=self.target == "cpu",
+                )
             from ledgerspec.derivations.estimate.attention import cuda_attention
 
             self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
@@ -590,7 +595,7 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     doc, spec, est_plan, target = p.doc, p.spec, p.plan, p.target
     figures = dict(figures)
     differences, notes = _differences(doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0))
-    phases = {k: figures[k] for k in PHASES}
+    phases = {k: figures[k] for k in PHASES if k in figures}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec, target)
