@@ -392,6 +392,11 @@ class WorkloadSpec:
         return cls(**data)
 
 
+#: GRPO on several ranks: not run yet (its generation calls the sharded model's generate)
+GENERATION_SHARDED = (
+    "training.objective grpo on several ranks (FSDP, ZeRO) is not simulated or measured yet: its generation phase "
+    "runs the sharded model's generate"
+)
 #: GRPOConfig's default ``max_completion_length`` (grpo_config.py:494, TRL 1.16)
 GRPO_COMPLETION = 512
 

@@ -31,7 +31,7 @@ from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.units import format_size
 from ledgerspec.derivations.estimate.cache import EstimateCache, cached, plain
 from ledgerspec.derivations.estimate.extrapolate import Plan, extend_all, plan, with_layers
-from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
+from ledgerspec.derivations.estimate.fit import ALL_PHASES, Fit, fit
 from ledgerspec.derivations.stack.census import Progress
 from ledgerspec.derivations.stack.versions import installed_stack
 from ledgerspec.errors import LedgerspecError, first_line
@@ -595,7 +595,7 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     doc, spec, est_plan, target = p.doc, p.spec, p.plan, p.target
     figures = dict(figures)
     differences, notes = _differences(doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0))
-    phases = {k: figures[k] for k in PHASES if k in figures}
+    phases = {k: figures[k] for k in ALL_PHASES if k in figures}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec, target)

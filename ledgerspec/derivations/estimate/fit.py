@@ -10,12 +10,13 @@ PHASES = (
     "after_load",
     "after_adapter_injection",
     "after_optimizer_init",
-    "generation_peak",
     "forward_peak",
     "backward_peak",
     "optimizer_step_peak",
     "steady_state_peak",
 )
+#: every phase a step may have, in order: online RL (GRPO) has a generation phase before its forward
+ALL_PHASES = (*PHASES[:3], "generation_peak", *PHASES[3:])
 #: the ``result.oom_phase`` word of each phase (the spec's vocabulary)
 OOM_PHASE = {
     "after_load": "load",
@@ -59,7 +60,7 @@ def fit(phases: Mapping[str, int], device_memory: int) -> Fit:
     """The verdict for ``device_memory`` bytes given predicted phase peaks (bytes allocated)."""
     if device_memory <= 0:
         raise ValueError("device memory must be positive")
-    ordered = [(k, phases[k]) for k in PHASES if k in phases]
+    ordered = [(k, phases[k]) for k in ALL_PHASES if k in phases]
     if not ordered:
         raise ValueError("no phase peaks to compare")
     peak = max(v for _, v in ordered)
