@@ -211,13 +211,15 @@ class Training:
 
     @property
     def grpo_reference(self) -> str:
-        """GRPO's reference: ``none`` (TRL's default ``beta: 0.0``, grpo_config.py:681, TRL 1.16) unless declared
-        (``adapter_disabled``: ``beta > 0`` with a ``peft_config``, grpo_trainer.py:2688-2716)."""
-        return self.reference or "none"
+        """GRPO's and RLOO's reference: as declared, else TRL's default: GRPO's ``beta: 0.0`` (grpo_config.py:681,
+        TRL 1.16), ``none``; RLOO's ``beta: 0.05`` (rloo_config.py:502), ``adapter_disabled`` (the policy with its
+        adapters off, with a ``peft_config``: grpo_trainer.py:2688-2716, rloo_trainer.py:1589-1609)."""
+        return self.reference or ("adapter_disabled" if self.objective == "rloo" else "none")
 
     @property
     def grpo_dropout(self) -> bool:
-        """GRPO's ``disable_dropout``: as declared, else TRL's default, false (grpo_config.py:453)."""
+        """GRPO's and RLOO's ``disable_dropout``: as declared, else TRL's default, false (grpo_config.py:453,
+        rloo_config.py:283)."""
         return self.disable_dropout and self.disable_dropout_declared
 
     @property
@@ -231,7 +233,7 @@ class Training:
 
 
 #: the objectives whose step ``estimate`` and ``measure`` simulate (the others are declared for the record, LS014)
-SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo", "cpo", "grpo")
+SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo", "cpo", "grpo", "rloo")
 #: the online-RL objectives: a generation phase before the training forward
 GENERATING = ("grpo", "rloo")
 #: GRPO's reference kinds the simulation runs: none (``beta: 0``) or the PEFT policy with its adapters off
@@ -249,6 +251,7 @@ OBJECTIVE_TRL = {
     "orpo": (1, 16, 0),
     "cpo": (1, 16, 0),
     "grpo": (1, 16, 0),
+    "rloo": (1, 16, 0),
 }
 
 #: ``transformers.Trainer``'s defaults, for a document without a ``training`` section

@@ -465,8 +465,9 @@ TRAINING = F(
             "of the batch), `dpo`, `kto`, `orpo`, `cpo` (preference pairs: chosen and rejected in one forward, a "
             "reference pass for DPO/KTO), `grpo`, `rloo`, `ppo` (online RL: a generation phase, then training on "
             "prompt + completion), `reward` (a reward model on chosen/rejected pairs). The estimate and `measure` "
-            "simulate `sft`, `dpo` and `kto` (their reference from the policy or precomputed) and `reward` (TRL "
-            "1.16's RewardTrainer: a sequence classifier with a one-score head); the others get LS014.",
+            "simulate `sft`, `dpo` and `kto` (their reference from the policy or precomputed), `orpo`, `cpo`, "
+            "`reward` (TRL 1.16's RewardTrainer: a sequence classifier with a one-score head), `grpo` and `rloo` "
+            "with transformers' generate (not vLLM); the others get LS014.",
             enum=("sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo", "ppo", "reward"),
         ),
         F(
@@ -474,8 +475,9 @@ TRAINING = F(
             OBJECT,
             "The settings of a preference or RL objective that change memory, as TRL 1.16's trainer configs name "
             "them (absent: TRL's defaults, given on each key). The DPO and KTO steps read `reference` and "
-            "`max_completion_length`, the reward step `center_rewards_coefficient`, all three `disable_dropout`; for "
-            "the objectives not simulated yet they are declared for the record (LS014).",
+            "`max_completion_length`, the reward step `center_rewards_coefficient`, all three `disable_dropout`; GRPO "
+            "and RLOO read `reference`, `max_completion_length`, `num_generations`, `generation_batch_size`, "
+            "`steps_per_generation`, `disable_dropout` and `use_vllm` (true: LS014).",
             children=(
                 F(
                     "reference",

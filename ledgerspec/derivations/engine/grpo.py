@@ -206,17 +206,17 @@ class GRPOLoop(DPOLoop):
         for reduce in ("mean", "min", "max"):
             _ = getattr(term.float(), reduce)()
 
-    def _generate_and_score(self) -> dict[str, Any]:
-        """``_generate_and_score_completions`` (:2324-2937) for text prompts, one reward function, no tools."""
+    def _generated_tensors(self) -> tuple[Any, Any, Any, Any]:
+        """Generation, then the padded prompt and completion tensors of the generation batch (:2441-2462)."""
         import torch
-        from trl.trainer.utils import nanstd, pad
+        from trl.trainer.utils import pad
 
         device = self.w.device
         rows, prompt = self._rows(), self.w.prompt_length(self.seq)
         completion = int(self.spec.completion)
         vocab = self._vocab()
         self._generate_completions(rows, prompt)
-        prompt_ids: Any = [torch.randint(3, vocab, (prompt,), device=device) for _ in range(rows)]  # :2441-2462
+        prompt_ids: Any = [torch.randint(3, vocab, (prompt,), device=device) for _ in range(rows)]
         prompt_mask: Any = [torch.ones_like(ids, dtype=torch.long) for ids in prompt_ids]
         prompt_ids = pad(prompt_ids, padding_value=0, padding_side="left")
         prompt_mask = pad(prompt_mask, padding_value=0, padding_side="left")
@@ -224,6 +224,14 @@ class GRPOLoop(DPOLoop):
         completion_mask: Any = [torch.ones_like(ids, dtype=torch.long) for ids in completion_ids]
         completion_ids = pad(completion_ids, padding_value=0, padding_side="right")
         completion_mask = pad(completion_mask, padding_value=0, padding_side="right")
+        return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+    def _generate_and_score(self) -> dict[str, Any]:
+        """``_generate_and_score_completions`` (:2324-2937) for text prompts, one reward function, no tools."""
+        import torch
+
+        rows, completion = self._rows(), int(self.spec.completion)
+        prompt_ids, prompt_mask, completion_ids, completion_mask = self._generated_tensors()
         num_items_in_batch = completion_mask.sum().sum()  # :2496: gather(loss_mask.sum()).sum()
         prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # :2499-2500
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -248,8 +256,17 @@ class GRPOLoop(DPOLoop):
             out["old_per_token_logps"] = old_per_token_logps
         if ref_per_token_logps is not None:
             out["ref_per_token_logps"] = ref_per_token_logps
-        _ = nanstd  # used by _advantages
         return out
+
+    def _rewards_per_func(self, rows: int) -> Any:
+        """``_calculate_rewards`` (:1579-1682) with one Python reward function: a (rows, 1) float32 tensor."""
+        import torch
+
+        device = self.w.device
+        rewards_per_func = torch.zeros(rows, 1, device=device)  # :1581
+        rewards_per_func[:, 0] = torch.tensor([1.0] * rows, dtype=torch.float32, device=device)  # :1633
+        _ = torch.isnan(rewards_per_func).all(dim=1).any()  # :1663 (read on the host)
+        return rewards_per_func
 
     def _advantages(self, rows: int) -> Any:
         """The reward (``_calculate_rewards``, :1579-1682: one Python function) and the group-normalised advantages
@@ -258,9 +275,7 @@ class GRPOLoop(DPOLoop):
         from trl.trainer.utils import nanstd
 
         device, g = self.w.device, self.generations
-        rewards_per_func = torch.zeros(rows, 1, device=device)  # :1581
-        rewards_per_func[:, 0] = torch.tensor([1.0] * rows, dtype=torch.float32, device=device)  # :1633
-        _ = torch.isnan(rewards_per_func).all(dim=1).any()  # :1663 (read on the host)
+        rewards_per_func = self._rewards_per_func(rows)
         weights = torch.ones(1, dtype=torch.float32, device=device)  # self.reward_weights, made at __init__ (:630)
         unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)  # :2735
         rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)  # :2739

@@ -66,7 +66,9 @@ LOOPS = ("trainer", "custom")
 #: the objectives whose batches are chosen/rejected pairs in one batch (TRL's preference collators)
 PAIRED = ("dpo", "reward", "orpo", "cpo")
 #: the objectives whose step is a TRL trainer's own (no packing, a Trainer loop, the trainer's own loss)
-TRL_STEPS = ("dpo", "reward", "kto", "orpo", "cpo", "grpo")
+TRL_STEPS = ("dpo", "reward", "kto", "orpo", "cpo", "grpo", "rloo")
+#: the online-RL objectives: a generation phase before the training forward (TRL's GRPOTrainer, RLOOTrainer)
+GENERATING = config.GENERATING
 #: the objectives that score through TRL's fused LM head and have a reference (DPO, KTO)
 REFERENCED = ("dpo", "kto")
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -159,7 +161,7 @@ class WorkloadSpec:
         """Whether a micro-step's batch carries padding and an attention mask (see :func:`rows_are_padded`); DPO's
         always does: its collator pads the rejected rows to the chosen ones (the synthetic rejected row is a token
         shorter, :meth:`Workload.preference_batch`), and so does the reward model's (the same pairs)."""
-        if self.objective == "grpo":  # the prompts of a step are one length and every completion is full
+        if self.objective in GENERATING:  # the prompts of a step are one length and every completion is full
             return False
         return (
             (self.pads_rows and self.microbatch > 1)
@@ -303,6 +305,7 @@ class WorkloadSpec:
                     "orpo": "ORPOTrainer",
                     "cpo": "CPOTrainer",
                     "grpo": "GRPOTrainer",
+                    "rloo": "RLOOTrainer",
                 }.get(t.objective, "RewardTrainer")
                 raise _err(
                     doc,
@@ -353,12 +356,14 @@ class WorkloadSpec:
             reference=t.dpo_reference if t.objective in REFERENCED else None,
             completion=(
                 (t.max_completion_length or GRPO_COMPLETION)
-                if t.objective == "grpo"
+                if t.objective in GENERATING
                 else t.max_completion_length
                 if t.objective in REFERENCED
                 else None
             ),
-            disable_dropout=t.grpo_dropout if t.objective == "grpo" else t.objective in TRL_STEPS and t.disable_dropout,
+            disable_dropout=(
+                t.grpo_dropout if t.objective in GENERATING else t.objective in TRL_STEPS and t.disable_dropout
+            ),
             full=cfg.full,
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
             generation=generation,
@@ -394,8 +399,8 @@ class WorkloadSpec:
 
 #: GRPO on several ranks: not run yet (its generation calls the sharded model's generate)
 GENERATION_SHARDED = (
-    "training.objective grpo on several ranks (FSDP, ZeRO) is not simulated or measured yet: its generation phase "
-    "runs the sharded model's generate"
+    "training.objective grpo/rloo on several ranks (FSDP, ZeRO) is not simulated or measured yet: its generation "
+    "phase runs the sharded model's generate"
 )
 #: GRPOConfig's default ``max_completion_length`` (grpo_config.py:494, TRL 1.16)
 GRPO_COMPLETION = 512
@@ -404,21 +409,22 @@ GRPO_COMPLETION = 512
 def _generation(
     doc: Document, t: config.Training, microbatch: int, accumulation: int, worst: int
 ) -> GenerationSpec | None:
-    """GRPO's generation settings (None for the other objectives); the combinations GRPOConfig refuses are one-line
-    errors at their field (grpo_config.py:1095-1141, TRL 1.16)."""
-    if t.objective != "grpo":
+    """GRPO's and RLOO's generation settings (None for the other objectives); the combinations their configs refuse
+    are one-line errors at their field (grpo_config.py:1095-1141, TRL 1.16; RLOOConfig the same)."""
+    if t.objective not in GENERATING:
         return None
     settings = ("training", "objective_settings")
-    g = t.num_generations or 8
+    name = t.objective.upper()
+    g = t.num_generations or (2 if t.objective == "rloo" else 8)  # rloo_config.py:301, grpo_config.py:480
     if g < 2:
-        raise _err(doc, (*settings, "num_generations"), "GRPO needs at least 2 generations per prompt (GRPOConfig)")
+        raise _err(doc, (*settings, "num_generations"), f"{name} needs at least 2 generations per prompt")
     spg = t.steps_per_generation
     if t.generation_batch_size is not None:
         if spg is not None:
             raise _err(
                 doc,
                 (*settings, "generation_batch_size"),
-                "generation_batch_size and steps_per_generation cannot both be set (GRPOConfig)",
+                f"generation_batch_size and steps_per_generation cannot both be set ({name}Config)",
             )
         if t.generation_batch_size % microbatch:
             raise _err(
@@ -433,7 +439,7 @@ def _generation(
             doc,
             (*settings, "num_generations"),
             f"the generation batch ({microbatch * (spg or accumulation)} completions: microbatch x steps per "
-            f"generation) is not a multiple of num_generations {g} (GRPOConfig refuses it)",
+            f"generation) is not a multiple of num_generations {g} ({name}Config refuses it)",
             "make workload.microbatch (x the steps per generation) a multiple of num_generations",
         )
     completion = t.max_completion_length or GRPO_COMPLETION
@@ -441,11 +447,11 @@ def _generation(
         raise _err(
             doc,
             (*settings, "max_completion_length"),
-            f"max_completion_length {completion} leaves no prompt in workload.max_length {worst} (for GRPO the "
+            f"max_completion_length {completion} leaves no prompt in workload.max_length {worst} (for {name} the "
             "sequence is prompt + completion)",
             "set workload.max_length to the longest prompt plus max_completion_length",
         )
-    return GenerationSpec(g, spg, 0.0 if t.grpo_reference == "none" else 0.04)
+    return GenerationSpec(g, spg, 0.0 if t.grpo_reference == "none" else 0.05)
 
 
 def sequence_shapes(doc: Document) -> tuple[int, int]:
@@ -458,20 +464,28 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
 
 def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
     """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
-    if spec.objective == "grpo":
+    if spec.objective in GENERATING:
         g = spec.generation or GenerationSpec()
         reference = (
             "the reference log-probs of the same model with its adapters off (beta > 0), without grad and "
             "checkpointing, in the generation phase"
             if g.beta
-            else "no reference (beta 0, TRL's default)"
+            else "no reference (beta 0)"
         )
+        rloo = spec.objective == "rloo"
         loop = (
-            "TRL 1.16's GRPOTrainer step with transformers' generate (no vLLM): a generation phase of its own "
-            f"(microbatch x steps per generation completions, {g.num_generations} per prompt, each "
+            f"TRL 1.16's {'RLOO' if rloo else 'GRPO'}Trainer step with transformers' generate (no vLLM): a generation "
+            f"phase of its own (microbatch x steps per generation completions, {g.num_generations} per prompt, each "
             f"{spec.completion} tokens: the KV cache and sampling buffers under no_grad, checkpointing off), "
-            f"{reference}, the generation batch buffered for the micro-steps; the training forward of prompt + "
-            "completion through TRL's fused LM head (no logits held), the dapo loss and TRL's metrics"
+            + ("the old policy's log-probs, " if rloo else "")
+            + f"{reference}, the generation batch buffered for the micro-steps; the training forward of prompt + "
+            "completion through TRL's fused LM head (no logits held), "
+            + (
+                "the leave-one-out advantages' clipped sequence loss and TRL's metrics, the loss divided by the "
+                "accumulation steps"
+                if rloo
+                else "the dapo loss and TRL's metrics"
+            )
         )
         if spec.disable_dropout:
             loop += ", dropout off (TRL's disable_dropout)"
@@ -976,10 +990,12 @@ class Workload:
             completions[-1] = full - 1
         return completions, [completions[-1], *completions[:-1]], prompt
 
-    def head_positions(self, seq_len: int) -> int:
+    def head_positions(self, seq_len: int, rows: int | None = None) -> int:
         """The completion positions TRL's fused head scores in one forward of a synthetic batch ``seq_len`` wide
         (its GPU path gathers these only): DPO's chosen and rejected rows, KTO's rows (its KL rows hold the same
         completions, rotated)."""
+        if self.spec.objective in GENERATING:  # `labels[:, :-logits_to_keep] = -100` (grpo_trainer.py:1493)
+            return (rows or self.spec.microbatch) * min(int(self.spec.completion or seq_len - 1), seq_len - 1)
         if self.spec.objective == "kto":
             return sum(self.kto_rows(seq_len)[0])
         return sum(self.completion_counts(seq_len))
@@ -1147,6 +1163,10 @@ class Workload:
                 from ledgerspec.derivations.engine.grpo import GRPOLoop
 
                 self._step = GRPOLoop(self)
+            elif self.spec.objective == "rloo":
+                from ledgerspec.derivations.engine.rloo import RLOOLoop
+
+                self._step = RLOOLoop(self)
             elif self.trl_head_runs_here:
                 from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
 

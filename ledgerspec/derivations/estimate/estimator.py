@@ -298,7 +298,7 @@ def _estimate_workload_class() -> Any:
                 self.model.get_base_model(),
                 outputs or trl.DPO_OUTPUTS,
                 amp,
-                lambda shifted: self.head_positions(int(shifted.shape[1]) + 1),
+                lambda shifted: self.head_positions(int(shifted.shape[1]) + 1, int(shifted.shape[0])),
             )
 
         def saved_tensors(self) -> Any:

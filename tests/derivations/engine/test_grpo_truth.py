@@ -1,12 +1,13 @@
-"""The GRPO step ledgerspec simulates and measures is the step TRL's ``GRPOTrainer`` runs (transformers' ``generate``,
-no vLLM), to the byte but for one 0-dim scalar.
+"""The GRPO and RLOO steps ledgerspec simulates and measures are the steps TRL's ``GRPOTrainer`` and ``RLOOTrainer``
+run (transformers' ``generate``, no vLLM), to the byte but for one 0-dim scalar.
 
 Each case is one configuration, run three ways on the CPU, as the DPO and KTO truths are:
 
-- the truth: TRL 1.16's real ``GRPOTrainer`` (``tests/truths/grpo_run.py``: transformers builds the model, the trainer
-  wraps it with the case's LoRA as its ``peft_config``; its sampler, generation, scoring, fused LM head,
-  ``_compute_loss`` and accelerate run the step), its phases read by the tensor tracker from the outside;
-- ``ledgerspec measure --device cpu`` of the ledger that declares the configuration (``training.objective: grpo``);
+- the truth: TRL 1.16's real ``GRPOTrainer`` or ``RLOOTrainer`` (``tests/truths/grpo_run.py``: transformers builds
+  the model, the trainer wraps it with the case's LoRA as its ``peft_config``; its sampler, generation, scoring, fused
+  LM head, ``_compute_loss`` and accelerate run the step), its phases read by the tensor tracker from the outside;
+- ``ledgerspec measure --device cpu`` of the ledger that declares the configuration (``training.objective: grpo`` or
+  ``rloo``);
 - ``ledgerspec estimate --target cpu --full`` of the same ledger (fake tensors).
 
 The generation phase is ``generation_peak`` in both. The CPU dataloader holds nothing ahead (its batches are prompt
@@ -51,29 +52,36 @@ SCALARS = {
 }
 
 
+#: RLOO: the generation phase's peak is its old-policy forward (the scalars come after it)
+RLOO_SCALARS = {**SCALARS, "generation_peak": 0}
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
     base: TrainerCase
     generations: int = 2
+    trainer: str = "grpo"
 
 
-def _c(name: str, generations: int = 2, **over: Any) -> Case:
-    return Case(name, TrainerCase(name, **{"microbatch": 4, "mixed_precision": "bf16", **over}), generations)
+def _c(name: str, generations: int = 2, trainer: str = "grpo", **over: Any) -> Case:
+    return Case(name, TrainerCase(name, **{"microbatch": 4, "mixed_precision": "bf16", **over}), generations, trainer)
 
 
-#: QLoRA: TRL casts the adapters of a quantized model to bfloat16 (grpo_trainer.py:538-541)
+#: QLoRA: TRL casts the adapters of a quantized model to bfloat16 (grpo_trainer.py:538-541). RLOO at RLOOConfig's
+#: defaults: beta 0.05, so the reference log-probs of the policy with its adapters off (rloo_trainer.py:1589-1609).
 CASES = [
     _c("lora-2-generations"),
     _c("lora-4-generations-checkpointing", 4, checkpointing=True),
     _c("qlora-2-generations", arch="tiny-qwen2", quant=True, adapter="bfloat16"),
+    _c("rloo-lora-2-generations", trainer="rloo"),
 ]
 
 
 def ledger_text(c: Case) -> str:
     text = trainer_ledger(c.base)
     settings = f"  objective_settings: {{max_completion_length: {COMPLETION}, num_generations: {c.generations}}}\n"
-    text = text.replace("training:\n", "training:\n  objective: grpo\n" + settings, 1)
+    text = text.replace("training:\n", f"training:\n  objective: {c.trainer}\n" + settings, 1)
     lines = []
     for line in text.splitlines():
         if line.startswith("  max_length:"):
@@ -89,10 +97,10 @@ def truth_case(c: Case, folder: Path) -> dict[str, Any]:
         **trainer_truth_case(c.base, folder),
         "seq_worst": WORST,
         "seq_typical": TYPICAL,
-        "trainer": "grpo",
+        "trainer": c.trainer,
         "completion": COMPLETION,
         "num_generations": c.generations,
-        "beta": 0.0,
+        "beta": 0.05 if c.trainer == "rloo" else 0.0,  # each trainer's default
         "dropout": 0.0,
     }
 
@@ -110,7 +118,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def test_measure_is_the_real_grpo_trainer_step(runs: dict[str, Any]) -> None:
     got = {p: measured_phase(runs["measured"], p) for p in PHASES}
-    want = {p: runs["truth"][p] - SCALARS[p] for p in PHASES}
+    scalars = RLOO_SCALARS if runs["case"].trainer == "rloo" else SCALARS
+    want = {p: runs["truth"][p] - scalars[p] for p in PHASES}
     assert got == want, f"{runs['case'].name}: measure {got} vs the real GRPOTrainer {want}"
 
 
@@ -121,11 +130,12 @@ def test_the_cpu_estimate_is_the_measurement_to_the_byte(runs: dict[str, Any]) -
 
 def test_the_method_says_which_step_ran(runs: dict[str, Any]) -> None:
     method = runs["estimated"].get("ledger", "activations").method or ""
-    assert "GRPOTrainer step" in method and "generation phase" in method
+    assert f"{runs['case'].trainer.upper()}Trainer step" in method and "generation phase" in method
 
 
 def test_the_cases_cover_the_issue() -> None:
-    """LoRA and QLoRA, two numbers of generations, with and without checkpointing."""
+    """LoRA and QLoRA, two numbers of generations, with and without checkpointing, GRPO and RLOO."""
     assert {c.generations for c in CASES} == {2, 4}
+    assert {c.trainer for c in CASES} == {"grpo", "rloo"}
     assert any(c.base.quant for c in CASES) and any(not c.base.quant for c in CASES)
     assert any(c.base.checkpointing for c in CASES) and any(not c.base.checkpointing for c in CASES)
