@@ -881,6 +881,8 @@ _PHASE_KEYS = (
     ("optimizer_step_peak", "Peak during the optimizer step (step 7)."),
     ("steady_state_peak", "Peak over repeated representative training steps (step 8)."),
 )
+#: the phases only online RL's step has (GRPO/RLOO: ``phases.generation_peak``)
+GENERATION_PHASES = ("generation_peak",)
 PHASES = F(
     "phases",
     OBJECT,
