@@ -196,18 +196,16 @@ class ProtocolRun:
         and backward; the first micro-step of a step starts it (the Trainer fetches the step's batches then)."""
         w, b = self.workload, self.backend
         step = w.step
-        self.where = "forward"
-        b.set_context("activations")
+        self.where = "forward"  # (also the spec's word for an out-of-memory error in the generation phase)
+        due = getattr(step, "generation_due", None)
+        generating = due is not None and due(index)  # a phase of its own, before the micro-step's forward
+        b.set_context("temporary" if generating else "activations")
         b.reset_peak()
         if index == 0:
             step.start(seq, w.spec.prefetch or w.spec.accumulation)
-        due = getattr(step, "generation_due", None)
-        if due is not None and due(index):  # a phase of its own: generation runs before the micro-step's forward
-            self.where = "forward"  # the spec's word for an out-of-memory error in the generation phase
-            b.set_context("temporary")
+        if generating:
             step.generate(index)
             self._keep(peaks, cats, extra, "generation")
-            self.where = "forward"
             b.set_context("activations")
             b.reset_peak()
         before = b.current()
