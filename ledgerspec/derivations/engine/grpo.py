@@ -94,7 +94,7 @@ class GRPOLoop(DPOLoop):
     def __init__(self, workload: Any) -> None:
         super().__init__(workload)
         self.buffered: list[dict[str, Any]] | None = None
-        self.calls = 0  # TRL's `self._step`: micro-steps run so far
+        self.steps_done = 0  # optimizer steps taken: TRL's `self._step` is steps_done x accumulation + the micro-step
         self.seq = 0
 
     # -- what the step is ---------------------------------------------------------------------------------------------
@@ -105,6 +105,11 @@ class GRPOLoop(DPOLoop):
     @property
     def steps_per_generation(self) -> int:
         return self.spec.generation.steps_per_generation or self.spec.accumulation
+
+    @property
+    def accumulation(self) -> int:
+        """The declared accumulation steps (the estimate runs two of its micro-steps: ``prefetch`` keeps the count)."""
+        return int(self.spec.prefetch or self.spec.accumulation)
 
     @property
     def beta(self) -> float:
@@ -118,9 +123,14 @@ class GRPOLoop(DPOLoop):
         """The dataloader's prompts are text: no tensors, no ``num_items_in_batch``."""
         return [], None
 
+    def _micro(self, i: int) -> int:
+        """TRL's ``self._step`` at micro-step ``i`` of this optimizer step (the estimate runs two of the declared
+        micro-steps: the count is the declared one's)."""
+        return self.steps_done * self.accumulation + i
+
     def generation_due(self, i: int) -> bool:
         """``_prepare_inputs`` (:1538): generate when ``_step % (steps_per_generation x num_iterations) == 0``."""
-        return self.buffered is None or self.calls % self.steps_per_generation == 0
+        return self.buffered is None or self._micro(i) % self.steps_per_generation == 0
 
     # -- the generation phase ----------------------------------------------------------------------------------------
     def generate(self, i: int) -> None:
@@ -237,7 +247,7 @@ class GRPOLoop(DPOLoop):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         old_per_token_logps = ref_per_token_logps = None
         with torch.no_grad(), self._no_checkpointing():  # :2629
-            if self.spec.accumulation % self.steps_per_generation != 0:  # :2639-2652
+            if self.accumulation % self.steps_per_generation != 0:  # :2639-2652
                 old_per_token_logps, _ = self._logps(prompt_completion_ids, attention_mask, completion, False)
             if self.beta != 0.0:  # :2688-2716, a PEFT model: the adapters off
                 with self._reference_adapter():
@@ -338,7 +348,7 @@ class GRPOLoop(DPOLoop):
         import torch
 
         assert self.buffered is not None
-        inputs = self.buffered[self.calls % self.steps_per_generation]  # :1546
+        inputs = self.buffered[self._micro(i) % self.steps_per_generation]  # :1546
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logits_to_keep = inputs["completion_ids"].size(1)
@@ -382,7 +392,7 @@ class GRPOLoop(DPOLoop):
         if per_token_kl is not None:
             per_token_loss = per_token_loss + self.beta * per_token_kl  # :3157
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / 1  # :3160-3166 (dapo)
-        normalizer = normalizer * self.spec.accumulation / self.steps_per_generation
+        normalizer = normalizer * self.accumulation / self.steps_per_generation
         loss = (per_token_loss * mask).sum() / normalizer
         _policy_loss = loss.detach()
         del normalizer, per_token_loss
@@ -414,8 +424,9 @@ class GRPOLoop(DPOLoop):
         selected = torch.empty_like(t) if is_fake(t) else t[keep]
         _ = torch.min(selected)
 
-    def release(self, i: int) -> None:
-        self.calls += 1  # training_step: `self._step += 1` (:1512)
+    def optimizer_step(self) -> None:
+        super().optimizer_step()
+        self.steps_done += 1
 
     def finish(self) -> None:
         super().finish()

@@ -451,7 +451,9 @@ def _generation(
             "sequence is prompt + completion)",
             "set workload.max_length to the longest prompt plus max_completion_length",
         )
-    return GenerationSpec(g, spg, 0.0 if t.grpo_reference == "none" else 0.05)
+    # the steps per generation as a number (the estimate runs fewer micro-steps than the accumulation: the generation
+    # batch is still the declared one)
+    return GenerationSpec(g, spg or accumulation, 0.0 if t.grpo_reference == "none" else 0.05)
 
 
 def sequence_shapes(doc: Document) -> tuple[int, int]:
