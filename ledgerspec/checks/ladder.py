@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ledgerspec.checks.stale import stale_evidence
 from ledgerspec.contract import fields as F
-from ledgerspec.contract.config import read
+from ledgerspec.contract.config import GENERATING, read
 from ledgerspec.contract.differences import stack_differences
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.intake import dotted, minimum_intake_gaps
@@ -296,7 +296,10 @@ def validated_gaps(doc: Document) -> list[str]:
         gaps.append("measurement.device is cpu: a CPU run never validates GPU memory")
     elif device is None:
         gaps.append("VALIDATED needs measurement.device: cuda (a measurement on the GPU)")
+    generates = read(doc).training.objective in GENERATING
     for _, f in F.walk(F.PHASES.children, ("phases",)):
+        if f.name in F.GENERATION_PHASES and not generates:  # a phase of the online-RL step only
+            continue
         if doc.get("phases", f.name).source != "MEASURED":
             gaps.append(f"VALIDATED needs phases.{f.name} MEASURED")
     for key in ("peak_allocated", "peak_reserved", "device_peak"):

@@ -163,6 +163,16 @@ class Training:
     center_rewards_coefficient: float | None = None
     #: ``software.trl`` as written (None: not declared)
     trl: str | None = None
+    #: GRPO/RLOO: ``objective_settings.num_generations`` (None: TRL's default 8)
+    num_generations: int | None = None
+    #: GRPO/RLOO: ``objective_settings.steps_per_generation`` (None: TRL's default, the accumulation steps)
+    steps_per_generation: int | None = None
+    #: GRPO/RLOO: ``objective_settings.generation_batch_size`` (None: TRL's default)
+    generation_batch_size: int | None = None
+    #: GRPO/RLOO: ``objective_settings.use_vllm`` (None: TRL's default, false)
+    use_vllm: bool | None = None
+    #: whether ``objective_settings.disable_dropout`` is written (GRPO's default is false, the others' true)
+    disable_dropout_declared: bool = False
 
     @property
     def simulated(self) -> bool:
@@ -179,6 +189,11 @@ class Training:
             return None
         if self.objective in ("dpo", "kto") and self.dpo_reference not in DPO_REFERENCES:
             return f"training.objective {self.objective} with reference {self.dpo_reference}"
+        if self.objective in GENERATING:
+            if self.use_vllm:
+                return f"training.objective {self.objective} with use_vllm (vLLM's engine and its share of the card)"
+            if self.grpo_reference not in GRPO_REFERENCES:
+                return f"training.objective {self.objective} with reference {self.grpo_reference}"
         from ledgerspec.contract.differences import version_tuple
 
         release = version_tuple(self.trl) if self.trl else None
@@ -195,6 +210,19 @@ class Training:
         return self.reference or "adapter_disabled"
 
     @property
+    def grpo_reference(self) -> str:
+        """GRPO's and RLOO's reference: as declared, else TRL's default: GRPO's ``beta: 0.0`` (grpo_config.py:681,
+        TRL 1.16), ``none``; RLOO's ``beta: 0.05`` (rloo_config.py:502), ``adapter_disabled`` (the policy with its
+        adapters off, with a ``peft_config``: grpo_trainer.py:2688-2716, rloo_trainer.py:1589-1609)."""
+        return self.reference or ("adapter_disabled" if self.objective == "rloo" else "none")
+
+    @property
+    def grpo_dropout(self) -> bool:
+        """GRPO's and RLOO's ``disable_dropout``: as declared, else TRL's default, false (grpo_config.py:453,
+        rloo_config.py:283)."""
+        return self.disable_dropout and self.disable_dropout_declared
+
+    @property
     def autocast_dtype(self) -> str | None:
         """``bfloat16``/``float16`` under mixed precision, else None."""
         return {"bf16": "bfloat16", "fp16": "float16"}.get(self.mixed_precision)
@@ -205,14 +233,26 @@ class Training:
 
 
 #: the objectives whose step ``estimate`` and ``measure`` simulate (the others are declared for the record, LS014)
-SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo", "cpo")
+SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo", "cpo", "grpo", "rloo")
+#: the online-RL objectives: a generation phase before the training forward
+GENERATING = ("grpo", "rloo")
+#: GRPO's reference kinds the simulation runs: none (``beta: 0``) or the PEFT policy with its adapters off
+GRPO_REFERENCES = ("none", "adapter_disabled")
 #: DPO's reference kinds the simulation runs: the PEFT policy with its adapters off, a frozen copy of its adapter (a
 #: PEFT model handed to the trainer), or log-probs precomputed
 DPO_REFERENCES = ("adapter_disabled", "adapter_copy", "precomputed")
 #: the TRL release whose DPOTrainer the DPO step follows (its fused LM head); a declared older one is not simulated
 DPO_TRL = (1, 16, 0)
 #: the TRL release whose trainer each simulated objective's step follows; a declared older one is not simulated
-OBJECTIVE_TRL = {"dpo": DPO_TRL, "reward": (1, 16, 0), "kto": (1, 16, 0), "orpo": (1, 16, 0), "cpo": (1, 16, 0)}
+OBJECTIVE_TRL = {
+    "dpo": DPO_TRL,
+    "reward": (1, 16, 0),
+    "kto": (1, 16, 0),
+    "orpo": (1, 16, 0),
+    "cpo": (1, 16, 0),
+    "grpo": (1, 16, 0),
+    "rloo": (1, 16, 0),
+}
 
 #: ``transformers.Trainer``'s defaults, for a document without a ``training`` section
 TRAINER_DEFAULTS = Training()
@@ -472,6 +512,11 @@ def _training(doc: Document) -> Training:
             doc.get("training", "objective_settings", "center_rewards_coefficient").number()
         ),
         trl=doc.get("software", "trl").text(),
+        num_generations=_positive(doc.get("training", "objective_settings", "num_generations").number()),
+        steps_per_generation=_positive(doc.get("training", "objective_settings", "steps_per_generation").number()),
+        generation_batch_size=_positive(doc.get("training", "objective_settings", "generation_batch_size").number()),
+        use_vllm=doc.get("training", "objective_settings", "use_vllm").switch(),
+        disable_dropout_declared=doc.get("training", "objective_settings", "disable_dropout").switch() is not None,
     )
 
 

@@ -465,8 +465,9 @@ TRAINING = F(
             "of the batch), `dpo`, `kto`, `orpo`, `cpo` (preference pairs: chosen and rejected in one forward, a "
             "reference pass for DPO/KTO), `grpo`, `rloo`, `ppo` (online RL: a generation phase, then training on "
             "prompt + completion), `reward` (a reward model on chosen/rejected pairs). The estimate and `measure` "
-            "simulate `sft`, `dpo` and `kto` (their reference from the policy or precomputed) and `reward` (TRL "
-            "1.16's RewardTrainer: a sequence classifier with a one-score head); the others get LS014.",
+            "simulate `sft`, `dpo` and `kto` (their reference from the policy or precomputed), `orpo`, `cpo`, "
+            "`reward` (TRL 1.16's RewardTrainer: a sequence classifier with a one-score head), `grpo` and `rloo` "
+            "with transformers' generate (not vLLM); the others get LS014.",
             enum=("sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo", "ppo", "reward"),
         ),
         F(
@@ -474,8 +475,9 @@ TRAINING = F(
             OBJECT,
             "The settings of a preference or RL objective that change memory, as TRL 1.16's trainer configs name "
             "them (absent: TRL's defaults, given on each key). The DPO and KTO steps read `reference` and "
-            "`max_completion_length`, the reward step `center_rewards_coefficient`, all three `disable_dropout`; for "
-            "the objectives not simulated yet they are declared for the record (LS014).",
+            "`max_completion_length`, the reward step `center_rewards_coefficient`, all three `disable_dropout`; GRPO "
+            "and RLOO read `reference`, `max_completion_length`, `num_generations`, `generation_batch_size`, "
+            "`steps_per_generation`, `disable_dropout` and `use_vllm` (true: LS014).",
             children=(
                 F(
                     "reference",
@@ -869,11 +871,18 @@ _PHASE_KEYS = (
     ("after_load", "Allocated memory after loading the base model (protocol step 2)."),
     ("after_adapter_injection", "After injecting the exact adapters (step 3)."),
     ("after_optimizer_init", "After creating the optimizer (step 4; Adam states appear at the first step)."),
+    (
+        "generation_peak",
+        "Online RL (GRPO): peak during the first representative step's generation phase (the completions "
+        "generated with the KV cache under no_grad, scored, their reference log-probs), before its forward.",
+    ),
     ("forward_peak", "Peak during a representative forward pass (step 5)."),
     ("backward_peak", "Peak during loss + backward (step 6)."),
     ("optimizer_step_peak", "Peak during the optimizer step (step 7)."),
     ("steady_state_peak", "Peak over repeated representative training steps (step 8)."),
 )
+#: the phases only online RL's step has (GRPO/RLOO: ``phases.generation_peak``)
+GENERATION_PHASES = ("generation_peak",)
 PHASES = F(
     "phases",
     OBJECT,

@@ -618,6 +618,7 @@ ADDED: dict[str, list[str]] = {
     # issue 25: the kernels that replace transformers' modules, per op
     "software": ["accepted_differences", "nccl", "cuda_module_loading", "pytorch_cuda_alloc_conf", "kernels"],
     "base_model": ["module_dtypes"],  # dtypes left by k-bit preparation and a trainer's casts
+    "phases": ["generation_peak"],  # issue 24: online RL's generation phase (GRPO/RLOO), before the forward
     "method": ["exclude_modules"],  # PEFT's exclude_modules: e.g. a vision tower under all-linear (issue 17)
     "base_model.quantization": ["desc_act", "dequantized"],  # bases quantized by GPTQ / MXFP4 (issue 17)
     # issue 16: FSDP2's MixedPrecisionPolicy; FSDP1's prefetch, all-gather limit, flat-parameter and hybrid options;

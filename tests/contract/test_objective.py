@@ -25,9 +25,9 @@ def test_axolotl_rl_names_the_objective(tmp_path: Path, rl: str, objective: str)
     (tmp_path / "rl.yml").write_text(text, encoding="utf-8")
     doc, _ = imported(tmp_path / "rl.yml")
     assert plain(doc, "training", "objective") == objective
-    # DPO and KTO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) are
-    # simulated
-    expected = [] if objective in ("dpo", "kto") else ["/training/objective"]
+    # DPO and KTO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) and
+    # GRPO (transformers' generate unless `trl.use_vllm` is set) are simulated
+    expected = [] if objective in ("dpo", "kto", "grpo") else ["/training/objective"]
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == expected
 
 
@@ -53,6 +53,7 @@ def test_llamafactory_stage_names_the_objective(tmp_path: Path, stage: str, obje
         ({"desirable_weight": 1.0, "undesirable_weight": 1.0}, "kto"),
         ({"center_rewards_coefficient": None}, "reward"),
         ({"num_generations": 8, "max_completion_length": 256}, ("ASSUMPTION", "grpo")),
+        ({"num_generations": 2, "normalize_advantages": False, "reward_clip_range": None}, "rloo"),
     ],
 )
 def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, object], objective: object) -> None:
@@ -65,7 +66,8 @@ def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, obj
 @pytest.mark.parametrize(
     ("training", "says"),
     [
-        ("  objective: grpo\n", "training.objective grpo:"),
+        ("  objective: ppo\n", "training.objective ppo:"),
+        ("  objective: grpo\n  objective_settings: {use_vllm: true}\n", "training.objective grpo with use_vllm"),
         (
             "  objective: dpo\n  objective_settings: {reference: model}\n",
             "training.objective dpo with reference model:",
@@ -102,9 +104,9 @@ def test_dpo_is_simulated_with_its_reference_from_the_policy_or_precomputed() ->
 
 
 def test_a_predicted_peak_of_another_objective_is_not_candidate() -> None:
-    status, reasons = status_of(with_change(candidate, ("training", "objective"), "grpo"))
+    status, reasons = status_of(with_change(candidate, ("training", "objective"), "ppo"))
     assert status == "CALCULATED"
-    assert any("training.objective grpo is not simulated" in r for r in reasons)
+    assert any("training.objective ppo is not simulated" in r for r in reasons)
     assert status_of(with_change(candidate, ("training", "objective"), "sft"))[0] == "CANDIDATE"
     assert status_of(with_change(candidate, ("training", "objective"), "dpo"))[0] == "CANDIDATE"
 
@@ -245,3 +247,15 @@ def test_llamafactory_dpo_runs_an_older_trl_and_is_not_simulated(tmp_path: Path)
         "model_name_or_path: meta-llama/Llama-2-7b-hf\nstage: sft\nfinetuning_type: lora\n", encoding="utf-8"
     )
     assert plain(imported(sft)[0], "software", "trl") == "absent"
+
+
+def test_an_rloo_config_dump_imports_as_rloo_with_its_reference(tmp_path: Path) -> None:
+    """RLOOConfig's own keys (trl 1.16, rloo_config.py:531-541) name it; its default ``beta: 0.05`` means the reference
+    log-probs of the policy with its adapters off (an ASSUMPTION: the trainer may be given a reference model)."""
+    path = tmp_path / "rloo.json"
+    keys = {"num_generations": 2, "max_completion_length": 128, "beta": 0.05, "normalize_advantages": False}
+    path.write_text(json.dumps({"output_dir": "out", **keys}), encoding="utf-8")
+    doc, result = imported(path)
+    assert plain(doc, "training", "objective") == "rloo"
+    assert plain(doc, "training", "objective_settings", "reference") == ("ASSUMPTION", "adapter_disabled")
+    assert not [f for f in result.findings if f.key in keys and f.kind == "unknown-key"]

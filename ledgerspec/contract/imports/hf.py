@@ -42,10 +42,11 @@ def is_trl(src: Source) -> bool:
 
 
 #: keys only one TRL trainer's config has -> ``training.objective`` (trl 1.16: ``KTOConfig``, ``RewardConfig``,
-#: ``GRPOConfig``/``RLOOConfig``, ``CPOConfig``, ``DPOConfig``), checked in this order
+#: ``RLOOConfig`` (its own keys), ``GRPOConfig``/``RLOOConfig``, ``CPOConfig``, ``DPOConfig``), checked in this order
 TRL_OBJECTIVE_KEYS = (
     (("desirable_weight", "undesirable_weight"), "kto"),
     (("center_rewards_coefficient",), "reward"),
+    (("normalize_advantages", "reward_clip_range"), "rloo"),
     (("num_generations", "steps_per_generation", "use_vllm", "vllm_mode"), "grpo"),
     (("cpo_alpha", "simpo_gamma"), "cpo"),
     (("ref_model_init_kwargs", "precompute_ref_log_probs", "rpo_alpha", "reference_free", "ref_adapter_name"), "dpo"),
@@ -72,6 +73,10 @@ def objective(src: Source, b: Builder, o: str) -> None:
             )
         else:
             b.set(("training", "objective"), value, o + f"{', '.join(found)}: a {value.upper()} trainer's config")
+        if value == "rloo":  # read: a few floats per completion at most (the advantages' normalisation, clipping)
+            for name in names:
+                if src.has(name):
+                    src.take(name)
         settings = {k: src.take(k) for k in C.OBJECTIVE_SETTINGS if src.has(k)}
         C.objective_settings(b, settings, o, src.path)
         precomputed = src.take("precompute_ref_log_probs") if src.has("precompute_ref_log_probs") else None

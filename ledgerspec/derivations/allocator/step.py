@@ -278,21 +278,44 @@ def _recording(
 
 def protocol_windows(windows: list[str], accumulation: int, steps: int = 1) -> dict[str, list[str]]:
     """Which windows make up each protocol phase (the order :func:`ledgerspec.derivations.engine.protocol._phases`
-    runs them in); raises ValueError when the windows are not that order."""
+    runs them in); raises ValueError when the windows are not that order. A micro-step that generates (GRPO, RLOO)
+    opens with a generation window ("temporary") before its forward window ("activations")."""
+    contexts = [w.split(":", 1)[1] for w in windows]
     micro = ["activations", "temporary"] * accumulation
     expected = ["frozen_params", "adapter", "optimizer", *micro, "optimizer", *([*micro, "optimizer"] * steps)]
-    contexts = [w.split(":", 1)[1] for w in windows]
-    if contexts != expected:
+    phases: dict[str, list[str]] = {"forward_peak": [], "backward_peak": [], "generation_peak": []}
+    pos = 3
+    first_step: list[str] = []
+    for step_index in range(1 + steps):
+        for _ in range(accumulation):
+            if pos < len(contexts) and contexts[pos] == "temporary":  # the micro-step's generation window
+                if step_index == 0:
+                    phases["generation_peak"].append(windows[pos])
+                pos += 1
+            if contexts[pos : pos + 2] != ["activations", "temporary"]:
+                raise ValueError(f"unexpected protocol windows {contexts} (expected {expected})")
+            if step_index == 0:
+                phases["forward_peak"].append(windows[pos])
+                phases["backward_peak"].append(windows[pos + 1])
+            pos += 2
+        if contexts[pos : pos + 1] != ["optimizer"]:
+            raise ValueError(f"unexpected protocol windows {contexts} (expected {expected})")
+        if step_index == 0:
+            first_step.append(windows[pos])
+            steady_from = pos + 1
+        pos += 1
+    if pos != len(contexts) or contexts[:3] != ["frozen_params", "adapter", "optimizer"]:
         raise ValueError(f"unexpected protocol windows {contexts} (expected {expected})")
-    first = 3 + 2 * accumulation
+    generation = {"generation_peak": phases["generation_peak"]} if phases["generation_peak"] else {}
     return {
         "after_load": [windows[0]],
         "after_adapter_injection": [windows[1]],
         "after_optimizer_init": [windows[2]],
-        "forward_peak": windows[3:first:2],
-        "backward_peak": windows[4:first:2],
-        "optimizer_step_peak": [windows[first]],
-        "steady_state_peak": windows[first + 1 :],
+        **generation,
+        "forward_peak": phases["forward_peak"],
+        "backward_peak": phases["backward_peak"],
+        "optimizer_step_peak": first_step,
+        "steady_state_peak": windows[steady_from:],
     }
 
 

@@ -41,6 +41,9 @@ PHASES = (
 )
 #: the phases whose ledger figure is the memory held at the end (the others report the phase peak)
 HELD_PHASES = frozenset(PHASES[:3])
+#: phases only some steps have: ``generation_peak``, the peak of the first representative step's generation phase
+#: (GRPO: the completions generated, scored and their reference log-probs computed before the training forward)
+OPTIONAL_PHASES = ("generation_peak",)
 
 
 # -- results --------------------------------------------------------------------------------------------------------
@@ -193,11 +196,18 @@ class ProtocolRun:
         and backward; the first micro-step of a step starts it (the Trainer fetches the step's batches then)."""
         w, b = self.workload, self.backend
         step = w.step
-        self.where = "forward"
-        b.set_context("activations")
+        self.where = "forward"  # (also the spec's word for an out-of-memory error in the generation phase)
+        due = getattr(step, "generation_due", None)
+        generating = due is not None and due(index)  # a phase of its own, before the micro-step's forward
+        b.set_context("temporary" if generating else "activations")
         b.reset_peak()
         if index == 0:
             step.start(seq, w.spec.prefetch or w.spec.accumulation)
+        if generating:
+            step.generate(index)
+            self._keep(peaks, cats, extra, "generation")
+            b.set_context("activations")
+            b.reset_peak()
         before = b.current()
         saved_tensors = getattr(w, "saved_tensors", contextlib.nullcontext)  # a workload may not hook saved tensors
         with saved_tensors():
@@ -321,7 +331,9 @@ def _phases(run: ProtocolRun, steps: int) -> None:
     elapsed = time.perf_counter() - t0
     held_census = census(w.model, w.optimizer, b.census_device)
     outside = b.outside_now()
-    for key, name in (("forward", "forward_peak"), ("backward", "backward_peak")):
+    for key, name in (("generation", "generation_peak"), ("forward", "forward_peak"), ("backward", "backward_peak")):
+        if key not in peaks:
+            continue
         run.result.phases[name] = PhaseRecord(
             name,
             peaks[key],
@@ -391,6 +403,7 @@ def _host_peak() -> int | None:
 
 __all__ = [
     "HELD_PHASES",
+    "OPTIONAL_PHASES",
     "PHASES",
     "PROTOCOL_VERSION",
     "PhaseRecord",

@@ -66,7 +66,9 @@ LOOPS = ("trainer", "custom")
 #: the objectives whose batches are chosen/rejected pairs in one batch (TRL's preference collators)
 PAIRED = ("dpo", "reward", "orpo", "cpo")
 #: the objectives whose step is a TRL trainer's own (no packing, a Trainer loop, the trainer's own loss)
-TRL_STEPS = ("dpo", "reward", "kto", "orpo", "cpo")
+TRL_STEPS = ("dpo", "reward", "kto", "orpo", "cpo", "grpo", "rloo")
+#: the online-RL objectives: a generation phase before the training forward (TRL's GRPOTrainer, RLOOTrainer)
+GENERATING = config.GENERATING
 #: the objectives that score through TRL's fused LM head and have a reference (DPO, KTO)
 REFERENCED = ("dpo", "kto")
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -86,6 +88,17 @@ class QuantSpec:
     storage_dtype: str
     blocksize: int | None = None
     skip_modules: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """GRPO's generation as declared in ``training.objective_settings`` (TRL 1.16's GRPOConfig defaults)."""
+
+    num_generations: int = 8
+    #: micro-steps per generation (None: the accumulation steps, TRL's default)
+    steps_per_generation: int | None = None
+    #: 0.0: no reference (TRL's default); > 0: the reference log-probs of the policy with its adapters off
+    beta: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -140,12 +153,16 @@ class WorkloadSpec:
     full: bool = False
     #: reward: ``objective_settings.center_rewards_coefficient`` (None: off, TRL's default)
     center_rewards: float | None = None
+    #: GRPO: the generation (None for the other objectives)
+    generation: GenerationSpec | None = None
 
     @property
     def padded(self) -> bool:
         """Whether a micro-step's batch carries padding and an attention mask (see :func:`rows_are_padded`); DPO's
         always does: its collator pads the rejected rows to the chosen ones (the synthetic rejected row is a token
         shorter, :meth:`Workload.preference_batch`), and so does the reward model's (the same pairs)."""
+        if self.objective in GENERATING:  # the prompts of a step are one length and every completion is full
+            return False
         return (
             (self.pads_rows and self.microbatch > 1)
             or self.objective in PAIRED
@@ -279,11 +296,17 @@ class WorkloadSpec:
                 "does not simulate",
                 "size the run with a measurement of the real trainer (LedgerCallback)",
             )
+        generation = _generation(doc, t, w.microbatch, max(w.gradient_accumulation or 1, 1), worst)
         if t.objective in TRL_STEPS:
             if t.loop != "trainer":
-                trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer"}.get(
-                    t.objective, "RewardTrainer"
-                )
+                trainer = {
+                    "dpo": "DPOTrainer",
+                    "kto": "KTOTrainer",
+                    "orpo": "ORPOTrainer",
+                    "cpo": "CPOTrainer",
+                    "grpo": "GRPOTrainer",
+                    "rloo": "RLOOTrainer",
+                }.get(t.objective, "RewardTrainer")
                 raise _err(
                     doc,
                     ("training", "loop"),
@@ -331,10 +354,19 @@ class WorkloadSpec:
             offload_mode=doc.get("memory_options", "offload_mode").text(),
             objective=t.objective,
             reference=t.dpo_reference if t.objective in REFERENCED else None,
-            completion=t.max_completion_length if t.objective in REFERENCED else None,
-            disable_dropout=t.objective in TRL_STEPS and t.disable_dropout,
+            completion=(
+                (t.max_completion_length or GRPO_COMPLETION)
+                if t.objective in GENERATING
+                else t.max_completion_length
+                if t.objective in REFERENCED
+                else None
+            ),
+            disable_dropout=(
+                t.grpo_dropout if t.objective in GENERATING else t.objective in TRL_STEPS and t.disable_dropout
+            ),
             full=cfg.full,
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
+            generation=generation,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -354,6 +386,8 @@ class WorkloadSpec:
                 q["skip_modules"] = tuple(q["skip_modules"])
             data["quant"] = QuantSpec(**q)
         data["module_dtypes"] = tuple(tuple(pair) for pair in data.get("module_dtypes") or ())
+        if isinstance(data.get("generation"), dict):
+            data["generation"] = GenerationSpec(**data["generation"])
         if isinstance(data.get("kernels"), dict):
             k = dict(data["kernels"])
             for key in ("lora_projections", "other"):
@@ -361,6 +395,65 @@ class WorkloadSpec:
             k["packages"] = tuple(tuple(pair) for pair in k.get("packages") or ())
             data["kernels"] = config.Kernels(**k)
         return cls(**data)
+
+
+#: GRPO on several ranks: not run yet (its generation calls the sharded model's generate)
+GENERATION_SHARDED = (
+    "training.objective grpo/rloo on several ranks (FSDP, ZeRO) is not simulated or measured yet: its generation "
+    "phase runs the sharded model's generate"
+)
+#: GRPOConfig's default ``max_completion_length`` (grpo_config.py:494, TRL 1.16)
+GRPO_COMPLETION = 512
+
+
+def _generation(
+    doc: Document, t: config.Training, microbatch: int, accumulation: int, worst: int
+) -> GenerationSpec | None:
+    """GRPO's and RLOO's generation settings (None for the other objectives); the combinations their configs refuse
+    are one-line errors at their field (grpo_config.py:1095-1141, TRL 1.16; RLOOConfig the same)."""
+    if t.objective not in GENERATING:
+        return None
+    settings = ("training", "objective_settings")
+    name = t.objective.upper()
+    g = t.num_generations or (2 if t.objective == "rloo" else 8)  # rloo_config.py:301, grpo_config.py:480
+    if g < 2:
+        raise _err(doc, (*settings, "num_generations"), f"{name} needs at least 2 generations per prompt")
+    spg = t.steps_per_generation
+    if t.generation_batch_size is not None:
+        if spg is not None:
+            raise _err(
+                doc,
+                (*settings, "generation_batch_size"),
+                f"generation_batch_size and steps_per_generation cannot both be set ({name}Config)",
+            )
+        if t.generation_batch_size % microbatch:
+            raise _err(
+                doc,
+                (*settings, "generation_batch_size"),
+                f"generation_batch_size {t.generation_batch_size} is not a multiple of workload.microbatch "
+                f"{microbatch}",
+            )
+        spg = t.generation_batch_size // microbatch
+    if (microbatch * (spg or accumulation)) % g:
+        raise _err(
+            doc,
+            (*settings, "num_generations"),
+            f"the generation batch ({microbatch * (spg or accumulation)} completions: microbatch x steps per "
+            f"generation) is not a multiple of num_generations {g} ({name}Config refuses it)",
+            "make workload.microbatch (x the steps per generation) a multiple of num_generations",
+        )
+    completion = t.max_completion_length or GRPO_COMPLETION
+    if completion >= worst:
+        raise _err(
+            doc,
+            (*settings, "max_completion_length"),
+            f"max_completion_length {completion} leaves no prompt in workload.max_length {worst} (for {name} the "
+            "sequence is prompt + completion)",
+            "set workload.max_length to the longest prompt plus max_completion_length",
+        )
+    # the steps per generation as a number (the estimate runs fewer micro-steps than the accumulation: the generation
+    # batch is still the declared one)
+    return GenerationSpec(g, spg or accumulation, 0.0 if t.grpo_reference == "none" else 0.05)
 
 
 def sequence_shapes(doc: Document) -> tuple[int, int]:
@@ -373,7 +466,34 @@ def sequence_shapes(doc: Document) -> tuple[int, int]:
 
 def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
     """The modelling choices of the step, in words (part of every estimate's and measurement's ``method``)."""
-    if spec.objective == "cpo":
+    if spec.objective in GENERATING:
+        g = spec.generation or GenerationSpec()
+        reference = (
+            "the reference log-probs of the same model with its adapters off (beta > 0), without grad and "
+            "checkpointing, in the generation phase"
+            if g.beta
+            else "no reference (beta 0)"
+        )
+        rloo = spec.objective == "rloo"
+        loop = (
+            f"TRL 1.16's {'RLOO' if rloo else 'GRPO'}Trainer step with transformers' generate (no vLLM): a generation "
+            f"phase of its own (microbatch x steps per generation completions, {g.num_generations} per prompt, each "
+            f"{spec.completion} tokens: the KV cache and sampling buffers under no_grad, checkpointing off), "
+            + ("the old policy's log-probs, " if rloo else "")
+            + f"{reference}, the generation batch buffered for the micro-steps; the training forward of prompt + "
+            "completion through TRL's fused LM head (no logits held), "
+            + (
+                "the leave-one-out advantages' clipped sequence loss and TRL's metrics, the loss divided by the "
+                "accumulation steps"
+                if rloo
+                else "the dapo loss and TRL's metrics"
+            )
+        )
+        if spec.disable_dropout:
+            loop += ", dropout off (TRL's disable_dropout)"
+        if spec.max_grad_norm > 0:
+            loop += f", gradients clipped to norm {spec.max_grad_norm:g}"
+    elif spec.objective == "cpo":
         loop = (
             "TRL 1.16's CPOTrainer step (trl.experimental, CPOConfig's defaults: sigmoid loss, cpo_alpha 1.0): chosen "
             "and rejected rows concatenated (twice the rows of the microbatch), one forward to the full logits "
@@ -872,10 +992,12 @@ class Workload:
             completions[-1] = full - 1
         return completions, [completions[-1], *completions[:-1]], prompt
 
-    def head_positions(self, seq_len: int) -> int:
+    def head_positions(self, seq_len: int, rows: int | None = None) -> int:
         """The completion positions TRL's fused head scores in one forward of a synthetic batch ``seq_len`` wide
         (its GPU path gathers these only): DPO's chosen and rejected rows, KTO's rows (its KL rows hold the same
         completions, rotated)."""
+        if self.spec.objective in GENERATING:  # `labels[:, :-logits_to_keep] = -100` (grpo_trainer.py:1493)
+            return (rows or self.spec.microbatch) * min(int(self.spec.completion or seq_len - 1), seq_len - 1)
         if self.spec.objective == "kto":
             return sum(self.kto_rows(seq_len)[0])
         return sum(self.completion_counts(seq_len))
@@ -1039,6 +1161,14 @@ class Workload:
                 from ledgerspec.derivations.engine.cpo import CPOLoop
 
                 self._step = CPOLoop(self)
+            elif self.spec.objective == "grpo":
+                from ledgerspec.derivations.engine.grpo import GRPOLoop
+
+                self._step = GRPOLoop(self)
+            elif self.spec.objective == "rloo":
+                from ledgerspec.derivations.engine.rloo import RLOOLoop
+
+                self._step = RLOOLoop(self)
             elif self.trl_head_runs_here:
                 from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
 
@@ -1094,6 +1224,7 @@ __all__ = [
     "LOOPS",
     "MIXED_PRECISION",
     "OPTIMIZERS",
+    "GenerationSpec",
     "QuantSpec",
     "Workload",
     "WorkloadSpec",

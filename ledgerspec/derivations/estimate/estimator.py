@@ -31,7 +31,7 @@ from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.units import format_size
 from ledgerspec.derivations.estimate.cache import EstimateCache, cached, plain
 from ledgerspec.derivations.estimate.extrapolate import Plan, extend_all, plan, with_layers
-from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
+from ledgerspec.derivations.estimate.fit import ALL_PHASES, Fit, fit
 from ledgerspec.derivations.stack.census import Progress
 from ledgerspec.derivations.stack.versions import installed_stack
 from ledgerspec.errors import LedgerspecError, first_line
@@ -247,7 +247,12 @@ def _estimate_workload_class() -> Any:
                 from ledgerspec.derivations.stack.versions import fused_experts_4bit_change
 
                 self.fused_experts = fused_experts_4bit_change(self.model, self.spec.quant.double_quant)
-                model_4bit_layers(self.model, getattr(torch, self.spec.loaded_dtype), self.keep_4bit_input)
+                model_4bit_layers(
+                    self.model,
+                    getattr(torch, self.spec.loaded_dtype),
+                    self.keep_4bit_input,
+                    cpu=self.target == "cpu",
+                )
             from ledgerspec.derivations.estimate.attention import cuda_attention
 
             self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
@@ -293,7 +298,7 @@ def _estimate_workload_class() -> Any:
                 self.model.get_base_model(),
                 outputs or trl.DPO_OUTPUTS,
                 amp,
-                lambda shifted: self.head_positions(int(shifted.shape[1]) + 1),
+                lambda shifted: self.head_positions(int(shifted.shape[1]) + 1, int(shifted.shape[0])),
             )
 
         def saved_tensors(self) -> Any:
@@ -620,7 +625,7 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     doc, spec, est_plan, target = p.doc, p.spec, p.plan, p.target
     figures = dict(figures)
     differences, notes = _differences(doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0))
-    phases = {k: figures[k] for k in PHASES}
+    phases = {k: figures[k] for k in ALL_PHASES if k in figures}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
     method = method_text(est_plan, spec, target)

@@ -15,11 +15,14 @@ PHASES = (
     "optimizer_step_peak",
     "steady_state_peak",
 )
+#: every phase a step may have, in order: online RL (GRPO) has a generation phase before its forward
+ALL_PHASES = (*PHASES[:3], "generation_peak", *PHASES[3:])
 #: the ``result.oom_phase`` word of each phase (the spec's vocabulary)
 OOM_PHASE = {
     "after_load": "load",
     "after_adapter_injection": "adapter_injection",
     "after_optimizer_init": "optimizer_init",
+    "generation_peak": "forward",
     "forward_peak": "forward",
     "backward_peak": "backward",
     "optimizer_step_peak": "optimizer_step",
@@ -57,7 +60,7 @@ def fit(phases: Mapping[str, int], device_memory: int) -> Fit:
     """The verdict for ``device_memory`` bytes given predicted phase peaks (bytes allocated)."""
     if device_memory <= 0:
         raise ValueError("device memory must be positive")
-    ordered = [(k, phases[k]) for k in PHASES if k in phases]
+    ordered = [(k, phases[k]) for k in ALL_PHASES if k in phases]
     if not ordered:
         raise ValueError("no phase peaks to compare")
     peak = max(v for _, v in ordered)

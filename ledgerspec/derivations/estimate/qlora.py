@@ -70,9 +70,10 @@ def _fake_4bit_classes() -> tuple[Any, Any]:
     class Fake4bitLinear(torch.nn.Module):
         """A ``bnb.nn.Linear4bit`` as bytes: packed weight + quantization state, CUDA temporaries in forward."""
 
-        def __init__(self, src: Any, weight_dtype: Any, keep_input: bool = False) -> None:
+        def __init__(self, src: Any, weight_dtype: Any, keep_input: bool = False, cpu: bool = False) -> None:
             super().__init__()
             self.keep_input = keep_input
+            self.cpu_target = cpu
             from ledgerspec.derivations.stack.bnb_storage import bnb4_bytes
 
             w = src.weight
@@ -108,7 +109,19 @@ def _fake_4bit_classes() -> tuple[Any, Any]:
                 # as Linear4bit.forward: the bias is cast for good (`bias.data = ...`) at the first forward, so
                 # prepare_for_kbit_training's fp32 bias shrinks back to the compute dtype
                 self.bias.data = self.bias.data.to(x.dtype)
+            needs_grad = torch.is_grad_enabled() and (
+                x.requires_grad or (self.bias is not None and self.bias.requires_grad)
+            )
+            if self.cpu_target and not needs_grad:
+                return self._gemm_4bit(x).to(inp_dtype)
             return _Matmul4bit.apply(x, self.weight, self).to(inp_dtype)
+
+        def _gemm_4bit(self, x: Any) -> Any:
+            """No gradient needed, on the CPU: ``matmul_4bit`` calls bitsandbytes' ``gemm_4bit`` op (bitsandbytes 0.50
+            autograd/_functions.py:453-489), one dispatcher call whose dequantized absmax and dense weight
+            (backends/default/ops.py:323-342) are made below the dispatcher, where no tensor tracker sees them (nor
+            PyTorch's MemTracker): the CPU measurement counts its output only, and so does the CPU estimate."""
+            return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype, device=x.device)
 
     return Fake4bitLinear, _Matmul4bit
 
@@ -123,9 +136,10 @@ def fake_4bit_linear_class() -> Any:
     return _CLASSES[0]
 
 
-def model_4bit_layers(model: Any, weight_dtype: Any, keep_input: bool = False) -> int:
+def model_4bit_layers(model: Any, weight_dtype: Any, keep_input: bool = False, cpu: bool = False) -> int:
     """Replace every ``bnb.nn.Linear4bit`` in ``model`` (on meta) by :class:`Fake4bitLinear`; returns how many.
-    ``keep_input``: the layers keep their input for backward (bitsandbytes < 0.43.2)."""
+    ``keep_input``: the layers keep their input for backward (bitsandbytes < 0.43.2); ``cpu``: the CPU target, where a
+    call that needs no gradient takes bitsandbytes' ``gemm_4bit`` op (its output is what a CPU measurement sees)."""
     quiet_bitsandbytes()
     import bitsandbytes as bnb
 
@@ -134,6 +148,6 @@ def model_4bit_layers(model: Any, weight_dtype: Any, keep_input: bool = False) -
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, bnb.nn.Linear4bit):
-                setattr(parent, name, cls(child, weight_dtype, keep_input))
+                setattr(parent, name, cls(child, weight_dtype, keep_input, cpu))
                 count += 1
     return count

@@ -577,6 +577,12 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
             hint="omit --nproc for one device",
         )
     base = single(doc, device, steps, None, None)
+    if base.spec.get("generation") is not None:
+        from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
+
+        raise LedgerspecError(
+            GENERATION_SHARDED, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="measure it on one device"
+        )
     if zero_stage(doc) is not None:
         from ledgerspec.derivations.engine.workload import WorkloadSpec
         from ledgerspec.derivations.shard.options import zero_options

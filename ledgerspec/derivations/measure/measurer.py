@@ -285,7 +285,7 @@ def _methods(result: Any) -> tuple[str, str]:
 def write_back(doc: Document, out: ChildOutput, command: str, compare: bool = True) -> list[str]:
     """Write a child's result into ``doc`` (in memory). Returns notes for the user. ``compare=False``: no
     ``comparison`` with the single-device ``ledger.calculated_subtotal`` (a per-rank measurement)."""
-    from ledgerspec.derivations.engine.protocol import HELD_PHASES, PHASES
+    from ledgerspec.derivations.engine.protocol import HELD_PHASES, OPTIONAL_PHASES, PHASES
 
     r = out.result
     notes: list[str] = []
@@ -295,7 +295,7 @@ def write_back(doc: Document, out: ChildOutput, command: str, compare: bool = Tr
         f"microbatch {r.microbatch} x {r.seq_worst} tokens (worst), {r.accumulation} micro-step(s); "
         f"steady state {r.steps} steps at {r.seq_typical} tokens"
     )
-    for name in PHASES:
+    for name in (*PHASES, *OPTIONAL_PHASES):
         rec = r.phases.get(name)
         if rec is not None:
             set_figure(

@@ -253,6 +253,10 @@ def prepare_trace(
         raise ValueError(f"target must be one of {E.TARGETS}")
     E._check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
+    if spec.generation is not None:
+        from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
+
+        raise _err(doc, ("training", "objective"), GENERATION_SHARDED, "estimate it on one device")
     refuse(spec)
     E._check_attention(doc, spec.attention)
     source = load_config(doc, offline=offline)

@@ -46,6 +46,7 @@ PHASE_LABELS = {
     "after_load": "after load",
     "after_adapter_injection": "after adapter injection",
     "after_optimizer_init": "after optimizer init",
+    "generation_peak": "generation peak",
     "forward_peak": "forward peak",
     "backward_peak": "backward peak",
     "optimizer_step_peak": "optimizer-step peak",
@@ -317,6 +318,7 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
             _predicted_on_device(doc, "device_phases", name, "device_peak"),
         )
         for name in PHASE_LABELS
+        if name != "generation_peak" or _measured(doc, "phases", name) is not None or _estimate(doc, name) is not None
     ]
     title = doc.get("title").text()
     at_peak, at_peak_phase = _at_peak(doc)

@@ -79,6 +79,7 @@ PHASE_SHORT = {
     "after_load": "load",
     "after_adapter_injection": "adapters",
     "after_optimizer_init": "optim init",
+    "generation_peak": "generation",
     "forward_peak": "forward",
     "backward_peak": "backward",
     "optimizer_step_peak": "optim step",
