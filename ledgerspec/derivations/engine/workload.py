@@ -89,6 +89,36 @@ class QuantSpec:
 
 
 @dataclass(frozen=True)
+class GptqSpec:
+    """A GPTQ base as declared (``quantization.type: gptq``): bits, group size, act-order and the kernel the run
+    trains through (:mod:`ledgerspec.derivations.engine.gptq`)."""
+
+    bits: int | None  # None: the model config's quantization_config (else 4)
+    group_size: int | None  # None: the model config's quantization_config (else 128)
+    desc_act: bool | None
+    kernel: str
+    skip_modules: tuple[str, ...] = ()
+    #: PEFT's GPTQLoraLinear forward as before 0.16.0 (declared ``software.peft``; known difference
+    #: ``peft-gptq-lora-input-cast``)
+    older_lora: bool = False
+
+    def settled(self, model_config: Any) -> GptqSpec:
+        """Bits and group size the ledger left out, from the model config's ``quantization_config``."""
+        qc = getattr(model_config, "quantization_config", None)
+        published: dict[str, Any] = {}
+        if isinstance(qc, dict):
+            published = qc
+        elif qc is not None and hasattr(qc, "to_dict"):
+            published = qc.to_dict()
+        return dataclasses.replace(
+            self,
+            bits=self.bits if self.bits is not None else int(published.get("bits", 4)),
+            group_size=self.group_size if self.group_size is not None else int(published.get("group_size", 128)),
+            desc_act=self.desc_act if self.desc_act is not None else bool(published.get("desc_act", False)),
+        )
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     """Every knob of the workload, read from a document; triage changes one at a time with :meth:`changed`."""
 
@@ -140,6 +170,8 @@ class WorkloadSpec:
     full: bool = False
     #: reward: ``objective_settings.center_rewards_coefficient`` (None: off, TRL's default)
     center_rewards: float | None = None
+    #: a GPTQ base (``quantization.type: gptq``): its QuantLinear layers and kernel; None: not GPTQ
+    gptq: GptqSpec | None = None
 
     @property
     def padded(self) -> bool:
@@ -187,13 +219,17 @@ class WorkloadSpec:
                 "for this objective with LoRA/QLoRA only (its truths are adapter runs)",
                 "estimate it with LoRA, or the SFT step (training.objective: sft) for full fine-tuning",
             )
-        if q.quantized:
+        gptq = None
+        if q.quantized and q.scheme == "gptq":
+            gptq = _gptq_spec(doc, q)
+        elif q.quantized:
             path = config.QUANT
             if not q.four_bit:
                 raise _err(
                     doc,
                     (*path, "type"),
-                    "the training step (estimate, measure, shard) simulates bitsandbytes 4-bit nf4/fp4 bases only, "
+                    "the training step (estimate, measure, shard) simulates bitsandbytes 4-bit nf4/fp4 and GPTQ "
+                    "bases only, "
                     f"not {q.type or 'nothing'!r}",
                     "`ledgerspec resolve` sizes this base's storage exactly; its step is not simulated "
                     "(see the Models page of the docs)",
@@ -335,6 +371,7 @@ class WorkloadSpec:
             disable_dropout=t.objective in TRL_STEPS and t.disable_dropout,
             full=cfg.full,
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
+            gptq=gptq,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -353,6 +390,9 @@ class WorkloadSpec:
             if q.get("skip_modules") is not None:
                 q["skip_modules"] = tuple(q["skip_modules"])
             data["quant"] = QuantSpec(**q)
+        g = data.get("gptq")
+        if g is not None:
+            data["gptq"] = GptqSpec(**{**g, "skip_modules": tuple(g.get("skip_modules") or ())})
         data["module_dtypes"] = tuple(tuple(pair) for pair in data.get("module_dtypes") or ())
         if isinstance(data.get("kernels"), dict):
             k = dict(data["kernels"])
@@ -505,6 +545,30 @@ def _full_model(base: Any) -> Any:
     return base
 
 
+def _gptq_spec(doc: Document, q: config.Quantization) -> GptqSpec:
+    """The GPTQ base of ``doc``: bits, group size and act-order as declared (None: the model config's
+    ``quantization_config``, read with the model, as resolve reads them), and the kernel, which only the ledger says."""
+    from ledgerspec.derivations.engine.gptq import KERNELS
+
+    path = config.QUANT
+    if q.kernel not in KERNELS:
+        raise _err(
+            doc,
+            (*path, "kernel") if q.kernel else path,
+            f"a gptq base trains through a QuantLinear kernel the step must know: got {q.kernel or 'none'!r}",
+            "declare base_model.quantization.kernel: triton_v2 (AutoGPTQ, fms-acceleration) or torch (GPTQModel's "
+            "TorchLinear, what transformers loads)",
+        )
+    if q.bits is not None and q.bits not in (2, 4, 8):
+        raise _err(doc, (*path, "bits"), f"the GPTQ kernels pack 2, 4 or 8 bits, not {q.bits}")
+    from ledgerspec.contract.differences import OLDER
+    from ledgerspec.derivations.stack.versions import declared_side, installed_side
+
+    key = "peft-gptq-lora-input-cast"
+    older = (declared_side(doc, key) or installed_side(key)) == OLDER
+    return GptqSpec(q.bits, q.blocksize, q.desc_act, q.kernel or "", q.skip_modules or (), older)
+
+
 class Workload:
     """The model, optimizer and batches of one spec; see the module docstring for the order of calls."""
 
@@ -539,6 +603,12 @@ class Workload:
             base = build_base(self.doc, self.source.config, getattr(torch, spec.loaded_dtype), attention=spec.attention)
         if spec.quant is not None:
             self._replace_with_4bit(base)
+        if spec.gptq is not None:
+            from ledgerspec.derivations.engine.gptq import replace_with_gptq_linear
+
+            g = spec.gptq.settled(self.source.config)
+            assert g.bits is not None and g.group_size is not None
+            replace_with_gptq_linear(base, g.bits, g.group_size, g.kernel, g.skip_modules)
         if spec.prepare_kbit:
             quiet_bitsandbytes()
             import warnings
@@ -554,6 +624,14 @@ class Workload:
                 )
         if spec.full:
             self.model = _full_model(base)
+        elif spec.gptq is not None:
+            from ledgerspec.derivations.engine.gptq import lora_custom_modules
+
+            self.model = inject_adapters(self.doc, base, custom_modules=lora_custom_modules())
+            if spec.gptq.older_lora:
+                from ledgerspec.derivations.engine.gptq import use_older_lora_forward
+
+                use_older_lora_forward(self.model)
         else:
             self.model = inject_adapters(self.doc, base)
         if spec.reference == "adapter_copy":

@@ -667,6 +667,12 @@ def _differences(
 
         if models_float_logits(doc):  # and < 4.46's upcast in the model's forward
             out[FLOAT_KEY] = record(OLDER)
+    if spec.gptq is not None:
+        key = "peft-gptq-lora-input-cast"
+        out[key] = record(OLDER if spec.gptq.older_lora else NEWER)
+        if spec.gptq.older_lora and installed_side(key) == NEWER:
+            d = BY_ID[key]
+            notes.append(f"modelled the declared {d.span(OLDER)}: {d.older} [{key}]")
     if spec.quant is None:
         return out, notes
     key = "bitsandbytes-4bit-matmul-input"
