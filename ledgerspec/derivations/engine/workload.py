@@ -559,6 +559,15 @@ def _gptq_spec(doc: Document, q: config.Quantization) -> GptqSpec:
             "declare base_model.quantization.kernel: triton_v2 (AutoGPTQ, fms-acceleration) or torch (GPTQModel's "
             "TorchLinear, what transformers loads)",
         )
+    targets = doc.get("method", "target_modules").text()
+    if targets is not None and targets.strip().lower() == "all-linear":
+        raise _err(
+            doc,
+            ("method", "target_modules"),
+            "PEFT's all-linear matches nn.Linear and Conv1D layers only, so it finds no layer to adapt in a GPTQ "
+            "model (its QuantLinear layers are neither; peft/tuners/tuners_utils.py, _maybe_include_all_linear_layers)",
+            "list the projections, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
+        )
     if q.bits is not None and q.bits not in (2, 4, 8):
         raise _err(doc, (*path, "bits"), f"the GPTQ kernels pack 2, 4 or 8 bits, not {q.bits}")
     from ledgerspec.contract.differences import OLDER

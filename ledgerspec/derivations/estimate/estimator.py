@@ -463,6 +463,16 @@ def method_text(est_plan: Plan, spec: Any, target: str) -> str:
     ]
     if quant:
         parts.append("4-bit layers: bitsandbytes storage exact, CUDA dequantize+linear temporaries counted")
+    if spec.gptq is not None:
+        parts.append(
+            f"GPTQ layers: the QuantLinear buffers exact (qweight, qzeros, scales, g_idx), kernel {spec.gptq.kernel} "
+            + (
+                "(the weight dequantized to a float16 workspace in forward and again in backward, nothing kept)"
+                if spec.gptq.kernel == "triton_v2"
+                else "(the dequantized weight kept by autograd for backward)"
+            )
+            + ", PEFT's GPTQLoraLinear on top"
+        )
     if target == "cuda":
         parts.append("each allocation rounded up to 512 B as the CUDA caching allocator does")
     parts.append(method_notes(spec, target))

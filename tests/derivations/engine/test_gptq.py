@@ -186,3 +186,12 @@ def test_awq_is_still_refused_at_its_type() -> None:
     awq = from_text(_text().replace("type: gptq", "type: awq"), str(DATA / "test.ledger.yaml"))
     with pytest.raises(LedgerspecError, match="nf4/fp4 and GPTQ bases only"):
         WorkloadSpec.from_document(awq)
+
+
+def test_all_linear_on_a_gptq_base_is_refused_as_peft_would_find_nothing() -> None:
+    """PEFT's all-linear matches nn.Linear/Conv1D only; a QuantLinear is neither (peft/tuners/tuners_utils.py)."""
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+
+    doc = from_text(_text().replace("[q_proj, k_proj, v_proj, o_proj]", "all-linear"), str(DATA / "test.ledger.yaml"))
+    with pytest.raises(LedgerspecError, match=r"all-linear matches nn\.Linear and Conv1D layers only"):
+        WorkloadSpec.from_document(doc)
