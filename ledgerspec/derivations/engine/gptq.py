@@ -23,11 +23,12 @@ Kernels (``base_model.quantization.kernel``):
   ``ctx.save_for_backward(qweight, scales, qzeros, g_idx)`` keeps only the layer's own buffers; backward
   dequantizes again and returns ``grad_output @ W.t()``. Then ``out.half()`` and ``+ bias``.
 - ``torch``: GPTQModel 7.x ``TorchLinear._forward_eager`` (``gptqmodel/nn_modules/qlinear/torch.py`` at f4c327a,
-  lines 326-347): ``weights = self.dequantize_weight()`` (on CUDA with triton: ``_dequantize_weight_triton``, one
-  ``(in, out)`` tensor in the scales' dtype), ``torch.matmul(x, weights)``: plain autograd, so the matmul keeps the
-  dequantized weight for backward (its input requires grad under LoRA) until the layer's backward has run, and
-  ``out.add_(bias)``. The eager CPU dequantization's intermediates (unpacked int8 codes, gathered scales and zeros)
-  are not modelled: the CUDA path's one workspace is.
+  lines 326-347; its ``TritonV2Linear`` subclasses ``TorchLinear`` and calls this forward in training mode,
+  ``tritonv2.py`` lines 53 and 176-180): ``weights = self.dequantize_weight()`` (on CUDA with triton:
+  ``_dequantize_weight_triton``, one ``(in, out)`` tensor in the scales' dtype), ``torch.matmul(x, weights)``: plain
+  autograd, so the matmul keeps the dequantized weight for backward (its input requires grad under LoRA) until the
+  layer's backward has run, and ``out.add_(bias)``. The eager CPU dequantization's intermediates (unpacked int8
+  codes, gathered scales and zeros) are not modelled: the CUDA path's one workspace is.
 """
 
 from __future__ import annotations

@@ -556,8 +556,8 @@ def _gptq_spec(doc: Document, q: config.Quantization) -> GptqSpec:
             doc,
             (*path, "kernel") if q.kernel else path,
             f"a gptq base trains through a QuantLinear kernel the step must know: got {q.kernel or 'none'!r}",
-            "declare base_model.quantization.kernel: triton_v2 (AutoGPTQ, fms-acceleration) or torch (GPTQModel's "
-            "TorchLinear, what transformers loads)",
+            "declare base_model.quantization.kernel: triton_v2 (AutoGPTQ, fms-acceleration) or torch (GPTQModel 7's "
+            "TorchLinear, through which transformers' GPTQ layers train)",
         )
     targets = doc.get("method", "target_modules").text()
     if targets is not None and targets.strip().lower() == "all-linear":

@@ -195,3 +195,14 @@ def test_all_linear_on_a_gptq_base_is_refused_as_peft_would_find_nothing() -> No
     doc = from_text(_text().replace("[q_proj, k_proj, v_proj, o_proj]", "all-linear"), str(DATA / "test.ledger.yaml"))
     with pytest.raises(LedgerspecError, match=r"all-linear matches nn\.Linear and Conv1D layers only"):
         WorkloadSpec.from_document(doc)
+
+
+def test_a_sharded_gptq_step_is_refused_in_one_line() -> None:
+    """FSDP/ZeRO over a GPTQ base (int32 QuantLinear buffers) is not simulated: the refusal says so, not
+    bitsandbytes' storage_dtype."""
+    from ledgerspec.derivations.shard.options import check_qlora
+
+    doc = from_text(_text() + "parallelism: {gpu_count: 2, strategy: fsdp1}\n", str(DATA / "test.ledger.yaml"))
+    with pytest.raises(LedgerspecError, match="not a gptq base") as err:
+        check_qlora(doc)
+    assert "storage_dtype" not in str(err.value) and "\n" not in str(err.value)
