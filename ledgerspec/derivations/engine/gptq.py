@@ -171,12 +171,9 @@ def use_older_lora_forward(model: Any) -> int:
     return count
 
 
-def replace_with_gptq_linear(
-    model: Any, bits: int, group_size: int, kernel: str, skip_modules: tuple[str, ...] = ()
-) -> int:
-    """Replace the ``nn.Linear`` layers of the decoder blocks by :class:`GptqQuantLinear` (on the meta device when
-    the model is there); returns how many. The model is marked as transformers/fms mark a GPTQ model
-    (``quantization_method = "gptq"``: PEFT's ``prepare_model_for_kbit_training`` then upcasts nothing)."""
+def replace_decoder_linears(model: Any, make: Any, skip_modules: tuple[str, ...] = ()) -> int:
+    """Replace every ``nn.Linear`` of the decoder blocks by ``make(linear)``, created on the linear's device (the
+    meta device while the model is there), but those whose name contains one of ``skip_modules``; how many."""
     import torch
 
     from ledgerspec.derivations.stack.build import decoder_layers
@@ -184,19 +181,31 @@ def replace_with_gptq_linear(
     found = decoder_layers(model)
     if found is None:
         return 0
-    cls = quant_linear_class()
     count = 0
-    layers = found[1]
-    for parent_name, parent in list(layers.named_modules()):
+    for parent_name, parent in list(found[1].named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
             if type(child) is not torch.nn.Linear or any(s and s in full for s in skip_modules):
                 continue
-            device = child.weight.device
-            with torch.device(device):
-                new = cls(child.in_features, child.out_features, bits, group_size, child.bias is not None, kernel)
+            with torch.device(child.weight.device):
+                new = make(child)
             setattr(parent, name, new)
             count += 1
+    return count
+
+
+def replace_with_gptq_linear(
+    model: Any, bits: int, group_size: int, kernel: str, skip_modules: tuple[str, ...] = ()
+) -> int:
+    """Replace the ``nn.Linear`` layers of the decoder blocks by :class:`GptqQuantLinear` (on the meta device when
+    the model is there); returns how many. The model is marked as transformers/fms mark a GPTQ model
+    (``quantization_method = "gptq"``: PEFT's ``prepare_model_for_kbit_training`` then upcasts nothing)."""
+    cls = quant_linear_class()
+    count = replace_decoder_linears(
+        model,
+        lambda child: cls(child.in_features, child.out_features, bits, group_size, child.bias is not None, kernel),
+        skip_modules,
+    )
     model.quantization_method = "gptq"
     model.is_loaded_in_4bit = bits == 4
     return count
@@ -207,6 +216,7 @@ __all__ = [
     "lora_custom_modules",
     "older_lora_forward",
     "quant_linear_class",
+    "replace_decoder_linears",
     "replace_with_gptq_linear",
     "use_older_lora_forward",
 ]

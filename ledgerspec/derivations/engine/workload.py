@@ -101,6 +101,9 @@ class GptqSpec:
     #: PEFT's GPTQLoraLinear forward as before 0.16.0 (declared ``software.peft``; known difference
     #: ``peft-gptq-lora-input-cast``)
     older_lora: bool = False
+    #: ``gptq`` (GPTQ QuantLinear, :mod:`ledgerspec.derivations.engine.gptq`) or ``awq`` (AWQ GEMM,
+    #: :mod:`ledgerspec.derivations.engine.awq`; ``kernel`` is then ``gemm``)
+    scheme: str = "gptq"
 
     def settled(self, model_config: Any) -> GptqSpec:
         """Bits and group size the ledger left out, from the model config's ``quantization_config``."""
@@ -220,7 +223,7 @@ class WorkloadSpec:
                 "estimate it with LoRA, or the SFT step (training.objective: sft) for full fine-tuning",
             )
         gptq = None
-        if q.quantized and q.scheme == "gptq":
+        if q.quantized and q.scheme in ("gptq", "awq"):
             gptq = _gptq_spec(doc, q)
         elif q.quantized:
             path = config.QUANT
@@ -228,8 +231,8 @@ class WorkloadSpec:
                 raise _err(
                     doc,
                     (*path, "type"),
-                    "the training step (estimate, measure, shard) simulates bitsandbytes 4-bit nf4/fp4 and GPTQ "
-                    "bases only, "
+                    "the training step (estimate, measure, shard) simulates bitsandbytes 4-bit nf4/fp4, GPTQ and "
+                    "AWQ bases only, "
                     f"not {q.type or 'nothing'!r}",
                     "`ledgerspec resolve` sizes this base's storage exactly; its step is not simulated "
                     "(see the Models page of the docs)",
@@ -551,7 +554,10 @@ def _gptq_spec(doc: Document, q: config.Quantization) -> GptqSpec:
     from ledgerspec.derivations.engine.gptq import KERNELS
 
     path = config.QUANT
-    if q.kernel not in KERNELS:
+    if q.scheme == "awq":
+        if q.bits is not None and q.bits != 4:
+            raise _err(doc, (*path, "bits"), f"the AWQ GEMM kernel packs 4 bits, not {q.bits}")
+    elif q.kernel not in KERNELS:
         raise _err(
             doc,
             (*path, "kernel") if q.kernel else path,
@@ -564,16 +570,19 @@ def _gptq_spec(doc: Document, q: config.Quantization) -> GptqSpec:
         raise _err(
             doc,
             ("method", "target_modules"),
-            "PEFT's all-linear matches nn.Linear and Conv1D layers only, so it finds no layer to adapt in a GPTQ "
-            "model (its QuantLinear layers are neither; peft/tuners/tuners_utils.py, _maybe_include_all_linear_layers)",
+            f"PEFT's all-linear matches nn.Linear and Conv1D layers only, so it finds no layer to adapt in "
+            f"{'an AWQ' if q.scheme == 'awq' else 'a GPTQ'} model (its QuantLinear layers are neither; "
+            "peft/tuners/tuners_utils.py, _maybe_include_all_linear_layers)",
             "list the projections, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
         )
-    if q.bits is not None and q.bits not in (2, 4, 8):
+    if q.scheme == "gptq" and q.bits is not None and q.bits not in (2, 4, 8):
         raise _err(doc, (*path, "bits"), f"the GPTQ kernels pack 2, 4 or 8 bits, not {q.bits}")
     from ledgerspec.contract.differences import OLDER
     from ledgerspec.derivations.stack.versions import declared_side, installed_side
 
     key = "peft-gptq-lora-input-cast"
+    if q.scheme == "awq":  # one training kernel (GEMM); PEFT's AwqLoraLinear forward did not change
+        return GptqSpec(q.bits, q.blocksize, False, "gemm", q.skip_modules or (), False, "awq")
     older = (declared_side(doc, key) or installed_side(key)) == OLDER
     return GptqSpec(q.bits, q.blocksize, q.desc_act, q.kernel or "", q.skip_modules or (), older)
 
@@ -613,11 +622,16 @@ class Workload:
         if spec.quant is not None:
             self._replace_with_4bit(base)
         if spec.gptq is not None:
-            from ledgerspec.derivations.engine.gptq import replace_with_gptq_linear
-
             g = spec.gptq.settled(self.source.config)
             assert g.bits is not None and g.group_size is not None
-            replace_with_gptq_linear(base, g.bits, g.group_size, g.kernel, g.skip_modules)
+            if g.scheme == "awq":
+                from ledgerspec.derivations.engine.awq import replace_with_awq_linear
+
+                replace_with_awq_linear(base, g.bits, g.group_size, g.skip_modules)
+            else:
+                from ledgerspec.derivations.engine.gptq import replace_with_gptq_linear
+
+                replace_with_gptq_linear(base, g.bits, g.group_size, g.kernel, g.skip_modules)
         if spec.prepare_kbit:
             quiet_bitsandbytes()
             import warnings
@@ -634,9 +648,10 @@ class Workload:
         if spec.full:
             self.model = _full_model(base)
         elif spec.gptq is not None:
-            from ledgerspec.derivations.engine.gptq import lora_custom_modules
+            from ledgerspec.derivations.engine import awq, gptq
 
-            self.model = inject_adapters(self.doc, base, custom_modules=lora_custom_modules())
+            room = awq if spec.gptq.scheme == "awq" else gptq
+            self.model = inject_adapters(self.doc, base, custom_modules=room.lora_custom_modules())
             if spec.gptq.older_lora:
                 from ledgerspec.derivations.engine.gptq import use_older_lora_forward
 

@@ -463,7 +463,13 @@ def method_text(est_plan: Plan, spec: Any, target: str) -> str:
     ]
     if quant:
         parts.append("4-bit layers: bitsandbytes storage exact, CUDA dequantize+linear temporaries counted")
-    if spec.gptq is not None:
+    if spec.gptq is not None and spec.gptq.scheme == "awq":
+        parts.append(
+            "AWQ layers: the GEMM QuantLinear buffers exact (qweight, qzeros, scales), its training kernel (the input "
+            "kept for backward, the weight dequantized above 1,024 rows, a batch-size copy of it in backward), PEFT's "
+            "AwqLoraLinear on top"
+        )
+    elif spec.gptq is not None:
         parts.append(
             f"GPTQ layers: the QuantLinear buffers exact (qweight, qzeros, scales, g_idx), kernel {spec.gptq.kernel} "
             + (
@@ -677,7 +683,7 @@ def _differences(
 
         if models_float_logits(doc):  # and < 4.46's upcast in the model's forward
             out[FLOAT_KEY] = record(OLDER)
-    if spec.gptq is not None:
+    if spec.gptq is not None and spec.gptq.scheme == "gptq":
         key = "peft-gptq-lora-input-cast"
         out[key] = record(OLDER if spec.gptq.older_lora else NEWER)
         if spec.gptq.older_lora and installed_side(key) == NEWER:

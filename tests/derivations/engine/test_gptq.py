@@ -180,12 +180,12 @@ def test_a_gptq_base_without_a_kernel_is_a_one_line_error() -> None:
     assert "\n" not in str(err.value)
 
 
-def test_awq_is_still_refused_at_its_type() -> None:
+def test_hqq_is_still_refused_at_its_type() -> None:
     from ledgerspec.derivations.engine.workload import WorkloadSpec
 
-    awq = from_text(_text().replace("type: gptq", "type: awq"), str(DATA / "test.ledger.yaml"))
-    with pytest.raises(LedgerspecError, match="nf4/fp4 and GPTQ bases only"):
-        WorkloadSpec.from_document(awq)
+    hqq = from_text(_text().replace("type: gptq", "type: hqq"), str(DATA / "test.ledger.yaml"))
+    with pytest.raises(LedgerspecError, match="nf4/fp4, GPTQ and AWQ bases only"):
+        WorkloadSpec.from_document(hqq)
 
 
 def test_all_linear_on_a_gptq_base_is_refused_as_peft_would_find_nothing() -> None:
