@@ -12,7 +12,8 @@ out / 8)``, ``qzeros`` int32 ``(in / group, out / 8)``, ``scales`` float16 ``(in
 ``(out,)`` when the Linear had one.
 
 Kernel (GPTQModel 7.x ``gptqmodel/nn_modules/qlinear/gemm_awq.py`` at f4c327a: ``AwqGEMMLinear.forward`` lines
-167-204, ``AwqGemmFn`` lines 22-84; AutoAWQ's ``WQLinearMMFunction`` is the same): an input that is not float16 or
+167-204, ``AwqGemmFn`` lines 22-84, its AWQ GEMM layer with ``SUPPORTS_TRAINING = True``; AutoAWQ's
+``WQLinearMMFunction`` is the same): an input that is not float16 or
 bfloat16 is cast to float16 first; ``ctx.save_for_backward(x, qweight, qzeros, scales, bias)`` keeps the layer's
 INPUT for backward; above 1,024 rows (``x.shape[0] * x.shape[1] > 1024``) the weight is dequantized into a new
 ``(in, out)`` tensor in the scales' dtype and multiplied (``torch.matmul``), below it the fused CUDA GEMM writes the
