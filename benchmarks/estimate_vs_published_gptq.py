@@ -168,14 +168,17 @@ EXPLAINED = """## What each figure includes, and every difference
   input cast under autocast; known difference `peft-gptq-lora-input-cast`), fp16 autocast with a GradScaler,
   reentrant checkpointing, flash-attention 2, transformers 4.48.1's loss (the shifted float32 logits copied, known
   difference `transformers-causal-lm-loss-shift-copy`).
-- **After `train()`**: 17.45 MB (Mistral) and 17.47 MB (Llama-2-70B) low. 17.04 MB of it are the two cuBLAS
-  workspaces (8,519,680 B per handle on an A100, one handle for the Python thread and one for the autograd engine's
-  thread): allocated through PyTorch's caching allocator, so in the published figures, but no tensors, so never in
-  the estimate (`ledgerspec/derivations/devices/outside.yaml`, `cublas`). The remaining 0.41-0.43 MB is not
-  identified (the same order as the batch of token ids, labels and positions, 0.39 MB at 4 x 4096 tokens).
+- **After `train()`**: 17.45 MB (Mistral, 4 sequences), 17.84 MB (Mistral, 8) and 17.47 MB (Llama-2-70B) low.
+  17.04 MB of it are the two cuBLAS workspaces (8,519,680 B per handle on an A100, one handle for the Python thread
+  and one for the autograd engine's thread): allocated through PyTorch's caching allocator, so in the published
+  figures, but no tensors, so never in the estimate (`ledgerspec/derivations/devices/outside.yaml`, `cublas`). The
+  rest, 0.41 / 0.80 / 0.43 MB, grows with the batch: three int64 tensors of batch x 4,096 are 0.39 / 0.79 / 0.39 MB,
+  as if the last batch were still held when the tracker reads memory (the Trainer's loop still has it in scope there;
+  plausible, not verified); the last 18-33 KB are not identified.
 - **Mistral-7B peaks**: 18.2 MB and 19.4 MB low, of which 17.04 MB are the same cuBLAS workspaces; the rest (1.1 MB,
-  2.4 MB) is not identified. The peak is at the end of the forward: the checkpointed layer inputs and what the loss
-  keeps for backward (the float16 logits, their float32 copy, the shifted copy of 4.48.1's loss).
+  2.4 MB) grows with the batch and is not identified. The peak is at the end of the forward: the checkpointed layer
+  inputs and what the loss keeps for backward (the float16 logits, their float32 copy, the shifted copy of 4.48.1's
+  loss).
 - **Llama-2-70B, 4 x 4096 tokens**: +1.59 GB (+2.4%). The estimate's peak is in backward, while every checkpointed
   layer input is still held (21.48 GB, the whole of the activations at that moment) and 11.08 GB were made in
   backward: the recompute of the last decoder layer and its backward (its MLP's float16 16,384 x 28,672 tensors are
