@@ -206,3 +206,15 @@ def test_a_sharded_gptq_step_is_refused_in_one_line() -> None:
     with pytest.raises(LedgerspecError, match="not a gptq base") as err:
         check_qlora(doc)
     assert "storage_dtype" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_kernel_is_an_input_of_the_estimate_not_of_resolve() -> None:
+    """Changing the kernel changes the estimate's input digest (its cache key and LS006 staleness), not resolve's;
+    absent, it leaves every earlier stamp as it was."""
+    from ledgerspec.contract.fingerprint import RESOLVE_INPUTS, WORKLOAD_INPUTS, section_digest
+
+    a, b, none = _doc(), _doc(kernel="torch"), _doc(kernel="")
+    work, res = WORKLOAD_INPUTS["base_model"], RESOLVE_INPUTS["base_model"]
+    assert section_digest(a, "base_model", work) != section_digest(b, "base_model", work)
+    assert section_digest(a, "base_model", res) == section_digest(b, "base_model", res)
+    assert section_digest(none, "base_model", work) == section_digest(none, "base_model", res)
