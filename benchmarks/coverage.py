@@ -86,6 +86,8 @@ def intake(f: Family, kind: str) -> str:
             "  quantization: {type: nf4, double_quant: true, compute_dtype: bfloat16, storage_dtype: uint8}\n"
             "  quantized: true\n"
         )
+    elif kind == "QLoRA" and f.qlora == "gptq":  # the kernel transformers loads through gptqmodel (TorchLinear)
+        quant = "  quantization: {type: gptq, kernel: torch}\n  quantized: true\n"
     elif kind == "QLoRA":
         quant = f"  quantization: {{type: {f.qlora}}}\n  quantized: true\n"
     return f"""ledgerspec: intake/v1

@@ -61,6 +61,7 @@ class Quantization:
     skip_modules: tuple[str, ...] | None = None
     desc_act: bool | None = None  # gptq act-order, as written
     dequantized: bool | None = None  # mxfp4 experts dequantized at load, as written
+    kernel: str | None = None  # gptq: the QuantLinear kernel (triton_v2 | torch), as written
 
     @property
     def four_bit(self) -> bool:
@@ -581,6 +582,7 @@ def _quantization(doc: Document, quantized: bool) -> Quantization:
         skip_modules,
         get("desc_act").switch(),
         get("dequantized").switch(),
+        (get("kernel").text() or "").strip().lower() or None,
     )
 
 

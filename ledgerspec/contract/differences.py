@@ -125,6 +125,20 @@ KNOWN: tuple[KnownDifference, ...] = (
             "torch/distributed/fsdp/_runtime_utils.py, _register_post_backward_reshard_only_hook (2.4.1 and 2.13)",
         ),
     ),
+    KnownDifference(
+        id="peft-gptq-lora-input-cast",
+        package="peft",
+        changed_in="0.16.0",
+        older="GPTQLoraLinear leaves the input alone under autocast (`requires_conversion = not "
+        "torch.is_autocast_enabled()`) and adds the scaled LoRA output in place (`result += output`)",
+        newer="GPTQLoraLinear casts the input to the adapter's dtype under autocast too (`_cast_input_dtype`: a "
+        "float32 copy of a 16-bit input and its dropout's output) and adds out of place (`result = result + ...`)",
+        figures="the transient peaks of a GPTQ-LoRA step with float32 adapters under autocast",
+        sources=(
+            "https://github.com/huggingface/peft/blob/v0.13.2/src/peft/tuners/lora/gptq.py (GPTQLoraLinear.forward)",
+            "https://github.com/huggingface/peft/pull/2571 (commit e34852f, first released in 0.16.0)",
+        ),
+    ),
 )
 
 BY_ID = {d.id: d for d in KNOWN}

@@ -342,6 +342,16 @@ QUANTIZATION = F(
             "training needs); false: packed FP4 + scales as the triton kernels hold them. Default false.",
         ),
         F("skip_modules", STRINGS, "Modules kept unquantized (`llm_int8_skip_modules`), e.g. `lm_head`."),
+        F(
+            "kernel",
+            ENUM,
+            "gptq: the QuantLinear kernel the run trains through (what the training step simulates): triton_v2 "
+            "(AutoGPTQ's and fms-acceleration's `qlinear_tritonv2`: the weight dequantized to float16 in forward and "
+            "again in backward, nothing kept) or torch (GPTQModel 7's `TorchLinear`, through which the layers "
+            "transformers loads with gptqmodel train: the dequantized weight kept by autograd for backward). Needed "
+            "by estimate for a gptq base.",
+            enum=("triton_v2", "torch"),
+        ),
     ),
 )
 

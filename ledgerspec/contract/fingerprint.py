@@ -82,6 +82,8 @@ RESOLVE_INPUTS: Inputs = {
 WORKLOAD_INPUTS: Inputs = {
     **RESOLVE_INPUTS,
     "method": (*RESOLVE_INPUTS["method"], ("dropout",)),
+    # the GPTQ kernel the step runs (absent: not in the digest, so no earlier stamp changes)
+    "base_model": (*RESOLVE_INPUTS["base_model"], ("quantization", "kernel")),
     "software": (
         ("attention_implementation",),
         *(("kernels", op) for op in ("cross_entropy", "norm", "mlp_activation", "rope", "lora_projections")),
@@ -140,6 +142,7 @@ DTYPE_INPUTS = {
 CASELESS_INPUTS = {
     ("optimizer", "name"),
     ("base_model", "quantization", "type"),
+    ("base_model", "quantization", "kernel"),
     ("identity", "config_sha256"),
     ("training", "loop"),
     ("training", "mixed_precision"),
@@ -227,7 +230,7 @@ def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
 
 
 #: inputs the first version of the stamp did not read (its ``verbatim`` digests leave them out)
-FIRST_VERSION_LEFT_OUT = {("workload", "padding_free")}
+FIRST_VERSION_LEFT_OUT = {("workload", "padding_free"), ("base_model", "quantization", "kernel")}
 
 
 def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...], verbatim: bool = False) -> str:

@@ -620,7 +620,8 @@ ADDED: dict[str, list[str]] = {
     "base_model": ["module_dtypes"],  # dtypes left by k-bit preparation and a trainer's casts
     "phases": ["generation_peak"],  # issue 24: online RL's generation phase (GRPO/RLOO), before the forward
     "method": ["exclude_modules"],  # PEFT's exclude_modules: e.g. a vision tower under all-linear (issue 17)
-    "base_model.quantization": ["desc_act", "dequantized"],  # bases quantized by GPTQ / MXFP4 (issue 17)
+    # bases quantized by GPTQ / MXFP4 (issue 17); the GPTQ kernel the training step runs (issue 26)
+    "base_model.quantization": ["desc_act", "dequantized", "kernel"],
     # issue 16: FSDP2's MixedPrecisionPolicy; FSDP1's prefetch, all-gather limit, flat-parameter and hybrid options;
     # the DeepSpeed ZeRO options
     "parallelism": [

@@ -102,6 +102,39 @@ class GenerationSpec:
 
 
 @dataclass(frozen=True)
+class GptqSpec:
+    """A GPTQ base as declared (``quantization.type: gptq``): bits, group size, act-order and the kernel the run
+    trains through (:mod:`ledgerspec.derivations.engine.gptq`)."""
+
+    bits: int | None  # None: the model config's quantization_config (else 4)
+    group_size: int | None  # None: the model config's quantization_config (else 128)
+    desc_act: bool | None
+    kernel: str
+    skip_modules: tuple[str, ...] = ()
+    #: PEFT's GPTQLoraLinear forward as before 0.16.0 (declared ``software.peft``; known difference
+    #: ``peft-gptq-lora-input-cast``)
+    older_lora: bool = False
+    #: ``gptq`` (GPTQ QuantLinear, :mod:`ledgerspec.derivations.engine.gptq`) or ``awq`` (AWQ GEMM,
+    #: :mod:`ledgerspec.derivations.engine.awq`; ``kernel`` is then ``gemm``)
+    scheme: str = "gptq"
+
+    def settled(self, model_config: Any) -> GptqSpec:
+        """Bits and group size the ledger left out, from the model config's ``quantization_config``."""
+        qc = getattr(model_config, "quantization_config", None)
+        published: dict[str, Any] = {}
+        if isinstance(qc, dict):
+            published = qc
+        elif qc is not None and hasattr(qc, "to_dict"):
+            published = qc.to_dict()
+        return dataclasses.replace(
+            self,
+            bits=self.bits if self.bits is not None else int(published.get("bits", 4)),
+            group_size=self.group_size if self.group_size is not None else int(published.get("group_size", 128)),
+            desc_act=self.desc_act if self.desc_act is not None else bool(published.get("desc_act", False)),
+        )
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     """Every knob of the workload, read from a document; triage changes one at a time with :meth:`changed`."""
 
@@ -155,6 +188,8 @@ class WorkloadSpec:
     center_rewards: float | None = None
     #: GRPO: the generation (None for the other objectives)
     generation: GenerationSpec | None = None
+    #: a GPTQ base (``quantization.type: gptq``): its QuantLinear layers and kernel; None: not GPTQ
+    gptq: GptqSpec | None = None
 
     @property
     def padded(self) -> bool:
@@ -204,13 +239,17 @@ class WorkloadSpec:
                 "for this objective with LoRA/QLoRA only (its truths are adapter runs)",
                 "estimate it with LoRA, or the SFT step (training.objective: sft) for full fine-tuning",
             )
-        if q.quantized:
+        gptq = None
+        if q.quantized and q.scheme in ("gptq", "awq"):
+            gptq = _gptq_spec(doc, q)
+        elif q.quantized:
             path = config.QUANT
             if not q.four_bit:
                 raise _err(
                     doc,
                     (*path, "type"),
-                    "the training step (estimate, measure, shard) simulates bitsandbytes 4-bit nf4/fp4 bases only, "
+                    "the training step (estimate, measure, shard) simulates bitsandbytes 4-bit nf4/fp4, GPTQ and "
+                    "AWQ bases only, "
                     f"not {q.type or 'nothing'!r}",
                     "`ledgerspec resolve` sizes this base's storage exactly; its step is not simulated "
                     "(see the Models page of the docs)",
@@ -367,6 +406,7 @@ class WorkloadSpec:
             full=cfg.full,
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
             generation=generation,
+            gptq=gptq,
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -385,6 +425,9 @@ class WorkloadSpec:
             if q.get("skip_modules") is not None:
                 q["skip_modules"] = tuple(q["skip_modules"])
             data["quant"] = QuantSpec(**q)
+        g = data.get("gptq")
+        if g is not None:
+            data["gptq"] = GptqSpec(**{**g, "skip_modules": tuple(g.get("skip_modules") or ())})
         data["module_dtypes"] = tuple(tuple(pair) for pair in data.get("module_dtypes") or ())
         if isinstance(data.get("generation"), dict):
             data["generation"] = GenerationSpec(**data["generation"])
@@ -625,6 +668,45 @@ def _full_model(base: Any) -> Any:
     return base
 
 
+def _gptq_spec(doc: Document, q: config.Quantization) -> GptqSpec:
+    """The GPTQ base of ``doc``: bits, group size and act-order as declared (None: the model config's
+    ``quantization_config``, read with the model, as resolve reads them), and the kernel, which only the ledger says."""
+    from ledgerspec.derivations.engine.gptq import KERNELS
+
+    path = config.QUANT
+    if q.scheme == "awq":
+        if q.bits is not None and q.bits != 4:
+            raise _err(doc, (*path, "bits"), f"the AWQ GEMM kernel packs 4 bits, not {q.bits}")
+    elif q.kernel not in KERNELS:
+        raise _err(
+            doc,
+            (*path, "kernel") if q.kernel else path,
+            f"a gptq base trains through a QuantLinear kernel the step must know: got {q.kernel or 'none'!r}",
+            "declare base_model.quantization.kernel: triton_v2 (AutoGPTQ, fms-acceleration) or torch (GPTQModel 7's "
+            "TorchLinear, through which transformers' GPTQ layers train)",
+        )
+    targets = doc.get("method", "target_modules").text()
+    if targets is not None and targets.strip().lower() == "all-linear":
+        raise _err(
+            doc,
+            ("method", "target_modules"),
+            f"PEFT's all-linear matches nn.Linear and Conv1D layers only, so it finds no layer to adapt in "
+            f"{'an AWQ' if q.scheme == 'awq' else 'a GPTQ'} model (its QuantLinear layers are neither; "
+            "peft/tuners/tuners_utils.py, _maybe_include_all_linear_layers)",
+            "list the projections, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
+        )
+    if q.scheme == "gptq" and q.bits is not None and q.bits not in (2, 4, 8):
+        raise _err(doc, (*path, "bits"), f"the GPTQ kernels pack 2, 4 or 8 bits, not {q.bits}")
+    from ledgerspec.contract.differences import OLDER
+    from ledgerspec.derivations.stack.versions import declared_side, installed_side
+
+    key = "peft-gptq-lora-input-cast"
+    if q.scheme == "awq":  # one training kernel (GEMM); PEFT's AwqLoraLinear forward did not change
+        return GptqSpec(q.bits, q.blocksize, False, "gemm", q.skip_modules or (), False, "awq")
+    older = (declared_side(doc, key) or installed_side(key)) == OLDER
+    return GptqSpec(q.bits, q.blocksize, q.desc_act, q.kernel or "", q.skip_modules or (), older)
+
+
 class Workload:
     """The model, optimizer and batches of one spec; see the module docstring for the order of calls."""
 
@@ -659,6 +741,17 @@ class Workload:
             base = build_base(self.doc, self.source.config, getattr(torch, spec.loaded_dtype), attention=spec.attention)
         if spec.quant is not None:
             self._replace_with_4bit(base)
+        if spec.gptq is not None:
+            g = spec.gptq.settled(self.source.config)
+            assert g.bits is not None and g.group_size is not None
+            if g.scheme == "awq":
+                from ledgerspec.derivations.engine.awq import replace_with_awq_linear
+
+                replace_with_awq_linear(base, g.bits, g.group_size, g.skip_modules)
+            else:
+                from ledgerspec.derivations.engine.gptq import replace_with_gptq_linear
+
+                replace_with_gptq_linear(base, g.bits, g.group_size, g.kernel, g.skip_modules)
         if spec.prepare_kbit:
             quiet_bitsandbytes()
             import warnings
@@ -674,6 +767,15 @@ class Workload:
                 )
         if spec.full:
             self.model = _full_model(base)
+        elif spec.gptq is not None:
+            from ledgerspec.derivations.engine import awq, gptq
+
+            room = awq if spec.gptq.scheme == "awq" else gptq
+            self.model = inject_adapters(self.doc, base, custom_modules=room.lora_custom_modules())
+            if spec.gptq.older_lora:
+                from ledgerspec.derivations.engine.gptq import use_older_lora_forward
+
+                use_older_lora_forward(self.model)
         else:
             self.model = inject_adapters(self.doc, base)
         if spec.reference == "adapter_copy":

@@ -468,6 +468,22 @@ def method_text(est_plan: Plan, spec: Any, target: str) -> str:
     ]
     if quant:
         parts.append("4-bit layers: bitsandbytes storage exact, CUDA dequantize+linear temporaries counted")
+    if spec.gptq is not None and spec.gptq.scheme == "awq":
+        parts.append(
+            "AWQ layers: the GEMM QuantLinear buffers exact (qweight, qzeros, scales), its training kernel (the input "
+            "kept for backward, the weight dequantized above 1,024 rows, a batch-size copy of it in backward), PEFT's "
+            "AwqLoraLinear on top"
+        )
+    elif spec.gptq is not None:
+        parts.append(
+            f"GPTQ layers: the QuantLinear buffers exact (qweight, qzeros, scales, g_idx), kernel {spec.gptq.kernel} "
+            + (
+                "(the weight dequantized to a float16 workspace in forward and again in backward, nothing kept)"
+                if spec.gptq.kernel == "triton_v2"
+                else "(the dequantized weight kept by autograd for backward)"
+            )
+            + ", PEFT's GPTQLoraLinear on top"
+        )
     if target == "cuda":
         parts.append("each allocation rounded up to 512 B as the CUDA caching allocator does")
     parts.append(method_notes(spec, target))
@@ -702,6 +718,12 @@ def _differences(
 
         if models_float_logits(doc):  # and < 4.46's upcast in the model's forward
             out[FLOAT_KEY] = record(OLDER)
+    if spec.gptq is not None and spec.gptq.scheme == "gptq":
+        key = "peft-gptq-lora-input-cast"
+        out[key] = record(OLDER if spec.gptq.older_lora else NEWER)
+        if spec.gptq.older_lora and installed_side(key) == NEWER:
+            d = BY_ID[key]
+            notes.append(f"modelled the declared {d.span(OLDER)}: {d.older} [{key}]")
     if spec.quant is None:
         return out, notes
     key = "bitsandbytes-4bit-matmul-input"

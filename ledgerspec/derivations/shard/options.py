@@ -80,6 +80,17 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
         raise _err(
             doc, (*q, "type"), f"{name} per rank covers 4-bit (nf4/fp4) QLoRA, not int8", exit_code=code, rule=rule
         )
+    if cfg.quantization.scheme not in ("bnb4", None):
+        raise _err(
+            doc,
+            (*q, "type"),
+            f"the sharded step covers bitsandbytes 4-bit (nf4/fp4) QLoRA, not a {cfg.quantization.type} base (a GPTQ "
+            "model's QuantLinear buffers under FSDP/ZeRO, or fms-acceleration's registering them as FSDP parameters, "
+            "are not modelled)",
+            "estimate it on one GPU (`ledgerspec estimate`), or measure the sharded run",
+            exit_code=code,
+            rule=rule,
+        )
     storage = doc.get(*q, "storage_dtype")
     why = S.qlora_shardable(cfg.quantization.storage_dtype, cfg.loaded_dtype)
     if why:

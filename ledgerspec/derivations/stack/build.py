@@ -496,7 +496,9 @@ def build_meta_model(doc: Document, source: ModelSource, dtype: Any = None, trus
         return build_base(doc, source.config, dtype, trust_remote_code)
 
 
-def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
+def inject_adapters(
+    doc: Document, model: Any, on_meta: bool = False, custom_modules: dict[Any, Any] | None = None
+) -> Any:
     """Inject the exact adapters with PEFT; PEFT's errors become one-line errors at ``method``.
 
     ``on_meta=True`` creates the adapter tensors on the meta device (``low_cpu_mem_usage``): shapes and
@@ -508,6 +510,8 @@ def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
     from peft import get_peft_model
 
     cfg = lora_config(doc)
+    if custom_modules:  # layers PEFT wraps through LoRA's custom-module dispatch (a GPTQ QuantLinear's GPTQLoraLinear)
+        cfg._register_custom_module(custom_modules)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
