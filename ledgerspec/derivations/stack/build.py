@@ -372,8 +372,14 @@ def decoder_layers(model: Any) -> tuple[str, Any] | None:
     if decoder is None:
         return None
     best: tuple[str, Any] | None = None
+    lists: list[str] = []
     for name, module in decoder.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and (best is None or len(module) > len(best[1])):
+        if not isinstance(module, torch.nn.ModuleList):
+            continue
+        if any(name.startswith(f"{outer}.") for outer in lists):  # inside a layer (transformers 4's experts)
+            continue
+        lists.append(name)
+        if best is None or len(module) > len(best[1]):
             best = (name, module)
     if best is None:
         return None
@@ -441,7 +447,7 @@ def build_base(
     if attention is not None:
         kwargs["attn_implementation"] = attention
     try:
-        return auto.from_config(config, **kwargs)
+        model = auto.from_config(config, **kwargs)
     except (ValueError, KeyError, ImportError) as exc:
         msg = first_line(exc)
         if attention is not None and "attention implementation" in msg.lower():
@@ -459,6 +465,10 @@ def build_base(
             f"transformers cannot build this architecture: {msg}",
             "is it a language or vision-language model transformers knows?",
         ) from None
+    from ledgerspec.derivations.stack import legacy_moe
+
+    legacy_moe.swap(model, doc)  # a declared transformers 4's MoE layout (nothing otherwise)
+    return model
 
 
 #: attention implementations and the class flag that says a model supports them (transformers 5.24
@@ -507,9 +517,11 @@ def inject_adapters(doc: Document, model: Any, on_meta: bool = False) -> Any:
 
     from peft import get_peft_model
 
+    from ledgerspec.derivations.stack.legacy_moe import peft_as_v4
+
     cfg = lora_config(doc)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), peft_as_v4(model):
             warnings.simplefilter("ignore")
             if on_meta:
                 return get_peft_model(model, cfg, low_cpu_mem_usage=True)

@@ -1,0 +1,162 @@
+"""transformers 4's MoE layout, built when a ledger declares it (``ledgerspec.derivations.stack.legacy_moe``).
+
+The truth is a real ``transformers.Trainer`` QLoRA step of a tiny Mixtral run with transformers 4.48.1 (per-expert
+``nn.Linear`` experts quantized by bitsandbytes, 4.48.1's routing loop, PEFT 0.14.0 wrapping ``w1``/``w2``/``w3``),
+read from the outside by ``tests/truths/trainer_run.py`` and committed with the routing its router chose
+(``tests/data/legacy_moe/tiny-mixtral-qlora.truth.json``; the script and command that made it are in the file and in
+``benchmarks/legacy_moe_truth.py``: it needs a venv of that stack, these tests do not).
+
+Every byte of difference is explained by a dense twin: a tiny Mistral with the same attention, widths and depth
+(``tests/data/legacy_moe/tiny-mistral-dense-twin``), run by the same script with the same stack, differs from its
+simulation by exactly the same bytes in every phase: transformers 4.48.1's 4-D attention mask (a 2 x 1 x L x L mask of
+the batch where 5.24 keeps none alive at the loss: -65,496 B at the forward peak, -32,732 B at the steady step's
+32 tokens), its rotary embedding without 5.24's ``original_inv_freq`` buffer (+32 B in every phase, the frozen base's
++32 B), and the running loss of the Trainer loop (+8 B, +4 B). Nothing of it is the MoE layout.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+from ledgerspec.contract.document import Document, from_text
+from tests.support import TESTS
+
+DATA = TESTS / "data" / "legacy_moe"
+PHASES = ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_peak")
+COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+
+
+def _ledger(config: str, targets: str, transformers: str | None) -> Document:
+    software = f'  transformers: "{transformers}"\n' if transformers else ""
+    text = f"""ledgerspec: ledger/v1
+title: tiny MoE QLoRA as transformers {transformers or "installed"} runs it
+identity:
+  model_id: tests/tiny
+  config_path: {config}
+software:
+  attention_implementation: sdpa
+{software}method:
+  kind: QLoRA
+  rank: 4
+  alpha: 8
+  dropout: 0.0
+  target_modules: [{targets}]
+  bias: none
+base_model:
+  loaded_dtype: bfloat16
+  quantized: true
+  prepare_for_kbit_training: true
+  quantization: {{type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16, storage_dtype: uint8}}
+adapter:
+  dtype: float32
+workload:
+  max_length: 64
+  sequence_p50: 32
+  packing: false
+  microbatch: 2
+  gradient_accumulation: 1
+training:
+  loop: trainer
+  mixed_precision: bf16
+  max_grad_norm: 1.0
+optimizer:
+  name: adamw_torch
+memory_options:
+  gradient_checkpointing: false
+"""
+    return from_text(text, str(DATA / "test.ledger.yaml"))
+
+
+MIXTRAL = ("../estimate/tiny-mixtral/config.json", "q_proj, v_proj, w1, w2, w3")
+TWIN = ("tiny-mistral-dense-twin/config.json", "q_proj, v_proj, gate_proj, up_proj, down_proj")
+#: the batch the real run's CPU DataLoader holds ahead (ids, labels, mask: int64, 2 x 32), not in the modelled step
+AHEAD = 3 * 8 * 2 * 32
+
+
+def _truth(name: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads((DATA / f"{name}.truth.json").read_text(encoding="utf-8"))
+    assert out["stack"]["transformers"] == "4.48.1" and out["stack"]["peft"] == "0.14.0"
+    return out
+
+
+def _routing(truth: dict[str, Any], layers: int = 2) -> list[tuple[int, int, list[int]]]:
+    """The real run's routing: its MoE calls in order, layer by layer."""
+    return [(i % layers, int(r["tokens"]), list(r["counts"])) for i, r in enumerate(truth["routing"])]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Any]:
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.stack.legacy_moe import routing
+
+    mixtral, twin = _truth("tiny-mixtral-qlora"), _truth("tiny-mistral-dense-twin-qlora")
+    with routing.given(_routing(mixtral)):
+        moe = estimate(_ledger(*MIXTRAL, "4.48.1"), target="cpu", layers="full")
+    even = estimate(_ledger(*MIXTRAL, "4.48.1"), target="cpu", layers="full")
+    dense = estimate(_ledger(*TWIN, "4.48.1"), target="cpu", layers="full")
+    return {"moe": moe, "even": even, "dense": dense, "truth": mixtral, "twin": twin}
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("legacy-moe")]
+
+
+def test_the_dense_twin_differs_from_its_truth_only_outside_the_moe(runs: dict[str, Any]) -> None:
+    """The residual the twin shows (no MoE in it): the 4.48.1 mask, rotary buffer and running loss."""
+    dense, twin = runs["dense"], runs["twin"]
+    got = {p: dense.phases[p] - (twin["phases"][p] - AHEAD) for p in PHASES}
+    assert got == {"forward_peak": -65496, "backward_peak": 40, "optimizer_step_peak": 36, "steady_state_peak": -32732}
+
+
+def test_the_declared_v4_mixtral_step_is_the_real_4_48_step_to_the_byte(runs: dict[str, Any]) -> None:
+    moe, dense, truth, twin = runs["moe"], runs["dense"], runs["truth"], runs["twin"]
+    for p in PHASES:
+        residual = dense.phases[p] - (twin["phases"][p] - AHEAD)
+        assert moe.phases[p] == truth["phases"][p] - AHEAD + residual, p
+    for c in COMPONENTS:
+        residual = dense.components[c] - twin["components"][c]
+        assert moe.components[c] == truth["components"][c] + residual, c
+    assert moe.components["frozen_base"] - truth["components"]["frozen_base"] == 32  # the rotary buffer only
+
+
+def test_the_even_split_gives_the_same_step_here(runs: dict[str, Any]) -> None:
+    """Without the real routing (what users get): the saved tensors do not depend on the split, and the peaks of
+    this step lie outside the expert loop."""
+    assert {p: runs["even"].phases[p] for p in PHASES} == {p: runs["moe"].phases[p] for p in PHASES}
+
+
+def test_the_layout_is_recorded_as_modelled(runs: dict[str, Any]) -> None:
+    moe = runs["moe"]
+    assert moe.differences["transformers-moe-fused-experts"] == {"computed_as": "older"}
+    assert "MoE layout of the declared transformers 4.48.1" in moe.method
+    assert not any("not modelled" in n for n in moe.notes)
+
+
+def test_the_installed_layout_is_far_from_the_4_48_run(runs: dict[str, Any]) -> None:
+    """The same ledger without software.transformers (the installed 5.x fused experts, bf16): what users got before.
+    A difference the test above would catch: over 0.6 MB of unquantized experts on this tiny model."""
+    from ledgerspec.derivations.estimate.estimator import estimate
+
+    installed = estimate(_ledger(*MIXTRAL, None), target="cpu", layers="full")
+    assert installed.components["frozen_base"] - runs["truth"]["components"]["frozen_base"] > 600_000
+    assert installed.differences["transformers-moe-fused-experts"]["computed_as"] == "newer"
+
+
+def test_resolve_builds_the_v4_modules_and_peft_wraps_them_as_0_14_did() -> None:
+    from ledgerspec.derivations.resolve.resolver import resolve
+
+    result = resolve(_ledger(*MIXTRAL, "4.48.1"), offline=True)
+    names = [r.name for r in result.census.tensors if "lora_A" in r.name]
+    assert any(".block_sparse_moe.experts.0.w1.lora_A" in n for n in names), names[:8]
+    assert not any("experts.gate_up_proj" in n for n in names)
+    truth = _truth("tiny-mixtral-qlora")["components"]
+    # the census counts what the Trainer truth counts (frozen params, buffers, quant state): + the 32 B rotary buffer
+    assert result.figures.frozen_base_bytes == truth["frozen_base"] + 32
+    assert result.figures.adapter_bytes == truth["adapter"]
+    diff = result.doc.get("x-resolve", "differences").raw["transformers-moe-fused-experts"]
+    assert diff == {"computed_as": "older"}
