@@ -56,17 +56,15 @@ def _shims() -> None:
 
 
 def _record_routing(calls: list[dict[str, object]]) -> None:
-    """A forward hook on every MixtralSparseMoeBlock: the tokens each expert got (from the block's router logits,
-    4.48.1's softmax + top-k), computed with the tracker's dispatch mode off (nothing it counts)."""
+    """A forward hook on every MoE block (Mixtral's, Qwen2-MoE's): the tokens each expert got (from the block's router
+    logits, 4.48.1's softmax + top-k), computed with the tracker's dispatch mode off (nothing it counts)."""
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
     from transformers.models.mixtral import modeling_mixtral as mm
+    from transformers.models.qwen2_moe import modeling_qwen2_moe as qm
 
-    original = mm.MixtralSparseMoeBlock.__init__
-
-    def init(self, config):  # type: ignore[no-untyped-def]
-        original(self, config)
-        self.register_forward_hook(hook)
+    for cls in (mm.MixtralSparseMoeBlock, qm.Qwen2MoeSparseMoeBlock):
+        _hook_init(cls, lambda module, args, output: hook(module, args, output))
 
     def hook(module, args, output):  # type: ignore[no-untyped-def]
         with _disable_current_modes(), torch.no_grad():
@@ -75,7 +73,15 @@ def _record_routing(calls: list[dict[str, object]]) -> None:
             counts = torch.bincount(chosen.flatten(), minlength=module.num_experts).tolist()
             calls.append({"tokens": int(logits.shape[0]), "counts": [int(c) for c in counts]})
 
-    mm.MixtralSparseMoeBlock.__init__ = init
+
+def _hook_init(cls, hook) -> None:  # type: ignore[no-untyped-def]
+    original = cls.__init__
+
+    def init(self, config, *a, **kw):  # type: ignore[no-untyped-def]
+        original(self, config, *a, **kw)
+        self.register_forward_hook(hook)
+
+    cls.__init__ = init
 
 
 def main() -> int:

@@ -1,10 +1,11 @@
 """transformers 4's MoE layout, built when a ledger declares it (``ledgerspec.derivations.stack.legacy_moe``).
 
-The truth is a real ``transformers.Trainer`` QLoRA step of a tiny Mixtral run with transformers 4.48.1 (per-expert
-``nn.Linear`` experts quantized by bitsandbytes, 4.48.1's routing loop, PEFT 0.14.0 wrapping ``w1``/``w2``/``w3``),
-read from the outside by ``tests/truths/trainer_run.py`` and committed with the routing its router chose
-(``tests/data/legacy_moe/tiny-mixtral-qlora.truth.json``; the script and command that made it are in the file and in
-``benchmarks/legacy_moe_truth.py``: it needs a venv of that stack, these tests do not).
+The truth is a real ``transformers.Trainer`` QLoRA step of a tiny Mixtral and a tiny Qwen2-MoE run with transformers
+4.48.1 (per-expert ``nn.Linear`` experts quantized by bitsandbytes, 4.48.1's routing loop, PEFT 0.14.0 wrapping the
+experts' ``w1``/``w2``/``w3`` and ``gate_proj``/``up_proj``/``down_proj``), read from the outside by
+``tests/truths/trainer_run.py`` and committed with the routing its router chose (``tests/data/legacy_moe/
+*-qlora.truth.json``; the script and command that made them are in the files and in ``benchmarks/legacy_moe_truth.py``:
+it needs a venv of that stack, these tests do not).
 
 Every byte of difference is explained by a dense twin: a tiny Mistral with the same attention, widths and depth
 (``tests/data/legacy_moe/tiny-mistral-dense-twin``), run by the same script with the same stack, differs from its
@@ -17,6 +18,7 @@ the batch where 5.24 keeps none alive at the loss: -65,496 B at the forward peak
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -73,8 +75,39 @@ memory_options:
     return from_text(text, str(DATA / "test.ledger.yaml"))
 
 
-MIXTRAL = ("../estimate/tiny-mixtral/config.json", "q_proj, v_proj, w1, w2, w3")
-TWIN = ("tiny-mistral-dense-twin/config.json", "q_proj, v_proj, gate_proj, up_proj, down_proj")
+@dataclass(frozen=True)
+class Family:
+    """A tiny MoE model, its dense twin (the same attention, widths and depth without experts) and their truths."""
+
+    name: str
+    config: str
+    targets: str
+    twin_config: str
+    twin_targets: str
+    #: bytes the 4.48.1 model holds besides its twin's, outside the MoE layout, in every phase and in the frozen base
+    extra: int = 0
+
+
+FAMILIES = [
+    Family(
+        "tiny-mixtral",
+        "../estimate/tiny-mixtral/config.json",
+        "q_proj, v_proj, w1, w2, w3",
+        "tiny-mistral-dense-twin/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+    ),
+    # 4.48.1's Qwen2MoeAttention builds a rotary embedding of its own in every layer (modeling_qwen2_moe.py line 331,
+    # `self.rotary_emb = Qwen2MoeRotaryEmbedding(config=self.config)`, unused by its forward): one more inv_freq
+    # buffer per layer, head_dim / 2 float32 = 32 B, 2 layers; transformers 5 and the dense Qwen2 have none
+    Family(
+        "tiny-qwen2-moe",
+        "tiny-qwen2-moe/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        "tiny-qwen2-dense-twin/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        extra=2 * 32,
+    ),
+]
 #: the batch the real run's CPU DataLoader holds ahead (ids, labels, mask: int64, 2 x 32), not in the modelled step
 AHEAD = 3 * 8 * 2 * 32
 
@@ -90,17 +123,18 @@ def _routing(truth: dict[str, Any], layers: int = 2) -> list[tuple[int, int, lis
     return [(i % layers, int(r["tokens"]), list(r["counts"])) for i, r in enumerate(truth["routing"])]
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict[str, Any]:
+@pytest.fixture(scope="module", params=[pytest.param(f, id=f.name) for f in FAMILIES])
+def runs(request: pytest.FixtureRequest) -> dict[str, Any]:
     from ledgerspec.derivations.estimate.estimator import estimate
     from ledgerspec.derivations.stack.legacy_moe import routing
 
-    mixtral, twin = _truth("tiny-mixtral-qlora"), _truth("tiny-mistral-dense-twin-qlora")
-    with routing.given(_routing(mixtral)):
-        moe = estimate(_ledger(*MIXTRAL, "4.48.1"), target="cpu", layers="full")
-    even = estimate(_ledger(*MIXTRAL, "4.48.1"), target="cpu", layers="full")
-    dense = estimate(_ledger(*TWIN, "4.48.1"), target="cpu", layers="full")
-    return {"moe": moe, "even": even, "dense": dense, "truth": mixtral, "twin": twin}
+    f: Family = request.param
+    truth, twin = _truth(f"{f.name}-qlora"), _truth(f"{f.twin_config.split('/')[0]}-qlora")
+    with routing.given(_routing(truth)):
+        moe = estimate(_ledger(f.config, f.targets, "4.48.1"), target="cpu", layers="full")
+    even = estimate(_ledger(f.config, f.targets, "4.48.1"), target="cpu", layers="full")
+    dense = estimate(_ledger(f.twin_config, f.twin_targets, "4.48.1"), target="cpu", layers="full")
+    return {"family": f, "moe": moe, "even": even, "dense": dense, "truth": truth, "twin": twin}
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("legacy-moe")]
@@ -113,15 +147,16 @@ def test_the_dense_twin_differs_from_its_truth_only_outside_the_moe(runs: dict[s
     assert got == {"forward_peak": -65496, "backward_peak": 40, "optimizer_step_peak": 36, "steady_state_peak": -32732}
 
 
-def test_the_declared_v4_mixtral_step_is_the_real_4_48_step_to_the_byte(runs: dict[str, Any]) -> None:
-    moe, dense, truth, twin = runs["moe"], runs["dense"], runs["truth"], runs["twin"]
+def test_the_declared_v4_moe_step_is_the_real_4_48_step_to_the_byte(runs: dict[str, Any]) -> None:
+    f, moe, dense, truth, twin = runs["family"], runs["moe"], runs["dense"], runs["truth"], runs["twin"]
     for p in PHASES:
         residual = dense.phases[p] - (twin["phases"][p] - AHEAD)
-        assert moe.phases[p] == truth["phases"][p] - AHEAD + residual, p
+        assert moe.phases[p] == truth["phases"][p] - AHEAD + residual - f.extra, p
     for c in COMPONENTS:
         residual = dense.components[c] - twin["components"][c]
-        assert moe.components[c] == truth["components"][c] + residual, c
-    assert moe.components["frozen_base"] - truth["components"]["frozen_base"] == 32  # the rotary buffer only
+        assert moe.components[c] == truth["components"][c] + residual - (f.extra if c == "frozen_base" else 0), c
+    # the rotary buffer only (transformers 5's original_inv_freq, 4.48.1's per-layer rotary of Qwen2-MoE)
+    assert moe.components["frozen_base"] - truth["components"]["frozen_base"] == 32 - f.extra
 
 
 def test_the_even_split_gives_the_same_step_here(runs: dict[str, Any]) -> None:
@@ -139,18 +174,20 @@ def test_the_layout_is_recorded_as_modelled(runs: dict[str, Any]) -> None:
 
 def test_the_installed_layout_is_far_from_the_4_48_run(runs: dict[str, Any]) -> None:
     """The same ledger without software.transformers (the installed 5.x fused experts, bf16): what users got before.
-    A difference the test above would catch: over 0.6 MB of unquantized experts on this tiny model."""
+    A difference the test above would catch: over 100 kB of unquantized experts on these tiny models."""
     from ledgerspec.derivations.estimate.estimator import estimate
 
-    installed = estimate(_ledger(*MIXTRAL, None), target="cpu", layers="full")
-    assert installed.components["frozen_base"] - runs["truth"]["components"]["frozen_base"] > 600_000
+    f = runs["family"]
+    installed = estimate(_ledger(f.config, f.targets, None), target="cpu", layers="full")
+    assert installed.components["frozen_base"] - runs["truth"]["components"]["frozen_base"] > 100_000
     assert installed.differences["transformers-moe-fused-experts"]["computed_as"] == "newer"
 
 
 def test_resolve_builds_the_v4_modules_and_peft_wraps_them_as_0_14_did() -> None:
     from ledgerspec.derivations.resolve.resolver import resolve
 
-    result = resolve(_ledger(*MIXTRAL, "4.48.1"), offline=True)
+    f = FAMILIES[0]
+    result = resolve(_ledger(f.config, f.targets, "4.48.1"), offline=True)
     names = [r.name for r in result.census.tensors if "lora_A" in r.name]
     assert any(".block_sparse_moe.experts.0.w1.lora_A" in n for n in names), names[:8]
     assert not any("experts.gate_up_proj" in n for n in names)

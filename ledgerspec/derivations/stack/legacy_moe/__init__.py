@@ -10,7 +10,13 @@ one is 5 or later, :func:`swap` replaces each MoE block of the freshly built mod
 of that version, with its name (``block_sparse_moe``), its per-expert ``nn.Linear`` modules and its forward, so that
 resolve's frozen base, PEFT's targets and estimate's step are that version's. One module per model family:
 
-- :mod:`.mixtral`: Mixtral (transformers 4.36-4.57; the forward of 4.48.1).
+- :mod:`.mixtral`: Mixtral (transformers 4.36-4.57.6; the modules and forward of 4.48.1);
+- :mod:`.qwen_moe`: Qwen2-MoE (4.40-4.57.6) and Qwen3-MoE (4.51-4.57.6);
+- :mod:`.loop`: the routing loop they share.
+
+DeepSeek-V2/V3 are not covered (their transformers-4 blocks, 4.51+ for DeepSeek-V3, have a grouped top-k router and
+shared experts of their own: the fused layout is still warned about, with its size); gpt-oss had 3-D expert
+parameters before 5.0 too, so nothing changed for it.
 
 :func:`peft_as_v4` makes the installed PEFT wrap those modules as PEFT for transformers 4 did: PEFT >= 0.18 on
 transformers 5 rewrites the v4 expert names of ``target_modules`` (``w1``, ``w2``, ``w3``, ``gate``) into
@@ -36,8 +42,12 @@ from typing import Any
 
 KEY = "transformers-moe-fused-experts"
 
-#: model_type -> the module of this package that builds its transformers-4 block
-FAMILIES = {"mixtral": "mixtral"}
+#: model_type -> (the module of this package that builds its transformers-4 block, its swap function)
+FAMILIES = {
+    "mixtral": ("mixtral", "swap"),
+    "qwen2_moe": ("qwen_moe", "swap_qwen2"),
+    "qwen3_moe": ("qwen_moe", "swap_qwen3"),
+}
 
 #: marks a model whose MoE blocks were swapped (read by :func:`peft_as_v4` and the records)
 MARK = "_ledgerspec_legacy_moe"
@@ -52,9 +62,10 @@ def declares_v4(doc: Any) -> bool:
 
 
 def family(config: Any) -> str | None:
-    """The family module of this package for a model config (its text config), None if not covered."""
+    """The model type of a covered family for a model config (its text config), None if not covered."""
     text = getattr(config, "text_config", None) or config
-    return FAMILIES.get(str(getattr(text, "model_type", "")))
+    model_type = str(getattr(text, "model_type", ""))
+    return model_type if model_type in FAMILIES else None
 
 
 def applies(doc: Any, config: Any) -> bool:
@@ -71,8 +82,9 @@ def swap(model: Any, doc: Any) -> int:
     name = family(config) if config is not None else None
     if name is None or not declares_v4(doc):
         return 0
-    module = importlib.import_module(f"ledgerspec.derivations.stack.legacy_moe.{name}")
-    swapped = int(module.swap(model))
+    module_name, function = FAMILIES[name]
+    module = importlib.import_module(f"ledgerspec.derivations.stack.legacy_moe.{module_name}")
+    swapped = int(getattr(module, function)(model))
     if swapped:
         setattr(model, MARK, name)
     return swapped
