@@ -1,5 +1,5 @@
-"""The truth for the MoE layout of transformers < 5: a real ``transformers.Trainer`` QLoRA step of a tiny Mixtral with
-transformers 4.48.1 (per-expert ``nn.Linear`` experts ``w1``/``w2``/``w3`` that bitsandbytes quantizes, and 4.48.1's
+"""The truth for the MoE layout of transformers < 5: a real ``transformers.Trainer`` QLoRA step of a tiny MoE model
+(Mixtral, Qwen2-MoE, Qwen3-MoE, or a dense twin) with transformers 4.48.1 (per-expert ``nn.Linear`` experts ``w1``/``w2``/``w3`` that bitsandbytes quantizes, and 4.48.1's
 routing loop), read from the outside by ``tests/truths/trainer_run.py`` (the same program as the installed stack's
 Trainer truths), plus the number of tokens each expert of each MoE block received in each call (the routing of the real
 run, which the simulation takes as given: tests/derivations/stack/test_legacy_moe.py).
@@ -12,6 +12,9 @@ Needs a venv of the old stack, NOT the project's (never install into it)::
         ruamel.yaml jsonschema referencing
     PYTHONPATH=. /tmp/venv-moe/bin/python benchmarks/legacy_moe_truth.py tests/data/legacy_moe/CASE.case.json \
         tests/data/legacy_moe/CASE.truth.json
+
+Qwen3-MoE (transformers >= 4.51) ran in a second venv made the same way with transformers==4.57.6 peft==0.17.1
+accelerate==1.10.1 (``/tmp/venv-moe457``); each truth file records its stack and command.
 
 Three shims, none allocates nor changes a step: transformers 4.48.1's bitsandbytes environment check
 (``integrations/bitsandbytes.py``, ``validate_bnb_backend_availability``) demands CUDA unless bitsandbytes reports a
@@ -35,14 +38,16 @@ def _shims() -> None:
     import transformers.integrations as integrations
     import transformers.integrations.bitsandbytes as bnb_integration
 
-    integrations.validate_bnb_backend_availability = lambda raise_exception=False: True  # type: ignore[attr-defined]
-    bnb_integration.validate_bnb_backend_availability = lambda raise_exception=False: True
+    if hasattr(bnb_integration, "validate_bnb_backend_availability"):
+        integrations.validate_bnb_backend_availability = lambda raise_exception=False: True  # type: ignore[attr-defined]
+        bnb_integration.validate_bnb_backend_availability = lambda raise_exception=False: True
 
     import torch
 
     # trainer_run.py's phase reader tracks transformers 5's ``Trainer._tr_loss`` (the running loss, made before the
     # tracker starts); 4.48.1 keeps it in a local ``tr_loss`` of ``_inner_training_loop`` instead: an empty stand-in
-    transformers.Trainer._tr_loss = torch.empty(0)  # type: ignore[attr-defined]
+    if not hasattr(transformers.Trainer, "_tr_loss"):
+        transformers.Trainer._tr_loss = torch.empty(0)  # type: ignore[attr-defined]
     auto = transformers.AutoModelForCausalLM
     from_config, from_pretrained = auto.from_config.__func__, auto.from_pretrained.__func__  # type: ignore[attr-defined]
 
@@ -58,13 +63,21 @@ def _shims() -> None:
 def _record_routing(calls: list[dict[str, object]]) -> None:
     """A forward hook on every MoE block (Mixtral's, Qwen2-MoE's): the tokens each expert got (from the block's router
     logits, 4.48.1's softmax + top-k), computed with the tracker's dispatch mode off (nothing it counts)."""
+    import importlib
+
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
-    from transformers.models.mixtral import modeling_mixtral as mm
-    from transformers.models.qwen2_moe import modeling_qwen2_moe as qm
 
-    for cls in (mm.MixtralSparseMoeBlock, qm.Qwen2MoeSparseMoeBlock):
-        _hook_init(cls, lambda module, args, output: hook(module, args, output))
+    for family, name in (
+        ("mixtral", "MixtralSparseMoeBlock"),
+        ("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+        ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),  # transformers >= 4.51
+    ):
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        _hook_init(getattr(module, name), lambda module, args, output: hook(module, args, output))
 
     def hook(module, args, output):  # type: ignore[no-untyped-def]
         with _disable_current_modes(), torch.no_grad():

@@ -1,18 +1,22 @@
 """transformers 4's MoE layout, built when a ledger declares it (``ledgerspec.derivations.stack.legacy_moe``).
 
 The truth is a real ``transformers.Trainer`` QLoRA step of a tiny Mixtral and a tiny Qwen2-MoE run with transformers
-4.48.1 (per-expert ``nn.Linear`` experts quantized by bitsandbytes, 4.48.1's routing loop, PEFT 0.14.0 wrapping the
-experts' ``w1``/``w2``/``w3`` and ``gate_proj``/``up_proj``/``down_proj``), read from the outside by
-``tests/truths/trainer_run.py`` and committed with the routing its router chose (``tests/data/legacy_moe/
-*-qlora.truth.json``; the script and command that made them are in the files and in ``benchmarks/legacy_moe_truth.py``:
-it needs a venv of that stack, these tests do not).
+4.48.1 and PEFT 0.14.0, and of a tiny Qwen3-MoE with transformers 4.57.6 and PEFT 0.17.1 (per-expert ``nn.Linear``
+experts quantized by bitsandbytes, the routing loop, PEFT wrapping the experts' ``w1``/``w2``/``w3`` and
+``gate_proj``/``up_proj``/``down_proj``), read from the outside by ``tests/truths/trainer_run.py`` and committed with
+the routing its router chose (``tests/data/legacy_moe/*-qlora.truth.json``; the script and command that made them are
+in the files and in ``benchmarks/legacy_moe_truth.py``: it needs a venv of that stack, these tests do not).
 
-Every byte of difference is explained by a dense twin: a tiny Mistral with the same attention, widths and depth
-(``tests/data/legacy_moe/tiny-mistral-dense-twin``), run by the same script with the same stack, differs from its
-simulation by exactly the same bytes in every phase: transformers 4.48.1's 4-D attention mask (a 2 x 1 x L x L mask of
-the batch where 5.24 keeps none alive at the loss: -65,496 B at the forward peak, -32,732 B at the steady step's
-32 tokens), its rotary embedding without 5.24's ``original_inv_freq`` buffer (+32 B in every phase, the frozen base's
-+32 B), and the running loss of the Trainer loop (+8 B, +4 B). Nothing of it is the MoE layout.
+Every byte of difference is set apart by a dense twin: a tiny Mistral (Qwen2, Qwen3) with the same attention, widths
+and depth and no experts (``tests/data/legacy_moe/tiny-*-dense-twin``), run by the same script on the same stack,
+differs from its simulation by exactly the same bytes in every phase as the MoE model does, so none of them is the
+MoE layout. With 4.48.1 they are: at the forward peak the real run holds 65,536 B more (by their size, two float32
+batch x length x hidden tensors, 2 x 2 x 64 x 64 x 4 B, halved at the steady step's 32 tokens; held by 4.48.1's model
+forward at the loss, not traced further here), and the simulation holds 32 B more in every phase (transformers 5.24's
+rotary embedding keeps ``original_inv_freq`` as a buffer of its own, ``nn.Buffer(inv_freq.clone())``,
+``models/mistral/modeling_mistral.py`` line 278, where 4.48.1 kept a second name for ``inv_freq``, line 288: the frozen
+base's +32 B) plus 8 B at backward and 4 B at the optimizer step (the Trainer loop's running loss: a local ``tr_loss``
+in 4.48.1, ``self._tr_loss`` in 5.24). Qwen2-MoE in 4.48.1 holds 32 B per layer more (``Family.extra``).
 """
 
 from __future__ import annotations
@@ -84,8 +88,13 @@ class Family:
     targets: str
     twin_config: str
     twin_targets: str
-    #: bytes the 4.48.1 model holds besides its twin's, outside the MoE layout, in every phase and in the frozen base
+    #: bytes the 4.x model holds besides its twin's, outside the MoE layout, in every phase and in the frozen base
     extra: int = 0
+    #: the transformers (and PEFT) of the truth runs, declared by the ledgers
+    version: str = "4.48.1"
+    peft: str = "0.14.0"
+    #: the twin's simulation minus its truth (less the batch held ahead), phase by phase: see the module docstring
+    twin_residual: tuple[int, int, int, int] = (-65496, 40, 36, -32732)
 
 
 FAMILIES = [
@@ -107,14 +116,26 @@ FAMILIES = [
         "q_proj, v_proj, gate_proj, up_proj, down_proj",
         extra=2 * 32,
     ),
+    # transformers 4.57.6 (Qwen3-MoE exists from 4.51), PEFT 0.17.1, accelerate 1.10.1: its mask leaves 65,504 B at
+    # the forward peak and none at the steady step's, and its loop's `expert_hit` index tensors are not at a peak
+    Family(
+        "tiny-qwen3-moe",
+        "tiny-qwen3-moe/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        "tiny-qwen3-dense-twin/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        version="4.57.6",
+        peft="0.17.1",
+        twin_residual=(-65504, 32, 28, 28),
+    ),
 ]
 #: the batch the real run's CPU DataLoader holds ahead (ids, labels, mask: int64, 2 x 32), not in the modelled step
 AHEAD = 3 * 8 * 2 * 32
 
 
-def _truth(name: str) -> dict[str, Any]:
+def _truth(name: str, f: Family) -> dict[str, Any]:
     out: dict[str, Any] = json.loads((DATA / f"{name}.truth.json").read_text(encoding="utf-8"))
-    assert out["stack"]["transformers"] == "4.48.1" and out["stack"]["peft"] == "0.14.0"
+    assert out["stack"]["transformers"] == f.version and out["stack"]["peft"] == f.peft
     return out
 
 
@@ -129,11 +150,11 @@ def runs(request: pytest.FixtureRequest) -> dict[str, Any]:
     from ledgerspec.derivations.stack.legacy_moe import routing
 
     f: Family = request.param
-    truth, twin = _truth(f"{f.name}-qlora"), _truth(f"{f.twin_config.split('/')[0]}-qlora")
+    truth, twin = _truth(f"{f.name}-qlora", f), _truth(f"{f.twin_config.split('/')[0]}-qlora", f)
     with routing.given(_routing(truth)):
-        moe = estimate(_ledger(f.config, f.targets, "4.48.1"), target="cpu", layers="full")
-    even = estimate(_ledger(f.config, f.targets, "4.48.1"), target="cpu", layers="full")
-    dense = estimate(_ledger(f.twin_config, f.twin_targets, "4.48.1"), target="cpu", layers="full")
+        moe = estimate(_ledger(f.config, f.targets, f.version), target="cpu", layers="full")
+    even = estimate(_ledger(f.config, f.targets, f.version), target="cpu", layers="full")
+    dense = estimate(_ledger(f.twin_config, f.twin_targets, f.version), target="cpu", layers="full")
     return {"family": f, "moe": moe, "even": even, "dense": dense, "truth": truth, "twin": twin}
 
 
@@ -143,11 +164,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("legacy-moe")]
 def test_the_dense_twin_differs_from_its_truth_only_outside_the_moe(runs: dict[str, Any]) -> None:
     """The residual the twin shows (no MoE in it): the 4.48.1 mask, rotary buffer and running loss."""
     dense, twin = runs["dense"], runs["twin"]
-    got = {p: dense.phases[p] - (twin["phases"][p] - AHEAD) for p in PHASES}
-    assert got == {"forward_peak": -65496, "backward_peak": 40, "optimizer_step_peak": 36, "steady_state_peak": -32732}
+    got = tuple(dense.phases[p] - (twin["phases"][p] - AHEAD) for p in PHASES)
+    assert got == runs["family"].twin_residual
 
 
-def test_the_declared_v4_moe_step_is_the_real_4_48_step_to_the_byte(runs: dict[str, Any]) -> None:
+def test_the_declared_v4_moe_step_is_the_real_v4_step_to_the_byte(runs: dict[str, Any]) -> None:
     f, moe, dense, truth, twin = runs["family"], runs["moe"], runs["dense"], runs["truth"], runs["twin"]
     for p in PHASES:
         residual = dense.phases[p] - (twin["phases"][p] - AHEAD)
@@ -168,7 +189,7 @@ def test_the_even_split_gives_the_same_step_here(runs: dict[str, Any]) -> None:
 def test_the_layout_is_recorded_as_modelled(runs: dict[str, Any]) -> None:
     moe = runs["moe"]
     assert moe.differences["transformers-moe-fused-experts"] == {"computed_as": "older"}
-    assert "MoE layout of the declared transformers 4.48.1" in moe.method
+    assert f"MoE layout of the declared transformers {runs['family'].version}" in moe.method
     assert not any("not modelled" in n for n in moe.notes)
 
 
@@ -191,7 +212,7 @@ def test_resolve_builds_the_v4_modules_and_peft_wraps_them_as_0_14_did() -> None
     names = [r.name for r in result.census.tensors if "lora_A" in r.name]
     assert any(".block_sparse_moe.experts.0.w1.lora_A" in n for n in names), names[:8]
     assert not any("experts.gate_up_proj" in n for n in names)
-    truth = _truth("tiny-mixtral-qlora")["components"]
+    truth = _truth("tiny-mixtral-qlora", f)["components"]
     # the census counts what the Trainer truth counts (frozen params, buffers, quant state): + the 32 B rotary buffer
     assert result.figures.frozen_base_bytes == truth["frozen_base"] + 32
     assert result.figures.adapter_bytes == truth["adapter"]
