@@ -1,8 +1,9 @@
 """The truth for the MoE layout of transformers < 5: a real ``transformers.Trainer`` QLoRA step of a tiny MoE model
-(Mixtral, Qwen2-MoE, Qwen3-MoE, or a dense twin) with transformers 4.48.1 (per-expert ``nn.Linear`` experts ``w1``/``w2``/``w3`` that bitsandbytes quantizes, and 4.48.1's
-routing loop), read from the outside by ``tests/truths/trainer_run.py`` (the same program as the installed stack's
-Trainer truths), plus the number of tokens each expert of each MoE block received in each call (the routing of the real
-run, which the simulation takes as given: tests/derivations/stack/test_legacy_moe.py).
+(Mixtral, Qwen2-MoE, Qwen3-MoE, or a dense twin) with transformers 4.48.1 (per-expert ``nn.Linear`` experts
+``w1``/``w2``/``w3`` that bitsandbytes quantizes, and 4.48.1's routing loop), read from the outside by
+``tests/truths/trainer_run.py`` (the same program as the installed stack's Trainer truths), plus the number of tokens
+each expert of each MoE block received in each call (the routing of the real run, which the simulation takes as given:
+tests/derivations/stack/test_legacy_moe.py).
 
 Needs a venv of the old stack, NOT the project's (never install into it)::
 
