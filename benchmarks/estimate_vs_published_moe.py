@@ -263,7 +263,10 @@ def unexplained(rows: list[Row]) -> str:
 peaks are {gap_a / 1e9:.2f} GB and {gap_b / 1e9:.2f} GB above the estimate, a gap that grows by {slope / 1e3:.1f} kB
 per token ({(gap_a - slope * tokens) / 1e9:.2f} GB at no token, by a straight line through the two rows). Their
 simulated peak is at the loss in forward; the FSDP1 rows (peak late in backward, bf16 adapters, no k-bit
-preparation) agree within 1%. Not settled without a GPU run: what the real single-GPU step holds at the loss besides
+preparation) agree within 1%. The same single-GPU recipe (k-bit preparation, TRL's casts, bf16 autocast,
+checkpointing, packed rows) on a tiny Mixtral with transformers 4.48.1 is equal to the real CPU Trainer step but for
+40 B (tests/derivations/stack/test_legacy_moe.py), so the gap is not the layout or the recipe as the CPU runs it. Not
+settled without a GPU run: what the real single-GPU step holds at the loss besides
 (flash-attn 2.7.3's kernels, bitsandbytes 0.43.3's, and the float32 modules of TRL 0.13's preparation in its real
 order) and how unevenly the real router loads the experts (the estimate gives each an even share).
 """

@@ -38,8 +38,11 @@ PHASES = ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_
 COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
 
 
-def _ledger(config: str, targets: str, transformers: str | None) -> Document:
+def _ledger(config: str, targets: str, transformers: str | None, trl: bool = False) -> Document:
+    """The truth case as a ledger; ``trl``: the published single-GPU recipe (TRL's casts after PEFT's k-bit
+    preparation, gradient checkpointing, packed rows)."""
     software = f'  transformers: "{transformers}"\n' if transformers else ""
+    casts = "  module_dtypes: {norm: float32, lm_head: bfloat16, embed_tokens: bfloat16}\n" if trl else ""
     text = f"""ledgerspec: ledger/v1
 title: tiny MoE QLoRA as transformers {transformers or "installed"} runs it
 identity:
@@ -58,13 +61,13 @@ base_model:
   loaded_dtype: bfloat16
   quantized: true
   prepare_for_kbit_training: true
-  quantization: {{type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16, storage_dtype: uint8}}
+{casts}  quantization: {{type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16, storage_dtype: uint8}}
 adapter:
   dtype: float32
 workload:
   max_length: 64
   sequence_p50: 32
-  packing: false
+  packing: {str(trl).lower()}
   microbatch: 2
   gradient_accumulation: 1
 training:
@@ -74,7 +77,8 @@ training:
 optimizer:
   name: adamw_torch
 memory_options:
-  gradient_checkpointing: false
+  gradient_checkpointing: {str(trl).lower()}
+  checkpointing_kind: non-reentrant
 """
     return from_text(text, str(DATA / "test.ledger.yaml"))
 
@@ -95,6 +99,22 @@ class Family:
     peft: str = "0.14.0"
     #: the twin's simulation minus its truth (less the batch held ahead), phase by phase: see the module docstring
     twin_residual: tuple[int, int, int, int] = (-65496, 40, 36, -32732)
+    #: the published single-GPU recipe (:func:`_ledger`'s ``trl``); its truths are ``NAME-trl-qlora``
+    trl: bool = False
+
+    @property
+    def truth(self) -> str:
+        return f"{self.name}-trl-qlora" if self.trl else f"{self.name}-qlora"
+
+    @property
+    def twin_truth(self) -> str:
+        return f"{self.twin_config.split('/')[0]}{'-trl' if self.trl else ''}-qlora"
+
+    @property
+    def ahead(self) -> int:
+        """The batch the real run's CPU DataLoader holds ahead (int64 ids, labels and, unpacked, the mask; 2 rows of
+        the next step's length, packed rows are all 64 long), not in the modelled step."""
+        return (2 * 8 * 2 * 64) if self.trl else (3 * 8 * 2 * 32)
 
 
 FAMILIES = [
@@ -128,9 +148,18 @@ FAMILIES = [
         peft="0.17.1",
         twin_residual=(-65504, 32, 28, 28),
     ),
+    # the single-GPU recipe of the published Mixtral runs (benchmarks/published-moe/): PEFT's k-bit preparation, TRL's
+    # casts, bf16 autocast, checkpointing, packed rows: only the rotary buffer and the running loss differ there
+    Family(
+        "tiny-mixtral",
+        "../estimate/tiny-mixtral/config.json",
+        "q_proj, v_proj, w1, w2, w3",
+        "tiny-mistral-dense-twin/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        twin_residual=(40, 40, 36, 36),
+        trl=True,
+    ),
 ]
-#: the batch the real run's CPU DataLoader holds ahead (ids, labels, mask: int64, 2 x 32), not in the modelled step
-AHEAD = 3 * 8 * 2 * 32
 
 
 def _truth(name: str, f: Family) -> dict[str, Any]:
@@ -144,17 +173,17 @@ def _routing(truth: dict[str, Any], layers: int = 2) -> list[tuple[int, int, lis
     return [(i % layers, int(r["tokens"]), list(r["counts"])) for i, r in enumerate(truth["routing"])]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(f, id=f.name) for f in FAMILIES])
+@pytest.fixture(scope="module", params=[pytest.param(f, id=f.truth) for f in FAMILIES])
 def runs(request: pytest.FixtureRequest) -> dict[str, Any]:
     from ledgerspec.derivations.estimate.estimator import estimate
     from ledgerspec.derivations.stack.legacy_moe import routing
 
     f: Family = request.param
-    truth, twin = _truth(f"{f.name}-qlora", f), _truth(f"{f.twin_config.split('/')[0]}-qlora", f)
+    truth, twin = _truth(f.truth, f), _truth(f.twin_truth, f)
     with routing.given(_routing(truth)):
-        moe = estimate(_ledger(f.config, f.targets, f.version), target="cpu", layers="full")
-    even = estimate(_ledger(f.config, f.targets, f.version), target="cpu", layers="full")
-    dense = estimate(_ledger(f.twin_config, f.twin_targets, f.version), target="cpu", layers="full")
+        moe = estimate(_ledger(f.config, f.targets, f.version, f.trl), target="cpu", layers="full")
+    even = estimate(_ledger(f.config, f.targets, f.version, f.trl), target="cpu", layers="full")
+    dense = estimate(_ledger(f.twin_config, f.twin_targets, f.version, f.trl), target="cpu", layers="full")
     return {"family": f, "moe": moe, "even": even, "dense": dense, "truth": truth, "twin": twin}
 
 
@@ -164,15 +193,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("legacy-moe")]
 def test_the_dense_twin_differs_from_its_truth_only_outside_the_moe(runs: dict[str, Any]) -> None:
     """The residual the twin shows (no MoE in it): the 4.48.1 mask, rotary buffer and running loss."""
     dense, twin = runs["dense"], runs["twin"]
-    got = tuple(dense.phases[p] - (twin["phases"][p] - AHEAD) for p in PHASES)
+    got = tuple(dense.phases[p] - (twin["phases"][p] - runs["family"].ahead) for p in PHASES)
     assert got == runs["family"].twin_residual
 
 
 def test_the_declared_v4_moe_step_is_the_real_v4_step_to_the_byte(runs: dict[str, Any]) -> None:
     f, moe, dense, truth, twin = runs["family"], runs["moe"], runs["dense"], runs["truth"], runs["twin"]
     for p in PHASES:
-        residual = dense.phases[p] - (twin["phases"][p] - AHEAD)
-        assert moe.phases[p] == truth["phases"][p] - AHEAD + residual - f.extra, p
+        residual = dense.phases[p] - (twin["phases"][p] - f.ahead)
+        assert moe.phases[p] == truth["phases"][p] - f.ahead + residual - f.extra, p
     for c in COMPONENTS:
         residual = dense.components[c] - twin["components"][c]
         assert moe.components[c] == truth["components"][c] + residual - (f.extra if c == "frozen_base" else 0), c
@@ -193,14 +222,14 @@ def test_the_layout_is_recorded_as_modelled(runs: dict[str, Any]) -> None:
     assert not any("not modelled" in n for n in moe.notes)
 
 
-def test_the_installed_layout_is_far_from_the_4_48_run(runs: dict[str, Any]) -> None:
+@pytest.mark.parametrize("f", [pytest.param(f, id=f.truth) for f in FAMILIES if not f.trl])
+def test_the_installed_layout_is_far_from_the_v4_run(f: Family) -> None:
     """The same ledger without software.transformers (the installed 5.x fused experts, bf16): what users got before.
     A difference the test above would catch: over 100 kB of unquantized experts on these tiny models."""
     from ledgerspec.derivations.estimate.estimator import estimate
 
-    f = runs["family"]
     installed = estimate(_ledger(f.config, f.targets, None), target="cpu", layers="full")
-    assert installed.components["frozen_base"] - runs["truth"]["components"]["frozen_base"] > 100_000
+    assert installed.components["frozen_base"] - _truth(f.truth, f)["components"]["frozen_base"] > 100_000
     assert installed.differences["transformers-moe-fused-experts"]["computed_as"] == "newer"
 
 
