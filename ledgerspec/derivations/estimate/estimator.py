@@ -222,6 +222,8 @@ def _estimate_workload_class() -> Any:
     class EstimateWorkload(Workload):
         """``prepare`` as the measurement does, then 4-bit layers as bytes and attention as the CUDA kernel."""
 
+        declared_moe_layout = True  # a declared transformers 4's MoE blocks (stack.legacy_moe)
+
         def __init__(
             self, doc: Document, spec: Any, source: Any, attention: str, target: str, keep_4bit_input: bool = False
         ) -> None:

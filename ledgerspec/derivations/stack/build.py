@@ -409,7 +409,12 @@ def reward_config(model_config: Any) -> Any:
 
 
 def build_base(
-    doc: Document, config: Any, dtype: Any, trust_remote_code: bool = False, attention: str | None = None
+    doc: Document,
+    config: Any,
+    dtype: Any,
+    trust_remote_code: bool = False,
+    attention: str | None = None,
+    declared_moe_layout: bool = True,
 ) -> Any:
     """The base model of ``config`` on the current device (use ``with torch.device("meta")``), built with the auto
     class :func:`model_class` picks. ``attention``: transformers' ``attn_implementation`` (None: its default).
@@ -417,6 +422,8 @@ def build_base(
     One place for resolve (:func:`build_meta_model`), the estimate and the measurement
     (:meth:`ledgerspec.derivations.engine.workload.Workload.prepare`). An architecture transformers cannot build
     is a one-line error; an attention implementation the architecture refuses names the ones it supports.
+    ``declared_moe_layout``: build the MoE blocks of a declared transformers < 5 (:mod:`.legacy_moe`; resolve, the
+    estimate and ``shard``), not the installed ones (the measurement runs the installed stack, as with the loss).
     """
     import transformers
 
@@ -467,7 +474,8 @@ def build_base(
         ) from None
     from ledgerspec.derivations.stack import legacy_moe
 
-    legacy_moe.swap(model, doc)  # a declared transformers 4's MoE layout (nothing otherwise)
+    if declared_moe_layout:
+        legacy_moe.swap(model, doc)  # a declared transformers 4's MoE layout (nothing otherwise)
     return model
 
 

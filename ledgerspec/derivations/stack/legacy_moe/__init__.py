@@ -6,8 +6,9 @@ into 3-D parameters (``MixtralExperts.gate_up_proj``/``down_proj``) that bitsand
 in the loaded dtype. Before, every expert was a module of ``nn.Linear`` projections (Mixtral's
 ``MixtralBlockSparseTop2MLP.w1/w2/w3``) that bitsandbytes quantized like any other linear layer, and the MoE block
 looped over the experts in Python. When ``software.transformers`` declares a version before 5.0.0 and the installed
-one is 5 or later, :func:`swap` replaces each MoE block of the freshly built model (on the meta device) by the block
-of that version, with its name (``block_sparse_moe``), its per-expert ``nn.Linear`` modules and its forward, so that
+one is 5 or later, :func:`swap` replaces each MoE block of the freshly built model (on the meta device; resolve, the
+estimate and ``shard``: the measurement runs the installed stack, as it does with the loss) by the block of that
+version, with its name (``block_sparse_moe``), its per-expert ``nn.Linear`` modules and its forward, so that
 resolve's frozen base, PEFT's targets and estimate's step are that version's. One module per model family:
 
 - :mod:`.mixtral`: Mixtral (transformers 4.36-4.57.6; the modules and forward of 4.48.1);
