@@ -17,8 +17,8 @@ Each row's ledger (``benchmarks/published-device/``) is the translation the mult
 (transformers 4.45.2: its head's output upcast in the model, its loss's shifted copy); the estimate runs with the
 declared stack and decides on an 80 GiB A100 (``result.target_device``): the allocator
 model's reserved bytes plus the outside-allocator catalogue's figure for an A100 (an ASSUMPTION: nothing was measured
-on a GPU here). Left out: the Mixtral rows (the declared transformers 4.48 expert layout is not modelled yet, issue 26)
-and full fine-tuning (not a method ledgerspec sizes yet).
+on a GPU here). Left out: the Mixtral rows (their allocated peaks, with transformers 4.48 experts modelled, are in
+``benchmarks/results/published-moe.md``; their device verdicts are not made here) and full fine-tuning.
 """
 
 from __future__ import annotations

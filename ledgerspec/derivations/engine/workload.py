@@ -710,6 +710,10 @@ def _gptq_spec(doc: Document, q: config.Quantization) -> GptqSpec:
 class Workload:
     """The model, optimizer and batches of one spec; see the module docstring for the order of calls."""
 
+    #: build a declared transformers 4's MoE layout (``stack.legacy_moe``): the estimate's simulations do; the
+    #: measurement runs the installed stack
+    declared_moe_layout = False
+
     def __init__(self, doc: Document, spec: WorkloadSpec | None = None, source: ModelSource | None = None) -> None:
         self.doc = doc
         self.spec = spec or WorkloadSpec.from_document(doc)
@@ -738,7 +742,13 @@ class Workload:
         if self.source is None:
             self.source = load_config(self.doc, offline=True)
         with torch.device("meta"):  # the auto class the config calls for (stack.build.model_class)
-            base = build_base(self.doc, self.source.config, getattr(torch, spec.loaded_dtype), attention=spec.attention)
+            base = build_base(
+                self.doc,
+                self.source.config,
+                getattr(torch, spec.loaded_dtype),
+                attention=spec.attention,
+                declared_moe_layout=self.declared_moe_layout,
+            )
         if spec.quant is not None:
             self._replace_with_4bit(base)
         if spec.gptq is not None:

@@ -222,6 +222,8 @@ def _estimate_workload_class() -> Any:
     class EstimateWorkload(Workload):
         """``prepare`` as the measurement does, then 4-bit layers as bytes and attention as the CUDA kernel."""
 
+        declared_moe_layout = True  # a declared transformers 4's MoE blocks (stack.legacy_moe)
+
         def __init__(
             self, doc: Document, spec: Any, source: Any, attention: str, target: str, keep_4bit_input: bool = False
         ) -> None:
@@ -237,11 +239,16 @@ def _estimate_workload_class() -> Any:
             self.keep_4bit_input = keep_4bit_input
             #: the 4-bit size minus the loaded size of fused expert parameters bitsandbytes leaves unquantized
             self.fused_experts = 0
+            #: the declared transformers 4's MoE layout was built (``stack.legacy_moe``)
+            self.legacy_moe = False
             #: the activation offloading hooks, when the ledger declares it (:mod:`..kernels.offload`)
             self.offload: Any = None
 
         def prepare(self) -> None:
             super().prepare()
+            from ledgerspec.derivations.stack.legacy_moe import is_swapped
+
+            self.legacy_moe = is_swapped(self.model)
             if self.spec.quant is not None:
                 from ledgerspec.derivations.estimate.qlora import model_4bit_layers
                 from ledgerspec.derivations.stack.versions import fused_experts_4bit_change
@@ -350,6 +357,7 @@ def trace(
     out["component.gradients"] = grads.get("gradients", 0)
     out["component.optimizer"] = state.get("optimizer", 0)
     out["stack.fused_experts"] = workload.fused_experts
+    out["stack.legacy_moe"] = int(workload.legacy_moe)
     if workload.offload is not None:
         out["host.offloaded_peak"] = workload.offload.host_peak
     for name, rec in result.phases.items():  # what is alive at each phase's peak, by ledger component
@@ -640,7 +648,8 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
 
     doc, spec, est_plan, target = p.doc, p.spec, p.plan, p.target
     figures = dict(figures)
-    differences, notes = _differences(doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0))
+    legacy_moe = bool(figures.pop("stack.legacy_moe", 0))
+    differences, notes = _differences(doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0), legacy_moe)
     phases = {k: figures[k] for k in ALL_PHASES if k in figures}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
@@ -654,6 +663,10 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
 
     if legacy_loss.models_shift_copy(doc):
         method += "; " + legacy_loss.method_note(doc)
+    if legacy_moe:
+        from ledgerspec.derivations.stack.legacy_moe import method_note as moe_note
+
+        method += "; " + moe_note(doc)
     from ledgerspec.derivations.kernels.apply import method_note as kernels_note
     from ledgerspec.derivations.kernels.apply import unpatched_note
 
@@ -701,7 +714,7 @@ def _keeps_4bit_input(doc: Document, spec: Any) -> bool:
 
 
 def _differences(
-    doc: Document, spec: Any, keep_input: bool, fused_experts: int
+    doc: Document, spec: Any, keep_input: bool, fused_experts: int, legacy_moe: bool = False
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """The known stack differences that apply to this estimate, with the side it computed, and notes to print."""
     from ledgerspec.contract.differences import BY_ID, NEWER, OLDER
@@ -724,6 +737,8 @@ def _differences(
         if spec.gptq.older_lora and installed_side(key) == NEWER:
             d = BY_ID[key]
             notes.append(f"modelled the declared {d.span(OLDER)}: {d.older} [{key}]")
+    if legacy_moe:  # modelled as declared: transformers 4's per-expert nn.Linear experts and routing loop
+        out["transformers-moe-fused-experts"] = record(OLDER)
     if spec.quant is None:
         return out, notes
     key = "bitsandbytes-4bit-matmul-input"

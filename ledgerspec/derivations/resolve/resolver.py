@@ -264,7 +264,9 @@ def stack_differences_of(doc: Document, c: Census) -> dict[str, dict[str, Any]]:
     from ledgerspec.derivations.stack.versions import installed_side, record
 
     out: dict[str, dict[str, Any]] = {}
-    if c.fused_experts:
+    if c.legacy_moe:  # the declared transformers 4's MoE layout was built (stack.legacy_moe)
+        out["transformers-moe-fused-experts"] = record("older")
+    elif c.fused_experts:
         key = "transformers-moe-fused-experts"
         side = installed_side(key)
         out[key] = record(side, c.fused_experts if side == "newer" else None)

@@ -372,8 +372,14 @@ def decoder_layers(model: Any) -> tuple[str, Any] | None:
     if decoder is None:
         return None
     best: tuple[str, Any] | None = None
+    lists: list[str] = []
     for name, module in decoder.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and (best is None or len(module) > len(best[1])):
+        if not isinstance(module, torch.nn.ModuleList):
+            continue
+        if any(name.startswith(f"{outer}.") for outer in lists):  # inside a layer (transformers 4's experts)
+            continue
+        lists.append(name)
+        if best is None or len(module) > len(best[1]):
             best = (name, module)
     if best is None:
         return None
@@ -403,7 +409,12 @@ def reward_config(model_config: Any) -> Any:
 
 
 def build_base(
-    doc: Document, config: Any, dtype: Any, trust_remote_code: bool = False, attention: str | None = None
+    doc: Document,
+    config: Any,
+    dtype: Any,
+    trust_remote_code: bool = False,
+    attention: str | None = None,
+    declared_moe_layout: bool = True,
 ) -> Any:
     """The base model of ``config`` on the current device (use ``with torch.device("meta")``), built with the auto
     class :func:`model_class` picks. ``attention``: transformers' ``attn_implementation`` (None: its default).
@@ -411,6 +422,8 @@ def build_base(
     One place for resolve (:func:`build_meta_model`), the estimate and the measurement
     (:meth:`ledgerspec.derivations.engine.workload.Workload.prepare`). An architecture transformers cannot build
     is a one-line error; an attention implementation the architecture refuses names the ones it supports.
+    ``declared_moe_layout``: build the MoE blocks of a declared transformers < 5 (:mod:`.legacy_moe`; resolve, the
+    estimate and ``shard``), not the installed ones (the measurement runs the installed stack, as with the loss).
     """
     import transformers
 
@@ -441,7 +454,7 @@ def build_base(
     if attention is not None:
         kwargs["attn_implementation"] = attention
     try:
-        return auto.from_config(config, **kwargs)
+        model = auto.from_config(config, **kwargs)
     except (ValueError, KeyError, ImportError) as exc:
         msg = first_line(exc)
         if attention is not None and "attention implementation" in msg.lower():
@@ -459,6 +472,11 @@ def build_base(
             f"transformers cannot build this architecture: {msg}",
             "is it a language or vision-language model transformers knows?",
         ) from None
+    from ledgerspec.derivations.stack import legacy_moe
+
+    if declared_moe_layout:
+        legacy_moe.swap(model, doc)  # a declared transformers 4's MoE layout (nothing otherwise)
+    return model
 
 
 #: attention implementations and the class flag that says a model supports them (transformers 5.24
@@ -509,11 +527,13 @@ def inject_adapters(
 
     from peft import get_peft_model
 
+    from ledgerspec.derivations.stack.legacy_moe import peft_as_v4
+
     cfg = lora_config(doc)
     if custom_modules:  # layers PEFT wraps through LoRA's custom-module dispatch (a GPTQ QuantLinear's GPTQLoraLinear)
         cfg._register_custom_module(custom_modules)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), peft_as_v4(model):
             warnings.simplefilter("ignore")
             if on_meta:
                 return get_peft_model(model, cfg, low_cpu_mem_usage=True)

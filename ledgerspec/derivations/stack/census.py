@@ -165,6 +165,8 @@ class Census:
     notes: list[str] = field(default_factory=list)
     #: bnb4: transformers < 5's 4-bit per-expert size minus the fused experts' size here (``stack.versions``)
     fused_experts: int = 0
+    #: the MoE family whose transformers-4 layout was built for a declared transformers < 5 (``stack.legacy_moe``)
+    legacy_moe: str | None = None
     #: ``method.kind: full``: no adapters; every parameter is trainable
     full: bool = False
 
@@ -395,7 +397,14 @@ def census(
         coverage=cover.figures,
         notes=[*source.notes, *cover.notes],
         fused_experts=fused,
+        legacy_moe=_legacy_moe(model),
     )
+
+
+def _legacy_moe(model: Any) -> str | None:
+    from ledgerspec.derivations.stack.legacy_moe import MARK
+
+    return getattr(model, MARK, None)
 
 
 def full_of_quantized(doc: Document) -> Exception:

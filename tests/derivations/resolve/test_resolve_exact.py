@@ -365,33 +365,45 @@ def test_breakdown_lists_each_target_with_its_shape_and_rank(tmp_path: Path) -> 
 
 def test_a_declared_transformers_4_prices_its_quantized_linear_experts(tmp_path: Path) -> None:
     """transformers < 5 built each Mixtral expert as three ``nn.Linear`` (w1, w3: hidden -> intermediate; w2 back)
-    that bitsandbytes quantized; 5.x fuses them into bf16 parameters it leaves alone. The recorded size of the
-    difference is the real 4-bit tensors (packed weight + quantization state, as bitsandbytes makes them) minus the
-    fused bf16 parameters transformers builds."""
+    that bitsandbytes quantized; 5.x fuses them into bf16 parameters it leaves alone. Declared, the transformers-4
+    layout is built (``stack.legacy_moe``): the frozen base differs from the installed layout's by the real 4-bit
+    tensors of the experts (packed weight + quantization state, as bitsandbytes makes them) minus the fused bf16
+    parameters transformers 5 builds, plus the router, an ``nn.Linear`` quantized in 4.x (a 5.x router is a bf16
+    parameter); the installed layout still records that size as the other side of the difference."""
     import bitsandbytes.functional as bf
     from transformers import AutoConfig, AutoModelForCausalLM
 
     case = next(c for c in CASES if c.id == "qlora-nf4-moe")
-    text = _document(case, tmp_path) + "software:\n  transformers: '4.48'\n"
-    result = resolve(from_text(text, str(tmp_path / "ledger.yaml")))
+    text = _document(case, tmp_path)
+    installed = resolve(from_text(text, str(tmp_path / "ledger.yaml")))
+    declared = resolve(from_text(text + "software:\n  transformers: '4.48'\n", str(tmp_path / "ledger.yaml")))
 
     config = AutoConfig.from_pretrained(CONFIGS / "mixtral_tiny.json")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     fused = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-    hidden, inter = config.hidden_size, config.intermediate_size
-    per_expert = 0
-    for shape in [(inter, hidden), (inter, hidden), (hidden, inter)]:  # w1, w3, w2
+    router = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+    hidden, inter, experts = config.hidden_size, config.intermediate_size, config.num_local_experts
+
+    def quantized(*shape: int) -> int:
         packed, state = bf.quantize_4bit(
             torch.randn(shape, dtype=torch.bfloat16), compress_statistics=True, quant_type="nf4"
         )
         holder = type("Holder", (), {"quant_state": state})()
-        per_expert += _storages([packed, *_quant_state_tensors(holder)])
-    quantized = config.num_hidden_layers * config.num_local_experts * per_expert
+        return _storages([packed, *_quant_state_tensors(holder)])
 
-    entry = result.doc.get("x-resolve", "differences").raw["transformers-moe-fused-experts"]
-    assert entry == {"computed_as": "newer", "bytes": quantized - fused}
-    assert any(n.startswith("declared stack:") and "declares 4.48" in n for n in result.notes), result.notes
+    per_expert = quantized(inter, hidden) * 2 + quantized(hidden, inter)  # w1, w3, w2
+    layers = config.num_hidden_layers
+    linear_experts = layers * experts * per_expert
+
+    entry = installed.doc.get("x-resolve", "differences").raw["transformers-moe-fused-experts"]
+    assert entry == {"computed_as": "newer", "bytes": linear_experts - fused}
+    assert declared.doc.get("x-resolve", "differences").raw["transformers-moe-fused-experts"] == {
+        "computed_as": "older"
+    }
+    assert not any(n.startswith("declared stack:") for n in declared.notes), declared.notes
+    change = declared.figures.frozen_base_bytes - installed.figures.frozen_base_bytes
+    assert change == linear_experts - fused + layers * quantized(experts, hidden) - router
 
 
 def test_a_full_fine_tuning_ledger_validates_clean_and_reaches_calculated(tmp_path: Path) -> None:

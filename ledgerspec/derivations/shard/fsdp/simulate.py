@@ -243,6 +243,10 @@ def estimate_per_rank(
         method = f"{describe('fsdp1' if is_fsdp1(doc) else 'fsdp2')}: {OFFLOAD_METHOD}; {method}"
     if legacy_loss.models_shift_copy(doc):
         method += "; " + legacy_loss.method_note(doc)
+    from ledgerspec.derivations.stack import legacy_moe
+
+    if legacy_moe.applies(doc, source.config):
+        method += "; " + legacy_moe.method_note(doc)
     from ledgerspec.derivations.shard.fsdp import legacy_checkpoint
 
     if is_fsdp1(doc) and legacy_checkpoint.models_outside_checkpoint(doc) and spec.gradient_checkpointing:

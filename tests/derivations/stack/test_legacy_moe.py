@@ -1,0 +1,249 @@
+"""transformers 4's MoE layout, built when a ledger declares it (``ledgerspec.derivations.stack.legacy_moe``).
+
+The truth is a real ``transformers.Trainer`` QLoRA step of a tiny Mixtral and a tiny Qwen2-MoE run with transformers
+4.48.1 and PEFT 0.14.0, and of a tiny Qwen3-MoE with transformers 4.57.6 and PEFT 0.17.1 (per-expert ``nn.Linear``
+experts quantized by bitsandbytes, the routing loop, PEFT wrapping the experts' ``w1``/``w2``/``w3`` and
+``gate_proj``/``up_proj``/``down_proj``), read from the outside by ``tests/truths/trainer_run.py`` and committed with
+the routing its router chose (``tests/data/legacy_moe/*-qlora.truth.json``; the script and command that made them are
+in the files and in ``benchmarks/legacy_moe_truth.py``: it needs a venv of that stack, these tests do not).
+
+Every byte of difference is set apart by a dense twin: a tiny Mistral (Qwen2, Qwen3) with the same attention, widths
+and depth and no experts (``tests/data/legacy_moe/tiny-*-dense-twin``), run by the same script on the same stack,
+differs from its simulation by exactly the same bytes in every phase as the MoE model does, so none of them is the
+MoE layout. With 4.48.1 they are: at the forward peak the real run holds 65,536 B more (by their size, two float32
+batch x length x hidden tensors, 2 x 2 x 64 x 64 x 4 B, halved at the steady step's 32 tokens; held by 4.48.1's model
+forward at the loss, not traced further here), and the simulation holds 32 B more in every phase (transformers 5.24's
+rotary embedding keeps ``original_inv_freq`` as a buffer of its own, ``nn.Buffer(inv_freq.clone())``,
+``models/mistral/modeling_mistral.py`` line 278, where 4.48.1 kept a second name for ``inv_freq``, line 288: the frozen
+base's +32 B) plus 8 B at backward and 4 B at the optimizer step (the Trainer loop's running loss: a local ``tr_loss``
+in 4.48.1, ``self._tr_loss`` in 5.24). Qwen2-MoE in 4.48.1 holds 32 B per layer more (``Family.extra``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+from ledgerspec.contract.document import Document, from_text
+from tests.support import TESTS
+
+DATA = TESTS / "data" / "legacy_moe"
+PHASES = ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_peak")
+COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
+
+
+def _ledger(config: str, targets: str, transformers: str | None, trl: bool = False) -> Document:
+    """The truth case as a ledger; ``trl``: the published single-GPU recipe (TRL's casts after PEFT's k-bit
+    preparation, gradient checkpointing, packed rows)."""
+    software = f'  transformers: "{transformers}"\n' if transformers else ""
+    casts = "  module_dtypes: {norm: float32, lm_head: bfloat16, embed_tokens: bfloat16}\n" if trl else ""
+    text = f"""ledgerspec: ledger/v1
+title: tiny MoE QLoRA as transformers {transformers or "installed"} runs it
+identity:
+  model_id: tests/tiny
+  config_path: {config}
+software:
+  attention_implementation: sdpa
+{software}method:
+  kind: QLoRA
+  rank: 4
+  alpha: 8
+  dropout: 0.0
+  target_modules: [{targets}]
+  bias: none
+base_model:
+  loaded_dtype: bfloat16
+  quantized: true
+  prepare_for_kbit_training: true
+{casts}  quantization: {{type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16, storage_dtype: uint8}}
+adapter:
+  dtype: float32
+workload:
+  max_length: 64
+  sequence_p50: 32
+  packing: {str(trl).lower()}
+  microbatch: 2
+  gradient_accumulation: 1
+training:
+  loop: trainer
+  mixed_precision: bf16
+  max_grad_norm: 1.0
+optimizer:
+  name: adamw_torch
+memory_options:
+  gradient_checkpointing: {str(trl).lower()}
+  checkpointing_kind: non-reentrant
+"""
+    return from_text(text, str(DATA / "test.ledger.yaml"))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tiny MoE model, its dense twin (the same attention, widths and depth without experts) and their truths."""
+
+    name: str
+    config: str
+    targets: str
+    twin_config: str
+    twin_targets: str
+    #: bytes the 4.x model holds besides its twin's, outside the MoE layout, in every phase and in the frozen base
+    extra: int = 0
+    #: the transformers (and PEFT) of the truth runs, declared by the ledgers
+    version: str = "4.48.1"
+    peft: str = "0.14.0"
+    #: the twin's simulation minus its truth (less the batch held ahead), phase by phase: see the module docstring
+    twin_residual: tuple[int, int, int, int] = (-65496, 40, 36, -32732)
+    #: the published single-GPU recipe (:func:`_ledger`'s ``trl``); its truths are ``NAME-trl-qlora``
+    trl: bool = False
+
+    @property
+    def truth(self) -> str:
+        return f"{self.name}-trl-qlora" if self.trl else f"{self.name}-qlora"
+
+    @property
+    def twin_truth(self) -> str:
+        return f"{self.twin_config.split('/')[0]}{'-trl' if self.trl else ''}-qlora"
+
+    @property
+    def ahead(self) -> int:
+        """The batch the real run's CPU DataLoader holds ahead (int64 ids, labels and, unpacked, the mask; 2 rows of
+        the next step's length, packed rows are all 64 long), not in the modelled step."""
+        return (2 * 8 * 2 * 64) if self.trl else (3 * 8 * 2 * 32)
+
+
+FAMILIES = [
+    Family(
+        "tiny-mixtral",
+        "../estimate/tiny-mixtral/config.json",
+        "q_proj, v_proj, w1, w2, w3",
+        "tiny-mistral-dense-twin/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+    ),
+    # 4.48.1's Qwen2MoeAttention builds a rotary embedding of its own in every layer (modeling_qwen2_moe.py line 331,
+    # `self.rotary_emb = Qwen2MoeRotaryEmbedding(config=self.config)`, unused by its forward): one more inv_freq
+    # buffer per layer, head_dim / 2 float32 = 32 B, 2 layers; transformers 5 and the dense Qwen2 have none
+    Family(
+        "tiny-qwen2-moe",
+        "tiny-qwen2-moe/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        "tiny-qwen2-dense-twin/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        extra=2 * 32,
+    ),
+    # transformers 4.57.6 (Qwen3-MoE exists from 4.51), PEFT 0.17.1, accelerate 1.10.1: its mask leaves 65,504 B at
+    # the forward peak and none at the steady step's, and its loop's `expert_hit` index tensors are not at a peak
+    Family(
+        "tiny-qwen3-moe",
+        "tiny-qwen3-moe/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        "tiny-qwen3-dense-twin/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        version="4.57.6",
+        peft="0.17.1",
+        twin_residual=(-65504, 32, 28, 28),
+    ),
+    # the single-GPU recipe of the published Mixtral runs (benchmarks/published-moe/): PEFT's k-bit preparation, TRL's
+    # casts, bf16 autocast, checkpointing, packed rows: only the rotary buffer and the running loss differ there
+    Family(
+        "tiny-mixtral",
+        "../estimate/tiny-mixtral/config.json",
+        "q_proj, v_proj, w1, w2, w3",
+        "tiny-mistral-dense-twin/config.json",
+        "q_proj, v_proj, gate_proj, up_proj, down_proj",
+        twin_residual=(40, 40, 36, 36),
+        trl=True,
+    ),
+]
+
+
+def _truth(name: str, f: Family) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads((DATA / f"{name}.truth.json").read_text(encoding="utf-8"))
+    assert out["stack"]["transformers"] == f.version and out["stack"]["peft"] == f.peft
+    return out
+
+
+def _routing(truth: dict[str, Any], layers: int = 2) -> list[tuple[int, int, list[int]]]:
+    """The real run's routing: its MoE calls in order, layer by layer."""
+    return [(i % layers, int(r["tokens"]), list(r["counts"])) for i, r in enumerate(truth["routing"])]
+
+
+@pytest.fixture(scope="module", params=[pytest.param(f, id=f.truth) for f in FAMILIES])
+def runs(request: pytest.FixtureRequest) -> dict[str, Any]:
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.stack.legacy_moe import routing
+
+    f: Family = request.param
+    truth, twin = _truth(f.truth, f), _truth(f.twin_truth, f)
+    with routing.given(_routing(truth)):
+        moe = estimate(_ledger(f.config, f.targets, f.version, f.trl), target="cpu", layers="full")
+    even = estimate(_ledger(f.config, f.targets, f.version, f.trl), target="cpu", layers="full")
+    dense = estimate(_ledger(f.twin_config, f.twin_targets, f.version, f.trl), target="cpu", layers="full")
+    return {"family": f, "moe": moe, "even": even, "dense": dense, "truth": truth, "twin": twin}
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("legacy-moe")]
+
+
+def test_the_dense_twin_differs_from_its_truth_only_outside_the_moe(runs: dict[str, Any]) -> None:
+    """The residual the twin shows (no MoE in it): the 4.48.1 mask, rotary buffer and running loss."""
+    dense, twin = runs["dense"], runs["twin"]
+    got = tuple(dense.phases[p] - (twin["phases"][p] - runs["family"].ahead) for p in PHASES)
+    assert got == runs["family"].twin_residual
+
+
+def test_the_declared_v4_moe_step_is_the_real_v4_step_to_the_byte(runs: dict[str, Any]) -> None:
+    f, moe, dense, truth, twin = runs["family"], runs["moe"], runs["dense"], runs["truth"], runs["twin"]
+    for p in PHASES:
+        residual = dense.phases[p] - (twin["phases"][p] - f.ahead)
+        assert moe.phases[p] == truth["phases"][p] - f.ahead + residual - f.extra, p
+    for c in COMPONENTS:
+        residual = dense.components[c] - twin["components"][c]
+        assert moe.components[c] == truth["components"][c] + residual - (f.extra if c == "frozen_base" else 0), c
+    # the rotary buffer only (transformers 5's original_inv_freq, 4.48.1's per-layer rotary of Qwen2-MoE)
+    assert moe.components["frozen_base"] - truth["components"]["frozen_base"] == 32 - f.extra
+
+
+def test_the_even_split_gives_the_same_step_here(runs: dict[str, Any]) -> None:
+    """Without the real routing (what users get): the saved tensors do not depend on the split, and the peaks of
+    this step lie outside the expert loop."""
+    assert {p: runs["even"].phases[p] for p in PHASES} == {p: runs["moe"].phases[p] for p in PHASES}
+
+
+def test_the_layout_is_recorded_as_modelled(runs: dict[str, Any]) -> None:
+    moe = runs["moe"]
+    assert moe.differences["transformers-moe-fused-experts"] == {"computed_as": "older"}
+    assert f"MoE layout of the declared transformers {runs['family'].version}" in moe.method
+    assert not any("not modelled" in n for n in moe.notes)
+
+
+@pytest.mark.parametrize("f", [pytest.param(f, id=f.truth) for f in FAMILIES if not f.trl])
+def test_the_installed_layout_is_far_from_the_v4_run(f: Family) -> None:
+    """The same ledger without software.transformers (the installed 5.x fused experts, bf16): what users got before.
+    A difference the test above would catch: over 100 kB of unquantized experts on these tiny models."""
+    from ledgerspec.derivations.estimate.estimator import estimate
+
+    installed = estimate(_ledger(f.config, f.targets, None), target="cpu", layers="full")
+    assert installed.components["frozen_base"] - _truth(f.truth, f)["components"]["frozen_base"] > 100_000
+    assert installed.differences["transformers-moe-fused-experts"]["computed_as"] == "newer"
+
+
+def test_resolve_builds_the_v4_modules_and_peft_wraps_them_as_0_14_did() -> None:
+    from ledgerspec.derivations.resolve.resolver import resolve
+
+    f = FAMILIES[0]
+    result = resolve(_ledger(f.config, f.targets, "4.48.1"), offline=True)
+    names = [r.name for r in result.census.tensors if "lora_A" in r.name]
+    assert any(".block_sparse_moe.experts.0.w1.lora_A" in n for n in names), names[:8]
+    assert not any("experts.gate_up_proj" in n for n in names)
+    truth = _truth("tiny-mixtral-qlora", f)["components"]
+    # the census counts what the Trainer truth counts (frozen params, buffers, quant state): + the 32 B rotary buffer
+    assert result.figures.frozen_base_bytes == truth["frozen_base"] + 32
+    assert result.figures.adapter_bytes == truth["adapter"]
+    diff = result.doc.get("x-resolve", "differences").raw["transformers-moe-fused-experts"]
+    assert diff == {"computed_as": "older"}
