@@ -80,6 +80,24 @@ def _record_routing(calls: list[dict[str, object]]) -> None:
             continue
         _hook_init(getattr(module, name), lambda module, args, output: hook(module, args, output))
 
+    # DeepSeek-V2/V3 (transformers 4.51-4.57.6): the block returns its output only; the router (``gate``) returns the
+    # chosen experts first (``DeepseekV3TopkRouter``: ``topk_indices, topk_weights``; ``DeepseekV2MoEGate``:
+    # ``topk_idx, topk_weight``), counted as they are
+    for family, name, experts in (
+        ("deepseek_v3", "DeepseekV3TopkRouter", "n_routed_experts"),
+        ("deepseek_v2", "DeepseekV2MoEGate", "num_experts"),
+    ):
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        _hook_init(getattr(module, name), lambda module, args, output, e=experts: chosen(module, output[0], e))
+
+    def chosen(module, indices, experts):  # type: ignore[no-untyped-def]
+        with _disable_current_modes(), torch.no_grad():
+            counts = torch.bincount(indices.flatten(), minlength=getattr(module, experts)).tolist()
+            calls.append({"tokens": int(indices.shape[0]), "counts": [int(c) for c in counts]})
+
     def hook(module, args, output):  # type: ignore[no-untyped-def]
         with _disable_current_modes(), torch.no_grad():
             logits = output[1].detach().float()
@@ -109,7 +127,10 @@ def main() -> int:
         case = json.load(fh)
     if not os.path.isabs(case["config"]):
         case["config"] = os.path.join(os.path.dirname(HERE), case["config"])
-    out = trainer_run.run(case)
+    try:
+        out = trainer_run.run(case)
+    except RuntimeError as exc:  # the declared step cannot run: its error is the truth (the first line)
+        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
     import accelerate
     import bitsandbytes
     import peft
@@ -124,11 +145,12 @@ def main() -> int:
         "bitsandbytes": bitsandbytes.__version__,
     }
     out["routing"] = calls
-    out["command"] = "PYTHONPATH=. /tmp/venv-moe/bin/python benchmarks/legacy_moe_truth.py " + " ".join(sys.argv[1:])
+    venv = "/tmp/venv-moe" if transformers.__version__ == "4.48.1" else "/tmp/venv-moe457"
+    out["command"] = f"PYTHONPATH=. {venv}/bin/python benchmarks/legacy_moe_truth.py " + " ".join(sys.argv[1:])
     with open(out_path, "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1)
         fh.write("\n")
-    print(json.dumps(out["phases"]))
+    print(json.dumps(out.get("phases") or out["error"]))
     return 0
 
 

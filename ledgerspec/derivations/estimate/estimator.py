@@ -380,6 +380,16 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
     op = getattr(exc, "func", None) or getattr(exc, "op", None)
     from ledgerspec.derivations.engine.tracker import MixedDtypeMatmul
 
+    if isinstance(exc, MixedDtypeMatmul) and "index_add" in str(exc.func):  # a MoE loop's accumulation
+        return _err(
+            doc,
+            ("software", "transformers") if doc.get("software", "transformers").present else ("identity",),
+            f"the declared step cannot run: {text} (the simulation found it; a real run fails there: an MoE block adds "
+            "its experts' outputs into a buffer of another dtype)",
+            "e.g. transformers 4.51-4.57.6's DeepSeek-V3 MoE accumulates in the router's dtype (bfloat16 under "
+            "autocast) while PEFT's k-bit preparation makes the experts' outputs float32: declare "
+            "base_model.prepare_for_kbit_training: false, or a transformers >= 5.0.0 (it casts before index_add_)",
+        )
     if isinstance(exc, MixedDtypeMatmul):  # not a limit of the simulation: the declared step cannot run
         return _err(
             doc,

@@ -48,6 +48,8 @@ FAMILIES = {
     "mixtral": ("mixtral", "swap"),
     "qwen2_moe": ("qwen_moe", "swap_qwen2"),
     "qwen3_moe": ("qwen_moe", "swap_qwen3"),
+    "deepseek_v2": ("deepseek", "swap_v2"),
+    "deepseek_v3": ("deepseek", "swap_v3"),
 }
 
 #: marks a model whose MoE blocks were swapped (read by :func:`peft_as_v4` and the records)
@@ -86,8 +88,9 @@ def swap(model: Any, doc: Any) -> int:
     module_name, function = FAMILIES[name]
     module = importlib.import_module(f"ledgerspec.derivations.stack.legacy_moe.{module_name}")
     swapped = int(getattr(module, function)(model))
-    if swapped:
-        setattr(model, MARK, name)
+    # marked even without a block swapped (a DeepSeek whose layers are all dense, ``first_k_dense_replace``): the
+    # model is that version's, and PEFT must name its modules as PEFT for transformers 4 did (:func:`peft_as_v4`)
+    setattr(model, MARK, name)
     return swapped
 
 
