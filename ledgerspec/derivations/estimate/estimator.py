@@ -676,7 +676,7 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     if legacy_moe:
         from ledgerspec.derivations.stack.legacy_moe import method_note as moe_note
 
-        method += "; " + moe_note(doc)
+        method += "; " + moe_note(doc, p.source.config)
     from ledgerspec.derivations.kernels.apply import method_note as kernels_note
     from ledgerspec.derivations.kernels.apply import unpatched_note
 

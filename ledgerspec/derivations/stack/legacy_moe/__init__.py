@@ -13,17 +13,21 @@ resolve's frozen base, PEFT's targets and estimate's step are that version's. On
 
 - :mod:`.mixtral`: Mixtral (transformers 4.36-4.57.6; the modules and forward of 4.48.1);
 - :mod:`.qwen_moe`: Qwen2-MoE (4.40-4.57.6) and Qwen3-MoE (4.51-4.57.6);
-- :mod:`.loop`: the routing loop they share.
+- :mod:`.loop`: the routing loop Mixtral and Qwen share;
+- :mod:`.deepseek`: DeepSeek-V3 (4.51-4.57.6) and DeepSeek-V2 (4.54-4.57.6), their routers and loops;
+- :mod:`.gpt_oss`: gpt-oss (4.55-4.57.6), whose experts were 3-D parameters from its first release (nothing to
+  rebuild): the installed modules get 4.57.6's forwards (dense router scores, the Python loop over the experts).
 
-DeepSeek-V2/V3 are not covered (their transformers-4 blocks, 4.51+ for DeepSeek-V3, have a grouped top-k router and
-shared experts of their own: the fused layout is still warned about, with its size); gpt-oss had 3-D expert
-parameters before 5.0 too, so nothing changed for it.
+The model is marked (:data:`MARK`) even when no block was swapped (a DeepSeek whose layers are all dense), so that
+PEFT names its modules as for transformers 4.
 
 :func:`peft_as_v4` makes the installed PEFT wrap those modules as PEFT for transformers 4 did: PEFT >= 0.18 on
 transformers 5 rewrites the v4 expert names of ``target_modules`` (``w1``, ``w2``, ``w3``, ``gate``) into
 ``target_parameters`` on the fused tensors (``peft/utils/transformers_weight_conversion.py``,
 ``_MOE_TARGET_MODULE_MAPPING``, called from ``BaseTuner.inject_adapter`` when ``is_transformers_ge_v5``); on the v4
-layout the names are modules again and are wrapped as ``nn.Linear`` (or bitsandbytes ``Linear4bit``) layers.
+layout the names are modules again and are wrapped as ``nn.Linear`` (or bitsandbytes ``Linear4bit``) layers. PEFT
+0.21 converts DeepSeek-V2/V3's (and Qwen3-MoE's) ``gate_proj``/``up_proj``/``down_proj`` by Qwen2-MoE's mapping
+(``_MODEL_TO_CONVERSION_PATTERN``): on the installed layout their shared experts and dense MLPs get no adapter.
 
 The routing under fake tensors: how many tokens each expert receives depends on the router's values, which a fake
 tensor does not have (``torch.where`` of the expert mask has a data-dependent size). :mod:`.routing` gives each expert
@@ -50,6 +54,7 @@ FAMILIES = {
     "qwen3_moe": ("qwen_moe", "swap_qwen3"),
     "deepseek_v2": ("deepseek", "swap_v2"),
     "deepseek_v3": ("deepseek", "swap_v3"),
+    "gpt_oss": ("gpt_oss", "swap"),
 }
 
 #: marks a model whose MoE blocks were swapped (read by :func:`peft_as_v4` and the records)
@@ -122,8 +127,14 @@ def peft_as_v4(model: Any) -> Iterator[None]:
         tuners_utils.is_transformers_ge_v5 = before
 
 
-def method_note(doc: Any) -> str:
+def method_note(doc: Any, config: Any = None) -> str:
     version = doc.get("software", "transformers").value
+    if config is not None and family(config) == "gpt_oss":
+        return (
+            f"MoE forward of the declared transformers {version}: gpt-oss's dense router scores and its loop over "
+            "the experts (the same 3-D expert parameters), an even split of the tokens among the experts "
+            "(stack/legacy_moe)"
+        )
     return (
         f"MoE layout of the declared transformers {version}: per-expert nn.Linear experts (quantized like every "
         "linear layer) and its routing loop over the experts, an even split of the tokens among the experts "
