@@ -265,9 +265,9 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
   two A100s on an NVSwitch board (`src/graph/search.cc`: 6 rings at 40 GB/s on 12 NVLinks of 20 GB/s, doubled by
   `ncclTopoDupChannels`, doubled again by `ncclTopoPostset`, `src/graph/connect.cc` 442): 288 MiB, below the
   catalogue's 449 MiB, while a published measurement on A100s (NVIDIA/nccl#964, an older NCCL) found 544 MB per
-  two-rank communicator; the catalogue's figure lies between and its range holds both, so it is left as it is. torch
-  2.4.1's FSDP1 through accelerate and the Trainer uses the default process group for every collective (one
-  communicator per rank). Not modelled, and a lead for the rest: the published runs set `fsdp_sync_module_states`
+  two-rank communicator; the catalogue's figure lies between and its range holds both, so it is left as it is. FSDP1
+  (FULL_SHARD, no `process_group`) takes the default group, which the Trainer's barriers use too: one communicator
+  per rank, as assumed. Not modelled, and a lead for the rest: the published runs set `fsdp_sync_module_states`
   (fms-acceleration `scripts/benchmarks/accelerate.yaml`), so FSDP1 broadcasts each unit from rank 0 as it wraps
   it through `dist._broadcast_coalesced` in buckets of 250 MiB (torch `distributed/fsdp/_init_utils.py`
   `PARAM_BROADCAST_BUCKET_SIZE`, `_sync_module_params_and_buffers`), whose flattened buckets the caching allocator
