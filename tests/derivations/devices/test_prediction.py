@@ -255,3 +255,20 @@ def test_estimate_decides_on_the_device_and_keeps_the_allocated_figures(
 
     cached = estimate(load(path), store=EstimateCache(tmp_path / "cache"))
     assert cached.cached_from is not None and cached.phases == plain.phases
+
+
+def test_the_devices_comparison_says_uncertain_where_the_catalogues_high_figure_runs_out() -> None:
+    """``estimate --devices`` replays each device as ``estimate`` does, the catalogue's high figure included: one
+    9 GiB tensor on an A100 (sm_80: context + lazily loaded modules outside the allocator, typical 450 + 256 MiB,
+    high 650 + 768 MiB) with 10 GiB of CUDA total leaves the allocator 9,534 MiB (fits) or 8,822 MiB (does not):
+    uncertain; with 12 GiB it fits either way."""
+    from ledgerspec.derivations.devices.catalogue import Device
+    from ledgerspec.derivations.devices.comparison import _on_device
+
+    step = _step([("alloc", 1, 9 * GiB)], [])
+    verdict = _on_device(_doc(), {1: [step]})
+    tight = Device("NVIDIA A100-SXM4-80GB", "80 GB", 10 * GiB, 0, "test", capacity=10 * GiB)
+    fits, margin, _, _, uncertain = verdict(tight, 1)
+    assert fits and uncertain and margin == 10 * GiB - 9 * GiB - (450 + 256) * MiB
+    roomy = Device("NVIDIA A100-SXM4-80GB", "80 GB", 12 * GiB, 0, "test", capacity=12 * GiB)
+    assert verdict(roomy, 1)[0] is True and verdict(roomy, 1)[4] is False
