@@ -418,8 +418,8 @@ def _print_components(rows: list[Any]) -> None:
     from ledgerspec.contract.units import format_size
 
     print(
-        "what is alive at each peak (traced: an estimate; model: the line through two traced microbatches of its "
-        "length):"
+        "what is alive at each peak (traced: an estimate; model: written from traced ones, the streams of a traced "
+        "microbatch x length grid, or the line through two traced microbatches of its length):"
     )
     for r in rows:
         point = ", ".join(f"{k}={_show(v)}" for k, v in r.point.items())
