@@ -26,6 +26,7 @@ Pure arithmetic on event lists; no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -312,20 +313,32 @@ class GridFamily:
     def stream(self, p: Point) -> list[Event]:
         """The events at ``p`` (the template's ids; each allocation's bytes off its polynomial)."""
         weights = self._weights(p)
+        # integer weights over a common denominator, and the traced streams each term reads
+        plans: dict[str, tuple[list[int], int, list[list[Event]]]] = {}
+        for kind, terms in weights.items():
+            if terms:
+                den = math.lcm(*(w.denominator for w, _ in terms))
+                nums = [int(w * den) for w, _ in terms]
+                plans[kind] = (nums, den, [self.streams[self.at[key]] for _, key in terms])
+        memo: dict[tuple[str, tuple[int, ...]], int] = {}
         out: list[Event] = []
         for i, e in enumerate(self.template):
             if e[0] != "alloc":
                 out.append(e)
                 continue
-            terms = weights[self.kinds[i]]
-            if not terms:
+            plan = plans.get(self.kinds[i])
+            if plan is None:
                 raise NotPolynomial(f"{_show(p)}: outside the traced lengths (interpolation only)")
-            values = [int(self.streams[self.at[key]][i][2]) for _, key in terms]
-            if len(set(values)) == 1:
-                size = values[0]
-            else:
-                exact = sum((w * v for (w, _), v in zip(terms, values, strict=True)), Fraction(0))
-                size = _round_exact(exact, f"event {i} ({_window(self.template, i)}) at {_show(p)}")
+            nums, den, sources = plan
+            values = tuple(int(src[i][2]) for src in sources)
+            size = memo.get((self.kinds[i], values))
+            if size is None:
+                if values.count(values[0]) == len(values):
+                    size = values[0]
+                else:
+                    total = sum(n * v for n, v in zip(nums, values, strict=True))
+                    size = _round_exact(Fraction(total, den), f"event {i} ({_window(self.template, i)}) at {_show(p)}")
+                memo[(self.kinds[i], values)] = size
             out.append((e[0], e[1], size, *e[3:]))
         return out
 
