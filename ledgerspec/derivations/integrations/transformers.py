@@ -444,10 +444,10 @@ class Recorder:
         b = self.backend
         if isinstance(b, TrackerBackend):
             tracker = b.tracker
-            params = list(model.parameters()) + list(model.buffers())
-            tracker.track_existing(params, "frozen_params")
-            quant = [t for p in model.parameters() for t in quant_state_tensors(getattr(p, "quant_state", None))]
-            tracker.track_existing(quant, "quant_state")
+            for m in (model, *self._reference_models()):  # a TRL trainer's separate reference model is held too
+                tracker.track_existing(list(m.parameters()) + list(m.buffers()), "frozen_params")
+                quant = [t for p in m.parameters() for t in quant_state_tensors(getattr(p, "quant_state", None))]
+                tracker.track_existing(quant, "quant_state")
             tracker.track_existing(optimizer_tensors(optimizer), "optimizer")
             tr_loss = getattr(self._trainer, "_tr_loss", None)
             if tr_loss is not None:
@@ -484,6 +484,8 @@ class Recorder:
         full = full_model(live.model) is not None
         base = rounded["frozen_params"] + rounded["buffers"] + rounded["quant_state"]
         base += rounded["adapter"] if full else 0
+        for ref in self._reference_models():  # loaded beside the policy: held from after_load on
+            base += sum(-(-n // unit) * unit for _, n in census_storages(ref, None, b.census_device).values())
         adapters = base + (0 if full else rounded["adapter"])
         # optimizer tensors outside its state (bitsandbytes' maps)
         extra = sum(-(-n // unit) * unit for n in outside_state(live.optimizer, known, b.census_device).values())
@@ -497,11 +499,17 @@ class Recorder:
         ):
             self.result.phases[name] = PhaseRecord(name, held, held, held, None, None, None, dict(counts), 0.0)
 
+    def _reference_models(self) -> list[Any]:
+        """A TRL trainer's separate reference model (``trainer.ref_model``: DPO, KTO), else nothing."""
+        ref = getattr(self._trainer, "ref_model", None)
+        return [ref] if ref is not None and hasattr(ref, "parameters") else []
+
     def _install(self, model: Any, optimizer: Any) -> None:
-        """Hooks on the model's forward; ``training_step`` and the optimizer's ``step`` wrapped (an out-of-memory
-        error there is recorded before it propagates)."""
-        self._hooks.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-        self._hooks.append(model.register_forward_hook(self._post_forward))
+        """Hooks on the model's forward (and a TRL trainer's separate reference model's); ``training_step`` and the
+        optimizer's ``step`` wrapped (an out-of-memory error there is recorded before it propagates)."""
+        for m in (model, *self._reference_models()):
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
         trainer = self._trainer
         if trainer is None:
             log.warning(
