@@ -748,6 +748,16 @@ class Workload:
         self.optimizer_device: str | None = None
         self._step: Any = None
 
+    @property
+    def census_model(self) -> Any:
+        """What the census of held tensors walks: the model, and beside it a separate reference model (DPO/KTO's
+        ``ref_model``: its frozen weights are part of the frozen base the run holds)."""
+        if self.reference is None:
+            return self.model
+        import torch
+
+        return torch.nn.ModuleList([self.model, self.reference])
+
     # -- 1. on the meta device ------------------------------------------------------------------------------------
     def prepare(self) -> None:
         """Build base + quantization layout + adapters on the meta device (no memory is used).

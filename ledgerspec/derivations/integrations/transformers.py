@@ -77,6 +77,13 @@ class _Live:
     model: Any
     optimizer: Any = None
 
+    @property
+    def census_model(self) -> Any:
+        """What the backends' census walks (``Workload.census_model``): the model. A TRL trainer's separate reference
+        model is tracked from train begin as frozen weights (``_start_backend``); its parameters keep the
+        ``requires_grad`` they were loaded with, which a census would read as trainable."""
+        return self.model
+
 
 class CallbackFailure(RuntimeError):
     """A failure of the callback itself, raised only with ``strict=True``."""
@@ -468,10 +475,18 @@ class Recorder:
         b = self.backend
         live = self._live
         counts = census(live.model, live.optimizer, b.census_device)
+        known = census_storages(live.model, live.optimizer, b.census_device)
+        for ref in self._reference_models():  # loaded beside the policy, frozen: held from after_load on
+            for key, (cat, n) in census_storages(ref, None, b.census_device).items():
+                # TRL leaves the reference model's parameters as they were loaded (requires_grad true) and never
+                # trains them (no optimizer, no_grad forwards): frozen weights, whatever their flag says
+                cat = "frozen_params" if cat == "adapter" else cat
+                if key not in known:
+                    known[key] = (cat, n)
+                    counts[cat] += n
         parts = by_component(counts)
         if self.components_note is None and parts["frozen_base"] > 0 and parts["adapter"] > 0:
             self.components.update(frozen_base=parts["frozen_base"], adapter=parts["adapter"])
-        known = census_storages(live.model, live.optimizer, b.census_device)
         # on CUDA the caching allocator rounds every block up to 512 B (c10/cuda/CUDACachingAllocator.cpp,
         # kMinBlockSize), and memory_allocated counts the rounded blocks: the census is rounded the same way
         unit = 512 if b.name == "cuda" else 1
@@ -484,8 +499,6 @@ class Recorder:
         full = full_model(live.model) is not None
         base = rounded["frozen_params"] + rounded["buffers"] + rounded["quant_state"]
         base += rounded["adapter"] if full else 0
-        for ref in self._reference_models():  # loaded beside the policy: held from after_load on
-            base += sum(-(-n // unit) * unit for _, n in census_storages(ref, None, b.census_device).values())
         adapters = base + (0 if full else rounded["adapter"])
         # optimizer tensors outside its state (bitsandbytes' maps)
         extra = sum(-(-n // unit) * unit for n in outside_state(live.optimizer, known, b.census_device).values())

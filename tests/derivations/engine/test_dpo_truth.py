@@ -244,4 +244,14 @@ def test_the_callback_on_a_dpo_trainer_with_a_reference_model_counts_it(tmp_path
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == []
     assert_callback_is_the_measurement(tmp_path, ledger)
     measured = load(tmp_path / "measured.ledger.yaml")
-    assert doc.get("phases", "after_load").value == measured.get("phases", "after_load").size()
+    after_load = doc.get("phases", "after_load").size()
+    assert after_load == measured.get("phases", "after_load").size()
+    # resolve counts both copies: the frozen base is what the real trainer's policy and ref_model held at train begin
+    from tests.support import run_cli
+
+    resolved = tmp_path / "resolved.ledger.yaml"
+    resolved.write_text(ledger_text(c), encoding="utf-8")
+    code, _, err = run_cli("resolve", str(resolved))
+    assert code == 0, err
+    frozen = load(resolved).get("ledger", "frozen_base")
+    assert frozen.size() == after_load and "separate reference model" in (frozen.method or "")
