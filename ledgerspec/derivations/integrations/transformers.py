@@ -77,13 +77,6 @@ class _Live:
     model: Any
     optimizer: Any = None
 
-    @property
-    def census_model(self) -> Any:
-        """What the backends' census walks (``Workload.census_model``): the model. A TRL trainer's separate reference
-        model is tracked from train begin as frozen weights (``_start_backend``); its parameters keep the
-        ``requires_grad`` they were loaded with, which a census would read as trainable."""
-        return self.model
-
 
 class CallbackFailure(RuntimeError):
     """A failure of the callback itself, raised only with ``strict=True``."""
