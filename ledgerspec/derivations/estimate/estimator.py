@@ -254,20 +254,21 @@ def _estimate_workload_class() -> Any:
                 from ledgerspec.derivations.stack.versions import fused_experts_4bit_change
 
                 self.fused_experts = fused_experts_4bit_change(self.model, self.spec.quant.double_quant)
-                model_4bit_layers(
-                    self.model,
-                    getattr(torch, self.spec.loaded_dtype),
-                    self.keep_4bit_input,
-                    cpu=self.target == "cpu",
-                )
+                for model in self.models():
+                    model_4bit_layers(
+                        model,
+                        getattr(torch, self.spec.loaded_dtype),
+                        self.keep_4bit_input,
+                        cpu=self.target == "cpu",
+                    )
             from ledgerspec.derivations.estimate.attention import cuda_attention
-
-            self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
             from ledgerspec.derivations.kernels.apply import simulated_kernels
 
-            self.stack.enter_context(
-                simulated_kernels(self.model, self.spec.kernels, self.spec.autocast_dtype, self.target == "cuda")
-            )
+            for model in self.models():  # the policy, and a separate reference model loaded as it is
+                self.stack.enter_context(cuda_attention(model, self.declared_attention, self.target))
+                self.stack.enter_context(
+                    simulated_kernels(model, self.spec.kernels, self.spec.autocast_dtype, self.target == "cuda")
+                )
             if self.spec.offload:
                 from ledgerspec.derivations.kernels.offload import Offload
 
@@ -287,22 +288,26 @@ def _estimate_workload_class() -> Any:
             if self.spec.padded or (self.spec.loop == "trainer" and self.spec.pads_rows):
                 self.stack.enter_context(_mask_rows(self.spec.padded))
 
+        def models(self) -> list[Any]:
+            """The models the step runs: the policy, and DPO's/KTO's separate reference model when there is one."""
+            return [self.model] if self.reference is None else [self.model, self.reference]
+
         @property
         def trl_head_runs_here(self) -> bool:
             """On the CUDA target TRL's head is its Triton path, modelled in the loss (kernels/apply.py)."""
             return self.target != "cuda" and super().trl_head_runs_here
 
-        def fused_lm_head(self, outputs: tuple[str, ...] | None = None) -> None:
+        def fused_lm_head(self, outputs: tuple[str, ...] | None = None, model: Any = None) -> None:
             """DPO: TRL's fused LM head; on the CUDA target its Triton path, as modelled by
             :mod:`ledgerspec.derivations.kernels.trl` (the completion positions gathered and scored)."""
             if self.target != "cuda":
-                super().fused_lm_head(outputs)
+                super().fused_lm_head(outputs, model)
                 return
             from ledgerspec.derivations.kernels import trl
 
             amp = getattr(torch, self.spec.autocast_dtype) if self.spec.autocast_dtype else None
             trl.functions().add_fused_lm_head(
-                self.model.get_base_model(),
+                model if model is not None else self.model.get_base_model(),
                 outputs or trl.DPO_OUTPUTS,
                 amp,
                 lambda shifted: self.head_positions(int(shifted.shape[1]) + 1, int(shifted.shape[0])),

@@ -226,11 +226,11 @@ def fsdp1_workload(base: type) -> Any:
             if self.load_per_unit:  # each unit's parameters made as FSDP1 wraps it (param_init_fn)
                 self._train_all()
                 self.model = self._wrap(self.model)
-                self._init_base()
+                self._init_base(self.model.get_base_model())
             else:
                 self._materialise(device, adapters=False)
                 self._materialise(device, adapters=True)
-                self._init_base()
+                self._init_base(self.model.get_base_model())
                 self._train_all()
                 self.model = self._wrap(self.model)
             # the materialisation memo (tied weights) must not outlive the wrapping: with use_orig_params=False
