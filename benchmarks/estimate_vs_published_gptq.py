@@ -70,6 +70,22 @@ RUNS = [
         33858,
     ),
     Run(
+        "fms-mixtral-8x7b-gptq-lora-1gpu-bs4",
+        "Mixtral-8x7B-Instruct GPTQ, 4 x 4096 tokens",
+        110,
+        36_041_912_832,
+        23_974_571_008,
+        37596,
+    ),
+    Run(
+        "fms-mixtral-8x7b-gptq-lora-1gpu-bs8",
+        "Mixtral-8x7B-Instruct GPTQ, 8 x 4096 tokens",
+        112,
+        48_080_253_440,
+        23_974_964_224,
+        50208,
+    ),
+    Run(
         "fms-llama-2-70b-gptq-lora-1gpu-bs4",
         "Llama-2-70B GPTQ, 4 x 4096 tokens",
         118,
@@ -156,11 +172,19 @@ EXPLAINED = """## What each figure includes, and every difference
   step, then a steady-state step with AdamW's state), and frozen base + adapters + AdamW state for after `train()`
   (the Trainer's `zero_grad` frees the gradients).
 - **The base**: the published checkpoints' main branches, 4-bit with act-order; group size 128 for
-  `TheBloke/Mistral-7B-v0.1-GPTQ`, none (-1) for `TheBloke/Llama-2-70B-GPTQ`. Neither config is shipped here; the
-  group sizes are read off the published after-`train()` figures: with group size -1 the Mistral base would be
-  0.13 GB smaller, with 128 the Llama-2-70B base 1.32 GB larger, either off by far more than the 17 MB left below.
-  The frozen base is the census's exact GPTQ storage (`qweight`, `qzeros`, `scales`, `g_idx` per QuantLinear; the
-  embeddings, norms and head in float16).
+  `TheBloke/Mistral-7B-v0.1-GPTQ`, none (-1) for `TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ` and
+  `TheBloke/Llama-2-70B-GPTQ`. No config is shipped here; the group sizes are read off the published after-`train()`
+  figures: with group size -1 the Mistral base would be 0.13 GB smaller, with 128 the Mixtral base 0.89 GB and the
+  Llama-2-70B base 1.32 GB larger, each off by far more than the 17 MB left below. The frozen base is the census's
+  exact GPTQ storage (`qweight`, `qzeros`, `scales`, `g_idx` per QuantLinear; the embeddings, norms and head in
+  float16: PEFT's k-bit preparation upcasts nothing on a model marked `quantization_method = "gptq"`).
+- **Mixtral's layout**: the declared transformers 4.48.1 builds each of the 32 x 8 experts as `nn.Linear` modules
+  `w1`, `w3` (4,096 -> 14,336) and `w2` (14,336 -> 4,096) and loops over them (`stack/legacy_moe`, as in
+  `published-moe.md`); the plugin's vendored GPTQModel loads every one of them, and q/k/v/o, as a triton v2
+  `QuantLinear`, and leaves the router `block_sparse_moe.gate` (4,096 -> 8) an `nn.Linear` in float16: its Mixtral
+  definition's `layer_modules` do not name it (`gptqmodel/models/mixtral.py`, applied by `models/base.py`
+  `from_quantized`, lines 1142-1162 at 876e2ed). 896 QuantLinear layers, 23.27 GB; checked on a tiny Mixtral
+  against the upstream QuantLinear and that definition (`tests/derivations/engine/test_gptq.py`).
 - **The step**: the triton v2 `QuantLinear` of fms-acceleration's vendored GPTQModel (the weight dequantized to a
   float16 (in, out) workspace in forward and again in backward; nothing kept for backward but its own buffers:
   `ledgerspec/derivations/engine/gptq.py`, checked against those source files in
@@ -168,17 +192,21 @@ EXPLAINED = """## What each figure includes, and every difference
   input cast under autocast; known difference `peft-gptq-lora-input-cast`), fp16 autocast with a GradScaler,
   reentrant checkpointing, flash-attention 2, transformers 4.48.1's loss (the shifted float32 logits copied, known
   difference `transformers-causal-lm-loss-shift-copy`).
-- **After `train()`**: 17.45 MB (Mistral, 4 sequences), 17.84 MB (Mistral, 8) and 17.47 MB (Llama-2-70B) low.
+- **After `train()`**: 17.45 MB (Mistral and Mixtral, 4 sequences: 17,450,496 B both), 17.84 MB (Mistral and
+  Mixtral, 8: 17,843,712 B both) and 17.47 MB (Llama-2-70B) low.
   17.04 MB of it are the two cuBLAS workspaces (8,519,680 B per handle on an A100, one handle for the Python thread
   and one for the autograd engine's thread): allocated through PyTorch's caching allocator, so in the published
   figures, but no tensors, so never in the estimate (`ledgerspec/derivations/devices/outside.yaml`, `cublas`). The
   rest, 0.41 / 0.80 / 0.43 MB, grows with the batch: three int64 tensors of batch x 4,096 are 0.39 / 0.79 / 0.39 MB,
   as if the last batch were still held when the tracker reads memory (the Trainer's loop still has it in scope there;
   plausible, not verified); the last 18-33 KB are not identified.
-- **Mistral-7B peaks**: 18.2 MB and 19.4 MB low, of which 17.04 MB are the same cuBLAS workspaces; the rest (1.1 MB,
-  2.4 MB) grows with the batch and is not identified. The peak is at the end of the forward: the checkpointed layer
-  inputs and what the loss keeps for backward (the float16 logits, their float32 copy, the shifted copy of 4.48.1's
-  loss).
+- **Mistral-7B and Mixtral-8x7B peaks**: 18.2 MB and 19.4 MB low, of which 17.04 MB are the same cuBLAS workspaces;
+  the rest (1.1 MB, 2.4 MB) grows with the batch and is not identified. The two models differ from their published
+  peaks by the same bytes (18,177,024 B at 4 sequences, 19,430,400 B at 8), so none of it is the model, its MoE
+  layout or the routing. The peak is at the end of the forward: the checkpointed layer inputs and what the loss keeps
+  for backward (the float16 logits, their float32 copy, the shifted copy of 4.48.1's loss); Mixtral's expert
+  transients (the estimate gives each expert an even share of the tokens, a fake tensor has no router values) are
+  gone by then.
 - **Llama-2-70B, 4 x 4096 tokens**: +1.59 GB (+2.4%). The estimate's peak is in backward, while every checkpointed
   layer input is still held (21.48 GB, the whole of the activations at that moment) and 11.08 GB were made in
   backward: the recompute of the last decoder layer and its backward (its MLP's float16 16,384 x 28,672 tensors are
@@ -188,12 +216,8 @@ EXPLAINED = """## What each figure includes, and every difference
   the other 70B run the tables compare (QLoRA nf4 on 2 GPUs, `published-multi-gpu.md`) has its peak elsewhere.
 - **Llama-2-70B, 8 x 4096 tokens**: the published row has no memory figures (the run did not finish; nvidia-smi shows
   the 80 GB card full); the estimate predicts a peak above the card's 80 GiB, so it agrees that the run cannot fit.
-- **Mixtral-8x7B-Instruct GPTQ** (rows 110 and 112 of the same file, 36.04 and 48.08 GB): not estimated. The GPTQ
-  checkpoint holds each expert's projections as a `QuantLinear` (transformers 4.48's per-expert `nn.Linear`
-  layout); transformers 5.24 builds Mixtral's experts as fused 3-D parameters, which a GPTQ `nn.Linear` replacement
-  does not reach (the declared MoE layout is issue 26's second item). The 2-GPU rows (FSDP1) are not estimated
-  either: the plugin registers the QuantLinear buffers as FSDP parameters (`register_tensors_as_parameters_patch_rule`),
-  a sharding of int32 buffers the FSDP simulation does not model.
+- **The 2-GPU rows (FSDP1)** are not estimated: the plugin registers the QuantLinear buffers as FSDP parameters
+  (`register_tensors_as_parameters_patch_rule`), a sharding of int32 buffers the FSDP simulation does not model.
 - **Not modelled**: the CUDA context and the allocator cache (the nvidia-smi column, not compared).
 """
 
@@ -212,10 +236,9 @@ def render(rows: list[Row], elapsed: float) -> str:
         f"Source: fms-acceleration's reference benchmarks, `scripts/benchmarks/refs/a100_80gb.csv` ({FMS}), scenario "
         "`accelerated-peft-gptq`, `framework_config` accelerated-peft-autogptq, one A100-SXM4-80GB: LoRA r=16 alpha=16 "
         "dropout 0.1 on q/k/v/o over a 4-bit GPTQ base loaded in float16, fp16 mixed precision, AdamW (torch), packed "
-        "4,096-token sequences, gradient checkpointing, flash-attention 2, transformers 4.48.1 / PEFT 0.13.2 / torch "
-        "2.4.1 (`refs/requirements.txt`). Published = `TrainerMemoryTracker` figures (GB = 1e9 B); CSV lines "
-        + ", ".join(str(r.run.csv_line) for r in rows)
-        + ".",
+        "4,096-token sequences, gradient checkpointing, flash-attention 2, transformers 4.48.1 (its per-expert "
+        "Mixtral layout, built as declared) / PEFT 0.13.2 / torch 2.4.1 (`refs/requirements.txt`). Published = "
+        "`TrainerMemoryTracker` figures (GB = 1e9 B); CSV lines " + ", ".join(str(r.run.csv_line) for r in rows) + ".",
         "",
         *markdown_table(HEADER, [row.cells() for row in rows]),
         "",

@@ -173,19 +173,23 @@ def use_older_lora_forward(model: Any) -> int:
 
 def replace_decoder_linears(model: Any, make: Any, skip_modules: tuple[str, ...] = ()) -> int:
     """Replace every ``nn.Linear`` of the decoder blocks by ``make(linear)``, created on the linear's device (the
-    meta device while the model is there), but those whose name contains one of ``skip_modules``; how many."""
+    meta device while the model is there), but those whose name contains one of ``skip_modules`` and the routers of a
+    declared transformers 4's MoE blocks (float16 in GPTQ and AWQ checkpoints,
+    :func:`ledgerspec.derivations.stack.legacy_moe.routers`); how many."""
     import torch
 
     from ledgerspec.derivations.stack.build import decoder_layers
+    from ledgerspec.derivations.stack.legacy_moe import routers
 
     found = decoder_layers(model)
     if found is None:
         return 0
+    dense = routers(model)
     count = 0
     for parent_name, parent in list(found[1].named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is not torch.nn.Linear or any(s and s in full for s in skip_modules):
+            if type(child) is not torch.nn.Linear or id(child) in dense or any(s and s in full for s in skip_modules):
                 continue
             with torch.device(child.weight.device):
                 new = make(child)

@@ -218,3 +218,94 @@ def test_the_kernel_is_an_input_of_the_estimate_not_of_resolve() -> None:
     assert section_digest(a, "base_model", work) != section_digest(b, "base_model", work)
     assert section_digest(a, "base_model", res) == section_digest(b, "base_model", res)
     assert section_digest(none, "base_model", work) == section_digest(none, "base_model", res)
+
+
+# -- a GPTQ Mixtral in transformers 4's per-expert layout ----------------------------------------------------------
+
+MIXTRAL = DATA / "tiny-mixtral" / "config.json"
+#: the vendored GPTQModel's Mixtral definition, copied unchanged from fms-acceleration 876e2ed
+#: (``plugins/accelerated-peft/src/fms_acceleration_peft/gptqmodel/models/mixtral.py``)
+GPTQMODEL_MIXTRAL = DATA.parent / "gptq" / "fms_gptq" / "models" / "mixtral.py"
+
+
+def _mixtral_doc(prepare: bool = True) -> Any:
+    text = _text(peft="0.13.2").replace(
+        "tests/tiny-mistral, config_path: tiny-mistral/config.json", f"tests/tiny-mixtral, config_path: {MIXTRAL}"
+    )
+    text = text.replace("{attention_implementation: sdpa", "{attention_implementation: sdpa, transformers: '4.48.1'")
+    if not prepare:
+        text = text.replace("prepare_for_kbit_training: true", "prepare_for_kbit_training: false")
+    return from_text(text, str(DATA / "test.ledger.yaml"))
+
+
+def _gptqmodel_mixtral_layers(config: Any) -> dict[str, tuple[int, int]]:
+    """What GPTQModel turns into a QuantLinear in each decoder layer of a transformers-4 Mixtral: the Linear modules
+    whose names end with one of its ``layer_modules`` (``models/base.py`` ``from_quantized`` at 876e2ed, lines
+    1142-1162), read from the shipped definition as text; (in, out) of each as transformers 4.48.1's Mixtral builds
+    it (``modeling_mixtral.py`` lines 67-76 and 246-262: the experts' ``w1``/``w3`` hidden -> intermediate, ``w2``
+    back; ``q_proj``/``o_proj`` heads x head_dim, ``k_proj``/``v_proj`` key-value heads x head_dim)."""
+    import ast
+
+    tree = ast.parse(GPTQMODEL_MIXTRAL.read_text(encoding="utf-8"))
+    assigns = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "layer_modules"
+    ]
+    names = [name for group in ast.literal_eval(assigns[0].value) for name in group]
+    h, i = config["hidden_size"], config["intermediate_size"]
+    hd = h // config["num_attention_heads"]
+    shapes = {
+        "q_proj": (h, config["num_attention_heads"] * hd),
+        "k_proj": (h, config["num_key_value_heads"] * hd),
+        "v_proj": (h, config["num_key_value_heads"] * hd),
+        "o_proj": (config["num_attention_heads"] * hd, h),
+        "w1": (h, i),
+        "w3": (h, i),
+        "w2": (i, h),
+    }
+    out = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "block_sparse_moe" and int(parts[2]) >= config["num_local_experts"]:
+                continue  # the definition lists Mixtral-8x7B's 8 experts; the tiny config has fewer
+            out[f"model.layers.{layer}.{name}"] = shapes[parts[-1]]
+    return out
+
+
+def test_a_gptq_mixtral_of_transformers_4_quantizes_what_gptqmodel_quantizes(upstream: dict[str, Any]) -> None:
+    """Declared transformers 4.48.1: the step's model holds a QuantLinear, with the upstream layer's buffers, exactly
+    where GPTQModel's Mixtral definition puts one (the attention projections and every expert's w1/w3/w2); the router
+    ``block_sparse_moe.gate`` stays a float16 nn.Linear; resolve's frozen base is those upstream buffers plus the
+    float16 rest."""
+    import json
+
+    import torch
+
+    from ledgerspec.derivations.engine.workload import Workload
+    from ledgerspec.derivations.resolve.resolver import resolve
+
+    config = json.loads(MIXTRAL.read_text(encoding="utf-8"))
+    expected = _gptqmodel_mixtral_layers(config)
+    w = Workload(_mixtral_doc())
+    w.declared_moe_layout = True  # as the estimate builds it (the measurement runs the installed layout)
+    w.prepare()
+    base = w.model.get_base_model()
+    ours = {n.removesuffix(".base_layer"): m for n, m in base.named_modules() if type(m).__name__ == "GptqQuantLinear"}
+    assert set(ours) == set(expected)
+    quantized = 0
+    for name, (i, o) in expected.items():
+        theirs = upstream["QuantLinear"](4, 32, i, o, False)
+        assert {k: (tuple(v.shape), v.dtype) for k, v in ours[name].named_buffers()} == {
+            k: (tuple(v.shape), v.dtype) for k, v in theirs.named_buffers()
+        }, name
+        quantized += sum(v.nbytes for v in theirs.buffers())
+    routers = {n: m for n, m in base.named_modules() if n.endswith("block_sparse_moe.gate")}
+    assert len(routers) == config["num_hidden_layers"]
+    assert all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float16 for m in routers.values())
+
+    h, v, L, e = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"], config["num_local_experts"]
+    dense = 2 * v * h + (2 * L + 1) * h + L * h * e  # embeddings, lm_head, norms, routers: float16 (nothing upcast)
+    for prepare in (True, False):  # PEFT's k-bit preparation upcasts nothing on a GPTQ model
+        figures = resolve(_mixtral_doc(prepare), offline=True).figures
+        assert figures.frozen_quantized_bytes == quantized
+        assert figures.frozen_base_bytes - figures.frozen_buffer_bytes == quantized + 2 * dense
