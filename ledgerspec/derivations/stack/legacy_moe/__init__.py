@@ -133,7 +133,8 @@ def routers(model: Any) -> set[int]:
     ``block_sparse_moe.gate`` (fms-acceleration 876e2ed
     ``plugins/accelerated-peft/src/fms_acceleration_peft/gptqmodel/models/mixtral.py`` lines 20-56, applied by
     ``models/base.py`` ``from_quantized`` lines 1142-1162, which drops every Linear whose name ends with none of
-    them); AutoAWQ's Mixtral leaves the router out the same way."""
+    them). The routers of the other declared families (Qwen2/Qwen3-MoE) are left dense by the same rule, unchecked
+    against a GPTQ or AWQ checkpoint of those families."""
     out: set[int] = set()
     for module in model.modules():
         if getattr(module, BLOCK_MARK, False):
