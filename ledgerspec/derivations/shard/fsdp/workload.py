@@ -210,6 +210,13 @@ def fsdp1_workload(base: type) -> Any:
                 return
             super().prepare()
             adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
+            g = self.spec.gptq
+            if g is not None and g.scheme == "gptq":  # fms-acceleration: qweight/qzeros as float FSDP parameters
+                import torch
+
+                from ledgerspec.derivations.engine.gptq import as_fsdp_parameters
+
+                as_fsdp_parameters(self.model, getattr(torch, self.spec.loaded_dtype))
             self._mesh = hybrid_mesh(self.doc)
 
         def grad_scaler_class(self) -> Any:

@@ -59,6 +59,8 @@ FAMILIES = {
 
 #: marks a model whose MoE blocks were swapped (read by :func:`peft_as_v4` and the records)
 MARK = "_ledgerspec_legacy_moe"
+#: marks each transformers-4 MoE block that :func:`.loop.swap_blocks` built (read by :func:`routers`)
+BLOCK_MARK = "_ledgerspec_v4_block"
 
 
 def declares_v4(doc: Any) -> bool:
@@ -127,6 +129,30 @@ def peft_as_v4(model: Any) -> Iterator[None]:
         tuners_utils.is_transformers_ge_v5 = before
 
 
+#: the router modules of transformers 4's MoE blocks: ``gate`` (hidden -> experts) and Qwen2-MoE's
+#: ``shared_expert_gate`` (hidden -> 1)
+ROUTER_NAMES = ("gate", "shared_expert_gate")
+
+
+def routers(model: Any) -> set[int]:
+    """The ids of the router ``nn.Linear`` modules of ``model``'s swapped transformers-4 MoE blocks (empty when none
+    was swapped). A GPTQ or AWQ checkpoint keeps them in float16: GPTQModel quantizes a model's ``layer_modules``
+    only, and Mixtral's lists the attention projections and the experts' ``w1``/``w3``/``w2``, not
+    ``block_sparse_moe.gate`` (fms-acceleration 876e2ed
+    ``plugins/accelerated-peft/src/fms_acceleration_peft/gptqmodel/models/mixtral.py`` lines 20-56, applied by
+    ``models/base.py`` ``from_quantized`` lines 1142-1162, which drops every Linear whose name ends with none of
+    them). The routers of the other declared families (Qwen2/Qwen3-MoE) are left dense by the same rule, unchecked
+    against a GPTQ or AWQ checkpoint of those families."""
+    out: set[int] = set()
+    for module in model.modules():
+        if getattr(module, BLOCK_MARK, False):
+            for name in ROUTER_NAMES:
+                router = module._modules.get(name)
+                if router is not None:
+                    out.add(id(router))
+    return out
+
+
 def method_note(doc: Any, config: Any = None) -> str:
     version = doc.get("software", "transformers").value
     if config is not None and family(config) == "gpt_oss":
@@ -142,4 +168,17 @@ def method_note(doc: Any, config: Any = None) -> str:
     )
 
 
-__all__ = ["FAMILIES", "KEY", "MARK", "applies", "declares_v4", "is_swapped", "method_note", "peft_as_v4", "swap"]
+__all__ = [
+    "BLOCK_MARK",
+    "FAMILIES",
+    "KEY",
+    "MARK",
+    "ROUTER_NAMES",
+    "applies",
+    "declares_v4",
+    "is_swapped",
+    "method_note",
+    "peft_as_v4",
+    "routers",
+    "swap",
+]
