@@ -228,9 +228,7 @@ def supported_status(doc: Document) -> StatusResult:
         )
     if doc.get("result", "fits").switch() is False:
         held.append("result.fits is false")
-    elif doc.get("x-estimate", "verdict", "uncertain").value is True and (res.best_peak_from or "").startswith(
-        "x-estimate"
-    ):
+    elif doc.get("x-estimate", "verdict", "uncertain").value is True and res.best_peak_from == DEVICE_PEAK:
         held.append(
             "the device verdict is UNCERTAIN (x-estimate.verdict.uncertain): it fits only with the typical bytes "
             "outside the allocator, not with the catalogue's high end; measure outside_allocator "

@@ -655,16 +655,21 @@ def test_a_predicted_peak_of_a_step_with_an_unmodelled_kernel_is_not_candidate()
 
 
 def test_an_uncertain_device_verdict_holds_candidate() -> None:
-    """A predicted peak that fits only with the outside-allocator catalogue's typical figure (the estimate's replay
-    with the catalogue's high figure ran out: ``x-estimate.verdict.uncertain``) does not show that it fits: the
-    status stays CALCULATED, and the reason says what would decide it."""
+    """A predicted device-level peak that fits only with the outside-allocator catalogue's typical figure (the
+    estimate's replay with the catalogue's high figure ran out: ``x-estimate.verdict.uncertain``) does not show that
+    it fits: the status stays CALCULATED, and the reason says what would decide it. A verdict that no longer holds
+    (predicted for another device memory) holds nothing: the allocated peak is compared instead."""
     text = (EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml").read_text()
     assert supported_status(from_text(text)).status == "CANDIDATE"
-    uncertain = text.replace(
-        "x-estimate:\n  source: CALCULATED\n", "x-estimate:\n  source: CALCULATED\n  verdict:\n    uncertain: true\n", 1
+    device = (
+        "x-estimate:\n  source: CALCULATED\n"
+        "  device_peak: {value: 23.5GiB, source: ASSUMPTION, note: reserved + outside}\n"
+        "  verdict:\n    device_memory: 25769803776\n    alloc_conf: ''\n    uncertain: true\n"
     )
+    uncertain = text.replace("x-estimate:\n  source: CALCULATED\n", device, 1)
     res = supported_status(from_text(uncertain))
-    assert res.status == "CALCULATED"
+    assert res.best_peak_from == "x-estimate.device_peak" and res.status == "CALCULATED"
     assert any("UNCERTAIN" in h and "measure outside_allocator" in h for h in res.reasons)
-    settled = uncertain.replace("uncertain: true", "uncertain: false")
-    assert supported_status(from_text(settled)).status == "CANDIDATE"
+    assert supported_status(from_text(uncertain.replace("uncertain: true", "uncertain: false"))).status == "CANDIDATE"
+    stale = uncertain.replace("device_memory: 25769803776", "device_memory: 85899345920")
+    assert supported_status(from_text(stale)).status == "CANDIDATE"
