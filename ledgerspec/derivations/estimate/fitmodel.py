@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from ledgerspec.derivations.estimate.fit import PHASES
+from ledgerspec.derivations.estimate.fit import ALL_PHASES
 
 #: the components an estimate splits a phase's peak into (``at.PHASE.COMPONENT`` figures)
 AT_PEAK = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
@@ -94,7 +94,7 @@ class BatchModel:
 
     def phases(self, b: int) -> dict[str, int]:
         figures = self.figures(b)
-        return {k: figures[k] for k in PHASES if k in figures}
+        return {k: figures[k] for k in ALL_PHASES if k in figures}
 
     def peak(self, b: int) -> int:
         return max(self.phases(b).values())
@@ -210,11 +210,11 @@ class GridModel:
 
     def phases(self, b: int, length: int, typical: int) -> dict[str, int]:
         figures = self.figures(b, length, typical)
-        return {k: figures[k] for k in PHASES if k in figures}
+        return {k: figures[k] for k in ALL_PHASES if k in figures}
 
     def at_peak(self, b: int, length: int, typical: int) -> dict[str, int]:
         figures = self.figures(b, length, typical)
-        phases = {k: figures[k] for k in PHASES if k in figures}
+        phases = {k: figures[k] for k in ALL_PHASES if k in figures}
         phase = max(phases, key=lambda k: phases[k])
         return {c: figures.get(f"at.{phase}.{c}", 0) for c in AT_PEAK}
 
@@ -244,7 +244,7 @@ def _nodes(by_length: Mapping[int, Mapping[str, int]], x: int, what: str) -> lis
 
 
 def _peak(figures: Mapping[str, int]) -> int:
-    return max(figures[k] for k in PHASES if k in figures)
+    return max(figures[k] for k in ALL_PHASES if k in figures)
 
 
 def _round(x: Fraction) -> int:

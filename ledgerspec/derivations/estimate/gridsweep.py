@@ -34,7 +34,7 @@ from ledgerspec.contract import config
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.allocator.affine import NotPolynomial
 from ledgerspec.derivations.allocator.grid import GridFamily, Point, Side, tracker_figures
-from ledgerspec.derivations.estimate.fit import PHASES
+from ledgerspec.derivations.estimate.fit import ALL_PHASES
 from ledgerspec.derivations.estimate.fitmodel import AT_PEAK
 from ledgerspec.derivations.estimate.search import SweepRow, length_design, padded, probe
 from ledgerspec.derivations.estimate.sweep import apply
@@ -232,7 +232,7 @@ def run_jobs(
 
 
 def _phases_of(figures: dict[str, int]) -> dict[str, int]:
-    return {k: figures[k] for k in PHASES if k in figures}
+    return {k: figures[k] for k in ALL_PHASES if k in figures}
 
 
 def _row(point: dict[str, Any], figures: dict[str, int], traced: bool) -> SweepRow:

@@ -114,6 +114,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             rule="usage",
             exit_code=EXIT_USAGE,
         )
+    _refuse_chosen_microbatches(doc, args)
     if args.sweep:
         return _run_sweep(doc, args, device)
     if args.fit:
@@ -430,6 +431,31 @@ def _print_components(rows: list[Any]) -> None:
 
 def _show(v: Any) -> str:
     return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+
+def _refuse_chosen_microbatches(doc: Any, args: argparse.Namespace) -> None:
+    """``--fit microbatch`` and ``--what-if`` choose microbatches themselves (1, 2, 4, ...): for GRPO/RLOO most of
+    them are generation batches TRL refuses (not a multiple of ``num_generations``), so they are refused in one line
+    before anything is traced; ``--sweep`` takes the values the user names."""
+    from ledgerspec.contract.config import GENERATING, read
+
+    objective = read(doc).training.objective
+    if objective not in GENERATING:
+        return
+    asked = "--what-if" if args.what_if else "--fit microbatch" if args.fit and "microbatch" in args.fit else None
+    if asked is None:
+        return
+    line, col = doc.position("/training/objective")
+    raise LedgerspecError(
+        f"{asked} chooses microbatches itself, and training.objective {objective} needs each generation batch "
+        "(microbatch x steps per generation) to be a multiple of num_generations",
+        doc.path,
+        line,
+        col,
+        hint="ask `estimate --sweep microbatch=A,B,...` with microbatches TRL accepts, or `--fit max_length`",
+        rule="usage",
+        exit_code=EXIT_USAGE,
+    )
 
 
 def _fit_memory(doc: Any, args: argparse.Namespace, device: int | None) -> int:

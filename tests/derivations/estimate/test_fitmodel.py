@@ -49,6 +49,22 @@ def test_the_line_through_two_samples_is_exact_for_affine_figures() -> None:
     assert model.largest_fitting(1000 + 300 * 17) == 17 and model.largest_fitting(1000 + 300 * 17 - 1) == 16
 
 
+def test_a_generation_phase_counts_in_the_peak_between_traced_microbatches() -> None:
+    """GRPO's ``generation_peak`` (the KV cache of num_generations completions per prompt) can be the step's peak:
+    the line between two traced microbatches keeps it, so ``--sweep``/``--devices`` never drop it."""
+
+    def grpo(b: int) -> dict[str, int]:
+        out = _figures(b)
+        out["generation_peak"] = 1000 + 500 * b
+        out["at.generation_peak.activations"] = 500 * b
+        out["at.generation_peak.frozen_base"] = 1000
+        return out
+
+    model = BatchModel([Sample(2, grpo(2)), Sample(4, grpo(4))], padded=True)
+    assert model.peak(3) == 1000 + 500 * 3 and model.peak_phase(3) == "generation_peak"
+    assert model.at_peak(3)["activations"] == 500 * 3
+
+
 def test_one_row_of_a_padded_workload_is_its_own_regime() -> None:
     model = BatchModel([Sample(2, _figures(2)), Sample(4, _figures(4))], padded=True)
     assert not model.can_predict(1)
