@@ -19,6 +19,8 @@ is read first and wins:
   one snapshot in the Hugging Face cache that holds this config), else PEFT's ``revision``;
   ``identity.config_path``: the folder the config was read from, when it is a local folder with a ``config.json``;
 - ``parallelism.gpu_count`` and ``workload.dp_world_size``: ``args.world_size`` (the launcher's ranks);
+- ``training.objective``: the class of the live arguments (TRL's ``DPOConfig``, ``KTOConfig``, ``GRPOConfig``,
+  ``RLOOConfig``, ``RewardConfig``, ...: a dump's keys only guess it), and the reference from the live trainer;
 - ``software.kernels``: the kernels the tools put on the live model (:func:`kernels_in_use`: Liger's, TRL's fused LM
   head, Cut Cross-Entropy's forward, axolotl's LoRA kernels), besides those the arguments switch on
   (``use_liger_kernel``, TRL's loss).
