@@ -7,9 +7,10 @@ reads, with the PEFT ``adapter_config.json`` beside them; Llama-3.1-8B (its ship
 what no file says, each with its reason:
 
 - ``identity.revision``: none of the files pins a Hub commit (the shipped config's sha256 pins the architecture);
-- TRL's GRPO ``workload.max_length``: ``GRPOConfig`` has no sequence length (a row is the data's prompt and
-  ``max_completion_length`` tokens); the user gives the longest prompt (``LedgerCallback`` fills it from a run). The
-  axolotl file says ``sequence_len``.
+- GRPO's ``workload.max_length``: ``GRPOConfig`` has no sequence length (a row is the data's prompt and
+  ``max_completion_length`` tokens); the user gives the longest prompt (``LedgerCallback`` fills it from a run).
+  axolotl 0.18's ``sequence_len`` bounds no GRPO row (it filters no GRPO sample, ``utils/data/rl.py:177-178``, and
+  keeps ``max_length`` out of ``GRPOConfig``, ``core/trainers/grpo/__init__.py:239-245``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ADAPTER = "hf/adapter_config_llama31.json"
 #: name -> (files, objective, UNKNOWN fields the files cannot tell)
 SETUPS: dict[str, tuple[tuple[str, ...], str, set[str]]] = {
     "axolotl-dpo": (("axolotl-dpo.yml",), "dpo", {"identity.revision"}),
-    "axolotl-grpo": (("axolotl-grpo.yml",), "grpo", {"identity.revision"}),
+    "axolotl-grpo": (("axolotl-grpo.yml",), "grpo", {"identity.revision", "workload.max_length"}),
     "trl-dpo": (("hf/dpo_config.yaml", ADAPTER), "dpo", {"identity.revision"}),
     "trl-grpo": (("hf/grpo_config.yaml", ADAPTER), "grpo", {"identity.revision", "workload.max_length"}),
 }
@@ -106,7 +107,7 @@ def test_the_setup_resolves_estimates_and_reports(name: str, tmp_path: Path) -> 
     intake, ledger = tmp_path / "setup.intake.yaml", tmp_path / "setup.ledger.yaml"
     code, _, err = run_cli("import", *[SETUP / f for f in files], "--configs", CONFIGS, "-o", intake)
     assert code == 0, err
-    if "workload.max_length" in expected:  # the one field TRL's GRPO files cannot tell: the user gives it
+    if "workload.max_length" in expected:  # the one field GRPO's files cannot tell: the user gives it
         text = intake.read_text(encoding="utf-8")
         line = next(x for x in text.splitlines() if x.startswith("  max_length: UNKNOWN"))
         intake.write_text(text.replace(line, f"  max_length: {GRPO_ROW}"), encoding="utf-8")

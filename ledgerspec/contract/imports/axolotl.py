@@ -570,6 +570,18 @@ def _objective(src: Source, b: Builder, o: str) -> None:
     trl = trl if isinstance(trl, dict) else {}
     C.objective_settings(b, trl, o + "trl.", src.path)
     _trl_rest(src, b, value, trl)
+    length = b.entries.get(("workload", "max_length"))
+    if value == "grpo" and length is not None:
+        # axolotl 0.18 bounds no GRPO row by sequence_len: it drops or truncates no GRPO sample (utils/data/rl.py:
+        # 177-178, 292) and keeps max_length and max_prompt_length out of GRPOConfig (core/trainers/grpo/__init__.py:
+        # 239-245); a row is the data's prompt + trl.max_completion_length
+        del b.entries[("workload", "max_length")]
+        b.unknown(
+            ("workload", "max_length"),
+            o + "rl: grpo: sequence_len bounds no GRPO row (axolotl 0.18); give the longest prompt + "
+            "trl.max_completion_length (LedgerCallback fills it from a run)",
+            src.path,
+        )
     precomputed = src.take("precompute_ref_log_probs") if src.has("precompute_ref_log_probs") else None
     beta = src.take("rl_beta") if src.has("rl_beta") else None  # DPO's/KTO's beta: one float in the loss
     if beta is not None:
