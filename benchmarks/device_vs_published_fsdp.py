@@ -82,6 +82,9 @@ class Row:
     #: rank 0's device-level peak of the replay without a limit (above ``device`` when the allocator had to free its
     #: cache near the top)
     unlimited: int = 0
+    #: fits with the outside-allocator catalogue's typical figure, not with the high end of its range
+    uncertain: bool = False
+    outside_high: int = 0
 
     def cells(self) -> list[str]:
         r = self.run
@@ -101,7 +104,13 @@ class Row:
             f"{self.reserved / GiB:.2f}",
             f"{self.outside / GiB:.2f}",
             "ran" if r.ran else "out of memory",
-            f"{'fits' if self.fits else 'does not fit'} (margin {self.margin / GiB:.2f})",
+            f"{'uncertain' if self.uncertain else 'fits' if self.fits else 'does not fit'} (margin "
+            f"{self.margin / GiB:.2f}"
+            + (
+                f"; outside the allocator up to {self.outside_high / GiB:.2f}: out of memory)"
+                if self.uncertain
+                else ")"
+            ),
         ]
 
 
@@ -141,6 +150,8 @@ def estimate_run(run: Run) -> Row:
         d.margin,
         time.perf_counter() - started,
         d.replayed.free_peak_reserved + d.outside,
+        any(x.uncertain for x in est.device),
+        d.replayed.outside_high,
     )
 
 
@@ -151,7 +162,16 @@ def table(rows: list[Row]) -> str:
 def main() -> None:
     only = sys.argv[1:]
     rows = [estimate_run(run) for run in RUNS if not only or run.key in only]
-    outcome = sum((r.run.ran == r.fits) for r in rows)
+    outcome = sum((r.run.ran == r.fits and not r.uncertain) for r in rows)
+    uncertain = [r for r in rows if r.uncertain]
+    uncertain_text = (
+        f" {len(uncertain)} verdict(s) are `uncertain` (fits with the typical bytes outside the allocator, runs out of "
+        "memory with the high end of the outside-allocator catalogue's range): "
+        + ", ".join(f"{r.run.label} ({'ran' if r.run.ran else 'out of memory'})" for r in uncertain)
+        + "."
+        if uncertain
+        else ""
+    )
     ran = [r for r in rows if r.run.ran]
     diffs = sorted((r.device - r.run.nvidia) / r.run.nvidia for r in ran)
     oom = [r for r in rows if not r.run.ran]
@@ -162,6 +182,15 @@ def main() -> None:
     bs4_margin = f"{bs4.margin / 2**20:.0f} MiB" if bs4 else "-"
     if bs4 is None:
         bs4_text = "(not run here)"
+    elif bs4.uncertain:
+        bs4_text = (
+            f"is `uncertain`, not `fits`:** the 70B QLoRA row at 4 sequences per rank reserves "
+            f"{(bs4.unlimited - bs4.outside) / GiB:.2f} GiB without a limit; with the catalogue's typical "
+            f"{bs4.outside / GiB:.2f} GiB outside the allocator the replay against the device completes (the "
+            f"allocator frees its cache and retries), {bs4_margin} to spare, but with the high end of its range "
+            f"({bs4.outside_high / GiB:.2f} GiB) it runs out of memory. The verdict says so instead of a flat "
+            "`fits`; it is not `does not fit` either: nothing here measured what lies outside the allocator."
+        )
     elif bs4.fits and bs4.unlimited > round(cuda_total * GiB):
         bs4_text = (
             f"is still not predicted to, by a hair:** the 70B QLoRA row at 4 sequences per rank reserves "
@@ -205,7 +234,7 @@ metrics and an nvidia-smi peak at the card's capacity (it ran out of memory). nv
 {table(rows)}
 
 Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7] for r in ran)} (median
-{median:+.1%}). The published outcome is predicted for {outcome} of {len(rows)} runs.
+{median:+.1%}). The published outcome is predicted for {outcome} of {len(rows)} runs.{uncertain_text}
 
 ## What the figures say, and what is not explained yet
 
@@ -228,12 +257,23 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
   FSDP1 unit is traced at full depth now); the replay here had already used the 32 layers traced (the probes'
   streams did not extend), so that moved no device-level figure. nvidia-smi minus the allocated peak, published
   against predicted (GiB): {gaps}. Between {gap_low:.1f} and {gap_high:.1f} GiB per GPU is missing on every 2-GPU
-  row, about the same at 2 and 4 sequences per rank (not activations). The ledgers declare the runs' NCCL (2.20.5,
-  their requirements' `nvidia-nccl-cu12`), which connects every ring and tree channel at init: 0.29 GiB per GPU above
-  a newer NCCL's figure with the 16 channels the catalogue assumes for an NVLink board (its range reaches 32: 0.45
-  GiB more). The rest (the CUDA context's modules, NCCL's real channel count, what the allocator held from the
-  loading) is not known without a GPU run of this step (`scripts/gpu-check`; `measure --device cuda` records
-  `outside_allocator`).
+  row, about the same at 2 and 4 sequences per rank (not activations). **NCCL does not explain it** (read in NCCL
+  2.20.5's source, `NVIDIA/nccl` tag v2.20.5-1, 48bb7fec; `docs/outside-allocator.md` has the lines): with two ranks
+  the tree's peer is the ring's, so `ncclTransportP2pConnect` skips the tree connections as already connected
+  (`src/transport.cc` 42-54); each channel holds one send and one receive buffer, each padded to `CUDA_IPC_MIN`
+  (2 MiB: `src/transport/p2p.cc` 351-354 and 416-419), 12 MiB a channel; the topology search gives 24 channels for
+  two A100s on an NVSwitch board (`src/graph/search.cc`: 6 rings at 40 GB/s on 12 NVLinks of 20 GB/s, doubled by
+  `ncclTopoDupChannels`, doubled again by `ncclTopoPostset`, `src/graph/connect.cc` 442): 288 MiB, below the
+  catalogue's 449 MiB, while a published measurement on A100s (NVIDIA/nccl#964, an older NCCL) found 544 MB per
+  two-rank communicator; the catalogue's figure lies between and its range holds both, so it is left as it is. FSDP1
+  (FULL_SHARD, no `process_group`) takes the default group, which the Trainer's barriers use too: one communicator
+  per rank, as assumed. Not modelled, and a lead for the rest: the published runs set `fsdp_sync_module_states`
+  (fms-acceleration `scripts/benchmarks/accelerate.yaml`), so FSDP1 broadcasts each unit from rank 0 as it wraps
+  it through `dist._broadcast_coalesced` in buckets of 250 MiB (torch `distributed/fsdp/_init_utils.py`
+  `PARAM_BROADCAST_BUCKET_SIZE`, `_sync_module_params_and_buffers`), whose flattened buckets the caching allocator
+  keeps; the simulation cannot trace it yet (FSDP1 refuses `sync_module_states` for a module on the CPU). The rest
+  (the CUDA context's modules with NCCL's kernels loaded, what the allocator held from the loading) is not known
+  without a GPU run of this step (`scripts/gpu-check`; `measure --device cuda` records `outside_allocator`).
 - **Full fine-tuning** (`method.kind: full`): its allocated peak is the published one (the optimizer step: weights,
   gradients, AdamW's two bf16 moments and one weight-sized set of foreach temporaries), and on 2 GPUs the replay
   finds most of the 10-19 GiB nvidia-smi shows above it. On one GPU the step reaches the card: without a limit the

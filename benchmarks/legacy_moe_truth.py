@@ -1,9 +1,9 @@
 """The truth for the MoE layout of transformers < 5: a real ``transformers.Trainer`` QLoRA step of a tiny MoE model
-(Mixtral, Qwen2-MoE, Qwen3-MoE, or a dense twin) with transformers 4.48.1 (per-expert ``nn.Linear`` experts
-``w1``/``w2``/``w3`` that bitsandbytes quantizes, and 4.48.1's routing loop), read from the outside by
-``tests/truths/trainer_run.py`` (the same program as the installed stack's Trainer truths), plus the number of tokens
-each expert of each MoE block received in each call (the routing of the real run, which the simulation takes as given:
-tests/derivations/stack/test_legacy_moe.py).
+(Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, gpt-oss, or a dense twin) with transformers 4.48.1 (per-expert
+``nn.Linear`` experts ``w1``/``w2``/``w3`` that bitsandbytes quantizes, and 4.48.1's routing loop) or 4.57.6, read from
+the outside by ``tests/truths/trainer_run.py`` (the same program as the installed stack's Trainer truths), plus the
+number of tokens each expert of each MoE block received in each call (the routing of the real run, which the simulation
+takes as given: tests/derivations/stack/test_legacy_moe.py).
 
 Needs a venv of the old stack, NOT the project's (never install into it)::
 
@@ -14,8 +14,11 @@ Needs a venv of the old stack, NOT the project's (never install into it)::
     PYTHONPATH=. /tmp/venv-moe/bin/python benchmarks/legacy_moe_truth.py tests/data/legacy_moe/CASE.case.json \
         tests/data/legacy_moe/CASE.truth.json
 
-Qwen3-MoE (transformers >= 4.51) ran in a second venv made the same way with transformers==4.57.6 peft==0.17.1
-accelerate==1.10.1 (``/tmp/venv-moe457``); each truth file records its stack and command.
+Qwen3-MoE (transformers >= 4.51), DeepSeek-V2 (>= 4.54), DeepSeek-V3 (>= 4.51) and gpt-oss (>= 4.55) ran in a second
+venv made the same way with transformers==4.57.6 peft==0.17.1 accelerate==1.10.1 (``/tmp/venv-moe457``); each truth
+file records its stack and command. Their routing is read from the router (DeepSeek's ``gate``, gpt-oss's
+``router``), whose output carries the chosen experts. A step that fails (DeepSeek-V3 under PEFT's k-bit preparation)
+is recorded with its error's first line instead of its figures (``"error"``).
 
 Three shims, none allocates nor changes a step: transformers 4.48.1's bitsandbytes environment check
 (``integrations/bitsandbytes.py``, ``validate_bnb_backend_availability``) demands CUDA unless bitsandbytes reports a
@@ -80,6 +83,26 @@ def _record_routing(calls: list[dict[str, object]]) -> None:
             continue
         _hook_init(getattr(module, name), lambda module, args, output: hook(module, args, output))
 
+    # DeepSeek-V2/V3 (transformers 4.51-4.57.6): the block returns its output only; the router (``gate``) returns the
+    # chosen experts first (``DeepseekV3TopkRouter``: ``topk_indices, topk_weights``; ``DeepseekV2MoEGate``:
+    # ``topk_idx, topk_weight``), counted as they are
+    # gpt-oss (4.55-4.57.6): its router returns ``router_scores, router_indices``
+    for family, name, experts, at in (
+        ("deepseek_v3", "DeepseekV3TopkRouter", "n_routed_experts", 0),
+        ("deepseek_v2", "DeepseekV2MoEGate", "num_experts", 0),
+        ("gpt_oss", "GptOssTopKRouter", "num_experts", 1),
+    ):
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        _hook_init(getattr(module, name), lambda module, args, output, e=experts, i=at: chosen(module, output[i], e))
+
+    def chosen(module, indices, experts):  # type: ignore[no-untyped-def]
+        with _disable_current_modes(), torch.no_grad():
+            counts = torch.bincount(indices.flatten(), minlength=getattr(module, experts)).tolist()
+            calls.append({"tokens": int(indices.shape[0]), "counts": [int(c) for c in counts]})
+
     def hook(module, args, output):  # type: ignore[no-untyped-def]
         with _disable_current_modes(), torch.no_grad():
             logits = output[1].detach().float()
@@ -109,7 +132,10 @@ def main() -> int:
         case = json.load(fh)
     if not os.path.isabs(case["config"]):
         case["config"] = os.path.join(os.path.dirname(HERE), case["config"])
-    out = trainer_run.run(case)
+    try:
+        out = trainer_run.run(case)
+    except RuntimeError as exc:  # the declared step cannot run: its error is the truth (the first line)
+        out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
     import accelerate
     import bitsandbytes
     import peft
@@ -124,11 +150,12 @@ def main() -> int:
         "bitsandbytes": bitsandbytes.__version__,
     }
     out["routing"] = calls
-    out["command"] = "PYTHONPATH=. /tmp/venv-moe/bin/python benchmarks/legacy_moe_truth.py " + " ".join(sys.argv[1:])
+    venv = "/tmp/venv-moe" if transformers.__version__ == "4.48.1" else "/tmp/venv-moe457"
+    out["command"] = f"PYTHONPATH=. {venv}/bin/python benchmarks/legacy_moe_truth.py " + " ".join(sys.argv[1:])
     with open(out_path, "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1)
         fh.write("\n")
-    print(json.dumps(out["phases"]))
+    print(json.dumps(out.get("phases") or out["error"]))
     return 0
 
 

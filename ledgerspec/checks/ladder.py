@@ -228,6 +228,14 @@ def supported_status(doc: Document) -> StatusResult:
         )
     if doc.get("result", "fits").switch() is False:
         held.append("result.fits is false")
+    elif doc.get("x-estimate", "verdict", "uncertain").value is True and (res.best_peak_from or "").startswith(
+        "x-estimate"
+    ):
+        held.append(
+            "the device verdict is UNCERTAIN (x-estimate.verdict.uncertain): it fits only with the typical bytes "
+            "outside the allocator, not with the catalogue's high end; measure outside_allocator "
+            "(`ledgerspec measure --device cuda`) or leave more headroom"
+        )
     pilot_oom = doc.get(pilot_section(doc), "oom_phase").text()
     if pilot_oom:
         held.append(

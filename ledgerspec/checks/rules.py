@@ -197,10 +197,10 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
     WARNING,
     "training.objective is one whose step the estimate does not simulate",
     "PPO runs a value model and its own generation, GRPO/RLOO with vLLM a second engine with its share of the card, "
-    "DPO/KTO with a separate reference model hold a second model, and ORPO/CPO on a quantized base their own casts and "
-    "autocast: record the real trainer's run (LedgerCallback) until the estimate models them (supervised fine-tuning, "
-    "DPO and KTO with their reference from the policy or precomputed, reward models, ORPO, CPO, GRPO and RLOO with "
-    "transformers' generate are simulated, on TRL 1.16)",
+    "and ORPO/CPO on a quantized base their own casts and autocast: record the real trainer's run (LedgerCallback) "
+    "until the estimate models them (supervised fine-tuning, DPO and KTO with their reference from the policy, a "
+    "separate model or precomputed, reward models, ORPO, CPO, GRPO and RLOO with transformers' generate are "
+    "simulated, on TRL 1.16)",
     example="training: {objective: ppo}",
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:

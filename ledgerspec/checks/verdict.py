@@ -231,6 +231,13 @@ def _device_qualifier(doc: Document) -> str:
         margin = doc.get(*v, "setting", "margin").size()
         if conf and margin is not None:
             parts.append(f"with PYTORCH_CUDA_ALLOC_CONF={conf} it fits, margin {format_size(margin)}")
+    high = doc.get(*v, "outside_high").size()
+    if doc.get(*v, "uncertain").value is True and high is not None:
+        parts.append(
+            f"UNCERTAIN: it fits only with the typical bytes outside the allocator; with the catalogue's high end "
+            f"({format_size(high)}) the allocator model runs out of memory: measure outside_allocator "
+            "(`ledgerspec measure --device cuda`)"
+        )
     parts.append("a model, not measured")
     return "; ".join(parts)
 

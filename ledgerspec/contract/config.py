@@ -239,9 +239,10 @@ SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo", "cpo", "grpo", "r
 GENERATING = ("grpo", "rloo")
 #: GRPO's reference kinds the simulation runs: none (``beta: 0``) or the PEFT policy with its adapters off
 GRPO_REFERENCES = ("none", "adapter_disabled")
-#: DPO's reference kinds the simulation runs: the PEFT policy with its adapters off, a frozen copy of its adapter (a
-#: PEFT model handed to the trainer), or log-probs precomputed
-DPO_REFERENCES = ("adapter_disabled", "adapter_copy", "precomputed")
+#: DPO's and KTO's reference kinds the simulation runs: the PEFT policy with its adapters off, a frozen copy of its
+#: adapter (a PEFT model handed to the trainer), a separate reference model (``ref_model``: a second copy of the base,
+#: loaded as the policy's) or log-probs precomputed
+DPO_REFERENCES = ("adapter_disabled", "adapter_copy", "model", "precomputed")
 #: the TRL release whose DPOTrainer the DPO step follows (its fused LM head); a declared older one is not simulated
 DPO_TRL = (1, 16, 0)
 #: the TRL release whose trainer each simulated objective's step follows; a declared older one is not simulated

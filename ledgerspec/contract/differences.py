@@ -70,13 +70,17 @@ KNOWN: tuple[KnownDifference, ...] = (
         "quantizes to 4 bits",
         newer="the experts are fused 3-D parameters (`experts.gate_up_proj`, `experts.down_proj`) that bitsandbytes' "
         "`nn.Linear` replacement does not touch: they stay in the loaded dtype",
-        figures="the frozen base of a 4-bit MoE model, and every peak (modelled for Mixtral, Qwen2-MoE and Qwen3-MoE: "
-        "the declared layout is built, stack/legacy_moe)",
+        figures="the frozen base of a 4-bit MoE model, and every peak (modelled for Mixtral, Qwen2-MoE, Qwen3-MoE, "
+        "DeepSeek-V2 and DeepSeek-V3: the declared layout is built, stack/legacy_moe; gpt-oss, whose experts were 3-D "
+        "before 5.0 too, gets 4.x's routing loop and dense router scores)",
         sources=(
             "https://github.com/bitsandbytes-foundation/bitsandbytes/issues/1849",
             "transformers 4.57.6 models/mixtral/modeling_mixtral.py (MixtralBlockSparseTop2MLP) and 5.0.0rc0 "
             "(MixtralExperts, gate_up_proj/down_proj): the first release with fused experts is 5.0.0rc0",
             "https://github.com/ModelTC/LightCompress/pull/451 (the Mixtral layouts of transformers < 5 and >= 5)",
+            "transformers 4.57.6 models/deepseek_v3/modeling_deepseek_v3.py (DeepseekV3MoE, a ModuleList of "
+            "DeepseekV3MLP, from 4.51.0), models/deepseek_v2/modeling_deepseek_v2.py (DeepseekV2MoE, from 4.54.0), "
+            "and 5.0.0 (DeepseekV3NaiveMoe, DeepseekV2Experts: gate_up_proj/down_proj)",
         ),
     ),
     KnownDifference(

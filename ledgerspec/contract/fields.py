@@ -475,9 +475,9 @@ TRAINING = F(
             "of the batch), `dpo`, `kto`, `orpo`, `cpo` (preference pairs: chosen and rejected in one forward, a "
             "reference pass for DPO/KTO), `grpo`, `rloo`, `ppo` (online RL: a generation phase, then training on "
             "prompt + completion), `reward` (a reward model on chosen/rejected pairs). The estimate and `measure` "
-            "simulate `sft`, `dpo` and `kto` (their reference from the policy or precomputed), `orpo`, `cpo`, "
-            "`reward` (TRL 1.16's RewardTrainer: a sequence classifier with a one-score head), `grpo` and `rloo` "
-            "with transformers' generate (not vLLM); the others get LS014.",
+            "simulate `sft`, `dpo` and `kto` (their reference from the policy, a separate model or precomputed), "
+            "`orpo`, `cpo`, `reward` (TRL 1.16's RewardTrainer: a sequence classifier with a one-score head), `grpo` "
+            "and `rloo` with transformers' generate (not vLLM); the others get LS014.",
             enum=("sft", "dpo", "kto", "orpo", "cpo", "grpo", "rloo", "ppo", "reward"),
         ),
         F(
@@ -497,8 +497,10 @@ TRAINING = F(
                     "the trainer is given a `peft_config` and no `ref_model`, dpo_trainer.py:1323-1336), "
                     "`adapter_copy` (a PEFT model handed to TRL 1.16's DPOTrainer: a frozen copy of its adapter, "
                     "named `ref`, is the reference, dpo_trainer.py:666-691), `model` (a second model loaded beside "
-                    "the policy), `precomputed` (`precompute_ref_log_probs: true`, default false, dpo_config.py:227: "
-                    "before training), `none` (ORPO, CPO/SimPO; GRPO's default `beta: 0.0`, grpo_config.py:681).",
+                    "the policy: the trainer's `ref_model`, frozen, its forward without grad; the step builds it as "
+                    "a second copy of `base_model` as declared, dpo_trainer.py:908-990), `precomputed` "
+                    "(`precompute_ref_log_probs: true`, default false, dpo_config.py:227: before training), `none` "
+                    "(ORPO, CPO/SimPO; GRPO's default `beta: 0.0`, grpo_config.py:681).",
                     enum=("adapter_disabled", "adapter_copy", "model", "precomputed", "none"),
                 ),
                 F(

@@ -76,6 +76,10 @@ RESOLVE_INPUTS: Inputs = {
     ),
     "adapter": (("dtype",), ("x-lora-dtype",)),
     "optimizer": (("name",), ("min_8bit_size",)),
+    # the reward model's sequence classifier (stack/build.py) and DPO/KTO's separate reference model, a second copy
+    # of the frozen base (resolve/resolver.py); stamps written before have no such section, so it is not checked
+    # for them, and sft and adapter_disabled are left out of the digest (LEFT_OUT_WHEN)
+    "training": (("objective",), ("objective_settings", "reference")),
 }
 
 #: what ``estimate`` and ``measure`` read: the resolver's inputs plus the workload (workload.WorkloadSpec)

@@ -652,3 +652,19 @@ def test_a_predicted_peak_of_a_step_with_an_unmodelled_kernel_is_not_candidate()
     run = with_change(candidate, ("software", "kernels"), {"lora_projections": ["fms_fused_lora"]})
     run["metrics"] = {"peak_allocated": measured(20 * GiB)}
     assert status_of(run)[0] == "CANDIDATE"
+
+
+def test_an_uncertain_device_verdict_holds_candidate() -> None:
+    """A predicted peak that fits only with the outside-allocator catalogue's typical figure (the estimate's replay
+    with the catalogue's high figure ran out: ``x-estimate.verdict.uncertain``) does not show that it fits: the
+    status stays CALCULATED, and the reason says what would decide it."""
+    text = (EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml").read_text()
+    assert supported_status(from_text(text)).status == "CANDIDATE"
+    uncertain = text.replace(
+        "x-estimate:\n  source: CALCULATED\n", "x-estimate:\n  source: CALCULATED\n  verdict:\n    uncertain: true\n", 1
+    )
+    res = supported_status(from_text(uncertain))
+    assert res.status == "CALCULATED"
+    assert any("UNCERTAIN" in h and "measure outside_allocator" in h for h in res.reasons)
+    settled = uncertain.replace("uncertain: true", "uncertain: false")
+    assert supported_status(from_text(settled)).status == "CANDIDATE"

@@ -433,3 +433,27 @@ def test_a_stamp_from_before_the_training_fields_still_matches_a_ledger_without_
     text = (EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml").read_text(encoding="utf-8")
     old = from_text(text.split("\nx-estimate:")[0] + f"\nx-estimate:\n  inputs: {stamped}\n")
     assert changed_sections(old, "x-estimate", WORKLOAD_INPUTS) == []
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        # a separate reference model is a second copy of the frozen base resolve writes; a reward model another head
+        ("objective: dpo", "objective: dpo\n  objective_settings: {reference: model}", False),
+        ("objective: kto", "objective: kto\n  objective_settings: {reference: model}", False),
+        ("objective: sft", "objective: reward", False),
+        # the defaults are left out: a stamp written before resolve read the training section still matches
+        ("objective: sft", "loop: trainer", True),
+        ("objective: dpo", "objective: dpo\n  objective_settings: {reference: adapter_disabled}", True),
+        # only DPO/KTO read the reference
+        ("objective: grpo", "objective: grpo\n  objective_settings: {reference: adapter_disabled}", True),
+    ],
+)
+def test_resolve_reads_the_objective_and_a_separate_reference_model(a: str, b: str, same: bool) -> None:
+    def training(text: str) -> str:
+        return digests(from_text(f"ledgerspec: ledger/v1\ntraining:\n  {text}\n"), RESOLVE_INPUTS)["training"]
+
+    assert (training(a) == training(b)) is same
+    # an older stamp has no training section: not checked, so the ledger is not stale after the upgrade
+    doc = from_text(f"ledgerspec: ledger/v1\ntraining:\n  {b}\nx-resolve:\n  inputs: {{method: x}}\n")
+    assert "training" not in (changed_sections(doc, "x-resolve", RESOLVE_INPUTS) or [])

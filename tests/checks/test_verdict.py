@@ -112,6 +112,20 @@ def test_the_device_level_prediction_is_what_the_verdict_compares() -> None:
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it fits, margin 512.00 MiB" in text
 
 
+def test_a_margin_inside_the_catalogues_range_is_said_uncertain() -> None:
+    """23.5 GiB predicted on 24 GiB fits with the catalogue's typical 1 GiB outside the allocator; the estimate found
+    that with its high end (2 GiB) the replay runs out: the verdict says FITS and UNCERTAIN, and why."""
+    fits = DEVICE.replace("24.5GiB, source: ASSUMPTION", "23.5GiB, source: ASSUMPTION").replace(
+        "    decided_by: fragmentation\n", "    decided_by: none\n    uncertain: true\n    outside_high: 2GiB\n"
+    )
+    v = _verdict(fits)
+    assert v.answer == FITS and v.peak_field == "x-estimate.device_peak"  # type: ignore[attr-defined]
+    text = v.sentence()  # type: ignore[attr-defined]
+    assert "UNCERTAIN: it fits only with the typical bytes outside the allocator" in text
+    assert "with the catalogue's high end (2.00 GiB) the allocator model runs out of memory" in text
+    assert "UNCERTAIN" not in _verdict(fits.replace("uncertain: true", "uncertain: false")).sentence()  # type: ignore[attr-defined]
+
+
 def test_without_a_device_level_prediction_for_this_device_the_verdict_says_allocated_only() -> None:
     v = _verdict(DEVICE.replace('  pytorch_cuda_alloc_conf: ""', "  pytorch_cuda_alloc_conf: max_split_size_mb:128"))
     assert v.answer == FITS and v.peak_field == "x-estimate.peak_allocated"  # type: ignore[attr-defined]

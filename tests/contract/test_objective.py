@@ -69,8 +69,8 @@ def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, obj
         ("  objective: ppo\n", "training.objective ppo:"),
         ("  objective: grpo\n  objective_settings: {use_vllm: true}\n", "training.objective grpo with use_vllm"),
         (
-            "  objective: dpo\n  objective_settings: {reference: model}\n",
-            "training.objective dpo with reference model:",
+            "  objective: dpo\n  objective_settings: {reference: none}\n",
+            "training.objective dpo with reference none:",
         ),
     ],
 )
@@ -88,19 +88,24 @@ def test_the_step_refuses_an_objective_it_does_not_simulate(training: str, says:
 
 def test_dpo_is_simulated_with_its_reference_from_the_policy_or_precomputed() -> None:
     """TRL 1.16's ``DPOTrainer`` given a ``peft_config`` disables the adapters for the reference
-    (dpo_trainer.py:1328-1336) or reads precomputed log-probs (:1318-1319): both are simulated, so no LS014; a
-    separate reference model is not (LS014 names the reference)."""
+    (dpo_trainer.py:1328-1336) or reads precomputed log-probs (:1318-1319), or runs a separate reference model
+    (:1337-1338): all simulated, so no LS014; no reference at all is not (LS014 names the reference)."""
     from ledgerspec.contract import config
 
     text = (IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
-    for settings, simulated in (("", True), ("{reference: precomputed}", True), ("{reference: model}", False)):
+    for settings, simulated in (
+        ("", True),
+        ("{reference: precomputed}", True),
+        ("{reference: model}", True),
+        ("{reference: none}", False),
+    ):
         body = "training:\n  objective: dpo\n" + (f"  objective_settings: {settings}\n" if settings else "")
         doc = from_text(text + body, str(IMPORTS / "x.ledger.yaml"))
         assert config.read(doc).training.simulated is simulated
         hits = [f.message for f in validate(doc).findings if f.rule == "LS014"]
         assert (hits == []) is simulated
         if not simulated:
-            assert "dpo with reference model" in hits[0]
+            assert "dpo with reference none" in hits[0]
 
 
 def test_a_predicted_peak_of_another_objective_is_not_candidate() -> None:

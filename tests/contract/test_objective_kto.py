@@ -1,6 +1,6 @@
 """``training.objective: kto`` (issue 24): KTO's step is simulated as TRL 1.16's ``KTOTrainer`` runs it, its reference
-from the policy (adapters off, or TRL's frozen copy of the adapter) or precomputed (its truths:
-tests/derivations/engine/test_kto_truth.py), so LS014 stays quiet for it, but not for a separate reference model nor
+from the policy (adapters off, or TRL's frozen copy of the adapter), a separate reference model or precomputed (its
+truths: tests/derivations/engine/test_kto_truth.py), so LS014 stays quiet for it, but not for no reference at all nor
 a declared older TRL; a ``KTOConfig`` dump imports with its own fields.
 
 Expected values: TRL 1.16's own ``KTOConfig`` dump (tests/data/imports/hf/make_fixtures.py kto) and its source lines,
@@ -34,25 +34,28 @@ def _ls014(doc: Any) -> list[str]:
     return [f.message for f in validate(doc).findings if f.rule == "LS014"]
 
 
-def test_kto_is_simulated_with_its_reference_from_the_policy_or_precomputed() -> None:
+def test_kto_is_simulated_with_its_reference_from_the_policy_a_model_or_precomputed() -> None:
     assert "kto" in config.SIMULATED_OBJECTIVES
-    for reference in (None, "adapter_disabled", "adapter_copy", "precomputed"):
+    for reference in (None, "adapter_disabled", "adapter_copy", "model", "precomputed"):
         assert config.Training(objective="kto", reference=reference).simulated
-    assert not config.Training(objective="kto", reference="model").simulated
+    assert not config.Training(objective="kto", reference="none").simulated
     assert not config.Training(objective="kto", trl="0.9.6").simulated
     assert _ls014(_doc("  objective: kto\n")) == []
-    hits = _ls014(_doc("  objective: kto\n  objective_settings: {reference: model}\n"))
-    assert len(hits) == 1 and "kto with reference model" in hits[0]
+    assert _ls014(_doc("  objective: kto\n  objective_settings: {reference: model}\n")) == []
+    hits = _ls014(_doc("  objective: kto\n  objective_settings: {reference: none}\n"))
+    assert len(hits) == 1 and "kto with reference none" in hits[0]
     hits = _ls014(_doc("  objective: kto\n", "  trl: 0.9.6\n"))
     assert len(hits) == 1 and "kto on TRL 0.9.6" in hits[0]
 
 
-def test_the_step_refuses_a_reference_model_and_a_custom_loop_in_one_line() -> None:
+def test_the_step_refuses_no_reference_and_a_custom_loop_in_one_line() -> None:
     pytest.importorskip("torch")
     from ledgerspec.derivations.engine.workload import WorkloadSpec
 
-    with pytest.raises(LedgerspecError, match=r"kto with reference model") as err:
-        WorkloadSpec.from_document(_doc("  objective: kto\n  objective_settings: {reference: model}\n"))
+    spec = WorkloadSpec.from_document(_doc("  objective: kto\n  objective_settings: {reference: model}\n"))
+    assert spec.reference == "model"
+    with pytest.raises(LedgerspecError, match=r"kto with reference none") as err:
+        WorkloadSpec.from_document(_doc("  objective: kto\n  objective_settings: {reference: none}\n"))
     assert "\n" not in str(err.value) and err.value.hint and "LedgerCallback" in err.value.hint
     with pytest.raises(LedgerspecError, match=r"KTOTrainer, a transformers\.Trainer") as err:
         WorkloadSpec.from_document(_doc("  objective: kto\n  loop: custom\n"))

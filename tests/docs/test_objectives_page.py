@@ -25,12 +25,11 @@ def test_the_simulated_objectives_are_the_contracts() -> None:
     simulated = {r[0].split(",")[0].strip("` ") for r in rows if r[1] == "yes"}
     assert simulated == set(config.SIMULATED_OBJECTIVES)
     # each DPO row's claim, against what the contract answers
-    assert "`adapter_disabled`, `adapter_copy` or `precomputed`" in rows[1][0] and rows[1][1] == "yes"
-    references = ("adapter_disabled", "adapter_copy", "precomputed")
-    assert all(config.Training(objective="dpo", reference=r).simulated for r in references)
-    assert "reference `model`" in rows[2][0] and rows[2][1].startswith("no")
-    assert not config.Training(objective="dpo", reference="model").simulated
-    assert "older than 1.16" in rows[3][0] and rows[3][1].startswith("no")
+    assert "`adapter_disabled`, `adapter_copy`, `model` or `precomputed`" in rows[1][0] and rows[1][1] == "yes"
+    references = ("adapter_disabled", "adapter_copy", "model", "precomputed")
+    assert all(config.Training(objective=o, reference=r).simulated for r in references for o in ("dpo", "kto"))
+    assert not config.Training(objective="dpo", reference="none").simulated
+    assert "older than 1.16" in rows[2][0] and rows[2][1].startswith("no")
     assert not config.Training(objective="dpo", trl="0.9.6").simulated
     assert config.Training(objective="dpo", trl="1.16.0").simulated
 
@@ -42,6 +41,10 @@ def _edited(step: str, checkpointing: str) -> str:
         text = text.replace("software:\n  attention_implementation: sdpa\n", FUSED_HEAD)
         if "4 rows" in step:
             text = text.replace("  microbatch: 2 ", "  microbatch: 4 ")
+    elif "separate reference model" in step:
+        text = text.replace(
+            "  # objective_settings: {reference: precomputed}", "  objective_settings: {reference: model}"
+        )
     elif "precomputed" in step:
         text = text.replace(
             "  # objective_settings: {reference: precomputed}", "  objective_settings: {reference: precomputed}"

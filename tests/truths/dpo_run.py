@@ -21,8 +21,9 @@ Run as a script (one run per process: accelerate keeps global state)::
 
 ``CASE.json`` is a ``trainer_run`` case (the model is handed to ``DPOTrainer`` unwrapped, with the case's LoRA as
 its ``peft_config``: the trainer wraps it, and for a 4-bit base casts the adapters to bfloat16) plus ``reference``
-(``adapter_disabled``: the PEFT model with its adapters off, TRL's reference for a ``peft_config``; ``precomputed``:
-log-probs computed before training), ``prompt`` (prompt tokens of every row) and ``beta``; ``wrapped`` hands the
+(``adapter_disabled``: the PEFT model with its adapters off, TRL's reference for a ``peft_config``; ``model``: a
+separate reference model handed to the trainer as ``ref_model``, :func:`_reference_model`; ``precomputed``: log-probs
+computed before training), ``prompt`` (prompt tokens of every row) and ``beta``; ``wrapped`` hands the
 trainer the PEFT model instead (TRL then adds a frozen copy of the adapter as the reference); ``ledger`` adds
 ``LedgerCallback`` writing that ledger.
 """
@@ -143,6 +144,20 @@ def _memtracker() -> Any:
     return GradForwardsOnly()
 
 
+def _reference_model(case: dict[str, Any], folder: str) -> Any:
+    """``reference: model``: the trainer's ``ref_model``, a second copy of the base loaded as the policy is (QLoRA:
+    4-bit too), in eval mode as ``from_pretrained`` leaves it. One departure, for the CPU only: bitsandbytes'
+    ``Linear4bit`` repacks its weight for good at the first forward in eval mode without grad on a CPU with AVX512-BF16
+    (nn/modules.py:613-620, bitsandbytes 0.50), a layout a GPU never makes; switched off here (and in the simulated
+    step), so the run keeps the GPU's layout."""
+    ref = _base(case, folder)
+    ref.eval()
+    for module in ref.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return ref
+
+
 def run(case: dict[str, Any]) -> dict[str, Any]:
     from trl import DPOConfig, DPOTrainer
 
@@ -177,6 +192,7 @@ def run_trainer(
         base, peft_config = _model(case, base_folder), None
     else:
         base, peft_config = (make_base or _base)(case, base_folder), _lora(case)
+    ref_model = _reference_model(case, os.path.join(work, "ref")) if case.get("reference") == "model" else None
     vocab = int(base.config.get_text_config().vocab_size)
     names = {f.name for f in dataclasses.fields(config_class)}
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
@@ -212,6 +228,7 @@ def run_trainer(
         warnings.simplefilter("ignore")
         trainer = Ordered(
             model=base,
+            ref_model=ref_model,
             peft_config=peft_config,
             args=args,
             train_dataset=rows(case, vocab),

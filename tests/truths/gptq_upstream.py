@@ -1,11 +1,14 @@
 """The upstream GPTQ ``QuantLinear`` that fms-acceleration trains through, loaded from its own source files.
 
-``tests/data/gptq/fms_gptq/`` holds four files copied unchanged from fms-acceleration at commit 876e2ed
-(``plugins/accelerated-peft/src/fms_acceleration_peft/gptqmodel/``, Apache-2.0, adapted there from GPTQModel):
+``tests/data/gptq/fms_gptq/`` holds files copied unchanged from fms-acceleration at commit 876e2ed
+(``plugins/accelerated-peft/src/fms_acceleration_peft/gptqmodel/``, Apache-2.0, adapted there from GPTQModel), four
+of them the layer:
 ``nn_modules/qlinear/__init__.py`` (``BaseQuantLinear``), ``nn_modules/qlinear/qlinear_tritonv2.py`` (``QuantLinear``),
 ``nn_modules/triton_utils/dequant.py`` (``QuantLinearFunction``, ``quant_matmul_248``, ``dequant248`` and the
-triton kernel) and ``nn_modules/triton_utils/mixin.py``. They are loaded here as they are, with two stand-ins for
-what a CPU machine lacks:
+triton kernel) and ``nn_modules/triton_utils/mixin.py``; beside them, from the same commit, ``models/mixtral.py`` (the
+Mixtral definition: which Linear layers GPTQModel quantizes, read as text) and the plugin's ``autogptq_utils.py``
+(``plugins/accelerated-peft/src/fms_acceleration_peft/``: its FSDP preparation of a QuantLinear, :func:`fsdp_patch`).
+The layer's files are loaded here as they are, with two stand-ins for what a CPU machine lacks:
 
 - ``triton``: a stub module. ``@triton.jit`` makes the kernel a launcher whose ``kernel[grid](...)`` runs nothing:
   the triton kernel writes its output buffer and allocates no tensor, so every allocation of the layer is the
@@ -110,6 +113,31 @@ def upstream() -> dict[str, Any]:
         dequant248=dequant.dequant248,
     )
     return _LOADED
+
+
+def fsdp_patch() -> Any:
+    """fms-acceleration's ``build_patch_to_view_tensor_to_parameter_for_fsdp_gptq(module, torch_dtype)`` from its own
+    ``autogptq_utils.py`` (copied unchanged from 876e2ed, ``tests/data/gptq/fms_gptq/autogptq_utils.py``): it turns a
+    QuantLinear's ``qweight``/``qzeros`` into float parameters for FSDP and returns the forward that views them back.
+    Its one import this machine lacks, ``fms_acceleration.model_patcher`` (only to register the rule), is a stub."""
+    if "fsdp_patch" in _LOADED:
+        return _LOADED["fsdp_patch"]
+    stub = types.ModuleType("fms_acceleration.model_patcher")
+    for name in ("ModelPatcher", "ModelPatcherRule", "ModelPatcherTrigger"):
+        setattr(stub, name, type(name, (), {}))
+    saved = {k: sys.modules.get(k) for k in ("fms_acceleration", "fms_acceleration.model_patcher")}
+    sys.modules["fms_acceleration"] = types.ModuleType("fms_acceleration")
+    sys.modules["fms_acceleration.model_patcher"] = stub
+    try:
+        utils = _load(f"{PACKAGE}_autogptq_utils", ROOT / "autogptq_utils.py")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    _LOADED["fsdp_patch"] = utils.build_patch_to_view_tensor_to_parameter_for_fsdp_gptq
+    return _LOADED["fsdp_patch"]
 
 
 def _torch_on_cpu() -> types.ModuleType:

@@ -424,6 +424,10 @@ class PhaseReader:
                 tracker.__enter__()
                 tracker.track_existing(list(model.parameters()) + list(model.buffers()), "frozen_params")
                 tracker.track_existing(_quant_state_tensors(model), "quant_state")
+                ref = getattr(trainer, "ref_model", None)  # a TRL trainer's separate reference model
+                if ref is not None:
+                    tracker.track_existing(list(ref.parameters()) + list(ref.buffers()), "frozen_params")
+                    tracker.track_existing(_quant_state_tensors(ref), "quant_state")
                 tracker.track_existing(_optimizer_tensors(trainer.optimizer), "optimizer")
                 tracker.track_existing([trainer._tr_loss], "temporary")
                 tracker.reset_peak()
@@ -431,6 +435,8 @@ class PhaseReader:
                     return
                 memtracker = reader.memtracker()
                 memtracker.track_external(
+                    *([ref] if ref is not None else []),
+                    *(_quant_state_tensors(ref) if ref is not None else []),
                     model,
                     trainer.optimizer,
                     trainer._tr_loss,
@@ -462,8 +468,10 @@ class PhaseReader:
         step's several forwards make one phase) and ``training_step`` wrapped (the loss + backward phase)."""
         self.trainer = trainer
         model: Any = trainer.model
-        model.register_forward_pre_hook(lambda *_a, **_k: self.tracker.reset_peak())
-        model.register_forward_hook(lambda *_a: self.keep(self.phase_of("forward")))
+        ref = getattr(trainer, "ref_model", None)  # a TRL trainer's separate reference model: its forward too
+        for m in (model, *([ref] if ref is not None else [])):
+            m.register_forward_pre_hook(lambda *_a, **_k: self.tracker.reset_peak())
+            m.register_forward_hook(lambda *_a: self.keep(self.phase_of("forward")))
         original_step = trainer.training_step
 
         def training_step(*a: Any, **kw: Any) -> Any:

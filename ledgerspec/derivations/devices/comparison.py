@@ -45,6 +45,9 @@ class Row:
     #: bytes + what lies outside the allocator on that device), then ``fits``/``headroom`` are that verdict's
     device_peak: int | None = None
     decided_by: str | None = None
+    #: fits with the outside-allocator catalogue's typical figure, not with its high one
+    #: (:attr:`~ledgerspec.derivations.devices.prediction.DevicePrediction.uncertain`)
+    uncertain: bool = False
 
     def to_extension(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -60,6 +63,7 @@ class Row:
             "largest_microbatch": self.largest_microbatch,
             "device_peak": self.device_peak,
             "decided_by": self.decided_by,
+            "uncertain": self.uncertain or None,
         }
         if self.note:
             out["note"] = self.note
@@ -88,8 +92,8 @@ class Comparison:
         }
 
 
-#: bump when the cached form of a comparison changes
-FORMAT = 1
+#: bump when the cached form of a comparison changes (2: rows say whether the verdict is uncertain)
+FORMAT = 2
 
 
 def cached_compare(
@@ -212,7 +216,7 @@ def compare(
                 _largest(model, n, peak, single, per_row, declared, device.usable),
             )
             if verdict is not None and n in steps:
-                row.fits, row.headroom, row.device_peak, row.decided_by = verdict(device, n)
+                row.fits, row.headroom, row.device_peak, row.decided_by, row.uncertain = verdict(device, n)
             rows.append(row)
     if verdict is not None:
         notes.append(
@@ -226,13 +230,14 @@ def compare(
 
 
 def _on_device(doc: Document, steps: dict[int, list[Any]]) -> Any:
-    """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by)`` for the worst rank of ``gpus``, each
-    distinct stream replayed without a limit once and against a device only when its peak passes that device's
-    capacity (a replay against a capacity takes the same decisions until then)."""
+    """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by, uncertain)`` for the worst rank of
+    ``gpus``, each distinct stream replayed without a limit once and against a device only when its peak passes that
+    device's capacity (a replay against a capacity takes the same decisions until then)."""
     from ledgerspec.derivations.devices.prediction import (
         DevicePrediction,
         Target,
         free_replay,
+        high_of,
         outside_of,
         replay_on_device,
     )
@@ -240,7 +245,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]]) -> Any:
     conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
     free = {id(step): free_replay(doc, step, conf) for group in steps.values() for step in group}
 
-    def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str]:
+    def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str, bool]:
         target = Target(device.total, device.name, "catalogue", "the device catalogue's entry", device.capacity)
         figure = outside_of(doc, target, gpus)
         worst: DevicePrediction | None = None
@@ -254,12 +259,13 @@ def _on_device(doc: Document, steps: dict[int, list[Any]]) -> Any:
                 free=free[id(step)],
                 tries=False,
                 cuda_total=device.capacity,
+                outside_high=high_of(figure),
             )
             p = DevicePrediction(target, figure, replayed)
-            if worst is None or (p.fits, p.margin) < (worst.fits, worst.margin):
+            if worst is None or (p.fits, not p.uncertain, p.margin) < (worst.fits, not worst.uncertain, worst.margin):
                 worst = p
         assert worst is not None
-        return worst.fits, worst.margin, worst.device_peak, worst.decided_by
+        return worst.fits, worst.margin, worst.device_peak, worst.decided_by, worst.uncertain
 
     return verdict
 

@@ -33,6 +33,8 @@ class Checked:
     decided_by: str  # none, allocated or fragmentation
     setting: str | None = None  # when fragmentation decides: the allocator setting that makes it fit by the most
     cached: bool = False
+    #: fits with the outside-allocator catalogue's typical figure, not with its high one
+    uncertain: bool = False
 
 
 @dataclass
@@ -51,7 +53,13 @@ class DeviceFit:
         """What ``estimate --fit`` prints under the allocated answer."""
         out = []
         for c in self.checked:
-            verdict = "fits" if c.fits else f"does NOT fit ({c.decided_by} decides)"
+            verdict = (
+                "fits, UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
+                if c.uncertain
+                else "fits"
+                if c.fits
+                else f"does NOT fit ({c.decided_by} decides)"
+            )
             over = f"margin {format_size(c.margin)}" if c.margin >= 0 else f"{format_size(-c.margin)} over"
             out.append(
                 f"on the device: {self.name} {c.value} {verdict}, device peak {format_size(c.device_peak)} of "
@@ -86,6 +94,7 @@ class DeviceFit:
             "checked": {
                 str(c.value): {"fits": c.fits, "device_peak": c.device_peak, "margin": c.margin}
                 | ({"fits_with": c.setting} if c.setting else {})
+                | ({"uncertain": True} if c.uncertain else {})
                 for c in self.checked
             },
         }
@@ -128,7 +137,9 @@ def check_on_device(
             _, p = estimate_on_device(apply(doc, {answer.name: value}), device_memory, store=store, parallel=parallel)
         best = p.best_try
         setting = best.conf if best is not None and not p.fits else None
-        result.checked.append(Checked(value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached))
+        result.checked.append(
+            Checked(value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached, p.uncertain)
+        )
         if p.fits:
             lo = value
         else:

@@ -10,7 +10,8 @@ declared memory is a catalogue device's nominal one: :func:`ledgerspec.derivatio
 minus what lies outside the allocator on that rank (:func:`ledgerspec.derivations.devices.prediction.outside_of`:
 the ledger's ``outside_allocator.total``, else the catalogue for the named device with NCCL's buffers for the world
 size). It is :func:`ledgerspec.derivations.devices.prediction.replay_on_device`, the single-GPU verdict, per rank:
-the same free-and-retry, the same settings tried when fragmentation decides.
+the same free-and-retry, the same settings tried when fragmentation decides, and the same check that a margin is
+not inside the outside-allocator catalogue's own range (``uncertain``).
 
 The host runs ahead of the device: FSDP1's ``record_stream`` frees are pending in the replay until the host waits
 for the device (FSDP1's rate limiter, the Trainer's loss check): :func:`ledgerspec.derivations.shard.simulation.
@@ -25,6 +26,7 @@ from ledgerspec.contract.document import Document
 from ledgerspec.derivations.devices.prediction import (
     DevicePrediction,
     _config,
+    high_of,
     outside_of,
     replay_on_device,
     target_of,
@@ -55,7 +57,14 @@ def ranks_on_device(doc: Document, est: Any, device_memory: int, world: int, fro
         got = by_step.get(id(r.step))
         if got is None:
             replayed = replay_on_device(
-                doc, r.step, device_memory, figure.bytes, conf, est.target, cuda_total=named.cuda_total
+                doc,
+                r.step,
+                device_memory,
+                figure.bytes,
+                conf,
+                est.target,
+                cuda_total=named.cuda_total,
+                outside_high=high_of(figure),
             )
             got = by_step[id(r.step)] = DevicePrediction(named, figure, replayed)
         out.append(got)

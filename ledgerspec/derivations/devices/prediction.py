@@ -46,7 +46,7 @@ EXPANDABLE = "expandable_segments:True"
 #: how near a catalogue device's total (or its vendor memory) must be to the asked memory to name it
 NAME_TOLERANCE = 0.01
 #: bump when the cached form of a device prediction changes
-FORMAT = 2
+FORMAT = 3
 
 _err = ErrorAt("estimate")
 
@@ -200,6 +200,12 @@ def outside_of(doc: Document, target: Target, world: int | None = None) -> outsi
     return outside.Figure(est.typical, est.provenance, est.method(), est)
 
 
+def high_of(figure: outside.Figure) -> int | None:
+    """The high end of the outside-allocator catalogue's range behind ``figure`` (None: a figure the ledger holds,
+    measured or declared, has no range here)."""
+    return figure.estimate.high if figure.estimate is not None else None
+
+
 # -- the prediction ------------------------------------------------------------------------------------------------
 
 
@@ -258,6 +264,10 @@ class Replayed:
     seconds: float = 0.0  # the third probe's share is in the estimate's time; this: building and replaying
     #: the device total replayed against (CUDA's, :func:`cuda_total_of`); ``total`` is the memory asked about
     cuda_total: int = 0
+    #: the high end of the outside-allocator catalogue's range for this rank (0: no range, a figure the ledger holds)
+    outside_high: int = 0
+    #: whether the replay also completes against ``cuda_total - outside_high`` (None: not asked, no range)
+    high_fits: bool | None = None
 
     def __post_init__(self) -> None:
         if self.cuda_total <= 0:
@@ -366,6 +376,12 @@ class DevicePrediction:
         return max(fitting, key=lambda t: t.margin) if fitting else None
 
     @property
+    def uncertain(self) -> bool:
+        """Fits with the outside-allocator catalogue's typical figure, but not with the high end of its range: the
+        margin is inside the catalogue's own uncertainty (never for a figure the ledger holds)."""
+        return self.fits and self.replayed.high_fits is False
+
+    @property
     def outside_provenance(self) -> str:
         return self.outside_figure.source
 
@@ -419,6 +435,15 @@ class DevicePrediction:
         total = format_size(self.cuda_total)
         note = f"; {self.cuda_note}" if self.cuda_note else ""
         split = f"reserved {format_size(self.peak_reserved)} + {format_size(self.outside)} outside the allocator"
+        if self.uncertain:
+            high = self.replayed.outside_high
+            return (
+                f"UNCERTAIN on the device: fits with the typical bytes outside the allocator (device peak {dev} of "
+                f"{total}, {split}, margin {format_size(self.margin)}), but the allocator model runs out of memory "
+                f"with the high end of the outside-allocator catalogue's range ({format_size(high)} outside instead "
+                f"of {format_size(self.outside)}): the margin is inside the catalogue's uncertainty; measure it "
+                f"(`ledgerspec measure --device cuda` writes outside_allocator){note}"
+            )
         if self.fits:
             return (
                 f"fits on the device: device peak {dev} of {total} ({split}), margin {format_size(self.margin)}; "
@@ -514,6 +539,9 @@ class DevicePrediction:
         }
         if self.cuda_note:
             verdict["cuda_total_note"] = self.cuda_note
+        if r.high_fits is not None:
+            verdict["uncertain"] = self.uncertain
+            verdict["outside_high"] = r.outside_high
         if self.oom is not None:
             verdict["oom"] = asdict(self.oom)
         if r.tried:
@@ -580,13 +608,17 @@ def replay_on_device(
     free: Any = None,
     tries: bool = True,
     cuda_total: int | None = None,
+    outside_high: int | None = None,
 ) -> Replayed:
     """Replay ``step`` (a full-depth :class:`~ledgerspec.derivations.allocator.step.StepEvents`) for a device of
     ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring). ``free``: the replay
     without a limit when the caller has it already (:func:`free_replay`: the same for every device unless the
     settings depend on the device's total); ``tries``: replay the allocator settings that could make a
     fragmentation-decided verdict fit; ``cuda_total``: the total the allocator can get when it is not ``total``
-    (:func:`cuda_total_of`): the capacity is ``cuda_total - outside_bytes``."""
+    (:func:`cuda_total_of`): the capacity is ``cuda_total - outside_bytes``; ``outside_high``: the high end of the
+    outside-allocator catalogue's range for ``outside_bytes``: when the step fits, whether it still fits with that
+    much outside the allocator (:attr:`DevicePrediction.uncertain`; replayed again only when the margin is smaller
+    than the range above the typical figure)."""
     from ledgerspec.derivations.allocator.config import AllocatorConfig
     from ledgerspec.derivations.allocator.step import replay_step
 
@@ -625,6 +657,16 @@ def replay_on_device(
         events=len(step.events),
         cuda_total=device_total,
     )
+    if outside_high is not None and outside_high > outside_bytes and result.fits:
+        result.outside_high = outside_high
+        capacity_high = max(0, device_total - outside_high)
+        if free.oom is None and free_peak <= capacity_high:
+            result.high_fits = True  # no cudaMalloc passes the lower capacity either: the same decisions
+        else:
+            high = replay_step(
+                doc, config=config, capacity=capacity_high, device_total=device_total, target=target, step=step
+            )
+            result.high_fits = high.oom is None
     peak_allocated = max((p.allocated for p in phases.values()), default=0)
     if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
         for setting, whole in _tries(config, conf):
@@ -719,6 +761,7 @@ def device_question(
             "total": device_memory,
             "cuda_total": named.cuda_total,
             "outside": figure.bytes,
+            "outside_high": high_of(figure),
             "alloc_conf": conf,
         },
     }
@@ -756,7 +799,16 @@ def estimate_on_device(
             est, step = step_fn()
         else:
             est, step = step_and_estimate(doc, target, layers, offline, store, parallel, progress)
-        return est, replay_on_device(doc, step, device_memory, figure.bytes, conf, target, cuda_total=named.cuda_total)
+        return est, replay_on_device(
+            doc,
+            step,
+            device_memory,
+            figure.bytes,
+            conf,
+            target,
+            cuda_total=named.cuda_total,
+            outside_high=high_of(figure),
+        )
 
     def encode(answer: tuple[Any, Replayed]) -> dict[str, Any]:
         return {"estimate": answer[0].to_cache(), "device": answer[1].to_cache()}
@@ -794,7 +846,16 @@ def stream_on_device(
 
     def compute() -> tuple[Replayed, bool]:
         step = step_fn()
-        replayed = replay_on_device(doc, step, device_memory, figure.bytes, conf, target, cuda_total=named.cuda_total)
+        replayed = replay_on_device(
+            doc,
+            step,
+            device_memory,
+            figure.bytes,
+            conf,
+            target,
+            cuda_total=named.cuda_total,
+            outside_high=high_of(figure),
+        )
         return replayed, False
 
     answer = cached(
@@ -854,6 +915,7 @@ __all__ = [
     "device_question",
     "estimate_on_device",
     "free_replay",
+    "high_of",
     "outside_of",
     "replay_on_device",
     "step_and_estimate",

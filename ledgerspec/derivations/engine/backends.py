@@ -120,7 +120,7 @@ class TrackerBackend(Backend):
         self.tracker.context = category
 
     def classify(self, workload: Workload, stale: tuple[str, ...] = ()) -> None:
-        self.tracker.reclassify(workload.model, workload.optimizer, stale=stale)
+        self.tracker.reclassify(getattr(workload, "census_model", workload.model), workload.optimizer, stale=stale)
 
     def watch(self, workload: Workload) -> None:
         self.tracker.watch_gradients(workload.model)

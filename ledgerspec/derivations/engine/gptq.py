@@ -51,6 +51,9 @@ def _classes() -> tuple[Any, Any]:
         w.copy_(scales[0].expand_as(w))
         return w
 
+    def _as_int32(t: Any) -> Any:
+        return t if t.dtype == torch.int32 else t.view(torch.int32)
+
     class QuantLinearFunction(torch.autograd.Function):
         """``triton_utils/dequant.py`` ``QuantLinearFunction`` (fms-acceleration 876e2ed), with the same tensors."""
 
@@ -99,7 +102,10 @@ def _classes() -> tuple[Any, Any]:
             out_shape = (*x.shape[:-1], self.out_features)
             x2 = x.reshape(-1, x.shape[-1])
             if self.kernel == "triton_v2":
-                out = QuantLinearFunction.apply(x2, self.qweight, self.scales, self.qzeros, self.g_idx)
+                # as float parameters under FSDP (:func:`as_fsdp_parameters`): viewed back as int32 first, as the
+                # plugin's patched forward does (a view: no new memory)
+                qweight, qzeros = _as_int32(self.qweight), _as_int32(self.qzeros)
+                out = QuantLinearFunction.apply(x2, qweight, self.scales, qzeros, self.g_idx)
                 out = out.half().reshape(out_shape)
                 return out + self.bias if self.bias is not None else out
             w = dequantize(self.qweight, self.scales, self.g_idx)  # TorchLinear._forward_eager
@@ -173,24 +179,50 @@ def use_older_lora_forward(model: Any) -> int:
 
 def replace_decoder_linears(model: Any, make: Any, skip_modules: tuple[str, ...] = ()) -> int:
     """Replace every ``nn.Linear`` of the decoder blocks by ``make(linear)``, created on the linear's device (the
-    meta device while the model is there), but those whose name contains one of ``skip_modules``; how many."""
+    meta device while the model is there), but those whose name contains one of ``skip_modules`` and the routers of a
+    declared transformers 4's MoE blocks (float16 in GPTQ checkpoints; kept dense for AWQ too,
+    :func:`ledgerspec.derivations.stack.legacy_moe.routers`); how many."""
     import torch
 
     from ledgerspec.derivations.stack.build import decoder_layers
+    from ledgerspec.derivations.stack.legacy_moe import routers
 
     found = decoder_layers(model)
     if found is None:
         return 0
+    dense = routers(model)
     count = 0
     for parent_name, parent in list(found[1].named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is not torch.nn.Linear or any(s and s in full for s in skip_modules):
+            if type(child) is not torch.nn.Linear or id(child) in dense or any(s and s in full for s in skip_modules):
                 continue
             with torch.device(child.weight.device):
                 new = make(child)
             setattr(parent, name, new)
             count += 1
+    return count
+
+
+def as_fsdp_parameters(model: Any, dtype: Any) -> int:
+    """fms-acceleration's FSDP preparation of a GPTQ model: every ``QuantLinear``'s ``qweight`` and ``qzeros`` become
+    frozen ``nn.Parameter`` views in the loaded float ``dtype`` (the same bytes), so that FSDP flattens and shards them
+    with the layer's other parameters, and the forward views them back as int32; ``scales``, ``g_idx`` and ``bias``
+    stay buffers, whole on every rank (``autogptq_utils.py`` at 876e2ed: ``PATCH_FOR_FSDP_TRITON_V2 = ["qweight",
+    "qzeros"]`` line 34, ``build_patch_to_view_tensor_to_parameter_for_fsdp_gptq`` lines 68-85 and
+    ``patch_forward_to_view_attributes_before_call``, registered by ``framework_plugin_autogptq.py``'s
+    ``model_loader`` when ``world_size > 1`` and ``ACCELERATE_USE_FSDP``). Returns how many layers."""
+    import torch
+
+    cls = quant_linear_class()
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, cls):
+            continue
+        for name in ("qweight", "qzeros"):
+            t = getattr(module, name)
+            setattr(module, name, torch.nn.Parameter(t.view(dtype), requires_grad=False))
+        count += 1
     return count
 
 
@@ -213,6 +245,7 @@ def replace_with_gptq_linear(
 
 __all__ = [
     "KERNELS",
+    "as_fsdp_parameters",
     "lora_custom_modules",
     "older_lora_forward",
     "quant_linear_class",

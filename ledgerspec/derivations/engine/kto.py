@@ -54,7 +54,7 @@ class KTOLoop(DPOLoop):
         """The unpaired collator's micro-batches; no ``labels``, so no ``num_items_in_batch``."""
         return [self.w.kto_batch(seq) for _ in range(micro_steps)], None
 
-    def _kl_logps(self, batch: dict[str, Any]) -> Any:
+    def _kl_logps(self, batch: dict[str, Any], reference: bool = False) -> Any:
         """``_compute_kl_logps`` (:1337-1368): the KL rows' summed log-probs; its labels and outputs go with it."""
         kwargs = {k: v for k, v in batch.items() if k not in _KL_NON_MODEL | {"ref_KL_logps"}}
         kwargs["input_ids"] = kwargs.pop("KL_input_ids")
@@ -64,7 +64,8 @@ class KTOLoop(DPOLoop):
         import torch
 
         with torch.no_grad():
-            kl_per_token_logps = self.call(self.w.model_inputs(kwargs), labels=kl_labels, fused_lm_head=True).log_probs
+            call = self.call_reference if reference else self.call
+            kl_per_token_logps = call(self.w.model_inputs(kwargs), labels=kl_labels, fused_lm_head=True).log_probs
         return kl_per_token_logps[:, -(kl_labels.size(1) - 1) :].sum(-1)
 
     def forward(self, i: int) -> Any:
@@ -108,8 +109,8 @@ class KTOLoop(DPOLoop):
             h["ref_kl_logps"] = batch["ref_KL_logps"]
         else:  # :1424-1433: no grad, checkpointing off, the adapters off (or the `ref` copy active)
             with torch.no_grad(), self._no_checkpointing(), self._reference_adapter():
-                h["ref_kl_logps"] = self._kl_logps(batch)
-                h["ref_outputs"] = self.call(
+                h["ref_kl_logps"] = self._kl_logps(batch, reference=True)
+                h["ref_outputs"] = self.call_reference(
                     self.w.model_inputs(model_kwargs), labels=completion_labels, fused_lm_head=True
                 )
         self.held = h

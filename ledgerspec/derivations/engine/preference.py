@@ -33,10 +33,12 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ledgerspec.derivations.engine.step import TrainerLoop
+from ledgerspec.derivations.engine.step import TrainerLoop, convert_to_fp32
 
 #: DPOConfig's default ``beta`` (dpo_config.py:297): memory does not depend on it
 BETA = 0.1
+#: the fields of a separate reference model's fused head: ``add_fused_lm_head``'s default (trainer/utils.py:1552)
+REFERENCE_OUTPUTS = ("log_probs",)
 _NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")  # :1289
 
 
@@ -57,10 +59,14 @@ class DPOLoop(TrainerLoop):
 
         if not self.patched:
             self.w.fused_lm_head(self.head_outputs)
+            reference = self.w.reference
+            if reference is not None:  # `add_fused_lm_head(self.ref_model)`: TRL's default fields (:961-962)
+                self.w.fused_lm_head(REFERENCE_OUTPUTS, reference)
             if self.spec.disable_dropout:  # `disable_dropout_in_model` (trainer/utils.py:194-197), dpo_trainer.py:932
-                for module in self.w.model.modules():
-                    if isinstance(module, torch.nn.Dropout):
-                        module.p = 0
+                for model in (self.w.model, reference):  # the reference model's too (:934-935)
+                    for module in model.modules() if model is not None else ():
+                        if isinstance(module, torch.nn.Dropout):
+                            module.p = 0
             self.patched = True
         super().start(seq, micro_steps)
 
@@ -99,17 +105,33 @@ class DPOLoop(TrainerLoop):
                 batch["ref_chosen_logps"],
                 batch["ref_rejected_logps"],
             )
-        else:  # :1320-1336: adapters off (or the `ref` copy active), no grad, checkpointing switched off around it
+        else:  # :1320-1338: adapters off (or the `ref` copy active, or the reference model), no grad, the policy's
+            # checkpointing switched off around it
             with torch.no_grad(), self._no_checkpointing(), self._reference_adapter():
-                held["ref_outputs"] = self.call(kwargs, labels=labels, fused_lm_head=True)
+                held["ref_outputs"] = self.call_reference(kwargs, labels=labels, fused_lm_head=True)
         self.held = held
         return None
+
+    def call_reference(self, inputs: dict[str, Any], **extra: Any) -> Any:
+        """The reference's model call: the policy's (its adapters switched by :meth:`_reference_adapter`), or the
+        separate reference model's, prepared by accelerate as the policy is (``prepare_model(ref_model,
+        evaluation_mode=True)``, dpo_trainer.py:990: under mixed precision its forward in the autocast region and its
+        outputs converted to fp32, accelerator.py ``prepare_model``)."""
+        reference = self.w.reference
+        if reference is None:
+            return self.call(inputs, **extra)
+        with self.autocast():
+            outputs = reference(**inputs, **extra)
+        return convert_to_fp32(outputs) if self.spec.autocast_dtype is not None else outputs
 
     @contextlib.contextmanager
     def _reference_adapter(self) -> Any:
         """TRL's ``use_adapter`` (trainer/utils.py:1415-1451): ``disable_adapter()`` for ``adapter_disabled``, else
-        ``set_adapter("ref")`` and back to the previous adapter."""
+        ``set_adapter("ref")`` and back to the previous adapter; nothing for a separate reference model."""
         model = self.w.model
+        if self.spec.reference == "model":
+            yield
+            return
         if self.spec.reference != "adapter_copy":
             with model.disable_adapter():
                 yield
@@ -222,4 +244,4 @@ class DPOLoop(TrainerLoop):
         self.held = {}
 
 
-__all__ = ["BETA", "DPOLoop"]
+__all__ = ["BETA", "REFERENCE_OUTPUTS", "DPOLoop"]

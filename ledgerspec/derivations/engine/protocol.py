@@ -46,6 +46,12 @@ HELD_PHASES = frozenset(PHASES[:3])
 OPTIONAL_PHASES = ("generation_peak",)
 
 
+def census_model(workload: Any) -> Any:
+    """What the census of held tensors walks: ``workload.census_model`` (the model, and a separate reference model
+    beside it) where the workload has one, else its model."""
+    return getattr(workload, "census_model", workload.model)
+
+
 # -- results --------------------------------------------------------------------------------------------------------
 
 
@@ -170,7 +176,7 @@ class ProtocolRun:
             self.backend.reserved_peak(),
             self.backend.device_peak(),
             self.backend.peak_categories(),
-            census(self.workload.model, self.workload.optimizer, self.backend.census_device),
+            census(census_model(self.workload), self.workload.optimizer, self.backend.census_device),
             time.perf_counter() - t0,
             self.backend.outside_now(),
         )
@@ -286,7 +292,7 @@ def run_protocol(
             result.failed_phase_device = _read_after_oom(backend.device_peak)
             result.failed_categories = backend.peak_categories()
             result.failed_census = _read_after_oom(
-                lambda: census(workload.model, workload.optimizer, backend.census_device)
+                lambda: census(census_model(workload), workload.optimizer, backend.census_device)
             )
             result.snapshot_path = backend.on_oom(snapshot_path)
         result.device = backend.device_info()
@@ -329,7 +335,7 @@ def _phases(run: ProtocolRun, steps: int) -> None:
     for i in range(spec.accumulation):
         run.micro_step(spec.seq_worst, i, i == 0, peaks, cats, extra)
     elapsed = time.perf_counter() - t0
-    held_census = census(w.model, w.optimizer, b.census_device)
+    held_census = census(census_model(w), w.optimizer, b.census_device)
     outside = b.outside_now()
     for key, name in (("generation", "generation_peak"), ("forward", "forward_peak"), ("backward", "backward_peak")):
         if key not in peaks:
@@ -382,7 +388,7 @@ def _phases(run: ProtocolRun, steps: int) -> None:
         max(reserved) if reserved else None,
         max(device) if device else None,
         cats.get(best),
-        census(w.model, w.optimizer, b.census_device),
+        census(census_model(w), w.optimizer, b.census_device),
         time.perf_counter() - t_all,
         b.outside_now(),
     )

@@ -190,7 +190,13 @@ class MixedDtypeMatmul(RuntimeError):
     baddbmm meta kernels do check), check no dtypes: without this check a
     simulation would carry on in the first operand's dtype and give figures for a run that fails at its first
     forward (found with FSDP1 ``MixedPrecision`` without autocast, issue 16). Autocast has cast the operands before
-    a dispatch mode sees them (the Autocast key is above the Python key), so a valid step never trips it."""
+    a dispatch mode sees them (the Autocast key is above the Python key), so a valid step never trips it.
+
+    ``index_add``/``index_add_`` too: the CPU kernel refuses a ``source`` whose dtype is not ``self``'s
+    ("index_add_(): self (BFloat16) and source (Float) must have the same scalar type",
+    ``aten/src/ATen/native/TensorAdvancedIndexing.cpp``, ``index_add_cpu_``), the meta kernel does not (torch 2.13):
+    transformers 4.57.6's DeepSeek-V3 MoE loop accumulates its experts' float32 outputs into a bfloat16 buffer under
+    PEFT's k-bit preparation and bf16 autocast, and the real run fails there (``stack/legacy_moe/deepseek.py``)."""
 
     def __init__(self, func: Any, dtypes: list[Any]) -> None:
         self.func = func
@@ -203,15 +209,26 @@ def _matmuls() -> frozenset[Any]:
     import torch
 
     aten = torch.ops.aten
-    return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+    return frozenset(
+        {
+            aten.mm.default,
+            aten.addmm.default,
+            aten.bmm.default,
+            aten.baddbmm.default,
+            aten.index_add.default,
+            aten.index_add_.default,
+        }
+    )
 
 
 def _check_matmul_dtypes(func: Any, args: Any) -> None:
-    """Raise :class:`MixedDtypeMatmul` when fake operands of a matrix product differ in dtype (real tensors are
-    left to their own kernels)."""
+    """Raise :class:`MixedDtypeMatmul` when fake operands of a matrix product (``self`` and ``source`` of an
+    ``index_add``) differ in dtype (real tensors are left to their own kernels)."""
     import torch
     from torch._subclasses.fake_tensor import is_fake
 
+    if "index_add" in str(func):  # (self, dim, index, source): the int64 index is no operand
+        args = (args[0], args[3]) if len(args) > 3 else ()
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if len({a.dtype for a in tensors}) > 1 and any(is_fake(a) for a in tensors):
         raise MixedDtypeMatmul(func, [a.dtype for a in tensors])

@@ -175,7 +175,7 @@ class WorkloadSpec:
     offload_mode: str | None = None
     #: ``training.objective``: sft | dpo | reward (the objectives the step simulates, ``config.SIMULATED_OBJECTIVES``)
     objective: str = "sft"
-    #: DPO: where the reference log-probs come from (adapter_disabled | adapter_copy | precomputed)
+    #: DPO, KTO: where the reference log-probs come from (adapter_disabled | adapter_copy | model | precomputed)
     reference: str | None = None
     #: DPO: completion tokens per chosen row (``objective_settings.max_completion_length``, at most length - 1);
     #: None: every position after the first (one prompt token)
@@ -311,12 +311,20 @@ class WorkloadSpec:
                 doc,
                 where,
                 f"{what}: the training step (estimate, measure, shard) simulates supervised fine-tuning and TRL 1.16's "
-                "DPO (its reference from the policy or precomputed) and reward models; this one runs other "
-                "forwards or tensors (a second model, other batches, generation, full logits) it does not model yet",
+                "DPO (its reference from the policy, a separate model or precomputed) and reward models; this one "
+                "runs other forwards or tensors (other batches, generation, full logits) it does not model yet",
                 "size the run with a measurement of the real trainer (LedgerCallback), or estimate its SFT step as a "
                 "lower bound with training.objective: sft",
             )
         kernels = cfg.kernels
+        if t.objective in REFERENCED and t.dpo_reference == "model" and gptq is not None:
+            raise _err(
+                doc,
+                ("training", "objective_settings", "reference"),
+                f"a separate reference model beside a {(q.scheme or '').upper()} base: the step builds the reference "
+                "model for bitsandbytes 4-bit and unquantized bases only",
+                "size the run with a measurement of the real trainer (LedgerCallback)",
+            )
         if t.objective == "kto" and w.microbatch < 2:
             raise _err(
                 doc,
@@ -444,6 +452,12 @@ class WorkloadSpec:
 GENERATION_SHARDED = (
     "training.objective grpo/rloo on several ranks (FSDP, ZeRO) is not simulated or measured yet: its generation "
     "phase runs the sharded model's generate"
+)
+#: DPO/KTO with a separate reference model on several ranks: not run yet (TRL shards it too, prepare_fsdp or
+#: prepare_deepspeed, dpo_trainer.py:984-990)
+REFERENCE_SHARDED = (
+    "training.objective dpo/kto with reference model on several ranks (FSDP, ZeRO) is not simulated or measured yet: "
+    "TRL shards the reference model too (prepare_fsdp, prepare_deepspeed)"
 )
 #: GRPOConfig's default ``max_completion_length`` (grpo_config.py:494, TRL 1.16)
 GRPO_COMPLETION = 512
@@ -574,6 +588,8 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
         reference = {
             "precomputed": "the reference log-probs precomputed (read from the batch)",
             "adapter_copy": "the reference forwards through TRL's frozen copy of the adapter (`ref`)",
+            "model": "the reference forwards of a separate reference model (a second copy of the base, frozen, "
+            "held for the whole run)",
         }.get(spec.reference or "adapter_disabled", "the reference forwards of the same model with its adapters off")
         loop = (
             "TRL 1.16's KTOTrainer step: unpaired rows with their labels and the KL batch of mismatched completions, "
@@ -590,6 +606,8 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
             "precomputed": "the reference log-probs precomputed (read from the batch)",
             "adapter_copy": "the reference forward through TRL's frozen copy of the adapter (`ref`), without grad "
             "and checkpointing",
+            "model": "the reference forward of a separate reference model (a second copy of the base, frozen, held "
+            "for the whole run), without grad",
         }.get(
             spec.reference or "adapter_disabled",
             "the reference forward of the same model with its adapters off, without grad and checkpointing",
@@ -719,6 +737,8 @@ class Workload:
         self.spec = spec or WorkloadSpec.from_document(doc)
         self.source = source
         self.model: Any = None  # the PeftModel
+        #: DPO/KTO with ``reference: model``: the trainer's ``ref_model``, a second copy of the base (else None)
+        self.reference: Any = None
         self.optimizer: Any = None
         self._memo: dict[int, Any] = {}
         #: frozen parameters made in the adapter phase (DPO's reference copy of the adapter)
@@ -727,6 +747,16 @@ class Workload:
         #: the device whose optimizer defaults to model ("cuda": torch's AdamW picks ``foreach`` there)
         self.optimizer_device: str | None = None
         self._step: Any = None
+
+    @property
+    def census_model(self) -> Any:
+        """What the census of held tensors walks: the model, and beside it a separate reference model (DPO/KTO's
+        ``ref_model``: its frozen weights are part of the frozen base the run holds)."""
+        if self.reference is None:
+            return self.model
+        import torch
+
+        return torch.nn.ModuleList([self.model, self.reference])
 
     # -- 1. on the meta device ------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -790,9 +820,45 @@ class Workload:
             self.model = inject_adapters(self.doc, base)
         if spec.reference == "adapter_copy":
             self._reference_adapter()
+        if spec.reference == "model":
+            self.reference = self._reference_model()
         cast_module_dtypes(self.model, spec.module_dtypes)
         if spec.quant is not None:
             self._prewarm_bnb()
+
+    def _reference_model(self) -> Any:
+        """DPO/KTO with ``reference: model``: the ``ref_model`` TRL 1.16's ``DPOTrainer``/``KTOTrainer`` is handed (or
+        builds, ``create_model_from_path`` with the policy's dtype and quantization config: dpo_trainer.py:908-929,
+        kto_trainer.py:919-940): a second copy of the base as declared (the same dtype, the same 4-bit layout), no
+        adapters, never prepared for k-bit training, frozen (no optimizer sees it; its forward runs without grad,
+        dpo_trainer.py:1327-1338), in eval mode (``from_pretrained`` leaves it so; ``prepare_model(...,
+        evaluation_mode=True)``, dpo_trainer.py:990, neither changes the mode nor wraps it). Built on the meta device,
+        created with the base (:meth:`materialise_base`): it is on the device for the whole run."""
+        import torch
+
+        assert self.source is not None
+        with torch.device("meta"):
+            ref = build_base(
+                self.doc,
+                self.source.config,
+                getattr(torch, self.spec.loaded_dtype),
+                attention=self.spec.attention,
+                declared_moe_layout=self.declared_moe_layout,
+            )
+        if self.spec.quant is not None:
+            self._replace_with_4bit(ref)
+            # transformers' bitsandbytes replacement makes the 4-bit layers' biases in the default dtype (float32);
+            # ``from_pretrained`` loads them in the model's dtype (the policy's are cast so at its first forward,
+            # Linear4bit.forward, nn/modules.py:630-634, after the reference model is held): loaded as the user's
+            # reference model is, before the first step
+            dtype = getattr(torch, self.spec.loaded_dtype)
+            for module in ref.modules():
+                bias = getattr(module, "bias", None)
+                if _is_4bit(getattr(module, "weight", None)) and bias is not None and bias.dtype != dtype:
+                    module.bias = torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+        ref.requires_grad_(False)
+        ref.eval()
+        return ref
 
     def _replace_with_4bit(self, base: Any) -> None:
         quiet_bitsandbytes()
@@ -844,7 +910,17 @@ class Workload:
         """Create the base model's parameters and buffers on ``device`` (the protocol's "load")."""
         self.device = device
         self._materialise(device, adapters=False)
-        self._init_base()
+        self._init_base(self.model.get_base_model())
+        if self.reference is not None:
+            for module in self.reference.modules():
+                self._materialise_module(module, device, adapters=False)
+            self._init_base(self.reference)
+            for module in self.reference.modules():
+                if hasattr(module, "support_avx512bf16_for_cpu"):
+                    # bitsandbytes' Linear4bit repacks its weight for good at the first forward in eval mode without
+                    # grad on a CPU with AVX512-BF16 (nn/modules.py:613-620, bitsandbytes 0.50): a CPU-only layout a
+                    # GPU never makes; the reference model keeps the layout of the GPU run
+                    module.support_avx512bf16_for_cpu = False
 
     def materialise_adapters(self, device: Any) -> None:
         """Create the adapter weights on ``device``; enable gradient checkpointing (the protocol's "inject")."""
@@ -976,11 +1052,10 @@ class Workload:
         self._memo[id(p)] = new
         return new
 
-    def _init_base(self) -> None:
-        """Recompute computed buffers (rotary frequencies) with transformers' own initialiser."""
+    def _init_base(self, base: Any) -> None:
+        """Recompute computed buffers (rotary frequencies) of ``base`` with transformers' own initialiser."""
         import torch
 
-        base = self.model.get_base_model()
         init = getattr(base, "_init_weights", None)
         if init is None:
             return
@@ -1210,10 +1285,11 @@ class Workload:
         s = self.spec
         return s.objective == "sft" and s.loop == "trainer" and s.kernels.cross_entropy == "trl_chunked_nll"
 
-    def fused_lm_head(self, outputs: tuple[str, ...] | None = None) -> None:
+    def fused_lm_head(self, outputs: tuple[str, ...] | None = None, model: Any = None) -> None:
         """TRL's fused LM head on the base model (``add_fused_lm_head``, as ``DPOTrainer.__init__`` and
         ``SFTTrainer.__init__`` patch it, dpo_trainer.py:955-960, sft_trainer.py:1142-1147): TRL's own code, its torch
-        path on the CPU; ``outputs``: the per-token fields (None: DPO's)."""
+        path on the CPU; ``outputs``: the per-token fields (None: DPO's); ``model``: another model to patch (the
+        reference model, with TRL's default fields, dpo_trainer.py:961-962)."""
         try:
             from trl.trainer.utils import add_fused_lm_head
         except ImportError:
@@ -1228,7 +1304,7 @@ class Workload:
             ) from None
         from ledgerspec.derivations.kernels.trl import DPO_OUTPUTS
 
-        add_fused_lm_head(self.model.get_base_model(), outputs=outputs or DPO_OUTPUTS)
+        add_fused_lm_head(model if model is not None else self.model.get_base_model(), outputs=outputs or DPO_OUTPUTS)
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """What the model's forward receives of a batch (the estimate drops the mask for FlashAttention)."""

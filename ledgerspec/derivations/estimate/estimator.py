@@ -254,20 +254,21 @@ def _estimate_workload_class() -> Any:
                 from ledgerspec.derivations.stack.versions import fused_experts_4bit_change
 
                 self.fused_experts = fused_experts_4bit_change(self.model, self.spec.quant.double_quant)
-                model_4bit_layers(
-                    self.model,
-                    getattr(torch, self.spec.loaded_dtype),
-                    self.keep_4bit_input,
-                    cpu=self.target == "cpu",
-                )
+                for model in self.models():
+                    model_4bit_layers(
+                        model,
+                        getattr(torch, self.spec.loaded_dtype),
+                        self.keep_4bit_input,
+                        cpu=self.target == "cpu",
+                    )
             from ledgerspec.derivations.estimate.attention import cuda_attention
-
-            self.stack.enter_context(cuda_attention(self.model, self.declared_attention, self.target))
             from ledgerspec.derivations.kernels.apply import simulated_kernels
 
-            self.stack.enter_context(
-                simulated_kernels(self.model, self.spec.kernels, self.spec.autocast_dtype, self.target == "cuda")
-            )
+            for model in self.models():  # the policy, and a separate reference model loaded as it is
+                self.stack.enter_context(cuda_attention(model, self.declared_attention, self.target))
+                self.stack.enter_context(
+                    simulated_kernels(model, self.spec.kernels, self.spec.autocast_dtype, self.target == "cuda")
+                )
             if self.spec.offload:
                 from ledgerspec.derivations.kernels.offload import Offload
 
@@ -287,22 +288,26 @@ def _estimate_workload_class() -> Any:
             if self.spec.padded or (self.spec.loop == "trainer" and self.spec.pads_rows):
                 self.stack.enter_context(_mask_rows(self.spec.padded))
 
+        def models(self) -> list[Any]:
+            """The models the step runs: the policy, and DPO's/KTO's separate reference model when there is one."""
+            return [self.model] if self.reference is None else [self.model, self.reference]
+
         @property
         def trl_head_runs_here(self) -> bool:
             """On the CUDA target TRL's head is its Triton path, modelled in the loss (kernels/apply.py)."""
             return self.target != "cuda" and super().trl_head_runs_here
 
-        def fused_lm_head(self, outputs: tuple[str, ...] | None = None) -> None:
+        def fused_lm_head(self, outputs: tuple[str, ...] | None = None, model: Any = None) -> None:
             """DPO: TRL's fused LM head; on the CUDA target its Triton path, as modelled by
             :mod:`ledgerspec.derivations.kernels.trl` (the completion positions gathered and scored)."""
             if self.target != "cuda":
-                super().fused_lm_head(outputs)
+                super().fused_lm_head(outputs, model)
                 return
             from ledgerspec.derivations.kernels import trl
 
             amp = getattr(torch, self.spec.autocast_dtype) if self.spec.autocast_dtype else None
             trl.functions().add_fused_lm_head(
-                self.model.get_base_model(),
+                model if model is not None else self.model.get_base_model(),
                 outputs or trl.DPO_OUTPUTS,
                 amp,
                 lambda shifted: self.head_positions(int(shifted.shape[1]) + 1, int(shifted.shape[0])),
@@ -380,6 +385,16 @@ def _fail(doc: Document, exc: BaseException, architecture: str | None) -> Ledger
     op = getattr(exc, "func", None) or getattr(exc, "op", None)
     from ledgerspec.derivations.engine.tracker import MixedDtypeMatmul
 
+    if isinstance(exc, MixedDtypeMatmul) and "index_add" in str(exc.func):  # a MoE loop's accumulation
+        return _err(
+            doc,
+            ("software", "transformers") if doc.get("software", "transformers").present else ("identity",),
+            f"the declared step cannot run: {text} (the simulation found it; a real run fails there: an MoE block adds "
+            "its experts' outputs into a buffer of another dtype)",
+            "e.g. transformers 4.51-4.57.6's DeepSeek-V3 MoE accumulates in the router's dtype (bfloat16 under "
+            "autocast) while PEFT's k-bit preparation makes the experts' outputs float32: declare "
+            "base_model.prepare_for_kbit_training: false, or a transformers >= 5.0.0 (it casts before index_add_)",
+        )
     if isinstance(exc, MixedDtypeMatmul):  # not a limit of the simulation: the declared step cannot run
         return _err(
             doc,
@@ -666,7 +681,7 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     if legacy_moe:
         from ledgerspec.derivations.stack.legacy_moe import method_note as moe_note
 
-        method += "; " + moe_note(doc)
+        method += "; " + moe_note(doc, p.source.config)
     from ledgerspec.derivations.kernels.apply import method_note as kernels_note
     from ledgerspec.derivations.kernels.apply import unpatched_note
 

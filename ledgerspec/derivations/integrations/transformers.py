@@ -445,10 +445,10 @@ class Recorder:
         b = self.backend
         if isinstance(b, TrackerBackend):
             tracker = b.tracker
-            params = list(model.parameters()) + list(model.buffers())
-            tracker.track_existing(params, "frozen_params")
-            quant = [t for p in model.parameters() for t in quant_state_tensors(getattr(p, "quant_state", None))]
-            tracker.track_existing(quant, "quant_state")
+            for m in (model, *self._reference_models()):  # a TRL trainer's separate reference model is held too
+                tracker.track_existing(list(m.parameters()) + list(m.buffers()), "frozen_params")
+                quant = [t for p in m.parameters() for t in quant_state_tensors(getattr(p, "quant_state", None))]
+                tracker.track_existing(quant, "quant_state")
             tracker.track_existing(optimizer_tensors(optimizer), "optimizer")
             tr_loss = getattr(self._trainer, "_tr_loss", None)
             if tr_loss is not None:
@@ -469,10 +469,18 @@ class Recorder:
         b = self.backend
         live = self._live
         counts = census(live.model, live.optimizer, b.census_device)
+        known = census_storages(live.model, live.optimizer, b.census_device)
+        for ref in self._reference_models():  # loaded beside the policy, frozen: held from after_load on
+            for key, (cat, n) in census_storages(ref, None, b.census_device).items():
+                # TRL leaves the reference model's parameters as they were loaded (requires_grad true) and never
+                # trains them (no optimizer, no_grad forwards): frozen weights, whatever their flag says
+                cat = "frozen_params" if cat == "adapter" else cat
+                if key not in known:
+                    known[key] = (cat, n)
+                    counts[cat] += n
         parts = by_component(counts)
         if self.components_note is None and parts["frozen_base"] > 0 and parts["adapter"] > 0:
             self.components.update(frozen_base=parts["frozen_base"], adapter=parts["adapter"])
-        known = census_storages(live.model, live.optimizer, b.census_device)
         # on CUDA the caching allocator rounds every block up to 512 B (c10/cuda/CUDACachingAllocator.cpp,
         # kMinBlockSize), and memory_allocated counts the rounded blocks: the census is rounded the same way
         unit = 512 if b.name == "cuda" else 1
@@ -498,11 +506,17 @@ class Recorder:
         ):
             self.result.phases[name] = PhaseRecord(name, held, held, held, None, None, None, dict(counts), 0.0)
 
+    def _reference_models(self) -> list[Any]:
+        """A TRL trainer's separate reference model (``trainer.ref_model``: DPO, KTO), else nothing."""
+        ref = getattr(self._trainer, "ref_model", None)
+        return [ref] if ref is not None and hasattr(ref, "parameters") else []
+
     def _install(self, model: Any, optimizer: Any) -> None:
-        """Hooks on the model's forward; ``training_step`` and the optimizer's ``step`` wrapped (an out-of-memory
-        error there is recorded before it propagates)."""
-        self._hooks.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-        self._hooks.append(model.register_forward_hook(self._post_forward))
+        """Hooks on the model's forward (and a TRL trainer's separate reference model's); ``training_step`` and the
+        optimizer's ``step`` wrapped (an out-of-memory error there is recorded before it propagates)."""
+        for m in (model, *self._reference_models()):
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
         trainer = self._trainer
         if trainer is None:
             log.warning(

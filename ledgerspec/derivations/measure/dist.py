@@ -583,6 +583,12 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
         raise LedgerspecError(
             GENERATION_SHARDED, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="measure it on one device"
         )
+    if base.spec.get("reference") == "model":
+        from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED
+
+        raise LedgerspecError(
+            REFERENCE_SHARDED, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="measure it on one device"
+        )
     if zero_stage(doc) is not None:
         from ledgerspec.derivations.engine.workload import WorkloadSpec
         from ledgerspec.derivations.shard.options import zero_options

@@ -218,6 +218,15 @@ def _methods(c: Census, f: Figures) -> dict[str, str]:
     return m
 
 
+def _separate_reference(doc: Document, c: Census) -> bool:
+    """DPO/KTO with a separate reference model (``training.objective_settings.reference: model``): TRL 1.16's
+    ``ref_model``, a second copy of the base beside the policy (dpo_trainer.py:908-990, kto_trainer.py:919-998)."""
+    from ledgerspec.contract import config
+
+    t = config.read(doc).training
+    return not c.full and t.objective in ("dpo", "kto") and t.dpo_reference == "model"
+
+
 def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> list[Change]:
     """Write the figures into ``doc`` (in memory), precedence and comments respected."""
     changes: list[Change | None] = []
@@ -248,7 +257,15 @@ def write_figures(doc: Document, c: Census, f: Figures, sha256: str | None) -> l
         if spec.family == "bnb":
             changes.append(record.set(("optimizer", "bits"), spec.bits))
             changes.append(record.set(("optimizer", "paged"), spec.paged))
-    changes.append(set_figure(doc, ("ledger", "frozen_base"), f.frozen_base_bytes, "CALCULATED", m["frozen"]))
+    frozen, frozen_method = f.frozen_base_bytes, m["frozen"]
+    if _separate_reference(doc, c):
+        frozen *= 2
+        frozen_method = (
+            f"2 x {f.frozen_base_bytes:,} B: the policy's frozen base and a separate reference model, a second copy of "
+            "the base as declared without adapters (objective_settings.reference: model; TRL's ref_model, held for the "
+            f"whole run); each: {frozen_method}"
+        )
+    changes.append(set_figure(doc, ("ledger", "frozen_base"), frozen, "CALCULATED", frozen_method))
     changes.append(set_figure(doc, ("ledger", "adapter"), f.adapter_bytes, "CALCULATED", m["adapter"]))
     changes.append(set_figure(doc, ("ledger", "gradients"), f.gradient_bytes, "CALCULATED", m["ledger_gradients"]))
     if f.optimizer is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.shard.state import ROOT, ParamDesc, packed_4bit_shape
+from ledgerspec.derivations.stack import quant_storage
 
 
 def _no_split_classes(model: Any) -> set[str]:
@@ -139,6 +140,8 @@ def document_descriptors(doc: Document, offline: bool = True, trust_remote_code:
                 ParamDesc(r.name, packed_4bit_shape(r.numel, c.quant.storage_dtype), c.quant.storage_dtype, False, unit)
             )
             out.append(ParamDesc(r.name + ".quant_state", (q.constants,), "uint8", False, unit, kind="buffer"))
+        elif r.quantized and c.quant.kind == "gptq":
+            out += _gptq_descriptors(r, c.quant, unit)
         elif r.quantized:
             raise ValueError(
                 f"{r.name}: FSDP2 per-rank state is calculated for 4-bit (nf4/fp4) QLoRA, not {c.quant.kind}"
@@ -146,3 +149,21 @@ def document_descriptors(doc: Document, offline: bool = True, trust_remote_code:
         else:
             out.append(ParamDesc(r.name, r.shape, r.dtype, r.trainable, unit, kind="buffer" if r.buffer else "param"))
     return out
+
+
+def _gptq_descriptors(r: Any, plan: Any, unit: str) -> list[ParamDesc]:
+    """A GPTQ ``QuantLinear`` as fms-acceleration hands it to FSDP (:func:`ledgerspec.derivations.engine.gptq.
+    as_fsdp_parameters`): ``qweight`` and ``qzeros`` frozen parameters, their int32 rows viewed in the float dtype of
+    the scales (twice the columns for a 2-byte dtype); ``scales`` and ``g_idx`` buffers, whole on every rank."""
+    out_features, in_features = r.shape
+    q = quant_storage.gptq_bytes(in_features, out_features, plan.bits, plan.blocksize, plan.scale_itemsize)
+    dtype = {2: "float16", 4: "float32"}.get(plan.scale_itemsize, "float16")
+    groups = q.absmax // (out_features * plan.scale_itemsize)
+    module = r.name.removesuffix(".weight")
+    words = 4 // plan.scale_itemsize  # float elements per int32
+    return [
+        ParamDesc(f"{module}.qweight", (q.data // (4 * out_features), out_features * words), dtype, False, unit),
+        ParamDesc(f"{module}.qzeros", (groups, q.code // (4 * groups) * words), dtype, False, unit),
+        ParamDesc(f"{module}.scales", (groups, out_features), dtype, False, unit, kind="buffer"),
+        ParamDesc(f"{module}.g_idx", (q.offset,), "uint8", False, unit, kind="buffer"),  # int32 (in,), as bytes
+    ]

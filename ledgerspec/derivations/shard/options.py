@@ -80,13 +80,15 @@ def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -
         raise _err(
             doc, (*q, "type"), f"{name} per rank covers 4-bit (nf4/fp4) QLoRA, not int8", exit_code=code, rule=rule
         )
+    if cfg.quantization.scheme == "gptq" and is_fsdp1(doc) and cfg.quantization.kernel == "triton_v2":
+        return  # fms-acceleration's FSDP1 GPTQ-LoRA: qweight/qzeros sharded as float parameters (engine.gptq)
     if cfg.quantization.scheme not in ("bnb4", None):
         raise _err(
             doc,
             (*q, "type"),
-            f"the sharded step covers bitsandbytes 4-bit (nf4/fp4) QLoRA, not a {cfg.quantization.type} base (a GPTQ "
-            "model's QuantLinear buffers under FSDP/ZeRO, or fms-acceleration's registering them as FSDP parameters, "
-            "are not modelled)",
+            f"the sharded step covers bitsandbytes 4-bit (nf4/fp4) QLoRA and fms-acceleration's FSDP1 GPTQ-LoRA "
+            f"(triton_v2 kernel), not a {cfg.quantization.type} base here (QuantLinear buffers under FSDP2, ZeRO or "
+            "another kernel are not modelled)",
             "estimate it on one GPU (`ledgerspec estimate`), or measure the sharded run",
             exit_code=code,
             rule=rule,

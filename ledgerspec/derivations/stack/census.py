@@ -271,15 +271,17 @@ def _quantized_tensors(model: Any, plan: QuantPlan) -> list[Any]:
         import torch
 
         from ledgerspec.derivations.stack.build import decoder_layers
+        from ledgerspec.derivations.stack.legacy_moe import routers
 
         found = decoder_layers(model)
         if found is None:
             return []
         skip = plan.skip_modules
+        dense = routers(model)  # a declared transformers 4's MoE routers stay float16 (GPTQModel's layer_modules)
         return [
             m.weight
             for n, m in found[1].named_modules()
-            if type(m) is torch.nn.Linear and not any(s and s in n for s in skip)
+            if type(m) is torch.nn.Linear and id(m) not in dense and not any(s and s in n for s in skip)
         ]
     if plan.kind == "mxfp4" and not plan.dequantized:  # transformers' replace_with_mxfp4_linear: GptOssMLP experts
         out = []
@@ -348,7 +350,9 @@ def census(
                 if type(m).__name__ == "GptOssExperts":
                     for b in (m.gate_up_proj_bias, m.down_proj_bias):
                         b.data = b.data.to(torch.float32)
-    prepare = config.read(doc).prepare_kbit and not full
+    # PEFT's prepare_model_for_kbit_training upcasts nothing on a model marked quantization_method "gptq" (as GPTQ
+    # loaders mark it; peft/tuners/../utils/other.py, `is_gptq_quantized`, lines 184 and 197-209 at 0.21.2)
+    prepare = config.read(doc).prepare_kbit and not full and plan.kind != "gptq"
     if full:  # full fine-tuning: no adapters, every floating parameter trainable (the model's own weights)
         return _full_census(doc, source, model, total, loaded, timings, t)
     if prepare:  # peft.prepare_model_for_kbit_training: fp16/bf16 params that are not 4-bit go to fp32

@@ -309,22 +309,95 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     axes = sweep.parse_axes(args.sweep)
     target_memory = device if device is not None else device_memory_of(doc)
     points = sweep.grid(axes)
-    rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args), warm=_warm(args))
+    grid = _grid_sweep(doc, args, points) if {a.name for a in axes} & {"microbatch", "max_length"} else None
+    if grid is not None:
+        rows = grid.rows
+    else:
+        rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args), warm=_warm(args))
     sys.stdout.write(sweep.render([(r.point, r.peak) for r in rows], axes, doc, target_memory))
     modelled = sum(1 for r in rows if not r.traced)
     if args.verbose:
         _print_components(rows)
-    print(
-        f"({len(rows)} configurations from {traced} traced estimates"
-        + (f"; {modelled} from the microbatch model, within 0.5 % of full traces in tests" if modelled else "")
-        + f"; {time.perf_counter() - started:.1f} s)"
-    )
+    if grid is not None:
+        for note in grid.notes:
+            print(printable(f"  {note}"))
+        print(
+            f"({len(rows)} configurations from {grid.estimates} traced estimates"
+            + (f" and {grid.checks} check probe(s)" if grid.checks else "")
+            + (
+                f"; {modelled} written from the traced allocation streams (every allocation affine in the microbatch "
+                "and of degree <= 2 in the length, checked event by event at an untraced point)"
+                if modelled
+                else ""
+            )
+            + (f"; from the estimate cache, traced in {grid.cached_from:.1f} s" if grid.cached_from is not None else "")
+            + f"; {time.perf_counter() - started:.1f} s)"
+        )
+    else:
+        print(
+            f"({len(rows)} configurations from {traced} traced estimates"
+            + (f"; {modelled} from the microbatch model, within 0.5 % of full traces in tests" if modelled else "")
+            + f"; {time.perf_counter() - started:.1f} s)"
+        )
     if (
         target_memory is not None
         and sweep.largest_fitting([(r.point, r.peak) for r in rows], doc, target_memory) is None
     ):
         return EXIT_FINDINGS  # as a single estimate that does not fit
     return EXIT_OK
+
+
+def _grid_sweep(doc: Any, args: argparse.Namespace, points: list[dict[str, Any]]) -> Any:
+    """A microbatch x max_length sweep from a few traced streams
+    (:func:`ledgerspec.derivations.estimate.gridsweep.grid_sweep_rows`), through the estimate cache (the whole
+    sweep is one entry) unless ``--no-cache``; None when the sweep has no length to follow."""
+    from ledgerspec.derivations.estimate.cache import cached
+    from ledgerspec.derivations.estimate.gridsweep import GridSweep, grid_sweep_rows
+    from ledgerspec.derivations.estimate.search import SweepRow
+
+    layers = "full" if args.full else "auto"
+    question = {"target": args.target, "layers": layers, "offline": True, "sweep": points}
+
+    def compute() -> Any:
+        import time
+
+        from ledgerspec.derivations.estimate.estimator import prepare
+
+        started = time.perf_counter()
+        out = grid_sweep_rows(
+            doc,
+            points,
+            args.target,
+            layers,
+            _estimate_fn(args),
+            jobs=_jobs(args),
+            warm=lambda: prepare(doc, args.target, layers).warm(),
+        )
+        if out is not None:
+            out.seconds = time.perf_counter() - started
+        return out
+
+    def encode(result: Any) -> dict[str, Any]:
+        if result is None:
+            raise ValueError("nothing to keep")
+        return {
+            "rows": [[r.phases, r.at_peak, r.traced] for r in result.rows],
+            "estimates": result.estimates,
+            "checks": result.checks,
+            "notes": list(result.notes),
+            "seconds": result.seconds,
+        }
+
+    def decode(value: dict[str, Any], _seconds: float) -> Any:
+        rows = [SweepRow(p, dict(ph), dict(at), bool(t)) for p, (ph, at, t) in zip(points, value["rows"], strict=True)]
+        out = GridSweep(rows, int(value["estimates"]), int(value["checks"]), list(value["notes"]))
+        out.cached_from = float(value["seconds"])
+        return out
+
+    try:
+        return cached(_store(args), doc, question, compute, encode, decode)
+    except ValueError:
+        return None
 
 
 def _jobs(args: argparse.Namespace) -> int:
@@ -345,8 +418,8 @@ def _print_components(rows: list[Any]) -> None:
     from ledgerspec.contract.units import format_size
 
     print(
-        "what is alive at each peak (traced: an estimate; model: the line through two traced microbatches of its "
-        "length):"
+        "what is alive at each peak (traced: an estimate; model: written from traced ones, the streams of a traced "
+        "microbatch x length grid, or the line through two traced microbatches of its length):"
     )
     for r in rows:
         point = ", ".join(f"{k}={_show(v)}" for k, v in r.point.items())
@@ -494,7 +567,9 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
             format_size(r.device.usable),
             format_size(r.peak) if r.peak is not None else "-",
             format_size(r.device_peak) if r.device_peak is not None else "-",
-            ("yes" if r.fits else "NO") + (" (fragmentation)" if r.decided_by == "fragmentation" else ""),
+            ("yes" if r.fits else "NO")
+            + (" (fragmentation)" if r.decided_by == "fragmentation" else "")
+            + (" (uncertain)" if r.uncertain else ""),
             (format_size(r.headroom) if r.headroom >= 0 else "-" + format_size(-r.headroom))
             if r.headroom is not None
             else "-",

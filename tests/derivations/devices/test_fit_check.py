@@ -70,3 +70,16 @@ def test_the_cpu_target_keeps_the_allocated_answer(tmp_path: Path, cli: CliRunne
     assert code == 0, err
     assert "on the device" not in out and "allocated tensors only" in out
     assert "device" not in load(path).plain["x-fit"]["microbatch"]
+
+
+def test_a_checked_value_inside_the_catalogues_range_is_said_uncertain() -> None:
+    """A value that fits only with the outside-allocator catalogue's typical figure (its replay with the catalogue's
+    high figure ran out, :attr:`DevicePrediction.uncertain`) is printed and recorded as uncertain, not a plain fit."""
+    from ledgerspec.derivations.devices.fit_check import Checked, DeviceFit
+
+    fit = DeviceFit("microbatch", 80 * 2**30, 4, 4, [Checked(4, True, 79 * 2**30, 2**28, "none", uncertain=True)])
+    (line,) = fit.lines()
+    assert "microbatch 4 fits, UNCERTAIN" in line and "margin 256.00 MiB" in line
+    assert fit.to_extension()["checked"]["4"]["uncertain"] is True
+    plain = DeviceFit("microbatch", 80 * 2**30, 4, 4, [Checked(4, True, 70 * 2**30, 2**30, "none")])
+    assert "UNCERTAIN" not in plain.lines()[0] and "uncertain" not in plain.to_extension()["checked"]["4"]

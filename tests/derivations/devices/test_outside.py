@@ -147,6 +147,23 @@ def test_a_published_per_communicator_figure_lies_in_the_range() -> None:
     assert part(two, "nccl").typical == 2 * part(one, "nccl").typical  # each communicator its own buffers
 
 
+def test_two_ranks_on_an_a100_board_the_published_and_the_source_figures_lie_in_the_range() -> None:
+    """The 2-GPU FSDP1 rows' stack (NCCL 2.20.5, two A100-SXM4s). Two independent figures of NCCL's bytes per rank:
+    NVIDIA/nccl#964 measured 544 MB per two-rank process group on 4 A100s with NVLink (an older NCCL); NCCL 2.20.5's
+    source (tag v2.20.5-1) gives 24 channels x 12 MiB = 288 MiB: with one peer the tree's connections are the
+    ring's (``src/transport.cc`` 42-54 skips a connected peer), a channel's send buffer (``ncclSendMem`` 4 KiB +
+    Simple 4 MiB under P2P read) and receive buffer (``ncclRecvMem`` 4 KiB + LL 512 KiB + LL128 4.6875 MiB) are each
+    padded to ``CUDA_IPC_MIN`` (2 MiB; ``src/transport/p2p.cc`` 351-354, 416-419), 6 + 6 MiB; 12 NVLinks of 20 GB/s
+    to the NVSwitch give 6 rings at 40 GB/s, doubled by ``ncclTopoDupChannels`` and by ``ncclTopoPostset``. They
+    disagree by 256 MiB (the measured one holds more than the buffers the source allocates at init); the catalogue's
+    range must hold both, and does: its typical figure lies between them."""
+    stack = O.Stack(gpu_name="NVIDIA A100-SXM4-80GB", world_size=2, nccl=O.NcclSettings(version="2.20.5"))
+    nccl = part(O.estimate(stack), "nccl")
+    source = 24 * (6 + 6) * MiB
+    measured = 544 * 10**6
+    assert nccl.low <= source < nccl.typical < measured <= nccl.high
+
+
 def test_module_loading() -> None:
     lazy = O.estimate(O.Stack(gpu_name="NVIDIA L40S"))
     eager = O.estimate(O.Stack(gpu_name="NVIDIA L40S", module_loading="EAGER"))

@@ -117,6 +117,40 @@ def test_free_and_retry_makes_it_fit_below_the_unlimited_reserve() -> None:
     assert pred.peak_allocator_allocated == 26 * MiB and pred.fragmentation == 0
 
 
+def test_a_margin_inside_the_outside_catalogues_range_is_uncertain_not_fits() -> None:
+    """The same stream (38 MiB reserved without a limit, 26 MiB after the free-and-retry) on a 40 MiB device with
+    2 MiB outside the allocator: it fits, margin 0. With 6 MiB outside (the catalogue's high end) the allocator gets
+    34 MiB: the new 14 MiB segment fails, the cached 12 MiB one is released, 12 + 14 = 26 MiB: it still fits. With
+    16 MiB outside it gets 24 MiB: 12 + 14 = 26 MiB does not fit: the margin is inside the catalogue's range."""
+    step = _step([("alloc", 1, 12 * MiB), ("alloc", 2, 12 * MiB), ("free", 1)], [("alloc", 3, 14 * MiB)])
+    doc = _doc()
+    still = P.replay_on_device(doc, step, 40 * MiB, 2 * MiB, "", outside_high=6 * MiB)
+    assert still.fits and still.high_fits is True and still.outside_high == 6 * MiB
+    r = P.replay_on_device(doc, step, 40 * MiB, 2 * MiB, "", outside_high=16 * MiB)
+    assert r.fits and r.high_fits is False
+    pred = P.DevicePrediction(P.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "ASSUMPTION", "t"), r)
+    assert pred.fits and pred.uncertain and pred.margin == 0
+    assert pred.sentence().startswith("UNCERTAIN on the device")
+    assert pred.extension()["verdict"]["uncertain"] is True
+    assert pred.extension()["verdict"]["outside_high"] == 16 * MiB
+    # a margin larger than the range: no second replay is needed (no cudaMalloc passes the lower capacity)
+    roomy = P.replay_on_device(doc, step, 80 * MiB, 2 * MiB, "", outside_high=16 * MiB)
+    assert (
+        roomy.high_fits is True
+        and not P.DevicePrediction(P.Target(80 * MiB, None, "none"), O.Figure(0, "A", "t"), roomy).uncertain
+    )
+    # a figure the ledger holds has no range: nothing is asked
+    held = P.replay_on_device(doc, step, 40 * MiB, 2 * MiB, "")
+    assert (
+        held.high_fits is None
+        and "uncertain"
+        not in P.DevicePrediction(
+            P.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "MEASURED", "t"), held
+        ).extension()["verdict"]
+    )
+    assert P.high_of(O.Figure(1, "MEASURED", "t")) is None
+
+
 def test_tensors_alone_over_the_capacity_try_no_setting() -> None:
     step = _step([("alloc", 1, 30 * MiB)], [])
     r = P.replay_on_device(_doc(), step, 20 * MiB, 0, "")
@@ -221,3 +255,20 @@ def test_estimate_decides_on_the_device_and_keeps_the_allocated_figures(
 
     cached = estimate(load(path), store=EstimateCache(tmp_path / "cache"))
     assert cached.cached_from is not None and cached.phases == plain.phases
+
+
+def test_the_devices_comparison_says_uncertain_where_the_catalogues_high_figure_runs_out() -> None:
+    """``estimate --devices`` replays each device as ``estimate`` does, the catalogue's high figure included: one
+    9 GiB tensor on an A100 (sm_80: context + lazily loaded modules outside the allocator, typical 450 + 256 MiB,
+    high 650 + 768 MiB) with 10 GiB of CUDA total leaves the allocator 9,534 MiB (fits) or 8,822 MiB (does not):
+    uncertain; with 12 GiB it fits either way."""
+    from ledgerspec.derivations.devices.catalogue import Device
+    from ledgerspec.derivations.devices.comparison import _on_device
+
+    step = _step([("alloc", 1, 9 * GiB)], [])
+    verdict = _on_device(_doc(), {1: [step]})
+    tight = Device("NVIDIA A100-SXM4-80GB", "80 GB", 10 * GiB, 0, "test", capacity=10 * GiB)
+    fits, margin, _, _, uncertain = verdict(tight, 1)
+    assert fits and uncertain and margin == 10 * GiB - 9 * GiB - (450 + 256) * MiB
+    roomy = Device("NVIDIA A100-SXM4-80GB", "80 GB", 12 * GiB, 0, "test", capacity=12 * GiB)
+    assert verdict(roomy, 1)[0] is True and verdict(roomy, 1)[4] is False

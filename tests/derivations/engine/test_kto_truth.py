@@ -75,6 +75,9 @@ CASES = [
         checkpointing=True,
         accumulation=2,
     ),
+    # a separate reference model handed to the trainer (`ref_model=`): a second copy of the 4-bit base, held for the
+    # whole run, its two forwards (KL rows and rows) without grad (kto_trainer.py:919-998, 1435-1437)
+    _c("qlora-reference-model", "model", arch="tiny-qwen2", quant=True, adapter="bfloat16", mixed_precision="bf16"),
 ]
 
 
@@ -137,18 +140,21 @@ def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> N
 def test_the_method_says_which_step_ran(runs: dict[str, Any]) -> None:
     method = runs["estimated"].get("ledger", "activations").method or ""
     assert "KTOTrainer step" in method
-    reference = {"precomputed": "precomputed", "adapter_copy": "copy of the adapter"}.get(
-        runs["case"].reference, "adapters off"
-    )
+    reference = {
+        "precomputed": "precomputed",
+        "adapter_copy": "copy of the adapter",
+        "model": "separate reference model",
+    }.get(runs["case"].reference, "adapters off")
     assert reference in method
 
 
 def test_the_cases_cover_the_issue() -> None:
-    """LoRA and QLoRA, with and without checkpointing, the reference from the policy and precomputed."""
+    """LoRA and QLoRA, with and without checkpointing, the reference from the policy, a separate model and
+    precomputed."""
     assert len({c.name for c in CASES}) == len(CASES) >= 4
     assert any(c.base.quant for c in CASES) and any(not c.base.quant for c in CASES)
     assert any(c.base.checkpointing for c in CASES) and any(not c.base.checkpointing for c in CASES)
-    assert {c.reference for c in CASES} == {"adapter_disabled", "adapter_copy", "precomputed"}
+    assert {c.reference for c in CASES} == {"adapter_disabled", "adapter_copy", "model", "precomputed"}
 
 
 def test_the_callback_on_a_kto_trainer_is_measure(runs: dict[str, Any]) -> None:

@@ -230,6 +230,28 @@ def test_a_mixed_dtype_matrix_product_fails_in_the_simulation_as_it_fails_for_re
         run(torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
 
 
+def test_index_add_of_another_dtype_fails_in_the_simulation_as_it_fails_for_real() -> None:
+    """``index_add_`` of a float32 source into a bfloat16 buffer: the real CPU kernel refuses it ("must have the
+    same scalar type"), the meta kernel fake tensors run does not (torch 2.13), the tracker does
+    (:class:`MixedDtypeMatmul`; transformers 4.57.6's DeepSeek-V3 MoE loop under k-bit preparation). The int64 index
+    is no operand: same-dtype self and source pass."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ledgerspec.derivations.engine.tracker import MixedDtypeMatmul
+
+    def run(dtype: Any) -> None:
+        torch.zeros(4, 3, dtype=torch.bfloat16).index_add_(0, torch.tensor([0, 2]), torch.ones(2, 3, dtype=dtype))
+
+    with pytest.raises(RuntimeError, match="must have the same scalar type"):  # the truth: the real kernel
+        run(torch.float32)
+    with FakeTensorMode():  # the gap
+        run(torch.float32)
+    with FakeTensorMode(), MemoryTracker():
+        with pytest.raises(MixedDtypeMatmul, match=r"index_add_.* of bfloat16 and float32"):
+            run(torch.float32)
+        run(torch.bfloat16)
+
+
 def test_a_step_that_cannot_run_is_reported_as_such_not_simulated(tmp_path: Any, monkeypatch: Any) -> None:
     """PEFT casts a LoRA layer's input to the adapter's dtype; with that cast off (what PEFT's own
     ``peft.helpers.disable_input_dtype_casting`` does), fp32 adapters on a bf16 base without autocast cannot run:

@@ -246,7 +246,7 @@ def estimate_per_rank(
     from ledgerspec.derivations.stack import legacy_moe
 
     if legacy_moe.applies(doc, source.config):
-        method += "; " + legacy_moe.method_note(doc)
+        method += "; " + legacy_moe.method_note(doc, source.config)
     from ledgerspec.derivations.shard.fsdp import legacy_checkpoint
 
     if is_fsdp1(doc) and legacy_checkpoint.models_outside_checkpoint(doc) and spec.gradient_checkpointing:

@@ -210,6 +210,13 @@ def fsdp1_workload(base: type) -> Any:
                 return
             super().prepare()
             adapters_in_declared_dtype(self.model, self.spec.adapter_dtype)
+            g = self.spec.gptq
+            if g is not None and g.scheme == "gptq":  # fms-acceleration: qweight/qzeros as float FSDP parameters
+                import torch
+
+                from ledgerspec.derivations.engine.gptq import as_fsdp_parameters
+
+                as_fsdp_parameters(self.model, getattr(torch, self.spec.loaded_dtype))
             self._mesh = hybrid_mesh(self.doc)
 
         def grad_scaler_class(self) -> Any:
@@ -226,11 +233,11 @@ def fsdp1_workload(base: type) -> Any:
             if self.load_per_unit:  # each unit's parameters made as FSDP1 wraps it (param_init_fn)
                 self._train_all()
                 self.model = self._wrap(self.model)
-                self._init_base()
+                self._init_base(self.model.get_base_model())
             else:
                 self._materialise(device, adapters=False)
                 self._materialise(device, adapters=True)
-                self._init_base()
+                self._init_base(self.model.get_base_model())
                 self._train_all()
                 self.model = self._wrap(self.model)
             # the materialisation memo (tied weights) must not outlive the wrapping: with use_orig_params=False

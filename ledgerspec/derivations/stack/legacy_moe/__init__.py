@@ -13,17 +13,21 @@ resolve's frozen base, PEFT's targets and estimate's step are that version's. On
 
 - :mod:`.mixtral`: Mixtral (transformers 4.36-4.57.6; the modules and forward of 4.48.1);
 - :mod:`.qwen_moe`: Qwen2-MoE (4.40-4.57.6) and Qwen3-MoE (4.51-4.57.6);
-- :mod:`.loop`: the routing loop they share.
+- :mod:`.loop`: the routing loop Mixtral and Qwen share;
+- :mod:`.deepseek`: DeepSeek-V3 (4.51-4.57.6) and DeepSeek-V2 (4.54-4.57.6), their routers and loops;
+- :mod:`.gpt_oss`: gpt-oss (4.55-4.57.6), whose experts were 3-D parameters from its first release (nothing to
+  rebuild): the installed modules get 4.57.6's forwards (dense router scores, the Python loop over the experts).
 
-DeepSeek-V2/V3 are not covered (their transformers-4 blocks, 4.51+ for DeepSeek-V3, have a grouped top-k router and
-shared experts of their own: the fused layout is still warned about, with its size); gpt-oss had 3-D expert
-parameters before 5.0 too, so nothing changed for it.
+The model is marked (:data:`MARK`) even when no block was swapped (a DeepSeek whose layers are all dense), so that
+PEFT names its modules as for transformers 4.
 
 :func:`peft_as_v4` makes the installed PEFT wrap those modules as PEFT for transformers 4 did: PEFT >= 0.18 on
 transformers 5 rewrites the v4 expert names of ``target_modules`` (``w1``, ``w2``, ``w3``, ``gate``) into
 ``target_parameters`` on the fused tensors (``peft/utils/transformers_weight_conversion.py``,
 ``_MOE_TARGET_MODULE_MAPPING``, called from ``BaseTuner.inject_adapter`` when ``is_transformers_ge_v5``); on the v4
-layout the names are modules again and are wrapped as ``nn.Linear`` (or bitsandbytes ``Linear4bit``) layers.
+layout the names are modules again and are wrapped as ``nn.Linear`` (or bitsandbytes ``Linear4bit``) layers. PEFT
+0.21 converts DeepSeek-V2/V3's (and Qwen3-MoE's) ``gate_proj``/``up_proj``/``down_proj`` by Qwen2-MoE's mapping
+(``_MODEL_TO_CONVERSION_PATTERN``): on the installed layout their shared experts and dense MLPs get no adapter.
 
 The routing under fake tensors: how many tokens each expert receives depends on the router's values, which a fake
 tensor does not have (``torch.where`` of the expert mask has a data-dependent size). :mod:`.routing` gives each expert
@@ -48,10 +52,15 @@ FAMILIES = {
     "mixtral": ("mixtral", "swap"),
     "qwen2_moe": ("qwen_moe", "swap_qwen2"),
     "qwen3_moe": ("qwen_moe", "swap_qwen3"),
+    "deepseek_v2": ("deepseek", "swap_v2"),
+    "deepseek_v3": ("deepseek", "swap_v3"),
+    "gpt_oss": ("gpt_oss", "swap"),
 }
 
 #: marks a model whose MoE blocks were swapped (read by :func:`peft_as_v4` and the records)
 MARK = "_ledgerspec_legacy_moe"
+#: marks each transformers-4 MoE block that :func:`.loop.swap_blocks` built (read by :func:`routers`)
+BLOCK_MARK = "_ledgerspec_v4_block"
 
 
 def declares_v4(doc: Any) -> bool:
@@ -86,8 +95,9 @@ def swap(model: Any, doc: Any) -> int:
     module_name, function = FAMILIES[name]
     module = importlib.import_module(f"ledgerspec.derivations.stack.legacy_moe.{module_name}")
     swapped = int(getattr(module, function)(model))
-    if swapped:
-        setattr(model, MARK, name)
+    # marked even without a block swapped (a DeepSeek whose layers are all dense, ``first_k_dense_replace``): the
+    # model is that version's, and PEFT must name its modules as PEFT for transformers 4 did (:func:`peft_as_v4`)
+    setattr(model, MARK, name)
     return swapped
 
 
@@ -119,8 +129,38 @@ def peft_as_v4(model: Any) -> Iterator[None]:
         tuners_utils.is_transformers_ge_v5 = before
 
 
-def method_note(doc: Any) -> str:
+#: the router modules of transformers 4's MoE blocks: ``gate`` (hidden -> experts) and Qwen2-MoE's
+#: ``shared_expert_gate`` (hidden -> 1)
+ROUTER_NAMES = ("gate", "shared_expert_gate")
+
+
+def routers(model: Any) -> set[int]:
+    """The ids of the router ``nn.Linear`` modules of ``model``'s swapped transformers-4 MoE blocks (empty when none
+    was swapped). A GPTQ or AWQ checkpoint keeps them in float16: GPTQModel quantizes a model's ``layer_modules``
+    only, and Mixtral's lists the attention projections and the experts' ``w1``/``w3``/``w2``, not
+    ``block_sparse_moe.gate`` (fms-acceleration 876e2ed
+    ``plugins/accelerated-peft/src/fms_acceleration_peft/gptqmodel/models/mixtral.py`` lines 20-56, applied by
+    ``models/base.py`` ``from_quantized`` lines 1142-1162, which drops every Linear whose name ends with none of
+    them). The routers of the other declared families (Qwen2/Qwen3-MoE) are left dense by the same rule, unchecked
+    against a GPTQ or AWQ checkpoint of those families."""
+    out: set[int] = set()
+    for module in model.modules():
+        if getattr(module, BLOCK_MARK, False):
+            for name in ROUTER_NAMES:
+                router = module._modules.get(name)
+                if router is not None:
+                    out.add(id(router))
+    return out
+
+
+def method_note(doc: Any, config: Any = None) -> str:
     version = doc.get("software", "transformers").value
+    if config is not None and family(config) == "gpt_oss":
+        return (
+            f"MoE forward of the declared transformers {version}: gpt-oss's dense router scores and its loop over "
+            "the experts (the same 3-D expert parameters), an even split of the tokens among the experts "
+            "(stack/legacy_moe)"
+        )
     return (
         f"MoE layout of the declared transformers {version}: per-expert nn.Linear experts (quantized like every "
         "linear layer) and its routing loop over the experts, an even split of the tokens among the experts "
@@ -128,4 +168,17 @@ def method_note(doc: Any) -> str:
     )
 
 
-__all__ = ["FAMILIES", "KEY", "MARK", "applies", "declares_v4", "is_swapped", "method_note", "peft_as_v4", "swap"]
+__all__ = [
+    "BLOCK_MARK",
+    "FAMILIES",
+    "KEY",
+    "MARK",
+    "ROUTER_NAMES",
+    "applies",
+    "declares_v4",
+    "is_swapped",
+    "method_note",
+    "peft_as_v4",
+    "routers",
+    "swap",
+]

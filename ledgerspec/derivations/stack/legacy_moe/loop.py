@@ -61,6 +61,7 @@ def swap_blocks(model: Any, fused_name: str, build: Any, attribute: str = "mlp",
     import torch
 
     from ledgerspec.derivations.stack.build import decoder_layers
+    from ledgerspec.derivations.stack.legacy_moe import BLOCK_MARK
 
     text = getattr(model.config, "text_config", None) or model.config
     found = decoder_layers(model)
@@ -74,6 +75,7 @@ def swap_blocks(model: Any, fused_name: str, build: Any, attribute: str = "mlp",
         p = next(fused.parameters())
         with torch.device(p.device):
             block = build(text, layer_idx).to(p.dtype)
+        setattr(block, BLOCK_MARK, True)
         if rename:
             del layer._modules[attribute]
             layer._modules[rename] = block
