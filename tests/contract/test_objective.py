@@ -264,3 +264,42 @@ def test_an_rloo_config_dump_imports_as_rloo_with_its_reference(tmp_path: Path) 
     assert plain(doc, "training", "objective") == "rloo"
     assert plain(doc, "training", "objective_settings", "reference") == ("ASSUMPTION", "adapter_disabled")
     assert not [f for f in result.findings if f.key in keys and f.kind == "unknown-key"]
+
+
+def test_a_live_grpo_config_dump_imports_with_grpo_config_keys(tmp_path: Path) -> None:
+    """A dump of a live ``GRPOConfig`` (``args.to_dict()``, TRL 1.16: every field, ``generation_batch_size`` derived
+    beside ``steps_per_generation``, grpo_config.py:1097-1116): read with GRPOConfig's own key list, no SFTConfig length
+    or packing default, the sampling and loss settings at TRL's defaults read."""
+    dump = {
+        "output_dir": "out",
+        "per_device_train_batch_size": 8,
+        "num_generations": 8,
+        "max_completion_length": 256,
+        "generation_batch_size": 8,
+        "steps_per_generation": 1,
+        "beta": 0.0,
+        "loss_type": "dapo",
+        "temperature": 1.0,
+        "top_k": 0,
+        "min_p": None,
+        "num_iterations": 1,
+        "epsilon": 0.2,
+        "scale_rewards": "group",
+        "vllm_server_host": "0.0.0.0",
+        "log_completions": False,
+        "cast_lm_head_to_fp32": False,
+        "use_vllm": False,
+        "vllm_mode": "colocate",
+    }
+    path = tmp_path / "grpo.json"
+    path.write_text(json.dumps(dump), encoding="utf-8")
+    doc, result = imported(path)
+    assert plain(doc, "training", "objective") == ("ASSUMPTION", "grpo")  # RLOOConfig has these keys too
+    kinds = {f.key: f.kind for f in result.findings}
+    assert kinds == {"generation_batch_size": "note"}, kinds
+    s = ("training", "objective_settings")
+    assert plain(doc, *s, "steps_per_generation") == 1
+    assert plain(doc, *s, "generation_batch_size") == "absent"
+    assert plain(doc, "workload", "max_length") == "UNKNOWN"  # GRPOConfig has no sequence length
+    assert plain(doc, "workload", "packing") is False
+    assert "TRL 1.16.0 GRPOConfig" in result.text  # x-import.tools

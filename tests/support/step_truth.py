@@ -17,10 +17,13 @@ STEP_PHASES = ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_s
 
 
 def run_three_ways(
-    folder: Path, arch: str, ledger: str, case: dict[str, Any], truth: Path, memtracker: bool
+    folder: Path, arch: str, ledger: str, case: dict[str, Any], truth: Path, memtracker: bool, callback: bool = False
 ) -> dict[str, Any]:
     """``measured``, ``estimated`` (the two documents) and ``truth`` (the truth script's phases; with
-    ``memtracker``, a second real run's ``memtracker_peak`` too) of one configuration."""
+    ``memtracker``, a second real run's ``memtracker_peak`` too) of one configuration. With ``callback``, the truth's
+    real run also carries ``LedgerCallback`` (the truth scripts' ``ledger``): ``callback`` is the ledger it wrote and
+    ``callback_measured`` ``measure --device cpu`` of a copy of that ledger (the truth's own figures are still compared
+    with ``measured``: a callback that changed what the run holds would fail those comparisons)."""
     shutil.copytree(DATA / "measure" / arch, folder / arch)
     measured, estimated = folder / "measured.ledger.yaml", folder / "estimated.ledger.yaml"
     for path in (measured, estimated):
@@ -30,14 +33,23 @@ def run_three_ways(
     code, _, err = run_cli("estimate", str(estimated), "--target", "cpu", "--full")
     assert code == 0, err
     case_file, out_file = folder / "case.json", folder / "truth.json"
-    case_file.write_text(json.dumps(case), encoding="utf-8")
+    written = folder / "callback.ledger.yaml"
     phases: dict[str, Any] = {}
     for mode in ((), ("--memtracker",)) if memtracker else ((),):
+        with_callback = {"ledger": str(written)} if callback and not mode else {}  # the first run only
+        case_file.write_text(json.dumps({**case, **with_callback}), encoding="utf-8")
         proc = fresh_python([truth, case_file, out_file, *mode])
         assert proc.returncode == 0, proc.stderr[-3000:]
         got = json.loads(out_file.read_text(encoding="utf-8"))["phases"]
         phases.update(got if not mode else {"memtracker_peak": got["memtracker_peak"]})
-    return {"measured": load(measured), "estimated": load(estimated), "truth": phases}
+    out = {"measured": load(measured), "estimated": load(estimated), "truth": phases}
+    if callback:
+        again = folder / "callback-measured.ledger.yaml"
+        shutil.copy(written, again)
+        code, _, err = run_cli("measure", str(again), "--device", "cpu")
+        assert code == 0, err
+        out.update(callback=load(written), callback_measured=load(again))
+    return out
 
 
 def measured_phase(doc: Document, phase: str) -> int:
@@ -61,3 +73,16 @@ def assert_memtracker_agrees(name: str, doc: Document, truth: dict[str, Any], ah
     peak = int(doc.get("metrics", "peak_allocated").size() or 0)
     mem = truth["memtracker_peak"] - ahead
     assert abs(mem - peak) <= 0.01 * peak, (name, mem, peak)
+
+
+def assert_the_callback_is_measure(name: str, run: dict[str, Any], objective: str, ahead: int) -> None:
+    """``LedgerCallback`` on the real trainer (``run_three_ways(..., callback=True)``): its ledger declares
+    ``objective`` (read from the live config's class), and every step phase it recorded equals ``measure --device cpu``
+    of that ledger, and the truth's reader of the same run less the ``ahead`` bytes of the next micro-batch (the
+    callback sets that batch apart, as ``measure`` never holds it)."""
+    doc = run["callback"]
+    declared = doc.get("training", "objective")
+    assert (declared.value, declared.effective_source(False)) == (objective, "DECLARED"), name
+    got = {p: measured_phase(doc, p) for p in STEP_PHASES}
+    assert got == {p: measured_phase(run["callback_measured"], p) for p in STEP_PHASES}, name
+    assert got == {p: run["truth"][p] - ahead for p in STEP_PHASES}, name

@@ -228,7 +228,7 @@ def run_trainer(
         warnings.simplefilter("ignore")
         trainer = Ordered(
             model=base,
-            ref_model=ref_model,
+            **({"ref_model": ref_model} if ref_model is not None else {}),  # RewardTrainer takes none
             peft_config=peft_config,
             args=args,
             train_dataset=rows(case, vocab),

@@ -24,7 +24,7 @@ Run as a script (one run per process: accelerate keeps global state)::
     python tests/truths/grpo_run.py CASE.json OUT.json [--memtracker]
 
 ``CASE.json`` is a ``trainer_run`` case plus ``trainer`` (``grpo`` or ``rloo``), ``completion``
-(``max_completion_length``), ``num_generations`` and ``beta``.
+(``max_completion_length``), ``num_generations`` and ``beta``; ``ledger`` adds ``LedgerCallback`` writing that ledger.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.truths.dpo_run import _base, _lora, _memtracker
+from tests.truths.dpo_run import _base, _ledger_callback, _lora, _memtracker
 from tests.truths.trainer_run import PhaseReader, main
 
 
@@ -169,7 +169,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             train_dataset=_prompts(case, vocab),
             processing_class=_tokenizer(vocab),
             peft_config=_lora(case),
-            callbacks=[reader.callback()],
+            callbacks=[reader.callback(), *_ledger_callback(case)],
         )
     reader.install(trainer)
     return reader.train()

@@ -569,8 +569,24 @@ def _objective(src: Source, b: Builder, o: str) -> None:
     trl = src.take("trl") if src.has("trl") else None  # axolotl's `trl:` block: TRL's GRPO/RLOO config fields
     trl = trl if isinstance(trl, dict) else {}
     C.objective_settings(b, trl, o + "trl.", src.path)
+    _trl_rest(src, b, value, trl)
+    length = b.entries.get(("workload", "max_length"))
+    if value == "grpo" and length is not None:
+        # axolotl 0.18 bounds no GRPO row by sequence_len: it drops or truncates no GRPO sample (utils/data/rl.py:
+        # 177-178, 292) and keeps max_length and max_prompt_length out of GRPOConfig (core/trainers/grpo/__init__.py:
+        # 239-245); a row is the data's prompt + trl.max_completion_length
+        del b.entries[("workload", "max_length")]
+        b.unknown(
+            ("workload", "max_length"),
+            o + "rl: grpo: sequence_len bounds no GRPO row (axolotl 0.18); give the longest prompt + "
+            "trl.max_completion_length (LedgerCallback fills it from a run)",
+            src.path,
+        )
     precomputed = src.take("precompute_ref_log_probs") if src.has("precompute_ref_log_probs") else None
-    C.reference(b, value, precomputed, trl.get("beta", src.peek("rl_beta")), o, src.path)
+    beta = src.take("rl_beta") if src.has("rl_beta") else None  # DPO's/KTO's beta: one float in the loss
+    if beta is not None:
+        b.ignored.setdefault(src.path, []).append("rl_beta")
+    C.reference(b, value, precomputed, trl.get("beta", beta), o, src.path)
     adapter = b.entries.get(("adapter", "dtype"))
     if value in ("dpo", "kto") and b.value(C.QUANTIZED) and adapter is not None and adapter.assumed:
         # axolotl hands TRL's DPOTrainer/KTOTrainer a peft_config: it wraps the model, then casts the trainable
@@ -586,6 +602,34 @@ def _objective(src: Source, b: Builder, o: str) -> None:
             f"TRL 1.16 {trainer} casts the adapters of a quantized model to bfloat16 ({where})",
             src.path,
         )
+
+
+def _trl_rest(src: Source, b: Builder, objective: str, trl: dict[str, Any]) -> None:
+    """The ``trl:`` keys beyond ``training.objective_settings`` and ``beta``, each accounted for as a GRPOConfig dump's
+    are (:func:`ledgerspec.contract.imports.hf.online_settings`): at TRL's default or changing no tensor of the step,
+    read (``x-import.ignored``); another sampling or loss setting, not modelled; axolotl's own (``reward_funcs``, the
+    reward functions' names; ``reward_processing_classes``; ``vllm_*`` server settings) read."""
+    defaults = {**C.ONLINE_DEFAULTS, **({"loss_type": "dapo"} if objective == "grpo" else {})}
+    for key, v in trl.items():
+        if key in C.OBJECTIVE_SETTINGS or key == "beta":
+            continue
+        if key in defaults and not (v == defaults[key] or (defaults[key] is None and C.is_off(v))):
+            C.not_modelled(
+                src,
+                b,
+                f"trl.{key}",
+                v,
+                f"trl.{key}: {v!r}: the simulated {objective.upper()} step runs TRL's default ({defaults[key]!r}); "
+                "not modelled",
+            )
+        elif key in defaults or key in C.ONLINE_IGNORED or key in _TRL_OWN or C.is_off(v):
+            b.ignored.setdefault(src.path, []).append(f"trl.{key}")
+        else:
+            C.not_modelled(src, b, f"trl.{key}", v, "may change training memory and is not modelled: not carried over")
+
+
+#: axolotl's own ``trl:`` keys (``utils/schemas/trl.py`` TRLConfig) that name things rather than size them
+_TRL_OWN = frozenset({"reward_funcs", "reward_processing_classes", "rollout_func", "vllm_device", "vllm_dtype"})
 
 
 def _zero3(ref: Any) -> bool | None:

@@ -216,6 +216,50 @@ OBJECTIVE_SETTINGS = (
 OS = ("training", "objective_settings")
 
 
+#: GRPOConfig's and RLOOConfig's settings (TRL 1.16.0, ``grpo_config.py``, ``rloo_config.py``) that the simulated step
+#: runs at TRL's default (``engine/grpo.py``: sampling with transformers' ``generate``, one iteration per generation
+#: batch, the clipped token-level loss): a file that gives the default is read; another value is not modelled (a
+#: finding). ``loss_type`` is GRPO's only.
+ONLINE_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+    "generation_kwargs": None,
+    "cache_implementation": None,
+    "num_iterations": 1,
+    "importance_sampling_level": "token",
+    "mask_truncated_completions": False,
+    "top_entropy_quantile": 1.0,
+    "cast_lm_head_to_fp32": False,
+    "use_transformers_paged": False,
+    "use_transformers_continuous_batching": False,
+    "transformers_continuous_batching_config": None,
+    "sync_ref_model": False,
+    "max_tool_calling_iterations": None,
+    "off_policy_mask_threshold": None,
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
+}
+#: GRPOConfig's and RLOOConfig's settings that change no tensor of the step beyond a few floats per completion (the
+#: advantages' clipping and scaling, the rewards' weights, logging, evaluation, vLLM's server and the vLLM-only
+#: corrections: with ``use_vllm`` the step is not simulated, LS014)
+ONLINE_IGNORED = frozenset(
+    """
+    num_generations_eval ds3_gather_for_generation shuffle_dataset pad_to_multiple_of chat_template_kwargs epsilon
+    delta epsilon_high sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg
+    vespo_lambda_neg reward_weights multi_objective_aggregation scale_rewards ref_model_mixup_alpha
+    ref_model_sync_steps entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target use_bias_correction_kl
+    log_completions log_multimodal num_completions_to_print log_unique_prompts log_completions_hub_repo
+    vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url vllm_server_host
+    vllm_server_port vllm_server_timeout vllm_group_port vllm_max_model_length vllm_tensor_parallel_size
+    vllm_importance_sampling_correction vllm_importance_sampling_mode vllm_importance_sampling_clip_max
+    vllm_importance_sampling_clip_min vllm_importance_sampling_cap router_aux_loss_coef trust_remote_code
+    """.split()
+)
+
+
 def objective_settings(b: Builder, values: dict[str, Any], origin: str, file: str) -> None:
     """``training.objective_settings.*`` from a mapping of TRL's field names (None values skipped)."""
     for key in OBJECTIVE_SETTINGS:

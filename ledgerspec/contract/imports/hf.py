@@ -78,6 +78,18 @@ def objective(src: Source, b: Builder, o: str) -> None:
                 if src.has(name):
                     src.take(name)
         settings = {k: src.take(k) for k in C.OBJECTIVE_SETTINGS if src.has(k)}
+        if settings.get("generation_batch_size") is not None and settings.get("steps_per_generation") is not None:
+            # a dump of a live GRPOConfig/RLOOConfig: TRL derived one from the other (grpo_config.py:1097-1116; a user
+            # may set only one); the step uses steps_per_generation
+            b.finding(
+                src.path,
+                src.position("generation_batch_size"),
+                "generation_batch_size",
+                f"{settings.pop('generation_batch_size')} beside steps_per_generation "
+                f"{settings['steps_per_generation']}: TRL derives one from the other (a live config's dump); "
+                "steps_per_generation is kept",
+                "note",
+            )
         C.objective_settings(b, settings, o, src.path)
         precomputed = src.take("precompute_ref_log_probs") if src.has("precompute_ref_log_probs") else None
         beta = src.take("beta") if src.has("beta") else None  # read for the reference: 0 means none (GRPO)
@@ -85,15 +97,61 @@ def objective(src: Source, b: Builder, o: str) -> None:
         return
 
 
+#: the TRL config classes a live trainer's arguments may be (the class names the objective; a dump's keys guess it)
+CONFIG_OBJECTIVES = {
+    "SFTConfig": "sft",
+    "DPOConfig": "dpo",
+    "KTOConfig": "kto",
+    "ORPOConfig": "orpo",
+    "CPOConfig": "cpo",
+    "GRPOConfig": "grpo",
+    "RLOOConfig": "rloo",
+    "RewardConfig": "reward",
+}
+
+
+def online_settings(src: Source, b: Builder, objective: str, o: str) -> None:
+    """GRPOConfig's/RLOOConfig's remaining settings: the sampling and loss settings at their defaults (read), others
+    not modelled; those that change no tensor ignored (``common.ONLINE_DEFAULTS``, ``common.ONLINE_IGNORED``)."""
+    defaults = dict(C.ONLINE_DEFAULTS)
+    if objective == "grpo":
+        defaults["loss_type"] = "dapo"
+    for key, default in defaults.items():
+        if not src.has(key):
+            continue
+        value = src.peek(key)
+        if value == default or (default is None and C.is_off(value)):
+            src.take(key)
+            b.ignored.setdefault(src.path, []).append(key)
+        else:
+            src.take(key)
+            C.not_modelled(
+                src,
+                b,
+                key,
+                value,
+                f"{key}: {value!r}: the simulated {objective.upper()} step runs TRL's default ({default!r}); "
+                "not modelled",
+            )
+    for key in [k for k in src.plain if k in C.ONLINE_IGNORED]:
+        if src.has(key):
+            src.take(key)
+            b.ignored.setdefault(src.path, []).append(key)
+
+
 def training_args(src: Source, b: Builder) -> None:
     trl = is_trl(src)
     b.facts["trl"] = b.facts.get("trl", False) or trl
+    objective(src, b, "TRL config: ")
+    online = b.value(("training", "objective")) in ("grpo", "rloo")
     label = TRL if trl else TA
+    o = "SFTConfig: " if trl else "TrainingArguments: "
+    if online:  # GRPOConfig/RLOOConfig: their own defaults (TRL 1.16) name them
+        name = f"{str(b.value(('training', 'objective'))).upper()}Config"
+        label, o = f"TRL 1.16.0 {name}", f"{name}: "
     tool = "trl" if trl else "transformers"
     b.tools.append(f"{label} ({src.path})")
-    o = "SFTConfig: " if trl else "TrainingArguments: "
     w, mo = ("workload",), ("memory_options",)
-    objective(src, b, "TRL config: ")
 
     def take(key: str, path: tuple[str, ...], fallback: Any, conv: Any = None) -> Any:
         if src.has(key):
@@ -113,7 +171,20 @@ def training_args(src: Source, b: Builder) -> None:
 
     take("per_device_train_batch_size", (*w, "microbatch"), 8, int)
     take("gradient_accumulation_steps", (*w, "gradient_accumulation"), 1, int)
-    if trl:
+    if online:
+        # GRPOConfig/RLOOConfig (TRL 1.16) have no sequence length, packing, padding-free batching or activation
+        # offloading: a row is a prompt (the data's) and its max_completion_length tokens, padded
+        name = f"{str(b.value(('training', 'objective'))).upper()}Config"
+        b.unknown(
+            (*w, "max_length"),
+            f"{name} has no sequence length: the longest prompt (the data's) + max_completion_length; LedgerCallback "
+            "fills it from the batches it sees",
+            src.path,
+        )
+        for key in ("packing", "padding_free"):
+            b.set((*w, key), False, f"{name} has no {key} (TRL pads prompts and completions)", src.path)
+        online_settings(src, b, str(b.value(("training", "objective"))), o)
+    elif trl:
         take("max_length", (*w, "max_length"), 1024, int)
         packing = take("packing", (*w, "packing"), False, bool)
         if packing:
@@ -179,7 +250,10 @@ def training_args(src: Source, b: Builder) -> None:
                 "transformers 5.24 checkpoints with use_reentrant=False when no kwargs are given (TRL forces "
                 "use_reentrant=True for PEFT under ZeRO-3)",
             )
-    if trl:
+    if online:
+        b.set((*mo, "activation_offload"), False, o + "GRPOConfig/RLOOConfig have no activation offloading", src.path)
+        _model_init_kwargs(src, b, o)
+    elif trl:
         ao = take("activation_offloading", (*mo, "activation_offload"), False, bool)
         if ao:
             b.set(
@@ -216,6 +290,8 @@ def training_args(src: Source, b: Builder) -> None:
         # KTOConfig's default loss (kto_config.py): the KL batch and the KTO loss the simulated step runs; its other
         # loss, apo_zero_unpaired, has no KL batch (kto_trainer.py:815): not modelled (the finding below)
         b.ignored.setdefault(src.path, []).append("loss_type")
+    elif online:
+        pass  # GRPO's loss_type was read with the sampling settings (online_settings); RLOOConfig has none
     elif trl and loss in (None, "chunked_nll"):
         b.set(
             ("software", "kernels", "cross_entropy"),
@@ -251,6 +327,9 @@ def training_args(src: Source, b: Builder) -> None:
         tool, label = "trl-orpo", "TRL 1.16.0 ORPOConfig"
     elif b.value(("training", "objective")) == "cpo":  # a CPOConfig dump (TRL 1.16, trl.experimental)
         tool, label = "trl-cpo", "TRL 1.16.0 CPOConfig"
+    elif online:  # a GRPOConfig or RLOOConfig dump (TRL 1.16)
+        objective_name = str(b.value(("training", "objective")))
+        tool, label = f"trl-{objective_name}", f"TRL 1.16.0 {objective_name.upper()}Config"
     elif b.value(("training", "objective")) == "kto":  # a KTOConfig dump (TRL 1.16)
         tool, label = "trl-kto", "TRL 1.16.0 KTOConfig"
         for key in ("desirable_weight", "undesirable_weight"):  # the losses' weights: one float each (:1471-1474)

@@ -19,6 +19,8 @@ is read first and wins:
   one snapshot in the Hugging Face cache that holds this config), else PEFT's ``revision``;
   ``identity.config_path``: the folder the config was read from, when it is a local folder with a ``config.json``;
 - ``parallelism.gpu_count`` and ``workload.dp_world_size``: ``args.world_size`` (the launcher's ranks);
+- ``training.objective``: the class of the live arguments (TRL's ``DPOConfig``, ``KTOConfig``, ``GRPOConfig``,
+  ``RLOOConfig``, ``RewardConfig``, ...: a dump's keys only guess it), and the reference from the live trainer;
 - ``software.kernels``: the kernels the tools put on the live model (:func:`kernels_in_use`: Liger's, TRL's fused LM
   head, Cut Cross-Entropy's forward, axolotl's LoRA kernels), besides those the arguments switch on
   (``use_liger_kernel``, TRL's loss).
@@ -244,6 +246,7 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None, traine
         "from the longest batch it sees; else give your tokenizer's truncation length",
     )
     args_dump = {k: v for k, v in _plain_dict(args.to_dict()).items() if not k.startswith("_")}
+    _objective(b, args, trainer)
     hf.training_args(_source("trainer.args", "training-args", args_dump), b)
     _reference(b, peft_model, trainer)
     if world > 1 and b.value(("memory_options", "sharding")) in (None, "none"):
@@ -276,13 +279,32 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None, traine
     return from_text(text, output or "<trainer>")
 
 
+def _objective(b: Builder, args: Any, trainer: Any) -> None:
+    """``training.objective`` from the class of the live arguments (a ``GRPOConfig``, a ``KTOConfig``...: TRL's
+    trainers each take their own config class), else of the trainer (``GRPOTrainer``...), where a dump's keys only
+    guess it (GRPOConfig's keys are RLOOConfig's too)."""
+    for obj, suffix, where in ((args, "Config", "trainer.args"), (trainer, "Trainer", "trainer")):
+        for cls in type(obj).__mro__ if obj is not None else ():
+            name = cls.__name__
+            if not cls.__module__.startswith("trl") or not name.endswith(suffix):
+                continue
+            objective = hf.CONFIG_OBJECTIVES.get(name.removesuffix(suffix) + "Config")
+            if objective is not None and objective != "sft":  # sft: the default, left unwritten as before
+                b.set(("training", "objective"), objective, f"{where} is TRL's {name}")
+                return
+
+
 def _reference(b: Builder, peft_model: Any, trainer: Any) -> None:
-    """DPO's and KTO's reference, read from the live objects where the arguments leave it to TRL's defaults (TRL 1.16,
-    dpo_trainer.py, kto_trainer.py): a ``ref_model`` on the trainer is a second model; a PEFT model handed to the
-    trainer gets a frozen copy of its adapter named ``ref`` (dpo_trainer.py:666-691, kto_trainer.py:740-745) and trains
-    against it; else the adapters are disabled."""
+    """DPO's, KTO's, and GRPO's and RLOO's (``beta > 0``) reference, read from the live objects where the arguments
+    leave it to TRL's defaults (TRL 1.16, dpo_trainer.py, kto_trainer.py, grpo_trainer.py, rloo_trainer.py): a
+    ``ref_model`` on the trainer is a second model; a PEFT model handed to the trainer gets a frozen copy of its adapter
+    named ``ref`` (dpo_trainer.py:666-691, kto_trainer.py:740-745, grpo_trainer.py:478-505, rloo_trainer.py:398-425)
+    and trains against it; else the adapters are disabled (grpo_trainer.py:987-990)."""
     path = ("training", "objective_settings", "reference")
-    if b.value(("training", "objective")) not in ("dpo", "kto") or b.value(path) == "precomputed":
+    if b.value(("training", "objective")) not in ("dpo", "kto", "grpo", "rloo") or b.value(path) in (
+        "precomputed",
+        "none",  # GRPO/RLOO at beta 0: no reference (grpo_trainer.py:984-986, rloo_trainer.py:670-672)
+    ):
         return
     if trainer is not None and getattr(trainer, "ref_model", None) is not None:
         b.set(path, "model", "trainer.ref_model: a separate reference model")
@@ -296,6 +318,9 @@ _ORIGINS = (
     ("adapter_config.json: ", "trainer.model.peft_config: "),
     ("TrainingArguments: ", "trainer.args."),
     ("SFTConfig: ", "trainer.args."),
+    ("GRPOConfig: ", "trainer.args."),
+    ("RLOOConfig: ", "trainer.args."),
+    ("TRL config: ", "trainer.args: "),
 )
 _IMPORT_HEAD = '# Imported by `ledgerspec import` (mapping: docs "From your setup").'
 _HEAD = '# Read from a live Trainer by ledgerspec.intake_from_trainer (docs "From your setup").'

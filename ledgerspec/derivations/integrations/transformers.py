@@ -281,6 +281,7 @@ class Recorder:
         self._hooks: list[Any] = []
         self._restore: list[Callable[[], None]] = []
         self._in_step = False
+        self._generating = False  # inside GRPOTrainer's/RLOOTrainer's _generate_and_score_completions
         self._step_peaks: dict[str, int] = {}
         self._step_cats: dict[str, Any] = {}
         self._step_extra: dict[str, int] = {}
@@ -541,6 +542,7 @@ class Recorder:
 
             trainer.training_step = training_step
             self._restore.append(lambda: delattr(trainer, "training_step"))
+            self._install_generation(trainer)
         if optimizer is not None:
             step = optimizer.step
 
@@ -554,6 +556,43 @@ class Recorder:
             optimizer.step = optimizer_step
             self._restore.append(lambda: delattr(optimizer, "step"))
 
+    def _install_generation(self, trainer: Any) -> None:
+        """TRL's online trainers (``GRPOTrainer``, ``RLOOTrainer``, TRL 1.16) generate inside ``training_step``:
+        ``Trainer.training_step`` calls ``_prepare_inputs`` first (transformers ``trainer.py``), which calls
+        ``_generate_and_score_completions`` every ``steps_per_generation`` micro-steps (grpo_trainer.py:1522-1551,
+        rloo_trainer.py:1091-1120): the completions generated, scored, the old-policy and reference log-probs. That
+        call is the generation phase (``generation_peak``), as ``measure`` runs it; the model calls inside it (the
+        log-probs' forwards) are not the step's forward."""
+        generate = getattr(trainer, "_generate_and_score_completions", None)
+        if not callable(generate):
+            return
+
+        def generating(*a: Any, **kw: Any) -> Any:
+            if not (self.active and self._in_step):  # evaluation: not a training step
+                return generate(*a, **kw)
+            self._guard("generation", self._generation_begins)
+            try:
+                out = generate(*a, **kw)
+            except BaseException as exc:
+                self._generating = False
+                self._failed(exc)
+                raise
+            self._guard("generation end", self._generation_ends)
+            return out
+
+        trainer._generate_and_score_completions = generating
+        self._restore.append(lambda: delattr(trainer, "_generate_and_score_completions"))
+
+    def _generation_begins(self) -> None:
+        self._generating = True
+        self.where = "forward"  # the spec's word for an out-of-memory error in the generation phase, as measure's
+        self.backend.set_context("temporary")  # what generation makes is not the batch held ahead
+        self.backend.reset_peak()
+
+    def _generation_ends(self) -> None:
+        self._generating = False
+        self._keep("generation")
+
     # -- the step ------------------------------------------------------------------------------------------------
     def _consume_step_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The micro-batch handed to ``training_step(model, inputs)``: its tensors under keys no forward receives
@@ -566,7 +605,7 @@ class Recorder:
             self._step_inputs.extend((k, storage_key(v)) for k, v in inputs.items() if _tensors_in((), {k: v}))
 
     def _pre_forward(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.active or not self._in_step:
+        if not self.active or not self._in_step or self._generating:
             return
 
         def run() -> None:
@@ -586,7 +625,7 @@ class Recorder:
         self._guard("forward", run)
 
     def _post_forward(self, _module: Any, _args: Any, _out: Any) -> None:
-        if not self.active or not self._in_step:
+        if not self.active or not self._in_step or self._generating:
             return
 
         def run() -> None:
@@ -661,6 +700,7 @@ class Recorder:
         if self.steps_done == 0:
             r.seq_worst = self._step_len
             for key, name in (
+                ("generation", "generation_peak"),
                 ("forward", "forward_peak"),
                 ("backward", "backward_peak"),
                 ("optimizer", "optimizer_step_peak"),

@@ -112,8 +112,13 @@ def truth_case(c: Case, folder: Path) -> dict[str, Any]:
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     c: Case = request.param
     folder = tmp_path_factory.mktemp(c.name)
-    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, False)
+    callback = c.name in CALLBACK
+    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, False, callback)
     return {"case": c, **out}
+
+
+#: the cases whose real run also carries ``LedgerCallback`` (one per trainer: its run is the truth's, shared)
+CALLBACK = ("lora-2-generations", "rloo-lora-2-generations")
 
 
 def test_measure_is_the_real_grpo_trainer_step(runs: dict[str, Any]) -> None:
@@ -139,3 +144,30 @@ def test_the_cases_cover_the_issue() -> None:
     assert {c.trainer for c in CASES} == {"grpo", "rloo"}
     assert any(c.base.quant for c in CASES) and any(not c.base.quant for c in CASES)
     assert any(c.base.checkpointing for c in CASES) and any(not c.base.checkpointing for c in CASES)
+
+
+def test_the_callback_on_grpo_and_rloo_trainers_records_the_generation_phase(runs: dict[str, Any]) -> None:
+    """``LedgerCallback`` on TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (the truth's own run): the ledger it writes
+    declares the objective and its settings read from the live trainer's ``GRPOConfig``/``RLOOConfig``, and every
+    phase it recorded, ``generation_peak`` included (``_generate_and_score_completions``, inside ``training_step``), is
+    the real run's as the truth's reader saw it, and ``measure --device cpu`` of that ledger less the 0-dim scalars
+    the real trainer holds beyond the simulated step (:data:`SCALARS`, the module docstring)."""
+    c: Case = runs["case"]
+    if c.name not in CALLBACK:
+        pytest.skip(f"the callback rides on the real runs of {CALLBACK}")
+    doc, measured = runs["callback"], runs["callback_measured"]
+    objective = doc.get("training", "objective")
+    assert (objective.value, objective.effective_source(False)) == (c.trainer, "DECLARED")  # the live config's class
+    settings = ("training", "objective_settings")
+    assert doc.get(*settings, "num_generations").value == c.generations
+    assert doc.get(*settings, "max_completion_length").value == COMPLETION
+    reference = "adapter_disabled" if c.trainer == "rloo" else "none"  # RLOO's beta 0.05; GRPO's 0
+    assert (doc.get(*settings, "reference").value, doc.get(*settings, "reference").effective_source(False)) == (
+        reference,
+        "DECLARED",
+    )
+    assert doc.get("workload", "max_length").value == WORST  # the longest prompt + completion the callback saw
+    got = {p: measured_phase(doc, p) for p in PHASES}
+    assert got == {p: runs["truth"][p] for p in PHASES}, "the callback vs the truth's reader of the same run"
+    scalars = RLOO_SCALARS if c.trainer == "rloo" else SCALARS
+    assert got == {p: measured_phase(measured, p) + scalars[p] for p in PHASES}

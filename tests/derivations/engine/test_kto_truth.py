@@ -35,6 +35,7 @@ from tests.support.step_truth import (
     assert_estimate_is_the_measurement,
     assert_measure_is_the_truth,
     assert_memtracker_agrees,
+    assert_the_callback_is_measure,
     run_three_ways,
 )
 
@@ -111,8 +112,13 @@ def next_batch_bytes(c: Case) -> int:
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     c: Case = request.param
     folder = tmp_path_factory.mktemp(c.name)
-    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, c.memtracker)
+    callback = c.name == CALLBACK
+    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, c.memtracker, callback)
     return {"case": c, **out}
+
+
+#: the case whose real run also carries ``LedgerCallback`` (the truth's run, shared)
+CALLBACK = "lora-bf16-autocast"
 
 
 def test_measure_is_the_real_kto_trainer_step_to_the_byte(runs: dict[str, Any]) -> None:
@@ -149,3 +155,14 @@ def test_the_cases_cover_the_issue() -> None:
     assert any(c.base.quant for c in CASES) and any(not c.base.quant for c in CASES)
     assert any(c.base.checkpointing for c in CASES) and any(not c.base.checkpointing for c in CASES)
     assert {c.reference for c in CASES} == {"adapter_disabled", "adapter_copy", "model", "precomputed"}
+
+
+def test_the_callback_on_a_kto_trainer_is_measure(runs: dict[str, Any]) -> None:
+    """``LedgerCallback`` on TRL's ``KTOTrainer`` (the truth's own run): its ledger says ``kto``, read from the live
+    trainer's config, and every phase it recorded equals ``measure --device cpu`` of that ledger to the byte."""
+    c = runs["case"]
+    if c.name != CALLBACK:
+        pytest.skip(f"the callback rides on the real run of {CALLBACK}")
+    assert_the_callback_is_measure(c.name, runs, "kto", next_batch_bytes(c))
+    reference = runs["callback"].get("training", "objective_settings", "reference")
+    assert (reference.value, reference.effective_source(False)) == ("adapter_disabled", "DECLARED")  # the live trainer
