@@ -89,9 +89,7 @@ def test_a_target_memory_in_gb_in_the_document_gets_the_same_note(capsys: pytest
 def test_grpo_refuses_the_questions_that_choose_microbatches_themselves(cli: CliRunner, asked: list[str]) -> None:
     """``--fit microbatch`` and ``--what-if`` try microbatches 1, 2, 4, ...; GRPOConfig refuses a generation batch
     that is not a multiple of num_generations (8 here), so they are refused at training.objective before any trace."""
-    code, _, err = cli(
-        "estimate", EXAMPLES / "objectives" / "llama-3.1-8b-lora-grpo.ledger.yaml", *asked, "--dry-run"
-    )
+    code, _, err = cli("estimate", EXAMPLES / "objectives" / "llama-3.1-8b-lora-grpo.ledger.yaml", *asked, "--dry-run")
     (line,) = err.strip().splitlines()
     assert code == 2 and "llama-3.1-8b-lora-grpo.ledger.yaml:50:3: usage:" in line, err
     assert f"{asked[0]}" in line and "multiple of num_generations" in line and "--sweep microbatch=" in line
