@@ -33,6 +33,7 @@ from typing import Any
 
 from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
+from ledgerspec.contract.config import GENERATING
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.values import Value
 
@@ -113,6 +114,13 @@ WORKLOAD_INPUTS: Inputs = {
         ("objective_settings", "max_completion_length"),
         ("objective_settings", "disable_dropout"),
         ("objective_settings", "center_rewards_coefficient"),
+        # the GRPO/RLOO step reads them (hashed for those objectives only: no earlier stamp changes)
+        ("objective_settings", "num_generations"),
+        ("objective_settings", "steps_per_generation"),
+        ("objective_settings", "generation_batch_size"),
+        ("objective_settings", "use_vllm"),
+        ("objective_settings", "vllm_mode"),
+        ("objective_settings", "vllm_gpu_memory_utilization"),
     ),
 }
 
@@ -175,26 +183,42 @@ LEFT_OUT_WHEN = {
     ("training", "objective_settings", "reference"): "adapter_disabled",
     ("training", "objective_settings", "disable_dropout"): True,
 }
+#: the objectives that generate (GRPO, RLOO: :data:`~ledgerspec.contract.config.GENERATING`) are simulated since
+#: after the first stamps, so their documents have no earlier stamps and nothing of theirs is left out
+GENERATION_SETTINGS = (
+    "num_generations",
+    "steps_per_generation",
+    "generation_batch_size",
+    "use_vllm",
+    "vllm_mode",
+    "vllm_gpu_memory_utilization",
+)
 #: inputs only some objectives' steps read -> those objectives: hashed for their documents only (the other objectives'
 #: stamps never read them)
 OBJECTIVE_ONLY = {
-    ("training", "objective_settings", "reference"): ("dpo", "kto"),
-    ("training", "objective_settings", "max_completion_length"): ("dpo", "kto"),
-    ("training", "objective_settings", "disable_dropout"): ("dpo", "reward", "kto", "orpo", "cpo"),
+    ("training", "objective_settings", "reference"): ("dpo", "kto", *GENERATING),
+    ("training", "objective_settings", "max_completion_length"): ("dpo", "kto", *GENERATING),
+    ("training", "objective_settings", "disable_dropout"): ("dpo", "reward", "kto", "orpo", "cpo", *GENERATING),
     ("training", "objective_settings", "center_rewards_coefficient"): ("reward",),
+    **{("training", "objective_settings", key): GENERATING for key in GENERATION_SETTINGS},
 }
+#: resolve reads the reference only where it is a second copy of the base (DPO's and KTO's ``model``)
+RESOLVE_OBJECTIVE_ONLY = {**OBJECTIVE_ONLY, ("training", "objective_settings", "reference"): ("dpo", "kto")}
 #: inputs only the DPO step reads
 DPO_ONLY = {path for path, objectives in OBJECTIVE_ONLY.items() if "dpo" in objectives and "reward" not in objectives}
 
 
-def _value(doc: Document, path: tuple[str, ...], verbatim: bool = False) -> tuple[bool, Any]:
+def _value(
+    doc: Document, path: tuple[str, ...], verbatim: bool = False, only: dict[tuple[str, ...], Any] | None = None
+) -> tuple[bool, Any]:
     v = doc.get(*path)
     if not v.present:
         return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
     objective = str(doc.get("training", "objective").value).strip().lower()
-    if path in OBJECTIVE_ONLY and objective not in OBJECTIVE_ONLY[path]:
+    only = OBJECTIVE_ONLY if only is None else only
+    if path in only and objective not in only[path]:
         return False, None
-    if path in LEFT_OUT_WHEN and not v.unknown:
+    if path in LEFT_OUT_WHEN and not v.unknown and objective not in GENERATING:
         default = LEFT_OUT_WHEN[path]
         if isinstance(default, bool):
             same = v.switch() is default
@@ -237,7 +261,13 @@ def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
 FIRST_VERSION_LEFT_OUT = {("workload", "padding_free"), ("base_model", "quantization", "kernel")}
 
 
-def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...], verbatim: bool = False) -> str:
+def section_digest(
+    doc: Document,
+    section: str,
+    keys: tuple[tuple[str, ...], ...],
+    verbatim: bool = False,
+    only: dict[tuple[str, ...], Any] | None = None,
+) -> str:
     """The digest of one section's input fields (their values as the tools read them, canonical JSON, SHA-256,
     first 16 hex digits). ``verbatim``: as the first version of the stamp hashed them: the values as written, and
     only the fields it read."""
@@ -245,7 +275,7 @@ def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...
     for key in keys:
         if verbatim and (section, *key) in FIRST_VERSION_LEFT_OUT:
             continue
-        present, value = _value(doc, (section, *key), verbatim)
+        present, value = _value(doc, (section, *key), verbatim, only)
         if present:
             values[".".join(key)] = value
     text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
@@ -254,7 +284,8 @@ def section_digest(doc: Document, section: str, keys: tuple[tuple[str, ...], ...
 
 def digests(doc: Document, inputs: Inputs) -> dict[str, str]:
     """The fingerprint of ``doc`` for a tool reading ``inputs``: section -> digest (what a tool stores)."""
-    return {section: section_digest(doc, section, keys) for section, keys in inputs.items()}
+    only = RESOLVE_OBJECTIVE_ONLY if inputs is RESOLVE_INPUTS else OBJECTIVE_ONLY
+    return {section: section_digest(doc, section, keys, only=only) for section, keys in inputs.items()}
 
 
 def input_digest(doc: Document) -> str:
@@ -291,7 +322,14 @@ def changed_sections(doc: Document, extension: str, inputs: Inputs) -> list[str]
     return [
         s
         for s in now
-        if s in before and now[s] != before[s] and section_digest(doc, s, inputs[s], verbatim=True) != before[s]
+        if (
+            s in before
+            and now[s] != before[s]
+            and section_digest(
+                doc, s, inputs[s], verbatim=True, only=RESOLVE_OBJECTIVE_ONLY if inputs is RESOLVE_INPUTS else None
+            )
+            != before[s]
+        )
     ]
 
 

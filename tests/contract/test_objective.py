@@ -213,7 +213,8 @@ def test_a_dpo_setup_imports_resolves_estimates_and_reports(tmp_path: Path, file
 def test_the_objective_settings_keep_earlier_stamps() -> None:
     """Stamps written before the DPO step was simulated never hashed ``objective_settings``: TRL's defaults (the
     reference the importers wrote, dropout disabled) and every other objective's settings stay out of the digest; a
-    DPO document's precomputed reference is in it (it changes the step)."""
+    DPO document's precomputed reference is in it (it changes the step). GRPO/RLOO documents have no earlier stamps
+    (their step was refused): each setting their step reads is in their digest."""
     from ledgerspec.contract import fingerprint as F
 
     text = (IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml").read_text(encoding="utf-8")
@@ -225,14 +226,26 @@ def test_the_objective_settings_keep_earlier_stamps() -> None:
     assert digest("  objective: dpo\n") == digest(
         "  objective: dpo\n  objective_settings: {reference: adapter_disabled, disable_dropout: true}\n"
     )
-    assert digest("  objective: rloo\n") == digest("  objective: rloo\n  objective_settings: {reference: model}\n")
+    # GRPO and RLOO are simulated since after the first stamps: every setting their step reads is in the digest,
+    # TRL's default reference written out or not (none for GRPO at beta 0; adapter_disabled is another step)
+    assert digest("  objective: rloo\n") != digest("  objective: rloo\n  objective_settings: {reference: model}\n")
     assert digest("  objective: kto\n") == digest(
         "  objective: kto\n  objective_settings: {reference: adapter_disabled}\n"
     )
     assert digest("  objective: kto\n") != digest("  objective: kto\n  objective_settings: {reference: precomputed}\n")
-    assert digest("  objective: grpo\n") == digest(
-        "  objective: grpo\n  objective_settings: {reference: none, max_completion_length: 256}\n"
-    )
+    for setting in (
+        "reference: adapter_disabled",
+        "max_completion_length: 256",
+        "num_generations: 4",
+        "steps_per_generation: 2",
+        "generation_batch_size: 16",
+        "use_vllm: true",
+        "disable_dropout: true",
+    ):
+        grpo = "  objective: grpo\n  objective_settings: {" + setting + "}\n"
+        assert digest("  objective: grpo\n") != digest(grpo), setting
+    # no other objective's digest reads GRPO's settings
+    assert digest("  objective: dpo\n") == digest("  objective: dpo\n  objective_settings: {num_generations: 4}\n")
     assert digest("  objective: dpo\n") != digest("  objective: dpo\n  objective_settings: {reference: precomputed}\n")
 
 
