@@ -195,7 +195,7 @@ GENERATION_SETTINGS = (
 )
 #: inputs only some objectives' steps read -> those objectives: hashed for their documents only (the other objectives'
 #: stamps never read them)
-OBJECTIVE_ONLY = {
+OBJECTIVE_ONLY: dict[tuple[str, ...], tuple[str, ...]] = {
     ("training", "objective_settings", "reference"): ("dpo", "kto", *GENERATING),
     ("training", "objective_settings", "max_completion_length"): ("dpo", "kto", *GENERATING),
     ("training", "objective_settings", "disable_dropout"): ("dpo", "reward", "kto", "orpo", "cpo", *GENERATING),
@@ -203,20 +203,26 @@ OBJECTIVE_ONLY = {
     **{("training", "objective_settings", key): GENERATING for key in GENERATION_SETTINGS},
 }
 #: resolve reads the reference only where it is a second copy of the base (DPO's and KTO's ``model``)
-RESOLVE_OBJECTIVE_ONLY = {**OBJECTIVE_ONLY, ("training", "objective_settings", "reference"): ("dpo", "kto")}
+RESOLVE_OBJECTIVE_ONLY: dict[tuple[str, ...], tuple[str, ...]] = {
+    **OBJECTIVE_ONLY,
+    ("training", "objective_settings", "reference"): ("dpo", "kto"),
+}
 #: inputs only the DPO step reads
 DPO_ONLY = {path for path, objectives in OBJECTIVE_ONLY.items() if "dpo" in objectives and "reward" not in objectives}
 
 
 def _value(
-    doc: Document, path: tuple[str, ...], verbatim: bool = False, only: dict[tuple[str, ...], Any] | None = None
+    doc: Document,
+    path: tuple[str, ...],
+    verbatim: bool = False,
+    only: dict[tuple[str, ...], tuple[str, ...]] | None = None,
 ) -> tuple[bool, Any]:
     v = doc.get(*path)
     if not v.present:
         return (True, DEFAULTS[path]) if path in DEFAULTS else (False, None)
     objective = str(doc.get("training", "objective").value).strip().lower()
-    only = OBJECTIVE_ONLY if only is None else only
-    if path in only and objective not in only[path]:
+    table = OBJECTIVE_ONLY if only is None else only
+    if path in table and objective not in table[path]:
         return False, None
     if path in LEFT_OUT_WHEN and not v.unknown and objective not in GENERATING:
         default = LEFT_OUT_WHEN[path]
@@ -266,7 +272,7 @@ def section_digest(
     section: str,
     keys: tuple[tuple[str, ...], ...],
     verbatim: bool = False,
-    only: dict[tuple[str, ...], Any] | None = None,
+    only: dict[tuple[str, ...], tuple[str, ...]] | None = None,
 ) -> str:
     """The digest of one section's input fields (their values as the tools read them, canonical JSON, SHA-256,
     first 16 hex digits). ``verbatim``: as the first version of the stamp hashed them: the values as written, and
