@@ -378,9 +378,12 @@ def _grid_sweep(doc: Any, args: argparse.Namespace, points: list[dict[str, Any]]
             out.seconds = time.perf_counter() - started
         return out
 
+    class NothingToKeep(Exception):
+        """The sweep has no length to follow: nothing is kept, the caller sweeps point by point."""
+
     def encode(result: Any) -> dict[str, Any]:
         if result is None:
-            raise ValueError("nothing to keep")
+            raise NothingToKeep
         return {
             "rows": [[r.phases, r.at_peak, r.traced] for r in result.rows],
             "estimates": result.estimates,
@@ -397,7 +400,7 @@ def _grid_sweep(doc: Any, args: argparse.Namespace, points: list[dict[str, Any]]
 
     try:
         return cached(_store(args), doc, question, compute, encode, decode)
-    except ValueError:
+    except NothingToKeep:  # only that: any other error is the user's to see, not a silent slow path
         return None
 
 
