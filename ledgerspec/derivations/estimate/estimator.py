@@ -241,14 +241,18 @@ def _estimate_workload_class() -> Any:
             self.fused_experts = 0
             #: the declared transformers 4's MoE layout was built (``stack.legacy_moe``)
             self.legacy_moe = False
+            #: the model is an MoE family whose layout differs across transformers versions (``stack.moe_family``)
+            self.moe_family = False
             #: the activation offloading hooks, when the ledger declares it (:mod:`..kernels.offload`)
             self.offload: Any = None
 
         def prepare(self) -> None:
             super().prepare()
-            from ledgerspec.derivations.stack.legacy_moe import is_swapped
+            from ledgerspec.derivations.stack.legacy_moe import family, is_swapped
 
             self.legacy_moe = is_swapped(self.model)
+            config = getattr(self.model, "config", None)
+            self.moe_family = config is not None and family(config) is not None
             if self.spec.quant is not None:
                 from ledgerspec.derivations.estimate.qlora import model_4bit_layers
                 from ledgerspec.derivations.stack.versions import fused_experts_4bit_change
@@ -363,6 +367,7 @@ def trace(
     out["component.optimizer"] = state.get("optimizer", 0)
     out["stack.fused_experts"] = workload.fused_experts
     out["stack.legacy_moe"] = int(workload.legacy_moe)
+    out["stack.moe_family"] = int(workload.moe_family)
     if workload.offload is not None:
         out["host.offloaded_peak"] = workload.offload.host_peak
     for name, rec in result.phases.items():  # what is alive at each phase's peak, by ledger component
@@ -664,7 +669,10 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     doc, spec, est_plan, target = p.doc, p.spec, p.plan, p.target
     figures = dict(figures)
     legacy_moe = bool(figures.pop("stack.legacy_moe", 0))
-    differences, notes = _differences(doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0), legacy_moe)
+    moe_family = bool(figures.pop("stack.moe_family", 0))
+    differences, notes = _differences(
+        doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0), legacy_moe, moe_family
+    )
     phases = {k: figures[k] for k in ALL_PHASES if k in figures}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
@@ -729,7 +737,7 @@ def _keeps_4bit_input(doc: Document, spec: Any) -> bool:
 
 
 def _differences(
-    doc: Document, spec: Any, keep_input: bool, fused_experts: int, legacy_moe: bool = False
+    doc: Document, spec: Any, keep_input: bool, fused_experts: int, legacy_moe: bool = False, moe_family: bool = False
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """The known stack differences that apply to this estimate, with the side it computed, and notes to print."""
     from ledgerspec.contract.differences import BY_ID, NEWER, OLDER
@@ -754,6 +762,9 @@ def _differences(
             notes.append(f"modelled the declared {d.span(OLDER)}: {d.older} [{key}]")
     if legacy_moe:  # modelled as declared: transformers 4's per-expert nn.Linear experts and routing loop
         out["transformers-moe-fused-experts"] = record(OLDER)
+    elif moe_family and not fused_experts:  # the installed layout, whatever the base: recorded, so a later
+        # declaration of transformers 4 shows against this estimate (a 4-bit base records it below, with its bytes)
+        out["transformers-moe-fused-experts"] = record(installed_side("transformers-moe-fused-experts"))
     if spec.quant is None:
         return out, notes
     key = "bitsandbytes-4bit-matmul-input"

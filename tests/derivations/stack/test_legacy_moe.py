@@ -49,6 +49,19 @@ def _ledger(
     prepare: bool = True,
     attention: str = "sdpa",
 ) -> Document:
+    return from_text(
+        _ledger_text(config, targets, transformers, trl, prepare, attention), str(DATA / "test.ledger.yaml")
+    )
+
+
+def _ledger_text(
+    config: str,
+    targets: str,
+    transformers: str | None,
+    trl: bool = False,
+    prepare: bool = True,
+    attention: str = "sdpa",
+) -> str:
     """The truth case as a ledger; ``trl``: the published single-GPU recipe (TRL's casts after PEFT's k-bit
     preparation, gradient checkpointing, packed rows)."""
     software = f'  transformers: "{transformers}"\n' if transformers else ""
@@ -90,7 +103,7 @@ memory_options:
   gradient_checkpointing: {str(trl).lower()}
   checkpointing_kind: non-reentrant
 """
-    return from_text(text, str(DATA / "test.ledger.yaml"))
+    return text
 
 
 @dataclass(frozen=True)
@@ -379,4 +392,33 @@ def test_gpt_oss_keeps_its_parameters_and_the_installed_forward_holds_less_than_
     }
     got = tuple(installed.phases[p] - (truth["phases"][p] - f.ahead) for p in PHASES)
     assert got == (-290752, -225216, 28, -161732)
-    assert "transformers-moe-fused-experts" not in installed.differences  # no layout difference is warned about
+    # no layout difference (no bytes), but the side computed is recorded: declaring transformers 4 later changes
+    # the step (its loop over the experts), and the ledger's stack check says so against this estimate
+    assert installed.differences["transformers-moe-fused-experts"] == {"computed_as": "newer"}
+
+
+@pytest.mark.slow  # one trace of the tiny Mixtral
+def test_a_lora_moe_estimate_records_the_layout_it_ran_so_a_later_declaration_shows() -> None:
+    """A bf16 LoRA Mixtral (no 4-bit base: no bytes change with the layout) estimated on the installed 5.x layout
+    records that side; declaring transformers 4.48.1 afterwards (the step then runs 4.x's per-expert loop) is a
+    stack difference against the recorded figures, not silence."""
+    from ledgerspec.contract.differences import stack_differences
+    from ledgerspec.derivations.estimate.estimator import estimate
+
+    f = FAMILIES[0]
+    assert "mixtral" in f.config.lower()
+    text = (
+        _ledger_text(f.config, f.targets, None)
+        .replace("kind: QLoRA", "kind: LoRA")
+        .replace("  quantized: true\n", "  quantized: false\n")
+        .replace("  prepare_for_kbit_training: true\n", "")
+    )
+    text = "\n".join(line for line in text.splitlines() if "quantization:" not in line) + "\n"
+    result = estimate(from_text(text, str(DATA / "test.ledger.yaml")), target="cpu")
+    assert result.differences["transformers-moe-fused-experts"] == {"computed_as": "newer"}
+    stamped = from_text(
+        text.replace("software:\n", 'software:\n  transformers: "4.48.1"\n', 1)
+        + "x-estimate:\n  differences: {transformers-moe-fused-experts: {computed_as: newer}}\n",
+        str(DATA / "test.ledger.yaml"),
+    )
+    assert [d.difference.id for d in stack_differences(stamped, ())] == ["transformers-moe-fused-experts"]
