@@ -24,21 +24,14 @@ from ledgerspec.checks.ladder import (
 )
 from ledgerspec.checks.stale import stale_evidence
 from ledgerspec.contract.document import Document
+from ledgerspec.contract.fields import PHASE_OOM_WORDS
 from ledgerspec.contract.units import format_size
 
 FITS = "FITS"
 DOES_NOT_FIT = "DOES NOT FIT"
 UNKNOWN = "UNKNOWN"
 #: the protocol's phase keys in run order, with the ``oom_phase`` word of each
-_PHASE_WORDS = {
-    "after_load": "load",
-    "after_adapter_injection": "adapter_injection",
-    "after_optimizer_init": "optimizer_init",
-    "forward_peak": "forward",
-    "backward_peak": "backward",
-    "optimizer_step_peak": "optimizer_step",
-    "steady_state_peak": "later_iteration",
-}
+_PHASE_WORDS = PHASE_OOM_WORDS
 
 
 @dataclass(frozen=True)

@@ -895,6 +895,18 @@ _PHASE_KEYS = (
 )
 #: the phases only online RL's step has (GRPO/RLOO: ``phases.generation_peak``)
 GENERATION_PHASES = ("generation_peak",)
+#: every protocol phase key in run order, with the ``result.oom_phase`` word of a run out of memory in it (the
+#: generation's decoding forwards are forwards: the spec's list has no word of its own for them)
+PHASE_OOM_WORDS = {
+    "after_load": "load",
+    "after_adapter_injection": "adapter_injection",
+    "after_optimizer_init": "optimizer_init",
+    "generation_peak": "forward",
+    "forward_peak": "forward",
+    "backward_peak": "backward",
+    "optimizer_step_peak": "optimizer_step",
+    "steady_state_peak": "later_iteration",
+}
 PHASES = F(
     "phases",
     OBJECT,

@@ -112,6 +112,18 @@ def test_the_device_level_prediction_is_what_the_verdict_compares() -> None:
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it fits, margin 512.00 MiB" in text
 
 
+def test_a_generation_over_the_device_runs_out_in_a_forward() -> None:
+    """GRPO's generation comes before the step's forward: when its peak alone is over the device, the predicted
+    out-of-memory phase is the generation's (a forward, in the spec's words), not the later backward."""
+    text = BASE + (
+        "x-estimate:\n  peak_allocated: {value: 30GiB, source: CALCULATED, method: m}\n"
+        "  phases: {after_load: 4294967296, generation_peak: 27917287424, forward_peak: 21474836480, "
+        "backward_peak: 26843545600}\n"
+    )
+    v = _verdict(text)
+    assert v.answer == DOES_NOT_FIT and v.oom_phase == "forward"  # type: ignore[attr-defined]
+
+
 def test_a_margin_inside_the_catalogues_range_is_said_uncertain() -> None:
     """23.5 GiB predicted on 24 GiB fits with the catalogue's typical 1 GiB outside the allocator; the estimate found
     that with its high end (2 GiB) the replay runs out: the verdict says FITS and UNCERTAIN, and why."""

@@ -74,8 +74,8 @@ class DeviceFit:
                 else ""
             )
             out.append(
-                f"largest {self.name} that fits on the device: {self.largest} (the allocated tensors alone allow "
-                f"{self.allocated_largest}{between})"
+                f"largest {self.name} that fits on the device: {self.largest}{self._uncertain_word()} (the "
+                f"allocated tensors alone allow {self.allocated_largest}{between})"
             )
         elif self.largest is None and self.checked:
             lowest = self.checked[-1].value
@@ -85,6 +85,11 @@ class DeviceFit:
                 + ")"
             )
         return out
+
+    def _uncertain_word(self) -> str:
+        """``, UNCERTAIN`` when the largest value's check fits only with the catalogue's typical figure."""
+        chosen = next((c for c in self.checked if c.value == self.largest), None)
+        return ", UNCERTAIN" if chosen is not None and chosen.uncertain else ""
 
     def to_extension(self) -> dict[str, Any]:
         """``x-fit.NAME.device``: the answer on the device and each value checked."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ledgerspec.contract.fields import PHASE_OOM_WORDS
+
 #: the protocol's phases in the order a training run goes through them
 PHASES = (
     "after_load",
@@ -18,16 +20,7 @@ PHASES = (
 #: every phase a step may have, in order: online RL (GRPO) has a generation phase before its forward
 ALL_PHASES = (*PHASES[:3], "generation_peak", *PHASES[3:])
 #: the ``result.oom_phase`` word of each phase (the spec's vocabulary)
-OOM_PHASE = {
-    "after_load": "load",
-    "after_adapter_injection": "adapter_injection",
-    "after_optimizer_init": "optimizer_init",
-    "generation_peak": "forward",
-    "forward_peak": "forward",
-    "backward_peak": "backward",
-    "optimizer_step_peak": "optimizer_step",
-    "steady_state_peak": "later_iteration",
-}
+OOM_PHASE = PHASE_OOM_WORDS
 
 
 @dataclass(frozen=True)

@@ -81,5 +81,19 @@ def test_a_checked_value_inside_the_catalogues_range_is_said_uncertain() -> None
     (line,) = fit.lines()
     assert "microbatch 4 fits, UNCERTAIN" in line and "margin 256.00 MiB" in line
     assert fit.to_extension()["checked"]["4"]["uncertain"] is True
+    stepped = DeviceFit(
+        "microbatch",
+        80 * 2**30,
+        5,
+        4,
+        [
+            Checked(5, False, 81 * 2**30, -(2**30), "allocated"),
+            Checked(4, True, 79 * 2**30, 2**28, "none", uncertain=True),
+        ],
+    )
+    assert (
+        "largest microbatch that fits on the device: 4, UNCERTAIN (the allocated tensors alone allow 5)"
+        in (stepped.lines()[-1])
+    )
     plain = DeviceFit("microbatch", 80 * 2**30, 4, 4, [Checked(4, True, 70 * 2**30, 2**30, "none")])
     assert "UNCERTAIN" not in plain.lines()[0] and "uncertain" not in plain.to_extension()["checked"]["4"]
