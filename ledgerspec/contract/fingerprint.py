@@ -290,8 +290,13 @@ def section_digest(
 
 def digests(doc: Document, inputs: Inputs) -> dict[str, str]:
     """The fingerprint of ``doc`` for a tool reading ``inputs``: section -> digest (what a tool stores)."""
-    only = RESOLVE_OBJECTIVE_ONLY if inputs is RESOLVE_INPUTS else OBJECTIVE_ONLY
+    only = _objective_only(inputs)
     return {section: section_digest(doc, section, keys, only=only) for section, keys in inputs.items()}
+
+
+def _objective_only(inputs: Inputs) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """Which objectives read each objective-only input, for the tool reading ``inputs`` (resolve reads fewer)."""
+    return RESOLVE_OBJECTIVE_ONLY if inputs is RESOLVE_INPUTS else OBJECTIVE_ONLY
 
 
 def input_digest(doc: Document) -> str:
@@ -331,10 +336,7 @@ def changed_sections(doc: Document, extension: str, inputs: Inputs) -> list[str]
         if (
             s in before
             and now[s] != before[s]
-            and section_digest(
-                doc, s, inputs[s], verbatim=True, only=RESOLVE_OBJECTIVE_ONLY if inputs is RESOLVE_INPUTS else None
-            )
-            != before[s]
+            and section_digest(doc, s, inputs[s], verbatim=True, only=_objective_only(inputs)) != before[s]
         )
     ]
 
