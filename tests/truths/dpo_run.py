@@ -158,6 +158,34 @@ def _reference_model(case: dict[str, Any], folder: str) -> Any:
     return ref
 
 
+def trl_args(config_class: Any, case: dict[str, Any], work: str, **extra: Any) -> Any:
+    """``config_class`` (a TRL trainer's config) for ``case`` on the CPU: the case's batch, accumulation, steps,
+    clipping, optimizer and checkpointing (under the name the installed TRL uses), nothing logged or saved, and the
+    trainer's own settings in ``extra``."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_class)}
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return config_class(
+        output_dir=os.path.join(work, "out"),
+        use_cpu=True,
+        bf16=case["mixed_precision"] == "bf16",
+        per_device_train_batch_size=case["microbatch"],
+        gradient_accumulation_steps=case["accumulation"],
+        max_steps=1 + case["steps"],
+        max_grad_norm=case["max_grad_norm"],
+        optim=case["optimizer"],
+        learning_rate=2e-4,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **extra,
+        **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
+    )
+
+
 def run(case: dict[str, Any]) -> dict[str, Any]:
     from trl import DPOConfig, DPOTrainer
 
@@ -179,7 +207,6 @@ def run_trainer(
     """A TRL trainer of ``trainer_class`` (its config ``config_class`` with the case's settings and ``settings``) over
     ``rows(case, vocab)``, instrumented as the module docstring says; its phases (and the MemTracker peak).
     ``make_base``: what builds the unwrapped base model (default :func:`_base`, a causal LM)."""
-    import dataclasses
 
     import torch
 
@@ -194,27 +221,7 @@ def run_trainer(
         base, peft_config = (make_base or _base)(case, base_folder), _lora(case)
     ref_model = _reference_model(case, os.path.join(work, "ref")) if case.get("reference") == "model" else None
     vocab = int(base.config.get_text_config().vocab_size)
-    names = {f.name for f in dataclasses.fields(config_class)}
-    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    args = config_class(
-        output_dir=os.path.join(work, "out"),
-        use_cpu=True,
-        bf16=case["mixed_precision"] == "bf16",
-        per_device_train_batch_size=case["microbatch"],
-        gradient_accumulation_steps=case["accumulation"],
-        max_steps=1 + case["steps"],
-        max_grad_norm=case["max_grad_norm"],
-        optim=case["optimizer"],
-        learning_rate=2e-4,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        max_length=case["seq_worst"],
-        **settings,
-        **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
-    )
+    args = trl_args(config_class, case, work, max_length=case["seq_worst"], **settings)
     reader = PhaseReader(case, _memtracker)
 
     class Ordered(trainer_class):

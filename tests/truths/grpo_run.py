@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.truths.dpo_run import _base, _ledger_callback, _lora, _memtracker
+from tests.truths.dpo_run import _base, _ledger_callback, _lora, _memtracker, trl_args
 from tests.truths.trainer_run import PhaseReader, main
 
 
@@ -123,7 +123,6 @@ class _Reader(PhaseReader):
 
 
 def run(case: dict[str, Any]) -> dict[str, Any]:
-    import dataclasses
 
     import torch
 
@@ -136,28 +135,14 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="ledgerspec-grpo-truth-")
     base = _base(case, os.path.join(work, "base"))
     vocab = int(base.config.get_text_config().vocab_size)
-    names = {f.name for f in dataclasses.fields(Config)}
-    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    args = Config(
-        output_dir=os.path.join(work, "out"),
-        use_cpu=True,
-        bf16=case["mixed_precision"] == "bf16",
-        per_device_train_batch_size=case["microbatch"],
-        gradient_accumulation_steps=case["accumulation"],
-        max_steps=1 + case["steps"],
-        max_grad_norm=case["max_grad_norm"],
-        optim=case["optimizer"],
-        learning_rate=2e-4,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+    args = trl_args(
+        Config,
+        case,
+        work,
         num_generations=case["num_generations"],
         max_completion_length=case["completion"],
         beta=case["beta"],
         shuffle_dataset=False,
-        **{ckpt: case["gradient_checkpointing"], f"{ckpt}_kwargs": {"use_reentrant": False}},
     )
     reader = _Reader(case, _memtracker)
     with warnings.catch_warnings():
