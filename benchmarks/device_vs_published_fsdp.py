@@ -26,14 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import machine, markdown_table  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-multi-gpu"
 RESULTS = ROOT / "benchmarks" / "results" / "device-fsdp.md"
-SOURCE = (
-    "https://github.com/foundation-model-stack/fms-acceleration/blob/876e2ed6fc4e966785e3f4315f5ee3cdf8e3d097/"
-    "scripts/benchmarks/refs/a100_80gb.csv"
-)
+SOURCE = FMS_A100_CSV
 GiB = 2**30
 
 

@@ -11,6 +11,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "estimate.md"
 HEADER = "# `ledgerspec estimate`: benchmark results\n\nEach section is written by the script named in it.\n"
+#: fms-acceleration's A100-80GB reference benchmarks at the commit the published-run scripts cite
+FMS_A100_CSV = (
+    "https://github.com/foundation-model-stack/fms-acceleration/blob/876e2ed6fc4e966785e3f4315f5ee3cdf8e3d097/"
+    "scripts/benchmarks/refs/a100_80gb.csv"
+)
+#: the columns of a table of `TrainerMemoryTracker` figures (peak over train(), held after it) against the estimate
+TRACKER_HEADER = [
+    "run",
+    "ledger",
+    "published peak GB",
+    "estimated peak GB",
+    "difference",
+    "published after train() GB",
+    "estimated GB",
+    "difference",
+    "nvidia-smi peak GiB (not compared)",
+]
 
 
 def machine() -> str:

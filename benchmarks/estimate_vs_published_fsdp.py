@@ -48,15 +48,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import markdown_table  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, markdown_table  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-multi-gpu"
 RESULTS = ROOT / "benchmarks" / "results" / "published-multi-gpu.md"
-FMS = (
-    "https://github.com/foundation-model-stack/fms-acceleration/blob/876e2ed6fc4e966785e3f4315f5ee3cdf8e3d097/"
-    "scripts/benchmarks/refs/a100_80gb.csv"
-)
+FMS = FMS_A100_CSV
 #: transformers 4.48.1, ``src/transformers/loss/loss_utils.py`` lines 36-39 (``ForCausalLMLoss``): ``logits =
 #: logits.float()`` then ``shift_logits = logits[..., :-1, :].contiguous()``; from transformers 4.49.0 on the labels are
 #: padded and shifted instead (``nn.functional.pad(labels, (0, 1))``) and the logits are only viewed

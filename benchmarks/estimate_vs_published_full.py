@@ -26,15 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import markdown_table  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, TRACKER_HEADER, markdown_table  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-multi-gpu"
 RESULTS = ROOT / "benchmarks" / "results" / "published-full.md"
-FMS = (
-    "https://github.com/foundation-model-stack/fms-acceleration/blob/876e2ed6fc4e966785e3f4315f5ee3cdf8e3d097/"
-    "scripts/benchmarks/refs/a100_80gb.csv"
-)
+FMS = FMS_A100_CSV
 
 
 @dataclass(frozen=True)
@@ -125,17 +122,7 @@ class Row:
         ]
 
 
-HEADER = [
-    "run",
-    "ledger",
-    "published peak GB",
-    "estimated peak GB",
-    "difference",
-    "published after train() GB",
-    "estimated GB",
-    "difference",
-    "nvidia-smi peak GiB (not compared)",
-]
+HEADER = TRACKER_HEADER
 
 
 def estimate_run(run: Run) -> Row:

@@ -28,15 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import markdown_table  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, markdown_table  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-moe"
 RESULTS = ROOT / "benchmarks" / "results" / "published-moe.md"
-FMS = (
-    "https://github.com/foundation-model-stack/fms-acceleration/blob/876e2ed6fc4e966785e3f4315f5ee3cdf8e3d097/"
-    "scripts/benchmarks/refs/a100_80gb.csv"
-)
+FMS = FMS_A100_CSV
 DECLARED = "  transformers: 4.48.1\n"
 
 
