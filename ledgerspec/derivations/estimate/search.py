@@ -31,6 +31,7 @@ from ledgerspec.contract.document import Document
 from ledgerspec.derivations.estimate.fit import fit as fit_phases
 from ledgerspec.derivations.estimate.fitmodel import BatchModel, GridModel, GridSample, Sample
 from ledgerspec.derivations.estimate.sweep import apply
+from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
 EstimateFn = Callable[[Document], Any]
 #: the microbatch search stops here (a guess above it is clamped)
@@ -111,11 +112,33 @@ def batch_model(doc: Document, microbatches: Sequence[int], estimate_fn: Estimat
     return BatchModel(samples, padded(doc))
 
 
+def refuse_chosen_microbatches(doc: Document, question: str) -> None:
+    """A question that chooses microbatches itself (``question``: ``--fit microbatch``, ``--what-if``) tries 1, 2,
+    4, ...: for GRPO/RLOO most of them are generation batches TRL refuses (not a multiple of ``num_generations``),
+    so it is refused in one line at ``training.objective``; a sweep takes the values the user names."""
+    objective = config.read(doc).training.objective
+    if objective not in config.GENERATING:
+        return
+    line, col = doc.position("/training/objective")
+    raise LedgerspecError(
+        f"{question} chooses microbatches itself, and training.objective {objective} needs each generation batch "
+        "(microbatch x steps per generation) to be a multiple of num_generations",
+        doc.path,
+        line,
+        col,
+        hint="ask `estimate --sweep microbatch=A,B,...` with microbatches TRL accepts, or `--fit max_length`",
+        rule="usage",
+        exit_code=EXIT_USAGE,
+    )
+
+
 def fit_microbatch(
     doc: Document, device_memory: int, estimate_fn: EstimateFn, exact: bool = False, **values: Any
 ) -> FitAnswer:
     """The largest microbatch that fits ``device_memory`` (other inputs as ``doc`` declares them, or ``values``)."""
     import time
+
+    refuse_chosen_microbatches(doc, "--fit microbatch")
 
     started = time.perf_counter()
     pads = padded(doc)
@@ -409,7 +432,6 @@ def warm_stack(docs: Sequence[Document], store: Any = None, question: dict[str, 
     stack would cost a repeated sweep its whole answer). A document the estimate refuses is left to it to report."""
     from ledgerspec.derivations.estimate.cache import key
     from ledgerspec.derivations.estimate.estimator import prepare
-    from ledgerspec.errors import LedgerspecError
 
     if not docs:
         return

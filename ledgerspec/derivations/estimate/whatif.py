@@ -110,7 +110,11 @@ def what_if(
     """Estimate every point of the grid (``axes``, else :func:`default_axes`); ``warm``: as
     :func:`~ledgerspec.derivations.estimate.search.run_estimates` takes it."""
     started = time.perf_counter()
-    axes = axes if axes is not None else default_axes(doc)
+    if axes is None:  # the default grid chooses the microbatches
+        from ledgerspec.derivations.estimate.search import refuse_chosen_microbatches
+
+        refuse_chosen_microbatches(doc, "--what-if")
+        axes = default_axes(doc)
     points = grid(axes)
     rows, traced = sweep_rows(doc, points, estimate_fn, jobs=jobs, warm=warm)
     cells = [Cell(dict(row.point), row.peak, row.peak_phase, row.traced) for row in rows]

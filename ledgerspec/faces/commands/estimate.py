@@ -437,28 +437,13 @@ def _show(v: Any) -> str:
 
 
 def _refuse_chosen_microbatches(doc: Any, args: argparse.Namespace) -> None:
-    """``--fit microbatch`` and ``--what-if`` choose microbatches themselves (1, 2, 4, ...): for GRPO/RLOO most of
-    them are generation batches TRL refuses (not a multiple of ``num_generations``), so they are refused in one line
-    before anything is traced; ``--sweep`` takes the values the user names."""
-    from ledgerspec.contract.config import GENERATING, read
-
-    objective = read(doc).training.objective
-    if objective not in GENERATING:
-        return
+    """Before anything is imported or traced: ``--fit microbatch`` and ``--what-if`` choose microbatches themselves
+    (:func:`ledgerspec.derivations.estimate.search.refuse_chosen_microbatches`)."""
     asked = "--what-if" if args.what_if else "--fit microbatch" if args.fit and "microbatch" in args.fit else None
-    if asked is None:
-        return
-    line, col = doc.position("/training/objective")
-    raise LedgerspecError(
-        f"{asked} chooses microbatches itself, and training.objective {objective} needs each generation batch "
-        "(microbatch x steps per generation) to be a multiple of num_generations",
-        doc.path,
-        line,
-        col,
-        hint="ask `estimate --sweep microbatch=A,B,...` with microbatches TRL accepts, or `--fit max_length`",
-        rule="usage",
-        exit_code=EXIT_USAGE,
-    )
+    if asked is not None:
+        from ledgerspec.derivations.estimate.search import refuse_chosen_microbatches
+
+        refuse_chosen_microbatches(doc, asked)
 
 
 def _fit_memory(doc: Any, args: argparse.Namespace, device: int | None) -> int:

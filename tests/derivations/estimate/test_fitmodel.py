@@ -213,3 +213,26 @@ def test_fit_microbatch_agrees_with_a_scan_of_full_traces() -> None:
     assert answer.largest == 9 and answer.above == 10
     assert _close(answer.peak or 0, peaks[9]) and _close(answer.peak_above or 0, peaks[10])
     assert len(answer.traced) == 2
+
+
+def test_the_core_fit_refuses_grpo_as_the_cli_does() -> None:
+    """``fit_microbatch`` and the default what-if grid choose microbatches themselves: called from Python on a GRPO
+    ledger they refuse in the same one line at training.objective, before any estimate is asked."""
+    from ledgerspec.contract.document import load
+    from ledgerspec.derivations.estimate.search import fit_microbatch
+    from ledgerspec.derivations.estimate.whatif import what_if
+    from ledgerspec.errors import LedgerspecError
+    from tests.support import EXAMPLES
+
+    doc = load(EXAMPLES / "objectives" / "llama-3.1-8b-lora-grpo.ledger.yaml")
+
+    def never(*_a: object, **_k: object) -> object:
+        raise AssertionError("estimated")
+
+    for ask, question in (
+        (lambda: fit_microbatch(doc, 80 * 2**30, never), "--fit microbatch"),
+        (lambda: what_if(doc, never), "--what-if"),
+    ):
+        with pytest.raises(LedgerspecError) as e:
+            ask()
+        assert e.value.line == 50 and e.value.message.startswith(f"{question} chooses microbatches itself")
