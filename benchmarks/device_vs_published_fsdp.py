@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table, shard_estimate  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-multi-gpu"
 RESULTS = ROOT / "benchmarks" / "results" / "device-fsdp.md"
@@ -128,12 +128,8 @@ HEADER = [
 
 
 def estimate_run(run: Run) -> Row:
-    from ledgerspec.contract.document import load
-    from ledgerspec.derivations.shard.sharder import shard
-
-    doc = load(LEDGERS / f"{run.key}.ledger.yaml")
     started = time.perf_counter()
-    result = shard(doc, estimate=True)
+    result = shard_estimate(LEDGERS / f"{run.key}.ledger.yaml")
     est = result.estimate
     assert est is not None and est.device is not None, run.key
     d = est.device[0]

@@ -7,6 +7,7 @@ import os
 import platform
 import re
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "estimate.md"
@@ -39,6 +40,26 @@ def machine() -> str:
         f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} CPU cores, Python "
         f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
     )
+
+
+#: ``shard --estimate`` results by (ledger path, ledger text): see :func:`shard_estimate`
+_SHARDED: dict[tuple[str, str], Any] = {}
+
+
+def shard_estimate(path: Path, text: str | None = None) -> Any:
+    """``shard(LEDGER, estimate=True, target="cuda")`` of the ledger at ``path`` (or of ``text`` read as that file),
+    simulated once per process: the multi-GPU comparison (``estimate_vs_published_fsdp.py``) and its device-level
+    table (``device_vs_published_fsdp.py``) estimate the same declared ledgers, and their tests re-estimating a row
+    share one simulation (each reads the result, neither changes it)."""
+    from ledgerspec.contract.document import from_text
+    from ledgerspec.derivations.shard.sharder import shard
+
+    if text is None:
+        text = path.read_text(encoding="utf-8")
+    key = (str(path), text)
+    if key not in _SHARDED:
+        _SHARDED[key] = shard(from_text(text, str(path)), estimate=True, target="cuda")
+    return _SHARDED[key]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import FMS_A100_CSV, markdown_table  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, markdown_table, shard_estimate  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-multi-gpu"
@@ -180,7 +180,7 @@ def estimate_run(run: Run) -> Row:
     path = LEDGERS / f"{run.key}.ledger.yaml"
     text = path.read_text(encoding="utf-8")
     started = time.perf_counter()
-    est = shard(from_text(text, str(path)), estimate=True, target="cuda").estimate
+    est = shard_estimate(path, text).estimate  # the device-level table's tests share this simulation
     seconds = time.perf_counter() - started
     assert est is not None and est.strategy == "fsdp1", run.key
     assert "ForCausalLMLoss before 4.49.0" in est.method, run.key  # the declared transformers 4.48.1's loss

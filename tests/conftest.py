@@ -4,6 +4,14 @@
 from __future__ import annotations
 
 import os
+
+# One OpenMP thread per test process and every process it starts, set before torch or bitsandbytes is imported (the
+# runtimes read it when they load): two workers on two cores, each with a thread per core, made OpenMP's threads
+# spin-wait on each other; bitsandbytes' CPU kernels, on an OpenMP runtime of their own that torch.set_num_threads
+# does not reach, ran a tiny QLoRA measurement in 22.6 s instead of 3.0 s beside two busy processes. Tracked bytes do
+# not depend on the thread count. A count set outside is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import sys
 from pathlib import Path
 

@@ -72,6 +72,7 @@ def test_the_arithmetic_of_every_row(bench: Any) -> None:
 
 
 @pytest.mark.slow  # a 7B QLoRA FSDP1 step, every layer traced (the checkpoint around each unit): about 30 s
+@pytest.mark.xdist_group("fms-mistral-7b-qlora-2gpu-bs2")  # one simulation of the row: estimate_common.shard_estimate
 def test_a_row_re_estimated_gives_the_committed_cells(bench: Any) -> None:
     pytest.importorskip("bitsandbytes")
     run = next(r for r in bench.RUNS if r.key == "fms-mistral-7b-qlora-2gpu-bs2")

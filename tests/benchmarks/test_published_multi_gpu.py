@@ -77,6 +77,7 @@ def test_the_verdict_line_follows_the_table(bench: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("fms-mistral-7b-qlora-2gpu-bs2")  # one simulation of the row: estimate_common.shard_estimate
 def test_a_row_re_estimated_gives_the_committed_cells(bench: Any) -> None:
     """The Mistral-7B QLoRA run at 2 sequences per rank (the 4-bit FSDP1 path), estimated again: the declared stack
     at full depth, the installed one and FSDP2 from probes (about 40 s)."""

@@ -178,7 +178,12 @@ def run_child(req: Request, timeout: float | None = None) -> ChildOutput:
 
         # KeyboardInterrupt, timeout: the child is killed (it must not outlive us) and the error propagates
         args = ["-m", "ledgerspec.derivations.measure.measurer", "--child", req_file, res_file]
-        done = launch.run(args, None, timeout)
+        # a CPU measurement's tracked bytes do not depend on the thread count, and OpenMP threads spin-wait on a
+        # busy host (bitsandbytes' CPU kernels link their own OpenMP runtime, which torch.set_num_threads does not
+        # reach: a tiny QLoRA step took 22.6 s beside two busy processes, 3.0 s with one thread): one thread each,
+        # read when the runtimes load, as torchrun sets it for its ranks; a thread count the user set is kept
+        env = None if req.device != "cpu" else {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        done = launch.run(args, env, timeout)
         stderr = done.stderr
         if not os.path.exists(res_file):
             tail = " | ".join(line for line in stderr.strip().splitlines()[-3:])

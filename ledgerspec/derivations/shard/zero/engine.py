@@ -124,6 +124,19 @@ def cpu_accelerator() -> Iterator[None]:
             os.environ["DS_ACCELERATOR"] = saved
 
 
+def _cpu_info_once() -> None:
+    """py-cpuinfo's ``get_cpu_info`` starts a Python subprocess on every call (about 1 s of CPU), and DeepSpeed
+    calls it each time it builds or loads an op (``op_builder/builder.py`` ``cpu_arch``/``simd_width``) and each
+    time a ``DeepSpeedCPUAdam``/``DeepSpeedCPULion`` is made (``cpu_adam.py``: its vendor string). Its answer is the
+    machine's, the same for the whole process (no tensor, no memory of the step): asked once."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = cache(cpuinfo.get_cpu_info)
+
+
 def import_deepspeed(cpu: bool = True) -> Any:
     """``deepspeed`` (with its CPU accelerator unless ``cpu`` is false: nccl ranks let DeepSpeed detect CUDA), quiet,
     without its shared-memory all-reduce op. The first import fixes the accelerator for the process.
@@ -150,6 +163,7 @@ def import_deepspeed(cpu: bool = True) -> Any:
     # deepspeed.comm's star import makes the torch package, and the patch would miss DeepSpeed (checked by a test)
     comm_torch: Any = importlib.import_module("deepspeed.comm.torch")
     comm_torch.build_shm_op = lambda: None
+    _cpu_info_once()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     from deepspeed.utils import logger
 
