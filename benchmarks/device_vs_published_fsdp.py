@@ -58,7 +58,8 @@ RUNS = [
         "fms-llama-2-70b-qlora-2gpu-bs2", "Llama-2-70B QLoRA nf4, 2 x 4096 tokens per rank", 46_685_287_936, 51988, True
     ),
     Run("fms-llama-2-70b-qlora-2gpu-bs4", "Llama-2-70B QLoRA nf4, 4 x 4096 tokens per rank", None, 79517, False),
-    # full fine-tuning, FSDP1 on 1 and 2 GPUs (``method.kind: full``; estimate_vs_published_full.py has the rest)
+    # full fine-tuning (``method.kind: full``; estimate_vs_published_full.py has the rest): on 1 GPU without FSDP
+    # (the single-GPU estimate), on 2 GPUs FSDP1
     Run("fms-mistral-7b-full-1gpu-bs4", "Mistral-7B full, 1 GPU, 4 x 4096 tokens", 72_434_837_504, 77256, True),
     Run("fms-mistral-7b-full-1gpu-bs8", "Mistral-7B full, 1 GPU, 8 x 4096 tokens", 72_435_230_720, 72988, True),
     Run("fms-mistral-7b-full-2gpu-bs2", "Mistral-7B full, 2 x 4096 tokens per rank", 36_225_939_968, 44382, True),
@@ -128,22 +129,35 @@ HEADER = [
 
 
 def estimate_run(run: Run) -> Row:
+    from ledgerspec.contract.document import load
+
     started = time.perf_counter()
-    result = shard_estimate(LEDGERS / f"{run.key}.ledger.yaml")
-    est = result.estimate
-    assert est is not None and est.device is not None, run.key
-    d = est.device[0]
+    path = LEDGERS / f"{run.key}.ledger.yaml"
+    doc = load(path)
+    if "parallelism" not in doc.plain:  # one GPU, no FSDP (benchmark.py runs it with plain python): the estimate
+        from ledgerspec.derivations.devices.prediction import estimate_on_device
+
+        memory = doc.get("result", "target_device", "memory").size()
+        assert memory is not None, run.key
+        single, d = estimate_on_device(doc, memory)
+        allocated, devices = single.peak_allocated, [d]
+    else:
+        result = shard_estimate(path)
+        est = result.estimate
+        assert est is not None and est.device is not None, run.key
+        d, devices = est.device[0], est.device
+        allocated = est.ranks[0].peak
     return Row(
         run,
-        est.ranks[0].peak,
+        allocated,
         d.peak_reserved,  # the replay against the device when it fits (the allocator frees its cache near the top)
         d.outside,
         d.device_peak,
-        all(x.fits for x in est.device),
+        all(x.fits for x in devices),
         d.margin,
         time.perf_counter() - started,
         d.replayed.free_peak_reserved + d.outside,
-        any(x.uncertain for x in est.device),
+        any(x.uncertain for x in devices),
         d.replayed.outside_high,
     )
 
@@ -211,6 +225,13 @@ def main() -> None:
         f"{r.run.label} {(r.run.nvidia - r.run.peak) / GiB:.2f} / {(r.device - r.allocated) / GiB:.2f}" for r in two_gpu
     )
     gap_low, gap_high = (min(missing), max(missing)) if missing else (0.0, 0.0)
+    full_one = "; ".join(
+        f"{r.run.label}: {r.device / GiB:.2f} GiB against nvidia-smi's {r.run.nvidia / GiB:.2f}, "
+        f"{(r.device - r.run.nvidia) / r.run.nvidia:+.1%}"
+        + (f", {r.unlimited / GiB:.2f} GiB without a limit" if r.unlimited > r.device else "")
+        for r in rows
+        if "full-1gpu" in r.run.key
+    )
     body = f"""# `shard --estimate` on the device vs published FSDP1 runs (2-GPU LoRA and QLoRA; full fine-tuning)
 
 Command: `python benchmarks/device_vs_published_fsdp.py`. Machine (for the estimate): {machine()}; no GPU used
@@ -269,11 +290,16 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
   without a GPU run of this step (`scripts/gpu-check`; `measure --device cuda` records `outside_allocator`).
 - **Full fine-tuning** (`method.kind: full`): its allocated peak is the published one (the optimizer step: weights,
   gradients, AdamW's two bf16 moments and one weight-sized set of foreach temporaries), and on 2 GPUs the replay
-  finds most of the 10-19 GiB nvidia-smi shows above it. On one GPU the step reaches the card: without a limit the
-  allocator model would reserve more than the device has, and the replay against the device completes only by
-  freeing its cache and retrying, as the real allocator does (the published rows show the same: at 8 sequences
-  nvidia-smi is *lower* than at 4). The device-level figure is then that replay's, and nvidia-smi's one-second samples
-  can miss its top.
+  finds most of the 10-19 GiB nvidia-smi shows above it. The 1-GPU runs had no FSDP (fms-acceleration's
+  `benchmark.py`, 876e2ed lines 954-961, starts a 1-GPU experiment with plain `python`, `accelerate launch` with the
+  FSDP config only for more than one GPU): their ledgers declare one GPU without `parallelism`, and the single-GPU
+  estimate replays them ({full_one}). Declared as FSDP1 over one rank, as they were until this was corrected, the
+  same allocated peaks replayed to 78.00 / 78.47 GiB (+3.4 % / +10.1 %): the difference is the FSDP1 replay's own
+  (its flat parameters, its unshard and post-backward streams' pools; not broken down further), which the runs did
+  not have. At 8 sequences the step reaches the card: without a limit the allocator model
+  would reserve more than the device has, and the replay against the device completes only by freeing its cache
+  and retrying, as the real allocator does (the published rows show the same: at 8 sequences nvidia-smi is *lower*
+  than at 4). The device-level figure is then that replay's, and nvidia-smi's one-second samples can miss its top.
 - **The verdict is decided against the card's CUDA total, not its marketing size.** The caching allocator gets its
   segments from `cudaMalloc` and can never hold more than CUDA's own total (`cudaMemGetInfo`), which PyTorch's
   out-of-memory message prints as "total capacity": 79.25 GiB for an A100-80GB (the device catalogue's `capacity`,

@@ -16,9 +16,11 @@ A100-SXM4-80GB GPUs. The setup stated there:
 
 - accelerate.yaml: ``distributed_type: FSDP`` (FSDP1, ``FullyShardedDataParallel``), ``fsdp_sharding_strategy: 1``
   (FULL_SHARD), ``TRANSFORMER_BASED_WRAP`` (the Trainer replaces it by PEFT's ``fsdp_auto_wrap_policy``),
-  ``fsdp_backward_prefetch_policy: BACKWARD_PRE`` (a key accelerate 1.0.1 no longer reads: its launcher passes only
-  ``fsdp_backward_prefetch`` on, ``utils/launch.py``, so the plugin's ``backward_prefetch`` is None and the ledgers
-  declare ``no_prefetch``; with BACKWARD_PRE each estimate would be one gathered decoder layer higher),
+  ``fsdp_backward_prefetch: BACKWARD_PRE`` (line 17 at 876e2ed, added by 97fc3c1 on 2024-10-14 for accelerate 1.0,
+  before the CSV's last change; line 20's ``fsdp_backward_prefetch_policy`` is the same for accelerate<1.0): accelerate
+  1.0.1's launcher passes it on as ``FSDP_BACKWARD_PREFETCH`` (``commands/launch.py`` 1026-1030, ``utils/launch.py``
+  277-278) and ``FullyShardedDataParallelPlugin`` reads it (``utils/dataclasses.py`` 1605-1615), so the ledgers
+  declare ``backward_prefetch: backward_pre``,
   ``fsdp_cpu_ram_efficient_loading: true``, ``fsdp_offload_params: false``,
   ``mixed_precision: 'no'``;
 - defaults.yaml: ``gradient_checkpointing: True`` (transformers 4.48 then passes ``use_reentrant: True``),
@@ -260,11 +262,25 @@ EXPLAINED = f"""## What each published figure includes, and every difference
   `get_peft_model(..., autocast_adapter_dtype=False)` (bf16 adapters and AdamW state); PEFT's default float32
   adapters would bring the Mistral rows to -2.0% and the Llama-2-70B row to -0.8%, which the ledgers do not use
   (that would be fitting). The remaining tens of MB (Mistral) are not identified.
-- **Backward prefetch:** the runs' accelerate.yaml sets `fsdp_backward_prefetch_policy: BACKWARD_PRE`, a key accelerate
-  1.0.1 no longer reads (its launcher passes only `fsdp_backward_prefetch` on as `FSDP_BACKWARD_PREFETCH`,
-  `utils/launch.py`): the runs had no backward prefetch, and the ledgers declare `backward_prefetch: no_prefetch`.
-  Declared `backward_pre` instead, each estimate is one gathered decoder layer higher in backward (Mistral-7B LoRA
-  2 x 4,096: 13.71 GB, -9.5%): not used, since the runs did not prefetch.
+- **Backward prefetch (`BACKWARD_PRE`, declared; it moves no peak here):** the runs' accelerate.yaml (fms-acceleration
+  876e2ed, `scripts/benchmarks/accelerate.yaml` line 17, the key since 97fc3c1 of 2024-10-14) sets
+  `fsdp_backward_prefetch: BACKWARD_PRE`; accelerate 1.0.1's launcher copies the config's keys onto its arguments
+  (`commands/launch.py` 1026-1030) and passes this one on as `FSDP_BACKWARD_PREFETCH` (`utils/launch.py` 277-278),
+  which `FullyShardedDataParallelPlugin` reads (`utils/dataclasses.py` 1605-1615). The ledgers declare
+  `backward_prefetch: backward_pre` (until this was corrected they declared `no_prefetch`, reading only the legacy
+  `fsdp_backward_prefetch_policy` key of line 20). Every estimated peak and phase above is the same as with
+  `no_prefetch` (to the 0.01 GB shown). The reason is the checkpoint around each FSDP1 unit: FSDP1 prefetches the
+  unit before the current one in forward order only if that unit's forward registered its pre-backward hook
+  (`_needs_pre_backward_unshard`: torch `distributed/fsdp/_runtime_utils.py`, `_get_handle_to_prefetch` and
+  `_register_pre_backward_hooks`, lines 1271-1277 and 1391-1410 of the installed 2.13), and the reentrant checkpoint
+  runs the first forward without grad, so a decoder layer registers it only in its own recompute, after the later
+  layer's backward has looked for a unit to prefetch: no decoder layer is ever prefetched. What is left is a LoRA
+  unit inside the layer being recomputed: with 2, 3 and 8 decoder layers (Mistral-7B, 2 x 4,096 tokens per rank)
+  `BACKWARD_PRE` raises the LoRA row's backward phase by 262,144 B (at 8 layers its peak too) and no other phase,
+  and no phase of the QLoRA row. With the installed transformers (the checkpoint inside the decoder layer, so the
+  unit's own forward runs with grad) the prefetch does gather the earlier layer in backward: that estimate rises by
+  0.22 / 0.44 GB (Mistral LoRA), 0.11 / 0.11 GB (Mistral QLoRA) and 0 (Llama-2-70B), and the column "of which the
+  declared transformers 4.48" is smaller than with `no_prefetch` by as much.
 - **Not modelled, each small here:** CUDA stream overlap (an all-gather may be in flight while a unit computes: at
   most one more decoder layer, 0.44 GB for a Mistral-7B bf16 layer, 0.11 GB for its 4-bit layer);
   flash-attn 2.7.3's own kernels versus the estimate's CUDA attention model; TRL 0.13's packing (the estimate packs

@@ -7,12 +7,14 @@ Source: fms-acceleration's reference benchmarks, ``scripts/benchmarks/refs/a100_
 file as last changed in 24bdadb, the version ``estimate_vs_published_fsdp.py`` reads), scenario "full-finetuning"
 (``scripts/benchmarks/scenarios.yaml``: ``learning_rate: 2e-5``, ``torch_dtype: bfloat16``, no ``peft_method``),
 ``framework_config`` none, Mistral-7B-v0.1 on 1 and 2 A100-SXM4-80GB. The rest of the setup is the one
-``estimate_vs_published_fsdp.py`` documents for the LoRA rows of the same file (accelerate.yaml: FSDP1 FULL_SHARD,
-``TRANSFORMER_BASED_WRAP``, no backward prefetch as accelerate 1.0.1 launches it, ``mixed_precision: 'no'``;
+``estimate_vs_published_fsdp.py`` documents for the LoRA rows of the same file (on 2 GPUs, accelerate.yaml: FSDP1
+FULL_SHARD, ``TRANSFORMER_BASED_WRAP``, ``fsdp_backward_prefetch: BACKWARD_PRE``, ``mixed_precision: 'no'``;
 defaults.yaml: gradient checkpointing, reentrant in transformers 4.48; packed 4,096-token sequences; the stack of
-``refs/requirements.txt``). Each run's ledger is ``benchmarks/published-multi-gpu/fms-mistral-7b-full-*.ledger.yaml``;
-``ledgerspec shard --estimate`` simulates one FSDP1 step of rank 0 (fake tensors, a fake process group). Nothing is
-fitted to the published figures.
+``refs/requirements.txt``). On 1 GPU there is no FSDP: ``benchmark.py`` (876e2ed, lines 954-961) launches a 1-GPU
+experiment with plain ``python``, ``accelerate launch --config_file accelerate.yaml`` only when ``num_gpus > 1``.
+Each run's ledger is ``benchmarks/published-multi-gpu/fms-mistral-7b-full-*.ledger.yaml``; ``ledgerspec shard
+--estimate`` simulates one FSDP1 step of rank 0 (fake tensors, a fake process group) for the 2-GPU rows, ``ledgerspec
+estimate`` one single-GPU step for the 1-GPU rows. Nothing is fitted to the published figures.
 """
 
 from __future__ import annotations
@@ -130,15 +132,20 @@ def estimate_run(run: Run) -> Row:
     from ledgerspec.derivations.shard.sharder import shard
 
     started = time.perf_counter()
-    est = shard(load(LEDGERS / f"{run.key}.ledger.yaml"), estimate=True, target="cuda").estimate
-    assert est is not None and est.strategy == "fsdp1", run.key
-    assert "transformer-based wrap (full fine-tuning)" in est.method, run.key
-    r0 = est.ranks[0]
-    c = r0.components
+    doc = load(LEDGERS / f"{run.key}.ledger.yaml")
+    if run.gpus == 1:  # no FSDP: benchmark.py runs a 1-GPU experiment with plain python (see EXPLAINED)
+        from ledgerspec.derivations.estimate.estimator import estimate
+
+        assert "parallelism" not in doc.plain, run.key
+        single = estimate(doc, target="cuda")
+        peak, c, phases = single.peak_allocated, single.components, single.phases
+    else:
+        est = shard(doc, estimate=True, target="cuda").estimate
+        assert est is not None and est.strategy == "fsdp1", run.key
+        assert "transformer-based wrap (full fine-tuning)" in est.method, run.key
+        peak, c, phases = est.ranks[0].peak, est.ranks[0].components, est.ranks[0].phases
     assert c["frozen_base"] < 1_000_000, c  # every weight trained: only the rotary buffer is frozen
-    return Row(
-        run, r0.peak, c["adapter"] + c["optimizer"], c["gradients"], dict(r0.phases), time.perf_counter() - started
-    )
+    return Row(run, peak, c["adapter"] + c["optimizer"], c["gradients"], dict(phases), time.perf_counter() - started)
 
 
 EXPLAINED = """## What each figure includes, and every difference
@@ -157,11 +164,14 @@ EXPLAINED = """## What each figure includes, and every difference
   sharded gradient too (7.24 GB): FSDP1 with `use_orig_params=True` (accelerate's default for the Trainer) keeps the
   reduce-scattered gradient on its `FlatParameter`, and `zero_grad(set_to_none=True)` of the wrapped model visits the
   original parameters (views), not the flat one, so the shard stays allocated until FSDP1 resets it at the next
-  forward. The estimated column adds rank 0's gradient component on 2 GPUs (the 1-GPU runs ran FSDP1 with a world of
-  one, where FSDP1 switches to `NO_SHARD` and the gradient is the parameters' own). Without it the 2-GPU estimate would
-  be 21.73 GB (-25%).
-- **1 GPU**: simulated as FSDP1 over one rank (the runs launched accelerate's FSDP config with one process); the
-  weights, gradients and state are the whole model's.
+  forward. The estimated column adds rank 0's gradient component on 2 GPUs only (on 1 GPU there is no FSDP and the
+  gradients are the parameters' own, freed by `zero_grad`). Without it the 2-GPU estimate would be 21.73 GB (-25%).
+- **1 GPU**: no FSDP. fms-acceleration's `scripts/benchmarks/benchmark.py` (876e2ed, lines 954-961) starts an
+  experiment with `accelerate launch --config_file accelerate.yaml` only when `num_gpus > 1` and with plain `python`
+  otherwise, so the Trainer's accelerator has no FSDP plugin; the ledgers declare one GPU without `parallelism` and
+  `ledgerspec estimate` simulates the single-GPU step (until this was corrected they declared FSDP1 over one rank
+  and `shard --estimate` gave the same allocated figures, 72.42 GB: FSDP1 with a world of one switches to `NO_SHARD`
+  and holds the same tensors at the optimizer step).
 - **Not modelled**, as for the LoRA rows of the same file (`published-multi-gpu.md`): CUDA stream overlap, NCCL
   buffers, the CUDA context and the allocator cache (nvidia-smi column, not compared).
 """
@@ -180,8 +190,9 @@ def render(rows: list[Row], elapsed: float) -> str:
         "",
         f"Source: fms-acceleration's reference benchmarks, `scripts/benchmarks/refs/a100_80gb.csv` ({FMS}), scenario "
         "`full-finetuning`, `framework_config` none: Mistral-7B-v0.1, every parameter trained in bfloat16 "
-        "(`torch_dtype: bfloat16`, no `--bf16`), AdamW (torch), FSDP1 FULL_SHARD through accelerate 1.0.1 and "
-        "transformers 4.48.1's Trainer, packed 4,096-token sequences, gradient checkpointing, flash-attention 2. "
+        "(`torch_dtype: bfloat16`, no `--bf16`), AdamW (torch), on 2 GPUs FSDP1 FULL_SHARD through accelerate "
+        "1.0.1 (on 1 GPU no FSDP), transformers 4.48.1's Trainer, packed 4,096-token sequences, gradient "
+        "checkpointing, flash-attention 2. "
         "Published = rank 0's `TrainerMemoryTracker` figures (GB = 1e9 B).",
         "",
         *markdown_table(HEADER, [row.cells() for row in rows]),

@@ -295,7 +295,8 @@ EXPLAINED = """## What each figure includes, and every difference
   through FSDP1 under fake tensors (rank 0 shown; `engine/gptq.py` `as_fsdp_parameters`, equal on a tiny model to
   the plugin's own function and, per rank and phase, to a real FSDP1 run on the CPU:
   `tests/derivations/engine/test_gptq.py`), with the rest of the 2-GPU QLoRA rows' translation (`published-moe.md`,
-  `published-multi-gpu.md`): no backward prefetch, transformers 4.48.1's checkpoint around each FSDP1 unit.
+  `published-multi-gpu.md`): BACKWARD_PRE backward prefetch (the runs' accelerate.yaml), transformers 4.48.1's
+  checkpoint around each FSDP1 unit.
 - **2 GPUs, after `train()`**: 17.25 MB (2 sequences per rank) and 17.44 MB (4) low on Mistral and Mixtral alike
   (17,246,464 B and 17,443,072 B; Llama-2-70B 17,253,120 B), of which 17.04 MB are the cuBLAS workspaces and 0.20 /
   0.39 MB the three int64 batch tensors as on one GPU. The estimate counts the adapters' sharded gradients as still

@@ -195,7 +195,8 @@ EXPLAINED = """## What each figure includes, and every difference
   parameters upcast to float32, then TRL's `peft_module_casting_to_bf16` puts `lm_head` and `embed_tokens` back to
   bf16 and keeps the norms in float32), float32 adapters, bf16 autocast, reentrant checkpointing.
 - **2 GPUs:** FSDP1 as in `published-multi-gpu.md` (the same translation, the same stack: the quant storage is bf16
-  under FSDP, TRL skips the k-bit preparation and keeps bf16 adapters, no backward prefetch), rank 0.
+  under FSDP, TRL skips the k-bit preparation and keeps bf16 adapters, BACKWARD_PRE backward prefetch from the runs'
+  accelerate.yaml), rank 0.
 - **After `train()`:** rank 0's frozen base + adapter + AdamW state (the gradients are freed by `zero_grad`).
 - **Not modelled, each small here:** flash-attn 2.7.3's kernels versus the estimate's CUDA attention model;
   bitsandbytes 0.43.3 versus the installed 0.50 (after 0.43.2 both keep no 4-bit layer input for backward); PEFT

@@ -226,7 +226,10 @@ def main() -> None:
         fsdp_kwargs = dict(
             fsdp="full_shard auto_wrap",
             fsdp_config={
-                "backward_prefetch": "no_prefetch",  # the published runs: accelerate 1.0.1 read none
+                # the published runs had BACKWARD_PRE (their accelerate.yaml's fsdp_backward_prefetch); these ran
+                # without: with the checkpoint around each unit BACKWARD_PRE prefetches no decoder layer, only a LoRA
+                # unit of the layer being recomputed (published-multi-gpu.md, "Backward prefetch")
+                "backward_prefetch": "no_prefetch",
                 "use_orig_params": True,
                 # True needs a CUDA/XPU/NPU device (accelerate 1.0.1 utils/dataclasses.py 1674-1685); every rank builds
                 # the same weights from the same seed, so there is nothing to broadcast

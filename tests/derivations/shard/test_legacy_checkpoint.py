@@ -92,6 +92,39 @@ def test_simulation_holds_the_inputs_and_gradients_of_the_declared_placement(tmp
     assert "wraps each FSDP1 unit from outside" not in methods["4.52.0"]
 
 
+@pytest.mark.slow
+def test_backward_prefetch_gathers_no_decoder_layer_when_checkpointed_outside(tmp_path: Any) -> None:
+    """fms-acceleration's published 2-GPU runs had FSDP1's ``BACKWARD_PRE`` (their accelerate.yaml's
+    ``fsdp_backward_prefetch``), and it moves none of their estimates. FSDP1 prefetches the unit before the current one
+    only if that unit's forward registered its pre-backward hook (torch ``distributed/fsdp/_runtime_utils.py``
+    ``_get_handle_to_prefetch``: ``_needs_pre_backward_unshard``, set by ``_register_pre_backward_hooks`` only under
+    grad); with the reentrant checkpoint outside the unit the first forward runs without grad, so no decoder layer is
+    ever prefetched, only a LoRA unit of the layer being recomputed. On the deep narrow Llama above (about 5 s):
+    ``backward_pre`` adds less than the smallest decoder-layer unit to backward, and nothing to any other phase."""
+    pytest.importorskip("peft")
+    from ledgerspec.derivations.shard import state as S
+    from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import shard
+
+    config = json.loads((TESTS / "data" / "sharding" / "tiny" / "config.json").read_text())
+    config.update(num_hidden_layers=8, hidden_size=64, intermediate_size=128, vocab_size=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    phases, doc = {}, None
+    for word in ("no_prefetch", "backward_pre"):
+        text = TINY.format(config="config.json", transformers="4.48.1")
+        text = text.replace("reshard_after_forward: true}", f"reshard_after_forward: true, backward_prefetch: {word}}}")
+        doc = from_text(text, str(tmp_path / "x.ledger.yaml"))
+        est = shard(doc, estimate=True, target="cpu").estimate
+        assert est is not None and "wraps each FSDP1 unit from outside" in est.method
+        phases[word] = est.ranks[0].phases
+    assert doc is not None
+    plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2)
+    layer = min(v for k, v in plan.unit_unsharded.items() if "layers." in k and "lora" not in k)
+    moved = {k: phases["backward_pre"][k] - phases["no_prefetch"][k] for k in phases["no_prefetch"]}
+    assert all(v == 0 for k, v in moved.items() if k not in ("backward_peak", "steady_state_peak")), moved
+    assert 0 <= moved["backward_peak"] < layer and 0 <= moved["steady_state_peak"] < layer, (moved, layer)
+
+
 REPRO = "tiny-mistral-tall-lora-fsdp1-bf16-bs2"
 
 
