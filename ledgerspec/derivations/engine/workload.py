@@ -190,6 +190,10 @@ class WorkloadSpec:
     generation: GenerationSpec | None = None
     #: a GPTQ base (``quantization.type: gptq``): its QuantLinear layers and kernel; None: not GPTQ
     gptq: GptqSpec | None = None
+    #: ORPO, CPO on a bitsandbytes 4-bit base with bf16: TRL's ``compute_loss`` runs the forward and the loss in an
+    #: autocast region of its own, ``autocast(device.type)`` at the device's default dtype (orpo_trainer.py:880-892,
+    #: cpo_trainer.py:919-930, TRL 1.16; set when ``peft_module_casting_to_bf16`` ran, :262-265 / :252-255)
+    loss_autocast: bool = False
 
     @property
     def padded(self) -> bool:
@@ -333,14 +337,12 @@ class WorkloadSpec:
                 "pairs each prompt with another row's completion, kto_trainer.py:844-847)",
                 "set workload.microbatch to 2 or more",
             )
-        if t.objective in ("orpo", "cpo") and cfg.quantization.quantized:
+        if t.objective in ("orpo", "cpo") and gptq is not None:
             raise _err(
                 doc,
                 config.QUANT,
-                f"training.objective {t.objective} on a quantized base: TRL 1.16's {t.objective.upper()}Trainer then "
-                "prepares the model for k-bit training, casts modules to bfloat16 and runs its loss in an autocast "
-                "region of its own (orpo_trainer.py:220-262, 880-892; cpo_trainer.py:210-255, 926-930), which the step "
-                "does not simulate",
+                f"training.objective {t.objective} on a {(q.scheme or '').upper()} base: the step simulates TRL 1.16's "
+                f"{t.objective.upper()}Trainer on bitsandbytes 4-bit and unquantized bases only (its truths)",
                 "size the run with a measurement of the real trainer (LedgerCallback)",
             )
         generation = _generation(doc, t, w.microbatch, max(w.gradient_accumulation or 1, 1), worst)
@@ -415,6 +417,9 @@ class WorkloadSpec:
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
             generation=generation,
             gptq=gptq,
+            # ORPOTrainer/CPOTrainer: `if args.bf16 and getattr(model, "is_loaded_in_4bit", False)`: TRL's casts and
+            # the autocast of compute_loss (orpo_trainer.py:262-265, 886-889; cpo_trainer.py:252-255, 926-929)
+            loss_autocast=t.objective in ("orpo", "cpo") and quant is not None and t.mixed_precision == "bf16",
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
