@@ -210,8 +210,8 @@ def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
     q = cfg.quantization
     if what is None and training.objective in ("orpo", "cpo") and q.quantized and not q.four_bit:
         what = (
-            f"training.objective {training.objective} on a {q.type or 'quantized'} base (the step simulates TRL's "
-            f"{training.objective.upper()}Trainer on bitsandbytes 4-bit and unquantized bases)"
+            f"training.objective {training.objective} on a {q.type or 'non-4-bit'} quantized base (the step "
+            f"simulates TRL's {training.objective.upper()}Trainer on bitsandbytes 4-bit and unquantized bases)"
         )
     if what is not None and ctx.get("training", "objective").known:
         yield Hit(
@@ -232,7 +232,7 @@ TRL_BF16_CASTS = {"norm": "float32", "lm_head": "bfloat16", "embed_tokens": "bfl
     "bfloat16 before training (dpo_trainer.py:717-725, kto_trainer.py:777-780, reward_trainer.py:549-554): declare "
     "adapter.dtype: bfloat16, as the importers do; ORPOTrainer and CPOTrainer call prepare_model_for_kbit_training, "
     "keep PEFT's float32 adapters and, with bf16, cast norms to float32 and lm_head/embed_tokens to bfloat16 "
-    "(orpo_trainer.py:219-265, cpo_trainer.py:209-255): declare prepare_for_kbit_training: true, adapter.dtype: "
+    "(orpo_trainer.py:220-265, cpo_trainer.py:210-255): declare prepare_for_kbit_training: true, adapter.dtype: "
     "float32 and those module_dtypes",
     example="base_model: {quantized: true}\nadapter: {dtype: float32}\ntraining: {objective: dpo}",
 )
@@ -254,7 +254,7 @@ def ls015_dpo_qlora_adapter_dtype(ctx: Context) -> Iterator[Hit]:
 
 
 def _orpo_qlora_preparation(ctx: Context, cfg: C.Config) -> Iterator[Hit]:
-    """ORPO/CPO on a 4-bit base: TRL's preparation (orpo_trainer.py:219-232), PEFT's float32 adapters (:256-261) and,
+    """ORPO/CPO on a 4-bit base: TRL's preparation (orpo_trainer.py:220-232), PEFT's float32 adapters (:243-261) and,
     with bf16, ``peft_module_casting_to_bf16`` (:262-265), as the ledger must declare them for the step to be TRL's."""
     trainer = f"{cfg.training.objective.upper()}Trainer"
     if not cfg.prepare_kbit:

@@ -74,7 +74,7 @@ def test_on_a_gptq_base_it_is_not_simulated(objective: str) -> None:
 
     doc = _gptq(objective)
     hits = _ls014(doc)
-    assert len(hits) == 1 and f"{objective} on a gptq base" in hits[0]
+    assert len(hits) == 1 and f"{objective} on a gptq quantized base" in hits[0]
     with pytest.raises(LedgerspecError, match=rf"{objective} on a GPTQ base") as err:
         WorkloadSpec.from_document(doc)
     assert "\n" not in str(err.value) and err.value.hint and "LedgerCallback" in err.value.hint
@@ -122,3 +122,32 @@ def test_a_trl_cpo_config_dump_is_read_with_its_own_fields(tmp_path: Any) -> Non
     assert plain(doc, "training", "objective") == "cpo"
     assert plain(doc, "training", "objective_settings", "reference") == "none"
     assert [f.key for f in result.findings if f.kind == "unknown-key"] == []
+
+
+def test_a_trl_orpo_config_dump_on_a_4_bit_base_declares_trls_preparation(tmp_path: Any) -> None:
+    """The ORPOConfig dump (bf16) beside a model config with a bitsandbytes nf4 ``quantization_config``: the import
+    declares what TRL 1.16's ORPOTrainer does to that base (orpo_trainer.py:220-265): prepared for k-bit training,
+    PEFT's float32 adapters (not the bfloat16 TRL's other trainers cast them to), TRL's bf16 casts; nothing for LS014
+    or LS015."""
+    import json
+    import shutil
+
+    from tests.support.imports import imported, plain
+
+    for name in ("orpo_config.json", "adapter_config.json"):
+        shutil.copy(IMPORTS / "hf" / "orpo" / name, tmp_path / name)
+    config = json.loads((IMPORTS / "hf" / "orpo" / "config.json").read_text(encoding="utf-8"))
+    dpo = json.loads((IMPORTS / "hf" / "dpo" / "config.json").read_text(encoding="utf-8"))
+    assert dpo["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    config["quantization_config"] = dpo["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    doc, _ = imported(tmp_path / "orpo_config.json", tmp_path / "adapter_config.json", tmp_path / "config.json")
+    assert plain(doc, "method", "kind") == "QLoRA"
+    assert plain(doc, "base_model", "prepare_for_kbit_training") is True
+    assert plain(doc, "base_model", "module_dtypes") == {
+        "norm": "float32",
+        "lm_head": "bfloat16",
+        "embed_tokens": "bfloat16",
+    }
+    assert plain(doc, "adapter", "dtype") == ("ASSUMPTION", "float32")
+    assert [f.rule for f in validate(doc).findings if f.rule in ("LS014", "LS015")] == []

@@ -21,18 +21,20 @@ TRL's own code runs where it can be called apart: ``concatenated_inputs`` (a sta
 
 The forward phase is the model's call; the logits' processing after it is the loss's, as the real run's phases are.
 
-On a bitsandbytes 4-bit base the trainer is handed (with its ``peft_config``, :219-265) TRL calls PEFT's
+On a bitsandbytes 4-bit base the trainer is handed (with its ``peft_config``, :220-265) TRL calls PEFT's
 ``prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing,
-gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)`` (:219-232: the ledger's
+gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)`` (:220-232: the ledger's
 ``base_model.prepare_for_kbit_training``), wraps it with ``get_peft_model`` at PEFT's default
-``autocast_adapter_dtype=True`` (float32 adapters, :256-261), and with ``bf16`` casts modules with
+``autocast_adapter_dtype=True`` (float32 adapters, :243-261), and with ``bf16`` casts modules with
 ``peft_module_casting_to_bf16`` (:262-265, ``experimental/utils.py:950-957``: norms to float32, ``lm_head`` and
 ``embed_tokens`` weights that are float32 to bfloat16; the ledger's ``base_model.module_dtypes``). It then runs
-``get_batch_loss_metrics``, the forward included, in ``autocast(self.accelerator.device.type)`` (:880-892): the device's
+``get_batch_loss_metrics``, the forward included, in ``autocast(self.accelerator.device.type)`` (:886-891): the device's
 default autocast dtype (bfloat16 on the CPU, float16 on CUDA) around accelerate's own bf16 region, which stays the
 innermost around the model call. Its one effect on memory: the autocast cache of the float32 adapters' lower-precision
 copies lives until the outermost region ends, after the loss, not at the model call's end
 (:attr:`~ledgerspec.derivations.engine.workload.WorkloadSpec.loss_autocast`; the loss's own ops see float32 logits).
+The truths cannot tell it apart: a few cast adapter copies held through the loss stay below the backward's peak
+(leaving the region out passes them too); the casts and the preparation they do see.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class ORPOLoop(TrainerLoop):
 
     def loss_region(self) -> Any:
         """``compute_loss``'s ``autocast(self.accelerator.device.type)`` when ``_peft_has_been_casted_to_bf16``
-        (:880-889), else nothing: torch's default autocast dtype of the device TRL runs on (the estimate's target;
+        (:886-891), else nothing: torch's default autocast dtype of the device TRL runs on (the estimate's target;
         on the CPU's fake tensors it casts as the emulated CUDA autocast does)."""
         if not self.spec.loss_autocast:
             return contextlib.nullcontext()

@@ -191,8 +191,8 @@ class WorkloadSpec:
     #: a GPTQ base (``quantization.type: gptq``): its QuantLinear layers and kernel; None: not GPTQ
     gptq: GptqSpec | None = None
     #: ORPO, CPO on a bitsandbytes 4-bit base with bf16: TRL's ``compute_loss`` runs the forward and the loss in an
-    #: autocast region of its own, ``autocast(device.type)`` at the device's default dtype (orpo_trainer.py:880-892,
-    #: cpo_trainer.py:919-930, TRL 1.16; set when ``peft_module_casting_to_bf16`` ran, :262-265 / :252-255)
+    #: autocast region of its own, ``autocast(device.type)`` at the device's default dtype (orpo_trainer.py:886-891,
+    #: cpo_trainer.py:926-931, TRL 1.16; set when ``peft_module_casting_to_bf16`` ran, :262-265 / :252-255)
     loss_autocast: bool = False
 
     @property
@@ -418,7 +418,7 @@ class WorkloadSpec:
             generation=generation,
             gptq=gptq,
             # ORPOTrainer/CPOTrainer: `if args.bf16 and getattr(model, "is_loaded_in_4bit", False)`: TRL's casts and
-            # the autocast of compute_loss (orpo_trainer.py:262-265, 886-889; cpo_trainer.py:252-255, 926-929)
+            # the autocast of compute_loss (orpo_trainer.py:262-265, 886-891; cpo_trainer.py:252-255, 926-931)
             loss_autocast=t.objective in ("orpo", "cpo") and quant is not None and t.mixed_precision == "bf16",
         )
 
@@ -562,6 +562,8 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
             "(held, fp32 under mixed precision), the chosen rows' NLL, the rows' log-probs and the CPO loss (TRL's "
             "own functions), TRL's metrics, no reference, the loss divided by the accumulation steps"
         )
+        if spec.loss_autocast:
+            loop += ", the forward and the loss in TRL's own autocast region (a 4-bit base with bf16)"
         if spec.disable_dropout:
             loop += ", dropout off (TRL's disable_dropout)"
         if spec.max_grad_norm > 0:
@@ -573,6 +575,8 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
             "cross-entropy, the rows' average log-probs and the odds-ratio loss (TRL's own functions), TRL's "
             "metrics, no reference, the loss divided by the accumulation steps"
         )
+        if spec.loss_autocast:
+            loop += ", the forward and the loss in TRL's own autocast region (a 4-bit base with bf16)"
         if spec.disable_dropout:
             loop += ", dropout off (TRL's disable_dropout)"
         if spec.max_grad_norm > 0:

@@ -127,12 +127,15 @@ def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> N
 
 
 def test_the_method_says_which_step_ran(runs: dict[str, Any]) -> None:
-    assert "ORPOTrainer step" in (runs["estimated"].get("ledger", "activations").method or "")
+    method = runs["estimated"].get("ledger", "activations").method or ""
+    assert "ORPOTrainer step" in method
+    assert ("TRL's own autocast region" in method) == runs["case"].base.quant  # bf16 on a 4-bit base
 
 
 def test_the_cases_cover_with_and_without_checkpointing() -> None:
     assert len({c.name for c in CASES}) == len(CASES) >= 3
     assert any(c.base.checkpointing for c in CASES) and any(not c.base.checkpointing for c in CASES)
+    assert any(c.base.quant for c in CASES) and any(not c.base.quant for c in CASES)  # LoRA and QLoRA nf4
 
 
 def test_the_callback_on_an_orpo_trainer_is_measure(runs: dict[str, Any]) -> None:
