@@ -220,10 +220,6 @@ def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
         )
 
 
-#: TRL 1.16's ``peft_module_casting_to_bf16`` (trl/experimental/utils.py:950-957) as ``base_model.module_dtypes``
-TRL_BF16_CASTS = {"norm": "float32", "lm_head": "bfloat16", "embed_tokens": "bfloat16"}
-
-
 @rule(
     "LS015",
     WARNING,
@@ -231,9 +227,9 @@ TRL_BF16_CASTS = {"norm": "float32", "lm_head": "bfloat16", "embed_tokens": "bfl
     "TRL 1.16's DPOTrainer, KTOTrainer and RewardTrainer cast every trainable parameter of a quantized model to "
     "bfloat16 before training (dpo_trainer.py:717-725, kto_trainer.py:777-780, reward_trainer.py:549-554): declare "
     "adapter.dtype: bfloat16, as the importers do; ORPOTrainer and CPOTrainer call prepare_model_for_kbit_training, "
-    "keep PEFT's float32 adapters and, with bf16, cast norms to float32 and lm_head/embed_tokens to bfloat16 "
-    "(orpo_trainer.py:220-265, cpo_trainer.py:210-255): declare prepare_for_kbit_training: true, adapter.dtype: "
-    "float32 and those module_dtypes",
+    "keep PEFT's float32 adapters and, handed a peft_config with bf16, cast norms to float32 and lm_head/embed_tokens "
+    "to bfloat16 (orpo_trainer.py:220-265, cpo_trainer.py:210-255): declare prepare_for_kbit_training: true, "
+    "adapter.dtype: float32 and the module_dtypes of whoever cast the model (TRL's, or the tool's that wrapped it)",
     example="base_model: {quantized: true}\nadapter: {dtype: float32}\ntraining: {objective: dpo}",
 )
 def ls015_dpo_qlora_adapter_dtype(ctx: Context) -> Iterator[Hit]:
@@ -269,13 +265,14 @@ def _orpo_qlora_preparation(ctx: Context, cfg: C.Config) -> Iterator[Hit]:
             ptr("adapter", "dtype"),
             f"adapter.dtype {dtype.value}: TRL's {trainer} keeps PEFT's float32 adapters on a quantized base",
         )
-    declared = {k: dtypes.canonical(v) for k, v in cfg.module_dtypes}
-    if cfg.training.mixed_precision == "bf16" and any(declared.get(k) != v for k, v in TRL_BF16_CASTS.items()):
-        casts = ", ".join(f"{k}: {v}" for k, v in TRL_BF16_CASTS.items())
+    if cfg.training.mixed_precision == "bf16" and not ctx.get("base_model", "module_dtypes").known:
+        casts = ", ".join(f"{k}: {v}" for k, v in C.TRL_BF16_CASTS.items())
         yield Hit(
             ptr("base_model", "module_dtypes"),
-            f"with bf16 TRL's {trainer} casts norms to float32 and lm_head/embed_tokens to bfloat16 after wrapping "
-            f"the model (peft_module_casting_to_bf16): declare base_model.module_dtypes {{{casts}}}",
+            f"no base_model.module_dtypes: with bf16 TRL's {trainer}, handed the base and a peft_config, casts norms "
+            f"to float32 and lm_head/embed_tokens to bfloat16 after wrapping it (peft_module_casting_to_bf16) and runs "
+            f"its loss in an autocast region of its own: declare {{{casts}}}, or the casts of the tool that wrapped "
+            "the model (axolotl's rl: orpo hands TRL a PEFT model)",
         )
 
 

@@ -20,13 +20,18 @@ from tests.support.imports import IMPORTS
 EXAMPLE = IMPORTS.parent.parent.parent / "examples" / "llama-2-7b-lora.ledger.yaml"
 
 
-def _doc(training: str, software: str = "", quantized: bool = False) -> Any:
+TRL_CASTS = "{norm: float32, lm_head: bfloat16, embed_tokens: bfloat16}"
+AXOLOTL_CASTS = "{norm: bfloat16, lm_head: bfloat16, embed_tokens: bfloat16}"
+
+
+def _doc(training: str, software: str = "", quantized: bool = False, casts: str = "") -> Any:
     text = EXAMPLE.read_text(encoding="utf-8")
     if quantized:
         assert "  quantized: false" in text
         text = text.replace(
             "  quantized: false",
-            "  quantized: true\n  quantization: {type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16}",
+            "  quantized: true\n  quantization: {type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16}"
+            + (f"\n  module_dtypes: {casts}" if casts else ""),
             1,
         )
     text += f"software:\n{software}" if software else ""
@@ -48,9 +53,9 @@ def test_it_is_simulated_on_a_16_bit_base_and_trl_1_16(objective: str) -> None:
 
 @pytest.mark.parametrize("objective", ["orpo", "cpo"])
 def test_on_a_4_bit_base_it_is_simulated_with_trls_preparation(objective: str) -> None:
-    """nf4: no LS014; the step runs TRL's autocast of ``compute_loss`` with bf16 only (``_peft_has_been_casted_to_bf16``
-    is set by the casts bf16 makes, orpo_trainer.py:262-265); LS015 names what the ledger declares otherwise than
-    TRL does (here: no preparation, no casts)."""
+    """nf4: no LS014; the step runs TRL's autocast of ``compute_loss`` with bf16 and TRL's casts declared only
+    (``_peft_has_been_casted_to_bf16`` is set by those casts, orpo_trainer.py:262-265); LS015 names what the ledger
+    leaves out or declares otherwise than TRL does (here: no preparation, no casts)."""
     pytest.importorskip("torch")
     from ledgerspec.derivations.engine.workload import WorkloadSpec
 
@@ -58,8 +63,14 @@ def test_on_a_4_bit_base_it_is_simulated_with_trls_preparation(objective: str) -
     assert _ls014(doc) == []
     ls015 = {f.pointer for f in validate(doc).findings if f.rule == "LS015"}
     assert ls015 == {"/base_model/prepare_for_kbit_training", "/base_model/module_dtypes"}
-    assert WorkloadSpec.from_document(doc).loss_autocast
-    plain = _doc(f"  objective: {objective}\n  mixed_precision: 'no'\n", quantized=True)
+    assert not WorkloadSpec.from_document(doc).loss_autocast  # no casts declared: TRL's flag is not set
+    trl = _doc(f"  objective: {objective}\n  mixed_precision: bf16\n", quantized=True, casts=TRL_CASTS)
+    assert WorkloadSpec.from_document(trl).loss_autocast
+    assert {f.pointer for f in validate(trl).findings if f.rule == "LS015"} == {"/base_model/prepare_for_kbit_training"}
+    # axolotl's rl: orpo hands TRL a PEFT model: its own casts, no TRL casts, no region
+    axolotl = _doc(f"  objective: {objective}\n  mixed_precision: bf16\n", quantized=True, casts=AXOLOTL_CASTS)
+    assert not WorkloadSpec.from_document(axolotl).loss_autocast
+    plain = _doc(f"  objective: {objective}\n  mixed_precision: 'no'\n", quantized=True, casts=TRL_CASTS)
     assert not WorkloadSpec.from_document(plain).loss_autocast
     spec = WorkloadSpec.from_document(_doc(f"  objective: {objective}\n"))
     assert (spec.objective, spec.reference, spec.padded, spec.disable_dropout) == (objective, None, True, True)

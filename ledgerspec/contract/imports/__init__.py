@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ledgerspec.contract.config import TRL_BF16_CASTS
 from ledgerspec.contract.imports import accelerate, axolotl, hf, llamafactory, shipped
 from ledgerspec.contract.imports.builder import Builder, Finding
 from ledgerspec.contract.imports.common import QUANTIZED, VERSIONS
@@ -155,7 +156,7 @@ def _finish(
                 if b.value(("training", "mixed_precision")) == "bf16":
                     b.set(
                         ("base_model", "module_dtypes"),
-                        {"norm": "float32", "lm_head": "bfloat16", "embed_tokens": "bfloat16"},
+                        dict(TRL_BF16_CASTS),
                         f"{trainer} with bf16: peft_module_casting_to_bf16 (orpo_trainer.py:262-265, "
                         "experimental/utils.py:950-957)",
                     )

@@ -190,9 +190,10 @@ class WorkloadSpec:
     generation: GenerationSpec | None = None
     #: a GPTQ base (``quantization.type: gptq``): its QuantLinear layers and kernel; None: not GPTQ
     gptq: GptqSpec | None = None
-    #: ORPO, CPO on a bitsandbytes 4-bit base with bf16: TRL's ``compute_loss`` runs the forward and the loss in an
-    #: autocast region of its own, ``autocast(device.type)`` at the device's default dtype (orpo_trainer.py:886-891,
-    #: cpo_trainer.py:926-931, TRL 1.16; set when ``peft_module_casting_to_bf16`` ran, :262-265 / :252-255)
+    #: ORPO, CPO on a bitsandbytes 4-bit base with bf16 and TRL's casts declared: TRL's ``compute_loss`` runs the
+    #: forward and the loss in an autocast region of its own, ``autocast(device.type)`` at the device's default dtype
+    #: (orpo_trainer.py:886-891, cpo_trainer.py:926-931, TRL 1.16; when ``peft_module_casting_to_bf16`` ran,
+    #: :262-265 / :252-255, which the ledger's ``module_dtypes`` say: :func:`config.trl_casts_declared`)
     loss_autocast: bool = False
 
     @property
@@ -417,9 +418,14 @@ class WorkloadSpec:
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
             generation=generation,
             gptq=gptq,
-            # ORPOTrainer/CPOTrainer: `if args.bf16 and getattr(model, "is_loaded_in_4bit", False)`: TRL's casts and
-            # the autocast of compute_loss (orpo_trainer.py:262-265, 886-891; cpo_trainer.py:252-255, 926-931)
-            loss_autocast=t.objective in ("orpo", "cpo") and quant is not None and t.mixed_precision == "bf16",
+            # ORPOTrainer/CPOTrainer handed a peft_config: `if args.bf16 and getattr(model, "is_loaded_in_4bit",
+            # False)`: TRL's casts, then the autocast of compute_loss (orpo_trainer.py:262-265, 886-891;
+            # cpo_trainer.py:252-255, 926-931); a tool that hands TRL a PEFT model (axolotl's rl: orpo) gets neither,
+            # and declares its own casts
+            loss_autocast=t.objective in ("orpo", "cpo")
+            and quant is not None
+            and t.mixed_precision == "bf16"
+            and config.trl_casts_declared(cfg.module_dtypes),
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:

@@ -41,6 +41,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ledgerspec.contract.config import TRL_BF16_CASTS
 from ledgerspec.contract.document import Document, from_text
 from ledgerspec.contract.imports import (
     ADAPTER_FIELDS,
@@ -523,7 +524,7 @@ def _trl_casts(b: Builder, trainer: Any) -> bool:
         return False
     b.set(
         ("base_model", "module_dtypes"),
-        {"norm": "float32", "lm_head": "bfloat16", "embed_tokens": "bfloat16"},
+        dict(TRL_BF16_CASTS),
         "trainer._peft_has_been_casted_to_bf16: TRL's peft_module_casting_to_bf16 ran (norms to float32, lm_head "
         "and embed_tokens to bfloat16)",
     )
