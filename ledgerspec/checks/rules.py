@@ -210,7 +210,7 @@ def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
     q = cfg.quantization
     if what is None and training.objective in ("orpo", "cpo") and q.quantized and not q.four_bit:
         what = (
-            f"training.objective {training.objective} on a {q.type or 'non-4-bit'} quantized base (the step "
+            f"training.objective {training.objective} on a base quantized as {q.type or 'not declared'} (the step "
             f"simulates TRL's {training.objective.upper()}Trainer on bitsandbytes 4-bit and unquantized bases)"
         )
     if what is not None and ctx.get("training", "objective").known:

@@ -85,7 +85,7 @@ def test_on_a_gptq_base_it_is_not_simulated(objective: str) -> None:
 
     doc = _gptq(objective)
     hits = _ls014(doc)
-    assert len(hits) == 1 and f"{objective} on a gptq quantized base" in hits[0]
+    assert len(hits) == 1 and f"{objective} on a base quantized as gptq" in hits[0]
     with pytest.raises(LedgerspecError, match=rf"{objective} on a GPTQ base") as err:
         WorkloadSpec.from_document(doc)
     assert "\n" not in str(err.value) and err.value.hint and "LedgerCallback" in err.value.hint
