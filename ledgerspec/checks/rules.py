@@ -197,20 +197,21 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
     WARNING,
     "training.objective is one whose step the estimate does not simulate",
     "PPO runs a value model and its own generation, GRPO/RLOO with vLLM a second engine with its share of the card, "
-    "and ORPO/CPO on a quantized base their own casts and autocast: record the real trainer's run (LedgerCallback) "
-    "until the estimate models them (supervised fine-tuning, DPO and KTO with their reference from the policy, a "
-    "separate model or precomputed, reward models, ORPO, CPO, GRPO and RLOO with transformers' generate are "
-    "simulated, on TRL 1.16)",
+    "and ORPO/CPO on a GPTQ/AWQ or 8-bit base a layout no truth has checked: record the real trainer's run "
+    "(LedgerCallback) until the estimate models them (supervised fine-tuning, DPO and KTO with their reference from "
+    "the policy, a separate model or precomputed, reward models, ORPO and CPO (on a bitsandbytes 4-bit base too), GRPO "
+    "and RLOO with transformers' generate are simulated, on TRL 1.16)",
     example="training: {objective: ppo}",
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
     cfg = C.read(ctx.doc)
     training = cfg.training
     what = training.not_simulated
-    if what is None and training.objective in ("orpo", "cpo") and cfg.quantization.quantized:
+    q = cfg.quantization
+    if what is None and training.objective in ("orpo", "cpo") and q.quantized and not q.four_bit:
         what = (
-            f"training.objective {training.objective} on a quantized base (TRL's {training.objective.upper()}Trainer "
-            "prepares, casts and autocasts it)"
+            f"training.objective {training.objective} on a base quantized as {q.type or 'not declared'} (the step "
+            f"simulates TRL's {training.objective.upper()}Trainer on bitsandbytes 4-bit and unquantized bases)"
         )
     if what is not None and ctx.get("training", "objective").known:
         yield Hit(
@@ -222,14 +223,20 @@ def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
 @rule(
     "LS015",
     WARNING,
-    "DPO, KTO or a reward model on a quantized base declares adapters that TRL casts to bfloat16",
+    "a TRL trainer on a quantized base: the adapters' dtype, preparation or casts declared are not what TRL does",
     "TRL 1.16's DPOTrainer, KTOTrainer and RewardTrainer cast every trainable parameter of a quantized model to "
     "bfloat16 before training (dpo_trainer.py:717-725, kto_trainer.py:777-780, reward_trainer.py:549-554): declare "
-    "adapter.dtype: bfloat16, as the importers do",
+    "adapter.dtype: bfloat16, as the importers do; ORPOTrainer and CPOTrainer call prepare_model_for_kbit_training, "
+    "keep PEFT's float32 adapters and, handed a peft_config with bf16, cast norms to float32 and lm_head/embed_tokens "
+    "to bfloat16 (orpo_trainer.py:220-265, cpo_trainer.py:210-255): declare prepare_for_kbit_training: true, "
+    "adapter.dtype: float32 and the module_dtypes of whoever cast the model (TRL's, or the tool's that wrapped it)",
     example="base_model: {quantized: true}\nadapter: {dtype: float32}\ntraining: {objective: dpo}",
 )
 def ls015_dpo_qlora_adapter_dtype(ctx: Context) -> Iterator[Hit]:
     cfg = C.read(ctx.doc)
+    if cfg.training.objective in ("orpo", "cpo") and cfg.quantization.four_bit and cfg.training.simulated:
+        yield from _orpo_qlora_preparation(ctx, cfg)
+        return
     trainer = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}.get(cfg.training.objective)
     if trainer is None or not cfg.quantization.quantized or not cfg.training.simulated:
         return
@@ -239,6 +246,33 @@ def ls015_dpo_qlora_adapter_dtype(ctx: Context) -> Iterator[Hit]:
             ptr("adapter", "dtype"),
             f"adapter.dtype {dtype.value}: TRL's {trainer} trains the adapters of a quantized base in bfloat16, so "
             "the run holds bfloat16 adapters, gradients and optimizer state",
+        )
+
+
+def _orpo_qlora_preparation(ctx: Context, cfg: C.Config) -> Iterator[Hit]:
+    """ORPO/CPO on a 4-bit base: TRL's preparation (orpo_trainer.py:220-232), PEFT's float32 adapters (:243-261) and,
+    with bf16, ``peft_module_casting_to_bf16`` (:262-265), as the ledger must declare them for the step to be TRL's."""
+    trainer = f"{cfg.training.objective.upper()}Trainer"
+    if not cfg.prepare_kbit:
+        yield Hit(
+            ptr("base_model", "prepare_for_kbit_training"),
+            f"TRL's {trainer} prepares a quantized base with prepare_model_for_kbit_training (its 16-bit parameters "
+            "that are not 4-bit weights in float32): declare base_model.prepare_for_kbit_training: true",
+        )
+    dtype = ctx.get("adapter", "dtype")
+    if dtype.known and dtypes.canonical(str(dtype.value)) != "float32":
+        yield Hit(
+            ptr("adapter", "dtype"),
+            f"adapter.dtype {dtype.value}: TRL's {trainer} keeps PEFT's float32 adapters on a quantized base",
+        )
+    if cfg.training.mixed_precision == "bf16" and not ctx.get("base_model", "module_dtypes").known:
+        casts = ", ".join(f"{k}: {v}" for k, v in C.TRL_BF16_CASTS.items())
+        yield Hit(
+            ptr("base_model", "module_dtypes"),
+            f"no base_model.module_dtypes: with bf16 TRL's {trainer}, handed the base and a peft_config, casts norms "
+            f"to float32 and lm_head/embed_tokens to bfloat16 after wrapping it (peft_module_casting_to_bf16) and runs "
+            f"its loss in an autocast region of its own: declare {{{casts}}}, or the casts of the tool that wrapped "
+            "the model (axolotl's rl: orpo hands TRL a PEFT model)",
         )
 
 

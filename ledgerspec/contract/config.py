@@ -235,6 +235,18 @@ class Training:
 
 #: the objectives whose step ``estimate`` and ``measure`` simulate (the others are declared for the record, LS014)
 SIMULATED_OBJECTIVES = ("sft", "dpo", "reward", "kto", "orpo", "cpo", "grpo", "rloo")
+#: TRL 1.16's ``peft_module_casting_to_bf16`` (trl/experimental/utils.py:950-957) as ``base_model.module_dtypes``:
+#: what ``ORPOTrainer``/``CPOTrainer`` handed a 4-bit base and a ``peft_config`` cast with bf16 (and then open their
+#: ``compute_loss``'s autocast region, orpo_trainer.py:262-265, 886-891)
+TRL_BF16_CASTS = {"norm": "float32", "lm_head": "bfloat16", "embed_tokens": "bfloat16"}
+
+
+def trl_casts_declared(module_dtypes: tuple[tuple[str, str], ...]) -> bool:
+    """Whether ``base_model.module_dtypes`` declares TRL's casts (:data:`TRL_BF16_CASTS`; other keys may be added)."""
+    declared = {k: dtypes.canonical(v) for k, v in module_dtypes}
+    return all(declared.get(k) == v for k, v in TRL_BF16_CASTS.items())
+
+
 #: the online-RL objectives: a generation phase before the training forward
 GENERATING = ("grpo", "rloo")
 #: GRPO's reference kinds the simulation runs: none (``beta: 0``) or the PEFT policy with its adapters off

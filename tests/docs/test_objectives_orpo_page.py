@@ -30,6 +30,15 @@ def _edited(step: str, checkpointing: str) -> str:
     text = EXAMPLE.read_text(encoding="utf-8")
     if step.startswith("ORPO"):
         text = text.replace("  objective: dpo\n", "  objective: orpo\n")
+    if "QLoRA nf4" in step:  # the base in 4-bit as TRL's ORPOTrainer prepares and casts it (docs: on a quantized base)
+        text = text.replace("  kind: LoRA\n", "  kind: QLoRA\n", 1).replace(
+            "  quantized: false\n",
+            "  quantized: true\n  prepare_for_kbit_training: true\n"
+            "  module_dtypes: {norm: float32, lm_head: bfloat16, embed_tokens: bfloat16}\n"
+            "  quantization: {type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16, storage_dtype: uint8}\n",
+            1,
+        )
+        assert "kind: QLoRA" in text and "type: nf4" in text
     if checkpointing == "off":
         text = text.replace("  gradient_checkpointing: true", "  gradient_checkpointing: false")
     return text

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ledgerspec.contract.config import TRL_BF16_CASTS
 from ledgerspec.contract.imports import accelerate, axolotl, hf, llamafactory, shipped
 from ledgerspec.contract.imports.builder import Builder, Finding
 from ledgerspec.contract.imports.common import QUANTIZED, VERSIONS
@@ -114,6 +115,14 @@ def _finish(
                     "TRL 1.16.0 RewardTrainer: the adapters and the score head's copy on a quantized base are cast to "
                     "bfloat16 (reward_trainer.py:549-554)",
                 )
+            elif trl and quantized and b.value(("training", "objective")) in ("orpo", "cpo"):
+                b.assume(
+                    ("adapter", "dtype"),
+                    "float32",
+                    "PEFT get_peft_model(autocast_adapter_dtype=True): ORPOTrainer/CPOTrainer do not cast the adapters",
+                    "TRL 1.16.0 ORPOTrainer/CPOTrainer keep PEFT's float32 adapters on a quantized base "
+                    "(orpo_trainer.py:243-261, cpo_trainer.py:233-251)",
+                )
             elif trl and quantized:
                 b.assume(
                     ("adapter", "dtype"),
@@ -136,7 +145,22 @@ def _finish(
                     f"PEFT {VERSIONS['peft']} upcasts the adapters to float32 by default",
                 )
         if quantized:
-            if b.facts.get("trl"):
+            objective = b.value(("training", "objective"))
+            if b.facts.get("trl") and objective in ("orpo", "cpo"):
+                trainer = f"TRL 1.16.0 {str(objective).upper()}Trainer"
+                b.set(
+                    ("base_model", "prepare_for_kbit_training"),
+                    True,
+                    f"{trainer} calls it on a quantized base (orpo_trainer.py:220-232, cpo_trainer.py:210-222)",
+                )
+                if b.value(("training", "mixed_precision")) == "bf16":
+                    b.set(
+                        ("base_model", "module_dtypes"),
+                        dict(TRL_BF16_CASTS),
+                        f"{trainer} with bf16: peft_module_casting_to_bf16 (orpo_trainer.py:262-265, "
+                        "experimental/utils.py:950-957)",
+                    )
+            elif b.facts.get("trl"):
                 b.set(("base_model", "prepare_for_kbit_training"), False, "TRL 1.9 SFTTrainer does not call it")
             else:
                 b.unknown(

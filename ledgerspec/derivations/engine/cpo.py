@@ -12,6 +12,10 @@ to the full logits, TRL's own ``get_batch_logps``) with CPO's differences:
 - ``get_batch_loss_metrics`` (:865-917): TRL's own ``cpo_loss`` (:678-750, on this step as its ``self``),
   ``losses.mean() + cpo_alpha * nll``, each metric's value sent to the host as it is made;
 - ``compute_loss`` (:919-938) returns the loss; the Trainer divides it by the accumulation steps.
+
+On a bitsandbytes 4-bit base CPOTrainer prepares, wraps and casts the model as ORPOTrainer does (:210-255: PEFT's
+``prepare_model_for_kbit_training``, float32 adapters, ``peft_module_casting_to_bf16`` with ``bf16``) and runs
+``get_batch_loss_metrics`` in ``autocast(self.accelerator.device.type)`` (:926-931), as ORPO's step models it.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class CPOLoop(ORPOLoop):
         nll_loss.detach().mean()
         del losses, chosen_rewards, rejected_rewards, reward_accuracies
         del chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss
+        self.region.close()  # compute_loss's autocast ends (:926-931)
         # training_step: `loss / current_gradient_accumulation_steps`
         return loss / self.spec.accumulation
 

@@ -20,12 +20,29 @@ TRL's own code runs where it can be called apart: ``concatenated_inputs`` (a sta
    normalised by ``num_items_in_batch``; none is passed).
 
 The forward phase is the model's call; the logits' processing after it is the loss's, as the real run's phases are.
+
+On a bitsandbytes 4-bit base the trainer is handed (with its ``peft_config``, :220-265) TRL calls PEFT's
+``prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing,
+gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)`` (:220-232: the ledger's
+``base_model.prepare_for_kbit_training``), wraps it with ``get_peft_model`` at PEFT's default
+``autocast_adapter_dtype=True`` (float32 adapters, :243-261), and with ``bf16`` casts modules with
+``peft_module_casting_to_bf16`` (:262-265, ``experimental/utils.py:950-957``: norms to float32, ``lm_head`` and
+``embed_tokens`` weights that are float32 to bfloat16; the ledger's ``base_model.module_dtypes``). It then runs
+``get_batch_loss_metrics``, the forward included, in ``autocast(self.accelerator.device.type)`` (:886-891): the device's
+default autocast dtype (bfloat16 on the CPU, float16 on CUDA) around accelerate's own bf16 region, which stays the
+innermost around the model call. Its one effect on memory: the autocast cache of the float32 adapters' lower-precision
+copies lives until the outermost region ends, after the loss, not at the model call's end
+(:attr:`~ledgerspec.derivations.engine.workload.WorkloadSpec.loss_autocast`; the loss's own ops see float32 logits).
+The truths cannot tell it apart: a few cast adapter copies held through the loss stay below the backward's peak
+(leaving the region out passes them too); the casts and the preparation they do see.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+from ledgerspec.derivations.engine.autocast import autocast_region
 from ledgerspec.derivations.engine.step import TrainerLoop
 
 #: ORPOConfig's default ``beta`` (orpo_config.py:90); memory does not depend on it
@@ -60,6 +77,7 @@ class ORPOLoop(TrainerLoop):
         self.patched = False
         self.beta = BETA  # odds_ratio_loss reads self.beta and self.accelerator.device
         self.accelerator: Any = None
+        self.region = contextlib.ExitStack()  # TRL's autocast of compute_loss (quantized base, bf16)
 
     def start(self, seq: int, micro_steps: int) -> None:
         import torch
@@ -77,8 +95,22 @@ class ORPOLoop(TrainerLoop):
         """The collator's micro-batches; ``chosen_labels``, not ``labels``: no ``num_items_in_batch``."""
         return [self.w.orpo_batch(seq) for _ in range(micro_steps)], None
 
+    def loss_region(self) -> Any:
+        """``compute_loss``'s ``autocast(self.accelerator.device.type)`` when ``_peft_has_been_casted_to_bf16``
+        (:886-891), else nothing: torch's default autocast dtype of the device TRL runs on (the estimate's target;
+        on the CPU's fake tensors it casts as the emulated CUDA autocast does)."""
+        if not self.spec.loss_autocast:
+            return contextlib.nullcontext()
+        import torch
+
+        trl_device = getattr(self.w, "target", None) or self.w.device_type
+        dtype = str(torch.get_autocast_dtype(trl_device)).removeprefix("torch.")
+        return autocast_region(dtype, "cpu" if self.w.device_type == "cpu" else "cuda")
+
     def forward(self, i: int) -> Any:
-        """``concatenated_forward`` (:745-777) up to the model's outputs."""
+        """``concatenated_forward`` (:745-777) up to the model's outputs (TRL's autocast of ``compute_loss`` entered
+        first: it ends in :meth:`loss`)."""
+        self.region.enter_context(self.loss_region())
         batch = self.batches[i]
         concatenated = _orpo_trainer().concatenated_inputs(
             batch, is_encoder_decoder=False, padding_value=PAD, device=self.w.device
@@ -120,6 +152,7 @@ class ORPOLoop(TrainerLoop):
             metrics[k] = 0.0
         del metrics, losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen, reward_accuracies
         del chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss
+        self.region.close()  # compute_loss's autocast ends (:891): its cache of cast adapters goes
         loss = loss.to(self.w.device)  # compute_loss, :894
         # training_step: `loss / current_gradient_accumulation_steps` (the loss was not normalised by item counts)
         return loss / self.spec.accumulation
@@ -157,6 +190,7 @@ class ORPOLoop(TrainerLoop):
 
     def finish(self) -> None:
         super().finish()
+        self.region.close()
         self.held = {}
 
 

@@ -190,6 +190,11 @@ class WorkloadSpec:
     generation: GenerationSpec | None = None
     #: a GPTQ base (``quantization.type: gptq``): its QuantLinear layers and kernel; None: not GPTQ
     gptq: GptqSpec | None = None
+    #: ORPO, CPO on a bitsandbytes 4-bit base with bf16 and TRL's casts declared: TRL's ``compute_loss`` runs the
+    #: forward and the loss in an autocast region of its own, ``autocast(device.type)`` at the device's default dtype
+    #: (orpo_trainer.py:886-891, cpo_trainer.py:926-931, TRL 1.16; when ``peft_module_casting_to_bf16`` ran,
+    #: :262-265 / :252-255, which the ledger's ``module_dtypes`` say: :func:`config.trl_casts_declared`)
+    loss_autocast: bool = False
 
     @property
     def padded(self) -> bool:
@@ -333,14 +338,12 @@ class WorkloadSpec:
                 "pairs each prompt with another row's completion, kto_trainer.py:844-847)",
                 "set workload.microbatch to 2 or more",
             )
-        if t.objective in ("orpo", "cpo") and cfg.quantization.quantized:
+        if t.objective in ("orpo", "cpo") and gptq is not None:
             raise _err(
                 doc,
                 config.QUANT,
-                f"training.objective {t.objective} on a quantized base: TRL 1.16's {t.objective.upper()}Trainer then "
-                "prepares the model for k-bit training, casts modules to bfloat16 and runs its loss in an autocast "
-                "region of its own (orpo_trainer.py:220-262, 880-892; cpo_trainer.py:210-255, 926-930), which the step "
-                "does not simulate",
+                f"training.objective {t.objective} on a {(q.scheme or '').upper()} base: the step simulates TRL 1.16's "
+                f"{t.objective.upper()}Trainer on bitsandbytes 4-bit and unquantized bases only (its truths)",
                 "size the run with a measurement of the real trainer (LedgerCallback)",
             )
         generation = _generation(doc, t, w.microbatch, max(w.gradient_accumulation or 1, 1), worst)
@@ -415,6 +418,14 @@ class WorkloadSpec:
             center_rewards=t.center_rewards_coefficient if t.objective == "reward" else None,
             generation=generation,
             gptq=gptq,
+            # ORPOTrainer/CPOTrainer handed a peft_config: `if args.bf16 and getattr(model, "is_loaded_in_4bit",
+            # False)`: TRL's casts, then the autocast of compute_loss (orpo_trainer.py:262-265, 886-891;
+            # cpo_trainer.py:252-255, 926-931); a tool that hands TRL a PEFT model (axolotl's rl: orpo) gets neither,
+            # and declares its own casts
+            loss_autocast=t.objective in ("orpo", "cpo")
+            and quant is not None
+            and t.mixed_precision == "bf16"
+            and config.trl_casts_declared(cfg.module_dtypes),
         )
 
     def changed(self, **changes: Any) -> WorkloadSpec:
@@ -557,6 +568,8 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
             "(held, fp32 under mixed precision), the chosen rows' NLL, the rows' log-probs and the CPO loss (TRL's "
             "own functions), TRL's metrics, no reference, the loss divided by the accumulation steps"
         )
+        if spec.loss_autocast:
+            loop += ", the forward and the loss in TRL's own autocast region (a 4-bit base with bf16)"
         if spec.disable_dropout:
             loop += ", dropout off (TRL's disable_dropout)"
         if spec.max_grad_norm > 0:
@@ -568,6 +581,8 @@ def method_notes(spec: WorkloadSpec, device: str = "cpu") -> str:
             "cross-entropy, the rows' average log-probs and the odds-ratio loss (TRL's own functions), TRL's "
             "metrics, no reference, the loss divided by the accumulation steps"
         )
+        if spec.loss_autocast:
+            loop += ", the forward and the loss in TRL's own autocast region (a 4-bit base with bf16)"
         if spec.disable_dropout:
             loop += ", dropout off (TRL's disable_dropout)"
         if spec.max_grad_norm > 0:

@@ -13,7 +13,8 @@ is read first and wins:
   else the frozen parameters' dtype; ``adapter.dtype``: the dtype of the real LoRA weights;
 - ``base_model.prepare_for_kbit_training``: PEFT's ``prepare_model_for_kbit_training`` casts every 16-bit
   parameter that is not a 4-bit weight to float32 (peft/utils/other.py, PEFT 0.21): a quantized 16-bit base whose
-  other frozen parameters are all float32 had it;
+  other frozen parameters are all float32 had it (but for the embeddings and the LM head when TRL's ORPO/CPO trainers
+  cast them back to bfloat16: ``base_model.module_dtypes``, from their ``_peft_has_been_casted_to_bf16``);
 - ``software.attention_implementation``: ``config._attn_implementation``; ``identity.revision``: the Hub commit
   the config was loaded from (:func:`hub_commit`: the config's ``_commit_hash`` before transformers 5.19, else the
   one snapshot in the Hugging Face cache that holds this config), else PEFT's ``revision``;
@@ -40,6 +41,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ledgerspec.contract.config import TRL_BF16_CASTS
 from ledgerspec.contract.document import Document, from_text
 from ledgerspec.contract.imports import (
     ADAPTER_FIELDS,
@@ -232,7 +234,8 @@ def intake_from_objects(model: Any, args: Any, output: str | None = None, traine
             "QLoRA" if quantized else "LoRA",
             f"{origin}: PEFT LoRA on a quantized base" if quantized else f"{origin}: PEFT LoRA",
         )
-    _prepared(b, base, quantized)
+    casts = _trl_casts(b, trainer)
+    _prepared(b, base, quantized, casts)
     for op, (value, seen) in kernels_in_use(base).items():
         b.set(("software", "kernels", op), value, f"{origin}: {seen}")
     world = int(getattr(args, "world_size", 1) or 1)
@@ -508,8 +511,29 @@ def _full_dtypes(b: Builder, base: Any, config: Any) -> None:
         b.set(("base_model", "loaded_dtype"), _dtype(loaded), "trainer.model.config.dtype (the dtype loaded)")
 
 
-def _prepared(b: Builder, base: Any, quantized: bool) -> None:
-    """Whether PEFT's ``prepare_model_for_kbit_training`` ran, from the dtypes it leaves behind."""
+#: TRL 1.16's ``peft_module_casting_to_bf16`` (trl/experimental/utils.py:950-957): modules whose name holds "norm"
+#: to float32; float32 weights of modules whose name holds one of these to bfloat16
+TRL_CAST_TO_BF16 = ("lm_head", "embed_tokens", "wte", "wpe")
+
+
+def _trl_casts(b: Builder, trainer: Any) -> bool:
+    """``base_model.module_dtypes`` as TRL's ``ORPOTrainer``/``CPOTrainer`` cast a 4-bit base with ``bf16``
+    (``peft_module_casting_to_bf16``, orpo_trainer.py:262-265, cpo_trainer.py:252-255, TRL 1.16), read from the flag
+    they set when they do (``_peft_has_been_casted_to_bf16``, which no other TRL 1.16 trainer has); whether they did."""
+    if not getattr(trainer, "_peft_has_been_casted_to_bf16", False):
+        return False
+    b.set(
+        ("base_model", "module_dtypes"),
+        dict(TRL_BF16_CASTS),
+        "trainer._peft_has_been_casted_to_bf16: TRL's peft_module_casting_to_bf16 ran (norms to float32, lm_head "
+        "and embed_tokens to bfloat16)",
+    )
+    return True
+
+
+def _prepared(b: Builder, base: Any, quantized: bool, casts: bool = False) -> None:
+    """Whether PEFT's ``prepare_model_for_kbit_training`` ran, from the dtypes it leaves behind (``casts``: TRL cast
+    the embeddings and the LM head back to bfloat16 after it, :func:`_trl_casts`: their dtypes say nothing)."""
     import torch
 
     if not quantized:
@@ -522,10 +546,14 @@ def _prepared(b: Builder, base: Any, quantized: bool) -> None:
             "a float32 base looks the same with or without prepare_model_for_kbit_training: say whether it ran",
         )
         return
+    recast = {id(p) for n, m in base.named_modules() if any(k in n for k in TRL_CAST_TO_BF16) for p in m.parameters()}
     others = [
         p.dtype
         for p in base.parameters()
-        if not p.requires_grad and type(p).__name__ != "Params4bit" and p.dtype.is_floating_point
+        if not p.requires_grad
+        and type(p).__name__ != "Params4bit"
+        and p.dtype.is_floating_point
+        and not (casts and id(p) in recast)
     ]
     prepared = bool(others) and all(d == torch.float32 for d in others)
     b.set(

@@ -34,6 +34,7 @@ from tests.support.step_truth import (
     assert_estimate_is_the_measurement,
     assert_measure_is_the_truth,
     assert_memtracker_agrees,
+    assert_the_callback_is_measure,
     run_three_ways,
 )
 
@@ -54,12 +55,21 @@ def _c(name: str, memtracker: bool = False, **over: Any) -> Case:
     return Case(name, TrainerCase(name, **over), memtracker)
 
 
-#: LoRA only: on a quantized base CPOTrainer prepares the model, casts modules and runs its loss under an autocast of
-#: its own, which the step refuses (tests/contract/test_objective_cpo.py).
+#: QLoRA: handed a 4-bit base and a ``peft_config``, CPOTrainer prepares it for k-bit training, keeps PEFT's float32
+#: adapters, casts norms to float32 and ``lm_head``/``embed_tokens`` to bfloat16 (bf16), and runs ``compute_loss`` in
+#: an autocast region of its own: the ledger declares the preparation and the casts as TRL makes them.
 CASES = [
     _c("lora-bf16-autocast", mixed_precision="bf16", memtracker=True),
     _c("lora-bf16-base-fp32-adapters"),
     _c("lora-checkpointing-accumulation-2", mixed_precision="bf16", checkpointing=True, accumulation=2),
+    _c(
+        "qlora-nf4",
+        arch="tiny-qwen2",
+        quant=True,
+        prepare=True,
+        trl_casts=True,
+        mixed_precision="bf16",
+    ),
 ]
 
 
@@ -90,8 +100,13 @@ def next_batch_bytes(c: Case) -> int:
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     c: Case = request.param
     folder = tmp_path_factory.mktemp(c.name)
-    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, c.memtracker)
+    callback = c.name == CALLBACK
+    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, c.memtracker, callback)
     return {"case": c, **out}
+
+
+#: the case whose real run also carries ``LedgerCallback`` (the truth's run, shared)
+CALLBACK = "qlora-nf4"
 
 
 def test_measure_is_the_real_cpo_trainer_step_to_the_byte(runs: dict[str, Any]) -> None:
@@ -111,9 +126,35 @@ def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> N
 
 
 def test_the_method_says_which_step_ran(runs: dict[str, Any]) -> None:
-    assert "CPOTrainer step" in (runs["estimated"].get("ledger", "activations").method or "")
+    method = runs["estimated"].get("ledger", "activations").method or ""
+    assert "CPOTrainer step" in method
+    assert ("TRL's own autocast region" in method) == runs["case"].base.quant  # bf16 on a 4-bit base
 
 
 def test_the_cases_cover_with_and_without_checkpointing() -> None:
     assert len({c.name for c in CASES}) == len(CASES) >= 3
     assert any(c.base.checkpointing for c in CASES) and any(not c.base.checkpointing for c in CASES)
+    assert any(c.base.quant for c in CASES) and any(not c.base.quant for c in CASES)  # LoRA and QLoRA nf4
+
+
+def test_the_callback_on_a_cpo_trainer_is_measure(runs: dict[str, Any]) -> None:
+    """``LedgerCallback`` on TRL's ``CPOTrainer`` over a 4-bit base (the truth's own run): its ledger says ``cpo``,
+    read from the live trainer's config, the preparation and TRL's casts read from the live model and trainer
+    (float32 adapters, the frozen non-4-bit parameters float32 but for the embeddings and the LM head TRL cast back to
+    bfloat16), nothing for LS014 or LS015, and every phase it recorded equals ``measure --device cpu`` of that ledger
+    and the truth's reader of the same run to the byte."""
+    from ledgerspec.checks.validate import validate
+
+    c = runs["case"]
+    if c.name != CALLBACK:
+        pytest.skip(f"the callback rides on the real run of {CALLBACK}")
+    assert_the_callback_is_measure(c.name, runs, "cpo", next_batch_bytes(c))
+    doc = runs["callback"]
+    assert doc.get("base_model", "prepare_for_kbit_training").value is True
+    assert doc.get("adapter", "dtype").value == "float32"
+    assert doc.get("base_model", "module_dtypes").value == {
+        "norm": "float32",
+        "lm_head": "bfloat16",
+        "embed_tokens": "bfloat16",
+    }
+    assert [f.rule for f in validate(doc).findings if f.rule in ("LS014", "LS015")] == []
