@@ -49,6 +49,22 @@ def _structure(events: Sequence[Event]) -> list[tuple[Any, ...]]:
     return out
 
 
+def _same_structure(
+    first: Sequence[Event], shape: list[tuple[Any, ...]], other: Sequence[Event], a: str, b: str
+) -> None:
+    """Raise :class:`NotPolynomial` unless ``other`` has the structure ``shape`` of ``first`` (``a`` and ``b`` name
+    the two streams): the first event that differs, with its window."""
+    theirs = _structure(other)
+    if theirs != shape:
+        at = next(
+            (i for i, (x, y) in enumerate(zip(shape, theirs, strict=False)) if x != y), min(len(shape), len(theirs))
+        )
+        raise NotPolynomial(
+            f"the streams at {a} and {b} differ in structure from event {at} "
+            f"({_window(first, min(at, len(first) - 1))}; {len(shape)} and {len(theirs)} events)"
+        )
+
+
 def _weights(points: Sequence[int], x: int) -> list[Fraction]:
     """Lagrange weights of ``points`` at ``x``."""
     out = []
@@ -118,15 +134,7 @@ def family(streams: Mapping[int, Sequence[Event]], degree: int = 1, what: str = 
     first = list(streams[values[0]])
     shape = _structure(first)
     for v in values[1:]:
-        other = _structure(streams[v])
-        if other != shape:
-            at = next(
-                (i for i, (a, b) in enumerate(zip(shape, other, strict=False)) if a != b), min(len(shape), len(other))
-            )
-            raise NotPolynomial(
-                f"the streams at {what} {values[0]} and {v} differ in structure from event {at} "
-                f"({_window(first, min(at, len(first) - 1))}; {len(shape)} and {len(other)} events)"
-            )
+        _same_structure(first, shape, streams[v], f"{what} {values[0]}", str(v))
     allocs = [i for i, e in enumerate(first) if e[0] == "alloc"]
     by_value = {v: list(streams[v]) for v in values}
     sizes = {i: tuple(int(by_value[v][i][2]) for v in defining) for i in allocs}

@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from ledgerspec.derivations.allocator.affine import NotPolynomial, _structure, _weights, _window
+from ledgerspec.contract import fields as F
+from ledgerspec.derivations.allocator.affine import NotPolynomial, _same_structure, _structure, _weights, _window
 from ledgerspec.derivations.allocator.replay import Event
 from ledgerspec.derivations.allocator.step import HELD, protocol_windows
+from ledgerspec.derivations.engine.tracker import LEDGER_COMPONENT
 
 
 @dataclass(frozen=True, order=True)
@@ -103,19 +105,10 @@ def counted_phases(
 #: protocol read the tracker's current bytes (events so far)
 Side = tuple[dict[int, str], list[tuple[int, int, str]], list[int]]
 
-#: the tracker's categories folded into ledger components
-#: (:data:`ledgerspec.derivations.engine.tracker.LEDGER_COMPONENT`)
-COMPONENT = {
-    "frozen_params": "frozen_base",
-    "buffers": "frozen_base",
-    "quant_state": "frozen_base",
-    "adapter": "adapter",
-    "gradients": "gradients",
-    "optimizer": "optimizer",
-    "activations": "activations",
-    "temporary": "temporary",
-}
-AT_PEAK = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
+#: the tracker's categories folded into ledger components (the tracker's own table), and the components a peak is
+#: split into (the ledger's, as :attr:`ledgerspec.derivations.estimate.estimator.Estimate.at_peak` splits it)
+COMPONENT = LEDGER_COMPONENT
+AT_PEAK = F.COMPONENTS
 
 
 def tracker_figures(
@@ -255,16 +248,7 @@ class GridFamily:
         first = list(streams[points[0]])
         shape = _structure(first)
         for p in points[1:]:
-            other = _structure(streams[p])
-            if other != shape:
-                where = next(
-                    (i for i, (a, b) in enumerate(zip(shape, other, strict=False)) if a != b),
-                    min(len(shape), len(other)),
-                )
-                raise NotPolynomial(
-                    f"the streams at {_show(points[0])} and {_show(p)} differ in structure from event {where} "
-                    f"({_window(first, min(where, len(first) - 1))}; {len(shape)} and {len(other)} events)"
-                )
+            _same_structure(first, shape, streams[p], _show(points[0]), _show(p))
         bs = tuple(sorted({p.b for p in points}))
         pairs = sorted({(p.length, p.typical) for p in points})
         if len(bs) > 2 or len(pairs) > 3 or len(points) != len(bs) * len(pairs):

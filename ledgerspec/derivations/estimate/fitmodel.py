@@ -27,10 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from ledgerspec.contract import fields as F
 from ledgerspec.derivations.estimate.fit import ALL_PHASES
 
-#: the components an estimate splits a phase's peak into (``at.PHASE.COMPONENT`` figures)
-AT_PEAK = ("frozen_base", "adapter", "gradients", "optimizer", "activations", "temporary")
+#: the components an estimate splits a phase's peak into (``at.PHASE.COMPONENT`` figures): the ledger's
+AT_PEAK = F.COMPONENTS
 
 
 @dataclass(frozen=True)
