@@ -60,6 +60,24 @@ def load_script(path: Path, name: str) -> Any:
     return module
 
 
+@contextlib.contextmanager
+def modules_in_place(modules: dict[str, Any]) -> Any:
+    """``sys.modules`` holds ``modules`` (stand-ins for packages this machine lacks, while an upstream source file is
+    imported) and, on leaving, what it held before: an entry that was absent is removed again."""
+    import sys
+
+    saved = {k: sys.modules.get(k) for k in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
 def one_worker_each(prefix: str, params: list[Any], ids: list[str] | None = None) -> list[Any]:
     """``params`` of a module-scoped fixture, each marked with its own ``xdist_group``: under ``--dist loadgroup``
     (``scripts/test``) every test of one parameter runs on one worker, so the fixture is set up once, not once per

@@ -86,3 +86,21 @@ def assert_the_callback_is_measure(name: str, run: dict[str, Any], objective: st
     got = {p: measured_phase(doc, p) for p in STEP_PHASES}
     assert got == {p: measured_phase(run["callback_measured"], p) for p in STEP_PHASES}, name
     assert got == {p: run["truth"][p] - ahead for p in STEP_PHASES}, name
+
+
+def assert_the_callback_read_trls_4bit_preparation(name: str, doc: Document) -> None:
+    """A callback ledger of ORPO's or CPO's trainer over a 4-bit base with bf16 (TRL 1.16: ``prepare_model_for_kbit_
+    training``, PEFT's float32 adapters, ``peft_module_casting_to_bf16``; orpo_trainer.py:220-265,
+    cpo_trainer.py:210-255): the preparation, float32 adapters and TRL's casts read from the live model and trainer
+    (the frozen non-4-bit parameters float32 but for the embeddings and the LM head, cast back to bfloat16), and
+    nothing for LS014 or LS015."""
+    from ledgerspec.checks.validate import validate
+
+    assert doc.get("base_model", "prepare_for_kbit_training").value is True, name
+    assert doc.get("adapter", "dtype").value == "float32", name
+    assert doc.get("base_model", "module_dtypes").value == {
+        "norm": "float32",
+        "lm_head": "bfloat16",
+        "embed_tokens": "bfloat16",
+    }, name
+    assert [f.rule for f in validate(doc).findings if f.rule in ("LS014", "LS015")] == [], name

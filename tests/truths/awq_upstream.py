@@ -18,10 +18,11 @@ Nothing of ledgerspec is imported: the figures counted on this layer are the tru
 from __future__ import annotations
 
 import importlib.util
-import sys
 import types
 from pathlib import Path
 from typing import Any
+
+from tests.support import modules_in_place
 
 SOURCE = Path(__file__).resolve().parent.parent / "data" / "awq" / "gemm.py"
 COMMIT = "88e4c76b20755db275574e6a03c83c84ba3bece5"
@@ -58,19 +59,11 @@ def upstream() -> dict[str, Any]:
     setattr(stubs["awq.utils.module"], "try_import", lambda name: (ext, ""))  # noqa: B010
     setattr(stubs["awq.utils.utils"], "get_best_device", lambda: "cpu")  # noqa: B010
     setattr(stubs["awq.utils.packing_utils"], "dequantize_gemm", None)  # noqa: B010
-    saved = {k: sys.modules.get(k) for k in stubs}
-    sys.modules.update(stubs)
-    try:
+    with modules_in_place(stubs):
         spec = importlib.util.spec_from_file_location("_autoawq_gemm_truth", SOURCE)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
     assert module.awq_ext is ext and not module.TRITON_AVAILABLE
     _LOADED.update(WQLinear_GEMM=module.WQLinear_GEMM, WQLinearMMFunction=module.WQLinearMMFunction)
     return _LOADED

@@ -30,6 +30,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+from tests.support import modules_in_place
+
 ROOT = Path(__file__).resolve().parent.parent / "data" / "gptq" / "fms_gptq"
 PACKAGE = "_fms_gptq_truth"
 #: the fms-acceleration commit the files were copied from
@@ -86,9 +88,7 @@ def upstream() -> dict[str, Any]:
     if _LOADED:
         return _LOADED
     triton, language = _triton_stub()
-    saved = {k: sys.modules.get(k) for k in ("triton", "triton.language")}
-    sys.modules["triton"], sys.modules["triton.language"] = triton, language
-    try:
+    with modules_in_place({"triton": triton, "triton.language": language}):
         _package(PACKAGE, ROOT)
         _package(f"{PACKAGE}.nn_modules", ROOT / "nn_modules")
         _package(f"{PACKAGE}.nn_modules.triton_utils", ROOT / "nn_modules" / "triton_utils")
@@ -100,12 +100,6 @@ def upstream() -> dict[str, Any]:
         tritonv2 = _load(
             f"{PACKAGE}.nn_modules.qlinear.qlinear_tritonv2", ROOT / "nn_modules" / "qlinear" / "qlinear_tritonv2.py"
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
     setattr(dequant, "torch", _torch_on_cpu())  # noqa: B010
     _LOADED.update(
         QuantLinear=tritonv2.QuantLinear,
@@ -125,17 +119,10 @@ def fsdp_patch() -> Any:
     stub = types.ModuleType("fms_acceleration.model_patcher")
     for name in ("ModelPatcher", "ModelPatcherRule", "ModelPatcherTrigger"):
         setattr(stub, name, type(name, (), {}))
-    saved = {k: sys.modules.get(k) for k in ("fms_acceleration", "fms_acceleration.model_patcher")}
-    sys.modules["fms_acceleration"] = types.ModuleType("fms_acceleration")
-    sys.modules["fms_acceleration.model_patcher"] = stub
-    try:
+    with modules_in_place(
+        {"fms_acceleration": types.ModuleType("fms_acceleration"), "fms_acceleration.model_patcher": stub}
+    ):
         utils = _load(f"{PACKAGE}_autogptq_utils", ROOT / "autogptq_utils.py")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
     _LOADED["fsdp_patch"] = utils.build_patch_to_view_tensor_to_parameter_for_fsdp_gptq
     return _LOADED["fsdp_patch"]
 

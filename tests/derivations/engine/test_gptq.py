@@ -56,20 +56,28 @@ def test_buffers_are_the_upstream_quantlinears(upstream: dict[str, Any], layer: 
     assert gptq_bytes(i, o, bits, group).total == held  # what resolve counts for the layer
 
 
-def _run(module: Any, in_features: int, lora: bool, rows: int = 96) -> tuple[int, int, int]:
-    """(forward peak, forward + backward peak, bytes saved for backward) by PyTorch's MemTracker and autograd's
-    saved-tensor hooks (the module's own tensors and the input are not counted as saved)."""
+def _wrapped(module: Any, in_features: int, lora: bool, rows: int) -> tuple[Any, Any, set[int]]:
+    """The layer (wrapped in PEFT's ``GPTQLoraLinear`` with ``lora``), a seeded fp16 input of ``rows`` rows that
+    requires grad, and the storages both already hold (not new, not saved for backward)."""
     import torch
     from peft import LoraConfig
     from peft.tuners.lora.gptq import GPTQLoraLinear
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
     x = torch.randn(rows, in_features, dtype=torch.float16, requires_grad=True)
     if lora:
         cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1)
         module = GPTQLoraLinear(module, "default", config=cfg, r=4, lora_alpha=8)
-    own = {t.untyped_storage().data_ptr() for t in [*module.buffers(), *module.parameters(), x]}
+    return module, x, {t.untyped_storage().data_ptr() for t in [*module.buffers(), *module.parameters(), x]}
+
+
+def _run(module: Any, in_features: int, lora: bool, rows: int = 96) -> tuple[int, int, int]:
+    """(forward peak, forward + backward peak, bytes saved for backward) by PyTorch's MemTracker and autograd's
+    saved-tensor hooks (the module's own tensors and the input are not counted as saved)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    module, x, own = _wrapped(module, in_features, lora, rows)
     saved: list[int] = []
 
     def pack(t: Any) -> Any:
@@ -358,17 +366,10 @@ def _storages(module: Any, in_features: int, lora: bool, rows: int = 96) -> tupl
     import weakref
 
     import torch
-    from peft import LoraConfig
-    from peft.tuners.lora.gptq import GPTQLoraLinear
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    torch.manual_seed(0)
-    x = torch.randn(rows, in_features, dtype=torch.float16, requires_grad=True)
-    if lora:
-        cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1)
-        module = GPTQLoraLinear(module, "default", config=cfg, r=4, lora_alpha=8)
-    seen = {t.untyped_storage().data_ptr() for t in [*module.buffers(), *module.parameters(), x]}
+    module, x, seen = _wrapped(module, in_features, lora, rows)
     live = {"now": 0, "peak": 0}
     saved: list[int] = []
 

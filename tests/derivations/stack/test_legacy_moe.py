@@ -41,17 +41,13 @@ PHASES = ("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_
 COMPONENTS = ("frozen_base", "adapter", "gradients", "optimizer")
 
 
-def _ledger(
-    config: str,
-    targets: str,
-    transformers: str | None,
-    trl: bool = False,
-    prepare: bool = True,
-    attention: str = "sdpa",
-) -> Document:
-    return from_text(
-        _ledger_text(config, targets, transformers, trl, prepare, attention), str(DATA / "test.ledger.yaml")
-    )
+#: where the test ledgers say they live (their config paths are relative to it)
+LEDGER_PATH = str(DATA / "test.ledger.yaml")
+
+
+def _ledger(*args: Any, **kwargs: Any) -> Document:
+    """:func:`_ledger_text` (same arguments) as a document."""
+    return from_text(_ledger_text(*args, **kwargs), LEDGER_PATH)
 
 
 def _ledger_text(
@@ -414,11 +410,11 @@ def test_a_lora_moe_estimate_records_the_layout_it_ran_so_a_later_declaration_sh
         .replace("  prepare_for_kbit_training: true\n", "")
     )
     text = "\n".join(line for line in text.splitlines() if "quantization:" not in line) + "\n"
-    result = estimate(from_text(text, str(DATA / "test.ledger.yaml")), target="cpu")
+    result = estimate(from_text(text, LEDGER_PATH), target="cpu")
     assert result.differences["transformers-moe-fused-experts"] == {"computed_as": "newer"}
     stamped = from_text(
         text.replace("software:\n", 'software:\n  transformers: "4.48.1"\n', 1)
         + "x-estimate:\n  differences: {transformers-moe-fused-experts: {computed_as: newer}}\n",
-        str(DATA / "test.ledger.yaml"),
+        LEDGER_PATH,
     )
     assert [d.difference.id for d in stack_differences(stamped, ())] == ["transformers-moe-fused-experts"]
