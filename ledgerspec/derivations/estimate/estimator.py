@@ -39,10 +39,10 @@ from ledgerspec.errors import LedgerspecError, first_line
 #: the CUDA caching allocator rounds every block up to a multiple of this (c10/cuda/CUDACachingAllocator.cpp)
 CUDA_ALLOCATION_GRANULARITY = 512
 COMPONENTS = F.RESIDENT
-#: what :attr:`Estimate.at_peak` splits the peak into (the tracker's categories folded into ledger components;
-#: ``temporary`` holds what no component owns: logits and loss in fp32, their gradients, attention and
+#: what :attr:`Estimate.at_peak` splits the peak into: the ledger's components (the tracker's categories folded into
+#: them; ``temporary`` holds what no component owns: logits and loss in fp32, their gradients, attention and
 #: dequantization workspaces, gradients of activations in flight)
-AT_PEAK = (*COMPONENTS, "activations", "temporary")
+AT_PEAK = F.COMPONENTS
 TARGETS = ("cuda", "cpu")
 
 
