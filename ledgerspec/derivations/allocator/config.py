@@ -23,6 +23,7 @@ an internal assert). Numbers go through ``std::stoull``/``std::stod``, which rea
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -231,6 +232,11 @@ class AllocatorConfig:
         changes: dict[str, Any] = {**values, **cuda}
         changes["roundup_power2_divisions"] = tuple(changes["roundup_power2_divisions"])
         return replace(merged, **changes)
+
+    @functools.cached_property
+    def plain_rounding(self) -> bool:
+        """No interval rounds to power-of-two divisions (the default): every size rounds up to 512 B."""
+        return max(self.roundup_power2_divisions) <= 1
 
     def roundup_divisions(self, size: int) -> int:
         """``AcceleratorAllocatorConfig::roundup_power2_divisions(size)``: the divisions of the power-of-two interval

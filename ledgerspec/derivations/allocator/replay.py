@@ -119,14 +119,14 @@ def replay(
     for n, event in enumerate(events):
         kind = event[0]
         if kind == "alloc":
-            _, key, nbytes, *rest = event
-            stream = int(rest[0]) if rest else 0
+            key, nbytes = event[1], int(event[2])
+            stream = int(event[3]) if len(event) > 3 else 0
             if key in live:
                 raise ValueError(f"event {n}: id {key!r} is already allocated")
             try:
-                live[key] = alloc.malloc(int(nbytes), stream)
-                counts[key] = -(-int(nbytes) // granularity) * granularity
-                counted += counts[key]
+                live[key] = alloc.malloc(nbytes, stream)
+                counts[key] = size = -(-nbytes // granularity) * granularity
+                counted += size
             except OutOfMemory as exc:
                 if result.oom is None:
                     result.oom = ReplayOOM(
