@@ -461,8 +461,8 @@ class WorkloadSpec:
 
 #: GRPO on several ranks: not run yet (its generation calls the sharded model's generate)
 GENERATION_SHARDED = (
-    "training.objective grpo/rloo on several ranks (FSDP, ZeRO) is not simulated or measured yet: its generation "
-    "phase runs the sharded model's generate"
+    "training.objective grpo/rloo under FSDP1 or DeepSpeed ZeRO is not simulated or measured yet: TRL's generation "
+    "gathers the model there (summon_full_params, GatheredParameters); FSDP2 is"
 )
 #: DPO/KTO with a separate reference model on several ranks: not run yet (TRL shards it too, prepare_fsdp or
 #: prepare_deepspeed, dpo_trainer.py:984-990)

@@ -373,12 +373,13 @@ def _launch(req_file: str, out_dir: str, nproc: int, timeout: float | None) -> t
 
 def worst_rank(outs: list[RankOutput]) -> Any:
     """One :class:`ProtocolResult` holding, per phase, the record of the rank with the largest figure."""
-    from ledgerspec.derivations.engine.protocol import PHASES, ProtocolResult
+    from ledgerspec.derivations.engine.protocol import ProtocolResult
+    from ledgerspec.derivations.estimate.fit import ALL_PHASES
 
     first = outs[0].result
     merged = ProtocolResult.from_json(first.to_json())
     merged.phases = {}
-    for name in PHASES:
+    for name in ALL_PHASES:
         recs = [o.result.phases[name] for o in outs if name in o.result.phases]
         if recs:
             merged.phases[name] = max(recs, key=lambda rec: rec.figure)
@@ -397,7 +398,7 @@ def per_rank_extension(
     outs: list[RankOutput], reshard: bool | None, strategy_text: str = "fsdp2 (fully_shard per decoder layer + root)"
 ) -> dict[str, Any]:
     """The per-rank phase table and each rank's measured model state next to :mod:`sharding`'s calculation."""
-    from ledgerspec.derivations.engine.protocol import PHASES
+    from ledgerspec.derivations.estimate.fit import ALL_PHASES
     from ledgerspec.derivations.measure.measurer import measured_components
 
     ranks = []
@@ -410,7 +411,7 @@ def per_rank_extension(
             {
                 "rank": o.rank,
                 "peak_allocated": o.peak,
-                "phases": {name: r.phases[name].figure for name in PHASES if name in r.phases},
+                "phases": {name: r.phases[name].figure for name in ALL_PHASES if name in r.phases},
                 "measured": {k: comps.get(k, 0) for k in F.RESIDENT},
                 "calculated": dict(calc),
                 "after_optimizer_init_vs_calculated": after_opt - (calc.get("frozen_base", 0) + calc.get("adapter", 0)),
@@ -577,11 +578,17 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
             hint="omit --nproc for one device",
         )
     base = single(doc, device, steps, None, None)
-    if base.spec.get("generation") is not None:
+    from ledgerspec.derivations.shard.simulation import generation_refused
+
+    if base.spec.get("generation") is not None and generation_refused(doc):
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 
         raise LedgerspecError(
-            GENERATION_SHARDED, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="measure it on one device"
+            GENERATION_SHARDED,
+            doc.path,
+            rule="measure",
+            exit_code=EXIT_USAGE,
+            hint="measure it on one device, or on FSDP2 ranks",
         )
     if base.spec.get("reference") == "model":
         from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED

@@ -20,7 +20,7 @@ from typing import Any
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
-from ledgerspec.derivations.estimate.fit import PHASES, Fit, fit
+from ledgerspec.derivations.estimate.fit import ALL_PHASES, PHASES, Fit, fit
 from ledgerspec.errors import LedgerspecError
 
 #: a progress line's receiver
@@ -57,16 +57,17 @@ class RankEstimate:
     def of(cls, rank: int, figures: dict[str, int], activations: int, components: dict[str, int], rep: int) -> Any:
         """Rank ``rank`` from the simulated ``figures`` of rank ``rep``: with offload (:func:`add_sides`) the device's
         phases, the host's and the totals beside them."""
+        names = [k for k in ALL_PHASES if k in PHASES or k in figures]  # GRPO/RLOO: generation_peak too
         if "host_peak" not in figures:
-            return cls(rank, {k: figures[k] for k in PHASES}, activations, components, rep)
+            return cls(rank, {k: figures[k] for k in names}, activations, components, rep)
         return cls(
             rank,
-            {k: figures[f"device.{k}"] for k in PHASES},
+            {k: figures[f"device.{k}"] for k in names},
             activations,
             components,
             rep,
-            host_phases={k: figures[f"host.{k}"] for k in PHASES},
-            total_phases={k: figures[k] for k in PHASES},
+            host_phases={k: figures[f"host.{k}"] for k in names},
+            total_phases={k: figures[k] for k in names},
             host_peak=figures["host_peak"],
         )
 
@@ -238,6 +239,14 @@ def fake_process_group(rank: int, world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def generation_refused(doc: Document) -> bool:
+    """GRPO/RLOO's generation phase on several ranks is run under FSDP2 only (transformers' Trainer registers
+    ``generate`` as an FSDP2 forward method: ``trainer.py`` 1798-1801, 5.24); FSDP1 and ZeRO are refused."""
+    from ledgerspec.derivations.shard.options import is_fsdp1, zero_stage
+
+    return is_fsdp1(doc) or bool(zero_stage(doc))
+
+
 def prepare_trace(
     doc: Document, target: str, layers: str, offline: bool, refuse: Callable[[Any], None]
 ) -> tuple[Any, Any, Plan]:
@@ -253,10 +262,10 @@ def prepare_trace(
         raise ValueError(f"target must be one of {E.TARGETS}")
     E._check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
-    if spec.generation is not None:
+    if spec.generation is not None and generation_refused(doc):
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 
-        raise _err(doc, ("training", "objective"), GENERATION_SHARDED, "estimate it on one device")
+        raise _err(doc, ("training", "objective"), GENERATION_SHARDED, "estimate it on one device, or on FSDP2 ranks")
     if spec.reference == "model":
         from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED
 

@@ -85,6 +85,10 @@ def sharded_workload(base: type) -> Any:
             for layer in decoder_layers(model):
                 fully_shard(layer, **kwargs)
             fully_shard(model, **kwargs)
+            if hasattr(model, "generate"):  # transformers' Trainer, trainer.py 1798-1801 (5.24): GRPO/RLOO generate
+                from torch.distributed.fsdp import register_fsdp_forward_method
+
+                register_fsdp_forward_method(model, "generate")
 
         def _materialise(self, device: Any, adapters: bool) -> None:
             self._materialise_shards(device, adapters)
