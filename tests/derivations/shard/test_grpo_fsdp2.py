@@ -1,4 +1,4 @@
-"""GRPO under FSDP2 (issue 24): ``measure --nproc 2`` (a real FSDP2 run per rank: the GRPO step of
+"""GRPO and RLOO under FSDP2 (issue 24): ``measure --nproc 2`` (a real FSDP2 run per rank: the GRPO step of
 :mod:`ledgerspec.derivations.engine.grpo`, its generation through transformers' ``generate`` on the sharded model,
 gloo) against ``shard --estimate --target cpu`` (the simulated one) and the calculated state, as the other FSDP2 runs
 are compared (``tests/support/per_rank.py``): the model-state phases and components to the byte, the compute phases
@@ -27,34 +27,35 @@ DATA = TESTS / "data" / "sharding"
 LEDGER = "tiny-lora-mp.ledger.yaml"
 POLICY = "  mixed_precision_policy:\n    param_dtype: bfloat16\n    reduce_dtype: float32\n"
 GRPO = (
-    "training:\n  loop: trainer\n  objective: grpo\n"
-    "  objective_settings: {max_completion_length: 4, num_generations: 2}\n"
+    "training:\n  loop: trainer\n  objective: {objective}\n"
+    "  objective_settings: {{max_completion_length: 4, num_generations: 2}}\n"
 )
 
 
-def _grpo(tmp: Path, strategy: str = "fsdp2") -> Path:
+def _grpo(tmp: Path, strategy: str = "fsdp2", objective: str = "grpo") -> Path:
     shutil.copytree(DATA / "tiny", tmp / "tiny", dirs_exist_ok=True)
     text = (DATA / LEDGER).read_text(encoding="utf-8")
     assert POLICY in text
-    text = text.replace(POLICY, "") + GRPO
+    text = text.replace(POLICY, "") + GRPO.format(objective=objective)
     lengths = "  max_length: 32\n  sequence_p50: 32\n  sequence_p95: 32\n"
     assert lengths in text
     text = text.replace(lengths, "  max_length: 16\n  sequence_p50: 12\n  sequence_p95: 16\n")  # prompt + completion
     if strategy != "fsdp2":
         text = text.replace("  strategy: fsdp2\n", f"  strategy: {strategy}\n")
-    path = tmp / f"grpo-{strategy}.ledger.yaml"
+    path = tmp / f"{objective}-{strategy}.ledger.yaml"
     path.write_text(text, encoding="utf-8")
     return path
 
 
 @pytest.mark.slow
-def test_grpo_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("objective", ["grpo", "rloo"])  # RLOO: its old-policy and reference log-probs beside
+def test_grpo_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path, objective: str) -> None:
     pytest.importorskip("peft")
     pytest.importorskip("trl")
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import shard
 
-    path = _grpo(tmp_path)
+    path = _grpo(tmp_path, objective=objective)
     doc = measured(path, 2)
     real = doc.plain["x-measure-per-rank"]["ranks"]
     assert len(real) == 2
