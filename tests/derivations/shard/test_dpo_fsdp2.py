@@ -1,9 +1,9 @@
-"""DPO under FSDP2 (issue 24): ``measure --nproc 2`` (a real FSDP2 run per rank: the DPO step of
-:mod:`ledgerspec.derivations.engine.preference`, TRL's own fused LM head on the CPU, gloo) against ``shard --estimate
---target cpu`` (the simulated one) and the calculated state, as the other FSDP2 runs are compared
+"""DPO, KTO, ORPO, CPO and reward models under FSDP2 (issue 24): ``measure --nproc 2`` (a real FSDP2 run per rank:
+the trainer's step of :mod:`ledgerspec.derivations.engine`, TRL's own fused LM head on the CPU, gloo) against
+``shard --estimate --target cpu`` (the simulated one) and the calculated state, as the other FSDP2 runs are compared
 (``tests/support/per_rank.py``): the model-state phases and components to the byte, the compute phases within the
-gloo-thread slack. The single-device DPO step is checked against TRL's real ``DPOTrainer`` in
-``tests/derivations/engine/test_dpo_truth.py``."""
+gloo-thread slack. Each single-device step is checked against TRL's real trainer in
+``tests/derivations/engine/test_{dpo,kto,orpo,cpo,reward}_truth.py``."""
 
 from __future__ import annotations
 
@@ -23,23 +23,28 @@ DATA = TESTS / "data" / "sharding"
 LEDGER = "tiny-lora-mp.ledger.yaml"
 
 
-def _dpo(tmp: Path) -> Path:
+def _dpo(tmp: Path, objective: str = "dpo") -> Path:
     shutil.copytree(DATA / "tiny", tmp / "tiny")
     text = (DATA / LEDGER).read_text(encoding="utf-8")
     policy = "  mixed_precision_policy:\n    param_dtype: bfloat16\n    reduce_dtype: float32\n"
     assert policy in text
-    text = text.replace(policy, "") + "training:\n  loop: trainer\n  objective: dpo\n"
-    (tmp / "dpo.ledger.yaml").write_text(text, encoding="utf-8")
-    return tmp / "dpo.ledger.yaml"
+    text = text.replace(policy, "") + f"training:\n  loop: trainer\n  objective: {objective}\n"
+    (tmp / f"{objective}.ledger.yaml").write_text(text, encoding="utf-8")
+    return tmp / f"{objective}.ledger.yaml"
 
 
-def test_dpo_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path) -> None:
+#: each preference trainer's step at its TRL 1.16 defaults (the reward model: a sequence-classification head)
+OBJECTIVES = ["dpo", "kto", "orpo", "cpo", "reward"]
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_dpo_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path, objective: str) -> None:
     pytest.importorskip("peft")
     pytest.importorskip("trl")
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import shard
 
-    path = _dpo(tmp_path)
+    path = _dpo(tmp_path, objective)
     doc = measured(path, 2)
     real = doc.plain["x-measure-per-rank"]["ranks"]
     assert len(real) == 2
@@ -49,6 +54,8 @@ def test_dpo_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path) -> None:
     slack = gloo_slack(plan.unit_unsharded)
     for r in real:
         assert_rank_agrees(r, estimated.estimate.ranks[r["rank"]], plan.ranks[r["rank"]], slack)
+    if objective != "dpo":
+        return
     # the DPO step ran: chosen and rejected rows, a reference forward, TRL's head (far above an SFT step's logits)
     sft = shard(load(_sft(tmp_path, path)), nproc=2, estimate=True, target="cpu")
     assert sft.estimate is not None
