@@ -122,6 +122,11 @@ def simulate_rank(
             numbers = stream_numbers()
             backend.tracker.stream_of = numbers
             extra.enter_context(device_waits(backend, numbers, spec.loop == "trainer"))
+            from ledgerspec.derivations.shard.fsdp import sync
+
+            if is_fsdp1(doc) and sync.declared(doc):  # each unit broadcast from rank 0 as FSDP1 wraps it
+                workload.sync_module_states = True
+                extra.enter_context(sync.broadcasting(backend.tracker, numbers.of(sync.NCCL_STREAM)))
         else:
             backend = (split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
         split: Any = backend.tracker
