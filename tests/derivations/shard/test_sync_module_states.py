@@ -105,7 +105,7 @@ def test_the_buckets_and_the_flights_are_torchs() -> None:
 
 
 def test_the_field_is_read_with_accelerates_default(tmp_path: Path) -> None:
-    from ledgerspec.derivations.shard.fsdp import sync
+    from ledgerspec.derivations.shard.options import fsdp1_options
 
     text = LEDGER.read_text(encoding="utf-8")
     (tmp_path / "tiny").symlink_to(LEDGER.parent / "tiny")
@@ -113,10 +113,10 @@ def test_the_field_is_read_with_accelerates_default(tmp_path: Path) -> None:
     absent.write_text(text.replace("  sync_module_states: true\n", ""), encoding="utf-8")
     bad = tmp_path / "bad.ledger.yaml"
     bad.write_text(text.replace("sync_module_states: true", "sync_module_states: maybe"), encoding="utf-8")
-    assert sync.declared(load(LEDGER)) is True
-    assert sync.declared(load(absent)) is False
+    assert fsdp1_options(load(LEDGER)).sync_module_states is True
+    assert fsdp1_options(load(absent)).sync_module_states is False
     with pytest.raises(Exception, match="sync_module_states must be true or false"):
-        sync.declared(load(bad))
+        fsdp1_options(load(bad))
 
 
 def test_the_truth_is_a_real_broadcast() -> None:

@@ -123,8 +123,9 @@ def simulate_rank(
             backend.tracker.stream_of = numbers
             extra.enter_context(device_waits(backend, numbers, spec.loop == "trainer"))
             from ledgerspec.derivations.shard.fsdp import sync
+            from ledgerspec.derivations.shard.options import fsdp1_options
 
-            if is_fsdp1(doc) and sync.declared(doc):  # each unit broadcast from rank 0 as FSDP1 wraps it
+            if is_fsdp1(doc) and fsdp1_options(doc).sync_module_states:  # each unit broadcast as FSDP1 wraps it
                 workload.sync_module_states = True
                 extra.enter_context(sync.broadcasting(backend.tracker, numbers.of(sync.NCCL_STREAM)))
         else:

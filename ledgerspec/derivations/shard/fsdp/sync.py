@@ -41,12 +41,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.shard.fsdp.storage_checks import source_digest
 from ledgerspec.derivations.shard.patching import patched
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
-#: where a ledger declares it
+#: where a ledger declares it (read with the other FSDP1 options: :func:`..options.fsdp1_options`)
 FIELD = ("parallelism", "sync_module_states")
 #: stands for the NCCL stream in a simulated rank's stream numbers (:func:`..simulation.stream_numbers`)
 NCCL_STREAM = object()
@@ -69,23 +68,6 @@ CHECKED = {
         ),
     },
 }
-
-_err = ErrorAt("shard", EXIT_USAGE)
-
-
-def declared(doc: Document) -> bool:
-    """``parallelism.sync_module_states`` (FSDP1). Absent: false, accelerate's ``FullyShardedDataParallelPlugin``
-    default (``FSDP_SYNC_MODULE_STATES`` unset; accelerate 1.0.1 and 1.16 ``utils/dataclasses.py``); ``accelerate
-    launch`` passes true unless told otherwise (``--fsdp_sync_module_states`` default "true"), transformers'
-    ``TrainingArguments`` too (``fsdp_config.sync_module_states`` default "true"), and ``cpu_ram_efficient_loading``
-    forces it on. A value that is not a switch is a usage error at its line."""
-    value = doc.get(*FIELD)
-    if not value.present or value.text() is None:
-        return False
-    on = value.switch()
-    if on is None:
-        raise _err(doc, FIELD, "sync_module_states must be true or false")
-    return on
 
 
 def unchecked_function() -> str | None:
@@ -186,4 +168,4 @@ def broadcasting(tracker: Any, nccl_stream: int) -> Iterator[Broadcasts]:
         yield seen
 
 
-__all__ = ["CHECKED", "FIELD", "NCCL_STREAM", "Broadcasts", "broadcasting", "declared", "unchecked_function"]
+__all__ = ["CHECKED", "FIELD", "NCCL_STREAM", "Broadcasts", "broadcasting", "unchecked_function"]
