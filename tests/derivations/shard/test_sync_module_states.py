@@ -104,6 +104,32 @@ def test_the_buckets_and_the_flights_are_torchs() -> None:
     assert tracker.pending_frees - pending == sum(1 for b in buckets if len(b) == 1)
 
 
+@pytest.mark.slow  # imports torch.distributed.fsdp
+def test_the_4bit_quantization_constants_are_not_broadcast() -> None:
+    """The simulation's fake 4-bit layer holds absmax, code and the nested state as buffers; in a real run they are a
+    bitsandbytes ``QuantState``'s attributes, which FSDP1 does not broadcast: only its packed weight goes."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed.fsdp._init_utils as init_utils
+
+    from ledgerspec.derivations.engine.tracker import MemoryTracker
+    from ledgerspec.derivations.estimate.qlora import fake_4bit_linear_class
+    from ledgerspec.derivations.shard.fsdp import sync
+    from ledgerspec.derivations.shard.simulation import fake_process_group
+
+    weight = SimpleNamespace(quant_storage=torch.bfloat16, blocksize=64, compress_statistics=True)
+    src = SimpleNamespace(weight=weight, out_features=64, in_features=32, bias=None, compute_dtype=torch.bfloat16)
+    module = torch.nn.Sequential(fake_4bit_linear_class()(src, torch.bfloat16), torch.nn.LayerNorm(64))
+    module.to_empty(device="cpu")
+    assert len(list(module.buffers())) == 5
+    tracker = MemoryTracker(events=True)
+    with fake_process_group(0, 2), sync.broadcasting(tracker, 7) as seen, tracker:
+        group = torch.distributed.distributed_c10d._get_default_group()
+        init_utils._sync_module_params_and_buffers(module, list(module.parameters()), group)
+    assert seen.tensors == [[p.numel() * p.element_size() for p in module.parameters()]]
+
+
 def test_the_field_is_read_with_accelerates_default(tmp_path: Path) -> None:
     from ledgerspec.derivations.shard.options import fsdp1_options
 
