@@ -281,13 +281,15 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
   catalogue's 449 MiB, while a published measurement on A100s (NVIDIA/nccl#964, an older NCCL) found 544 MB per
   two-rank communicator; the catalogue's figure lies between and its range holds both, so it is left as it is. FSDP1
   (FULL_SHARD, no `process_group`) takes the default group, which the Trainer's barriers use too: one communicator
-  per rank, as assumed. Not modelled, and a lead for the rest: the published runs set `fsdp_sync_module_states`
-  (fms-acceleration `scripts/benchmarks/accelerate.yaml`), so FSDP1 broadcasts each unit from rank 0 as it wraps
-  it through `dist._broadcast_coalesced` in buckets of 250 MiB (torch `distributed/fsdp/_init_utils.py`
-  `PARAM_BROADCAST_BUCKET_SIZE`, `_sync_module_params_and_buffers`), whose flattened buckets the caching allocator
-  keeps; the simulation cannot trace it yet (FSDP1 refuses `sync_module_states` for a module on the CPU). The rest
-  (the CUDA context's modules with NCCL's kernels loaded, what the allocator held from the loading) is not known
-  without a GPU run of this step (`scripts/gpu-check`; `measure --device cuda` records `outside_allocator`).
+  per rank, as assumed. **Nor does `sync_module_states`** (modelled: the published runs set it, fms-acceleration
+  `scripts/benchmarks/accelerate.yaml` 876e2ed lines 38-39, and the ledgers declare it): FSDP1 broadcasts each unit
+  from rank 0 as it wraps it, its buffers and parameters flattened into buckets of 250 MiB on the device, at most two
+  at once (torch `distributed/fsdp/_init_utils.py` `_sync_module_params_and_buffers`, C++ `broadcast_coalesced`);
+  each rank's stream replays them (`docs/outside-allocator.md`). Against the same rows without the broadcasts the
+  device-level peaks moved by -0.20 to +0.45 GiB (the buckets' segments are mostly reused by the load's own later
+  allocations), so the gap above stays. The rest (the CUDA context's modules with NCCL's kernels loaded, what the
+  allocator held from the loading) is not known without a GPU run of this step (`scripts/gpu-check`; `measure
+  --device cuda` records `outside_allocator`).
 - **Full fine-tuning** (`method.kind: full`): its allocated peak is the published one (the optimizer step: weights,
   gradients, AdamW's two bf16 moments and one weight-sized set of foreach temporaries), and on 2 GPUs the replay
   finds most of the 10-19 GiB nvidia-smi shows above it. The 1-GPU runs had no FSDP (fms-acceleration's

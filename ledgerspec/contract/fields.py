@@ -714,6 +714,15 @@ PARALLELISM = F(
             "changes nothing). Absent: true (accelerate's default).",
         ),
         F(
+            "sync_module_states",
+            SWITCH,
+            "FSDP1: broadcast each unit's parameters and buffers from rank 0 as it is wrapped (accelerate's "
+            "`fsdp_sync_module_states`, forced on by `fsdp_cpu_ram_efficient_loading`): each 250 MiB bucket is "
+            "flattened into a new tensor on the device during the load, which the device-level verdict replays "
+            "(held bytes unchanged). Absent: false (accelerate's `FullyShardedDataParallelPlugin` default; "
+            "`accelerate launch` and transformers' `TrainingArguments` pass true unless told otherwise).",
+        ),
+        F(
             "use_orig_params",
             SWITCH,
             "FSDP1: keep the original parameters as views into the flat parameter (true) or expose only the flat "

@@ -64,13 +64,15 @@ def test_the_arithmetic_of_every_row(bench: Any) -> None:
 def test_the_ledgers_declare_the_runs_stack() -> None:
     """transformers 4.48.1 as the runs used it (the estimate models the declared loss: its column); on 2 GPUs FSDP1 with
     the BACKWARD_PRE of fms-acceleration's accelerate.yaml (876e2ed line 17, ``fsdp_backward_prefetch``, which
-    accelerate 1.0.1 passes on as ``FSDP_BACKWARD_PREFETCH``); on 1 GPU no FSDP at all (benchmark.py starts a 1-GPU
+    accelerate 1.0.1 passes on as ``FSDP_BACKWARD_PREFETCH``) and the ``fsdp_sync_module_states: true`` of its lines
+    38-39; on 1 GPU no FSDP at all (benchmark.py starts a 1-GPU
     experiment with plain ``python``, not ``accelerate launch``)."""
     for path in sorted((REPO_ROOT / "benchmarks" / "published-multi-gpu").glob("*.ledger.yaml")):
         text = path.read_text(encoding="utf-8")
         assert "  transformers: 4.48.1\n" in text, path.name
         if "-2gpu-" in path.name:
             assert "  strategy: fsdp1\n" in text and "  backward_prefetch: backward_pre\n" in text, path.name
+            assert "  sync_module_states: true\n" in text, path.name  # accelerate.yaml lines 38-39
         else:
             assert "parallelism:" not in text and "  dp_world_size: 1\n" in text, path.name
 

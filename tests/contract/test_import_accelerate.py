@@ -35,12 +35,15 @@ def _plugin(config: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
         monkeypatch.setenv(key, value)
     # FSDP1 + sync_module_states (forced on by cpu_ram_efficient_loading) asks for a CUDA device to build
     # param_init_fn: nothing this test compares
+    sync = "true" in (env.get("FSDP_SYNC_MODULE_STATES"), env.get("FSDP_CPU_RAM_EFFICIENT_LOADING"))  # forced on
     monkeypatch.setenv("FSDP_SYNC_MODULE_STATES", "false")
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
     plugin = FullyShardedDataParallelPlugin()
     mp = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if mp != "no":
         plugin.set_mixed_precision(mp)  # what AcceleratorState does with an FSDP plugin
+    if plugin.fsdp_version == 1:  # what the plugin would say with a device (utils/dataclasses.py 1858-1863)
+        plugin.sync_module_states = sync
     return plugin, int(args.num_processes)
 
 
@@ -71,6 +74,7 @@ def test_fsdp_settings_as_accelerate_reads_them(name: str, monkeypatch: pytest.M
         assert opts.use_orig_params is plugin.use_orig_params
         assert opts.forward_prefetch is plugin.forward_prefetch
         assert opts.limit_all_gathers is plugin.limit_all_gathers
+        assert opts.sync_module_states is plugin.sync_module_states
     else:
         assert value("reshard_after_forward") is plugin.reshard_after_forward
     policy = plugin.mixed_precision_policy
@@ -127,8 +131,16 @@ def test_training_arguments_fsdp1(tmp_path: Path) -> None:
     assert plain(doc, "parallelism", "backward_prefetch") == "backward_post"
     assert plain(doc, "parallelism", "forward_prefetch") is True
     assert plain(doc, "parallelism", "use_orig_params") == ("ASSUMPTION", True)  # fsdp_config default "true"
+    # fsdp_config.sync_module_states default "true" (training_args.py 2879-2881)
+    assert plain(doc, "parallelism", "sync_module_states") == ("ASSUMPTION", True)
     assert plain(doc, "parallelism", "mixed_precision_policy", "param_dtype") == "bfloat16"
     assert result.findings == [] or keys_of(result, "not-modelled") == []
+    # set off, it is off; cpu_ram_efficient_loading forces it on (accelerate utils/dataclasses.py 1858-1863)
+    for extra, expected in (("false", False), ('false, "cpu_ram_efficient_loading": true', True)):
+        src.write_text(src.read_text().replace('"version": 1,', f'"version": 1, "sync_module_states": {extra},'))
+        doc, _ = imported(src)
+        assert plain(doc, "parallelism", "sync_module_states") is expected, extra
+        src.write_text(src.read_text().replace(f'"sync_module_states": {extra}, ', ""))
 
 
 def test_axolotl_fsdp1_is_read(tmp_path: Path) -> None:

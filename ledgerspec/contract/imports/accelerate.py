@@ -129,6 +129,7 @@ def _fsdp(src: Source, b: Builder, o: str, where: tuple[Any, Any], per_node: int
                 b.assume(
                     ("parallelism", key), default, o + "fsdp_config", f"accelerate launch's default {key}", src.path
                 )
+        _sync_module_states(src, b, o, cfg)
     if C._bool(cfg.get("activation_checkpointing", False)):
         b.set(("memory_options", "gradient_checkpointing"), True, o + "fsdp_activation_checkpointing", src.path)
     read = {
@@ -141,6 +142,8 @@ def _fsdp(src: Source, b: Builder, o: str, where: tuple[Any, Any], per_node: int
         "limit_all_gathers",
         "use_orig_params",
         "activation_checkpointing",
+        "sync_module_states",
+        "cpu_ram_efficient_loading",
     }
     # settings that decide what is wrapped or how checkpoints are saved, not what a rank holds in a step
     echo = {
@@ -148,13 +151,27 @@ def _fsdp(src: Source, b: Builder, o: str, where: tuple[Any, Any], per_node: int
         "transformer_layer_cls_to_wrap",
         "min_num_params",
         "state_dict_type",
-        "sync_module_states",
-        "cpu_ram_efficient_loading",
     }
     rest = {f"fsdp_{k}": v for k, v in cfg.items() if k not in read | echo}
     if rest:
         C.not_modelled(src, b, "fsdp_config", rest, f"FSDP settings {sorted(rest)} are not modelled yet", where)
     C.fsdp_mixed_precision(src, b, o + "mixed_precision under FSDP")
+
+
+def _sync_module_states(src: Source, b: Builder, o: str, cfg: dict[str, Any]) -> None:
+    """FSDP1's ``sync_module_states`` as the training processes get it: ``accelerate launch`` passes
+    ``--fsdp_sync_module_states`` and ``--fsdp_cpu_ram_efficient_loading``, both "true" when the file does not set them
+    (accelerate 1.16 ``commands/launch.py`` 589-600, 1.0.1 the same), and ``FullyShardedDataParallelPlugin`` turns the
+    first on when the second is (``utils/dataclasses.py`` 1858-1863)."""
+    keys = ("sync_module_states", "cpu_ram_efficient_loading")
+    path = ("parallelism", "sync_module_states")
+    on = [k for k in keys if k in cfg and C._bool(cfg[k])]
+    if on:  # either set true in the file turns it on
+        b.set(path, True, o + f"fsdp_{on[0]}", src.path, src.position("fsdp_config"))
+    elif all(k in cfg for k in keys):
+        b.set(path, False, o + "fsdp_sync_module_states", src.path, src.position("fsdp_config"))
+    else:  # an absent one is true
+        b.assume(path, True, o + "fsdp_config", "accelerate launch's default sync_module_states: true", src.path)
 
 
 def _deepspeed(src: Source, b: Builder, o: str, where: tuple[Any, Any]) -> None:

@@ -467,6 +467,16 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
                         f"{TA} FSDP1 default {key}: {default}",
                         src.path,
                     )
+            if modelled:  # `_fsdp_plugin_args`: sync_module_states "true" unless set; the plugin forces it on
+                # under cpu_ram_efficient_loading (accelerate utils/dataclasses.py 1858-1863)
+                efficient = C._bool(cfg.get("cpu_ram_efficient_loading", False))
+                path = ("parallelism", "sync_module_states")
+                if "sync_module_states" in cfg or efficient:
+                    on = efficient or C._bool(cfg["sync_module_states"])
+                    key = "cpu_ram_efficient_loading" if efficient else "sync_module_states"
+                    b.set(path, on, o + f"fsdp_config.{key}", src.path)
+                else:
+                    b.assume(path, True, o + "fsdp_config", f"{TA} FSDP1 default sync_module_states: true", src.path)
         if cfg.get("activation_checkpointing"):
             b.set(
                 ("memory_options", "gradient_checkpointing"), True, o + "fsdp_config.activation_checkpointing", src.path

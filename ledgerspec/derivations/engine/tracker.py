@@ -330,6 +330,9 @@ class MemoryTracker:
         self._recorded: set[int] = set()
         #: pending frees logged so far (``("free", id, "pending")``)
         self.pending_frees = 0
+        #: while set, every new allocation is also used on this stream (as :meth:`record_stream` says), e.g. the
+        #: flat buckets a collective flattens inside C++, out of Python's reach (None: off)
+        self.used_by: int | None = None
 
     # -- dispatch ------------------------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
@@ -415,6 +418,8 @@ class MemoryTracker:
             stream = self.stream_of() if self.stream_of else 0
             if stream:
                 self._event_streams[ident] = stream
+            if self.used_by is not None and self.used_by != stream:
+                self._recorded.add(ident)
             self.events.append(("alloc", ident, nbytes, stream))
 
     def _free_event(self, ident: int) -> None:

@@ -210,6 +210,11 @@ class Fsdp1Options:
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
     use_orig_params: bool = True
+    #: ``sync_module_states``: each unit broadcast from rank 0 as it is wrapped (:mod:`.fsdp.sync`); absent false,
+    #: accelerate's ``FullyShardedDataParallelPlugin`` default (``FSDP_SYNC_MODULE_STATES`` unset, 1.0.1 and 1.16
+    #: ``utils/dataclasses.py``), although ``accelerate launch`` and transformers' ``TrainingArguments`` pass true
+    #: unless told otherwise and ``cpu_ram_efficient_loading`` forces it on
+    sync_module_states: bool = False
 
     def describe(self) -> str:
         return (
@@ -248,6 +253,7 @@ def fsdp1_options(doc: Document) -> Fsdp1Options:
         switch("forward_prefetch", False),
         switch("limit_all_gathers", True),
         switch("use_orig_params", True),
+        switch("sync_module_states", False),
     )
 
 

@@ -122,6 +122,12 @@ def simulate_rank(
             numbers = stream_numbers()
             backend.tracker.stream_of = numbers
             extra.enter_context(device_waits(backend, numbers, spec.loop == "trainer"))
+            from ledgerspec.derivations.shard.fsdp import sync
+            from ledgerspec.derivations.shard.options import fsdp1_options
+
+            if is_fsdp1(doc) and fsdp1_options(doc).sync_module_states:  # each unit broadcast as FSDP1 wraps it
+                workload.sync_module_states = True
+                extra.enter_context(sync.broadcasting(backend.tracker, numbers.of(sync.NCCL_STREAM)))
         else:
             backend = (split_backend if offload else TrackerBackend)(fake=True, granularity=granularity(target))
         split: Any = backend.tracker

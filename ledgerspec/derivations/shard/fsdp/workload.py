@@ -197,6 +197,9 @@ def fsdp1_workload(base: type) -> Any:
         #: the model reaches the device one FSDP1 unit at a time, as FSDP1 wraps it, instead of whole before the
         #: wrapping (the allocation stream the device-level verdict replays: see :func:`fsdp1_workload`)
         load_per_unit: bool = False
+        #: FSDP1's ``sync_module_states`` (each unit broadcast from rank 0 as it is wrapped: :mod:`.sync`); the
+        #: simulation turns it on only in the allocation stream, inside :func:`.sync.broadcasting`
+        sync_module_states: bool = False
 
         def _train_all(self) -> None:
             """Full fine-tuning: the model FSDP1 wraps is trainable (one ``requires_grad`` per unit)."""
@@ -304,6 +307,7 @@ def fsdp1_workload(base: type) -> Any:
                 ),
                 device_mesh=mesh,
                 param_init_fn=self._unit_init if self.load_per_unit else None,
+                sync_module_states=self.sync_module_states,
             )
             if self.checkpoint_outside:  # transformers < 4.52 as declared: the checkpoint wraps the unit
                 from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import checkpoint_outside_units
