@@ -33,8 +33,10 @@ def _dpo(tmp: Path, objective: str = "dpo") -> Path:
     return tmp / f"{objective}.ledger.yaml"
 
 
-#: each preference trainer's step at its TRL 1.16 defaults (the reward model: a sequence-classification head)
-OBJECTIVES = ["dpo", "kto", "orpo", "cpo", "reward"]
+#: each preference trainer's step at its TRL 1.16 defaults (the reward model: a sequence-classification head); CPO's
+#: step is ORPO's concatenated forward with another loss (equal to ORPO's here to the byte when it was run, 2026-12-03;
+#: left out for CI's time)
+OBJECTIVES = ["dpo", "kto", "orpo", "reward"]
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
