@@ -26,7 +26,7 @@ def test_axolotl_rl_names_the_objective(tmp_path: Path, rl: str, objective: str)
     doc, _ = imported(tmp_path / "rl.yml")
     assert plain(doc, "training", "objective") == objective
     # DPO and KTO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) and
-    # GRPO (transformers' generate unless `trl.use_vllm` is set) are simulated
+    # GRPO (transformers' generate, or vLLM with `trl.use_vllm`) are simulated
     expected = [] if objective in ("dpo", "kto", "grpo") else ["/training/objective"]
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == expected
 
@@ -67,7 +67,6 @@ def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, obj
     ("training", "says"),
     [
         ("  objective: ppo\n", "training.objective ppo:"),
-        ("  objective: grpo\n  objective_settings: {use_vllm: true}\n", "training.objective grpo with use_vllm"),
         (
             "  objective: dpo\n  objective_settings: {reference: none}\n",
             "training.objective dpo with reference none:",
@@ -240,6 +239,7 @@ def test_the_objective_settings_keep_earlier_stamps() -> None:
         "steps_per_generation: 2",
         "generation_batch_size: 16",
         "use_vllm: true",
+        "vllm_enable_sleep_mode: true",
         "disable_dropout: true",
     ):
         grpo = "  objective: grpo\n  objective_settings: {" + setting + "}\n"

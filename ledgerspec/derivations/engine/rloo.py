@@ -28,6 +28,11 @@ class RLOOLoop(GRPOLoop):
 
     name = "rloo"
 
+    @property
+    def importance_sampling(self) -> bool:
+        """RLOO takes no log-probs from vLLM (rloo_trainer.py:1307-1313: ignored): no correction."""
+        return False
+
     def _generate_and_score(self) -> dict[str, Any]:
         """``_generate_and_score_completions`` (:1458-1787) for text prompts, one reward function."""
         import torch
