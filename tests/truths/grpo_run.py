@@ -42,7 +42,7 @@ import os
 import sys
 import tempfile
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -95,7 +95,7 @@ class _StubServer:
 
     vocab = 0
     #: per weight update: the bytes of each packed chunk (what the trainer handed over)
-    updates: list[list[int]] = []
+    updates: ClassVar[list[list[int]]] = []
 
     def __init__(self, *_: Any, **__: Any) -> None:
         pass

@@ -301,15 +301,15 @@ class GRPOLoop(DPOLoop):
             _ = getattr(term.float(), reduce)()
 
     def _sync_weights(self) -> None:
-        """``VLLMGeneration.sync_weights`` (generation/vllm_generation.py:481-513): the first sync walks the
-        parameters once for their names, dtypes and shapes (:499-503), then every sync walks them again into the
-        transfer (server: vLLM's packed broadcast, :505; colocate: each parameter handed to vLLM's ``load_weights``,
-        which copies it into vLLM's own weights, inside vLLM's share of the card, :510-511)."""
-        if not self.weight_metadata:
-            for _ in self._iter_named_params():
-                pass
-            self.weight_metadata = True
+        """``VLLMGeneration.sync_weights`` (generation/vllm_generation.py:481-513). Server: the first sync walks the
+        parameters once for their names, dtypes and shapes (:499-503), then every sync walks them again into vLLM's
+        packed broadcast (:505). Colocate: one walk, each parameter handed to vLLM's ``load_weights``, which copies it
+        into vLLM's own weights, inside vLLM's share of the card (:509-511)."""
         if self.vllm == "server":
+            if not self.weight_metadata:
+                for _ in self._iter_named_params():
+                    pass
+                self.weight_metadata = True
             self._packed_broadcast(self._iter_named_params())
         else:
             for _ in self._iter_named_params():

@@ -34,6 +34,7 @@ pytest.importorskip("trl")
 from tests.derivations.engine.test_grpo_truth import CASES, PHASES, TRUTH, ledger_text, truth_case
 from tests.support import TESTS
 from tests.support.step_truth import measured_phase, run_three_ways
+
 CASE = next(c for c in CASES if c.name == "lora-2-generations")
 #: the 0-dim scalar the real trainer holds beyond the simulated step, per phase (see the module docstring)
 SCALARS = {
