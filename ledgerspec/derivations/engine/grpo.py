@@ -108,7 +108,7 @@ def _importance_sampling_ratio(old: Any, sampling: Any, mask: Any) -> Any:
 
 
 def _importance_sampling_metrics(old: Any, sampling: Any, completion_mask: Any, ratio: Any) -> None:
-    """The sampling metrics TRL logs with the correction (:2860-2897), read on the host: the log-prob differences of
+    """The sampling metrics TRL logs with the correction (:2860-2896), read on the host: the log-prob differences of
     the completion tokens (none is NaN: all selected) and the ratio's min, mean and max (TRL's ``nanmin``/``nanmax``
     of the one-process gather, trainer/utils.py:1124-1155)."""
     import torch

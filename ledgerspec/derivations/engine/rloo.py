@@ -30,7 +30,7 @@ class RLOOLoop(GRPOLoop):
 
     @property
     def importance_sampling(self) -> bool:
-        """RLOO takes no log-probs from vLLM (rloo_trainer.py:1307-1313: ignored): no correction."""
+        """RLOO takes no log-probs from vLLM (rloo_trainer.py:1306-1313: ignored): no correction."""
         return False
 
     def _generate_and_score(self) -> dict[str, Any]:
