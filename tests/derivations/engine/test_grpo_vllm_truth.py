@@ -1,23 +1,26 @@
-"""GRPO with vLLM in server mode (``use_vllm: true, vllm_mode: server``): the step ledgerspec simulates and measures is
-the step TRL 1.16's ``GRPOTrainer`` runs, to the byte but for one 0-dim scalar.
+"""GRPO and RLOO with vLLM in server mode (``use_vllm: true, vllm_mode: server``): the step ledgerspec simulates and
+measures is the step TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer`` run, to the byte but for one 0-dim scalar.
 
-The configuration of ``test_grpo_truth``'s ``lora-2-generations`` case, run three ways on the CPU:
+The configurations of ``test_grpo_truth``'s ``lora-2-generations`` and ``rloo-lora-2-generations`` cases, each run
+three ways on the CPU:
 
-- the truth: TRL's real ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="server"`` (``tests/truths/grpo_run.py``):
-  only the network client is a stub (TRL's ``VLLMClient``: fixed completions of ``max_completion_length`` tokens,
-  each with the log-prob -1.0, and the weight updates packed as vLLM's trainer side packs them); TRL's
-  ``VLLMGeneration.sync_weights`` (PEFT's ``merge_adapter``, the parameter walk, ``unmerge_adapter``), the lists it
-  returns, the importance-sampling correction (the old policy's log-probs, always computed with vLLM; the
-  ``sequence_mask`` ratio; its metrics), the buffered batch and the loss are TRL's own;
+- the truth: TRL's real ``GRPOTrainer`` (``RLOOTrainer``) with ``use_vllm=True, vllm_mode="server"``
+  (``tests/truths/grpo_run.py``): only the network client is a stub (TRL's ``VLLMClient``: fixed completions of
+  ``max_completion_length`` tokens, each with the log-prob -1.0, and the weight updates packed as vLLM's trainer side
+  packs them); TRL's ``VLLMGeneration.sync_weights`` (PEFT's ``merge_adapter``, the parameter walk,
+  ``unmerge_adapter``), the lists it returns, the importance-sampling correction (GRPO only: the old policy's
+  log-probs, always computed with vLLM; the ``sequence_mask`` ratio; its metrics), the buffered batch and the loss are
+  TRL's own;
 - ``ledgerspec measure --device cpu`` and ``ledgerspec estimate --target cpu --full`` of the ledger that declares it.
 
-The one difference: 4 bytes in every training phase, the same 0-dim scalar the real trainer keeps beyond the simulated
+The one difference: 4 bytes in every training phase, the same 0-dim scalar the real trainers keep beyond the simulated
 step without vLLM (``test_grpo_truth.SCALARS``: the backward's seed gradient among them); the generation phase has no
-difference (without vLLM its 8 bytes were scalars of transformers' ``generate``, which does not run here).
-What the comparison does not pin to the byte: the weight sync (merge temporaries and the packed chunk, here the
-frozen base's 213,696 bytes) is below the generation phase's peak in this configuration (the old policy's forward
-through the fused LM head); its packing follows vLLM's ``packed_nccl_broadcast_producer`` as read in vLLM's source
-(vllm-project/vllm@00a9ccfb, vllm/distributed/weight_transfer/packed_tensor.py), not a run of vLLM (which needs CUDA).
+difference (without vLLM GRPO's 8 bytes there were scalars of transformers' ``generate``, which does not run here).
+What the phases do not pin: the weight sync (merge temporaries and the packed chunk, here the model's parameters,
+213,632 bytes) is below the generation phase's peak in these configurations (the old policy's forward through the
+fused LM head); ``test_vllm_sync`` pins it by itself, allocation by allocation. Its packing follows vLLM's
+``packed_nccl_broadcast_producer`` as read in vLLM's source (vllm-project/vllm@00a9ccfb,
+vllm/distributed/weight_transfer/packed_tensor.py), not a run of vLLM (which needs CUDA).
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("trl")
 
-from tests.derivations.engine.test_grpo_truth import CASES, PHASES, TRUTH, ledger_text, truth_case
-from tests.support import TESTS
+from tests.derivations.engine.test_grpo_truth import CASES, PHASES, TRUTH, Case, ledger_text, truth_case
+from tests.support import TESTS, one_worker_each
 from tests.support.step_truth import measured_phase, run_three_ways
 
-CASE = next(c for c in CASES if c.name == "lora-2-generations")
+pytestmark = pytest.mark.slow
+
+VLLM_CASES = [c for c in CASES if c.name in ("lora-2-generations", "rloo-lora-2-generations")]
+CASE = VLLM_CASES[0]
 #: the 0-dim scalar the real trainer holds beyond the simulated step, per phase (see the module docstring)
 SCALARS = {
     "generation_peak": 0,
@@ -46,20 +52,21 @@ SCALARS = {
 }
 
 
-def vllm_ledger() -> str:
-    text = ledger_text(CASE)
+def vllm_ledger(case: Case = CASE) -> str:
+    text = ledger_text(case)
     old = "num_generations: 2}"
     assert old in text
     return text.replace(old, "num_generations: 2, use_vllm: true, vllm_mode: server}", 1)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    folder = tmp_path_factory.mktemp("grpo-vllm-server")
-    case = {**truth_case(CASE, folder), "vllm": "server"}
-    out = run_three_ways(folder, CASE.base.arch, vllm_ledger(), case, TRUTH, False)
+@pytest.fixture(scope="module", params=one_worker_each("vllm-server", VLLM_CASES, [c.name for c in VLLM_CASES]))
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    c: Case = request.param
+    folder = tmp_path_factory.mktemp(f"vllm-server-{c.name}")
+    case = {**truth_case(c, folder), "vllm": "server"}
+    out = run_three_ways(folder, c.base.arch, vllm_ledger(c), case, TRUTH, False)
     out["updates"] = json.loads((folder / "truth.json").read_text(encoding="utf-8"))["vllm_updates"]
-    return out
+    return {"case": c, **out}
 
 
 def _parameter_bytes() -> int:
@@ -84,7 +91,7 @@ def test_the_real_trainer_synced_the_weights_through_the_stub(runs: dict[str, An
 def test_measure_is_the_real_grpo_trainer_step_with_vllm(runs: dict[str, Any]) -> None:
     got = {p: measured_phase(runs["measured"], p) for p in PHASES}
     want = {p: runs["truth"][p] - SCALARS[p] for p in PHASES}
-    assert got == want, f"measure {got} vs the real GRPOTrainer with vLLM {want}"
+    assert got == want, f"{runs['case'].name}: measure {got} vs the real trainer with vLLM {want}"
 
 
 def test_the_cpu_estimate_is_the_measurement_to_the_byte(runs: dict[str, Any]) -> None:
@@ -94,7 +101,9 @@ def test_the_cpu_estimate_is_the_measurement_to_the_byte(runs: dict[str, Any]) -
 
 def test_the_method_says_vllm_server(runs: dict[str, Any]) -> None:
     method = runs["estimated"].get("ledger", "activations").method or ""
-    assert "GRPOTrainer step with vLLM (server mode)" in method and "merge_adapter" in method
+    trainer = runs["case"].trainer.upper()
+    assert f"{trainer}Trainer step with vLLM (server mode)" in method and "merge_adapter" in method
+    assert ("importance-sampling" in method) == (trainer == "GRPO")
 
 
 def test_the_truth_case_is_the_plain_grpo_case_plus_vllm(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ pytest.importorskip("trl")
 
 from tests.support import TESTS
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grpo-vllm-server")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-sync")]
 
 
 def _model() -> Any:
