@@ -34,6 +34,7 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("trl")
 
+from ledgerspec.contract.document import load
 from tests.derivations.engine.test_grpo_truth import CASES, PHASES, TRUTH, Case, ledger_text, truth_case
 from tests.support import TESTS, one_worker_each
 from tests.support.step_truth import measured_phase, run_three_ways
@@ -63,10 +64,11 @@ def vllm_ledger(case: Case = CASE) -> str:
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     c: Case = request.param
     folder = tmp_path_factory.mktemp(f"vllm-server-{c.name}")
-    case = {**truth_case(c, folder), "vllm": "server"}
+    written = folder / "callback.ledger.yaml"  # LedgerCallback rides on the truth's run (no measurement of its own)
+    case = {**truth_case(c, folder), "vllm": "server", "ledger": str(written)}
     out = run_three_ways(folder, c.base.arch, vllm_ledger(c), case, TRUTH, False)
     out["updates"] = json.loads((folder / "truth.json").read_text(encoding="utf-8"))["vllm_updates"]
-    return {"case": c, **out}
+    return {"case": c, "callback": load(written), **out}
 
 
 def _parameter_bytes() -> int:
@@ -104,6 +106,17 @@ def test_the_method_says_vllm_server(runs: dict[str, Any]) -> None:
     trainer = runs["case"].trainer.upper()
     assert f"{trainer}Trainer step with vLLM (server mode)" in method and "merge_adapter" in method
     assert ("importance-sampling" in method) == (trainer == "GRPO")
+
+
+def test_the_callback_on_the_vllm_trainer_declares_vllm_and_records_the_run(runs: dict[str, Any]) -> None:
+    """``LedgerCallback`` on the same real run: the vLLM settings read from the live config (TRL's defaults for those
+    not given: colocate's share 0.3, no sleep mode), and every phase it recorded is the truth's reader's."""
+    doc = runs["callback"]
+    settings = ("training", "objective_settings")
+    got = [doc.get(*settings, k).value for k in ("use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")]
+    assert got == [True, "server", 0.3]
+    assert doc.get(*settings, "vllm_enable_sleep_mode").value is False
+    assert {p: measured_phase(doc, p) for p in PHASES} == {p: runs["truth"][p] for p in PHASES}
 
 
 def test_the_truth_case_is_the_plain_grpo_case_plus_vllm(tmp_path: Path) -> None:
