@@ -1,5 +1,5 @@
-"""GRPO's training step as TRL 1.16's ``GRPOTrainer`` runs it with transformers' ``generate`` (no vLLM), micro-step by
-micro-step (``training.objective: grpo``).
+"""GRPO's training step as TRL 1.16's ``GRPOTrainer`` runs it with transformers' ``generate`` or with vLLM
+(``objective_settings.use_vllm``), micro-step by micro-step (``training.objective: grpo``).
 
 Read in ``trl/trainer/grpo_trainer.py`` (TRL 1.16.0); every line cited below is of that file unless named:
 
@@ -21,6 +21,13 @@ Read in ``trl/trainer/grpo_trainer.py`` (TRL 1.16.0); every line cited below is 
    weights, two-sided clipping, normalised by the generation batch's completion tokens, :3160-3166) with the KL term
    when ``beta > 0``, and the metrics TRL logs (:3254-3285); the loss is already scaled for accumulation
    (``loss_is_scaled_for_ga = True``, :285), then backward and the optimizer step as for SFT.
+
+With vLLM (``use_vllm``, server or colocate mode) the generation phase holds no ``generate``: the weight sync
+(``VLLMGeneration.sync_weights``, generation/vllm_generation.py:481-513: PEFT's own ``merge_adapter`` and
+``unmerge_adapter`` around the parameter walk, in server mode vLLM's packed broadcast chunks), the completions and
+their log-probs back as lists, and TRL's importance-sampling correction (the old policy's log-probs always, the
+sequence ratio buffered with the batch and applied to the loss, :2639-2706, :3146-3147). Colocated vLLM's share of
+the card is the device verdict's (``devices.prediction.vllm_share_of``), not a tensor of this step.
 
 The simulation runs transformers' own ``generate`` and TRL's ``pad``, ``nanstd``, ``shuffle_sequence_dict`` and
 ``split_tensor_dict``. Every completion is ``max_completion_length`` tokens (the worst case: generation runs with an
@@ -150,8 +157,8 @@ class GRPOLoop(DPOLoop):
         self.steps_done = 0  # optimizer steps taken: TRL's `self._step` is steps_done x accumulation + the micro-step
         self.seq = 0
         self.sampling_per_token_logps: Any = None
-        self.last_loaded = -1  # VLLMGeneration: the global step whose weights vLLM holds (grpo_trainer.py:1138)
-        self.weight_metadata = False  # VLLMGeneration._weight_metadata collected (vllm_generation.py:256-258)
+        self.last_loaded = -1  # VLLMGeneration: the global step whose weights vLLM holds (grpo_trainer.py:1140)
+        self.weight_metadata = False  # VLLMGeneration._weight_metadata collected (vllm_generation.py:285)
 
     # -- what the step is ---------------------------------------------------------------------------------------------
     @property
