@@ -196,11 +196,11 @@ def ls013_kernel_not_modelled(ctx: Context) -> Iterator[Hit]:
     "LS014",
     WARNING,
     "training.objective is one whose step the estimate does not simulate",
-    "PPO runs a value model and its own generation, GRPO/RLOO with vLLM a second engine with its share of the card, "
-    "and ORPO/CPO on a GPTQ/AWQ or 8-bit base a layout no truth has checked: record the real trainer's run "
-    "(LedgerCallback) until the estimate models them (supervised fine-tuning, DPO and KTO with their reference from "
-    "the policy, a separate model or precomputed, reward models, ORPO and CPO (on a bitsandbytes 4-bit base too), GRPO "
-    "and RLOO with transformers' generate are simulated, on TRL 1.16)",
+    "PPO runs a value model and its own generation, GRPO/RLOO with vLLM on a quantized base merge the adapters into "
+    "the quantized layers, and ORPO/CPO on a GPTQ/AWQ or 8-bit base a layout no truth has checked: record the real "
+    "trainer's run (LedgerCallback) until the estimate models them (supervised fine-tuning, DPO and KTO with their "
+    "reference from the policy, a separate model or precomputed, reward models, ORPO and CPO (on a bitsandbytes 4-bit "
+    "base too), GRPO and RLOO with transformers' generate or vLLM are simulated, on TRL 1.16)",
     example="training: {objective: ppo}",
 )
 def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
@@ -212,6 +212,11 @@ def ls014_objective_not_modelled(ctx: Context) -> Iterator[Hit]:
         what = (
             f"training.objective {training.objective} on a base quantized as {q.type or 'not declared'} (the step "
             f"simulates TRL's {training.objective.upper()}Trainer on bitsandbytes 4-bit and unquantized bases)"
+        )
+    if what is None and training.objective in C.GENERATING and training.use_vllm and q.quantized:
+        what = (
+            f"training.objective {training.objective} with use_vllm on a quantized base (TRL syncs the weights through "
+            "PEFT's merge_adapter, which dequantizes, adds and quantizes every layer again: not modelled)"
         )
     if what is not None and ctx.get("training", "objective").known:
         yield Hit(

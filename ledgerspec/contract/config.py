@@ -172,6 +172,12 @@ class Training:
     generation_batch_size: int | None = None
     #: GRPO/RLOO: ``objective_settings.use_vllm`` (None: TRL's default, false)
     use_vllm: bool | None = None
+    #: GRPO/RLOO with vLLM: ``objective_settings.vllm_mode`` as written (None: TRL's default, :data:`VLLM_MODE`)
+    vllm_mode_declared: str | None = None
+    #: GRPO/RLOO with vLLM colocated: ``objective_settings.vllm_gpu_memory_utilization`` (None: TRL's default 0.3)
+    vllm_gpu_memory_utilization: float | None = None
+    #: GRPO/RLOO with vLLM colocated: ``objective_settings.vllm_enable_sleep_mode`` (None: TRL's default, false)
+    vllm_enable_sleep_mode: bool | None = None
     #: whether ``objective_settings.disable_dropout`` is written (GRPO's default is false, the others' true)
     disable_dropout_declared: bool = False
 
@@ -191,8 +197,8 @@ class Training:
         if self.objective in ("dpo", "kto") and self.dpo_reference not in DPO_REFERENCES:
             return f"training.objective {self.objective} with reference {self.dpo_reference}"
         if self.objective in GENERATING:
-            if self.use_vllm:
-                return f"training.objective {self.objective} with use_vllm (vLLM's engine and its share of the card)"
+            if self.use_vllm and self.vllm_mode not in VLLM_MODES:
+                return f"training.objective {self.objective} with vllm_mode {self.vllm_mode}"
             if self.grpo_reference not in GRPO_REFERENCES:
                 return f"training.objective {self.objective} with reference {self.grpo_reference}"
         from ledgerspec.contract.differences import version_tuple
@@ -203,6 +209,21 @@ class Training:
             # its RewardTrainer in TRL 0.x ran the chosen and the rejected rows in two forwards
             return f"training.objective {self.objective} on TRL {self.trl} (the step simulated is TRL 1.16's)"
         return None
+
+    @property
+    def vllm_mode(self) -> str | None:
+        """How the completions are generated: None (transformers' ``generate``), else vLLM's mode as declared or TRL's
+        default (``colocate``: ``vllm_mode``, grpo_config.py:594-595, rloo_config.py the same, TRL 1.16)."""
+        if not self.use_vllm:
+            return None
+        return (self.vllm_mode_declared or VLLM_MODE).strip().lower()
+
+    @property
+    def vllm_share(self) -> float:
+        """Colocated vLLM's share of the card: as declared, else TRL's default (``vllm_gpu_memory_utilization`` 0.3,
+        grpo_config.py:656-657, TRL 1.16)."""
+        share = self.vllm_gpu_memory_utilization
+        return VLLM_SHARE if share is None else share
 
     @property
     def dpo_reference(self) -> str:
@@ -251,6 +272,11 @@ def trl_casts_declared(module_dtypes: tuple[tuple[str, str], ...]) -> bool:
 GENERATING = ("grpo", "rloo")
 #: GRPO's reference kinds the simulation runs: none (``beta: 0``) or the PEFT policy with its adapters off
 GRPO_REFERENCES = ("none", "adapter_disabled")
+#: the vLLM modes the GRPO/RLOO step models (TRL 1.16's ``VLLMGeneration``, generation/vllm_generation.py:283-366)
+VLLM_MODES = ("server", "colocate")
+#: GRPOConfig's/RLOOConfig's default ``vllm_mode`` (grpo_config.py:594-595) and ``vllm_gpu_memory_utilization``
+#: (grpo_config.py:656-657), TRL 1.16
+VLLM_MODE, VLLM_SHARE = "colocate", 0.3
 #: DPO's and KTO's reference kinds the simulation runs: the PEFT policy with its adapters off, a frozen copy of its
 #: adapter (a PEFT model handed to the trainer), a separate reference model (``ref_model``: a second copy of the base,
 #: loaded as the policy's) or log-probs precomputed
@@ -530,6 +556,11 @@ def _training(doc: Document) -> Training:
         steps_per_generation=_positive(doc.get("training", "objective_settings", "steps_per_generation").number()),
         generation_batch_size=_positive(doc.get("training", "objective_settings", "generation_batch_size").number()),
         use_vllm=doc.get("training", "objective_settings", "use_vllm").switch(),
+        vllm_mode_declared=doc.get("training", "objective_settings", "vllm_mode").text(),
+        vllm_gpu_memory_utilization=_nonnegative(
+            doc.get("training", "objective_settings", "vllm_gpu_memory_utilization").number()
+        ),
+        vllm_enable_sleep_mode=doc.get("training", "objective_settings", "vllm_enable_sleep_mode").switch(),
         disable_dropout_declared=doc.get("training", "objective_settings", "disable_dropout").switch() is not None,
     )
 

@@ -121,6 +121,7 @@ WORKLOAD_INPUTS: Inputs = {
         ("objective_settings", "use_vllm"),
         ("objective_settings", "vllm_mode"),
         ("objective_settings", "vllm_gpu_memory_utilization"),
+        ("objective_settings", "vllm_enable_sleep_mode"),
     ),
 }
 
@@ -192,6 +193,7 @@ GENERATION_SETTINGS = (
     "use_vllm",
     "vllm_mode",
     "vllm_gpu_memory_utilization",
+    "vllm_enable_sleep_mode",
 )
 #: inputs only some objectives' steps read -> those objectives: hashed for their documents only (the other objectives'
 #: stamps never read them)

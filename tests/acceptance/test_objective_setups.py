@@ -127,3 +127,21 @@ def test_the_setup_resolves_estimates_and_reports(name: str, tmp_path: Path) -> 
     assert "meta-llama/Llama-3.1-8B" in out
     if objective == "dpo":  # the estimated step, in the report (its UNKNOWNs: the target device, which no file says)
         assert "DPOTrainer step" in out
+
+
+def test_axolotls_trl_block_gives_the_vllm_settings(tmp_path: Path) -> None:
+    """axolotl's ``trl:`` block hands TRL's GRPOConfig its vLLM settings under TRL's names (axolotl's TRLConfig,
+    utils/schemas/trl.py): use_vllm, vllm_mode, vllm_gpu_memory_utilization, vllm_enable_sleep_mode are read as the
+    objective's settings; no finding."""
+    text = (SETUP / "axolotl-grpo.yml").read_text(encoding="utf-8").replace("  use_vllm: false\n", "")
+    vllm = (
+        "  use_vllm: true\n  vllm_mode: colocate\n  vllm_gpu_memory_utilization: 0.4\n  vllm_enable_sleep_mode: true\n"
+    )
+    (tmp_path / "axolotl.yml").write_text(text.replace("trl:\n", "trl:\n" + vllm), encoding="utf-8")
+    result = import_files([str(tmp_path / "axolotl.yml")], config_dirs=[CONFIGS])
+    doc = from_text(result.text, "<import>")
+    s = ("training", "objective_settings")
+    got = [doc.get(*s, k).value for k in ("use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")]
+    assert got == [True, "colocate", 0.4]
+    assert doc.get(*s, "vllm_enable_sleep_mode").value is True
+    assert not [f.format() for f in result.findings if f.kind in ("unknown-key", "not-modelled")]

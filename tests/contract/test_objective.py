@@ -26,7 +26,7 @@ def test_axolotl_rl_names_the_objective(tmp_path: Path, rl: str, objective: str)
     doc, _ = imported(tmp_path / "rl.yml")
     assert plain(doc, "training", "objective") == objective
     # DPO and KTO (axolotl hands the trainer a peft_config: the reference is the policy with its adapters off) and
-    # GRPO (transformers' generate unless `trl.use_vllm` is set) are simulated
+    # GRPO (transformers' generate, or vLLM with `trl.use_vllm`) are simulated
     expected = [] if objective in ("dpo", "kto", "grpo") else ["/training/objective"]
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == expected
 
@@ -67,7 +67,6 @@ def test_a_trl_config_dump_names_its_trainer(tmp_path: Path, keys: dict[str, obj
     ("training", "says"),
     [
         ("  objective: ppo\n", "training.objective ppo:"),
-        ("  objective: grpo\n  objective_settings: {use_vllm: true}\n", "training.objective grpo with use_vllm"),
         (
             "  objective: dpo\n  objective_settings: {reference: none}\n",
             "training.objective dpo with reference none:",
@@ -126,11 +125,17 @@ def test_a_grpo_config_dump_gives_its_generation_settings(tmp_path: Path) -> Non
         "use_vllm": True,
         "vllm_mode": "colocate",
         "vllm_gpu_memory_utilization": 0.25,
+        "vllm_enable_sleep_mode": True,
+        "vllm_tensor_parallel_size": 1,
+        "vllm_importance_sampling_correction": True,
+        "vllm_importance_sampling_mode": "sequence_mask",
         "beta": 0.0,
     }
     path.write_text(json.dumps({"output_dir": "out", **keys}), encoding="utf-8")
     doc, result = imported(path)
     s = ("training", "objective_settings")
+    assert plain(doc, *s, "vllm_enable_sleep_mode") is True
+    assert not [f for f in result.findings if f.kind == "not-modelled"]
     assert [plain(doc, *s, k) for k in ("num_generations", "max_completion_length", "use_vllm", "vllm_mode")] == [
         4,
         256,
@@ -140,6 +145,26 @@ def test_a_grpo_config_dump_gives_its_generation_settings(tmp_path: Path) -> Non
     assert plain(doc, *s, "vllm_gpu_memory_utilization") == 0.25
     assert plain(doc, *s, "reference") == "none"
     assert not [f for f in result.findings if f.key in keys and f.kind == "unknown-key"]
+
+
+def test_a_vllm_setting_the_step_does_not_model_is_a_finding(tmp_path: Path) -> None:
+    """Colocated vLLM over several cards (tensor parallel) and the importance-sampling correction off or per token
+    change the step; they are said, not sized as TRL's defaults."""
+    path = tmp_path / "grpo.json"
+    keys = {
+        "num_generations": 4,
+        "use_vllm": True,
+        "vllm_tensor_parallel_size": 2,
+        "vllm_importance_sampling_correction": False,
+        "vllm_importance_sampling_mode": "token_mask",
+    }
+    path.write_text(json.dumps({"output_dir": "out", **keys}), encoding="utf-8")
+    _, result = imported(path)
+    assert sorted(f.key for f in result.findings if f.kind == "not-modelled") == [
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_tensor_parallel_size",
+    ]
 
 
 def test_dpo_references_by_tool(tmp_path: Path) -> None:
@@ -240,6 +265,7 @@ def test_the_objective_settings_keep_earlier_stamps() -> None:
         "steps_per_generation: 2",
         "generation_batch_size: 16",
         "use_vllm: true",
+        "vllm_enable_sleep_mode: true",
         "disable_dropout: true",
     ):
         grpo = "  objective: grpo\n  objective_settings: {" + setting + "}\n"

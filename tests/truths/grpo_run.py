@@ -24,7 +24,16 @@ Run as a script (one run per process: accelerate keeps global state)::
     python tests/truths/grpo_run.py CASE.json OUT.json [--memtracker]
 
 ``CASE.json`` is a ``trainer_run`` case plus ``trainer`` (``grpo`` or ``rloo``), ``completion``
-(``max_completion_length``), ``num_generations`` and ``beta``; ``ledger`` adds ``LedgerCallback`` writing that ledger.
+(``max_completion_length``), ``num_generations`` and ``beta``; ``ledger`` adds ``LedgerCallback`` writing that ledger;
+``vllm: "server"`` runs the trainer with ``use_vllm=True, vllm_mode="server"`` against :class:`_StubServer`.
+
+With ``vllm: "server"`` only the network client is replaced (TRL's ``VLLMClient`` in
+``trl/generation/vllm_generation.py``, and its ``is_vllm_available`` check, :37 and :294): the trainer's
+``VLLMGeneration`` (``sync_weights``: PEFT's ``merge_adapter``, the walk over the parameters, ``unmerge_adapter``;
+``generate``: the completions and their log-probs as lists) and everything after it is TRL's own. The stub's
+``update_named_params`` consumes the parameter walk as vLLM's trainer side does (``packed_nccl_broadcast_producer``,
+vllm/distributed/weight_transfer/packed_tensor.py at vllm-project/vllm@00a9ccfb: each parameter's bytes as a flat
+uint8 view, concatenated into chunks of just over 1 GiB, two chunk slots in flight; the broadcast itself is left out).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import os
 import sys
 import tempfile
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -73,6 +82,75 @@ def _prompts(case: dict[str, Any], vocab: int) -> Any:
 def reward_length(completions: list[str], **_: Any) -> list[float]:
     """The reward: the completion's length in characters (deterministic, no tensors)."""
     return [float(len(c)) for c in completions]
+
+
+#: vLLM's packed transfer: chunk size and slots (packed_tensor.py, DEFAULT_PACKED_BUFFER_SIZE_BYTES / _NUM_BUFFERS)
+PACKED_BUFFER, PACKED_SLOTS = 1024 * 1024 * 1024, 2
+
+
+class _StubServer:
+    """TRL's ``VLLMClient`` with the server and the NCCL group gone: fixed completions of in-vocabulary tokens (every
+    one ``max_tokens`` long), each token's log-prob -1.0, and the weight updates received as vLLM's trainer side
+    packs them."""
+
+    vocab = 0
+    #: per weight update: the bytes of each packed chunk (what the trainer handed over)
+    updates: ClassVar[list[list[int]]] = []
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def init_communicator(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+    def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 16, **_: Any) -> dict[str, Any]:
+        rows = len(prompts) * n
+        completion = [3 + (i % (self.vocab - 3)) for i in range(max_tokens)]
+        return {
+            "prompt_ids": prompts,
+            "completion_ids": [list(completion) for _ in range(rows)],
+            "logprobs": [[[-1.0] for _ in range(max_tokens)] for _ in range(rows)],
+        }
+
+    def update_named_params(self, metadata: Any, named_params: Any) -> None:
+        """The trainer side of vLLM's packed broadcast: chunks concatenated, a slot freed before it is refilled."""
+        import torch
+
+        in_flight: list[Any] = [None] * PACKED_SLOTS
+        slot = 0
+        chunks: list[int] = []
+        self.updates.append(chunks)
+        while True:
+            in_flight[slot] = None
+            flats, size = [], 0
+            for _name, tensor in named_params:
+                flat = tensor.contiguous().view(torch.uint8).view(-1)
+                flats.append(flat)
+                size += flat.numel()
+                if size > PACKED_BUFFER:
+                    break
+            if not flats:
+                break
+            packed = torch.cat(flats, dim=0)
+            del flats
+            chunks.append(packed.numel())
+            in_flight[slot] = packed
+            del packed
+            slot = (slot + 1) % PACKED_SLOTS
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def _stub_vllm(vocab: int) -> None:
+    from trl.generation import vllm_generation
+
+    _StubServer.vocab = vocab
+    vllm_generation.VLLMClient = _StubServer  # type: ignore[misc,assignment]
+    vllm_generation.is_vllm_available = lambda *_a, **_k: True
 
 
 class _Reader(PhaseReader):
@@ -135,10 +213,15 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="ledgerspec-grpo-truth-")
     base = _base(case, os.path.join(work, "base"))
     vocab = int(base.config.get_text_config().vocab_size)
+    vllm = {}
+    if case.get("vllm"):
+        _stub_vllm(vocab)
+        vllm = {"use_vllm": True, "vllm_mode": case["vllm"]}
     args = trl_args(
         Config,
         case,
         work,
+        **vllm,
         num_generations=case["num_generations"],
         max_completion_length=case["completion"],
         beta=case["beta"],
@@ -157,7 +240,10 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             callbacks=[reader.callback(), *_ledger_callback(case)],
         )
     reader.install(trainer)
-    return reader.train()
+    out = reader.train()
+    if case.get("vllm"):
+        out["vllm_updates"] = _StubServer.updates
+    return out
 
 
 if __name__ == "__main__":

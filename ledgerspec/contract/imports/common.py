@@ -210,6 +210,7 @@ OBJECTIVE_SETTINGS = (
     "use_vllm",
     "vllm_mode",
     "vllm_gpu_memory_utilization",
+    "vllm_enable_sleep_mode",
     "disable_dropout",
     "center_rewards_coefficient",
 )
@@ -217,9 +218,10 @@ OS = ("training", "objective_settings")
 
 
 #: GRPOConfig's and RLOOConfig's settings (TRL 1.16.0, ``grpo_config.py``, ``rloo_config.py``) that the simulated step
-#: runs at TRL's default (``engine/grpo.py``: sampling with transformers' ``generate``, one iteration per generation
-#: batch, the clipped token-level loss): a file that gives the default is read; another value is not modelled (a
-#: finding). ``loss_type`` is GRPO's only.
+#: runs at TRL's default (``engine/grpo.py``: sampling with transformers' ``generate`` or vLLM, one iteration per
+#: generation batch, the clipped token-level loss, with vLLM the sequence-level importance-sampling correction on one
+#: vLLM rank): a file that gives the default is read; another value is not modelled (a finding). ``loss_type`` and the
+#: importance-sampling settings are GRPO's only.
 ONLINE_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
     "top_p": 1.0,
@@ -241,10 +243,13 @@ ONLINE_DEFAULTS: dict[str, Any] = {
     "off_policy_mask_threshold": None,
     "entropy_coef": 0.0,
     "use_adaptive_entropy": False,
+    "vllm_tensor_parallel_size": 1,  # grpo_config.py:671-672: colocated vLLM on one card
+    "vllm_importance_sampling_correction": True,  # grpo_config.py:925-926
+    "vllm_importance_sampling_mode": "sequence_mask",  # grpo_config.py:934-935
 }
 #: GRPOConfig's and RLOOConfig's settings that change no tensor of the step beyond a few floats per completion (the
-#: advantages' clipping and scaling, the rewards' weights, logging, evaluation, vLLM's server and the vLLM-only
-#: corrections: with ``use_vllm`` the step is not simulated, LS014)
+#: advantages' clipping and scaling, the rewards' weights, logging, evaluation, vLLM's server, the bounds of the
+#: importance-sampling correction)
 ONLINE_IGNORED = frozenset(
     """
     num_generations_eval ds3_gather_for_generation shuffle_dataset pad_to_multiple_of chat_template_kwargs epsilon
@@ -252,9 +257,8 @@ ONLINE_IGNORED = frozenset(
     vespo_lambda_neg reward_weights multi_objective_aggregation scale_rewards ref_model_mixup_alpha
     ref_model_sync_steps entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target use_bias_correction_kl
     log_completions log_multimodal num_completions_to_print log_unique_prompts log_completions_hub_repo
-    vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url vllm_server_host
-    vllm_server_port vllm_server_timeout vllm_group_port vllm_max_model_length vllm_tensor_parallel_size
-    vllm_importance_sampling_correction vllm_importance_sampling_mode vllm_importance_sampling_clip_max
+    vllm_model_impl vllm_structured_outputs_regex vllm_server_base_url vllm_server_host
+    vllm_server_port vllm_server_timeout vllm_group_port vllm_max_model_length vllm_importance_sampling_clip_max
     vllm_importance_sampling_clip_min vllm_importance_sampling_cap router_aux_loss_coef trust_remote_code
     """.split()
 )

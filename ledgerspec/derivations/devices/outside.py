@@ -466,6 +466,8 @@ class Figure:
     source: str  # MEASURED | CALCULATED | ASSUMPTION | ...
     method: str
     estimate: Estimate | None = None  # the catalogue's, when the ledger holds no figure
+    #: of ``bytes``: colocated vLLM's share of the card (``prediction.vllm_share_of``), 0 when there is none
+    vllm: int = 0
 
 
 def for_document(doc: Any, catalogue: Catalogue | None = None) -> Figure:

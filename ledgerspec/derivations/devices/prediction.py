@@ -187,23 +187,58 @@ def outside_of(doc: Document, target: Target, world: int | None = None) -> outsi
     """The bytes this rank holds outside the caching allocator on ``target``: the ledger's
     ``outside_allocator.total`` when it holds one, else the outside catalogue's estimate for the declared stack on
     the named device (:func:`ledgerspec.derivations.devices.outside.estimate`; ``world``: the ranks it runs on, when
-    not the ledger's ``parallelism.gpu_count``, e.g. ``shard --nproc``)."""
+    not the ledger's ``parallelism.gpu_count``, e.g. ``shard --nproc``); plus colocated vLLM's share of the card
+    (:func:`vllm_share_of`), which the training step's allocator cannot get either."""
     v = doc.get("outside_allocator", "total")
     size = v.size()
     if size is not None:
         why = " ".join((v.note or v.method or "").split())
-        return outside.Figure(size, v.effective_source(True), "outside_allocator.total" + (f" ({why})" if why else ""))
+        return _with_vllm(
+            doc,
+            target,
+            outside.Figure(size, v.effective_source(True), "outside_allocator.total" + (f" ({why})" if why else "")),
+        )
     stack = replace(outside.stack_of(doc), gpu_name=target.name)
     if world is not None:
         stack = replace(stack, world_size=world)
     est = outside.estimate(stack)
-    return outside.Figure(est.typical, est.provenance, est.method(), est)
+    return _with_vllm(doc, target, outside.Figure(est.typical, est.provenance, est.method(), est))
+
+
+def vllm_share_of(doc: Document, target: Target) -> int:
+    """The bytes colocated vLLM holds on ``target`` for the whole run (0 when there is none): GRPO/RLOO with
+    ``use_vllm`` in ``colocate`` mode (TRL 1.16's default mode, grpo_config.py:594-595) without sleep mode. vLLM
+    sizes its instance to ``gpu_memory_utilization`` x the device's total memory (``requested_memory``,
+    vllm/v1/worker/gpu_worker.py ``init_device``: ``cudaMemGetInfo``'s total, the allocator's capacity here; its
+    weights, activation peak and KV cache fill it: ``determine_available_memory``) before training starts, and holds
+    it in segments of its own that the training step never gets back; TRL's default share is 0.3
+    (grpo_config.py:656-657). With ``vllm_enable_sleep_mode`` TRL puts the engine to sleep at level 2 after every
+    generation (generation/vllm_generation.py:365-366, 750-751): its weights and KV cache, allocated in vLLM's
+    ``CuMemAllocator`` pool, are unmapped, so the training step does not share the card with them (0 here)."""
+    from ledgerspec.contract import config
+
+    t = config.read(doc).training
+    if t.objective not in config.GENERATING or t.vllm_mode != "colocate" or t.vllm_enable_sleep_mode:
+        return 0
+    return int(t.vllm_share * target.cuda_total)
+
+
+def _with_vllm(doc: Document, target: Target, figure: outside.Figure) -> outside.Figure:
+    share = vllm_share_of(doc, target)
+    if not share:
+        return figure
+    return replace(
+        figure,
+        bytes=figure.bytes + share,
+        method=f"{figure.method}; plus colocated vLLM's share of the card, {format_size(share)}",
+        vllm=share,
+    )
 
 
 def high_of(figure: outside.Figure) -> int | None:
     """The high end of the outside-allocator catalogue's range behind ``figure`` (None: a figure the ledger holds,
-    measured or declared, has no range here)."""
-    return figure.estimate.high if figure.estimate is not None else None
+    measured or declared, has no range here), colocated vLLM's share included."""
+    return figure.estimate.high + figure.vllm if figure.estimate is not None else None
 
 
 # -- the prediction ------------------------------------------------------------------------------------------------
@@ -411,9 +446,10 @@ class DevicePrediction:
         if f.estimate is None:
             return f"{f.method}, as the ledger holds it"
         parts = " + ".join(f"{p.name} {format_size(p.typical)}" for p in f.estimate.counted if p.typical)
+        vllm = f" + colocated vLLM's share {format_size(f.vllm)}" if f.vllm else ""
         return (
             f"{self.device_text()}, named by {self.target.how}: {parts or 'nothing'} from the outside-allocator "
-            f"catalogue, range {format_size(f.estimate.low)} to {format_size(f.estimate.high)}"
+            f"catalogue, range {format_size(f.estimate.low)} to {format_size(f.estimate.high)}{vllm}"
         )
 
     def reserved_method(self) -> str:
@@ -921,4 +957,5 @@ __all__ = [
     "step_and_estimate",
     "stream_on_device",
     "target_of",
+    "vllm_share_of",
 ]

@@ -1,5 +1,5 @@
-"""GRPO's training step as TRL 1.16's ``GRPOTrainer`` runs it with transformers' ``generate`` (no vLLM), micro-step by
-micro-step (``training.objective: grpo``).
+"""GRPO's training step as TRL 1.16's ``GRPOTrainer`` runs it with transformers' ``generate`` or with vLLM
+(``objective_settings.use_vllm``), micro-step by micro-step (``training.objective: grpo``).
 
 Read in ``trl/trainer/grpo_trainer.py`` (TRL 1.16.0); every line cited below is of that file unless named:
 
@@ -22,6 +22,13 @@ Read in ``trl/trainer/grpo_trainer.py`` (TRL 1.16.0); every line cited below is 
    when ``beta > 0``, and the metrics TRL logs (:3254-3285); the loss is already scaled for accumulation
    (``loss_is_scaled_for_ga = True``, :285), then backward and the optimizer step as for SFT.
 
+With vLLM (``use_vllm``, server or colocate mode) the generation phase holds no ``generate``: the weight sync
+(``VLLMGeneration.sync_weights``, generation/vllm_generation.py:481-513: PEFT's own ``merge_adapter`` and
+``unmerge_adapter`` around the parameter walk, in server mode vLLM's packed broadcast chunks), the completions and
+their log-probs back as lists, and TRL's importance-sampling correction (the old policy's log-probs always, the
+sequence ratio buffered with the batch and applied to the loss, :2639-2706, :3146-3147). Colocated vLLM's share of
+the card is the device verdict's (``devices.prediction.vllm_share_of``), not a tensor of this step.
+
 The simulation runs transformers' own ``generate`` and TRL's ``pad``, ``nanstd``, ``shuffle_sequence_dict`` and
 ``split_tensor_dict``. Every completion is ``max_completion_length`` tokens (the worst case: generation runs with an
 end-of-sequence id outside the vocabulary, as the truth's tokenizer does). What a fake tensor cannot do is replaced by
@@ -39,6 +46,12 @@ from ledgerspec.derivations.engine.preference import DPOLoop
 
 #: GRPOConfig's defaults (grpo_config.py): ``epsilon`` 0.2 (:693), ``temperature`` 1.0 (:532)
 EPSILON = 0.2
+#: GRPOConfig's ``vllm_importance_sampling_clip_max`` (grpo_config.py:947-948; ``clip_min`` None: no lower bound)
+IS_CLIP_MAX = 3.0
+#: vLLM's packed weight transfer on the trainer side (``packed_nccl_broadcast_producer``,
+#: vllm/distributed/weight_transfer/packed_tensor.py, vllm-project/vllm@00a9ccfb): chunks of just over this many
+#: bytes (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``), this many in flight (``DEFAULT_PACKED_NUM_BUFFERS``)
+PACKED_BUFFER, PACKED_SLOTS = 1024 * 1024 * 1024, 2
 
 
 @contextlib.contextmanager
@@ -84,6 +97,53 @@ def _global_masked_mean(x: Any, mask: Any) -> None:
     _ = totals[0] / totals[1].clamp(min=1.0)
 
 
+def _importance_sampling_ratio(old: Any, sampling: Any, mask: Any) -> Any:
+    """vLLM's importance-sampling ratio at GRPOConfig's defaults (:2659-2706: ``sequence_mask``, clipped above at
+    :data:`IS_CLIP_MAX`, no lower bound): one float per sequence."""
+    import math
+
+    import torch
+
+    per_token_logps_diff = (old - sampling) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+    del per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    del logps_diff
+    invalid_mis_mask = (ratio < -math.inf) | (ratio > IS_CLIP_MAX)
+    return ratio.masked_fill(invalid_mis_mask, value=0.0)
+
+
+def _importance_sampling_metrics(old: Any, sampling: Any, completion_mask: Any, ratio: Any) -> None:
+    """The sampling metrics TRL logs with the correction (:2860-2896), read on the host: the log-prob differences of
+    the completion tokens (none is NaN: all selected) and the ratio's min, mean and max (TRL's ``nanmin``/``nanmax``
+    of the one-process gather, trainer/utils.py:1124-1155)."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    delta = torch.abs(old - sampling)
+    mask = completion_mask.bool()
+    keep = mask & ~torch.isnan(delta)
+    delta = torch.empty((delta.numel(),), dtype=delta.dtype, device=delta.device) if is_fake(delta) else delta[keep]
+    del keep, mask
+    _ = torch.mean(delta)
+    _ = torch.max(delta)
+    del delta
+    flat_is_ratio = ratio.flatten()
+    for reduce in (torch.min, torch.mean, torch.max):
+        value = reduce(flat_is_ratio)
+        if reduce is not torch.mean:  # nanmin / nanmax: the NaN check, then the non-NaN values selected (one)
+            _ = torch.isnan(value).all()
+            selected = (
+                torch.empty((1,), dtype=value.dtype, device=value.device)
+                if is_fake(value)
+                else value[~torch.isnan(value)]
+            )
+            _ = reduce(selected)
+        else:
+            _ = value.nanmean()
+
+
 class GRPOLoop(DPOLoop):
     """``GRPOTrainer``'s step (see the module docstring for the source it follows); the reference adapter and the
     switched-off checkpointing are DPO's (TRL's ``use_adapter`` and ``disable_gradient_checkpointing``)."""
@@ -96,6 +156,9 @@ class GRPOLoop(DPOLoop):
         self.buffered: list[dict[str, Any]] | None = None
         self.steps_done = 0  # optimizer steps taken: TRL's `self._step` is steps_done x accumulation + the micro-step
         self.seq = 0
+        self.sampling_per_token_logps: Any = None
+        self.last_loaded = -1  # VLLMGeneration: the global step whose weights vLLM holds (grpo_trainer.py:1140)
+        self.weight_metadata = False  # VLLMGeneration._weight_metadata collected (vllm_generation.py:285)
 
     # -- what the step is ---------------------------------------------------------------------------------------------
     @property
@@ -114,6 +177,16 @@ class GRPOLoop(DPOLoop):
     @property
     def beta(self) -> float:
         return self.spec.generation.beta
+
+    @property
+    def vllm(self) -> str | None:
+        """``server`` or ``colocate`` when vLLM generates (``use_vllm``), else None."""
+        return self.spec.generation.vllm
+
+    @property
+    def importance_sampling(self) -> bool:
+        """GRPO with vLLM: TRL's ``vllm_importance_sampling_correction`` (default true, grpo_config.py:925-926)."""
+        return self.vllm is not None
 
     def start(self, seq: int, micro_steps: int) -> None:
         self.seq = seq
@@ -168,7 +241,19 @@ class GRPOLoop(DPOLoop):
 
     def _generate_completions(self, rows: int, prompt: int) -> None:
         """``_generate_single_turn`` (:1811-1892) with ``_generate``'s length metrics (:2268-2321): every tensor it
-        makes is gone when it returns (the completions go back as lists)."""
+        makes is gone when it returns (the completions go back as lists). With vLLM (:1767-1780): the weights synced
+        when the global step moved since the last sync, then vLLM's completions and log-probs come back as lists (no
+        tensor of the training process)."""
+        if self.vllm is not None:
+            if self.steps_done != self.last_loaded:
+                self._sync_weights()
+                self.last_loaded = self.steps_done
+        else:
+            self._transformers_generate(rows, prompt)
+        self._length_metrics(rows, prompt)
+
+    def _transformers_generate(self, rows: int, prompt: int) -> None:
+        """transformers' ``generate`` of the generation batch (:1811-1892)."""
         import torch
         from torch._subclasses.fake_tensor import is_fake
         from trl.trainer.utils import pad
@@ -203,7 +288,13 @@ class GRPOLoop(DPOLoop):
         for row in range(rows):  # `c[m].tolist()`: each row's completion
             _ = torch.empty((completion,), dtype=torch.long, device=device) if fake else completion_ids[row][keep[row]]
         del keep, completion_mask, completion_ids
-        # _generate's length metrics (:2268-2321): one tensor a row each, their reductions read on the host
+
+    def _length_metrics(self, rows: int, prompt: int) -> None:
+        """``_generate``'s length metrics (:2268-2321): one tensor a row each, their reductions read on the host."""
+        import torch
+
+        device = self.w.device
+        completion = int(self.spec.completion)
         prompt_lengths = torch.tensor([prompt] * rows, device=device)
         completion_lengths = torch.tensor([completion] * rows, device=device)
         _ = prompt_lengths.sum() + completion_lengths.sum()
@@ -215,6 +306,58 @@ class GRPOLoop(DPOLoop):
         term = torch.zeros(1, device=device)
         for reduce in ("mean", "min", "max"):
             _ = getattr(term.float(), reduce)()
+
+    def _sync_weights(self) -> None:
+        """``VLLMGeneration.sync_weights`` (generation/vllm_generation.py:481-513). Server: the first sync walks the
+        parameters once for their names, dtypes and shapes (:499-503), then every sync walks them again into vLLM's
+        packed broadcast (:505). Colocate: one walk, each parameter handed to vLLM's ``load_weights``, which copies it
+        into vLLM's own weights, inside vLLM's share of the card (:509-511)."""
+        if self.vllm == "server":
+            if not self.weight_metadata:
+                for _ in self._iter_named_params():
+                    pass
+                self.weight_metadata = True
+            self._packed_broadcast(self._iter_named_params())
+        else:
+            for _ in self._iter_named_params():
+                pass
+
+    def _iter_named_params(self) -> Any:
+        """``VLLMGeneration._iter_named_params`` for a PEFT model on one process (:435-470): PEFT's own
+        ``merge_adapter`` (each LoRA layer's delta added into its base weight; a 4-bit base dequantized, added and
+        quantized again), every base parameter's data, then ``unmerge_adapter``."""
+        model = self.w.model
+        model.merge_adapter()
+        for name, param in model.named_parameters():
+            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            if model.prefix in name or "original_module" in name:
+                continue
+            yield param.data
+        model.unmerge_adapter()
+
+    @staticmethod
+    def _packed_broadcast(tensors: Any) -> None:
+        """The trainer side of vLLM's ``packed_nccl_broadcast_producer`` (see :data:`PACKED_BUFFER`): each tensor's
+        bytes viewed flat, concatenated into a chunk once the chunk passes the buffer size, a slot's previous chunk
+        freed before the slot is packed again (the NCCL broadcast itself allocates nothing here)."""
+        import torch
+
+        in_flight: list[Any] = [None] * PACKED_SLOTS
+        slot = 0
+        while True:
+            in_flight[slot] = None
+            flats, size = [], 0
+            for tensor in tensors:
+                flat = tensor.contiguous().view(torch.uint8).view(-1)
+                flats.append(flat)
+                size += flat.numel()
+                if size > PACKED_BUFFER:
+                    break
+            if not flats:
+                break
+            in_flight[slot] = torch.cat(flats, dim=0)
+            del flats
+            slot = (slot + 1) % PACKED_SLOTS
 
     def _generated_tensors(self) -> tuple[Any, Any, Any, Any]:
         """Generation, then the padded prompt and completion tensors of the generation batch (:2441-2462)."""
@@ -234,6 +377,10 @@ class GRPOLoop(DPOLoop):
         completion_mask: Any = [torch.ones_like(ids, dtype=torch.long) for ids in completion_ids]
         completion_ids = pad(completion_ids, padding_value=0, padding_side="right")
         completion_mask = pad(completion_mask, padding_value=0, padding_side="right")
+        if self.importance_sampling:  # vLLM's log-probs of the sampled tokens (:2463-2476), float32
+            sampling: Any = [torch.full((completion,), -1.0, device=device) for _ in range(rows)]
+            self.sampling_per_token_logps = pad(sampling, padding_value=0.0, padding_side="right")  # type: ignore[arg-type]
+            del sampling
         return prompt_ids, prompt_mask, completion_ids, completion_mask
 
     def _generate_and_score(self) -> dict[str, Any]:
@@ -246,14 +393,26 @@ class GRPOLoop(DPOLoop):
         prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # :2499-2500
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         old_per_token_logps = ref_per_token_logps = None
+        sampling_per_token_logps = self.sampling_per_token_logps if self.importance_sampling else None
+        self.sampling_per_token_logps = None
+        importance_sampling_ratio = None
         with torch.no_grad(), self._no_checkpointing():  # :2629
-            if self.accumulation % self.steps_per_generation != 0:  # :2639-2652
+            # :2639-2652; with vLLM's importance-sampling correction always
+            if self.accumulation % self.steps_per_generation != 0 or self.importance_sampling:
                 old_per_token_logps, _ = self._logps(prompt_completion_ids, attention_mask, completion, False)
+            if sampling_per_token_logps is not None:
+                importance_sampling_ratio = _importance_sampling_ratio(
+                    old_per_token_logps, sampling_per_token_logps, completion_mask
+                )
             if self.beta != 0.0:  # :2688-2716, a PEFT model: the adapters off
                 with self._reference_adapter():
                     ref_per_token_logps, _ = self._logps(prompt_completion_ids, attention_mask, completion, False)
         advantages = self._advantages(rows)
         del prompt_completion_ids, attention_mask
+        if sampling_per_token_logps is not None:
+            _importance_sampling_metrics(
+                old_per_token_logps, sampling_per_token_logps, completion_mask, importance_sampling_ratio
+            )
         out = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
@@ -264,6 +423,9 @@ class GRPOLoop(DPOLoop):
         }
         if old_per_token_logps is not None:
             out["old_per_token_logps"] = old_per_token_logps
+        if importance_sampling_ratio is not None:  # :2906-2911
+            out["importance_sampling_ratio"] = importance_sampling_ratio
+            out["sampling_per_token_logps"] = sampling_per_token_logps
         if ref_per_token_logps is not None:
             out["ref_per_token_logps"] = ref_per_token_logps
         return out
@@ -389,6 +551,8 @@ class GRPOLoop(DPOLoop):
         per_token_loss2 = coef_2 * advantages
         per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
         del per_token_loss1, per_token_loss2
+        if "importance_sampling_ratio" in inputs:  # :3146-3147
+            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
         if per_token_kl is not None:
             per_token_loss = per_token_loss + self.beta * per_token_kl  # :3157
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / 1  # :3160-3166 (dapo)

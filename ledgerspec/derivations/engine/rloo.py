@@ -1,5 +1,5 @@
-"""RLOO's training step as TRL 1.16's ``RLOOTrainer`` runs it with transformers' ``generate`` (no vLLM), micro-step by
-micro-step (``training.objective: rloo``).
+"""RLOO's training step as TRL 1.16's ``RLOOTrainer`` runs it with transformers' ``generate`` or vLLM (GRPO's weight
+sync, no importance-sampling correction), micro-step by micro-step (``training.objective: rloo``).
 
 The generation, its buffering and the training forward are GRPO's (:mod:`ledgerspec.derivations.engine.grpo`: the
 two trainers share ``_prepare_inputs``, ``_generate_single_turn`` and ``_get_per_token_logps_and_entropies``). What
@@ -27,6 +27,11 @@ class RLOOLoop(GRPOLoop):
     """``RLOOTrainer``'s step (see the module docstring for the source it follows)."""
 
     name = "rloo"
+
+    @property
+    def importance_sampling(self) -> bool:
+        """RLOO takes no log-probs from vLLM (rloo_trainer.py:1306-1313: ignored): no correction."""
+        return False
 
     def _generate_and_score(self) -> dict[str, Any]:
         """``_generate_and_score_completions`` (:1458-1787) for text prompts, one reward function."""

@@ -642,6 +642,12 @@ def prepare(
         ) from None
     if layers == "full":
         est_plan = Plan(est_plan.layers, est_plan.period, None, "full trace requested")
+    elif est_plan.probes is not None and spec.generation is not None and spec.generation.vllm == "server":
+        # vLLM's packed weight transfer concatenates the whole parameter list into chunks of just over 1 GiB: its
+        # chunks (and the generation peak they set) are not affine in the layers, two shallow probes cannot give them
+        est_plan = Plan(
+            est_plan.layers, est_plan.period, None, "vLLM's packed weight transfer is not affine in the layers"
+        )
     return Prepared(doc, spec, source, est_plan, target, _keeps_4bit_input(doc, spec), say, started)
 
 

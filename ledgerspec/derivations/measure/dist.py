@@ -580,7 +580,8 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     base = single(doc, device, steps, None, None)
     from ledgerspec.derivations.shard.simulation import generation_refused
 
-    if base.spec.get("generation") is not None and generation_refused(doc):
+    generation = base.spec.get("generation")
+    if generation is not None and (generation.get("vllm") is not None or generation_refused(doc)):
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 
         raise LedgerspecError(

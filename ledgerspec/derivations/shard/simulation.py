@@ -241,7 +241,8 @@ def fake_process_group(rank: int, world: int) -> Iterator[None]:
 
 def generation_refused(doc: Document) -> bool:
     """GRPO/RLOO's generation phase on several ranks is run under FSDP2 only (transformers' Trainer registers
-    ``generate`` as an FSDP2 forward method: ``trainer.py`` 1798-1801, 5.24); FSDP1 and ZeRO are refused."""
+    ``generate`` as an FSDP2 forward method: ``trainer.py`` 1798-1801, 5.24); FSDP1 and ZeRO are refused (and vLLM's
+    weight sync on any strategy: the callers check ``GenerationSpec.vllm``)."""
     from ledgerspec.derivations.shard.options import is_fsdp1, zero_stage
 
     return is_fsdp1(doc) or bool(zero_stage(doc))
@@ -262,7 +263,7 @@ def prepare_trace(
         raise ValueError(f"target must be one of {E.TARGETS}")
     E._check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
-    if spec.generation is not None and generation_refused(doc):
+    if spec.generation is not None and (spec.generation.vllm is not None or generation_refused(doc)):
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 
         raise _err(doc, ("training", "objective"), GENERATION_SHARDED, "estimate it on one device, or on FSDP2 ranks")

@@ -73,17 +73,21 @@ def test_grpo_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path, objective
         assert set(estimated.estimate.ranks[r["rank"]].phases) == set(r["phases"])  # generation_peak on both sides
 
 
-@pytest.mark.parametrize("strategy", ["fsdp1", "zero3"])
+@pytest.mark.parametrize("strategy", ["fsdp1", "zero3", "fsdp2-vllm"])
 def test_grpo_under_fsdp1_or_zero_is_refused_in_one_line(tmp_path: Path, strategy: str) -> None:
     pytest.importorskip("torch")
     from ledgerspec.derivations.measure.dist import make_request
     from ledgerspec.derivations.shard.sharder import shard
     from ledgerspec.errors import LedgerspecError
 
-    path = _grpo(tmp_path, strategy)
-    with pytest.raises(LedgerspecError, match="grpo/rloo under FSDP1 or DeepSpeed ZeRO") as err:
+    path = _grpo(tmp_path, strategy.removesuffix("-vllm"))
+    if strategy.endswith("-vllm"):  # vLLM's weight sync on sharded parameters: not run yet
+        text = path.read_text(encoding="utf-8").replace("num_generations: 2}", "num_generations: 2, use_vllm: true}")
+        assert "use_vllm: true" in text
+        path.write_text(text, encoding="utf-8")
+    with pytest.raises(LedgerspecError, match="grpo/rloo under FSDP1 or DeepSpeed ZeRO, or with use_vllm") as err:
         shard(load(path), nproc=2, estimate=True, target="cpu")
     assert "\n" not in str(err.value) and "FSDP2 ranks" in (err.value.hint or "")
-    with pytest.raises(LedgerspecError, match="grpo/rloo under FSDP1 or DeepSpeed ZeRO") as err:
+    with pytest.raises(LedgerspecError, match="grpo/rloo under FSDP1 or DeepSpeed ZeRO, or with use_vllm") as err:
         make_request(load(path), 2, "cpu", 2)
     assert "\n" not in str(err.value) and err.value.exit_code == 2
