@@ -62,7 +62,7 @@ def timed(args: list[str], cache: Path) -> tuple[float, float, float, str]:
 
 def reference() -> str:
     """How fast this machine is right now, for comparing runs on a shared machine: a fixed pure-Python loop and
-    ``import torch, transformers.modeling_utils, peft`` in a fresh process (the floor of a cold estimate)."""
+    ``import torch, transformers.modeling_utils, peft`` in a fresh process (a plain import)."""
     code = (
         "import time\nt = time.perf_counter()\ns = 0\nfor i in range(20_000_000):\n    s += i\n"
         "print(time.perf_counter() - t)"
@@ -78,7 +78,8 @@ def reference() -> str:
     return (
         f"Reference, measured just before: a 20,000,000-iteration Python loop {loop:.2f} s; "
         f"`import torch, transformers.modeling_utils, peft` in a fresh process {imports[0]:.1f} s, again "
-        f"{imports[1]:.1f} s (every cold answer pays it)."
+        f"{imports[1]:.1f} s (a plain import; a cold answer imports the same with the garbage collector paused, "
+        "`ledgerspec/derivations/stack/imports.py`)."
     )
 
 

@@ -52,4 +52,12 @@ def preflight(doc: Document, command: str) -> None:
     )
 
 
-__all__ = ["INPUT_RULES", "blocking", "preflight"]
+def import_stack_quietly() -> None:
+    """This command traces: its first import of torch, transformers and peft runs with the cyclic garbage collector
+    paused (:mod:`ledgerspec.derivations.stack.imports`; about 0.6 s of a cold ``estimate``)."""
+    from ledgerspec.derivations.stack import imports
+
+    imports.PAUSE_GC = True
+
+
+__all__ = ["INPUT_RULES", "blocking", "import_stack_quietly", "preflight"]

@@ -120,6 +120,9 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
     local = config_file(doc, trust_remote_code)
     if local is not None:  # the pin first: a config other than the pinned one is refused before transformers loads
         _check_pin(doc, local[0], hashlib.sha256(local[1]).hexdigest())
+    from ledgerspec.derivations.stack.imports import import_stack
+
+    import_stack()  # the command line's first import of the stack: the garbage collector paused meanwhile
     from transformers import AutoConfig
 
     if local is not None:

@@ -90,11 +90,12 @@ def register(subparsers: Any) -> None:
 
 def run_estimate(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load_for
-    from ledgerspec.faces.preflight import preflight
+    from ledgerspec.faces.preflight import import_stack_quietly, preflight
 
     doc = load_for(args.file, "estimate")  # before torch is imported
     device = device_memory_bytes(args.device_memory, args.file)
     preflight(doc, "estimate")  # validate's input checks, before torch is imported
+    import_stack_quietly()
     if device is None:
         target_memory_note(doc, args.file)
     modes = [

@@ -77,9 +77,10 @@ def run_resolve(args: argparse.Namespace) -> int:
             hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
             exit_code=EXIT_USAGE,
         )
-    from ledgerspec.faces.preflight import preflight
+    from ledgerspec.faces.preflight import import_stack_quietly, preflight
 
     preflight(doc, "resolve")  # validate's input checks, before torch is imported
+    import_stack_quietly()
     from ledgerspec.contract.writer import check_writable
     from ledgerspec.derivations.resolve.resolver import resolve
 

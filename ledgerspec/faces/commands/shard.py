@@ -70,9 +70,10 @@ def run_shard(args: argparse.Namespace) -> int:
         raise LedgerspecError(
             "--device-memory, --target and --layers need --estimate", args.file, rule="usage", exit_code=EXIT_USAGE
         )
-    from ledgerspec.faces.preflight import preflight
+    from ledgerspec.faces.preflight import import_stack_quietly, preflight
 
     preflight(doc, "shard")  # validate's input checks, before torch is imported
+    import_stack_quietly()
     result = shard(
         doc,
         nproc=args.nproc,
