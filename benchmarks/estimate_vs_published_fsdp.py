@@ -61,6 +61,9 @@ FMS = FMS_A100_CSV
 #: padded and shifted instead (``nn.functional.pad(labels, (0, 1))``) and the logits are only viewed
 LOSS_SOURCE = "https://github.com/huggingface/transformers/blob/v4.48.1/src/transformers/loss/loss_utils.py#L36-L39"
 
+#: every ledger's device (its verdict: ``device_vs_published_fsdp.py``, ``benchmarks/results/device-fsdp.md``)
+DEVICE = "result:\n  target_device: {name: NVIDIA A100-SXM4-80GB, memory: 80 GiB}\n"
+
 
 @dataclass(frozen=True)
 class Run:
@@ -189,11 +192,17 @@ def estimate_run(run: Run) -> Row:
     assert "wraps each FSDP1 unit from outside" in est.method, run.key  # and its checkpoint placement
     declared = "  transformers: 4.48.1\n"
     assert declared in text, run.key
-    installed = shard(from_text(text.replace(declared, ""), str(path)), estimate=True, target="cuda").estimate
+    # the two comparison columns are allocated peaks: estimated without the device, whose verdict (each rank's event
+    # stream replayed through the allocator model) they do not read and which changes no allocated figure
+    assert DEVICE in text, run.key
+    allocated = text.replace(DEVICE, "")
+    installed = shard(from_text(allocated.replace(declared, ""), str(path)), estimate=True, target="cuda").estimate
     assert installed is not None
     strategy = "  strategy: fsdp1\n"
     assert strategy in text, run.key
-    fsdp2 = shard(from_text(text.replace(strategy, "  strategy: fsdp2\n"), str(path)), estimate=True, target="cuda")
+    fsdp2 = shard(
+        from_text(allocated.replace(strategy, "  strategy: fsdp2\n"), str(path)), estimate=True, target="cuda"
+    )
     assert fsdp2.estimate is not None and fsdp2.estimate.strategy == "fsdp2"
     r0 = est.ranks[0]
     after = r0.components["frozen_base"] + r0.components["adapter"] + r0.components["optimizer"]

@@ -172,43 +172,48 @@ def test_canonical_streams_ignore_ids_not_which_allocation_is_freed() -> None:
 
 # -- real steps: the construction against full-depth traces ----------------------------------------------------------
 
+REAL_CASES: dict[str, dict[str, Any]] = {
+    # the plain step (LoRA on q/v, no checkpointing, one micro-step) at 32 layers: 30 periods past the shallowest
+    # probe (a separate 8-layer case of the same step was the same branch, shallower)
+    "llama-32-layers": {"arch": "tiny-llama-gqa", "seq": 32, "layers": 32},
+    "llama-ckpt-accum2": {
+        "arch": "tiny-llama-gqa",
+        "checkpointing": True,
+        "accumulation": 2,
+        "microbatch": 1,
+        "seq": 64,
+    },
+    "qwen2-accum2": {"arch": "tiny-qwen2", "seq": 128, "accumulation": 2},
+    "mistral-ckpt": {"arch": "tiny-mistral", "checkpointing": True, "seq": 128, "targets": "all-linear"},
+    "qwen2-qlora-nf4": {"arch": "tiny-qwen2", "quant": "nf4", "targets": "all-linear", "seq": 80},
+    "llama-qlora-paged8bit-ckpt-accum2": {
+        "arch": "tiny-llama-gqa",
+        "quant": "nf4",
+        "dtype": "float16",
+        "checkpointing": True,
+        "accumulation": 2,
+        "optimizer": "paged_adamw_8bit",
+        "targets": "all-linear",
+        "microbatch": 1,
+        "seq": 48,
+    },
+    "llama-custom-loop": {"arch": "tiny-llama-gqa", "loop": "custom", "seq": 64},
+    # Gemma2's sliding/full pattern (period 2, probes 4, 6, 8): a 10-layer copy of the tiny config, so that the
+    # stream is built a period past the third probe
+    "gemma2-accum2": {"arch": "tiny-gemma2", "attention": "eager", "seq": 128, "accumulation": 2, "layers": 10},
+    "gemma2-flash-ckpt": {
+        "arch": "tiny-gemma2",
+        "attention": "flash_attention_2",
+        "seq": 128,
+        "checkpointing": True,
+        "layers": 10,
+    },
+}
+#: the cases other tests of this module read too: each in one xdist group with them, so it is traced once
+SHARED = {"llama-ckpt-accum2", "qwen2-accum2"}
 REAL = [
-    pytest.param({"arch": "tiny-llama-gqa", "microbatch": 2, "seq": 64}, id="llama"),
-    pytest.param(
-        {"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 2, "microbatch": 1, "seq": 64},
-        id="llama-ckpt-accum2",
-    ),
-    pytest.param({"arch": "tiny-qwen2", "seq": 128, "accumulation": 2}, id="qwen2-accum2"),
-    pytest.param(
-        {"arch": "tiny-mistral", "checkpointing": True, "seq": 128, "targets": "all-linear"}, id="mistral-ckpt"
-    ),
-    pytest.param({"arch": "tiny-qwen2", "quant": "nf4", "targets": "all-linear", "seq": 80}, id="qwen2-qlora-nf4"),
-    pytest.param(
-        {
-            "arch": "tiny-llama-gqa",
-            "quant": "nf4",
-            "dtype": "float16",
-            "checkpointing": True,
-            "accumulation": 2,
-            "optimizer": "paged_adamw_8bit",
-            "targets": "all-linear",
-            "microbatch": 1,
-            "seq": 48,
-        },
-        id="llama-qlora-paged8bit-ckpt-accum2",
-    ),
-    pytest.param({"arch": "tiny-llama-gqa", "loop": "custom", "seq": 64}, id="llama-custom-loop"),
-    # Gemma2's sliding/full pattern (period 2, probes 4, 6, 8): a 12-layer copy of the tiny config, so that the
-    # stream is built past the third probe
-    pytest.param(
-        {"arch": "tiny-gemma2", "attention": "eager", "seq": 128, "accumulation": 2, "layers": 12}, id="gemma2-accum2"
-    ),
-    pytest.param(
-        {"arch": "tiny-gemma2", "attention": "flash_attention_2", "seq": 128, "checkpointing": True, "layers": 12},
-        id="gemma2-flash-ckpt",
-    ),
-    # deep: 32 layers, 30 periods past the shallowest probe
-    pytest.param({"arch": "tiny-llama-gqa", "seq": 32, "layers": 32}, id="llama-32-layers"),
+    pytest.param(name, id=name, marks=[pytest.mark.xdist_group(f"depth-{name}")] if name in SHARED else [])
+    for name in REAL_CASES
 ]
 
 
@@ -231,16 +236,32 @@ def real_doc(case: dict[str, Any], tmp_path: Path) -> Any:
     return from_text(ledger_text(**case), str(tmp_path / "test.ledger.yaml"))
 
 
+@pytest.fixture(scope="module")
+def real_steps(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``steps(name)``: the real case's ledger, its stream built from the probes (:func:`full_depth_events`) and its
+    full-depth trace (every layer traced), each traced once in this module for every test that reads the case."""
+    seen: dict[str, tuple[Any, Any, Any]] = {}
+
+    def steps(name: str) -> tuple[Any, Any, Any]:
+        if name not in seen:
+            pytest.importorskip("torch")
+            from ledgerspec.derivations.allocator.step import full_depth_events, step_events
+
+            doc = real_doc(REAL_CASES[name], tmp_path_factory.mktemp(name))
+            seen[name] = (doc, full_depth_events(doc), step_events(doc, layers=None))
+        return seen[name]
+
+    return steps
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", REAL)
-def test_the_stream_built_from_probes_is_the_full_depth_trace(case: dict[str, Any], tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    from ledgerspec.derivations.allocator.step import full_depth_events, replay_step, step_events
+def test_the_stream_built_from_probes_is_the_full_depth_trace(case: str, real_steps: Any) -> None:
+    from ledgerspec.derivations.allocator.step import replay_step
 
-    doc = real_doc(case, tmp_path)
-    step = full_depth_events(doc)
+    doc, step, full = real_steps(case)
     assert step.fallback is None and step.method.startswith("built from the probes"), step.method
-    full = step_events(doc, layers=None)
+    assert full.method == f"traced with {full.layers} decoder layers"  # every layer, not built
     assert step.layers == full.layers and step.windows == full.windows
     assert canonical(step.events) == canonical(full.events)
     ours, truth = replay_step(doc, step=step), replay_step(doc, step=full)
@@ -250,19 +271,20 @@ def test_the_stream_built_from_probes_is_the_full_depth_trace(case: dict[str, An
 
 
 @pytest.mark.slow
-def test_the_first_oom_at_full_depth_is_the_full_traces(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    from ledgerspec.derivations.allocator.step import replay_step, reserved_step, step_events
+@pytest.mark.xdist_group("depth-llama-ckpt-accum2")  # the case's streams, traced once
+def test_the_first_oom_at_full_depth_is_the_full_traces(real_steps: Any) -> None:
+    # what reserved_step(doc, capacity=...) replays: the stream built from the probes (full_depth_events)
+    from ledgerspec.derivations.allocator.step import replay_step
 
-    doc = real_doc({"arch": "tiny-llama-gqa", "seq": 64, "accumulation": 2, "layers": 16}, tmp_path)
-    truth = replay_step(doc, step=step_events(doc, layers=None))
+    doc, built, full = real_steps("llama-ckpt-accum2")
+    truth = replay_step(doc, step=full)
     capacity = max(p.reserved for p in truth.phases.values()) - 1
-    tight = reserved_step(doc, capacity=capacity)
-    expected = replay_step(doc, capacity=capacity, step=step_events(doc, layers=None))
+    tight = replay_step(doc, capacity=capacity, step=built)
+    expected = replay_step(doc, capacity=capacity, step=full)
     assert tight.oom is not None and tight.oom == expected.oom
     assert tight.oom.free_unusable == tight.oom.reserved - tight.oom.allocated
     assert tight.oom.reserved + tight.oom.alloc_size > capacity
-    roomy = reserved_step(doc, capacity=capacity + 1)
+    roomy = replay_step(doc, capacity=capacity + 1, step=built)
     assert roomy.fits and roomy.phases == truth.phases
 
 
@@ -295,14 +317,15 @@ def test_a_stack_too_shallow_for_a_third_probe_is_traced_in_full() -> None:
 
 
 @pytest.mark.slow
-def test_the_built_streams_figures_are_the_estimates(tmp_path: Path) -> None:
-    # the estimate extrapolates its probes' figures linearly; the built stream, replayed, counts the same bytes
-    pytest.importorskip("torch")
-    from ledgerspec.derivations.allocator.step import reserved_step
+@pytest.mark.xdist_group("depth-qwen2-accum2")  # the case's streams, traced once
+def test_the_built_streams_figures_are_the_estimates(real_steps: Any) -> None:
+    # the estimate extrapolates its probes' figures linearly; the built stream, replayed (as reserved_step replays
+    # it), counts the same bytes
+    from ledgerspec.derivations.allocator.step import replay_step
     from ledgerspec.derivations.estimate.estimator import estimate
 
-    doc = real_doc({"arch": "tiny-qwen2", "checkpointing": True, "seq": 128, "layers": 16}, tmp_path)
-    replayed, est = reserved_step(doc), estimate(doc)
-    assert replayed.step.method.startswith("built from the probes")
+    doc, built, _ = real_steps("qwen2-accum2")
+    replayed, est = replay_step(doc, step=built), estimate(doc)
+    assert replayed.step.method.startswith("built from the probes") and est.plan.probes == (2, 3)
     assert {name: f.allocated for name, f in replayed.phases.items()} == est.phases
     assert all(f.allocator_allocated >= f.allocated for f in replayed.phases.values())

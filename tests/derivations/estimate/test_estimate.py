@@ -79,19 +79,26 @@ def test_cpu_target_agrees_with_a_cpu_measurement(case: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama7b() -> Any:
+def llama7b(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The 7B example, its estimate, and an estimate cache that holds it (the command's run reads it there)."""
+    from ledgerspec.derivations.estimate.cache import EstimateCache
+
     doc = load(EXAMPLES / "llama-2-7b-lora.ledger.yaml")
-    return doc, estimate(doc)
+    store = tmp_path_factory.mktemp("estimate-cache-7b")
+    return doc, estimate(doc, store=EstimateCache(store)), store
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("estimate-llama7b")  # its module fixture, once
-def test_7b_peak_is_split_into_what_is_alive_then(llama7b: Any, cli: CliRunner) -> None:
-    doc, est = llama7b  # extrapolated from two probe depths: the split must still add up to the peak
+def test_7b_peak_is_split_into_what_is_alive_then(
+    llama7b: Any, cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc, est, store = llama7b  # extrapolated from two probe depths: the split must still add up to the peak
     assert sum(est.at_peak.values()) == est.peak_allocated
     assert est.at_peak["adapter"] == doc.get("ledger", "adapter").size()
     assert abs(est.at_peak["frozen_base"] - doc.get("ledger", "frozen_base").size()) <= 512  # allocator rounding
     assert est.at_peak["temporary"] > 0  # fp32 logits and loss, gradients in flight: owned by no component
+    monkeypatch.setenv("LEDGERSPEC_CACHE_DIR", str(store))  # the fixture's estimate, not traced again
     code, out, _ = cli("estimate", EXAMPLES / "llama-2-7b-lora.ledger.yaml", "--dry-run")  # writes nothing
     assert code == 0 and f"alive at the peak ({est.peak_phase}): frozen base" in out
 
@@ -99,7 +106,7 @@ def test_7b_peak_is_split_into_what_is_alive_then(llama7b: Any, cli: CliRunner) 
 @pytest.mark.slow
 @pytest.mark.xdist_group("estimate-llama7b")  # its module fixture, once
 def test_7b_components_equal_the_resolved_ledger(llama7b: Any) -> None:
-    doc, est = llama7b
+    doc, est, _ = llama7b
     for key in ("frozen_base", "adapter", "gradients"):
         assert est.components[key] == doc.get("ledger", key).size(), key
     # AdamW also keeps one fp32 ``step`` scalar per trainable tensor (q_proj, v_proj x A, B x 32 layers)
@@ -110,7 +117,7 @@ def test_7b_components_equal_the_resolved_ledger(llama7b: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.xdist_group("estimate-llama7b")  # its module fixture, once
 def test_7b_phases_are_ordered_as_a_training_step(llama7b: Any) -> None:
-    _, est = llama7b
+    _, est, _ = llama7b
     p = est.phases
     assert p["after_load"] < p["after_adapter_injection"] <= p["after_optimizer_init"]
     assert p["forward_peak"] > p["after_optimizer_init"] + est.activations // 2

@@ -12,22 +12,33 @@ from ledgerspec.derivations.estimate.estimator import estimate
 from ledgerspec.derivations.estimate.extrapolate import extend, layer_period, plan, with_layers
 from tests.support.estimate_docs import ledger
 
-# Gemma2 soft-caps attention logits, which SDPA refuses: it trains with eager or FlashAttention-2
+# Gemma2 soft-caps attention logits, which SDPA refuses: it trains with eager or FlashAttention-2. Each architecture
+# with checkpointing off and on; gradient accumulation (2 micro-steps: the second's backward runs beside the first's
+# gradients) on one of the two, alternating, so that it meets every architecture and both checkpointing settings
+# (the extrapolation extends each figure alike whatever the protocol ran; all ten combinations traced with
+# accumulation 2 cost twice the forward and backward windows)
 CASES = [
-    ("tiny-llama-gqa", "sdpa"),
-    ("tiny-qwen2", "sdpa"),
-    ("tiny-mistral", "sdpa"),
-    ("tiny-gemma2", "eager"),
-    ("tiny-gemma2", "flash_attention_2"),
+    ("tiny-llama-gqa", "sdpa", False, 2),
+    ("tiny-llama-gqa", "sdpa", True, 1),
+    ("tiny-qwen2", "sdpa", False, 1),
+    ("tiny-qwen2", "sdpa", True, 2),
+    ("tiny-mistral", "sdpa", False, 2),
+    ("tiny-mistral", "sdpa", True, 1),
+    ("tiny-gemma2", "eager", False, 1),
+    ("tiny-gemma2", "eager", True, 2),
+    ("tiny-gemma2", "flash_attention_2", False, 2),
+    ("tiny-gemma2", "flash_attention_2", True, 1),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
-@pytest.mark.parametrize(("arch", "attention"), CASES)
-def test_extrapolation_matches_full_trace(arch: str, attention: str, checkpointing: bool) -> None:
+@pytest.mark.parametrize(
+    ("arch", "attention", "checkpointing", "accumulation"),
+    [pytest.param(*c, id=f"{c[0]}-{c[1]}-{'ckpt' if c[2] else 'no-ckpt'}-accum{c[3]}") for c in CASES],
+)
+def test_extrapolation_matches_full_trace(arch: str, attention: str, checkpointing: bool, accumulation: int) -> None:
     # seq 128 > the sliding window (64) of Mistral and Gemma2: their masks and kernels differ by layer type
-    doc = ledger(arch=arch, attention=attention, checkpointing=checkpointing, seq=128, accumulation=2)
+    doc = ledger(arch=arch, attention=attention, checkpointing=checkpointing, seq=128, accumulation=accumulation)
     fast = estimate(doc, layers="auto")
     full = estimate(doc, layers="full")
     assert fast.plan.probes is not None and full.plan.probes is None

@@ -164,31 +164,49 @@ def test_a_sweep_traces_two_microbatches_per_length() -> None:
 
 
 # -- with torch: the model against full traces ----------------------------------------------------------------------
-CASES = [
-    pytest.param({"arch": "tiny-llama-gqa"}, id="llama-gqa"),
-    pytest.param({"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 2}, id="llama-ckpt-accum"),
-    pytest.param({"arch": "tiny-qwen2", "checkpointing": True}, id="qwen2-ckpt"),
-    pytest.param({"arch": "tiny-mistral"}, id="mistral-window"),
-    pytest.param({"arch": "tiny-gemma2", "attention": "eager"}, id="gemma2-eager"),
-    pytest.param({"arch": "tiny-llama-gqa", "quant": "nf4", "checkpointing": True}, id="qlora-nf4"),
-    pytest.param({"arch": "tiny-llama-gqa", "extra": "", "optimizer": "paged_adamw_8bit"}, id="paged-8bit"),
-]
+CASES: dict[str, dict[str, Any]] = {
+    "llama-gqa": {"arch": "tiny-llama-gqa"},
+    "llama-ckpt-accum": {"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 2},
+    "qwen2-ckpt": {"arch": "tiny-qwen2", "checkpointing": True},
+    "mistral-window": {"arch": "tiny-mistral"},
+    "gemma2-eager": {"arch": "tiny-gemma2", "attention": "eager"},
+    "qlora-nf4": {"arch": "tiny-llama-gqa", "quant": "nf4", "checkpointing": True},
+    "paged-8bit": {"arch": "tiny-llama-gqa", "extra": "", "optimizer": "paged_adamw_8bit"},
+}
+#: the case the brute-force scan reads too: in one xdist group with it, so each microbatch is estimated once
+SCANNED = "qwen2-ckpt"
 
 
 def _doc(params: dict[str, Any]) -> Document:
     return ledger(seq=128, **params)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("params", CASES)
-def test_the_model_matches_full_traces_within_half_a_percent(params: dict[str, Any]) -> None:
-    pytest.importorskip("torch")
-    from ledgerspec.derivations.estimate.estimator import estimate
-    from ledgerspec.derivations.estimate.sweep import apply
+@pytest.fixture(scope="module")
+def traced() -> Any:
+    """``traced(case, b)``: the case's full estimate at microbatch ``b``, estimated once in this module for every
+    test that reads it."""
+    seen: dict[tuple[str, int], Any] = {}
 
-    doc = _doc(params)
-    traces = {b: estimate(apply(doc, {"microbatch": b})) for b in (1, 2, 4, 3, 7)}
-    model = BatchModel([Sample(b, traces[b].figures) for b in (1, 2, 4)], padded(doc))
+    def get(name: str, b: int) -> Any:
+        if (name, b) not in seen:
+            pytest.importorskip("torch")
+            from ledgerspec.derivations.estimate.estimator import estimate
+            from ledgerspec.derivations.estimate.sweep import apply
+
+            seen[name, b] = estimate(apply(_doc(CASES[name]), {"microbatch": b}))
+        return seen[name, b]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, id=n, marks=[pytest.mark.xdist_group("fitmodel-scan")] if n == SCANNED else []) for n in CASES],
+)
+def test_the_model_matches_full_traces_within_half_a_percent(name: str, traced: Any) -> None:
+    traces = {b: traced(name, b) for b in (1, 2, 4, 3, 7)}
+    model = BatchModel([Sample(b, traces[b].figures) for b in (1, 2, 4)], padded(_doc(CASES[name])))
     for b in (3, 7):
         full = traces[b]
         for phase, want in full.phases.items():
@@ -200,19 +218,24 @@ def test_the_model_matches_full_traces_within_half_a_percent(params: dict[str, A
 
 
 @pytest.mark.slow
-def test_fit_microbatch_agrees_with_a_scan_of_full_traces() -> None:
-    """The answer of two estimates equals the largest fitting microbatch of a brute-force scan."""
-    pytest.importorskip("torch")
-    from ledgerspec.derivations.estimate.estimator import estimate
-    from ledgerspec.derivations.estimate.sweep import apply
-
-    doc = _doc({"arch": "tiny-llama-gqa", "checkpointing": True})
-    peaks = {b: estimate(apply(doc, {"microbatch": b})).peak_allocated for b in range(1, 13)}
+@pytest.mark.xdist_group("fitmodel-scan")  # reads the model test's traces of its case
+def test_fit_microbatch_agrees_with_a_scan_of_full_traces(traced: Any) -> None:
+    """The answer of two estimates equals the largest fitting microbatch of a brute-force scan (a checkpointed
+    step: the scan shares its estimates with the model test's case)."""
+    peaks = {b: traced(SCANNED, b).peak_allocated for b in range(1, 13)}
     memory = (peaks[9] + peaks[10]) // 2  # 9 fits, 10 does not
-    answer = fit_microbatch(doc, memory, estimate)
+    asked: list[int] = []
+
+    def estimate(doc: Document) -> Any:  # the scan's estimate of the same document (only the microbatch differs)
+        b = doc.get("workload", "microbatch").integer()
+        assert b is not None
+        asked.append(b)
+        return traced(SCANNED, b)
+
+    answer = fit_microbatch(_doc(CASES[SCANNED]), memory, estimate)
     assert answer.largest == 9 and answer.above == 10
     assert _close(answer.peak or 0, peaks[9]) and _close(answer.peak_above or 0, peaks[10])
-    assert len(answer.traced) == 2
+    assert len(answer.traced) == 2 and sorted(asked) == answer.traced
 
 
 def test_the_core_fit_refuses_grpo_as_the_cli_does() -> None:

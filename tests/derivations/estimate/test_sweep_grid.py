@@ -206,8 +206,10 @@ def test_run_estimates_in_two_processes_returns_what_a_serial_run_does() -> None
 # -- with torch: the model against full traces -----------------------------------------------------------------------
 LENGTHS = (64, 256)
 P50 = 100
+#: the padded case, checkpointed and accumulating, that the premise test reads too (one trace, its xdist group)
+PADDED = {"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 2}
 CASES = [
-    pytest.param({"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 2}, id="llama-sdpa-ckpt-accum"),
+    pytest.param(PADDED, id="llama-sdpa-ckpt-accum", marks=pytest.mark.xdist_group("sweep-grid-padded")),
     pytest.param({"arch": "tiny-mistral", "checkpointing": True}, id="mistral-window-ckpt"),
     pytest.param({"arch": "tiny-llama-gqa", "packing": True}, id="llama-packed"),
 ]
@@ -222,12 +224,31 @@ def _doc(params: dict[str, Any]) -> Document:
     return variant(doc, {("workload", "sequence_p50"): P50, ("workload", "packing"): packing})
 
 
+@pytest.fixture(scope="module")
+def estimates() -> Any:
+    """``estimate`` remembering each document it was asked (by its whole content) for this module's tests: the sweep
+    and the premise test trace the same variant (microbatch 2, 64 tokens, typical 64) once."""
+    seen: dict[str, Any] = {}
+
+    def estimate(doc: Document) -> Any:
+        import json
+
+        from ledgerspec.derivations.estimate.estimator import estimate as traced
+
+        key = json.dumps(doc.plain, sort_keys=True, default=str)
+        if key not in seen:
+            seen[key] = traced(doc)
+        return seen[key]
+
+    return estimate
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("params", CASES)
-def test_a_sweep_matches_full_traces_within_half_a_percent(params: dict[str, Any]) -> None:
+def test_a_sweep_matches_full_traces_within_half_a_percent(params: dict[str, Any], estimates: Any) -> None:
     """A microbatch x max_length sweep, its rows against full estimates of the cells the model gave."""
     pytest.importorskip("torch")
-    from ledgerspec.derivations.estimate.estimator import estimate
+    estimate = estimates
 
     doc = _doc(params)
     points = [{"microbatch": b, "max_length": n} for b in (1, 2, 3, 7, 8) for n in LENGTHS]
@@ -247,13 +268,14 @@ def test_a_sweep_matches_full_traces_within_half_a_percent(params: dict[str, Any
 
 
 @pytest.mark.slow
-def test_the_first_step_reads_the_worst_length_only_and_the_steady_state_the_typical_only() -> None:
+@pytest.mark.xdist_group("sweep-grid-padded")  # its (2, 64, 64) is the sweep's trace
+def test_the_first_step_reads_the_worst_length_only_and_the_steady_state_the_typical_only(estimates: Any) -> None:
     """The premise of tracing a typical length apart from its worst one (``interpolate_lengths``): figure by
     figure, a trace at (L, t) has the first step's figures of (L, L) and the steady state's of (t, t)."""
     pytest.importorskip("torch")
-    from ledgerspec.derivations.estimate.estimator import estimate
+    estimate = estimates
 
-    doc = _doc({"arch": "tiny-llama-gqa", "checkpointing": True, "accumulation": 2})
+    doc = _doc(PADDED)
     mixed = estimate(probe(doc, 2, 256, 64, {})).figures
     worst = estimate(probe(doc, 2, 256, 256, {})).figures
     typical = estimate(probe(doc, 2, 64, 64, {})).figures
