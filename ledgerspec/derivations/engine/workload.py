@@ -351,6 +351,14 @@ class WorkloadSpec:
                 "size the run with a measurement of the real trainer (LedgerCallback)",
             )
         generation = _generation(doc, t, w.microbatch, max(w.gradient_accumulation or 1, 1), worst)
+        share = t.vllm_gpu_memory_utilization
+        if generation is not None and generation.vllm == "colocate" and share is not None and not 0 < share <= 1:
+            raise _err(
+                doc,
+                ("training", "objective_settings", "vllm_gpu_memory_utilization"),
+                f"vllm_gpu_memory_utilization must be above 0 and at most 1, got {share:g}",
+                "it is the fraction of the card's total memory colocated vLLM takes (TRL's default 0.3)",
+            )
         if generation is not None and generation.vllm is not None and (quant is not None or gptq is not None):
             raise _err(
                 doc,

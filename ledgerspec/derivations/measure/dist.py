@@ -589,7 +589,7 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
             doc.path,
             rule="measure",
             exit_code=EXIT_USAGE,
-            hint="measure it on one device, or on FSDP2 ranks",
+            hint="measure it on one device" + ("" if generation.get("vllm") is not None else ", or on FSDP2 ranks"),
         )
     if base.spec.get("reference") == "model":
         from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED

@@ -300,6 +300,9 @@ def _import_stack(progress: Progress, without_bitsandbytes: bool = False) -> Non
     progress("importing torch, transformers, peft")
     if without_bitsandbytes and "bitsandbytes" not in sys.modules and "peft" not in sys.modules:
         sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # find_spec() -> None: PEFT skips it
+    from ledgerspec.derivations.stack.imports import import_stack
+
+    import_stack()  # the command line's first import: the garbage collector paused meanwhile (stack.imports)
     quiet_bitsandbytes()
     import torch  # noqa: F401
     import transformers  # noqa: F401

@@ -266,7 +266,8 @@ def prepare_trace(
     if spec.generation is not None and (spec.generation.vllm is not None or generation_refused(doc)):
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 
-        raise _err(doc, ("training", "objective"), GENERATION_SHARDED, "estimate it on one device, or on FSDP2 ranks")
+        hint = "estimate it on one device" + ("" if spec.generation.vllm is not None else ", or on FSDP2 ranks")
+        raise _err(doc, ("training", "objective"), GENERATION_SHARDED, hint)
     if spec.reference == "model":
         from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED
 

@@ -81,3 +81,21 @@ def test_the_share_is_added_to_what_lies_outside_the_allocator() -> None:
     text = "  objective: grpo\n  objective_settings: {use_vllm: true}\n" + declared
     held = outside_of(_doc(text), _target())
     assert held.bytes == 2**30 + share  # a figure the ledger holds: the share on top
+
+
+@pytest.mark.parametrize("share", ["0", "1.5"])
+def test_a_share_outside_0_to_1_is_refused_in_one_line(share: str) -> None:
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.engine.workload import WorkloadSpec
+    from ledgerspec.errors import LedgerspecError
+    from tests.support import REPO_ROOT
+
+    path = REPO_ROOT / "examples" / "objectives" / "llama-3.1-8b-lora-grpo.ledger.yaml"
+    settings = "objective_settings: {num_generations: 8, max_completion_length: 512}"
+    text = path.read_text(encoding="utf-8")
+    assert settings in text
+    vllm = settings[:-1] + f", use_vllm: true, vllm_gpu_memory_utilization: {share}}}"
+    doc = from_text(text.replace(settings, vllm), str(path))
+    with pytest.raises(LedgerspecError, match="vllm_gpu_memory_utilization must be above 0 and at most 1") as err:
+        WorkloadSpec.from_document(doc)
+    assert "\n" not in str(err.value) and err.value.line is not None

@@ -87,7 +87,8 @@ def test_grpo_under_fsdp1_or_zero_is_refused_in_one_line(tmp_path: Path, strateg
         path.write_text(text, encoding="utf-8")
     with pytest.raises(LedgerspecError, match="grpo/rloo under FSDP1 or DeepSpeed ZeRO, or with use_vllm") as err:
         shard(load(path), nproc=2, estimate=True, target="cpu")
-    assert "\n" not in str(err.value) and "FSDP2 ranks" in (err.value.hint or "")
+    # the hint names what runs: FSDP2 ranks without vLLM, one device with it
+    assert "\n" not in str(err.value) and ("FSDP2 ranks" in (err.value.hint or "")) == (strategy != "fsdp2-vllm")
     with pytest.raises(LedgerspecError, match="grpo/rloo under FSDP1 or DeepSpeed ZeRO, or with use_vllm") as err:
         make_request(load(path), 2, "cpu", 2)
     assert "\n" not in str(err.value) and err.value.exit_code == 2
