@@ -65,10 +65,11 @@ HELD_BROADCASTS = {
     for phase, sizes in _BROADCAST_SIZES.items()
 }
 #: the optimizer step all-reduces one-element tensors (the gradient norm, ``stage_1_and_2.py`` 1944 ``total_dev_norm``,
-#: ``stage3.py`` 1986; the overflow flag); seen under CI-like load 4 B (ZeRO-2, rank 0) and 8 B (ZeRO-3 offload_param,
-#: rank 1) above the simulation in optimizer_step_peak: gloo's work objects still held them, the same timing as
-#: HELD_BROADCASTS. Allowed: up to four such tensors
-NORM_ALL_REDUCE = {"optimizer_step_peak": {4, 8, 12, 16}}
+#: ``stage3.py`` 1986; with fp16 the overflow flag, a one-element uint8: ``has_overflow``, stage_1_and_2.py 3239-3242);
+#: seen under CI-like load 4 B (ZeRO-2, rank 0), 8 B (ZeRO-3 offload_param, rank 1) and 1 B (the overflow flag: ZeRO-2
+#: fp16, rank 1, clean-clone CI 2026-12-03) above the simulation in optimizer_step_peak: gloo's work objects still held
+#: them, the same timing as HELD_BROADCASTS. Allowed: up to four 4-byte tensors, with or without the 1-byte flag
+NORM_ALL_REDUCE = {"optimizer_step_peak": {n * 4 + flag for n in range(5) for flag in (0, 1)} - {0}}
 #: full fine-tuning (issue 26) injects nothing, so a broadcast gloo still holds from load may still be held at the next
 #: phases (seen: the tiny model's lm_head, 288,288 B, at after_adapter_injection and the final norm's 288 B at
 #: after_optimizer_init, ZeRO-3 rank 1), and the step's one-element all-reduces may still be held when the steady
