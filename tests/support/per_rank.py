@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,44 @@ def measured(path: Path, nproc: int) -> Document:
     code, _, err = run_cli("measure", path, "--nproc", str(nproc))
     assert code == 0, err
     return load(path)
+
+
+def fp32_fsdp2_ledger(tmp: Path, name: str, training: str, *replaced: tuple[str, str]) -> Path:
+    """``tests/data/sharding/tiny-lora-mp.ledger.yaml`` (the tiny Llama, LoRA r=5, FSDP2 on 2 ranks) without its
+    mixed-precision policy, the ``training`` section appended and each ``(old, new)`` of ``replaced`` applied (each
+    must be there), written as ``tmp/NAME.ledger.yaml`` beside a copy of the tiny model."""
+    from tests.support import TESTS
+
+    data = TESTS / "data" / "sharding"
+    shutil.copytree(data / "tiny", tmp / "tiny", dirs_exist_ok=True)
+    text = (data / "tiny-lora-mp.ledger.yaml").read_text(encoding="utf-8")
+    policy = "  mixed_precision_policy:\n    param_dtype: bfloat16\n    reduce_dtype: float32\n"
+    for old, new in ((policy, ""), *replaced):
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp / f"{name}.ledger.yaml"
+    path.write_text(text + training, encoding="utf-8")
+    return path
+
+
+def fsdp2_ranks_agree(path: Path, nproc: int = 2) -> tuple[list[dict[str, Any]], Any]:
+    """``measure --nproc`` of the FSDP2 ledger at ``path`` against ``shard --estimate --target cpu`` of it, rank by
+    rank (:func:`assert_rank_agrees` with :func:`gloo_slack` of the calculated FSDP2 plan): the measured ranks and
+    the estimate."""
+    from ledgerspec.derivations.shard import state as S
+    from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import shard
+
+    doc = measured(path, nproc)
+    real = doc.plain["x-measure-per-rank"]["ranks"]
+    assert len(real) == nproc
+    estimated = shard(load(path), nproc=nproc, estimate=True, target="cpu").estimate
+    assert estimated is not None
+    plan = S.fsdp2(document_descriptors(doc), nproc, "adamw_torch")
+    slack = gloo_slack(plan.unit_unsharded)
+    for r in real:
+        assert_rank_agrees(r, estimated.ranks[r["rank"]], plan.ranks[r["rank"]], slack)
+    return real, estimated
 
 
 def gloo_slack(unit_unsharded: Mapping[str, int]) -> int:

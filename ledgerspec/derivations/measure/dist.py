@@ -581,15 +581,12 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     from ledgerspec.derivations.shard.simulation import generation_refused
 
     generation = base.spec.get("generation")
-    if generation is not None and (generation.get("vllm") is not None or generation_refused(doc)):
+    elsewhere = generation_refused(doc, generation.get("vllm")) if generation is not None else None
+    if elsewhere is not None:
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 
         raise LedgerspecError(
-            GENERATION_SHARDED,
-            doc.path,
-            rule="measure",
-            exit_code=EXIT_USAGE,
-            hint="measure it on one device" + ("" if generation.get("vllm") is not None else ", or on FSDP2 ranks"),
+            GENERATION_SHARDED, doc.path, rule="measure", exit_code=EXIT_USAGE, hint=f"measure it on {elsewhere}"
         )
     if base.spec.get("reference") == "model":
         from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED

@@ -239,13 +239,16 @@ def fake_process_group(rank: int, world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def generation_refused(doc: Document) -> bool:
-    """GRPO/RLOO's generation phase on several ranks is run under FSDP2 only (transformers' Trainer registers
-    ``generate`` as an FSDP2 forward method: ``trainer.py`` 1798-1801, 5.24); FSDP1 and ZeRO are refused (and vLLM's
-    weight sync on any strategy: the callers check ``GenerationSpec.vllm``)."""
+def generation_refused(doc: Document, vllm: str | None) -> str | None:
+    """Where GRPO/RLOO's step (``vllm``: its ``GenerationSpec.vllm``) runs instead of these ranks, for the refusal's
+    hint, or None when it runs here. The generation phase on several ranks is run under FSDP2 only (transformers'
+    Trainer registers ``generate`` as an FSDP2 forward method: ``trainer.py`` 1798-1801, 5.24); FSDP1 and ZeRO are
+    refused, and vLLM's weight sync on any strategy."""
     from ledgerspec.derivations.shard.options import is_fsdp1, zero_stage
 
-    return is_fsdp1(doc) or bool(zero_stage(doc))
+    if vllm is not None:
+        return "one device"
+    return "one device, or on FSDP2 ranks" if is_fsdp1(doc) or zero_stage(doc) else None
 
 
 def prepare_trace(
@@ -263,11 +266,11 @@ def prepare_trace(
         raise ValueError(f"target must be one of {E.TARGETS}")
     E._check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
-    if spec.generation is not None and (spec.generation.vllm is not None or generation_refused(doc)):
+    elsewhere = generation_refused(doc, spec.generation.vllm) if spec.generation is not None else None
+    if elsewhere is not None:
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 
-        hint = "estimate it on one device" + ("" if spec.generation.vllm is not None else ", or on FSDP2 ranks")
-        raise _err(doc, ("training", "objective"), GENERATION_SHARDED, hint)
+        raise _err(doc, ("training", "objective"), GENERATION_SHARDED, f"estimate it on {elsewhere}")
     if spec.reference == "model":
         from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED
 

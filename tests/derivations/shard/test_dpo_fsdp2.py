@@ -7,30 +7,18 @@ gloo-thread slack. Each single-device step is checked against TRL's real trainer
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from ledgerspec.contract.document import load
-from ledgerspec.derivations.shard import state as S
-from tests.support import TESTS
-from tests.support.per_rank import assert_rank_agrees, gloo_slack, measured
+from tests.support.per_rank import fp32_fsdp2_ledger, fsdp2_ranks_agree
 
 pytestmark = pytest.mark.slow
 
-DATA = TESTS / "data" / "sharding"
-LEDGER = "tiny-lora-mp.ledger.yaml"
-
 
 def _dpo(tmp: Path, objective: str = "dpo") -> Path:
-    shutil.copytree(DATA / "tiny", tmp / "tiny")
-    text = (DATA / LEDGER).read_text(encoding="utf-8")
-    policy = "  mixed_precision_policy:\n    param_dtype: bfloat16\n    reduce_dtype: float32\n"
-    assert policy in text
-    text = text.replace(policy, "") + f"training:\n  loop: trainer\n  objective: {objective}\n"
-    (tmp / f"{objective}.ledger.yaml").write_text(text, encoding="utf-8")
-    return tmp / f"{objective}.ledger.yaml"
+    return fp32_fsdp2_ledger(tmp, objective, f"training:\n  loop: trainer\n  objective: {objective}\n")
 
 
 #: each preference trainer's step at its TRL 1.16 defaults (the reward model: a sequence-classification head); CPO's
@@ -43,25 +31,16 @@ OBJECTIVES = ["dpo", "kto", "orpo", "reward"]
 def test_dpo_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path, objective: str) -> None:
     pytest.importorskip("peft")
     pytest.importorskip("trl")
-    from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import shard
 
     path = _dpo(tmp_path, objective)
-    doc = measured(path, 2)
-    real = doc.plain["x-measure-per-rank"]["ranks"]
-    assert len(real) == 2
-    estimated = shard(load(path), nproc=2, estimate=True, target="cpu")
-    assert estimated.estimate is not None
-    plan = S.fsdp2(document_descriptors(doc), 2, "adamw_torch")
-    slack = gloo_slack(plan.unit_unsharded)
-    for r in real:
-        assert_rank_agrees(r, estimated.estimate.ranks[r["rank"]], plan.ranks[r["rank"]], slack)
+    _, estimated = fsdp2_ranks_agree(path)
     if objective != "dpo":
         return
     # the DPO step ran: chosen and rejected rows, a reference forward, TRL's head (far above an SFT step's logits)
     sft = shard(load(_sft(tmp_path, path)), nproc=2, estimate=True, target="cpu")
     assert sft.estimate is not None
-    assert estimated.estimate.ranks[0].phases["forward_peak"] > sft.estimate.ranks[0].phases["forward_peak"]
+    assert estimated.ranks[0].phases["forward_peak"] > sft.estimate.ranks[0].phases["forward_peak"]
 
 
 def _sft(tmp: Path, dpo: Path) -> Path:
