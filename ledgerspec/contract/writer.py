@@ -300,7 +300,25 @@ def atomic_write(path: str | os.PathLike[str], text: str, *, force: bool = False
         _write(t, st, data)
 
 
+#: set by the CLI's Ctrl-C handler (:func:`note_interrupt`): an interrupt that a library swallowed (a bare ``except``
+#: around an optional import catches KeyboardInterrupt too) still stops every later write
+_INTERRUPTED = False
+
+
+def note_interrupt(on: bool = True) -> None:
+    """Remember a Ctrl-C for the rest of the command: no file is written after it, whoever caught the
+    KeyboardInterrupt it raised (``on=False``: a new command starts, in the same process)."""
+    global _INTERRUPTED
+    _INTERRUPTED = on
+
+
+def interrupted() -> bool:
+    return _INTERRUPTED
+
+
 def _write(t: _Target, st: os.stat_result | None, data: bytes) -> None:
+    if _INTERRUPTED:
+        raise KeyboardInterrupt
     tmp: str | None = None
     try:
         # signals held back while the temp file is created: a SIGTERM between its creation and the assignment of
@@ -318,6 +336,8 @@ def _write(t: _Target, st: os.stat_result | None, data: bytes) -> None:
             in_place = st is not None and (st.st_nlink > 1 or not _take_owner(fh.fileno(), st))
             os.fchmod(fh.fileno(), (st.st_mode & 0o7777) if st is not None else _new_file_mode())
         with _signals_deferred():  # Ctrl-C or SIGTERM never cut an in-place copy short
+            if _INTERRUPTED:  # a Ctrl-C caught while the temp file was written
+                raise KeyboardInterrupt
             copied = in_place and st is not None and _rewrite_in_place(t.real, data)
         if copied:
             os.unlink(tmp)

@@ -58,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _sigterm_unwinds():
             code: int = args.run(args)
+        from ledgerspec.contract.writer import interrupted
+
+        if interrupted():  # interrupted, and a library swallowed it: nothing was written after it (the writer)
+            raise KeyboardInterrupt
         return code
     except LedgerspecError as exc:
         print(exc.format(), file=sys.stderr)
@@ -101,11 +105,27 @@ def _sigterm_unwinds() -> Iterator[None]:
     def terminate(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
 
+    from ledgerspec.contract.writer import note_interrupt
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        # latched first: a library that catches the KeyboardInterrupt (a bare except, as around optional imports)
+        # cannot make the command forget it (a Ctrl-C two seconds into `measure`, under CI's load, let it run to the
+        # end and write the ledger); the writer refuses every later write and main() reports the interrupt
+        note_interrupt()
+        raise KeyboardInterrupt
+
+    note_interrupt(False)
+
     previous = signal.signal(signal.SIGTERM, terminate)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:  # not where Ctrl-C is ignored (a background job) or taken
+        signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 def internal_error_line(command: str, exc: BaseException) -> str:

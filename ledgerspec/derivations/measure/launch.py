@@ -110,8 +110,15 @@ class Launched:
             self._process = ctx.Process(
                 target=_child, args=(self.args, dict(env), cwd or os.getcwd(), self._out, self._err, new_session)
             )
-            with _bare_main():
-                self._process.start()
+            try:
+                with _bare_main():
+                    self._process.start()
+            except BaseException:  # interrupted while the server forks it: the child must not outlive us
+                if getattr(self._process, "pid", None):
+                    self.pid = int(self._process.pid)
+                    self.kill()
+                self._files.cleanup()
+                raise
             self.pid = int(self._process.pid)
         else:
             with open(self._out, "wb") as out, open(self._err, "wb") as err:
@@ -334,7 +341,10 @@ def _child(args: list[str], env: dict[str, str], cwd: str, out: str, err: str, n
     if new_session:
         os.setsid()
     for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except FileNotFoundError:  # the launcher was interrupted and has gone (its files with it): nobody to run for
+            os._exit(1)
         os.dup2(target, fd)
         os.close(target)
     devnull = os.open(os.devnull, os.O_RDONLY)
