@@ -118,13 +118,14 @@ def _sigterm_unwinds() -> Iterator[None]:
 
     previous = signal.signal(signal.SIGTERM, terminate)
     previous_int = signal.getsignal(signal.SIGINT)
-    if previous_int is signal.default_int_handler:  # not where Ctrl-C is ignored (a background job) or taken
+    latch = previous_int not in (signal.SIG_IGN, None)  # not where Ctrl-C is ignored (a background job)
+    if latch:
         signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if previous_int is signal.default_int_handler:
+        if latch:
             signal.signal(signal.SIGINT, previous_int)
 
 
