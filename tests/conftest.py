@@ -71,8 +71,9 @@ def _sigint_state() -> tuple[object, int | None, bool]:
     """How this process takes Ctrl-C: SIGINT's Python handler, its disposition in the kernel and whether the main
     thread blocks it. A test process that ignores or blocks SIGINT passes that on to every process it starts (a
     blocked SIGINT stays pending in the child until it exits), and a handler a test left in place stands between
-    ``ledgerspec``'s own and the signal: the Ctrl-C tests then fail for what an earlier test left, not for what the
-    command does."""
+    ``ledgerspec``'s own and the signal: the Ctrl-C tests would then fail for what an earlier test left, not for
+    what the command does. (What the whole run starts with is not a test's doing: a run started in the background by
+    a non-interactive shell ignores SIGINT throughout; the Ctrl-C tests start their commands as a terminal does.)"""
     import signal
 
     blocked = False

@@ -109,8 +109,7 @@ def _sigterm_unwinds() -> Iterator[None]:
 
     def interrupt(_signum: int, _frame: Any) -> None:
         # latched first: a library that catches the KeyboardInterrupt (a bare except, as around optional imports)
-        # cannot make the command forget it (a Ctrl-C two seconds into `measure`, under CI's load, let it run to the
-        # end and write the ledger); the writer refuses every later write and main() reports the interrupt
+        # cannot make the command forget it; the writer refuses every later write and main() reports the interrupt
         note_interrupt()
         raise KeyboardInterrupt
 

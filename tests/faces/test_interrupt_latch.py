@@ -1,70 +1,105 @@
 """Ctrl-C is remembered for the rest of a command: a library that swallows the KeyboardInterrupt it raises (a bare
 ``except``, as around optional imports) cannot make the command write the ledger afterwards or exit 0.
 
-Under CI's load, ``tests/derivations/measure/test_measure.py``'s Ctrl-C two seconds into ``measure`` once let it run
-to the end and write the ledger; these tests swallow the interrupt on purpose, in this process.
+Each case runs in a fresh Python started as a terminal starts a command (SIGINT unblocked, its default action): a
+test run started in the background by a non-interactive shell (``.ci/run &``) has SIGINT ignored, every process it
+starts inherits that, and Python then installs no handler at all (the Ctrl-C test of ``measure`` failed so in every
+full run started that way: the command never saw the signal, ran to the end and wrote the ledger, as it should).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import time
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
-import pytest
+from tests.support import REPO_ROOT
+from tests.support.signals import as_a_terminal_starts_it
 
-from ledgerspec.contract.writer import atomic_write, interrupted
-from ledgerspec.faces import cli
+SWALLOW = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from ledgerspec.contract.writer import atomic_write, interrupted
+    from ledgerspec.faces import cli
+
+    def swallowed_ctrl_c():
+        try:  # what a library's bare except does with the KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except BaseException:
+            pass
+    """
+)
 
 
-def _swallowed_ctrl_c() -> None:
-    try:  # what a library's bare except does with the KeyboardInterrupt
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)
-    except BaseException:
-        pass
+def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", SWALLOW + textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        preexec_fn=as_a_terminal_starts_it,
+    )
 
 
 def test_a_swallowed_ctrl_c_still_stops_every_later_write(tmp_path: Path) -> None:
     path = tmp_path / "x.ledger.yaml"
     path.write_text("old\n")
-    with cli._sigterm_unwinds():
-        _swallowed_ctrl_c()
-        assert interrupted()
-        with pytest.raises(KeyboardInterrupt):
-            atomic_write(path, "new\n")
-    assert path.read_text() == "old\n" and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
+    done = _run(
+        """
+        with cli._sigterm_unwinds():
+            swallowed_ctrl_c()
+            assert interrupted()
+            try:
+                atomic_write(sys.argv[1], "new\\n")
+            except KeyboardInterrupt:
+                print("refused")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
+        """,
+        str(path),
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "refused", done.stderr
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["x.ledger.yaml"]
 
 
-def test_the_command_exits_130_and_says_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_command_exits_130_and_says_so(tmp_path: Path) -> None:
     path = tmp_path / "x.ledger.yaml"
     path.write_text("old\n")
+    done = _run(
+        """
+        def run(_args):
+            swallowed_ctrl_c()
+            try:
+                atomic_write(sys.argv[1], "new\\n")
+            except BaseException:  # swallowed again: the command still ends as interrupted
+                pass
+            return 0
 
-    def run(_args: object) -> int:
-        _swallowed_ctrl_c()
-        try:
-            atomic_write(path, "new\n")
-        except BaseException:  # swallowed again: the command still ends as interrupted
-            pass
-        return 0
-
-    parser = cli.build_parser()
-    args = parser.parse_args(["schema"])
-    monkeypatch.setattr(args, "run", run)
-    monkeypatch.setattr(cli.build_parser().__class__, "parse_args", lambda self, argv=None: args)
-    assert cli.main(["schema"]) == 130
-    assert "interrupted; no file was changed" in capsys.readouterr().err
+        parser = cli.build_parser()
+        args = parser.parse_args(["schema"])
+        args.run = run
+        type(parser).parse_args = lambda self, argv=None: args
+        sys.exit(cli.main(["schema"]))
+        """,
+        str(path),
+    )
+    assert done.returncode == 130, done.stderr
+    assert "interrupted; no file was changed" in done.stderr
     assert path.read_text() == "old\n"
 
 
 def test_the_next_command_in_the_same_process_writes_again(tmp_path: Path) -> None:
-    with cli._sigterm_unwinds():
-        _swallowed_ctrl_c()
-    with cli._sigterm_unwinds():  # a new command forgets the last one's interrupt
-        assert not interrupted()
-        atomic_write(tmp_path / "y.ledger.yaml", "new\n")
+    done = _run(
+        """
+        with cli._sigterm_unwinds():
+            swallowed_ctrl_c()
+        with cli._sigterm_unwinds():  # a new command forgets the last one's interrupt
+            assert not interrupted()
+            atomic_write(sys.argv[1], "new\\n")
+        """,
+        str(tmp_path / "y.ledger.yaml"),
+    )
+    assert done.returncode == 0, done.stderr
     assert (tmp_path / "y.ledger.yaml").read_text() == "new\n"

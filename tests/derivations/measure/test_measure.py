@@ -159,11 +159,14 @@ def test_a_failure_in_the_child_leaves_the_ledger_untouched(cli: CliRunner, tmp_
 def test_ctrl_c_leaves_the_ledger_untouched(tmp_path: Path) -> None:
     path = _copy_fixture(tmp_path)
     before = path.read_bytes()
+    from tests.support.signals import as_a_terminal_starts_it
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "ledgerspec", "measure", str(path), "--steps", "50"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_a_terminal_starts_it,  # a test run started in the background ignores SIGINT: so would the child
     )
     time.sleep(2.0)  # the child is importing torch or measuring
     proc.send_signal(signal.SIGINT)
