@@ -51,51 +51,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which made every later launch of that worker a fresh Python (the fork
     server's environment no longer matched) and a whole CI run minutes slower."""
     before = dict(os.environ)
-    interrupt = _sigint_state()
     yield
     if dict(os.environ) != before:
         os.environ.clear()
         os.environ.update(before)
-    if (left := _sigint_state()) != interrupt:  # and Ctrl-C as it found it (see _sigint_state)
-        import signal
-        import warnings
-
-        if interrupt[0] is not None:  # None: a handler not set from Python (left as it is)
-            signal.signal(signal.SIGINT, interrupt[0])  # type: ignore[arg-type]
-        if interrupt[2] != left[2] and hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK if not interrupt[2] else signal.SIG_BLOCK, {signal.SIGINT})
-        warnings.warn(f"{item.nodeid} left SIGINT changed ({interrupt} -> {left}): restored", stacklevel=1)
-
-
-def _sigint_state() -> tuple[object, int | None, bool]:
-    """How this process takes Ctrl-C: SIGINT's Python handler, its disposition in the kernel and whether the main
-    thread blocks it. A test process that ignores or blocks SIGINT passes that on to every process it starts (a
-    blocked SIGINT stays pending in the child until it exits), and a handler a test left in place stands between
-    ``ledgerspec``'s own and the signal: the Ctrl-C tests would then fail for what an earlier test left, not for
-    what the command does. (What the whole run starts with is not a test's doing: a run started in the background by
-    a non-interactive shell ignores SIGINT throughout; the Ctrl-C tests start their commands as a terminal does.)"""
-    import signal
-
-    blocked = False
-    if hasattr(signal, "pthread_sigmask"):
-        blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    return signal.getsignal(signal.SIGINT), _sigint_disposition(), blocked
-
-
-def _sigint_disposition() -> int | None:
-    """SIGINT's disposition in the kernel (0 default, 1 ignored, else a handler's address; None where it cannot be
-    read), not Python's view of it: a library that ignores SIGINT from C is seen too."""
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        old = ctypes.create_string_buffer(256)  # struct sigaction: the handler is its first member
-        if libc.sigaction(int(signal.SIGINT), None, old) != 0:
-            return None
-        return int(ctypes.c_void_p.from_buffer(old).value or 0)
-    except (OSError, AttributeError, ValueError):
-        return None
 
 
 @pytest.fixture(scope="session")
