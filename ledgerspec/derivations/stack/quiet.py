@@ -18,6 +18,14 @@ wraps four of its default kernels in ``torch.compile`` while it is imported
 0.5 s of a cold ``ledgerspec estimate``) whether or not a kernel ever runs; peft imports bitsandbytes whenever it
 is installed (``peft/helpers.py``). Deferred, each kernel is compiled when it is first called, with the same
 arguments: nothing changes but when the compiler is loaded.
+
+And it imports bitsandbytes without reaching the network: where the ``kernels`` package is installed (transformers
+5.25 requires it), that same import-time attempt is a real one, ``kernels.get_kernel(
+"kernels-community/quantization-bitsandbytes")``: Hub requests (an organisation lookup, the user agent's registry)
+and a download, on every command, ``--offline`` or not. ledgerspec never runs that kernel (it is the CPU's 4-bit
+matrix-vector product of batch-one inference), so the import sees ``kernels`` as absent (:func:`without_hub_kernels`)
+and takes bitsandbytes' own fallback, exactly as on a machine without the package; ``kernels`` itself is importable
+again right after.
 """
 
 from __future__ import annotations
@@ -49,11 +57,29 @@ def quiet_bitsandbytes() -> None:
 
     if "bitsandbytes" in sys.modules:
         return
-    with deferred_compile():
+    with deferred_compile(), without_hub_kernels():
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:  # not installed: what needs it says so where it is used
             pass
+
+
+@contextlib.contextmanager
+def without_hub_kernels() -> Iterator[None]:
+    """Inside the block ``import kernels`` fails with ImportError (as if the package were not installed); after it,
+    ``sys.modules`` holds for ``kernels`` what it held before (the module, or nothing)."""
+    import sys
+
+    missing = object()
+    before = sys.modules.get("kernels", missing)
+    sys.modules["kernels"] = None  # type: ignore[assignment]  # the import system's "not importable" marker
+    try:
+        yield
+    finally:
+        if before is missing:
+            sys.modules.pop("kernels", None)
+        else:
+            sys.modules["kernels"] = before  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from ledgerspec.derivations.stack.quiet import LOGGER, MESSAGE, quiet_bitsandbytes
+from ledgerspec.derivations.stack.quiet import LOGGER, MESSAGE, quiet_bitsandbytes, without_hub_kernels
 
 NOISY = "Failed to load CPU gemm_4bit_forward"
+REPO = Path(__file__).resolve().parents[3]
 
 
 COMPILER = "torch._inductor.compile_fx"
@@ -99,3 +102,58 @@ def test_compile_is_deferred_to_the_first_call(monkeypatch: pytest.MonkeyPatch) 
     assert plain(3) == ("compiled", (3,)) and plain(4) == ("compiled", (4,))
     assert factory(5) == ("compiled", (5,))
     assert calls == [(double, {"dynamic": False}), (double, {"fullgraph": True})]
+
+
+#: a stand-in for the Hugging Face ``kernels`` package that records every ``get_kernel`` call on stderr
+FAKE_KERNELS = (
+    "import sys\n"
+    "def get_kernel(repo, *a, **k):\n"
+    "    print('GET_KERNEL', repo, file=sys.stderr)\n"
+    "    raise OSError('no network in this test')\n"
+)
+
+
+@pytest.mark.slow
+def test_importing_bitsandbytes_fetches_no_hub_kernel(tmp_path: Path) -> None:
+    """Where ``kernels`` is installed (transformers 5.25 requires it), a plain ``import bitsandbytes`` asks the Hub
+    for ``kernels-community/quantization-bitsandbytes`` on a CPU with AVX512-BF16; through :func:`quiet_bitsandbytes`
+    it does not, and ``kernels`` is importable again after it. Fresh processes, a recording ``kernels`` package."""
+    package = tmp_path / "kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text(FAKE_KERNELS, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+
+    def run(code: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    plain = run("import bitsandbytes")
+    if "GET_KERNEL" not in plain.stderr:
+        pytest.skip("this CPU/bitsandbytes asks for no hub kernel at import (no AVX512-BF16?)")
+    quiet = run(
+        "from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes\n"
+        "quiet_bitsandbytes()\n"
+        "import kernels\n"
+        "print(kernels.get_kernel.__name__)\n"
+    )
+    assert "GET_KERNEL" not in quiet.stderr, quiet.stderr
+    assert NOISY not in quiet.stderr, quiet.stderr
+    assert quiet.stdout.split() == ["get_kernel"]
+
+
+def test_kernels_is_hidden_only_inside_the_block() -> None:
+    """Inside :func:`without_hub_kernels` ``import kernels`` fails; after it ``sys.modules`` is as it was."""
+    sentinel = object()
+    for before in (None, sentinel):
+        if before is None:
+            sys.modules.pop("kernels", None)
+        else:
+            sys.modules["kernels"] = sentinel  # type: ignore[assignment]
+        try:
+            with without_hub_kernels():
+                with pytest.raises(ImportError):
+                    import kernels  # noqa: F401
+            assert sys.modules.get("kernels") is before
+        finally:
+            sys.modules.pop("kernels", None)
