@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
 from ledgerspec.contract.document import Document, from_text
 from tests.support import TESTS
 
@@ -73,6 +79,35 @@ optimizer:
 {extra}"""
 
 
-def ledger(**kwargs: object) -> Document:
-    """A document whose path sits in tests/data/estimate/ (config_path resolves there); nothing is written."""
-    return from_text(ledger_text(**kwargs), str(DATA / "test.ledger.yaml"))  # type: ignore[arg-type]
+def ledger(layers: int | None = None, **kwargs: object) -> Document:
+    """A document whose path sits in tests/data/estimate/ (config_path resolves there); nothing is written.
+    ``layers``: over a copy of the architecture's tiny config that deep instead (:func:`deeper_copy`)."""
+    if layers is None:
+        return from_text(ledger_text(**kwargs), str(DATA / "test.ledger.yaml"))  # type: ignore[arg-type]
+    arch = str(kwargs.get("arch", "tiny-llama-gqa"))
+    where = deeper_copy(arch, layers)
+    return from_text(ledger_text(**kwargs), str(where / "test.ledger.yaml"))  # type: ignore[arg-type]
+
+
+_COPIES: dict[tuple[str, int], Path] = {}
+
+
+def deeper_copy(arch: str, layers: int, into: Path | None = None) -> Path:
+    """A folder holding ``arch/config.json``: the tiny config of tests/data/estimate/ with ``layers`` decoder layers,
+    its layer pattern (``layer_types``) continued or cut; a ledger in that folder reads it. Without ``into``, one
+    folder per (arch, layers) for this process, removed at exit."""
+    if into is None and (arch, layers) in _COPIES:
+        return _COPIES[arch, layers]
+    config = json.loads((DATA / arch / "config.json").read_text(encoding="utf-8"))
+    types = config.get("layer_types")
+    config["num_hidden_layers"] = layers
+    if types:
+        config["layer_types"] = [types[n % len(types)] for n in range(layers)]
+    folder = into
+    if folder is None:
+        folder = Path(tempfile.mkdtemp(prefix=f"ledgerspec-{arch}-{layers}-"))
+        atexit.register(shutil.rmtree, folder, True)
+        _COPIES[arch, layers] = folder
+    (folder / arch).mkdir(parents=True, exist_ok=True)
+    (folder / arch / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
