@@ -8,7 +8,6 @@ pattern (slow): event by event the same allocations and frees, and the replay's 
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -172,9 +171,14 @@ def test_canonical_streams_ignore_ids_not_which_allocation_is_freed() -> None:
 
 # -- real steps: the construction against full-depth traces ----------------------------------------------------------
 
+#: the depth of the period-1 cases below: 4 periods past the shallowest probe (2 layers), the least depth at which
+#: no two rules of the family name the same copy (a first copy + d and a last copy + d' coincide only while
+#: k - 1 = d - d' <= 2, so at k <= 3 the build could pass where a deeper one finds two rules disagreeing); the
+#: tiny configs' 8 layers (k = 6) only repeated the same events twice more
+DEPTH = 6
 REAL_CASES: dict[str, dict[str, Any]] = {
     # the plain step (LoRA on q/v, no checkpointing, one micro-step) at 32 layers: 30 periods past the shallowest
-    # probe (a separate 8-layer case of the same step was the same branch, shallower)
+    # probe (a separate shallow case of the same step was the same branch, shallower)
     "llama-32-layers": {"arch": "tiny-llama-gqa", "seq": 32, "layers": 32},
     "llama-ckpt-accum2": {
         "arch": "tiny-llama-gqa",
@@ -182,10 +186,17 @@ REAL_CASES: dict[str, dict[str, Any]] = {
         "accumulation": 2,
         "microbatch": 1,
         "seq": 64,
+        "layers": DEPTH,
     },
-    "qwen2-accum2": {"arch": "tiny-qwen2", "seq": 128, "accumulation": 2},
-    "mistral-ckpt": {"arch": "tiny-mistral", "checkpointing": True, "seq": 128, "targets": "all-linear"},
-    "qwen2-qlora-nf4": {"arch": "tiny-qwen2", "quant": "nf4", "targets": "all-linear", "seq": 80},
+    "qwen2-accum2": {"arch": "tiny-qwen2", "seq": 128, "accumulation": 2, "layers": DEPTH},
+    "mistral-ckpt": {
+        "arch": "tiny-mistral",
+        "checkpointing": True,
+        "seq": 128,
+        "targets": "all-linear",
+        "layers": DEPTH,
+    },
+    "qwen2-qlora-nf4": {"arch": "tiny-qwen2", "quant": "nf4", "targets": "all-linear", "seq": 80, "layers": DEPTH},
     "llama-qlora-paged8bit-ckpt-accum2": {
         "arch": "tiny-llama-gqa",
         "quant": "nf4",
@@ -196,8 +207,9 @@ REAL_CASES: dict[str, dict[str, Any]] = {
         "targets": "all-linear",
         "microbatch": 1,
         "seq": 48,
+        "layers": DEPTH,
     },
-    "llama-custom-loop": {"arch": "tiny-llama-gqa", "loop": "custom", "seq": 64},
+    "llama-custom-loop": {"arch": "tiny-llama-gqa", "loop": "custom", "seq": 64, "layers": DEPTH},
     # Gemma2's sliding/full pattern (period 2, probes 4, 6, 8): a 10-layer copy of the tiny config, so that the
     # stream is built a period past the third probe
     "gemma2-accum2": {"arch": "tiny-gemma2", "attention": "eager", "seq": 128, "accumulation": 2, "layers": 10},
@@ -220,19 +232,13 @@ REAL = [
 def real_doc(case: dict[str, Any], tmp_path: Path) -> Any:
     """The case's ledger; with ``layers``, over a copy of the tiny config that deep (its layer pattern continued)."""
     from ledgerspec.contract.document import from_text
-    from tests.support.estimate_docs import DATA, ledger, ledger_text
+    from tests.support.estimate_docs import deeper_copy, ledger, ledger_text
 
     case = dict(case)
     layers = case.pop("layers", None)
     if layers is None:
         return ledger(**case)
-    config = json.loads((DATA / case["arch"] / "config.json").read_text())
-    types = config.get("layer_types")
-    config["num_hidden_layers"] = layers
-    if types:
-        config["layer_types"] = [types[n % 2] for n in range(layers)]
-    (tmp_path / case["arch"]).mkdir()
-    (tmp_path / case["arch"] / "config.json").write_text(json.dumps(config))
+    deeper_copy(case["arch"], layers, into=tmp_path)
     return from_text(ledger_text(**case), str(tmp_path / "test.ledger.yaml"))
 
 
@@ -298,9 +304,9 @@ def test_streams_the_probes_cannot_give_are_traced_in_full(monkeypatch: pytest.M
         raise NotExtensible("a free follows no rule of the depth pattern")
 
     monkeypatch.setattr(step_module, "extend_stream", refuse)
-    doc = ledger(seq=32)
+    doc = ledger(seq=32, layers=DEPTH)  # probes of 2, 3 and 4 layers, then the fallback's full trace
     step = step_module.full_depth_events(doc)
-    assert step.fallback is not None and "traced all 8 layers instead" in step.fallback
+    assert step.fallback is not None and f"traced all {DEPTH} layers instead" in step.fallback
     assert "\n" not in step.fallback and "follows no rule" in step.fallback
     assert canonical(step.events) == canonical(step_module.step_events(doc, layers=None).events)
 
