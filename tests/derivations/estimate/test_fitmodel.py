@@ -2,7 +2,7 @@
 
 The model's claim is checked the way the layer extrapolation's is: every figure it predicts from two traced
 microbatches is compared with a full estimate at that microbatch (several architectures, checkpointing on and off,
-padded and packed batches, QLoRA), within 0.5 %; the tiny models are 3 layers deep, so that each estimate is one
+padded and packed batches, QLoRA), within 0.5 %; the tiny models are 2 layers deep, so that each estimate is one
 full trace (see ``LAYERS``). The searches are checked against a brute-force scan of full
 estimates, and, without torch, against an estimate function whose peak is known in closed form.
 """
@@ -179,11 +179,12 @@ SCANNED = "qwen2-ckpt"
 
 
 #: the depth of the tiny models here: the microbatch model's claim is about the batch, not the depth (each figure
-#: affine in the rows, read off the estimates; how the estimate reaches the depth is not what it models), and at 3
-#: layers the plain estimate traces every layer (one trace, "the model is shallow enough") where the 8-layer configs
-#: traced two probes of 2 and 3 layers: the same figures of the same step, each from a full trace, in 3 layers' work
-#: instead of 5 (Gemma2: its sliding and full layers both, instead of probes of 4 and 6)
-LAYERS = 3
+#: affine in the rows, read off the estimates; how the estimate reaches the depth is not what it models), and at 2
+#: layers (one layer feeding the next) the plain estimate traces every layer (one trace, "the model is shallow
+#: enough") where the 8-layer configs traced two probes of 2 and 3 layers: the same figures of the same step, each
+#: from a full trace, in 2 layers' work instead of 5 (Gemma2: one sliding and one full layer, instead of probes of 4
+#: and 6)
+LAYERS = 2
 
 
 def _doc(params: dict[str, Any]) -> Document:

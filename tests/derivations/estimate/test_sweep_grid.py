@@ -218,10 +218,10 @@ CHECKED = [(3, 64), (7, 256)]
 
 
 #: the depth of the tiny models here: the sweep models the batch and the length, not the depth (each figure read
-#: off the estimates as they are), and at 3 layers the plain estimate traces every layer (one trace, "the model is
-#: shallow enough") where the 8-layer configs traced two probes of 2 and 3 layers: the same figures of the same
-#: step, each from a full trace, in 3 layers' work instead of 5
-LAYERS = 3
+#: off the estimates as they are), and at 2 layers (one layer feeding the next) the plain estimate traces every layer
+#: (one trace, "the model is shallow enough") where the 8-layer configs traced two probes of 2 and 3 layers: the
+#: same figures of the same step, each from a full trace, in 2 layers' work instead of 5
+LAYERS = 2
 
 
 def _doc(params: dict[str, Any]) -> Document:
