@@ -33,6 +33,12 @@ CASES = {
 }
 
 
+#: the depth of the cases' models (copies of the tiny configs): the least at which a full-depth stream is built from
+#: the three probes (2, 3 and 4 layers) rather than traced, as the 8-layer configs' streams were; what is synthesised
+#: along the microbatch is that built stream, and the truth, the full trace at microbatch 7, is 3 layers shorter
+LAYERS = 5
+
+
 @pytest.fixture(scope="module", params=one_worker_each("along", list(CASES), list(CASES)))
 def traced(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     """The case's ledger and its :class:`MicrobatchSteps` with microbatches 2 and 3 traced (as the search would)."""
@@ -40,7 +46,7 @@ def traced(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     from ledgerspec.derivations.devices.along import MicrobatchSteps
     from tests.support.estimate_docs import ledger
 
-    doc = ledger(**CASES[request.param])
+    doc = ledger(layers=LAYERS, **CASES[request.param])
     steps = MicrobatchSteps(doc)
     for b in (2, 3):
         steps.trace(b)
@@ -56,6 +62,7 @@ def test_a_synthesised_microbatch_is_the_full_depth_trace_and_the_estimate(trace
     b = 7
     ours = steps.synthesise(b)
     assert ours.method.startswith("synthesised from the full-depth streams of microbatch 2 and 3"), ours.method
+    assert all(steps.steps[v].method.startswith("built from the probes") for v in (2, 3))
     variant = apply(doc, {"microbatch": b})
     truth = step_events(variant, layers=None)  # every layer traced at microbatch 7
     assert ours.windows == truth.windows
