@@ -79,9 +79,11 @@ optimizer:
 {extra}"""
 
 
-def ledger(layers: int | None = None, **kwargs: object) -> Document:
+def ledger(**kwargs: object) -> Document:
     """A document whose path sits in tests/data/estimate/ (config_path resolves there); nothing is written.
-    ``layers``: over a copy of the architecture's tiny config that deep instead (:func:`deeper_copy`)."""
+    ``layers=n``: over a copy of the architecture's tiny config ``n`` layers deep instead (:func:`deeper_copy`)."""
+    layers = kwargs.pop("layers", None)
+    assert layers is None or isinstance(layers, int), layers
     if layers is None:
         return from_text(ledger_text(**kwargs), str(DATA / "test.ledger.yaml"))  # type: ignore[arg-type]
     arch = str(kwargs.get("arch", "tiny-llama-gqa"))
