@@ -136,6 +136,13 @@ def _copy(tmp_path: Path, text: str, name: str = "t.ledger.yaml", arch: str = "t
     return path
 
 
+@pytest.fixture(scope="module")
+def plain() -> Any:
+    """The estimate of the default tiny ledger (``ledger_text()``: Llama GQA, sdpa, microbatch 2, 128 tokens, no
+    checkpointing), traced once for the tests that compare against it (their ``xdist_group``: one worker)."""
+    return estimate(ledger())
+
+
 @pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
 def test_writes_activations_and_phases_with_provenance(tmp_path: Path, cli: CliRunner) -> None:
     path = _copy(tmp_path, ledger_text(checkpointing=True))
@@ -156,14 +163,15 @@ def test_writes_activations_and_phases_with_provenance(tmp_path: Path, cli: CliR
 
 
 @pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
-def test_does_not_fit_names_the_first_phase_over_the_device(tmp_path: Path, cli: CliRunner) -> None:
+@pytest.mark.xdist_group("estimate-plain")  # its module fixture, once
+def test_does_not_fit_names_the_first_phase_over_the_device(tmp_path: Path, cli: CliRunner, plain: Any) -> None:
     """Nothing outside the allocator (declared 0 B): a device between what the allocator holds before training (two
     2 MiB segments of small blocks) and the forward peak runs out in the forward pass; the headroom is the device
-    minus the device-level peak (the allocator model's reserve without a limit, as the estimate writes it)."""
+    minus the device-level peak (the allocator model's reserve without a limit, as the estimate writes it). The
+    allocated figures are those of the plain ledger's estimate (the fixture: this ledger without the declaration)."""
     nothing_outside = "outside_allocator:\n  total: {value: 0 B, source: ASSUMPTION, note: test}\n"
     path = _copy(tmp_path, ledger_text() + nothing_outside)
-    est = estimate(load(path))
-    p = est.phases
+    p = plain.phases
     device = max(4 * 2**20 + 1, (p["after_optimizer_init"] + p["forward_peak"]) // 2)
     code, out, _ = cli("estimate", path, "--device-memory", str(device))
     assert code == 1
@@ -272,10 +280,11 @@ def test_an_untraceable_architecture_is_named(tmp_path: Path, cli: CliRunner, mo
 
 
 @pytest.mark.slow
-def test_sweep_prints_the_matrix_and_the_largest_fitting(tmp_path: Path, cli: CliRunner) -> None:
+@pytest.mark.xdist_group("estimate-plain")  # its module fixture, once
+def test_sweep_prints_the_matrix_and_the_largest_fitting(tmp_path: Path, cli: CliRunner, plain: Any) -> None:
     path = _copy(tmp_path, ledger_text(seq=128))
     before = path.read_text()
-    base = estimate(load(path)).peak_allocated  # microbatch 2, no checkpointing
+    base = plain.peak_allocated  # this very ledger's estimate (the fixture's): microbatch 2, no checkpointing
     code, out, err = cli(
         "estimate", path, "--sweep", "microbatch=1,2,4", "gradient_checkpointing=on,off", "--device-memory", str(base)
     )
@@ -302,11 +311,12 @@ def test_sweep_prints_the_matrix_and_the_largest_fitting(tmp_path: Path, cli: Cl
 
 
 @pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
-def test_checkpointing_and_microbatch_move_the_estimate_the_right_way() -> None:
+@pytest.mark.xdist_group("estimate-plain")  # its module fixture, once
+def test_checkpointing_and_microbatch_move_the_estimate_the_right_way(plain: Any) -> None:
     def peak(**kw: Any) -> Any:
         return estimate(ledger(seq=128, **kw))
 
-    off, on = peak(checkpointing=False), peak(checkpointing=True)
+    off, on = plain, peak(checkpointing=True)  # the fixture is the default ledger: no checkpointing, microbatch 2
     assert on.activations < off.activations and on.peak_allocated < off.peak_allocated
     assert peak(microbatch=1).activations < off.activations  # microbatch 2 by default
 

@@ -131,10 +131,14 @@ def test_the_kernels_run_in_each_ranks_fsdp2_step(tmp_path: Any) -> None:
 
 
 @pytest.mark.slow
-def test_a_trainable_lm_head_gets_its_gradient_through_every_fused_loss() -> None:
+def test_a_trainable_lm_head_gets_its_gradient_through_every_fused_loss(tmp_path: Any) -> None:
     """``modules_to_save: [lm_head]``: the fused kernels return the classifier's gradient too (Liger's ``grad_weight``,
-    CCE's ``dc``, TRL's float32 ``grad_weight``), so the gradients and optimizer state are the eager step's."""
-    config = EXAMPLES / "configs" / "mistral-7b-v0.1" / "config.json"
+    CCE's ``dc``, TRL's float32 ``grad_weight``), so the gradients and optimizer state are the eager step's. Mistral-7B
+    with 2 decoder layers, traced at that depth (one trace per estimate, not two probe depths): the classifier and
+    the loss sit above the decoder stack, whose depth only scales the q/v adapters both sides train alike."""
+    config = tmp_path / "config.json"
+    cfg = json.loads((EXAMPLES / "configs" / "mistral-7b-v0.1" / "config.json").read_text(encoding="utf-8"))
+    config.write_text(json.dumps({**cfg, "num_hidden_layers": 2}), encoding="utf-8")
 
     def doc(kernels: str) -> Any:
         return from_text(

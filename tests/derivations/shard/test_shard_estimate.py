@@ -64,15 +64,35 @@ def _copy(tmp: Path, ledger: str = LEDGER, edits: list[tuple[str, str]] | None =
 
 @pytest.fixture(scope="module", params=one_worker_each("shard-estimate", ["lora", "qlora"]))
 def estimated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The ledger's ``shard --estimate`` (reshard_after_forward true), set up once per kind for every test that reads
+    it: its per-rank result, the calculated FSDP2 plan, the single-device estimate's activations of the same ledger
+    (``estimate`` reads no ``parallelism.reshard_after_forward``), and what every fake 4-bit forward of the simulation
+    saw (:func:`test_qlora_forward_uses_the_gathered_packed_weight`; the spy only records, then calls the forward)."""
     pytest.importorskip("torch")
+    from torch.distributed.tensor import DTensor
+
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.estimate.qlora import fake_4bit_linear_class
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.sharder import shard
 
     edits = QLORA_EDITS if request.param == "qlora" else None
     doc = load(_copy(tmp_path_factory.mktemp("shard-estimate"), edits=edits))
-    result = shard(doc, estimate=True, target="cpu", device_memory=1 << 30)
+    single = estimate(doc, target="cpu").activations
+    cls = fake_4bit_linear_class()
+    original = cls.forward
+    seen: list[tuple[tuple[int, int], tuple[int, ...], bool, str]] = []
+
+    def spy(self: Any, x: Any) -> Any:
+        w = self.weight
+        seen.append(((self.out_features, self.in_features), tuple(w.shape), isinstance(w, DTensor), str(w.dtype)))
+        return original(self, x)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cls, "forward", spy)
+        result = shard(doc, estimate=True, target="cpu", device_memory=1 << 30)
     plan = S.fsdp2(document_descriptors(doc), 2, "adamw_torch", reshard_after_forward=True)
-    return {"result": result, "plan": plan, "doc": doc, "kind": request.param}
+    return {"result": result, "plan": plan, "doc": doc, "kind": request.param, "single": single, "seen": seen}
 
 
 @pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
@@ -107,24 +127,28 @@ def test_compute_holds_gathered_units_and_unsharded_activations(estimated: dict[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["lora", "qlora"])
 @pytest.mark.parametrize("reshard", ["true", "false", None])
-def test_per_rank_activations_are_the_single_device_activations(tmp_path: Path, reshard: str | None, kind: str) -> None:
+def test_per_rank_activations_are_the_single_device_activations(
+    estimated: dict[str, Any], tmp_path: Path, reshard: str | None
+) -> None:
     """FSDP2 shards parameters, not activations: a rank's microbatch holds what one device's does. Gathered layers
     are freed by resizing their storage to 0 (no tensor op): a tracker that missed it counted every layer's
-    weights as activations. QLoRA: the 4-bit layers save nothing but their (gathered, frozen) packed weight."""
-    from ledgerspec.derivations.estimate.estimator import estimate
+    weights as activations. QLoRA: the 4-bit layers save nothing but their (gathered, frozen) packed weight.
+    The single-device estimate is the fixture's (``estimate`` reads no ``reshard_after_forward``: one trace per
+    kind), and so is the ledger's own ``reshard_after_forward: true`` simulation; false and unset are simulated here."""
     from ledgerspec.derivations.shard.sharder import shard
 
-    path = _copy(tmp_path, edits=QLORA_EDITS if kind == "qlora" else None)
-    text = path.read_text(encoding="utf-8")
-    line = "  reshard_after_forward: true\n"
-    assert line in text
-    path.write_text(text.replace(line, f"  reshard_after_forward: {reshard}\n" if reshard else ""), encoding="utf-8")
-    doc = load(path)
-    single = estimate(doc, target="cpu").activations
-    ranks = shard(doc, estimate=True, target="cpu").estimate.ranks
-    assert [r.activations for r in ranks] == [single] * len(ranks)
+    if reshard == "true":  # the fixture's ledger as it is
+        ranks = estimated["result"].estimate.ranks
+    else:
+        path = _copy(tmp_path, edits=QLORA_EDITS if estimated["kind"] == "qlora" else None)
+        text = path.read_text(encoding="utf-8")
+        line = "  reshard_after_forward: true\n"
+        assert line in text
+        new = f"  reshard_after_forward: {reshard}\n" if reshard else ""
+        path.write_text(text.replace(line, new), encoding="utf-8")
+        ranks = shard(load(path), estimate=True, target="cpu").estimate.ranks
+    assert [r.activations for r in ranks] == [estimated["single"]] * len(ranks)
 
 
 @pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
@@ -243,26 +267,14 @@ def test_qlora_fake_packed_weights_are_sharded_as_the_measured_ones(tmp_path: Pa
 
 
 @pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
-def test_qlora_forward_uses_the_gathered_packed_weight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qlora_forward_uses_the_gathered_packed_weight(estimated: dict[str, Any]) -> None:
     """Every fake 4-bit forward sees its layer's all-gathered packed weight (the whole packed shape, a plain tensor
-    FSDP2 unsharded), never the rank's DTensor shard."""
-    pytest.importorskip("torch")
-    from torch.distributed.tensor import DTensor
-
-    from ledgerspec.derivations.estimate.qlora import fake_4bit_linear_class
-    from ledgerspec.derivations.shard.sharder import shard
-
-    cls = fake_4bit_linear_class()
-    original = cls.forward
-    seen: list[tuple[tuple[int, int], tuple[int, ...], bool, str]] = []
-
-    def spy(self: Any, x: Any) -> Any:
-        w = self.weight
-        seen.append(((self.out_features, self.in_features), tuple(w.shape), isinstance(w, DTensor), str(w.dtype)))
-        return original(self, x)
-
-    monkeypatch.setattr(cls, "forward", spy)
-    shard(load(_copy(tmp_path, edits=QLORA_EDITS)), estimate=True, target="cpu")
+    FSDP2 unsharded), never the rank's DTensor shard (the fixture's simulation, spied on); the LoRA ledger has no
+    4-bit layer to see."""
+    seen = estimated["seen"]
+    if estimated["kind"] == "lora":
+        assert seen == []
+        return
     # k/v (36 x 72, grouped-query), q/o (72 x 72), gate/up (200 x 72), down (72 x 200); 2 ranks x 14 layers (x steps)
     assert {s[0] for s in seen} == {(36, 72), (72, 72), (200, 72), (72, 200)} and len(seen) >= 2 * 2 * 7
     for (out, inp), shape, is_shard, dtype in seen:
