@@ -165,10 +165,18 @@ def test_documented_commands_run(
 ) -> None:
     """Every command of the page, in order, in a fresh copy of the examples; exit codes as documented. The
     estimates go through one estimate cache for the pages, as a user's repeated commands do (docs: "The estimate
-    cache")."""
+    cache").
+
+    The cache's folder is the one ``LEDGERSPEC_CACHE_DIR`` would name, given without changing the environment: a
+    launch whose environment differs from the fork server's starts a fresh Python instead of a fork
+    (:mod:`ledgerspec.derivations.measure.launch`), and set here the variable made each of measure.md's two
+    ``measure`` children import the stack afresh (about 6 s of CPU each). The estimate's own forks (its parallel
+    probe, a sweep's workers) are forks of this process and read the same folder."""
+    from ledgerspec.derivations.estimate import cache
+
     shutil.copytree(EXAMPLES, tmp_path / "examples")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("LEDGERSPEC_CACHE_DIR", str(docs_estimate_cache))
+    monkeypatch.setattr(cache, "default_dir", lambda: docs_estimate_cache)
     for b in shell_blocks(page):
         if b.marker in ("needs-gpu", "not-run"):
             continue
