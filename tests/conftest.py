@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 # One OpenMP thread per test process and every process it starts, set before torch or bitsandbytes is imported (the
@@ -32,6 +33,40 @@ def pytest_configure(config: pytest.Config) -> None:
     is run by ``tests/derivations/measure/test_launch.py``."""
     os.environ["LEDGERSPEC_CACHE_DIR"] = "off"
     os.environ.setdefault("LEDGERSPEC_LAUNCHER", "forkserver")
+    launches = logging.getLogger("ledgerspec.derivations.measure.launch")
+    launches.setLevel(logging.INFO)
+    launches.addHandler(_FreshLaunches())
+
+
+#: ``test id: variables`` of every launch that started a fresh Python although the fork server was asked for
+FRESH_LAUNCHES: list[str] = []
+
+
+class _FreshLaunches(logging.Handler):
+    """Records the launcher's "fresh Python" notes with the running test's id: a test that changes the environment
+    and then starts a process pays a whole import of the stack (about 6 s of CPU) without anything failing; the
+    session's summary lists them (``pytest_terminal_summary``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        FRESH_LAUNCHES.append(f"{test}: {record.args[0] if record.args else record.getMessage()}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # an xdist worker: handed to the controller
+    if workeroutput is not None:
+        workeroutput["fresh_launches"] = list(FRESH_LAUNCHES)
+
+
+def pytest_testnodedown(node: object, error: object) -> None:
+    FRESH_LAUNCHES.extend(getattr(node, "workeroutput", {}).get("fresh_launches", []))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FRESH_LAUNCHES:
+        terminalreporter.write_sep("-", f"{len(FRESH_LAUNCHES)} launches started a fresh Python, not a fork")
+        for line in FRESH_LAUNCHES:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -22,6 +22,7 @@ with ``torch.set_num_threads`` in the child.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -105,6 +106,8 @@ class Launched:
         self._popen: subprocess.Popen[bytes] | None = None
         self._process: Any = None
         self.forked = mode() == "forkserver" and _server_can_run(env)
+        if mode() == "forkserver" and not self.forked:  # a fresh Python where a fork was asked for: said, for tests
+            logging.getLogger(__name__).info("fresh Python: the environment differs in %s", keeps_from_forking(env))
         if self.forked:
             ctx = _context()
             self._process = ctx.Process(
@@ -323,11 +326,17 @@ def _importable(module: str) -> bool:
 
 def _server_can_run(env: Mapping[str, str]) -> bool:
     """Whether a child forked from the server sees ``env`` as a fresh Python would (see the module docstring)."""
+    return not keeps_from_forking(env)
+
+
+def keeps_from_forking(env: Mapping[str, str]) -> list[str]:
+    """The variables of ``env`` that keep a launch from being forked from the server (sorted; empty: it can be)."""
     server = _SERVER_ENV or _BASE_ENV or dict(os.environ)
     keys = (set(server) | set(env)) - PER_LAUNCH - APPLIED
+    differ = sorted(k for k in keys if server.get(k) != env.get(k))
     if _offline(server) and not _offline(env):  # the child can be made offline, not online again
-        return False
-    return all(server.get(k) == env.get(k) for k in keys)
+        differ.append("HF_HUB_OFFLINE")
+    return differ
 
 
 def _offline(env: Mapping[str, str]) -> bool:

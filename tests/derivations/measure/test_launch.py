@@ -80,6 +80,9 @@ def test_an_environment_read_at_import_gets_a_fresh_python(tmp_path: Path, monke
     other = launch.start([str(_script(tmp_path)), str(tmp_path / "c.json")], {**os.environ, "TRANSFORMERS_X": "1"})
     assert same.forked and not other.forked
     assert same.wait(120).returncode == 0 and other.wait(120).returncode == 0
+    # what kept the second from the fork, as the launcher says it (tests/conftest.py lists these for the session)
+    assert launch.keeps_from_forking({**os.environ, "RANK": "1"}) == []
+    assert launch.keeps_from_forking({**os.environ, "TRANSFORMERS_X": "1"}) == ["TRANSFORMERS_X"]
 
 
 @pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
