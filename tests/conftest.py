@@ -49,7 +49,8 @@ class _FreshLaunches(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
-        FRESH_LAUNCHES.append(f"{test}: {record.args[0] if record.args else record.getMessage()}")
+        args = record.args if isinstance(record.args, tuple) else ()
+        FRESH_LAUNCHES.append(f"{test}: {args[0] if args else record.getMessage()}")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
