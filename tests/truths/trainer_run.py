@@ -10,14 +10,15 @@ from the outside, with counters that do not allocate:
   Trainer calls), loss + backward (until ``training_step`` returns), the optimizer step (until ``on_step_end``);
   the first optimizer step runs at the worst sequence length, the following ones at the typical length
   (``steady_state_peak``: the peak over them);
-- ``memtracker`` (a separate run, ``--memtracker``): PyTorch's own
-  ``torch.distributed._tools.mem_tracker.MemTracker`` over the whole run (its peak), with two workarounds: no
-  gradient hooks on frozen parameters (``register_hook`` refuses a tensor that does not require grad) and
-  ``reset_mod_stats()`` at every step end. It runs apart because it perturbs what it measures: under activation
-  checkpointing its module hooks keep the autograd graph of the step alive after ``backward``, and with it the
-  embedding output that ``enable_input_require_grads`` made a leaf, and that leaf's gradient, until the next step
-  (+2 x microbatch x length x hidden x 2 bytes at the optimizer step on tiny-llama in bf16). Its peak (the
-  backward's) is unaffected.
+- ``memtracker`` (``--memtracker``): PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker`` over the
+  whole run (its peak), beside the tracker, with two workarounds: no gradient hooks on frozen parameters
+  (``register_hook`` refuses a tensor that does not require grad) and ``reset_mod_stats()`` at every step end. Under
+  activation checkpointing it perturbs what it measures, and the tests run it apart there
+  (``tests.support.step_truth.truth_runs``): its module hooks keep the autograd graph of the step alive after
+  ``backward``, and with it the embedding output that ``enable_input_require_grads`` made a leaf, and that leaf's
+  gradient, until the next step (+2 x microbatch x length x hidden x 2 bytes at the optimizer step on tiny-llama in
+  bf16). Its peak (the backward's) is unaffected. Without checkpointing the tracker's phases are the same with it
+  and without it, to the byte.
 
 Run as a script (one run per process: accelerate keeps global state)::
 

@@ -5,7 +5,7 @@ Each case is one configuration, run three ways on the CPU, as the Trainer truths
 
 - the truth: TRL 1.16's real ``DPOTrainer`` (``tests/truths/dpo_run.py``: transformers builds the model, the trainer
   wraps it with the case's LoRA as its ``peft_config``, its collator, fused LM head, ``_compute_loss`` and accelerate
-  run the step), its phases read by the tensor tracker from the outside, and (a separate run, some cases) the whole
+  run the step), its phases read by the tensor tracker from the outside, and (some cases) the whole
   run by PyTorch's own ``MemTracker``;
 - ``ledgerspec measure --device cpu`` of the ledger that declares the configuration (``training.objective: dpo``);
 - ``ledgerspec estimate --target cpu --full`` of the same ledger (fake tensors).
@@ -39,6 +39,7 @@ from tests.support.step_truth import (
     assert_estimate_is_the_measurement,
     assert_measure_is_the_truth,
     assert_memtracker_agrees,
+    assert_the_callback_is_measure,
     run_three_ways,
 )
 
@@ -147,8 +148,14 @@ def next_batch_bytes(c: Case) -> int:
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     c: Case = request.param
     folder = tmp_path_factory.mktemp(c.name)
-    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, c.memtracker)
+    callback = c.name in CALLBACK
+    out = run_three_ways(folder, c.base.arch, ledger_text(c), truth_case(c, folder), TRUTH, c.memtracker, callback)
     return {"case": c, **out}
+
+
+#: the cases whose real run also carries ``LedgerCallback`` (the truth's run, shared): the PEFT model's trainer with
+#: its adapters off, and a PEFT model handed to the trainer (the truth's ``wrapped``)
+CALLBACK = ("lora-bf16-autocast", "lora-adapter-copy")
 
 
 def test_measure_is_the_real_dpo_trainer_step_to_the_byte(runs: dict[str, Any]) -> None:
@@ -163,7 +170,7 @@ def test_the_cpu_estimate_is_the_measurement_to_the_byte(runs: dict[str, Any]) -
 def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> None:
     c = runs["case"]
     if not c.memtracker:
-        pytest.skip("MemTracker watches the cases marked for it (each is a second real run)")
+        pytest.skip("MemTracker watches the cases marked for it")
     assert_memtracker_agrees(c.name, runs["measured"], runs["truth"], next_batch_bytes(c))
 
 
@@ -208,31 +215,33 @@ def assert_callback_is_the_measurement(folder: Path, ledger: Path) -> None:
     assert got == {p: load(measured).get("phases", p).value for p in STEP_PHASES}
 
 
-def test_the_callback_on_a_dpo_trainer_records_the_dpo_step(tmp_path: Path) -> None:
-    """``LedgerCallback`` on TRL's ``DPOTrainer``: the ledger it writes says DPO with the reference read from the live
-    trainer, and every phase it recorded equals ``measure --device cpu`` of that ledger to the byte (the two forwards
-    of a step are one forward phase; the ``completion_mask`` no forward receives is this step's batch, not the one
-    held ahead)."""
-
-    c = CASES[0]
-    ledger = _callback_run(tmp_path, c)
-    doc = load(ledger)
-    assert doc.get("training", "objective").value == "dpo"
-    reference = doc.get("training", "objective_settings", "reference")
+def test_the_callback_on_a_dpo_trainer_records_the_dpo_step(runs: dict[str, Any]) -> None:
+    """``LedgerCallback`` on TRL's ``DPOTrainer`` (the truth's own run): the ledger it writes says DPO with the
+    reference read from the live trainer, and every phase it recorded equals ``measure --device cpu`` of that ledger to
+    the byte, and the truth's reader of the same run less the batch held ahead (the two forwards of a step are one
+    forward phase; the ``completion_mask`` no forward receives is this step's batch, not the one held ahead)."""
+    c = runs["case"]
+    if c.name != CALLBACK[0]:
+        pytest.skip(f"the callback rides on the real run of {CALLBACK[0]}")
+    assert_the_callback_is_measure(c.name, runs, "dpo", next_batch_bytes(c))
+    reference = runs["callback"].get("training", "objective_settings", "reference")
     assert (reference.value, reference.effective_source(False)) == ("adapter_disabled", "DECLARED")  # not assumed
-    assert_callback_is_the_measurement(tmp_path, ledger)
 
 
-def test_a_peft_model_handed_to_the_dpo_trainer_trains_against_a_copy_of_its_adapter(tmp_path: Path) -> None:
+def test_a_peft_model_handed_to_the_dpo_trainer_trains_against_a_copy_of_its_adapter(runs: dict[str, Any]) -> None:
     """TRL 1.16 adds a frozen copy of the adapter, ``ref``, when it is given a PEFT model (dpo_trainer.py:666-691): the
-    callback's ledger says ``adapter_copy``, which the step simulates (no LS014), and its phases equal measure's."""
+    callback's ledger (on the truth's own run of a PEFT model handed to the trainer) says ``adapter_copy``, which the
+    step simulates (no LS014), and its phases equal measure's and the truth's reader's."""
     from ledgerspec.checks.validate import validate
 
-    ledger = _callback_run(tmp_path, CASES[0], wrapped=True)
-    doc = load(ledger)
+    c = runs["case"]
+    if c.name != CALLBACK[1]:
+        pytest.skip(f"the callback rides on the real run of {CALLBACK[1]}")
+    assert truth_case(c, Path())["wrapped"]  # the trainer is handed the PEFT model
+    doc = runs["callback"]
     assert doc.get("training", "objective_settings", "reference").value == "adapter_copy"
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == []
-    assert_callback_is_the_measurement(tmp_path, ledger)
+    assert_the_callback_is_measure(c.name, runs, "dpo", next_batch_bytes(c))
 
 
 def test_the_callback_on_a_dpo_trainer_with_a_reference_model_counts_it(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ Each case is one configuration, run three ways on the CPU, as the DPO truths are
 - the truth: TRL 1.16's real ``RewardTrainer`` (``tests/truths/reward_run.py``: transformers builds the base as a
   sequence classifier with one score, the trainer wraps it with the case's LoRA of task type ``SEQ_CLS``, its
   collator, ``compute_loss`` and accelerate run the step), its phases read by the tensor tracker from the outside,
-  and (a separate run, some cases) the whole run by PyTorch's own ``MemTracker``;
+  and (some cases) the whole run by PyTorch's own ``MemTracker``;
 - ``ledgerspec measure --device cpu`` of the ledger that declares the configuration (``training.objective: reward``);
 - ``ledgerspec estimate --target cpu --full`` of the same ledger (fake tensors).
 
@@ -120,7 +120,7 @@ def test_the_cpu_estimate_is_the_measurement_to_the_byte(runs: dict[str, Any]) -
 def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> None:
     c = runs["case"]
     if not c.memtracker:
-        pytest.skip("MemTracker watches the cases marked for it (each is a second real run)")
+        pytest.skip("MemTracker watches the cases marked for it")
     assert_memtracker_agrees(c.name, runs["measured"], runs["truth"], next_batch_bytes(c))
 
 

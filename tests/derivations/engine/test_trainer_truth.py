@@ -9,11 +9,12 @@ Each case is one configuration, run three ways on the CPU:
 - ``ledgerspec measure --device cpu`` of the ledger that declares the configuration;
 - ``ledgerspec estimate --target cpu --full`` of the same ledger (fake tensors, the CPU's kernels).
 
-PyTorch's ``MemTracker`` watches a second, separate run of the same case (it perturbs the step it watches: see
-``tests/truths/trainer_run.py``). Every difference is explained, byte for byte: the real run's CPU DataLoader has
-already produced the next micro-batch (accelerate's ``DataLoaderShard`` fetches one ahead; on a GPU that batch is
-still on the host, so the step ledgerspec models does not hold it): ``input_ids``, ``labels`` and, when the batch
-has one, ``attention_mask``, int64, microbatch x the next step's length. Nothing else differs.
+PyTorch's ``MemTracker`` watches the truth's own run, but under activation checkpointing, where it perturbs the step
+it watches: there it watches a second, separate run of the case (``tests.support.step_truth.truth_runs``). Every
+difference is explained, byte for byte: the real run's CPU DataLoader has already produced the next micro-batch
+(accelerate's ``DataLoaderShard`` fetches one ahead; on a GPU that batch is still on the host, so the step ledgerspec
+models does not hold it): ``input_ids``, ``labels`` and, when the batch has one, ``attention_mask``, int64,
+microbatch x the next step's length. Nothing else differs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ pytest.importorskip("bitsandbytes")
 
 from ledgerspec.contract.document import load
 from tests.support import DATA, TESTS, CliRunner, fresh_python
+from tests.support.step_truth import truth_runs
 
 pytestmark = pytest.mark.slow
 
@@ -202,13 +204,13 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     case_file, out_file = folder / "case.json", folder / "truth.json"
     case_file.write_text(json.dumps(truth_case(c, folder)), encoding="utf-8")
     truth: dict[str, Any] = {}
-    for mode in ((), ("--memtracker",)):  # MemTracker runs apart: it perturbs the run (see the truth's docstring)
+    for i, mode in enumerate(truth_runs(truth_case(c, folder), memtracker=True)):  # MemTracker: its own run or not
         proc = fresh_python([TRUTH, case_file, out_file, *mode])
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(out_file.read_text(encoding="utf-8"))
         phases = result["phases"]
-        truth.update(phases if not mode else {"memtracker_peak": phases["memtracker_peak"]})
-        if not mode and "components" in result:
+        truth.update(phases if i == 0 else {"memtracker_peak": phases["memtracker_peak"]})
+        if i == 0 and "components" in result:
             truth["components"] = result["components"]
     return {"case": c, "measured": load(measured), "estimated": load(estimated), "truth": truth, "folder": folder}
 

@@ -76,7 +76,7 @@ def test_the_cpu_estimate_is_the_measurement_to_the_byte(runs: dict[str, Any]) -
 def test_pytorch_memtracker_agrees_within_one_percent(runs: dict[str, Any]) -> None:
     c = runs["case"]
     if c.name not in MEMTRACKER:
-        pytest.skip("MemTracker watches the cases marked for it (each is a second real run)")
+        pytest.skip("MemTracker watches the cases marked for it")
     assert_memtracker_agrees(c.name, runs["measured"], runs["truth"], next_batch_bytes(c))
 
 
