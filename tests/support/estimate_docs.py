@@ -94,22 +94,20 @@ def ledger(**kwargs: object) -> Document:
 _COPIES: dict[tuple[str, int], Path] = {}
 
 
-def deeper_copy(arch: str, layers: int, into: Path | None = None) -> Path:
+def deeper_copy(arch: str, layers: int) -> Path:
     """A folder holding ``arch/config.json``: the tiny config of tests/data/estimate/ with ``layers`` decoder layers,
-    its layer pattern (``layer_types``) continued or cut; a ledger in that folder reads it. Without ``into``, one
-    folder per (arch, layers) for this process, removed at exit."""
-    if into is None and (arch, layers) in _COPIES:
+    its layer pattern (``layer_types``) continued or cut; a ledger in that folder reads it. One folder per
+    (arch, layers) for this process, removed at exit."""
+    if (arch, layers) in _COPIES:
         return _COPIES[arch, layers]
     config = json.loads((DATA / arch / "config.json").read_text(encoding="utf-8"))
     types = config.get("layer_types")
     config["num_hidden_layers"] = layers
     if types:
         config["layer_types"] = [types[n % len(types)] for n in range(layers)]
-    folder = into
-    if folder is None:
-        folder = Path(tempfile.mkdtemp(prefix=f"ledgerspec-{arch}-{layers}-"))
-        atexit.register(shutil.rmtree, folder, True)
-        _COPIES[arch, layers] = folder
-    (folder / arch).mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"ledgerspec-{arch}-{layers}-"))
+    atexit.register(shutil.rmtree, folder, True)
+    _COPIES[arch, layers] = folder
+    (folder / arch).mkdir()
     (folder / arch / "config.json").write_text(json.dumps(config), encoding="utf-8")
     return folder

@@ -105,9 +105,10 @@ class Launched:
         self._err = os.path.join(self._files.name, "stderr")
         self._popen: subprocess.Popen[bytes] | None = None
         self._process: Any = None
-        self.forked = mode() == "forkserver" and _server_can_run(env)
-        if mode() == "forkserver" and not self.forked:  # a fresh Python where a fork was asked for: said, for tests
-            logging.getLogger(__name__).info("fresh Python: the environment differs in %s", keeps_from_forking(env))
+        kept_from_fork = keeps_from_forking(env) if mode() == "forkserver" else None
+        self.forked = kept_from_fork == []
+        if kept_from_fork:  # a fresh Python where a fork was asked for: said, for tests
+            logging.getLogger(__name__).info("fresh Python: the environment differs in %s", kept_from_fork)
         if self.forked:
             ctx = _context()
             self._process = ctx.Process(
@@ -324,13 +325,9 @@ def _importable(module: str) -> bool:
         return False
 
 
-def _server_can_run(env: Mapping[str, str]) -> bool:
-    """Whether a child forked from the server sees ``env`` as a fresh Python would (see the module docstring)."""
-    return not keeps_from_forking(env)
-
-
 def keeps_from_forking(env: Mapping[str, str]) -> list[str]:
-    """The variables of ``env`` that keep a launch from being forked from the server (sorted; empty: it can be)."""
+    """The variables of ``env`` that keep a launch from being forked from the server (sorted; empty: a child forked
+    from the server sees ``env`` as a fresh Python would, see the module docstring)."""
     server = _SERVER_ENV or _BASE_ENV or dict(os.environ)
     keys = (set(server) | set(env)) - PER_LAUNCH - APPLIED
     differ = sorted(k for k in keys if server.get(k) != env.get(k))

@@ -8,7 +8,6 @@ pattern (slow): event by event the same allocations and frees, and the replay's 
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -229,21 +228,8 @@ REAL = [
 ]
 
 
-def real_doc(case: dict[str, Any], tmp_path: Path) -> Any:
-    """The case's ledger; with ``layers``, over a copy of the tiny config that deep (its layer pattern continued)."""
-    from ledgerspec.contract.document import from_text
-    from tests.support.estimate_docs import deeper_copy, ledger, ledger_text
-
-    case = dict(case)
-    layers = case.pop("layers", None)
-    if layers is None:
-        return ledger(**case)
-    deeper_copy(case["arch"], layers, into=tmp_path)
-    return from_text(ledger_text(**case), str(tmp_path / "test.ledger.yaml"))
-
-
 @pytest.fixture(scope="module")
-def real_steps(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def real_steps() -> Any:
     """``steps(name)``: the real case's ledger, its stream built from the probes (:func:`full_depth_events`) and its
     full-depth trace (every layer traced), each traced once in this module for every test that reads the case."""
     seen: dict[str, tuple[Any, Any, Any]] = {}
@@ -252,8 +238,9 @@ def real_steps(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if name not in seen:
             pytest.importorskip("torch")
             from ledgerspec.derivations.allocator.step import full_depth_events, step_events
+            from tests.support.estimate_docs import ledger
 
-            doc = real_doc(REAL_CASES[name], tmp_path_factory.mktemp(name))
+            doc = ledger(**REAL_CASES[name])  # with ``layers``: over a copy of the tiny config that deep
             seen[name] = (doc, full_depth_events(doc), step_events(doc, layers=None))
         return seen[name]
 
