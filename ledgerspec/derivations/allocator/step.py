@@ -171,6 +171,14 @@ def probe_events(prepared: Any, layers: int | None = None) -> StepEvents:
     )
 
 
+def probe_of(doc: Document, target: str, layers: str, offline: bool, depth: int | None) -> StepEvents:
+    """:func:`probe_events` of ``doc`` prepared as an estimate with ``target``, ``layers`` and ``offline`` prepares
+    it: a task a :class:`~ledgerspec.derivations.engine.beside.Helper` can run (its arguments pickle)."""
+    from ledgerspec.derivations.estimate.estimator import prepare
+
+    return probe_events(prepare(doc, target, layers, offline=offline), depth)
+
+
 def _layer_count(config: Any) -> int | None:
     from ledgerspec.derivations.estimate.extrapolate import layer_count
 
@@ -189,18 +197,21 @@ def full_depth_events(doc: Document, target: str = "cuda", offline: bool = True,
 
 
 def full_depth_from(
-    prepared: Any, parallel: bool = False, probes: dict[int | None, StepEvents] | None = None
+    prepared: Any,
+    parallel: bool = False,
+    probes: dict[int | None, StepEvents] | None = None,
+    elsewhere: Callable[[int], Callable[[], StepEvents]] | None = None,
 ) -> StepEvents:
     """:func:`full_depth_events` of a prepared estimate (:func:`ledgerspec.derivations.estimate.estimator.prepare`;
     with ``layers="full"`` the full depth is traced). :attr:`StepEvents.estimate_figures` holds the figures the
     plain estimate gives (its two probes extended, or its full trace) whenever the probes traced here include its
     own, so one set of traces answers both. ``probes``: filled with every stream traced on the way, by depth (None:
-    the full depth), e.g. for :mod:`ledgerspec.derivations.devices.along`."""
+    the full depth), e.g. for :mod:`ledgerspec.derivations.devices.along`; ``elsewhere``: see :func:`full_depth`."""
     from ledgerspec.derivations.engine.beside import can_fork
 
-    if parallel and can_fork():
+    if parallel and elsewhere is None and can_fork():
         prepared.warm()  # the forked probe finds the model's modules imported
-    return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel, probes)
+    return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel, probes, elsewhere)
 
 
 def full_depth(
@@ -208,6 +219,7 @@ def full_depth(
     est_plan: Any,
     parallel: bool = False,
     probes: dict[int | None, StepEvents] | None = None,
+    elsewhere: Callable[[int], Callable[[], StepEvents]] | None = None,
 ) -> StepEvents:
     """The full-depth stream of a step whose traces ``probe(layers)`` gives (None: every layer), by the depth plan
     ``est_plan`` (:class:`ledgerspec.derivations.estimate.extrapolate.Plan`): the plan's two probes and a third one
@@ -215,7 +227,9 @@ def full_depth(
     probe would be as deep as the model, or the probes' streams do not extend (saying why). Used for the estimate's
     step (:func:`full_depth_from`) and for each rank of a sharded one
     (:func:`ledgerspec.derivations.shard.simulation.probe_runner`). ``probes``: filled with every stream traced, by
-    depth (None: the full depth)."""
+    depth (None: the full depth). ``elsewhere(n)``: starts the probe of ``n`` layers in another process (a
+    :class:`~ledgerspec.derivations.engine.beside.Helper`) and returns the function that waits for its stream; the
+    third probe goes there while the other two are traced here (instead of a child forked for it: ``parallel``)."""
     from ledgerspec.derivations.engine.beside import both
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
@@ -233,7 +247,12 @@ def full_depth(
         full = probe(None)
         full.method = f"traced with all {est_plan.layers} decoder layers (a third probe would be as deep)"
         return full
-    (shallow, second), third = both(lambda: (probe(n1), probe(n2)), lambda: probe(n3), parallel)
+    if elsewhere is not None:
+        waiting = elsewhere(n3)
+        shallow, second = probe(n1), probe(n2)
+        third = waiting()
+    else:
+        (shallow, second), third = both(lambda: (probe(n1), probe(n2)), lambda: probe(n3), parallel)
     estimated = extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers)
     building = time.perf_counter()
     try:
@@ -384,6 +403,7 @@ __all__ = [
     "full_depth_events",
     "full_depth_from",
     "probe_events",
+    "probe_of",
     "protocol_windows",
     "replay_step",
     "reserved_step",

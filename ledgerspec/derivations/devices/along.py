@@ -9,15 +9,20 @@ its shallowest probe's stream. A microbatch that was not traced is then written 
 
 1. the two full-depth streams have one structure (the same events in the same order, each free releasing the same
    allocation; only sizes differ), and
-2. the shallowest probe, traced once at a third microbatch (the first one synthesised), lies event by event on the
-   line through the other two microbatches' probes: every allocation's bytes an exact affine function of the
-   microbatch, and the structure the same.
+2. the shallowest probe, traced once at a third microbatch (halfway between the two traced ones, else the first one
+   synthesised), lies event by event on the line through the other two microbatches' probes: every allocation's
+   bytes an exact affine function of the microbatch, and the structure the same.
 
 Every event of the full-depth stream is an event of the probes at that depth, repeated per layer (the depth template,
 :mod:`ledgerspec.derivations.allocator.depth`), so the third microbatch's probe checks each kind of event the stream
 holds. Anything that does not hold raises :class:`~ledgerspec.derivations.allocator.affine.NotPolynomial`, and the
 microbatch is traced as before (its stream kept: the next one may use it). ``tests/derivations/devices/test_along.py``
 compares synthesised streams with real traces event by event (LoRA and QLoRA, checkpointing on and off).
+
+With ``parallel``, a :class:`~ledgerspec.derivations.engine.beside.Helper` forked before the first trace runs each
+traced microbatch's deepest probe while this process traces the other two, and the checking probe while this process
+replays the first verdict (:meth:`MicrobatchSteps.prefetch_check`); :meth:`MicrobatchSteps.close` stops it. The
+streams are the same wherever they were traced.
 """
 
 from __future__ import annotations
@@ -58,6 +63,42 @@ class MicrobatchSteps:
         self.synthesised: dict[int, Any] = {}
         self.traces = 0  # full-depth traces run here
         self.notes: list[str] = []
+        self.helper: Any = None  # the Helper process (parallel only; forked before the first trace)
+        #: regime -> (the microbatch its line is checked at, the function that waits for that probe's stream)
+        self._checking: dict[int, tuple[int, Callable[[], Any]]] = {}
+        self.checked_at: dict[int, int] = {}  # regime -> the microbatch its line was checked at
+
+    def close(self) -> None:
+        """Stop the helper process (if any)."""
+        if self.helper is not None:
+            self.helper.close()
+
+    def __enter__(self) -> MicrobatchSteps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _elsewhere(self, doc: Document) -> Callable[[int], Callable[[], Any]] | None:
+        """Where a traced microbatch's deepest probe runs: the helper, forked now when this process has not traced
+        yet (after importing what the trace imports, so that the helper finds it imported); None: beside it in a
+        child of its own, or in turn (``parallel``)."""
+        from ledgerspec.derivations.allocator.step import probe_of
+        from ledgerspec.derivations.engine.beside import Helper, can_fork
+        from ledgerspec.derivations.estimate.estimator import prepare
+
+        if not self.parallel:
+            return None
+        if self.helper is None and can_fork():
+            try:
+                prepare(doc, self.target, self.layers, offline=self.offline).warm()
+            except Exception:  # the trace reports what fails
+                return None
+            self.helper = Helper()
+        if self.helper is None or not self.helper.running:
+            return None
+        helper = self.helper
+        return lambda n: helper.submit(probe_of, doc, self.target, self.layers, self.offline, n)
 
     # -- traces
     def _variant(self, b: int) -> Document:
@@ -79,8 +120,17 @@ class MicrobatchSteps:
             return self.estimates[b], self.steps[b]
         probes: dict[int | None, Any] = {}
         variant = doc if doc is not None else self._variant(b)
+        elsewhere = self._elsewhere(variant)
         est, step = step_and_estimate(
-            variant, self.target, self.layers, self.offline, self.store, self.parallel and not self.steps, None, probes
+            variant,
+            self.target,
+            self.layers,
+            self.offline,
+            self.store,
+            self.parallel and not self.steps and elsewhere is None,
+            None,
+            probes,
+            elsewhere,
         )
         self.traces += 1
         self.steps[b], self.estimates[b] = step, est
@@ -111,11 +161,45 @@ class MicrobatchSteps:
 
     def _shallow_at(self, b: int) -> list[Any]:
         """The shallowest probe's stream at microbatch ``b`` (one trace)."""
-        from ledgerspec.derivations.allocator.step import probe_events
-        from ledgerspec.derivations.estimate.estimator import prepare
+        from ledgerspec.derivations.allocator.step import probe_of
 
-        prepared = prepare(self._variant(b), self.target, self.layers, offline=self.offline)
-        return list(probe_events(prepared, self.shallow_depth).events)
+        return list(probe_of(self._variant(b), self.target, self.layers, self.offline, self.shallow_depth).events)
+
+    def _check_value(self, regime: int) -> int | None:
+        """Where the line of ``regime`` is checked ahead of time: halfway between its two smallest traced
+        microbatches (None: fewer than two, or none between them)."""
+        traced = sorted(v for v in self.steps if self.regime(v) == regime)
+        if len(traced) < 2 or traced[1] - traced[0] < 2:
+            return None
+        return (traced[0] + traced[1]) // 2
+
+    def prefetch_check(self, b: int) -> None:
+        """Start tracing the probe that checks the line of ``b``'s regime in the helper (if there is one, and the
+        line is not checked yet), so that it is ready when the first microbatch is synthesised."""
+        from ledgerspec.derivations.allocator.step import probe_of
+
+        regime = self.regime(b)
+        if self.helper is None or regime in self.checked or regime in self._checking or self.shallow_depth is None:
+            return
+        m = self._check_value(regime)
+        if m is None:
+            return
+        waiting = self.helper.submit(
+            probe_of, self._variant(m), self.target, self.layers, self.offline, self.shallow_depth
+        )
+        self._checking[regime] = (m, waiting)
+
+    def _check(self, regime: int, b: int) -> None:
+        """Check the line of ``regime`` (at the prefetched microbatch, else at ``b``); raises NotPolynomial."""
+        if self.shallow_depth is None:
+            raise NotPolynomial("the probes' streams were not kept")
+        m, waiting = self._checking.pop(regime, (b, None))
+        pair = self._pair(m)
+        if pair is None or any(v not in self.shallow for v in pair):
+            raise NotPolynomial("the probes' streams were not kept")
+        events = list(waiting().events) if waiting is not None else self._shallow_at(m)
+        self.checked_at[regime] = m
+        family({**{v: self.shallow[v] for v in pair}, m: events}, 1, "microbatch")
 
     def synthesise(self, b: int) -> Any:
         """The full-depth stream of microbatch ``b`` written from two traced ones of its regime (checked as the
@@ -131,9 +215,7 @@ class MicrobatchSteps:
         regime = self.regime(b)
         if regime not in self.checked:
             try:
-                if self.shallow_depth is None or any(v not in self.shallow for v in pair):
-                    raise NotPolynomial("the probes' streams were not kept")
-                family({**{v: self.shallow[v] for v in pair}, b: self._shallow_at(b)}, 1, "microbatch")
+                self._check(regime, b)
                 self.checked[regime] = None
             except NotPolynomial as exc:
                 self.checked[regime] = str(exc)
@@ -151,7 +233,7 @@ class MicrobatchSteps:
             {},
             layers=one.layers,
             method=f"synthesised from the full-depth streams of microbatch {pair[0]} and {pair[1]} (every "
-            f"allocation affine in the microbatch, checked on the shallowest probe at {b})"
+            f"allocation affine in the microbatch, checked on the shallowest probe at {self.checked_at.get(regime, b)})"
             if not self.synthesised
             else f"synthesised from the full-depth streams of microbatch {pair[0]} and {pair[1]} (every allocation "
             "affine in the microbatch)",
@@ -179,6 +261,8 @@ class MicrobatchSteps:
         cache, from its traced stream, from a synthesised one, or traced now (in that order)."""
         from ledgerspec.derivations.devices.prediction import cached_on_device, estimate_on_device, stream_on_device
 
+        if b in self.steps:  # the probe that checks the line runs in the helper while this verdict is replayed
+            self.prefetch_check(b)
         variant = self._variant(b)
         kept = cached_on_device(variant, device_memory, False, self.target, self.layers, self.offline, self.store)
         if kept is not None:
@@ -191,11 +275,27 @@ class MicrobatchSteps:
                     self.notes.append(f"microbatch {b} traced: {exc}")
             else:
                 return stream_on_device(
-                    variant, device_memory, lambda: step, False, self.target, self.layers, self.offline, self.store
+                    variant,
+                    device_memory,
+                    lambda: step,
+                    False,
+                    self.target,
+                    self.layers,
+                    self.offline,
+                    self.store,
+                    helper=self.helper,
                 )
         fn: Callable[[], tuple[Any, Any]] = lambda: self.trace(b, variant)  # noqa: E731
         _, p = estimate_on_device(
-            variant, device_memory, False, self.target, self.layers, self.offline, self.store, step_fn=fn
+            variant,
+            device_memory,
+            False,
+            self.target,
+            self.layers,
+            self.offline,
+            self.store,
+            step_fn=fn,
+            helper=self.helper,
         )
         return p
 

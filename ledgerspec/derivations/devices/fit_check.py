@@ -119,7 +119,10 @@ def check_on_device(
 
     The first value is the allocated answer. While none checked fits, the next is lower by what the last one lacked
     divided by the bytes one step adds (the slope between the answer's two farthest traced values; at least one
-    step); once one fits below one that does not, the gap between them is halved. At most :data:`TRIES` values.
+    step); once one fits below one that does not, the next is where the line through their device peaks meets the
+    device's total (the nearest value strictly between them), and that guess is followed by its neighbour (the value
+    above it when it fits, below it when it does not): the answer is usually found in these two values. At most
+    :data:`TRIES` values.
     ``along``: a :class:`~ledgerspec.derivations.devices.along.MicrobatchSteps` of ``doc`` (microbatch only): each
     value's stream from it, synthesised from the microbatches the search traced where that is exact (else traced)."""
     import math
@@ -134,6 +137,9 @@ def check_on_device(
     lowest = max(1, step)
     lo: int | None = None  # the largest value checked that fits
     hi: int | None = None  # the smallest value checked that does not
+    peak: dict[int, int] = {}  # device peak of each value checked
+    total: int | None = None  # the device's total the margins are taken from
+    guessed = False  # whether the last value checked was a guess between lo and hi (then its neighbour is next)
     value = answer.largest
     while value is not None and len(result.checked) < TRIES:
         if along is not None and answer.name == "microbatch":
@@ -145,8 +151,10 @@ def check_on_device(
         result.checked.append(
             Checked(value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached, p.uncertain)
         )
+        peak[value] = p.device_peak
         if p.fits:
             lo = value
+            total = p.device_peak + p.margin
         else:
             hi = value
         if lo is None:  # nothing fits yet: down by what it lacked
@@ -154,14 +162,31 @@ def check_on_device(
             value = value - max(1, steps) * step
             if value < lowest:
                 value = lowest if hi != lowest else None
-        elif hi is not None and hi - lo > step:  # one fits, one above it does not: halve the gap
-            value = lo + max(1, (hi - lo) // (2 * step)) * step
+        elif hi is not None and hi - lo > step:  # one fits, one above it does not: between them
+            if guessed:  # the guess's neighbour, on the side the answer lies
+                value = value + step if p.fits else value - step
+                guessed = False
+            else:
+                value = _between(lo, hi, peak[lo], peak[hi], total, step)
+                guessed = True
         else:
             value = None
     result.largest = lo
     result.exhausted = value is not None
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _between(lo: int, hi: int, peak_lo: int, peak_hi: int, total: int | None, step: int) -> int:
+    """The next value strictly between ``lo`` (fits) and ``hi`` (does not), in multiples of ``step`` from ``lo``:
+    the nearest to where the line through their device peaks meets ``total`` (the middle when the peaks give no
+    line)."""
+    gaps = (hi - lo) // step
+    if total is None or peak_hi <= peak_lo:
+        k = gaps // 2
+    else:
+        k = round((total - peak_lo) * gaps / (peak_hi - peak_lo))
+    return lo + min(max(k, 1), gaps - 1) * step
 
 
 __all__ = ["TRIES", "Checked", "DeviceFit", "check_on_device"]

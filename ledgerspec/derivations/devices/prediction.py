@@ -645,6 +645,7 @@ def replay_on_device(
     tries: bool = True,
     cuda_total: int | None = None,
     outside_high: int | None = None,
+    helper: Any = None,
 ) -> Replayed:
     """Replay ``step`` (a full-depth :class:`~ledgerspec.derivations.allocator.step.StepEvents`) for a device of
     ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring). ``free``: the replay
@@ -654,8 +655,8 @@ def replay_on_device(
     (:func:`cuda_total_of`): the capacity is ``cuda_total - outside_bytes``; ``outside_high``: the high end of the
     outside-allocator catalogue's range for ``outside_bytes``: when the step fits, whether it still fits with that
     much outside the allocator (:attr:`DevicePrediction.uncertain`; replayed again only when the margin is smaller
-    than the range above the typical figure)."""
-    from ledgerspec.derivations.allocator.config import AllocatorConfig
+    than the range above the typical figure); ``helper``: a :class:`~ledgerspec.derivations.engine.beside.Helper`
+    that replays half of the settings tried (the same answers as here)."""
     from ledgerspec.derivations.allocator.step import replay_step
 
     started = time.perf_counter()
@@ -705,20 +706,37 @@ def replay_on_device(
             result.high_fits = high.oom is None
     peak_allocated = max((p.allocated for p in phases.values()), default=0)
     if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
-        for setting, whole in _tries(config, conf):
-            config_again = AllocatorConfig.parse(whole)
-            again = replay_step(doc, None, config_again, capacity, device_total, target, step)
-            reserved = max((p.reserved for p in again.phases.values()), default=0)
-            if again.oom is None:
-                result.tried.append(Tried(setting, whole, True, reserved, capacity - reserved))
-            else:
-                a = again.oom
-                from ledgerspec.derivations.estimate.fit import OOM_PHASE
-
-                lacked = a.reserved + a.alloc_size - capacity
-                result.tried.append(Tried(setting, whole, False, a.reserved, -lacked, OOM_PHASE.get(a.phase, a.phase)))
+        settings = _tries(config, conf)
+        # with a helper process, its half of the settings are replayed there while this process replays the rest
+        half = len(settings) // 2 if helper is not None and getattr(helper, "running", False) else 0
+        rest = settings[len(settings) - half :]
+        there = helper.submit(try_settings, doc, rest, capacity, device_total, target, step) if half else None
+        result.tried = try_settings(doc, settings[: len(settings) - half], capacity, device_total, target, step)
+        result.tried += there() if there is not None else []
     result.seconds = time.perf_counter() - started
     return result
+
+
+def try_settings(
+    doc: Document, settings: list[tuple[str, str]], capacity: int, device_total: int, target: str, step: Any
+) -> list[Tried]:
+    """``step`` replayed against ``capacity`` with each of ``settings`` (setting, whole conf: :func:`_tries`), in
+    order (a task a helper process can run: its arguments pickle)."""
+    from ledgerspec.derivations.allocator.config import AllocatorConfig
+    from ledgerspec.derivations.allocator.step import replay_step
+    from ledgerspec.derivations.estimate.fit import OOM_PHASE
+
+    out = []
+    for setting, whole in settings:
+        again = replay_step(doc, None, AllocatorConfig.parse(whole), capacity, device_total, target, step)
+        reserved = max((p.reserved for p in again.phases.values()), default=0)
+        if again.oom is None:
+            out.append(Tried(setting, whole, True, reserved, capacity - reserved))
+        else:
+            a = again.oom
+            lacked = a.reserved + a.alloc_size - capacity
+            out.append(Tried(setting, whole, False, a.reserved, -lacked, OOM_PHASE.get(a.phase, a.phase)))
+    return out
 
 
 def step_and_estimate(
@@ -730,18 +748,20 @@ def step_and_estimate(
     parallel: bool = False,
     progress: Any = None,
     probes: dict[int | None, Any] | None = None,
+    elsewhere: Any = None,
 ) -> tuple[Any, Any]:
     """The estimate of ``doc`` and its step's allocation stream at full depth, from one set of traces (the
     estimate's probes and a third); with ``store`` the plain estimate is kept in the cache, so that a later
     ``estimate`` of the same question (a plain one, or a microbatch model's) is read back, not traced. ``probes``:
-    filled with the probes' streams by depth (:func:`ledgerspec.derivations.allocator.step.full_depth_from`)."""
+    filled with the probes' streams by depth; ``elsewhere``: where the third probe runs
+    (:func:`ledgerspec.derivations.allocator.step.full_depth_from`)."""
     from ledgerspec.derivations.allocator.step import full_depth_from
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import key as cache_key
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
     p = estimator.prepare(doc, target, layers, progress, offline)
-    step = full_depth_from(p, parallel, probes)
+    step = full_depth_from(p, parallel, probes, elsewhere)
     figures = step.estimate_figures
     if figures is None:  # a stack too shallow for a third probe was traced in full: the estimate's own probes
         assert p.plan.probes is not None
@@ -816,6 +836,7 @@ def estimate_on_device(
     progress: Any = None,
     catalogue: Any = None,
     step_fn: Any = None,
+    helper: Any = None,
 ) -> tuple[Any, DevicePrediction]:
     """The estimate of ``doc`` (its figures exactly as :func:`ledgerspec.derivations.estimate.estimate` gives them)
     and its :class:`DevicePrediction` for a device of ``device_memory`` bytes (``from_flag``: asked with
@@ -824,7 +845,8 @@ def estimate_on_device(
     that holds everything the replay depends on besides the estimate's inputs: the device's total, the bytes outside
     the allocator and the allocator's settings. ``catalogue``: the device catalogue that names the device and gives
     its CUDA total (:func:`target_of`; the built-in one when None). ``step_fn``: ``() -> (estimate, step)`` when the
-    caller has traced them already (:func:`step_and_estimate`'s answer), called only on a cache miss."""
+    caller has traced them already (:func:`step_and_estimate`'s answer), called only on a cache miss; ``helper``: see
+    :func:`replay_on_device`."""
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import cached
 
@@ -844,6 +866,7 @@ def estimate_on_device(
             target,
             cuda_total=named.cuda_total,
             outside_high=high_of(figure),
+            helper=helper,
         )
 
     def encode(answer: tuple[Any, Replayed]) -> dict[str, Any]:
@@ -871,11 +894,12 @@ def stream_on_device(
     offline: bool = True,
     store: Any = None,
     catalogue: Any = None,
+    helper: Any = None,
 ) -> DevicePrediction:
     """The :class:`DevicePrediction` of ``doc`` from a full-depth stream ``step_fn()`` gives without an estimate of
     its own (one synthesised from streams traced at other values: :mod:`ledgerspec.derivations.devices.along`),
     kept in the cache apart from :func:`estimate_on_device`'s answers (which hold a traced estimate too). Only a
-    cache miss calls ``step_fn``."""
+    cache miss calls ``step_fn``; ``helper``: see :func:`replay_on_device`."""
     from ledgerspec.derivations.estimate.cache import cached
 
     named, figure, conf, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
@@ -891,6 +915,7 @@ def stream_on_device(
             target,
             cuda_total=named.cuda_total,
             outside_high=high_of(figure),
+            helper=helper,
         )
         return replayed, False
 
@@ -957,5 +982,6 @@ __all__ = [
     "step_and_estimate",
     "stream_on_device",
     "target_of",
+    "try_settings",
     "vllm_share_of",
 ]

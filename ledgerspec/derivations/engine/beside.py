@@ -1,5 +1,7 @@
 """Two independent simulations at once: the second in a process forked beside this one, on a machine with a core to
-spare (an estimate's two depth probes, :mod:`ledgerspec.derivations.estimate.extrapolate`).
+spare (an estimate's two depth probes, :mod:`ledgerspec.derivations.estimate.extrapolate`); :class:`Helper` keeps
+such a process for a whole question (``estimate --fit microbatch``: every microbatch's deepest probe, and the probe
+that checks the microbatch line, while this process traces the others).
 
 The child is forked only before this process has run any protocol (``protocol.RUNS_STARTED``: a process forked after
 a fake-tensor trace has been seen to hang, torch 2.13) and only when at least two CPUs are usable; it inherits the
@@ -14,7 +16,7 @@ import os
 import pickle
 import signal
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from ledgerspec.errors import LedgerspecError
 
@@ -78,3 +80,135 @@ def _reap(pid: int, read_end: int) -> tuple[str, Any]:
     except Exception:
         return "lost", None
     return str(status), value
+
+
+class Helper:
+    """One process forked now (only where :func:`can_fork`: before this process runs any protocol) that runs the
+    functions :meth:`submit` sends it, one at a time, while this process goes on.
+
+    A function and its arguments travel pickled (a module-level function and plain data: a document pickles); the
+    child inherits the modules imported so far (warm them first). Whatever cannot be sent, a child that is busy,
+    dies, or cannot send its answer back: the function runs here when its answer is asked for, so the answer never
+    depends on where it was computed; a :class:`~ledgerspec.errors.LedgerspecError` the child raised is raised here.
+    :meth:`close` (or the end of a ``with`` block) stops the child; a child whose parent is gone reads the end of its
+    pipe and leaves."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.busy = False
+        self._from: IO[bytes] | None = None
+        self._to: IO[bytes] | None = None
+        if not can_fork():
+            return
+        down_read, down_write = os.pipe()  # tasks, to the child
+        up_read, up_write = os.pipe()  # answers, from it
+        pid = os.fork()
+        if pid == 0:
+            os.close(down_write)
+            os.close(up_read)
+            _serve(down_read, up_write)
+        os.close(down_read)
+        os.close(up_write)
+        self.pid = pid
+        self._from, self._to = os.fdopen(up_read, "rb"), os.fdopen(down_write, "wb")
+
+    def __enter__(self) -> Helper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Callable[[], T]:
+        """Start ``fn(*args)`` in the child; returns the function that waits for its answer (call it once). When
+        the child cannot take it (none, busy, or the task does not pickle), that function computes it here."""
+        here: Callable[[], T] = lambda: fn(*args)  # noqa: E731
+        if self.pid is None or self.busy or self._to is None:
+            return here
+        try:
+            payload = pickle.dumps((fn, args))
+        except Exception:  # not picklable (a closure, an open file): computed here
+            return here
+        try:
+            self._to.write(payload)
+            self._to.flush()
+        except OSError:  # the child is gone
+            self._stop(kill=True)
+            return here
+        self.busy = True
+        waited = False
+
+        def wait() -> T:
+            nonlocal waited
+            if waited:
+                raise RuntimeError("a helper's answer is waited for once")
+            waited = True
+            status, value = self._receive()
+            if status == "ok":
+                return value
+            if status == "error":
+                raise LedgerspecError(**value)
+            return fn(*args)
+
+        return wait
+
+    def _receive(self) -> tuple[str, Any]:
+        assert self._from is not None
+        try:
+            status, value = pickle.load(self._from)
+        except Exception:  # died, or sent something unreadable: no more tasks for it
+            self._stop(kill=True)
+            return "lost", None
+        self.busy = False
+        return str(status), value
+
+    def close(self) -> None:
+        """Stop the child (at once if it is still computing an answer nobody waited for)."""
+        self._stop(kill=self.busy)
+
+    def _stop(self, kill: bool) -> None:
+        if self.pid is None:
+            return
+        pid, self.pid = self.pid, None
+        for f in (self._to, self._from):
+            try:
+                if f is not None:
+                    f.close()  # the child reads the end of its tasks and leaves
+            except OSError:
+                pass
+        self._to = self._from = None
+        if kill:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.waitpid(pid, 0)
+
+
+def _serve(tasks_fd: int, answers_fd: int) -> None:
+    """The helper child: run each task it is sent and send back ``("ok", value)``, ``("error", LedgerspecError as
+    JSON)`` or ``("lost", None)`` (anything else: the parent computes it again and reports it); leave at the end of
+    its tasks, without running the parent's exit handlers."""
+    code = 0
+    try:
+        with os.fdopen(tasks_fd, "rb") as tasks, os.fdopen(answers_fd, "wb") as answers:
+            while True:
+                try:
+                    fn, args = pickle.load(tasks)
+                except EOFError:
+                    break
+                try:
+                    payload = pickle.dumps(("ok", fn(*args)))
+                except LedgerspecError as exc:
+                    payload = pickle.dumps(("error", exc.to_json()))
+                except Exception:
+                    payload = pickle.dumps(("lost", None))
+                answers.write(payload)
+                answers.flush()
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)

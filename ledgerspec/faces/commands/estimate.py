@@ -463,45 +463,16 @@ def _fit_memory(doc: Any, args: argparse.Namespace, device: int | None) -> int:
 
 
 def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
-    from ledgerspec.contract.units import format_size
-    from ledgerspec.derivations.estimate import search
-
     memory = _fit_memory(doc, args, device)
     if args.fit_step < 1:
         raise LedgerspecError("--fit-step must be >= 1", args.file, rule="usage", exit_code=EXIT_USAGE)
     writes = _writable(doc, args)
-    estimate_fn = _estimate_fn(args, parallel=True)  # the first estimate's probes at once (the rest follow it)
-    answers = []
-    on_device: dict[str, Any] = {}
-    steps = None
-    for name in dict.fromkeys(args.fit):
-        if name == "microbatch":
-            if args.target == "cuda":  # decided on the device: the search's traces keep their streams for it
-                from ledgerspec.derivations.devices.along import MicrobatchSteps
-
-                layers = "full" if args.full else "auto"
-                steps = MicrobatchSteps(doc, args.target, layers, _store(args), parallel=True)
-                answer = search.fit_microbatch(doc, memory, steps.estimate, exact=args.exact)
-            else:
-                answer = search.fit_microbatch(doc, memory, estimate_fn, exact=args.exact)
-        else:
-            answer = search.fit_length(doc, memory, estimate_fn, step=args.fit_step)
-        answers.append(answer)
-        print(answer.sentence())
-        print(f"  {answer.note}")
-        if answer.at_peak and answer.largest is not None:
-            parts = ", ".join(f"{k.replace('_', ' ')} {format_size(n)}" for k, n in answer.at_peak.items() if n)
-            print(f"  alive at the peak of {answer.largest}: {parts}")
-        if args.target == "cuda" and answer.largest is not None:  # the allocated answer, decided on the device
-            checked = _check_on_device(doc, args, answer, memory, steps if name == "microbatch" else None)
-            on_device[name] = checked
-            for line in checked.lines():
-                print(printable(f"  {line}"))
-            if steps is not None and name == "microbatch":
-                for line in steps.lines():
-                    print(printable(f"  {line}"))
-            answer.seconds += checked.seconds
-        print(f"  time: {answer.seconds:.1f} s")
+    kept: list[Any] = []  # the microbatch streams kept for the device checks: their helper process is stopped here
+    try:
+        answers, on_device = _fit_answers(doc, args, memory, kept)
+    finally:
+        for steps in kept:
+            steps.close()
     if on_device:
         print(
             "(on the device: the allocator model's reserved bytes plus what lies outside the allocator, a model, not "
@@ -523,6 +494,48 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
         _save(doc, args, "x-fit")
     fitting = all(a.largest is not None for a in answers) and all(c.largest is not None for c in on_device.values())
     return EXIT_OK if fitting else EXIT_FINDINGS
+
+
+def _fit_answers(doc: Any, args: argparse.Namespace, memory: int, kept: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Each ``--fit`` answer, printed as it comes, with its check on the device (cuda): the answers and the checks
+    by name; ``kept`` gets the :class:`MicrobatchSteps` the microbatch checks use (for the caller to close)."""
+    from ledgerspec.contract.units import format_size
+    from ledgerspec.derivations.estimate import search
+
+    estimate_fn = _estimate_fn(args, parallel=True)  # the first estimate's probes at once (the rest follow it)
+    answers = []
+    on_device: dict[str, Any] = {}
+    steps = None
+    for name in dict.fromkeys(args.fit):
+        if name == "microbatch":
+            if args.target == "cuda":  # decided on the device: the search's traces keep their streams for it
+                from ledgerspec.derivations.devices.along import MicrobatchSteps
+
+                layers = "full" if args.full else "auto"
+                steps = MicrobatchSteps(doc, args.target, layers, _store(args), parallel=True)
+                kept.append(steps)
+                answer = search.fit_microbatch(doc, memory, steps.estimate, exact=args.exact)
+            else:
+                answer = search.fit_microbatch(doc, memory, estimate_fn, exact=args.exact)
+        else:
+            answer = search.fit_length(doc, memory, estimate_fn, step=args.fit_step)
+        answers.append(answer)
+        print(answer.sentence())
+        print(f"  {answer.note}")
+        if answer.at_peak and answer.largest is not None:
+            parts = ", ".join(f"{k.replace('_', ' ')} {format_size(n)}" for k, n in answer.at_peak.items() if n)
+            print(f"  alive at the peak of {answer.largest}: {parts}")
+        if args.target == "cuda" and answer.largest is not None:  # the allocated answer, decided on the device
+            checked = _check_on_device(doc, args, answer, memory, steps if name == "microbatch" else None)
+            on_device[name] = checked
+            for line in checked.lines():
+                print(printable(f"  {line}"))
+            if steps is not None and name == "microbatch":
+                for line in steps.lines():
+                    print(printable(f"  {line}"))
+            answer.seconds += checked.seconds
+        print(f"  time: {answer.seconds:.1f} s")
+    return answers, on_device
 
 
 def _check_on_device(doc: Any, args: argparse.Namespace, answer: Any, memory: int, steps: Any = None) -> Any:

@@ -150,3 +150,54 @@ def test_a_length_from_three_traced_lengths_is_the_trace() -> None:
     assert canonical(fam.stream(512)) == canonical(probe(512))
     with pytest.raises(NotPolynomial):
         family({**streams, 48: probe(48)}, 2, "max_length")
+
+
+def test_with_a_helper_process_the_checks_are_the_same() -> None:
+    """In a fresh process (nothing traced yet, as the CLI) the microbatch streams use a helper process: each traced
+    microbatch's deepest probe, the probe that checks the line and (where fragmentation decides) half of the allocator
+    settings tried run there.
+    Every check equals the one computed in turn (in this test's process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.devices.along import MicrobatchSteps
+    from ledgerspec.derivations.devices.fit_check import check_on_device
+    from ledgerspec.derivations.estimate.search import fit_microbatch
+    from tests.support import REPO_ROOT
+    from tests.support.estimate_docs import ledger
+
+    memory = 1000 * 2**20
+    code = (
+        "import json\n"
+        "from ledgerspec.derivations.devices.along import MicrobatchSteps\n"
+        "from ledgerspec.derivations.devices.fit_check import check_on_device\n"
+        "from ledgerspec.derivations.engine import beside\n"
+        "from ledgerspec.derivations.estimate.search import fit_microbatch\n"
+        "from tests.support.estimate_docs import ledger\n"
+        "assert beside.can_fork()\n"
+        f"doc = ledger(**{CASES['lora-ckpt']!r})\n"
+        "with MicrobatchSteps(doc, parallel=True) as along:\n"
+        f"    checked = check_on_device(doc, fit_microbatch(doc, {memory}, along.estimate), {memory}, along=along)\n"
+        "    print(json.dumps({'helper': along.helper is not None and along.helper.running,\n"
+        "                      'checked_at': along.checked_at, 'synthesised': sorted(along.synthesised),\n"
+        "                      'checked': [c.__dict__ for c in checked.checked]}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert there["helper"] and there["synthesised"], there
+    doc = ledger(**CASES["lora-ckpt"])
+    along = MicrobatchSteps(doc)
+    checked = check_on_device(doc, fit_microbatch(doc, memory, along.estimate), memory, along=along)
+    assert along.helper is None
+    assert there["checked"] == [c.__dict__ for c in checked.checked]
+    assert there["synthesised"] == sorted(along.synthesised)
+    # the line was checked halfway between the two traced microbatches there (ahead of time), at the first
+    # synthesised one here
+    traced = sorted(b for b in along.steps if along.regime(b) == 1)
+    assert there["checked_at"] == {"1": (traced[0] + traced[1]) // 2}
+    assert along.checked_at == {1: next(c.value for c in checked.checked if c.value in along.synthesised)}

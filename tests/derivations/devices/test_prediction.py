@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,6 +101,31 @@ def test_fragmentation_decides_when_the_tensors_fit_but_the_blocks_do_not() -> N
     assert block["verdict"]["decided_by"] == "fragmentation" and block["verdict"]["setting"]["margin"] == MiB
     assert block["device_peak"]["value"] == pred.device_peak
     assert block["verdict"]["compared"] == "x-estimate.device_peak"
+
+
+def test_settings_tried_in_a_helper_process_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a helper process (:class:`~ledgerspec.derivations.engine.beside.Helper`) half of the settings tried are
+    replayed there: the same list, in the same order, as in turn."""
+    from ledgerspec.derivations.engine import beside, protocol
+
+    monkeypatch.setattr(protocol, "RUNS_STARTED", 0)
+    monkeypatch.setattr(beside, "usable_cpus", lambda: 2)
+    sent: list[tuple[str, int]] = []
+    submit = beside.Helper.submit
+
+    def recording(self: beside.Helper, fn: Any, *args: Any) -> Any:
+        wait = submit(self, fn, *args)
+        if self.busy:  # sent to the child
+            sent.append((fn.__name__, len(args[1])))
+        return wait
+
+    monkeypatch.setattr(beside.Helper, "submit", recording)
+    outside_bytes, capacity = 1 * GiB, 41 * MiB
+    in_turn = P.replay_on_device(_doc(), FRAGMENTING, outside_bytes + capacity, outside_bytes, "")
+    with beside.Helper() as helper:
+        there = P.replay_on_device(_doc(), FRAGMENTING, outside_bytes + capacity, outside_bytes, "", helper=helper)
+    assert len(in_turn.tried) >= 2 and there.tried == in_turn.tried
+    assert sent == [("try_settings", len(in_turn.tried) // 2)]  # the second half went to the helper
 
 
 def test_free_and_retry_makes_it_fit_below_the_unlimited_reserve() -> None:

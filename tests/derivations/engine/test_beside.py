@@ -90,3 +90,76 @@ def test_an_estimate_with_its_probes_at_once_equals_one_in_turn() -> None:
     serial = estimate(ledger(checkpointing=True))
     assert serial.plan.probes == (2, 3)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == serial.figures
+
+
+# -- the helper process: one child for a whole question --------------------------------------------------------------
+def _pid_and(x: int) -> tuple[int, int]:
+    return os.getpid(), x * 2
+
+
+def _refuses(x: int) -> None:
+    raise LedgerspecError(f"cannot model {x}", "x.yaml", 3, 1, rule="estimate", hint="measure instead")
+
+
+def _dies(x: int) -> int:
+    if os.getpid() != int(os.environ.get("LEDGERSPEC_TEST_PARENT", "0")):
+        os._exit(3)  # the helper dies without an answer
+    return x + 1
+
+
+def test_a_helper_runs_each_task_in_its_own_process_in_turn(forkable: None) -> None:
+    here = os.getpid()
+    with beside.Helper() as helper:
+        assert helper.running and helper.pid != here
+        first = helper.submit(_pid_and, 3)
+        assert helper.busy
+        assert helper.submit(_pid_and, 4)() == (here, 8)  # busy: computed here
+        pid, value = first()
+        assert value == 6 and pid == helper.pid
+        assert helper.submit(_pid_and, 5)() == (helper.pid, 10)  # free again: the same child
+        child = helper.pid
+    assert not helper.running
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child, os.WNOHANG)  # reaped
+
+
+def test_a_helpers_error_is_raised_here(forkable: None) -> None:
+    with beside.Helper() as helper:
+        with pytest.raises(LedgerspecError) as info:
+            helper.submit(_refuses, 7)()
+        assert info.value.format() == "x.yaml:3:1: estimate: cannot model 7 (hint: measure instead)"
+        assert helper.submit(_pid_and, 1)()[1] == 2  # still serving
+
+
+def test_what_a_helper_cannot_take_or_answer_is_computed_here(forkable: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    here = os.getpid()
+    monkeypatch.setenv("LEDGERSPEC_TEST_PARENT", str(here))
+    with beside.Helper() as helper:
+        assert helper.submit(lambda: os.getpid())() == here  # a lambda does not pickle
+        assert helper.submit(_dies, 1)() == 2  # the child died: computed here
+        assert not helper.running
+        assert helper.submit(_pid_and, 2)() == (here, 4)  # and everything after it
+
+
+def test_closing_a_busy_helper_stops_it(forkable: None) -> None:
+    import time
+
+    helper = beside.Helper()
+    pid = helper.pid
+    assert pid is not None
+    helper.submit(time.sleep, 60)
+    started = time.perf_counter()
+    helper.close()
+    assert time.perf_counter() - started < 10 and not helper.running
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+@pytest.mark.parametrize("why", ["traced", "one-cpu"])
+def test_no_helper_when_a_fork_is_not_safe(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    monkeypatch.setattr(protocol, "RUNS_STARTED", 1 if why == "traced" else 0)
+    monkeypatch.setattr(beside, "usable_cpus", lambda: 1 if why == "one-cpu" else 2)
+    helper = beside.Helper()
+    assert not helper.running
+    assert helper.submit(_pid_and, 1)() == (os.getpid(), 2)
+    helper.close()
