@@ -20,9 +20,10 @@ microbatch is traced as before (its stream kept: the next one may use it). ``tes
 compares synthesised streams with real traces event by event (LoRA and QLoRA, checkpointing on and off).
 
 With ``parallel``, a :class:`~ledgerspec.derivations.engine.beside.Helper` forked before the first trace runs each
-traced microbatch's deepest probe while this process traces the other two, and the checking probe while this process
-replays the first verdict (:meth:`MicrobatchSteps.prefetch_check`); :meth:`MicrobatchSteps.close` stops it. The
-streams are the same wherever they were traced.
+traced microbatch's deepest probe while this process traces the other two, the checking probe as soon as a regime has
+two traced microbatches (:meth:`MicrobatchSteps.prefetch_check`: ready by the time the first one is synthesised), and
+half of the allocator settings a fragmentation-decided verdict tries; :meth:`MicrobatchSteps.close` stops it. The
+answers are the same wherever they were computed.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class MicrobatchSteps:
             self.shallow[b] = list(probes[self.shallow_depth].events)
         elif None in probes:
             self.shallow[b] = list(probes[None].events)
+        self.prefetch_check(b)  # the helper is free again: the line's checking probe can start now
         return est, step
 
     def estimate(self, doc: Document) -> Any:
