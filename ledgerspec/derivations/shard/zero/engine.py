@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
+from ledgerspec.contract.config import GENERATING
 from ledgerspec.derivations.shard.options import CPU_ADAM_TYPES, ZeroOptions
 from ledgerspec.derivations.shard.patching import patched
 
@@ -99,13 +100,27 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
         )
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
-    # the path's own step object is the Trainer's (:func:`zero_step`), not the workload's: it would run another step
-    if spec.objective != "sft":
+    stage3 = options is None or options.stage == 3
+    if spec.objective in GENERATING:  # TRL gathers every parameter for generation (unwrap_model_for_generation)
         return f"training.objective {spec.objective} under DeepSpeed ZeRO is not simulated or measured"
-    if on_cpu and spec.loop == "trainer" and spec.kernels.cross_entropy == "trl_chunked_nll":
+    if spec.objective != "sft" and stage3:
         return (
-            "TRL's fused LM head on the CPU under DeepSpeed ZeRO is not simulated or measured (estimate for the GPU: "
-            "its Triton path is modelled there)"
+            f"training.objective {spec.objective} under DeepSpeed ZeRO-3 is not simulated or measured (TRL changes the "
+            "step there: the fused LM head gathers lm_head's partitioned weight itself, trl/trainer/utils.py "
+            "maybe_gather_lm_head_ctx; PEFT adapters kept in the base dtype, dpo_trainer.py:639-651); ZeRO-1 and "
+            "ZeRO-2 are"
+        )
+    if spec.objective != "sft" and spec.reference == "precomputed":
+        return (
+            "precomputed reference log-probs under DeepSpeed ZeRO are not simulated or measured (TRL builds an "
+            "inference engine of the policy for them and keeps it beside the training one, dpo_trainer.py:1198-1200, "
+            "kto_trainer.py:1249-1251)"
+        )
+    if on_cpu and stage3 and spec.loop == "trainer" and spec.kernels.cross_entropy == "trl_chunked_nll":
+        return (
+            "TRL's fused LM head on the CPU under DeepSpeed ZeRO-3 is not simulated or measured (it gathers "
+            "lm_head's partitioned weight itself, trl/trainer/utils.py maybe_gather_lm_head_ctx; estimate for the "
+            "GPU: its Triton path is modelled there)"
         )
     return None
 
@@ -373,16 +388,21 @@ def zero_workload(base: type) -> Any:
 
         @property
         def step(self) -> Any:
-            if getattr(self, "_step", None) is None:
-                self._step: Any = zero_step(self)
+            if not getattr(self, "_zero_step", False):
+                declared = base.step.fget(self)  # type: ignore[attr-defined]  # the loop one device runs
+                self._step: Any = zero_step(self, type(declared))
+                self._zero_step = True
             return self._step
 
     Zero.__name__ = Zero.__qualname__ = f"Zero{base.__name__}"
     return Zero
 
 
-def zero_step(workload: Any) -> Any:
-    """The declared loop with DeepSpeed's engine: forward through the engine, ``engine.backward``, ``engine.step``."""
+def zero_step(workload: Any, loop: type) -> Any:
+    """The declared loop ``loop`` (the class one device runs: the Trainer's, a custom loop, or a TRL trainer's step)
+    with DeepSpeed's engine: forward through the engine, ``engine.backward``, ``engine.step``. A reference model call
+    (DPO, KTO: ``call_reference``) goes to the module itself, as TRL's does (``self.model(...)``, the Trainer's
+    unwrapped model, dpo_trainer.py:1336, kto_trainer.py:1433; the policy is called as ``model``, the engine)."""
     from ledgerspec.derivations.engine.step import CustomLoop, TrainerLoop
 
     class ZeroMixin:
@@ -412,21 +432,31 @@ def zero_step(workload: Any) -> Any:
             with self._engine():
                 return super().forward(i)  # type: ignore[misc]
 
+        def call_reference(self, inputs: dict[str, Any], **extra: Any) -> Any:
+            engine = self.w.model
+            self.w.model = self.w.engine.module  # TRL's `self.model`: the module the engine wraps
+            try:
+                return super().call_reference(inputs, **extra)  # type: ignore[misc]
+            finally:
+                self.w.model = engine
+
         def optimizer_step(self) -> None:
             self.w.engine.step()  # clipping (gradient_clipping), the wrapped optimizer's step, zeroed gradients
 
         def zero_grad(self) -> None:
             """``engine.step`` zeroed them (the Trainer's ``model.zero_grad()`` finds nothing)."""
 
-    class ZeroTrainer(ZeroMixin, TrainerLoop):
-        def accelerator_backward(self, loss: Any) -> None:
-            self.engine_backward(loss)  # accelerate: DeepSpeedEngineWrapper.backward
+    def backward(self: Any, loss: Any) -> None:
+        self.engine_backward(loss)  # accelerate: DeepSpeedEngineWrapper.backward
 
-    class ZeroCustom(ZeroMixin, CustomLoop):
-        def backward(self, loss: Any) -> None:
-            self.engine_backward(loss)
-
-    return ZeroTrainer(workload) if workload.spec.loop == "trainer" else ZeroCustom(workload)
+    if issubclass(loop, TrainerLoop):
+        hook = "accelerator_backward"
+    elif issubclass(loop, CustomLoop):
+        hook = "backward"
+    else:
+        raise TypeError(f"{loop.__name__} is neither the Trainer's loop nor a custom one")
+    composed = type(f"Zero{loop.__name__}", (ZeroMixin, loop), {hook: backward})
+    return composed(workload)
 
 
 __all__ = ["DEEPSPEED_VERSION", "ds_config", "import_deepspeed", "zero_refusal", "zero_workload"]
