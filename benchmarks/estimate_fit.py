@@ -86,15 +86,18 @@ def check(ledger: Path, best: int) -> str:
 
 
 def check_sweep(ledger: Path) -> str:
-    """Every sweep cell the model gave, traced with a plain estimate (two processes): the largest differences."""
+    """Every sweep cell the CLI's sweep wrote rather than traced (``grid_sweep_rows``, as ``estimate --sweep`` runs
+    it), traced with a plain estimate (two processes): the largest differences."""
     from ledgerspec.contract.document import load
     from ledgerspec.derivations.estimate import search, sweep
     from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.estimate.gridsweep import grid_sweep_rows
 
     doc = load(ledger)
     points = sweep.grid(sweep.parse_axes(SWEEP))
-    rows, _ = search.sweep_rows(doc, points, estimate, jobs=2)
-    modelled = [r for r in rows if not r.traced]
+    grid = grid_sweep_rows(doc, points, "cuda", "auto", estimate, jobs=2)
+    assert grid is not None
+    modelled = [r for r in grid.rows if not r.traced]
     full = search.run_estimates([sweep.apply(doc, r.point) for r in modelled], estimate, jobs=2)
     worst_phase = (0.0, "")
     worst_peak = (0.0, "")
@@ -106,7 +109,8 @@ def check_sweep(ledger: Path) -> str:
         for k, v in row.phases.items():
             worst_phase = max(worst_phase, (abs(v - figures[k]) / figures[k], f"{where}, {k}"))
     return (
-        f"{len(modelled)} modelled cells traced in full: largest peak difference {100 * worst_peak[0]:.3f} % "
+        f"{len(modelled)} cells written from the traced streams, each traced in full: largest peak difference "
+        f"{100 * worst_peak[0]:.3f} % "
         f"({worst_peak[1]}), largest phase difference {100 * worst_phase[0]:.3f} % ({worst_phase[1]})"
     )
 

@@ -9,9 +9,10 @@ its shallowest probe's stream. A microbatch that was not traced is then written 
 
 1. the two full-depth streams have one structure (the same events in the same order, each free releasing the same
    allocation; only sizes differ), and
-2. the shallowest probe, traced once at a third microbatch (halfway between the two traced ones, else the first one
-   synthesised), lies event by event on the line through the other two microbatches' probes: every allocation's
-   bytes an exact affine function of the microbatch, and the structure the same.
+2. the shallowest probe, traced once at a third microbatch (halfway between the two smallest traced ones of the
+   regime, else the first one synthesised: the same microbatch whether a helper traced it or not), lies event by
+   event on the line through the two traced microbatches nearest it: every allocation's bytes an exact affine
+   function of the microbatch, and the structure the same.
 
 Every event of the full-depth stream is an event of the probes at that depth, repeated per layer (the depth template,
 :mod:`ledgerspec.derivations.allocator.depth`), so the third microbatch's probe checks each kind of event the stream
@@ -168,8 +169,8 @@ class MicrobatchSteps:
         return list(probe_of(self._variant(b), self.target, self.layers, self.offline, self.shallow_depth).events)
 
     def _check_value(self, regime: int) -> int | None:
-        """Where the line of ``regime`` is checked ahead of time: halfway between its two smallest traced
-        microbatches (None: fewer than two, or none between them)."""
+        """Where the line of ``regime`` is checked: halfway between its two smallest traced microbatches (None:
+        fewer than two, or none between them: then at the first microbatch synthesised)."""
         traced = sorted(v for v in self.steps if self.regime(v) == regime)
         if len(traced) < 2 or traced[1] - traced[0] < 2:
             return None
@@ -192,14 +193,23 @@ class MicrobatchSteps:
         self._checking[regime] = (m, waiting)
 
     def _check(self, regime: int, b: int) -> None:
-        """Check the line of ``regime`` (at the prefetched microbatch, else at ``b``); raises NotPolynomial."""
+        """Check the line of ``regime`` at :meth:`_check_value` (else at ``b``), with the helper's probe when it
+        traced that one, else traced here: the same check either way. Raises NotPolynomial (also when the checking
+        probe fails: the microbatch is then traced instead)."""
+        from ledgerspec.errors import LedgerspecError
+
         if self.shallow_depth is None:
             raise NotPolynomial("the probes' streams were not kept")
-        m, waiting = self._checking.pop(regime, (b, None))
+        m = self._check_value(regime) or b
+        started = self._checking.pop(regime, None)
+        waiting = started[1] if started is not None and started[0] == m else None
         pair = self._pair(m)
         if pair is None or any(v not in self.shallow for v in pair):
             raise NotPolynomial("the probes' streams were not kept")
-        events = list(waiting().events) if waiting is not None else self._shallow_at(m)
+        try:
+            events = list(waiting().events) if waiting is not None else self._shallow_at(m)
+        except LedgerspecError as exc:
+            raise NotPolynomial(f"the probe that checks the line at microbatch {m} failed: {exc.message}") from None
         self.checked_at[regime] = m
         family({**{v: self.shallow[v] for v in pair}, m: events}, 1, "microbatch")
 

@@ -186,7 +186,7 @@ def _between(lo: int, hi: int, peak_lo: int, peak_hi: int, total: int | None, st
         k = gaps // 2
     else:
         k = round((total - peak_lo) * gaps / (peak_hi - peak_lo))
-    return lo + min(max(k, 1), gaps - 1) * step
+    return lo + min(max(k, 1), (hi - lo - 1) // step) * step  # strictly below hi, whatever hi - lo is
 
 
 __all__ = ["TRIES", "Checked", "DeviceFit", "check_on_device"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import weakref
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
@@ -82,35 +83,52 @@ def _reap(pid: int, read_end: int) -> tuple[str, Any]:
     return str(status), value
 
 
+#: seconds :class:`Helper` waits for an answer before it stops the child and computes the task here (a child that
+#: hangs, as a process forked after a trace has been seen to: never expected of a helper, forked before any trace)
+WAIT_LIMIT = 1800.0
+
+
+class _Slot:
+    """Where the answer of one submitted task is kept until its waiter asks for it."""
+
+    answer: tuple[str, Any] | None = None
+
+
 class Helper:
     """One process forked now (only where :func:`can_fork`: before this process runs any protocol) that runs the
     functions :meth:`submit` sends it, one at a time, while this process goes on.
 
     A function and its arguments travel pickled (a module-level function and plain data: a document pickles); the
     child inherits the modules imported so far (warm them first). Whatever cannot be sent, a child that is busy,
-    dies, or cannot send its answer back: the function runs here when its answer is asked for, so the answer never
-    depends on where it was computed; a :class:`~ledgerspec.errors.LedgerspecError` the child raised is raised here.
-    :meth:`close` (or the end of a ``with`` block) stops the child; a child whose parent is gone reads the end of its
-    pipe and leaves."""
+    dies, hangs (no answer within :data:`WAIT_LIMIT`) or cannot send its answer back: the function runs here when its
+    answer is asked for, so the answer never depends on where it was computed; a
+    :class:`~ledgerspec.errors.LedgerspecError` the child raised is raised here. The child is free again as soon as
+    its answer has arrived (it is kept for its waiter). :meth:`close` (or the end of a ``with`` block, or the object
+    being collected) stops the child; a child whose parent is gone reads the end of its pipe and leaves."""
 
     def __init__(self) -> None:
         self.pid: int | None = None
-        self.busy = False
         self._from: IO[bytes] | None = None
         self._to: IO[bytes] | None = None
+        self._pending: _Slot | None = None  # the task the child is computing (or whose answer is on its way)
+        self._finalizer: Any = None
         if not can_fork():
             return
         down_read, down_write = os.pipe()  # tasks, to the child
         up_read, up_write = os.pipe()  # answers, from it
         pid = os.fork()
         if pid == 0:
-            os.close(down_write)
-            os.close(up_read)
-            _serve(down_read, up_write)
+            try:
+                os.close(down_write)
+                os.close(up_read)
+                _serve(down_read, up_write)
+            finally:
+                os._exit(1)
         os.close(down_read)
         os.close(up_write)
         self.pid = pid
         self._from, self._to = os.fdopen(up_read, "rb"), os.fdopen(down_write, "wb")
+        self._finalizer = weakref.finalize(self, _stop_child, pid, self._from, self._to)
 
     def __enter__(self) -> Helper:
         return self
@@ -121,6 +139,13 @@ class Helper:
     @property
     def running(self) -> bool:
         return self.pid is not None
+
+    @property
+    def busy(self) -> bool:
+        """Whether the child is computing a task (its answer not arrived yet)."""
+        if self._pending is not None:
+            self._collect(0.0)
+        return self._pending is not None
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Callable[[], T]:
         """Start ``fn(*args)`` in the child; returns the function that waits for its answer (call it once). When
@@ -136,9 +161,9 @@ class Helper:
             self._to.write(payload)
             self._to.flush()
         except OSError:  # the child is gone
-            self._stop(kill=True)
+            self.close()
             return here
-        self.busy = True
+        slot = self._pending = _Slot()
         waited = False
 
         def wait() -> T:
@@ -146,7 +171,10 @@ class Helper:
             if waited:
                 raise RuntimeError("a helper's answer is waited for once")
             waited = True
-            status, value = self._receive()
+            if slot.answer is None and self._pending is slot:
+                self._collect(WAIT_LIMIT)
+            answer: tuple[str, Any] = slot.answer or ("lost", None)  # none: stopped before it answered
+            status, value = answer
             if status == "ok":
                 return value
             if status == "error":
@@ -155,37 +183,53 @@ class Helper:
 
         return wait
 
-    def _receive(self) -> tuple[str, Any]:
-        assert self._from is not None
+    def _collect(self, timeout: float) -> None:
+        """The pending task's answer into its slot, if it arrives within ``timeout`` seconds; a child that sends
+        something unreadable, or nothing within a blocking wait, is stopped (its task is then computed here)."""
+        import select
+
+        slot = self._pending
+        if slot is None or self._from is None:
+            return
+        ready, _, _ = select.select([self._from], [], [], timeout)
+        if not ready:
+            if timeout > 0:  # no answer within the limit: stop it
+                self._pending = None
+                self.close()
+            return
+        self._pending = None
         try:
             status, value = pickle.load(self._from)
         except Exception:  # died, or sent something unreadable: no more tasks for it
-            self._stop(kill=True)
-            return "lost", None
-        self.busy = False
-        return str(status), value
+            self.close()
+            return
+        slot.answer = (str(status), value)
 
     def close(self) -> None:
-        """Stop the child (at once if it is still computing an answer nobody waited for)."""
-        self._stop(kill=self.busy)
-
-    def _stop(self, kill: bool) -> None:
+        """Stop the child (at once, whether it is computing or not)."""
         if self.pid is None:
             return
-        pid, self.pid = self.pid, None
-        for f in (self._to, self._from):
-            try:
-                if f is not None:
-                    f.close()  # the child reads the end of its tasks and leaves
-            except OSError:
-                pass
+        self.pid = None
+        self._pending = None
         self._to = self._from = None
-        if kill:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._finalizer()
+
+
+def _stop_child(pid: int, *pipes: IO[bytes]) -> None:
+    """Close the helper's pipes, kill it and reap it (a child that was about to leave only leaves sooner)."""
+    for f in pipes:
+        try:
+            f.close()
+        except OSError:
+            pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
         os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _serve(tasks_fd: int, answers_fd: int) -> None:

@@ -165,8 +165,12 @@ def test_with_a_helper_process_the_checks_are_the_same() -> None:
     pytest.importorskip("torch")
     from ledgerspec.derivations.devices.along import MicrobatchSteps
     from ledgerspec.derivations.devices.fit_check import check_on_device
+    from ledgerspec.derivations.engine import beside
     from ledgerspec.derivations.estimate.search import fit_microbatch
     from tests.support import REPO_ROOT
+
+    if not hasattr(os, "fork") or beside.usable_cpus() < 2:
+        pytest.skip("a helper process needs fork and a second CPU")
     from tests.support.estimate_docs import ledger
 
     memory = 1000 * 2**20
@@ -196,8 +200,5 @@ def test_with_a_helper_process_the_checks_are_the_same() -> None:
     assert along.helper is None
     assert there["checked"] == [c.__dict__ for c in checked.checked]
     assert there["synthesised"] == sorted(along.synthesised)
-    # the line was checked halfway between the two traced microbatches there (ahead of time), at the first
-    # synthesised one here
-    traced = sorted(b for b in along.steps if along.regime(b) == 1)
-    assert there["checked_at"] == {"1": (traced[0] + traced[1]) // 2}
-    assert along.checked_at == {1: next(c.value for c in checked.checked if c.value in along.synthesised)}
+    # the line was checked at the same microbatch (traced ahead of time by the helper there, here when needed)
+    assert there["checked_at"] == {str(k): v for k, v in along.checked_at.items()} and along.checked_at

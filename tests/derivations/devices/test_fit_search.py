@@ -82,3 +82,14 @@ def test_a_linear_device_peak_takes_four_checks_or_fewer() -> None:
     device = Device(PEAKS["linear"])
     check_on_device(None, _answer(26), TOTAL, along=device)  # type: ignore[arg-type]
     assert device.asked == [26, 17, 20, 21]
+
+
+def test_a_value_between_two_checked_ones_is_strictly_between_them() -> None:
+    """Whatever the step and the gap (a length step that does not divide it), the next value is above the fitting
+    one and below the failing one."""
+    from ledgerspec.derivations.devices.fit_check import _between
+
+    for lo, hi, step in ((128, 300, 128), (17, 26, 1), (64, 192, 64), (100, 130, 16)):
+        for peak_hi in (GiB, 30 * GiB):
+            value = _between(lo, hi, 20 * GiB, max(peak_hi, 20 * GiB + 1), 24 * GiB, step)
+            assert lo < value < hi and (value - lo) % step == 0, (lo, hi, step, value)

@@ -107,11 +107,26 @@ def _dies(x: int) -> int:
     return x + 1
 
 
+def _slowly(x: int) -> tuple[int, int]:
+    import time
+
+    time.sleep(1.0)
+    return _pid_and(x)
+
+
+def _hangs(x: int) -> tuple[int, int]:
+    import time
+
+    if os.getpid() != int(os.environ.get("LEDGERSPEC_TEST_PARENT", "0")):
+        time.sleep(600)  # the helper never answers
+    return _pid_and(x)
+
+
 def test_a_helper_runs_each_task_in_its_own_process_in_turn(forkable: None) -> None:
     here = os.getpid()
     with beside.Helper() as helper:
         assert helper.running and helper.pid != here
-        first = helper.submit(_pid_and, 3)
+        first = helper.submit(_slowly, 3)
         assert helper.busy
         assert helper.submit(_pid_and, 4)() == (here, 8)  # busy: computed here
         pid, value = first()
@@ -121,6 +136,41 @@ def test_a_helper_runs_each_task_in_its_own_process_in_turn(forkable: None) -> N
     assert not helper.running
     with pytest.raises(ChildProcessError):
         os.waitpid(child, os.WNOHANG)  # reaped
+
+
+def test_a_helper_is_free_once_its_answer_has_arrived(forkable: None) -> None:
+    """The answer is kept for its waiter: the child takes the next task before the first answer is asked for."""
+    import time
+
+    with beside.Helper() as helper:
+        first = helper.submit(_pid_and, 1)
+        deadline = time.monotonic() + 30
+        while helper.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = helper.submit(_pid_and, 2)
+        assert second() == (helper.pid, 4) and first() == (helper.pid, 2)
+
+
+def test_a_helper_that_hangs_is_stopped_and_its_task_computed_here(
+    forkable: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = os.getpid()
+    monkeypatch.setenv("LEDGERSPEC_TEST_PARENT", str(here))
+    monkeypatch.setattr(beside, "WAIT_LIMIT", 0.5)
+    with beside.Helper() as helper:
+        child = helper.pid
+        assert child is not None
+        assert helper.submit(_hangs, 3)() == (here, 6)
+        assert not helper.running
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child, os.WNOHANG)  # killed and reaped
+
+
+def test_an_answer_asked_for_after_close_is_computed_here(forkable: None) -> None:
+    helper = beside.Helper()
+    waiting = helper.submit(_slowly, 2)
+    helper.close()
+    assert waiting() == (os.getpid(), 4)
 
 
 def test_a_helpers_error_is_raised_here(forkable: None) -> None:

@@ -215,7 +215,7 @@ def test_which_objectives_run_under_zero(tmp_path: Path) -> None:
     precomputed = "  objective: dpo\n  objective_settings: {reference: precomputed}\n"
     assert "precomputed reference log-probs" in (refusal(2, precomputed) or "")
     grpo = "  objective: grpo\n  objective_settings: {max_completion_length: 4, num_generations: 2}\n"
-    assert refusal(2, grpo) == "training.objective grpo under DeepSpeed ZeRO is not simulated or measured"
+    assert (refusal(2, grpo) or "").startswith("training.objective grpo under DeepSpeed ZeRO is not simulated")
     head = "  kernels: {cross_entropy: trl_chunked_nll}\n"
     assert "TRL's fused LM head on the CPU" in (refusal(3, "  loop: trainer\n", True, head) or "")
     assert refusal(3, "  loop: trainer\n", False, head) is None

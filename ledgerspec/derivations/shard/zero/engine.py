@@ -101,11 +101,15 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
     stage3 = options is None or options.stage == 3
-    if spec.objective in GENERATING:  # TRL gathers every parameter for generation (unwrap_model_for_generation)
-        return f"training.objective {spec.objective} under DeepSpeed ZeRO is not simulated or measured"
+    zero = f"ZeRO-{options.stage}" if options is not None else "ZeRO"
+    if spec.objective in GENERATING:
+        return (
+            f"training.objective {spec.objective} under DeepSpeed ZeRO is not simulated or measured (TRL gathers the "
+            "model for generation there: unwrap_model_for_generation, ZeRO-3's GatheredParameters)"
+        )
     if spec.objective != "sft" and stage3:
         return (
-            f"training.objective {spec.objective} under DeepSpeed ZeRO-3 is not simulated or measured (TRL changes the "
+            f"training.objective {spec.objective} under DeepSpeed {zero} is not simulated or measured (TRL changes the "
             "step there: the fused LM head gathers lm_head's partitioned weight itself, trl/trainer/utils.py "
             "maybe_gather_lm_head_ctx; PEFT adapters kept in the base dtype, dpo_trainer.py:639-651); ZeRO-1 and "
             "ZeRO-2 are"
@@ -118,7 +122,7 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
         )
     if on_cpu and stage3 and spec.loop == "trainer" and spec.kernels.cross_entropy == "trl_chunked_nll":
         return (
-            "TRL's fused LM head on the CPU under DeepSpeed ZeRO-3 is not simulated or measured (it gathers "
+            f"TRL's fused LM head on the CPU under DeepSpeed {zero} is not simulated or measured (it gathers "
             "lm_head's partitioned weight itself, trl/trainer/utils.py maybe_gather_lm_head_ctx; estimate for the "
             "GPU: its Triton path is modelled there)"
         )
