@@ -260,7 +260,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         path.write_text(text, encoding="utf-8")
     elif precision == "dpo":  # DPOTrainer's step (chosen and rejected rows, the reference with adapters off, TRL's
         # head) through the engine; KTO, ORPO, reward, ZeRO-1 and DPO with two micro-steps were run too (2026-12-03,
-        # every phase equal to the byte on both ranks), left out for CI's time
+        # every phase equal to the byte on both ranks), left out for CI's time; so was SFT with TRL's own head on
+        # the CPU (cross_entropy: trl_chunked_nll) under ZeRO-2: equal but the 4 B of NORM_ALL_REDUCE on both ranks
         path.write_text(path.read_text(encoding="utf-8") + "training:\n  loop: trainer\n  objective: dpo\n", "utf-8")
     elif precision == "ga2":  # two micro-steps per optimizer step: the engine is told the boundary, as accelerate does
         text = path.read_text(encoding="utf-8")
