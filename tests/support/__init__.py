@@ -46,6 +46,19 @@ def fresh_python(
     return launch.run([str(a) for a in args], env, timeout, cwd=str(cwd) if cwd is not None else None)
 
 
+def python_json(code: str) -> Any:
+    """The JSON value the last line of ``python -c CODE`` prints, in a fresh interpreter (nothing imported or traced
+    yet, as a command starts) with the repository on its path; its exit code must be 0."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def load_script(path: Path, name: str) -> Any:
     """A script (a ``benchmarks/`` file, or one without a .py suffix), imported as the module ``name``, registered in
     ``sys.modules`` (a script's dataclasses look their module up there)."""

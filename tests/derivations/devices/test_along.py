@@ -157,21 +157,18 @@ def test_with_a_helper_process_the_checks_are_the_same() -> None:
     microbatch's deepest probe, the probe that checks the line and (where fragmentation decides) half of the allocator
     settings tried run there.
     Every check equals the one computed in turn (in this test's process)."""
-    import json
     import os
-    import subprocess
-    import sys
 
     pytest.importorskip("torch")
     from ledgerspec.derivations.devices.along import MicrobatchSteps
     from ledgerspec.derivations.devices.fit_check import check_on_device
     from ledgerspec.derivations.engine import beside
     from ledgerspec.derivations.estimate.search import fit_microbatch
-    from tests.support import REPO_ROOT
+    from tests.support import python_json
+    from tests.support.estimate_docs import ledger
 
     if not hasattr(os, "fork") or beside.usable_cpus() < 2:
         pytest.skip("a helper process needs fork and a second CPU")
-    from tests.support.estimate_docs import ledger
 
     memory = 1000 * 2**20
     code = (
@@ -189,10 +186,7 @@ def test_with_a_helper_process_the_checks_are_the_same() -> None:
         "                      'checked_at': along.checked_at, 'synthesised': sorted(along.synthesised),\n"
         "                      'checked': [c.__dict__ for c in checked.checked]}))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    there = json.loads(proc.stdout.strip().splitlines()[-1])
+    there = python_json(code)
     assert there["helper"] and there["synthesised"], there
     doc = ledger(**CASES["lora-ckpt"])
     along = MicrobatchSteps(doc)

@@ -67,13 +67,9 @@ def test_in_turn_when_a_fork_is_not_safe(monkeypatch: pytest.MonkeyPatch, why: s
 def test_an_estimate_with_its_probes_at_once_equals_one_in_turn() -> None:
     """A fresh process (nothing traced yet, as the CLI) traces the two depth probes at once: every figure equals the
     probes traced one after the other (in this test's process)."""
-    import json
-    import subprocess
-    import sys
-
     pytest.importorskip("torch")
     from ledgerspec.derivations.estimate.estimator import estimate
-    from tests.support import REPO_ROOT
+    from tests.support import python_json
     from tests.support.estimate_docs import ledger
 
     code = (
@@ -84,12 +80,10 @@ def test_an_estimate_with_its_probes_at_once_equals_one_in_turn() -> None:
         "assert beside.can_fork()\n"
         "print(json.dumps(estimate(ledger(checkpointing=True), parallel=True).figures))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = python_json(code)
     serial = estimate(ledger(checkpointing=True))
     assert serial.plan.probes == (2, 3)
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == serial.figures
+    assert there == serial.figures
 
 
 # -- the helper process: one child for a whole question --------------------------------------------------------------
