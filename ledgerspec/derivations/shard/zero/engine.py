@@ -107,12 +107,11 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
             f"training.objective {spec.objective} under DeepSpeed ZeRO is not simulated or measured (TRL gathers the "
             "model for generation there: unwrap_model_for_generation, ZeRO-3's GatheredParameters)"
         )
-    if spec.objective != "sft" and stage3:
+    if spec.objective in ("dpo", "kto") and stage3:
         return (
-            f"training.objective {spec.objective} under DeepSpeed {zero} is not simulated or measured (TRL changes the "
-            "step there: the fused LM head gathers lm_head's partitioned weight itself, trl/trainer/utils.py "
-            "maybe_gather_lm_head_ctx; PEFT adapters kept in the base dtype, dpo_trainer.py:639-651); ZeRO-1 and "
-            "ZeRO-2 are"
+            f"training.objective {spec.objective} under DeepSpeed {zero} is not simulated or measured (TRL's fused LM "
+            "head gathers lm_head's partitioned weight itself there, trl/trainer/utils.py maybe_gather_lm_head_ctx); "
+            "ZeRO-1 and ZeRO-2 are, and ORPO, CPO and reward models under ZeRO-3"
         )
     if spec.objective != "sft" and spec.reference == "precomputed":
         return (
