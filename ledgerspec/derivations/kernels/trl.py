@@ -171,6 +171,22 @@ def functions() -> Any:
         label_mask: Any = None
         aux_loss: Any = None
 
+    def gathered_under_zero3(*params: Any) -> Any:
+        """TRL's ``maybe_gather_lm_head_ctx`` (trainer/utils.py:200-231): under DeepSpeed ZeRO-3, the head's
+        partitioned parameters gathered for the kernel's direct read (``GatheredParameters``), unless already
+        available; else nothing."""
+        import contextlib
+
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled():
+            return contextlib.nullcontext()
+        import deepspeed
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        to_gather = {id(p): p for p in params if p is not None and p.ds_status != ZeroParamStatus.AVAILABLE}
+        return deepspeed.zero.GatheredParameters(list(to_gather.values())) if to_gather else contextlib.nullcontext()
+
     def add_fused_lm_head(model: Any, outputs: tuple[str, ...], autocast_dtype: Any, valid: Any) -> None:
         """``add_fused_lm_head(model, outputs=...)`` (trainer/utils.py:1548-1700) as a Triton device runs it: the
         patched forward, with ``fused_lm_head=True``, runs the backbone, scores the positions whose next label is not
@@ -187,7 +203,8 @@ def functions() -> Any:
             shifted = labels[:, 1:]
             weight = self.get_output_embeddings().weight  # looked up at each call (:1637-1646)
             mask = shifted != -100  # :1643
-            fields = scored(hidden, shifted, weight, int(valid(shifted)), autocast_dtype or hidden.dtype, outputs)
+            with gathered_under_zero3(weight):  # `maybe_gather_lm_head_ctx(weight, bias)` around the kernel (:1643)
+                fields = scored(hidden, shifted, weight, int(valid(shifted)), autocast_dtype or hidden.dtype, outputs)
             # `x.new_zeros(mask.shape).masked_scatter(mask, x)` for each field computed (:1671-1674)
             per_token = [None if x is None else ScatterValid.apply(x, mask.shape) for x in fields]
             del fields

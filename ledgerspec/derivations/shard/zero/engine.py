@@ -100,30 +100,16 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
         )
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
-    stage3 = options is None or options.stage == 3
-    zero = f"ZeRO-{options.stage}" if options is not None else "ZeRO"
     if spec.objective in GENERATING:
         return (
             f"training.objective {spec.objective} under DeepSpeed ZeRO is not simulated or measured (TRL gathers the "
             "model for generation there: unwrap_model_for_generation, ZeRO-3's GatheredParameters)"
-        )
-    if spec.objective in ("dpo", "kto") and stage3:
-        return (
-            f"training.objective {spec.objective} under DeepSpeed {zero} is not simulated or measured (TRL's fused LM "
-            "head gathers lm_head's partitioned weight itself there, trl/trainer/utils.py maybe_gather_lm_head_ctx); "
-            "ZeRO-1 and ZeRO-2 are, and ORPO, CPO and reward models under ZeRO-3"
         )
     if spec.objective != "sft" and spec.reference == "precomputed":
         return (
             "precomputed reference log-probs under DeepSpeed ZeRO are not simulated or measured (TRL builds an "
             "inference engine of the policy for them and keeps it beside the training one, dpo_trainer.py:1198-1200, "
             "kto_trainer.py:1249-1251)"
-        )
-    if on_cpu and stage3 and spec.loop == "trainer" and spec.kernels.cross_entropy == "trl_chunked_nll":
-        return (
-            f"TRL's fused LM head on the CPU under DeepSpeed {zero} is not simulated or measured (it gathers "
-            "lm_head's partitioned weight itself, trl/trainer/utils.py maybe_gather_lm_head_ctx; estimate for the "
-            "GPU: its Triton path is modelled there)"
         )
     return None
 
@@ -280,6 +266,22 @@ def fake_value_checks() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def zero3_enabled(on: bool) -> Iterator[None]:
+    """Inside the block (``on``), transformers answers that ZeRO-3 is enabled, as it does for the whole of a Trainer
+    run with a ZeRO-3 config (``TrainingArguments`` keeps an ``HfTrainerDeepSpeedConfig``, which
+    ``is_deepspeed_zero3_enabled`` reads): TRL's fused LM head then gathers ``lm_head``'s partitioned weight around
+    its kernel (``trl/trainer/utils.py`` ``maybe_gather_lm_head_ctx``, read at each call). Only around the step's
+    forward: the model is built and partitioned here without transformers' own ``zero.Init`` path."""
+    if not on:
+        yield
+        return
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    with patched((hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: True)):
+        yield
+
+
+@contextlib.contextmanager
 def finite_reads() -> Iterator[None]:
     """Inside the block, a host read of a fake tensor's value answers as finite gradients do: ``item()`` and
     ``float()`` 1.0 (a norm), truth False (a NaN/Inf check); a real tensor's read is its value."""
@@ -432,7 +434,7 @@ def zero_step(workload: Any, loop: type) -> Any:
                 self.w.model = model
 
         def forward(self, i: int) -> Any:
-            with self._engine():
+            with self._engine(), zero3_enabled(self.w.options.stage == 3):
                 return super().forward(i)  # type: ignore[misc]
 
         def call_reference(self, inputs: dict[str, Any], **extra: Any) -> Any:
