@@ -21,7 +21,8 @@ be higher by the bytes of one parameter broadcast in that phase, or (seen once, 
 same timing once held ZeRO-2's one-element gradient-norm all-reduce (4 B) into a measured optimizer step
 (``NORM_ALL_REDUCE``), and once (CI) kept the load's held broadcast into ``after_adapter_injection``, the same
 bytes as ``after_load``'s (``explained_by_gloo_timing``), and once (CI) held one norm's all-gather in a ZeRO-3 forward
-(``FORWARD_GATHER``, 288 B). Every other phase is equal to the byte.
+(``FORWARD_GATHER``, 288 B), and once (CI) the same in a ZeRO-3 backward (``BACKWARD_GATHER``). Every other phase is
+equal to the byte.
 DeepSpeed's bf16 and fp16 modes (the Trainer's ``--bf16`` / ``--fp16``) run too: every phase of both stages equal,
 with the same broadcast timing; so does ZeRO-1.
 """
@@ -75,6 +76,11 @@ NORM_ALL_REDUCE = {"optimizer_step_peak": {n * 4 + flag for n in range(5) for fl
 #: bf16, rank 1) 288 B above the simulation at forward_peak, one norm's 72 elements in fp32 (or two in bf16) still held
 #: by a finished all-gather's work object, the same timing as HELD_BROADCASTS. Allowed: exactly those bytes
 FORWARD_GATHER = {"forward_peak": {72 * 2, 72 * 4}}
+#: ... and in the backward, where ZeRO-3's pre-backward hooks gather each module's parameters again through gloo
+#: (``stage3.py``/``parameter_offload.py`` ``pre_sub_module_backward_function`` -> ``fetch_sub_module``): seen once
+#: (clean-clone CI 2026-12-03, ZeRO-3 offload_param, rank 0) 288 B above the simulation at backward_peak, beside the
+#: phase's other allowed timings; the same norm-sized all-gather still held. Allowed: exactly those bytes
+BACKWARD_GATHER = {"backward_peak": {72 * 2, 72 * 4}}
 #: full fine-tuning (issue 26) injects nothing, so a broadcast gloo still holds from load may still be held at the next
 #: phases (seen: the tiny model's lm_head, 288,288 B, at after_adapter_injection and the final norm's 288 B at
 #: after_optimizer_init, ZeRO-3 rank 1), and the step's one-element all-reduces may still be held when the steady
@@ -91,7 +97,7 @@ def explained_by_gloo_timing(diff: dict[str, int], stage: int, full: bool = Fals
     injection right after load sends nothing, so the load broadcast gloo still holds may still be held there too (seen
     in CI, 2026-12-02: ZeRO-3 offload_param rank 0, the final norm's 288 B at after_load AND after_adapter_injection):
     allowed only as the SAME bytes as after_load's, never as a difference of its own."""
-    allowed = NORM_ALL_REDUCE | (HELD_BROADCASTS | FORWARD_GATHER if stage == 3 else {})
+    allowed = NORM_ALL_REDUCE | (HELD_BROADCASTS | FORWARD_GATHER | BACKWARD_GATHER if stage == 3 else {})
     if full:
         allowed = allowed | {k: v for k, v in FULL_HELD.items() if stage == 3 or k == "steady_state_peak"}
     for phase, v in diff.items():
