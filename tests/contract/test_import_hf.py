@@ -131,3 +131,21 @@ def test_training_arguments_without_an_adapter_config_are_a_full_fine_tune() -> 
     assert not [f for f in validate(doc).findings if f.severity == "error"]
     with_adapter, _ = imported("hf/lora/training_args.json", "hf/lora/adapter_config.json", "hf/lora/config.json")
     assert plain(with_adapter, "method", "kind") == "LoRA"
+
+
+def test_trl_under_zero3_checkpoints_reentrant_whatever_its_kwargs_say() -> None:
+    """TRL 1.16's core trainers force ``use_reentrant=True`` for a PEFT model under DeepSpeed ZeRO-3 with gradient
+    checkpointing (``dpo_trainer.py:696-714``: a warning, then the kwargs overwritten); ORPO and CPO
+    (``trl.experimental``) do not. The DPO fixture's own kwargs say ``use_reentrant: false``."""
+    files = ("hf/dpo/dpo_config.json", "hf/dpo/adapter_config.json", "hf/dpo/config.json")
+    alone, _ = imported(*files)
+    assert plain(alone, "memory_options", "checkpointing_kind") == "non-reentrant"  # one device: as written
+    doc, _ = imported(*files, "accelerate/deepspeed-z3.yaml")
+    assert plain(doc, "memory_options", "sharding") == "zero3"
+    assert plain(doc, "memory_options", "checkpointing_kind") == "reentrant"
+    assert "forces use_reentrant=True" in doc.text and "over 'non-reentrant'" in doc.text
+    orpo = ("hf/orpo/orpo_config.json", "hf/orpo/adapter_config.json", "hf/orpo/config.json")
+    kept, _ = imported(*orpo, "accelerate/deepspeed-z3.yaml")
+    assert plain(kept, "memory_options", "checkpointing_kind") == plain(
+        imported(*orpo)[0], "memory_options", "checkpointing_kind"
+    )

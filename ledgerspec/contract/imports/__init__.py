@@ -144,8 +144,22 @@ def _finish(
                     "PEFT get_peft_model(autocast_adapter_dtype=True)",
                     f"PEFT {VERSIONS['peft']} upcasts the adapters to float32 by default",
                 )
+        mo = ("memory_options",)
+        objective = b.value(("training", "objective")) or "sft"
+        if (
+            b.facts.get("trl", False)
+            and any(s.format == "adapter-config" for s in sources)
+            and b.value((*mo, "sharding")) == "zero3"
+            and b.value((*mo, "gradient_checkpointing"))
+            and objective not in ("orpo", "cpo")  # trl.experimental's ORPO/CPO trainers leave the kwargs alone
+        ):
+            b.force(
+                (*mo, "checkpointing_kind"),
+                "reentrant",
+                "TRL 1.16.0 forces use_reentrant=True for a PEFT model under DeepSpeed ZeRO-3 "
+                "(sft_trainer.py, dpo_trainer.py:696-714 and the other core trainers)",
+            )
         if quantized:
-            objective = b.value(("training", "objective"))
             if b.facts.get("trl") and objective in ("orpo", "cpo"):
                 trainer = f"TRL 1.16.0 {str(objective).upper()}Trainer"
                 b.set(

@@ -111,6 +111,15 @@ class Builder:
             return
         self.entries[path] = Entry(path, value, origin, note, file)
 
+    def force(self, path: Path, value: Any, origin: str, file: str = "") -> None:
+        """A value the tool sets whatever the files say (TRL overriding a setting it cannot train with): replaces an
+        earlier entry, and the origin says which value it replaced."""
+        _check_path(path)
+        old = self.entries.get(path)
+        if old is not None and old.value is not None and not _same(old.value, value):
+            origin += f" (over {_show(old.value)}: {old.origin})"
+        self.entries[path] = Entry(path, value, origin, None, file or (old.file if old is not None else ""))
+
     def unknown(self, path: Path, origin: str, file: str = "") -> None:
         """A field the files cannot tell (written UNKNOWN; never over a value)."""
         _check_path(path)
