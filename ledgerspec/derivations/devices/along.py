@@ -273,8 +273,6 @@ class MicrobatchSteps:
         cache, from its traced stream, from a synthesised one, or traced now (in that order)."""
         from ledgerspec.derivations.devices.prediction import cached_on_device, estimate_on_device, stream_on_device
 
-        if b in self.steps:  # the probe that checks the line runs in the helper while this verdict is replayed
-            self.prefetch_check(b)
         variant = self._variant(b)
         kept = cached_on_device(variant, device_memory, False, self.target, self.layers, self.offline, self.store)
         if kept is not None:

@@ -137,7 +137,6 @@ def check_on_device(
     lowest = max(1, step)
     lo: int | None = None  # the largest value checked that fits
     hi: int | None = None  # the smallest value checked that does not
-    peak: dict[int, int] = {}  # device peak of each value checked
     total: int | None = None  # the device's total the margins are taken from
     guessed = False  # whether the last value checked was a guess between lo and hi (then its neighbour is next)
     value = answer.largest
@@ -151,7 +150,6 @@ def check_on_device(
         result.checked.append(
             Checked(value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached, p.uncertain)
         )
-        peak[value] = p.device_peak
         if p.fits:
             lo = value
             total = p.device_peak + p.margin
@@ -167,6 +165,7 @@ def check_on_device(
                 value = value + step if p.fits else value - step
                 guessed = False
             else:
+                peak = {c.value: c.device_peak for c in result.checked}
                 value = _between(lo, hi, peak[lo], peak[hi], total, step)
                 guessed = True
         else:

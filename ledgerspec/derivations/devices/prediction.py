@@ -708,7 +708,7 @@ def replay_on_device(
     if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
         settings = _tries(config, conf)
         # with a helper process, its half of the settings are replayed there while this process replays the rest
-        half = len(settings) // 2 if helper is not None and getattr(helper, "running", False) else 0
+        half = len(settings) // 2 if helper is not None and helper.running else 0
         rest = settings[len(settings) - half :]
         there = helper.submit(try_settings, doc, rest, capacity, device_total, target, step) if half else None
         result.tried = try_settings(doc, settings[: len(settings) - half], capacity, device_total, target, step)

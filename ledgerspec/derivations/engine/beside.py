@@ -12,6 +12,7 @@ cannot send its result — runs the function here instead: the answer never depe
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -46,10 +47,7 @@ def both(first: Callable[[], T], second: Callable[[], U], parallel: bool = True)
         os.close(read_end)
         code = 0
         try:
-            try:
-                payload = pickle.dumps(("ok", second()))
-            except LedgerspecError as exc:
-                payload = pickle.dumps(("error", exc.to_json()))
+            payload = _answer(second)
             with os.fdopen(write_end, "wb") as out:
                 out.write(payload)
         except BaseException:  # anything else: the parent computes it again and reports it
@@ -64,11 +62,25 @@ def both(first: Callable[[], T], second: Callable[[], U], parallel: bool = True)
         _reap(pid, read_end)
         raise
     status, value = _reap(pid, read_end)
+    return a, _answered(status, value, second)
+
+
+def _answer(fn: Callable[[], Any]) -> bytes:
+    """``fn()``'s answer as a child sends it: ``("ok", value)``, or ``("error", the LedgerspecError as JSON)``,
+    pickled; anything else it raises is raised (the child then sends none, or ``("lost", None)``)."""
+    try:
+        return pickle.dumps(("ok", fn()))
+    except LedgerspecError as exc:
+        return pickle.dumps(("error", exc.to_json()))
+
+
+def _answered(status: str, value: Any, fn: Callable[[], T]) -> T:
+    """What a child's answer means here: its value, its error raised, or (``lost``) ``fn()`` computed here."""
     if status == "ok":
-        return a, value
+        return value
     if status == "error":
         raise LedgerspecError(**value)
-    return a, second()
+    return fn()
 
 
 def _reap(pid: int, read_end: int) -> tuple[str, Any]:
@@ -174,12 +186,7 @@ class Helper:
             if slot.answer is None and self._pending is slot:
                 self._collect(WAIT_LIMIT)
             answer: tuple[str, Any] = slot.answer or ("lost", None)  # none: stopped before it answered
-            status, value = answer
-            if status == "ok":
-                return value
-            if status == "error":
-                raise LedgerspecError(**value)
-            return fn(*args)
+            return _answered(*answer, here)
 
         return wait
 
@@ -245,9 +252,7 @@ def _serve(tasks_fd: int, answers_fd: int) -> None:
                 except EOFError:
                     break
                 try:
-                    payload = pickle.dumps(("ok", fn(*args)))
-                except LedgerspecError as exc:
-                    payload = pickle.dumps(("error", exc.to_json()))
+                    payload = _answer(functools.partial(fn, *args))
                 except Exception:
                     payload = pickle.dumps(("lost", None))
                 answers.write(payload)

@@ -246,11 +246,6 @@ class TrainerLoop(TrainingStep):
         self.batches, self.num_items, self.grad_norm, self.step_loss = [], None, None, None
 
 
-def training_step(workload: Any) -> TrainingStep:
-    """The step object of the workload's declared loop."""
-    return TrainerLoop(workload) if workload.spec.loop == "trainer" else CustomLoop(workload)
-
-
 @contextlib.contextmanager
 def no_autocast() -> Any:
     """A region that runs as one fused kernel would: no autocast inside (the attention models use it)."""
@@ -260,4 +255,4 @@ def no_autocast() -> Any:
         yield
 
 
-__all__ = ["CustomLoop", "TrainerLoop", "TrainingStep", "convert_to_fp32", "no_autocast", "training_step"]
+__all__ = ["CustomLoop", "TrainerLoop", "TrainingStep", "convert_to_fp32", "no_autocast"]

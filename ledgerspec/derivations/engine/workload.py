@@ -1385,43 +1385,47 @@ class Workload:
     def step(self) -> Any:
         """The declared loop (:mod:`ledgerspec.derivations.engine.step`), one object for the whole run."""
         if self._step is None:
-            if self.spec.objective == "dpo":
-                from ledgerspec.derivations.engine.preference import DPOLoop
-
-                self._step = DPOLoop(self)
-            elif self.spec.objective == "reward":
-                from ledgerspec.derivations.engine.reward import RewardLoop
-
-                self._step = RewardLoop(self)
-            elif self.spec.objective == "kto":
-                from ledgerspec.derivations.engine.kto import KTOLoop
-
-                self._step = KTOLoop(self)
-            elif self.spec.objective == "orpo":
-                from ledgerspec.derivations.engine.orpo import ORPOLoop
-
-                self._step = ORPOLoop(self)
-            elif self.spec.objective == "cpo":
-                from ledgerspec.derivations.engine.cpo import CPOLoop
-
-                self._step = CPOLoop(self)
-            elif self.spec.objective == "grpo":
-                from ledgerspec.derivations.engine.grpo import GRPOLoop
-
-                self._step = GRPOLoop(self)
-            elif self.spec.objective == "rloo":
-                from ledgerspec.derivations.engine.rloo import RLOOLoop
-
-                self._step = RLOOLoop(self)
-            elif self.trl_head_runs_here:
-                from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
-
-                self._step = TRLSFTLoop(self)
-            else:
-                from ledgerspec.derivations.engine.step import training_step
-
-                self._step = training_step(self)
+            self._step = self.step_class()(self)
         return self._step
+
+    def step_class(self) -> type:
+        """The class of the declared loop: the objective's TRL trainer step, TRL's SFT step where its own head runs
+        here, else the Trainer's loop or a custom one (``training.loop``)."""
+        if self.spec.objective == "dpo":
+            from ledgerspec.derivations.engine.preference import DPOLoop
+
+            return DPOLoop
+        if self.spec.objective == "reward":
+            from ledgerspec.derivations.engine.reward import RewardLoop
+
+            return RewardLoop
+        if self.spec.objective == "kto":
+            from ledgerspec.derivations.engine.kto import KTOLoop
+
+            return KTOLoop
+        if self.spec.objective == "orpo":
+            from ledgerspec.derivations.engine.orpo import ORPOLoop
+
+            return ORPOLoop
+        if self.spec.objective == "cpo":
+            from ledgerspec.derivations.engine.cpo import CPOLoop
+
+            return CPOLoop
+        if self.spec.objective == "grpo":
+            from ledgerspec.derivations.engine.grpo import GRPOLoop
+
+            return GRPOLoop
+        if self.spec.objective == "rloo":
+            from ledgerspec.derivations.engine.rloo import RLOOLoop
+
+            return RLOOLoop
+        if self.trl_head_runs_here:
+            from ledgerspec.derivations.engine.trl_sft import TRLSFTLoop
+
+            return TRLSFTLoop
+        from ledgerspec.derivations.engine.step import CustomLoop, TrainerLoop
+
+        return TrainerLoop if self.spec.loop == "trainer" else CustomLoop
 
     @property
     def device_type(self) -> str:

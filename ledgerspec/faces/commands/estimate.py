@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
@@ -467,12 +468,8 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     if args.fit_step < 1:
         raise LedgerspecError("--fit-step must be >= 1", args.file, rule="usage", exit_code=EXIT_USAGE)
     writes = _writable(doc, args)
-    kept: list[Any] = []  # the microbatch streams kept for the device checks: their helper process is stopped here
-    try:
-        answers, on_device = _fit_answers(doc, args, memory, kept)
-    finally:
-        for steps in kept:
-            steps.close()
+    with contextlib.ExitStack() as helpers:  # the microbatch streams' helper process is stopped at its end
+        answers, on_device = _fit_answers(doc, args, memory, helpers)
     if on_device:
         print(
             "(on the device: the allocator model's reserved bytes plus what lies outside the allocator, a model, not "
@@ -496,9 +493,11 @@ def _run_fit(doc: Any, args: argparse.Namespace, device: int | None) -> int:
     return EXIT_OK if fitting else EXIT_FINDINGS
 
 
-def _fit_answers(doc: Any, args: argparse.Namespace, memory: int, kept: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+def _fit_answers(
+    doc: Any, args: argparse.Namespace, memory: int, helpers: contextlib.ExitStack
+) -> tuple[list[Any], dict[str, Any]]:
     """Each ``--fit`` answer, printed as it comes, with its check on the device (cuda): the answers and the checks
-    by name; ``kept`` gets the :class:`MicrobatchSteps` the microbatch checks use (for the caller to close)."""
+    by name; the :class:`MicrobatchSteps` the microbatch checks use is entered on ``helpers`` (closed with it)."""
     from ledgerspec.contract.units import format_size
     from ledgerspec.derivations.estimate import search
 
@@ -512,8 +511,7 @@ def _fit_answers(doc: Any, args: argparse.Namespace, memory: int, kept: list[Any
                 from ledgerspec.derivations.devices.along import MicrobatchSteps
 
                 layers = "full" if args.full else "auto"
-                steps = MicrobatchSteps(doc, args.target, layers, _store(args), parallel=True)
-                kept.append(steps)
+                steps = helpers.enter_context(MicrobatchSteps(doc, args.target, layers, _store(args), parallel=True))
                 answer = search.fit_microbatch(doc, memory, steps.estimate, exact=args.exact)
             else:
                 answer = search.fit_microbatch(doc, memory, estimate_fn, exact=args.exact)

@@ -393,10 +393,8 @@ def zero_workload(base: type) -> Any:
 
         @property
         def step(self) -> Any:
-            if not getattr(self, "_zero_step", False):
-                declared = base.step.fget(self)  # type: ignore[attr-defined]  # the loop one device runs
-                self._step: Any = zero_step(self, type(declared))
-                self._zero_step = True
+            if getattr(self, "_step", None) is None:
+                self._step: Any = zero_step(self, self.step_class())  # the loop one device runs, through the engine
             return self._step
 
     Zero.__name__ = Zero.__qualname__ = f"Zero{base.__name__}"
