@@ -45,12 +45,17 @@ def run_three_ways(
         phases.update(got if i == 0 else {"memtracker_peak": got["memtracker_peak"]})
     out = {"measured": load(measured), "estimated": load(estimated), "truth": phases}
     if callback:
-        again = folder / "callback-measured.ledger.yaml"
-        shutil.copy(written, again)
-        code, _, err = run_cli("measure", str(again), "--device", "cpu")
-        assert code == 0, err
-        out.update(callback=load(written), callback_measured=load(again))
+        out.update(callback=load(written), callback_measured=measured_copy(written))
     return out
+
+
+def measured_copy(ledger: Path) -> Document:
+    """``measure --device cpu`` of a copy of ``ledger`` (a callback's ledger), written beside it."""
+    again = ledger.with_name("callback-measured.ledger.yaml")
+    shutil.copy(ledger, again)
+    code, _, err = run_cli("measure", str(again), "--device", "cpu")
+    assert code == 0, err
+    return load(again)
 
 
 def truth_runs(case: dict[str, Any], memtracker: bool) -> list[tuple[str, ...]]:

@@ -40,6 +40,7 @@ from tests.support.step_truth import (
     assert_measure_is_the_truth,
     assert_memtracker_agrees,
     assert_the_callback_is_measure,
+    measured_copy,
     run_three_ways,
 )
 
@@ -203,18 +204,6 @@ def _callback_run(folder: Path, c: Case, **extra: Any) -> Path:
     return ledger
 
 
-def assert_callback_is_the_measurement(folder: Path, ledger: Path) -> None:
-    """Every step phase the callback recorded equals ``measure --device cpu`` of the ledger it wrote, to the byte."""
-    from tests.support import run_cli
-
-    measured = folder / "measured.ledger.yaml"
-    shutil.copy(ledger, measured)
-    code, _, err = run_cli("measure", str(measured), "--device", "cpu")
-    assert code == 0, err
-    got = {p: load(ledger).get("phases", p).value for p in STEP_PHASES}
-    assert got == {p: load(measured).get("phases", p).value for p in STEP_PHASES}
-
-
 def test_the_callback_on_a_dpo_trainer_records_the_dpo_step(runs: dict[str, Any]) -> None:
     """``LedgerCallback`` on TRL's ``DPOTrainer`` (the truth's own run): the ledger it writes says DPO with the
     reference read from the live trainer, and every phase it recorded equals ``measure --device cpu`` of that ledger to
@@ -255,8 +244,10 @@ def test_the_callback_on_a_dpo_trainer_with_a_reference_model_counts_it(tmp_path
     doc = load(ledger)
     assert doc.get("training", "objective_settings", "reference").value == "model"
     assert [f.pointer for f in validate(doc).findings if f.rule == "LS014"] == []
-    assert_callback_is_the_measurement(tmp_path, ledger)
-    measured = load(tmp_path / "measured.ledger.yaml")
+    measured = measured_copy(ledger)  # every step phase the callback recorded is measure's, to the byte
+    assert {p: doc.get("phases", p).value for p in STEP_PHASES} == {
+        p: measured.get("phases", p).value for p in STEP_PHASES
+    }
     after_load = doc.get("phases", "after_load").size()
     assert after_load == measured.get("phases", "after_load").size()
     # resolve counts both copies: the frozen base is what the real trainer's policy and ref_model held at train begin
