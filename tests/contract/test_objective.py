@@ -149,7 +149,8 @@ def test_a_grpo_config_dump_gives_its_generation_settings(tmp_path: Path) -> Non
 
 def test_a_vllm_setting_the_step_does_not_model_is_a_finding(tmp_path: Path) -> None:
     """Colocated vLLM over several cards (tensor parallel) and the importance-sampling correction off or per token
-    change the step; they are said, not sized as TRL's defaults."""
+    change the step, and so does ZeRO-3 without the whole model gathered for ``generate``; they are said, not sized as
+    TRL's defaults."""
     path = tmp_path / "grpo.json"
     keys = {
         "num_generations": 4,
@@ -157,10 +158,12 @@ def test_a_vllm_setting_the_step_does_not_model_is_a_finding(tmp_path: Path) -> 
         "vllm_tensor_parallel_size": 2,
         "vllm_importance_sampling_correction": False,
         "vllm_importance_sampling_mode": "token_mask",
+        "ds3_gather_for_generation": False,
     }
     path.write_text(json.dumps({"output_dir": "out", **keys}), encoding="utf-8")
     _, result = imported(path)
     assert sorted(f.key for f in result.findings if f.kind == "not-modelled") == [
+        "ds3_gather_for_generation",
         "vllm_importance_sampling_correction",
         "vllm_importance_sampling_mode",
         "vllm_tensor_parallel_size",

@@ -245,6 +245,8 @@ ONLINE_DEFAULTS: dict[str, Any] = {
     "use_adaptive_entropy": False,
     "vllm_tensor_parallel_size": 1,  # grpo_config.py:671-672: colocated vLLM on one card
     "vllm_importance_sampling_correction": True,  # grpo_config.py:925-926
+    # ZeRO-3: every parameter gathered for generate (trl/models/utils.py 141-150); false: the hooks gather per module
+    "ds3_gather_for_generation": True,
     "vllm_importance_sampling_mode": "sequence_mask",  # grpo_config.py:934-935
 }
 #: GRPOConfig's and RLOOConfig's settings that change no tensor of the step beyond a few floats per completion (the
@@ -252,7 +254,7 @@ ONLINE_DEFAULTS: dict[str, Any] = {
 #: importance-sampling correction)
 ONLINE_IGNORED = frozenset(
     """
-    num_generations_eval ds3_gather_for_generation shuffle_dataset pad_to_multiple_of chat_template_kwargs epsilon
+    num_generations_eval shuffle_dataset pad_to_multiple_of chat_template_kwargs epsilon
     delta epsilon_high sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg
     vespo_lambda_neg reward_weights multi_objective_aggregation scale_rewards ref_model_mixup_alpha
     ref_model_sync_steps entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target use_bias_correction_kl

@@ -266,8 +266,9 @@ class GRPOLoop(DPOLoop):
         attention_mask = pad([torch.ones_like(t) for t in prompt_tensors], padding_value=0, padding_side="left")
         fake = is_fake(padded_ids)
         reads = _fake_host_reads(prompt + completion) if fake else contextlib.nullcontext()
-        with self._no_checkpointing(), torch.no_grad(), reads:  # unwrap_model_for_generation, :1863-1876
-            prompt_completion_ids = self.w.model.generate(
+        # unwrap_model_for_generation (and FSDP1's summon_full_params), :1863-1876: the workload says what it gathers
+        with self._no_checkpointing(), torch.no_grad(), reads, self.w.generating() as model:
+            prompt_completion_ids = model.generate(
                 input_ids=padded_ids, attention_mask=attention_mask, generation_config=self._generation_config()
             )
         completion_ids = prompt_completion_ids[:, prompt:]  # :1878-1879

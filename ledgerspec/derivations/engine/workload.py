@@ -40,7 +40,9 @@ nothing is padded) and ``labels``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -480,11 +482,11 @@ class WorkloadSpec:
         return cls(**data)
 
 
-#: GRPO on several ranks: not run yet (its generation calls the sharded model's generate)
+#: GRPO/RLOO with vLLM on several ranks: not run yet (its weight sync merges the adapters into the gathered model)
 GENERATION_SHARDED = (
-    "training.objective grpo/rloo under FSDP1 or DeepSpeed ZeRO, or with use_vllm on several ranks, is not simulated "
-    "or measured yet: TRL gathers the model there (summon_full_params, GatheredParameters, vLLM's weight sync); "
-    "FSDP2 without vLLM is"
+    "training.objective grpo/rloo with use_vllm on several ranks is not simulated or measured yet: vLLM's weight sync "
+    "merges the adapters into the gathered model (VLLMGeneration._iter_named_params, gather_params); without vLLM it "
+    "is, under FSDP1, FSDP2 and DeepSpeed ZeRO"
 )
 #: DPO/KTO with a separate reference model on several ranks: not run yet (TRL shards it too, prepare_fsdp or
 #: prepare_deepspeed, dpo_trainer.py:984-990)
@@ -1387,6 +1389,13 @@ class Workload:
         if self._step is None:
             self._step = self.step_class()(self)
         return self._step
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[Any]:
+        """The model GRPO's and RLOO's ``generate`` runs on, as TRL's ``unwrap_model_for_generation`` hands it over
+        (trl/models/utils.py 134-154): on one device (and under FSDP2, ZeRO-1/2) the model itself; the sharded
+        workloads that gather for it override this (ZeRO-3: every parameter, FSDP1: the root unit's)."""
+        yield self.model
 
     def step_class(self) -> type:
         """The class of the declared loop: the objective's TRL trainer step, TRL's SFT step where its own head runs

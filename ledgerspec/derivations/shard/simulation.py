@@ -239,16 +239,13 @@ def fake_process_group(rank: int, world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def generation_refused(doc: Document, vllm: str | None) -> str | None:
+def generation_refused(vllm: str | None) -> str | None:
     """Where GRPO/RLOO's step (``vllm``: its ``GenerationSpec.vllm``) runs instead of these ranks, for the refusal's
-    hint, or None when it runs here. The generation phase on several ranks is run under FSDP2 only (transformers'
-    Trainer registers ``generate`` as an FSDP2 forward method: ``trainer.py`` 1798-1801, 5.24); FSDP1 and ZeRO are
-    refused, and vLLM's weight sync on any strategy."""
-    from ledgerspec.derivations.shard.options import is_fsdp1, zero_stage
-
-    if vllm is not None:
-        return "one device"
-    return "one device, or on FSDP2 ranks" if is_fsdp1(doc) or zero_stage(doc) else None
+    hint, or None when it runs here. Its generation on several ranks runs under every strategy, each gathering what
+    TRL gathers for ``generate`` (the workload's ``generating``: FSDP2's registered forward method, FSDP1's
+    ``summon_full_params(recurse=False)``, ZeRO-3's ``GatheredParameters``); vLLM's weight sync is refused on any
+    strategy."""
+    return "one device" if vllm is not None else None
 
 
 def prepare_trace(
@@ -266,7 +263,7 @@ def prepare_trace(
         raise ValueError(f"target must be one of {E.TARGETS}")
     E._check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
-    elsewhere = generation_refused(doc, spec.generation.vllm) if spec.generation is not None else None
+    elsewhere = generation_refused(spec.generation.vllm) if spec.generation is not None else None
     if elsewhere is not None:
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 

@@ -24,6 +24,8 @@ Imports torch only inside functions.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -200,6 +202,18 @@ def fsdp1_workload(base: type) -> Any:
         #: FSDP1's ``sync_module_states`` (each unit broadcast from rank 0 as it is wrapped: :mod:`.sync`); the
         #: simulation turns it on only in the allocation stream, inside :func:`.sync.broadcasting`
         sync_module_states: bool = False
+
+        @contextlib.contextmanager
+        def generating(self) -> Iterator[Any]:
+            """GRPO's and RLOO's ``generate`` under FSDP1 as TRL runs it: accelerate's ``unwrap_model`` hands it the
+            module FSDP1 wraps (its children still FSDP1 units: each gathers its flat parameter as it runs, and
+            reshards it after), and TRL gathers the root unit's own flat parameter (the embeddings, the final norm,
+            the head) for the whole of ``generate``: ``summon_full_params(model_wrapped, recurse=False)``
+            (grpo_trainer.py 1861-1874, trl/distributed.py 74-91, TRL 1.16)."""
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with FullyShardedDataParallel.summon_full_params(self.model, recurse=False):
+                yield self.model.module
 
         def _train_all(self) -> None:
             """Full fine-tuning: the model FSDP1 wraps is trainable (one ``requires_grad`` per unit)."""

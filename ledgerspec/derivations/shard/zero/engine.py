@@ -45,7 +45,6 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from ledgerspec.contract.config import GENERATING
 from ledgerspec.derivations.shard.options import CPU_ADAM_TYPES, ZeroOptions
 from ledgerspec.derivations.shard.patching import patched
 
@@ -100,11 +99,6 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
         )
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
-    if spec.objective in GENERATING:
-        return (
-            f"training.objective {spec.objective} under DeepSpeed ZeRO is not simulated or measured (TRL gathers the "
-            "model for generation there: unwrap_model_for_generation, ZeRO-3's GatheredParameters)"
-        )
     if spec.objective != "sft" and spec.reference == "precomputed":
         return (
             "precomputed reference log-probs under DeepSpeed ZeRO are not simulated or measured (TRL builds an "
@@ -322,6 +316,24 @@ def zero_workload(base: type) -> Any:
         fp16: bool = False
         #: the simulation's side-keeping tracker under offload (:mod:`ledgerspec.derivations.shard.offload.zero`)
         sides: Any = None
+
+        @contextlib.contextmanager
+        def generating(self) -> Iterator[Any]:
+            """GRPO's and RLOO's ``generate`` as TRL's ``_unwrap_model_for_generation`` runs it under ZeRO-3
+            (trl/models/utils.py 141-150, ``ds3_gather_for_generation`` true: GRPOConfig's default): every parameter
+            gathered at once (``deepspeed.zero.GatheredParameters(model.parameters())``, the engine's), the engine's
+            ZeRO-3 hooks removed meanwhile (TRL's own ``remove_hooks``) and registered again after it
+            (``add_hooks``). ZeRO-1/2 hold every parameter already: the module, as on one device."""
+            if self.options.stage != 3:
+                yield self.model
+                return
+            import deepspeed
+            from trl.models.utils import add_hooks, remove_hooks
+
+            with deepspeed.zero.GatheredParameters(self.engine.parameters()):
+                remove_hooks(self.engine)
+                yield self.model
+                add_hooks(self.engine)
 
         def prepare(self) -> None:
             if self.model is not None:
