@@ -60,8 +60,9 @@ class DPOLoop(TrainerLoop):
         if not self.patched:
             self.w.fused_lm_head(self.head_outputs)
             reference = self.w.reference
-            if reference is not None:  # `add_fused_lm_head(self.ref_model)`: TRL's default fields (:961-962)
-                self.w.fused_lm_head(REFERENCE_OUTPUTS, reference)
+            if reference is not None:  # `add_fused_lm_head(self.ref_model)`: TRL's default fields (:961-962), before
+                # prepare_fsdp wraps it (:984-990): an FSDP1 wrapper's module is patched, its forward stays FSDP1's
+                self.w.fused_lm_head(REFERENCE_OUTPUTS, getattr(reference, "_fsdp_wrapped_module", reference))
             if self.spec.disable_dropout:  # `disable_dropout_in_model` (trainer/utils.py:194-197), dpo_trainer.py:932
                 for model in (self.w.model, reference):  # the reference model's too (:934-935)
                     for module in model.modules() if model is not None else ():

@@ -488,12 +488,6 @@ GENERATION_SHARDED = (
     "merges the adapters into the gathered model (VLLMGeneration._iter_named_params, gather_params); without vLLM it "
     "is, under FSDP1, FSDP2 and DeepSpeed ZeRO"
 )
-#: DPO/KTO with a separate reference model on several ranks: not run yet (TRL shards it too, prepare_fsdp or
-#: prepare_deepspeed, dpo_trainer.py:984-990)
-REFERENCE_SHARDED = (
-    "training.objective dpo/kto with reference model on several ranks (FSDP, ZeRO) is not simulated or measured yet: "
-    "TRL shards the reference model too (prepare_fsdp, prepare_deepspeed)"
-)
 #: GRPOConfig's default ``max_completion_length`` (grpo_config.py:494, TRL 1.16)
 GRPO_COMPLETION = 512
 

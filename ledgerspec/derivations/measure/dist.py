@@ -105,7 +105,7 @@ class DistOutcome:
 def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: bool | None) -> dict[str, int]:
     from ledgerspec.derivations.shard import state as S
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.options import is_fsdp1, mixed_precision
+    from ledgerspec.derivations.shard.options import is_fsdp1, mixed_precision, separate_reference
 
     descs = document_descriptors(doc)
     mp = mixed_precision(doc)
@@ -120,10 +120,23 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
             gathered_dtype,
             buffer_dtype=mp.buffer_dtype if mp else None,
         )
+        if separate_reference(doc):
+            frozen = [d for d in descs if not d.trainable]
+            reference = S.fsdp1(
+                frozen,
+                world,
+                optimizer,
+                reshard is not False,
+                gathered_dtype,
+                buffer_dtype=mp.buffer_dtype if mp else None,
+            )
+            plan = S.with_fsdp1_reference(plan, reference)
         units = plan.unit_unsharded
         kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
     else:
         plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False, param_dtype=gathered_dtype)
+        if separate_reference(doc):
+            plan = S.with_reference(plan, descs, world, reshard is not False)
         kept = S.kept_after_forward(S.unit_unsharded_bytes(descs, world, gathered_dtype), reshard)
     rs = plan.ranks[rank]
     return {
@@ -587,12 +600,6 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
 
         raise LedgerspecError(
             GENERATION_SHARDED, doc.path, rule="measure", exit_code=EXIT_USAGE, hint=f"measure it on {elsewhere}"
-        )
-    if base.spec.get("reference") == "model":
-        from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED
-
-        raise LedgerspecError(
-            REFERENCE_SHARDED, doc.path, rule="measure", exit_code=EXIT_USAGE, hint="measure it on one device"
         )
     if zero_stage(doc) is not None:
         from ledgerspec.derivations.engine.workload import WorkloadSpec

@@ -180,6 +180,13 @@ def cpu_offload(doc: Document) -> tuple[str, ...] | None:
     return None
 
 
+def separate_reference(doc: Document) -> bool:
+    """DPO/KTO with a separate reference model (``objective_settings.reference: model``): a second copy of the base
+    every rank holds (sharded as TRL shards it: :func:`ledgerspec.derivations.shard.state.with_reference`)."""
+    t = config.read(doc).training
+    return t.objective in ("dpo", "kto") and t.dpo_reference == "model"
+
+
 def is_fsdp1(doc: Document) -> bool:
     """``parallelism.strategy: fsdp1`` (or, without a strategy, ``memory_options.sharding: fsdp1``): FSDP1 as the
     Trainer/accelerate run it (``fsdp_version: 1``)."""

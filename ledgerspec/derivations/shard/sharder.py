@@ -25,6 +25,7 @@ from ledgerspec.derivations.shard.options import (
     fsdp1_options,
     is_fsdp1,
     mixed_precision,
+    separate_reference,
     shard_group,
     world_size,
     zero_stage,
@@ -158,17 +159,25 @@ def compute(
         if is_fsdp1(doc):
             # full fine-tuning: accelerate's transformer-based wrap (decoder layers + root), not PEFT's policy
             units = descs if config.read(doc).full else S.peft_fsdp1_units(descs)
-            plan = S.fsdp1(
-                units,
-                world,
-                optimizer,
-                reshard_after_forward=_reshard(doc),
-                param_dtype=param_dtype,
-                use_orig_params=fsdp1_options(doc).use_orig_params,
-                buffer_dtype=mp.buffer_dtype if mp else None,
-            )
+
+            def fsdp1(params: list[S.ParamDesc]) -> S.Fsdp1Plan:
+                return S.fsdp1(
+                    params,
+                    world,
+                    optimizer,
+                    reshard_after_forward=_reshard(doc),
+                    param_dtype=param_dtype,
+                    use_orig_params=fsdp1_options(doc).use_orig_params,
+                    buffer_dtype=mp.buffer_dtype if mp else None,
+                )
+
+            plan = fsdp1(units)
+            if separate_reference(doc):  # wrapped per decoder layer (TRL's prepare_fsdp: transformer-based wrap)
+                plan = S.with_fsdp1_reference(plan, fsdp1([d for d in descs if not d.trainable]))
         else:
             plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
+            if separate_reference(doc):  # one fully_shard of its root (TRL's prepare_fsdp)
+                plan = S.with_reference(plan, descs, world, _reshard(doc))
     except ValueError as exc:
         where = ("optimizer", "name") if "optimizer" in str(exc) else ("identity",)
         if "uniform dtype" in str(exc):
@@ -198,6 +207,8 @@ def compute(
         for stage in (1, 2, 3)
         for off in (False, True)
     }
+    if separate_reference(doc):  # DPO/KTO's reference model, as TRL's prepare_deepspeed holds it
+        zero = {k: S.with_zero_reference(z, world, t["frozen"], t["replicated"]) for k, z in zero.items()}
     return plan, zero
 
 

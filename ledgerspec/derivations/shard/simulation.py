@@ -268,10 +268,6 @@ def prepare_trace(
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 
         raise _err(doc, ("training", "objective"), GENERATION_SHARDED, f"estimate it on {elsewhere}")
-    if spec.reference == "model":
-        from ledgerspec.derivations.engine.workload import REFERENCE_SHARDED
-
-        raise _err(doc, ("training", "objective_settings", "reference"), REFERENCE_SHARDED, "estimate it on one device")
     refuse(spec)
     E._check_attention(doc, spec.attention)
     source = load_config(doc, offline=offline)

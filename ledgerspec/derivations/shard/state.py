@@ -241,6 +241,37 @@ def fsdp2(
     return Fsdp2Plan(world, reshard_after_forward, ranks, units, gathered_units, notes, param_dtype)
 
 
+#: the name of DPO/KTO's separate reference model among a plan's gathered units (it is one unit: its root)
+REFERENCE = "<reference model>"
+
+
+def with_reference(
+    plan: Fsdp2Plan, params: list[ParamDesc], world: int, reshard_after_forward: bool = True
+) -> Fsdp2Plan:
+    """``plan`` beside DPO/KTO's separate reference model as TRL's ``prepare_fsdp`` shards it under FSDP2
+    (trl/models/utils.py 313-341, TRL 1.16): ONE ``fully_shard`` of its root. Its weights are the base's (``params``'
+    frozen parameters, no adapter), sharded on dim 0 as the policy's, its buffers whole on every rank; its forward
+    gathers the whole of it at once (one unit), beside what the policy keeps gathered after its own forward
+    (:func:`kept_after_forward`); with ``reshard_after_forward`` false it stays gathered."""
+    from dataclasses import replace
+
+    base = [replace(p, unit=ROOT) for p in params if not p.trainable]
+    ref = fsdp2(base, world, reshard_after_forward=True, param_dtype=plan.param_dtype)
+    whole = ref.unit_unsharded.get(ROOT, 0)
+    at_its_forward = whole + kept_after_forward(plan.unit_unsharded, plan.reshard_after_forward)
+    ranks = []
+    for rs, r in zip(plan.ranks, ref.ranks, strict=True):
+        gathered = max(rs.gathered, at_its_forward) + (0 if reshard_after_forward else whole)
+        ranks.append(replace(rs, frozen_base=rs.frozen_base + r.frozen_base, gathered=gathered))
+    units = {**plan.unit_unsharded, REFERENCE: whole}
+    held = plan.gathered_units if max(r.gathered for r in plan.ranks) >= at_its_forward else [REFERENCE]
+    note = (
+        "DPO/KTO's reference model: one fully_shard of its root (TRL's prepare_fsdp), its shards beside the policy's, "
+        "the whole of it gathered for its forward"
+    )
+    return replace(plan, ranks=ranks, unit_unsharded=units, gathered_units=held, notes=[*plan.notes, note])
+
+
 def _gathered_units(units: dict[str, int], reshard_after_forward: bool) -> list[str]:
     """Units gathered together at the compute peak.
 
@@ -354,6 +385,29 @@ class Fsdp1Plan:
     gathered_units: list[str]
     notes: list[str] = field(default_factory=list)
     param_dtype: str | None = None
+
+
+def with_fsdp1_reference(plan: Fsdp1Plan, reference: Fsdp1Plan) -> Fsdp1Plan:
+    """``plan`` beside DPO/KTO's separate reference model as TRL's ``prepare_fsdp`` wraps it under FSDP1
+    (trl/models/utils.py 292-312, TRL 1.16): ``reference`` is its own plan (the base's frozen parameters, one unit per
+    decoder layer and the root: accelerate's transformer-based wrap). Each rank holds its flat shards beside the
+    policy's; its forward runs without grad, so no backward reshards its root after it: FULL_SHARD keeps the root
+    gathered from its first forward on (SHARD_GRAD_OP every unit), beside what the policy gathers."""
+    from dataclasses import replace
+
+    units = reference.unit_unsharded
+    kept = units.get(ROOT, 0) if reference.reshard_after_forward else sum(units.values())
+    ranks = [
+        replace(rs, frozen_base=rs.frozen_base + r.frozen_base, gathered=rs.gathered + kept)
+        for rs, r in zip(plan.ranks, reference.ranks, strict=True)
+    ]
+    note = (
+        "DPO/KTO's reference model: FSDP1 units per decoder layer and the root (TRL's prepare_fsdp), its flat shards "
+        "beside the policy's, its root kept gathered after its forward (no backward reshards it)"
+    )
+    merged = {**plan.unit_unsharded, **{f"{REFERENCE}.{u}" if u else REFERENCE: b for u, b in units.items()}}
+    held = [*plan.gathered_units, REFERENCE if reference.reshard_after_forward else f"{REFERENCE} (every unit)"]
+    return replace(plan, ranks=ranks, unit_unsharded=merged, gathered_units=held, notes=[*plan.notes, note])
 
 
 def _buffer_bytes(p: ParamDesc, buffer_dtype: str | None) -> int:
@@ -543,6 +597,20 @@ def zero(
             host += params
             params = 0
     return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host, **moves, master=master)
+
+
+def with_zero_reference(z: ZeroState, world: int, frozen_bytes: int, replicated_bytes: int) -> ZeroState:
+    """``z`` beside DPO/KTO's separate reference model as TRL's ``prepare_deepspeed`` holds it (trl/models/utils.py
+    246-289, TRL 1.16): under ZeRO-3 loaded partitioned (``zero.Init``) and kept so by an engine of its own (on the
+    host with ``offload_param``, which TRL keeps), under ZeRO-1/2 with ZeRO off (stage 0): whole on every rank.
+    ``frozen_bytes``: the base's parameters; ``replicated_bytes``: its buffers (whole on every rank)."""
+    from dataclasses import replace
+
+    if z.stage < 3:
+        return replace(z, parameters=z.parameters + frozen_bytes + replicated_bytes)
+    if z.offload:
+        return replace(z, parameters=z.parameters + replicated_bytes, host=z.host + ceil(frozen_bytes / world))
+    return replace(z, parameters=z.parameters + ceil(frozen_bytes / world) + replicated_bytes)
 
 
 def zero_offload_traffic(

@@ -87,6 +87,16 @@ def sharded_workload(base: type) -> Any:
             for layer in decoder_layers(model):
                 fully_shard(layer, **kwargs)
             fully_shard(model, **kwargs)
+            reference: Any = self.reference
+            if reference is not None:
+                # DPO/KTO's ref_model: TRL's prepare_fsdp (trl/models/utils.py 313-341, TRL 1.16) shards it with ONE
+                # fully_shard of its root, no unit per layer: its whole forward gathers the whole model at once. The
+                # plugin's reshard_after_forward: True unless declared (accelerate 1.16 FullyShardedDataParallelPlugin,
+                # utils/dataclasses.py 1731-1739, FSDP2's default)
+                if self.spec.quant is not None:
+                    self._4bit_modules = {*self._4bit_modules, *(id(m) for m in pack_4bit_on_meta(reference))}
+                after = self.reshard_after_forward
+                fully_shard(reference, **{**kwargs, "reshard_after_forward": True if after is None else after})
             if hasattr(model, "generate"):  # transformers' Trainer, trainer.py 1798-1801 (5.24): GRPO/RLOO generate
                 from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -97,7 +107,8 @@ def sharded_workload(base: type) -> Any:
             super()._materialise(device, adapters)  # the replicated buffers; every parameter is done already
 
         def _materialise_shards(self, device: Any, adapters: bool) -> None:
-            for index, fp in enumerate(fsdp_params(self.model)):
+            sharded = fsdp_params(self.model) + (fsdp_params(self.reference) if self.reference is not None else [])
+            for index, fp in enumerate(sharded):
                 param = fp.sharded_param
                 if bool(param.requires_grad) != adapters or not param._local_tensor.is_meta:
                     continue
@@ -186,6 +197,7 @@ def fsdp1_workload(base: type) -> Any:
 
     class Fsdp1(base):
         model: Any  # the PeftModel, then its FullyShardedDataParallel wrapper
+        reference: Any  # DPO/KTO's separate reference model, then its FullyShardedDataParallel wrapper
         #: FULL_SHARD (True, the default) or SHARD_GRAD_OP (False)
         reshard_after_forward: bool | None = None
         #: CPUOffload(offload_params=True): flat shards, their gradients and the optimizer step on the host
@@ -202,6 +214,8 @@ def fsdp1_workload(base: type) -> Any:
         #: FSDP1's ``sync_module_states`` (each unit broadcast from rank 0 as it is wrapped: :mod:`.sync`); the
         #: simulation turns it on only in the allocation stream, inside :func:`.sync.broadcasting`
         sync_module_states: bool = False
+        #: the fake-tensor storage checks are entered (:func:`.storage_checks.fake_storage_checks`, once per run)
+        _storage_checked: bool = False
 
         @contextlib.contextmanager
         def generating(self) -> Iterator[Any]:
@@ -261,12 +275,33 @@ def fsdp1_workload(base: type) -> Any:
                 self._init_base(self.model.get_base_model())
                 self._train_all()
                 self.model = self._wrap(self.model)
+            if self.reference is not None:  # DPO/KTO's ref_model: TRL's prepare_fsdp (trl/models/utils.py 292-312)
+                self.reference = self._wrap_reference(self.reference)
             # the materialisation memo (tied weights) must not outlive the wrapping: with use_orig_params=False
             # FSDP1 replaces the original parameters by views of its flat parameter, and a Trainer holds no other
             # reference to them (kept, they held the whole unsharded model: +1,089,952 B on the tiny test model)
             self._memo.clear()
 
-        def _wrap(self, model: Any) -> Any:
+        def _wrap_reference(self, reference: Any) -> Any:
+            """TRL's ``prepare_fsdp`` of DPO/KTO's separate reference model under FSDP1 (trl/models/utils.py 292-312,
+            TRL 1.16): the plugin's auto-wrap policy set for it (``set_auto_wrap_policy``: accelerate's
+            transformer-based wrap, one unit per decoder layer and the root) and ``FullyShardedDataParallel`` with the
+            plugin's options, the policy's own; made on the device whole and flattened as it is wrapped (or unit by
+            unit with :attr:`load_per_unit`), then in eval mode."""
+            if not self.load_per_unit:
+                for module in reference.modules():
+                    self._materialise_module(module, self.device, adapters=False)
+                self._init_base(reference)
+            wrapped = self._wrap(reference, _layer_policy(reference))
+            if self.load_per_unit:
+                self._init_base(reference)
+            for module in reference.modules():
+                if hasattr(module, "support_avx512bf16_for_cpu"):  # as on one device (Workload.materialise_base)
+                    module.support_avx512bf16_for_cpu = False
+            wrapped.eval()
+            return wrapped
+
+        def _wrap(self, model: Any, auto_wrap_policy: Any = None) -> Any:
             import torch
             from peft.utils.other import fsdp_auto_wrap_policy
             from torch._subclasses.fake_tensor import is_fake
@@ -301,12 +336,15 @@ def fsdp1_workload(base: type) -> Any:
                     else ShardingStrategy.HYBRID_SHARD
                 )
             stack = getattr(self, "stack", None)  # the estimate's workload: fake tensors
-            if stack is not None and (self.load_per_unit or any(is_fake(p) for p in model.parameters())):
+            fake = self.load_per_unit or any(is_fake(p) for p in model.parameters())
+            if stack is not None and fake and not self._storage_checked:  # once: a reference model is wrapped too
                 stack.enter_context(fake_storage_checks())
+                self._storage_checked = True
             wrapped = FullyShardedDataParallel(
                 model,
                 # full fine-tuning: accelerate's TRANSFORMER_BASED_WRAP (no PEFT model: no update_fsdp_plugin_peft)
-                auto_wrap_policy=_layer_policy(model) if self.spec.full else fsdp_auto_wrap_policy(model),
+                auto_wrap_policy=auto_wrap_policy
+                or (_layer_policy(model) if self.spec.full else fsdp_auto_wrap_policy(model)),
                 sharding_strategy=strategy,
                 use_orig_params=opts.use_orig_params,
                 limit_all_gathers=opts.limit_all_gathers,

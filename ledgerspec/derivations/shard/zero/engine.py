@@ -316,6 +316,8 @@ def zero_workload(base: type) -> Any:
         fp16: bool = False
         #: the simulation's side-keeping tracker under offload (:mod:`ledgerspec.derivations.shard.offload.zero`)
         sides: Any = None
+        #: DPO/KTO's separate reference model's engine (:meth:`prepare_reference`), None without one
+        reference_engine: Any = None
 
         @contextlib.contextmanager
         def generating(self) -> Iterator[Any]:
@@ -355,9 +357,11 @@ def zero_workload(base: type) -> Any:
             if adapters or self.options.stage != 3:
                 super()._materialise(device, adapters)
                 return
-            # zero.Init during from_pretrained: every frozen parameter is partitioned as soon as it exists
+            # zero.Init during from_pretrained: every frozen parameter is partitioned as soon as it exists; a separate
+            # reference model (DPO/KTO's ref_model, built by from_pretrained after the TrainingArguments) too
             init = self._zero_init()
-            for module in self.model.modules():
+            models = [self.model] if self.reference is None else [self.model, self.reference]
+            for module in (m for model in models for m in model.modules()):
                 for pname, p in list(module._parameters.items()):
                     if p is None or not p.is_meta or p.requires_grad:
                         continue
@@ -366,9 +370,27 @@ def zero_workload(base: type) -> Any:
                     init._convert_to_zero_parameters([new])
             super()._materialise(device, adapters)  # the buffers (whole on every rank)
 
-        def make_optimizer(self) -> Any:
-            from torch._subclasses.fake_tensor import is_fake
+        def prepare_reference(self) -> None:
+            """DPO/KTO's separate reference model as TRL's trainer prepares it under DeepSpeed, in its ``__init__``
+            (before the policy's engine exists): TRL's own ``prepare_deepspeed`` (trl/models/utils.py 246-289, TRL
+            1.16) with the Trainer's DeepSpeed config: under ZeRO-3 an engine of its own that keeps the reference
+            partitioned (no optimizer; its bucket sizes and persistence threshold from the hidden size), under
+            ZeRO-1/2 an engine with ZeRO off (stage 0): the reference whole on every rank, cast to bf16/fp16 with the
+            engine's mode. The reference's forward then goes through that engine (``self.ref_model(...)``)."""
+            from types import SimpleNamespace
 
+            from trl.models.utils import prepare_deepspeed
+
+            if self.reference is None or self.reference_engine is not None:
+                return
+            import_deepspeed(cpu=self.device_type == "cpu")
+            plugin = SimpleNamespace(deepspeed_config=ds_config(self.spec, self.options, self.bf16, self.fp16))
+            with _kept_in_place(self.reference):
+                self.reference_engine = prepare_deepspeed(
+                    self.reference, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+                )
+
+        def make_optimizer(self) -> Any:
             deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
             model = self.model
             client: Any = None
@@ -380,22 +402,14 @@ def zero_workload(base: type) -> Any:
                 if self.options.offload_optimizer:  # it steps the host partitions: torch's CPU defaults (no foreach)
                     self.optimizer_device = "cpu"
                 client = super().make_optimizer()
-            fake = any(is_fake(p) for p in model.parameters() if not p.is_meta)
-            if fake:
-                # engine._configure_distributed_model: `self.module.to(self.device)`, a no-op for tensors already
-                # on the CPU (Tensor.to aliases them); nn.Module._apply swaps fake tensors (a traceable wrapper
-                # subclass) with themselves, which the tracker's weakrefs forbid: the no-op is kept a no-op
-                model.to = lambda *args, **kwargs: model
-            try:
+            self.prepare_reference()  # TRL prepares it in its __init__, before the Trainer builds the policy's engine
+            with _kept_in_place(model):
                 engine, optimizer, _, _ = deepspeed.initialize(
                     model=model,
                     optimizer=client,
                     model_parameters=params,
                     config=ds_config(self.spec, self.options, self.bf16, self.fp16),
                 )
-            finally:
-                if fake:
-                    del model.to
             self.engine, self.optimizer = engine, optimizer
             if self.sides is not None:  # simulated offload: the host optimizer's allocations on the host
                 from ledgerspec.derivations.shard.offload.zero import host_optimizer
@@ -411,6 +425,23 @@ def zero_workload(base: type) -> Any:
 
     Zero.__name__ = Zero.__qualname__ = f"Zero{base.__name__}"
     return Zero
+
+
+@contextlib.contextmanager
+def _kept_in_place(model: Any) -> Iterator[None]:
+    """``deepspeed.initialize`` of ``model``: the engine's ``module.to(device)`` (``_configure_distributed_model``) is a
+    no-op for tensors already on the CPU (``Tensor.to`` aliases them); on fake tensors ``nn.Module._apply`` would swap
+    each (a traceable wrapper subclass) with itself, which the tracker's weakrefs forbid: the no-op is kept a no-op."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    fake = any(is_fake(p) for p in model.parameters() if not p.is_meta)
+    if fake:
+        model.to = lambda *args, **kwargs: model
+    try:
+        yield
+    finally:
+        if fake:
+            del model.to
 
 
 def zero_step(workload: Any, loop: type) -> Any:
@@ -448,12 +479,14 @@ def zero_step(workload: Any, loop: type) -> Any:
                 return super().forward(i)  # type: ignore[misc]
 
         def call_reference(self, inputs: dict[str, Any], **extra: Any) -> Any:
-            engine = self.w.model
+            engine, reference = self.w.model, self.w.reference
             self.w.model = self.w.engine.module  # TRL's `self.model`: the module the engine wraps
+            if self.w.reference_engine is not None:  # TRL's `self.ref_model`: prepare_deepspeed's engine
+                self.w.reference = self.w.reference_engine
             try:
                 return super().call_reference(inputs, **extra)  # type: ignore[misc]
             finally:
-                self.w.model = engine
+                self.w.model, self.w.reference = engine, reference
 
         def optimizer_step(self) -> None:
             self.w.engine.step()  # clipping (gradient_clipping), the wrapped optimizer's step, zeroed gradients
