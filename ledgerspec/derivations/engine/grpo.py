@@ -328,13 +328,14 @@ class GRPOLoop(DPOLoop):
         ``merge_adapter`` (each LoRA layer's delta added into its base weight; a 4-bit base dequantized, added and
         quantized again), every base parameter's data, then ``unmerge_adapter``."""
         model = self.w.model
-        model.merge_adapter()
-        for name, param in model.named_parameters():
-            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            if model.prefix in name or "original_module" in name:
-                continue
-            yield param.data
-        model.unmerge_adapter()
+        with self.w.syncing():  # TRL's gather_params around the merge (ZeRO-3: every parameter), :441-470
+            model.merge_adapter()
+            for name, param in model.named_parameters():
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                if model.prefix in name or "original_module" in name:
+                    continue
+                yield param.data
+            model.unmerge_adapter()
 
     @staticmethod
     def _packed_broadcast(tensors: Any) -> None:

@@ -482,11 +482,11 @@ class WorkloadSpec:
         return cls(**data)
 
 
-#: GRPO/RLOO with vLLM on several ranks: not run yet (its weight sync merges the adapters into the gathered model)
+#: GRPO/RLOO with vLLM under FSDP: not run (TRL merges the adapters into sharded parameters there)
 GENERATION_SHARDED = (
-    "training.objective grpo/rloo with use_vllm on several ranks is not simulated or measured yet: vLLM's weight sync "
-    "merges the adapters into the gathered model (VLLMGeneration._iter_named_params, gather_params); without vLLM it "
-    "is, under FSDP1, FSDP2 and DeepSpeed ZeRO"
+    "training.objective grpo/rloo with use_vllm under FSDP is not simulated or measured: vLLM's weight sync merges the "
+    "adapters into the sharded parameters (VLLMGeneration._iter_named_params; TRL's own 'does this work with FSDP?'); "
+    "under DeepSpeed ZeRO it is, and without vLLM under FSDP1 and FSDP2"
 )
 #: GRPOConfig's default ``max_completion_length`` (grpo_config.py:494, TRL 1.16)
 GRPO_COMPLETION = 512
@@ -1390,6 +1390,13 @@ class Workload:
         (trl/models/utils.py 134-154): on one device (and under FSDP2, ZeRO-1/2) the model itself; the sharded
         workloads that gather for it override this (ZeRO-3: every parameter, FSDP1: the root unit's)."""
         yield self.model
+
+    @contextlib.contextmanager
+    def syncing(self) -> Iterator[None]:
+        """What TRL gathers around vLLM's weight sync (``VLLMGeneration._iter_named_params``: ``gather_params`` of
+        every parameter, generation/vllm_generation.py 441-470): nothing on one device (and under ZeRO-1/2); ZeRO-3
+        overrides it."""
+        yield
 
     def step_class(self) -> type:
         """The class of the declared loop: the objective's TRL trainer step, TRL's SFT step where its own head runs

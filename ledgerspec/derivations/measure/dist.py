@@ -594,7 +594,7 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     from ledgerspec.derivations.shard.simulation import generation_refused
 
     generation = base.spec.get("generation")
-    elsewhere = generation_refused(generation.get("vllm")) if generation is not None else None
+    elsewhere = generation_refused(doc, generation.get("vllm")) if generation is not None else None
     if elsewhere is not None:
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 

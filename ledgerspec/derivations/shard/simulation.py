@@ -239,13 +239,17 @@ def fake_process_group(rank: int, world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def generation_refused(vllm: str | None) -> str | None:
+def generation_refused(doc: Document, vllm: str | None) -> str | None:
     """Where GRPO/RLOO's step (``vllm``: its ``GenerationSpec.vllm``) runs instead of these ranks, for the refusal's
     hint, or None when it runs here. Its generation on several ranks runs under every strategy, each gathering what
     TRL gathers for ``generate`` (the workload's ``generating``: FSDP2's registered forward method, FSDP1's
-    ``summon_full_params(recurse=False)``, ZeRO-3's ``GatheredParameters``); vLLM's weight sync is refused on any
-    strategy."""
-    return "one device" if vllm is not None else None
+    ``summon_full_params(recurse=False)``, ZeRO-3's ``GatheredParameters``). vLLM's weight sync runs under DeepSpeed
+    ZeRO (ZeRO-3: every parameter gathered for PEFT's merge, TRL's ``gather_params``) and is refused under FSDP, where
+    TRL merges the adapters into the sharded parameters (its own "does this work with FSDP?",
+    generation/vllm_generation.py 441-442)."""
+    from ledgerspec.derivations.shard.options import zero_stage
+
+    return "one device, or under DeepSpeed ZeRO" if vllm is not None and zero_stage(doc) is None else None
 
 
 def prepare_trace(
@@ -263,7 +267,7 @@ def prepare_trace(
         raise ValueError(f"target must be one of {E.TARGETS}")
     E._check_intake(doc)
     spec = WorkloadSpec.from_document(doc)
-    elsewhere = generation_refused(spec.generation.vllm) if spec.generation is not None else None
+    elsewhere = generation_refused(doc, spec.generation.vllm) if spec.generation is not None else None
     if elsewhere is not None:
         from ledgerspec.derivations.engine.workload import GENERATION_SHARDED
 

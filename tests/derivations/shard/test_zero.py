@@ -231,7 +231,7 @@ def test_which_objectives_run_under_zero(tmp_path: Path) -> None:
             assert refusal(stage, f"  objective: {objective}\n") is None, (stage, objective)
     precomputed = "  objective: dpo\n  objective_settings: {reference: precomputed}\n"
     assert "precomputed reference log-probs" in (refusal(2, precomputed) or "")
-    for stage, objective in itertools.product((1, 2, 3), ("grpo", "rloo")):  # truths: zero3-grpo, zero2-rloo
+    for stage, objective in itertools.product((1, 2, 3), ("grpo", "rloo")):  # truths: zero3-grpo, zero3-grpo-vllm
         assert refusal(stage, GRPO_TRAINING.format(objective=objective).removeprefix("training:\n")) is None
     head = "  kernels: {cross_entropy: trl_chunked_nll}\n"  # TRL's own head on the CPU: SFTTrainer's default loss
     for stage, on_cpu in itertools.product((2, 3), (True, False)):
@@ -247,11 +247,11 @@ def test_which_objectives_run_under_zero(tmp_path: Path) -> None:
         "zero",
         [
             *[(3, None), (2, None), (1, None), (3, "bf16"), (2, "fp16"), (3, "ga2"), (2, "ga2"), (3, "full")],
-            *[(2, "dpo"), (3, "dpo"), (3, "grpo"), (2, "rloo"), (3, "dpo-ref")],
+            *[(2, "dpo"), (3, "dpo"), (3, "grpo"), (3, "grpo-vllm"), (3, "dpo-ref")],
         ],
         [
             *["zero3", "zero2", "zero1", "zero3-bf16", "zero2-fp16", "zero3-ga2", "zero2-ga2", "zero3-full"],
-            *["zero2-dpo", "zero3-dpo", "zero3-grpo", "zero2-rloo", "zero3-dpo-ref"],
+            *["zero2-dpo", "zero3-dpo", "zero3-grpo", "zero3-grpo-vllm", "zero3-dpo-ref"],
         ],
     ),
 )
@@ -295,17 +295,23 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         # equal to the byte but for the gloo timings above (an adapter's 1,440 B broadcast, 4-8 B norms)
         text = path.read_text(encoding="utf-8")
         path.write_text(text + REFERENCE_TRAINING, "utf-8")
-    elif precision in ("grpo", "rloo"):
+    elif precision in ("grpo", "rloo", "grpo-vllm"):
         # GRPOTrainer's / RLOOTrainer's step (two completions of 4 tokens per prompt, transformers' generate) through
         # the engine: under ZeRO-3 its generate runs with every parameter gathered (TRL's GatheredParameters, the
         # engine's hooks removed). Run too (2026-12-03) and left out for CI's time: GRPO under ZeRO-1 and ZeRO-2, RLOO
         # under ZeRO-3 (equal but for a norm's 288 B all-gather gloo still held at the generation peak on both ranks:
         # GENERATION_GATHER), GRPO with two micro-steps and with beta 0.04 (the reference with adapters off) under
-        # ZeRO-3, RLOO with two micro-steps under ZeRO-2, every phase equal to the byte
+        # ZeRO-3, RLOO under ZeRO-2 (with two micro-steps too), every phase equal to the byte. -vllm: vLLM's server mode
+        # (no generate here; the weight sync gathers every parameter for PEFT's merge, TRL's gather_params, then the
+        # packed broadcast); run too and left out: colocate mode under ZeRO-2 and ZeRO-3, RLOO with vLLM under ZeRO-2,
+        # server mode under ZeRO-1, equal but for the gloo timings above
         text = path.read_text(encoding="utf-8")
         shapes = ("  max_length: 32\n  sequence_p50: 32\n  sequence_p95: 32\n", GRPO_LENGTHS)
         assert shapes[0] in text
-        path.write_text(text.replace(*shapes) + GRPO_TRAINING.format(objective=precision), "utf-8")
+        training = GRPO_TRAINING.format(objective=precision.removesuffix("-vllm"))
+        if precision.endswith("-vllm"):
+            training = training.replace("num_generations: 2}", "num_generations: 2, use_vllm: true, vllm_mode: server}")
+        path.write_text(text.replace(*shapes) + training, "utf-8")
     elif precision == "ga2":  # two micro-steps per optimizer step: the engine is told the boundary, as accelerate does
         text = path.read_text(encoding="utf-8")
         path.write_text(text.replace("gradient_accumulation: 1", "gradient_accumulation: 2"), encoding="utf-8")
@@ -360,7 +366,7 @@ def test_the_calculated_zero_row_of_full_fine_tuning_is_the_real_ranks(runs: dic
 def test_zero3_generation_holds_the_whole_model(runs: dict[str, Any]) -> None:
     """Under ZeRO-3 GRPO's ``generate`` runs with every parameter gathered at once: the generation phase holds, above
     the rank's model state, at least the whole model's parameters (counted from the model's descriptors)."""
-    if runs["precision"] not in ("grpo", "rloo") or runs["stage"] != 3:
+    if runs["precision"] not in ("grpo", "rloo") or runs["stage"] != 3:  # (with vLLM: no generate on the ranks)
         pytest.skip("the ZeRO-3 GRPO/RLOO runs")
     from ledgerspec.derivations.shard.model import document_descriptors
 

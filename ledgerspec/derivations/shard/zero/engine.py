@@ -337,6 +337,20 @@ def zero_workload(base: type) -> Any:
                 yield self.model
                 add_hooks(self.engine)
 
+        @contextlib.contextmanager
+        def syncing(self) -> Iterator[None]:
+            """vLLM's weight sync under ZeRO-3 (``VLLMGeneration._iter_named_params`` with a PEFT model,
+            generation/vllm_generation.py 441-470, TRL 1.16): every parameter gathered at once
+            (``gather_params(list(model.parameters()))``, ``GatheredParameters``) for PEFT's merge and the walk;
+            ZeRO-1/2 hold them whole already."""
+            if self.options.stage != 3:
+                yield
+                return
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.engine.parameters())):
+                yield
+
         def prepare(self) -> None:
             if self.model is not None:
                 return
