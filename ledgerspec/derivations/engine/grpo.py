@@ -334,7 +334,7 @@ class GRPOLoop(DPOLoop):
                 name = name.removeprefix("base_model.model.").replace(".base_layer", "")
                 if model.prefix in name or "original_module" in name:
                     continue
-                yield param.data
+                yield self.w.synced(param)
             model.unmerge_adapter()
 
     @staticmethod

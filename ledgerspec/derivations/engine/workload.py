@@ -482,11 +482,11 @@ class WorkloadSpec:
         return cls(**data)
 
 
-#: GRPO/RLOO with vLLM under FSDP: not run (TRL merges the adapters into sharded parameters there)
+#: GRPO/RLOO with vLLM under FSDP1: not run (TRL's walk summons each unit after merging into the sharded views)
 GENERATION_SHARDED = (
-    "training.objective grpo/rloo with use_vllm under FSDP is not simulated or measured: vLLM's weight sync merges the "
-    "adapters into the sharded parameters (VLLMGeneration._iter_named_params; TRL's own 'does this work with FSDP?'); "
-    "under DeepSpeed ZeRO it is, and without vLLM under FSDP1 and FSDP2"
+    "training.objective grpo/rloo with use_vllm under FSDP1 is not simulated or measured: vLLM's weight sync merges "
+    "the adapters into the sharded flat parameters, then summons each unit (VLLMGeneration._iter_fsdp1_params; TRL's "
+    "own 'does this work with FSDP?'); on FSDP2 ranks and under DeepSpeed ZeRO it is, and without vLLM under FSDP1"
 )
 #: GRPOConfig's default ``max_completion_length`` (grpo_config.py:494, TRL 1.16)
 GRPO_COMPLETION = 512
@@ -1397,6 +1397,11 @@ class Workload:
         every parameter, generation/vllm_generation.py 441-470): nothing on one device (and under ZeRO-1/2); ZeRO-3
         overrides it."""
         yield
+
+    def synced(self, param: Any) -> Any:
+        """What vLLM's weight sync hands over of ``param`` (``VLLMGeneration._iter_named_params``): its data on one
+        device and under DeepSpeed; FSDP2 overrides it."""
+        return param.data
 
     def step_class(self) -> type:
         """The class of the declared loop: the objective's TRL trainer step, TRL's SFT step where its own head runs

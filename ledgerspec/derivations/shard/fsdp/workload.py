@@ -102,6 +102,14 @@ def sharded_workload(base: type) -> Any:
 
                 register_fsdp_forward_method(model, "generate")
 
+        def synced(self, param: Any) -> Any:
+            """vLLM's weight sync under FSDP2 (``VLLMGeneration._iter_fsdp2_params``, generation/vllm_generation.py
+            407-425, TRL 1.16): each parameter all-gathered whole (``full_tensor()``; moved to the device first when
+            offloaded) as the walk reaches it, after PEFT merged the adapters into the sharded weights."""
+            if param.is_cpu and self.device_type != "cpu":
+                param = param.to(self.device)
+            return param.full_tensor()
+
         def _materialise(self, device: Any, adapters: bool) -> None:
             self._materialise_shards(device, adapters)
             super()._materialise(device, adapters)  # the replicated buffers; every parameter is done already
