@@ -54,21 +54,48 @@ class DPOLoop(TrainerLoop):
         self.held: dict[str, Any] = {}
         self.patched = False
 
-    def start(self, seq: int, micro_steps: int) -> None:
+    def precompute(self, model: Any, seq: int) -> None:
+        """One batch of TRL's precomputation of the reference log-probs (``_precompute_ref_logps`` ->
+        ``compute_ref_log_probs``, dpo_trainer.py:1168-1283, TRL 1.16), run in the trainer's ``__init__`` before the
+        training step exists: a preference batch of ``seq`` tokens through ``model`` (under DeepSpeed the inference
+        engine TRL builds of the policy for it and keeps, :1196-1201) with the adapters off, no grad and the policy's
+        checkpointing off, TRL's fused head; the per-sequence log-probs read back to the host, everything freed. What it
+        leaves is what the run then holds (under ZeRO-3 the engine's persistent parameters, gathered once)."""
         import torch
 
-        if not self.patched:
-            self.w.fused_lm_head(self.head_outputs)
-            reference = self.w.reference
-            if reference is not None:  # `add_fused_lm_head(self.ref_model)`: TRL's default fields (:961-962), before
-                # prepare_fsdp wraps it (:984-990): an FSDP1 wrapper's module is patched, its forward stays FSDP1's
-                self.w.fused_lm_head(REFERENCE_OUTPUTS, getattr(reference, "_fsdp_wrapped_module", reference))
-            if self.spec.disable_dropout:  # `disable_dropout_in_model` (trainer/utils.py:194-197), dpo_trainer.py:932
-                for model in (self.w.model, reference):  # the reference model's too (:934-935)
-                    for module in model.modules() if model is not None else ():
-                        if isinstance(module, torch.nn.Dropout):
-                            module.p = 0
-            self.patched = True
+        self._patch()
+        batch = self.w.preference_batch(seq)
+        kwargs = self.w.model_inputs({k: v for k, v in batch.items() if k not in _NON_MODEL_KEYS})
+        kwargs["use_cache"] = False  # :1251
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)  # :1252
+        with torch.no_grad(), self._no_checkpointing(), self._reference_adapter(), self.autocast():  # :1258-1263
+            per_token = model(**kwargs, labels=labels, fused_lm_head=True).log_probs  # :1264
+        shift_completion_mask = batch["completion_mask"][..., 1:]
+        per_token = per_token[:, -shift_completion_mask.size(1) :]
+        chosen, rejected = per_token.sum(dim=1).chunk(2, dim=0)  # :1269, :1283
+        _ = (chosen.cpu(), rejected.cpu())  # :1213-1217 (gather_for_metrics of one process: the same tensors)
+        del per_token, chosen, rejected, batch, kwargs, labels, shift_completion_mask
+
+    def _patch(self) -> None:
+        """TRL's ``__init__`` patches: the fused LM head (the reference model's too) and dropout off."""
+        import torch
+
+        if self.patched:
+            return
+        self.w.fused_lm_head(self.head_outputs)
+        reference = self.w.reference
+        if reference is not None:  # `add_fused_lm_head(self.ref_model)`: TRL's default fields (:961-962), before
+            # prepare_fsdp wraps it (:984-990): an FSDP1 wrapper's module is patched, its forward stays FSDP1's
+            self.w.fused_lm_head(REFERENCE_OUTPUTS, getattr(reference, "_fsdp_wrapped_module", reference))
+        if self.spec.disable_dropout:  # `disable_dropout_in_model` (trainer/utils.py:194-197), dpo_trainer.py:932
+            for model in (self.w.model, reference):  # the reference model's too (:934-935)
+                for module in model.modules() if model is not None else ():
+                    if isinstance(module, torch.nn.Dropout):
+                        module.p = 0
+        self.patched = True
+
+    def start(self, seq: int, micro_steps: int) -> None:
+        self._patch()
         super().start(seq, micro_steps)
 
     def fetch(self, seq: int, micro_steps: int) -> tuple[list[dict[str, Any]], Any]:

@@ -214,7 +214,7 @@ def test_the_engine_mixed_precision_modes_are_not_refused(tmp_path: Path) -> Non
 def test_which_objectives_run_under_zero(tmp_path: Path) -> None:
     """The DeepSpeed path runs the declared objective's own step through the engine, every stage (the truths: the
     ``zero2-dpo`` and ``zero3-dpo`` runs below). Refused in one line: precomputed reference log-probs (TRL's
-    inference engine for them) and generation (GRPO, RLOO)."""
+    inference engine for them, under ZeRO-3 and for KTO)."""
     from ledgerspec.derivations.engine.workload import WorkloadSpec
     from ledgerspec.derivations.shard.options import zero_options
     from ledgerspec.derivations.shard.zero.engine import zero_refusal
@@ -230,7 +230,9 @@ def test_which_objectives_run_under_zero(tmp_path: Path) -> None:
         for objective in ("dpo", "kto", "orpo", "cpo", "reward"):
             assert refusal(stage, f"  objective: {objective}\n") is None, (stage, objective)
     precomputed = "  objective: dpo\n  objective_settings: {reference: precomputed}\n"
-    assert "precomputed reference log-probs" in (refusal(2, precomputed) or "")
+    assert refusal(1, precomputed) is None and refusal(2, precomputed) is None  # truth: zero2-dpo-precomputed
+    assert "IndexError" in (refusal(3, precomputed) or "")  # DeepSpeed fails on TRL's two ZeRO-3 engines here
+    assert "KTO's precomputed" in (refusal(2, precomputed.replace("dpo", "kto")) or "")
     for stage, objective in itertools.product((1, 2, 3), ("grpo", "rloo")):  # truths: zero3-grpo, zero3-grpo-vllm
         assert refusal(stage, GRPO_TRAINING.format(objective=objective).removeprefix("training:\n")) is None
     head = "  kernels: {cross_entropy: trl_chunked_nll}\n"  # TRL's own head on the CPU: SFTTrainer's default loss
@@ -247,11 +249,11 @@ def test_which_objectives_run_under_zero(tmp_path: Path) -> None:
         "zero",
         [
             *[(3, None), (2, None), (1, None), (3, "bf16"), (2, "fp16"), (3, "ga2"), (2, "ga2"), (3, "full")],
-            *[(2, "dpo"), (3, "dpo"), (3, "grpo"), (3, "grpo-vllm"), (3, "dpo-ref")],
+            *[(2, "dpo"), (3, "dpo"), (3, "grpo"), (3, "grpo-vllm"), (3, "dpo-ref"), (2, "dpo-precomputed")],
         ],
         [
             *["zero3", "zero2", "zero1", "zero3-bf16", "zero2-fp16", "zero3-ga2", "zero2-ga2", "zero3-full"],
-            *["zero2-dpo", "zero3-dpo", "zero3-grpo", "zero3-grpo-vllm", "zero3-dpo-ref"],
+            *["zero2-dpo", "zero3-dpo", "zero3-grpo", "zero3-grpo-vllm", "zero3-dpo-ref", "zero2-dpo-precomputed"],
         ],
     ),
 )
@@ -288,6 +290,13 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         # timings above (CPO's rank 0 holding the load's last broadcast, 288 B; 8 B and 4 B of NORM_ALL_REDUCE)
         text = path.read_text(encoding="utf-8")
         path.write_text(text + "training:\n  loop: trainer\n  objective: dpo\n", "utf-8")
+    elif precision == "dpo-precomputed":
+        # DPO with precomputed reference log-probs: TRL's own prepare_deepspeed of the policy (ZeRO off for it:
+        # stage 0), kept, one batch of the precomputation through it before the Trainer's engine. Run too
+        # (2026-12-03): ZeRO-1, ZeRO-2 with bf16 (the stage-0 engine casts the policy first), equal but for the gloo
+        # timings above
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text + REFERENCE_TRAINING.replace("{reference: model}", "{reference: precomputed}"), "utf-8")
     elif precision == "dpo-ref":
         # DPO with a separate reference model: TRL's prepare_deepspeed gives it an engine of its own (ZeRO-3:
         # partitioned; ZeRO-1/2: ZeRO off, whole). Run too (2026-12-03) and left out for CI's time: ZeRO-2 (fp32 and

@@ -100,11 +100,20 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
     if spec.objective != "sft" and spec.reference == "precomputed":
-        return (
-            "precomputed reference log-probs under DeepSpeed ZeRO are not simulated or measured (TRL builds an "
-            "inference engine of the policy for them and keeps it beside the training one, dpo_trainer.py:1198-1200, "
-            "kto_trainer.py:1249-1251)"
-        )
+        if options is not None and options.stage == 3:
+            return (
+                "precomputed reference log-probs under DeepSpeed ZeRO-3 are not simulated or measured: TRL precomputes "
+                "them through a second ZeRO-3 engine of the policy that it keeps (dpo_trainer.py:1196-1201), and that "
+                "sequence (TRL's prepare_deepspeed of the policy, then the Trainer's engine over the same model) fails "
+                "inside DeepSpeed 0.19.8 when run here on two ranks (IndexError in the parameter coordinator's "
+                "record_parameters at the first training forward); ZeRO-1/2 are"
+            )
+        if spec.objective == "kto":
+            return (
+                "KTO's precomputed reference log-probs under DeepSpeed ZeRO are not simulated or measured (TRL builds "
+                "an inference engine of the policy for them and keeps it, kto_trainer.py:1249-1251); DPO's under "
+                "ZeRO-1/2 are"
+            )
     return None
 
 
@@ -318,6 +327,8 @@ def zero_workload(base: type) -> Any:
         sides: Any = None
         #: DPO/KTO's separate reference model's engine (:meth:`prepare_reference`), None without one
         reference_engine: Any = None
+        #: DPO's precomputation engine of the policy (:meth:`precompute_reference`), None without one
+        precompute_engine: Any = None
 
         @contextlib.contextmanager
         def generating(self) -> Iterator[Any]:
@@ -404,6 +415,25 @@ def zero_workload(base: type) -> Any:
                     self.reference, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
                 )
 
+        def precompute_reference(self) -> None:
+            """DPO with precomputed reference log-probs under DeepSpeed: TRL precomputes them in its ``__init__``
+            through an inference engine of the policy that it builds with its own ``prepare_deepspeed`` and keeps for
+            the run (dpo_trainer.py:1196-1201, TRL 1.16; under ZeRO-1/2 with ZeRO off: stage 0), one batch of the pass
+            run through it (:meth:`DPOLoop.precompute`)."""
+            from types import SimpleNamespace
+
+            from trl.models.utils import prepare_deepspeed
+
+            if self.spec.reference != "precomputed" or self.spec.objective != "dpo" or self.precompute_engine:
+                return  # (ZeRO-3 and KTO: refused, zero_refusal)
+            import_deepspeed(cpu=self.device_type == "cpu")
+            plugin = SimpleNamespace(deepspeed_config=ds_config(self.spec, self.options, self.bf16, self.fp16))
+            with _kept_in_place(self.model):
+                engine = prepare_deepspeed(self.model, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+            self.precompute_engine = engine
+            with zero3_enabled(self.options.stage == 3):
+                self.step.precompute(engine, self.spec.seq_worst)
+
         def make_optimizer(self) -> Any:
             deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
             model = self.model
@@ -417,6 +447,7 @@ def zero_workload(base: type) -> Any:
                     self.optimizer_device = "cpu"
                 client = super().make_optimizer()
             self.prepare_reference()  # TRL prepares it in its __init__, before the Trainer builds the policy's engine
+            self.precompute_reference()  # ... and precomputes the reference log-probs there
             with _kept_in_place(model):
                 engine, optimizer, _, _ = deepspeed.initialize(
                     model=model,
