@@ -54,6 +54,28 @@ class KTOLoop(DPOLoop):
         """The unpaired collator's micro-batches; no ``labels``, so no ``num_items_in_batch``."""
         return [self.w.kto_batch(seq) for _ in range(micro_steps)], None
 
+    def precompute(self, model: Any, seq: int) -> None:
+        """One batch of KTO's precomputation of the reference log-probs (``_precompute_ref_logps`` ->
+        ``compute_ref_log_probs``, :1220-1346), run in the trainer's ``__init__``: the rows' and then the KL rows'
+        forwards through ``model`` (under DeepSpeed the inference engine TRL builds of the policy and keeps,
+        :1248-1252) with the adapters off, no grad, the policy's checkpointing off and TRL's fused head, the first
+        one's log-probs held across the second; the summed log-probs read back to the host, everything freed."""
+        import torch
+
+        self._patch()
+        batch = self.w.kto_batch(seq)
+        rows = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        kl_rows = {"input_ids": batch["KL_input_ids"], "attention_mask": batch["KL_attention_mask"]}
+        with torch.no_grad(), self._no_checkpointing(), self._reference_adapter(), self.autocast():  # :1310-1315
+            labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+            per_token = model(**self.w.model_inputs(rows), labels=labels, fused_lm_head=True).log_probs
+            kl_labels = batch["KL_input_ids"].masked_fill(batch["KL_completion_mask"] == 0, -100)
+            kl_per_token = model(**self.w.model_inputs(kl_rows), labels=kl_labels, fused_lm_head=True).log_probs
+        completion = per_token[:, -(batch["input_ids"].size(1) - 1) :].sum(-1)  # :1335
+        kl = kl_per_token[:, -(batch["KL_input_ids"].size(1) - 1) :].sum(-1)
+        _ = (completion.cpu(), kl.cpu())  # :1263-1268
+        del per_token, kl_per_token, completion, kl, labels, kl_labels, batch, rows, kl_rows
+
     def _kl_logps(self, batch: dict[str, Any], reference: bool = False) -> Any:
         """``_compute_kl_logps`` (:1337-1368): the KL rows' summed log-probs; its labels and outputs go with it."""
         kwargs = {k: v for k, v in batch.items() if k not in _KL_NON_MODEL | {"ref_KL_logps"}}

@@ -482,11 +482,12 @@ class WorkloadSpec:
         return cls(**data)
 
 
-#: GRPO/RLOO with vLLM under FSDP1: not run (TRL's walk summons each unit after merging into the sharded views)
+#: GRPO/RLOO with vLLM under FSDP1: TRL's weight sync merges the adapters into FSDP1's sharded views first, which fails
 GENERATION_SHARDED = (
-    "training.objective grpo/rloo with use_vllm under FSDP1 is not simulated or measured: vLLM's weight sync merges "
-    "the adapters into the sharded flat parameters, then summons each unit (VLLMGeneration._iter_fsdp1_params; TRL's "
-    "own 'does this work with FSDP?'); on FSDP2 ranks and under DeepSpeed ZeRO it is, and without vLLM under FSDP1"
+    "training.objective grpo/rloo with use_vllm under FSDP1 is not simulated or measured: TRL's weight sync first runs "
+    "PEFT's merge_adapter on FSDP1's sharded parameter views (VLLMGeneration._iter_named_params), which fails in a "
+    "real two-rank run here (RuntimeError: inconsistent tensor size); on FSDP2 ranks and under DeepSpeed ZeRO it "
+    "runs, and without vLLM under FSDP1"
 )
 #: GRPOConfig's default ``max_completion_length`` (grpo_config.py:494, TRL 1.16)
 GRPO_COMPLETION = 512

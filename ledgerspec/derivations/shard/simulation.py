@@ -245,8 +245,8 @@ def generation_refused(doc: Document, vllm: str | None) -> str | None:
     TRL gathers for ``generate`` (the workload's ``generating``: FSDP2's registered forward method, FSDP1's
     ``summon_full_params(recurse=False)``, ZeRO-3's ``GatheredParameters``). vLLM's weight sync runs under DeepSpeed
     ZeRO (ZeRO-3: every parameter gathered for PEFT's merge, TRL's ``gather_params``) and FSDP2 (PEFT's merge into the
-    sharded weights, then each parameter's ``full_tensor()``: the workload's ``synced``); under FSDP1 it is refused
-    (TRL's walk summons each unit's flat parameter after merging into the sharded views: not run)."""
+    sharded weights, then each parameter's ``full_tensor()``: the workload's ``synced``); under FSDP1 it is refused:
+    TRL merges the adapters into FSDP1's sharded views first, which fails in a real run (``GENERATION_SHARDED``)."""
     from ledgerspec.derivations.shard.options import is_fsdp1
 
     return "one device, FSDP2 ranks or DeepSpeed ZeRO" if vllm is not None and is_fsdp1(doc) else None

@@ -96,10 +96,12 @@ def _step(mode: str, fake: bool) -> tuple[list[tuple[Any, ...]], int, int]:
     import contextlib
 
     from ledgerspec.derivations.engine.grpo import GRPOLoop
+    from ledgerspec.derivations.engine.workload import Workload
 
     model, fake_mode = _fake(_model()) if fake else (_model(), None)
-    loop = object.__new__(GRPOLoop)  # the sync reads the model and the mode only
+    loop = object.__new__(GRPOLoop)  # the sync reads the model, the mode and one device's sync hooks only
     loop.w = types.SimpleNamespace(model=model, spec=types.SimpleNamespace(generation=types.SimpleNamespace(vllm=mode)))
+    loop.w.syncing, loop.w.synced = (lambda: Workload.syncing(loop.w)), (lambda p: Workload.synced(loop.w, p))
     loop.weight_metadata = False
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         return _events(loop._sync_weights, model)

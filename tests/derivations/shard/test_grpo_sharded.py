@@ -106,9 +106,9 @@ def test_grpo_with_vllm_on_two_fsdp2_ranks_is_the_simulated_step(tmp_path: Path)
 
 
 def test_grpo_with_vllm_under_fsdp1_is_refused_in_one_line(tmp_path: Path) -> None:
-    """TRL's weight sync under FSDP1 summons each unit's flat parameter after merging the adapters into the sharded
-    views (its own "does this work with FSDP?"): refused, the hint naming what runs (FSDP2 ranks and DeepSpeed ZeRO,
-    ``test_zero.py``, ``zero3-grpo-vllm``)."""
+    """TRL's weight sync under FSDP1 first runs PEFT's ``merge_adapter`` on FSDP1's sharded parameter views (its own
+    "does this work with FSDP?"), which fails in a real two-rank run (2026-12-03: "inconsistent tensor size"): refused,
+    the hint naming what runs (FSDP2 ranks and DeepSpeed ZeRO, ``test_zero.py``, ``zero3-grpo-vllm``)."""
     pytest.importorskip("torch")
     from ledgerspec.derivations.measure.dist import make_request
     from ledgerspec.derivations.shard.sharder import shard

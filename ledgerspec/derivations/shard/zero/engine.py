@@ -99,21 +99,14 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
         )
     if spec.quant is not None:
         return "QLoRA under DeepSpeed ZeRO is not simulated or measured"
-    if spec.objective != "sft" and spec.reference == "precomputed":
-        if options is not None and options.stage == 3:
-            return (
-                "precomputed reference log-probs under DeepSpeed ZeRO-3 are not simulated or measured: TRL precomputes "
-                "them through a second ZeRO-3 engine of the policy that it keeps (dpo_trainer.py:1196-1201), and that "
-                "sequence (TRL's prepare_deepspeed of the policy, then the Trainer's engine over the same model) fails "
-                "inside DeepSpeed 0.19.8 when run here on two ranks (IndexError in the parameter coordinator's "
-                "record_parameters at the first training forward); ZeRO-1/2 are"
-            )
-        if spec.objective == "kto":
-            return (
-                "KTO's precomputed reference log-probs under DeepSpeed ZeRO are not simulated or measured (TRL builds "
-                "an inference engine of the policy for them and keeps it, kto_trainer.py:1249-1251); DPO's under "
-                "ZeRO-1/2 are"
-            )
+    if spec.objective != "sft" and spec.reference == "precomputed" and options is not None and options.stage == 3:
+        return (
+            "precomputed reference log-probs under DeepSpeed ZeRO-3 are not simulated or measured: TRL precomputes "
+            "them through a second ZeRO-3 engine of the policy that it keeps (dpo_trainer.py:1196-1201, "
+            "kto_trainer.py:1248-1252), and that sequence (TRL's prepare_deepspeed of the policy, then the Trainer's "
+            "engine over the same model) fails inside DeepSpeed 0.19.8 when run here on two ranks (IndexError in the "
+            "parameter coordinator's record_parameters at the first training forward); ZeRO-1/2 are"
+        )
     return None
 
 
@@ -416,16 +409,18 @@ def zero_workload(base: type) -> Any:
                 )
 
         def precompute_reference(self) -> None:
-            """DPO with precomputed reference log-probs under DeepSpeed: TRL precomputes them in its ``__init__``
+            """DPO/KTO with precomputed reference log-probs under DeepSpeed: TRL precomputes them in its ``__init__``
             through an inference engine of the policy that it builds with its own ``prepare_deepspeed`` and keeps for
-            the run (dpo_trainer.py:1196-1201, TRL 1.16; under ZeRO-1/2 with ZeRO off: stage 0), one batch of the pass
-            run through it (:meth:`DPOLoop.precompute`)."""
+            the run (dpo_trainer.py:1196-1201, kto_trainer.py:1248-1252, TRL 1.16; under ZeRO-1/2 with ZeRO off:
+            stage 0), one batch of the pass run through it (the loop's ``precompute``)."""
             from types import SimpleNamespace
 
             from trl.models.utils import prepare_deepspeed
 
-            if self.spec.reference != "precomputed" or self.spec.objective != "dpo" or self.precompute_engine:
-                return  # (ZeRO-3 and KTO: refused, zero_refusal)
+            if self.spec.reference != "precomputed" or self.spec.objective not in ("dpo", "kto"):
+                return
+            if self.precompute_engine is not None:  # (ZeRO-3: refused, zero_refusal)
+                return
             import_deepspeed(cpu=self.device_type == "cpu")
             plugin = SimpleNamespace(deepspeed_config=ds_config(self.spec, self.options, self.bf16, self.fp16))
             with _kept_in_place(self.model):
