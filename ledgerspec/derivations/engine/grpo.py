@@ -314,21 +314,27 @@ class GRPOLoop(DPOLoop):
         packed broadcast (:505). Colocate: one walk, each parameter handed to vLLM's ``load_weights``, which copies it
         into vLLM's own weights, inside vLLM's share of the card (:509-511)."""
         if self.vllm == "server":
+            import torch.distributed as dist
+
             if not self.weight_metadata:
                 for _ in self._iter_named_params():
                     pass
                 self.weight_metadata = True
-            self._packed_broadcast(self._iter_named_params())
+            if not dist.is_initialized() or dist.get_rank() == 0:  # accelerator.is_main_process (:504-508)
+                self._packed_broadcast(self._iter_named_params())
+            else:  # the other ranks walk the parameters only: the gathers are collectives
+                for _ in self._iter_named_params():
+                    pass
         else:
             for _ in self._iter_named_params():
                 pass
 
     def _iter_named_params(self) -> Any:
-        """``VLLMGeneration._iter_named_params`` for a PEFT model on one process (:435-470): PEFT's own
+        """``VLLMGeneration._iter_named_params`` for a PEFT model (:435-470): PEFT's own
         ``merge_adapter`` (each LoRA layer's delta added into its base weight; a 4-bit base dequantized, added and
         quantized again), every base parameter's data, then ``unmerge_adapter``."""
         model = self.w.model
-        with self.w.syncing():  # TRL's gather_params around the merge (ZeRO-3: every parameter), :441-470
+        with self.w.syncing():  # TRL's gather_params around the merge (ZeRO-3: every parameter), :447
             model.merge_adapter()
             for name, param in model.named_parameters():
                 name = name.removeprefix("base_model.model.").replace(".base_layer", "")

@@ -66,8 +66,8 @@ class DPOLoop(TrainerLoop):
         self._patch()
         batch = self.w.preference_batch(seq)
         kwargs = self.w.model_inputs({k: v for k, v in batch.items() if k not in _NON_MODEL_KEYS})
-        kwargs["use_cache"] = False  # :1251
-        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)  # :1252
+        kwargs["use_cache"] = False  # :1248
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)  # :1249
         with torch.no_grad(), self._no_checkpointing(), self._reference_adapter(), self.autocast():  # :1258-1263
             per_token = model(**kwargs, labels=labels, fused_lm_head=True).log_probs  # :1264
         shift_completion_mask = batch["completion_mask"][..., 1:]
@@ -142,12 +142,15 @@ class DPOLoop(TrainerLoop):
 
     def call_reference(self, inputs: dict[str, Any], **extra: Any) -> Any:
         """The reference's model call: the policy's (its adapters switched by :meth:`_reference_adapter`), or the
-        separate reference model's, prepared by accelerate as the policy is (``prepare_model(ref_model,
+        separate reference model's: on one device prepared by accelerate as the policy is (``prepare_model(ref_model,
         evaluation_mode=True)``, dpo_trainer.py:990: under mixed precision its forward in the autocast region and its
-        outputs converted to fp32, accelerator.py ``prepare_model``)."""
+        outputs converted to fp32, accelerator.py ``prepare_model``); sharded (``reference_autocast`` false) by TRL's
+        ``prepare_fsdp``/``prepare_deepspeed``, which wrap no autocast around it."""
         reference = self.w.reference
         if reference is None:
             return self.call(inputs, **extra)
+        if not self.w.reference_autocast:  # TRL's prepare_fsdp/prepare_deepspeed wrap no autocast
+            return reference(**inputs, **extra)  # around it (trl/models/utils.py 246-342)
         with self.autocast():
             outputs = reference(**inputs, **extra)
         return convert_to_fp32(outputs) if self.spec.autocast_dtype is not None else outputs

@@ -801,6 +801,10 @@ class Workload:
         self.optimizer_device: str | None = None
         self._step: Any = None
 
+    #: DPO/KTO's separate reference model runs in accelerate's autocast region (``prepare_model``); the sharded
+    #: workloads say no (TRL's ``prepare_fsdp`` wraps none)
+    reference_autocast = True
+
     @property
     def census_model(self) -> Any:
         """What the census of held tensors walks: the model, and beside it a separate reference model (DPO/KTO's

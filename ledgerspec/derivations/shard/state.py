@@ -261,10 +261,15 @@ def with_reference(
     at_its_forward = whole + kept_after_forward(plan.unit_unsharded, plan.reshard_after_forward)
     ranks = []
     for rs, r in zip(plan.ranks, ref.ranks, strict=True):
-        gathered = max(rs.gathered, at_its_forward) + (0 if reshard_after_forward else whole)
+        # resharded after its forward: the larger of the policy's peak set and the reference at its forward; kept
+        # gathered: the whole reference beside whatever the policy holds
+        gathered = max(rs.gathered, at_its_forward) if reshard_after_forward else rs.gathered + whole
         ranks.append(replace(rs, frozen_base=rs.frozen_base + r.frozen_base, gathered=gathered))
     units = {**plan.unit_unsharded, REFERENCE: whole}
-    held = plan.gathered_units if max(r.gathered for r in plan.ranks) >= at_its_forward else [REFERENCE]
+    if not reshard_after_forward:
+        held = [*plan.gathered_units, REFERENCE]
+    else:
+        held = plan.gathered_units if max(r.gathered for r in plan.ranks) >= at_its_forward else [REFERENCE]
     note = (
         "DPO/KTO's reference model: one fully_shard of its root (TRL's prepare_fsdp), its shards beside the policy's, "
         "the whole of it gathered for its forward"
@@ -405,7 +410,7 @@ def with_fsdp1_reference(plan: Fsdp1Plan, reference: Fsdp1Plan) -> Fsdp1Plan:
         "DPO/KTO's reference model: FSDP1 units per decoder layer and the root (TRL's prepare_fsdp), its flat shards "
         "beside the policy's, its root kept gathered after its forward (no backward reshards it)"
     )
-    merged = {**plan.unit_unsharded, **{f"{REFERENCE}.{u}" if u else REFERENCE: b for u, b in units.items()}}
+    merged = {**plan.unit_unsharded, **{REFERENCE if u == ROOT else f"{REFERENCE}.{u}": b for u, b in units.items()}}
     held = [*plan.gathered_units, REFERENCE if reference.reshard_after_forward else f"{REFERENCE} (every unit)"]
     return replace(plan, ranks=ranks, unit_unsharded=merged, gathered_units=held, notes=[*plan.notes, note])
 

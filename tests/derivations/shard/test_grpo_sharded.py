@@ -45,8 +45,6 @@ LENGTHS = (
 
 def _grpo(tmp: Path, strategy: str = "fsdp2", objective: str = "grpo") -> Path:
     replaced = [LENGTHS] + ([("  strategy: fsdp2\n", f"  strategy: {strategy}\n")] if strategy != "fsdp2" else [])
-    if strategy.startswith("zero"):
-        replaced.append(("  sharding: fsdp2\n", f"  sharding: {strategy}\n"))
     return fp32_fsdp2_ledger(tmp, f"{objective}-{strategy}", GRPO.format(objective=objective), *replaced)
 
 

@@ -37,8 +37,6 @@ REFERENCE = "training:\n  loop: trainer\n  objective: {objective}\n  objective_s
 
 def _ledger(tmp: Path, objective: str = "dpo", strategy: str = "fsdp2") -> Path:
     replaced = [("  strategy: fsdp2\n", f"  strategy: {strategy}\n")] if strategy != "fsdp2" else []
-    if strategy.startswith("zero"):
-        replaced.append(("  sharding: fsdp2\n", f"  sharding: {strategy}\n"))
     return fp32_fsdp2_ledger(tmp, f"{objective}-{strategy}", REFERENCE.format(objective=objective), *replaced)
 
 

@@ -21,8 +21,12 @@ be higher by the bytes of one parameter broadcast in that phase, or (seen once, 
 same timing once held ZeRO-2's one-element gradient-norm all-reduce (4 B) into a measured optimizer step
 (``NORM_ALL_REDUCE``), and once (CI) kept the load's held broadcast into ``after_adapter_injection``, the same
 bytes as ``after_load``'s (``explained_by_gloo_timing``), and once (CI) held one norm's all-gather in a ZeRO-3 forward
-(``FORWARD_GATHER``, 288 B), and once (CI) the same in a ZeRO-3 backward (``BACKWARD_GATHER``). Every other phase is
-equal to the byte.
+(``FORWARD_GATHER``, 288 B), once (CI) the same in a ZeRO-3 backward (``BACKWARD_GATHER``), and (RLOO) at ZeRO-3's
+generation peak, where ``GatheredParameters`` gathers every parameter for ``generate`` (``GENERATION_GATHER``). Every
+other phase is equal to the byte.
+The separate reference model's calculated ZeRO rows are checked against the same ledger's rows with the adapters-off
+reference, their growth counted from the model's descriptors (``ceil(numel / 2)`` per parameter under ZeRO-3), not
+against a run: the run checks the partitions at load.
 DeepSpeed's bf16 and fp16 modes (the Trainer's ``--bf16`` / ``--fp16``) run too: every phase of both stages equal,
 with the same broadcast timing; so does ZeRO-1.
 """
@@ -232,7 +236,7 @@ def test_which_objectives_run_under_zero(tmp_path: Path) -> None:
     precomputed = "  objective: dpo\n  objective_settings: {reference: precomputed}\n"
     assert refusal(1, precomputed) is None and refusal(2, precomputed) is None  # truth: zero2-dpo-precomputed
     assert "IndexError" in (refusal(3, precomputed) or "")  # DeepSpeed fails on TRL's two ZeRO-3 engines here
-    assert refusal(2, precomputed.replace("dpo", "kto")) is None  # KTO's too (run once: module docstring)
+    assert refusal(2, precomputed.replace("dpo", "kto")) is None  # KTO's too (run once: docs/objectives.md)
     for stage, objective in itertools.product((1, 2, 3), ("grpo", "rloo")):  # truths: zero3-grpo, zero3-grpo-vllm
         assert refusal(stage, GRPO_TRAINING.format(objective=objective).removeprefix("training:\n")) is None
     head = "  kernels: {cross_entropy: trl_chunked_nll}\n"  # TRL's own head on the CPU: SFTTrainer's default loss
@@ -427,7 +431,7 @@ def test_the_rank_holds_partitions_not_the_model(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_a_separate_reference_model_is_held_as_trl_prepares_it(runs: dict[str, Any], tmp_path: Path) -> None:
+def test_a_separate_reference_model_is_held_as_trl_prepares_it(runs: dict[str, Any]) -> None:
     """TRL's ``prepare_deepspeed`` under ZeRO-3: the reference is loaded partitioned as the policy is, so after the load
     each rank holds both models' partitions (``ceil(numel / 2)`` elements per parameter, counted from the model's
     descriptors) and both models' buffers; ``shard``'s calculated rows hold the reference too (ZeRO-3: its partitions,

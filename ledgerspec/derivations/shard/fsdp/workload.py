@@ -60,6 +60,8 @@ def sharded_workload(base: type) -> Any:
         reshard_after_forward: bool | None = None
         #: CPUOffloadPolicy(pin_memory=False): shards, their gradients and the optimizer step on the host (issue 16)
         cpu_offload: bool = False
+        #: DPO/KTO's separate reference model runs without accelerate's autocast (TRL's prepare_fsdp wraps none)
+        reference_autocast = False
         #: ids of the bitsandbytes Linear4bit modules whose packed weight FSDP2 shards
         _4bit_modules: frozenset[int] | set[int] = frozenset()
 
@@ -104,7 +106,7 @@ def sharded_workload(base: type) -> Any:
 
         def synced(self, param: Any) -> Any:
             """vLLM's weight sync under FSDP2 (``VLLMGeneration._iter_fsdp2_params``, generation/vllm_generation.py
-            407-425, TRL 1.16): each parameter all-gathered whole (``full_tensor()``; moved to the device first when
+            408-426, TRL 1.16): each parameter all-gathered whole (``full_tensor()``; moved to the device first when
             offloaded) as the walk reaches it, after PEFT merged the adapters into the sharded weights."""
             if param.is_cpu and self.device_type != "cpu":
                 param = param.to(self.device)
@@ -210,6 +212,8 @@ def fsdp1_workload(base: type) -> Any:
         reshard_after_forward: bool | None = None
         #: CPUOffload(offload_params=True): flat shards, their gradients and the optimizer step on the host
         cpu_offload: bool = False
+        #: DPO/KTO's separate reference model runs without accelerate's autocast (TRL's prepare_fsdp wraps none)
+        reference_autocast = False
         #: the simulation of a declared transformers < 4.52: checkpoint each unit from outside
         #: (:mod:`ledgerspec.derivations.shard.fsdp.legacy_checkpoint`); a measurement runs the installed stack as it is
         checkpoint_outside: bool = False

@@ -339,7 +339,7 @@ def zero_workload(base: type) -> Any:
             with deepspeed.zero.GatheredParameters(self.engine.parameters()):
                 remove_hooks(self.engine)
                 yield self.model
-                add_hooks(self.engine)
+                add_hooks(self.engine)  # not after an error, as in TRL's (models/utils.py 147-150)
 
         @contextlib.contextmanager
         def syncing(self) -> Iterator[None]:
@@ -392,7 +392,8 @@ def zero_workload(base: type) -> Any:
             """DPO/KTO's separate reference model as TRL's trainer prepares it under DeepSpeed, in its ``__init__``
             (before the policy's engine exists): TRL's own ``prepare_deepspeed`` (trl/models/utils.py 246-289, TRL
             1.16) with the Trainer's DeepSpeed config: under ZeRO-3 an engine of its own that keeps the reference
-            partitioned (no optimizer; its bucket sizes and persistence threshold from the hidden size), under
+            partitioned (no optimizer; TRL's bucket sizes and persistence threshold from the hidden size are written
+            as dotted top-level keys, which DeepSpeed does not read: the Trainer's config's own apply), under
             ZeRO-1/2 an engine with ZeRO off (stage 0): the reference whole on every rank, cast to bf16/fp16 with the
             engine's mode. The reference's forward then goes through that engine (``self.ref_model(...)``)."""
             from types import SimpleNamespace
@@ -426,8 +427,7 @@ def zero_workload(base: type) -> Any:
             with _kept_in_place(self.model):
                 engine = prepare_deepspeed(self.model, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
             self.precompute_engine = engine
-            with zero3_enabled(self.options.stage == 3):
-                self.step.precompute(engine, self.spec.seq_worst)
+            self.step.precompute(engine, self.spec.seq_worst)  # (ZeRO-1/2 only: zero_refusal)
 
         def make_optimizer(self) -> Any:
             deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
@@ -517,6 +517,14 @@ def zero_step(workload: Any, loop: type) -> Any:
         def forward(self, i: int) -> Any:
             with self._engine(), zero3_enabled(self.w.options.stage == 3):
                 return super().forward(i)  # type: ignore[misc]
+
+        def generate(self, i: int) -> None:
+            """GRPO's/RLOO's generation phase with transformers saying ZeRO-3 is on, as in the Trainer's run (TRL's
+            head then gathers ``lm_head`` for the old-policy and reference log-probs). ``generate``'s own
+            ``synced_gpus`` (true there) stays false: transformers read the flag at import; it adds a 4-byte flag per
+            decoding step."""
+            with zero3_enabled(self.w.options.stage == 3):
+                super().generate(i)  # type: ignore[misc]
 
         def call_reference(self, inputs: dict[str, Any], **extra: Any) -> Any:
             engine, reference = self.w.model, self.w.reference
