@@ -115,3 +115,24 @@ def test_a_gptq_base_beside_a_reference_model_is_refused(tmp_path: Path) -> None
     with pytest.raises(LedgerspecError, match="reference model beside a GPTQ base") as err:
         WorkloadSpec.from_document(from_text(text, str(tmp_path / "ref.ledger.yaml")))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_the_calculated_fsdp2_reference_is_gathered_once(tmp_path: Path, reshard: bool) -> None:
+    """``shard``'s calculated FSDP2 row with a separate reference model: resharded after its forward, the gathered
+    parameters are the larger of the policy's peak set and the whole reference (one unit); kept gathered
+    (``reshard_after_forward: false``), the whole reference beside every policy unit, counted once."""
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.shard import state as S
+    from ledgerspec.derivations.shard.model import document_descriptors
+
+    descriptors = document_descriptors(load(_ledger(tmp_path)))
+    policy = S.fsdp2(descriptors, 2, reshard_after_forward=reshard)
+    base = [dataclasses.replace(d, unit=S.ROOT) for d in descriptors if d.kind == "param" and not d.trainable]
+    whole = S.unit_unsharded_bytes(base, 2)[S.ROOT]
+    plan = S.with_reference(policy, descriptors, 2, reshard)
+    for rank, before in zip(plan.ranks, policy.ranks, strict=True):
+        if reshard:
+            assert rank.gathered == max(before.gathered, whole)
+        else:
+            assert rank.gathered == sum(policy.unit_unsharded.values()) + whole
