@@ -313,19 +313,16 @@ class GRPOLoop(DPOLoop):
         parameters once for their names, dtypes and shapes (:499-503), then every sync walks them again into vLLM's
         packed broadcast (:505). Colocate: one walk, each parameter handed to vLLM's ``load_weights``, which copies it
         into vLLM's own weights, inside vLLM's share of the card (:509-511)."""
-        if self.vllm == "server":
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            if not self.weight_metadata:
-                for _ in self._iter_named_params():
-                    pass
-                self.weight_metadata = True
-            if not dist.is_initialized() or dist.get_rank() == 0:  # accelerator.is_main_process (:504-508)
-                self._packed_broadcast(self._iter_named_params())
-            else:  # the other ranks walk the parameters only: the gathers are collectives
-                for _ in self._iter_named_params():
-                    pass
-        else:
+        server = self.vllm == "server"
+        if server and not self.weight_metadata:
+            for _ in self._iter_named_params():
+                pass
+            self.weight_metadata = True
+        if server and (not dist.is_initialized() or dist.get_rank() == 0):  # accelerator.is_main_process (:504-508)
+            self._packed_broadcast(self._iter_named_params())
+        else:  # colocate: each parameter to load_weights; server, the other ranks: the walk only (its gathers)
             for _ in self._iter_named_params():
                 pass
 

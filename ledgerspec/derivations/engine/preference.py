@@ -59,8 +59,8 @@ class DPOLoop(TrainerLoop):
         ``compute_ref_log_probs``, dpo_trainer.py:1168-1283, TRL 1.16), run in the trainer's ``__init__`` before the
         training step exists: a preference batch of ``seq`` tokens through ``model`` (under DeepSpeed the inference
         engine TRL builds of the policy for it and keeps, :1196-1201) with the adapters off, no grad and the policy's
-        checkpointing off, TRL's fused head; the per-sequence log-probs read back to the host, everything freed. What it
-        leaves is what the run then holds (under ZeRO-3 the engine's persistent parameters, gathered once)."""
+        checkpointing off, TRL's fused head; the per-sequence log-probs read back to the host, everything freed: what
+        it leaves (the engine) is what the run then holds."""
         import torch
 
         self._patch()

@@ -120,13 +120,12 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
             gathered_dtype,
             buffer_dtype=mp.buffer_dtype if mp else None,
         )
-        frozen = [d for d in descs if not d.trainable]
-        reference = S.fsdp1(
-            frozen, world, optimizer, reshard is not False, gathered_dtype, buffer_dtype=mp.buffer_dtype if mp else None
-        )
         units = plan.unit_unsharded  # the policy's (the simulation's "kept after the forward" counts the policy's)
         kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
         if separate_reference(doc):
+            frozen = [d for d in descs if not d.trainable]
+            buffers = mp.buffer_dtype if mp else None
+            reference = S.fsdp1(frozen, world, optimizer, reshard is not False, gathered_dtype, buffer_dtype=buffers)
             plan = S.with_fsdp1_reference(plan, reference)
     else:
         plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False, param_dtype=gathered_dtype)

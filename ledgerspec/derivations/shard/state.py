@@ -24,7 +24,7 @@ flat partitions (a few elements) is not modelled: the ZeRO figures use ``ceil(N 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import ceil, prod
 
 from ledgerspec.contract import dtypes
@@ -253,8 +253,6 @@ def with_reference(
     frozen parameters, no adapter), sharded on dim 0 as the policy's, its buffers whole on every rank; its forward
     gathers the whole of it at once (one unit), beside what the policy keeps gathered after its own forward
     (:func:`kept_after_forward`); with ``reshard_after_forward`` false it stays gathered."""
-    from dataclasses import replace
-
     base = [replace(p, unit=ROOT) for p in params if not p.trainable]
     ref = fsdp2(base, world, reshard_after_forward=True, param_dtype=plan.param_dtype)
     whole = ref.unit_unsharded.get(ROOT, 0)
@@ -306,8 +304,6 @@ def peft_fsdp1_units(params: list[ParamDesc]) -> list[ParamDesc]:
     Linear, a ``modules_to_save`` copy ...). So no flat parameter mixes frozen and trainable tensors (or the
     float32 adapter dtype with a bf16 base, which FSDP1 refuses: "Must flatten tensors with uniform dtype").
     """
-    from dataclasses import replace
-
     out = []
     for p in params:
         if p.kind == "param" and p.trainable and "." in p.name:
@@ -398,8 +394,6 @@ def with_fsdp1_reference(plan: Fsdp1Plan, reference: Fsdp1Plan) -> Fsdp1Plan:
     decoder layer and the root: accelerate's transformer-based wrap). Each rank holds its flat shards beside the
     policy's; its forward runs without grad, so no backward reshards its root after it: FULL_SHARD keeps the root
     gathered from its first forward on (SHARD_GRAD_OP every unit), beside what the policy gathers."""
-    from dataclasses import replace
-
     units = reference.unit_unsharded
     kept = units.get(ROOT, 0) if reference.reshard_after_forward else sum(units.values())
     ranks = [
@@ -609,8 +603,6 @@ def with_zero_reference(z: ZeroState, world: int, frozen_bytes: int, replicated_
     246-289, TRL 1.16): under ZeRO-3 loaded partitioned (``zero.Init``) and kept so by an engine of its own (on the
     host with ``offload_param``, which TRL keeps), under ZeRO-1/2 with ZeRO off (stage 0): whole on every rank.
     ``frozen_bytes``: the base's parameters; ``replicated_bytes``: its buffers (whole on every rank)."""
-    from dataclasses import replace
-
     if z.stage < 3:
         return replace(z, parameters=z.parameters + frozen_bytes + replicated_bytes)
     if z.offload:

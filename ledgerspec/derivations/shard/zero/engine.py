@@ -267,7 +267,8 @@ def zero3_enabled(on: bool) -> Iterator[None]:
     run with a ZeRO-3 config (``TrainingArguments`` keeps an ``HfTrainerDeepSpeedConfig``, which
     ``is_deepspeed_zero3_enabled`` reads): TRL's fused LM head then gathers ``lm_head``'s partitioned weight around
     its kernel (``trl/trainer/utils.py`` ``maybe_gather_lm_head_ctx``, read at each call). Only around the step's
-    forward: the model is built and partitioned here without transformers' own ``zero.Init`` path."""
+    forward and GRPO's generation phase: the model is built and partitioned here without transformers' own
+    ``zero.Init`` path."""
     if not on:
         yield
         return
@@ -388,46 +389,39 @@ def zero_workload(base: type) -> Any:
                     init._convert_to_zero_parameters([new])
             super()._materialise(device, adapters)  # the buffers (whole on every rank)
 
-        def prepare_reference(self) -> None:
-            """DPO/KTO's separate reference model as TRL's trainer prepares it under DeepSpeed, in its ``__init__``
-            (before the policy's engine exists): TRL's own ``prepare_deepspeed`` (trl/models/utils.py 246-289, TRL
-            1.16) with the Trainer's DeepSpeed config: under ZeRO-3 an engine of its own that keeps the reference
-            partitioned (no optimizer; TRL's bucket sizes and persistence threshold from the hidden size are written
-            as dotted top-level keys, which DeepSpeed does not read: the Trainer's config's own apply), under
-            ZeRO-1/2 an engine with ZeRO off (stage 0): the reference whole on every rank, cast to bf16/fp16 with the
-            engine's mode. The reference's forward then goes through that engine (``self.ref_model(...)``)."""
+        def _inference_engine(self, model: Any) -> Any:
+            """TRL's own ``prepare_deepspeed(model, accelerator)`` (trl/models/utils.py 246-289, TRL 1.16) with the
+            Trainer's DeepSpeed config: an engine without an optimizer; under ZeRO-3 one that keeps ``model``
+            partitioned (TRL's bucket sizes and persistence threshold from the hidden size are written as dotted
+            top-level keys, which DeepSpeed does not read: the Trainer's config's own apply), under ZeRO-1/2 one with
+            ZeRO off (stage 0), ``model`` cast to bf16/fp16 with the engine's mode."""
             from types import SimpleNamespace
 
             from trl.models.utils import prepare_deepspeed
 
-            if self.reference is None or self.reference_engine is not None:
-                return
             import_deepspeed(cpu=self.device_type == "cpu")
             plugin = SimpleNamespace(deepspeed_config=ds_config(self.spec, self.options, self.bf16, self.fp16))
-            with _kept_in_place(self.reference):
-                self.reference_engine = prepare_deepspeed(
-                    self.reference, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
-                )
+            with _kept_in_place(model):
+                return prepare_deepspeed(model, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+
+        def prepare_reference(self) -> None:
+            """DPO/KTO's separate reference model as TRL's trainer prepares it under DeepSpeed, in its ``__init__``
+            (before the policy's engine exists): an engine of its own (:meth:`_inference_engine`), partitioned under
+            ZeRO-3, whole on every rank under ZeRO-1/2. The reference's forward then goes through that engine
+            (``self.ref_model(...)``)."""
+            if self.reference is not None and self.reference_engine is None:
+                self.reference_engine = self._inference_engine(self.reference)
 
         def precompute_reference(self) -> None:
             """DPO/KTO with precomputed reference log-probs under DeepSpeed: TRL precomputes them in its ``__init__``
-            through an inference engine of the policy that it builds with its own ``prepare_deepspeed`` and keeps for
-            the run (dpo_trainer.py:1196-1201, kto_trainer.py:1248-1252, TRL 1.16; under ZeRO-1/2 with ZeRO off:
-            stage 0), one batch of the pass run through it (the loop's ``precompute``)."""
-            from types import SimpleNamespace
-
-            from trl.models.utils import prepare_deepspeed
-
+            through an inference engine of the policy that it builds (:meth:`_inference_engine`) and keeps for the
+            run (dpo_trainer.py:1196-1201, kto_trainer.py:1248-1252, TRL 1.16), one batch of the pass run through it
+            (the loop's ``precompute``; ZeRO-1/2 only: ZeRO-3 is refused, :func:`zero_refusal`)."""
             if self.spec.reference != "precomputed" or self.spec.objective not in ("dpo", "kto"):
                 return
-            if self.precompute_engine is not None:  # (ZeRO-3: refused, zero_refusal)
-                return
-            import_deepspeed(cpu=self.device_type == "cpu")
-            plugin = SimpleNamespace(deepspeed_config=ds_config(self.spec, self.options, self.bf16, self.fp16))
-            with _kept_in_place(self.model):
-                engine = prepare_deepspeed(self.model, SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
-            self.precompute_engine = engine
-            self.step.precompute(engine, self.spec.seq_worst)  # (ZeRO-1/2 only: zero_refusal)
+            if self.precompute_engine is None:
+                self.precompute_engine = self._inference_engine(self.model)
+                self.step.precompute(self.precompute_engine, self.spec.seq_worst)
 
         def make_optimizer(self) -> Any:
             deepspeed = import_deepspeed(cpu=self.device_type == "cpu")
