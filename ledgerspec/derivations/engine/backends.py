@@ -95,9 +95,9 @@ class TrackerBackend(Backend):
     def session(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if self.fake:
-                from torch._subclasses.fake_tensor import FakeTensorMode
+                from ledgerspec.derivations.engine.fakemode import fake_mode
 
-                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                stack.enter_context(fake_mode(allow_non_fake_inputs=True))
             stack.enter_context(self.tracker)
             try:
                 yield

@@ -252,6 +252,13 @@ def _mode_class() -> Any:
             self.tracker._on_op(args, out)
             return out
 
+    from ledgerspec.derivations.engine.fakemode import unwrapped_dispatch
+
+    raw = unwrapped_dispatch(_TrackingMode)
+    if raw is not None:  # nothing a tracker watches is compiled: TorchDynamo's wrapper only costs (fakemode, 3.)
+        _TrackingMode.__torch_dispatch__ = raw  # type: ignore[method-assign]
+        _TrackingMode._should_skip_dynamo = classmethod(lambda cls: False)  # type: ignore[method-assign,assignment]
+
     return _TrackingMode
 
 

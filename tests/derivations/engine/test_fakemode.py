@@ -1,0 +1,149 @@
+"""The fake-tensor mode of traced steps (:mod:`ledgerspec.derivations.engine.fakemode`) against PyTorch's own.
+
+The truth is PyTorch's ``FakeTensorMode`` itself: the same operators on the same fake tensors must give outputs of
+the same metadata, and a whole traced step the same allocation stream and figures, event by event.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+def _metadata(t: Any) -> tuple[Any, ...]:
+    return (
+        t.dtype,
+        tuple(t.shape),
+        t.stride(),
+        str(t.device),
+        t.storage_offset(),
+        t.untyped_storage().nbytes(),
+        t.requires_grad,
+        t.is_conj(),
+        t.is_neg(),
+    )
+
+
+def _battery(mode: Any) -> list[tuple[Any, ...]]:
+    """Operators whose outputs depend on each field of their inputs' metadata, twice over (the second time from
+    the dispatch cache), on fake tensors of ``mode`` and a real one (converted at each use). On the CPU: fake
+    CUDA tensors cannot run autograd on a CPU-only torch (the estimate traces CPU fakes too)."""
+    import torch
+
+    real = torch.arange(6, dtype=torch.float32)  # a real tensor given to operators on fake ones
+    out: list[tuple[Any, ...]] = []
+    with mode:
+        for _ in range(2):
+            a = torch.empty(4, 6, dtype=torch.bfloat16, device="cpu")
+            b = torch.empty(4, 6, dtype=torch.float32, device="cpu", requires_grad=True)
+            c = torch.empty(4, 6, dtype=torch.float32, device="cpu")
+            cases = [
+                a.t(),
+                a.t().contiguous(),
+                a.view(24),
+                a[1:].view(18),
+                a[:, 1:],
+                a[:, 1:].contiguous(),
+                a.t().reshape(24),
+                b * 2,
+                (b * 2).sum(),
+                c + real,
+                real + c,
+                torch.cat([c, c[:1]], dim=0),
+                torch.stack([c, c]),
+                torch.mm(a, a.t()),
+                torch.mm(a.t(), a),
+                a.to(torch.float16),
+                a.new_empty((3,)),
+                torch.empty_like(a.t()),
+                torch.empty_like(a.t(), memory_format=torch.contiguous_format),
+                torch.nn.functional.linear(a, a),
+                torch.ops.aten._unsafe_view(a, [24]),
+                torch.complex(b.detach(), b.detach()).conj(),
+                torch.where(a > 0, a, a.t().t()),
+                a.expand(2, 4, 6).reshape(8, 6),
+                torch.narrow(a, 1, 2, 3).sum(dim=1, keepdim=True),
+            ]
+            out.extend(_metadata(t) for t in cases)
+            (x, y) = torch._foreach_mul([a.float(), b.detach()], 3.0)
+            out.extend([_metadata(x), _metadata(y)])
+    return out
+
+
+def test_the_installed_torch_has_the_fields_the_fast_key_writes() -> None:
+    """Pinned to the torch this project installs (2.13): the fast key is on there; another torch whose
+    ``TensorMetadata`` differs gets PyTorch's own key (tested by the next test's fallback)."""
+    import torch
+
+    from ledgerspec.derivations.engine.fakemode import fast_key_supported
+
+    if not torch.__version__.startswith("2.13."):
+        pytest.skip(f"pinned to torch 2.13, not {torch.__version__}")
+    assert fast_key_supported()
+
+
+def test_every_operator_gives_what_pytorch_own_fake_mode_gives() -> None:
+    from ledgerspec.derivations.engine.fakemode import fake_mode, stock_mode
+
+    assert _battery(fake_mode(allow_non_fake_inputs=True)) == _battery(stock_mode(allow_non_fake_inputs=True))
+
+
+def test_a_key_tells_apart_tensors_that_differ_in_one_field() -> None:
+    """Two tensors differing in one field of their metadata never share a key (else the cache would answer one
+    with the other's output)."""
+    import torch
+    from torch._subclasses.fake_tensor import _CacheKeyState
+
+    from ledgerspec.derivations.engine.fakemode import fake_mode
+
+    mode = fake_mode()
+    with mode:
+        base = torch.empty(4, 6, dtype=torch.bfloat16, device="cpu")
+        variants = {
+            "base": base,
+            "dtype": torch.empty(4, 6, dtype=torch.float16, device="cpu"),
+            "device": torch.empty(4, 6, dtype=torch.bfloat16, device="cuda"),
+            "shape": torch.empty(6, 4, dtype=torch.bfloat16, device="cpu"),
+            "stride": base.t().contiguous().t(),
+            "offset": torch.empty(25, dtype=torch.bfloat16, device="cpu")[1:].view(4, 6),
+            "storage": torch.empty(30, dtype=torch.bfloat16, device="cpu")[:24].view(4, 6),
+            "requires_grad": torch.empty(4, 6, dtype=torch.bfloat16, device="cpu", requires_grad=True),
+        }
+    import torch as t
+
+    keys = {name: mode._cache_key(_CacheKeyState(), t.ops.aten.clone.default, (v,), {}) for name, v in variants.items()}
+    assert len(set(keys.values())) == len(keys), keys
+
+
+CASES = {
+    "lora": {"arch": "tiny-llama-gqa", "seq": 32},
+    "qlora-ckpt-paged8bit": {
+        "arch": "tiny-llama-gqa",
+        "quant": "nf4",
+        "checkpointing": True,
+        "optimizer": "paged_adamw_8bit",
+        "targets": "all-linear",
+        "seq": 32,
+        "accumulation": 2,
+    },
+    "gemma2-eager": {"arch": "tiny-gemma2", "attention": "eager", "seq": 32},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_traced_step_is_the_one_pytorch_own_fake_mode_traces(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole step (every probe event and every figure) is the same under both modes."""
+    from ledgerspec.derivations.allocator.step import step_events
+    from ledgerspec.derivations.engine import fakemode
+    from tests.support.estimate_docs import ledger
+
+    doc = ledger(**CASES[case])
+    fast = step_events(doc, 2)
+    monkeypatch.setattr(fakemode, "STOCK", True)
+    stock = step_events(doc, 2)
+    assert fast.events == stock.events
+    assert fast.figures == stock.figures
+    assert fast.windows == stock.windows
