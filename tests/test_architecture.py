@@ -322,7 +322,7 @@ SHARD = "ledgerspec.derivations.shard"
 #: imports, CPU offload (both FSDP's and ZeRO's), the strategies, the entry point that dispatches to them, and the
 #: package's ``__init__`` that exports it
 SHARD_FLOORS = (
-    ("state", "model", "options", "patching", "simulation"),
+    ("state", "model", "options", "patching", "simulation", "plans"),
     ("offload",),
     ("fsdp", "zero"),
     ("sharder",),

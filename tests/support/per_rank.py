@@ -111,7 +111,8 @@ def gloo_slack(unit_unsharded: Mapping[str, int]) -> int:
 def assert_rank_agrees(real: dict[str, Any], est: Any, calc: Any, slack: int, components: bool = True) -> None:
     """One measured rank against its simulation and calculation: the model-state phases to the byte, the compute
     phases a lower bound at most ``slack`` (:func:`gloo_slack`) under the measurement, the measured components
-    equal to the calculated state (and, with ``components``, to the simulated)."""
+    equal to the calculated state (and, with ``components``, to the simulated), and so is the calculated row
+    ``measure`` writes beside them (``x-measure-per-rank``'s ``calculated``)."""
     for name, want in real["phases"].items():
         got = est.phases[name]
         if name.startswith("after_"):
@@ -127,3 +128,11 @@ def assert_rank_agrees(real: dict[str, Any], est: Any, calc: Any, slack: int, co
         calc.gradients,
         calc.optimizer + calc.optimizer_host,
     )
+    written = real.get("calculated")
+    if written:
+        assert (
+            written["frozen_base"],
+            written["adapter"],
+            written["gradients"],
+            written["optimizer"] + written["optimizer_host"],
+        ) == (m["frozen_base"], m["adapter"], m["gradients"], m["optimizer"]), (real["rank"], written)

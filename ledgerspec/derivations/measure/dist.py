@@ -103,34 +103,23 @@ class DistOutcome:
 
 
 def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: bool | None) -> dict[str, int]:
+    """Rank ``rank``'s calculated state (the plan ``shard`` calculates: :func:`ledgerspec.derivations.shard.plans.
+    fsdp_plan`) and the gathered parameter bytes still held when the forward returns (``reshard``: the declared
+    ``reshard_after_forward``, None when absent)."""
     from ledgerspec.derivations.shard import state as S
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.options import is_fsdp1, mixed_precision, separate_reference
+    from ledgerspec.derivations.shard.options import mixed_precision
+    from ledgerspec.derivations.shard.plans import fsdp_plan
 
     descs = document_descriptors(doc)
-    mp = mixed_precision(doc)
-    gathered_dtype = mp.param_dtype if mp else None  # parallelism.mixed_precision_policy (issue 16)
-    plan: S.Fsdp1Plan | S.Fsdp2Plan
-    if is_fsdp1(doc):  # parallelism.strategy: fsdp1 (issue 16): FSDP1's root stays gathered into backward too
-        plan = S.fsdp1(
-            S.peft_fsdp1_units(descs),
-            world,
-            optimizer,
-            reshard is not False,
-            gathered_dtype,
-            buffer_dtype=mp.buffer_dtype if mp else None,
-        )
-        units = plan.unit_unsharded  # the policy's (the simulation's "kept after the forward" counts the policy's)
+    plan = fsdp_plan(doc, descs, world, optimizer)
+    if isinstance(plan, S.Fsdp1Plan):  # FSDP1's root stays gathered into backward too
+        # the policy's units (the simulation's "kept after the forward" counts the policy's, not the reference's)
+        units = {u: b for u, b in plan.unit_unsharded.items() if not u.startswith(S.REFERENCE)}
         kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
-        if separate_reference(doc):
-            frozen = [d for d in descs if not d.trainable]
-            buffers = mp.buffer_dtype if mp else None
-            reference = S.fsdp1(frozen, world, optimizer, reshard is not False, gathered_dtype, buffer_dtype=buffers)
-            plan = S.with_fsdp1_reference(plan, reference)
     else:
-        plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=reshard is not False, param_dtype=gathered_dtype)
-        if separate_reference(doc):
-            plan = S.with_reference(plan, descs, world, reshard is not False)
+        mp = mixed_precision(doc)
+        gathered_dtype = mp.param_dtype if mp else None  # parallelism.mixed_precision_policy (issue 16)
         kept = S.kept_after_forward(S.unit_unsharded_bytes(descs, world, gathered_dtype), reshard)
     rs = plan.ranks[rank]
     return {

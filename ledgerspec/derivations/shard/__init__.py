@@ -8,7 +8,8 @@ The base every strategy imports:
 - :mod:`.options`: what the document declares about parallelism (rank count, shard group, mixed precision, CPU
   offload, FSDP1 options, ZeRO stage and options) and the refusals it implies;
 - :mod:`.patching`: library attributes replaced for a block (what fake tensors cannot answer);
-- :mod:`.simulation`: what every per-rank simulation shares (the estimates, the fake process group, the probes).
+- :mod:`.simulation`: what every per-rank simulation shares (the estimates, the fake process group, the probes);
+- :mod:`.plans`: the FSDP plan a document declares (``shard``'s and ``measure --nproc``'s calculated rows).
 
 The strategies, each a room that imports only the base (and :mod:`.offload`):
 

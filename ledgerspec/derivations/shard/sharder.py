@@ -30,17 +30,13 @@ from ledgerspec.derivations.shard.options import (
     world_size,
     zero_stage,
 )
+from ledgerspec.derivations.shard.plans import fsdp_plan, reshard_after_forward
 from ledgerspec.derivations.stack.optimizer_state import TensorShape, optimizer_spec, state_bytes
 
 EXTENSION = ("parallelism", "x-per-rank")
 
 
 _err = ErrorAt("shard")
-
-
-def _reshard(doc: Document) -> bool:
-    value = doc.get("parallelism", "reshard_after_forward").switch()
-    return True if value is None else value
 
 
 @dataclass
@@ -152,32 +148,8 @@ def compute(
     doc: Document, descs: list[S.ParamDesc], world: int
 ) -> tuple[S.Fsdp2Plan | S.Fsdp1Plan, dict[str, S.ZeroState]]:
     optimizer = doc.get("optimizer", "name").text() or ""
-    mp = mixed_precision(doc)
-    param_dtype = mp.param_dtype if mp else None
-    plan: S.Fsdp2Plan | S.Fsdp1Plan
     try:
-        if is_fsdp1(doc):
-            # full fine-tuning: accelerate's transformer-based wrap (decoder layers + root), not PEFT's policy
-            units = descs if config.read(doc).full else S.peft_fsdp1_units(descs)
-
-            def fsdp1(params: list[S.ParamDesc]) -> S.Fsdp1Plan:
-                return S.fsdp1(
-                    params,
-                    world,
-                    optimizer,
-                    reshard_after_forward=_reshard(doc),
-                    param_dtype=param_dtype,
-                    use_orig_params=fsdp1_options(doc).use_orig_params,
-                    buffer_dtype=mp.buffer_dtype if mp else None,
-                )
-
-            plan = fsdp1(units)
-            if separate_reference(doc):  # wrapped per decoder layer (TRL's prepare_fsdp: transformer-based wrap)
-                plan = S.with_fsdp1_reference(plan, fsdp1([d for d in descs if not d.trainable]))
-        else:
-            plan = S.fsdp2(descs, world, optimizer, reshard_after_forward=_reshard(doc), param_dtype=param_dtype)
-            if separate_reference(doc):  # one fully_shard of its root (TRL's prepare_fsdp)
-                plan = S.with_reference(plan, descs, world, _reshard(doc))
+        plan = fsdp_plan(doc, descs, world, optimizer)
     except ValueError as exc:
         where = ("optimizer", "name") if "optimizer" in str(exc) else ("identity",)
         if "uniform dtype" in str(exc):
@@ -243,7 +215,7 @@ def shard(
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
     if group < world:
         how = (
-            f"HYBRID_SHARD{'' if _reshard(doc) else '_ZERO2'}"
+            f"HYBRID_SHARD{'' if reshard_after_forward(doc) else '_ZERO2'}"
             if is_fsdp1(doc)
             else f"FSDP2 on a ({world // group} replicate, {group} shard) device mesh, HSDP"
         )
