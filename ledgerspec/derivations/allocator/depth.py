@@ -36,6 +36,9 @@ The construction, in four steps, each checked:
    event, each free releasing the same allocation); at the depth asked for, the rules kept for each free must name
    the same allocation, and it must be alive.
 
+:func:`retarget` carries a template to the two shallower probes of another step of the same structure (another
+microbatch: the same events, only sizes differ), so that step needs no third probe.
+
 What it assumes: that the probes already show the per-period pattern and deeper stacks only repeat it, as linear
 extrapolation of the figures assumes (:mod:`ledgerspec.derivations.estimate.extrapolate`). A pattern the probes
 show but the family cannot express (a partner two copies away, a size that does not grow by the same bytes per
@@ -572,6 +575,45 @@ def template(shallow: Sequence[Event], second: Sequence[Event], third: Sequence[
     return out
 
 
+def _second_positions(length: int, slots: Sequence[_Slot]) -> list[int]:
+    """Where each event of a shallow stream of ``length`` events is in the second probe's (as
+    :meth:`_Template.build` places it)."""
+    at: dict[int, int] = {}
+    for slot in slots:
+        at[slot.at] = at.get(slot.at, 0) + slot.length
+    out: list[int] = []
+    g = 0
+    for i in range(length):
+        g += at.get(i, 0)
+        out.append(i + g)
+    return out
+
+
+def retarget(pattern: DepthTemplate, shallow: Sequence[Event], second: Sequence[Event]) -> DepthTemplate:
+    """``pattern`` (learned from three probes) over the two shallower probes of another step of the same structure
+    (another microbatch of the same regime): its slots, bodies and reference rules, which name events by their
+    place, with the sizes of ``shallow`` and ``second``. The two streams must be, event by event, those the pattern
+    was learned from apart from sizes (the same kinds, streams, phase windows, and each free releasing the
+    allocation at the same place), and the template must give them back; else :class:`NotExtensible`. What this
+    does not see is a third probe of this step: that deeper stacks repeat the same blocks was seen on the step the
+    pattern comes from, and its sizes here follow from the two probes as :func:`template`'s do."""
+    a, b = _Stream.parse(shallow), _Stream.parse(second)
+    if (a.sigs, a.targets, b.sigs, b.targets) != (
+        pattern.shallow.sigs,
+        pattern.shallow.targets,
+        pattern.second.sigs,
+        pattern.second.targets,
+    ):
+        raise NotExtensible("the probes' streams differ in structure from those the depth pattern was learned from")
+    pos2 = _second_positions(len(a), pattern.slots)
+    old_sizes = [b.sizes[pos2[i]] - a.sizes[i] if a.kinds[i] == "alloc" else 0 for i in range(len(a))]
+    out = replace(pattern, shallow=a, second=b, old_sizes=old_sizes)
+    for k, probe in enumerate((shallow, second)):
+        if canonical(out.stream(k)) != canonical(probe):
+            raise NotExtensible(f"the depth pattern does not give back probe {k + 1}'s stream")
+    return out
+
+
 def extend_stream(streams: Mapping[int, Sequence[Event]], layers: int) -> list[Event]:
     """The event stream of ``layers`` decoder layers from three probes' streams ``{n: events}`` (depths ``n``,
     ``n + p``, ``n + 2p``; ``layers - n`` a multiple of ``p``). Raises :class:`NotExtensible`."""
@@ -586,4 +628,4 @@ def extend_stream(streams: Mapping[int, Sequence[Event]], layers: int) -> list[E
     return template(*(streams[n] for n in depths)).stream(steps)
 
 
-__all__ = ["DepthTemplate", "NotExtensible", "canonical", "extend_stream", "template"]
+__all__ = ["DepthTemplate", "NotExtensible", "canonical", "extend_stream", "retarget", "template"]

@@ -35,7 +35,7 @@ from typing import Any
 
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.allocator.config import AllocatorConfig
-from ledgerspec.derivations.allocator.depth import NotExtensible, extend_stream
+from ledgerspec.derivations.allocator.depth import NotExtensible, retarget, template
 from ledgerspec.derivations.allocator.replay import Event, ReplayOOM, ReplayResult, replay
 
 #: the protocol's phases (:data:`ledgerspec.derivations.engine.protocol.PHASES`) whose figure is held at the end
@@ -67,6 +67,9 @@ class StepEvents:
     #: the plain estimate's figures of this step (its probes extended as it extends them, or its full trace), when
     #: the traces behind this stream include the estimate's own (:func:`full_depth_from`); None: not traced here
     estimate_figures: dict[str, int] | None = None
+    #: the depth pattern the stream was built with (:class:`~ledgerspec.derivations.allocator.depth.DepthTemplate`;
+    #: None for a trace), for another step of the same structure (:func:`full_depth`'s ``pattern``)
+    pattern: Any = None
 
 
 @dataclass
@@ -201,17 +204,19 @@ def full_depth_from(
     parallel: bool = False,
     probes: dict[int | None, StepEvents] | None = None,
     elsewhere: Callable[[int], Callable[[], StepEvents]] | None = None,
+    pattern: tuple[Any, str] | None = None,
 ) -> StepEvents:
     """:func:`full_depth_events` of a prepared estimate (:func:`ledgerspec.derivations.estimate.estimator.prepare`;
     with ``layers="full"`` the full depth is traced). :attr:`StepEvents.estimate_figures` holds the figures the
     plain estimate gives (its two probes extended, or its full trace) whenever the probes traced here include its
     own, so one set of traces answers both. ``probes``: filled with every stream traced on the way, by depth (None:
-    the full depth), e.g. for :mod:`ledgerspec.derivations.devices.along`; ``elsewhere``: see :func:`full_depth`."""
+    the full depth), e.g. for :mod:`ledgerspec.derivations.devices.along`; ``elsewhere``, ``pattern``: see
+    :func:`full_depth`."""
     from ledgerspec.derivations.engine.beside import can_fork
 
     if parallel and elsewhere is None and can_fork():
         prepared.warm()  # the forked probe finds the model's modules imported
-    return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel, probes, elsewhere)
+    return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel, probes, elsewhere, pattern)
 
 
 def full_depth(
@@ -220,6 +225,7 @@ def full_depth(
     parallel: bool = False,
     probes: dict[int | None, StepEvents] | None = None,
     elsewhere: Callable[[int], Callable[[], StepEvents]] | None = None,
+    pattern: tuple[Any, str] | None = None,
 ) -> StepEvents:
     """The full-depth stream of a step whose traces ``probe(layers)`` gives (None: every layer), by the depth plan
     ``est_plan`` (:class:`ledgerspec.derivations.estimate.extrapolate.Plan`): the plan's two probes and a third one
@@ -229,7 +235,11 @@ def full_depth(
     (:func:`ledgerspec.derivations.shard.simulation.probe_runner`). ``probes``: filled with every stream traced, by
     depth (None: the full depth). ``elsewhere(n)``: starts the probe of ``n`` layers in another process (a
     :class:`~ledgerspec.derivations.engine.beside.Helper`) and returns the function that waits for its stream; the
-    third probe goes there while the other two are traced here (instead of a child forked for it: ``parallel``)."""
+    third probe goes there while the other two are traced here (instead of a child forked for it: ``parallel``).
+    ``pattern``: ``(depth pattern, where it was learned)``, the :attr:`StepEvents.pattern` of a step of the same
+    structure (another microbatch): the plan's two probes only (the second one elsewhere), the stream built with
+    that pattern (:func:`~ledgerspec.derivations.allocator.depth.retarget`); where their streams do not fit it, the
+    third probe is traced as without it."""
     from ledgerspec.derivations.engine.beside import both
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
@@ -247,7 +257,39 @@ def full_depth(
         full = probe(None)
         full.method = f"traced with all {est_plan.layers} decoder layers (a third probe would be as deep)"
         return full
-    if elsewhere is not None:
+    steps = (est_plan.layers - n1) // est_plan.period
+    if pattern is not None:
+        if elsewhere is not None:
+            waiting_second = elsewhere(n2)
+            shallow = probe(n1)
+            second = waiting_second()
+        else:
+            shallow, second = both(lambda: probe(n1), lambda: probe(n2), parallel)
+        building = time.perf_counter()
+        try:
+            if shallow.windows != second.windows:
+                raise NotExtensible("the probes ran different protocol windows")
+            learned = retarget(pattern[0], shallow.events, second.events)
+            events = learned.stream(steps)
+        except NotExtensible:
+            pass  # the third probe, as without a pattern
+        else:
+            estimated = extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers)
+            return StepEvents(
+                events,
+                list(shallow.windows),
+                shallow.accumulation,
+                estimated,
+                layers=est_plan.layers,
+                method=f"built from the probes with {n1} and {n2} decoder layers and the depth pattern of the probes "
+                f"with {n1}, {n2} and {n3} at {pattern[1]}, extended to {est_plan.layers}",
+                seconds=time.perf_counter() - started,
+                build_seconds=time.perf_counter() - building,
+                estimate_figures=estimated,
+                pattern=learned,
+            )
+        third = probe(n3)
+    elif elsewhere is not None:
         waiting = elsewhere(n3)
         shallow, second = probe(n1), probe(n2)
         third = waiting()
@@ -258,7 +300,10 @@ def full_depth(
     try:
         if not shallow.windows == second.windows == third.windows:
             raise NotExtensible("the probes ran different protocol windows")
-        events = extend_stream({n1: shallow.events, n2: second.events, n3: third.events}, est_plan.layers)
+        if (est_plan.layers - n1) % est_plan.period:
+            raise ValueError(f"{est_plan.layers} layers is not {n1} plus whole periods of {est_plan.period}")
+        learned = template(shallow.events, second.events, third.events)
+        events = learned.stream(steps)
     except NotExtensible as exc:
         full = probe(None)
         full.fallback = (
@@ -279,6 +324,7 @@ def full_depth(
         seconds=time.perf_counter() - started,
         build_seconds=time.perf_counter() - building,
         estimate_figures=estimated,
+        pattern=learned,
     )
 
 

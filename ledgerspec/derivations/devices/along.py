@@ -4,7 +4,9 @@ other one synthesised from them event by event (:mod:`ledgerspec.derivations.all
 ``estimate --fit microbatch`` decides up to five microbatches on the device (:mod:`.fit_check`); each used to trace
 its own full-depth stream (the estimate's two depth probes and a third). :class:`MicrobatchSteps` is the fit's
 ``estimate_fn`` as well: each estimate the search traces (:func:`step_and_estimate`) keeps its full-depth stream and
-its shallowest probe's stream. A microbatch that was not traced is then written from two traced ones of its regime
+its shallowest probe's stream. The first traced microbatch of a regime learns the depth pattern from three probes;
+the next one traces its two shallower probes only and is built with that pattern
+(:func:`ledgerspec.derivations.allocator.depth.retarget`; its third probe is traced where its probes do not fit it). A microbatch that was not traced is then written from two traced ones of its regime
 (a batch of one row is not padded: its own structure) when
 
 1. the two full-depth streams have one structure (the same events in the same order, each free releasing the same
@@ -20,8 +22,8 @@ holds. Anything that does not hold raises :class:`~ledgerspec.derivations.alloca
 microbatch is traced as before (its stream kept: the next one may use it). ``tests/derivations/devices/test_along.py``
 compares synthesised streams with real traces event by event (LoRA and QLoRA, checkpointing on and off).
 
-With ``parallel``, a :class:`~ledgerspec.derivations.engine.beside.Helper` forked before the first trace runs each
-traced microbatch's deepest probe while this process traces the other two, the checking probe as soon as a regime has
+With ``parallel``, a :class:`~ledgerspec.derivations.engine.beside.Helper` forked before the first trace runs the
+first traced microbatch's deepest probe and the next one's second probe while this process traces the others, the checking probe as soon as a regime has
 two traced microbatches (:meth:`MicrobatchSteps.prefetch_check`: ready by the time the first one is synthesised), and
 half of the allocator settings a fragmentation-decided verdict tries; :meth:`MicrobatchSteps.close` stops it. The
 answers are the same wherever they were computed.
@@ -69,6 +71,9 @@ class MicrobatchSteps:
         #: regime -> (the microbatch its line is checked at, the function that waits for that probe's stream)
         self._checking: dict[int, tuple[int, Callable[[], Any]]] = {}
         self.checked_at: dict[int, int] = {}  # regime -> the microbatch its line was checked at
+        #: regime -> (the depth pattern of its first traced microbatch's three probes, where): a later microbatch of
+        #: the regime traces only the two shallower probes (:func:`ledgerspec.derivations.allocator.step.full_depth`)
+        self.patterns: dict[int, tuple[Any, str]] = {}
 
     def close(self) -> None:
         """Stop the helper process (if any)."""
@@ -123,6 +128,7 @@ class MicrobatchSteps:
         probes: dict[int | None, Any] = {}
         variant = doc if doc is not None else self._variant(b)
         elsewhere = self._elsewhere(variant)
+        regime = self.regime(b)
         est, step = step_and_estimate(
             variant,
             self.target,
@@ -133,9 +139,12 @@ class MicrobatchSteps:
             None,
             probes,
             elsewhere,
+            self.patterns.get(regime),
         )
         self.traces += 1
         self.steps[b], self.estimates[b] = step, est
+        if step.pattern is not None and regime not in self.patterns:
+            self.patterns[regime] = (step.pattern, f"microbatch {b}")
         depths = [n for n in probes if n is not None]
         if depths:
             self.shallow_depth = min(depths)

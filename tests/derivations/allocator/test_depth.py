@@ -287,10 +287,10 @@ def test_streams_the_probes_cannot_give_are_traced_in_full(monkeypatch: pytest.M
     from ledgerspec.derivations.allocator import step as step_module
     from tests.support.estimate_docs import ledger
 
-    def refuse(streams: Any, layers: int) -> list[Event]:
+    def refuse(shallow: Any, second: Any, third: Any) -> Any:
         raise NotExtensible("a free follows no rule of the depth pattern")
 
-    monkeypatch.setattr(step_module, "extend_stream", refuse)
+    monkeypatch.setattr(step_module, "template", refuse)
     doc = ledger(seq=32, layers=DEPTH)  # probes of 2, 3 and 4 layers, then the fallback's full trace
     step = step_module.full_depth_events(doc)
     assert step.fallback is not None and f"traced all {DEPTH} layers instead" in step.fallback

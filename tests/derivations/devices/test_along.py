@@ -74,6 +74,44 @@ def test_a_synthesised_microbatch_is_the_full_depth_trace_and_the_estimate(trace
         assert figures.allocated == plain.phases[name], name
 
 
+def test_the_second_microbatch_is_built_from_two_probes_and_the_first_ones_depth_pattern(
+    traced: tuple[Any, Any],
+) -> None:
+    """The first microbatch traced learns the depth pattern from three probes; the second traces only the two
+    shallower ones and is built with that pattern: the full-depth trace at that microbatch, event by event."""
+    from ledgerspec.derivations.allocator.step import step_events
+    from ledgerspec.derivations.estimate.sweep import apply
+
+    doc, steps = traced
+    built = steps.steps[3]
+    assert built.method.startswith("built from the probes with 2 and 3 decoder layers and the depth pattern"), (
+        built.method
+    )
+    assert built.method.endswith(f"at microbatch 2, extended to {LAYERS}"), built.method
+    truth = step_events(apply(doc, {"microbatch": 3}), layers=None)
+    assert built.windows == truth.windows
+    assert canonical(built.events) == canonical(truth.events)
+
+
+def test_a_stream_of_another_structure_does_not_take_the_pattern() -> None:
+    """A pattern learned on one structure refuses the probes of another (here: another model's)."""
+    from ledgerspec.derivations.allocator.depth import NotExtensible, retarget, template
+
+    def probe(layers: int, size: int) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = [("phase", "forward")]
+        for i in range(layers):  # each layer keeps one activation until the backward
+            out.append(("alloc", f"a{i}", size, 0))
+        out.append(("phase", "backward"))
+        out.extend(("free", f"a{i}") for i in reversed(range(layers)))
+        return out
+
+    pattern = template(probe(2, 8), probe(3, 8), probe(4, 8))
+    moved = retarget(pattern, probe(2, 24), probe(3, 24))  # another microbatch: three times the bytes
+    assert [e[2] for e in moved.stream(4) if e[0] == "alloc"] == [24] * 6
+    with pytest.raises(NotExtensible, match="differ in structure"):
+        retarget(pattern, probe(3, 8), probe(4, 8))
+
+
 def test_one_row_of_a_padded_batch_is_never_synthesised_from_two(traced: tuple[Any, Any]) -> None:
     """A batch of one row is not padded: its own structure. Where rows are padded it is its own regime (no two
     traced microbatches in it); where they are not, it may be synthesised only if the check passes, and then it is
