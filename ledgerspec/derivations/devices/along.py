@@ -6,8 +6,9 @@ its own full-depth stream (the estimate's two depth probes and a third). :class:
 ``estimate_fn`` as well: each estimate the search traces (:func:`step_and_estimate`) keeps its full-depth stream and
 its shallowest probe's stream. The first traced microbatch of a regime learns the depth pattern from three probes;
 the next one traces its two shallower probes only and is built with that pattern
-(:func:`ledgerspec.derivations.allocator.depth.retarget`; its third probe is traced where its probes do not fit it). A microbatch that was not traced is then written from two traced ones of its regime
-(a batch of one row is not padded: its own structure) when
+(:func:`ledgerspec.derivations.allocator.depth.retarget`; its third probe is traced where its probes do not fit
+it). A microbatch that was not traced is then written from two traced ones of its regime (a batch of one row is not
+padded: its own structure) when
 
 1. the two full-depth streams have one structure (the same events in the same order, each free releasing the same
    allocation; only sizes differ), and
@@ -23,10 +24,10 @@ microbatch is traced as before (its stream kept: the next one may use it). ``tes
 compares synthesised streams with real traces event by event (LoRA and QLoRA, checkpointing on and off).
 
 With ``parallel``, a :class:`~ledgerspec.derivations.engine.beside.Helper` forked before the first trace runs the
-first traced microbatch's deepest probe and the next one's second probe while this process traces the others, the checking probe as soon as a regime has
-two traced microbatches (:meth:`MicrobatchSteps.prefetch_check`: ready by the time the first one is synthesised), and
-half of the allocator settings a fragmentation-decided verdict tries; :meth:`MicrobatchSteps.close` stops it. The
-answers are the same wherever they were computed.
+first traced microbatch's deepest probe and the next one's second probe while this process traces the others, the
+checking probe as soon as a regime has two traced microbatches (:meth:`MicrobatchSteps.prefetch_check`: ready by the
+time the first one is synthesised), and half of the allocator settings a fragmentation-decided verdict tries;
+:meth:`MicrobatchSteps.close` stops it. The answers are the same wherever they were computed.
 """
 
 from __future__ import annotations

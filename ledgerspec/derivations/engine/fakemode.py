@@ -16,7 +16,8 @@ changing any operator's result:
    TorchDynamo never compiles it (``TorchDispatchMode.__init_subclass__``, while ``_should_skip_dynamo()``); the
    wrapper switches the frame-evaluation callback off and on around each of the ~40,000 calls of a probe, though
    nothing in a traced step is compiled. :func:`unwrapped_dispatch` gives the function inside it, for this mode
-   and the tracker's (:mod:`.tracker`): about 6 % of a probe.
+   and the tracker's (:mod:`.tracker`): about 6 % of a probe. (The tracker also answers fake tensors' device
+   queries itself: ``tracker._device_query``.)
 
 Left in: an operator given a real tensor converts it to a fake one at every call (bitsandbytes' 8-bit optimizers pass
 their real 256-entry quantization maps to every update: 0.6 ms, 168 times a probe), because PyTorch's converter

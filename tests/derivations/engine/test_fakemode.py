@@ -73,6 +73,28 @@ def _battery(mode: Any) -> list[tuple[Any, ...]]:
     return out
 
 
+def test_a_fake_tensors_device_is_what_the_fake_mode_says() -> None:
+    """The tracker's answer to a device query, in and out of a kernel invocation, is FakeTensor's own."""
+    import torch
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    from ledgerspec.derivations.engine.fakemode import fake_mode
+    from ledgerspec.derivations.engine.tracker import MemoryTracker, _device_query
+
+    assert _device_query()[0] is torch.ops.prim.device.default
+    mode = fake_mode()
+    with mode:
+        t = torch.empty(3, device="cuda")
+        bare = torch.ops.prim.device.default(t)
+        with MemoryTracker():
+            tracked = torch.ops.prim.device.default(t)
+            with in_kernel_invocation_manager(mode):
+                inside = torch.ops.prim.device.default(t)
+        with in_kernel_invocation_manager(mode):
+            bare_inside = torch.ops.prim.device.default(t)
+    assert (tracked, inside) == (bare, bare_inside) == (torch.device("cuda", 0), torch.device("meta"))
+
+
 def test_the_installed_torch_has_the_fields_the_fast_key_writes() -> None:
     """Pinned to the torch this project installs (2.13): the fast key is on there; another torch whose
     ``TensorMetadata`` differs gets PyTorch's own key (tested by the next test's fallback)."""
@@ -135,15 +157,23 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_traced_step_is_the_one_pytorch_own_fake_mode_traces(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole step (every probe event and every figure) is the same under both modes."""
+    """The whole step (every probe event and every figure) is the same under both modes; the reference also asks
+    the fake mode for every device (the tracker answers a fake tensor's device query itself)."""
     from ledgerspec.derivations.allocator.step import step_events
-    from ledgerspec.derivations.engine import fakemode
+    from ledgerspec.derivations.engine import fakemode, tracker
     from tests.support.estimate_docs import ledger
 
     doc = ledger(**CASES[case])
+    assert tracker._device_query()[0] is not None  # the shortcut is on in the fast trace
     fast = step_events(doc, 2)
     monkeypatch.setattr(fakemode, "STOCK", True)
-    stock = step_events(doc, 2)
+    monkeypatch.setattr(tracker, "_device_query", lambda: (None, None))
+    tracker._mode_class.cache_clear()
+    try:
+        stock = step_events(doc, 2)
+    finally:
+        monkeypatch.undo()
+        tracker._mode_class.cache_clear()
     assert fast.events == stock.events
     assert fast.figures == stock.figures
     assert fast.windows == stock.windows
