@@ -128,11 +128,10 @@ def assert_rank_agrees(real: dict[str, Any], est: Any, calc: Any, slack: int, co
         calc.gradients,
         calc.optimizer + calc.optimizer_host,
     )
-    written = real.get("calculated")
-    if written:
-        assert (
-            written["frozen_base"],
-            written["adapter"],
-            written["gradients"],
-            written["optimizer"] + written["optimizer_host"],
-        ) == (m["frozen_base"], m["adapter"], m["gradients"], m["optimizer"]), (real["rank"], written)
+    written = real["calculated"]
+    assert (
+        written["frozen_base"],
+        written["adapter"],
+        written["gradients"],
+        written["optimizer"] + written["optimizer_host"],
+    ) == (m["frozen_base"], m["adapter"], m["gradients"], m["optimizer"]), (real["rank"], written)

@@ -594,9 +594,14 @@ def retarget(pattern: DepthTemplate, shallow: Sequence[Event], second: Sequence[
     (another microbatch of the same regime): its slots, bodies and reference rules, which name events by their
     place, with the sizes of ``shallow`` and ``second``. The two streams must be, event by event, those the pattern
     was learned from apart from sizes (the same kinds, streams, phase windows, and each free releasing the
-    allocation at the same place), and the template must give them back; else :class:`NotExtensible`. What this
+    allocation at the same place), and an event of the shallow stream must grow with the depth here exactly where
+    it grew there; else :class:`NotExtensible`. The alignment placed the pattern's slots by comparing sizes: where
+    blocks of equal sizes made a slot's place ambiguous (any of them gives those three probes), another step whose
+    sizes tell those blocks apart pairs a shallow event with a second-probe event of another size, which then seems
+    to grow with the depth; such a step is refused (its third probe is traced). What this
     does not see is a third probe of this step: that deeper stacks repeat the same blocks was seen on the step the
-    pattern comes from, and its sizes here follow from the two probes as :func:`template`'s do."""
+    pattern comes from, and its sizes here follow from the two probes as :func:`template`'s do. (That the result
+    gives back the two probes, checked last, holds by construction once the rest does: a guard against a bug.)"""
     a, b = _Stream.parse(shallow), _Stream.parse(second)
     if (a.sigs, a.targets, b.sigs, b.targets) != (
         pattern.shallow.sigs,
@@ -607,6 +612,13 @@ def retarget(pattern: DepthTemplate, shallow: Sequence[Event], second: Sequence[
         raise NotExtensible("the probes' streams differ in structure from those the depth pattern was learned from")
     pos2 = _second_positions(len(a), pattern.slots)
     old_sizes = [b.sizes[pos2[i]] - a.sizes[i] if a.kinds[i] == "alloc" else 0 for i in range(len(a))]
+    for i, (was, now) in enumerate(zip(pattern.old_sizes, old_sizes, strict=True)):
+        if (was == 0) != (now == 0):
+            raise NotExtensible(
+                f"event {i} of the shallowest probe {'grows' if now else 'stays'} with the depth here but "
+                f"{'grew' if was else 'stayed'} where the depth pattern was learned: its layer blocks may repeat "
+                "elsewhere here"
+            )
     out = replace(pattern, shallow=a, second=b, old_sizes=old_sizes)
     for k, probe in enumerate((shallow, second)):
         if canonical(out.stream(k)) != canonical(probe):

@@ -68,8 +68,12 @@ class StepEvents:
     #: the traces behind this stream include the estimate's own (:func:`full_depth_from`); None: not traced here
     estimate_figures: dict[str, int] | None = None
     #: the depth pattern the stream was built with (:class:`~ledgerspec.derivations.allocator.depth.DepthTemplate`;
-    #: None for a trace), for another step of the same structure (:func:`full_depth`'s ``pattern``)
-    pattern: Any = None
+    #: None for a trace), for another step of the same structure (:func:`full_depth`'s ``pattern``); kept in this
+    #: process only (not pickled: a step sent to a helper process travels without it)
+    pattern: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "pattern": None}
 
 
 @dataclass
@@ -257,7 +261,9 @@ def full_depth(
         full = probe(None)
         full.method = f"traced with all {est_plan.layers} decoder layers (a third probe would be as deep)"
         return full
-    steps = (est_plan.layers - n1) // est_plan.period
+    steps, rest = divmod(est_plan.layers - n1, est_plan.period)
+    if rest:
+        raise ValueError(f"{est_plan.layers} layers is not {n1} plus whole periods of {est_plan.period}")
     if pattern is not None:
         if elsewhere is not None:
             waiting_second = elsewhere(n2)
@@ -271,8 +277,8 @@ def full_depth(
                 raise NotExtensible("the probes ran different protocol windows")
             learned = retarget(pattern[0], shallow.events, second.events)
             events = learned.stream(steps)
-        except NotExtensible:
-            pass  # the third probe, as without a pattern
+        except NotExtensible as exc:
+            refused = str(exc)  # the third probe, as without a pattern
         else:
             estimated = extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers)
             return StepEvents(
@@ -288,7 +294,7 @@ def full_depth(
                 estimate_figures=estimated,
                 pattern=learned,
             )
-        third = probe(n3)
+        third = elsewhere(n3)() if elsewhere is not None else probe(n3)
     elif elsewhere is not None:
         waiting = elsewhere(n3)
         shallow, second = probe(n1), probe(n2)
@@ -300,8 +306,6 @@ def full_depth(
     try:
         if not shallow.windows == second.windows == third.windows:
             raise NotExtensible("the probes ran different protocol windows")
-        if (est_plan.layers - n1) % est_plan.period:
-            raise ValueError(f"{est_plan.layers} layers is not {n1} plus whole periods of {est_plan.period}")
         learned = template(shallow.events, second.events, third.events)
         events = learned.stream(steps)
     except NotExtensible as exc:
@@ -320,7 +324,8 @@ def full_depth(
         shallow.accumulation,
         estimated,
         layers=est_plan.layers,
-        method=f"built from the probes with {n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}",
+        method=f"built from the probes with {n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}"
+        + (f" (the depth pattern of {pattern[1]} did not fit: {refused})" if pattern is not None else ""),
         seconds=time.perf_counter() - started,
         build_seconds=time.perf_counter() - building,
         estimate_figures=estimated,

@@ -235,30 +235,31 @@ def _check_matmul_dtypes(func: Any, args: Any) -> None:
 
 
 @cache
-def _device_query() -> tuple[Any, Any]:
-    """``prim.device`` and ``FakeTensor``, when FakeTensor answers it from the attributes the tracker reads
-    (``fake_device``, ``fake_mode.in_kernel_invocation``); else ``(None, None)``: every query goes to the fake mode."""
-    global _META
+def _device_query() -> tuple[Any, Any, Any]:
+    """``(prim.device, FakeTensor, the meta device)`` where this torch is the one whose FakeTensor the tracker
+    answers for (2.13: ``FakeTensor.__torch_dispatch__``, fake_tensor.py 1025-1033, returns ``fake_device``, or
+    ``meta`` inside a kernel invocation); else ``(None, None, None)``: every query goes to the fake mode."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    _META = torch.device("meta")
-    if not isinstance(getattr(FakeTensor, "fake_device", None), property) or not hasattr(
-        FakeTensorMode, "in_kernel_invocation"
+    if (
+        not torch.__version__.startswith("2.13.")
+        or not isinstance(getattr(FakeTensor, "fake_device", None), property)
+        or not hasattr(FakeTensorMode, "in_kernel_invocation")
     ):
-        return None, None
-    return torch.ops.prim.device.default, FakeTensor
-
-
-_META: Any = None
+        return None, None, None
+    return torch.ops.prim.device.default, FakeTensor, torch.device("meta")
 
 
 @cache
-def _mode_class() -> Any:
+def _mode_class(fake: bool = False) -> Any:
+    """The tracker's dispatch mode; ``fake``: for a session of fake tensors, where it answers fake tensors' device
+    queries itself and runs without TorchDynamo's wrapper (nothing is compiled there; with real tensors a compiled
+    function may run under the tracker, and the wrapper keeps TorchDynamo out of the tracker's own frames)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     matmuls = _matmuls()
-    device_query, fake_class = _device_query()
+    device_query, fake_class, meta = _device_query() if fake else (None, None, None)
 
     class _TrackingMode(TorchDispatchMode):
         def __init__(self, tracker: MemoryTracker) -> None:
@@ -267,11 +268,11 @@ def _mode_class() -> Any:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if func is device_query and type(args[0]) is fake_class:
-                # a fake tensor's device, as FakeTensor.__torch_dispatch__ answers it (torch 2.13,
-                # fake_tensor.py 1025-1033), without passing through the fake mode: a third of a probe's
-                # operators are these queries (autograd and TensorIterator ask for every tensor's device)
+                # a fake tensor's device, as FakeTensor.__torch_dispatch__ answers it, without passing through the
+                # fake mode: 16,000 of the 27,000 operators a 3-layer probe dispatches (autograd and TensorIterator
+                # ask for every tensor's device)
                 t = args[0]
-                return _META if t.fake_mode.in_kernel_invocation else t.fake_device
+                return meta if t.fake_mode.in_kernel_invocation else t.fake_device
             if func in matmuls:
                 _check_matmul_dtypes(func, args)
             out = func(*args, **(kwargs or {}))
@@ -280,12 +281,20 @@ def _mode_class() -> Any:
 
     from ledgerspec.derivations.engine.fakemode import unwrapped_dispatch
 
-    raw = unwrapped_dispatch(_TrackingMode)
-    if raw is not None:  # nothing a tracker watches is compiled: TorchDynamo's wrapper only costs (fakemode, 3.)
+    raw = unwrapped_dispatch(_TrackingMode) if fake else None
+    if raw is not None:  # fake tensors: nothing is compiled, TorchDynamo's wrapper only costs (fakemode, 2.)
         _TrackingMode.__torch_dispatch__ = raw  # type: ignore[method-assign]
         _TrackingMode._should_skip_dynamo = classmethod(lambda cls: False)  # type: ignore[method-assign,assignment]
 
     return _TrackingMode
+
+
+def _in_fake_session() -> bool:
+    """Whether a fake-tensor mode is on the dispatch mode stack now (the tracker is entered inside it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
 #: the trackers active now (innermost last): every one hears of each storage resize
@@ -369,6 +378,8 @@ class MemoryTracker:
 
     # -- dispatch ------------------------------------------------------------------------------------------------
     def __enter__(self) -> MemoryTracker:
+        if _in_fake_session():
+            self._mode = _mode_class(fake=True)(self)
         _watch_resizes(self)
         try:
             self._mode.__enter__()

@@ -103,9 +103,9 @@ class DistOutcome:
 
 
 def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: bool | None) -> dict[str, int]:
-    """Rank ``rank``'s calculated state (the plan ``shard`` calculates: :func:`ledgerspec.derivations.shard.plans.
-    fsdp_plan`) and the gathered parameter bytes still held when the forward returns (``reshard``: the declared
-    ``reshard_after_forward``, None when absent)."""
+    """Rank ``rank``'s calculated state (the plan ``shard`` calculates:
+    :func:`~ledgerspec.derivations.shard.plans.fsdp_plan`) and the gathered parameter bytes still held when the forward
+    returns (``reshard``: the declared ``reshard_after_forward``, None when absent)."""
     from ledgerspec.derivations.shard import state as S
     from ledgerspec.derivations.shard.model import document_descriptors
     from ledgerspec.derivations.shard.options import mixed_precision

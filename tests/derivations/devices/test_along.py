@@ -93,6 +93,33 @@ def test_the_second_microbatch_is_built_from_two_probes_and_the_first_ones_depth
     assert canonical(built.events) == canonical(truth.events)
 
 
+def test_a_microbatch_whose_probes_do_not_fit_the_pattern_traces_its_third_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the second microbatch's probes do not take the first one's pattern, its third probe is traced and the
+    stream built from its own three probes (saying why): still the full-depth trace."""
+    from ledgerspec.derivations.allocator import step as step_module
+    from ledgerspec.derivations.allocator.depth import NotExtensible
+    from ledgerspec.derivations.allocator.step import step_events
+    from ledgerspec.derivations.devices.along import MicrobatchSteps
+    from ledgerspec.derivations.estimate.sweep import apply
+    from tests.support.estimate_docs import ledger
+
+    def refuse(*args: Any) -> Any:
+        raise NotExtensible("refused for the test")
+
+    doc = ledger(layers=LAYERS, **CASES["lora"])
+    steps = MicrobatchSteps(doc)
+    steps.trace(2)
+    monkeypatch.setattr(step_module, "retarget", refuse)
+    _, built = steps.trace(3)
+    assert built.method == (
+        f"built from the probes with 2, 3 and 4 decoder layers, extended to {LAYERS} "
+        "(the depth pattern of microbatch 2 did not fit: refused for the test)"
+    )
+    assert canonical(built.events) == canonical(step_events(apply(doc, {"microbatch": 3}), layers=None).events)
+
+
 def test_a_stream_of_another_structure_does_not_take_the_pattern() -> None:
     """A pattern learned on one structure refuses the probes of another (here: another model's)."""
     from ledgerspec.derivations.allocator.depth import NotExtensible, retarget, template
@@ -110,6 +137,34 @@ def test_a_stream_of_another_structure_does_not_take_the_pattern() -> None:
     assert [e[2] for e in moved.stream(4) if e[0] == "alloc"] == [24] * 6
     with pytest.raises(NotExtensible, match="differ in structure"):
         retarget(pattern, probe(3, 8), probe(4, 8))
+
+
+def test_a_pattern_whose_blocks_were_told_apart_only_by_equal_sizes_is_refused() -> None:
+    """Every layer keeps ``s`` bytes but the last ``t``: where ``s == t`` the slot may sit after the last layer
+    (its block looks like the others), and another microbatch with ``s != t`` would then repeat the last layer's
+    block. Such a step is refused (its third probe is traced), and the one where the sizes agree is taken."""
+    from ledgerspec.derivations.allocator.depth import NotExtensible, retarget, template
+
+    def probe(layers: int, s: int, t: int) -> list[tuple[Any, ...]]:  # each layer's bytes freed first in, first out
+        out: list[tuple[Any, ...]] = [("phase", "forward")]
+        out.extend(("alloc", f"a{i}", s if i < layers - 1 else t, 0) for i in range(layers))
+        out.append(("phase", "backward"))
+        out.extend(("free", f"a{i}") for i in range(layers))
+        return out
+
+    pattern = template(probe(2, 8, 8), probe(3, 8, 8), probe(4, 8, 8))
+    with pytest.raises(NotExtensible, match="grows with the depth here"):
+        retarget(pattern, probe(2, 24, 16), probe(3, 24, 16))
+    truth = template(probe(2, 24, 16), probe(3, 24, 16), probe(4, 24, 16)).stream(3)
+    assert [e[2] for e in truth if e[0] == "alloc"] == [24, 24, 24, 24, 16]
+    told = template(probe(2, 8, 4), probe(3, 8, 4), probe(4, 8, 4))  # sizes that tell the last layer apart
+    assert [e[2] for e in retarget(told, probe(2, 24, 16), probe(3, 24, 16)).stream(3) if e[0] == "alloc"] == [
+        24,
+        24,
+        24,
+        24,
+        16,
+    ]
 
 
 def test_one_row_of_a_padded_batch_is_never_synthesised_from_two(traced: tuple[Any, Any]) -> None:

@@ -108,8 +108,17 @@ def test_the_installed_torch_has_the_fields_the_fast_key_writes() -> None:
 
 
 def test_every_operator_gives_what_pytorch_own_fake_mode_gives() -> None:
+    """The same outputs as PyTorch's own mode; and with PyTorch's cross-check on, every answer the dispatch cache
+    gives under the fast key is compared with the operator run afresh (it raises on a difference)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from ledgerspec.derivations.engine.fakemode import fake_mode, stock_mode
 
+    checked = fake_mode(allow_non_fake_inputs=True)
+    checked.cache_crosscheck_enabled = True
+    hits = FakeTensorMode.cache_hits
+    assert _battery(checked) == _battery(stock_mode(allow_non_fake_inputs=True))
+    assert FakeTensorMode.cache_hits > hits  # the cache answered (the second pass of the battery at least)
     assert _battery(fake_mode(allow_non_fake_inputs=True)) == _battery(stock_mode(allow_non_fake_inputs=True))
 
 
@@ -134,6 +143,12 @@ def test_a_key_tells_apart_tensors_that_differ_in_one_field() -> None:
             "storage": torch.empty(30, dtype=torch.bfloat16, device="cpu")[:24].view(4, 6),
             "requires_grad": torch.empty(4, 6, dtype=torch.bfloat16, device="cpu", requires_grad=True),
         }
+        complex_base = torch.empty(4, 6, dtype=torch.complex64, device="cpu")
+        variants["complex"] = complex_base
+        variants["conj"] = complex_base.conj()
+        variants["neg"] = torch._neg_view(complex_base)
+        with torch.inference_mode():
+            variants["inference"] = torch.empty(4, 6, dtype=torch.bfloat16, device="cpu")
     import torch as t
 
     keys = {name: mode._cache_key(_CacheKeyState(), t.ops.aten.clone.default, (v,), {}) for name, v in variants.items()}
@@ -167,7 +182,7 @@ def test_a_traced_step_is_the_one_pytorch_own_fake_mode_traces(case: str, monkey
     assert tracker._device_query()[0] is not None  # the shortcut is on in the fast trace
     fast = step_events(doc, 2)
     monkeypatch.setattr(fakemode, "STOCK", True)
-    monkeypatch.setattr(tracker, "_device_query", lambda: (None, None))
+    monkeypatch.setattr(tracker, "_device_query", lambda: (None, None, None))
     tracker._mode_class.cache_clear()
     try:
         stock = step_events(doc, 2)
