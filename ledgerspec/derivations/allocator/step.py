@@ -264,6 +264,24 @@ def full_depth(
     steps, rest = divmod(est_plan.layers - n1, est_plan.period)
     if rest:
         raise ValueError(f"{est_plan.layers} layers is not {n1} plus whole periods of {est_plan.period}")
+
+    def built(
+        shallow: StepEvents, events: list[Event], estimated: dict[str, int], learned: Any, how: str
+    ) -> StepEvents:
+        """The stream built from the probes (``how``: the method's words), the estimate's figures beside it."""
+        return StepEvents(
+            events,
+            list(shallow.windows),
+            shallow.accumulation,
+            estimated,
+            layers=est_plan.layers,
+            method=f"built from the probes with {how}",
+            seconds=time.perf_counter() - started,
+            build_seconds=time.perf_counter() - building,
+            estimate_figures=estimated,
+            pattern=learned,
+        )
+
     if pattern is not None:
         if elsewhere is not None:
             waiting_second = elsewhere(n2)
@@ -280,19 +298,13 @@ def full_depth(
         except NotExtensible as exc:
             refused = str(exc)  # the third probe, as without a pattern
         else:
-            estimated = extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers)
-            return StepEvents(
+            return built(
+                shallow,
                 events,
-                list(shallow.windows),
-                shallow.accumulation,
-                estimated,
-                layers=est_plan.layers,
-                method=f"built from the probes with {n1} and {n2} decoder layers and the depth pattern of the probes "
-                f"with {n1}, {n2} and {n3} at {pattern[1]}, extended to {est_plan.layers}",
-                seconds=time.perf_counter() - started,
-                build_seconds=time.perf_counter() - building,
-                estimate_figures=estimated,
-                pattern=learned,
+                extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers),
+                learned,
+                f"{n1} and {n2} decoder layers and the depth pattern of the probes with {n1}, {n2} and {n3} at "
+                f"{pattern[1]}, extended to {est_plan.layers}",
             )
         third = elsewhere(n3)() if elsewhere is not None else probe(n3)
     elif elsewhere is not None:
@@ -318,18 +330,13 @@ def full_depth(
         full.seconds = time.perf_counter() - started
         full.estimate_figures = estimated
         return full
-    return StepEvents(
+    return built(
+        shallow,
         events,
-        list(shallow.windows),
-        shallow.accumulation,
         estimated,
-        layers=est_plan.layers,
-        method=f"built from the probes with {n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}"
+        learned,
+        f"{n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}"
         + (f" (the depth pattern of {pattern[1]} did not fit: {refused})" if pattern is not None else ""),
-        seconds=time.perf_counter() - started,
-        build_seconds=time.perf_counter() - building,
-        estimate_figures=estimated,
-        pattern=learned,
     )
 
 
