@@ -437,17 +437,14 @@ class CachingAllocator:
         """``free_locked``: ``free_block`` at once, or with ``pending`` (another stream used the block:
         ``insert_events``) no longer allocated but kept out of the pool until :meth:`complete_pending`. None is a
         no-op."""
-        arrays = self.stats.arrays
         if block is None:
             return
         if not block.allocated:
             raise ValueError(f"{block} is not allocated")
         block.allocated = False
-        arrays["allocation"].decrease(block.small, 1)
-        arrays["allocated_bytes"].decrease(block.small, block.size)
-        self._record("free_requested", block.ptr, block.requested_size, block.stream)
-        if block.size >= self.config.max_split_size:
-            self.stats.oversize_allocations.decrease(1)
+        self._count_freed(block)
+        if self.trace is not None:  # (a call fewer per block when no history is kept)
+            self._record("free_requested", block.ptr, block.requested_size, block.stream)
         if pending:
             block.event_count = 1
             self.pending.append(block)
@@ -628,7 +625,6 @@ class CachingAllocator:
     def _alloc_found_block(self, p: _Params, orig_size: int, split: bool) -> Block:
         """``alloc_found_block``: split off the first ``size`` bytes (the rest goes back to the pool), mark it
         allocated, count it."""
-        arrays = self.stats.arrays
         assert p.block is not None
         block = p.block
         size = p.size
@@ -646,35 +642,27 @@ class CachingAllocator:
             p.pool.insert(remaining)
             if already_split and block.expandable is None:
                 # an already-split inactive block is shrunk by size bytes
-                arrays["inactive_split_bytes"].decrease(block.small, block.size)
+                self._count_inactive_split(block.small, 0, -block.size)
             elif block.expandable is None:
                 # a new split inactive block is created from a previously unsplit block
-                arrays["inactive_split_bytes"].increase(block.small, remaining.size)
-                arrays["inactive_split"].increase(block.small, 1)
+                self._count_inactive_split(block.small, 1, remaining.size)
         elif already_split and block.expandable is None:
             # an already-split block is becoming active
-            arrays["inactive_split_bytes"].decrease(block.small, block.size)
-            arrays["inactive_split"].decrease(block.small, 1)
+            self._count_inactive_split(block.small, -1, -block.size)
         block.allocated = True
         block.requested_size = orig_size
-        self._record("alloc", block.ptr, orig_size, block.stream)
+        if self.trace is not None:  # (a call fewer per block when no history is kept)
+            self._record("alloc", block.ptr, orig_size, block.stream)
         self.active_blocks.add(block)
-        small = block.small
-        arrays["allocation"].increase(small, 1)
-        arrays["allocated_bytes"].increase(small, block.size)
-        arrays["active"].increase(small, 1)
-        arrays["active_bytes"].increase(small, block.size)
-        arrays["requested_bytes"].increase(small, orig_size)
-        if block.size >= self.config.max_split_size:
-            self.stats.oversize_allocations.increase(1)
+        self._count_allocated(block)
         return block
 
     # -- freeing -------------------------------------------------------------------------------------------------
     def _free_block(self, block: Block) -> None:
         """``free_block``: merge with free neighbours (``try_merge_blocks``), back into the pool, update the
         inactive-split counts (not for expandable segments) and the active counts."""
-        arrays = self.stats.arrays
-        self._record("free_completed", block.ptr, block.requested_size, block.stream)
+        if self.trace is not None:  # (a call fewer per block when no history is kept)
+            self._record("free_completed", block.ptr, block.requested_size, block.stream)
         original_size = block.size
         requested = block.requested_size
         pool = self._pool_of(block)
@@ -691,11 +679,42 @@ class CachingAllocator:
             net_blocks += 1
             net_size += block.size
         if block.expandable is None:
-            arrays["inactive_split"].change(block.small, net_blocks)
-            arrays["inactive_split_bytes"].change(block.small, net_size)
-        arrays["active"].decrease(block.small, 1)
-        arrays["active_bytes"].decrease(block.small, original_size)
-        arrays["requested_bytes"].decrease(block.small, requested)
+            self._count_inactive_split(block.small, net_blocks, net_size)
+        self._count_inactive(block.small, original_size, requested)
+
+    # -- the statistics a block's life changes (LeanAllocator: only the allocated bytes) ---------------------------
+    def _count_allocated(self, block: Block) -> None:
+        """``alloc_found_block``'s counters: one allocation and one active block more, their bytes, the bytes
+        requested, and an oversize allocation (``size >= max_split_size``)."""
+        arrays, small, size = self.stats.arrays, block.small, block.size
+        arrays["allocation"].increase(small, 1)
+        arrays["allocated_bytes"].increase(small, size)
+        arrays["active"].increase(small, 1)
+        arrays["active_bytes"].increase(small, size)
+        arrays["requested_bytes"].increase(small, block.requested_size)
+        if size >= self.config.max_split_size:
+            self.stats.oversize_allocations.increase(1)
+
+    def _count_freed(self, block: Block) -> None:
+        """``free``'s counters: one allocation fewer (the block stays active until ``free_block``)."""
+        arrays = self.stats.arrays
+        arrays["allocation"].decrease(block.small, 1)
+        arrays["allocated_bytes"].decrease(block.small, block.size)
+        if block.size >= self.config.max_split_size:
+            self.stats.oversize_allocations.decrease(1)
+
+    def _count_inactive(self, small: bool, size: int, requested: int) -> None:
+        """``free_block``'s counters: one active block fewer, its bytes and the bytes it was requested for."""
+        arrays = self.stats.arrays
+        arrays["active"].decrease(small, 1)
+        arrays["active_bytes"].decrease(small, size)
+        arrays["requested_bytes"].decrease(small, requested)
+
+    def _count_inactive_split(self, small: bool, blocks: int, nbytes: int) -> None:
+        """The inactive split blocks (free pieces of a split segment; not counted for expandable segments)."""
+        arrays = self.stats.arrays
+        arrays["inactive_split"].change(small, blocks)
+        arrays["inactive_split_bytes"].change(small, nbytes)
 
     def _try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
         """``try_merge_blocks``: absorb a free neighbour with the same mapping state; returns its size (0: none)."""
@@ -987,6 +1006,42 @@ class CachingAllocator:
             self.trace.append({"action": action, "addr": addr, "size": size, "stream": stream})
 
 
+class LeanAllocator(CachingAllocator):
+    """The same allocator, counting only what a replay reads: ``allocated`` and ``reserved`` (and the segment
+    counters). The allocator's decisions never read its statistics, so every block, segment and out-of-memory is the
+    same as :class:`CachingAllocator`'s; the per-block counters (allocations, active and inactive-split blocks, their
+    bytes, the bytes requested, oversize allocations) are not kept: about a quarter of a replay's time.
+    :meth:`memory_stats` has only the counters kept."""
+
+    def __init__(
+        self,
+        config: AllocatorConfig | None = None,
+        capacity: int | None = None,
+        device_total: int | None = None,
+        record_history: bool = False,
+    ) -> None:
+        super().__init__(config, capacity, device_total, record_history)
+        self._allocated_now = self.stats["allocated_bytes"].all
+
+    def _count_allocated(self, block: Block) -> None:
+        self._allocated_now.current += block.size
+
+    def _count_freed(self, block: Block) -> None:
+        self._allocated_now.current -= block.size
+
+    def _count_inactive(self, small: bool, size: int, requested: int) -> None:
+        pass
+
+    def _count_inactive_split(self, small: bool, blocks: int, nbytes: int) -> None:
+        pass
+
+    def memory_stats(self) -> dict[str, int]:
+        kept = ("segment.", "reserved_bytes.", "oversize_segments.", "num_", "max_split_size")
+        out = {k: v for k, v in super().memory_stats().items() if k.startswith(kept)}
+        out["allocated_bytes.all.current"] = self.allocated
+        return out
+
+
 def roundup_power2_next_division(size: int, divisions: int) -> int:
     """``roundup_power2_next_division``: a power of two stays; else the next of ``divisions`` equal steps between
     the powers of two around ``size`` (1200 with 4 divisions: 1024, 1280, 1536, 1792 -> 1280)."""
@@ -1006,6 +1061,7 @@ __all__ = [
     "Block",
     "CachingAllocator",
     "DeviceStats",
+    "LeanAllocator",
     "OutOfMemory",
     "Stat",
     "roundup_power2_next_division",

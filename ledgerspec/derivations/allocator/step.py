@@ -410,7 +410,8 @@ def replay_step(
     from ledgerspec.derivations.estimate.estimator import granularity
 
     traced = step if step is not None else step_events(doc, layers, target)
-    result = replay(traced.events, config, capacity, device_total, granularity=granularity(target))
+    # without the per-block counters (the replay reads allocated and reserved bytes only)
+    result = replay(traced.events, config, capacity, device_total, granularity=granularity(target), statistics=False)
     phases: dict[str, PhaseFigures] = {}
     windows = protocol_windows(traced.windows, traced.accumulation)
     for name, labels in windows.items():

@@ -75,6 +75,9 @@ class MicrobatchSteps:
         #: regime -> (the depth pattern of its first traced microbatch's three probes, where): a later microbatch of
         #: the regime traces only the two shallower probes (:func:`ledgerspec.derivations.allocator.step.full_depth`)
         self.patterns: dict[int, tuple[Any, str]] = {}
+        #: (microbatch, microbatch) -> the StreamFamily of their full-depth streams (built once per pair: checking
+        #: that two streams of 100,000 events have one structure costs as much as writing one)
+        self.families: dict[tuple[int, int], Any] = {}
 
     def close(self) -> None:
         """Stop the helper process (if any)."""
@@ -223,9 +226,11 @@ class MicrobatchSteps:
         self.checked_at[regime] = m
         family({**{v: self.shallow[v] for v in pair}, m: events}, 1, "microbatch")
 
-    def synthesise(self, b: int) -> Any:
+    def synthesise(self, b: int, wait: bool = True) -> Any:
         """The full-depth stream of microbatch ``b`` written from two traced ones of its regime (checked as the
-        module docstring says); raises :class:`NotPolynomial` (or ValueError without two traced microbatches)."""
+        module docstring says); raises :class:`NotPolynomial` (or ValueError without two traced microbatches).
+        ``wait=False``: when the helper is still tracing the probe that checks the line, the stream is written now
+        and the check is left to :meth:`confirm` (which must pass before anything read off the stream is kept)."""
         from ledgerspec.derivations.allocator.step import StepEvents
 
         if b in self.synthesised:
@@ -235,19 +240,17 @@ class MicrobatchSteps:
             raise ValueError(f"no two traced microbatches in the regime of microbatch {b}")
         started = time.perf_counter()
         regime = self.regime(b)
-        if regime not in self.checked:
-            try:
-                self._check(regime, b)
-                self.checked[regime] = None
-            except NotPolynomial as exc:
-                self.checked[regime] = str(exc)
-        why = self.checked[regime]
+        if regime not in self.checked and (wait or regime not in self._checking):
+            self._settle(regime, b)
+        why = self.checked.get(regime)
         if why is not None:
             raise NotPolynomial(why)
         one, two = (self.steps[v] for v in pair)
         if one.windows != two.windows:
             raise NotPolynomial("the traced microbatches ran different protocol windows")
-        events = family({v: self.steps[v].events for v in pair}, 1, "microbatch").stream(b)
+        if pair not in self.families:
+            self.families[pair] = family({v: self.steps[v].events for v in pair}, 1, "microbatch")
+        events = self.families[pair].stream(b)
         step = StepEvents(
             events,
             list(one.windows),
@@ -263,6 +266,25 @@ class MicrobatchSteps:
         )
         self.synthesised[b] = step
         return step
+
+    def _settle(self, regime: int, b: int) -> None:
+        """Check the line of ``regime`` (:meth:`_check`) and keep the outcome: None, or why synthesis is refused."""
+        try:
+            self._check(regime, b)
+            self.checked[regime] = None
+        except NotPolynomial as exc:
+            self.checked[regime] = str(exc)
+
+    def confirm(self, b: int) -> None:
+        """The check of ``b``'s line, when :meth:`synthesise` left it to the helper's probe: waits for it, and raises
+        :class:`NotPolynomial` (dropping ``b``'s stream) when it fails."""
+        regime = self.regime(b)
+        if regime not in self.checked:
+            self._settle(regime, b)
+        why = self.checked[regime]
+        if why is not None:
+            self.synthesised.pop(b, None)
+            raise NotPolynomial(why)
 
     def lines(self) -> list[str]:
         """How the streams checked on the device were obtained (what ``estimate --fit`` prints)."""
@@ -289,22 +311,28 @@ class MicrobatchSteps:
             return kept
         if b not in self.steps:
             try:
-                step = self.synthesise(b)
+                step = self.synthesise(b, wait=False)
             except (NotPolynomial, ValueError) as exc:
                 if isinstance(exc, NotPolynomial):
                     self.notes.append(f"microbatch {b} traced: {exc}")
             else:
-                return stream_on_device(
-                    variant,
-                    device_memory,
-                    lambda: step,
-                    False,
-                    self.target,
-                    self.layers,
-                    self.offline,
-                    self.store,
-                    helper=self.helper,
-                )
+                try:
+                    # replayed while the helper finishes the probe that checks the stream's line: the check passes
+                    # before the verdict is kept or returned (``confirm``), else b is traced
+                    return stream_on_device(
+                        variant,
+                        device_memory,
+                        lambda: step,
+                        False,
+                        self.target,
+                        self.layers,
+                        self.offline,
+                        self.store,
+                        helper=self.helper,
+                        confirm=lambda: self.confirm(b),
+                    )
+                except NotPolynomial as exc:
+                    self.notes.append(f"microbatch {b} traced: {exc}")
         fn: Callable[[], tuple[Any, Any]] = lambda: self.trace(b, variant)  # noqa: E731
         _, p = estimate_on_device(
             variant,

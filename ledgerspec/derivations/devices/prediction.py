@@ -896,11 +896,13 @@ def stream_on_device(
     store: Any = None,
     catalogue: Any = None,
     helper: Any = None,
+    confirm: Any = None,
 ) -> DevicePrediction:
     """The :class:`DevicePrediction` of ``doc`` from a full-depth stream ``step_fn()`` gives without an estimate of
     its own (one synthesised from streams traced at other values: :mod:`ledgerspec.derivations.devices.along`),
     kept in the cache apart from :func:`estimate_on_device`'s answers (which hold a traced estimate too). Only a
-    cache miss calls ``step_fn``; ``helper``: see :func:`replay_on_device`."""
+    cache miss calls ``step_fn``; ``helper``: see :func:`replay_on_device`; ``confirm``: called after the replays,
+    before the answer is kept: what it raises discards them (the stream's last check, run meanwhile elsewhere)."""
     from ledgerspec.derivations.estimate.cache import cached
 
     named, figure, conf, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
@@ -918,6 +920,8 @@ def stream_on_device(
             outside_high=high_of(figure),
             helper=helper,
         )
+        if confirm is not None:
+            confirm()
         return replayed, False
 
     answer = cached(

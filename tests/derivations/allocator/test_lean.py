@@ -1,0 +1,91 @@
+"""A replay without statistics (:class:`LeanAllocator`) takes the same decisions and gives the same figures.
+
+The allocator never reads its statistics, so dropping the per-block counters must change nothing a replay reports:
+every phase's figures, the out-of-memory, the segments and the counters it keeps. The streams: the published
+resnet18 trace and random streams (mixed small and large requests, cross-stream frees, syncs, empty_cache, a
+settings change, phase markers) under each kind of allocator setting, with and without a capacity that runs out.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from ledgerspec.derivations.allocator.config import MiB
+from ledgerspec.derivations.allocator.replay import Event, replay
+from tests.derivations.allocator.test_published import trace_events
+
+CONFIGS = [
+    "",
+    "expandable_segments:True",
+    "max_split_size_mb:40",
+    "roundup_power2_divisions:4",
+    "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+]
+
+
+def random_stream(seed: int, n: int = 3000, settings: bool = True) -> list[Event]:
+    rng = random.Random(seed)
+    events: list[Event] = [("phase", "load")]
+    live: list[int] = []
+    pending = 0
+    for i in range(n):
+        r = rng.random()
+        if r < 0.5 or not live:
+            size = rng.choice([rng.randrange(1, 4096), rng.randrange(1, 2 * MiB), rng.randrange(MiB, 64 * MiB)])
+            events.append(("alloc", i, size, rng.choice([0, 0, 0, 1])))
+            live.append(i)
+        elif r < 0.9:
+            key = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.1:
+                events.append(("free", key, "pending"))
+                pending += 1
+            else:
+                events.append(("free", key))
+        elif r < 0.95 and pending:
+            events.append(("sync", rng.randrange(pending)))
+        elif r < 0.97:
+            events.append(("phase", f"window {i}"))
+        elif r < 0.98:
+            events.append(("empty_cache",))
+        elif r < 0.985 and settings:
+            events.append(("settings", "max_split_size_mb:64"))
+    return events
+
+
+def figures(events: list[Event], conf: str, capacity: int | None, statistics: bool) -> dict[str, Any]:
+    r = replay(events, conf, capacity, device_total=8 * 1024 * MiB, stop_at_oom=False, statistics=statistics)
+    return {
+        "phases": r.phases,
+        "oom": r.oom,
+        "segments": r.segments,
+        "events": r.events,
+        "peaks": (r.peak_allocated, r.peak_reserved),
+        "stats": r.stats,
+    }
+
+
+@pytest.mark.parametrize("conf", CONFIGS)
+@pytest.mark.parametrize("capacity", [None, 600 * MiB], ids=["unlimited", "600MiB"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_replay_without_statistics_decides_and_reports_the_same(conf: str, capacity: int | None, seed: int) -> None:
+    events = random_stream(seed)
+    full = figures(events, conf, capacity, statistics=True)
+    lean = figures(events, conf, capacity, statistics=False)
+    kept = lean.pop("stats")
+    assert kept and all(full["stats"][k] == v for k, v in kept.items())
+    assert lean == {k: v for k, v in full.items() if k != "stats"}
+    if capacity is not None and not conf.startswith("garbage"):
+        assert full["oom"] is not None  # the capacity ran out: the release-and-retry path was taken
+
+
+@pytest.mark.parametrize("conf", CONFIGS)
+def test_the_peaks_a_replay_reports_are_the_allocators_own_counters(conf: str) -> None:
+    """``peak_allocated``/``peak_reserved`` are read off the phases; the allocator's counters (kept by a replay with
+    statistics) are the independent record of the same peaks."""
+    for events in (random_stream(3), trace_events()):
+        r = replay(events, conf, device_total=8 * 1024 * MiB, stop_at_oom=False)
+        assert r.peak_allocated == r.stats["allocated_bytes.all.peak"] > 0
+        assert r.peak_reserved == r.stats["reserved_bytes.all.peak"] > 0
