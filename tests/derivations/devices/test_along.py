@@ -223,6 +223,47 @@ def test_fit_checks_from_synthesised_streams_are_the_traced_checks(tmp_path: Pat
         assert (c.fits, c.device_peak, c.margin, c.decided_by) == (p.fits, p.device_peak, p.margin, p.decided_by)
 
 
+def test_a_value_replayed_before_its_lines_check_is_traced_when_the_check_fails(tmp_path: Path) -> None:
+    """The first value written is replayed while the helper still traces the probe that checks its line; when that
+    probe is off the line, the replays are discarded (nothing cached) and the value is traced (its verdict then is a
+    traced one's, as :func:`test_fit_checks_from_synthesised_streams_are_the_traced_checks` checks)."""
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.allocator.step import probe_of
+    from ledgerspec.derivations.devices.along import MicrobatchSteps
+    from ledgerspec.derivations.devices.prediction import cached_on_device
+    from ledgerspec.derivations.estimate.cache import EstimateCache
+    from ledgerspec.derivations.estimate.sweep import apply
+    from tests.support.estimate_docs import ledger
+
+    doc = ledger(layers=LAYERS, **CASES["lora"])
+    store = EstimateCache(tmp_path / "cache")
+    steps = MicrobatchSteps(doc, store=store)
+    for b in (2, 3):
+        steps.trace(b)
+    b, memory = 5, 1000 * 2**20
+    probe = probe_of(apply(doc, {"microbatch": b}), "cuda", "auto", True, steps.shallow_depth)
+    first = next(i for i, e in enumerate(probe.events) if e[0] == "alloc")
+    off = list(probe.events)
+    off[first] = (*off[first][:2], off[first][2] + 1, *off[first][3:])  # one byte off the line
+    waited: list[int] = []
+
+    class Waiting:  # what the helper's probe hands back, asked for only after the replays
+        events = off
+
+    def wait() -> Any:
+        waited.append(len(steps.synthesised))
+        return Waiting
+
+    steps._checking[steps.regime(b)] = (b, wait)
+    ours = steps.on_device(b, memory)
+    assert waited == [1]  # the stream was written (and replayed) before the check was waited for
+    assert b in steps.steps and b not in steps.synthesised
+    assert any(n.startswith(f"microbatch {b} traced: event {first} ") for n in steps.notes), steps.notes
+    assert ours.replayed.stream.startswith("built from the probes"), ours.replayed.stream
+    kept = cached_on_device(apply(doc, {"microbatch": b}), memory, store=store)
+    assert kept is not None and kept.replayed.stream == ours.replayed.stream  # the traced verdict, not the written
+
+
 def test_a_length_from_three_traced_lengths_is_the_trace() -> None:
     """Along ``max_length`` each allocation is a polynomial of degree 2 at lengths that are powers of two (eager
     attention.s ``L x L`` mask); the shallowest probe's streams at 32, 64 and 128 tokens define it, 256 checks it,
