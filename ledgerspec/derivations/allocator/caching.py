@@ -1010,7 +1010,7 @@ class LeanAllocator(CachingAllocator):
     """The same allocator, counting only what a replay reads: ``allocated`` and ``reserved`` (and the segment
     counters). The allocator's decisions never read its statistics, so every block, segment and out-of-memory is the
     same as :class:`CachingAllocator`'s; the per-block counters (allocations, active and inactive-split blocks, their
-    bytes, the bytes requested, oversize allocations) are not kept: about a quarter of a replay's time.
+    bytes, the bytes requested, oversize allocations) are not kept: about a third of a replay's time.
     :meth:`memory_stats` has only the counters kept."""
 
     def __init__(

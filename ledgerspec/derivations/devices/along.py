@@ -258,7 +258,7 @@ class MicrobatchSteps:
             {},
             layers=one.layers,
             method=f"synthesised from the full-depth streams of microbatch {pair[0]} and {pair[1]} (every "
-            f"allocation affine in the microbatch, checked on the shallowest probe at {self.checked_at.get(regime, b)})"
+            f"allocation affine in the microbatch, checked on the shallowest probe at {self._checked_at(regime, b)})"
             if not self.synthesised
             else f"synthesised from the full-depth streams of microbatch {pair[0]} and {pair[1]} (every allocation "
             "affine in the microbatch)",
@@ -275,15 +275,23 @@ class MicrobatchSteps:
         except NotPolynomial as exc:
             self.checked[regime] = str(exc)
 
+    def _checked_at(self, regime: int, b: int) -> int:
+        """Where the line of ``regime`` is (or will be) checked: as :meth:`_check` chooses, checked yet or not."""
+        return self.checked_at.get(regime, self._check_value(regime) or b)
+
     def confirm(self, b: int) -> None:
         """The check of ``b``'s line, when :meth:`synthesise` left it to the helper's probe: waits for it, and raises
-        :class:`NotPolynomial` (dropping ``b``'s stream) when it fails."""
+        :class:`NotPolynomial` (dropping ``b``'s stream) when it fails; whatever else the check raises drops the
+        stream too (it stays unchecked)."""
         regime = self.regime(b)
-        if regime not in self.checked:
-            self._settle(regime, b)
-        why = self.checked[regime]
+        try:
+            if regime not in self.checked:
+                self._settle(regime, b)
+        finally:
+            why = self.checked.get(regime, "the check of the line did not finish")
+            if why is not None:
+                self.synthesised.pop(b, None)
         if why is not None:
-            self.synthesised.pop(b, None)
             raise NotPolynomial(why)
 
     def lines(self) -> list[str]:

@@ -32,6 +32,7 @@ streams; the bytes outside the allocator are an ASSUMPTION unless the ledger hol
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -896,7 +897,7 @@ def stream_on_device(
     store: Any = None,
     catalogue: Any = None,
     helper: Any = None,
-    confirm: Any = None,
+    confirm: Callable[[], None] | None = None,
 ) -> DevicePrediction:
     """The :class:`DevicePrediction` of ``doc`` from a full-depth stream ``step_fn()`` gives without an estimate of
     its own (one synthesised from streams traced at other values: :mod:`ledgerspec.derivations.devices.along`),

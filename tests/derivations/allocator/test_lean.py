@@ -89,3 +89,23 @@ def test_the_peaks_a_replay_reports_are_the_allocators_own_counters(conf: str) -
         r = replay(events, conf, device_total=8 * 1024 * MiB, stop_at_oom=False)
         assert r.peak_allocated == r.stats["allocated_bytes.all.peak"] > 0
         assert r.peak_reserved == r.stats["reserved_bytes.all.peak"] > 0
+
+
+def test_the_reserve_mapped_inside_a_request_that_fails_is_in_the_peak() -> None:
+    """With expandable segments a request may map pages, fail to map the rest and release them: the reserve went
+    above where the event before it ended. The replay's peak is the allocator's counter, with statistics or without
+    (the phases' peaks, read between events, do not see it)."""
+    events: list[Event] = [
+        ("alloc", "a", 20 * MiB, 0),
+        ("alloc", "b", 20 * MiB, 0),
+        ("free", "a"),
+        ("empty_cache",),
+        ("alloc", "o", 40 * MiB, 1),
+        ("free", "b"),
+        ("alloc", "x", 100 * MiB, 0),
+    ]
+    for statistics in (True, False):
+        r = replay(events, "expandable_segments:True", 90 * MiB, stop_at_oom=False, statistics=statistics)
+        assert r.oom is not None and r.oom.id == "x"
+        assert r.peak_reserved == r.stats["reserved_bytes.all.peak"] == 80 * MiB
+        assert max(p.peak_reserved for p in r.phases.values()) == 60 * MiB

@@ -238,10 +238,10 @@ def test_a_value_replayed_before_its_lines_check_is_traced_when_the_check_fails(
     doc = ledger(layers=LAYERS, **CASES["lora"])
     store = EstimateCache(tmp_path / "cache")
     steps = MicrobatchSteps(doc, store=store)
-    for b in (2, 3):
+    for b in (2, 6):
         steps.trace(b)
-    b, memory = 5, 1000 * 2**20
-    probe = probe_of(apply(doc, {"microbatch": b}), "cuda", "auto", True, steps.shallow_depth)
+    b, m, memory = 5, 4, 1000 * 2**20  # the line is checked halfway between the traced microbatches
+    probe = probe_of(apply(doc, {"microbatch": m}), "cuda", "auto", True, steps.shallow_depth)
     first = next(i for i, e in enumerate(probe.events) if e[0] == "alloc")
     off = list(probe.events)
     off[first] = (*off[first][:2], off[first][2] + 1, *off[first][3:])  # one byte off the line
@@ -254,7 +254,9 @@ def test_a_value_replayed_before_its_lines_check_is_traced_when_the_check_fails(
         waited.append(len(steps.synthesised))
         return Waiting
 
-    steps._checking[steps.regime(b)] = (b, wait)
+    steps._checking[steps.regime(b)] = (m, wait)
+    written = steps.synthesise(b, wait=False)
+    assert written.method.endswith(f"checked on the shallowest probe at {m})"), written.method  # where it will be
     ours = steps.on_device(b, memory)
     assert waited == [1]  # the stream was written (and replayed) before the check was waited for
     assert b in steps.steps and b not in steps.synthesised
