@@ -359,6 +359,8 @@ class CachingAllocator:
         self.capacity = capacity
         self.device_total = device_total if device_total is not None else capacity
         self.stats = DeviceStats()
+        #: the allocated bytes' aggregate counter (``allocated``), held for the hot path
+        self._allocated_now = self.stats["allocated_bytes"].all
         self.small_blocks = BlockPool(small=True)
         self.large_blocks = BlockPool(small=False)
         self.active_blocks: set[Block] = set()
@@ -443,8 +445,7 @@ class CachingAllocator:
             raise ValueError(f"{block} is not allocated")
         block.allocated = False
         self._count_freed(block)
-        if self.trace is not None:  # (a call fewer per block when no history is kept)
-            self._record("free_requested", block.ptr, block.requested_size, block.stream)
+        self._record("free_requested", block.ptr, block.requested_size, block.stream)
         if pending:
             block.event_count = 1
             self.pending.append(block)
@@ -476,7 +477,7 @@ class CachingAllocator:
 
     @property
     def allocated(self) -> int:
-        return self.stats["allocated_bytes"].all.current
+        return self._allocated_now.current
 
     @property
     def reserved(self) -> int:
@@ -651,8 +652,7 @@ class CachingAllocator:
             self._count_inactive_split(block.small, -1, -block.size)
         block.allocated = True
         block.requested_size = orig_size
-        if self.trace is not None:  # (a call fewer per block when no history is kept)
-            self._record("alloc", block.ptr, orig_size, block.stream)
+        self._record("alloc", block.ptr, orig_size, block.stream)
         self.active_blocks.add(block)
         self._count_allocated(block)
         return block
@@ -661,8 +661,7 @@ class CachingAllocator:
     def _free_block(self, block: Block) -> None:
         """``free_block``: merge with free neighbours (``try_merge_blocks``), back into the pool, update the
         inactive-split counts (not for expandable segments) and the active counts."""
-        if self.trace is not None:  # (a call fewer per block when no history is kept)
-            self._record("free_completed", block.ptr, block.requested_size, block.stream)
+        self._record("free_completed", block.ptr, block.requested_size, block.stream)
         original_size = block.size
         requested = block.requested_size
         pool = self._pool_of(block)
@@ -1012,16 +1011,6 @@ class LeanAllocator(CachingAllocator):
     same as :class:`CachingAllocator`'s; the per-block counters (allocations, active and inactive-split blocks, their
     bytes, the bytes requested, oversize allocations) are not kept: about a third of a replay's time.
     :meth:`memory_stats` has only the counters kept."""
-
-    def __init__(
-        self,
-        config: AllocatorConfig | None = None,
-        capacity: int | None = None,
-        device_total: int | None = None,
-        record_history: bool = False,
-    ) -> None:
-        super().__init__(config, capacity, device_total, record_history)
-        self._allocated_now = self.stats["allocated_bytes"].all
 
     def _count_allocated(self, block: Block) -> None:
         self._allocated_now.current += block.size
