@@ -122,6 +122,7 @@ def test_a_row_re_estimated_gives_the_committed_cells(
     assert bench.estimate(row).cells() == _rows()[_key(row)][:7]
 
 
+@pytest.mark.slow  # replays the allocator model over every published row (seconds)
 def test_the_allocator_replay_figures_in_the_explanations_re_derive(bench: Any) -> None:
     pytest.importorskip("torch")
     replayed = bench.allocator_replay("fused_linear_cross_entropy", "liger")

@@ -187,24 +187,43 @@ def test_one_row_of_a_padded_batch_is_never_synthesised_from_two(traced: tuple[A
     assert canonical(ours.events) == canonical(step_events(apply(doc, {"microbatch": 1}), layers=None).events)
 
 
-def test_fit_checks_from_synthesised_streams_are_the_traced_checks(tmp_path: Path) -> None:
-    """``estimate --fit microbatch`` on the device: each value checked from a synthesised stream gives the verdict,
-    device peak and margin that tracing each value gives; asked again, every answer comes from the cache."""
+#: with the bytes outside the allocator, the allocated answer of ``lora-ckpt`` (4096) does not fit in this
+FIT_MEMORY = 1000 * 2**20
+
+
+@pytest.fixture(scope="module")
+def fit_checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any, Any]:
+    """``lora-ckpt``'s ``--fit microbatch`` checked on a device of :data:`FIT_MEMORY`, in this process, without a
+    helper, into an empty cache: (ledger, cache, its :class:`MicrobatchSteps`, the :class:`DeviceFit`); the two
+    tests that read it run on one worker (their ``xdist_group``), so it is computed once."""
     pytest.importorskip("torch")
     from ledgerspec.derivations.devices.along import MicrobatchSteps
     from ledgerspec.derivations.devices.fit_check import check_on_device
-    from ledgerspec.derivations.devices.prediction import estimate_on_device
     from ledgerspec.derivations.estimate.cache import EstimateCache
     from ledgerspec.derivations.estimate.search import fit_microbatch
-    from ledgerspec.derivations.estimate.sweep import apply
     from tests.support.estimate_docs import ledger
 
     doc = ledger(**CASES["lora-ckpt"])
-    store = EstimateCache(tmp_path / "cache")
+    store = EstimateCache(tmp_path_factory.mktemp("fit") / "cache")
     along = MicrobatchSteps(doc, store=store)
-    memory = 1000 * 2**20  # with the bytes outside the allocator, the allocated answer (4096) does not fit
-    answer = fit_microbatch(doc, memory, along.estimate)
-    ours = check_on_device(doc, answer, memory, along=along)
+    checked = check_on_device(doc, fit_microbatch(doc, FIT_MEMORY, along.estimate), FIT_MEMORY, along=along)
+    assert along.helper is None
+    return doc, store, along, checked
+
+
+@pytest.mark.xdist_group("along-fit-checked")
+def test_fit_checks_from_synthesised_streams_are_the_traced_checks(fit_checked: tuple[Any, Any, Any, Any]) -> None:
+    """``estimate --fit microbatch`` on the device: each value checked from a synthesised stream gives the verdict,
+    device peak and margin that tracing each value gives; asked again, every answer comes from the cache."""
+    from ledgerspec.derivations.devices.along import MicrobatchSteps
+    from ledgerspec.derivations.devices.fit_check import check_on_device
+    from ledgerspec.derivations.devices.prediction import estimate_on_device
+    from ledgerspec.derivations.estimate.search import fit_microbatch
+    from ledgerspec.derivations.estimate.sweep import apply
+
+    doc, store, along, ours = fit_checked
+    memory = FIT_MEMORY
+    assert not any(c.cached for c in ours.checked)  # computed, into the empty cache
     # traced: the search's two microbatches and one row (its own regime); the others synthesised
     assert along.traces <= 3 and len(along.synthesised) >= 2, (along.traces, along.notes)
     again = MicrobatchSteps(doc, store=store)
@@ -288,25 +307,21 @@ def test_a_length_from_three_traced_lengths_is_the_trace() -> None:
         family({**streams, 48: probe(48)}, 2, "max_length")
 
 
-def test_with_a_helper_process_the_checks_are_the_same() -> None:
+@pytest.mark.xdist_group("along-fit-checked")
+def test_with_a_helper_process_the_checks_are_the_same(fit_checked: tuple[Any, Any, Any, Any]) -> None:
     """In a fresh process (nothing traced yet, as the CLI) the microbatch streams use a helper process: each traced
     microbatch's deepest probe, the probe that checks the line and (where fragmentation decides) half of the allocator
     settings tried run there.
     Every check equals the one computed in turn (in this test's process)."""
     import os
 
-    pytest.importorskip("torch")
-    from ledgerspec.derivations.devices.along import MicrobatchSteps
-    from ledgerspec.derivations.devices.fit_check import check_on_device
     from ledgerspec.derivations.engine import beside
-    from ledgerspec.derivations.estimate.search import fit_microbatch
     from tests.support import python_json
-    from tests.support.estimate_docs import ledger
 
     if not hasattr(os, "fork") or beside.usable_cpus() < 2:
         pytest.skip("a helper process needs fork and a second CPU")
 
-    memory = 1000 * 2**20
+    memory = FIT_MEMORY
     code = (
         "import json\n"
         "from ledgerspec.derivations.devices.along import MicrobatchSteps\n"
@@ -324,10 +339,7 @@ def test_with_a_helper_process_the_checks_are_the_same() -> None:
     )
     there = python_json(code)
     assert there["helper"] and there["synthesised"], there
-    doc = ledger(**CASES["lora-ckpt"])
-    along = MicrobatchSteps(doc)
-    checked = check_on_device(doc, fit_microbatch(doc, memory, along.estimate), memory, along=along)
-    assert along.helper is None
+    _doc, _store, along, checked = fit_checked  # computed in turn, in this process
     assert there["checked"] == [c.__dict__ for c in checked.checked]
     assert there["synthesised"] == sorted(along.synthesised)
     # the line was checked at the same microbatch (traced ahead of time by the helper there, here when needed)
