@@ -187,7 +187,8 @@ def test_one_row_of_a_padded_batch_is_never_synthesised_from_two(traced: tuple[A
     assert canonical(ours.events) == canonical(step_events(apply(doc, {"microbatch": 1}), layers=None).events)
 
 
-#: with the bytes outside the allocator, the allocated answer of ``lora-ckpt`` (4096) does not fit in this
+#: the device memory of the ``--fit`` checks: with the bytes outside the allocator, ``lora-ckpt``'s allocated answer
+#: (4096) does not fit in it
 FIT_MEMORY = 1000 * 2**20
 
 
