@@ -1010,7 +1010,114 @@ class LeanAllocator(CachingAllocator):
     counters). The allocator's decisions never read its statistics, so every block, segment and out-of-memory is the
     same as :class:`CachingAllocator`'s; the per-block counters (allocations, active and inactive-split blocks, their
     bytes, the bytes requested, oversize allocations) are not kept: about a third of a replay's time.
-    :meth:`memory_stats` has only the counters kept."""
+    :meth:`memory_stats` has only the counters kept.
+
+    Its :meth:`malloc` and :meth:`free` also write out, in one function each, the path almost every request of a
+    training step takes under the default kind of settings (no expandable segments, no garbage collection, no
+    history): a request served by a cached block of its stream, and a free returned to its pool at once. Each
+    condition that path tests is the general path's own (:meth:`CachingAllocator._get_free_block`,
+    :meth:`~CachingAllocator._should_split`, :meth:`~CachingAllocator._alloc_found_block`,
+    :meth:`~CachingAllocator._free_block`, :meth:`~CachingAllocator._try_merge_blocks`); anything else (a request
+    no cached block serves, a cross-stream free, an expandable block) takes the general path, from its start: the
+    written-out path changes nothing before it hands over. About a third less time per replay."""
+
+    #: whether the written-out paths apply (:meth:`_refresh_fast`)
+    _fast = False
+
+    def set_allocator_settings(self, text: str) -> None:
+        super().set_allocator_settings(text)
+        self._refresh_fast()
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        super().set_memory_fraction(fraction)
+        self._refresh_fast()
+
+    def _refresh_fast(self) -> None:
+        """The written-out paths need: no expandable segments (``should_split``'s other rule, the expandable search),
+        no garbage collection (``get_free_block`` counts its calls then), no history (:meth:`_record`)."""
+        self._fast = self.trace is None and not self.gc_enabled and not self.config.expandable_segments
+
+    def malloc(self, nbytes: int, stream: int = 0) -> Block | None:
+        """:meth:`CachingAllocator.malloc`; a request the smallest cached block of its stream serves is served here."""
+        if not self._fast or not 0 < nbytes < ONE_EXA_BYTES:
+            return super().malloc(nbytes, stream)
+        config = self.config
+        if config.plain_rounding:  # round_size
+            size = kMinBlockSize if nbytes < kMinBlockSize else -(-nbytes // kMinBlockSize) * kMinBlockSize
+        else:
+            size = self.round_size(nbytes)
+        small = size <= kSmallSize
+        pool = self.small_blocks if small else self.large_blocks
+        keys = pool._keys
+        i = bisect.bisect_left(keys, (stream, size, -1))  # get_free_block: pool.blocks.lower_bound
+        if i == len(keys):
+            return super().malloc(nbytes, stream)
+        key = keys[i]
+        block = pool._blocks[key]
+        found = key[1]
+        limit = config.max_split_size
+        if (
+            key[0] != stream
+            or block.expandable is not None
+            or (size < limit and found >= limit)
+            or (size >= limit and found >= size + config.max_non_split_rounding_size)
+        ):
+            return super().malloc(nbytes, stream)
+        del keys[i]  # pool.erase_at(i)
+        del pool._blocks[key]
+        remaining_size = found - size  # should_split (no expandable segments)
+        if remaining_size >= kMinBlockSize if small else (size < limit and remaining_size > kSmallSize):
+            remaining = block  # alloc_found_block: split off the first size bytes
+            block = Block(stream, size, small, remaining.ptr)
+            before = remaining.prev
+            block.prev = before
+            if before is not None:
+                before.next = block
+            block.next = remaining
+            remaining.prev = block
+            remaining.ptr += size
+            remaining.size = remaining_size
+            remaining.gc_count_base = pool.get_free_blocks_call_count  # pool.insert(remaining)
+            rest = (stream, remaining_size, remaining.ptr)
+            bisect.insort(keys, rest)
+            pool._blocks[rest] = remaining
+        block.allocated = True
+        block.requested_size = nbytes
+        self.active_blocks.add(block)
+        self._allocated_now.current += block.size
+        return block
+
+    def free(self, block: Block | None, pending: bool = False) -> None:
+        """:meth:`CachingAllocator.free`; a block of a non-expandable segment freed at once is returned here."""
+        if pending or block is None or not self._fast or block.expandable is not None or not block.allocated:
+            super().free(block, pending)
+            return
+        block.allocated = False
+        self._allocated_now.current -= block.size
+        pool = self.small_blocks if block.small else self.large_blocks  # free_block
+        keys, blocks = pool._keys, pool._blocks
+        src = block.prev  # try_merge_blocks: [src block]
+        if src is not None and not src.allocated and src.event_count == 0:  # the same segment: mapped, both
+            key = (src.stream, src.size, src.ptr)
+            _erase(keys, blocks, key, src)
+            block.ptr = src.ptr
+            block.prev = before = src.prev
+            if before is not None:
+                before.next = block
+            block.size += src.size
+        src = block.next  # [block src]
+        if src is not None and not src.allocated and src.event_count == 0:
+            key = (src.stream, src.size, src.ptr)
+            _erase(keys, blocks, key, src)
+            block.next = after = src.next
+            if after is not None:
+                after.prev = block
+            block.size += src.size
+        self.active_blocks.discard(block)
+        block.gc_count_base = pool.get_free_blocks_call_count  # pool.insert(block)
+        key = (block.stream, block.size, block.ptr)
+        bisect.insort(keys, key)
+        blocks[key] = block
 
     def _count_allocated(self, block: Block) -> None:
         self._allocated_now.current += block.size
@@ -1029,6 +1136,16 @@ class LeanAllocator(CachingAllocator):
         out = {k: v for k, v in super().memory_stats().items() if k.startswith(kept)}
         out["allocated_bytes.all.current"] = self.allocated
         return out
+
+
+def _erase(keys: list[tuple[int, int, int]], blocks: dict[tuple[int, int, int], Block], key: Any, block: Block) -> None:
+    """:meth:`BlockPool.erase` of ``block`` (whose key is ``key``) from a pool's ``keys`` and ``blocks``."""
+    i = bisect.bisect_left(keys, key)
+    if i < len(keys) and keys[i] == key and blocks[key] is block:
+        del keys[i]
+        del blocks[key]
+    else:  # pragma: no cover - a bookkeeping error in the model, never user input
+        raise AssertionError(f"{block} is not in the pool")
 
 
 def roundup_power2_next_division(size: int, divisions: int) -> int:

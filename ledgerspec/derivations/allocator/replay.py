@@ -124,6 +124,7 @@ def replay(
     allocated_now, reserved_now = alloc.stats["allocated_bytes"].all, alloc.stats["reserved_bytes"].all
     # the current phase's peaks, kept in locals while it runs and written back when it ends (the replay's hot loop)
     peak_allocated = peak_reserved = peak_cached = peak_counted = 0
+    malloc, free = alloc.malloc, alloc.free  # bound once: the hot loop's two calls
     for n, event in enumerate(events):
         kind = event[0]
         if kind == "alloc":
@@ -132,7 +133,7 @@ def replay(
             if key in live:
                 raise ValueError(f"event {n}: id {key!r} is already allocated")
             try:
-                live[key] = alloc.malloc(nbytes, stream)
+                live[key] = malloc(nbytes, stream)
                 counts[key] = size = -(-nbytes // granularity) * granularity
                 counted += size
             except OutOfMemory as exc:
@@ -152,7 +153,7 @@ def replay(
                 continue
             if key not in live:
                 raise ValueError(f"event {n}: id {key!r} is not allocated")
-            alloc.free(live.pop(key), pending=len(event) > 2 and event[2] == "pending")
+            free(live.pop(key), len(event) > 2 and event[2] == "pending")
             counted -= counts.pop(key)
             # a free lowers the allocated (and counted) bytes and never changes the reserve: only the cache can grow
             cached = reserved_now.current - allocated_now.current

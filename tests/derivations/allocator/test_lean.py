@@ -4,6 +4,9 @@ The allocator never reads its statistics, so dropping the per-block counters mus
 every phase's figures, the out-of-memory, the segments and the counters it keeps. The streams: the published
 resnet18 trace and random streams (mixed small and large requests, cross-stream frees, syncs, empty_cache, a
 settings change, phase markers) under each kind of allocator setting, with and without a capacity that runs out.
+Under the default kind of settings the lean allocator serves most requests and frees by a written-out path
+(:meth:`LeanAllocator.malloc`): the same comparisons check it, and a step-like stream (layers' activations kept,
+then freed in reverse, with temporaries between) that takes that path for nearly every event.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from ledgerspec.derivations.allocator.caching import CachingAllocator, LeanAllocator
 from ledgerspec.derivations.allocator.config import MiB
 from ledgerspec.derivations.allocator.replay import Event, replay
 from tests.derivations.allocator.test_published import trace_events
@@ -109,3 +113,71 @@ def test_the_reserve_mapped_inside_a_request_that_fails_is_in_the_peak() -> None
         assert r.oom is not None and r.oom.id == "x"
         assert r.peak_reserved == r.stats["reserved_bytes.all.peak"] == 80 * MiB
         assert max(p.peak_reserved for p in r.phases.values()) == 60 * MiB
+
+
+def step_like_stream(layers: int = 24, seed: int = 5) -> list[Event]:
+    """A training step's shape: weights, then per layer saved activations and freed temporaries (forward), then
+    per layer in reverse the saved ones freed and gradient temporaries (backward), twice."""
+    rng = random.Random(seed)
+    events: list[Event] = [("phase", "load")]
+    serial = 0
+
+    def alloc(size: int) -> int:
+        nonlocal serial
+        serial += 1
+        events.append(("alloc", serial, size, 0))
+        return serial
+
+    weights = [alloc(rng.choice([16 * MiB + 4096, 64 * MiB, 3 * MiB + 17, 4096])) for _ in range(layers * 3)]
+    for step in range(2):
+        events.append(("phase", f"forward {step}"))
+        saved: list[list[int]] = []
+        for _ in range(layers):
+            keep = [alloc(rng.choice([6 * MiB, 6 * MiB + 512, 24 * MiB, 700, 1 * MiB])) for _ in range(4)]
+            temps = [alloc(rng.choice([12 * MiB, 5 * MiB + 3, 40 * MiB, 300])) for _ in range(3)]
+            events.extend(("free", t) for t in reversed(temps))
+            saved.append(keep)
+        events.append(("phase", f"backward {step}"))
+        for keep in reversed(saved):
+            temps = [alloc(rng.choice([12 * MiB, 24 * MiB, 2 * MiB - 100])) for _ in range(3)]
+            events.extend(("free", t) for t in temps + keep)
+    events.extend(("free", w) for w in weights)
+    return events
+
+
+@pytest.mark.parametrize("conf", CONFIGS)
+@pytest.mark.parametrize("capacity", [None, 1500 * MiB, 2200 * MiB], ids=["unlimited", "1500MiB", "2200MiB"])
+@pytest.mark.parametrize("stream", ["step-like", "resnet18"])
+def test_the_written_out_path_decides_and_reports_as_the_full_allocator(
+    conf: str, capacity: int | None, stream: str
+) -> None:
+    events = step_like_stream() if stream == "step-like" else trace_events()
+    full = figures(events, conf, capacity, statistics=True)
+    lean = figures(events, conf, capacity, statistics=False)
+    kept = lean.pop("stats")
+    assert all(full["stats"][k] == v for k, v in kept.items())
+    assert lean == {k: v for k, v in full.items() if k != "stats"}
+
+
+def test_the_written_out_path_serves_a_steps_requests() -> None:
+    """Under the default settings the general path (counted by wrapping the general allocator's malloc) serves only
+    the requests no cached block can serve: each of them gets a new segment, and every other request of the
+    step-like stream is served by the written-out path; the figures are the full allocator's."""
+    general = 0
+    original = CachingAllocator.malloc
+
+    def counting(self: CachingAllocator, nbytes: int, stream: int = 0) -> Any:
+        nonlocal general
+        general += 1
+        return original(self, nbytes, stream)
+
+    events = step_like_stream()
+    requests = sum(1 for e in events if e[0] == "alloc")
+    lean = LeanAllocator()
+    try:
+        CachingAllocator.malloc = counting  # type: ignore[method-assign]
+        r = replay(events, allocator=lean)
+    finally:
+        CachingAllocator.malloc = original  # type: ignore[method-assign]
+    assert general == r.stats["num_device_alloc"] < requests / 4
+    assert r.phases == replay(events).phases
