@@ -27,7 +27,10 @@ With ``parallel``, a :class:`~ledgerspec.derivations.engine.beside.Helper` forke
 first traced microbatch's deepest probe and the next one's second probe while this process traces the others, the
 checking probe as soon as a regime has two traced microbatches (:meth:`MicrobatchSteps.prefetch_check`: ready by the
 time the first one is synthesised), and half of the allocator settings a fragmentation-decided verdict tries;
-:meth:`MicrobatchSteps.close` stops it. The answers are the same wherever they were computed.
+:meth:`MicrobatchSteps.close` stops it. The answers are the same wherever they were computed. While the helper still
+traces the checking probe, each value written is replayed and its verdict handed out
+(:attr:`MicrobatchSteps.unconfirmed`); it is kept in the cache only once the check passes, and when the check fails
+:meth:`MicrobatchSteps.settle` says so, and whoever used those verdicts asks again (those values are then traced).
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ class MicrobatchSteps:
         #: (microbatch, microbatch) -> the StreamFamily of their full-depth streams (built once per pair: checking
         #: that two streams of 100,000 events have one structure costs as much as writing one)
         self.families: dict[tuple[int, int], Any] = {}
+        #: microbatch -> (its document, the device memory, its DevicePrediction): verdicts of written streams replayed
+        #: while the helper still traced the probe that checks their line, kept (cached) only once that check passes
+        self.unconfirmed: dict[int, tuple[Document, int, Any]] = {}
+        #: whether a line's check failed after verdicts written from it were handed out (:meth:`settle`)
+        self.retracted = False
 
     def close(self) -> None:
         """Stop the helper process (if any)."""
@@ -240,7 +248,7 @@ class MicrobatchSteps:
             raise ValueError(f"no two traced microbatches in the regime of microbatch {b}")
         started = time.perf_counter()
         regime = self.regime(b)
-        if regime not in self.checked and (wait or regime not in self._checking):
+        if regime not in self.checked and (wait or regime not in self._checking or self._arrived()):
             self._settle(regime, b)
         why = self.checked.get(regime)
         if why is not None:
@@ -267,32 +275,44 @@ class MicrobatchSteps:
         self.synthesised[b] = step
         return step
 
+    def _arrived(self) -> bool:
+        """Whether the helper has handed back what it was tracing (a check's probe is then read without a wait)."""
+        return self.helper is not None and not self.helper.busy
+
     def _settle(self, regime: int, b: int) -> None:
-        """Check the line of ``regime`` (:meth:`_check`) and keep the outcome: None, or why synthesis is refused."""
+        """Check the line of ``regime`` (:meth:`_check`) and keep the outcome: None, or why synthesis is refused.
+        The verdicts written from that line before its check (:attr:`unconfirmed`) are then kept in the cache when it
+        passes; when it fails they are dropped with their streams, and :attr:`retracted` says that they were handed
+        out (:meth:`settle`)."""
+        from ledgerspec.derivations.devices.prediction import keep_synthesised
+
         try:
             self._check(regime, b)
             self.checked[regime] = None
         except NotPolynomial as exc:
             self.checked[regime] = str(exc)
+        mine = [v for v in self.unconfirmed if self.regime(v) == regime]
+        for v in mine:
+            variant, memory, p = self.unconfirmed.pop(v)
+            if self.checked[regime] is None:
+                keep_synthesised(variant, memory, p, self.target, self.layers, self.offline, self.store)
+            else:
+                self.synthesised.pop(v, None)  # asked again, it is traced (and noted so)
+                self.retracted = True
+
+    def settle(self) -> bool:
+        """Finish every line's check still waited for (the verdicts written before it then kept in the cache);
+        False when a check failed after verdicts written from its line were handed out: whoever used them asks
+        again (those microbatches are then traced)."""
+        for regime in sorted({self.regime(v) for v in self.unconfirmed}):
+            if regime not in self.checked:
+                self._settle(regime, min(v for v in self.unconfirmed if self.regime(v) == regime))
+        retracted, self.retracted = self.retracted, False
+        return not retracted
 
     def _checked_at(self, regime: int, b: int) -> int:
         """Where the line of ``regime`` is (or will be) checked: as :meth:`_check` chooses, checked yet or not."""
         return self.checked_at.get(regime, self._check_value(regime) or b)
-
-    def confirm(self, b: int) -> None:
-        """The check of ``b``'s line, when :meth:`synthesise` left it to the helper's probe: waits for it, and raises
-        :class:`NotPolynomial` (dropping ``b``'s stream) when it fails; whatever else the check raises drops the
-        stream too (it stays unchecked)."""
-        regime = self.regime(b)
-        try:
-            if regime not in self.checked:
-                self._settle(regime, b)
-        finally:
-            why = self.checked.get(regime, "the check of the line did not finish")
-            if why is not None:
-                self.synthesised.pop(b, None)
-        if why is not None:
-            raise NotPolynomial(why)
 
     def lines(self) -> list[str]:
         """How the streams checked on the device were obtained (what ``estimate --fit`` prints)."""
@@ -324,23 +344,19 @@ class MicrobatchSteps:
                 if isinstance(exc, NotPolynomial):
                     self.notes.append(f"microbatch {b} traced: {exc}")
             else:
-                try:
-                    # replayed while the helper finishes the probe that checks the stream's line: the check passes
-                    # before the verdict is kept or returned (``confirm``), else b is traced
+                if self.regime(b) in self.checked:  # its line is checked: the verdict is kept at once
                     return stream_on_device(
-                        variant,
-                        device_memory,
-                        lambda: step,
-                        False,
-                        self.target,
-                        self.layers,
-                        self.offline,
-                        self.store,
-                        helper=self.helper,
-                        confirm=lambda: self.confirm(b),
-                    )
-                except NotPolynomial as exc:
-                    self.notes.append(f"microbatch {b} traced: {exc}")
+                        variant, device_memory, lambda: step, False, self.target, self.layers, self.offline,
+                        self.store, helper=self.helper,
+                    )  # fmt: skip
+                # replayed while the helper finishes the probe that checks the stream's line: handed out now, kept
+                # once that check passes (:meth:`settle`), else dropped and the question asked again
+                p = stream_on_device(
+                    variant, device_memory, lambda: step, False, self.target, self.layers, self.offline, None,
+                    helper=self.helper,
+                )  # fmt: skip
+                self.unconfirmed[b] = (variant, device_memory, p)
+                return p
         fn: Callable[[], tuple[Any, Any]] = lambda: self.trace(b, variant)  # noqa: E731
         _, p = estimate_on_device(
             variant,

@@ -170,6 +170,9 @@ def check_on_device(
                 guessed = True
         else:
             value = None
+    if along is not None and not along.settle():
+        # a line's check failed after verdicts written from it were used: asked again, those values traced
+        return check_on_device(doc, answer, device_memory, step, store, parallel, along)
     result.largest = lo
     result.exhausted = value is not None
     result.seconds = time.perf_counter() - started

@@ -32,7 +32,6 @@ streams; the bytes outside the allocator are an ASSUMPTION unless the ledger hol
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -897,13 +896,12 @@ def stream_on_device(
     store: Any = None,
     catalogue: Any = None,
     helper: Any = None,
-    confirm: Callable[[], None] | None = None,
 ) -> DevicePrediction:
     """The :class:`DevicePrediction` of ``doc`` from a full-depth stream ``step_fn()`` gives without an estimate of
     its own (one synthesised from streams traced at other values: :mod:`ledgerspec.derivations.devices.along`),
-    kept in the cache apart from :func:`estimate_on_device`'s answers (which hold a traced estimate too). Only a
-    cache miss calls ``step_fn``; ``helper``: see :func:`replay_on_device`; ``confirm``: called after the replays,
-    before the answer is kept: what it raises discards them (the stream's last check, run meanwhile elsewhere)."""
+    kept in the cache apart from :func:`estimate_on_device`'s answers (which hold a traced estimate too; without
+    ``store`` it is not kept: :func:`keep_synthesised` keeps it later). Only a cache miss calls ``step_fn``;
+    ``helper``: see :func:`replay_on_device`."""
     from ledgerspec.derivations.estimate.cache import cached
 
     named, figure, conf, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
@@ -921,8 +919,6 @@ def stream_on_device(
             outside_high=high_of(figure),
             helper=helper,
         )
-        if confirm is not None:
-            confirm()
         return replayed, False
 
     answer = cached(
@@ -934,6 +930,28 @@ def stream_on_device(
         lambda data, _: (Replayed.from_cache(data), True),
     )
     return DevicePrediction(named, figure, answer[0], cached=answer[1])
+
+
+def keep_synthesised(
+    doc: Document,
+    device_memory: int,
+    prediction: DevicePrediction,
+    target: str = "cuda",
+    layers: str = "auto",
+    offline: bool = True,
+    store: Any = None,
+    catalogue: Any = None,
+) -> None:
+    """Keep in ``store`` the verdict :func:`stream_on_device` computed without one (under the key it would have
+    used), once the stream it was replayed from has passed its last check."""
+    from ledgerspec.derivations.estimate.cache import key
+
+    if store is None:
+        return
+    _, _, _, question = device_question(doc, device_memory, False, target, layers, offline, catalogue)
+    name = key(doc, {**question, "stream": SYNTHESISED})
+    if name is not None:
+        store.put(name, prediction.replayed.to_cache())
 
 
 def cached_on_device(

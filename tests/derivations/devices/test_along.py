@@ -243,12 +243,35 @@ def test_fit_checks_from_synthesised_streams_are_the_traced_checks(fit_checked: 
         assert (c.fits, c.device_peak, c.margin, c.decided_by) == (p.fits, p.device_peak, p.margin, p.decided_by)
 
 
-def test_a_value_replayed_before_its_lines_check_is_traced_when_the_check_fails(tmp_path: Path) -> None:
-    """The first value written is replayed while the helper still traces the probe that checks its line; when that
-    probe is off the line, the replays are discarded (nothing cached) and the value is traced (its verdict then is a
-    traced one's, as :func:`test_fit_checks_from_synthesised_streams_are_the_traced_checks` checks)."""
-    pytest.importorskip("torch")
+def _check_off_the_line(steps: Any, regime: int, waited: list[int]) -> int:
+    """Make the probe that checks ``regime``'s line (as if a helper were tracing it) one byte off the line: it is
+    handed back only when waited for (``waited`` gets the number of verdicts handed out by then). Returns the index
+    of the event off the line."""
     from ledgerspec.derivations.allocator.step import probe_of
+    from ledgerspec.derivations.estimate.sweep import apply
+
+    m = steps._check_value(regime)
+    probe = probe_of(apply(steps.doc, {"microbatch": m}), "cuda", "auto", True, steps.shallow_depth)
+    first = next(i for i, e in enumerate(probe.events) if e[0] == "alloc")
+    off = list(probe.events)
+    off[first] = (*off[first][:2], off[first][2] + 1, *off[first][3:])
+
+    class Waiting:  # what the helper's probe hands back
+        events = off
+
+    def wait() -> Any:
+        waited.append(len(steps.unconfirmed))
+        return Waiting
+
+    steps._checking[regime] = (m, wait)
+    return first
+
+
+def test_values_replayed_before_their_lines_check_are_traced_when_the_check_fails(tmp_path: Path) -> None:
+    """Written values are replayed and their verdicts handed out while the helper still traces the probe that checks
+    their line; they are kept in the cache only once that check passes. When that probe is off the line, the check
+    says so (:meth:`MicrobatchSteps.settle` is False), nothing written is kept, and the value asked again is traced."""
+    pytest.importorskip("torch")
     from ledgerspec.derivations.devices.along import MicrobatchSteps
     from ledgerspec.derivations.devices.prediction import cached_on_device
     from ledgerspec.derivations.estimate.cache import EstimateCache
@@ -260,30 +283,48 @@ def test_a_value_replayed_before_its_lines_check_is_traced_when_the_check_fails(
     steps = MicrobatchSteps(doc, store=store)
     for b in (2, 6):
         steps.trace(b)
-    b, m, memory = 5, 4, 1000 * 2**20  # the line is checked halfway between the traced microbatches
-    probe = probe_of(apply(doc, {"microbatch": m}), "cuda", "auto", True, steps.shallow_depth)
-    first = next(i for i, e in enumerate(probe.events) if e[0] == "alloc")
-    off = list(probe.events)
-    off[first] = (*off[first][:2], off[first][2] + 1, *off[first][3:])  # one byte off the line
+    memory = 1000 * 2**20
     waited: list[int] = []
+    first = _check_off_the_line(steps, steps.regime(5), waited)
+    written = {b: steps.on_device(b, memory) for b in (5, 3)}  # the check's microbatch is 4
+    assert waited == [] and sorted(steps.unconfirmed) == [3, 5]  # both handed out before the check was waited for
+    assert all(p.replayed.stream.startswith("synthesised") for p in written.values())
+    assert all(cached_on_device(apply(doc, {"microbatch": b}), memory, store=store) is None for b in written)
+    assert steps.settle() is False and waited == [2]
+    assert not steps.unconfirmed and not steps.synthesised
+    again = steps.on_device(5, memory)
+    assert 5 in steps.steps and again.replayed.stream.startswith("built from the probes"), again.replayed.stream
+    assert any(n.startswith(f"microbatch 5 traced: event {first} ") for n in steps.notes), steps.notes
+    kept = cached_on_device(apply(doc, {"microbatch": 5}), memory, store=store)
+    assert kept is not None and kept.replayed.stream == again.replayed.stream  # the traced verdict, not the written
+    assert steps.settle() is True
 
-    class Waiting:  # what the helper's probe hands back, asked for only after the replays
-        events = off
 
-    def wait() -> Any:
-        waited.append(len(steps.synthesised))
-        return Waiting
+def test_a_fit_check_whose_line_fails_after_its_verdicts_were_used_is_asked_again(tmp_path: Path) -> None:
+    """``--fit microbatch`` on the device, with the probe that checks the line off it and handed back only at the
+    end: the search went on with the written verdicts, then asks again, and every value it finally reports was traced
+    and is the answer tracing every value gives (an independent run, each value traced on its own)."""
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.devices.along import MicrobatchSteps
+    from ledgerspec.derivations.devices.fit_check import check_on_device
+    from ledgerspec.derivations.devices.prediction import estimate_on_device
+    from ledgerspec.derivations.estimate.search import fit_microbatch
+    from ledgerspec.derivations.estimate.sweep import apply
+    from tests.support.estimate_docs import ledger
 
-    steps._checking[steps.regime(b)] = (m, wait)
-    written = steps.synthesise(b, wait=False)
-    assert written.method.endswith(f"checked on the shallowest probe at {m})"), written.method  # where it will be
-    ours = steps.on_device(b, memory)
-    assert waited == [1]  # the stream was written (and replayed) before the check was waited for
-    assert b in steps.steps and b not in steps.synthesised
-    assert any(n.startswith(f"microbatch {b} traced: event {first} ") for n in steps.notes), steps.notes
-    assert ours.replayed.stream.startswith("built from the probes"), ours.replayed.stream
-    kept = cached_on_device(apply(doc, {"microbatch": b}), memory, store=store)
-    assert kept is not None and kept.replayed.stream == ours.replayed.stream  # the traced verdict, not the written
+    doc = ledger(**CASES["lora-ckpt"])
+    steps = MicrobatchSteps(doc)
+    answer = fit_microbatch(doc, FIT_MEMORY, steps.estimate)
+    assert answer.largest is not None
+    regime = steps.regime(answer.largest)
+    waited: list[int] = []
+    _check_off_the_line(steps, regime, waited)
+    checked = check_on_device(doc, answer, FIT_MEMORY, along=steps)
+    assert waited and waited[0] >= 1, waited  # verdicts were handed out before the check
+    assert not steps.synthesised and all(c.value in steps.steps for c in checked.checked)
+    for c in checked.checked:
+        _, p = estimate_on_device(apply(doc, {"microbatch": c.value}), FIT_MEMORY)
+        assert (c.fits, c.device_peak, c.margin, c.decided_by) == (p.fits, p.device_peak, p.margin, p.decided_by)
 
 
 def test_a_length_from_three_traced_lengths_is_the_trace() -> None:

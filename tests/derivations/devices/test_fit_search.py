@@ -41,6 +41,10 @@ class Device:
             uncertain=False,
         )
 
+    def settle(self) -> bool:
+        """Its verdicts are final (no line's check to wait for)."""
+        return True
+
 
 def _answer(largest: int) -> FitAnswer:
     """The allocated answer: ``largest`` fits the device's memory, from traces at 2 and ``largest`` (allocated
