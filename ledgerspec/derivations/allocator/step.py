@@ -42,6 +42,11 @@ from ledgerspec.derivations.allocator.replay import Event, ReplayOOM, ReplayResu
 HELD = ("after_load", "after_adapter_injection", "after_optimizer_init")
 
 
+#: :func:`full_depth`'s ``pattern``: (depth pattern, where it was learned), a function giving it (or None) when it is
+#: needed, or None
+Pattern = tuple[Any, str] | Callable[[], tuple[Any, str] | None] | None
+
+
 @dataclass
 class StepEvents:
     """A step's event stream (traced, or built from probes), the window labels in order, the estimate's figures."""
@@ -71,9 +76,21 @@ class StepEvents:
     #: None for a trace), for another step of the same structure (:func:`full_depth`'s ``pattern``); kept in this
     #: process only (not pickled: a step sent to a helper process travels without it)
     pattern: Any = field(default=None, repr=False, compare=False)
+    #: a stream whose building from the probes was deferred (:func:`full_depth`'s ``defer``): what builds it; its
+    #: ``events`` and ``pattern`` are empty until :meth:`finish`
+    pending: Callable[[], StepEvents] | None = field(default=None, repr=False, compare=False)
+
+    def finish(self) -> StepEvents:
+        """Build a deferred stream now, in place (it may become the full trace, as :func:`full_depth` falls back);
+        nothing to do for any other. Returns this step."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.__dict__.update(pending().__dict__)
+        return self
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "pattern": None}
+        self.finish()  # a step sent elsewhere travels built
+        return {**self.__dict__, "pattern": None, "pending": None}
 
 
 @dataclass
@@ -208,19 +225,23 @@ def full_depth_from(
     parallel: bool = False,
     probes: dict[int | None, StepEvents] | None = None,
     elsewhere: Callable[[int], Callable[[], StepEvents]] | None = None,
-    pattern: tuple[Any, str] | None = None,
+    pattern: Pattern = None,
+    defer: bool = False,
+    idle: Callable[[], None] | None = None,
 ) -> StepEvents:
     """:func:`full_depth_events` of a prepared estimate (:func:`ledgerspec.derivations.estimate.estimator.prepare`;
     with ``layers="full"`` the full depth is traced). :attr:`StepEvents.estimate_figures` holds the figures the
     plain estimate gives (its two probes extended, or its full trace) whenever the probes traced here include its
     own, so one set of traces answers both. ``probes``: filled with every stream traced on the way, by depth (None:
-    the full depth), e.g. for :mod:`ledgerspec.derivations.devices.along`; ``elsewhere``, ``pattern``: see
-    :func:`full_depth`."""
+    the full depth), e.g. for :mod:`ledgerspec.derivations.devices.along`; ``elsewhere``, ``pattern``, ``defer``,
+    ``idle``: see :func:`full_depth`."""
     from ledgerspec.derivations.engine.beside import can_fork
 
     if parallel and elsewhere is None and can_fork():
         prepared.warm()  # the forked probe finds the model's modules imported
-    return full_depth(lambda n: probe_events(prepared, n), prepared.plan, parallel, probes, elsewhere, pattern)
+    return full_depth(
+        lambda n: probe_events(prepared, n), prepared.plan, parallel, probes, elsewhere, pattern, defer, idle
+    )
 
 
 def full_depth(
@@ -229,7 +250,9 @@ def full_depth(
     parallel: bool = False,
     probes: dict[int | None, StepEvents] | None = None,
     elsewhere: Callable[[int], Callable[[], StepEvents]] | None = None,
-    pattern: tuple[Any, str] | None = None,
+    pattern: Pattern = None,
+    defer: bool = False,
+    idle: Callable[[], None] | None = None,
 ) -> StepEvents:
     """The full-depth stream of a step whose traces ``probe(layers)`` gives (None: every layer), by the depth plan
     ``est_plan`` (:class:`ledgerspec.derivations.estimate.extrapolate.Plan`): the plan's two probes and a third one
@@ -243,7 +266,10 @@ def full_depth(
     ``pattern``: ``(depth pattern, where it was learned)``, the :attr:`StepEvents.pattern` of a step of the same
     structure (another microbatch): the plan's two probes only (the second one elsewhere), the stream built with
     that pattern (:func:`~ledgerspec.derivations.allocator.depth.retarget`); where their streams do not fit it, the
-    third probe is traced as without it."""
+    third probe is traced as without it. It may be a function that gives it (or None) when it is needed, after the
+    two probes. ``defer``: the three probes traced, the stream built only when :meth:`StepEvents.finish` is called
+    (its figures and the estimate's are there at once); ``idle``: called while the helper traces the second probe
+    of a step built with a pattern (work that would otherwise wait)."""
     from ledgerspec.derivations.engine.beside import both
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
@@ -266,7 +292,7 @@ def full_depth(
         raise ValueError(f"{est_plan.layers} layers is not {n1} plus whole periods of {est_plan.period}")
 
     def built(
-        shallow: StepEvents, events: list[Event], estimated: dict[str, int], learned: Any, how: str
+        shallow: StepEvents, events: list[Event], estimated: dict[str, int], learned: Any, how: str, building: float
     ) -> StepEvents:
         """The stream built from the probes (``how``: the method's words), the estimate's figures beside it."""
         return StepEvents(
@@ -282,18 +308,26 @@ def full_depth(
             pattern=learned,
         )
 
+    known: tuple[Any, str] | None = None
     if pattern is not None:
         if elsewhere is not None:
             waiting_second = elsewhere(n2)
+            if idle is not None:
+                idle()
             shallow = probe(n1)
             second = waiting_second()
         else:
+            if idle is not None:
+                idle()
             shallow, second = both(lambda: probe(n1), lambda: probe(n2), parallel)
         building = time.perf_counter()
         try:
             if shallow.windows != second.windows:
                 raise NotExtensible("the probes ran different protocol windows")
-            learned = retarget(pattern[0], shallow.events, second.events)
+            known = pattern() if callable(pattern) else pattern
+            if known is None:
+                raise NotExtensible("no depth pattern was learned")
+            learned = retarget(known[0], shallow.events, second.events)
             events = learned.stream(steps)
         except NotExtensible as exc:
             refused = str(exc)  # the third probe, as without a pattern
@@ -304,7 +338,8 @@ def full_depth(
                 extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers),
                 learned,
                 f"{n1} and {n2} decoder layers and the depth pattern of the probes with {n1}, {n2} and {n3} at "
-                f"{pattern[1]}, extended to {est_plan.layers}",
+                f"{known[1]}, extended to {est_plan.layers}",
+                building,
             )
         third = elsewhere(n3)() if elsewhere is not None else probe(n3)
     elif elsewhere is not None:
@@ -314,30 +349,42 @@ def full_depth(
     else:
         (shallow, second), third = both(lambda: (probe(n1), probe(n2)), lambda: probe(n3), parallel)
     estimated = extend_all(shallow.figures, second.figures, n1, n2, est_plan.layers)
-    building = time.perf_counter()
-    try:
-        if not shallow.windows == second.windows == third.windows:
-            raise NotExtensible("the probes ran different protocol windows")
-        learned = template(shallow.events, second.events, third.events)
-        events = learned.stream(steps)
-    except NotExtensible as exc:
-        full = probe(None)
-        full.fallback = (
-            f"the probes' allocation streams ({n1}, {n2}, {n3} layers) do not extend to {est_plan.layers} layers "
-            f"exactly ({exc}): traced all {est_plan.layers} layers instead"
+
+    def build() -> StepEvents:
+        building = time.perf_counter()
+        try:
+            if not shallow.windows == second.windows == third.windows:
+                raise NotExtensible("the probes ran different protocol windows")
+            learned = template(shallow.events, second.events, third.events)
+            events = learned.stream(steps)
+        except NotExtensible as exc:
+            full = probe(None)
+            full.fallback = (
+                f"the probes' allocation streams ({n1}, {n2}, {n3} layers) do not extend to {est_plan.layers} "
+                f"layers exactly ({exc}): traced all {est_plan.layers} layers instead"
+            )
+            full.method = f"traced with all {est_plan.layers} decoder layers (the probes did not extend)"
+            full.seconds = time.perf_counter() - started
+            full.estimate_figures = estimated
+            return full
+        where = known[1] if known is not None else "the first microbatch"
+        return built(
+            shallow,
+            events,
+            estimated,
+            learned,
+            f"{n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}"
+            + (f" (the depth pattern of {where} did not fit: {refused})" if pattern is not None else ""),
+            building,
         )
-        full.method = f"traced with all {est_plan.layers} decoder layers (the probes did not extend)"
-        full.seconds = time.perf_counter() - started
-        full.estimate_figures = estimated
-        return full
-    return built(
-        shallow,
-        events,
-        estimated,
-        learned,
-        f"{n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}"
-        + (f" (the depth pattern of {pattern[1]} did not fit: {refused})" if pattern is not None else ""),
-    )
+
+    if not defer:
+        return build()
+    later = StepEvents(
+        [], list(shallow.windows), shallow.accumulation, estimated, layers=est_plan.layers,
+        method="to be built from the probes", estimate_figures=estimated, pending=build,
+    )  # fmt: skip
+    return later
 
 
 def _recording(

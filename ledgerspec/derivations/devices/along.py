@@ -81,6 +81,8 @@ class MicrobatchSteps:
         #: (microbatch, microbatch) -> the StreamFamily of their full-depth streams (built once per pair: checking
         #: that two streams of 100,000 events have one structure costs as much as writing one)
         self.families: dict[tuple[int, int], Any] = {}
+        #: traced microbatches whose full-depth stream is still to be built (:meth:`finish`), in the order traced
+        self._unbuilt: list[int] = []
         #: microbatch -> (its document, the device memory, its DevicePrediction): verdicts of written streams replayed
         #: while the helper still traced the probe that checks their line, kept (cached) only once that check passes
         self.unconfirmed: dict[int, tuple[Document, int, Any]] = {}
@@ -131,16 +133,21 @@ class MicrobatchSteps:
     def regime(self, b: int) -> int:
         return 0 if self.padded and b == 1 else 1
 
-    def trace(self, b: int, doc: Document | None = None) -> tuple[Any, Any]:
-        """The estimate and full-depth stream of microbatch ``b``, traced (and kept)."""
+    def trace(self, b: int, doc: Document | None = None, defer: bool = False) -> tuple[Any, Any]:
+        """The estimate and full-depth stream of microbatch ``b``, traced (and kept). ``defer``: the stream is built
+        from the probes later (:meth:`finish`; the estimate is there at once): the search needs only the estimate,
+        and the next microbatch's trace builds it while the helper traces that one's second probe."""
         from ledgerspec.derivations.devices.prediction import step_and_estimate
 
         if b in self.steps:
+            if not defer:
+                self.finish()
             return self.estimates[b], self.steps[b]
         probes: dict[int | None, Any] = {}
         variant = doc if doc is not None else self._variant(b)
         elsewhere = self._elsewhere(variant)
         regime = self.regime(b)
+        known = regime in self.patterns or any(self.regime(v) == regime for v in self._unbuilt)
         est, step = step_and_estimate(
             variant,
             self.target,
@@ -151,12 +158,15 @@ class MicrobatchSteps:
             None,
             probes,
             elsewhere,
-            self.patterns.get(regime),
+            (lambda: self._pattern(regime)) if known else None,
+            defer=defer,
+            idle=self.finish,
         )
         self.traces += 1
         self.steps[b], self.estimates[b] = step, est
-        if step.pattern is not None and regime not in self.patterns:
-            self.patterns[regime] = (step.pattern, f"microbatch {b}")
+        self._unbuilt.append(b)
+        if not defer:
+            self.finish()
         depths = [n for n in probes if n is not None]
         if depths:
             self.shallow_depth = min(depths)
@@ -166,6 +176,20 @@ class MicrobatchSteps:
         self.prefetch_check(b)  # the helper is free again: the line's checking probe can start now
         return est, step
 
+    def finish(self) -> None:
+        """Build the traced streams whose building was deferred, and learn their depth patterns."""
+        while self._unbuilt:
+            b = self._unbuilt.pop(0)
+            step = self.steps[b].finish()
+            regime = self.regime(b)
+            if step.pattern is not None and regime not in self.patterns:
+                self.patterns[regime] = (step.pattern, f"microbatch {b}")
+
+    def _pattern(self, regime: int) -> tuple[Any, str] | None:
+        """The depth pattern of ``regime`` (its first traced microbatch's stream built first, when it is not yet)."""
+        self.finish()
+        return self.patterns.get(regime)
+
     def estimate(self, doc: Document) -> Any:
         """The search's ``estimate_fn``: the plain estimate (from the cache when it holds it; else traced with its
         full-depth stream, which is kept)."""
@@ -174,7 +198,9 @@ class MicrobatchSteps:
 
         question = {"target": self.target, "layers": self.layers, "offline": self.offline}
         b = self._microbatch(doc)
-        return cached(self.store, doc, question, lambda: self.trace(b, doc)[0], Estimate.to_cache, Estimate.from_cache)
+        return cached(
+            self.store, doc, question, lambda: self.trace(b, doc, defer=True)[0], Estimate.to_cache, Estimate.from_cache
+        )
 
     # -- synthesis
     def _pair(self, b: int) -> tuple[int, int] | None:
@@ -246,6 +272,7 @@ class MicrobatchSteps:
         pair = self._pair(b)
         if pair is None:
             raise ValueError(f"no two traced microbatches in the regime of microbatch {b}")
+        self.finish()
         started = time.perf_counter()
         regime = self.regime(b)
         if regime not in self.checked and (wait or regime not in self._checking or self._arrived()):

@@ -32,6 +32,7 @@ streams; the bytes outside the allocator are an ASSUMPTION unless the ledger hol
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -749,20 +750,23 @@ def step_and_estimate(
     progress: Any = None,
     probes: dict[int | None, Any] | None = None,
     elsewhere: Any = None,
-    pattern: tuple[Any, str] | None = None,
+    pattern: Any = None,
+    defer: bool = False,
+    idle: Callable[[], None] | None = None,
 ) -> tuple[Any, Any]:
     """The estimate of ``doc`` and its step's allocation stream at full depth, from one set of traces (the
     estimate's probes and a third); with ``store`` the plain estimate is kept in the cache, so that a later
     ``estimate`` of the same question (a plain one, or a microbatch model's) is read back, not traced. ``probes``:
     filled with the probes' streams by depth; ``elsewhere``: where the third probe runs; ``pattern``: the depth pattern
-    of a step of the same structure (:func:`ledgerspec.derivations.allocator.step.full_depth_from`)."""
+    of a step of the same structure; ``defer``, ``idle``: the stream built later, work to do while a probe runs
+    elsewhere (:func:`ledgerspec.derivations.allocator.step.full_depth`)."""
     from ledgerspec.derivations.allocator.step import full_depth_from
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import key as cache_key
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
     p = estimator.prepare(doc, target, layers, progress, offline)
-    step = full_depth_from(p, parallel, probes, elsewhere, pattern)
+    step = full_depth_from(p, parallel, probes, elsewhere, pattern, defer, idle)
     figures = step.estimate_figures
     if figures is None:  # a stack too shallow for a third probe was traced in full: the estimate's own probes
         assert p.plan.probes is not None

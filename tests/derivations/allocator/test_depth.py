@@ -299,6 +299,47 @@ def test_streams_the_probes_cannot_give_are_traced_in_full(monkeypatch: pytest.M
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("depth-llama-ckpt-accum2")  # the case's streams, traced once
+def test_a_deferred_stream_is_built_when_finished_and_is_the_same(real_steps: Any) -> None:
+    """``full_depth(defer=True)`` traces the three probes and gives the estimate's figures at once; the stream (and
+    its depth pattern) only when :meth:`StepEvents.finish` is called: then the stream built at once, and the full
+    trace's. A step sent to another process is finished first."""
+    import pickle
+
+    from ledgerspec.derivations.allocator.step import full_depth_from
+    from ledgerspec.derivations.estimate.estimator import prepare
+
+    doc, built, full = real_steps("llama-ckpt-accum2")
+    later = full_depth_from(prepare(doc, "cuda"), defer=True)
+    assert later.events == [] and later.pattern is None and later.pending is not None
+    assert later.estimate_figures == built.estimate_figures and later.figures == built.figures
+    sent = pickle.loads(pickle.dumps(later))
+    assert later.pending is None and later.pattern is not None and sent.events == later.events
+    assert later.method == built.method and canonical(later.events) == canonical(full.events)
+
+
+@pytest.mark.slow
+def test_a_deferred_stream_the_probes_cannot_give_is_traced_in_full_when_finished(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("torch")
+    from ledgerspec.derivations.allocator import step as step_module
+    from ledgerspec.derivations.estimate.estimator import prepare
+    from tests.support.estimate_docs import ledger
+
+    def refuse(shallow: Any, second: Any, third: Any) -> Any:
+        raise NotExtensible("a free follows no rule of the depth pattern")
+
+    monkeypatch.setattr(step_module, "template", refuse)
+    doc = ledger(seq=32, layers=DEPTH)
+    step = step_module.full_depth_from(prepare(doc, "cuda"), defer=True)
+    assert step.fallback is None and step.events == []
+    step.finish()
+    assert step.fallback is not None and f"traced all {DEPTH} layers instead" in step.fallback
+    assert canonical(step.events) == canonical(step_module.step_events(doc, layers=None).events)
+
+
+@pytest.mark.slow
 def test_a_stack_too_shallow_for_a_third_probe_is_traced_in_full() -> None:
     pytest.importorskip("torch")
     from ledgerspec.derivations.allocator.step import full_depth_events
