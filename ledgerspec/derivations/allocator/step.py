@@ -83,9 +83,9 @@ class StepEvents:
     def finish(self) -> StepEvents:
         """Build a deferred stream now, in place (it may become the full trace, as :func:`full_depth` falls back);
         nothing to do for any other. Returns this step."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self.__dict__.update(pending().__dict__)
+        if self.pending is not None:
+            done = self.pending()  # what it raises leaves the step to be built again
+            self.__dict__.update({**done.__dict__, "pending": None})
         return self
 
     def __getstate__(self) -> dict[str, Any]:
@@ -268,8 +268,8 @@ def full_depth(
     that pattern (:func:`~ledgerspec.derivations.allocator.depth.retarget`); where their streams do not fit it, the
     third probe is traced as without it. It may be a function that gives it (or None) when it is needed, after the
     two probes. ``defer``: the three probes traced, the stream built only when :meth:`StepEvents.finish` is called
-    (its figures and the estimate's are there at once); ``idle``: called while the helper traces the second probe
-    of a step built with a pattern (work that would otherwise wait)."""
+    (its figures and the estimate's are there at once); ``idle``: called before the two probes of a step built with
+    a pattern (with ``elsewhere``, while the helper traces the second: work that would otherwise wait for it)."""
     from ledgerspec.derivations.engine.beside import both
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
@@ -367,14 +367,15 @@ def full_depth(
             full.seconds = time.perf_counter() - started
             full.estimate_figures = estimated
             return full
-        where = known[1] if known is not None else "the first microbatch"
+        why = ""
+        if pattern is not None:
+            why = f" (the depth pattern of {known[1]} did not fit: {refused})" if known is not None else f" ({refused})"
         return built(
             shallow,
             events,
             estimated,
             learned,
-            f"{n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}"
-            + (f" (the depth pattern of {where} did not fit: {refused})" if pattern is not None else ""),
+            f"{n1}, {n2} and {n3} decoder layers, extended to {est_plan.layers}{why}",
             building,
         )
 

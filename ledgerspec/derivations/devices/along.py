@@ -83,9 +83,9 @@ class MicrobatchSteps:
         self.families: dict[tuple[int, int], Any] = {}
         #: traced microbatches whose full-depth stream is still to be built (:meth:`finish`), in the order traced
         self._unbuilt: list[int] = []
-        #: microbatch -> (its document, the device memory, its DevicePrediction): verdicts of written streams replayed
+        #: (microbatch, device memory) -> (its document, its DevicePrediction): verdicts of written streams replayed
         #: while the helper still traced the probe that checks their line, kept (cached) only once that check passes
-        self.unconfirmed: dict[int, tuple[Document, int, Any]] = {}
+        self.unconfirmed: dict[tuple[int, int], tuple[Document, Any]] = {}
         #: whether a line's check failed after verdicts written from it were handed out (:meth:`settle`)
         self.retracted = False
 
@@ -179,8 +179,9 @@ class MicrobatchSteps:
     def finish(self) -> None:
         """Build the traced streams whose building was deferred, and learn their depth patterns."""
         while self._unbuilt:
-            b = self._unbuilt.pop(0)
-            step = self.steps[b].finish()
+            b = self._unbuilt[0]
+            step = self.steps[b].finish()  # what it raises leaves it to be built again
+            self._unbuilt.pop(0)
             regime = self.regime(b)
             if step.pattern is not None and regime not in self.patterns:
                 self.patterns[regime] = (step.pattern, f"microbatch {b}")
@@ -264,7 +265,8 @@ class MicrobatchSteps:
         """The full-depth stream of microbatch ``b`` written from two traced ones of its regime (checked as the
         module docstring says); raises :class:`NotPolynomial` (or ValueError without two traced microbatches).
         ``wait=False``: when the helper is still tracing the probe that checks the line, the stream is written now
-        and the check is left to :meth:`confirm` (which must pass before anything read off the stream is kept)."""
+        and the check is left to a later call or :meth:`settle` (which must pass before anything read off the stream
+        is kept)."""
         from ledgerspec.derivations.allocator.step import StepEvents
 
         if b in self.synthesised:
@@ -303,7 +305,8 @@ class MicrobatchSteps:
         return step
 
     def _arrived(self) -> bool:
-        """Whether the helper has handed back what it was tracing (a check's probe is then read without a wait)."""
+        """Whether the helper is free: it has handed back what it was tracing (a check's probe is then read without a
+        wait), or the probe was never sent to it (then it is traced here, as without a helper)."""
         return self.helper is not None and not self.helper.busy
 
     def _settle(self, regime: int, b: int) -> None:
@@ -318,9 +321,9 @@ class MicrobatchSteps:
             self.checked[regime] = None
         except NotPolynomial as exc:
             self.checked[regime] = str(exc)
-        mine = [v for v in self.unconfirmed if self.regime(v) == regime]
-        for v in mine:
-            variant, memory, p = self.unconfirmed.pop(v)
+        mine = [(v, memory) for v, memory in self.unconfirmed if self.regime(v) == regime]
+        for v, memory in mine:
+            variant, p = self.unconfirmed.pop((v, memory))
             if self.checked[regime] is None:
                 keep_synthesised(variant, memory, p, self.target, self.layers, self.offline, self.store)
             else:
@@ -331,9 +334,9 @@ class MicrobatchSteps:
         """Finish every line's check still waited for (the verdicts written before it then kept in the cache);
         False when a check failed after verdicts written from its line were handed out: whoever used them asks
         again (those microbatches are then traced)."""
-        for regime in sorted({self.regime(v) for v in self.unconfirmed}):
+        for regime in sorted({self.regime(v) for v, _ in self.unconfirmed}):
             if regime not in self.checked:
-                self._settle(regime, min(v for v in self.unconfirmed if self.regime(v) == regime))
+                self._settle(regime, min(v for v, _ in self.unconfirmed if self.regime(v) == regime))
         retracted, self.retracted = self.retracted, False
         return not retracted
 
@@ -382,7 +385,7 @@ class MicrobatchSteps:
                     variant, device_memory, lambda: step, False, self.target, self.layers, self.offline, None,
                     helper=self.helper,
                 )  # fmt: skip
-                self.unconfirmed[b] = (variant, device_memory, p)
+                self.unconfirmed[(b, device_memory)] = (variant, p)
                 return p
         fn: Callable[[], tuple[Any, Any]] = lambda: self.trace(b, variant)  # noqa: E731
         _, p = estimate_on_device(

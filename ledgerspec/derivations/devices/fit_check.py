@@ -172,7 +172,9 @@ def check_on_device(
             value = None
     if along is not None and not along.settle():
         # a line's check failed after verdicts written from it were used: asked again, those values traced
-        return check_on_device(doc, answer, device_memory, step, store, parallel, along)
+        again = check_on_device(doc, answer, device_memory, step, store, parallel, along)
+        again.seconds = time.perf_counter() - started
+        return again
     result.largest = lo
     result.exhausted = value is not None
     result.seconds = time.perf_counter() - started

@@ -318,6 +318,29 @@ def test_a_deferred_stream_is_built_when_finished_and_is_the_same(real_steps: An
     assert later.method == built.method and canonical(later.events) == canonical(full.events)
 
 
+def test_a_deferred_build_that_fails_is_left_to_be_built_again() -> None:
+    """What a deferred build raises reaches whoever finishes the step, and the step stays unbuilt (never an empty
+    stream taken for a built one): the next finish builds it."""
+    from ledgerspec.derivations.allocator.step import StepEvents
+
+    tries: list[int] = []
+    built = StepEvents([("alloc", 1, 512, 0), ("free", 1)], ["w:frozen_params"], 1, {}, method="built")
+
+    def build() -> StepEvents:
+        tries.append(len(tries))
+        if len(tries) == 1:
+            raise ValueError("the first build fails")
+        return built
+
+    later = StepEvents([], ["w:frozen_params"], 1, {}, method="to be built", pending=build)
+    with pytest.raises(ValueError, match="first build"):
+        later.finish()
+    assert later.pending is build and later.events == []
+    assert later.finish() is later and later.pending is None
+    assert later.events == built.events and later.method == "built" and tries == [0, 1]
+    assert later.finish().events == built.events and tries == [0, 1]  # built once
+
+
 @pytest.mark.slow
 def test_a_deferred_stream_the_probes_cannot_give_is_traced_in_full_when_finished(
     monkeypatch: pytest.MonkeyPatch,
