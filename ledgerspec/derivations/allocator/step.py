@@ -381,11 +381,10 @@ def full_depth(
 
     if not defer:
         return build()
-    later = StepEvents(
+    return StepEvents(
         [], list(shallow.windows), shallow.accumulation, estimated, layers=est_plan.layers,
         method="to be built from the probes", estimate_figures=estimated, pending=build,
     )  # fmt: skip
-    return later
 
 
 def _recording(

@@ -81,8 +81,6 @@ class MicrobatchSteps:
         #: (microbatch, microbatch) -> the StreamFamily of their full-depth streams (built once per pair: checking
         #: that two streams of 100,000 events have one structure costs as much as writing one)
         self.families: dict[tuple[int, int], Any] = {}
-        #: traced microbatches whose full-depth stream is still to be built (:meth:`finish`), in the order traced
-        self._unbuilt: list[int] = []
         #: (microbatch, device memory) -> (its document, its DevicePrediction): verdicts of written streams replayed
         #: while the helper still traced the probe that checks their line, kept (cached) only once that check passes
         self.unconfirmed: dict[tuple[int, int], tuple[Document, Any]] = {}
@@ -147,7 +145,9 @@ class MicrobatchSteps:
         variant = doc if doc is not None else self._variant(b)
         elsewhere = self._elsewhere(variant)
         regime = self.regime(b)
-        known = regime in self.patterns or any(self.regime(v) == regime for v in self._unbuilt)
+        known = regime in self.patterns or any(
+            self.regime(v) == regime and s.pending is not None for v, s in self.steps.items()
+        )
         est, step = step_and_estimate(
             variant,
             self.target,
@@ -164,7 +164,6 @@ class MicrobatchSteps:
         )
         self.traces += 1
         self.steps[b], self.estimates[b] = step, est
-        self._unbuilt.append(b)
         if not defer:
             self.finish()
         depths = [n for n in probes if n is not None]
@@ -177,11 +176,10 @@ class MicrobatchSteps:
         return est, step
 
     def finish(self) -> None:
-        """Build the traced streams whose building was deferred, and learn their depth patterns."""
-        while self._unbuilt:
-            b = self._unbuilt[0]
-            step = self.steps[b].finish()  # what it raises leaves it to be built again
-            self._unbuilt.pop(0)
+        """Build the traced streams whose building was deferred (in the order traced; what a build raises leaves that
+        stream to be built again), and learn each regime's depth pattern from its first traced microbatch."""
+        for b, step in self.steps.items():
+            step.finish()
             regime = self.regime(b)
             if step.pattern is not None and regime not in self.patterns:
                 self.patterns[regime] = (step.pattern, f"microbatch {b}")
