@@ -66,6 +66,8 @@ def _battery(mode: Any) -> list[tuple[Any, ...]]:
                 torch.where(a > 0, a, a.t().t()),
                 a.expand(2, 4, 6).reshape(8, 6),
                 torch.narrow(a, 1, 2, 3).sum(dim=1, keepdim=True),
+                torch.matmul(a.view(2, 2, 6), a.t()),  # ends with aten._unsafe_view
+                torch.ops.aten._unsafe_view(c[1:], [3, 6]),
             ]
             out.extend(_metadata(t) for t in cases)
             (x, y) = torch._foreach_mul([a.float(), b.detach()], 3.0)
@@ -105,6 +107,121 @@ def test_the_installed_torch_has_the_fields_the_fast_key_writes() -> None:
     if not torch.__version__.startswith("2.13."):
         pytest.skip(f"pinned to torch 2.13, not {torch.__version__}")
     assert fast_key_supported()
+
+
+def test_the_installed_torch_has_the_functions_the_fast_output_writes_out() -> None:
+    """Pinned to the torch this project installs (2.13): the written-out output path is on there; a torch whose
+    functions differ from those it was read from gets PyTorch's own (the next test)."""
+    import torch
+
+    from ledgerspec.derivations.engine.fakemode import fast_output_supported
+
+    if not torch.__version__.startswith("2.13."):
+        pytest.skip(f"pinned to torch 2.13, not {torch.__version__}")
+    assert fast_output_supported()
+
+
+def test_a_torch_whose_functions_differ_gets_pytorch_own_output_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One function's source not the one recorded: PyTorch's own ``_get_output_tensor_from_cache_entry``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ledgerspec.derivations.engine import fakemode
+
+    recorded = {release: dict(functions) for release, functions in fakemode.OUTPUT_CHECKED.items()}
+    for functions in recorded.values():
+        functions["FakeTensor.__new__"] = "0" * 64
+    monkeypatch.setattr(fakemode, "OUTPUT_CHECKED", recorded)
+    fakemode.fast_output_supported.cache_clear()
+    fakemode._mode_class.cache_clear()
+    try:
+        assert not fakemode.fast_output_supported()
+        mode_class = type(fakemode.fake_mode())
+        assert mode_class._get_output_tensor_from_cache_entry is FakeTensorMode._get_output_tensor_from_cache_entry
+    finally:
+        monkeypatch.undo()
+        fakemode.fast_output_supported.cache_clear()
+        fakemode._mode_class.cache_clear()
+    assert (
+        type(fakemode.fake_mode())._get_output_tensor_from_cache_entry
+        is not (FakeTensorMode._get_output_tensor_from_cache_entry)
+        or not fakemode.fast_output_supported()
+    )
+
+
+def _made(mode: Any) -> list[tuple[Any, ...]]:
+    """Every attribute of the fake tensors a few cache hits make (a plain output, a view, a view of a view, an
+    output that requires grad, a tuple), and whether a view shares its input's storage."""
+    import torch
+
+    out: list[tuple[Any, ...]] = []
+    with mode:
+        for _ in range(2):  # the second time from the dispatch cache
+            a = torch.empty(4, 6, dtype=torch.bfloat16, device="cuda")
+            g = torch.empty(4, 6, device="cpu", requires_grad=True)  # autograd on fake CUDA needs CUDA
+            made = [a * 2, a.t(), torch.narrow(a, 0, 1, 3).view(18), g * 2, *torch.split(a, 2)]
+            made.append(torch.matmul(a.view(2, 2, 6), a.t()))  # ends with aten._unsafe_view
+            for t in made:
+                attributes = {k: v for k, v in vars(t).items() if k != "fake_mode"}
+                out.append(
+                    (
+                        type(t).__name__,
+                        sorted(attributes.items(), key=lambda kv: kv[0]),
+                        getattr(t, "fake_mode", None) is mode,
+                        str(torch._C._dispatch_keys(t)),
+                        t.requires_grad,
+                        t._is_view(),
+                        t.untyped_storage()._cdata == a.untyped_storage()._cdata,
+                        _metadata(t),
+                    )
+                )
+    return out
+
+
+def test_the_written_out_output_makes_the_tensor_pytorch_makes() -> None:
+    """A cache hit's fake tensor from the written-out path (module docstring, 3.) has every attribute, dispatch key
+    and storage PyTorch's own path gives it."""
+    from ledgerspec.derivations.engine.fakemode import fake_mode, fast_output_supported, stock_mode
+
+    if not fast_output_supported():
+        pytest.skip("this torch gets PyTorch's own output path")
+    assert _made(fake_mode()) == _made(stock_mode())
+
+
+def test_an_unsafe_view_asked_again_is_made_from_what_the_first_gave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aten._unsafe_view`` (module docstring, 4.): run afresh once per input and size, then made without running
+    the operator, sharing its input's storage as the operator's own output does (PyTorch's cache runs every one)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ledgerspec.derivations.engine.fakemode import fake_mode, fast_output_supported, stock_mode
+
+    if not fast_output_supported():
+        pytest.skip("this torch gets PyTorch's own output path")
+    ran: list[Any] = []
+    real = FakeTensorMode._dispatch_impl
+
+    def counted(self: Any, func: Any, *rest: Any) -> Any:
+        ran.append(func)
+        return real(self, func, *rest)
+
+    monkeypatch.setattr(FakeTensorMode, "_dispatch_impl", counted)
+    unsafe_view = torch.ops.aten._unsafe_view.default
+
+    def views(mode: Any) -> list[tuple[Any, ...]]:
+        out = []
+        with mode:
+            for shape in ((2, 12, 8), (2, 12, 8), (3, 12, 8), (2, 12, 8)):
+                x = torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
+                y = unsafe_view(x, [shape[0] * 12, 8])
+                out.append((_metadata(y), y.untyped_storage()._cdata == x.untyped_storage()._cdata, vars(y).keys()))
+        return out
+
+    stock = views(stock_mode())
+    assert ran.count(unsafe_view) == 4  # PyTorch's own: every one run afresh
+    ran.clear()
+    assert views(fake_mode()) == stock
+    assert all(same_storage for _, same_storage, _ in stock)
+    assert ran.count(unsafe_view) <= 2  # the two shapes once each (none when an earlier test kept them)
 
 
 def test_every_operator_gives_what_pytorch_own_fake_mode_gives() -> None:

@@ -13,14 +13,13 @@ upgrade: read the three functions again, adapt the replacements if needed, and r
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.shard.patching import patched
+from ledgerspec.derivations.stack.sources import source_digest
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
 #: the private torch FSDP1 functions :func:`fake_storage_checks` replaces, ``(module, name)``
@@ -51,14 +50,6 @@ HINT = (
 )
 
 _err = ErrorAt("shard", EXIT_USAGE)
-
-
-def source_digest(function: Any) -> str | None:
-    """SHA-256 of ``function``'s source as :func:`inspect.getsource` reads it; None when it cannot be read."""
-    try:
-        return hashlib.sha256(inspect.getsource(function).encode("utf-8")).hexdigest()
-    except (OSError, TypeError):
-        return None
 
 
 def unchecked_function() -> str | None:

@@ -41,8 +41,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledgerspec.derivations.shard.fsdp.storage_checks import source_digest
 from ledgerspec.derivations.shard.patching import patched
+from ledgerspec.derivations.stack.sources import source_digest
 from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
 #: where a ledger declares it (read with the other FSDP1 options: :func:`..options.fsdp1_options`)
