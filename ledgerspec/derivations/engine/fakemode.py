@@ -9,8 +9,10 @@ operator's result:
    arguments (``FakeTensorMode._cache_key``): for every fake tensor a ``TensorMetadata`` dataclass is built, then
    flattened field by field, each tuple recursively (``_prep_args_for_hash``, ``TensorMetadata._flatten_into``),
    about a third of a probe's time. :meth:`FastFakeTensorMode._prep_args_for_hash` writes the same fields of a
-   plain (strided, static-shaped, non-constant) fake tensor of this mode as one tuple; any other argument goes
-   through PyTorch's own code, as before. The key holds the same information, so the same outputs come back. PyTorch's
+   plain (strided, static-shaped, non-constant) fake tensor of this mode as one tuple, less the memory format
+   (PyTorch's ``suggest_memory_format`` and ``is_contiguous``: a function of the shape and strides, which the tuple
+   holds); any other argument goes through PyTorch's own code, as before. The key holds the same information, so
+   the same outputs come back. PyTorch's
    cache is shared by every mode of a process; where a key of this layout equals one of PyTorch's (an operator
    given only plain scalars), both encode the same arguments.
 2. **TorchDynamo's wrapper.** Every ``TorchDispatchMode`` subclass's ``__torch_dispatch__`` is wrapped so that
@@ -58,7 +60,8 @@ import dataclasses
 from functools import cache
 from typing import Any
 
-#: the fields of ``TensorMetadata`` (torch 2.13) that the fast key writes, in order
+#: the fields of ``TensorMetadata`` (torch 2.13) that the fast key stands for, in order (it writes each one, but the
+#: layout, always strided there, and the memory format, which its shape and strides give)
 METADATA_FIELDS = (
     "dtype",
     "shape",
@@ -139,7 +142,6 @@ def fast_key_supported() -> bool:
 @cache
 def _mode_class() -> type:
     import torch
-    from torch._prims_common import suggest_memory_format
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     strided = torch.strided
@@ -204,15 +206,12 @@ def _mode_class() -> type:
                         and arg.layout is strided
                         and not arg._has_symbolic_sizes_strides
                     ):
-                        suggested = suggest_memory_format(arg)
-                        memory_format = suggested if arg.is_contiguous(memory_format=suggested) else None
                         result.append(
                             (
                                 arg.dtype,
                                 arg.shape,
                                 arg.stride(),
                                 arg.device,
-                                memory_format,
                                 arg.storage_offset(),
                                 arg.untyped_storage().nbytes(),
                                 arg.requires_grad,
