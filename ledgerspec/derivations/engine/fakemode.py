@@ -35,9 +35,11 @@ operator's result:
    "unsafe view"): its output shares its input's storage, which a cached entry of an operator that is not a view
    would not give. Every ``matmul`` of a 3-d input ends with one (404 in that probe), each run afresh through the
    whole of ``_dispatch_impl`` (three times a cached operator's cost). The first one of each input metadata and
-   size runs as before, and what it gave is kept where it is a plain view of its input's storage;
-   the next ones are made like a cached view's output (its storage set to the input's), with PyTorch's cross-check
-   when the mode has it on.
+   size (and inference mode) runs as before, and what it gave is kept where it is a plain view of its input's
+   storage and the tensor made from it has the operator's dispatch keys, inference flag and attributes (an input
+   made in another inference mode than the call's is not: PyTorch's own cache refuses the same case, "dispatch_key_set
+   mismatch"); the next ones are made like a cached view's output (its storage set to the input's), with PyTorch's
+   cross-check when the mode has it on. PyTorch's cache statistics no longer count them as bypasses.
 
 Left in: an operator given a real tensor converts it to a fake one at every call (bitsandbytes' 8-bit optimizers pass
 their real 256-entry quantization maps to every update: 0.6 ms, 168 times a probe), because PyTorch's converter
@@ -96,6 +98,12 @@ OUTPUT_CHECKED = {
         "in_kernel_invocation_manager": "24e0b9912707f1e59d72c4ccb8ee46c69bd1acab577ec32498418ba21f16f134",
         "FakeTensorMode._cached_dispatch_impl": "adf4bc424fae16f3b617891964538bfb022953de1d0d1f3ebc161af26a63cbc9",
         "FakeTensorMode._validate_cache_key": "6e680de04c253adae1f96aabf06f1683b174d2b658649f1b441c3ba2459083d4",
+        "FakeTensorMode._dispatch_impl": "baaaad15ebe07a1a821a88694039f8cb238cb6d8c11429cbe01b385c8b7d8187",
+        "FakeTensorMode._make_cache_entry": "acbd9c87030fe241543dc0ddcf652be49bff08d3ae31de6c2bc0ffc08d243131",
+        "FakeTensorMode._get_output_info_for_cache_entry": (
+            "110e8d0c87ca6b5b7762ad7ebbb4ccf399459c487bbacf9e989e66b85fca78c5"
+        ),
+        "FakeTensorMode._output_from_cache_entry": "f7abdd8b80c8dd89dc9f93df58c10dedff2d9a6498626f581e94d731af8e0d24",
     },
 }
 
@@ -112,6 +120,10 @@ def _output_functions() -> dict[str, Any]:
         "in_kernel_invocation_manager": ft.in_kernel_invocation_manager,
         "FakeTensorMode._cached_dispatch_impl": ft.FakeTensorMode._cached_dispatch_impl,
         "FakeTensorMode._validate_cache_key": ft.FakeTensorMode._validate_cache_key,
+        "FakeTensorMode._dispatch_impl": ft.FakeTensorMode._dispatch_impl,
+        "FakeTensorMode._make_cache_entry": ft.FakeTensorMode._make_cache_entry,
+        "FakeTensorMode._get_output_info_for_cache_entry": ft.FakeTensorMode._get_output_info_for_cache_entry,
+        "FakeTensorMode._output_from_cache_entry": ft.FakeTensorMode._output_from_cache_entry,
     }
 
 
@@ -164,6 +176,8 @@ def _mode_class() -> type:
     warn_on_data_ptr = torch._C._set_warn_deprecated_on_mutable_data_ptr
     op_overload = torch._ops.OpOverload
     unsafe_view = torch.ops.aten._unsafe_view.default
+    dispatch_keys = torch._C._dispatch_keys
+    inference_mode = torch.is_inference_mode_enabled
     from torch._subclasses.fake_tensor import disable_fake_tensor_cache as disable_cache
 
     # what FakeTensor.__new__ sets besides the device and the mode (each memo descriptor given None sets three slots)
@@ -297,6 +311,13 @@ def _mode_class() -> type:
                 fake_init(out)
                 return out
 
+            def _unsafe_view_of(self, source: Any, kept: tuple[Any, ...]) -> Any:
+                """The output of ``aten._unsafe_view`` of ``source`` as :data:`unsafe_views` keeps it: on ``source``'s
+                storage, as a cached view's output is made."""
+                shape, stride, offset, dtype, requires_grad, device = kept
+                empty = self._meta_tensor(shape, stride, dtype, requires_grad, source.untyped_storage(), offset)
+                return self._fake_tensor(empty, device)
+
             def _cached_dispatch_impl(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
                 """PyTorch's own, but for ``aten._unsafe_view`` (module docstring, 4.): PyTorch's cache never keeps
                 it (its output shares its input's storage, which a cached entry of an operator that is not a view
@@ -326,6 +347,7 @@ def _mode_class() -> type:
                     source.device,
                     source.requires_grad,
                     source.is_inference(),
+                    inference_mode(),
                     tuple(size),
                 )
                 if key in unsafe_views:
@@ -345,15 +367,22 @@ def _mode_class() -> type:
                         and out.untyped_storage()._cdata == source.untyped_storage()._cdata
                         and vars(out).keys() == made_attributes
                     )
-                    unsafe_views[key] = (
+                    kept = (
                         (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.requires_grad, out.device)
                         if plain
                         else None
                     )
+                    if kept is not None:  # kept only where the tensor made from it is the one the operator gave
+                        made = self._unsafe_view_of(source, kept)
+                        if (
+                            dispatch_keys(made) != dispatch_keys(out)
+                            or made.is_inference() != out.is_inference()
+                            or vars(made).keys() != vars(out).keys()
+                        ):
+                            kept = None
+                    unsafe_views[key] = kept
                     return out
-                shape, stride, offset, dtype, requires_grad, device = kept
-                empty = self._meta_tensor(shape, stride, dtype, requires_grad, source.untyped_storage(), offset)
-                out = self._fake_tensor(empty, device)
+                out = self._unsafe_view_of(source, kept)
                 if self.cache_crosscheck_enabled:
                     with disable_cache(self):
                         self._crosscheck_cache_output(out, func, types, args, kwargs)

@@ -224,6 +224,31 @@ def test_an_unsafe_view_asked_again_is_made_from_what_the_first_gave(monkeypatch
     assert ran.count(unsafe_view) <= 2  # the two shapes once each (none when an earlier test kept them)
 
 
+def test_an_unsafe_view_across_inference_modes_is_what_pytorch_gives() -> None:
+    """An input made outside inference mode and viewed inside it (and the reverse), twice each: the kept unsafe view
+    is not used where the tensor it makes would differ (dispatch keys, inference flag) from the operator's own."""
+    import torch
+
+    from ledgerspec.derivations.engine.fakemode import fake_mode, stock_mode
+
+    unsafe_view = torch.ops.aten._unsafe_view.default
+
+    def made(mode: Any) -> list[tuple[Any, ...]]:
+        out = []
+        with mode:
+            x = torch.empty(4, 6)
+            with torch.inference_mode():
+                inside = [unsafe_view(x, [24]) for _ in range(2)]
+                y = torch.empty(4, 6)
+            outside = [unsafe_view(y, [24]) for _ in range(2)]
+            plain = [unsafe_view(x, [24]) for _ in range(2)]
+            for t in inside + outside + plain:
+                out.append((t.is_inference(), str(torch._C._dispatch_keys(t)), sorted(vars(t)), _metadata(t)))
+        return out
+
+    assert made(fake_mode()) == made(stock_mode())
+
+
 def test_every_operator_gives_what_pytorch_own_fake_mode_gives() -> None:
     """The same outputs as PyTorch's own mode; and with PyTorch's cross-check on, every answer the dispatch cache
     gives under the fast key is compared with the operator run afresh (it raises on a difference)."""
