@@ -108,23 +108,15 @@ OUTPUT_CHECKED = {
 }
 
 
-def _output_functions() -> dict[str, Any]:
-    """The installed PyTorch functions that :data:`OUTPUT_CHECKED` names."""
-    from torch._subclasses import fake_tensor as ft
+def _installed(name: str) -> Any:
+    """The installed PyTorch function that ``name`` (a key of :data:`OUTPUT_CHECKED`, dotted from
+    ``torch._subclasses.fake_tensor``) names: a property's setter for a property. Raises AttributeError when gone."""
+    from torch._subclasses import fake_tensor
 
-    return {
-        "FakeTensorMode._get_output_tensor_from_cache_entry": ft.FakeTensorMode._get_output_tensor_from_cache_entry,
-        "FakeTensor.__new__": ft.FakeTensor.__new__,
-        "FakeTensor.fake_device": ft.FakeTensor.fake_device.fset,  # type: ignore[attr-defined]
-        "SymNumberMemoDescriptor.__set__": ft.SymNumberMemoDescriptor.__set__,
-        "in_kernel_invocation_manager": ft.in_kernel_invocation_manager,
-        "FakeTensorMode._cached_dispatch_impl": ft.FakeTensorMode._cached_dispatch_impl,
-        "FakeTensorMode._validate_cache_key": ft.FakeTensorMode._validate_cache_key,
-        "FakeTensorMode._dispatch_impl": ft.FakeTensorMode._dispatch_impl,
-        "FakeTensorMode._make_cache_entry": ft.FakeTensorMode._make_cache_entry,
-        "FakeTensorMode._get_output_info_for_cache_entry": ft.FakeTensorMode._get_output_info_for_cache_entry,
-        "FakeTensorMode._output_from_cache_entry": ft.FakeTensorMode._output_from_cache_entry,
-    }
+    found: Any = fake_tensor
+    for part in name.split("."):
+        found = getattr(found, part)
+    return found.fset if isinstance(found, property) else found
 
 
 @cache
@@ -133,10 +125,12 @@ def fast_output_supported() -> bool:
     from ledgerspec.derivations.stack.sources import source_digest
 
     try:
-        installed = {name: source_digest(fn) for name, fn in _output_functions().items()}
+        return any(
+            all(source_digest(_installed(name)) == digest for name, digest in release.items())
+            for release in OUTPUT_CHECKED.values()
+        )
     except AttributeError:  # a function is gone
         return False
-    return installed in OUTPUT_CHECKED.values()
 
 
 @cache
@@ -154,7 +148,8 @@ def fast_key_supported() -> bool:
 @cache
 def _mode_class() -> type:
     import torch
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
+    from torch._subclasses.fake_tensor import disable_fake_tensor_cache as disable_cache
 
     strided = torch.strided
     plain = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -162,8 +157,6 @@ def _mode_class() -> type:
     fast = fast_key_supported()
     fast_output = fast_output_supported()
     raw_dispatch = unwrapped_dispatch(FakeTensorMode)
-    from torch._subclasses.fake_tensor import FakeTensorConfig
-
     make_subclass = torch.Tensor._make_subclass
     normalize = FakeTensor._normalize_fake_device
     fake_init = FakeTensor.__init__
@@ -178,7 +171,6 @@ def _mode_class() -> type:
     unsafe_view = torch.ops.aten._unsafe_view.default
     dispatch_keys = torch._C._dispatch_keys
     inference_mode = torch.is_inference_mode_enabled
-    from torch._subclasses.fake_tensor import disable_fake_tensor_cache as disable_cache
 
     # what FakeTensor.__new__ sets besides the device and the mode (each memo descriptor given None sets three slots)
     unset = {"constant": None, "pytype": None, "dispatch_keys": None, "real_tensor": None}
@@ -373,12 +365,8 @@ def _mode_class() -> type:
                         else None
                     )
                     if kept is not None:  # kept only where the tensor made from it is the one the operator gave
-                        made = self._unsafe_view_of(source, kept)
-                        if (
-                            dispatch_keys(made) != dispatch_keys(out)
-                            or made.is_inference() != out.is_inference()
-                            or vars(made).keys() != vars(out).keys()
-                        ):
+                        made = self._unsafe_view_of(source, kept)  # (its attributes: made_attributes, as plain asks)
+                        if dispatch_keys(made) != dispatch_keys(out) or made.is_inference() != out.is_inference():
                             kept = None
                     unsafe_views[key] = kept
                     return out
