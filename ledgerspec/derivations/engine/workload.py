@@ -729,6 +729,32 @@ def _is_4bit(p: Any) -> bool:
     return type(p).__name__ == "Params4bit"
 
 
+def _empty_as(t: Any, device: Any) -> Any:
+    """``torch.empty_like(t, device=device)`` for a contiguous ``t`` (every meta parameter and buffer a model is
+    built with), made by a factory: under a fake-tensor mode ``empty_like`` would first convert the meta tensor into
+    a fake one (PyTorch's meta converter, outside its dispatch cache, per parameter of every probe)."""
+    import torch
+
+    if not t.is_contiguous():
+        return torch.empty_like(t, device=device)
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+
+def _keep_quantization_maps_converted(opt: Any) -> None:
+    """Keep fake copies of a bitsandbytes optimizer's quantization maps (built from real numbers) alive beside
+    them: PyTorch's fake mode converts every real input of an operator into a fake tensor and remembers the
+    conversion only while that fake tensor is alive, so each 8-bit update converted both maps again. The maps
+    themselves are unchanged (real, in the optimizer's state, counted by the tracker when they were made). No-op for
+    real parameters."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    maps = getattr(opt, "name2qmap", None)
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
+    if not maps or not isinstance(first, FakeTensor):
+        return
+    opt.ledgerspec_converted_qmaps = [first.fake_mode.from_tensor(v) for v in maps.values()]
+
+
 def _full_model(base: Any) -> Any:
     """The model of full fine-tuning: transformers' model itself, no PEFT wrapper. Its parameters are made frozen
     here and loaded as the base (the protocol's "load", as ``from_pretrained`` loads them), then all made trainable
@@ -1032,8 +1058,6 @@ class Workload:
 
     def _materialise_module(self, module: Any, device: Any, adapters: bool) -> None:
         """One module's own meta parameters (the adapter's, or the others) and, with the others, its own buffers."""
-        import torch
-
         for pname, p in list(module._parameters.items()):
             # after injection the trainable parameters are exactly the adapter's (PEFT froze the rest); a frozen
             # reference adapter is made with them
@@ -1046,7 +1070,7 @@ class Workload:
             if b is not None and b.is_meta:
                 new = self._memo.get(id(b))
                 if new is None:
-                    new = torch.empty_like(b, device=device)
+                    new = _empty_as(b, device)
                     if new.is_floating_point():
                         new.zero_()
                     self._memo[id(b)] = new
@@ -1099,7 +1123,7 @@ class Workload:
                 module.quant_state = state
             del dense
         else:
-            data = torch.empty_like(p, device=device)
+            data = _empty_as(p, device)
             with torch.no_grad():
                 if data.is_floating_point():
                     data.normal_(0.0, 0.02)
@@ -1156,6 +1180,7 @@ class Workload:
                 opt = bnb.optim.AdamW(
                     params, lr=LEARNING_RATE, optim_bits=bits, is_paged=name.startswith("paged"), **bnb_kwargs
                 )
+            _keep_quantization_maps_converted(opt)
         self.optimizer = opt
         return opt
 

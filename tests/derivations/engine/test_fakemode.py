@@ -338,3 +338,85 @@ def test_a_traced_step_is_the_one_pytorch_own_fake_mode_traces(case: str, monkey
     assert fast.events == stock.events
     assert fast.figures == stock.figures
     assert fast.windows == stock.windows
+
+
+def _empty_like_cases() -> list[Any]:
+    import torch
+
+    with torch.device("meta"):
+        cases = [
+            torch.empty(16, 64, dtype=torch.float32),
+            torch.empty((), dtype=torch.float32),
+            torch.empty(4096 * 64, 1, dtype=torch.uint8),
+            torch.nn.Parameter(torch.empty(8, 4, dtype=torch.bfloat16), requires_grad=False),
+            torch.nn.Parameter(torch.empty(8, 4, dtype=torch.float32)),
+            torch.empty(8, 4, dtype=torch.float16).t(),  # not contiguous: empty_like itself
+            torch.empty(2, 3, 4, dtype=torch.float32).permute(2, 0, 1),
+        ]
+    return cases
+
+
+def test_a_meta_parameter_is_materialised_as_empty_like_would() -> None:
+    """``_empty_as`` (a factory instead of ``empty_like``, which converts the meta tensor into the fake mode first)
+    gives what ``torch.empty_like(t, device=...)`` gives, in a fake mode and outside one."""
+    import torch
+
+    from ledgerspec.derivations.engine.fakemode import fake_mode
+    from ledgerspec.derivations.engine.workload import _empty_as
+
+    for mode in (fake_mode(allow_non_fake_inputs=True), None):
+        for t in _empty_like_cases():
+            if mode is None:
+                made, expected = _empty_as(t, "cpu"), torch.empty_like(t, device="cpu")
+            else:
+                with mode:
+                    made, expected = _empty_as(t, "cpu"), torch.empty_like(t, device="cpu")
+            assert type(made) is type(expected)
+            assert _metadata(made) == _metadata(expected)
+
+
+def test_a_traced_step_converts_no_meta_tensor_and_each_real_one_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QLoRA step with a paged 8-bit optimizer, traced: no parameter or buffer goes through PyTorch's meta
+    converter, and each real tensor an operator is given (bitsandbytes' quantization maps, Python numbers made
+    tensors) is converted once per fake mode; the step (every event and figure) is the one traced with
+    ``empty_like`` and the maps converted at each update, as before."""
+    from torch._subclasses.fake_tensor import FakeTensorConverter
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from ledgerspec.derivations.allocator.step import step_events
+    from ledgerspec.derivations.engine import workload
+    from tests.support.estimate_docs import ledger
+
+    # 8-bit states for the tiny model's adapter too (bitsandbytes keeps tensors under 4,096 elements in 32-bit)
+    doc = ledger(**{**CASES["qlora-ckpt-paged8bit"], "optimizer": "paged_adamw_8bit\n  min_8bit_size: 16"})
+    assert doc.get("optimizer", "min_8bit_size").integer() == 16
+    converted: list[bool] = []  # each conversion: whether of a meta tensor
+    again: list[str] = []
+    seen: dict[int, WeakIdKeyDictionary] = {}  # per fake mode: the real tensors it converted, while they live
+    convert = FakeTensorConverter.from_real_tensor
+
+    def counted(self: Any, fake_mode: Any, t: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._get_memo(t) is None:
+            converted.append(t.is_meta)
+            done = seen.setdefault(id(fake_mode), WeakIdKeyDictionary())
+            if t in done:
+                again.append(f"{tuple(t.shape)} {t.dtype}")
+            done[t] = True
+        return convert(self, fake_mode, t, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorConverter, "from_real_tensor", counted)
+    now = step_events(doc, 2)
+    assert converted, "the counter saw no conversion: it counts nothing"
+    assert not any(converted), "a meta tensor was converted"
+    assert not again, f"{len(again)} conversions again in the same fake mode, the first of a {again[:1]} tensor"
+
+    import torch
+
+    converted.clear()
+    monkeypatch.setattr(workload, "_empty_as", lambda t, device: torch.empty_like(t, device=device))
+    monkeypatch.setattr(workload, "_keep_quantization_maps_converted", lambda opt: None)
+    before = step_events(doc, 2)
+    assert any(converted), "empty_like converts each meta tensor: the comparison is the old path"
+    assert now.events == before.events
+    assert now.figures == before.figures
+    assert now.windows == before.windows
