@@ -730,29 +730,43 @@ def _is_4bit(p: Any) -> bool:
 
 
 def _empty_as(t: Any, device: Any) -> Any:
-    """``torch.empty_like(t, device=device)`` for a contiguous ``t`` (every meta parameter and buffer a model is
-    built with), made by a factory: under a fake-tensor mode ``empty_like`` would first convert the meta tensor into
-    a fake one (PyTorch's meta converter, outside its dispatch cache, per parameter of every probe)."""
+    """``torch.empty_like(t, device=device)`` for a plain tensor or parameter with the default (row-major) strides
+    (every meta parameter and buffer a model is built with), made by a factory: under a fake-tensor mode
+    ``empty_like`` would first convert the meta tensor into a fake one (PyTorch's meta converter, outside its dispatch
+    cache, per parameter of every probe). Anything else (other strides, which ``empty_like`` keeps even where
+    ``is_contiguous()`` holds, such as a channels-last tensor with a dimension of size 1; a tensor subclass, whose
+    type it keeps) is made by ``empty_like`` itself."""
     import torch
 
-    if not t.is_contiguous():
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.stride() != _row_major_strides(t.shape):
         return torch.empty_like(t, device=device)
     return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
-def _keep_quantization_maps_converted(opt: Any) -> None:
-    """Keep fake copies of a bitsandbytes optimizer's quantization maps (built from real numbers) alive beside
-    them: PyTorch's fake mode converts every real input of an operator into a fake tensor and remembers the
-    conversion only while that fake tensor is alive, so each 8-bit update converted both maps again. The maps
-    themselves are unchanged (real, in the optimizer's state, counted by the tracker when they were made). No-op for
-    real parameters."""
+def _row_major_strides(shape: Any) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` gives (a dimension of size 0 counts as 1, as PyTorch counts it)."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def _converted_quantization_maps(opt: Any) -> list[Any]:
+    """Fake copies of a bitsandbytes optimizer's quantization maps (built from real numbers), for its workload to
+    keep alive beside them: PyTorch's fake mode converts every real input of an operator into a fake tensor and
+    remembers the conversion only while that fake tensor is alive, so each 8-bit update converted both maps again.
+    The maps themselves are unchanged (real, in the optimizer's state, counted by the tracker when they were made),
+    and the optimizer gains no attribute (whatever walks its attributes sees what it saw). Empty for real
+    parameters."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     maps = getattr(opt, "name2qmap", None)
     first = next((p for g in opt.param_groups for p in g["params"]), None)
     if not maps or not isinstance(first, FakeTensor):
-        return
-    opt.ledgerspec_converted_qmaps = [first.fake_mode.from_tensor(v) for v in maps.values()]
+        return []
+    return [first.fake_mode.from_tensor(v) for v in maps.values()]
 
 
 def _full_model(base: Any) -> Any:
@@ -819,6 +833,8 @@ class Workload:
         #: DPO/KTO with ``reference: model``: the trainer's ``ref_model``, a second copy of the base (else None)
         self.reference: Any = None
         self.optimizer: Any = None
+        #: fake copies of a bitsandbytes optimizer's quantization maps, kept converted (_converted_quantization_maps)
+        self._converted_qmaps: list[Any] = []
         self._memo: dict[int, Any] = {}
         #: frozen parameters made in the adapter phase (DPO's reference copy of the adapter)
         self._late: set[int] = set()
@@ -1180,7 +1196,7 @@ class Workload:
                 opt = bnb.optim.AdamW(
                     params, lr=LEARNING_RATE, optim_bits=bits, is_paged=name.startswith("paged"), **bnb_kwargs
                 )
-            _keep_quantization_maps_converted(opt)
+            self._converted_qmaps = _converted_quantization_maps(opt)
         self.optimizer = opt
         return opt
 
