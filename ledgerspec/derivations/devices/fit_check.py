@@ -52,7 +52,15 @@ class DeviceFit:
     def lines(self) -> list[str]:
         """What ``estimate --fit`` prints under the allocated answer."""
         out = []
+        said_declared = False
         for c in self.checked:
+            # the margin is taken from the device total the replay decided against (CUDA's own for a catalogue card
+            # declared by its nominal size: an RTX 4090 declared 24 GiB has 23.64 GiB), so that total is printed
+            total = c.device_peak + c.margin
+            of = format_size(total)
+            if total != self.device_memory and not said_declared:
+                of += f" (its CUDA total; {format_size(self.device_memory)} declared)"
+                said_declared = True
             verdict = (
                 "fits, UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
                 if c.uncertain
@@ -62,9 +70,8 @@ class DeviceFit:
             )
             over = f"margin {format_size(c.margin)}" if c.margin >= 0 else f"{format_size(-c.margin)} over"
             out.append(
-                f"on the device: {self.name} {c.value} {verdict}, device peak {format_size(c.device_peak)} of "
-                f"{format_size(self.device_memory)}, {over}"
-                + (f"; with PYTORCH_CUDA_ALLOC_CONF={c.setting} it fits" if c.setting else "")
+                f"on the device: {self.name} {c.value} {verdict}, device peak {format_size(c.device_peak)} of {of}, "
+                f"{over}" + (f"; with PYTORCH_CUDA_ALLOC_CONF={c.setting} it fits" if c.setting else "")
             )
         if self.largest is not None and self.largest != self.allocated_largest:
             failing = [c.value for c in self.checked if not c.fits and c.value > (self.largest or 0)]

@@ -501,8 +501,9 @@ class DevicePrediction:
         if self.fits:
             out.append(
                 f"reserve above the allocated peak: {format_size(self.fragmentation)} (peak reserved "
-                f"{format_size(self.peak_reserved)} - peak allocated {format_size(self.peak_allocator_allocated)}, "
-                "whole blocks: cached blocks and split remainders)"
+                f"{format_size(self.peak_reserved)} - peak allocated {format_size(self.peak_allocator_allocated)} "
+                "in whole blocks, as the allocator counts it, a request served by a larger cached block counting that "
+                "block: cached blocks and split remainders)"
             )
         else:
             oom = self.oom

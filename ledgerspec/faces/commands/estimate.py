@@ -584,7 +584,17 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
             doc, catalogue, _estimate_fn(args, parallel=True), on_device=on_device, single_step=single_step
         ),
     )
-    head = ("device", "GPUs", "vendor", "usable", "peak/GPU", "device peak", "fits", "headroom", "largest microbatch")
+    head = (
+        "device",
+        "GPUs",
+        "vendor",
+        "usable",
+        "peak/GPU",
+        "device peak",
+        "fits",
+        "headroom",
+        "largest microbatch (allocated)",
+    )
     cells = [
         (
             r.device.name,

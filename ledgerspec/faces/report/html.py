@@ -260,7 +260,7 @@ def _devices_table(rows: list[DeviceRow], note: str | None) -> str:
     out = [
         '<table class="devices"><thead><tr><th>device</th><th class="num">GPUs</th><th class="num">memory '
         '(vendor)</th><th class="num">usable</th><th class="num">peak per GPU</th><th>fits</th>'
-        '<th class="num">headroom</th><th class="num">largest microbatch</th></tr></thead><tbody>'
+        '<th class="num">headroom</th><th class="num">largest microbatch (allocated)</th></tr></thead><tbody>'
     ]
     for r in rows:
         fits = "" if r.fits is None else ("yes" if r.fits else "NO")

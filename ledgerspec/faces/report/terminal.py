@@ -244,7 +244,7 @@ def _phase_cells(d: ReportData, p: PhasePoint) -> tuple[str, ...]:
 
 
 FIT_HEAD = ("input", "largest that fits", "its peak", "next value", "its peak", "device", "note")
-DEVICE_HEAD = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch")
+DEVICE_HEAD = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch (allocated)")
 
 
 def _size(n: int | None) -> str:

@@ -97,3 +97,22 @@ def test_a_checked_value_inside_the_catalogues_range_is_said_uncertain() -> None
     )
     plain = DeviceFit("microbatch", 80 * 2**30, 4, 4, [Checked(4, True, 70 * 2**30, 2**30, "none")])
     assert "UNCERTAIN" not in plain.lines()[0] and "uncertain" not in plain.to_extension()["checked"]["4"]
+
+
+def test_each_checked_value_is_printed_against_the_total_its_margin_is_taken_from() -> None:
+    """A card declared by its nominal size is decided against its CUDA total (an RTX 4090 declared 24 GiB: 23.64
+    GiB): each line prints the total its margin is taken from (device peak + margin = that total), and says once
+    that it is not the declared figure; a total equal to the declared one is printed alone."""
+    from ledgerspec.derivations.devices.fit_check import Checked, DeviceFit
+
+    declared, cuda = 24 * 2**30, 25_386_352_640  # 23.64 GiB, about an RTX 4090's CUDA total
+    checked = [
+        Checked(8, False, 26 * 2**30, cuda - 26 * 2**30, "allocated"),
+        Checked(6, True, 22 * 2**30, cuda - 22 * 2**30, "none"),
+    ]
+    first, second, last = DeviceFit("microbatch", declared, 8, 6, checked).lines()
+    assert "device peak 26.00 GiB of 23.64 GiB (its CUDA total; 24.00 GiB declared), 2.36 GiB over" in first
+    assert "device peak 22.00 GiB of 23.64 GiB, margin 1.64 GiB" in second
+    assert "largest microbatch that fits on the device: 6" in last
+    (line,) = DeviceFit("microbatch", cuda, 6, 6, [checked[1]]).lines()
+    assert "device peak 22.00 GiB of 23.64 GiB, margin 1.64 GiB" in line and "declared" not in line
