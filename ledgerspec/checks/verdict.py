@@ -155,6 +155,14 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
         return Verdict(UNKNOWN, device, name, why=why)
     peak, peak_from = status.best_peak, status.best_peak_from
     provenance = _provenance(peak_from)
+    if provenance == "predicted" and stale_evidence(doc, "CANDIDATE", peak_from):
+        # a prediction of other inputs answers nothing about these: the ladder stops counting it (LS006), and so does
+        # the verdict (its figure named, so the reader sees what is out of date)
+        why = (
+            f"the predicted peak {format_size(peak)} ({_field(peak_from)}) is of inputs edited since: run "
+            "`ledgerspec estimate FILE` again"
+        )
+        return Verdict(UNKNOWN, device, name, peak, _field(peak_from), provenance, why=why)
     limit = compared_total(doc, device, peak_from)  # the card's CUDA total for a device-level prediction
     cuda_note = ""
     if limit != device:
@@ -181,8 +189,6 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
             why_not = device_prediction(doc)[1]
             if why_not:
                 qualifier += f"; {why_not}"
-        if stale_evidence(doc, "CANDIDATE", peak_from):
-            qualifier = "from inputs edited since: run `ledgerspec estimate FILE` again"
     elif provenance == "measured" and doc.get("measurement", "device").text() == "cpu":
         qualifier = "measured on the CPU (tensor tracking): a GPU run allocates more (kernels, workspaces)"
     elif peak_from.startswith("metrics.peak_allocated") or peak_from.startswith("phases."):

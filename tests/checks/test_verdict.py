@@ -165,3 +165,19 @@ def test_a_device_level_prediction_is_compared_with_the_cuda_total_it_was_decide
 
     assert compared_total(from_text(new), 24 * 2**30, DEVICE_PEAK) == cuda  # what the status ladder compares too
     assert compared_total(from_text(new), 24 * 2**30, "x-estimate.peak_allocated") == 24 * 2**30
+
+
+def test_a_prediction_of_inputs_edited_since_answers_nothing() -> None:
+    """The bundled estimated ledger fits; edited after its estimate (the microbatch raised from 1 to 8), the same
+    predicted peak is of other inputs: the ladder stops counting it (LS006), and the verdict is UNKNOWN, naming the
+    out-of-date figure and the command that renews it, not a FITS of a step the ledger no longer declares."""
+    text = (EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml").read_text(encoding="utf-8")
+    assert "\n  microbatch: 1\n" in text
+    fresh = _verdict(text)
+    assert fresh.answer == FITS  # type: ignore[attr-defined]
+    edited = _verdict(text.replace("\n  microbatch: 1\n", "\n  microbatch: 8\n"))
+    assert edited.answer == UNKNOWN  # type: ignore[attr-defined]
+    assert edited.sentence() == (  # type: ignore[attr-defined]
+        "UNKNOWN: the predicted peak 13.88 GiB (x-estimate.peak_allocated) is of inputs edited since: run "
+        "`ledgerspec estimate FILE` again"
+    )
