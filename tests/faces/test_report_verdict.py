@@ -110,3 +110,29 @@ def test_no_page_overflows_a_1280_px_screen(tmp_path: Path) -> None:
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert "fit-and-devices.png" in pngs and "llama-2-7b-lora.estimated.top.png" in pngs
     assert "OVERFLOW" not in proc.stdout
+
+
+def test_the_fit_table_leads_with_the_answer_on_the_device(cli: CliRunner, tmp_path: Path) -> None:
+    """``estimate --fit`` on the CUDA target checks its allocated answer on the device (``x-fit.NAME.device``): the
+    table's first figure is the largest value that fits there (the one to act on), then the allocated answer; a fit
+    without that check (the CPU target) shows ``-`` there."""
+    text = SAMPLE.read_text(encoding="utf-8")
+    note = "    note: traced at microbatch 2, 8;"
+    assert text.count(note) == 1
+    device = (
+        "    device: {largest: 6, compared: device peaks, checked: {'8': {fits: false, device_peak: 26000000000, "
+        "margin: -600000000}, '6': {fits: true, device_peak: 24000000000, margin: 1400000000}}}\n"
+    )
+    checked = tmp_path / "checked.ledger.yaml"
+    checked.write_text(text.replace(note, device + note), encoding="utf-8")
+    for path, on_device in ((checked, "6"), (SAMPLE, "-")):
+        root = _html(cli, path, tmp_path)
+        table = root.find(f".//{XHTML}table[@class='fit']")
+        assert table is not None
+        head = ["".join(c.itertext()) for c in table[0][0]]
+        assert head[:3] == ["input", "on the device", "allocated: largest"]
+        cells = ["".join(c.itertext()) for c in table[1][0]]
+        assert cells[:3] == ["microbatch", on_device, "8"], cells
+        _, out, _ = cli("report", "--plain", path)
+        row = next(line for line in out.splitlines() if line.strip().startswith("microbatch "))
+        assert row.split()[:3] == ["microbatch", on_device, "8"], row

@@ -100,6 +100,10 @@ class FitRow:
     peak_above: int | None
     device_memory: int | None
     note: str = ""
+    #: the largest value that fits on the device (``x-fit.NAME.device.largest``: allocator model + outside the
+    #: allocator), when ``estimate --fit`` checked it there; ``checked``: whether it did (then None: none fits)
+    on_device: int | None = None
+    checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -394,6 +398,8 @@ def _fit_rows(doc: Document) -> list[FitRow]:
     for name, item in raw.items() if isinstance(raw, dict) else []:
         if not isinstance(item, dict) or "device_memory" not in item:
             continue
+        device = item.get("device")
+        checked = isinstance(device, dict) and "checked" in device
         out.append(
             FitRow(
                 str(name),
@@ -402,7 +408,9 @@ def _fit_rows(doc: Document) -> list[FitRow]:
                 _int(item.get("above")),
                 _int(item.get("peak_above")),
                 _int(item.get("device_memory")),
-                stale or _on_device(item.get("device")) + str(item.get("note", "")),
+                stale or _on_device(device) + str(item.get("note", "")),
+                _int(device.get("largest")) if checked and isinstance(device, dict) else None,
+                checked,
             )
         )
     return out

@@ -239,15 +239,24 @@ def _status(d: ReportData) -> str:
     return "\n".join(out)
 
 
+def _fit_on_device(r: FitRow) -> str:
+    """The largest value that fits on the device (the answer to act on), ``none`` when none checked does, ``-`` when
+    ``estimate --fit`` did not check it there (the CPU target)."""
+    if not r.checked:
+        return "-"
+    return "none" if r.on_device is None else f"<strong>{r.on_device:,}</strong>"
+
+
 def _fits_table(rows: list[FitRow]) -> str:
     out = [
-        '<table class="fit"><thead><tr><th>input</th><th class="num">largest that fits</th>'
-        '<th class="num">its peak</th><th class="num">the next value</th><th class="num">its peak</th>'
-        '<th class="num">device</th><th>note</th></tr></thead><tbody>'
+        '<table class="fit"><thead><tr><th>input</th><th class="num">on the device</th>'
+        '<th class="num">allocated: largest</th><th class="num">its peak</th><th class="num">the next value</th>'
+        '<th class="num">its peak</th><th class="num">device</th><th>note</th></tr></thead><tbody>'
     ]
     for r in rows:
         out.append(
-            f'<tr><td class="label"><code>{escape(r.name)}</code></td><td class="num">{_opt(r.largest)}</td>'
+            f'<tr><td class="label"><code>{escape(r.name)}</code></td><td class="num">{_fit_on_device(r)}</td>'
+            f'<td class="num">{_opt(r.largest)}</td>'
             f'<td class="num">{_size(r.peak)}</td><td class="num">{_opt(r.above)}</td>'
             f'<td class="num">{_size(r.peak_above)}</td><td class="num">{_size(r.device_memory)}</td>'
             f'<td class="detail">{escape(r.note)}</td></tr>'

@@ -243,7 +243,16 @@ def _phase_cells(d: ReportData, p: PhasePoint) -> tuple[str, ...]:
     return (p.label, cell(p.estimated), cell(p.measured))
 
 
-FIT_HEAD = ("input", "largest that fits", "its peak", "next value", "its peak", "device", "note")
+FIT_HEAD = (
+    "input",
+    "on the device",
+    "allocated: largest",
+    "its peak",
+    "next value",
+    "its peak",
+    "device",
+    "note",
+)
 DEVICE_HEAD = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch (allocated)")
 
 
@@ -257,9 +266,18 @@ def _count(n: int | None) -> str:
     return "-" if n is None else f"{n:,}"
 
 
+def _on_device_cell(r: FitRow) -> str:
+    """The largest value that fits on the device (the answer to act on), ``none`` when none checked does, ``-`` when
+    ``estimate --fit`` did not check it there (the CPU target)."""
+    if not r.checked:
+        return "-"
+    return "none" if r.on_device is None else f"{r.on_device:,}"
+
+
 def _fit_cells(r: FitRow) -> tuple[str, ...]:
     return (
         r.name,
+        _on_device_cell(r),
         _count(r.largest),
         _size(r.peak),
         _count(r.above),
