@@ -458,17 +458,22 @@ def render_to(doc: Document, target: str) -> str:
     return document_text(doc)
 
 
-def save(doc: Document, target: str, force: bool = False) -> None:
+def save(doc: Document, target: str, force: bool = False) -> bool:
     """The one save path: write ``doc`` to ``target`` (its own file or ``-o OUT``) with :func:`render_to` and
     :func:`atomic_write`. Written back to the file it was read from, the file must be as it was read: a command
-    that ran meanwhile (``validate --fix`` during ``resolve``) keeps its change, and this save is refused."""
+    that ran meanwhile (``validate --fix`` during ``resolve``) keeps its change, and this save is refused. Whether
+    it wrote: written back to the file it was read from with the very text it was read with, nothing is written
+    (False; the command says the file is up to date)."""
     expect = None
     if doc.origin is not None and os.path.realpath(target) == doc.origin[0]:
         expect = doc.origin[1]
     text = render_to(doc, target)
+    if expect is not None and text == ("\ufeff" if doc.bom else "") + doc.text:
+        return False
     atomic_write(target, text, force=force, expect=expect)
     if doc.origin is not None and expect is not None:  # saved again later: the file is now what was just written
         doc.origin = (doc.origin[0], hashlib.sha256(text.encode("utf-8")).hexdigest())
+    return True
 
 
 # the scalar after `status:` and what follows it on the line: a quoted or plain token, then an optional comment

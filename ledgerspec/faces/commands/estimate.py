@@ -169,8 +169,9 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     _, status_change = settle_for(doc, args)  # the status the estimate supports
     target = args.output or args.file
-    save(doc, target, force=args.force)
-    print(printable(f"{target}: estimate written (ledger.activations, x-estimate)"), file=sys.stderr)
+    written = save(doc, target, force=args.force)
+    done = "estimate written" if written else "up to date: the estimate is the one it holds"
+    print(printable(f"{target}: {done} (ledger.activations, x-estimate)"), file=sys.stderr)
     if status_change:
         print(printable(status_change), file=sys.stderr)
     return code
@@ -679,7 +680,10 @@ def _save(doc: Any, args: argparse.Namespace, what: str) -> None:
 
     _, status_change = settle_for(doc, args)
     target = args.output or args.file
-    save(doc, target, force=args.force)
-    print(printable(f"{target}: {what} written"), file=sys.stderr)
+    written = save(doc, target, force=args.force)
+    print(
+        printable(f"{target}: {what} written" if written else f"{target}: up to date ({what} as it holds it)"),
+        file=sys.stderr,
+    )
     if status_change:
         print(printable(status_change), file=sys.stderr)

@@ -84,11 +84,15 @@ def test_writing_the_answer_back_keeps_the_key(ledger: Path, store: C.EstimateCa
         mp.setenv(C.DIR_ENV, str(store.folder))
         code, out, err = run_cli("estimate", ledger, "--device-memory", "1GiB")
         assert code == 0, err
-        assert "from the estimate cache" not in out
+        assert "from the estimate cache" not in out and ": estimate written" in err
         assert C.key(load(ledger), {"target": "cuda"}) == before
+        written, stamp = ledger.read_bytes(), ledger.stat().st_mtime_ns
         code, out, err = run_cli("estimate", ledger, "--device-memory", "1GiB")
         assert code == 0, err
         assert "from the estimate cache" in out
+        # the same answer again: the file is left as it is (not rewritten), and the command says so
+        assert ": up to date" in err and "estimate written" not in err
+        assert ledger.read_bytes() == written and ledger.stat().st_mtime_ns == stamp
         code, out, err = run_cli("estimate", ledger, "--no-cache", "--dry-run")
         assert code == 0 and "from the estimate cache" not in out
 
