@@ -69,10 +69,10 @@ class FitAnswer:
         if self.largest is None:
             smallest = min(self.peaks) if self.peaks else None
             at = f" ({self.name} {smallest}: {format_size(self.peaks[smallest])})" if smallest is not None else ""
-            return f"no {self.name} fits {mem}{at}"
+            return f"no {self.name} fits {mem} (allocated tensors){at}"
         text = (
-            f"largest {self.name} that fits {mem}: {self.largest} (peak {format_size(self.peak or 0)}, "
-            f"{self.how(self.largest)})"
+            f"largest {self.name} whose allocated tensors fit {mem}: {self.largest} "
+            f"(peak {format_size(self.peak or 0)}, {self.how(self.largest)})"
         )
         if self.above is not None and self.peak_above is not None:
             where = f", out of memory in phase {self.oom_phase_above}" if self.oom_phase_above else ""

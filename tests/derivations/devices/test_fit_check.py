@@ -45,7 +45,7 @@ def test_the_device_answer_steps_down_from_the_allocated_one(tmp_path: Path, cli
 
     code, out, err = cli("estimate", path, "--fit", "microbatch", "--device-memory", str(memory))
     assert code == 0, err
-    assert "largest microbatch that fits" in out and ": 3 (peak" in out  # the allocated answer
+    assert "largest microbatch whose allocated tensors fit" in out and ": 3 (peak" in out  # the allocated answer
     assert "on the device: microbatch 3 does NOT fit" in out and "on the device: microbatch 2 fits" in out
     assert "largest microbatch that fits on the device: 2 (the allocated tensors alone allow 3)" in out
     block = load(path).plain["x-fit"]["microbatch"]

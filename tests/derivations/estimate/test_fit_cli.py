@@ -44,8 +44,8 @@ def test_fit_microbatch_answers_and_records_it(cli: CliRunner, tiny: Path) -> No
     )
     assert code == 0, err
     first = out.splitlines()[0]
-    assert first.startswith("largest microbatch that fits 8.00 MiB: ") and "does not fit" in first
-    assert "largest max_length that fits 8.00 MiB: " in out
+    assert first.startswith("largest microbatch whose allocated tensors fit 8.00 MiB: ") and "does not fit" in first
+    assert "largest max_length whose allocated tensors fit 8.00 MiB: " in out
     fit = load(tiny).get("x-fit").raw
     assert set(fit) >= {"microbatch", "max_length", "inputs", "source"}
     mb = fit["microbatch"]
