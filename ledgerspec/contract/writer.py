@@ -468,12 +468,23 @@ def save(doc: Document, target: str, force: bool = False) -> bool:
     if doc.origin is not None and os.path.realpath(target) == doc.origin[0]:
         expect = doc.origin[1]
     text = render_to(doc, target)
-    if expect is not None and text == ("\ufeff" if doc.bom else "") + doc.text:
+    digest = _text_digest(text)
+    if expect is not None and digest == expect:  # the bytes it would write are the bytes it read
         return False
     atomic_write(target, text, force=force, expect=expect)
-    if doc.origin is not None and expect is not None:  # saved again later: the file is now what was just written
-        doc.origin = (doc.origin[0], hashlib.sha256(text.encode("utf-8")).hexdigest())
+    # saved again later: the file is now what was just written (digest is None only for a text atomic_write refuses)
+    if doc.origin is not None and expect is not None and digest is not None:
+        doc.origin = (doc.origin[0], digest)
     return True
+
+
+def _text_digest(text: str) -> str | None:
+    """The sha256 of the bytes :func:`atomic_write` writes for ``text`` (as :func:`_digest` and the loader take it of
+    a file's bytes); None when UTF-8 cannot encode it (``atomic_write`` then refuses it in one line)."""
+    try:
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    except UnicodeEncodeError:
+        return None
 
 
 # the scalar after `status:` and what follows it on the line: a quoted or plain token, then an optional comment

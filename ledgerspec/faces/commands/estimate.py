@@ -137,7 +137,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             hint=f"ledgerspec resolve {args.file} -o ledger.yaml",
             exit_code=EXIT_USAGE,
         )
-    from ledgerspec.contract.writer import check_writable, save
+    from ledgerspec.contract.writer import check_writable
     from ledgerspec.derivations.estimate.estimator import device_memory_of, write_back
 
     if writes and doc.kind != "intake":
@@ -165,15 +165,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     for ch in changes:
         if ch.skipped:
             print(printable(f"{args.file}: kept {ch.pointer}: {ch.skipped}"), file=sys.stderr)
-    from ledgerspec.faces.status import settle_for
-
-    _, status_change = settle_for(doc, args)  # the status the estimate supports
-    target = args.output or args.file
-    written = save(doc, target, force=args.force)
-    done = "estimate written" if written else "up to date: the estimate is the one it holds"
-    print(printable(f"{target}: {done} (ledger.activations, x-estimate)"), file=sys.stderr)
-    if status_change:
-        print(printable(status_change), file=sys.stderr)
+    _save(doc, args, "estimate", " (ledger.activations, x-estimate)")  # with the status the estimate supports
     return code
 
 
@@ -674,16 +666,16 @@ def _writable(doc: Any, args: argparse.Namespace) -> bool:
     return True
 
 
-def _save(doc: Any, args: argparse.Namespace, what: str) -> None:
+def _save(doc: Any, args: argparse.Namespace, what: str, fields: str = "") -> None:
+    """Write ``what`` back (its ``fields`` named after "written") with the status it supports, or say the ledger is
+    up to date when it already holds it."""
     from ledgerspec.contract.writer import save
     from ledgerspec.faces.status import settle_for
 
     _, status_change = settle_for(doc, args)
     target = args.output or args.file
     written = save(doc, target, force=args.force)
-    print(
-        printable(f"{target}: {what} written" if written else f"{target}: up to date ({what} as it holds it)"),
-        file=sys.stderr,
-    )
+    told = f"{what} written{fields}" if written else f"up to date ({what} as it holds it)"
+    print(printable(f"{target}: {told}"), file=sys.stderr)
     if status_change:
         print(printable(status_change), file=sys.stderr)

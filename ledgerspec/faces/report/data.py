@@ -105,6 +105,13 @@ class FitRow:
     on_device: int | None = None
     checked: bool = False
 
+    def on_device_text(self) -> str:
+        """The on-device answer as a cell: the value, ``none`` when none checked fits, ``-`` when ``estimate --fit``
+        did not check it there (the CPU target)."""
+        if not self.checked:
+            return "-"
+        return "none" if self.on_device is None else f"{self.on_device:,}"
+
 
 @dataclass(frozen=True)
 class PhasePoint:
@@ -398,8 +405,10 @@ def _fit_rows(doc: Document) -> list[FitRow]:
     for name, item in raw.items() if isinstance(raw, dict) else []:
         if not isinstance(item, dict) or "device_memory" not in item:
             continue
-        device = item.get("device")
-        checked = isinstance(device, dict) and "checked" in device
+        block = item.get("device")
+        device: dict[str, object] = block if isinstance(block, dict) else {}
+        checked = "checked" in device
+        on_device = _int(device.get("largest")) if checked else None
         out.append(
             FitRow(
                 str(name),
@@ -408,19 +417,18 @@ def _fit_rows(doc: Document) -> list[FitRow]:
                 _int(item.get("above")),
                 _int(item.get("peak_above")),
                 _int(item.get("device_memory")),
-                stale or _on_device(device) + str(item.get("note", "")),
-                _int(device.get("largest")) if checked and isinstance(device, dict) else None,
+                stale or _on_device(checked, on_device) + str(item.get("note", "")),
+                on_device,
                 checked,
             )
         )
     return out
 
 
-def _on_device(block: object) -> str:
+def _on_device(checked: bool, largest: int | None) -> str:
     """The start of a fit row's note when `estimate --fit` checked its answer on the device (`x-fit.NAME.device`)."""
-    if not isinstance(block, dict) or "checked" not in block:
+    if not checked:
         return ""
-    largest = _int(block.get("largest"))
     if largest is None:
         return "on the device (allocator model + outside the allocator): none of the values checked fits; "
     return f"on the device (allocator model + outside the allocator): largest {largest}; "

@@ -240,11 +240,9 @@ def _status(d: ReportData) -> str:
 
 
 def _fit_on_device(r: FitRow) -> str:
-    """The largest value that fits on the device (the answer to act on), ``none`` when none checked does, ``-`` when
-    ``estimate --fit`` did not check it there (the CPU target)."""
-    if not r.checked:
-        return "-"
-    return "none" if r.on_device is None else f"<strong>{r.on_device:,}</strong>"
+    """:meth:`FitRow.on_device_text`, a value in bold (the answer to act on)."""
+    text = r.on_device_text()
+    return f"<strong>{text}</strong>" if r.on_device is not None else text
 
 
 def _fits_table(rows: list[FitRow]) -> str:

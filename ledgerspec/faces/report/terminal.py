@@ -266,18 +266,10 @@ def _count(n: int | None) -> str:
     return "-" if n is None else f"{n:,}"
 
 
-def _on_device_cell(r: FitRow) -> str:
-    """The largest value that fits on the device (the answer to act on), ``none`` when none checked does, ``-`` when
-    ``estimate --fit`` did not check it there (the CPU target)."""
-    if not r.checked:
-        return "-"
-    return "none" if r.on_device is None else f"{r.on_device:,}"
-
-
 def _fit_cells(r: FitRow) -> tuple[str, ...]:
     return (
         r.name,
-        _on_device_cell(r),
+        r.on_device_text(),
         _count(r.largest),
         _size(r.peak),
         _count(r.above),
