@@ -89,6 +89,12 @@ BACKWARD_GATHER = {"backward_peak": {72 * 2, 72 * 4}}
 #: ... and at the generation peak, where ZeRO-3's ``GatheredParameters`` all-gathers every parameter for ``generate``
 #: (GRPO, RLOO): seen (RLOO, both ranks, 2026-12-03) the same norm-sized all-gather still held. Allowed: exactly those
 GENERATION_GATHER = {"generation_peak": {72 * 2, 72 * 4}}
+#: GRPO and RLOO end their generation with accelerate's ``gather_object`` of the prompts and the completions (trl 1.16
+#: grpo_trainer.py 2833-2834, ``torch.distributed.all_gather_object``: the pickled lists in uint8 tensors whose size
+#: follows the generated text): seen once (2026-12-05, ZeRO-3 GRPO rank 0, both pytest workers running real ranks) 168 B
+#: above the simulation at forward_peak, a finished gloo work object still holding them, the same timing as
+#: HELD_BROADCASTS. Allowed at the forward peak of a generating objective: up to 1 KiB, any size (the text's)
+GATHERED_OBJECTS = {"forward_peak": set(range(1, 1025))}
 #: DPO with a separate reference model (``objective_settings.reference: model``)
 REFERENCE_TRAINING = "training:\n  loop: trainer\n  objective: dpo\n  objective_settings: {reference: model}\n"
 #: the GRPO/RLOO runs' shapes (prompt + completion) and settings
@@ -108,7 +114,7 @@ FULL_HELD = {
 }
 
 
-def explained_by_gloo_timing(diff: dict[str, int], stage: int, full: bool = False) -> bool:
+def explained_by_gloo_timing(diff: dict[str, int], stage: int, full: bool = False, generating: bool = False) -> bool:
     """Whether every phase where a real rank differs from the simulation is one of the gloo timings above. LoRA
     injection right after load sends nothing, so the load broadcast gloo still holds may still be held there too (seen
     in CI, 2026-12-02: ZeRO-3 offload_param rank 0, the final norm's 288 B at after_load AND after_adapter_injection):
@@ -118,6 +124,8 @@ def explained_by_gloo_timing(diff: dict[str, int], stage: int, full: bool = Fals
     )
     if full:
         allowed = allowed | {k: v for k, v in FULL_HELD.items() if stage == 3 or k == "steady_state_peak"}
+    if generating:  # GATHERED_OBJECTS, alone or beside a gather of the phase
+        allowed = allowed | {k: v | allowed.get(k, set()) for k, v in GATHERED_OBJECTS.items()}
     for phase, v in diff.items():
         carried = phase == "after_adapter_injection" and stage == 3 and diff.get("after_load") == v
         if v not in allowed.get(phase, ()) and not carried:
@@ -346,7 +354,8 @@ def test_simulated_phases_equal_the_real_deepspeed_run(runs: dict[str, Any]) -> 
         sim = rank.phases
         diff = {k: real[k] - sim[k] for k in PHASES if real[k] != sim[k]}
         # gloo may still hold one broadcast of a phase (ZeRO-3) or the step's one-element all-reduces (docstring)
-        assert explained_by_gloo_timing(diff, runs["stage"], runs["precision"] == "full"), (out.rank, diff)
+        generating = runs["precision"] in ("grpo", "rloo", "grpo-vllm")
+        assert explained_by_gloo_timing(diff, runs["stage"], runs["precision"] == "full", generating), (out.rank, diff)
 
 
 @pytest.mark.slow
