@@ -83,7 +83,7 @@ class MicrobatchSteps:
         self.families: dict[tuple[int, int], Any] = {}
         #: (microbatch, device memory) -> (its document, its DevicePrediction): verdicts of written streams replayed
         #: while the helper still traced the probe that checks their line, kept (cached) only once that check passes
-        self.unconfirmed: dict[tuple[int, int], tuple[Document, Any]] = {}
+        self.unconfirmed: dict[tuple[int, int], tuple[Document, Any, bool]] = {}
         #: whether a line's check failed after verdicts written from it were handed out (:meth:`settle`)
         self.retracted = False
 
@@ -321,9 +321,11 @@ class MicrobatchSteps:
             self.checked[regime] = str(exc)
         mine = [(v, memory) for v, memory in self.unconfirmed if self.regime(v) == regime]
         for v, memory in mine:
-            variant, p = self.unconfirmed.pop((v, memory))
+            variant, p, from_flag = self.unconfirmed.pop((v, memory))
             if self.checked[regime] is None:
-                keep_synthesised(variant, memory, p, self.target, self.layers, self.offline, self.store)
+                keep_synthesised(
+                    variant, memory, p, self.target, self.layers, self.offline, self.store, from_flag=from_flag
+                )
             else:
                 self.synthesised.pop(v, None)  # asked again, it is traced (and noted so)
                 self.retracted = True
@@ -356,13 +358,14 @@ class MicrobatchSteps:
         return out
 
     # -- verdicts
-    def on_device(self, b: int, device_memory: int) -> Any:
+    def on_device(self, b: int, device_memory: int, from_flag: bool = False) -> Any:
         """The :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction` of microbatch ``b``: from the
-        cache, from its traced stream, from a synthesised one, or traced now (in that order)."""
+        cache, from its traced stream, from a synthesised one, or traced now (in that order); ``from_flag``: as
+        :func:`~ledgerspec.derivations.devices.prediction.estimate_on_device` takes it."""
         from ledgerspec.derivations.devices.prediction import cached_on_device, estimate_on_device, stream_on_device
 
         variant = self._variant(b)
-        kept = cached_on_device(variant, device_memory, False, self.target, self.layers, self.offline, self.store)
+        kept = cached_on_device(variant, device_memory, from_flag, self.target, self.layers, self.offline, self.store)
         if kept is not None:
             return kept
         if b not in self.steps:
@@ -374,22 +377,22 @@ class MicrobatchSteps:
             else:
                 if self.regime(b) in self.checked:  # its line is checked: the verdict is kept at once
                     return stream_on_device(
-                        variant, device_memory, lambda: step, False, self.target, self.layers, self.offline,
+                        variant, device_memory, lambda: step, from_flag, self.target, self.layers, self.offline,
                         self.store, helper=self.helper,
                     )  # fmt: skip
                 # replayed while the helper finishes the probe that checks the stream's line: handed out now, kept
                 # once that check passes (:meth:`settle`), else dropped and the question asked again
                 p = stream_on_device(
-                    variant, device_memory, lambda: step, False, self.target, self.layers, self.offline, None,
+                    variant, device_memory, lambda: step, from_flag, self.target, self.layers, self.offline, None,
                     helper=self.helper,
                 )  # fmt: skip
-                self.unconfirmed[(b, device_memory)] = (variant, p)
+                self.unconfirmed[(b, device_memory)] = (variant, p, from_flag)
                 return p
         fn: Callable[[], tuple[Any, Any]] = lambda: self.trace(b, variant)  # noqa: E731
         _, p = estimate_on_device(
             variant,
             device_memory,
-            False,
+            from_flag,
             self.target,
             self.layers,
             self.offline,

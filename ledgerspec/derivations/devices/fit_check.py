@@ -37,6 +37,31 @@ class Checked:
     uncertain: bool = False
 
 
+def checked_line(subject: str, c: Any, device_memory: int, said_declared: bool) -> tuple[str, bool]:
+    """``on the device: SUBJECT fits|does NOT fit ...`` for one check ``c`` (its ``fits``, ``uncertain``,
+    ``decided_by``, ``device_peak``, ``margin`` and ``setting``), and whether the CUDA total has been said beside the
+    declared size by now (``said_declared``: said by an earlier line)."""
+    # the margin is taken from the device total the replay decided against (CUDA's own for a catalogue card declared
+    # by its nominal size: an RTX 4090 declared 24 GiB has 23.64 GiB), so that total is printed
+    total = c.device_peak + c.margin
+    of = format_size(total)
+    if total != device_memory and not said_declared:
+        of += f" (its CUDA total; {format_size(device_memory)} declared)"
+        said_declared = True
+    verdict = (
+        "fits, UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
+        if c.uncertain
+        else "fits"
+        if c.fits
+        else f"does NOT fit ({c.decided_by} decides)"
+    )
+    over = f"margin {format_size(c.margin)}" if c.margin >= 0 else f"{format_size(-c.margin)} over"
+    line = f"on the device: {subject} {verdict}, device peak {format_size(c.device_peak)} of {of}, {over}" + (
+        f"; with PYTORCH_CUDA_ALLOC_CONF={c.setting} it fits" if c.setting else ""
+    )
+    return line, said_declared
+
+
 @dataclass
 class DeviceFit:
     """The allocated answer of ``--fit NAME`` checked on the device."""
@@ -54,25 +79,8 @@ class DeviceFit:
         out = []
         said_declared = False
         for c in self.checked:
-            # the margin is taken from the device total the replay decided against (CUDA's own for a catalogue card
-            # declared by its nominal size: an RTX 4090 declared 24 GiB has 23.64 GiB), so that total is printed
-            total = c.device_peak + c.margin
-            of = format_size(total)
-            if total != self.device_memory and not said_declared:
-                of += f" (its CUDA total; {format_size(self.device_memory)} declared)"
-                said_declared = True
-            verdict = (
-                "fits, UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
-                if c.uncertain
-                else "fits"
-                if c.fits
-                else f"does NOT fit ({c.decided_by} decides)"
-            )
-            over = f"margin {format_size(c.margin)}" if c.margin >= 0 else f"{format_size(-c.margin)} over"
-            out.append(
-                f"on the device: {self.name} {c.value} {verdict}, device peak {format_size(c.device_peak)} of {of}, "
-                f"{over}" + (f"; with PYTORCH_CUDA_ALLOC_CONF={c.setting} it fits" if c.setting else "")
-            )
+            line, said_declared = checked_line(f"{self.name} {c.value}", c, self.device_memory, said_declared)
+            out.append(line)
         if self.largest is not None and self.largest != self.allocated_largest:
             failing = [c.value for c in self.checked if not c.fits and c.value > (self.largest or 0)]
             between = (
@@ -120,6 +128,8 @@ def check_on_device(
     store: Any = None,
     parallel: bool = False,
     along: Any = None,
+    from_flag: bool = False,
+    layers: str = "auto",
 ) -> DeviceFit:
     """Check ``answer`` (a :class:`~ledgerspec.derivations.estimate.search.FitAnswer` for ``doc``) on a device of
     ``device_memory`` bytes, in multiples of ``step`` (1 for the microbatch, the length step for ``max_length``).
@@ -131,7 +141,9 @@ def check_on_device(
     above it when it fits, below it when it does not): the answer is usually found in these two values. At most
     :data:`TRIES` values.
     ``along``: a :class:`~ledgerspec.derivations.devices.along.MicrobatchSteps` of ``doc`` (microbatch only): each
-    value's stream from it, synthesised from the microbatches the search traced where that is exact (else traced)."""
+    value's stream from it, synthesised from the microbatches the search traced where that is exact (else traced).
+    ``from_flag``: the device memory was asked with ``--device-memory`` (it names the device as the plain estimate
+    does: :func:`~ledgerspec.derivations.devices.prediction.target_of`); ``layers``: as the estimate takes it."""
     import math
 
     from ledgerspec.derivations.devices.prediction import estimate_on_device
@@ -149,9 +161,16 @@ def check_on_device(
     value = answer.largest
     while value is not None and len(result.checked) < TRIES:
         if along is not None and answer.name == "microbatch":
-            p = along.on_device(value, device_memory)
+            p = along.on_device(value, device_memory, from_flag)
         else:
-            _, p = estimate_on_device(apply(doc, {answer.name: value}), device_memory, store=store, parallel=parallel)
+            _, p = estimate_on_device(
+                apply(doc, {answer.name: value}),
+                device_memory,
+                from_flag,
+                layers=layers,
+                store=store,
+                parallel=parallel,
+            )
         best = p.best_try
         setting = best.conf if best is not None and not p.fits else None
         result.checked.append(
@@ -179,7 +198,7 @@ def check_on_device(
             value = None
     if along is not None and not along.settle():
         # a line's check failed after verdicts written from it were used: asked again, those values traced
-        again = check_on_device(doc, answer, device_memory, step, store, parallel, along)
+        again = check_on_device(doc, answer, device_memory, step, store, parallel, along, from_flag, layers)
         again.seconds = time.perf_counter() - started
         return again
     result.largest = lo
@@ -200,4 +219,4 @@ def _between(lo: int, hi: int, peak_lo: int, peak_hi: int, total: int | None, st
     return lo + min(max(k, 1), (hi - lo - 1) // step) * step  # strictly below hi, whatever hi - lo is
 
 
-__all__ = ["TRIES", "Checked", "DeviceFit", "check_on_device"]
+__all__ = ["TRIES", "Checked", "DeviceFit", "check_on_device", "checked_line"]

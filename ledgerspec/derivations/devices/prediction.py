@@ -946,6 +946,7 @@ def keep_synthesised(
     offline: bool = True,
     store: Any = None,
     catalogue: Any = None,
+    from_flag: bool = False,
 ) -> None:
     """Keep in ``store`` the verdict :func:`stream_on_device` computed without one (under the key it would have
     used), once the stream it was replayed from has passed its last check."""
@@ -953,7 +954,7 @@ def keep_synthesised(
 
     if store is None:
         return
-    _, _, _, question = device_question(doc, device_memory, False, target, layers, offline, catalogue)
+    _, _, _, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
     name = key(doc, {**question, "stream": SYNTHESISED})
     if name is not None:
         store.put(name, prediction.replayed.to_cache())

@@ -133,26 +133,48 @@ def tokens(point: dict[str, Any], doc: Document) -> int:
     return int(mb) * int(seq)
 
 
+def fitting_in_order(
+    rows: Sequence[tuple[dict[str, Any], int]], doc: Document, device_memory: int
+) -> list[tuple[dict[str, Any], int]]:
+    """The points whose peak fits, best first: the most tokens per micro-step; ties go to checkpointing off, then the
+    lower peak (the order the device check follows, :mod:`ledgerspec.derivations.devices.sweep_check`)."""
+    fitting = [(p, peak) for p, peak in rows if peak <= device_memory]
+    return sorted(
+        fitting, key=lambda r: (tokens(r[0], doc), r[0].get("gradient_checkpointing") is False, -r[1]), reverse=True
+    )
+
+
 def largest_fitting(
     rows: Sequence[tuple[dict[str, Any], int]], doc: Document, device_memory: int
 ) -> tuple[dict[str, Any], int] | None:
     """The fitting point with the most tokens per micro-step; ties go to checkpointing off, then the lower peak."""
-    fitting = [(p, peak) for p, peak in rows if peak <= device_memory]
-    if not fitting:
-        return None
-    return max(fitting, key=lambda r: (tokens(r[0], doc), r[0].get("gradient_checkpointing") is False, -r[1]))
+    fitting = fitting_in_order(rows, doc, device_memory)
+    return fitting[0] if fitting else None
+
+
+def describe(point: dict[str, Any]) -> str:
+    """``microbatch=4, gradient_checkpointing=on``: a point as the sweep's lines name it."""
+    return ", ".join(f"{k}={show(v)}" for k, v in point.items())
+
+
+def show(v: Any) -> str:
+    """A point's value as the table prints it (switches as on/off)."""
+    return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
 
 def render(
-    rows: Sequence[tuple[dict[str, Any], int]], axes: Sequence[Axis], doc: Document, device_memory: int | None
+    rows: Sequence[tuple[dict[str, Any], int]],
+    axes: Sequence[Axis],
+    doc: Document,
+    device_memory: int | None,
+    on_device: bool = False,
 ) -> str:
-    """The matrix as a text table, one row per point."""
+    """The matrix as a text table, one row per point. ``on_device``: the answer is checked on the device below it
+    (:mod:`ledgerspec.derivations.devices.sweep_check`), so the table's answer is named for what it counts."""
     from ledgerspec.contract.units import format_size
 
-    def show(v: Any) -> str:
-        return ("on" if v else "off") if isinstance(v, bool) else str(v)
-
-    head = [a.name for a in axes] + ["predicted peak"] + (["fits"] if device_memory else [])
+    fits = "fits (allocated)" if on_device else "fits"
+    head = [a.name for a in axes] + ["predicted peak"] + ([fits] if device_memory else [])
     body = []
     for point, peak in rows:
         cells = [show(point[a.name]) for a in axes] + [format_size(peak)]
@@ -164,13 +186,19 @@ def render(
     lines.insert(1, "  ".join("-" * w for w in widths))
     if device_memory:
         best = largest_fitting(rows, doc, device_memory)
+        what = "whose allocated tensors fit" if on_device else "that fits"
         if best is None:
-            lines.append(f"no configuration fits {format_size(device_memory)}")
-        else:
-            desc = ", ".join(f"{k}={show(v)}" for k, v in best[0].items())
             lines.append(
-                f"largest configuration that fits {format_size(device_memory)}: {desc} "
+                f"no configuration {'has allocated tensors that fit' if on_device else 'fits'} "
+                f"{format_size(device_memory)}"
+            )
+        else:
+            lines.append(
+                f"largest configuration {what} {format_size(device_memory)}: {describe(best[0])} "
                 f"(predicted peak {format_size(best[1])})"
             )
-        lines.append("(allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)")
+        if not on_device:
+            lines.append(
+                "(allocated tensors only: the CUDA context, allocator cache and fragmentation need headroom too)"
+            )
     return "\n".join(lines) + "\n"

@@ -310,7 +310,9 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
         rows = grid.rows
     else:
         rows, traced = search.sweep_rows(doc, points, _estimate_fn(args), jobs=_jobs(args), warm=_warm(args))
-    sys.stdout.write(sweep.render([(r.point, r.peak) for r in rows], axes, doc, target_memory))
+    table = [(r.point, r.peak) for r in rows]
+    checks = target_memory is not None and args.target == "cuda"  # the table's answer decided on the device
+    sys.stdout.write(sweep.render(table, axes, doc, target_memory, on_device=checks))
     modelled = sum(1 for r in rows if not r.traced)
     if args.verbose:
         _print_components(rows)
@@ -335,12 +337,39 @@ def _run_sweep(doc: Any, args: argparse.Namespace, device: int | None) -> int:
             + (f"; {modelled} from the microbatch model, within 0.5 % of full traces in tests" if modelled else "")
             + f"; {time.perf_counter() - started:.1f} s)"
         )
-    if (
-        target_memory is not None
-        and sweep.largest_fitting([(r.point, r.peak) for r in rows], doc, target_memory) is None
+    on_device = (
+        _configurations_on_device(doc, args, table, target_memory, device)
+        if checks and target_memory is not None
+        else None
+    )
+    if target_memory is not None and (
+        sweep.largest_fitting(table, doc, target_memory) is None or (on_device is not None and on_device.best is None)
     ):
         return EXIT_FINDINGS  # as a single estimate that does not fit
     return EXIT_OK
+
+
+def _configurations_on_device(
+    doc: Any, args: argparse.Namespace, table: list[tuple[dict[str, Any], int]], memory: int, asked: int | None
+) -> Any:
+    """The table's answer checked on the device, best first (:mod:`ledgerspec.derivations.devices.sweep_check`),
+    its lines printed; None when no configuration's allocated tensors fit (nothing to check). ``asked``: the memory
+    given with ``--device-memory`` (None: the ledger's target device's)."""
+    from ledgerspec.derivations.devices.sweep_check import check_configurations
+
+    layers = "full" if args.full else "auto"
+    checked = check_configurations(
+        doc, table, memory, from_flag=asked is not None, store=_store(args), parallel=True, layers=layers
+    )
+    if checked.allocated_best is None:
+        return None
+    for line in checked.lines():
+        print(printable(line))
+    print(
+        "(on the device: the allocator model's reserved bytes plus what lies outside the allocator, a model, not "
+        f"measured; the table counts allocated tensors only; {checked.seconds:.1f} s)"
+    )
+    return checked
 
 
 def _grid_sweep(doc: Any, args: argparse.Namespace, points: list[dict[str, Any]]) -> Any:
@@ -517,7 +546,14 @@ def _fit_answers(
             parts = ", ".join(f"{k.replace('_', ' ')} {format_size(n)}" for k, n in answer.at_peak.items() if n)
             print(f"  alive at the peak of {answer.largest}: {parts}")
         if args.target == "cuda" and answer.largest is not None:  # the allocated answer, decided on the device
-            checked = _check_on_device(doc, args, answer, memory, steps if name == "microbatch" else None)
+            checked = _check_on_device(
+                doc,
+                args,
+                answer,
+                memory,
+                steps if name == "microbatch" else None,
+                from_flag=args.device_memory is not None,
+            )
             on_device[name] = checked
             for line in checked.lines():
                 print(printable(f"  {line}"))
@@ -529,14 +565,27 @@ def _fit_answers(
     return answers, on_device
 
 
-def _check_on_device(doc: Any, args: argparse.Namespace, answer: Any, memory: int, steps: Any = None) -> Any:
+def _check_on_device(
+    doc: Any, args: argparse.Namespace, answer: Any, memory: int, steps: Any = None, from_flag: bool = False
+) -> Any:
     """``answer`` checked on the device (:mod:`ledgerspec.derivations.devices.fit_check`), through the estimate
     cache unless ``--no-cache``; ``steps``: the microbatch streams the search kept
     (:class:`~ledgerspec.derivations.devices.along.MicrobatchSteps`)."""
     from ledgerspec.derivations.devices.fit_check import check_on_device
 
     step = 1 if answer.name == "microbatch" else args.fit_step
-    return check_on_device(doc, answer, memory, step=step, store=_store(args), parallel=True, along=steps)
+    layers = "full" if args.full else "auto"
+    return check_on_device(
+        doc,
+        answer,
+        memory,
+        step=step,
+        store=_store(args),
+        parallel=True,
+        along=steps,
+        from_flag=from_flag,
+        layers=layers,
+    )
 
 
 def _store(args: argparse.Namespace) -> Any:
@@ -636,15 +685,23 @@ def _run_what_if(doc: Any, args: argparse.Namespace, device: int | None) -> int:
         doc, _estimate_fn(args), axes, jobs=_jobs(args), device_memory=target_memory, warm=_warm(args)
     )
     rows = [(c.point, c.peak) for c in result.cells]
-    sys.stdout.write(sweep.render(rows, axes, doc, target_memory))
+    checks = target_memory is not None and args.target == "cuda"  # the table's answer decided on the device
+    sys.stdout.write(sweep.render(rows, axes, doc, target_memory, on_device=checks))
     print(
         f"(what-if: {len(result.cells)} configurations from {result.traced} traced estimates; {result.seconds:.1f} s)"
+    )
+    on_device = (
+        _configurations_on_device(doc, args, rows, target_memory, device)
+        if checks and target_memory is not None
+        else None
     )
     if writes:
         from ledgerspec.contract.edit import set_extension
         from ledgerspec.contract.fingerprint import WORKLOAD_INPUTS, digests
 
         block = result.to_extension()
+        if on_device is not None:
+            block["device"] = on_device.to_extension()
         block["inputs"] = digests(doc, WORKLOAD_INPUTS)
         set_extension(doc, (whatif.EXTENSION,), block)
         _save(doc, args, whatif.EXTENSION)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,60 @@ def test_each_checked_value_is_printed_against_the_total_its_margin_is_taken_fro
     assert "largest microbatch that fits on the device: 6" in last
     (line,) = DeviceFit("microbatch", cuda, 6, 6, [checked[1]]).lines()
     assert "device peak 22.00 GiB of 23.64 GiB, margin 1.64 GiB" in line and "declared" not in line
+
+
+def test_a_device_memory_asked_with_the_flag_names_the_device_as_the_plain_estimate_does(monkeypatch: Any) -> None:
+    """``--fit --device-memory 80GiB`` on a ledger that declares a 24 GiB card: each value is decided as ``estimate
+    --device-memory 80GiB`` decides it (the catalogue's card of that memory and its CUDA total), so the check hands
+    ``from_flag`` to the verdict, traced or from the microbatch streams."""
+    from types import SimpleNamespace
+
+    from ledgerspec.derivations.devices import fit_check, prediction
+    from tests.support.estimate_docs import ledger_text
+
+    asked: list[bool] = []
+
+    def verdict(*args: Any, **kwargs: Any) -> Any:
+        asked.append(bool(args[2] if len(args) > 2 else kwargs.get("from_flag", False)))
+        p = SimpleNamespace(fits=True, device_peak=1, margin=1, decided_by="none", best_try=None, cached=False)
+        return None, SimpleNamespace(**vars(p), uncertain=False)
+
+    class Along:
+        def on_device(self, value: int, memory: int, from_flag: bool = False) -> Any:
+            return verdict(None, memory, from_flag)[1]
+
+        def settle(self) -> bool:
+            return True
+
+    monkeypatch.setattr(prediction, "estimate_on_device", verdict)
+    doc = from_text(ledger_text(), "t.ledger.yaml")
+    answer = SimpleNamespace(name="max_length", largest=64, peaks={32: 1, 64: 2})
+    for flag in (True, False):
+        fit_check.check_on_device(doc, answer, 2**30, from_flag=flag)
+        fit_check.check_on_device(doc, SimpleNamespace(**{**vars(answer), "name": "microbatch"}), 2**30,
+                                  along=Along(), from_flag=flag)  # fmt: skip
+    assert asked == [True, True, False, False]
+
+
+@pytest.mark.slow  # one tiny estimate on the device
+def test_a_synthesised_verdict_for_a_flagged_memory_is_kept_under_the_question_it_answers(tmp_path: Path) -> None:
+    """A verdict written from the microbatch streams before their check is kept in the cache once the check passes
+    (``keep_synthesised``) under the question that asks it again: with ``--device-memory 80GiB`` on a ledger that
+    declares a 24 GiB RTX 4090 the device is the catalogue's 80 GiB card (its CUDA total), not the RTX 4090 at 80 GiB,
+    so the flag is part of the question."""
+    from ledgerspec.derivations.devices.prediction import cached_on_device, estimate_on_device, keep_synthesised
+    from ledgerspec.derivations.estimate.cache import EstimateCache
+    from tests.support.estimate_docs import DATA, ledger_text
+
+    shutil.copytree(DATA / "tiny-llama-gqa", tmp_path / "tiny-llama-gqa")
+    text = ledger_text() + "result:\n  target_device: {name: NVIDIA GeForce RTX 4090, memory: 24GiB}\n"
+    doc = from_text(text, str(tmp_path / "t.ledger.yaml"))
+    memory = 80 * 2**30
+    _, flagged = estimate_on_device(doc, memory, True)
+    _, declared = estimate_on_device(doc, memory, False)
+    assert flagged.cuda_total < memory == declared.cuda_total  # two devices: the question differs
+    store = EstimateCache(tmp_path / "cache")
+    keep_synthesised(doc, memory, flagged, store=store, from_flag=True)
+    kept = cached_on_device(doc, memory, True, store=store)
+    assert kept is not None and kept.device_peak == flagged.device_peak and kept.cuda_total == flagged.cuda_total
+    assert cached_on_device(doc, memory, False, store=store) is None

@@ -27,7 +27,7 @@ class Device:
         self.peak = peak
         self.asked: list[int] = []
 
-    def on_device(self, b: int, memory: int) -> Any:
+    def on_device(self, b: int, memory: int, from_flag: bool = False) -> Any:
         self.asked.append(b)
         peak = self.peak(b)
         fits = peak <= TOTAL

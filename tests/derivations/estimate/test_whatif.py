@@ -60,6 +60,12 @@ def test_what_if_is_stored_and_its_traced_points_are_plain_estimates(ledger: Pat
         "gradient_checkpointing": [False, True],
     }
     assert len(block["cells"]) == 5 * 4 * 2 and block["device_memory"] == 3 * 2**20
+    # the answer decided on the device: what lies outside the allocator (the catalogue's figure for an unnamed GPU)
+    # fills 3 MiB, so no configuration whose allocated tensors fit fits there, none replayed
+    assert "fills the device's 3.00 MiB): microbatch=" in out and "ruled out without a replay)" in out
+    fitting = [c for c in block["cells"] if c["peak"] <= 3 * 2**20]
+    assert block["device"]["largest"] is None and block["device"]["checked"] == []
+    assert len(block["device"]["not_replayed"]) == len(fitting) > 0
     traced = [c for c in block["cells"] if c["traced"]]
     assert traced and len(traced) < len(block["cells"])
     for cell in traced[:3]:
