@@ -43,6 +43,7 @@ class Run:
     peak: int | None  # mem_peak_torch_mem_alloc_in_bytes (None: no training metrics)
     nvidia_mib: float  # mem_nvidia_mem_reserved
     ran: bool
+    folder: Path = LEDGERS  # where its ledger is
 
     @property
     def nvidia(self) -> int:
@@ -132,7 +133,7 @@ def estimate_run(run: Run) -> Row:
     from ledgerspec.contract.document import load
 
     started = time.perf_counter()
-    path = LEDGERS / f"{run.key}.ledger.yaml"
+    path = run.folder / f"{run.key}.ledger.yaml"
     doc = load(path)
     if "parallelism" not in doc.plain:  # one GPU, no FSDP (benchmark.py runs it with plain python): the estimate
         from ledgerspec.derivations.devices.prediction import estimate_on_device

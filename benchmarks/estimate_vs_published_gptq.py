@@ -166,8 +166,8 @@ class Row:
     phases: dict[str, int]
     seconds: float
     #: 2 GPUs: rank 0's device-level verdict on the ledger's A100-80GB (the allocator model's replay plus what lies
-    #: outside it): (device peak, fits)
-    device: tuple[int, bool] | None = None
+    #: outside it): (device peak, fits, fits only with the outside-allocator catalogue's typical figure)
+    device: tuple[int, bool, bool] | None = None
 
     def cells(self) -> list[str]:
         r = self.run
@@ -208,6 +208,7 @@ def estimate_run(run: Run) -> Row:
         r0 = sharded.ranks[0]
         memory = doc.get("result", "target_device", "memory").size()
         verdict = sharded.fits(memory)[0] if memory else None
+        uncertain = bool(sharded.device and sharded.device[0].uncertain)
         phases, c = dict(r0.phases), r0.components
         peak_phase = max(("forward_peak", "backward_peak", "optimizer_step_peak", "steady_state_peak"), key=phases.get)
         # FSDP1 with use_orig_params frees a flat parameter's sharded gradient only at the next forward
@@ -219,7 +220,7 @@ def estimate_run(run: Run) -> Row:
             c["frozen_base"] + c["adapter"] + c["gradients"] + c["optimizer"],
             phases,
             time.perf_counter() - started,
-            (verdict.peak, verdict.fits) if verdict is not None else None,
+            (verdict.peak, verdict.fits, uncertain) if verdict is not None else None,
         )
     est = estimate(doc, target="cuda")
     c = est.components
@@ -317,7 +318,8 @@ EXPLAINED = """## What each figure includes, and every difference
 - **Llama-2-70B, FSDP1, 4 x 4096 tokens per rank**: the published row has no memory figures (the run did not finish;
   nvidia-smi reads 79.04 GiB, the card full). The estimate does not predict the failure: rank 0's allocated peak is
   73.17 GB (68.15 GiB), and the device-level model (the caching allocator replayed, plus the CUDA context, NCCL and
-  the rest outside it) puts the rank at 79.21 GiB of the card's 79.25 GiB CUDA total, at the edge but inside. With
+  the rest outside it) puts the rank at the edge of the card's 79.25 GiB CUDA total (the verdict column above:
+  `uncertain`, it fits only with the typical bytes outside the allocator; `device-gptq.md` compares it). With
   the backward excess of the other 2-GPU rows (about 1.6 GB at this size) the real allocated peak would be lower
   still; why the real run did not finish (the allocator's fragmentation on the GPU, NCCL's buffers at this size, or
   something outside the step) is not settled without a GPU run.
@@ -357,7 +359,8 @@ def render(rows: list[Row], elapsed: float) -> str:
         p = row.phases
         device = "-"
         if row.device is not None:
-            device = f"{'fits' if row.device[1] else 'does not fit'}, device peak {row.device[0] / 2**30:.2f} GiB"
+            word = "uncertain" if row.device[2] else "fits" if row.device[1] else "does not fit"
+            device = f"{word}, device peak {row.device[0] / 2**30:.2f} GiB"
         lines.append(
             f"| {row.run.label} | {p['after_load'] / 1e9:.2f} | {p['forward_peak'] / 1e9:.2f} | "
             f"{p['backward_peak'] / 1e9:.2f} | {p['optimizer_step_peak'] / 1e9:.2f} | "
