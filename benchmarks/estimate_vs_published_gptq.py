@@ -281,7 +281,7 @@ EXPLAINED = """## What each figure includes, and every difference
   backward: the recompute of the last decoder layer and its backward (its MLP's float16 16,384 x 28,672 tensors are
   0.94 GB each; the dequantized down projection 0.47 GB); at the end of the forward the estimate holds 65.86 GB
   (steady state), 1.21 GB below the published peak. Where the published run's backward holds 1.59 GB less than the
-  simulation of the installed stack (transformers 5.24's Llama layer, torch 2.13's checkpoint) is not identified;
+  simulation of the installed stack (transformers 5's Llama layer, torch 2.13's checkpoint) is not identified;
   the other 70B run the tables compare (QLoRA nf4 on 2 GPUs, `published-multi-gpu.md`) has its peak elsewhere.
 - **Llama-2-70B, 8 x 4096 tokens**: the published row has no memory figures (the run did not finish; nvidia-smi shows
   the 80 GB card full); the estimate predicts a peak above the card's 80 GiB, so it agrees that the run cannot fit.
