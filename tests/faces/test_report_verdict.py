@@ -136,3 +136,35 @@ def test_the_fit_table_leads_with_the_answer_on_the_device(cli: CliRunner, tmp_p
         _, out, _ = cli("report", "--plain", path)
         row = next(line for line in out.splitlines() if line.strip().startswith("microbatch "))
         assert row.split()[:3] == ["microbatch", on_device, "8"], row
+
+
+def _with_what_if(tmp_path: Path, device: str) -> Path:
+    path = tmp_path / "w.ledger.yaml"
+    text = ESTIMATED.read_text(encoding="utf-8")
+    if not (tmp_path / "configs").exists():
+        shutil.copytree(EXAMPLES / "configs", tmp_path / "configs")
+    path.write_text(text + f"x-what-if:\n  device_memory: 25769803776\n  device: {device}\n", encoding="utf-8")
+    return path
+
+
+def test_the_what_ifs_answer_on_the_device_is_in_the_report(tmp_path: Path, cli: CliRunner) -> None:
+    """``estimate --what-if`` on a CUDA target stores its answer on the device (``x-what-if.device``): the terminal
+    report says it in one line, the page beside the sliders; a user's string in it is shown escaped."""
+    device = (
+        "{largest: {microbatch: 8, max_length: 2048, gradient_checkpointing: true}, checked: [{point: {microbatch: 8, "
+        "max_length: 2048, gradient_checkpointing: true}, fits: true, device_peak: 21206523904, margin: 1}]}"
+    )
+    code, out, _ = cli("report", "--plain", _with_what_if(tmp_path, device))
+    assert code == 0
+    assert (
+        "what if (estimate --what-if): largest configuration that fits on the device of 24.00 GiB: microbatch=8, "
+        "max_length=2048, gradient_checkpointing=on (device peak 19.75 GiB)"
+    ) in out
+    none = "{largest: null, checked: [], not_replayed: [{point: {microbatch: 1}, peak_allocated: 1, capacity: 0}]}"
+    code, out, _ = cli("report", "--plain", _with_what_if(tmp_path, none))
+    assert "what if (estimate --what-if): no configuration checked fits on the device of 24.00 GiB" in out
+    hostile = '{largest: {"m\\e[31m": 1}, checked: []}'
+    code, out, _ = cli("report", "--plain", _with_what_if(tmp_path, hostile))
+    assert code == 0 and "\x1b" not in out and "largest configuration that fits on the device" in out
+    code, out, _ = cli("report", "--plain", ESTIMATED)
+    assert "what if (estimate --what-if)" not in out  # not checked on the device: nothing said

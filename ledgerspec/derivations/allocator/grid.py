@@ -47,6 +47,11 @@ class Point:
     length: int
     typical: int
 
+    def __str__(self) -> str:
+        """As a note names it: ``microbatch 2 x 2048 tokens (typical 1210)``."""
+        typical = f" (typical {self.typical})" if self.typical != self.length else ""
+        return f"microbatch {self.b} x {self.length} tokens{typical}"
+
 
 def steady_windows(windows: Sequence[str], accumulation: int) -> frozenset[str]:
     """The window labels of the steady-state step (their allocations follow the typical length)."""

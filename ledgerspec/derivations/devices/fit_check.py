@@ -35,6 +35,23 @@ class Checked:
     cached: bool = False
     #: fits with the outside-allocator catalogue's typical figure, not with its high one
     uncertain: bool = False
+    #: the device the replay decided on, and how it was named (``catalogue``: the card nearest to the memory asked)
+    device: str | None = None
+    named_by: str = ""
+    #: it fits only once the allocator has freed its cached blocks and retried: the cache fills the device
+    at_limit: bool = False
+
+
+def checked_of(value: Any, p: Any, cls: Any = None) -> Any:
+    """A :class:`Checked` (or ``cls``, the same fields after ``value``) for ``value`` from its
+    :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction` ``p``."""
+    best = p.best_try
+    setting = best.conf if best is not None and not p.fits else None
+    at_limit = bool(p.fits and p.replayed.free_peak_reserved > p.capacity)
+    return (cls or Checked)(
+        value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached, p.uncertain,
+        p.target.name, p.target.named_by, at_limit,
+    )  # fmt: skip
 
 
 def checked_line(subject: str, c: Any, device_memory: int, said_declared: bool) -> tuple[str, bool]:
@@ -45,15 +62,26 @@ def checked_line(subject: str, c: Any, device_memory: int, said_declared: bool) 
     # by its nominal size: an RTX 4090 declared 24 GiB has 23.64 GiB), so that total is printed
     total = c.device_peak + c.margin
     of = format_size(total)
-    if total != device_memory and not said_declared:
-        of += f" (its CUDA total; {format_size(device_memory)} declared)"
+    device = getattr(c, "device", None)
+    if not said_declared and (total != device_memory or getattr(c, "named_by", "") == "catalogue"):
+        card = f"{device}'s" if device else "its"
+        nearest = (
+            f", the catalogue's card nearest to {format_size(device_memory)}"
+            if getattr(c, "named_by", "") == "catalogue"
+            else ""
+        )
+        of += f" ({card} CUDA total{nearest}; {format_size(device_memory)} declared)"
         said_declared = True
     verdict = (
         "fits, UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
         if c.uncertain
+        else "fits only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries)"
+        if getattr(c, "at_limit", False)
         else "fits"
         if c.fits
-        else f"does NOT fit ({c.decided_by} decides)"
+        else "does NOT fit (fragmentation decides)"
+        if c.decided_by == "fragmentation"
+        else "does NOT fit (its tensors alone exceed what the allocator can get beside what lies outside it)"
     )
     over = f"margin {format_size(c.margin)}" if c.margin >= 0 else f"{format_size(-c.margin)} over"
     line = f"on the device: {subject} {verdict}, device peak {format_size(c.device_peak)} of {of}, {over}" + (
@@ -91,6 +119,11 @@ class DeviceFit:
             out.append(
                 f"largest {self.name} that fits on the device: {self.largest}{self._uncertain_word()} (the "
                 f"allocated tensors alone allow {self.allocated_largest}{between})"
+            )
+        elif self.largest is not None:
+            out.append(
+                f"largest {self.name} that fits on the device: {self.largest}{self._uncertain_word()} (as the "
+                "allocated tensors allow)"
             )
         elif self.largest is None and self.checked:
             lowest = self.checked[-1].value
@@ -171,11 +204,7 @@ def check_on_device(
                 store=store,
                 parallel=parallel,
             )
-        best = p.best_try
-        setting = best.conf if best is not None and not p.fits else None
-        result.checked.append(
-            Checked(value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached, p.uncertain)
-        )
+        result.checked.append(checked_of(value, p))
         if p.fits:
             lo = value
             total = p.device_peak + p.margin
@@ -219,4 +248,4 @@ def _between(lo: int, hi: int, peak_lo: int, peak_hi: int, total: int | None, st
     return lo + min(max(k, 1), (hi - lo - 1) // step) * step  # strictly below hi, whatever hi - lo is
 
 
-__all__ = ["TRIES", "Checked", "DeviceFit", "check_on_device", "checked_line"]
+__all__ = ["TRIES", "Checked", "DeviceFit", "check_on_device", "checked_line", "checked_of"]

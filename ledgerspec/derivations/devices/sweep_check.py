@@ -21,7 +21,7 @@ from typing import Any
 
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.units import format_size
-from ledgerspec.derivations.devices.fit_check import TRIES, checked_line
+from ledgerspec.derivations.devices.fit_check import TRIES, checked_line, checked_of
 
 #: a table's peak may come from the microbatch model rather than a trace (within 0.5 % of full traces in tests): a
 #: configuration is ruled out without a replay only when its peak exceeds what the allocator can get by more than that
@@ -43,6 +43,10 @@ class PointChecked:
     cached: bool = False
     #: fits with the outside-allocator catalogue's typical figure, not with its high one
     uncertain: bool = False
+    #: the device the replay decided on, how it was named, and whether it fits only once the cache was freed
+    device: str | None = None
+    named_by: str = ""
+    at_limit: bool = False
 
 
 @dataclass
@@ -93,6 +97,12 @@ class ConfigurationsOnDevice:
                 f"largest configuration that fits on the device: {describe(self.best)} "
                 f"(device peak {format_size(chosen.device_peak)}{uncertain})"
             )
+            with_setting = next((c for c in self.checked if not c.fits and c.setting), None)
+            if with_setting is not None:  # checked before the answer: more tokens, if a setting is changed
+                out.append(
+                    f"  with PYTORCH_CUDA_ALLOC_CONF={with_setting.setting}: {describe(with_setting.point)} fits "
+                    "instead (above)"
+                )
         elif self.checked or self.beyond:
             counted = ", ".join(
                 part
@@ -176,11 +186,7 @@ def check_configurations(
             continue
         replayed += 1
         _, p = estimate_on_device(variant, device_memory, from_flag, layers=layers, store=store, parallel=parallel)
-        best = p.best_try
-        setting = best.conf if best is not None and not p.fits else None
-        result.checked.append(
-            PointChecked(point, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached, p.uncertain)
-        )
+        result.checked.append(checked_of(point, p, PointChecked))
         if p.fits:
             result.best = point
             break

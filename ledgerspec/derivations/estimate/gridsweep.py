@@ -378,7 +378,10 @@ def _families(
             if depth != d:
                 continue
             if probe_[1:3] != first[1:3] or probe_[4] != first[4] or _constants(probe_[3]) != _constants(first[3]):
-                raise NotPolynomial(f"the traces at {r.grid[0]} and {p} differ beside their streams")
+                raise NotPolynomial(
+                    f"the traces at {r.grid[0]} and {p} differ in more than their allocations (windows or the "
+                    "tracker's other figures)"
+                )
         family = GridFamily.build({p: got[(i, p)][d][0] for p in r.grid}, first[1], first[2])
         out[d] = (family, first)
     return out

@@ -195,6 +195,8 @@ class ReportData:
     fits: list[FitRow] = field(default_factory=list)
     #: ``estimate --what-if`` as stored in ``x-what-if`` (None: absent or unreadable)
     what_if: WhatIfData | None = None
+    #: the what-if's answer decided on the device (``x-what-if.device``), in one sentence (None: not checked)
+    what_if_device: str | None = None
 
     @property
     def segments(self) -> list[Entry]:
@@ -363,6 +365,7 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
         ),
         fits=_fit_rows(doc),
         what_if=_what_if(doc, capacity),
+        what_if_device=what_if_device(doc),
     )
 
 
@@ -468,6 +471,29 @@ def _what_if(doc: Document, capacity: int | None) -> WhatIfData | None:
         capacity if capacity is not None else memory,
         _edited_since(doc, "x-what-if"),
     )
+
+
+def what_if_device(doc: Document) -> str | None:
+    """``x-what-if.device`` (``estimate --what-if`` on a CUDA target: the grid's answer replayed on the device) in one
+    sentence; None when absent or unreadable."""
+    raw = doc.get("x-what-if").raw
+    device = raw.get("device") if isinstance(raw, dict) else None
+    if not isinstance(device, dict):
+        return None
+    memory = _int(raw.get("device_memory"))
+    of = f" of {format_size(memory)}" if memory else ""
+    checked = [c for c in device.get("checked") or [] if isinstance(c, dict)]
+    largest = device.get("largest")
+    edited = _edited_since(doc, "x-what-if")
+    tail = f"; {edited}" if edited else ""
+    if isinstance(largest, dict) and largest:
+        point = ", ".join(f"{k}={('on' if v else 'off') if isinstance(v, bool) else v}" for k, v in largest.items())
+        peak = next((_int(c.get("device_peak")) for c in checked if c.get("point") == largest), None)
+        said = f" (device peak {format_size(peak)})" if peak is not None else ""
+        return shown(f"largest configuration that fits on the device{of}: {point}{said}{tail}")
+    if checked or device.get("not_replayed"):
+        return shown(f"no configuration checked fits on the device{of}{tail}")
+    return None
 
 
 def _edited_since(doc: Document, extension: str) -> str:

@@ -169,6 +169,8 @@ def render_html(d: ReportData) -> str:
         parts += ["<h2>Which device</h2>", _devices_table(d.devices, d.devices_note)]
     if d.what_if is not None:
         parts += ["<h2>What if</h2>", _what_if(d.what_if)]
+        if d.what_if_device:
+            parts.append(f'<p class="wi-device">Checked on the device: {escape(d.what_if_device)}</p>')
     parts += [
         "<h2>Memory components</h2>",
         _bar_svg(d),

@@ -159,6 +159,8 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH, verbose: bo
     if d.fits:
         w("\nlargest that fits (estimate --fit)\n")
         _plain_table(out, FIT_HEAD, [_fit_cells(r) for r in d.fits])
+    if d.what_if_device:
+        w(f"\nwhat if (estimate --what-if): {d.what_if_device}\n")
     if d.devices:
         w("\nwhich device (estimate --devices)\n")
         _plain_table(out, DEVICE_HEAD, [_device_cells(r) for r in d.devices])
@@ -366,6 +368,9 @@ def render_rich(
             console.print(t)
     if d.devices and d.devices_note:
         console.print(Text(f"  {d.devices_note}"))
+    if d.what_if_device:
+        console.print()
+        console.print(Text(f"what if (estimate --what-if): {d.what_if_device}"))
 
     table = Table(title="memory components (ledger)", title_justify="left", box=SIMPLE_HEAD)
     for col in ("component", "value", "source"):

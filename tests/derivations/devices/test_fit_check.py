@@ -79,8 +79,9 @@ def test_a_checked_value_inside_the_catalogues_range_is_said_uncertain() -> None
     from ledgerspec.derivations.devices.fit_check import Checked, DeviceFit
 
     fit = DeviceFit("microbatch", 80 * 2**30, 4, 4, [Checked(4, True, 79 * 2**30, 2**28, "none", uncertain=True)])
-    (line,) = fit.lines()
+    line, answer = fit.lines()
     assert "microbatch 4 fits, UNCERTAIN" in line and "margin 256.00 MiB" in line
+    assert answer == "largest microbatch that fits on the device: 4, UNCERTAIN (as the allocated tensors allow)"
     assert fit.to_extension()["checked"]["4"]["uncertain"] is True
     stepped = DeviceFit(
         "microbatch",
@@ -108,15 +109,38 @@ def test_each_checked_value_is_printed_against_the_total_its_margin_is_taken_fro
 
     declared, cuda = 24 * 2**30, 25_386_352_640  # 23.64 GiB, about an RTX 4090's CUDA total
     checked = [
-        Checked(8, False, 26 * 2**30, cuda - 26 * 2**30, "allocated"),
-        Checked(6, True, 22 * 2**30, cuda - 22 * 2**30, "none"),
+        Checked(8, False, 26 * 2**30, cuda - 26 * 2**30, "allocated", device="NVIDIA GeForce RTX 4090"),
+        Checked(6, True, 22 * 2**30, cuda - 22 * 2**30, "none", device="NVIDIA GeForce RTX 4090"),
     ]
     first, second, last = DeviceFit("microbatch", declared, 8, 6, checked).lines()
-    assert "device peak 26.00 GiB of 23.64 GiB (its CUDA total; 24.00 GiB declared), 2.36 GiB over" in first
+    assert (
+        "microbatch 8 does NOT fit (its tensors alone exceed what the allocator can get beside what lies outside it), "
+        "device peak 26.00 GiB of 23.64 GiB (NVIDIA GeForce RTX 4090's CUDA total; 24.00 GiB declared), 2.36 GiB over"
+    ) in first
     assert "device peak 22.00 GiB of 23.64 GiB, margin 1.64 GiB" in second
     assert "largest microbatch that fits on the device: 6" in last
-    (line,) = DeviceFit("microbatch", cuda, 6, 6, [checked[1]]).lines()
+    line, _ = DeviceFit("microbatch", cuda, 6, 6, [checked[1]]).lines()
     assert "device peak 22.00 GiB of 23.64 GiB, margin 1.64 GiB" in line and "declared" not in line
+
+
+def test_a_card_the_catalogue_chose_for_the_memory_is_named_and_a_fit_at_the_limit_is_said() -> None:
+    """``--device-memory 80GiB`` names the catalogue's card nearest to it (the plain estimate's choice): the first
+    line says which card's CUDA total the margin is taken from. A value that fits only once the allocator has freed
+    its cached blocks and retried (its cache fills the device, the margin is then no safety margin) says so."""
+    from ledgerspec.derivations.devices.fit_check import Checked, DeviceFit
+
+    cuda = int(79.25 * 2**30)
+    checked = [
+        Checked(20, True, cuda - 2**20, 2**20, "none", device="NVIDIA A100-SXM4-80GB", named_by="catalogue",
+                at_limit=True),
+    ]  # fmt: skip
+    line, answer = DeviceFit("microbatch", 80 * 2**30, 20, 20, checked).lines()
+    assert line == (
+        "on the device: microbatch 20 fits only at the limit (the allocator's cache fills the device: it frees its "
+        "cached blocks and retries), device peak 79.25 GiB of 79.25 GiB (NVIDIA A100-SXM4-80GB's CUDA total, the "
+        "catalogue's card nearest to 80.00 GiB; 80.00 GiB declared), margin 1.00 MiB"
+    )
+    assert answer == "largest microbatch that fits on the device: 20 (as the allocated tensors allow)"
 
 
 def test_a_device_memory_asked_with_the_flag_names_the_device_as_the_plain_estimate_does(monkeypatch: Any) -> None:
@@ -133,7 +157,10 @@ def test_a_device_memory_asked_with_the_flag_names_the_device_as_the_plain_estim
     def verdict(*args: Any, **kwargs: Any) -> Any:
         asked.append(bool(args[2] if len(args) > 2 else kwargs.get("from_flag", False)))
         p = SimpleNamespace(fits=True, device_peak=1, margin=1, decided_by="none", best_try=None, cached=False)
-        return None, SimpleNamespace(**vars(p), uncertain=False)
+        return None, SimpleNamespace(
+            **vars(p), uncertain=False, capacity=2, replayed=SimpleNamespace(free_peak_reserved=1),
+            target=SimpleNamespace(name=None, named_by="none"),
+        )  # fmt: skip
 
     class Along:
         def on_device(self, value: int, memory: int, from_flag: bool = False) -> Any:

@@ -39,6 +39,9 @@ class Device:
             best_try=None,
             cached=False,
             uncertain=False,
+            capacity=TOTAL,
+            replayed=SimpleNamespace(free_peak_reserved=peak),
+            target=SimpleNamespace(name=None, named_by="none"),
         )
 
     def settle(self) -> bool:

@@ -44,7 +44,7 @@ def test_the_lines_name_each_configuration_checked_and_the_answer_on_the_device(
             _checked(under, True, 20, 23.5),
         ],
     )
-    first, second, answer = result.lines()
+    first, second, answer, instead = result.lines()
     assert first == (
         "on the device: microbatch=8, gradient_checkpointing=on does NOT fit (fragmentation decides), device peak "
         "25.00 GiB of 23.50 GiB (its CUDA total; 24.00 GiB declared), 1.50 GiB over; with "
@@ -57,6 +57,10 @@ def test_the_lines_name_each_configuration_checked_and_the_answer_on_the_device(
     assert answer == (
         "largest configuration that fits on the device: microbatch=4, gradient_checkpointing=off "
         "(device peak 20.00 GiB)"
+    )
+    assert instead == (
+        "  with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: microbatch=8, gradient_checkpointing=on fits instead "
+        "(above)"
     )
     block = result.to_extension()
     assert block["largest"] == under
@@ -87,6 +91,8 @@ def test_an_uncertain_answer_and_none_that_fits_are_said() -> None:
 def test_the_check_follows_the_tables_order_and_stops_at_the_first_that_fits(monkeypatch: Any) -> None:
     """Best first as the table names its answer (most tokens, then checkpointing off, then the lower peak), never a
     configuration whose allocated tensors do not fit, at most TRIES, with ``from_flag`` handed to the verdict."""
+    from types import SimpleNamespace
+
     from ledgerspec.derivations.devices import prediction, sweep_check
     from ledgerspec.derivations.estimate.sweep import describe
 
@@ -97,6 +103,8 @@ def test_the_check_follows_the_tables_order_and_stops_at_the_first_that_fits(mon
         def __init__(self, fits: bool) -> None:
             self.fits, self.device_peak, self.margin, self.decided_by = fits, 1, 0 if fits else -1, "allocated"
             self.best_try, self.cached, self.uncertain = None, False, False
+            self.capacity, self.replayed = 1, SimpleNamespace(free_peak_reserved=1)
+            self.target = SimpleNamespace(name=None, named_by="none")
 
     def fake(doc: Any, memory: int, from_flag: bool = False, **_: Any) -> tuple[None, Prediction]:
         read = {k: doc.get("workload", k).integer() for k in ("microbatch", "max_length")}
@@ -168,7 +176,8 @@ def test_a_modelled_peak_within_its_tolerance_of_what_the_allocator_can_get_is_r
         replayed.append(doc.get("workload", "microbatch").integer())
         return None, SimpleNamespace(
             fits=False, device_peak=3 * GiB, margin=-GiB, decided_by="allocated", best_try=None, cached=False,
-            uncertain=False,
+            uncertain=False, capacity=GiB, replayed=SimpleNamespace(free_peak_reserved=3 * GiB),
+            target=SimpleNamespace(name=None, named_by="none"),
         )  # fmt: skip
 
     monkeypatch.setattr(prediction, "estimate_on_device", verdict)
