@@ -24,9 +24,10 @@ TRIES = 5
 
 @dataclass(frozen=True)
 class Checked:
-    """One value's step on the device."""
+    """One value's step on the device (``--fit``: a microbatch or a length; ``--sweep``/``--what-if``: a
+    configuration, its point)."""
 
-    value: int
+    value: Any
     fits: bool
     device_peak: int
     margin: int  # the device's total minus the device-level peak (negative: over)
@@ -42,19 +43,19 @@ class Checked:
     at_limit: bool = False
 
 
-def checked_of(value: Any, p: Any, cls: Any = None) -> Any:
-    """A :class:`Checked` (or ``cls``, the same fields after ``value``) for ``value`` from its
-    :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction` ``p``."""
+def checked_of(value: Any, p: Any) -> Checked:
+    """The :class:`Checked` of ``value`` from its :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction`
+    ``p``."""
     best = p.best_try
     setting = best.conf if best is not None and not p.fits else None
     at_limit = bool(p.fits and p.replayed.free_peak_reserved > p.capacity)
-    return (cls or Checked)(
+    return Checked(
         value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached, p.uncertain,
         p.target.name, p.target.named_by, at_limit,
     )  # fmt: skip
 
 
-def checked_line(subject: str, c: Any, device_memory: int, said_declared: bool) -> tuple[str, bool]:
+def checked_line(subject: str, c: Checked, device_memory: int, said_declared: bool) -> tuple[str, bool]:
     """``on the device: SUBJECT fits|does NOT fit ...`` for one check ``c`` (its ``fits``, ``uncertain``,
     ``decided_by``, ``device_peak``, ``margin`` and ``setting``), and whether the CUDA total has been said beside the
     declared size by now (``said_declared``: said by an earlier line)."""
@@ -62,21 +63,17 @@ def checked_line(subject: str, c: Any, device_memory: int, said_declared: bool) 
     # by its nominal size: an RTX 4090 declared 24 GiB has 23.64 GiB), so that total is printed
     total = c.device_peak + c.margin
     of = format_size(total)
-    device = getattr(c, "device", None)
-    if not said_declared and (total != device_memory or getattr(c, "named_by", "") == "catalogue"):
+    device = c.device
+    if not said_declared and (total != device_memory or c.named_by == "catalogue"):
         card = f"{device}'s" if device else "its"
-        nearest = (
-            f", the catalogue's card nearest to {format_size(device_memory)}"
-            if getattr(c, "named_by", "") == "catalogue"
-            else ""
-        )
+        nearest = f", the catalogue's card nearest to {format_size(device_memory)}" if c.named_by == "catalogue" else ""
         of += f" ({card} CUDA total{nearest}; {format_size(device_memory)} declared)"
         said_declared = True
     verdict = (
         "fits, UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
         if c.uncertain
         else "fits only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries)"
-        if getattr(c, "at_limit", False)
+        if c.at_limit
         else "fits"
         if c.fits
         else "does NOT fit (fragmentation decides)"

@@ -21,32 +21,13 @@ from typing import Any
 
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.units import format_size
-from ledgerspec.derivations.devices.fit_check import TRIES, checked_line, checked_of
+from ledgerspec.derivations.devices.fit_check import TRIES, Checked, checked_line, checked_of
 
 #: a table's peak may come from the microbatch model rather than a trace (within 0.5 % of full traces in tests): a
 #: configuration is ruled out without a replay only when its peak exceeds what the allocator can get by more than that
 MODELLED = 0.005
 #: configurations named in the line of those ruled out without a replay
 SHOWN = 4
-
-
-@dataclass(frozen=True)
-class PointChecked:
-    """One configuration's step on the device."""
-
-    point: dict[str, Any]
-    fits: bool
-    device_peak: int
-    margin: int  # the device's total minus the device-level peak (negative: over)
-    decided_by: str  # none, allocated or fragmentation
-    setting: str | None = None  # when fragmentation decides: the allocator setting that makes it fit by the most
-    cached: bool = False
-    #: fits with the outside-allocator catalogue's typical figure, not with its high one
-    uncertain: bool = False
-    #: the device the replay decided on, how it was named, and whether it fits only once the cache was freed
-    device: str | None = None
-    named_by: str = ""
-    at_limit: bool = False
 
 
 @dataclass
@@ -56,7 +37,7 @@ class ConfigurationsOnDevice:
     device_memory: int
     allocated_best: dict[str, Any] | None  # the table's answer: the best configuration whose allocated peak fits
     best: dict[str, Any] | None = None  # the best checked configuration that fits on the device
-    checked: list[PointChecked] = field(default_factory=list)
+    checked: list[Checked] = field(default_factory=list)  # each value: a configuration (its point)
     left: int = 0  # configurations whose allocated peak fits, not checked (after TRIES without one that fits)
     #: configurations not replayed: their allocated peak exceeds what the allocator can get (the device's CUDA total
     #: minus what lies outside the allocator), so they cannot fit on the device
@@ -84,10 +65,10 @@ class ConfigurationsOnDevice:
             out.append(f"on the device: does NOT fit, not replayed ({why}): {named}{more}")
         said_declared = False
         for c in self.checked:
-            line, said_declared = checked_line(describe(c.point), c, self.device_memory, said_declared)
+            line, said_declared = checked_line(describe(c.value), c, self.device_memory, said_declared)
             out.append(line)
         if self.best is not None:
-            chosen = next(c for c in self.checked if c.point is self.best)
+            chosen = next(c for c in self.checked if c.value is self.best)
             uncertain = (
                 "; UNCERTAIN: not with the high end of the outside-allocator catalogue's range"
                 if chosen.uncertain
@@ -100,7 +81,7 @@ class ConfigurationsOnDevice:
             with_setting = next((c for c in self.checked if not c.fits and c.setting), None)
             if with_setting is not None:  # checked before the answer: more tokens, if a setting is changed
                 out.append(
-                    f"  with PYTORCH_CUDA_ALLOC_CONF={with_setting.setting}: {describe(with_setting.point)} fits "
+                    f"  with PYTORCH_CUDA_ALLOC_CONF={with_setting.setting}: {describe(with_setting.value)} fits "
                     "instead (above)"
                 )
         elif self.checked or self.beyond:
@@ -132,7 +113,7 @@ class ConfigurationsOnDevice:
                 "compared": "x-estimate.device_peak of each checked configuration (allocator model + outside the "
                 "allocator)",
                 "checked": [
-                    {"point": dict(c.point), "fits": c.fits, "device_peak": c.device_peak, "margin": c.margin}
+                    {"point": dict(c.value), "fits": c.fits, "device_peak": c.device_peak, "margin": c.margin}
                     | ({"fits_with": c.setting} if c.setting else {})
                     | ({"uncertain": True} if c.uncertain else {})
                     for c in self.checked
@@ -186,7 +167,7 @@ def check_configurations(
             continue
         replayed += 1
         _, p = estimate_on_device(variant, device_memory, from_flag, layers=layers, store=store, parallel=parallel)
-        result.checked.append(checked_of(point, p, PointChecked))
+        result.checked.append(checked_of(point, p))
         if p.fits:
             result.best = point
             break
@@ -194,4 +175,4 @@ def check_configurations(
     return result
 
 
-__all__ = ["ConfigurationsOnDevice", "PointChecked", "check_configurations"]
+__all__ = ["ConfigurationsOnDevice", "check_configurations"]

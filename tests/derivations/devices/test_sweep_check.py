@@ -25,9 +25,9 @@ GiB = 2**30
 
 
 def _checked(point: dict[str, Any], fits: bool, peak: float, total: float, **kw: Any) -> Any:
-    from ledgerspec.derivations.devices.sweep_check import PointChecked
+    from ledgerspec.derivations.devices.fit_check import Checked
 
-    return PointChecked(point, fits, int(peak * GiB), int((total - peak) * GiB), kw.pop("by", "none"), **kw)
+    return Checked(point, fits, int(peak * GiB), int((total - peak) * GiB), kw.pop("by", "none"), **kw)
 
 
 def test_the_lines_name_each_configuration_checked_and_the_answer_on_the_device() -> None:
