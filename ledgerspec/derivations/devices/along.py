@@ -365,7 +365,12 @@ class MicrobatchSteps:
         from ledgerspec.derivations.devices.prediction import cached_on_device, estimate_on_device, stream_on_device
 
         variant = self._variant(b)
-        kept = cached_on_device(variant, device_memory, from_flag, self.target, self.layers, self.offline, self.store)
+        # the optimizer state does not depend on the microbatch: any traced estimate's (the paged state's high end)
+        state = next((e.components.get("optimizer") for e in self.estimates.values()), None)
+        kept = cached_on_device(
+            variant, device_memory, from_flag, self.target, self.layers, self.offline, self.store,
+            optimizer_state=state,
+        )  # fmt: skip
         if kept is not None:
             return kept
         if b not in self.steps:
@@ -378,13 +383,13 @@ class MicrobatchSteps:
                 if self.regime(b) in self.checked:  # its line is checked: the verdict is kept at once
                     return stream_on_device(
                         variant, device_memory, lambda: step, from_flag, self.target, self.layers, self.offline,
-                        self.store, helper=self.helper,
+                        self.store, helper=self.helper, optimizer_state=state,
                     )  # fmt: skip
                 # replayed while the helper finishes the probe that checks the stream's line: handed out now, kept
                 # once that check passes (:meth:`settle`), else dropped and the question asked again
                 p = stream_on_device(
                     variant, device_memory, lambda: step, from_flag, self.target, self.layers, self.offline, None,
-                    helper=self.helper,
+                    helper=self.helper, optimizer_state=state,
                 )  # fmt: skip
                 self.unconfirmed[(b, device_memory)] = (variant, p, from_flag)
                 return p

@@ -184,11 +184,14 @@ def _is_nominal_of(name: str, total: int, catalogue: Any) -> bool:
     return device is not None and total in device.nominal()
 
 
-def outside_of(doc: Document, target: Target, world: int | None = None) -> outside.Figure:
+def outside_of(
+    doc: Document, target: Target, world: int | None = None, paged_state: int | None = None
+) -> outside.Figure:
     """The bytes this rank holds outside the caching allocator on ``target``: the ledger's
     ``outside_allocator.total`` when it holds one, else the outside catalogue's estimate for the declared stack on
     the named device (:func:`ledgerspec.derivations.devices.outside.estimate`; ``world``: the ranks it runs on, when
-    not the ledger's ``parallelism.gpu_count``, e.g. ``shard --nproc``); plus colocated vLLM's share of the card
+    not the ledger's ``parallelism.gpu_count``, e.g. ``shard --nproc``; ``paged_state``: a paged optimizer's state
+    bytes, when not the ledger's ``ledger.optimizer``); plus colocated vLLM's share of the card
     (:func:`vllm_share_of`), which the training step's allocator cannot get either."""
     v = doc.get("outside_allocator", "total")
     size = v.size()
@@ -202,8 +205,24 @@ def outside_of(doc: Document, target: Target, world: int | None = None) -> outsi
     stack = replace(outside.stack_of(doc), gpu_name=target.name)
     if world is not None:
         stack = replace(stack, world_size=world)
+    if paged_state is not None and stack.paged:
+        stack = replace(stack, paged_state=paged_state)
     est = outside.estimate(stack)
     return _with_vllm(doc, target, outside.Figure(est.typical, est.provenance, est.method(), est))
+
+
+def stated(doc: Document, target: Target, figure: outside.Figure, optimizer_state: int | None) -> outside.Figure:
+    """``figure`` with a paged optimizer's state taken from the estimate the verdict is computed with
+    (``optimizer_state``: its optimizer component, the bytes ``resolve`` writes to ``ledger.optimizer``): the
+    catalogue's high end counts that state as possibly resident on the device, and the ledger's figure is absent
+    in an intake and another configuration's in a sweep's variant. The typical figure, and so the capacity, is
+    unchanged (a paged state's typical residency is 0); a figure the ledger declares is kept as it is."""
+    if figure.estimate is None or optimizer_state is None:
+        return figure
+    stack = outside.stack_of(doc)
+    if not stack.paged or stack.paged_state == optimizer_state:
+        return figure
+    return outside_of(doc, target, paged_state=optimizer_state)
 
 
 def vllm_share_of(doc: Document, target: Target) -> int:
@@ -863,15 +882,16 @@ def estimate_on_device(
             est, step = step_fn()
         else:
             est, step = step_and_estimate(doc, target, layers, offline, store, parallel, progress)
+        now = stated(doc, named, figure, est.components.get("optimizer"))
         return est, replay_on_device(
             doc,
             step,
             device_memory,
-            figure.bytes,
+            now.bytes,
             conf,
             target,
             cuda_total=named.cuda_total,
-            outside_high=high_of(figure),
+            outside_high=high_of(now),
             helper=helper,
         )
 
@@ -883,6 +903,7 @@ def estimate_on_device(
 
     answer = cached(store, doc, question, lambda: (*compute(), False), lambda a: encode((a[0], a[1])), decode)
     est, replayed, from_cache = answer
+    figure = stated(doc, named, figure, est.components.get("optimizer"))
     return est, DevicePrediction(named, figure, replayed, cached=from_cache)
 
 
@@ -901,15 +922,18 @@ def stream_on_device(
     store: Any = None,
     catalogue: Any = None,
     helper: Any = None,
+    optimizer_state: int | None = None,
 ) -> DevicePrediction:
     """The :class:`DevicePrediction` of ``doc`` from a full-depth stream ``step_fn()`` gives without an estimate of
     its own (one synthesised from streams traced at other values: :mod:`ledgerspec.derivations.devices.along`),
     kept in the cache apart from :func:`estimate_on_device`'s answers (which hold a traced estimate too; without
     ``store`` it is not kept: :func:`keep_synthesised` keeps it later). Only a cache miss calls ``step_fn``;
-    ``helper``: see :func:`replay_on_device`."""
+    ``helper``: see :func:`replay_on_device`; ``optimizer_state``: the optimizer state of the estimates the stream
+    was written from (:func:`stated`)."""
     from ledgerspec.derivations.estimate.cache import cached
 
     named, figure, conf, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
+    figure = stated(doc, named, figure, optimizer_state)
 
     def compute() -> tuple[Replayed, bool]:
         step = step_fn()
@@ -969,13 +993,16 @@ def cached_on_device(
     offline: bool = True,
     store: Any = None,
     catalogue: Any = None,
+    optimizer_state: int | None = None,
 ) -> DevicePrediction | None:
-    """The verdict the cache holds for ``doc`` on this device, traced or synthesised (None: not there)."""
+    """The verdict the cache holds for ``doc`` on this device, traced or synthesised (None: not there);
+    ``optimizer_state``: as :func:`stream_on_device` takes it."""
     from ledgerspec.derivations.estimate.cache import key
 
     if store is None:
         return None
     named, figure, _, question = device_question(doc, device_memory, from_flag, target, layers, offline, catalogue)
+    figure = stated(doc, named, figure, optimizer_state)
     for q, synthesised in (({**question, "stream": SYNTHESISED}, True), (question, False)):
         name = key(doc, q)
         data = store.get(name) if name is not None else None

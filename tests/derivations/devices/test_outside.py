@@ -216,3 +216,53 @@ def test_the_docs_page_renders_the_catalogue() -> None:
 
 def test_the_catalogue_ships_beside_the_module() -> None:
     assert Path(O.CATALOGUE).name == "outside.yaml" and Path(O.CATALOGUE).is_file()
+
+
+def test_a_paged_state_the_ledger_lacks_is_taken_from_the_estimate() -> None:
+    """An intake has no ``ledger.optimizer``, a sweep's variant over ``optimizer=`` or ``rank=`` another
+    configuration's: the verdict's high end takes the paged state from the estimate it is computed with
+    (``stated``), as the resolved ledger holds it; the typical figure (0 resident) does not move; a declared figure
+    or an optimizer without paged state is kept as it is."""
+    from ledgerspec.derivations.devices.prediction import high_of, outside_of, stated, target_of
+
+    head = "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA A100-SXM4-80GB}\noptimizer: {name: paged_adamw_8bit}\n"
+    resolved = from_text(head + "ledger: {optimizer: {value: 3 GiB, source: CALCULATED, method: m}}\n")
+    intake = from_text(head)
+    target = target_of(intake, 80 * 2**30)
+    taken = stated(intake, target, outside_of(intake, target), 3 * 2**30)
+    want = outside_of(resolved, target)
+    high, without = high_of(want), high_of(outside_of(intake, target))
+    assert high is not None and without is not None
+    assert high_of(taken) == high > without
+    assert taken.bytes == want.bytes == outside_of(intake, target).bytes
+    variant = stated(resolved, target, want, 2**30)  # another configuration's state than the ledger's
+    assert high_of(variant) == high - 2 * 2**30
+    plain = from_text("ledgerspec: ledger/v1\noptimizer: {name: adamw_torch}\n")
+    assert stated(plain, target, outside_of(plain, target), 3 * 2**30) == outside_of(plain, target)
+    declared = from_text(head + "outside_allocator: {total: {value: 1 GiB, source: MEASURED, method: m}}\n")
+    assert stated(declared, target, outside_of(declared, target), 3 * 2**30).estimate is None
+
+
+@pytest.mark.slow  # the tiny model's step on the device, twice
+def test_an_intake_and_its_resolved_ledger_get_the_same_high_end(tmp_path: Path) -> None:
+    """The verdict on the device of a paged optimizer's step: with ``ledger.optimizer`` as ``resolve`` writes it
+    (the estimate's optimizer component) and without it, the replay is checked against the same high end."""
+    pytest.importorskip("torch")
+    import shutil
+
+    from ledgerspec.derivations.devices.prediction import estimate_on_device, high_of, outside_of
+    from tests.support.estimate_docs import DATA, ledger_text
+
+    shutil.copytree(DATA / "tiny-llama-gqa", tmp_path / "tiny-llama-gqa")
+    text = ledger_text(optimizer="paged_adamw_8bit")
+    intake = from_text(text, str(tmp_path / "t.ledger.yaml"))
+    est, p = estimate_on_device(intake, 2**30)
+    state = est.components["optimizer"]
+    assert state > 0
+    resolved = from_text(
+        text + f"ledger:\n  optimizer: {{value: {state}, source: CALCULATED, method: m}}\n",
+        str(tmp_path / "t.ledger.yaml"),
+    )
+    _, q = estimate_on_device(resolved, 2**30)
+    assert p.replayed.outside_high == q.replayed.outside_high == high_of(outside_of(resolved, q.target))
+    assert p.outside_text() == q.outside_text()
