@@ -168,3 +168,22 @@ def test_the_what_ifs_answer_on_the_device_is_in_the_report(tmp_path: Path, cli:
     assert code == 0 and "\x1b" not in out and "largest configuration that fits on the device" in out
     code, out, _ = cli("report", "--plain", ESTIMATED)
     assert "what if (estimate --what-if)" not in out  # not checked on the device: nothing said
+
+
+def test_the_fit_table_names_the_card_its_answer_on_the_device_was_decided_on(tmp_path: Path, cli: CliRunner) -> None:
+    """``--fit --device-memory 80GiB`` on a ledger whose target is another card: the report's fit row says which card
+    (and its CUDA total) the values were checked on, not only the memory asked."""
+    path = tmp_path / "f.ledger.yaml"
+    shutil.copytree(EXAMPLES / "configs", tmp_path / "configs")
+    fit = (
+        "x-fit:\n  microbatch:\n    largest: 21\n    peak: 1\n    above: 22\n    peak_above: 2\n"
+        "    device_memory: 85899345920\n    device:\n      largest: 20\n      card: NVIDIA A100-SXM4-80GB\n"
+        "      cuda_total: 85093187584\n      checked: {'20': {fits: true, device_peak: 85000000000, margin: 1}}\n"
+    )
+    path.write_text(ESTIMATED.read_text(encoding="utf-8") + fit, encoding="utf-8")
+    code, out, _ = cli("report", "--plain", path)
+    assert code == 0
+    assert (
+        "on the device (NVIDIA A100-SXM4-80GB, its CUDA total 79.25 GiB; allocator model + outside the allocator): "
+        "largest 20;"
+    ) in " ".join(out.split())

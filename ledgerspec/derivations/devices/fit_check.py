@@ -138,9 +138,12 @@ class DeviceFit:
 
     def to_extension(self) -> dict[str, Any]:
         """``x-fit.NAME.device``: the answer on the device and each value checked."""
+        first = self.checked[0] if self.checked else None
         return {
             "largest": self.largest,
             "compared": "x-estimate.device_peak of each checked value (allocator model + outside the allocator)",
+            **({"card": first.device} if first is not None and first.device else {}),
+            **({"cuda_total": first.device_peak + first.margin} if first is not None else {}),
             "checked": {
                 str(c.value): {"fits": c.fits, "device_peak": c.device_peak, "margin": c.margin}
                 | ({"fits_with": c.setting} if c.setting else {})

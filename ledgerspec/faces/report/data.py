@@ -412,6 +412,9 @@ def _fit_rows(doc: Document) -> list[FitRow]:
         device: dict[str, object] = block if isinstance(block, dict) else {}
         checked = "checked" in device
         on_device = _int(device.get("largest")) if checked else None
+        raw_card = device.get("card")
+        card = raw_card if isinstance(raw_card, str) else None
+        total = _int(device.get("cuda_total"))
         out.append(
             FitRow(
                 str(name),
@@ -420,7 +423,9 @@ def _fit_rows(doc: Document) -> list[FitRow]:
                 _int(item.get("above")),
                 _int(item.get("peak_above")),
                 _int(item.get("device_memory")),
-                stale or _on_device(checked, on_device) + str(item.get("note", "")),
+                stale
+                or _on_device(checked, on_device, card, total, _int(item.get("device_memory")))
+                + str(item.get("note", "")),
                 on_device,
                 checked,
             )
@@ -428,13 +433,20 @@ def _fit_rows(doc: Document) -> list[FitRow]:
     return out
 
 
-def _on_device(checked: bool, largest: int | None) -> str:
-    """The start of a fit row's note when `estimate --fit` checked its answer on the device (`x-fit.NAME.device`)."""
+def _on_device(
+    checked: bool, largest: int | None, card: str | None = None, total: int | None = None, memory: int | None = None
+) -> str:
+    """The start of a fit row's note when `estimate --fit` checked its answer on the device (`x-fit.NAME.device`):
+    the card it was decided on and its CUDA total when they are not the row's device memory alone."""
     if not checked:
         return ""
+    named = shown(card) if card else ""
+    if total is not None and total != memory:
+        named += f"{', its' if named else ''} CUDA total {format_size(total)}"
+    where = f"on the device ({named + '; ' if named else ''}allocator model + outside the allocator)"
     if largest is None:
-        return "on the device (allocator model + outside the allocator): none of the values checked fits; "
-    return f"on the device (allocator model + outside the allocator): largest {largest}; "
+        return f"{where}: none of the values checked fits; "
+    return f"{where}: largest {largest}; "
 
 
 def _what_if(doc: Document, capacity: int | None) -> WhatIfData | None:

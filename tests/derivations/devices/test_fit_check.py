@@ -141,6 +141,8 @@ def test_a_card_the_catalogue_chose_for_the_memory_is_named_and_a_fit_at_the_lim
         "catalogue's card nearest to 80.00 GiB; 80.00 GiB declared), margin 1.00 MiB"
     )
     assert answer == "largest microbatch that fits on the device: 20 (as the allocated tensors allow)"
+    block = DeviceFit("microbatch", 80 * 2**30, 20, 20, checked).to_extension()  # what report's fit row names
+    assert (block["card"], block["cuda_total"]) == ("NVIDIA A100-SXM4-80GB", cuda)
 
 
 def test_a_device_memory_asked_with_the_flag_names_the_device_as_the_plain_estimate_does(monkeypatch: Any) -> None:
