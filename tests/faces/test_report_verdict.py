@@ -166,6 +166,9 @@ def test_the_what_ifs_answer_on_the_device_is_in_the_report(tmp_path: Path, cli:
     hostile = '{largest: {"m\\e[31m": 1}, checked: []}'
     code, out, _ = cli("report", "--plain", _with_what_if(tmp_path, hostile))
     assert code == 0 and "\x1b" not in out and "largest configuration that fits on the device" in out
+    for malformed in ("{largest: 5, checked: 5}", "{largest: {microbatch: 2}, checked: true}", "[1, 2]"):
+        code, out, err = cli("report", "--plain", _with_what_if(tmp_path, malformed))
+        assert code == 0 and "Traceback" not in err, malformed  # a hand-edited block is read as far as it goes
     code, out, _ = cli("report", "--plain", ESTIMATED)
     assert "what if (estimate --what-if)" not in out  # not checked on the device: nothing said
 

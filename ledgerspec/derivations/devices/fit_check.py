@@ -69,17 +69,18 @@ def checked_line(subject: str, c: Checked, device_memory: int, said_declared: bo
         nearest = f", the catalogue's card nearest to {format_size(device_memory)}" if c.named_by == "catalogue" else ""
         of += f" ({card} CUDA total{nearest}; {format_size(device_memory)} declared)"
         said_declared = True
-    verdict = (
-        "fits, UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
-        if c.uncertain
-        else "fits only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries)"
-        if c.at_limit
-        else "fits"
-        if c.fits
-        else "does NOT fit (fragmentation decides)"
-        if c.decided_by == "fragmentation"
-        else "does NOT fit (its tensors alone exceed what the allocator can get beside what lies outside it)"
-    )
+    if c.fits:
+        verdict = "fits"
+        if c.at_limit:
+            verdict += (
+                " only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries)"
+            )
+        if c.uncertain:
+            verdict += ", UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
+    elif c.decided_by == "fragmentation":
+        verdict = "does NOT fit (fragmentation decides)"
+    else:
+        verdict = "does NOT fit (its tensors alone exceed what the allocator can get beside what lies outside it)"
     over = f"margin {format_size(c.margin)}" if c.margin >= 0 else f"{format_size(-c.margin)} over"
     line = f"on the device: {subject} {verdict}, device peak {format_size(c.device_peak)} of {of}, {over}" + (
         f"; with PYTORCH_CUDA_ALLOC_CONF={c.setting} it fits" if c.setting else ""

@@ -494,7 +494,8 @@ def what_if_device(doc: Document) -> str | None:
         return None
     memory = _int(raw.get("device_memory"))
     of = f" of {format_size(memory)}" if memory else ""
-    checked = [c for c in device.get("checked") or [] if isinstance(c, dict)]
+    items = device.get("checked")
+    checked = [c for c in items if isinstance(c, dict)] if isinstance(items, list) else []
     largest = device.get("largest")
     edited = _edited_since(doc, "x-what-if")
     tail = f"; {edited}" if edited else ""

@@ -141,6 +141,10 @@ def test_a_card_the_catalogue_chose_for_the_memory_is_named_and_a_fit_at_the_lim
         "catalogue's card nearest to 80.00 GiB; 80.00 GiB declared), margin 1.00 MiB"
     )
     assert answer == "largest microbatch that fits on the device: 20 (as the allocated tensors allow)"
+    both = Checked(20, True, cuda - 2**20, 2**20, "none", uncertain=True, at_limit=True)
+    (line, _) = DeviceFit("microbatch", cuda, 20, 20, [both]).lines()
+    assert "fits only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries), " \
+        "UNCERTAIN" in line  # fmt: skip
     block = DeviceFit("microbatch", 80 * 2**30, 20, 20, checked).to_extension()  # what report's fit row names
     assert (block["card"], block["cuda_total"]) == ("NVIDIA A100-SXM4-80GB", cuda)
 
