@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table, shard_estimate  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table, publish, shard_estimate  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-multi-gpu"
 RESULTS = ROOT / "benchmarks" / "results" / "device-fsdp.md"
@@ -311,11 +311,7 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
 - **The run that ran out of memory {bs4_text} The margin either way is inside the error the trained rows show
   (their median above), so this row is not evidence for the model either way yet.
 """
-    if only:
-        print(body)
-        return
-    RESULTS.write_text(body.rstrip() + "\n", encoding="utf-8")
-    print(body)
+    publish(body, RESULTS, partial=bool(only))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.device_vs_published_fsdp import HEADER, Row, Run, estimate_run  # noqa: E402
-from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table, publish  # noqa: E402
 from benchmarks.estimate_vs_published_gptq import LEDGERS  # noqa: E402
 from benchmarks.estimate_vs_published_gptq import RUNS as PUBLISHED  # noqa: E402
 
@@ -146,11 +146,7 @@ predicted for {len(outcome)} of {len(rows)} runs.{wrong_text}
   {oom2.outside_high / GiB:.2f} GiB). With the {span(two)} per GPU by which the trained 2-GPU GPTQ rows' reserve
   exceeds the prediction's, it would not fit, but that gap is not modelled, so `does not fit` is not claimed.
 """
-    if only:
-        print(body)
-        return
-    RESULTS.write_text(body.rstrip() + "\n", encoding="utf-8")
-    print(body)
+    publish(body, RESULTS, partial=bool(only))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,14 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(cells) + " |" for cells in rows]
 
 
+def publish(body: str, results: Path, partial: bool) -> None:
+    """Print ``body``; write it to ``results`` too unless it covers only some rows (``partial``: rows named on the
+    command line, a look at them, not the committed table)."""
+    if not partial:
+        results.write_text(body.rstrip() + "\n", encoding="utf-8")
+    print(body)
+
+
 def write_section(name: str, body: str) -> None:
     """Replace (or append) the section ``name`` of benchmarks/results/estimate.md."""
     text = RESULTS.read_text() if RESULTS.exists() else HEADER

@@ -20,6 +20,8 @@ from ledgerspec.contract.units import format_size
 
 #: values a check replays at most (each: one estimate with a third probe, and the allocator replays)
 TRIES = 5
+#: why a check that fits is UNCERTAIN (:attr:`Checked.uncertain`)
+UNCERTAIN_WHY = "not with the high end of the outside-allocator catalogue's range"
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def checked_line(subject: str, c: Checked, device_memory: int, said_declared: bo
                 " only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries)"
             )
         if c.uncertain:
-            verdict += ", UNCERTAIN (not with the high end of the outside-allocator catalogue's range)"
+            verdict += f", UNCERTAIN ({UNCERTAIN_WHY})"
     elif c.decided_by == "fragmentation":
         verdict = "does NOT fit (fragmentation decides)"
     else:
@@ -249,4 +251,4 @@ def _between(lo: int, hi: int, peak_lo: int, peak_hi: int, total: int | None, st
     return lo + min(max(k, 1), (hi - lo - 1) // step) * step  # strictly below hi, whatever hi - lo is
 
 
-__all__ = ["TRIES", "Checked", "DeviceFit", "check_on_device", "checked_line", "checked_of"]
+__all__ = ["TRIES", "UNCERTAIN_WHY", "Checked", "DeviceFit", "check_on_device", "checked_line", "checked_of"]

@@ -500,7 +500,9 @@ def what_if_device(doc: Document) -> str | None:
     edited = _edited_since(doc, "x-what-if")
     tail = f"; {edited}" if edited else ""
     if isinstance(largest, dict) and largest:
-        point = ", ".join(f"{k}={('on' if v else 'off') if isinstance(v, bool) else v}" for k, v in largest.items())
+        from ledgerspec.derivations.estimate.sweep import describe  # as the sweep and the what-if name it
+
+        point = describe(largest)
         peak = next((_int(c.get("device_peak")) for c in checked if c.get("point") == largest), None)
         said = f" (device peak {format_size(peak)})" if peak is not None else ""
         return shown(f"largest configuration that fits on the device{of}: {point}{said}{tail}")
