@@ -4,12 +4,12 @@ a re-run of a row gives the committed cells (a change of the allocator model or 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
 
 from tests.support import REPO_ROOT, load_script
+from tests.support.results import ledger_rows
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "device.md"
 SCRIPT = REPO_ROOT / "benchmarks" / "device_vs_published.py"
@@ -24,12 +24,8 @@ def bench() -> Any:
 
 
 def _rows() -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for line in RESULTS.read_text(encoding="utf-8").splitlines():
-        if line.startswith("| ") and ".ledger.yaml`" in line:
-            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            out[re.sub(r"`(.*)\.ledger\.yaml`", r"\1", cells[1])] = cells
-    return out
+    """The rows naming a ledger, by ledger name."""
+    return ledger_rows(RESULTS)
 
 
 def test_every_run_has_its_ledger_and_row(bench: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.support import REPO_ROOT, load_script
+from tests.support.results import ledger_rows
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "device-fsdp.md"
 ALLOCATED = REPO_ROOT / "benchmarks" / "results" / "published-multi-gpu.md"
@@ -27,12 +28,8 @@ def bench() -> Any:
 
 
 def _rows(path: Any = RESULTS) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("| ") and ".ledger.yaml`" in line:
-            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            out.setdefault(re.sub(r"`(.*)\.ledger\.yaml`", r"\1", cells[1]), cells)
-    return out
+    """The rows naming a ledger, by ledger name."""
+    return ledger_rows(path)
 
 
 def test_every_run_has_its_ledger_and_row(bench: Any) -> None:

@@ -4,13 +4,13 @@ cells."""
 
 from __future__ import annotations
 
-import re
 import statistics
 from typing import Any
 
 import pytest
 
 from tests.support import REPO_ROOT, load_script
+from tests.support.results import ledger_rows
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "published-gptq.md"
 SCRIPT = REPO_ROOT / "benchmarks" / "estimate_vs_published_gptq.py"
@@ -42,13 +42,8 @@ def bench() -> Any:
 
 
 def _rows() -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for line in RESULTS.read_text(encoding="utf-8").splitlines():
-        if line.startswith("| ") and ".ledger.yaml`" in line:
-            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            key = re.sub(r"`(.*)\.ledger\.yaml`", r"\1", cells[1])
-            out.setdefault(key, cells)
-    return out
+    """The rows naming a ledger, by ledger name."""
+    return ledger_rows(RESULTS)
 
 
 def _phases() -> dict[str, list[str]]:

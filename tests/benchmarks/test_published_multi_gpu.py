@@ -3,12 +3,12 @@ its published cells are the source's figures, its arithmetic holds, and a re-run
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
 
 from tests.support import REPO_ROOT, load_script
+from tests.support.results import ledger_rows
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "published-multi-gpu.md"
 SCRIPT = REPO_ROOT / "benchmarks" / "estimate_vs_published_fsdp.py"
@@ -22,14 +22,8 @@ def bench() -> Any:
 
 
 def _rows() -> dict[str, list[str]]:
-    """The main table's rows by ledger name (the first table of the file)."""
-    out: dict[str, list[str]] = {}
-    for line in RESULTS.read_text(encoding="utf-8").splitlines():
-        if line.startswith("| ") and ".ledger.yaml`" in line:
-            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            key = re.sub(r"`(.*)\.ledger\.yaml`", r"\1", cells[1])
-            out.setdefault(key, cells)
-    return out
+    """The rows naming a ledger, by ledger name."""
+    return ledger_rows(RESULTS)
 
 
 def _pct(cell: str) -> float:

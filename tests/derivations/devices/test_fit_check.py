@@ -157,16 +157,13 @@ def test_a_device_memory_asked_with_the_flag_names_the_device_as_the_plain_estim
 
     from ledgerspec.derivations.devices import fit_check, prediction
     from tests.support.estimate_docs import ledger_text
+    from tests.support.predictions import fake_prediction
 
     asked: list[bool] = []
 
     def verdict(*args: Any, **kwargs: Any) -> Any:
         asked.append(bool(args[2] if len(args) > 2 else kwargs.get("from_flag", False)))
-        p = SimpleNamespace(fits=True, device_peak=1, margin=1, decided_by="none", best_try=None, cached=False)
-        return None, SimpleNamespace(
-            **vars(p), uncertain=False, capacity=2, replayed=SimpleNamespace(free_peak_reserved=1),
-            target=SimpleNamespace(name=None, named_by="none"),
-        )  # fmt: skip
+        return None, fake_prediction(True, 1, 1, capacity=2)
 
     class Along:
         def on_device(self, value: int, memory: int, from_flag: bool = False) -> Any:

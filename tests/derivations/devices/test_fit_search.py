@@ -8,13 +8,13 @@ microbatch): what is checked here is the search, not a replay (test_fit_check.py
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from ledgerspec.derivations.devices.fit_check import TRIES, check_on_device
 from ledgerspec.derivations.estimate.search import FitAnswer
+from tests.support.predictions import fake_prediction
 
 GiB = 2**30
 TOTAL = 24 * GiB
@@ -30,19 +30,7 @@ class Device:
     def on_device(self, b: int, memory: int, from_flag: bool = False) -> Any:
         self.asked.append(b)
         peak = self.peak(b)
-        fits = peak <= TOTAL
-        return SimpleNamespace(
-            fits=fits,
-            device_peak=peak,
-            margin=TOTAL - peak,
-            decided_by="none" if fits else "allocated",
-            best_try=None,
-            cached=False,
-            uncertain=False,
-            capacity=TOTAL,
-            replayed=SimpleNamespace(free_peak_reserved=peak),
-            target=SimpleNamespace(name=None, named_by="none"),
-        )
+        return fake_prediction(peak <= TOTAL, peak, TOTAL - peak, capacity=TOTAL)
 
     def settle(self) -> bool:
         """Its verdicts are final (no line's check to wait for)."""

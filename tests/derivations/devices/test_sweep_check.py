@@ -91,26 +91,18 @@ def test_an_uncertain_answer_and_none_that_fits_are_said() -> None:
 def test_the_check_follows_the_tables_order_and_stops_at_the_first_that_fits(monkeypatch: Any) -> None:
     """Best first as the table names its answer (most tokens, then checkpointing off, then the lower peak), never a
     configuration whose allocated tensors do not fit, at most TRIES, with ``from_flag`` handed to the verdict."""
-    from types import SimpleNamespace
-
     from ledgerspec.derivations.devices import prediction, sweep_check
     from ledgerspec.derivations.estimate.sweep import describe
+    from tests.support.predictions import fake_prediction
 
     asked: list[tuple[str, bool]] = []
     fitting = {"microbatch=2, max_length=64"}
 
-    class Prediction:
-        def __init__(self, fits: bool) -> None:
-            self.fits, self.device_peak, self.margin, self.decided_by = fits, 1, 0 if fits else -1, "allocated"
-            self.best_try, self.cached, self.uncertain = None, False, False
-            self.capacity, self.replayed = 1, SimpleNamespace(free_peak_reserved=1)
-            self.target = SimpleNamespace(name=None, named_by="none")
-
-    def fake(doc: Any, memory: int, from_flag: bool = False, **_: Any) -> tuple[None, Prediction]:
+    def fake(doc: Any, memory: int, from_flag: bool = False, **_: Any) -> tuple[None, Any]:
         read = {k: doc.get("workload", k).integer() for k in ("microbatch", "max_length")}
         point = f"microbatch={read['microbatch']}, max_length={read['max_length']}"
         asked.append((point, from_flag))
-        return None, Prediction(point in fitting)
+        return None, fake_prediction(point in fitting)
 
     monkeypatch.setattr(prediction, "estimate_on_device", fake)
     from tests.support.estimate_docs import ledger_text
@@ -164,21 +156,16 @@ def test_a_configuration_whose_tensors_exceed_what_the_allocator_can_get_is_not_
 def test_a_modelled_peak_within_its_tolerance_of_what_the_allocator_can_get_is_replayed(monkeypatch: Any) -> None:
     """A table's peak may come from the microbatch model (within 0.5 % of full traces): one above what the allocator
     can get by less than that is replayed, not ruled out."""
-    from types import SimpleNamespace
-
     from ledgerspec.derivations.devices import prediction, sweep_check
     from ledgerspec.derivations.devices.outside import estimate, stack_of
     from tests.support.estimate_docs import ledger_text
+    from tests.support.predictions import fake_prediction
 
     replayed: list[int] = []
 
     def verdict(doc: Any, *_: Any, **__: Any) -> Any:
         replayed.append(doc.get("workload", "microbatch").integer())
-        return None, SimpleNamespace(
-            fits=False, device_peak=3 * GiB, margin=-GiB, decided_by="allocated", best_try=None, cached=False,
-            uncertain=False, capacity=GiB, replayed=SimpleNamespace(free_peak_reserved=3 * GiB),
-            target=SimpleNamespace(name=None, named_by="none"),
-        )  # fmt: skip
+        return None, fake_prediction(False, 3 * GiB, -GiB, capacity=GiB)
 
     monkeypatch.setattr(prediction, "estimate_on_device", verdict)
     doc = from_text(ledger_text(), "t.ledger.yaml")
