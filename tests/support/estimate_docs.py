@@ -111,3 +111,17 @@ def deeper_copy(arch: str, layers: int) -> Path:
     (folder / arch).mkdir()
     (folder / arch / "config.json").write_text(json.dumps(config), encoding="utf-8")
     return folder
+
+
+def between_3_and_4(folder: Path) -> tuple[str, Document, dict[int, int], int]:
+    """The device the on-device answer tests build on the tiny Llama (128 tokens): its config copied into
+    ``folder``; the ledger's text at microbatch 1 and its document there; the allocated peaks of microbatch 3 and 4
+    (plain estimates); and a device memory between them, where microbatch 3's tensors fit and 4's do not."""
+    from ledgerspec.derivations.estimate.estimator import estimate
+    from ledgerspec.derivations.estimate.sweep import apply
+
+    shutil.copytree(DATA / "tiny-llama-gqa", folder / "tiny-llama-gqa")
+    base = ledger_text(microbatch=1, seq=128)
+    doc = from_text(base, str(folder / "t.ledger.yaml"))
+    allocated = {b: estimate(apply(doc, {"microbatch": b})).peak_allocated for b in (3, 4)}
+    return base, doc, allocated, (allocated[3] + allocated[4]) // 2

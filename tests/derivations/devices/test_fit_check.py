@@ -25,15 +25,10 @@ pytest.importorskip("torch")
 @pytest.mark.slow  # traces the tiny model a dozen times
 def test_the_device_answer_steps_down_from_the_allocated_one(tmp_path: Path, cli: CliRunner) -> None:
     from ledgerspec.derivations.devices.prediction import estimate_on_device
-    from ledgerspec.derivations.estimate.estimator import estimate
     from ledgerspec.derivations.estimate.sweep import apply
-    from tests.support.estimate_docs import DATA, ledger_text
+    from tests.support.estimate_docs import between_3_and_4
 
-    shutil.copytree(DATA / "tiny-llama-gqa", tmp_path / "tiny-llama-gqa")
-    base = ledger_text(microbatch=1, seq=128)
-    doc = from_text(base, str(tmp_path / "t.ledger.yaml"))
-    allocated = {b: estimate(apply(doc, {"microbatch": b})).peak_allocated for b in (3, 4)}
-    memory = (allocated[3] + allocated[4]) // 2
+    base, doc, _, memory = between_3_and_4(tmp_path)
     reserved2 = estimate_on_device(apply(doc, {"microbatch": 2}), memory)[1].replayed.free_peak_reserved
     outside = memory - reserved2  # the allocator can get exactly what microbatch 2 reserves
     path = tmp_path / "t.ledger.yaml"

@@ -11,7 +11,6 @@ configuration's verdict is the plain ``estimate --device-memory`` of that config
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -179,15 +178,10 @@ def test_a_modelled_peak_within_its_tolerance_of_what_the_allocator_can_get_is_r
 def test_the_sweeps_answer_steps_down_to_what_fits_on_the_device(tmp_path: Path, cli: CliRunner) -> None:
     pytest.importorskip("torch")
     from ledgerspec.derivations.devices.prediction import estimate_on_device
-    from ledgerspec.derivations.estimate.estimator import estimate
     from ledgerspec.derivations.estimate.sweep import apply
-    from tests.support.estimate_docs import DATA, ledger_text
+    from tests.support.estimate_docs import between_3_and_4
 
-    shutil.copytree(DATA / "tiny-llama-gqa", tmp_path / "tiny-llama-gqa")
-    base = ledger_text(microbatch=1, seq=128)
-    doc = from_text(base, str(tmp_path / "t.ledger.yaml"))
-    allocated = {b: estimate(apply(doc, {"microbatch": b})).peak_allocated for b in (3, 4)}
-    memory = (allocated[3] + allocated[4]) // 2
+    base, doc, allocated, memory = between_3_and_4(tmp_path)
     reserved3 = estimate_on_device(apply(doc, {"microbatch": 3}), memory)[1].replayed.free_peak_reserved
     # the allocator can get more than microbatch 3's tensors, less than it reserves: replayed, and it runs out
     outside = memory - (allocated[3] + reserved3) // 2
