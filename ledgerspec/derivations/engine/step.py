@@ -96,7 +96,9 @@ class TrainingStep:
 
 
 class CustomLoop(TrainingStep):
-    """A loop that keeps the outputs (the logits) through backward."""
+    """A loop that keeps the outputs (the logits) through backward and reads its loss on the host after each
+    backward (``loss.item()``, as Answer.AI's ``fsdp_qlora`` train.py does: under FSDP the host waits for the device
+    there, :func:`ledgerspec.derivations.shard.simulation.device_waits`)."""
 
     name = "custom"
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -835,7 +836,11 @@ class Workload:
         self.optimizer: Any = None
         #: fake copies of a bitsandbytes optimizer's quantization maps, kept converted (_converted_quantization_maps)
         self._converted_qmaps: list[Any] = []
-        self._memo: dict[int, Any] = {}
+        #: id of a meta parameter or buffer -> what it was made as (tied weights stay tied). Weak values: a made
+        #: tensor that nothing else holds any more is no tie to keep, and the memo must not keep it alive (FSDP1 with
+        #: ``use_orig_params=False`` drops each unit's original parameters once it has flattened them: held here, a
+        #: load unit by unit would keep the whole unsharded model on the device until the wrapping ends)
+        self._memo: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         #: frozen parameters made in the adapter phase (DPO's reference copy of the adapter)
         self._late: set[int] = set()
         self.device: Any = None

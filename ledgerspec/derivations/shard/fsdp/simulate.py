@@ -121,7 +121,7 @@ def simulate_rank(
             backend = _event_backend_class()(granularity(target))
             numbers = stream_numbers()
             backend.tracker.stream_of = numbers
-            extra.enter_context(device_waits(backend, numbers, spec.loop == "trainer"))
+            extra.enter_context(device_waits(backend, numbers))
             from ledgerspec.derivations.shard.fsdp import sync
             from ledgerspec.derivations.shard.options import fsdp1_options
 
