@@ -736,6 +736,15 @@ PARALLELISM = F(
             "`accelerate launch` and transformers' `TrainingArguments` pass true unless told otherwise).",
         ),
         F(
+            "activation_checkpointing",
+            SWITCH,
+            "FSDP: the checkpoint is applied to each decoder layer inside its FSDP unit by torch's "
+            "`apply_activation_checkpointing` (accelerate's `fsdp_activation_checkpointing`, Answer.AI's "
+            "`fsdp_qlora` train.py, llama-recipes), whatever transformers version is declared; "
+            "`memory_options.checkpointing_kind` says reentrant or not. Absent: false (transformers' own gradient "
+            "checkpointing: around the FSDP1 unit before transformers 4.52, inside it since).",
+        ),
+        F(
             "use_orig_params",
             SWITCH,
             "FSDP1: keep the original parameters as views into the flat parameter (true) or expose only the flat "

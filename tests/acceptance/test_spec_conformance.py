@@ -634,6 +634,7 @@ ADDED: dict[str, list[str]] = {
         "deepspeed",
         "nccl",  # issue 23: the NCCL settings that size its buffers on every rank
         "sync_module_states",  # issue 23: FSDP1's broadcast of each unit at the load (the device-level stream)
+        "activation_checkpointing",  # issue 23: the checkpoint FSDP applies inside each unit (Answer.AI's runs)
     ],
     "parallelism.deepspeed": [  # DeepSpeed ZeRO options that set per-rank memory (issue 16)
         "stage3_prefetch_bucket_size",

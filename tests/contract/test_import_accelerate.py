@@ -75,6 +75,8 @@ def test_fsdp_settings_as_accelerate_reads_them(name: str, monkeypatch: pytest.M
         assert opts.forward_prefetch is plugin.forward_prefetch
         assert opts.limit_all_gathers is plugin.limit_all_gathers
         assert opts.sync_module_states is plugin.sync_module_states
+        # accelerate applies the checkpoint inside each unit (Accelerator.prepare_model, after the wrapping)
+        assert opts.activation_checkpointing is plugin.activation_checkpointing
     else:
         assert value("reshard_after_forward") is plugin.reshard_after_forward
     policy = plugin.mixed_precision_policy
@@ -136,6 +138,13 @@ def test_training_arguments_fsdp1(tmp_path: Path) -> None:
     assert plain(doc, "parallelism", "mixed_precision_policy", "param_dtype") == "bfloat16"
     assert result.findings == [] or keys_of(result, "not-modelled") == []
     # set off, it is off; cpu_ram_efficient_loading forces it on (accelerate utils/dataclasses.py 1858-1863)
+    # fsdp_config.activation_checkpointing: accelerate's checkpoint inside each unit (read with the checkpointing)
+    assert plain(doc, "parallelism", "activation_checkpointing") == "absent"
+    src.write_text(src.read_text().replace('"version": 1,', '"version": 1, "activation_checkpointing": true,'))
+    doc, _ = imported(src)
+    assert plain(doc, "parallelism", "activation_checkpointing") is True
+    assert plain(doc, "memory_options", "gradient_checkpointing") is True
+    src.write_text(src.read_text().replace('"activation_checkpointing": true, ', ""))
     for extra, expected in (("false", False), ('false, "cpu_ram_efficient_loading": true', True)):
         src.write_text(src.read_text().replace('"version": 1,', f'"version": 1, "sync_module_states": {extra},'))
         doc, _ = imported(src)

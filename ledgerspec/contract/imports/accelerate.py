@@ -131,7 +131,9 @@ def _fsdp(src: Source, b: Builder, o: str, where: tuple[Any, Any], per_node: int
                 )
         _sync_module_states(src, b, o, cfg)
     if C._bool(cfg.get("activation_checkpointing", False)):
-        b.set(("memory_options", "gradient_checkpointing"), True, o + "fsdp_activation_checkpointing", src.path)
+        # accelerate applies the checkpoint inside each unit (apply_activation_checkpointing after the wrapping)
+        for path in (("memory_options", "gradient_checkpointing"), ("parallelism", "activation_checkpointing")):
+            b.set(path, True, o + "fsdp_activation_checkpointing", src.path)
     read = {
         "version",
         "offload_params",

@@ -477,10 +477,9 @@ def _parallel(src: Source, b: Builder, o: str) -> None:
                     b.set(path, on, o + f"fsdp_config.{key}", src.path)
                 else:
                     b.assume(path, True, o + "fsdp_config", f"{TA} FSDP1 default sync_module_states: true", src.path)
-        if cfg.get("activation_checkpointing"):
-            b.set(
-                ("memory_options", "gradient_checkpointing"), True, o + "fsdp_config.activation_checkpointing", src.path
-            )
+        if cfg.get("activation_checkpointing"):  # accelerate's: the checkpoint inside each unit
+            for path in (("memory_options", "gradient_checkpointing"), ("parallelism", "activation_checkpointing")):
+                b.set(path, True, o + "fsdp_config.activation_checkpointing", src.path)
         read = _FSDP_READ if version == 2 else _FSDP_READ | _FSDP1_READ
         rest = {k: v for k, v in cfg.items() if k not in read}
         if rest:

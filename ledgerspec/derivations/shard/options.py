@@ -222,6 +222,10 @@ class Fsdp1Options:
     #: ``utils/dataclasses.py``), although ``accelerate launch`` and transformers' ``TrainingArguments`` pass true
     #: unless told otherwise and ``cpu_ram_efficient_loading`` forces it on
     sync_module_states: bool = False
+    #: ``activation_checkpointing``: the checkpoint applied inside each unit by torch's
+    #: ``apply_activation_checkpointing`` (accelerate's ``fsdp_activation_checkpointing``), whatever transformers
+    #: version is declared: never around the unit (:mod:`.fsdp.legacy_checkpoint`)
+    activation_checkpointing: bool = False
 
     def describe(self) -> str:
         return (
@@ -261,6 +265,7 @@ def fsdp1_options(doc: Document) -> Fsdp1Options:
         switch("limit_all_gathers", True),
         switch("use_orig_params", True),
         switch("sync_module_states", False),
+        switch("activation_checkpointing", False),
     )
 
 

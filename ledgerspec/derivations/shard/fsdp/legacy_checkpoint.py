@@ -42,10 +42,15 @@ KEY = "transformers-checkpoint-outside-fsdp-unit"
 
 
 def models_outside_checkpoint(doc: Any) -> bool:
-    """The declared transformers checkpoints the FSDP1 unit from outside and the installed one does not."""
+    """The declared transformers checkpoints the FSDP1 unit from outside and the installed one does not, and the
+    checkpoint is transformers' own: one applied inside each unit by FSDP (``parallelism.activation_checkpointing``,
+    torch's ``apply_activation_checkpointing``) sits there whatever the transformers version."""
     from ledgerspec.contract.differences import OLDER
+    from ledgerspec.derivations.shard.options import fsdp1_options
     from ledgerspec.derivations.stack.versions import declared_side, installed_side
 
+    if fsdp1_options(doc).activation_checkpointing:
+        return False
     return declared_side(doc, KEY) == OLDER and installed_side(KEY) != OLDER
 
 
