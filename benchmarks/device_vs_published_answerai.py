@@ -1,0 +1,217 @@
+"""Peak reserved memory on two GPUs against Answer.AI's published FSDP QLoRA/LoRA runs (issue 23).
+
+    python benchmarks/device_vs_published_answerai.py [KEY ...]    # writes benchmarks/results/device-answerai.md
+
+Source: Answer.AI's ``fsdp_qlora`` benchmarks, "Case Study: A Dual 3090 'Basement Rig'" (``benchmarks_03_2024.md`` at
+e877dda): Llama-2-7B LoRA and QLoRA through the repository's own ``train.py`` (FSDP1 on 2 x RTX 3090), the peak
+memory of each run in GiB. That figure is ``torch.cuda.max_memory_reserved`` (the article says so beside the LoRA
+rows, whose peak *allocated* memory it gives too, and cites the script's ``reserved_after_model_wrap``), which
+``train.py`` logs from 50efa1e on, after ``reset_peak_memory_stats`` before the loop: the caching allocator's
+segments, nothing outside it (no CUDA context, no NCCL). Every setting of the runs is in the ledgers'
+(``benchmarks/published-answerai/``) comments. The estimate is rank 0's ``shard --estimate`` on the declared RTX
+3090: its peak allocated and the allocator model's peak reserved (the replay against the device). Nothing is fitted
+to the published figures.
+
+Not reproduced: the same case study's ``--sharding_strategy ddp`` rows (FSDP1 ``NO_SHARD``, not modelled), its CPU
+offload rows (Yi-34B, Llama-2-70B and the 7B rows with ``--use_cpu_offload True``: an offloaded rank's allocation
+stream is not recorded), and the later sections' tables, which give times (and, for the dual 4090, the same peak
+figures as the dual 3090's).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.estimate_common import machine, markdown_table, publish, shard_estimate  # noqa: E402
+
+LEDGERS = ROOT / "benchmarks" / "published-answerai"
+RESULTS = ROOT / "benchmarks" / "results" / "device-answerai.md"
+SOURCE = "https://github.com/AnswerDotAI/fsdp_qlora/blob/e877dda5026dfd964cccdb92a4532da587cbdae0/benchmarks_03_2024.md"
+SCRIPT = "https://github.com/AnswerDotAI/fsdp_qlora/blob/50efa1efa0ed1451b466686bc89c07007637ae48/train.py"
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published run: its ledger and the article's figures (GiB, two decimals as printed)."""
+
+    key: str
+    label: str
+    reserved: float  # "Peak Memory (GiB)": peak reserved
+    allocated: float | None = None  # the peak allocated memory the article gives beside the LoRA rows
+
+
+RUNS = [
+    Run("aai-llama-2-7b-qlora-2gpu-512-bs1", "QLoRA, 1 x 512 tokens per GPU", 4.98),
+    Run("aai-llama-2-7b-qlora-2gpu-2048-bs1", "QLoRA, 1 x 2048 tokens per GPU", 5.21),
+    Run("aai-llama-2-7b-lora-2gpu-512-bs1", "LoRA, 1 x 512 tokens per GPU", 10.24, 8.28),
+    Run("aai-llama-2-7b-lora-2gpu-2048-bs1", "LoRA, 1 x 2048 tokens per GPU", 10.22, 9.16),
+    Run("aai-llama-2-7b-qlora-2gpu-2048-bs4", "QLoRA, 4 x 2048 tokens per GPU", 11.22),
+    Run("aai-llama-2-7b-qlora-2gpu-2048-bs10", "QLoRA, 10 x 2048 tokens per GPU", 20.97),
+    Run("aai-llama-2-7b-lora-2gpu-2048-bs4", "LoRA, 4 x 2048 tokens per GPU", 16.14),
+    Run("aai-llama-2-7b-lora-2gpu-2048-bs6", "LoRA, 6 x 2048 tokens per GPU", 21.35),
+]
+#: ``reserved_after_model_wrap`` of the template run (QLoRA, 1 x 512): "about 3.72GiB"
+AFTER_WRAP = ("aai-llama-2-7b-qlora-2gpu-512-bs1", 3.72)
+
+
+@dataclass(frozen=True)
+class Row:
+    run: Run
+    allocated: int  # rank 0's simulated peak allocated
+    reserved: int  # rank 0's peak reserved: the allocator model's replay against the device
+    unlimited: int  # the same replay without a limit
+    after_load: int  # reserved when the wrapping ends
+    capacity: int  # what the allocator can get on the declared card (CUDA total less the typical outside)
+    high_capacity: int  # the same with the high end of the outside-allocator catalogue's range
+    at_high: int  # peak reserved of the replay against ``high_capacity`` (frees its cache and retries near the top)
+    verdict: str
+    seconds: float
+
+    def cells(self) -> list[str]:
+        r = self.run
+        return [
+            r.label,
+            f"`{r.key}.ledger.yaml`",
+            f"{r.allocated:.2f}" if r.allocated else "-",
+            f"{self.allocated / GiB:.2f}",
+            f"{(self.allocated / GiB - r.allocated) / r.allocated:+.1%}" if r.allocated else "-",
+            f"{r.reserved:.2f}",
+            f"{self.reserved / GiB:.2f}",
+            f"{(self.reserved / GiB - r.reserved) / r.reserved:+.1%}",
+            f"{(self.reserved - self.allocated) / GiB:.2f}",
+            self.verdict,
+        ]
+
+
+HEADER = [
+    "run (Llama-2-7B, FSDP1, 2 x RTX 3090)",
+    "ledger",
+    "published allocated GiB",
+    "estimated allocated GiB",
+    "difference",
+    "published peak reserved GiB",
+    "estimated peak reserved GiB",
+    "difference",
+    "estimated reserve above allocated GiB",
+    "verdict on the declared RTX 3090 (24 GiB)",
+]
+
+
+def estimate_run(run: Run) -> Row:
+    from ledgerspec.derivations.allocator import replay
+
+    started = time.perf_counter()
+    result = shard_estimate(LEDGERS / f"{run.key}.ledger.yaml")
+    est = result.estimate
+    assert est is not None and est.device is not None, run.key
+    d = est.device[0]
+    step = est.ranks[0].step
+    assert step is not None, run.key
+    high = d.replayed.cuda_total - d.replayed.outside_high
+    at_high = replay(step.events, capacity=high, statistics=False)
+    word = "fits" if d.fits else "does not fit"
+    if d.uncertain:
+        word = "uncertain"
+    return Row(
+        run,
+        est.ranks[0].peak,
+        d.peak_reserved,
+        d.replayed.free_peak_reserved,
+        d.phases["after_load"].reserved,
+        d.replayed.capacity,
+        high,
+        at_high.peak_reserved,
+        f"{word} (device peak {d.device_peak / GiB:.2f}, margin {d.margin / 2**20:,.0f} MiB)",
+        time.perf_counter() - started,
+    )
+
+
+def main() -> None:
+    only = sys.argv[1:]
+    rows = [estimate_run(run) for run in RUNS if not only or run.key in only]
+    diffs = [(r.reserved / GiB - r.run.reserved) / r.run.reserved for r in rows]
+    alloc = [(r.allocated / GiB - r.run.allocated) / r.run.allocated for r in rows if r.run.allocated]
+    by_key = {r.run.key: r for r in rows}
+    wrap = by_key.get(AFTER_WRAP[0])
+    worst = max(rows, key=lambda r: abs(r.reserved / GiB - r.run.reserved))
+    body = [
+        "# Peak reserved on two GPUs vs Answer.AI's published FSDP QLoRA/LoRA runs",
+        "",
+        f"Command: `python benchmarks/device_vs_published_answerai.py`. Machine (for the estimate): {machine()}; no "
+        f"GPU used ({sum(r.seconds for r in rows):.0f} s for all rows).",
+        "",
+        f"Source: Answer.AI's `fsdp_qlora` benchmarks, \"Case Study: A Dual 3090 'Basement Rig'\" ({SOURCE}): "
+        "Llama-2-7B LoRA and QLoRA (r=64 on k/q/v/up/down/gate, bf16 parameters, no autocast) through the "
+        f"repository's `train.py` ({SCRIPT}: FSDP1 FULL_SHARD, `use_orig_params=False`, the llama-recipes wrap "
+        "policy, reentrant checkpointing applied inside each unit, a hand-written loop) on 2 x RTX 3090. The "
+        "published figure is the peak reserved memory `train.py` logs (`torch.cuda.max_memory_reserved`, reset "
+        "before the loop; what the allocator holds, nothing outside it), GiB; beside the two LoRA rows at one "
+        "sequence the article gives the peak allocated memory too. Estimated: rank 0 (the ranks hold the same "
+        "bytes), the allocator model's replay of its full-depth stream against the declared card. Every setting is "
+        "in the ledgers' comments (`benchmarks/published-answerai/`).",
+        "",
+        *markdown_table(HEADER, [r.cells() for r in rows]),
+        "",
+        "Peak reserved against the published figure: "
+        + ", ".join(f"{x:+.1%}" for x in diffs)
+        + (f" (median {statistics.median(diffs):+.1%})." if diffs else "."),
+    ]
+    if alloc:
+        body.append("Peak allocated against the article's two figures: " + ", ".join(f"{x:+.1%}" for x in alloc) + ".")
+    if wrap is not None:
+        body += [
+            "",
+            f"After the wrapping (the template QLoRA run's `reserved_after_model_wrap`, \"about {AFTER_WRAP[1]:.2f}"
+            f'GiB"): estimated {wrap.after_load / GiB:.2f} GiB '
+            f"({(wrap.after_load / GiB - AFTER_WRAP[1]) / AFTER_WRAP[1]:+.1%}).",
+        ]
+    body += [
+        "",
+        "## What the figures say",
+        "",
+        "- **The reserve above the allocated peak is modelled on two GPUs.** These are the first published 2-GPU "
+        "figures of the allocator alone (fms-acceleration's are nvidia-smi's, which add the CUDA context and NCCL's "
+        "buffers: `device-fsdp.md`, `device-gptq.md`). Where the step stays clear of the card the replay's reserved "
+        "peak is within a few per cent of the published one, so the caching allocator's model with FSDP1's streams, "
+        "its `record_stream` frees and the host's waits is not where the 2-GPU rows of those files lose their "
+        "0.5-4 GiB per GPU: that part lies outside the allocator, or in their stack's own buffers.",
+        "- **Three things in the tool had to be right for these runs, and were not before this table existed.** "
+        "(1) With `use_orig_params=False` FSDP1 drops each unit's original parameters after flattening them; the "
+        "simulation's memo of tied weights kept them alive, so the load unit by unit held the whole unsharded model "
+        "until the wrapping ended (LoRA 1 x 512: reserved 22.48 GiB instead of 10.64); the memo holds its tensors "
+        "weakly now. (2) `train.py` checkpoints each decoder layer inside its unit (`apply_activation_checkpointing` "
+        "after the wrapping), where transformers before 4.52 checkpoints around the unit: `parallelism."
+        "activation_checkpointing` declares it (accelerate's `fsdp_activation_checkpointing` does the same, and its "
+        "importer now says so); checkpointed around the unit, the QLoRA row at 10 x 2048 tokens allocated 21.38 GiB, "
+        "inside it 17.81. (3) The loop reads its loss on the host after each backward (`loss.item()`), where the host "
+        "waits for the device and the pending frees of backward complete, as in the Trainer; without that wait the "
+        "LoRA rows reserved 0.5 GiB more (10.64 GiB at 1 x 512).",
+        f"- **The row at the card's limit.** {worst.run.label}: the replay reserves {worst.reserved / GiB:.2f} GiB "
+        f"({worst.unlimited / GiB:.2f} without a limit) and completes without freeing its cache against the "
+        f"{worst.capacity / GiB:.2f} GiB the allocator can get on a 24 GiB RTX 3090 beside the catalogue's typical "
+        "figure outside it, {(worst.reserved / GiB - worst.run.reserved):.2f} GiB above the published peak: one "
+        "float32 logits tensor (the loss's backward holds four such tensors, 2.44 GiB each, and a fifth request of "
+        "a slightly different size finds no cached block). A run that near the top reserves what its machine lets it: "
+        f"replayed against {worst.high_capacity / GiB:.2f} GiB (the high end of the catalogue's range outside the "
+        f"allocator), the allocator frees its cache and retries, and its peak reserved is {worst.at_high / GiB:.2f} "
+        f"GiB, against the published {worst.run.reserved:.2f}. What that machine had outside the allocator (its "
+        "CUDA context, a display) is not published.",
+        "- **The QLoRA rows after the wrapping are 0.15 GiB low** (3.57 estimated against about 3.72): `train.py` "
+        "quantizes every weight on each rank's GPU while it loads (so that every rank has the quantization state) "
+        "and moves the packed data to the host or the meta device; the segments that leaves in the cache are not "
+        "simulated (the load here makes each unit on the device as FSDP1 wraps it). The trained QLoRA rows are "
+        "low by about as much.",
+    ]
+    publish("\n".join(body), RESULTS, partial=bool(only))
+
+
+if __name__ == "__main__":
+    main()
