@@ -29,6 +29,7 @@ from ledgerspec.derivations.devices.prediction import (
     high_of,
     outside_of,
     replay_on_device,
+    stated,
     target_of,
 )
 
@@ -56,17 +57,19 @@ def ranks_on_device(doc: Document, est: Any, device_memory: int, world: int, fro
             raise ValueError(f"rank {r.rank} has no allocation stream (estimate_per_rank(..., streams=True))")
         got = by_step.get(id(r.step))
         if got is None:
+            # a paged optimizer's state for the catalogue's high end: this rank's, from its own estimate
+            mine = stated(doc, named, figure, r.components.get("optimizer"), world)
             replayed = replay_on_device(
                 doc,
                 r.step,
                 device_memory,
-                figure.bytes,
+                mine.bytes,
                 conf,
                 est.target,
                 cuda_total=named.cuda_total,
-                outside_high=high_of(figure),
+                outside_high=high_of(mine),
             )
-            got = by_step[id(r.step)] = DevicePrediction(named, figure, replayed)
+            got = by_step[id(r.step)] = DevicePrediction(named, mine, replayed)
         out.append(got)
     return out
 

@@ -211,18 +211,22 @@ def outside_of(
     return _with_vllm(doc, target, outside.Figure(est.typical, est.provenance, est.method(), est))
 
 
-def stated(doc: Document, target: Target, figure: outside.Figure, optimizer_state: int | None) -> outside.Figure:
+def stated(
+    doc: Document, target: Target, figure: outside.Figure, optimizer_state: int | None, world: int | None = None
+) -> outside.Figure:
     """``figure`` with a paged optimizer's state taken from the estimate the verdict is computed with
-    (``optimizer_state``: its optimizer component, the bytes ``resolve`` writes to ``ledger.optimizer``): the
-    catalogue's high end counts that state as possibly resident on the device, and the ledger's figure is absent
-    in an intake and another configuration's in a sweep's variant. The typical figure, and so the capacity, is
-    unchanged (a paged state's typical residency is 0); a figure the ledger declares is kept as it is."""
+    (``optimizer_state``: its optimizer component, the bytes ``resolve`` writes to ``ledger.optimizer``; a sharded
+    rank's own share under ``shard --estimate``): the catalogue's high end counts that state as possibly resident on
+    the device, and the ledger's figure is absent in an intake, another configuration's in a sweep's variant and the
+    whole model's where each rank holds a shard. The typical figure, and so the capacity, is unchanged (a paged
+    state's typical residency is 0); a figure the ledger declares is kept as it is. ``world``: as
+    :func:`outside_of`'s."""
     if figure.estimate is None or optimizer_state is None:
         return figure
     stack = outside.stack_of(doc)
     if not stack.paged or stack.paged_state == optimizer_state:
         return figure
-    return outside_of(doc, target, paged_state=optimizer_state)
+    return outside_of(doc, target, world, paged_state=optimizer_state)
 
 
 def vllm_share_of(doc: Document, target: Target) -> int:

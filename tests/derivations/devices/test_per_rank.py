@@ -130,3 +130,28 @@ def test_shard_says_which_figure_it_compared(both: dict[str, Any], tmp_path: Pat
     assert row["verdict"]["fits"] is True and row["fits"] is True
     code, stdout, _ = run_cli("shard", both["path"], "--estimate", "--device-memory", "4GiB", "--target", "cpu")
     assert "allocated tensors only: the CPU target has no caching allocator to replay" in stdout
+
+
+def test_a_paged_state_is_each_ranks_own(both: dict[str, Any]) -> None:
+    """With a paged optimizer the catalogue's high end counts its state as possibly resident: on each rank that is
+    the rank's own shard of it (its estimate's optimizer component), whether the ledger states
+    ``ledger.optimizer`` (``resolve``'s whole-model figure, or nothing in an intake) or not."""
+    from ledgerspec.contract.document import from_text
+    from ledgerspec.derivations.devices.per_rank import ranks_on_device
+    from ledgerspec.derivations.devices.prediction import high_of, outside_of
+
+    est = both["streamed"]
+    path = both["path"]
+    text = path.read_text(encoding="utf-8").replace("name: adamw_torch", "name: paged_adamw_8bit")
+    assert "paged_adamw_8bit" in text
+    share = est.ranks[0].components["optimizer"]
+    assert share > 0
+    intake = from_text(text, str(path))
+    whole = from_text(
+        text + f"ledger:\n  optimizer: {{value: {4 * share}, source: CALCULATED, method: m}}\n", str(path)
+    )
+    mine = from_text(text + f"ledger:\n  optimizer: {{value: {share}, source: CALCULATED, method: m}}\n", str(path))
+    got = [ranks_on_device(doc, est, 4 * GiB, 2)[0] for doc in (intake, whole, mine)]
+    want = high_of(outside_of(mine, got[0].target, 2))
+    assert want is not None and want > high_of(outside_of(intake, got[0].target, 2))  # type: ignore[operator]
+    assert [p.replayed.outside_high for p in got] == [want] * 3
