@@ -290,9 +290,9 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
   device-level peaks moved by -0.20 to +0.45 GiB (the buckets' segments are mostly reused by the load's own later
   allocations), so the gap above stays. The rest (the CUDA context's modules with NCCL's kernels loaded, what the
   allocator held from the loading) is not known without a GPU run of this step (`scripts/gpu-check`; `measure
-  --device cuda` records `outside_allocator`). The allocator model itself reproduces what the caching allocator
-  reserves on two FSDP1 ranks where a published run logs it (`device-answerai.md`: Answer.AI's 2-GPU runs, seven of
-  eight within 3.3 %, median -1.1 %), so the missing part lies outside the allocator or in this stack's own path.
+  --device cuda` records `outside_allocator`). Where a published 2-GPU FSDP1 run logs the allocator's own peak
+  (`device-answerai.md`: Answer.AI's runs on another stack, seven of eight within 3.3 %, median -1.1 %), the replay
+  gives it: a hint that the missing part lies outside the allocator here, not a proof (the stacks differ).
 - **Full fine-tuning** (`method.kind: full`): its allocated peak is the published one (the optimizer step: weights,
   gradients, AdamW's two bf16 moments and one weight-sized set of foreach temporaries), and on 2 GPUs the replay
   finds most of the 10-19 GiB nvidia-smi shows above it. The 1-GPU runs had no FSDP (fms-acceleration's

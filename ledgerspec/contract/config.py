@@ -153,6 +153,8 @@ class Training:
     mixed_precision: str = "no"  # no | bf16 | fp16
     use_cache: bool | None = None  # None: the model config's value
     max_grad_norm: float = 1.0  # 0: no clipping
+    #: ``training.loss_item_each_step``: a custom loop reads its loss on the host after each backward
+    loss_item_each_step: bool = False
     objective: str = "sft"  # sft | dpo | kto | orpo | cpo | grpo | rloo | ppo | reward
     #: ``training.objective_settings.reference`` as written (None: TRL's default for the objective)
     reference: str | None = None
@@ -544,6 +546,7 @@ def _training(doc: Document) -> Training:
         mixed_precision=text("mixed_precision", TRAINER_DEFAULTS.mixed_precision),
         use_cache=doc.get("training", "use_cache").switch(),
         max_grad_norm=float(norm) if norm is not None and norm >= 0 else TRAINER_DEFAULTS.max_grad_norm,
+        loss_item_each_step=doc.get("training", "loss_item_each_step").switch() is True,
         objective=text("objective", TRAINER_DEFAULTS.objective),
         reference=(doc.get("training", "objective_settings", "reference").text() or "").strip().lower() or None,
         max_completion_length=_positive(doc.get("training", "objective_settings", "max_completion_length").number()),

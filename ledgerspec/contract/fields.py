@@ -469,6 +469,15 @@ TRAINING = F(
             minimum=0,
         ),
         F(
+            "loss_item_each_step",
+            SWITCH,
+            "`custom` loop: the loss is read on the host after each micro-step's backward (`loss.item()`, e.g. to "
+            "log it, as Answer.AI's `fsdp_qlora` train.py does), so the host waits there for the device; under "
+            "FSDP the device-level verdict's replay completes backward's pending frees at that point. Absent: "
+            "false (the host may run on: those frees complete at FSDP's next wait, a larger reserve). The Trainer "
+            "reads it whatever this says (its nan/inf check of each micro-step's loss).",
+        ),
+        F(
             "objective",
             ENUM,
             "What the step optimizes, as TRL's trainers run it: `sft` (default: supervised fine-tuning, one forward "
@@ -739,8 +748,9 @@ PARALLELISM = F(
             "activation_checkpointing",
             SWITCH,
             "FSDP: the checkpoint is applied to each decoder layer inside its FSDP unit by torch's "
-            "`apply_activation_checkpointing` (accelerate's `fsdp_activation_checkpointing`, Answer.AI's "
-            "`fsdp_qlora` train.py, llama-recipes), whatever transformers version is declared; "
+            "`apply_activation_checkpointing` (Answer.AI's `fsdp_qlora` train.py, llama-recipes; accelerate's "
+            "`fsdp_activation_checkpointing`, non-reentrant, which also wraps each PEFT LoRA module, nested inside "
+            "its layer's checkpoint: not modelled), whatever transformers version is declared; "
             "`memory_options.checkpointing_kind` says reentrant or not. Absent: false (transformers' own gradient "
             "checkpointing: around the FSDP1 unit before transformers 4.52, inside it since).",
         ),

@@ -108,6 +108,8 @@ WORKLOAD_INPUTS: Inputs = {
         ("mixed_precision",),
         ("use_cache",),
         ("max_grad_norm",),
+        # the FSDP device-level stream reads it (absent: not in the digest, so no earlier stamp changes)
+        ("loss_item_each_step",),
         ("objective",),
         # the DPO and reward steps read them (absent: not in the digest, so no earlier stamp changes)
         ("objective_settings", "reference"),

@@ -612,7 +612,15 @@ def test_every_ledger_section_and_key_of_the_spec_is_in_the_schema(section: str)
 #: the keys the catalogue adds to the spec's (optional, with documented defaults), each a deliberate addition
 ADDED: dict[str, list[str]] = {
     # the step users actually run; issue 24: the objective (sft, or a preference/RL objective not simulated yet)
-    "training": ["loop", "mixed_precision", "use_cache", "max_grad_norm", "objective", "objective_settings"],
+    "training": [
+        "loop",
+        "mixed_precision",
+        "use_cache",
+        "max_grad_norm",
+        "loss_item_each_step",  # issue 23: a custom loop's wait for the device after backward (FSDP's replay)
+        "objective",
+        "objective_settings",
+    ],
     # the declared stack vs the one figures were computed with; issue 23: what the device holds outside the caching
     # allocator depends on the NCCL version, the module loading mode; the allocator's own settings
     # issue 25: the kernels that replace transformers' modules, per op

@@ -48,7 +48,31 @@ def test_every_published_run_has_its_ledger_and_row(bench: Any) -> None:
         kind, length, batch = key.split("-")[4], key.split("-")[6], key.split("-bs")[1]
         assert f"  max_length: {length}\n" in text and f"  microbatch: {batch}\n" in text, key
         assert f"  kind: {'QLoRA' if kind == 'qlora' else 'LoRA'}\n" in text, key
-        for setting in ("use_orig_params: false", "activation_checkpointing: true", "loop: custom", "rank: 64"):
+        # train.py at 50efa1e: its defaults and the case study's flags (the ledgers' comments cite each)
+        settings = [
+            "  rank: 64\n",
+            "  alpha: 16\n",
+            "  dropout: 0.1\n",
+            "  target_modules: [k_proj, q_proj, v_proj, up_proj, down_proj, gate_proj]\n",
+            "  loaded_dtype: bfloat16\n",
+            "adapter:\n  dtype: bfloat16\n",
+            "  gradient_checkpointing: true\n  checkpointing_kind: reentrant\n",
+            '  loop: custom\n  mixed_precision: "no"\n  max_grad_norm: 0\n',
+            "  loss_item_each_step: true\n",
+            "  gpu_count: 2\n  strategy: fsdp1\n",
+            "  cpu_offload: false\n  reshard_after_forward: true\n  use_orig_params: false\n",
+            "  limit_all_gathers: true\n  backward_prefetch: backward_pre\n  sync_module_states: true\n",
+            "  activation_checkpointing: true\n",
+            "NVIDIA GeForce RTX 3090",
+        ]
+        if kind == "qlora":
+            settings.append(
+                "quantization: {type: nf4, bits: 4, double_quant: true, compute_dtype: bfloat16, storage_dtype: "
+                "bfloat16}"
+            )
+        else:
+            settings.append("  quantized: false\n")
+        for setting in settings:
             assert setting in text, (key, setting)
 
 

@@ -96,9 +96,9 @@ class TrainingStep:
 
 
 class CustomLoop(TrainingStep):
-    """A loop that keeps the outputs (the logits) through backward and reads its loss on the host after each
-    backward (``loss.item()``, as Answer.AI's ``fsdp_qlora`` train.py does: under FSDP the host waits for the device
-    there, :func:`ledgerspec.derivations.shard.simulation.device_waits`)."""
+    """A loop that keeps the outputs (the logits) through backward. With ``training.loss_item_each_step`` it reads
+    its loss on the host after each backward (``loss.item()``, as Answer.AI's ``fsdp_qlora`` train.py does): under
+    FSDP the host waits for the device there (:func:`ledgerspec.derivations.shard.simulation.device_waits`)."""
 
     name = "custom"
 

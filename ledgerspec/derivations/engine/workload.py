@@ -836,7 +836,8 @@ class Workload:
         self.optimizer: Any = None
         #: fake copies of a bitsandbytes optimizer's quantization maps, kept converted (_converted_quantization_maps)
         self._converted_qmaps: list[Any] = []
-        #: id of a meta parameter or buffer -> what it was made as (tied weights stay tied). Weak values: a made
+        #: id of a meta parameter or buffer -> what it was made as (tied weights stay tied while the first one made
+        #: is alive: FSDP1 puts tied weights in one unit, flattened together). Weak values: a made
         #: tensor that nothing else holds any more is no tie to keep, and the memo must not keep it alive (FSDP1 with
         #: ``use_orig_params=False`` drops each unit's original parameters once it has flattened them: held here, a
         #: load unit by unit would keep the whole unsharded model on the device until the wrapping ends)

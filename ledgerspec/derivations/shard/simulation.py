@@ -120,21 +120,21 @@ def device_fit(d: Any) -> Fit:
 
 
 @contextlib.contextmanager
-def device_waits(backend: Any, numbers: Any) -> Iterator[None]:
+def device_waits(backend: Any, numbers: Any, reads_loss: bool) -> Iterator[None]:
     """What a simulated rank's event log needs besides its allocations for the replay to free blocks when a GPU
     would: FSDP1's ``record_stream`` calls (``_no_dispatch_record_stream``, a no-op for CPU tensors; on a GPU the
     unsharded flat parameter freed on the compute stream and the gradient handed to the post-backward stream go back
     to the pool only once the other stream has used them: the tracker logs their frees as pending), and the points
     where the host waits for the device: FSDP1's rate limiter (``limit_all_gathers``: before each all-gather,
     ``event.synchronize()`` on the free event two reshards back, ``_runtime_utils._unshard``; every pending free
-    before that event's ``record()`` has completed) and the loss read on the host after each micro-step's backward:
-    transformers' Trainer checks it (``torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step)`` in a boolean context
-    with ``logging_nan_inf_filter``, the default, trainer.py), and the hand-written loop ``training.loop: custom``
-    models reads it as Answer.AI's ``fsdp_qlora`` train.py does (``ddp_loss[0] += loss.item() * bs`` right after
-    ``backward``, 50efa1e): either way the device has finished the micro-step. Without that wait the replay of a
-    2-GPU FSDP1 LoRA step of that script kept backward's pending frees into the optimizer step: peak reserved 10.64
-    GiB, where the script's own log shows 10.24 and the replay with it 10.15 (``benchmarks/results/
-    device-answerai.md``)."""
+    before that event's ``record()`` has completed) and, with ``reads_loss``, the loss read on the host after each
+    micro-step's backward: transformers' Trainer checks it (``torch.isnan(tr_loss_step) or
+    torch.isinf(tr_loss_step)`` in a boolean context with ``logging_nan_inf_filter``, the default, trainer.py), and a
+    hand-written loop does when it declares ``training.loss_item_each_step`` (Answer.AI's ``fsdp_qlora`` train.py:
+    ``ddp_loss[0] += loss.item() * bs`` right after ``backward``, 50efa1e): the device has finished the micro-step.
+    Without that wait the replay of a 2-GPU FSDP1 LoRA step of that script kept backward's pending frees into the
+    optimizer step: peak reserved 10.64 GiB, where the script's own log shows 10.24 and the replay with it 10.15
+    (``benchmarks/results/device-answerai.md``)."""
     import torch
     import torch.distributed.fsdp._flat_param as flat_param
     import torch.distributed.fsdp._runtime_utils as runtime_utils
@@ -159,7 +159,7 @@ def device_waits(backend: Any, numbers: Any) -> Iterator[None]:
     reset_peak = backend.reset_peak
 
     def reset_with_check() -> None:
-        if backend.windows and backend.windows[-1].endswith(":temporary"):
+        if reads_loss and backend.windows and backend.windows[-1].endswith(":temporary"):
             tracker.sync(0)  # the loss read after each micro-step's backward (the Trainer's check, loss.item())
         reset_peak()
 

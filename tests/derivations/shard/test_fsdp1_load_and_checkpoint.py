@@ -16,6 +16,7 @@ Independent truths:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +76,33 @@ def test_activation_checkpointing_keeps_the_checkpoint_inside_the_unit(tmp_path:
     with pytest.raises(LedgerspecError) as caught:
         models_outside_checkpoint(load(tmp_path / "bad.ledger.yaml"))
     assert caught.value.exit_code == EXIT_USAGE and "activation_checkpointing" in str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_custom_loop_waits_for_the_device_only_when_it_reads_its_loss(tmp_path: Path) -> None:
+    """The host waits for the device when it reads the loss (``loss.item()``): with
+    ``training.loss_item_each_step`` the custom loop's stream completes backward's pending frees at the end of each
+    micro-step (one more ``sync`` per micro-step), without it only FSDP1's own waits do; the allocated figures are
+    the same either way (a wait frees no tensor)."""
+    pytest.importorskip("peft")
+    from ledgerspec.derivations.shard.fsdp import simulate
+    from ledgerspec.derivations.shard.model import document_descriptors
+
+    def run(*training: str) -> Any:
+        path = _ledger(tmp_path, f"custom{len(training)}.ledger.yaml")
+        path.write_text(
+            path.read_text(encoding="utf-8") + "training:\n" + "".join(f"  {t}\n" for t in training), encoding="utf-8"
+        )
+        doc = load(path)
+        return simulate.estimate_per_rank(doc, 2, document_descriptors(doc), target="cuda", streams=True)
+
+    quiet, reading = run("loop: custom"), run("loop: custom", "loss_item_each_step: true")
+    assert quiet.ranks[0].phases == reading.ranks[0].phases
+
+    def syncs(est: Any) -> int:
+        step = est.ranks[0].step
+        assert step is not None
+        return sum(1 for e in step.events if e == ("sync", 0))
+
+    micro_steps = 2  # the protocol's two steps of one micro-step each
+    assert syncs(reading) == syncs(quiet) + micro_steps

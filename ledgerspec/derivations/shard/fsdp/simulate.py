@@ -35,6 +35,7 @@ import contextlib
 import time
 from typing import Any
 
+from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
 from ledgerspec.derivations.shard.options import cpu_offload, is_fsdp1, mixed_precision
@@ -121,7 +122,8 @@ def simulate_rank(
             backend = _event_backend_class()(granularity(target))
             numbers = stream_numbers()
             backend.tracker.stream_of = numbers
-            extra.enter_context(device_waits(backend, numbers))
+            reads_loss = spec.loop == "trainer" or config.read(doc).training.loss_item_each_step
+            extra.enter_context(device_waits(backend, numbers, reads_loss))
             from ledgerspec.derivations.shard.fsdp import sync
             from ledgerspec.derivations.shard.options import fsdp1_options
 

@@ -291,7 +291,8 @@ def fsdp1_workload(base: type) -> Any:
                 self.reference = self._wrap_reference(self.reference)
             # the materialisation memo (tied weights) must not outlive the wrapping: with use_orig_params=False
             # FSDP1 replaces the original parameters by views of its flat parameter, and a Trainer holds no other
-            # reference to them (kept, they held the whole unsharded model: +1,089,952 B on the tiny test model)
+            # reference to them (kept, they held the whole unsharded model: +1,089,952 B on the tiny test model).
+            # The memo's values are weak references, so they are gone already; cleared for the ids it keeps
             self._memo.clear()
 
         def _wrap_reference(self, reference: Any) -> Any:
