@@ -202,7 +202,9 @@ def main() -> None:
         "not the allocator model's, but does not show it: their stack differs (transformers' Trainer and accelerate, "
         "torch 2.4.1, a bf16 MixedPrecision policy under autocast, `use_orig_params=True`, A100s over NVLink); a GPU "
         "run reading both figures per rank would tell.",
-        "- **What these runs needed, read in `train.py` while comparing (not fitted).** (1) With "
+        "- **What these runs needed, found by comparing with them.** So the agreement above is in-sample: each "
+        "change is a reading of `train.py`'s source, not a number fitted to the figures, but it was looked for "
+        "because of these rows. (1) With "
         "`use_orig_params=False` FSDP1 drops each unit's original parameters after flattening them; the "
         "simulation's memo of tied weights kept them alive, so the load unit by unit held the whole unsharded model "
         "until the wrapping ended (LoRA 1 x 512: reserved 22.48 GiB, 10.64 with the fix); the memo holds its "

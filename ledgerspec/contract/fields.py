@@ -747,12 +747,13 @@ PARALLELISM = F(
         F(
             "activation_checkpointing",
             SWITCH,
-            "FSDP: the checkpoint is applied to each decoder layer inside its FSDP unit by torch's "
-            "`apply_activation_checkpointing` (Answer.AI's `fsdp_qlora` train.py, llama-recipes; accelerate's "
-            "`fsdp_activation_checkpointing`, non-reentrant, which also wraps each PEFT LoRA module, nested inside "
-            "its layer's checkpoint: not modelled), whatever transformers version is declared; "
-            "`memory_options.checkpointing_kind` says reentrant or not. Absent: false (transformers' own gradient "
-            "checkpointing: around the FSDP1 unit before transformers 4.52, inside it since).",
+            "FSDP: who applies the gradient checkpointing that `memory_options.gradient_checkpointing: true` "
+            "declares. true: FSDP's wrapper, torch's `apply_activation_checkpointing`, on each decoder layer inside "
+            "its unit, whatever transformers version is declared (as Answer.AI's `fsdp_qlora` train.py and "
+            "llama-recipes do, and accelerate's `fsdp_activation_checkpointing`, which is non-reentrant and also "
+            "wraps each PEFT LoRA module: that nesting is not modelled). `memory_options.checkpointing_kind` says "
+            "reentrant or not. Absent: false, transformers' own checkpointing, which sits around the FSDP1 unit "
+            "before transformers 4.52 and inside it since.",
         ),
         F(
             "use_orig_params",

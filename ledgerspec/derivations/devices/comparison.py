@@ -150,18 +150,25 @@ def compare(
     allocation stream at full depth (per simulated rank for a sharded count) replayed through the caching-allocator
     model against what that device's allocator can get (its total minus what lies outside the allocator there:
     :func:`ledgerspec.derivations.devices.prediction.outside_of`), as ``estimate`` decides for one device; the
-    largest microbatch stays the allocated tensors' answer against the usable memory. ``single_step() -> StepEvents``:
-    one GPU's stream (default: traced here; the command passes
+    largest microbatch stays the allocated tensors' answer against the usable memory. ``single_step() -> (estimate,
+    StepEvents)``: one GPU's estimate and stream (default: the stream traced here, no estimate; the command passes
     :func:`ledgerspec.derivations.devices.prediction.step_and_estimate`'s, which leaves the declared microbatch's
     estimate in the cache for the microbatch model), called before the microbatch model traces."""
     from ledgerspec.contract import config
 
     declared = config.read(doc).workload.microbatch or 1
     steps: dict[int, list[Any]] = {}
+    #: id of a step -> its estimate's optimizer state (a paged optimizer's, for the catalogue's high end)
+    states: dict[int, int | None] = {}
     if on_device:
         from ledgerspec.derivations.allocator.step import full_depth_events
 
-        steps[1] = [single_step() if single_step is not None else full_depth_events(doc, "cuda")]
+        if single_step is not None:
+            one, step = single_step()
+            states[id(step)] = one.components.get("optimizer")
+        else:
+            step = full_depth_events(doc, "cuda")
+        steps[1] = [step]
     pads = padded(doc)
     model = batch_model(doc, _design(declared, pads), estimate_fn)
     single = model.peak(declared)
@@ -179,6 +186,7 @@ def compare(
                 return _fsdp2_worst(doc, world)
             est = _fsdp_estimate(doc, world, streams=True)
             steps[world] = list({id(r.step): r.step for r in est.ranks}.values())
+            states.update((id(r.step), r.components.get("optimizer")) for r in est.ranks)
             return int(est.worst)
 
         rank_peak = per_rank or sharded
@@ -203,7 +211,7 @@ def compare(
             "state per rank); one GPU shown"
         )
     rows: list[Row] = []
-    verdict = _on_device(doc, steps) if on_device else None
+    verdict = _on_device(doc, steps, states) if on_device else None
     for device in catalogue.devices:
         for n in sorted(peaks):
             peak = peaks[n]
@@ -229,10 +237,12 @@ def compare(
     return Comparison(rows, declared, sharding, notes, catalogue, sorted(s.microbatch for s in model.samples))
 
 
-def _on_device(doc: Document, steps: dict[int, list[Any]]) -> Any:
+def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int | None] | None = None) -> Any:
     """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by, uncertain)`` for the worst rank of
     ``gpus``, each distinct stream replayed without a limit once and against a device only when its peak passes that
-    device's capacity (a replay against a capacity takes the same decisions until then)."""
+    device's capacity (a replay against a capacity takes the same decisions until then). ``states``: each stream's
+    optimizer state from its estimate (a paged optimizer's for the catalogue's high end: the rank's own share, not
+    the ledger's ``ledger.optimizer``, which an intake lacks; None: the ledger's)."""
     from ledgerspec.derivations.devices.prediction import (
         DevicePrediction,
         Target,
@@ -240,6 +250,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]]) -> Any:
         high_of,
         outside_of,
         replay_on_device,
+        stated,
     )
 
     conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
@@ -250,18 +261,19 @@ def _on_device(doc: Document, steps: dict[int, list[Any]]) -> Any:
         figure = outside_of(doc, target, gpus)
         worst: DevicePrediction | None = None
         for step in steps[gpus]:
+            mine = stated(doc, target, figure, (states or {}).get(id(step)), gpus)
             replayed = replay_on_device(
                 doc,
                 step,
                 device.total,
-                figure.bytes,
+                mine.bytes,
                 conf,
                 free=free[id(step)],
                 tries=False,
                 cuda_total=device.capacity,
-                outside_high=high_of(figure),
+                outside_high=high_of(mine),
             )
-            p = DevicePrediction(target, figure, replayed)
+            p = DevicePrediction(target, mine, replayed)
             if worst is None or (p.fits, not p.uncertain, p.margin) < (worst.fits, not worst.uncertain, worst.margin):
                 worst = p
         assert worst is not None

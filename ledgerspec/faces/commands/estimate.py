@@ -611,8 +611,8 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
     layers = "full" if args.full else "auto"
     store = _store(args)
 
-    def single_step() -> Any:  # one set of traces: the stream, and the declared microbatch's estimate (cached)
-        return step_and_estimate(doc, "cuda", layers, store=store, parallel=True)[1]
+    def single_step() -> Any:  # one set of traces: the declared microbatch's estimate (cached) and the stream
+        return step_and_estimate(doc, "cuda", layers, store=store, parallel=True)
 
     on_device = args.target == "cuda"
     from ledgerspec.derivations.devices.comparison import cached_compare

@@ -302,3 +302,23 @@ def test_the_devices_comparison_says_uncertain_where_the_catalogues_high_figure_
     assert fits and uncertain and margin == 10 * GiB - 9 * GiB - (450 + 256) * MiB
     roomy = Device("NVIDIA A100-SXM4-80GB", "80 GB", 12 * GiB, 0, "test", capacity=12 * GiB)
     assert verdict(roomy, 1)[0] is True and verdict(roomy, 1)[4] is False
+
+
+def test_the_devices_comparison_takes_a_paged_state_from_the_estimate() -> None:
+    """A paged optimizer's state counts in the catalogue's high end. ``--devices`` takes it from each stream's
+    estimate (an intake has no ``ledger.optimizer``; a sharded rank holds its own share): the same high end as a
+    ledger stating that state, whatever the ledger states."""
+    from ledgerspec.derivations.devices.catalogue import Device
+    from ledgerspec.derivations.devices.comparison import _on_device
+
+    step = _step([("alloc", 1, 8 * GiB)], [])
+    paged = "optimizer: {name: paged_adamw_8bit}\n"
+    ledger = "ledger:\n  optimizer: {{value: {}, source: CALCULATED, method: m}}\n"
+    intake, stating = _doc(paged), _doc(paged + ledger.format(GiB))
+    wrong = _doc(paged + ledger.format(8 * GiB))
+    card = Device("NVIDIA A100-SXM4-80GB", "80 GB", 10 * GiB, 0, "test", capacity=10 * GiB)
+    # the paged state decides: 8 GiB + the typical outside fit; with 1 GiB of paged state resident they do not
+    assert _on_device(stating, {1: [step]})(card, 1)[4] is True
+    assert _on_device(intake, {1: [step]})(card, 1)[4] is False  # no state known: the high end lacks it
+    for doc in (intake, stating, wrong):
+        assert _on_device(doc, {1: [step]}, {id(step): GiB})(card, 1) == _on_device(stating, {1: [step]})(card, 1)
