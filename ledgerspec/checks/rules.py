@@ -1,5 +1,5 @@
 """The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012-LS014, LS023, LS032, LS043,
-LS061 and LS090. One function per rule, named after it.
+LS061, LS062 and LS090. One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
 :class:`~ledgerspec.checks.findings.Hit`; the validator adds positions and severities.
@@ -578,6 +578,40 @@ def ls061_fsdp1_mixed_precision_without_autocast(ctx: Context) -> Iterator[Hit]:
     conflict = lora_input_dtype_conflict(ctx.doc)
     if conflict is not None:
         yield Hit(ptr(*conflict.path), conflict.message)
+
+
+@rule(
+    "LS062",
+    WARNING,
+    "a checkpoint or a host wait declared where it changes nothing",
+    "parallelism.activation_checkpointing places the checkpoint that memory_options.gradient_checkpointing: true "
+    "declares, under FSDP (strategy fsdp1 or fsdp2); training.loss_item_each_step describes a custom loop (the "
+    "Trainer reads its loss anyway)",
+    example="memory_options: {gradient_checkpointing: false}\n"
+    "parallelism: {strategy: fsdp1, activation_checkpointing: true}",
+)
+def ls062_setting_without_effect(ctx: Context) -> Iterator[Hit]:
+    if ctx.get("parallelism", "activation_checkpointing").switch() is True:
+        strategy = (ctx.get("parallelism", "strategy").text() or "").strip().lower()
+        if ctx.get("memory_options", "gradient_checkpointing").switch() is not True:
+            yield Hit(
+                ptr("parallelism", "activation_checkpointing"),
+                "activation_checkpointing places a checkpoint that memory_options.gradient_checkpointing does not "
+                "declare: nothing is checkpointed",
+            )
+        elif strategy not in ("fsdp1", "fsdp2"):
+            yield Hit(
+                ptr("parallelism", "activation_checkpointing"),
+                f"activation_checkpointing is FSDP's (strategy {strategy or 'absent'}): transformers' own "
+                "checkpointing is simulated",
+            )
+    loop = (ctx.get("training", "loop").text() or "trainer").strip().lower()
+    if ctx.get("training", "loss_item_each_step").switch() is True and loop == "trainer":
+        yield Hit(
+            ptr("training", "loss_item_each_step"),
+            "loss_item_each_step describes a custom loop: the Trainer reads each micro-step's loss anyway",
+            INFO,
+        )
 
 
 @rule(
