@@ -98,6 +98,7 @@ def test_a_custom_loop_waits_for_the_device_only_when_it_reads_its_loss(tmp_path
 
     quiet, reading = run("loop: custom"), run("loop: custom", "loss_item_each_step: true")
     assert quiet.ranks[0].phases == reading.ranks[0].phases
+    assert "(training.loss_item_each_step)" in reading.method and "loss_item_each_step" not in quiet.method
 
     def syncs(est: Any) -> int:
         step = est.ranks[0].step

@@ -259,6 +259,13 @@ def estimate_per_rank(
 
     if is_fsdp1(doc) and legacy_checkpoint.models_outside_checkpoint(doc) and spec.gradient_checkpointing:
         method += "; " + legacy_checkpoint.method_note(doc)
+    from ledgerspec.derivations.shard.options import fsdp1_options
+
+    if spec.gradient_checkpointing and fsdp1_options(doc).activation_checkpointing:
+        method += "; the checkpoint inside each FSDP unit (parallelism.activation_checkpointing)"
+    if spec.loop != "trainer" and config.read(doc).training.loss_item_each_step:
+        method += "; the loop reads its loss after each backward, where the host waits for the device "
+        method += "(training.loss_item_each_step)"
     return ShardEstimate(
         world,
         reshard,
