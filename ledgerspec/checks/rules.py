@@ -591,9 +591,10 @@ def ls061_fsdp1_mixed_precision_without_autocast(ctx: Context) -> Iterator[Hit]:
     "parallelism: {strategy: fsdp1, activation_checkpointing: true}",
 )
 def ls062_setting_without_effect(ctx: Context) -> Iterator[Hit]:
+    cfg = C.read(ctx.doc)
     if ctx.get("parallelism", "activation_checkpointing").switch() is True:
         strategy = (ctx.get("parallelism", "strategy").text() or "").strip().lower()
-        if ctx.get("memory_options", "gradient_checkpointing").switch() is not True:
+        if cfg.gradient_checkpointing is not True:
             yield Hit(
                 ptr("parallelism", "activation_checkpointing"),
                 "activation_checkpointing places a checkpoint that memory_options.gradient_checkpointing does not "
@@ -605,8 +606,7 @@ def ls062_setting_without_effect(ctx: Context) -> Iterator[Hit]:
                 f"activation_checkpointing is FSDP's (strategy {strategy or 'absent'}): transformers' own "
                 "checkpointing is simulated",
             )
-    loop = (ctx.get("training", "loop").text() or "trainer").strip().lower()
-    if ctx.get("training", "loss_item_each_step").switch() is True and loop == "trainer":
+    if cfg.training.loss_item_each_step and cfg.training.loop == "trainer":
         yield Hit(
             ptr("training", "loss_item_each_step"),
             "loss_item_each_step describes a custom loop: the Trainer reads each micro-step's loss anyway",

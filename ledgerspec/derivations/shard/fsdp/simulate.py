@@ -38,7 +38,7 @@ from typing import Any
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
-from ledgerspec.derivations.shard.options import cpu_offload, is_fsdp1, mixed_precision
+from ledgerspec.derivations.shard.options import cpu_offload, fsdp1_options, is_fsdp1, mixed_precision
 from ledgerspec.derivations.shard.simulation import (
     COMPONENTS,
     Progress,
@@ -125,7 +125,6 @@ def simulate_rank(
             reads_loss = spec.loop == "trainer" or config.read(doc).training.loss_item_each_step
             extra.enter_context(device_waits(backend, numbers, reads_loss))
             from ledgerspec.derivations.shard.fsdp import sync
-            from ledgerspec.derivations.shard.options import fsdp1_options
 
             if is_fsdp1(doc) and fsdp1_options(doc).sync_module_states:  # each unit broadcast as FSDP1 wraps it
                 workload.sync_module_states = True
@@ -259,8 +258,6 @@ def estimate_per_rank(
 
     if is_fsdp1(doc) and legacy_checkpoint.models_outside_checkpoint(doc) and spec.gradient_checkpointing:
         method += "; " + legacy_checkpoint.method_note(doc)
-    from ledgerspec.derivations.shard.options import fsdp1_options
-
     if spec.gradient_checkpointing and fsdp1_options(doc).activation_checkpointing:
         method += "; the checkpoint inside each FSDP unit (parallelism.activation_checkpointing)"
     if spec.loop != "trainer" and config.read(doc).training.loss_item_each_step:
