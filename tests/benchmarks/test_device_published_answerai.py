@@ -15,18 +15,21 @@ from tests.support.results import ledger_rows
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "device-answerai.md"
 SCRIPT = REPO_ROOT / "benchmarks" / "device_vs_published_answerai.py"
 
-#: benchmarks_03_2024.md at e877dda, "Case Study: A Dual 3090 'Basement Rig'": Llama-2-7B, 2 x RTX 3090, FSDP;
-#: (train type, context length, batch size) -> (Peak Memory (GiB), peak allocated GiB where the article gives it)
+#: benchmarks_03_2024.md at e877dda, "Case Study: A Dual 3090 'Basement Rig'": 2 x RTX 3090, FSDP;
+#: (model, train type, context length, batch size) -> (Peak Memory (GiB), peak allocated GiB where the article gives it)
 SOURCE = {
-    ("qlora", 512, 1): (4.98, None),  # first table
-    ("qlora", 2048, 1): (5.21, None),
-    ("lora", 512, 1): (10.24, 8.28),  # second table; "the peak allocated memory is 8.28 GiB vs 9.16 GiB"
-    ("lora", 2048, 1): (10.22, 9.16),
-    ("qlora", 2048, 4): (11.22, None),  # third table, context length 2048
-    ("qlora", 2048, 10): (20.97, None),
-    ("lora", 2048, 4): (16.14, None),
-    ("lora", 2048, 6): (21.35, None),
+    ("llama-2-7b", "qlora", 512, 1): (4.98, None),  # first table
+    ("llama-2-7b", "qlora", 2048, 1): (5.21, None),
+    ("llama-2-7b", "lora", 512, 1): (10.24, 8.28),  # second table; "the peak allocated memory is 8.28 GiB vs 9.16 GiB"
+    ("llama-2-7b", "lora", 2048, 1): (10.22, 9.16),
+    ("llama-2-7b", "qlora", 2048, 4): (11.22, None),  # third table, context length 2048
+    ("llama-2-7b", "qlora", 2048, 10): (20.97, None),
+    ("llama-2-7b", "lora", 2048, 4): (16.14, None),
+    ("llama-2-7b", "lora", 2048, 6): (21.35, None),
+    ("yi-34b", "qlora", 2048, 2): (23.05, None),  # "What About CPU Offloading?": Yi 34B, CPU Offload False
 }
+#: the shipped config each model's ledgers build (examples/configs/<folder>)
+MODEL_IDS = {"llama-2-7b": "meta-llama/Llama-2-7b-hf", "yi-34b": "01-ai/Yi-34B"}
 
 pytestmark = pytest.mark.skipif(not RESULTS.exists(), reason="no committed results: run the benchmark")
 
@@ -36,16 +39,17 @@ def bench() -> Any:
     return load_script(SCRIPT, "device_published_answerai_benchmark")
 
 
-def _key(kind: str, length: int, batch: int) -> str:
-    return f"aai-llama-2-7b-{kind}-2gpu-{length}-bs{batch}"
+def _key(model: str, kind: str, length: int, batch: int) -> str:
+    return f"aai-{model}-{kind}-2gpu-{length}-bs{batch}"
 
 
 def test_every_published_run_has_its_ledger_and_row(bench: Any) -> None:
     keys = [_key(*k) for k in SOURCE]
     assert [r.key for r in bench.RUNS] == keys == list(ledger_rows(RESULTS))
-    for key in keys:
+    for (model, kind, length, batch), key in zip(SOURCE, keys, strict=True):
         text = (bench.LEDGERS / f"{key}.ledger.yaml").read_text(encoding="utf-8")
-        kind, length, batch = key.split("-")[4], key.split("-")[6], key.split("-bs")[1]
+        assert f"  model_id: {MODEL_IDS[model]}\n" in text, key
+        assert f"  config_path: ../../examples/configs/{model}/config.json\n" in text, key
         assert f"  max_length: {length}\n" in text and f"  microbatch: {batch}\n" in text, key
         assert f"  kind: {'QLoRA' if kind == 'qlora' else 'LoRA'}\n" in text, key
         # train.py at 50efa1e: its defaults and the case study's flags (the ledgers' comments cite each)
@@ -78,8 +82,8 @@ def test_every_published_run_has_its_ledger_and_row(bench: Any) -> None:
 
 def test_published_cells_are_the_source_figures() -> None:
     rows = ledger_rows(RESULTS)
-    for (kind, length, batch), (reserved, allocated) in SOURCE.items():
-        cells = rows[_key(kind, length, batch)]
+    for source, (reserved, allocated) in SOURCE.items():
+        cells = rows[_key(*source)]
         assert cells[5] == f"{reserved:.2f}"
         assert cells[2] == (f"{allocated:.2f}" if allocated else "-")
 
@@ -119,7 +123,7 @@ def test_the_pages_that_cite_this_table_cite_its_figures() -> None:
     diffs = [float(c[7].rstrip("%")) for c in rows.values()]
     worst = max(diffs, key=abs)
     rest = max(abs(d) for d in diffs if d != worst)
-    words = {7: "seven", 8: "eight"}
+    words = {8: "eight", 9: "nine"}
     said = f"{words[len(diffs) - 1]} of {words[len(diffs)]}"
     for page in (REPO_ROOT / "docs" / "outside-allocator.md", REPO_ROOT / "benchmarks" / "results" / "device-fsdp.md"):
         text = " ".join(page.read_text(encoding="utf-8").split())

@@ -75,6 +75,7 @@ def _resolve(text: str) -> Any:
         ("llama-3.2-11b-vision", "AutoModelForImageTextToText", "MllamaForConditionalGeneration", 10_670_220_835),
         ("gemma-3-1b-it", "AutoModelForCausalLM", "Gemma3ForCausalLM", 999_885_952),
         ("gpt-oss-20b", "AutoModelForCausalLM", "GptOssForCausalLM", 20_914_757_184),
+        ("yi-34b", "AutoModelForCausalLM", "LlamaForCausalLM", 34_388_917_248),  # the model card's 34.4B
     ],
 )
 def test_the_auto_class_builds_the_class_the_config_names(name: str, auto: str, cls: str, published: int) -> None:
