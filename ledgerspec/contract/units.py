@@ -69,7 +69,11 @@ def parse_size(value: object) -> int:
             raise UnitError(f"{value!r} is not a number") from exc
         exact = num * UNITS[unit]
         if exact != exact.to_integral_value():
-            raise UnitError(f"{value!r} is not a whole number of bytes")
+            near = int(exact.to_integral_value())
+            raise UnitError(
+                f"{value!r} is not a whole number of bytes"
+                + (f" (give {near} or {round(exact / 2**20)} MiB)" if near >= 2**20 else "")
+            )
         n = int(exact)
     else:
         raise UnitError(f"{value!r} is not a size")

@@ -18,16 +18,24 @@ from ledgerspec.errors import EXIT_FINDINGS, LedgerspecError
 INPUT_RULES = frozenset({"LS008", "LS023", "LS030", "LS032"})
 #: sections a command reads its configuration from (a schema error there is a bad input)
 INPUT_SECTIONS = frozenset({*F.INPUT_SECTION_NAMES, "training"})
+#: outside the configuration, what the device verdict reads as declared: the target device (its name and memory)
+#: and the bytes outside the allocator. Unreadable, each was passed over without a word (no verdict at all, or the
+#: catalogue's figure instead of the user's), so a schema error there is a bad input too
+VERDICT_INPUTS = ("/result/target_device", "/outside_allocator")
 
 
 def blocking(finding: Finding) -> bool:
-    """An error in the inputs: a schema error inside an input section, or one of :data:`INPUT_RULES`."""
+    """An error in the inputs: a schema error inside an input section or a verdict input (:data:`VERDICT_INPUTS`),
+    or one of :data:`INPUT_RULES`."""
     if finding.severity != ERROR:
         return False
     if finding.rule in INPUT_RULES:
         return True
-    section = finding.pointer.split("/")[1] if finding.pointer.count("/") >= 1 else ""
-    return finding.rule == "schema" and section in INPUT_SECTIONS
+    if finding.rule != "schema":
+        return False
+    pointer = finding.pointer
+    section = pointer.split("/")[1] if pointer.count("/") >= 1 else ""
+    return section in INPUT_SECTIONS or any(pointer == p or pointer.startswith(p + "/") for p in VERDICT_INPUTS)
 
 
 def preflight(doc: Document, command: str) -> None:

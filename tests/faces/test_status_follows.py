@@ -107,6 +107,15 @@ BAD_INPUTS = {
     "typo-key": (("target_modules:", "target_module:"), "(did you mean 'target_modules'?)"),
     "optimizer-typo": (("name: adamw_torch", "name: adamw_trch"), "unknown optimizer 'adamw_trch': did you mean"),
     "config-missing": (("config_path: tiny-llama/config.json", "config_path: nowhere/config.json"), "[LS008]"),
+    # what the device verdict reads as declared: unreadable, it was passed over (no verdict, the catalogue's figure)
+    "device-memory-fraction": (
+        ("ledgerspec: ledger/v1\n", "ledgerspec: ledger/v1\nresult: {target_device: {memory: 24.3 GiB}}\n"),
+        "result.target_device.memory: '24.3 GiB' is not a whole number of bytes (give 26091926323 or 24883 MiB)",
+    ),
+    "outside-total-fraction": (
+        ("ledgerspec: ledger/v1\n", "ledgerspec: ledger/v1\noutside_allocator: {total: 1.67 GiB}\n"),
+        "outside_allocator.total: '1.67 GiB' is not a whole number of bytes (give 1793148846 or 1710 MiB) [schema]",
+    ),
 }
 _PROBE = """
 import json, sys
