@@ -17,7 +17,7 @@ SCRIPT = REPO_ROOT / "benchmarks" / "device_vs_published_answerai.py"
 
 #: benchmarks_03_2024.md at e877dda, "Case Study: A Dual 3090 'Basement Rig'": 2 x RTX 3090, FSDP;
 #: (model, train type, context length, batch size) -> (Peak Memory (GiB), peak allocated GiB where the article gives it)
-SOURCE = {
+SOURCE: dict[tuple[Any, ...], tuple[float, float | None]] = {
     ("llama-2-7b", "qlora", 512, 1): (4.98, None),  # first table
     ("llama-2-7b", "qlora", 2048, 1): (5.21, None),
     ("llama-2-7b", "lora", 512, 1): (10.24, 8.28),  # second table; "the peak allocated memory is 8.28 GiB vs 9.16 GiB"
@@ -26,6 +26,9 @@ SOURCE = {
     ("llama-2-7b", "qlora", 2048, 10): (20.97, None),
     ("llama-2-7b", "lora", 2048, 4): (16.14, None),
     ("llama-2-7b", "lora", 2048, 6): (21.35, None),
+    # the `--sharding_strategy ddp` table ("specifying `ddp` as the sharding strategy"): FSDP1 NO_SHARD
+    ("llama-2-7b", "qlora", 2048, 8, "ddp"): (20.94, None),
+    ("llama-2-7b", "lora", 2048, 4, "ddp"): (22.04, None),
     ("yi-34b", "qlora", 2048, 2): (23.05, None),  # "What About CPU Offloading?": Yi 34B, CPU Offload False
 }
 #: the shipped config each model's ledgers build (examples/configs/<folder>)
@@ -34,19 +37,23 @@ MODEL_IDS = {"llama-2-7b": "meta-llama/Llama-2-7b-hf", "yi-34b": "01-ai/Yi-34B"}
 pytestmark = pytest.mark.skipif(not RESULTS.exists(), reason="no committed results: run the benchmark")
 
 
+def words(n: int) -> str:
+    return {2: "two", 8: "eight", 9: "nine", 10: "ten", 11: "eleven"}[n]
+
+
 @pytest.fixture(scope="module")
 def bench() -> Any:
     return load_script(SCRIPT, "device_published_answerai_benchmark")
 
 
-def _key(model: str, kind: str, length: int, batch: int) -> str:
-    return f"aai-{model}-{kind}-2gpu-{length}-bs{batch}"
+def _key(model: str, kind: str, length: int, batch: int, sharding: str = "") -> str:
+    return f"aai-{model}-{kind}-2gpu-{length}-bs{batch}" + (f"-{sharding}" if sharding else "")
 
 
 def test_every_published_run_has_its_ledger_and_row(bench: Any) -> None:
     keys = [_key(*k) for k in SOURCE]
     assert [r.key for r in bench.RUNS] == keys == list(ledger_rows(RESULTS))
-    for (model, kind, length, batch), key in zip(SOURCE, keys, strict=True):
+    for (model, kind, length, batch, *sharding), key in zip(SOURCE, keys, strict=True):
         text = (bench.LEDGERS / f"{key}.ledger.yaml").read_text(encoding="utf-8")
         assert f"  model_id: {MODEL_IDS[model]}\n" in text, key
         assert f"  config_path: ../../examples/configs/{model}/config.json\n" in text, key
@@ -64,7 +71,9 @@ def test_every_published_run_has_its_ledger_and_row(bench: Any) -> None:
             '  loop: custom\n  mixed_precision: "no"\n  max_grad_norm: 0\n',
             "  loss_item_each_step: true\n",
             "  gpu_count: 2\n  strategy: fsdp1\n",
-            "  cpu_offload: false\n  reshard_after_forward: true\n  use_orig_params: false\n",
+            "  cpu_offload: false\n"
+            + ("" if sharding else "  reshard_after_forward: true\n")
+            + "  use_orig_params: false\n",
             "  limit_all_gathers: true\n  backward_prefetch: backward_pre\n  sync_module_states: true\n",
             "  activation_checkpointing: true\n",
             "NVIDIA GeForce RTX 3090",
@@ -76,6 +85,8 @@ def test_every_published_run_has_its_ledger_and_row(bench: Any) -> None:
             )
         else:
             settings.append("  quantized: false\n")
+        placement = "replicated" if sharding == ["ddp"] else "sharded"  # train.py's ddp: ShardingStrategy.NO_SHARD
+        settings.append("".join(f"  {k}_placement: {placement}\n" for k in ("parameter", "gradient", "optimizer")))
         for setting in settings:
             assert setting in text, (key, setting)
 
@@ -106,9 +117,12 @@ def test_the_arithmetic_and_the_summary() -> None:
     assert abs(statistics.median(diffs)) <= 0.05  # the issue's bar, on the allocator's own figure
     assert "Peak allocated against the article's two figures: " + ", ".join(f"{x:+.1%}" for x in allocated) in text
     # the row at the card's limit is the one the text explains, with the table's figures
-    worst = max(rows.values(), key=lambda c: abs(float(c[6]) - float(c[5])))
-    assert f"**The row at the card's limit.** {worst[0]}: the replay reserves {worst[6]} GiB" in text
-    assert f"against the published {worst[5]}." in text
+    # the rows more than 5 % off are the ones the text discusses, each with the table's figures
+    limit = [c for c in rows.values() if abs(float(c[7].rstrip("%"))) > 5]
+    assert limit and f"**The rows at the card's limit** (the {words(len(limit))} more than 5 % off," in text
+    for c in limit:
+        assert f"{c[0]}: the replay reserves {c[6]} GiB" in text, c[0]
+        assert f"against the published {c[5]}" in text, c[0]
 
 
 @pytest.mark.slow  # a 7B LoRA FSDP1 step on two ranks, every layer traced, and two replays: about 15 s
@@ -121,10 +135,9 @@ def test_the_pages_that_cite_this_table_cite_its_figures() -> None:
     """`docs/outside-allocator.md` and `device-fsdp.md` conclude from this table: their figures are its figures."""
     rows = ledger_rows(RESULTS)
     diffs = [float(c[7].rstrip("%")) for c in rows.values()]
-    worst = max(diffs, key=abs)
-    rest = max(abs(d) for d in diffs if d != worst)
-    words = {8: "eight", 9: "nine"}
-    said = f"{words[len(diffs) - 1]} of {words[len(diffs)]}"
+    close = [abs(d) for d in diffs if abs(d) <= 5]
+    rest = max(close)
+    said = f"{words(len(close))} of {words(len(diffs))}"
     for page in (REPO_ROOT / "docs" / "outside-allocator.md", REPO_ROOT / "benchmarks" / "results" / "device-fsdp.md"):
         text = " ".join(page.read_text(encoding="utf-8").split())
         assert f"{said}" in text and f"within {rest:.1f} %" in text, page.name

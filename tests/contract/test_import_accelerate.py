@@ -91,7 +91,7 @@ def test_fsdp_settings_as_accelerate_reads_them(name: str, monkeypatch: pytest.M
 
 def test_hybrid_shard_shards_within_a_node() -> None:
     """16 processes on 2 machines, HYBRID_SHARD: shard groups of the 8 processes of one node (FSDP1's default
-    intra-node group); NO_SHARD is a finding."""
+    intra-node group)."""
     doc, result = imported("accelerate/fsdp-hybrid.yaml")
     assert result.findings == []
     assert plain(doc, "memory_options", "sharding") == "fsdp1"
@@ -100,11 +100,20 @@ def test_hybrid_shard_shards_within_a_node() -> None:
     assert plain(doc, "parallelism", "reshard_after_forward") is True
 
 
-def test_no_shard_is_a_finding_not_a_guess(tmp_path: Path) -> None:
+def test_no_shard_replicates_and_with_cpu_offload_is_a_finding(tmp_path: Path) -> None:
+    """NO_SHARD: FSDP1 with every placement replicated (``shard.options.no_shard``), no shard group, no reshard; with
+    CPU offload a finding, not a guess."""
     src = tmp_path / "accelerate.yaml"
-    src.write_text(
-        (IMPORTS / "accelerate" / "fsdp-hybrid.yaml").read_text().replace("HYBRID_SHARD", "NO_SHARD"), encoding="utf-8"
-    )
+    text = (IMPORTS / "accelerate" / "fsdp-hybrid.yaml").read_text().replace("HYBRID_SHARD", "NO_SHARD")
+    src.write_text(text, encoding="utf-8")
+    doc, result = imported(src)
+    assert result.findings == []
+    assert plain(doc, "parallelism", "strategy") == "fsdp1" and plain(doc, "memory_options", "sharding") == "fsdp1"
+    for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
+        assert plain(doc, "parallelism", key) == "replicated", key
+    assert not {"shard_group_size", "reshard_after_forward"} & set(doc.plain["parallelism"])
+    assert plain(doc, "parallelism", "use_orig_params") is True
+    src.write_text(text.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_offload_params: true\n"), encoding="utf-8")
     doc, result = imported(src)
     assert keys_of(result, "not-modelled") == ["fsdp_config"]
     assert plain(doc, "memory_options", "sharding") == "UNKNOWN"

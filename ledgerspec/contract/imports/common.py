@@ -535,9 +535,17 @@ def fsdp1(
     options (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``) read from
     ``cfg`` (keys without their ``fsdp_`` prefix). ``strategy`` None: FULL_SHARD, accelerate's and transformers'
     default (ASSUMPTION with ``defaults_note``). HYBRID_SHARD (``_ZERO2``) shards within groups of ``group`` ranks
-    (the GPUs of one node: ``parallelism.shard_group_size``; UNKNOWN when the file cannot tell). NO_SHARD is a
-    finding, not modelled: False."""
+    (the GPUs of one node: ``parallelism.shard_group_size``; UNKNOWN when the file cannot tell). NO_SHARD replicates:
+    the placements ``replicated`` (no ``reshard_after_forward``); with CPU offload it is a finding, not modelled:
+    False."""
     name = fsdp1_strategy(strategy) if strategy is not None else "FULL_SHARD"
+    if name == "NO_SHARD" and not offload:  # every rank the whole model, FSDP1's flat parameters all the same
+        _sharded(src, b, origin, where, "fsdp1", offload)
+        for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
+            b.entries.pop(("parallelism", key), None)
+            b.set(("parallelism", key), "replicated", f"{origin}: NO_SHARD (every rank the whole model)", src.path)
+        _fsdp1_options(src, b, origin, where, cfg)
+        return True
     if name is None or name not in FSDP1_STRATEGIES:
         not_modelled(
             src,
@@ -545,7 +553,7 @@ def fsdp1(
             "fsdp_config",
             strategy,
             f"{origin}: FSDP1 sharding strategy {strategy!r} is not modelled (ledgerspec models FULL_SHARD, "
-            "SHARD_GRAD_OP and HYBRID_SHARD; NO_SHARD is plain data parallel: declare sharding none)",
+            "SHARD_GRAD_OP, HYBRID_SHARD and NO_SHARD without CPU offload)",
             where,
         )
         b.unknown(("memory_options", "sharding"), f"{origin}: FSDP1 {strategy} (not modelled)", src.path)
@@ -564,6 +572,13 @@ def fsdp1(
         b.assume(("parallelism", "reshard_after_forward"), True, origin, defaults_note + ": FULL_SHARD", src.path)
     else:
         b.set(("parallelism", "reshard_after_forward"), FSDP1_STRATEGIES[name], f"{origin}: {name}", src.path, where)
+    _fsdp1_options(src, b, origin, where, cfg)
+    return True
+
+
+def _fsdp1_options(src: Source, b: Builder, origin: str, where: tuple[Any, Any], cfg: dict[str, Any]) -> None:
+    """FSDP1's wrapping options (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``,
+    ``use_orig_params``) read from ``cfg`` (keys without their ``fsdp_`` prefix)."""
     for key, field in _FSDP1_OPTIONS.items():
         if key not in cfg or cfg[key] is None:
             continue
@@ -583,7 +598,6 @@ def fsdp1(
                 b.finding(src.path, where, f"fsdp_config.{key}", f"{value!r} is not true or false", "unknown")
                 continue
             b.set(("parallelism", field), on, f"{origin}: {key}", src.path)
-    return True
 
 
 def fsdp_mixed_precision(src: Source, b: Builder, origin: str) -> None:

@@ -306,11 +306,12 @@ def _fsdp_estimate(doc: Document, world: int, streams: bool = False) -> Any:
     """The per-rank estimate on ``world`` FSDP2 (or FSDP1) ranks (``streams``: with each rank's allocation stream)."""
     from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.options import check_qlora
+    from ledgerspec.derivations.shard.options import check_qlora, no_shard
 
     check_qlora(doc, rule="devices")
     descs = document_descriptors(doc)
-    return estimate_per_rank(doc, world, descs, streams=streams)
+    # FSDP1's NO_SHARD: every rank holds what one rank of one holds (shard.options.no_shard)
+    return estimate_per_rank(doc, 1 if no_shard(doc, world) else world, descs, streams=streams)
 
 
 __all__ = ["COUNTS", "EXTENSION", "Comparison", "Row", "cached_compare", "compare"]

@@ -141,6 +141,14 @@ def census_storages(model: Any, optimizer: Any = None, device_type: str | None =
 
     if model is not None:
         params = list(model.parameters())
+        # FSDP1's flat parameters first: their original parameters are views of them, but under NO_SHARD a unit's
+        # originals are left as plain tensors after its forward (``_use_unsharded_views(as_params=False)``, never
+        # restored without a reshard), so ``parameters()`` no longer reaches them (torch 2.13: after backward the
+        # tiny LoRA model's frozen parameters counted 235,584 B of its 1,048,032)
+        for module in model.modules():
+            flat = getattr(getattr(module, "_handle", None), "flat_param", None)
+            if flat is not None:
+                add(flat, "adapter" if flat.requires_grad else "frozen_params")
         for p in params:
             add(p, "adapter" if p.requires_grad else "frozen_params")
         for p in params:

@@ -473,8 +473,11 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
             "gradient_placement": zo.offload_optimizer,
             "optimizer_placement": zo.offload_optimizer,
         }
+    from ledgerspec.derivations.shard.options import no_shard
+
+    whole = fsdp1 and no_shard(doc, len(outs))  # FSDP1's NO_SHARD: the run replicated all three
     for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-        replicated = stage in (1, 2) and key == "parameter_placement"  # ZeRO-1/2 keep whole parameters
+        replicated = whole or (stage in (1, 2) and key == "parameter_placement")  # ZeRO-1/2 keep whole parameters
         set_plain(doc, (*p, key), "cpu" if hosted[key] else "replicated" if replicated else "sharded", force=True)
     if all(doc.get(*where, "cpu_offload").switch() is None for where in (p, ("memory_options",))):
         # not declared: what the run did (DeepSpeed may offload by its placements alone); a declared value (false,

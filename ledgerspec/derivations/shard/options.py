@@ -45,6 +45,8 @@ def shard_group(doc: Document, world: int) -> int:
     not divide ``world`` is a usage error at its line."""
     path = ("parallelism", "shard_group_size")
     value = doc.get(*path)
+    if no_shard(doc, world):
+        return 1
     if not value.present or value.unknown:
         return world
     size = value.integer()
@@ -66,6 +68,54 @@ def shard_group(doc: Document, world: int) -> int:
             exit_code=EXIT_USAGE,
         )
     return size
+
+
+#: the placements FSDP1's NO_SHARD replicates (and FULL_SHARD / SHARD_GRAD_OP shard)
+PLACEMENTS = ("parameter_placement", "gradient_placement", "optimizer_placement")
+
+
+def no_shard(doc: Document, world: int | None = None) -> bool:
+    """FSDP1's ``NO_SHARD`` (``ShardingStrategy.NO_SHARD``, accelerate's ``fsdp_sharding_strategy: NO_SHARD``,
+    Answer.AI's ``--sharding_strategy ddp``): ``parallelism.strategy: fsdp1`` with ``parameter_placement:
+    replicated``. Every rank holds every flat parameter whole, its gradient and its optimizer state, as one GPU does;
+    FSDP1 all-reduces each unit's flat gradient after its backward (``_reduce_grad_no_shard``) where the sharded
+    strategies reduce-scatter it. So a NO_SHARD rank is simulated as FSDP1 on a group of one rank
+    (:func:`shard_group` is 1), which FSDP1 itself runs as NO_SHARD. Gradients or optimizer state declared sharded
+    beside replicated parameters, a shard group, or CPU offload are a usage error at their line (``world``: the ranks,
+    for the shard group's check)."""
+    if not is_fsdp1(doc):
+        return False
+    if (doc.get("parallelism", "parameter_placement").text() or "").strip().lower() != "replicated":
+        return False
+    for key in PLACEMENTS[1:]:
+        text = (doc.get("parallelism", key).text() or "replicated").strip().lower()
+        if text != "replicated":
+            raise _err(
+                doc,
+                ("parallelism", key),
+                f"parallelism.{key} {text!r} beside parameter_placement: replicated: FSDP1's NO_SHARD replicates the "
+                "parameters, their gradients and the optimizer state alike",
+                "declare all three replicated (NO_SHARD) or all three sharded (FULL_SHARD, SHARD_GRAD_OP)",
+                exit_code=EXIT_USAGE,
+            )
+    group = doc.get("parallelism", "shard_group_size").integer()
+    if group is not None and world is not None and group != 1:
+        raise _err(
+            doc,
+            ("parallelism", "shard_group_size"),
+            f"shard_group_size {group} beside parameter_placement: replicated: FSDP1's NO_SHARD shards nothing",
+            "drop shard_group_size, or declare the placements sharded for HYBRID_SHARD",
+            exit_code=EXIT_USAGE,
+        )
+    if doc.get("parallelism", "cpu_offload").switch():
+        raise _err(
+            doc,
+            ("parallelism", "cpu_offload"),
+            "CPU offload under FSDP1's NO_SHARD is not modelled",
+            "declare cpu_offload: false, or shard the model (parameter_placement: sharded)",
+            exit_code=EXIT_USAGE,
+        )
+    return True
 
 
 def check_qlora(doc: Document, rule: str = "shard", code: int = EXIT_FINDINGS) -> None:

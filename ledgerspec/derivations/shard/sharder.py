@@ -25,6 +25,7 @@ from ledgerspec.derivations.shard.options import (
     fsdp1_options,
     is_fsdp1,
     mixed_precision,
+    no_shard,
     separate_reference,
     shard_group,
     world_size,
@@ -130,7 +131,7 @@ def extension(plan: S.Fsdp2Plan | S.Fsdp1Plan, zero: dict[str, S.ZeroState], opt
     )
     strategy = (
         f"fsdp1 (FullyShardedDataParallel, use_orig_params, {wrap}, "
-        f"{'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
+        f"{'NO_SHARD' if w == 1 else 'FULL_SHARD' if plan.reshard_after_forward else 'SHARD_GRAD_OP'})"
         if fsdp1
         else "fsdp2 (fully_shard per decoder layer + root)"
     )
@@ -213,7 +214,12 @@ def shard(
     group = shard_group(doc, world)
     plan, zero = compute(doc, descs, group)
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
-    if group < world:
+    if group < world and no_shard(doc, world):
+        ext["no_shard"] = (
+            f"FSDP1 NO_SHARD on {world} ranks: every rank holds every flat parameter whole, its gradient and its "
+            "optimizer state (each unit's flat gradient all-reduced after its backward); one rank listed"
+        )
+    elif group < world:
         how = (
             f"HYBRID_SHARD{'' if reshard_after_forward(doc) else '_ZERO2'}"
             if is_fsdp1(doc)
@@ -271,6 +277,8 @@ def shard(
             est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline)
         else:
             est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline, streams=on_device)
+            if "no_shard" in ext:  # one rank simulated for all: each holds what a rank of one holds
+                est.world_size = world
         if on_device:
             from ledgerspec.derivations.devices.per_rank import ranks_on_device
 

@@ -428,7 +428,8 @@ def fsdp1(
     buffer_dtype: str | None = None,
 ) -> Fsdp1Plan:
     """Per-rank state of FSDP1 ``FULL_SHARD`` (``reshard_after_forward``) or ``SHARD_GRAD_OP`` over the units of
-    ``params`` (give them :func:`peft_fsdp1_units` for the Trainer's wrapping).
+    ``params`` (give them :func:`peft_fsdp1_units` for the Trainer's wrapping); on one rank (``world`` 1) FSDP1's
+    ``NO_SHARD``, every flat parameter whole and nothing gathered.
 
     Each rank holds ``numel / W`` elements of every flat parameter (``FlatParamHandle.shard``: ``_local_shard``),
     frozen or trainable; the sharded gradient of a trainable flat parameter has the same size (the
@@ -470,6 +471,9 @@ def fsdp1(
             gathered.append(max(sorted(layers), key=lambda u: layers[u]))
     else:  # SHARD_GRAD_OP: no unit reshards after forward, all are gathered when backward begins
         gathered = sorted(unsharded)
+    if world == 1:  # FSDP1 runs NO_SHARD on one rank (and for ``shard.options.no_shard``): each flat parameter
+        # computes in place, nothing is gathered; only a MixedPrecision copy in another dtype is made (_mp_shard)
+        gathered = [u for u in gathered if unsharded[u] != units[u].numel * units[u].itemsize]
     held = sum(unsharded[u] for u in gathered)
     for rs in ranks:
         rs.gathered = held

@@ -92,10 +92,13 @@ def run_shard(args: argparse.Namespace) -> int:
     if stage is not None:  # the declared strategy first: its row is below the FSDP table
         row = f"zero{stage}_offload" if cpu_offload(doc) is not None else f"zero{stage}"
         print(f"declared: DeepSpeed ZeRO-{stage} (its model state per rank: the {row} row below); for comparison:")
-    print(
-        f"{result.extension['strategy'].split(' ')[0].upper()} on {plan.world_size} ranks, reshard_after_forward="
-        f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}"
-    )
+    if "no_shard" in result.extension:  # FSDP1 NO_SHARD: one rank of one listed for every rank
+        print(result.extension["no_shard"])
+    else:
+        print(
+            f"{result.extension['strategy'].split(' ')[0].upper()} on {plan.world_size} ranks, reshard_after_forward="
+            f"{str(reshard).lower() if isinstance(reshard, bool) else reshard}"
+        )
     print(
         f"{'rank':>4}  {'frozen':>11}  {'adapter':>11}  {'gradients':>11}  {'optimizer':>11}  {'gathered':>11}  "
         f"{'total':>11}"

@@ -279,6 +279,55 @@ def test_simulated_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, kind:
         assert_rank_agrees(real, est, calc, slack)
 
 
+NO_SHARD = [
+    ("  strategy: fsdp2\n", "  strategy: fsdp1\n"),
+    (
+        "  parameter_placement: sharded\n  gradient_placement: sharded\n  optimizer_placement: sharded\n"
+        "  reshard_after_forward: true\n",
+        "  parameter_placement: replicated\n  gradient_placement: replicated\n  optimizer_placement: replicated\n",
+    ),
+]
+
+
+@pytest.mark.slow
+def test_no_shard_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path) -> None:
+    """FSDP1's NO_SHARD (``parameter_placement: replicated``, Answer.AI's ``--sharding_strategy ddp``): ``measure
+    --nproc 2`` runs real ``FullyShardedDataParallel(sharding_strategy=NO_SHARD)`` on two gloo ranks; ``shard
+    --estimate`` simulates one rank of a group of one (FSDP1 runs NO_SHARD there). Each measured rank holds what
+    the simulated rank holds: the model-state phases to the byte, every flat parameter whole on both ranks (the
+    calculated state on one rank), nothing gathered, and the measurement keeps the placements replicated."""
+    pytest.importorskip("peft")
+    import shutil
+
+    from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.sharder import shard
+
+    shutil.copytree(DATA / "tiny", tmp_path / "tiny")
+    text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")
+    for old, new in NO_SHARD:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "no_shard.ledger.yaml"
+    path.write_text(text, encoding="utf-8")
+    doc = measured(path, 2)
+    assert {k: doc.plain["parallelism"][k] for k in ("strategy", "parameter_placement", "optimizer_placement")} == {
+        "strategy": "fsdp1",
+        "parameter_placement": "replicated",
+        "optimizer_placement": "replicated",
+    }
+    plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 1)
+    whole = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2)
+    assert plan.ranks[0].gathered == 0 and plan.ranks[0].frozen_base > whole.ranks[0].frozen_base
+    result = shard(load(path), estimate=True, target="cpu")
+    estimated = result.estimate
+    assert estimated is not None and len(estimated.ranks) == 1 and estimated.world_size == 2
+    assert "no_shard" in result.extension and "NO_SHARD" in result.extension["strategy"]
+    real_ranks = doc.plain["x-measure-per-rank"]["ranks"]
+    assert len(real_ranks) == 2
+    for real in real_ranks:
+        assert_rank_agrees(real, estimated.ranks[0], plan.ranks[0], gloo_slack(plan.unit_unsharded))
+
+
 @pytest.mark.parametrize(
     ("line", "message", "exit_code"),
     [

@@ -155,11 +155,11 @@ def hybrid_mesh(doc: Any) -> Any:
 
     if not torch.distributed.is_initialized():
         return None
-    from ledgerspec.derivations.shard.options import shard_group
+    from ledgerspec.derivations.shard.options import no_shard, shard_group
 
     world = torch.distributed.get_world_size()
     group = shard_group(doc, world)
-    if group >= world:
+    if group >= world or no_shard(doc):  # FSDP1's NO_SHARD: one flat parameter whole on every rank, no mesh
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -338,8 +338,14 @@ def fsdp1_workload(base: type) -> Any:
                     reduce_dtype=getattr(torch, mp.reduce_dtype) if mp.reduce_dtype else None,
                     buffer_dtype=getattr(torch, mp.buffer_dtype) if mp.buffer_dtype else None,
                 )
+            from ledgerspec.derivations.shard.options import no_shard
+
             strategy = (
-                ShardingStrategy.SHARD_GRAD_OP if self.reshard_after_forward is False else ShardingStrategy.FULL_SHARD
+                ShardingStrategy.NO_SHARD
+                if no_shard(self.doc)
+                else ShardingStrategy.SHARD_GRAD_OP
+                if self.reshard_after_forward is False
+                else ShardingStrategy.FULL_SHARD
             )
             mesh = self._mesh
             if mesh is not None:  # HYBRID_SHARD over the (replicate, shard) mesh made in prepare()
