@@ -94,6 +94,13 @@ class Row:
     fits: bool
     margin: int
     seconds: float
+    unlimited: int = 0  # the run's peak reserved replayed without a limit
+    capacity: int = 0  # what the allocator can get: the card's CUDA total less ``outside``
+
+    @property
+    def retried(self) -> bool:
+        """The replay against the device freed its cache and retried (its unlimited peak is above the capacity)."""
+        return self.unlimited > self.capacity
 
     def cells(self) -> list[str]:
         r = self.run
@@ -147,7 +154,26 @@ def carry(sibling_key: str, key: str) -> Row:
         all(x.fits for x in devices),
         d.margin,
         time.perf_counter() - started,
+        d.replayed.free_peak_reserved,
+        d.replayed.capacity,
     )
+
+
+def _table_cell(key: str, index: int) -> str:
+    for line in TABLES[key].read_text(encoding="utf-8").splitlines():
+        if f"`{key}.ledger.yaml`" in line:
+            return line.strip().strip("|").split(" | ")[index].strip()
+    raise KeyError(key)
+
+
+def catalogue_verdict(key: str) -> str:
+    """The run's verdict from the catalogue's figure (its committed device table's last cell, before its margin)."""
+    return _table_cell(key, -1).split(" (")[0]
+
+
+def catalogue_difference(key: str) -> str:
+    """The run's device-level difference from the catalogue's figure, as its committed device table has it."""
+    return _table_cell(key, 7)
 
 
 def main() -> None:
@@ -178,25 +204,55 @@ def main() -> None:
         + f" (median {statistics.median(diffs):+.1%}; largest {max(map(abs, diffs)):.1%}). The published outcome is "
         f"predicted for {len(outcome)} of {len(rows)} runs"
         + (
-            "; "
-            + ", ".join(f"{r.run.label}: {'does not fit' if not r.fits else 'fits'}" for r in oom)
-            + " (each ran out of memory)."
-            if oom
+            ". Not predicted: "
+            + "; ".join(
+                f"{r.run.label} ({'ran' if r.run.ran else 'out of memory'}; predicted "
+                f"{'fits' if r.fits else 'does not fit'}, margin {r.margin / GiB:.2f} GiB)"
+                for r in rows
+                if r.run.ran != r.fits
+            )
+            + "."
+            if len(outcome) < len(rows)
             else "."
         ),
         "",
         "## What the figures say",
         "",
-        "- **The part the catalogue misses is a property of the configuration, not of the batch.** From the catalogue "
-        "(`device-fsdp.md`, `device-gptq.md`) the 2-GPU rows are 0.5-4 GiB per GPU short; carried from the same "
-        "configuration's other batch the figure lands within the percentages above. So whatever the catalogue and "
-        "the allocator model miss on this stack (the CUDA context with NCCL's and the Triton kernels' modules, "
-        "buffers no published figure separates, what the load leaves in the cache) does not grow with the "
-        "activations: one run per configuration settles it for every batch size of that configuration.",
-        "- **The two Llama-2-70B 2-GPU runs that ran out of memory** are `uncertain` from the catalogue (they fit with "
-        "its typical figure, 1 MiB to spare, and not with the high end of its range). With the figure their trained "
-        "siblings imply, each is `does not fit`, the published outcome. That is the evidence a user running the "
-        "smaller batch first would have had; it is not the tool's prediction from nothing, which stays `uncertain`.",
+        "- **What the catalogue misses is a property of the configuration, not of the batch.** The same trained rows "
+        "from the catalogue's figure (`device-fsdp.md`, `device-gptq.md`): "
+        + ", ".join(catalogue_difference(r.run.key) for r in trained)
+        + "; with the figure carried from the same configuration's other batch: "
+        + ", ".join(f"{x:+.1%}" for x in diffs)
+        + ". Whatever the catalogue and the allocator model miss on this stack (the CUDA context with NCCL's and "
+        "the Triton kernels' modules, buffers no published figure separates, what the load leaves in the cache) "
+        "does not grow with the activations: what one run of a configuration holds outside the allocator carries "
+        "to its other batch sizes (a measured figure better than this inferred one). "
+        + "".join(
+            f"{r.run.label} ({(r.device - r.run.nvidia) / r.run.nvidia:+.1%}) reaches the card: the replay frees its "
+            f"cache and retries ({r.unlimited / GiB:.2f} GiB reserved without a limit, {r.reserved / GiB:.2f} against "
+            f"the {r.capacity / GiB:.2f} it can get), where nvidia-smi's one-second samples showed less at this batch "
+            f"than at the sibling's ({r.run.nvidia / GiB:.2f} against {r.sibling.nvidia / GiB:.2f} GiB). "
+            for r in trained
+            if r.retried
+        ),
+        "- **The runs that ran out of memory.** "
+        + " ".join(
+            f"{r.run.label}: from the catalogue `{catalogue_verdict(r.run.key)}`; with the {r.outside / GiB:.2f} GiB "
+            f"its sibling implies, `{'fits' if r.fits else 'does not fit'}` (device-level {r.device / GiB:.2f} GiB, "
+            f"margin {r.margin / GiB:.2f})"
+            + (
+                f": the replay completes only by freeing its cache, {r.reserved / GiB:.2f} GiB reserved against the "
+                f"{r.capacity / GiB:.2f} it can get, and the run's own top, nvidia-smi's {r.run.nvidia / GiB:.2f} GiB "
+                f"less the carried figure, is {(r.run.nvidia - r.outside) / GiB:.2f} GiB: the model and the run put "
+                f"the top within {abs(r.reserved - (r.run.nvidia - r.outside)) / GiB:.2f} GiB of each other, and at "
+                "such a margin no verdict is a prediction."
+                if r.fits
+                else "."
+            )
+            for r in oom
+        )
+        + " The carried figure is the evidence a user running the smaller batch first would have had; the tool's "
+        "prediction from nothing stays the catalogue's.",
         "- **The figure is inferred, not measured.** nvidia-smi's one-second samples and the averaging over the GPUs "
         "are in it, and so is the allocator model's error for the sibling. A measured ledger "
         "(`measure --device cuda`: NVML's used memory minus `memory_reserved`, per rank) replaces it.",

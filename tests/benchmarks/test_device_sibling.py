@@ -69,11 +69,18 @@ def test_published_cells_and_the_siblings_reserve_are_the_device_tables(bench: A
 def test_the_arithmetic_and_the_summary(bench: Any) -> None:
     rows = _rows()
     diffs = []
+    text = " ".join(RESULTS.read_text(encoding="utf-8").split())
+    predicted = 0
     for key, c in rows.items():
         assert abs(float(c[2]) - float(c[3]) - float(c[4])) <= 0.011, key  # carried = published - modelled
-        verdict = c[10]
-        ran = c[9] == "ran"
-        assert verdict.startswith("fits" if ran else "does not fit"), key  # every published outcome predicted
+        ran, fits = c[9] == "ran", c[10].startswith("fits")
+        assert fits or c[10].startswith("does not fit"), key
+        predicted += ran == fits
+        if ran != fits:  # a miss is named in the summary, with its margin
+            assert f"{c[0]} ({c[9]}; predicted {c[10].split(' (')[0]}, margin " in text, key
+        if not ran:  # the runs that ran out of memory: the catalogue's verdict beside the carried one
+            catalogue = ledger_rows(bench.TABLES[key])[key][-1].split(" (")[0]
+            assert f"{c[0]}: from the catalogue `{catalogue}`; with the {c[4]} GiB its sibling implies" in text, key
         if ran:
             diff = (float(c[7]) - float(c[6])) / float(c[6])
             assert abs(diff - float(c[8].rstrip("%")) / 100) <= 0.0005 + 0.006 / float(c[6]), key
@@ -82,12 +89,24 @@ def test_the_arithmetic_and_the_summary(bench: Any) -> None:
         table = ledger_rows(bench.TABLES[key])[key]
         if ran and float(c[7]) < 75:
             assert abs(float(table[8]) + float(c[4]) - float(c[7])) <= 0.011, key
-    text = " ".join(RESULTS.read_text(encoding="utf-8").split())
     assert f"(median {statistics.median(diffs):+.1%}; largest {max(map(abs, diffs)):.1%})" in text
-    assert f"The published outcome is predicted for {len(rows)} of {len(rows)} runs" in text
+    assert f"The published outcome is predicted for {predicted} of {len(rows)} runs" in text
 
 
 @pytest.mark.slow  # two 7B QLoRA FSDP1 steps on two ranks with their replays: about 30 s
 def test_a_pair_re_estimated_gives_the_committed_cells(bench: Any) -> None:
     pair = ("fms-mistral-7b-qlora-2gpu-bs2", "fms-mistral-7b-qlora-2gpu-bs4")
     assert bench.carry(*pair).cells() == _rows()[pair[1]]
+
+
+def test_the_docs_cite_the_table(bench: Any) -> None:
+    """`docs/outside-allocator.md` concludes from this table: its figures are the table's."""
+    rows = [c for c in _rows().values() if c[9] == "ran"]
+    carried = [float(c[8].rstrip("%")) / 100 for c in rows]
+    catalogue = [float(bench.catalogue_difference(c[5].strip("`")).rstrip("%")) for c in rows]
+    text = " ".join((REPO_ROOT / "docs" / "outside-allocator.md").read_text(encoding="utf-8").split())
+    assert f"from the catalogue's {min(catalogue):.1f} % to +{max(catalogue):.1f} %" in text
+    assert (
+        f"to a median of {statistics.median(carried):+.1%} (largest {max(map(abs, carried)):.1%}".replace("%", " %")
+        in text
+    )
