@@ -1,19 +1,20 @@
-"""One trained run's bytes outside the allocator, carried to its sibling at more sequences (issue 23).
+"""One trained run's residual, carried to its sibling at more sequences: a per-configuration calibration (issue 23).
 
     python benchmarks/device_from_sibling.py     # writes benchmarks/results/device-sibling.md
 
-The workflow the ledger is built for: run a configuration once at a batch that fits, record what the device held
-outside the caching allocator (``measure --device cuda`` writes ``outside_allocator.total``), and let the estimate
-decide the larger batch with that figure instead of the catalogue's. fms-acceleration's reference CSV
+What one run at a batch that fits tells about the same configuration at a larger batch. fms-acceleration's
+reference CSV
 (``scripts/benchmarks/refs/a100_80gb.csv`` at 876e2ed, the rows of ``device-fsdp.md`` and ``device-gptq.md``)
 publishes each configuration at two batch sizes on the same machine and stack, one of them, for the two Llama-2-70B
 2-GPU configurations, a run that ran out of memory. It publishes no reserved figure, so the outside figure is
 *inferred*, not measured: the sibling's published nvidia-smi peak minus the allocator model's peak reserved for it
-(the committed tables' "of which reserved"). The allocator model's own error for that configuration is folded into
-the figure; that it carries across batch sizes is what this table checks. The figure enters the larger run's
-ledger as ``outside_allocator.total`` (an ASSUMPTION, whole MiB), and the verdict is the tool's, as a user would get
-it. Nothing else changes; the tables without a sibling's figure (``device-fsdp.md``, ``device-gptq.md``) stay the
-tool's prediction from the catalogue.
+(the committed tables' "of which reserved"). So the figure is the whole residual of that configuration: what lies
+outside the allocator and the allocator model's own error together. That the residual carries across batch sizes is
+what this table checks; it is a calibration, and it does not show how close a *measured* outside figure
+(``measure --device cuda``: NVML used minus reserved, which holds no model error) would come. The figure enters the
+larger run's ledger as ``outside_allocator.total`` (an ASSUMPTION, whole MiB), and the verdict is the tool's.
+Nothing else changes; the tables without a sibling's figure (``device-fsdp.md``, ``device-gptq.md``) stay the tool's
+prediction from the catalogue.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def with_outside(text: str, mib: int, sibling: str) -> str:
 
 
 def on_device(path: Path, text: str) -> tuple[Any, list[Any]]:
-    """(rank 0's device prediction, every rank's) for the ledger ``text`` read as ``path``."""
+    """(rank 0's device prediction, every rank's) for the ledger ``text`` read as ``path``; rank 0's allocation
+    stream is the prediction's ``step`` attribute (set here, for :func:`scan`)."""
     from ledgerspec.contract.document import from_text
 
     doc = from_text(text, str(path))
@@ -80,7 +82,25 @@ def on_device(path: Path, text: str) -> tuple[Any, list[Any]]:
         return d, [d]
     est = shard_estimate(path, text).estimate
     assert est is not None and est.device is not None, path
+    STEPS[str(path)] = est.ranks[0].step
     return est.device[0], est.device
+
+
+#: rank 0's allocation stream of each 2-GPU run estimated here, by ledger path
+STEPS: dict[str, Any] = {}
+#: outside-allocator figures (GiB) the replay of a missed run is repeated with: the catalogue's typical 1.13 up
+SCAN = (1.13, 1.5, 2.0, 2.2, 2.35, 2.5, 2.6, 2.8, 3.0, 3.5)
+
+
+def scan(row: Row) -> list[tuple[float, bool]]:
+    """(outside GiB, the replay against the CUDA total less it completes) for each of :data:`SCAN` and the row's own
+    carried figure: near the top the caching allocator's free-and-retry is not monotonic in what it can get."""
+    from ledgerspec.derivations.allocator import replay
+
+    step = STEPS[str(row.run.folder / f"{row.run.key}.ledger.yaml")]
+    total = row.capacity + row.outside
+    figures = sorted({*(int(x * GiB) for x in SCAN), row.outside})
+    return [(x / GiB, replay(step.events, capacity=total - x, statistics=False).oom is None) for x in figures]
 
 
 @dataclass(frozen=True)
@@ -182,20 +202,22 @@ def main() -> None:
     diffs = [(r.device - r.run.nvidia) / r.run.nvidia for r in trained]
     outcome = [r for r in rows if r.run.ran == r.fits]
     oom = [r for r in rows if not r.run.ran]
+    scans = {r.run.key: scan(r) for r in oom if r.fits}  # a run that ran out of memory and is predicted to fit
     body = [
-        "# One trained run's bytes outside the allocator, carried to its sibling at more sequences",
+        "# One trained run's residual, carried to its sibling at more sequences (a per-configuration calibration)",
         "",
         f"Command: `python benchmarks/device_from_sibling.py`. Machine (for the estimate): {machine()}; no GPU used "
         f"({sum(r.seconds for r in rows):.0f} s for all rows).",
         "",
         f"Source: fms-acceleration's reference benchmarks ({FMS_A100_CSV}): the rows and ledgers of `device-fsdp.md` "
         "and `device-gptq.md`, each configuration at two batch sizes on the same machine (A100-SXM4-80GB) and stack. "
-        "For each pair the trained run at the smaller batch (the sibling) gives a figure for what lies outside the "
-        "caching allocator: its published nvidia-smi peak minus the allocator model's peak reserved for it (an "
-        "inference, not a measurement: the CSV publishes no reserved figure, so the model's error for that "
-        "configuration is folded in). The larger run's ledger declares it as `outside_allocator.total` (an "
-        "ASSUMPTION, whole MiB), as `measure --device cuda` would write a measured one, and the estimate decides "
-        "with it instead of the catalogue's figure. Nothing else changes.",
+        "For each pair the trained run at the smaller batch (the sibling) gives its residual: its published "
+        "nvidia-smi peak minus the allocator model's peak reserved for it, what lies outside the allocator and the "
+        "model's own error for that configuration together (the CSV publishes no reserved figure to separate "
+        "them). The larger run's ledger declares it as `outside_allocator.total` (an ASSUMPTION, whole MiB) and the "
+        "estimate decides with it instead of the catalogue's figure. Nothing else changes. A calibration: a measured "
+        "outside figure (`measure --device cuda`) holds no model error, so this table does not say how close that "
+        "would come.",
         "",
         *markdown_table(HEADER, [r.cells() for r in rows]),
         "",
@@ -218,20 +240,25 @@ def main() -> None:
         "",
         "## What the figures say",
         "",
-        "- **What the catalogue misses is a property of the configuration, not of the batch.** The same trained rows "
+        "- **The residual is a property of the configuration, not of the batch.** The same trained rows "
         "from the catalogue's figure (`device-fsdp.md`, `device-gptq.md`): "
         + ", ".join(catalogue_difference(r.run.key) for r in trained)
         + "; with the figure carried from the same configuration's other batch: "
         + ", ".join(f"{x:+.1%}" for x in diffs)
-        + ". Whatever the catalogue and the allocator model miss on this stack (the CUDA context with NCCL's and "
-        "the Triton kernels' modules, buffers no published figure separates, what the load leaves in the cache) "
-        "does not grow with the activations: what one run of a configuration holds outside the allocator carries "
-        "to its other batch sizes (a measured figure better than this inferred one). "
+        + f" ({len(diffs)} pairs, each doubling the batch). Whatever the catalogue and the allocator model miss on "
+        "this stack (the CUDA context with NCCL's and the Triton kernels' modules, buffers no published figure "
+        "separates, what the load leaves in the cache, the model's own error) grows little with the activations: "
+        "one trained run of a configuration calibrates its other batch sizes. "
         + "".join(
             f"{r.run.label} ({(r.device - r.run.nvidia) / r.run.nvidia:+.1%}) reaches the card: the replay frees its "
             f"cache and retries ({r.unlimited / GiB:.2f} GiB reserved without a limit, {r.reserved / GiB:.2f} against "
-            f"the {r.capacity / GiB:.2f} it can get), where nvidia-smi's one-second samples showed less at this batch "
-            f"than at the sibling's ({r.run.nvidia / GiB:.2f} against {r.sibling.nvidia / GiB:.2f} GiB). "
+            f"the {r.capacity / GiB:.2f} it can get)"
+            + (
+                f", where nvidia-smi's one-second samples showed less at this batch than at the sibling's "
+                f"({r.run.nvidia / GiB:.2f} against {r.sibling.nvidia / GiB:.2f} GiB). "
+                if r.run.nvidia < r.sibling.nvidia
+                else ". "
+            )
             for r in trained
             if r.retried
         ),
@@ -245,17 +272,24 @@ def main() -> None:
                 f"{r.capacity / GiB:.2f} it can get, and the run's own top, nvidia-smi's {r.run.nvidia / GiB:.2f} GiB "
                 f"less the carried figure, is {(r.run.nvidia - r.outside) / GiB:.2f} GiB: the model and the run put "
                 f"the top within {abs(r.reserved - (r.run.nvidia - r.outside)) / GiB:.2f} GiB of each other, and at "
-                "such a margin no verdict is a prediction."
+                "such a margin no verdict is a prediction. Near the top the replay's outcome is not even monotonic "
+                "in what the allocator can get: with the card's CUDA total less "
+                + ", ".join(f"{x:.2f}" for x, _ in scans[r.run.key])
+                + " GiB outside the allocator it "
+                + ", ".join("completes" if ok else "runs out of memory" for _, ok in scans[r.run.key])
+                + " (the free-and-retry path, which cached blocks it releases and which later requests then split, "
+                "changes with the capacity)."
                 if r.fits
                 else "."
             )
             for r in oom
         )
-        + " The carried figure is the evidence a user running the smaller batch first would have had; the tool's "
-        "prediction from nothing stays the catalogue's.",
+        + " The carried figure is the evidence a user who ran the smaller batch first, and had the tool's replay of "
+        "it, would have had; the tool's prediction from nothing stays the catalogue's.",
         "- **The figure is inferred, not measured.** nvidia-smi's one-second samples and the averaging over the GPUs "
         "are in it, and so is the allocator model's error for the sibling. A measured ledger "
-        "(`measure --device cuda`: NVML's used memory minus `memory_reserved`, per rank) replaces it.",
+        "(`measure --device cuda`: NVML's used memory minus `memory_reserved`, per rank) holds only what lies "
+        "outside the allocator; with it the model's error for the larger batch stays in the estimate.",
     ]
     publish("\n".join(body), RESULTS, partial=False)
 

@@ -144,7 +144,9 @@ predicted for {len(outcome)} of {len(rows)} runs.{wrong_text}
   edge of the A100's 79.25 GiB CUDA total: `uncertain` (it fits, freeing the allocator's cache and retrying, with the
   catalogue's typical {oom2.outside / GiB:.2f} GiB outside the allocator, not with its range's
   {oom2.outside_high / GiB:.2f} GiB). With the {span(two)} per GPU by which the trained 2-GPU GPTQ rows' reserve
-  exceeds the prediction's, it would not fit, but that gap is not modelled, so `does not fit` is not claimed.
+  exceeds the prediction's it is at the edge either way: with its own trained sibling's figure
+  (`device-sibling.md`) the replay completes by 0.11 GiB, and near the top its outcome flips with the
+  capacity; `does not fit` is not claimed.
 """
     publish(body, RESULTS, partial=bool(only))
 

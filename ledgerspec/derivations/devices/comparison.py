@@ -178,13 +178,17 @@ def compare(
     peaks: dict[int, int] = {1: single}
     wanted = [n for n in counts if n >= 1]
     if sharding in ("fsdp1", "fsdp2"):
+        simulated: dict[int, Any] = {}
 
         def sharded(world: int) -> int:
-            from ledgerspec.derivations.shard.options import cpu_offload
+            from ledgerspec.derivations.shard.options import cpu_offload, no_shard
 
             if not on_device or cpu_offload(doc) is not None:  # an offloaded rank's stream is not recorded
                 return _fsdp2_worst(doc, world)
-            est = _fsdp_estimate(doc, world, streams=True)
+            ranks = 1 if no_shard(doc, world) else world  # NO_SHARD: one simulation for every GPU count
+            if ranks not in simulated:
+                simulated[ranks] = _fsdp_estimate(doc, world, streams=True)
+            est = simulated[ranks]
             steps[world] = list({id(r.step): r.step for r in est.ranks}.values())
             states.update((id(r.step), r.components.get("optimizer")) for r in est.ranks)
             return int(est.worst)

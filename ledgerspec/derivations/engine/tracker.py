@@ -144,7 +144,10 @@ def census_storages(model: Any, optimizer: Any = None, device_type: str | None =
         # FSDP1's flat parameters first: their original parameters are views of them, but under NO_SHARD a unit's
         # originals are left as plain tensors after its forward (``_use_unsharded_views(as_params=False)``, never
         # restored without a reshard), so ``parameters()`` no longer reaches them (torch 2.13: after backward the
-        # tiny LoRA model's frozen parameters counted 235,584 B of its 1,048,032)
+        # tiny LoRA model's frozen parameters counted 235,584 B of its 1,048,032). A flat parameter is one dtype and
+        # one requires_grad under the wrapping modelled here (PEFT's policy: every LoRA leaf its own unit), so its
+        # category is its originals'; a flat parameter mixing both (use_orig_params without that policy) counts as
+        # adapter
         for module in model.modules():
             flat = getattr(getattr(module, "_handle", None), "flat_param", None)
             if flat is not None:

@@ -117,6 +117,8 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
         # the policy's units (the simulation's "kept after the forward" counts the policy's, not the reference's)
         units = {u: b for u, b in plan.unit_unsharded.items() if not u.startswith(S.REFERENCE)}
         kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
+        if plan.world_size == 1:  # NO_SHARD: nothing gathered, MixedPrecision copies freed after each forward
+            kept = 0
     else:
         mp = mixed_precision(doc)
         gathered_dtype = mp.param_dtype if mp else None  # parallelism.mixed_precision_policy (issue 16)

@@ -107,10 +107,11 @@ def no_shard(doc: Document, world: int | None = None) -> bool:
             "drop shard_group_size, or declare the placements sharded for HYBRID_SHARD",
             exit_code=EXIT_USAGE,
         )
-    if doc.get("parallelism", "cpu_offload").switch():
+    offload = cpu_offload(doc)
+    if offload is not None:
         raise _err(
             doc,
-            ("parallelism", "cpu_offload"),
+            offload,
             "CPU offload under FSDP1's NO_SHARD is not modelled",
             "declare cpu_offload: false, or shard the model (parameter_placement: sharded)",
             exit_code=EXIT_USAGE,

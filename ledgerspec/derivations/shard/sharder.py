@@ -213,6 +213,8 @@ def shard(
         raise _err(doc, ("base_model",), str(exc)) from None
     group = shard_group(doc, world)
     plan, zero = compute(doc, descs, group)
+    if group < world and no_shard(doc, world):  # NO_SHARD: each rank the whole model; ZeRO over every rank, to compare
+        zero = compute(doc, descs, world)[1]
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
     if group < world and no_shard(doc, world):
         ext["no_shard"] = (

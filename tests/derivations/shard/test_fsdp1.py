@@ -289,8 +289,26 @@ NO_SHARD = [
 ]
 
 
+#: NO_SHARD variants beyond the plain one: a MixedPrecision policy in another dtype than the stored one (FSDP1 makes
+#: each unit's low-precision copy at its forward and frees it after, the root's too: nothing is kept into backward)
+NO_SHARD_VARIANTS = {
+    "plain": [],
+    "mixed-precision": [
+        (
+            "  strategy: fsdp1\n",
+            "  strategy: fsdp1\n  mixed_precision_policy: {param_dtype: bfloat16, reduce_dtype: bfloat16}\n",
+        ),
+        (
+            "optimizer:\n  name: adamw_torch\n",
+            "optimizer:\n  name: adamw_torch\ntraining:\n  loop: trainer\n  mixed_precision: bf16\n",
+        ),
+    ],
+}
+
+
 @pytest.mark.slow
-def test_no_shard_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", sorted(NO_SHARD_VARIANTS))
+def test_no_shard_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path, variant: str) -> None:
     """FSDP1's NO_SHARD (``parameter_placement: replicated``, Answer.AI's ``--sharding_strategy ddp``): ``measure
     --nproc 2`` runs real ``FullyShardedDataParallel(sharding_strategy=NO_SHARD)`` on two gloo ranks; ``shard
     --estimate`` simulates one rank of a group of one (FSDP1 runs NO_SHARD there). Each measured rank holds what
@@ -300,11 +318,12 @@ def test_no_shard_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path) -> Non
     import shutil
 
     from ledgerspec.derivations.shard.model import document_descriptors
+    from ledgerspec.derivations.shard.options import mixed_precision
     from ledgerspec.derivations.shard.sharder import shard
 
     shutil.copytree(DATA / "tiny", tmp_path / "tiny")
     text = (DATA / "tiny-lora-measure.ledger.yaml").read_text(encoding="utf-8")
-    for old, new in NO_SHARD:
+    for old, new in NO_SHARD + NO_SHARD_VARIANTS[variant]:
         assert old in text, old
         text = text.replace(old, new)
     path = tmp_path / "no_shard.ledger.yaml"
@@ -315,17 +334,20 @@ def test_no_shard_ranks_agree_with_the_measured_fsdp1_run(tmp_path: Path) -> Non
         "parameter_placement": "replicated",
         "optimizer_placement": "replicated",
     }
-    plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 1)
-    whole = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2)
-    assert plan.ranks[0].gathered == 0 and plan.ranks[0].frozen_base > whole.ranks[0].frozen_base
+    mp = mixed_precision(doc)
+    param_dtype = mp.param_dtype if mp else None
+    plan = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 1, param_dtype=param_dtype)
+    whole = S.fsdp1(S.peft_fsdp1_units(document_descriptors(doc)), 2, param_dtype=param_dtype)
+    assert plan.ranks[0].frozen_base > whole.ranks[0].frozen_base
+    assert (plan.ranks[0].gathered == 0) == (mp is None)  # only a copy in another dtype is made
     result = shard(load(path), estimate=True, target="cpu")
     estimated = result.estimate
     assert estimated is not None and len(estimated.ranks) == 1 and estimated.world_size == 2
     assert "no_shard" in result.extension and "NO_SHARD" in result.extension["strategy"]
     real_ranks = doc.plain["x-measure-per-rank"]["ranks"]
     assert len(real_ranks) == 2
-    for real in real_ranks:
-        assert_rank_agrees(real, estimated.ranks[0], plan.ranks[0], gloo_slack(plan.unit_unsharded))
+    for real in real_ranks:  # no all-gather, an all-reduce in place: no collective buffer gloo could hold (slack 0)
+        assert_rank_agrees(real, estimated.ranks[0], plan.ranks[0], 0)
 
 
 @pytest.mark.parametrize(
