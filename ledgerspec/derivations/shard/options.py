@@ -86,6 +86,16 @@ def no_shard(doc: Document, world: int | None = None) -> bool:
     if not is_fsdp1(doc):
         return False
     if (doc.get("parallelism", "parameter_placement").text() or "").strip().lower() != "replicated":
+        for key in PLACEMENTS[1:]:  # FSDP1 shards gradients and optimizer state only with the parameters
+            if (doc.get("parallelism", key).text() or "").strip().lower() == "replicated":
+                raise _err(
+                    doc,
+                    ("parallelism", key),
+                    f"parallelism.{key} 'replicated' beside parameters that are not: FSDP1 replicates all three "
+                    "(NO_SHARD) or shards all three (FULL_SHARD, SHARD_GRAD_OP)",
+                    "declare all three replicated (NO_SHARD) or all three sharded",
+                    exit_code=EXIT_USAGE,
+                )
         return False
     for key in PLACEMENTS[1:]:
         text = (doc.get("parallelism", key).text() or "replicated").strip().lower()

@@ -55,6 +55,12 @@ def test_what_is_no_shard(replaced: tuple[tuple[str, str], ...], expected: bool)
             "parallelism.gradient_placement 'sharded' beside parameter_placement: replicated",
         ),
         (("  gpu_count: 2\n", "  gpu_count: 2\n  shard_group_size: 2\n"), "shard_group_size", "shards nothing"),
+        # and the other way round: sharded parameters beside replicated optimizer state is no FSDP1 strategy
+        (
+            (REPLICATED, SHARDED.replace("optimizer_placement: sharded", "optimizer_placement: replicated")),
+            "optimizer_placement",
+            "parallelism.optimizer_placement 'replicated' beside parameters that are not",
+        ),
         (("  gpu_count: 2\n", "  gpu_count: 2\n  cpu_offload: true\n"), "cpu_offload", "not modelled"),
         # CPU offload declared where memory_options declares it is refused alike
         (
