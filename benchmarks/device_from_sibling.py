@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import device_vs_published_fsdp as fsdp  # noqa: E402
 from benchmarks import device_vs_published_gptq as gptq  # noqa: E402
-from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table, publish, shard_estimate  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table, publish  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "device-sibling.md"
 GiB = 2**30
@@ -67,27 +67,6 @@ def with_outside(text: str, mib: int, sibling: str) -> str:
     )
 
 
-def on_device(path: Path, text: str) -> tuple[Any, list[Any]]:
-    """(rank 0's device prediction, every rank's) for the ledger ``text`` read as ``path``; rank 0's allocation
-    stream is the prediction's ``step`` attribute (set here, for :func:`scan`)."""
-    from ledgerspec.contract.document import from_text
-
-    doc = from_text(text, str(path))
-    if "parallelism" not in doc.plain:  # one GPU without FSDP: the single-GPU estimate (as device-fsdp.md)
-        from ledgerspec.derivations.devices.prediction import estimate_on_device
-
-        memory = doc.get("result", "target_device", "memory").size()
-        assert memory is not None, path
-        _, d = estimate_on_device(doc, memory)
-        return d, [d]
-    est = shard_estimate(path, text).estimate
-    assert est is not None and est.device is not None, path
-    STEPS[str(path)] = est.ranks[0].step
-    return est.device[0], est.device
-
-
-#: rank 0's allocation stream of each 2-GPU run estimated here, by ledger path
-STEPS: dict[str, Any] = {}
 #: outside-allocator figures (GiB) the replay of a missed run is repeated with: the catalogue's typical 1.13 up
 SCAN = (1.13, 1.5, 2.0, 2.2, 2.35, 2.5, 2.6, 2.8, 3.0, 3.5)
 
@@ -97,7 +76,8 @@ def scan(row: Row) -> list[tuple[float, bool]]:
     carried figure: near the top the caching allocator's free-and-retry is not monotonic in what it can get."""
     from ledgerspec.derivations.allocator import replay
 
-    step = STEPS[str(row.run.folder / f"{row.run.key}.ledger.yaml")]
+    step = row.step
+    assert step is not None, row.run.key  # a sharded run's stream (the missed runs are 2-GPU ones)
     total = row.capacity + row.outside
     figures = sorted({*(int(x * GiB) for x in SCAN), row.outside})
     return [(x / GiB, replay(step.events, capacity=total - x, statistics=False).oom is None) for x in figures]
@@ -116,6 +96,7 @@ class Row:
     seconds: float
     unlimited: int = 0  # the run's peak reserved replayed without a limit
     capacity: int = 0  # what the allocator can get: the card's CUDA total less ``outside``
+    step: Any = field(default=None, repr=False, compare=False)  # rank 0's allocation stream (a sharded run's)
 
     @property
     def retried(self) -> bool:
@@ -157,12 +138,11 @@ HEADER = [
 def carry(sibling_key: str, key: str) -> Row:
     started = time.perf_counter()
     sibling, run = RUNS[sibling_key], RUNS[key]
-    path = sibling.folder / f"{sibling.key}.ledger.yaml"
-    d, _ = on_device(path, path.read_text(encoding="utf-8"))
-    sibling_reserved = d.peak_reserved
+    sibling_reserved = fsdp.on_device(sibling.folder / f"{sibling.key}.ledger.yaml").devices[0].peak_reserved
     outside = round((sibling.nvidia - sibling_reserved) / MiB)
     path = run.folder / f"{run.key}.ledger.yaml"
-    d, devices = on_device(path, with_outside(path.read_text(encoding="utf-8"), outside, sibling.key))
+    got = fsdp.on_device(path, with_outside(path.read_text(encoding="utf-8"), outside, sibling.key))
+    d, devices = got.devices[0], got.devices
     assert d.outside == outside * MiB, (key, d.outside)
     return Row(
         sibling,
@@ -176,6 +156,7 @@ def carry(sibling_key: str, key: str) -> Row:
         time.perf_counter() - started,
         d.replayed.free_peak_reserved,
         d.replayed.capacity,
+        got.step,
     )
 
 

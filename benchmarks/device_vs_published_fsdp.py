@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -129,25 +130,40 @@ HEADER = [
 ]
 
 
-def estimate_run(run: Run) -> Row:
-    from ledgerspec.contract.document import load
+@dataclass(frozen=True)
+class OnDevice:
+    """A ledger's prediction on its declared device: rank 0's peak allocated, every rank's device prediction (rank 0
+    first) and, for a sharded run, rank 0's allocation stream."""
 
-    started = time.perf_counter()
-    path = run.folder / f"{run.key}.ledger.yaml"
-    doc = load(path)
-    if "parallelism" not in doc.plain:  # one GPU, no FSDP (benchmark.py runs it with plain python): the estimate
+    allocated: int
+    devices: list[Any]
+    step: Any = None
+
+
+def on_device(path: Path, text: str | None = None) -> OnDevice:
+    """The prediction for the ledger at ``path`` (or ``text`` read as that file): with ``parallelism``, ``shard
+    --estimate``'s (one simulation per ledger text and process); without, one GPU and no FSDP (benchmark.py runs
+    those with plain python), the single-GPU estimate's."""
+    from ledgerspec.contract.document import from_text
+
+    doc = from_text(path.read_text(encoding="utf-8") if text is None else text, str(path))
+    if "parallelism" not in doc.plain:
         from ledgerspec.derivations.devices.prediction import estimate_on_device
 
         memory = doc.get("result", "target_device", "memory").size()
-        assert memory is not None, run.key
+        assert memory is not None, path
         single, d = estimate_on_device(doc, memory)
-        allocated, devices = single.peak_allocated, [d]
-    else:
-        result = shard_estimate(path)
-        est = result.estimate
-        assert est is not None and est.device is not None, run.key
-        d, devices = est.device[0], est.device
-        allocated = est.ranks[0].peak
+        return OnDevice(single.peak_allocated, [d])
+    est = shard_estimate(path, text).estimate
+    assert est is not None and est.device is not None, path
+    return OnDevice(est.ranks[0].peak, est.device, est.ranks[0].step)
+
+
+def estimate_run(run: Run) -> Row:
+    started = time.perf_counter()
+    got = on_device(run.folder / f"{run.key}.ledger.yaml")
+    allocated, devices = got.allocated, got.devices
+    d = devices[0]
     return Row(
         run,
         allocated,

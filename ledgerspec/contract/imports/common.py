@@ -497,14 +497,17 @@ _FSDP1_OPTIONS = {
 }
 
 
-def _sharded(src: Source, b: Builder, origin: str, where: tuple[Any, Any], strategy: str, offload: Any) -> None:
+def _sharded(
+    src: Source, b: Builder, origin: str, where: tuple[Any, Any], strategy: str, offload: Any, whole: bool = False
+) -> None:
     """FSDP1 and FSDP2 alike: the strategy, and parameters, gradients and optimizer state sharded per rank (on the
-    host with CPU offload)."""
+    host with CPU offload; ``whole``: replicated on every rank, FSDP1's NO_SHARD)."""
     b.set(("memory_options", "sharding"), strategy, origin, src.path, where)
     b.set(("parallelism", "strategy"), strategy, origin, src.path, where)
-    place = "cpu" if offload else "sharded"
+    place = "cpu" if offload else "replicated" if whole else "sharded"
+    how = " with CPU offload" if offload else ": NO_SHARD (every rank the whole model)" if whole else ""
     for k in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-        b.set(("parallelism", k), place, origin + (" with CPU offload" if offload else ""), src.path)
+        b.set(("parallelism", k), place, origin + how, src.path)
     b.set(("memory_options", "cpu_offload"), bool(offload), origin, src.path)
     b.set(("parallelism", "cpu_offload"), bool(offload), origin, src.path)
 
@@ -540,10 +543,7 @@ def fsdp1(
     False."""
     name = fsdp1_strategy(strategy) if strategy is not None else "FULL_SHARD"
     if name == "NO_SHARD" and not offload:  # every rank the whole model, FSDP1's flat parameters all the same
-        _sharded(src, b, origin, where, "fsdp1", offload)
-        for key in ("parameter_placement", "gradient_placement", "optimizer_placement"):
-            b.entries.pop(("parallelism", key), None)
-            b.set(("parallelism", key), "replicated", f"{origin}: NO_SHARD (every rank the whole model)", src.path)
+        _sharded(src, b, origin, where, "fsdp1", offload, whole=True)
         _fsdp1_options(src, b, origin, where, cfg)
         return True
     if name is None or name not in FSDP1_STRATEGIES:

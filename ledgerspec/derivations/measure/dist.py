@@ -113,12 +113,8 @@ def _calculated(doc: Document, world: int, rank: int, optimizer: str, reshard: b
 
     descs = document_descriptors(doc)
     plan = fsdp_plan(doc, descs, world, optimizer)
-    if isinstance(plan, S.Fsdp1Plan):  # FSDP1's root stays gathered into backward too
-        # the policy's units (the simulation's "kept after the forward" counts the policy's, not the reference's)
-        units = {u: b for u, b in plan.unit_unsharded.items() if not u.startswith(S.REFERENCE)}
-        kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
-        if plan.world_size == 1:  # NO_SHARD: nothing gathered, MixedPrecision copies freed after each forward
-            kept = 0
+    if isinstance(plan, S.Fsdp1Plan):  # FSDP1's root stays gathered into backward too (the policy's units)
+        kept = S.fsdp1_kept_after_forward(plan, reshard)
     else:
         mp = mixed_precision(doc)
         gathered_dtype = mp.param_dtype if mp else None  # parallelism.mixed_precision_policy (issue 16)

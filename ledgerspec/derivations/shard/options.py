@@ -85,9 +85,14 @@ def no_shard(doc: Document, world: int | None = None) -> bool:
     for the shard group's check)."""
     if not is_fsdp1(doc):
         return False
-    if (doc.get("parallelism", "parameter_placement").text() or "").strip().lower() != "replicated":
+
+    def placement(key: str) -> str | None:
+        text = doc.get("parallelism", key).text()
+        return text.strip().lower() if text is not None else None
+
+    if placement("parameter_placement") != "replicated":
         for key in PLACEMENTS[1:]:  # FSDP1 shards gradients and optimizer state only with the parameters
-            if (doc.get("parallelism", key).text() or "").strip().lower() == "replicated":
+            if placement(key) == "replicated":
                 raise _err(
                     doc,
                     ("parallelism", key),
@@ -98,7 +103,7 @@ def no_shard(doc: Document, world: int | None = None) -> bool:
                 )
         return False
     for key in PLACEMENTS[1:]:
-        text = (doc.get("parallelism", key).text() or "replicated").strip().lower()
+        text = placement(key) or "replicated"
         if text != "replicated":
             raise _err(
                 doc,

@@ -212,11 +212,12 @@ def shard(
     except ValueError as exc:
         raise _err(doc, ("base_model",), str(exc)) from None
     group = shard_group(doc, world)
+    whole = group < world and no_shard(doc, world)  # FSDP1's NO_SHARD: a group of one rank, every rank the whole model
     plan, zero = compute(doc, descs, group)
-    if group < world and no_shard(doc, world):  # NO_SHARD: each rank the whole model; ZeRO over every rank, to compare
+    if whole:  # the ZeRO rows it is compared with: over every rank
         zero = compute(doc, descs, world)[1]
     ext = extension(plan, zero, doc.get("optimizer", "name").text() or "")
-    if group < world and no_shard(doc, world):
+    if whole:
         ext["no_shard"] = (
             f"FSDP1 NO_SHARD on {world} ranks: every rank holds every flat parameter whole, its gradient and its "
             "optimizer state (each unit's flat gradient all-reduced after its backward); one rank listed"
@@ -279,7 +280,7 @@ def shard(
             est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline)
         else:
             est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline, streams=on_device)
-            if "no_shard" in ext:  # one rank simulated for all: each holds what a rank of one holds
+            if whole:  # one rank simulated for all: each holds what a rank of one holds
                 est.world_size = world
         if on_device:
             from ledgerspec.derivations.devices.per_rank import ranks_on_device

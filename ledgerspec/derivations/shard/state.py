@@ -245,6 +245,19 @@ def fsdp2(
 REFERENCE = "<reference model>"
 
 
+def fsdp1_kept_after_forward(plan: Fsdp1Plan, reshard_after_forward: bool | None) -> int:
+    """Gathered parameter bytes an FSDP1 rank still holds when the policy's forward returns (the reference model's
+    units aside): the root under FULL_SHARD (FSDP1 does not free the root's unsharded flat parameter in its
+    post-forward), every unit under SHARD_GRAD_OP (``reshard_after_forward`` False). Nothing on one rank (NO_SHARD):
+    nothing is gathered, and FSDP1 frees every unit's MixedPrecision copy after its forward, the root's too
+    (``_post_forward_reshard`` -> ``post_reshard``: ``_free_low_precision_sharded_param`` without a sharded strategy;
+    torch 2.13 ``_runtime_utils.py``, ``_flat_param.py``)."""
+    if plan.world_size == 1:
+        return 0
+    units = {u: b for u, b in plan.unit_unsharded.items() if not u.startswith(REFERENCE)}
+    return units.get(ROOT, 0) if reshard_after_forward is not False else sum(units.values())
+
+
 def with_reference(
     plan: Fsdp2Plan, params: list[ParamDesc], world: int, reshard_after_forward: bool = True
 ) -> Fsdp2Plan:

@@ -215,12 +215,7 @@ def estimate_per_rank(
         groups = {members[0]: members for members in layouts.values()}
         # FULL_SHARD keeps the root gathered into backward (as FSDP2's default), SHARD_GRAD_OP every unit
         units = p1.unit_unsharded
-        kept = units.get(S.ROOT, 0) if reshard is not False else sum(units.values())
-        if world == 1:  # NO_SHARD: nothing is gathered, and FSDP1 frees every unit's MixedPrecision copy after
-            # its forward, the root's too (``_post_forward_reshard`` -> ``post_reshard``:
-            # ``_free_low_precision_sharded_param`` without a sharded strategy; torch 2.13 ``_runtime_utils.py``,
-            # ``_flat_param.py``)
-            kept = 0
+        kept = S.fsdp1_kept_after_forward(p1, reshard)
     else:
         groups = rank_groups(descs, world)
         units = unit_unsharded_bytes(descs, world, mp.param_dtype if mp else None)
