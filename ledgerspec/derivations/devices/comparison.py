@@ -181,9 +181,9 @@ def compare(
         simulated: dict[int, Any] = {}
 
         def sharded(world: int) -> int:
-            from ledgerspec.derivations.shard.options import cpu_offload, no_shard
+            from ledgerspec.derivations.shard.options import no_shard
 
-            if not on_device or cpu_offload(doc) is not None:  # an offloaded rank's stream is not recorded
+            if not on_device:
                 return _fsdp2_worst(doc, world)
             ranks = 1 if no_shard(doc, world) else world  # NO_SHARD: one simulation for every GPU count
             if ranks not in simulated:

@@ -36,7 +36,6 @@ from ledgerspec.derivations.devices.prediction import (
 #: why a sharded verdict compares allocated tensors (the device-level one is not available), by what is declared
 NOT_ON_DEVICE = {
     "zero": "DeepSpeed ZeRO's step is simulated for allocated tensors only: its allocation streams are not replayed",
-    "offload": "a CPU-offloaded step is simulated for allocated tensors only: its allocation streams are not replayed",
     "cpu": "the CPU target has no caching allocator to replay",
 }
 

@@ -303,7 +303,16 @@ class Fsdp1Options:
 def fsdp1_options(doc: Document) -> Fsdp1Options:
     """The declared FSDP1 options (absent ones at the Trainer's defaults); a bad value is a usage error at its line."""
     path = ("parallelism", "backward_prefetch")
-    text = doc.get(*path).text()
+    declared = doc.get(*path)
+    if declared.present and declared.unknown:
+        raise _err(
+            doc,
+            path,
+            f"backward_prefetch is {declared.source or 'UNKNOWN'}: FSDP1's step depends on it",
+            f"write one of {', '.join(BACKWARD_PREFETCH)}, or remove the key for the Trainer's default",
+            exit_code=EXIT_USAGE,
+        )
+    text = declared.text()
     prefetch = None
     if text is not None:
         key = text.strip().lower().replace("-", "_")
@@ -318,11 +327,19 @@ def fsdp1_options(doc: Document) -> Fsdp1Options:
 
     def switch(name: str, default: bool) -> bool:
         value = doc.get("parallelism", name)
-        if not value.present or value.text() is None:
+        if not value.present or (value.value is None and not value.unknown):
             return default
         on = value.switch()
         if on is None:
-            raise _err(doc, ("parallelism", name), f"{name} must be true or false", exit_code=EXIT_USAGE)
+            # UNKNOWN too: FSDP1's step depends on the switch, and reading it as the default would hide that
+            raise _err(
+                doc,
+                ("parallelism", name),
+                f"{name} must be true or false"
+                + (f" (it is {value.source or 'UNKNOWN'}: FSDP1's step depends on it)" if value.unknown else ""),
+                f"write true or false, or remove the key for FSDP1's default ({str(default).lower()})",
+                exit_code=EXIT_USAGE,
+            )
         return on
 
     return Fsdp1Options(

@@ -265,3 +265,64 @@ def test_staging_copy_before_the_all_gather() -> None:
             assert storage(staged) != storage(fp._sharded_param_data)
             assert staged.untyped_storage().nbytes() == fp._sharded_param_data.untyped_storage().nbytes() == 3 * 8 * 4
         assert [storage(t) for t in fp.all_gather_inputs] == [storage(fp._sharded_param_data)]
+
+
+def test_fsdp1_staging_copy_before_the_all_gather() -> None:
+    """FSDP1's ``pre_unshard`` with ``CPUOffload(offload_params=True)``: on a GPU ``flat_param_to(self.device)`` makes
+    the flat parameter a device copy of the host shard; on the CPU the devices are equal and no copy is made. The
+    cuda-target simulation makes it: a new storage of the shard's bytes, and the host shard untouched."""
+    import torch
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
+
+    from ledgerspec.derivations.shard.offload.fsdp import fsdp1_staging_on_the_device, pinning_as_copies
+    from ledgerspec.derivations.shard.simulation import fake_process_group
+
+    def storage(t: Any) -> int:
+        return int(t.untyped_storage()._cdata)
+
+    with fake_process_group(0, 2), pinning_as_copies(always=True):
+        model = FullyShardedDataParallel(
+            torch.nn.Linear(8, 6), cpu_offload=CPUOffload(offload_params=True), device_id=torch.device("cpu")
+        )
+        handle = model._handle
+        assert handle is not None
+        handle.init_flat_param_attributes()  # what the lazy init of the first forward does
+        flat = handle.flat_param
+        before = storage(flat)
+        handle.pre_unshard()
+        assert storage(flat) == before  # the CPU: no copy
+        with fsdp1_staging_on_the_device():
+            handle.pre_unshard()
+            assert storage(flat) not in (before, storage(flat._local_shard))
+            shard_bytes = (8 * 6 + 6) // 2 * 4  # the flat parameter (weight and bias) halved, float32
+            assert flat.untyped_storage().nbytes() == flat._local_shard.untyped_storage().nbytes() == shard_bytes
+
+
+@pytest.mark.slow  # two FSDP ranks simulated with their streams, per strategy: about 10 s
+@pytest.mark.parametrize("strategy", one_worker_each("offload-device", ["fsdp2", "fsdp1"]))
+def test_an_offloaded_step_is_decided_on_the_device(tmp_path: Path, strategy: str) -> None:
+    """With CPU offload the verdict replays the device's stream (the host's storages leave no event in it): the
+    replay's live bytes at the training peak are what the simulated device side holds there (``device.PHASE``, the
+    split by role checked against real runs in test_offload_real.py), not the device and the host together."""
+    pytest.importorskip("peft")
+    from ledgerspec.derivations.allocator.replay import replay
+    from ledgerspec.derivations.shard.sharder import shard
+
+    path = _ledger(tmp_path, strategy)
+    code, out, err = run_cli("shard", path, "--estimate", "--device-memory", "8GiB")
+    assert code == 0, err
+    assert "on the device" in out and "allocated tensors only" not in out
+    result = shard(load(path), estimate=True, target="cuda", device_memory=8 * 2**30)
+    est = result.estimate
+    assert est is not None and est.device is not None and est.allocated_only is None
+    rank = est.ranks[0]
+    assert rank.step is not None and rank.host_phases is not None
+    replayed = replay(rank.step.events, granularity=512)
+    training = rank.step.windows[3:]  # after the load, the adapters and the optimizer's creation
+    assert rank.step.windows[0].endswith(":frozen_params") and training[0].endswith(":activations")
+    peak = max(replayed.phases[w].peak_counted for w in training)
+    # the training peak of the device's stream is the simulated device side's peak, not device and host together
+    assert peak == rank.peak == max(rank.phases.values())
+    assert peak < max(rank.phases[k] + rank.host_phases[k] for k in ("backward_peak", "steady_state_peak"))
+    # the optimizer steps on the host: the device's stream allocates next to nothing there
+    assert rank.phases["optimizer_step_peak"] < rank.host_phases["optimizer_step_peak"]

@@ -145,6 +145,54 @@ def test_the_field_is_read_with_accelerates_default(tmp_path: Path) -> None:
         fsdp1_options(load(bad))
 
 
+SWITCHES = [
+    "sync_module_states",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "activation_checkpointing",
+]
+
+
+@pytest.mark.parametrize("key", SWITCHES)
+def test_an_unknown_fsdp1_switch_is_an_error_at_its_line_not_the_default(tmp_path: Path, key: str) -> None:
+    """UNKNOWN is not "absent": the simulated step needs the switch, so it is not read as FSDP1's default."""
+    from ledgerspec.derivations.shard.options import fsdp1_options
+    from ledgerspec.errors import EXIT_USAGE, LedgerspecError
+
+    text = LEDGER.read_text(encoding="utf-8")
+    (tmp_path / "tiny").symlink_to(LEDGER.parent / "tiny")
+    unknown = tmp_path / "unknown.ledger.yaml"
+    unknown.write_text(
+        text.replace("  sync_module_states: true\n", "").replace(
+            "parallelism:\n", f"parallelism:\n  {key}: UNKNOWN\n", 1
+        ),
+        encoding="utf-8",
+    )
+    line = next(i for i, t in enumerate(unknown.read_text(encoding="utf-8").splitlines(), 1) if f"{key}: UNKNOWN" in t)
+    with pytest.raises(LedgerspecError) as caught:
+        fsdp1_options(load(unknown))
+    assert caught.value.exit_code == EXIT_USAGE
+    assert f":{line}:" in str(caught.value)
+    assert f"{key} must be true or false (it is UNKNOWN" in str(caught.value)
+
+
+def test_an_unknown_backward_prefetch_is_an_error_at_its_line(tmp_path: Path) -> None:
+    from ledgerspec.derivations.shard.options import fsdp1_options
+    from ledgerspec.errors import EXIT_USAGE, LedgerspecError
+
+    (tmp_path / "tiny").symlink_to(LEDGER.parent / "tiny")
+    path = tmp_path / "unknown.ledger.yaml"
+    unknown = "parallelism:\n  backward_prefetch: UNKNOWN\n"
+    text = LEDGER.read_text(encoding="utf-8").replace("parallelism:\n", unknown, 1)
+    path.write_text(text, encoding="utf-8")
+    line = text.splitlines().index("  backward_prefetch: UNKNOWN") + 1
+    with pytest.raises(LedgerspecError) as caught:
+        fsdp1_options(load(path))
+    assert caught.value.exit_code == EXIT_USAGE and f":{line}:" in str(caught.value)
+    assert "backward_prefetch is UNKNOWN" in str(caught.value)
+
+
 def test_the_truth_is_a_real_broadcast() -> None:
     """The committed observation: both ranks hold rank 0's weights after the wrapping (they drew different ones), and
     torch's bucketing of the logged tensors is the one logged."""

@@ -113,13 +113,15 @@ def simulate_rank(
             from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import models_outside_checkpoint
 
             workload.checkpoint_outside = models_outside_checkpoint(doc)
-        if record is not None and offload:
-            raise ValueError("the allocation stream of a CPU-offloaded rank is not recorded")
         if record is not None:  # the same tracker, keeping its event log
             from ledgerspec.derivations.allocator.step import _event_backend_class
+            from ledgerspec.derivations.shard.offload.sides import split_tracker_class
             from ledgerspec.derivations.shard.simulation import device_waits, stream_numbers
 
             backend = _event_backend_class()(granularity(target))
+            if offload:  # the event log is the device's stream: host storages log nothing (offload.sides)
+                backend.tracker = split_tracker_class()(granularity=granularity(target), events=True)
+                backend.sides = {}
             numbers = stream_numbers()
             backend.tracker.stream_of = numbers
             reads_loss = spec.loop == "trainer" or config.read(doc).training.loss_item_each_step
@@ -137,8 +139,12 @@ def simulate_rank(
             split.grads_to_host = not is_fsdp1(doc)  # FSDP1's host gradient is its pinned _cpu_grad
             extra.enter_context(O.pinning_as_copies(split.hosting, always=True))
             extra.enter_context(O.hosting_resharded_params(split))
-            if target == "cuda" and not is_fsdp1(doc):  # FSDP2's device copy of the shards before each all-gather
-                extra.enter_context(O.staging_on_the_device())
+            if target == "cuda":  # the device copy of the shards before each all-gather
+                extra.enter_context(O.fsdp1_staging_on_the_device() if is_fsdp1(doc) else O.staging_on_the_device())
+            if is_fsdp1(doc):  # FSDP1's host gradient buffer is made on the host
+                extra.enter_context(O.fsdp1_host_gradients(split))
+            if record is not None and is_fsdp1(doc):  # FSDP1 waits for its gradient copies to the host
+                extra.enter_context(O.waiting_for_gradient_copies(split))
             sides = extra.enter_context(recording_sides(backend))
         from ledgerspec.derivations.estimate.legacy_loss import declared_loss
 
@@ -229,7 +235,9 @@ def estimate_per_rank(
     by_rank: dict[int, RankEstimate] = {}
     for rep, members in groups.items():
         step = rank_step(rep) if streams else None
-        figures = step.estimate_figures if step is not None and step.estimate_figures else rank_figures(rep)
+        # with CPU offload the stream is the device's alone: the figures (both sides) are the probes' own
+        from_step = step.estimate_figures if step is not None and cpu_offload(doc) is None else None
+        figures = from_step or rank_figures(rep)
         for r in members:
             by_rank[r] = RankEstimate.of(
                 r,

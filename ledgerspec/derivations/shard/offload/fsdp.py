@@ -27,11 +27,16 @@ How it is simulated without a GPU (:mod:`.sides`: ``split_tracker_class``, ``rec
 side by its ROLE, since on a CPU-only run both sides are host memory. Host: the sharded parameters (FSDP2
 ``FSDPParam._sharded_param_data``, FSDP1 ``FlatParameter._local_shard``), their sharded gradients (FSDP2
 ``sharded_param.grad``, FSDP1 ``_cpu_grad``), the optimizer state, and everything the optimizer step allocates; under
-FSDP1 also what the load builds before the wrapper moves the buffers to the device. Device: all the rest. The phases
-keep their totals (device + host, comparable with a real offloaded run on the CPU to the byte); each phase also gets its
-device and host peaks. ``.to(device)`` of a CPU tensor is the tensor itself when the device is the CPU, so a CPU run
-has no staging copy of the shards on the device before an all-gather; for the cuda target FSDP2's is made
-(:func:`staging_on_the_device`), FSDP1's is not (at most one unit's shards, reported as ``staging``).
+FSDP1 also what the load builds before the wrapper moves the buffers to the device (in the device's allocation stream,
+:func:`fsdp1_shards_to_the_host`: each unit made on the device as FSDP1 wraps it, its shard moved to the host after
+``shard()``). Device: all the rest. The phases keep their totals (device + host, comparable with a real offloaded run
+on the CPU to the byte); each phase also gets its device and host peaks. ``.to(device)`` of a CPU tensor is the tensor
+itself when the device is the CPU, so a CPU run has no staging copy of the shards on the device before an all-gather;
+for the cuda target it is made (:func:`staging_on_the_device`, :func:`fsdp1_staging_on_the_device`).
+
+The device-level verdict replays the device's allocation stream: a split tracker with an event log logs the device's
+storages only (:mod:`.sides`), and FSDP1's wait for its gradient copies at the end of backward is a ``sync`` in it
+(:func:`waiting_for_gradient_copies`).
 
 Pinned memory (``pin_memory()``) needs an accelerator; on a CPU-only host :func:`pinning_as_copies` makes it a plain
 copy, which is what it is in bytes (``Tensor.pin_memory`` copies into page-locked memory). FSDP1's CPUOffload
@@ -102,13 +107,78 @@ def offloaded_workload(base: type) -> Any:
             if not hasattr(base, "_wrap"):  # FSDP2: the shards only (above)
                 super().materialise_base(device)
                 return
-            with self.split.hosting():  # FSDP1: the model is built and flattened on the host
-                super().materialise_base(device)
+            if self.load_per_unit:  # the device's stream: each unit made on the device as FSDP1 wraps it
+                with fsdp1_shards_to_the_host(self.split):
+                    super().materialise_base(device)
+            else:
+                with self.split.hosting():  # FSDP1: the model is built and flattened on the host
+                    super().materialise_base(device)
             for b in self.model.buffers():  # FSDP1 moves the buffers to the compute device
                 self.split.to_side(b, host=False)
 
     Offloaded.__name__ = Offloaded.__qualname__ = f"Offloaded{base.__name__}"
     return Offloaded
+
+
+@contextlib.contextmanager
+def fsdp1_shards_to_the_host(tracker: Any) -> Iterator[None]:
+    """FSDP1 wrapping with ``CPUOffload(offload_params=True)`` and a ``device_id``, as a GPU run does it unit by unit
+    (torch 2.13 ``_init_utils.py``): the unit's parameters are moved or materialised on the device
+    (``_move_module_to_device`` / ``param_init_fn``), broadcast with ``sync_module_states``, flattened and sharded
+    there (``FlatParamHandle.shard``: a new sharded flat parameter, the unsharded storage freed), and only then
+    ``_init_param_handle_from_params`` moves the shard to the host (``handle.flat_param_to(cpu_device)`` when the
+    flat parameter is not on the CPU). On the CPU that move is skipped (the devices are equal); here the shard is put
+    on the host side of ``tracker`` right after ``shard()``, so the device's stream frees it there, as the move
+    does. The wrapping's device memory is one unit's at a time, as without offload."""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    shard = FlatParamHandle.shard
+
+    def shard_to_host(self: Any) -> None:
+        shard(self)
+        if self._offload_params:
+            tracker.to_side(self.flat_param, host=True)
+
+    FlatParamHandle.shard = shard_to_host  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FlatParamHandle.shard = shard  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fsdp1_host_gradients(tracker: Any) -> Iterator[None]:
+    """FSDP1's host gradient buffer, made on the host: torch 2.13 ``FlatParamHandle.init_flat_param_attributes``
+    allocates it as ``torch.zeros_like(flat_param._local_shard, device=cpu_device).pin_memory()``; the pinned copy is
+    the host's already (:func:`pinning_as_copies`), and so is the zeroed tensor before it (host memory on a GPU run,
+    not a device allocation). Wrapped for the simulation only: inside that method, ``torch.zeros_like(...,
+    device=<cpu>)`` runs under ``tracker.hosting()``."""
+    import torch
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    init = FlatParamHandle.init_flat_param_attributes
+    zeros_like = torch.zeros_like
+
+    def host_zeros_like(*args: Any, **kwargs: Any) -> Any:
+        if torch.device(kwargs.get("device") or "meta").type == "cpu":
+            with tracker.hosting():
+                return zeros_like(*args, **kwargs)
+        return zeros_like(*args, **kwargs)
+
+    def init_flat_param_attributes(self: Any) -> None:
+        if not self._offload_params:
+            return init(self)
+        torch.zeros_like = host_zeros_like
+        try:
+            return init(self)
+        finally:
+            torch.zeros_like = zeros_like
+
+    FlatParamHandle.init_flat_param_attributes = init_flat_param_attributes  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FlatParamHandle.init_flat_param_attributes = init  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -185,8 +255,8 @@ def calculated(plan: Any, descs: list[Any]) -> list[OffloadRank]:
 OFFLOAD_METHOD = (
     "phases are the device's: each tensor on its side by its role (host: the sharded parameters, their gradient "
     "shards, the optimizer state and everything the optimizer step allocates; device: the rest), host_peak the most "
-    "the host side held; FSDP2's device copy of a unit's shards before its all-gather (staging) is made on the cuda "
-    "target, FSDP1's is not"
+    "the host side held; the device copy of a unit's shards before its all-gather (staging) is made on the cuda "
+    "target"
 )
 
 
@@ -237,8 +307,7 @@ def staging_on_the_device() -> Iterator[None]:
     a device copy alive until the group's copy-in into the all-gather buffer is done (``foreach_all_gather``:
     ``del param_all_gather_inputs``). Here that copy is made (a clone outside the host context: device memory)
     whenever the all-gather would read the host shard. With a ``param_dtype`` the cast is that copy already (the copy
-    in the original dtype before it is not made). FSDP1's copy (``FlatParamHandle.pre_unshard``: ``flat_param_to``)
-    is not simulated.
+    in the original dtype before it is not made). FSDP1's copy: :func:`fsdp1_staging_on_the_device`.
     """
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
@@ -259,3 +328,85 @@ def staging_on_the_device() -> Iterator[None]:
         yield
     finally:
         FSDPParam.all_gather_inputs = inputs  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fsdp1_staging_on_the_device() -> Iterator[None]:
+    """FSDP1's host -> device copy of a unit's shard before its all-gather, as a GPU run makes it (cuda target).
+
+    torch 2.13 ``_flat_param.py``: ``FlatParamHandle.pre_unshard`` with ``CPUOffload(offload_params=True)`` calls
+    ``flat_param_to(self.device, non_blocking=True)`` ("This creates a new tensor distinct from any attributes"): the
+    flat parameter's data becomes a device copy of the host shard, which the all-gather reads and which is dropped
+    when ``unshard`` points the flat parameter at the unsharded buffer. With a mixed-precision ``param_dtype``,
+    ``_use_low_precision_shard`` allocates ``_mp_shard`` and copies ``_local_shard.to(self.device)`` into it: a
+    full-precision device copy alive for that ``copy_``. With the CPU as the compute device ``.to(self.device)``
+    returns the host tensor itself (and ``pre_unshard`` skips ``flat_param_to``: the devices are equal), so neither
+    copy exists; here each is made (a clone outside the host context: device memory) where the GPU makes it.
+    """
+    import torch.distributed.fsdp._flat_param as F
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    pre_unshard = FlatParamHandle.pre_unshard
+    low_precision = FlatParamHandle._use_low_precision_shard
+
+    def _use_low_precision_shard(self: Any) -> None:  # torch 2.13's, the device copy made
+        if not self._offload_params:
+            return low_precision(self)
+        self._check_low_precision_shard()
+        flat_param = self.flat_param
+        F._alloc_storage(flat_param._mp_shard, flat_param._local_shard.size())
+        staged = flat_param._local_shard.clone()  # `_local_shard.to(self.device, non_blocking=True)` on a GPU
+        flat_param._mp_shard.copy_(staged)
+        del staged
+        flat_param.data = flat_param._mp_shard
+        return None
+
+    def staged_pre_unshard(self: Any) -> bool:
+        ret = pre_unshard(self)
+        flat_param = self.flat_param
+        low_precision = self._uses_param_mixed_precision and not self._force_full_precision
+        # sharded, the flat parameter is on the host on a GPU (its first shard or `_local_shard`); unsharded (the
+        # root kept gathered into backward) it is on the device and no copy is made
+        if self._offload_params and not low_precision and self.is_sharded(flat_param):
+            # the `flat_param_to(self.device)` branch, as a GPU takes it
+            flat_param.data = flat_param.clone()
+            if self._use_orig_params:
+                self._use_sharded_views()
+            ret = True
+        return bool(ret)
+
+    FlatParamHandle.pre_unshard = staged_pre_unshard  # type: ignore[method-assign]
+    FlatParamHandle._use_low_precision_shard = _use_low_precision_shard  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FlatParamHandle.pre_unshard = pre_unshard  # type: ignore[method-assign]
+        FlatParamHandle._use_low_precision_shard = low_precision  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def waiting_for_gradient_copies(tracker: Any) -> Iterator[None]:
+    """FSDP1's wait for its device -> host gradient copies at the end of backward, in a rank's event log.
+
+    torch 2.13 ``_runtime_utils._post_backward_final_callback``: with ``offload_params`` the host calls
+    ``current_stream().synchronize()`` ("CPU gradients do not automatically synchronize with the GPU"), so every
+    pending free has completed there (``tracker.sync(0)``). The CPU stream's own ``synchronize`` (none, or
+    :func:`pinning_as_copies`'s no-op) is restored on exit.
+    """
+    import torch
+
+    stream = torch.cpu.Stream
+    had = "synchronize" in stream.__dict__
+    original = stream.__dict__.get("synchronize")
+
+    def synchronize(self: Any) -> None:
+        tracker.sync(0)
+
+    stream.synchronize = synchronize  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if had:
+            stream.synchronize = original  # type: ignore[attr-defined]
+        else:
+            del stream.synchronize  # type: ignore[attr-defined]

@@ -20,6 +20,10 @@ HELD = ("after_load", "after_adapter_injection", "after_optimizer_init")
 def split_tracker_class() -> type:
     """:class:`ledgerspec.derivations.engine.tracker.MemoryTracker` that also keeps the host's bytes apart.
 
+    With ``events=True`` its event log is the device's allocation stream only (what the caching allocator sees): a
+    host storage logs nothing, a storage moved to the host logs its device buffer's free, one moved to the device
+    an allocation.
+
     A storage is on the host when it was allocated while :meth:`hosting` is on (or in the optimizer step: the
     optimizer steps the host shards), or was moved there by :meth:`to_host`; everything else is on the device. The
     total (``current``, ``peak``) is what the base tracker counts; ``host_current`` is its host part, and each
@@ -95,18 +99,33 @@ def split_tracker_class() -> type:
             self.device_window = self.current - self.host_current
 
         def to_side(self, tensor: Any, host: bool) -> None:
-            """Put one live tensor's storage on the host (``host``) or on the device."""
-            key = int(local_tensor(tensor).untyped_storage()._cdata)
+            """Put one live tensor's storage on the host (``host``) or on the device; in the event log (the
+            device's allocation stream) its device buffer is freed, or allocated."""
+            storage = local_tensor(tensor).untyped_storage()
+            key = int(storage._cdata)
             entry = self._live.get(key)
             if entry is None or (key in self.host_keys) == host:
                 return
             if host:
                 self.host_keys.add(key)
                 self.host_current += entry.nbytes
+                if self.events is not None:
+                    self._log_free(key)
             else:
                 self.host_keys.discard(key)
                 self.host_current -= entry.nbytes
+                if self.events is not None:
+                    self._log_alloc(key, int(storage.nbytes()))
             self._check_peak()
+
+        # -- the event log (``events=True``): the device's allocation stream, host memory left out ----------------
+        def _log_alloc(self, key: int, nbytes: int) -> None:
+            if key not in self.host_keys:
+                super()._log_alloc(key, nbytes)
+
+        def _log_resize(self, key: int, nbytes: int) -> None:
+            if key not in self.host_keys:
+                super()._log_resize(key, nbytes)
 
         def _on_grad(self, p: Any) -> None:
             super()._on_grad(p)
