@@ -109,6 +109,7 @@ class Row:
     verdict: str
     seconds: float
     step: Any = field(default=None, repr=False, compare=False)  # rank 0's allocation stream
+    held: int = 0  # rank 0's allocated bytes before the first step (after the optimizer's creation)
 
     def at_high(self) -> int:
         """Peak reserved of the stream replayed against ``high_capacity`` (the allocator frees its cache and retries
@@ -169,6 +170,7 @@ def estimate_run(run: Run) -> Row:
         f"{word} (device peak {d.device_peak / GiB:.2f}, margin {d.margin / 2**20:,.0f} MiB)",
         time.perf_counter() - started,
         step,
+        est.ranks[0].phases["after_optimizer_init"],
     )
 
 
@@ -205,17 +207,18 @@ def qlora_excess(rows: list[Row]) -> str:
         "logits the loop holds, the shifted copy, log_softmax's output and its gradient; the slice's gradient reuses "
         "the shifted copy's block), for LoRA and QLoRA alike, in the order torch's operators allocate and free them "
         "(the same operators on a GPU; no GPU trace of this loss is published). What the "
-        "4-bit rows add at large batches is not found. Their allocated peaks are not published; the replay's reserve "
-        "above its allocated peak is about the LoRA row's ("
-        + ", ".join(f"{(r.reserved - r.allocated) / GiB:.2f} GiB" for r in (*over, *lora))
-        + "), and were the runs' reserve the LoRA run's, "
-        + ", ".join(
-            f"{r.run.label} would have allocated {r.run.reserved - (lora[0].reserved - lora[0].allocated) / GiB:.2f}"
-            f" GiB, not the simulated {r.allocated / GiB:.2f}"
-            for r in over
-        )
-        + ": a hint that the simulated QLoRA step holds more than the runs did, not a finding. A GPU run of one of "
-        "them would tell. "
+        "4-bit rows add at large batches is not found. Above what a rank holds before the step (the 4-bit shards, "
+        "unless offloaded), the simulated steps allocate "
+        + ", ".join(f"{(r.allocated - r.held) / GiB:.2f} GiB ({r.run.label})" for r in (*over, *lora))
+        + ": about the same per sequence, LoRA or QLoRA. What differs is the reserve above the allocated peak, if the "
+        "simulated peaks are the runs' (theirs are not published): the LoRA run reserved "
+        + ", ".join(f"{r.run.reserved - r.allocated / GiB:.2f} GiB above its" for r in lora)
+        + ", the QLoRA runs "
+        + ", ".join(f"{r.run.reserved - r.allocated / GiB:.2f}" for r in over)
+        + " GiB, where the replay reserves "
+        + ", ".join(f"{(r.unlimited - r.allocated) / GiB:.2f}" for r in over)
+        + " GiB without a limit. Runs that reached the top of their card and freed their cache would reserve less "
+        "(below); whether these did is not published, and a GPU run of one of them would tell. "
     )
 
 
