@@ -44,6 +44,7 @@ from ledgerspec.derivations.shard.options import (
     check_fsdp1_mixed_precision,
     check_qlora,
     cpu_offload,
+    reshard_after_forward_switch,
     zero_stage,
 )
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError, described
@@ -596,7 +597,7 @@ def make_request(doc: Document, nproc: int, device: str, steps: int) -> DistRequ
     elif base.spec.get("quant") is not None:
         check_qlora(doc, rule="measure", code=EXIT_USAGE)  # the layout FSDP2 can shard, before launching
     check_fsdp1_mixed_precision(doc, rule="measure")  # a first forward no real run survives, before launching
-    reshard = doc.get("parallelism", "reshard_after_forward").switch()
+    reshard = reshard_after_forward_switch(doc)
     offload = cpu_offload(doc) is not None
     return DistRequest(base.doc_text, base.doc_path, base.spec, nproc, device, steps, reshard, offload)
 

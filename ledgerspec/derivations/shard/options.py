@@ -238,10 +238,31 @@ def mixed_precision(doc: Document) -> MixedPrecision | None:
     return MixedPrecision(out["param_dtype"], out["reduce_dtype"], out["buffer_dtype"])
 
 
+def declared_switch(doc: Document, path: tuple[str, ...]) -> bool | None:
+    """A sharding switch as declared (None: absent, or a plain null); ``UNKNOWN`` (or CONFIGURATION-SPECIFIC) is a
+    usage error at its line: the sharded step depends on it, and reading it as the default would hide that."""
+    value = doc.get(*path)
+    if value.present and value.unknown:
+        raise _err(
+            doc,
+            path,
+            f"{path[-1]} is {value.source or 'UNKNOWN'}: the sharded step depends on it",
+            "write true or false, or remove the key for the default",
+            exit_code=EXIT_USAGE,
+        )
+    return value.switch()
+
+
+def reshard_after_forward_switch(doc: Document) -> bool | None:
+    """``parallelism.reshard_after_forward`` as declared (None: absent, each strategy's default)."""
+    return declared_switch(doc, ("parallelism", "reshard_after_forward"))
+
+
 def cpu_offload(doc: Document) -> tuple[str, ...] | None:
-    """Where the document turns CPU offload on (``parallelism.cpu_offload`` or ``memory_options.cpu_offload``)."""
+    """Where the document turns CPU offload on (``parallelism.cpu_offload`` or ``memory_options.cpu_offload``);
+    either declared ``UNKNOWN`` is a usage error at its line (:func:`declared_switch`)."""
     for path in (("parallelism", "cpu_offload"), ("memory_options", "cpu_offload")):
-        if doc.get(*path).switch():
+        if declared_switch(doc, path):
             return path
     return None
 

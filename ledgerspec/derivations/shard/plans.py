@@ -12,12 +12,18 @@ from __future__ import annotations
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document
 from ledgerspec.derivations.shard import state as S
-from ledgerspec.derivations.shard.options import fsdp1_options, is_fsdp1, mixed_precision, separate_reference
+from ledgerspec.derivations.shard.options import (
+    fsdp1_options,
+    is_fsdp1,
+    mixed_precision,
+    reshard_after_forward_switch,
+    separate_reference,
+)
 
 
 def reshard_after_forward(doc: Document) -> bool:
     """``parallelism.reshard_after_forward`` (absent: True, both strategies' default for the plan)."""
-    value = doc.get("parallelism", "reshard_after_forward").switch()
+    value = reshard_after_forward_switch(doc)
     return True if value is None else value
 
 

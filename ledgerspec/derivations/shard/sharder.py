@@ -26,6 +26,7 @@ from ledgerspec.derivations.shard.options import (
     is_fsdp1,
     mixed_precision,
     no_shard,
+    reshard_after_forward_switch,
     separate_reference,
     shard_group,
     world_size,
@@ -245,7 +246,7 @@ def shard(
             "limit_all_gathers": opts.limit_all_gathers,
             "use_orig_params": opts.use_orig_params,
         }
-    if doc.get("parallelism", "reshard_after_forward").switch() is None and not is_fsdp1(doc):
+    if reshard_after_forward_switch(doc) is None and not is_fsdp1(doc):
         # FSDP2's default: layers reshard after forward, the root stays gathered into backward (the same compute
         # peak as true, which the calculated plan uses; the estimate simulates the default itself)
         ext["reshard_after_forward"] = FSDP2_DEFAULT

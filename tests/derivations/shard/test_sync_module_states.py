@@ -278,3 +278,30 @@ def test_the_held_bytes_do_not_change(simulated: dict[str, Any]) -> None:
     syncs = [e for e in step.events[start:end] if e[0] == "sync"]
     # each unit's pending frees complete once, when the next unit starts or the wrapping ends
     assert syncs == [("sync", 0)] * sum(1 for sizes in simulated["seen"][0].tensors if sizes)
+
+
+@pytest.mark.parametrize(
+    ("declared", "replaced"),
+    [
+        ("  reshard_after_forward: UNKNOWN\n", "  reshard_after_forward: true\n"),
+        ("  cpu_offload: UNKNOWN\n", "  sync_module_states: true\n"),
+        ("  sharding: fsdp1\n  cpu_offload: CONFIGURATION-SPECIFIC\n", "  sharding: fsdp1\n"),
+    ],
+)
+def test_an_unknown_sharding_switch_stops_shard_at_its_line(tmp_path: Path, declared: str, replaced: str) -> None:
+    """``shard`` (no simulation) reads reshard_after_forward and CPU offload for its per-rank plan: declared UNKNOWN
+    they are one line at their place, exit 2, not the default read silently."""
+    from tests.support import run_cli
+
+    (tmp_path / "tiny").symlink_to(LEDGER.parent / "tiny")
+    path = tmp_path / "unknown.ledger.yaml"
+    text = LEDGER.read_text(encoding="utf-8")
+    assert replaced in text
+    text = text.replace(replaced, declared if "cpu_offload: UNKNOWN" not in declared else replaced + declared, 1)
+    path.write_text(text, encoding="utf-8")
+    key_line = next(line for line in declared.splitlines() if "UNKNOWN" in line or "SPECIFIC" in line)
+    line = text.splitlines().index(key_line) + 1
+    code, out, err = run_cli("shard", path, "--check")
+    assert code == 2, (out, err)
+    assert f"{path}:{line}:" in err and "the sharded step depends on it" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2  # the error and its hint

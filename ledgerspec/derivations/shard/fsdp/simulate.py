@@ -38,7 +38,13 @@ from typing import Any
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.derivations.estimate.extrapolate import Plan
-from ledgerspec.derivations.shard.options import cpu_offload, fsdp1_options, is_fsdp1, mixed_precision
+from ledgerspec.derivations.shard.options import (
+    cpu_offload,
+    fsdp1_options,
+    is_fsdp1,
+    mixed_precision,
+    reshard_after_forward_switch,
+)
 from ledgerspec.derivations.shard.simulation import (
     COMPONENTS,
     Progress,
@@ -201,7 +207,7 @@ def estimate_per_rank(
         from ledgerspec.derivations.shard.fsdp.legacy_checkpoint import depth_plan
 
         est_plan = depth_plan(doc, spec, est_plan)
-    reshard = doc.get("parallelism", "reshard_after_forward").switch()
+    reshard = reshard_after_forward_switch(doc)
     from ledgerspec.derivations.shard import state as S
 
     mp = mixed_precision(doc)
