@@ -15,6 +15,7 @@ from typing import Any
 from ledgerspec.contract import config, dtypes
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.fsdp1_precision import declares_fsdp1, lora_input_dtype_conflict
+from ledgerspec.contract.values import Value
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_USAGE, LedgerspecError
 
@@ -238,19 +239,20 @@ def mixed_precision(doc: Document) -> MixedPrecision | None:
     return MixedPrecision(out["param_dtype"], out["reduce_dtype"], out["buffer_dtype"])
 
 
-def declared_switch(doc: Document, path: tuple[str, ...]) -> bool | None:
-    """A sharding switch as declared (None: absent, or a plain null); ``UNKNOWN`` (or CONFIGURATION-SPECIFIC) is a
-    usage error at its line: the sharded step depends on it, and reading it as the default would hide that."""
+def _known(doc: Document, path: tuple[str, ...], message: str, hint: str) -> Value:
+    """The value at ``path``; declared ``UNKNOWN`` (or CONFIGURATION-SPECIFIC) it is a usage error at its line:
+    ``message`` with ``{word}`` the word declared. The sharded step depends on the option, and reading it as the
+    default would hide that."""
     value = doc.get(*path)
     if value.present and value.unknown:
-        raise _err(
-            doc,
-            path,
-            f"{path[-1]} is {value.source or 'UNKNOWN'}: the sharded step depends on it",
-            "write true or false, or remove the key for the default",
-            exit_code=EXIT_USAGE,
-        )
-    return value.switch()
+        raise _err(doc, path, message.format(word=value.source or "UNKNOWN"), hint, exit_code=EXIT_USAGE)
+    return value
+
+
+def declared_switch(doc: Document, path: tuple[str, ...]) -> bool | None:
+    """A sharding switch as declared (None: absent, or a plain null); ``UNKNOWN`` is a usage error (:func:`_known`)."""
+    message = f"{path[-1]} is {{word}}: the sharded step depends on it"
+    return _known(doc, path, message, "write true or false, or remove the key for the default").switch()
 
 
 def reshard_after_forward_switch(doc: Document) -> bool | None:
@@ -324,15 +326,12 @@ class Fsdp1Options:
 def fsdp1_options(doc: Document) -> Fsdp1Options:
     """The declared FSDP1 options (absent ones at the Trainer's defaults); a bad value is a usage error at its line."""
     path = ("parallelism", "backward_prefetch")
-    declared = doc.get(*path)
-    if declared.present and declared.unknown:
-        raise _err(
-            doc,
-            path,
-            f"backward_prefetch is {declared.source or 'UNKNOWN'}: FSDP1's step depends on it",
-            f"write one of {', '.join(BACKWARD_PREFETCH)}, or remove the key for the Trainer's default",
-            exit_code=EXIT_USAGE,
-        )
+    declared = _known(
+        doc,
+        path,
+        "backward_prefetch is {word}: FSDP1's step depends on it",
+        f"write one of {', '.join(BACKWARD_PREFETCH)}, or remove the key for the Trainer's default",
+    )
     text = declared.text()
     prefetch = None
     if text is not None:
@@ -347,20 +346,14 @@ def fsdp1_options(doc: Document) -> Fsdp1Options:
         prefetch = BACKWARD_PREFETCH[key]
 
     def switch(name: str, default: bool) -> bool:
-        value = doc.get("parallelism", name)
-        if not value.present or (value.value is None and not value.unknown):
+        hint = f"write true or false, or remove the key for FSDP1's default ({str(default).lower()})"
+        message = f"{name} must be true or false"
+        value = _known(doc, ("parallelism", name), message + " (it is {word}: FSDP1's step depends on it)", hint)
+        if not value.present or value.value is None:
             return default
         on = value.switch()
         if on is None:
-            # UNKNOWN too: FSDP1's step depends on the switch, and reading it as the default would hide that
-            raise _err(
-                doc,
-                ("parallelism", name),
-                f"{name} must be true or false"
-                + (f" (it is {value.source or 'UNKNOWN'}: FSDP1's step depends on it)" if value.unknown else ""),
-                f"write true or false, or remove the key for FSDP1's default ({str(default).lower()})",
-                exit_code=EXIT_USAGE,
-            )
+            raise _err(doc, ("parallelism", name), message, hint, exit_code=EXIT_USAGE)
         return on
 
     return Fsdp1Options(

@@ -145,6 +145,19 @@ def test_the_field_is_read_with_accelerates_default(tmp_path: Path) -> None:
         fsdp1_options(load(bad))
 
 
+def _unknown(tmp_path: Path, old: str, new: str, key: str) -> tuple[Path, int]:
+    """The tiny FSDP1 ledger with ``old`` replaced by ``new`` (once) beside its model, and the line declaring
+    ``key`` UNKNOWN (or CONFIGURATION-SPECIFIC) in it."""
+    text = LEDGER.read_text(encoding="utf-8")
+    assert old in text
+    text = text.replace(old, new, 1)
+    (tmp_path / "tiny").symlink_to(LEDGER.parent / "tiny")
+    path = tmp_path / "unknown.ledger.yaml"
+    path.write_text(text, encoding="utf-8")
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if t.strip().startswith(f"{key}: "))
+    return path, line
+
+
 SWITCHES = [
     "sync_module_states",
     "forward_prefetch",
@@ -160,16 +173,7 @@ def test_an_unknown_fsdp1_switch_is_an_error_at_its_line_not_the_default(tmp_pat
     from ledgerspec.derivations.shard.options import fsdp1_options
     from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
-    text = LEDGER.read_text(encoding="utf-8")
-    (tmp_path / "tiny").symlink_to(LEDGER.parent / "tiny")
-    unknown = tmp_path / "unknown.ledger.yaml"
-    unknown.write_text(
-        text.replace("  sync_module_states: true\n", "").replace(
-            "parallelism:\n", f"parallelism:\n  {key}: UNKNOWN\n", 1
-        ),
-        encoding="utf-8",
-    )
-    line = next(i for i, t in enumerate(unknown.read_text(encoding="utf-8").splitlines(), 1) if f"{key}: UNKNOWN" in t)
+    unknown, line = _unknown(tmp_path, "  sync_module_states: true\n", f"  {key}: UNKNOWN\n", key)
     with pytest.raises(LedgerspecError) as caught:
         fsdp1_options(load(unknown))
     assert caught.value.exit_code == EXIT_USAGE
@@ -181,12 +185,8 @@ def test_an_unknown_backward_prefetch_is_an_error_at_its_line(tmp_path: Path) ->
     from ledgerspec.derivations.shard.options import fsdp1_options
     from ledgerspec.errors import EXIT_USAGE, LedgerspecError
 
-    (tmp_path / "tiny").symlink_to(LEDGER.parent / "tiny")
-    path = tmp_path / "unknown.ledger.yaml"
     unknown = "parallelism:\n  backward_prefetch: UNKNOWN\n"
-    text = LEDGER.read_text(encoding="utf-8").replace("parallelism:\n", unknown, 1)
-    path.write_text(text, encoding="utf-8")
-    line = text.splitlines().index("  backward_prefetch: UNKNOWN") + 1
+    path, line = _unknown(tmp_path, "parallelism:\n", unknown, "backward_prefetch")
     with pytest.raises(LedgerspecError) as caught:
         fsdp1_options(load(path))
     assert caught.value.exit_code == EXIT_USAGE and f":{line}:" in str(caught.value)
@@ -293,14 +293,9 @@ def test_an_unknown_sharding_switch_stops_shard_at_its_line(tmp_path: Path, decl
     they are one line at their place, exit 2, not the default read silently."""
     from tests.support import run_cli
 
-    (tmp_path / "tiny").symlink_to(LEDGER.parent / "tiny")
-    path = tmp_path / "unknown.ledger.yaml"
-    text = LEDGER.read_text(encoding="utf-8")
-    assert replaced in text
-    text = text.replace(replaced, declared if "cpu_offload: UNKNOWN" not in declared else replaced + declared, 1)
-    path.write_text(text, encoding="utf-8")
-    key_line = next(line for line in declared.splitlines() if "UNKNOWN" in line or "SPECIFIC" in line)
-    line = text.splitlines().index(key_line) + 1
+    new = declared if "cpu_offload: UNKNOWN" not in declared else replaced + declared
+    key = next(t for t in declared.splitlines() if "UNKNOWN" in t or "SPECIFIC" in t).strip().split(":")[0]
+    path, line = _unknown(tmp_path, replaced, new, key)
     code, out, err = run_cli("shard", path, "--check")
     assert code == 2, (out, err)
     assert f"{path}:{line}:" in err and "the sharded step depends on it" in err and "Traceback" not in err

@@ -149,8 +149,8 @@ def simulate_rank(
                 extra.enter_context(O.fsdp1_staging_on_the_device() if is_fsdp1(doc) else O.staging_on_the_device())
             if is_fsdp1(doc):  # FSDP1's host gradient buffer is made on the host
                 extra.enter_context(O.fsdp1_host_gradients(split))
-            if record is not None and is_fsdp1(doc):  # FSDP1 waits for its gradient copies to the host
-                extra.enter_context(O.waiting_for_gradient_copies(split))
+                if record is not None:  # and the host waits for the gradients' copies to it
+                    extra.enter_context(O.waiting_for_gradient_copies(split))
             sides = extra.enter_context(recording_sides(backend))
         from ledgerspec.derivations.estimate.legacy_loss import declared_loss
 
@@ -239,10 +239,11 @@ def estimate_per_rank(
     rank_figures = probe_runner(doc, source, est_plan, say, f"rank {{rank}} of {world}", simulate)
     rank_step = stream_runner(doc, source, est_plan, say, f"rank {{rank}} of {world}", simulate)
     by_rank: dict[int, RankEstimate] = {}
+    # with CPU offload the stream is the device's alone: the figures (both sides) are the probes' own
+    offloaded = cpu_offload(doc) is not None
     for rep, members in groups.items():
         step = rank_step(rep) if streams else None
-        # with CPU offload the stream is the device's alone: the figures (both sides) are the probes' own
-        from_step = step.estimate_figures if step is not None and cpu_offload(doc) is None else None
+        from_step = step.estimate_figures if step is not None and not offloaded else None
         figures = from_step or rank_figures(rep)
         for r in members:
             by_rank[r] = RankEstimate.of(

@@ -50,6 +50,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ledgerspec.derivations.shard.patching import patched
+
 
 @contextlib.contextmanager
 def pinning_as_copies(hosting: Any = None, always: bool = False) -> Iterator[None]:
@@ -139,11 +141,8 @@ def fsdp1_shards_to_the_host(tracker: Any) -> Iterator[None]:
         if self._offload_params:
             tracker.to_side(self.flat_param, host=True)
 
-    FlatParamHandle.shard = shard_to_host  # type: ignore[method-assign]
-    try:
+    with patched((FlatParamHandle, "shard", shard_to_host)):
         yield
-    finally:
-        FlatParamHandle.shard = shard  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -168,17 +167,11 @@ def fsdp1_host_gradients(tracker: Any) -> Iterator[None]:
     def init_flat_param_attributes(self: Any) -> None:
         if not self._offload_params:
             return init(self)
-        torch.zeros_like = host_zeros_like
-        try:
+        with patched((torch, "zeros_like", host_zeros_like)):
             return init(self)
-        finally:
-            torch.zeros_like = zeros_like
 
-    FlatParamHandle.init_flat_param_attributes = init_flat_param_attributes  # type: ignore[method-assign]
-    try:
+    with patched((FlatParamHandle, "init_flat_param_attributes", init_flat_param_attributes)):
         yield
-    finally:
-        FlatParamHandle.init_flat_param_attributes = init  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -347,11 +340,11 @@ def fsdp1_staging_on_the_device() -> Iterator[None]:
     from torch.distributed.fsdp._flat_param import FlatParamHandle
 
     pre_unshard = FlatParamHandle.pre_unshard
-    low_precision = FlatParamHandle._use_low_precision_shard
+    use_low_precision_shard = FlatParamHandle._use_low_precision_shard
 
-    def _use_low_precision_shard(self: Any) -> None:  # torch 2.13's, the device copy made
+    def staged_low_precision_shard(self: Any) -> None:  # torch 2.13's, the device copy made
         if not self._offload_params:
-            return low_precision(self)
+            return use_low_precision_shard(self)
         self._check_low_precision_shard()
         flat_param = self.flat_param
         F._alloc_storage(flat_param._mp_shard, flat_param._local_shard.size())
@@ -375,13 +368,11 @@ def fsdp1_staging_on_the_device() -> Iterator[None]:
             ret = True
         return bool(ret)
 
-    FlatParamHandle.pre_unshard = staged_pre_unshard  # type: ignore[method-assign]
-    FlatParamHandle._use_low_precision_shard = _use_low_precision_shard  # type: ignore[method-assign]
-    try:
+    with patched(
+        (FlatParamHandle, "pre_unshard", staged_pre_unshard),
+        (FlatParamHandle, "_use_low_precision_shard", staged_low_precision_shard),
+    ):
         yield
-    finally:
-        FlatParamHandle.pre_unshard = pre_unshard  # type: ignore[method-assign]
-        FlatParamHandle._use_low_precision_shard = low_precision  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -390,23 +381,13 @@ def waiting_for_gradient_copies(tracker: Any) -> Iterator[None]:
 
     torch 2.13 ``_runtime_utils._post_backward_final_callback``: with ``offload_params`` the host calls
     ``current_stream().synchronize()`` ("CPU gradients do not automatically synchronize with the GPU"), so every
-    pending free has completed there (``tracker.sync(0)``). The CPU stream's own ``synchronize`` (none, or
-    :func:`pinning_as_copies`'s no-op) is restored on exit.
+    pending free has completed there (``tracker.sync(0)``). Entered inside :func:`pinning_as_copies`, whose no-op
+    ``synchronize`` of the CPU stream it replaces (and puts back on exit).
     """
     import torch
-
-    stream = torch.cpu.Stream
-    had = "synchronize" in stream.__dict__
-    original = stream.__dict__.get("synchronize")
 
     def synchronize(self: Any) -> None:
         tracker.sync(0)
 
-    stream.synchronize = synchronize  # type: ignore[attr-defined]
-    try:
+    with patched((torch.cpu.Stream, "synchronize", synchronize)):
         yield
-    finally:
-        if had:
-            stream.synchronize = original  # type: ignore[attr-defined]
-        else:
-            del stream.synchronize  # type: ignore[attr-defined]
