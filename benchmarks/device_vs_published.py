@@ -94,7 +94,13 @@ class Row:
             f"{(r.nvidia - r.peak) / GiB:.2f}" if r.peak else "-",
             f"{(self.device - self.allocated) / GiB:.2f}",
             "ran" if r.ran else "out of memory",
-            ("fits" if self.fits else f"does not fit ({self.decided})"),
+            (
+                "fits"
+                if self.fits
+                else "does not fit, at the edge"
+                if self.decided == "outside"
+                else f"does not fit ({self.decided})"
+            ),
         ]
 
 

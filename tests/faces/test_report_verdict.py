@@ -86,6 +86,25 @@ def test_the_largest_batch_and_the_device_table_are_shown(cli: CliRunner, tmp_pa
     assert "usable memory = the total PyTorch reports" in out
 
 
+def test_a_device_row_at_the_edge_reads_no(cli: CliRunner, tmp_path: Path) -> None:
+    """A row of ``x-devices`` at the edge (``uncertain: true``: it completes only with the typical bytes outside the
+    allocator) does not fit, in the plain report and the page alike, also as an earlier estimate wrote it (``fits:
+    true`` beside it)."""
+    text = SAMPLE.read_text(encoding="utf-8").replace(
+        "fits: true, headroom: 9918937088", "fits: true, uncertain: true, headroom: 9918937088", 1
+    )
+    edge = tmp_path / "edge.ledger.yaml"
+    edge.write_text(text, encoding="utf-8")
+    _, out, _ = cli("report", "--plain", edge)
+    row = next(line for line in out.splitlines() if "NVIDIA GeForce RTX 4090" in line)
+    assert "NO (at the edge)" in row
+    assert "NO (at the edge)" not in next(line for line in out.splitlines() if "NVIDIA L40S" in line)
+    devices = _html(cli, edge, tmp_path).find(f".//{XHTML}table[@class='devices']")
+    assert devices is not None
+    first = devices[1][0]
+    assert first.get("class") == "no" and "NO (at the edge)" in "".join(first.itertext())
+
+
 def test_a_missing_component_reads_the_same_everywhere(cli: CliRunner) -> None:
     """Issue 13: "missing" in the table and "UNKNOWN" in the bar's caption for the same row."""
     _, out, _ = cli("report", "--plain", ESTIMATED)

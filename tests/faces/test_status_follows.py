@@ -91,7 +91,7 @@ def test_resolve_and_estimate_raise_the_status_and_keep_status_keeps_it(cli: Cli
     assert code == 0 and "status" not in err.replace("status:", ""), err
     assert load(kept).plain["status"] == "CALCULATED"
     # 4 GiB: on 1 GiB the unnamed device's catalogue range outside the allocator (up to 1.75 GiB) alone could take
-    # it all, and an UNCERTAIN verdict holds the status (tests/checks/test_ladder.py)
+    # it all, and a verdict at the edge does not fit and holds the status (tests/checks/test_ladder.py)
     code, _, err = cli("estimate", path, "--device-memory", "4GiB")
     assert code == 0 and "status raised from CALCULATED to CANDIDATE" in err, err
     assert load(path).plain["status"] == "CANDIDATE" and validate(load(path)).ok

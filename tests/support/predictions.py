@@ -22,6 +22,7 @@ def fake_prediction(
     reserved ``reserved`` without a limit (default the device peak: not at the limit)."""
     return SimpleNamespace(
         fits=fits,
+        completes=fits,
         device_peak=device_peak,
         margin=(0 if fits else -1) if margin is None else margin,
         decided_by=decided_by or ("none" if fits else "allocated"),
@@ -29,6 +30,7 @@ def fake_prediction(
         cached=False,
         uncertain=False,
         capacity=device_peak if capacity is None else capacity,
-        replayed=SimpleNamespace(free_peak_reserved=device_peak if reserved is None else reserved),
+        outside=0,
+        replayed=SimpleNamespace(free_peak_reserved=device_peak if reserved is None else reserved, outside_high=0),
         target=SimpleNamespace(name=None, named_by="none"),
     )

@@ -9,7 +9,9 @@ per GPU count when the ledger declares FSDP).
   sources; a ledger's ``outside_allocator.total`` replaces it;
 - :mod:`.prediction`: :func:`~.prediction.estimate_on_device`, the estimate's step on one device: the allocator
   model's reserved bytes per phase (the full-depth stream of :mod:`ledgerspec.derivations.allocator`), plus what lies
-  outside the allocator, and the verdict: the replay against the capacity the allocator can get completes or not.
+  outside the allocator, and the verdict: the replay against the capacity the allocator can get completes or not
+  (and, when what lies outside is the catalogue's range, whether it completes with the high end too: else at the
+  edge, which does not fit).
 """
 
 from ledgerspec.derivations.devices.comparison import Comparison, compare

@@ -45,8 +45,8 @@ class Row:
     #: bytes + what lies outside the allocator on that device), then ``fits``/``headroom`` are that verdict's
     device_peak: int | None = None
     decided_by: str | None = None
-    #: fits with the outside-allocator catalogue's typical figure, not with its high one
-    #: (:attr:`~ledgerspec.derivations.devices.prediction.DevicePrediction.uncertain`)
+    #: at the edge, so ``fits`` is false: it completes with the outside-allocator catalogue's typical figure, not with
+    #: its high one (:attr:`~ledgerspec.derivations.devices.prediction.DevicePrediction.uncertain`)
     uncertain: bool = False
 
     def to_extension(self) -> dict[str, Any]:
@@ -92,8 +92,9 @@ class Comparison:
         }
 
 
-#: bump when the cached form of a comparison changes (2: rows say whether the verdict is uncertain)
-FORMAT = 2
+#: bump when the cached form of a comparison changes (2: rows say whether the verdict is uncertain; 3: a row at the
+#: edge does not fit)
+FORMAT = 3
 
 
 def cached_compare(
@@ -278,7 +279,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
                 outside_high=high_of(mine),
             )
             p = DevicePrediction(target, mine, replayed)
-            if worst is None or (p.fits, not p.uncertain, p.margin) < (worst.fits, not worst.uncertain, worst.margin):
+            if worst is None or (p.fits, p.completes, p.margin) < (worst.fits, worst.completes, worst.margin):
                 worst = p
         assert worst is not None
         return worst.fits, worst.margin, worst.device_peak, worst.decided_by, worst.uncertain

@@ -20,8 +20,10 @@ from ledgerspec.contract.units import format_size
 
 #: values a check replays at most (each: one estimate with a third probe, and the allocator replays)
 TRIES = 5
-#: why a check that fits is UNCERTAIN (:attr:`Checked.uncertain`)
-UNCERTAIN_WHY = "not with the high end of the outside-allocator catalogue's range"
+#: why a check that completes with the typical bytes outside the allocator does not fit (:attr:`Checked.uncertain`)
+UNCERTAIN_WHY = (
+    "it completes with the typical bytes outside the allocator, not with the high end of the catalogue's range"
+)
 
 
 @dataclass(frozen=True)
@@ -33,16 +35,20 @@ class Checked:
     fits: bool
     device_peak: int
     margin: int  # the device's total minus the device-level peak (negative: over)
-    decided_by: str  # none, allocated or fragmentation
+    decided_by: str  # none, allocated, fragmentation or outside (at the edge)
     setting: str | None = None  # when fragmentation decides: the allocator setting that makes it fit by the most
     cached: bool = False
-    #: fits with the outside-allocator catalogue's typical figure, not with its high one
+    #: at the edge (so it does not fit): it completes with the outside-allocator catalogue's typical figure, not with
+    #: its high one
     uncertain: bool = False
     #: the device the replay decided on, and how it was named (``catalogue``: the card nearest to the memory asked)
     device: str | None = None
     named_by: str = ""
     #: it fits only once the allocator has freed its cached blocks and retried: the cache fills the device
     at_limit: bool = False
+    #: the high end of the outside-allocator catalogue's range above the typical figure (0: no range was checked):
+    #: what a value at the edge lacks beyond its margin, and what the search aims below the device's total by
+    outside_range: int = 0
 
 
 def checked_of(value: Any, p: Any) -> Checked:
@@ -50,10 +56,11 @@ def checked_of(value: Any, p: Any) -> Checked:
     ``p``."""
     best = p.best_try
     setting = best.conf if best is not None and not p.fits else None
-    at_limit = bool(p.fits and p.replayed.free_peak_reserved > p.capacity)
+    at_limit = bool(p.completes and p.replayed.free_peak_reserved > p.capacity)
+    outside_range = max(0, p.replayed.outside_high - p.outside) if p.replayed.outside_high else 0
     return Checked(
         value, p.fits, p.device_peak, p.margin, p.decided_by, setting, p.cached, p.uncertain,
-        p.target.name, p.target.named_by, at_limit,
+        p.target.name, p.target.named_by, at_limit, outside_range,
     )  # fmt: skip
 
 
@@ -77,8 +84,8 @@ def checked_line(subject: str, c: Checked, device_memory: int, said_declared: bo
             verdict += (
                 " only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries)"
             )
-        if c.uncertain:
-            verdict += f", UNCERTAIN ({UNCERTAIN_WHY})"
+    elif c.uncertain:
+        verdict = f"does NOT fit, AT THE EDGE ({UNCERTAIN_WHY})"
     elif c.decided_by == "fragmentation":
         verdict = "does NOT fit (fragmentation decides)"
     else:
@@ -117,14 +124,11 @@ class DeviceFit:
                 else ""
             )
             out.append(
-                f"largest {self.name} that fits on the device: {self.largest}{self._uncertain_word()} (the "
+                f"largest {self.name} that fits on the device: {self.largest} (the "
                 f"allocated tensors alone allow {self.allocated_largest}{between})"
             )
         elif self.largest is not None:
-            out.append(
-                f"largest {self.name} that fits on the device: {self.largest}{self._uncertain_word()} (as the "
-                "allocated tensors allow)"
-            )
+            out.append(f"largest {self.name} that fits on the device: {self.largest} (as the allocated tensors allow)")
         elif self.largest is None and self.checked:
             lowest = self.checked[-1].value
             out.append(
@@ -133,11 +137,6 @@ class DeviceFit:
                 + ")"
             )
         return out
-
-    def _uncertain_word(self) -> str:
-        """``, UNCERTAIN`` when the largest value's check fits only with the catalogue's typical figure."""
-        chosen = next((c for c in self.checked if c.value == self.largest), None)
-        return ", UNCERTAIN" if chosen is not None and chosen.uncertain else ""
 
     def to_extension(self) -> dict[str, Any]:
         """``x-fit.NAME.device``: the answer on the device and each value checked."""
@@ -175,7 +174,9 @@ def check_on_device(
     step); once one fits below one that does not, the next is where the line through their device peaks meets the
     device's total (the nearest value strictly between them), and that guess is followed by its neighbour (the value
     above it when it fits, below it when it does not): the answer is usually found in these two values. At most
-    :data:`TRIES` values.
+    :data:`TRIES` values. Where the bytes outside the allocator are the catalogue's range, a value fits only with its
+    high end (else it is at the edge): what a value lacks counts that range above the typical figure
+    (:attr:`Checked.outside_range`), and the line aims that much below the device's total.
     ``along``: a :class:`~ledgerspec.derivations.devices.along.MicrobatchSteps` of ``doc`` (microbatch only): each
     value's stream from it, synthesised from the microbatches the search traced where that is exact (else traced).
     ``from_flag``: the device memory was asked with ``--device-memory`` (it names the device as the plain estimate
@@ -207,14 +208,16 @@ def check_on_device(
                 store=store,
                 parallel=parallel,
             )
-        result.checked.append(checked_of(value, p))
+        checked = checked_of(value, p)
+        result.checked.append(checked)
         if p.fits:
             lo = value
-            total = p.device_peak + p.margin
+            total = p.device_peak + p.margin - checked.outside_range  # the line aims at the range's high end
         else:
             hi = value
-        if lo is None:  # nothing fits yet: down by what it lacked
-            steps = math.ceil(-p.margin / slope / step) if slope and slope > 0 else 1
+        if lo is None:  # nothing fits yet: down by what it lacked (at the edge: the range above its margin)
+            lacked = checked.outside_range - p.margin if checked.uncertain else -p.margin
+            steps = math.ceil(lacked / slope / step) if slope and slope > 0 else 1
             value = value - max(1, steps) * step
             if value < lowest:
                 value = lowest if hi != lowest else None

@@ -11,7 +11,7 @@ minus what lies outside the allocator on that rank (:func:`ledgerspec.derivation
 the ledger's ``outside_allocator.total``, else the catalogue for the named device with NCCL's buffers for the world
 size). It is :func:`ledgerspec.derivations.devices.prediction.replay_on_device`, the single-GPU verdict, per rank:
 the same free-and-retry, the same settings tried when fragmentation decides, and the same check that a margin is
-not inside the outside-allocator catalogue's own range (``uncertain``).
+not inside the outside-allocator catalogue's own range (``uncertain``: at the edge, it does not fit).
 
 The host runs ahead of the device: FSDP1's ``record_stream`` frees are pending in the replay until the host waits
 for the device (FSDP1's rate limiter, the Trainer's loss check): :func:`ledgerspec.derivations.shard.simulation.

@@ -14,16 +14,22 @@ reaches the device's total. :func:`estimate_on_device` answers both questions fr
    ``software.pytorch_cuda_alloc_conf`` or PyTorch's defaults) twice: without a limit, for the reserved bytes per
    phase, and against the capacity the allocator can get (the device's total minus what lies outside), for the
    verdict (the device's total is CUDA's own, ``cudaMemGetInfo``'s, when the declared memory is a named catalogue
-   card's nominal one: :func:`cuda_total_of`; the allocator can never hold more): it **fits** when that replay
-   completes without an out-of-memory, the allocator's free-and-retry path included. When the tensors alone fit but
+   card's nominal one: :func:`cuda_total_of`; the allocator can never hold more): it **completes** when that replay
+   ends without an out-of-memory, the allocator's free-and-retry path included. When the tensors alone fit but
    the replay runs out (fragmentation decides), the replay is run again with ``expandable_segments:True`` and with
    ``max_split_size_mb`` values (:data:`SPLIT_TRIES`), and the one that makes it fit by the most is named.
+4. when the bytes outside the allocator are the catalogue's (a range, not a figure the ledger holds) and the replay
+   completes, once more against the device's total minus the high end of that range: the step **fits** only when
+   that replay completes too. One that completes only with the typical figure is **at the edge** and does not fit
+   (:attr:`DevicePrediction.uncertain`, ``decided_by: outside``): its margin is inside the catalogue's own
+   uncertainty, so "fits" would be a coin's toss; both published runs in that place ran out of memory
+   (``benchmarks/results/device-fsdp.md``, ``device-gptq.md``), and no published run that trained was there.
 
 The device-level peak is the peak reserved plus the bytes outside the allocator (the whole step long: modules loaded
-during the step are counted from the first phase on, an upper bound for the early phases). ``fits`` holds exactly
-when that peak is at most the device's (CUDA) total: a replay against the capacity takes the same decisions as the one
-without a limit until a ``cudaMalloc`` would pass the capacity, so a replay that runs out reserves more than the
-capacity without a limit, and one that completes never reserves more than the capacity.
+during the step are counted from the first phase on, an upper bound for the early phases). ``completes`` holds
+exactly when that peak is at most the device's (CUDA) total: a replay against the capacity takes the same decisions
+as the one without a limit until a ``cudaMalloc`` would pass the capacity, so a replay that runs out reserves more
+than the capacity without a limit, and one that completes never reserves more than the capacity.
 
 Nothing here was measured on a GPU: the allocator model follows PyTorch 2.13's source and is checked against recorded
 streams; the bytes outside the allocator are an ASSUMPTION unless the ledger holds a measured figure.
@@ -46,8 +52,8 @@ SPLIT_TRIES = (20, 64, 128, 256, 512)
 EXPANDABLE = "expandable_segments:True"
 #: how near a catalogue device's total (or its vendor memory) must be to the asked memory to name it
 NAME_TOLERANCE = 0.01
-#: bump when the cached form of a device prediction changes
-FORMAT = 3
+#: bump when the cached form of a device prediction changes (4: a setting tried is checked at the range's high end)
+FORMAT = 4
 
 _err = ErrorAt("estimate")
 
@@ -288,6 +294,9 @@ class Tried:
     peak_reserved: int  # on the device: the replay's peak (up to its out-of-memory when it runs out)
     margin: int  # fits: capacity - peak reserved; else minus what the failing allocation lacked
     oom_phase: str | None = None
+    #: it completes against the capacity, not against the one beside the high end of the outside-allocator
+    #: catalogue's range: at the edge, so this setting does not make it fit (never named as the setting to set)
+    edge: bool = False
 
 
 @dataclass
@@ -383,8 +392,15 @@ class DevicePrediction:
         return self.replayed.phases
 
     @property
-    def fits(self) -> bool:
+    def completes(self) -> bool:
+        """The replay against what the allocator can get beside the typical bytes outside it ends without an
+        out-of-memory (the free-and-retry path included)."""
         return self.replayed.fits
+
+    @property
+    def fits(self) -> bool:
+        """The verdict: it :attr:`completes`, and it is not at the edge (:attr:`uncertain`)."""
+        return self.completes and not self.uncertain
 
     @property
     def oom(self) -> DeviceOOM | None:
@@ -423,22 +439,26 @@ class DevicePrediction:
     @property
     def decided_by(self) -> str:
         """``fragmentation`` when the tensors alone fit the capacity but the replay runs out; ``allocated`` when the
-        tensors alone do not; ``none`` when it fits."""
+        tensors alone do not; ``outside`` when it completes only with the typical bytes outside the allocator (at the
+        edge: :attr:`uncertain`); ``none`` when it fits."""
         if self.fits:
             return "none"
+        if self.completes:
+            return "outside"
         return "fragmentation" if self.peak_allocated <= self.capacity else "allocated"
 
     @property
     def best_try(self) -> Tried | None:
-        """The setting that makes it fit by the most (None: none tried does)."""
-        fitting = [t for t in self.replayed.tried if t.fits]
+        """The setting that makes it fit by the most (None: none tried does; one at the edge does not)."""
+        fitting = [t for t in self.replayed.tried if t.fits and not t.edge]
         return max(fitting, key=lambda t: t.margin) if fitting else None
 
     @property
     def uncertain(self) -> bool:
-        """Fits with the outside-allocator catalogue's typical figure, but not with the high end of its range: the
-        margin is inside the catalogue's own uncertainty (never for a figure the ledger holds)."""
-        return self.fits and self.replayed.high_fits is False
+        """At the edge: it completes with the outside-allocator catalogue's typical figure, but not with the high end
+        of its range; the margin is inside the catalogue's own uncertainty (never for a figure the ledger holds), and
+        the verdict is that it does not fit (:attr:`fits`)."""
+        return self.completes and self.replayed.high_fits is False
 
     @property
     def outside_provenance(self) -> str:
@@ -480,7 +500,7 @@ class DevicePrediction:
         r = self.replayed
         how = (
             "the replay against the device"
-            if self.fits
+            if self.completes
             else "the replay without a limit (the one against the device stopped at its out-of-memory)"
         )
         return (
@@ -498,11 +518,12 @@ class DevicePrediction:
         if self.uncertain:
             high = self.replayed.outside_high
             return (
-                f"UNCERTAIN on the device: fits with the typical bytes outside the allocator (device peak {dev} of "
-                f"{total}, {split}, margin {format_size(self.margin)}), but the allocator model runs out of memory "
-                f"with the high end of the outside-allocator catalogue's range ({format_size(high)} outside instead "
-                f"of {format_size(self.outside)}): the margin is inside the catalogue's uncertainty; measure it "
-                f"(`ledgerspec measure --device cuda` writes outside_allocator){note}"
+                f"does NOT fit on the device, AT THE EDGE: it completes only with the typical bytes outside the "
+                f"allocator (device peak {dev} of {total}, {split}, margin {format_size(self.margin)}); with the high "
+                f"end of the outside-allocator catalogue's range ({format_size(high)} outside instead of "
+                f"{format_size(self.outside)}) the allocator model runs out of memory: the margin is inside the "
+                f"catalogue's uncertainty; measure it (`ledgerspec measure --device cuda` writes outside_allocator) or "
+                f"leave more headroom{note}"
             )
         if self.fits:
             return (
@@ -521,7 +542,7 @@ class DevicePrediction:
     def lines(self) -> list[str]:
         """What ``estimate`` prints under the verdict: the fragmentation, what decided it, what would change it."""
         out: list[str] = []
-        if self.fits:
+        if self.completes:
             out.append(
                 f"reserve above the allocated peak: {format_size(self.fragmentation)} (peak reserved "
                 f"{format_size(self.peak_reserved)} - peak allocated {format_size(self.peak_allocator_allocated)} "
@@ -542,7 +563,12 @@ class DevicePrediction:
                     f"{format_size(self.capacity)} the allocator can get, the allocator's blocks do not"
                 )
                 for t in self.replayed.tried:
-                    if t.fits:
+                    if t.fits and t.edge:
+                        out.append(
+                            f"with {t.setting}: at the edge, does not fit (it completes with the typical bytes "
+                            "outside the allocator, not with the high end of the catalogue's range)"
+                        )
+                    elif t.fits:
                         gain = self.replayed.free_peak_reserved - t.peak_reserved
                         out.append(
                             f"with {t.setting}: fits, peak reserved {format_size(t.peak_reserved)} "
@@ -607,8 +633,14 @@ class DevicePrediction:
             verdict["oom"] = asdict(self.oom)
         if r.tried:
             verdict["tried"] = [
-                {"setting": t.setting, "fits": t.fits, "peak_reserved": t.peak_reserved, "margin": t.margin}
+                {
+                    "setting": t.setting,
+                    "fits": t.fits and not t.edge,
+                    "peak_reserved": t.peak_reserved,
+                    "margin": t.margin,
+                }
                 | ({"oom_phase": t.oom_phase} if t.oom_phase else {})
+                | ({"uncertain": True} if t.edge else {})
                 for t in r.tried
             ]
             best = self.best_try
@@ -735,18 +767,30 @@ def replay_on_device(
         # with a helper process, its half of the settings are replayed there while this process replays the rest
         half = len(settings) // 2 if helper is not None and helper.running else 0
         rest = settings[len(settings) - half :]
-        there = helper.submit(try_settings, doc, rest, capacity, device_total, target, step) if half else None
-        result.tried = try_settings(doc, settings[: len(settings) - half], capacity, device_total, target, step)
+        at_high = (
+            max(0, device_total - outside_high) if outside_high is not None and outside_high > outside_bytes else None
+        )
+        there = helper.submit(try_settings, doc, rest, capacity, device_total, target, step, at_high) if half else None
+        mine = settings[: len(settings) - half]
+        result.tried = try_settings(doc, mine, capacity, device_total, target, step, at_high)
         result.tried += there() if there is not None else []
     result.seconds = time.perf_counter() - started
     return result
 
 
 def try_settings(
-    doc: Document, settings: list[tuple[str, str]], capacity: int, device_total: int, target: str, step: Any
+    doc: Document,
+    settings: list[tuple[str, str]],
+    capacity: int,
+    device_total: int,
+    target: str,
+    step: Any,
+    capacity_high: int | None = None,
 ) -> list[Tried]:
     """``step`` replayed against ``capacity`` with each of ``settings`` (setting, whole conf: :func:`_tries`), in
-    order (a task a helper process can run: its arguments pickle)."""
+    order (a task a helper process can run: its arguments pickle). ``capacity_high``: what the allocator can get
+    beside the high end of the outside-allocator catalogue's range; a setting whose replay completes is replayed
+    against it too, and one that runs out there is at the edge (:attr:`Tried.edge`)."""
     from ledgerspec.derivations.allocator.config import AllocatorConfig
     from ledgerspec.derivations.allocator.step import replay_step
     from ledgerspec.derivations.estimate.fit import OOM_PHASE
@@ -756,7 +800,11 @@ def try_settings(
         again = replay_step(doc, None, AllocatorConfig.parse(whole), capacity, device_total, target, step)
         reserved = max((p.reserved for p in again.phases.values()), default=0)
         if again.oom is None:
-            out.append(Tried(setting, whole, True, reserved, capacity - reserved))
+            edge = False
+            if capacity_high is not None and capacity_high < capacity:
+                high = replay_step(doc, None, AllocatorConfig.parse(whole), capacity_high, device_total, target, step)
+                edge = high.oom is not None
+            out.append(Tried(setting, whole, True, reserved, capacity - reserved, edge=edge))
         else:
             a = again.oom
             lacked = a.reserved + a.alloc_size - capacity

@@ -21,7 +21,7 @@ from typing import Any
 
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.units import format_size
-from ledgerspec.derivations.devices.fit_check import TRIES, UNCERTAIN_WHY, Checked, checked_line, checked_of
+from ledgerspec.derivations.devices.fit_check import TRIES, Checked, checked_line, checked_of
 
 #: a table's peak may come from the microbatch model rather than a trace (within 0.5 % of full traces in tests): a
 #: configuration is ruled out without a replay only when its peak exceeds what the allocator can get by more than that
@@ -69,10 +69,9 @@ class ConfigurationsOnDevice:
             out.append(line)
         if self.best is not None:
             chosen = next(c for c in self.checked if c.value is self.best)
-            uncertain = f"; UNCERTAIN: {UNCERTAIN_WHY}" if chosen.uncertain else ""
             out.append(
                 f"largest configuration that fits on the device: {describe(self.best)} "
-                f"(device peak {format_size(chosen.device_peak)}{uncertain})"
+                f"(device peak {format_size(chosen.device_peak)})"
             )
             with_setting = next((c for c in self.checked if not c.fits and c.setting), None)
             if with_setting is not None:  # checked before the answer: more tokens, if a setting is changed

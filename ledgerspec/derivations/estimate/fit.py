@@ -25,7 +25,8 @@ OOM_PHASE = PHASE_OOM_WORDS
 
 @dataclass(frozen=True)
 class Fit:
-    """The verdict for one device: ``headroom`` is negative when it does not fit."""
+    """The verdict for one device: ``headroom`` is negative when it does not fit (but for a device verdict at the
+    edge, :func:`~ledgerspec.derivations.shard.simulation.device_fit`)."""
 
     device_memory: int
     peak: int
@@ -41,6 +42,12 @@ class Fit:
             return (
                 f"fits: predicted peak {format_size(self.peak)} of {format_size(self.device_memory)}, "
                 f"headroom {format_size(self.headroom)}"
+            )
+        if self.headroom >= 0:  # a device verdict at the edge (simulation.device_fit): it completes, yet does not fit
+            return (
+                f"does NOT fit, AT THE EDGE: predicted peak {format_size(self.peak)} of "
+                f"{format_size(self.device_memory)} with the typical bytes outside the allocator, not with the high "
+                "end of the catalogue's range"
             )
         return (
             f"does NOT fit: predicted peak {format_size(self.peak)} is {format_size(-self.headroom)} over "

@@ -112,7 +112,8 @@ class ShardEstimate:
 
 def device_fit(d: Any) -> Fit:
     """A :class:`~ledgerspec.derivations.devices.prediction.DevicePrediction` as a :class:`Fit`: the device-level
-    peak against the device's CUDA total, the first out-of-memory phase of the replay against its capacity."""
+    peak against the device's CUDA total, the first out-of-memory phase of the replay against its capacity (none at
+    the edge: it does not fit with a headroom of at least 0)."""
     from ledgerspec.derivations.estimate.fit import OOM_PHASE
 
     key = d.oom.phase if d.oom is not None else None

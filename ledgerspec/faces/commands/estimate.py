@@ -647,7 +647,7 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
             format_size(r.device_peak) if r.device_peak is not None else "-",
             ("yes" if r.fits else "NO")
             + (" (fragmentation)" if r.decided_by == "fragmentation" else "")
-            + (" (uncertain)" if r.uncertain else ""),
+            + (" (at the edge)" if r.uncertain else ""),
             (format_size(r.headroom) if r.headroom >= 0 else "-" + format_size(-r.headroom))
             if r.headroom is not None
             else "-",

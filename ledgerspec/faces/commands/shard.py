@@ -166,8 +166,8 @@ def _print_estimate(est: Any, device_memory: int | None) -> None:
         print(f"{r.rank:>4}  predicted peak {format_size(r.peak)} allocated (activations {acts}){host}{verdict}")
     if fits is not None and device_memory is not None:
         answer = "fits" if all(f.fits for f in fits) else "does NOT fit"
-        if device is not None and answer == "fits" and any(d.uncertain for d in device):
-            answer = "UNCERTAIN (fits only with the typical bytes outside the allocator)"
+        if device is not None and any(d.uncertain for d in device) and all(d.completes for d in device):
+            answer = "does NOT fit, AT THE EDGE (it completes only with the typical bytes outside the allocator)"
         if device is not None:
             worst = max(range(len(device)), key=lambda i: device[i].device_peak)
             for line in device[worst].lines():

@@ -87,6 +87,9 @@ class DeviceRow:
     headroom: int | None
     largest_microbatch: int | None
     note: str = ""
+    #: at the edge (``uncertain``): it completes only with the typical bytes outside the allocator, so ``fits`` is
+    #: false (also for a row an earlier estimate wrote ``fits: true`` beside it)
+    edge: bool = False
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,9 @@ def _devices(doc: Document) -> list[DeviceRow]:
         if gpus is None or memory is None:
             continue
         fits = item.get("fits")
+        edge = item.get("uncertain") is True
+        if edge:
+            fits = False
         rows.append(
             DeviceRow(
                 item["name"],
@@ -395,6 +401,7 @@ def _devices(doc: Document) -> list[DeviceRow]:
                 _int(item.get("headroom")),
                 _int(item.get("largest_microbatch")),
                 str(item.get("note", "")),
+                edge,
             )
         )
     return rows

@@ -68,32 +68,37 @@ def test_the_cpu_target_keeps_the_allocated_answer(tmp_path: Path, cli: CliRunne
     assert "device" not in load(path).plain["x-fit"]["microbatch"]
 
 
-def test_a_checked_value_inside_the_catalogues_range_is_said_uncertain() -> None:
-    """A value that fits only with the outside-allocator catalogue's typical figure (its replay with the catalogue's
-    high figure ran out, :attr:`DevicePrediction.uncertain`) is printed and recorded as uncertain, not a plain fit."""
+def test_a_checked_value_at_the_edge_does_not_fit() -> None:
+    """A value that completes only with the outside-allocator catalogue's typical figure (its replay with the
+    catalogue's high figure ran out, :attr:`DevicePrediction.uncertain`) is at the edge: printed as not fitting, with
+    why, recorded as uncertain, and the search's answer is a lower value that fits."""
     from ledgerspec.derivations.devices.fit_check import Checked, DeviceFit
 
-    fit = DeviceFit("microbatch", 80 * 2**30, 4, 4, [Checked(4, True, 79 * 2**30, 2**28, "none", uncertain=True)])
+    edge = Checked(4, False, 79 * 2**30, 2**28, "outside", uncertain=True)
+    fit = DeviceFit("microbatch", 80 * 2**30, 4, None, [edge])
     line, answer = fit.lines()
-    assert "microbatch 4 fits, UNCERTAIN" in line and "margin 256.00 MiB" in line
-    assert answer == "largest microbatch that fits on the device: 4, UNCERTAIN (as the allocated tensors allow)"
-    assert fit.to_extension()["checked"]["4"]["uncertain"] is True
+    assert line == (
+        "on the device: microbatch 4 does NOT fit, AT THE EDGE (it completes with the typical bytes outside the "
+        "allocator, not with the high end of the catalogue's range), device peak 79.00 GiB of 79.25 GiB (its CUDA "
+        "total; 80.00 GiB declared), margin 256.00 MiB"
+    )
+    assert answer == "no microbatch checked fits on the device (down to 4)"
+    assert fit.to_extension()["checked"]["4"] == {
+        "fits": False,
+        "device_peak": 79 * 2**30,
+        "margin": 2**28,
+        "uncertain": True,
+    }
     stepped = DeviceFit(
         "microbatch",
         80 * 2**30,
         5,
-        4,
-        [
-            Checked(5, False, 81 * 2**30, -(2**30), "allocated"),
-            Checked(4, True, 79 * 2**30, 2**28, "none", uncertain=True),
-        ],
+        3,
+        [Checked(5, False, 81 * 2**30, -(2**30), "allocated"), edge, Checked(3, True, 70 * 2**30, 2**30, "none")],
     )
-    assert (
-        "largest microbatch that fits on the device: 4, UNCERTAIN (the allocated tensors alone allow 5)"
-        in (stepped.lines()[-1])
-    )
+    assert stepped.lines()[-1] == "largest microbatch that fits on the device: 3 (the allocated tensors alone allow 5)"
     plain = DeviceFit("microbatch", 80 * 2**30, 4, 4, [Checked(4, True, 70 * 2**30, 2**30, "none")])
-    assert "UNCERTAIN" not in plain.lines()[0] and "uncertain" not in plain.to_extension()["checked"]["4"]
+    assert "AT THE EDGE" not in plain.lines()[0] and "uncertain" not in plain.to_extension()["checked"]["4"]
 
 
 def test_each_checked_value_is_printed_against_the_total_its_margin_is_taken_from() -> None:
@@ -136,10 +141,9 @@ def test_a_card_the_catalogue_chose_for_the_memory_is_named_and_a_fit_at_the_lim
         "catalogue's card nearest to 80.00 GiB; 80.00 GiB declared), margin 1.00 MiB"
     )
     assert answer == "largest microbatch that fits on the device: 20 (as the allocated tensors allow)"
-    both = Checked(20, True, cuda - 2**20, 2**20, "none", uncertain=True, at_limit=True)
-    (line, _) = DeviceFit("microbatch", cuda, 20, 20, [both]).lines()
-    assert "fits only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries), " \
-        "UNCERTAIN" in line  # fmt: skip
+    both = Checked(20, False, cuda - 2**20, 2**20, "outside", uncertain=True, at_limit=True)
+    (line, _) = DeviceFit("microbatch", cuda, 20, None, [both]).lines()
+    assert "microbatch 20 does NOT fit, AT THE EDGE" in line and "at the limit" not in line
     block = DeviceFit("microbatch", 80 * 2**30, 20, 20, checked).to_extension()  # what report's fit row names
     assert (block["card"], block["cuda_total"]) == ("NVIDIA A100-SXM4-80GB", cuda)
 

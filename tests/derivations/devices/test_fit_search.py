@@ -88,3 +88,36 @@ def test_a_value_between_two_checked_ones_is_strictly_between_them() -> None:
         for peak_hi in (GiB, 30 * GiB):
             value = _between(lo, hi, 20 * GiB, max(peak_hi, 20 * GiB + 1), 24 * GiB, step)
             assert lo < value < hi and (value - lo) % step == 0, (lo, hi, step, value)
+
+
+class EdgeDevice(Device):
+    """:class:`Device` with the catalogue's range outside the allocator: ``peak(b)`` counts the typical figure, and a
+    value fits only with ``spread`` more (the range's high end); one whose peak fits without it is at the edge."""
+
+    def __init__(self, peak: Callable[[int], int], spread: int) -> None:
+        super().__init__(peak)
+        self.spread = spread
+
+    def on_device(self, b: int, memory: int, from_flag: bool = False) -> Any:
+        self.asked.append(b)
+        peak = self.peak(b)
+        completes, fits = peak <= TOTAL, peak + self.spread <= TOTAL
+        p = fake_prediction(fits, peak, TOTAL - peak, "none" if fits else "outside" if completes else "allocated")
+        p.completes, p.uncertain = completes, completes and not fits
+        p.outside, p.replayed.outside_high = GiB, GiB + self.spread  # typical 1 GiB, high end 1 GiB + spread
+        return p
+
+
+@pytest.mark.parametrize("name", ["linear", "jump", "convex"])
+def test_values_at_the_edge_do_not_fit_and_the_search_aims_below_them(name: str) -> None:
+    """With 1.5 GiB of range above the typical figure outside the allocator, the answer is the largest value that fits
+    with the range's high end, found as quickly: a value at the edge counts as lacking the range above its margin,
+    and the line between two values aims 1.5 GiB below the device's total."""
+    spread = int(1.5 * GiB)
+    device = EdgeDevice(PEAKS[name], spread)
+    result = check_on_device(None, _answer(26), TOTAL, along=device)  # type: ignore[arg-type]
+    truth = max(b for b in range(1, 27) if device.peak(b) + spread <= TOTAL)
+    assert not result.exhausted and result.largest == truth, device.asked
+    assert len(device.asked) <= 4 and truth + 1 in device.asked, device.asked
+    edge = [c for c in result.checked if c.uncertain]
+    assert all(not c.fits and c.margin >= 0 and c.outside_range == spread for c in edge)

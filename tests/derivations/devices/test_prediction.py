@@ -103,6 +103,36 @@ def test_fragmentation_decides_when_the_tensors_fit_but_the_blocks_do_not() -> N
     assert block["verdict"]["compared"] == "x-estimate.device_peak"
 
 
+def test_a_setting_that_fits_only_with_the_typical_figure_outside_is_not_named() -> None:
+    """The same fragmentation, with the catalogue's range outside the allocator reaching 2 MiB above the typical
+    figure (39 MiB for the allocator). Expandable segments, 40 MiB reserved against 41, runs out against 39: at the
+    edge, so it is not named. max_split_size_mb:20 fits there too: against 39 MiB the second 12 MiB request's new
+    segment fails, the cached 12 MiB segment freed before it is released and the step ends with 28 MiB reserved
+    (against 41 MiB that segment stayed, 40 MiB): it is the setting named. With a range of 1 MiB both fit."""
+    outside_bytes, capacity = 1 * GiB, 41 * MiB
+    total = outside_bytes + capacity
+    r = P.replay_on_device(_doc(), FRAGMENTING, total, outside_bytes, "", outside_high=outside_bytes + 2 * MiB)
+    tried = {t.setting: t for t in r.tried}
+    assert tried["expandable_segments:True"].fits and tried["expandable_segments:True"].edge
+    assert tried["max_split_size_mb:20"].fits and not tried["max_split_size_mb:20"].edge
+    pred = P.DevicePrediction(P.Target(total, None, "none"), O.Figure(outside_bytes, "ASSUMPTION", "t"), r)
+    assert pred.best_try is not None and pred.best_try.setting == "max_split_size_mb:20"
+    lines = pred.lines()
+    assert "with expandable_segments:True: at the edge, does not fit" in " ".join(lines)
+    assert lines[-1] == "set PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:20 (software.pytorch_cuda_alloc_conf) to fit"
+    assert pred.extension()["verdict"]["tried"][0] == {
+        "setting": "expandable_segments:True",
+        "fits": False,
+        "peak_reserved": 40 * MiB,
+        "margin": MiB,
+        "uncertain": True,
+    }
+    narrow = P.replay_on_device(_doc(), FRAGMENTING, total, outside_bytes, "", outside_high=outside_bytes + MiB)
+    assert not any(t.edge for t in narrow.tried)
+    best = P.DevicePrediction(P.Target(total, None, "none"), O.Figure(outside_bytes, "ASSUMPTION", "t"), narrow)
+    assert best.best_try is not None and best.best_try.setting == "expandable_segments:True"
+
+
 def test_settings_tried_in_a_helper_process_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a helper process (:class:`~ledgerspec.derivations.engine.beside.Helper`) half of the settings tried are
     replayed there: the same list, in the same order, as in turn."""
@@ -147,11 +177,12 @@ def test_free_and_retry_makes_it_fit_below_the_unlimited_reserve() -> None:
     assert pred.peak_allocator_allocated == 26 * MiB and pred.fragmentation == 0
 
 
-def test_a_margin_inside_the_outside_catalogues_range_is_uncertain_not_fits() -> None:
+def test_a_margin_inside_the_outside_catalogues_range_is_at_the_edge_and_does_not_fit() -> None:
     """The same stream (38 MiB reserved without a limit, 26 MiB after the free-and-retry) on a 40 MiB device with
-    2 MiB outside the allocator: it fits, margin 0. With 6 MiB outside (the catalogue's high end) the allocator gets
-    34 MiB: the new 14 MiB segment fails, the cached 12 MiB one is released, 12 + 14 = 26 MiB: it still fits. With
-    16 MiB outside it gets 24 MiB: 12 + 14 = 26 MiB does not fit: the margin is inside the catalogue's range."""
+    2 MiB outside the allocator: it completes, margin 0. With 6 MiB outside (the catalogue's high end) the allocator
+    gets 34 MiB: the new 14 MiB segment fails, the cached 12 MiB one is released, 12 + 14 = 26 MiB: it still fits.
+    With 16 MiB outside it gets 24 MiB: 12 + 14 = 26 MiB does not fit: the margin is inside the catalogue's range, at
+    the edge, and the verdict is that it does not fit (decided by the bytes outside the allocator)."""
     step = _step([("alloc", 1, 12 * MiB), ("alloc", 2, 12 * MiB), ("free", 1)], [("alloc", 3, 14 * MiB)])
     doc = _doc()
     still = P.replay_on_device(doc, step, 40 * MiB, 2 * MiB, "", outside_high=6 * MiB)
@@ -159,9 +190,12 @@ def test_a_margin_inside_the_outside_catalogues_range_is_uncertain_not_fits() ->
     r = P.replay_on_device(doc, step, 40 * MiB, 2 * MiB, "", outside_high=16 * MiB)
     assert r.fits and r.high_fits is False
     pred = P.DevicePrediction(P.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "ASSUMPTION", "t"), r)
-    assert pred.fits and pred.uncertain and pred.margin == 0
-    assert pred.sentence().startswith("UNCERTAIN on the device")
-    assert pred.extension()["verdict"]["uncertain"] is True
+    assert pred.completes and pred.uncertain and not pred.fits and pred.margin == 0
+    assert pred.decided_by == "outside" and pred.oom is None
+    assert pred.sentence().startswith("does NOT fit on the device, AT THE EDGE: it completes only with the typical")
+    assert pred.lines()[0].startswith("reserve above the allocated peak: ")
+    assert pred.extension()["verdict"]["uncertain"] is True and pred.extension()["verdict"]["fits"] is False
+    assert P.DevicePrediction(P.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "ASSUMPTION", "t"), still).fits
     assert pred.extension()["verdict"]["outside_high"] == 16 * MiB
     # a margin larger than the range: no second replay is needed (no cudaMalloc passes the lower capacity)
     roomy = P.replay_on_device(doc, step, 80 * MiB, 2 * MiB, "", outside_high=16 * MiB)
@@ -287,11 +321,11 @@ def test_estimate_decides_on_the_device_and_keeps_the_allocated_figures(
     assert cached.cached_from is not None and cached.phases == plain.phases
 
 
-def test_the_devices_comparison_says_uncertain_where_the_catalogues_high_figure_runs_out() -> None:
+def test_the_devices_comparison_says_no_at_the_edge_where_the_catalogues_high_figure_runs_out() -> None:
     """``estimate --devices`` replays each device as ``estimate`` does, the catalogue's high figure included: one
     9 GiB tensor on an A100 (sm_80: context + lazily loaded modules outside the allocator, typical 450 + 256 MiB,
     high 650 + 768 MiB) with 10 GiB of CUDA total leaves the allocator 9,534 MiB (fits) or 8,822 MiB (does not):
-    uncertain; with 12 GiB it fits either way."""
+    at the edge, so it does not fit; with 12 GiB it fits either way."""
     from ledgerspec.derivations.devices.catalogue import Device
     from ledgerspec.derivations.devices.comparison import _on_device
 
@@ -299,7 +333,7 @@ def test_the_devices_comparison_says_uncertain_where_the_catalogues_high_figure_
     verdict = _on_device(_doc(), {1: [step]})
     tight = Device("NVIDIA A100-SXM4-80GB", "80 GB", 10 * GiB, 0, "test", capacity=10 * GiB)
     fits, margin, _, _, uncertain = verdict(tight, 1)
-    assert fits and uncertain and margin == 10 * GiB - 9 * GiB - (450 + 256) * MiB
+    assert not fits and uncertain and margin == 10 * GiB - 9 * GiB - (450 + 256) * MiB
     roomy = Device("NVIDIA A100-SXM4-80GB", "80 GB", 12 * GiB, 0, "test", capacity=12 * GiB)
     assert verdict(roomy, 1)[0] is True and verdict(roomy, 1)[4] is False
 

@@ -67,16 +67,23 @@ def test_the_lines_name_each_configuration_checked_and_the_answer_on_the_device(
     assert block["checked"][0]["fits_with"] == "expandable_segments:True"
 
 
-def test_an_uncertain_answer_and_none_that_fits_are_said() -> None:
+def test_an_answer_at_the_edge_and_none_that_fits_are_said() -> None:
     from ledgerspec.derivations.devices.sweep_check import ConfigurationsOnDevice
 
-    point = {"microbatch": 2}
-    uncertain = ConfigurationsOnDevice(80 * GiB, point, point, [_checked(point, True, 79, 79.25, uncertain=True)])
-    assert uncertain.lines()[-1] == (
-        "largest configuration that fits on the device: microbatch=2 (device peak 79.00 GiB; UNCERTAIN: not with the "
-        "high end of the outside-allocator catalogue's range)"
+    point, lower = {"microbatch": 2}, {"microbatch": 1}
+    edge = ConfigurationsOnDevice(
+        80 * GiB,
+        point,
+        lower,
+        [_checked(point, False, 79, 79.25, uncertain=True), _checked(lower, True, 60, 79.25)],
     )
-    assert uncertain.to_extension()["checked"][0]["uncertain"] is True
+    assert edge.lines()[-3] == (
+        "on the device: microbatch=2 does NOT fit, AT THE EDGE (it completes with the typical bytes outside the "
+        "allocator, not with the high end of the catalogue's range), device peak 79.00 GiB of 79.25 GiB (its CUDA "
+        "total; 80.00 GiB declared), margin 256.00 MiB"
+    )
+    assert edge.lines()[-1] == "largest configuration that fits on the device: microbatch=1 (device peak 60.00 GiB)"
+    assert edge.to_extension()["checked"][0]["uncertain"] is True
     none = ConfigurationsOnDevice(
         80 * GiB, point, None, [_checked({"microbatch": b}, False, 90, 80) for b in (6, 5, 4, 3, 2)], left=1
     )
