@@ -110,6 +110,8 @@ class Row:
     seconds: float
     step: Any = field(default=None, repr=False, compare=False)  # rank 0's allocation stream
     held: int = 0  # rank 0's allocated bytes before the first step (after the optimizer's creation)
+    #: when the replay runs out: "the phase, what it lacked, what decided it and the setting named", in words
+    oom: str = ""
 
     def at_high(self) -> int:
         """Peak reserved of the stream replayed against ``high_capacity`` (the allocator frees its cache and retries
@@ -169,6 +171,24 @@ def estimate_run(run: Run) -> Row:
         time.perf_counter() - started,
         step,
         est.ranks[0].phases["after_optimizer_init"],
+        _oom_words(d),
+    )
+
+
+def _oom_words(d: Any) -> str:
+    """Where rank 0's replay against the card runs out, by how much, what decided it, the setting the verdict names."""
+    if d.oom is None:
+        return ""
+    best = d.best_try
+    setting = (
+        f"; the verdict names PYTORCH_CUDA_ALLOC_CONF={best.conf}, with which it fits by {best.margin / GiB:.2f} GiB"
+        if best is not None
+        else ""
+    )
+    return (
+        f"in phase {d.oom_word} ({d.oom.phase}), asking for {d.oom.requested / GiB:.2f} GiB and lacking "
+        f"{d.oom.short / 2**20:.0f} MiB, decided by {d.decided_by} ({d.oom.fragmentation / GiB:.2f} GiB free in blocks "
+        f"that could not serve it){setting}"
     )
 
 
@@ -185,7 +205,8 @@ def off_row(r: Row) -> str:
         f"{r.run.label}: the replay reserves {r.reserved / GiB:.2f} GiB ({r.unlimited / GiB:.2f} without a limit) "
         f"and {how} against the {r.capacity / GiB:.2f} GiB the allocator can get on the declared card beside the "
         f"catalogue's typical figure outside it, {abs((r.unlimited if oom else r.reserved) / GiB - r.run.reserved):.2f}"
-        f" GiB {'above' if above or oom else 'below'} the published peak" + (", where the run trained" if oom else "")
+        f" GiB {'above' if above or oom else 'below'} the published peak"
+        + (f", where the run trained ({r.oom})" if oom and r.oom else ", where the run trained" if oom else "")
     )
 
 

@@ -141,6 +141,10 @@ def test_the_arithmetic_and_the_summary() -> None:
             assert f"{c[0]}: the replay reserves {c[6]} GiB" in text, c[0]
             said = text.split(f"{c[0]}: the replay reserves {c[6]} GiB")[1].split(";")[0]
             assert ("runs out of memory" in said and "where the run trained" in said) == (key in MISSES), key
+            if key in MISSES:  # a miss near the top: what decided it, and the setting the verdict names
+                after = text.split(f"{c[0]}: the replay reserves {c[6]} GiB")[1].split(" GiB); ")[0]
+                assert "decided by fragmentation" in after, key
+                assert "the verdict names PYTORCH_CUDA_ALLOC_CONF=" in after, key
 
 
 @pytest.mark.slow  # a 7B LoRA FSDP1 step on two ranks, every layer traced, and two replays: about 15 s
