@@ -64,6 +64,10 @@ RESULTS = ROOT / "benchmarks" / "results" / "liger-runs.md"
 COMMIT = "733992ae7355567805de92eacf4a9973c8fd4164"
 SOURCE = f"https://github.com/foundation-model-stack/fms-acceleration/blob/{COMMIT}/scripts/benchmarks/refs/a100_80gb_liger.csv"
 GiB = 2**30
+#: bytes per logit the eager loss holds at its peak beyond what foak's fused cross-entropy holds: the float32
+#: log-softmax of torch.nn.CrossEntropyLoss (the declared transformers 4.45.2's forward releases the bf16 logits
+#: before the loss: known difference transformers-causal-lm-float-logits-in-model, modelled)
+EAGER_LOSS_EXTRA = 4
 TOKENS = 4096  # packed tokens per sequence (max_seq_len 4096, packing)
 
 #: the source's header and the 32 rows compared here, verbatim (single GPU, LoRA, Llama-3-8B and Mistral-7B); the
@@ -226,11 +230,11 @@ class Row:
         stand = (self.stand_in - r.peak) / r.peak if r.peak else 0.0
         if not r.liger:
             excess = (self.allocated - (r.peak or 0)) / r.logits
-            rest = (self.allocated - 6 * r.logits - (r.peak or 0)) / (r.peak or 1)
+            rest = (self.allocated - EAGER_LOSS_EXTRA * r.logits - (r.peak or 0)) / (r.peak or 1)
             return (
                 f"foak's cross-entropy is not modelled (`fms_fused_cross_entropy`; eager declared): the estimate is "
-                f"{excess:.2f} B per logit above ({r.batch} x 4096 x {MODELS[r.model_id][2]:,} logits); less 6 B per "
-                f"logit, {rest:+.1%}"
+                f"{excess:.2f} B per logit above ({r.batch} x 4096 x {MODELS[r.model_id][2]:,} logits); less "
+                f"{EAGER_LOSS_EXTRA} B per logit, {rest:+.1%}"
             )
         if r.quantized:
             return (
@@ -347,7 +351,7 @@ def main() -> None:
     }
     backward_first = all(r.backward > r.forward for r in rows if r.run.liger)
     per_logit = [(r.allocated - (r.run.peak or 0)) / r.run.logits for r in foak]
-    rest = [rel(r, r.allocated - 6 * r.run.logits) for r in foak]
+    rest = [rel(r, r.allocated - EAGER_LOSS_EXTRA * r.run.logits) for r in foak]
     outcome = sum((r.run.ran == r.fits) for r in rows)
     mistral_same = [
         (a.run.batch, a.run.quantized)
@@ -418,13 +422,14 @@ The published outcome is predicted for {outcome} of {len(rows)} runs.
   float32 copy and a bf16 gradient anew), ledgerspec models liger-kernel 0.8.5 (one reused bf16 chunk buffer); at
   these sizes the difference (about 4 B per chunk logit, a few hundred MiB) stays under the backward peak either way.
 - **The non-Liger runs are estimated {_span([rel(r, r.allocated) for r in foak])} high, at the loss.** The excess is
-  {min(per_logit):.2f}-{max(per_logit):.2f} B per logit in every row, Llama-3-8B and Mistral-7B alike; less 6 B per
-  logit, the rows are {_span(rest)}. 6 B per logit is what the eager loss holds at its peak and foak's does not, as
-  read from the sources (not measured here): the float32 log-softmax of `torch.nn.CrossEntropyLoss` (4 B; Unsloth's
-  loss keeps one float32 log-sum-exp per row and writes the gradient into the logits) and the bf16 logits (2 B:
-  transformers 4.45.2's forward rebinds `logits = logits.float()`, releasing them; the installed transformers'
-  forward keeps them referenced while the declared 4.48-era loss runs). ledgerspec does not model foak's loss, so
-  the rows stay as estimated; the Liger rows are the comparison.
+  {min(per_logit):.2f}-{max(per_logit):.2f} B per logit in every row, Llama-3-8B and Mistral-7B alike; less
+  {EAGER_LOSS_EXTRA} B per logit, the rows are {_span(rest)}. {EAGER_LOSS_EXTRA} B per logit is what the eager loss
+  holds at its peak and foak's does not, as read from the sources (not measured here): the float32 log-softmax of
+  `torch.nn.CrossEntropyLoss` (Unsloth's loss keeps one float32 log-sum-exp per row and writes the gradient into
+  the logits). The bf16 logits are not in it: transformers 4.45.2's forward rebinds `logits = logits.float()`,
+  releasing them before the loss, and the estimate models that declared forward (known difference
+  `transformers-causal-lm-float-logits-in-model`). ledgerspec does not model foak's loss, so the rows stay as
+  estimated; the Liger rows are the comparison.
 - **The Llama-3-8B rows sit higher than the Mistral rows at the same batch** after the stand-ins (GiB per sequence
   above); the two models have the same decoder shapes and differ in the vocabulary and the weights' size only, and
   the published Llama-3-8B runs hold less per sequence than the Mistral-7B runs. Not explained yet.
