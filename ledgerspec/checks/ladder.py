@@ -103,6 +103,13 @@ def compared_total(doc: Document, target: int, peak_from: str | None) -> int:
     return target
 
 
+def at_the_edge(doc: Document, peak_from: str | None) -> bool:
+    """The peak compared is the estimate's device-level one and its verdict is at the edge
+    (``x-estimate.verdict.uncertain``: the replay completes only with the outside-allocator catalogue's typical
+    figure, not with the high end of its range): it does not fit, whatever its headroom."""
+    return peak_from == DEVICE_PEAK and doc.get("x-estimate", "verdict", "uncertain").value is True
+
+
 def best_peak(doc: Document) -> tuple[int | None, str | None]:
     """The strongest available peak figure: measured (device, reserved, allocated; the protocol's, then a pilot
     run's), then the estimate's predicted device-level peak when it holds for the declared device
@@ -226,7 +233,7 @@ def supported_status(doc: Document) -> StatusResult:
             + (f", its CUDA total; declared {target} B" if limit != target else "")
             + f"){pilot}"
         )
-    if doc.get("x-estimate", "verdict", "uncertain").value is True and res.best_peak_from == DEVICE_PEAK:
+    if at_the_edge(doc, res.best_peak_from):
         held.append(
             "the device verdict is AT THE EDGE, so it does not fit (x-estimate.verdict.uncertain): it completes only "
             "with the typical bytes outside the allocator, not with the catalogue's high end; measure "

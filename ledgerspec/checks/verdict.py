@@ -17,6 +17,7 @@ from ledgerspec.checks.ladder import (
     LADDER,
     RANK,
     StatusResult,
+    at_the_edge,
     compared_total,
     cpu_estimate,
     device_prediction,
@@ -170,10 +171,7 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
             f"its CUDA total is {format_size(limit)}, not the declared {format_size(device)}"
         )
     headroom = limit - peak
-    # at the edge (x-estimate.verdict.uncertain): the device-level peak is the typical one's, inside the card, but the
-    # allocator model runs out of memory with the high end of the outside-allocator catalogue's range: it does not fit
-    edge = peak_from == DEVICE_PEAK and doc.get("x-estimate", "verdict", "uncertain").value is True
-    fits = headroom >= 0 and not edge
+    fits = headroom >= 0 and not at_the_edge(doc, peak_from)  # at the edge: the headroom is the typical figure's
     oom = None
     notes: list[str] = []
     if not fits and provenance == "predicted":
@@ -234,7 +232,7 @@ def _device_qualifier(doc: Document) -> str:
         if conf and margin is not None:
             parts.append(f"with PYTORCH_CUDA_ALLOC_CONF={conf} it fits, margin {format_size(margin)}")
     high = doc.get(*v, "outside_high").size()
-    if doc.get(*v, "uncertain").value is True:
+    if at_the_edge(doc, DEVICE_PEAK):  # this qualifier is the device-level peak's
         figure = f" ({format_size(high)})" if high is not None else ""
         parts.append(
             f"AT THE EDGE: it completes only with the typical bytes outside the allocator; with the catalogue's high "

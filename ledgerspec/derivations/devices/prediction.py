@@ -751,28 +751,29 @@ def replay_on_device(
         events=len(step.events),
         cuda_total=device_total,
     )
-    if outside_high is not None and outside_high > outside_bytes and result.fits:
-        result.outside_high = outside_high
+    # what the allocator can get beside the high end of the catalogue's range (None: no range, a figure the ledger
+    # holds): the step and each setting tried are at the edge when they complete against the capacity, not against it
+    capacity_high = None
+    if outside_high is not None and outside_high > outside_bytes:
         capacity_high = max(0, device_total - outside_high)
-        if free.oom is None and free_peak <= capacity_high:
-            result.high_fits = True  # no cudaMalloc passes the lower capacity either: the same decisions
-        else:
-            high = replay_step(
-                doc, config=config, capacity=capacity_high, device_total=device_total, target=target, step=step
-            )
-            result.high_fits = high.oom is None
+        if result.fits:
+            result.outside_high = outside_high
+            if free.oom is None and free_peak <= capacity_high:
+                result.high_fits = True  # no cudaMalloc passes the lower capacity either: the same decisions
+            else:
+                high = replay_step(
+                    doc, config=config, capacity=capacity_high, device_total=device_total, target=target, step=step
+                )
+                result.high_fits = high.oom is None
     peak_allocated = max((p.allocated for p in phases.values()), default=0)
     if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
         settings = _tries(config, conf)
         # with a helper process, its half of the settings are replayed there while this process replays the rest
         half = len(settings) // 2 if helper is not None and helper.running else 0
         rest = settings[len(settings) - half :]
-        at_high = (
-            max(0, device_total - outside_high) if outside_high is not None and outside_high > outside_bytes else None
-        )
-        there = helper.submit(try_settings, doc, rest, capacity, device_total, target, step, at_high) if half else None
-        mine = settings[: len(settings) - half]
-        result.tried = try_settings(doc, mine, capacity, device_total, target, step, at_high)
+        args = (capacity, device_total, target, step, capacity_high)
+        there = helper.submit(try_settings, doc, rest, *args) if half else None
+        result.tried = try_settings(doc, settings[: len(settings) - half], *args)
         result.tried += there() if there is not None else []
     result.seconds = time.perf_counter() - started
     return result
@@ -797,13 +798,13 @@ def try_settings(
 
     out = []
     for setting, whole in settings:
-        again = replay_step(doc, None, AllocatorConfig.parse(whole), capacity, device_total, target, step)
+        config = AllocatorConfig.parse(whole)
+        again = replay_step(doc, None, config, capacity, device_total, target, step)
         reserved = max((p.reserved for p in again.phases.values()), default=0)
         if again.oom is None:
             edge = False
             if capacity_high is not None and capacity_high < capacity:
-                high = replay_step(doc, None, AllocatorConfig.parse(whole), capacity_high, device_total, target, step)
-                edge = high.oom is not None
+                edge = replay_step(doc, None, config, capacity_high, device_total, target, step).oom is not None
             out.append(Tried(setting, whole, True, reserved, capacity - reserved, edge=edge))
         else:
             a = again.oom
