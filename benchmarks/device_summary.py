@@ -101,7 +101,8 @@ REASONS = {
     "aai-llama-2-7b-qlora-2gpu-2048-bs10": _AT_THE_TOP,
     "aai-llama-2-7b-qlora-2gpu-2048-bs8-ddp": _AT_THE_TOP,
     "aai-llama-2-7b-qlora-2gpu-2048-bs12-offload": (
-        "the miss: the replay runs out in the second iteration lacking 207 MiB, decided by fragmentation (with "
+        "the miss: up to the request that fails the replay reserves 22.29 GiB (the run's published peak: 22.38 GiB), "
+        "then the allocator's retry after freeing its cache lacks 207 MiB, decided by fragmentation (with "
         "`expandable_segments:True` it fits); the 7B QLoRA reserve at large batches is not identified without a GPU "
         "trace"
     ),

@@ -171,12 +171,13 @@ def estimate_run(run: Run) -> Row:
         time.perf_counter() - started,
         step,
         est.ranks[0].phases["after_optimizer_init"],
-        _oom_words(d),
+        _oom_words(d, run.reserved),
     )
 
 
-def _oom_words(d: Any) -> str:
-    """Where rank 0's replay against the card runs out, by how much, what decided it, the setting the verdict names."""
+def _oom_words(d: Any, published: float) -> str:
+    """Where rank 0's replay against the card runs out, by how much, what decided it, the setting the verdict names,
+    and the reserve's peak before it (what ``max_memory_reserved`` would read) beside the run's ``published`` peak."""
     if d.oom is None:
         return ""
     best = d.best_try
@@ -188,7 +189,10 @@ def _oom_words(d: Any) -> str:
     return (
         f"in phase {d.oom_word} ({d.oom.phase}), asking for {d.oom.requested / GiB:.2f} GiB and lacking "
         f"{d.oom.short / 2**20:.0f} MiB, decided by {d.decided_by} ({d.oom.fragmentation / GiB:.2f} GiB free in blocks "
-        f"that could not serve it){setting}"
+        f"that could not serve it){setting}; up to that request the replay reserves {d.oom.peak_reserved / GiB:.2f} "
+        f"GiB, against the run's published peak reserved of {published:.2f} GiB (a cudaMalloc that fails leaves the "
+        "reserve's peak below the card's reach, where the retry that follows serves the request or not; whether the "
+        "run's did is not published)"
     )
 
 

@@ -235,8 +235,8 @@ def supported_status(doc: Document) -> StatusResult:
         )
     if at_the_edge(doc, res.best_peak_from):
         held.append(
-            "the device verdict is AT THE EDGE, so it does not fit (x-estimate.verdict.uncertain): it completes only "
-            "with the typical bytes outside the allocator, not with the catalogue's high end; measure "
+            f"the device verdict is {F.AT_THE_EDGE}, so it does not fit (x-estimate.verdict.uncertain): {F.EDGE_WHY}, "
+            "not with the catalogue's high end; measure "
             "outside_allocator (`ledgerspec measure --device cuda`) or leave more headroom"
         )
     elif doc.get("result", "fits").switch() is False:

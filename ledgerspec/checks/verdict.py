@@ -25,7 +25,7 @@ from ledgerspec.checks.ladder import (
 )
 from ledgerspec.checks.stale import stale_evidence
 from ledgerspec.contract.document import Document
-from ledgerspec.contract.fields import PHASE_OOM_WORDS
+from ledgerspec.contract.fields import AT_THE_EDGE, EDGE_WHY, PHASE_OOM_WORDS
 from ledgerspec.contract.units import format_size
 
 FITS = "FITS"
@@ -235,7 +235,7 @@ def _device_qualifier(doc: Document) -> str:
     if at_the_edge(doc, DEVICE_PEAK):  # this qualifier is the device-level peak's
         figure = f" ({format_size(high)})" if high is not None else ""
         parts.append(
-            f"AT THE EDGE: it completes only with the typical bytes outside the allocator; with the catalogue's high "
+            f"{AT_THE_EDGE}: {EDGE_WHY}; with the catalogue's high "
             f"end{figure} the allocator model runs out of memory: measure outside_allocator "
             "(`ledgerspec measure --device cuda`) or leave more headroom"
         )
@@ -289,7 +289,7 @@ _KINDS: tuple[tuple[str, str, str], ...] = (
         "microbatch` finds the largest microbatch that fits; `--devices` compares devices",
     ),
     (
-        r"^the device verdict is AT THE EDGE",
+        rf"^the device verdict is {AT_THE_EDGE}",
         "the bytes outside the allocator, measured (or more headroom)",
         "`ledgerspec measure FILE --device cuda` writes outside_allocator; `ledgerspec estimate FILE --fit microbatch`",
     ),

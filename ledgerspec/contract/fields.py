@@ -937,6 +937,10 @@ _PHASE_KEYS = (
 )
 #: the phases only online RL's step has (GRPO/RLOO: ``phases.generation_peak``)
 GENERATION_PHASES = ("generation_peak",)
+#: a device verdict at the edge (``x-estimate.verdict.uncertain``): its word, and why such a step does not fit, in every
+#: face that says it (estimate, shard, --fit, a sweep's check, validate -v, report, the status ladder)
+AT_THE_EDGE = "AT THE EDGE"
+EDGE_WHY = "it completes only with the typical bytes outside the allocator"
 #: every protocol phase key in run order, with the ``result.oom_phase`` word of a run out of memory in it (the
 #: generation's decoding forwards are forwards: the spec's list has no word of its own for them)
 PHASE_OOM_WORDS = {

@@ -66,3 +66,18 @@ def test_every_outlier_has_its_line_and_every_line_an_outlier(bench: Any) -> Non
     outliers = {r.ledger for r in rows if r.difference is not None and abs(r.difference) > bench.OUTLIER}
     assert outliers == set(bench.REASONS)
     assert "NOT EXPLAINED" not in SUMMARY.read_text(encoding="utf-8")
+
+
+def test_every_figure_of_a_line_is_on_its_page(bench: Any) -> None:
+    """The lines are written by hand from their pages' discussion: each figure a line gives (a size in GiB or MiB, or a
+    range of them) is a figure of the page its run comes from, so a page regenerated with other figures fails here
+    until the line is read again."""
+    import re
+
+    figure = re.compile(r"(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))? (?:GiB|MiB)")
+    pages = {r.ledger: r.page.file for p in bench.PAGES if not p.not_modelled for r in bench.rows_of(p)}
+    for ledger, line in bench.REASONS.items():
+        text = (RESULTS / pages[ledger]).read_text(encoding="utf-8")
+        for match in figure.finditer(line):
+            for number in filter(None, match.groups()):
+                assert re.search(rf"(?<![\d.]){re.escape(number)}(?![\d])", text), (ledger, number, pages[ledger])

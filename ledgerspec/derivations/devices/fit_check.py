@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ledgerspec.contract.document import Document
+from ledgerspec.contract.fields import AT_THE_EDGE
 from ledgerspec.contract.units import format_size
 
 #: values a check replays at most (each: one estimate with a third probe, and the allocator replays)
@@ -85,7 +86,7 @@ def checked_line(subject: str, c: Checked, device_memory: int, said_declared: bo
                 " only at the limit (the allocator's cache fills the device: it frees its cached blocks and retries)"
             )
     elif c.uncertain:
-        verdict = f"does NOT fit, AT THE EDGE ({UNCERTAIN_WHY})"
+        verdict = f"does NOT fit, {AT_THE_EDGE} ({UNCERTAIN_WHY})"
     elif c.decided_by == "fragmentation":
         verdict = "does NOT fit (fragmentation decides)"
     else:

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ledgerspec.contract.document import Document, ErrorAt
+from ledgerspec.contract.fields import AT_THE_EDGE, EDGE_WHY
 from ledgerspec.contract.units import format_size, parse_size
 from ledgerspec.derivations.devices import outside
 
@@ -52,8 +53,9 @@ SPLIT_TRIES = (20, 64, 128, 256, 512)
 EXPANDABLE = "expandable_segments:True"
 #: how near a catalogue device's total (or its vendor memory) must be to the asked memory to name it
 NAME_TOLERANCE = 0.01
-#: bump when the cached form of a device prediction changes (4: a setting tried is checked at the range's high end)
-FORMAT = 4
+#: bump when the cached form of a device prediction changes (4: a setting tried is checked at the range's high end;
+#: 5: an out-of-memory keeps the reserve's peak before it)
+FORMAT = 5
 
 _err = ErrorAt("estimate")
 
@@ -310,6 +312,10 @@ class DeviceOOM:
     reserved: int  # reserved then, after releasing what it could
     fragmentation: int  # reserved - allocated then: free, but in blocks that could not serve the request
     short: int  # reserved + alloc_size - capacity: what the allocation lacked
+    #: the highest reserve before it ran out (what ``torch.cuda.max_memory_reserved`` reads after the error): a run
+    #: at the top of its card reserves up to where its cudaMalloc fails, whether or not the retry that follows serves
+    #: the request (0: a cached prediction of a format before it)
+    peak_reserved: int = 0
 
 
 @dataclass
@@ -518,8 +524,8 @@ class DevicePrediction:
         if self.uncertain:
             high = self.replayed.outside_high
             return (
-                f"does NOT fit on the device, AT THE EDGE: it completes only with the typical bytes outside the "
-                f"allocator (device peak {dev} of {total}, {split}, margin {format_size(self.margin)}); with the high "
+                f"does NOT fit on the device, {AT_THE_EDGE}: {EDGE_WHY} (device peak {dev} of {total}, {split}, "
+                f"margin {format_size(self.margin)}); with the high "
                 f"end of the outside-allocator catalogue's range ({format_size(high)} outside instead of "
                 f"{format_size(self.outside)}) the allocator model runs out of memory: the margin is inside the "
                 f"catalogue's uncertainty; measure it (`ledgerspec measure --device cuda` writes outside_allocator) or "
@@ -556,6 +562,12 @@ class DevicePrediction:
                 f"fragmentation at the out-of-memory: {format_size(oom.fragmentation)} of the "
                 f"{format_size(oom.reserved)} reserved was free but in blocks that could not serve the request; it "
                 f"lacked {format_size(oom.short)}"
+                + (
+                    f" (the reserve peaked at {format_size(oom.peak_reserved)} before it: what "
+                    "torch.cuda.max_memory_reserved would read)"
+                    if oom.peak_reserved
+                    else ""
+                )
             )
             if self.decided_by == "fragmentation":
                 out.append(
@@ -736,7 +748,8 @@ def replay_on_device(
     if on.oom is not None:
         o = on.oom
         lacked = o.reserved + o.alloc_size - capacity
-        oom = DeviceOOM(o.phase, o.requested, o.alloc_size, o.allocated, o.reserved, o.free_unusable, lacked)
+        peak = on.replay.peak_reserved
+        oom = DeviceOOM(o.phase, o.requested, o.alloc_size, o.allocated, o.reserved, o.free_unusable, lacked, peak)
     result = Replayed(
         total,
         outside_bytes,

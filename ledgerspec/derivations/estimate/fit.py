@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ledgerspec.contract.fields import PHASE_OOM_WORDS
+from ledgerspec.contract.fields import AT_THE_EDGE, PHASE_OOM_WORDS
 
 #: the protocol's phases in the order a training run goes through them
 PHASES = (
@@ -45,7 +45,7 @@ class Fit:
             )
         if self.headroom >= 0:  # a device verdict at the edge (simulation.device_fit): it completes, yet does not fit
             return (
-                f"does NOT fit, AT THE EDGE: predicted peak {format_size(self.peak)} of "
+                f"does NOT fit, {AT_THE_EDGE}: predicted peak {format_size(self.peak)} of "
                 f"{format_size(self.device_memory)} with the typical bytes outside the allocator, not with the high "
                 "end of the catalogue's range"
             )

@@ -16,6 +16,7 @@ import argparse
 import sys
 from typing import Any
 
+from ledgerspec.contract.fields import AT_THE_EDGE, EDGE_WHY
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, printable
 from ledgerspec.faces.arguments import add_force, device_memory, device_memory_bytes
 from ledgerspec.faces.status import add_keep_status
@@ -167,7 +168,7 @@ def _print_estimate(est: Any, device_memory: int | None) -> None:
     if fits is not None and device_memory is not None:
         answer = "fits" if all(f.fits for f in fits) else "does NOT fit"
         if device is not None and any(d.uncertain for d in device) and all(d.completes for d in device):
-            answer = "does NOT fit, AT THE EDGE (it completes only with the typical bytes outside the allocator)"
+            answer = f"does NOT fit, {AT_THE_EDGE} ({EDGE_WHY})"
         if device is not None:
             worst = max(range(len(device)), key=lambda i: device[i].device_peak)
             for line in device[worst].lines():

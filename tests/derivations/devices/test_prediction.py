@@ -103,6 +103,25 @@ def test_fragmentation_decides_when_the_tensors_fit_but_the_blocks_do_not() -> N
     assert block["verdict"]["compared"] == "x-estimate.device_peak"
 
 
+def test_the_out_of_memory_keeps_the_reserve_s_peak_before_it() -> None:
+    """What ``torch.cuda.max_memory_reserved`` reads after the error: the reserve's peak, not what is left after the
+    release. Forward: 20 and 12 MiB, the 20 freed (its segment cached whole; 32 reserved). Backward: 26 MiB finds no
+    cached block that large and cudaMalloc cannot get it (32 + 26 > 41): the cached 20 MiB segment is released and the
+    retry gets it (38 reserved). It is freed, then 30 MiB: cudaMalloc fails again (38 + 30), the cached 26 MiB
+    segment is released, and the retry still lacks 1 MiB (12 + 30 > 41). The reserve was 38 MiB before the error,
+    12 MiB after the release."""
+    outside_bytes, capacity = 1 * GiB, 41 * MiB
+    step = _step(
+        [("alloc", 1, 20 * MiB), ("alloc", 2, 12 * MiB), ("free", 1)],
+        [("alloc", 3, 26 * MiB), ("free", 3), ("alloc", 4, 30 * MiB)],
+    )
+    r = P.replay_on_device(_doc(), step, outside_bytes + capacity, outside_bytes, "", tries=False)
+    assert r.oom is not None and (r.oom.reserved, r.oom.short) == (12 * MiB, 1 * MiB)
+    assert r.oom.peak_reserved == 38 * MiB
+    pred = P.DevicePrediction(P.Target(outside_bytes + capacity, None, "none"), O.Figure(outside_bytes, "X", "t"), r)
+    assert "the reserve peaked at 38.00 MiB before it" in pred.lines()[0]
+
+
 def test_a_setting_that_fits_only_with_the_typical_figure_outside_is_not_named() -> None:
     """The same fragmentation, with the catalogue's range outside the allocator reaching 2 MiB above the typical
     figure (39 MiB for the allocator). Expandable segments, 40 MiB reserved against 41, runs out against 39: at the
