@@ -6,7 +6,8 @@ cuBLAS/cuBLASLt workspaces, flash-attention's and bitsandbytes' buffers are *ins
 added: counting them here would count them twice). :func:`estimate` gives, for a declared stack (GPU, CUDA, module
 loading, ranks, NCCL settings), a per-rank figure with its parts, each with its sources and its range.
 :func:`for_document` prefers what the ledger holds: ``outside_allocator.total`` MEASURED by ``ledgerspec measure
---device cuda`` (or declared by the user) replaces the catalogue's figure.
+--device cuda`` (or declared by the user) replaces the catalogue's figure, and each of its parts (``context``, ``nccl``,
+``other``) the catalogue's parts it names (:func:`with_declared`).
 
 Provenance of a part as the ledger would record it: CALCULATED when it follows from the libraries' source and
 inputs the ledger declares (NCCL's buffer formula with declared channels), ASSUMPTION otherwise (a public
@@ -16,7 +17,7 @@ measurement of another machine is not a measurement of yours; the note names it)
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,8 @@ class Part:
     sources: tuple[Source, ...]
     note: str = ""
     inside_allocator: bool = False
+    #: the ledger's own figure (``outside_allocator.<name>``), not the catalogue's
+    declared: bool = False
 
     @property
     def counted(self) -> bool:
@@ -151,13 +154,20 @@ class Estimate:
 
     @property
     def provenance(self) -> str:
-        return "CALCULATED" if all(p.provenance == "CALCULATED" for p in self.counted) else "ASSUMPTION"
+        """The weakest of the counted parts': MEASURED when every part is (each declared as measured), CALCULATED when
+        every part is MEASURED or CALCULATED, else ASSUMPTION."""
+        kinds = {p.provenance for p in self.counted}
+        if kinds <= {"MEASURED"}:
+            return "MEASURED"
+        return "CALCULATED" if kinds <= {"MEASURED", "CALCULATED"} else "ASSUMPTION"
 
     def part(self, name: str) -> Part | None:
         return next((p for p in self.parts if p.name == name), None)
 
     def method(self) -> str:
-        shown = ", ".join(f"{p.name} {format_size(p.typical)}" for p in self.counted)
+        shown = ", ".join(
+            f"{p.name} {format_size(p.typical)}" + (" (the ledger's)" if p.declared else "") for p in self.counted
+        )
         return (
             f"ledgerspec {BUILT_IN} for {self.stack.gpu_name or 'an unnamed GPU'} ({self.arch}), "
             f"{self.stack.world_size} rank(s): {shown}; range {format_size(self.low)} to {format_size(self.high)}"
@@ -470,14 +480,39 @@ class Figure:
     vllm: int = 0
 
 
+#: the parts of ``outside_allocator`` a ledger may hold, and the catalogue's parts each one replaces (``other``: the
+#: modules loaded at their first use, handles, resident unified memory)
+DECLARED_PARTS = {"context": ("context",), "nccl": ("nccl",), "other": ("other", "unified memory")}
+
+
+def with_declared(est: Estimate, doc: Any) -> Estimate:
+    """``est`` with each part the ledger holds (``outside_allocator.context``, ``nccl``, ``other``: MEASURED, or the
+    user's own figure) in place of the catalogue's parts it names (:data:`DECLARED_PARTS`): that part's figure
+    exactly, no range; the parts it does not hold stay the catalogue's, with theirs."""
+    parts = list(est.parts)
+    for key, names in DECLARED_PARTS.items():
+        v = doc.get("outside_allocator", key)
+        size = v.size()
+        if size is None:
+            continue
+        at = next((i for i, p in enumerate(parts) if p.name in names), len(parts))
+        parts = [p for p in parts if p.name not in names]
+        why = " ".join((v.note or v.method or "").split())
+        source = v.effective_source(True)
+        formula = f"outside_allocator.{key} as the ledger holds it" + (f" ({why})" if why else "")
+        parts.insert(min(at, len(parts)), Part(key, size, size, size, source, formula, (), declared=True))
+    return replace(est, parts=tuple(parts))
+
+
 def for_document(doc: Any, catalogue: Catalogue | None = None) -> Figure:
     """``outside_allocator.total`` as the ledger holds it (MEASURED, or the user's own figure), else the
-    catalogue's estimate for the declared stack."""
+    catalogue's estimate for the declared stack with the parts the ledger holds in place of its own
+    (:func:`with_declared`)."""
     v = doc.get("outside_allocator", "total")
     size = v.size()
     if size is not None:
         return Figure(size, v.effective_source(True), "outside_allocator.total as the ledger holds it")
-    est = estimate(stack_of(doc), catalogue)
+    est = with_declared(estimate(stack_of(doc), catalogue), doc)
     return Figure(est.typical, est.provenance, est.method(), est)
 
 
@@ -593,6 +628,7 @@ def _nccl_text(s: NcclSettings) -> str:
 __all__ = [
     "BUILT_IN",
     "CATALOGUE",
+    "DECLARED_PARTS",
     "Catalogue",
     "Estimate",
     "Figure",
@@ -608,4 +644,5 @@ __all__ = [
     "load",
     "markdown",
     "stack_of",
+    "with_declared",
 ]

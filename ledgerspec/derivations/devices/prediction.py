@@ -215,7 +215,7 @@ def outside_of(
         stack = replace(stack, world_size=world)
     if paged_state is not None and stack.paged:
         stack = replace(stack, paged_state=paged_state)
-    est = outside.estimate(stack)
+    est = outside.with_declared(outside.estimate(stack), doc)
     return _with_vllm(doc, target, outside.Figure(est.typical, est.provenance, est.method(), est))
 
 

@@ -188,6 +188,49 @@ def test_the_document_the_ledger_figure_wins_over_the_catalogue() -> None:
     assert (got.bytes, got.source, got.estimate) == (2**30, "MEASURED", None)
 
 
+def test_each_part_the_ledger_holds_replaces_the_catalogue_s() -> None:
+    """The docs' example (``docs/outside-allocator.md``): eight H100s with ``outside_allocator.nccl`` declared. The
+    figure is the declared NCCL bytes, exactly, beside the catalogue's context and lazily loaded modules with their
+    ranges (read here from ``outside.yaml`` itself); ``total``, when held, would replace the whole."""
+    import yaml
+
+    raw = yaml.safe_load(O.CATALOGUE.read_text(encoding="utf-8"))
+    ctx, lazy = raw["context"]["sm_90"], raw["lazy_modules"]
+    from ledgerspec.contract.units import parse_size as size
+
+    head = "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA H100 80GB HBM3}\nparallelism: {gpu_count: 8}\n"
+    doc = from_text(head + "outside_allocator:\n  nccl: {value: 420 MiB, source: ASSUMPTION, note: our NCCL log}\n")
+    fig = O.for_document(doc)
+    assert fig.estimate is not None and fig.source == "ASSUMPTION"
+    nccl = part(fig.estimate, "nccl")
+    assert (nccl.typical, nccl.low, nccl.high, nccl.provenance) == (420 * MiB, 420 * MiB, 420 * MiB, "ASSUMPTION")
+    assert fig.bytes == size(ctx["typical"]) + size(lazy["typical"]) + 420 * MiB
+    assert fig.estimate.low == size(ctx["low"]) + size(lazy["low"]) + 420 * MiB
+    assert fig.estimate.high == size(ctx["high"]) + size(lazy["high"]) + 420 * MiB
+    assert "nccl 420.00 MiB (the ledger's)" in fig.method and "our NCCL log" in nccl.formula
+    # every part held, measured: the figure is their sum, MEASURED, with no range (never at the edge)
+    parts = (("context", 500), ("nccl", 300), ("other", 200))
+    held = "".join(f"  {k}: {{value: {v} MiB, source: MEASURED, method: m}}\n" for k, v in parts)
+    fig = O.for_document(from_text(head + "outside_allocator:\n" + held))
+    assert fig.estimate is not None and fig.source == "MEASURED"
+    assert fig.bytes == fig.estimate.low == fig.estimate.high == 1000 * MiB
+    from ledgerspec.derivations.devices.prediction import high_of, outside_of, target_of
+
+    doc = from_text(head + "outside_allocator:\n" + held)
+    target = target_of(doc, 80 * 2**30)
+    assert outside_of(doc, target).bytes == high_of(outside_of(doc, target)) == 1000 * MiB
+
+
+def test_the_ledger_s_other_replaces_resident_unified_memory_too() -> None:
+    """``other`` is "everything else outside the allocator": the modules loaded at their first use and a paged
+    optimizer's resident pages; held, it replaces both catalogue parts."""
+    head = "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA A100-SXM4-80GB}\noptimizer: {name: paged_adamw_8bit}\n"
+    state = "ledger: {optimizer: {value: 3 GiB, source: CALCULATED, method: m}}\n"
+    fig = O.for_document(from_text(head + state + "outside_allocator: {other: {value: 1 GiB, source: MEASURED}}\n"))
+    assert fig.estimate is not None and fig.estimate.part("unified memory") is None
+    assert part(fig.estimate, "other").high == 2**30 == part(fig.estimate, "other").typical
+
+
 def test_a_paged_optimizer_adds_unified_memory_up_to_its_state() -> None:
     doc = from_text(
         "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA A100-SXM4-80GB}\noptimizer: {name: paged_adamw_8bit}\n"
