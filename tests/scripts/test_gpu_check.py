@@ -97,6 +97,7 @@ def test_gpu_check_skips_the_bitsandbytes_rows_with_a_note_and_writes_one_table(
     monkeypatch.setattr(mod, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(mod, "WORK", tmp_path / "results" / "gpu-check")
     monkeypatch.setattr(mod, "header", lambda missing: f"# gpu-check (faked header; missing {sorted(missing)})")
+    monkeypatch.setattr(mod, "device_memory", lambda: "85520809984")  # an H100's total
     monkeypatch.setattr(mod, "estimated_activations", lambda path: None)
 
     def cli(*args: str) -> tuple[int, str]:
@@ -150,6 +151,7 @@ def _script_main_faked(mod: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     monkeypatch.setattr(mod, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(mod, "WORK", tmp_path / "results" / "gpu-check")
     monkeypatch.setattr(mod, "header", lambda missing: "# gpu-check (faked header)")
+    monkeypatch.setattr(mod, "device_memory", lambda: "85520809984")  # an H100's total
     monkeypatch.setattr(mod, "estimated_activations", lambda path: None)
 
 
@@ -178,6 +180,21 @@ def test_gpu_check_reads_its_table_column_from_a_ledger_measured_on_cuda(
     table = mod.table([r])
     assert f"| **device peak** | {(CONTEXT + top) / MiB:,.1f} |" in table
     assert f"| phase backward_peak | {exp['backward_peak'] / MiB:,.1f} |" in table
+    # the device-level prediction against what was measured (the ledger holds none here: a dash, not a guess)
+    assert "| estimate error vs reserved | - |" in table and "| estimate error vs device peak | - |" in table
+    predicted = {**r, "estimate_reserved": top + top // 10, "estimate_device": CONTEXT + top - (CONTEXT + top) // 20}
+    table = mod.table([predicted])
+    assert f"| estimate peak reserved (allocator model) | {(top + top // 10) / MiB:,.1f} |" in table
+    assert "| estimate error vs reserved | +10.0% |" in table and "| estimate error vs device peak | -5.0% |" in table
+
+
+def test_gpu_check_predicts_for_the_lent_card_itself() -> None:
+    """The estimate's target is the card the check runs on (its total, by which the device catalogue names it), not
+    a fixed size: the dry run's plan says so, with no CUDA."""
+    mod = _script()
+    estimate = [c for c in mod.commands(Path("x.ledger.yaml"), True, "85520809984") if c[0] == "estimate"]
+    assert estimate == [("estimate", "x.ledger.yaml", "--device-memory", "85520809984")]
+    assert mod.DEVICE_MEMORY in " ".join(mod.commands(Path("x.ledger.yaml"), True)[1])
 
 
 def test_gpu_check_installs_carried_wheels_exactly_as_the_device_readme_says(

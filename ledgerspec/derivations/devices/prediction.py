@@ -54,8 +54,8 @@ EXPANDABLE = "expandable_segments:True"
 #: how near a catalogue device's total (or its vendor memory) must be to the asked memory to name it
 NAME_TOLERANCE = 0.01
 #: bump when the cached form of a device prediction changes (4: a setting tried is checked at the range's high end;
-#: 5: an out-of-memory keeps the reserve's peak before it)
-FORMAT = 5
+#: 5: an out-of-memory keeps the reserve's peak before it; 6: a step at the edge tries the settings at the high end)
+FORMAT = 6
 
 _err = ErrorAt("estimate")
 
@@ -197,13 +197,18 @@ def outside_of(
 ) -> outside.Figure:
     """The bytes this rank holds outside the caching allocator on ``target``: the ledger's
     ``outside_allocator.total`` when it holds one, else the outside catalogue's estimate for the declared stack on
-    the named device (:func:`ledgerspec.derivations.devices.outside.estimate`; ``world``: the ranks it runs on, when
+    the named device with the parts the ledger holds in place of the catalogue's
+    (:func:`ledgerspec.derivations.devices.outside.with_declared`; ``world``: the ranks it runs on, when
     not the ledger's ``parallelism.gpu_count``, e.g. ``shard --nproc``; ``paged_state``: a paged optimizer's state
     bytes, when not the ledger's ``ledger.optimizer``); plus colocated vLLM's share of the card
-    (:func:`vllm_share_of`), which the training step's allocator cannot get either."""
+    (:func:`vllm_share_of`), which the training step's allocator cannot get either. What the ledger holds is of its
+    own ranks on its own card: asked about another GPU count or another GPU architecture (a ``--devices`` row,
+    ``shard --nproc``, ``--device-memory`` naming another card), the catalogue's figure for the rank asked about, and
+    the method says why (:func:`held_elsewhere`)."""
+    elsewhere = held_elsewhere(doc, target, world)
     v = doc.get("outside_allocator", "total")
     size = v.size()
-    if size is not None:
+    if size is not None and elsewhere is None:
         why = " ".join((v.note or v.method or "").split())
         return _with_vllm(
             doc,
@@ -215,8 +220,51 @@ def outside_of(
         stack = replace(stack, world_size=world)
     if paged_state is not None and stack.paged:
         stack = replace(stack, paged_state=paged_state)
-    est = outside.with_declared(outside.estimate(stack), doc)
-    return _with_vllm(doc, target, outside.Figure(est.typical, est.provenance, est.method(), est))
+    est = outside.estimate(stack)
+    if elsewhere is None:
+        est = outside.with_declared(est, doc)
+    method = est.method() + (f"; {elsewhere}" if elsewhere is not None and _holds_any(doc) else "")
+    return _with_vllm(doc, target, outside.Figure(est.typical, est.provenance, method, est))
+
+
+def _holds_any(doc: Document) -> bool:
+    return any(doc.get("outside_allocator", k).size() is not None for k in ("total", *outside.DECLARED_PARTS))
+
+
+def held_elsewhere(doc: Document, target: Target, world: int | None = None) -> str | None:
+    """Why what the ledger holds in ``outside_allocator`` is not this rank's (None: it is, or it holds nothing): it
+    was measured (or declared) for the ledger's own GPU count and card (``measurement.device_name``, else
+    ``software.gpu_name``, else ``result.target_device.name``); another count changes NCCL's buffers, another GPU
+    architecture the CUDA context and its modules."""
+    if not _holds_any(doc):
+        return None
+    own_world = outside.stack_of(doc).world_size
+    if world is not None and world != own_world:
+        return (
+            f"the ledger's outside_allocator is of {own_world} rank(s), not {world}: the catalogue's figure for "
+            f"{world} instead"
+        )
+    own = next(
+        (
+            t.strip()
+            for t in (
+                doc.get("measurement", "device_name").text(),
+                doc.get("software", "gpu_name").text(),
+                doc.get("result", "target_device", "name").text(),
+            )
+            if t and t.strip()
+        ),
+        None,
+    )
+    if own is None or not target.name:
+        return None
+    mine, theirs = outside.architecture(own)[0], outside.architecture(target.name)[0]
+    if mine == theirs:
+        return None
+    return (
+        f"the ledger's outside_allocator is of {own} ({mine}), not {target.name} ({theirs}): the catalogue's figure "
+        "for that card instead"
+    )
 
 
 def stated(
@@ -299,6 +347,9 @@ class Tried:
     #: it completes against the capacity, not against the one beside the high end of the outside-allocator
     #: catalogue's range: at the edge, so this setting does not make it fit (never named as the setting to set)
     edge: bool = False
+    #: replayed against what the allocator can get beside the high end of that range (the step itself is at the edge:
+    #: it completes only with the typical figure); ``fits``: it completes there too, ``margin`` is against that
+    at_high: bool = False
 
 
 @dataclass
@@ -529,7 +580,7 @@ class DevicePrediction:
                 f"end of the outside-allocator catalogue's range ({format_size(high)} outside instead of "
                 f"{format_size(self.outside)}) the allocator model runs out of memory: the margin is inside the "
                 f"catalogue's uncertainty; measure it (`ledgerspec measure --device cuda` writes outside_allocator) or "
-                f"leave more headroom{note}"
+                f"leave more headroom{self._edge_setting()}{note}"
             )
         if self.fits:
             return (
@@ -545,6 +596,16 @@ class DevicePrediction:
             f"{total} ({split}), {format_size(-self.margin)} over{note}"
         )
 
+    def _edge_setting(self) -> str:
+        """At the edge: the allocator setting with which the step completes with the high end of the range too."""
+        best = self.best_try
+        if best is None or not best.at_high:
+            return ""
+        return (
+            f", or set PYTORCH_CUDA_ALLOC_CONF={best.conf}: with it the replay completes with the high end too "
+            f"(peak reserved {format_size(best.peak_reserved)}, margin {format_size(best.margin)} there)"
+        )
+
     def lines(self) -> list[str]:
         """What ``estimate`` prints under the verdict: the fragmentation, what decided it, what would change it."""
         out: list[str] = []
@@ -555,6 +616,26 @@ class DevicePrediction:
                 "in whole blocks, as the allocator counts it, a request served by a larger cached block counting that "
                 "block: cached blocks and split remainders)"
             )
+            if self.uncertain and self.replayed.tried:
+                out.append(
+                    "at the edge, and with the high end of the range fragmentation decides: the allocated peak "
+                    f"{format_size(self.peak_allocated)} fits what the allocator can get there, its blocks do not"
+                )
+                for t in self.replayed.tried:
+                    out.append(
+                        f"with {t.setting}: completes with the high end too, peak reserved "
+                        f"{format_size(t.peak_reserved)}, margin {format_size(t.margin)} there"
+                        if t.fits
+                        else f"with {t.setting}: still runs out with the high end, in phase {t.oom_phase}, lacking "
+                        f"{format_size(-t.margin)}"
+                    )
+                best = self.best_try
+                out.append(
+                    f"set PYTORCH_CUDA_ALLOC_CONF={best.conf} (software.pytorch_cuda_alloc_conf) to fit with either "
+                    "figure outside the allocator"
+                    if best is not None
+                    else "no allocator setting tried completes with the high end"
+                )
         else:
             oom = self.oom
             assert oom is not None
@@ -779,15 +860,23 @@ def replay_on_device(
                 )
                 result.high_fits = high.oom is None
     peak_allocated = max((p.allocated for p in phases.values()), default=0)
-    if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
+
+    def tried(against: int, edge_at: int | None) -> list[Tried]:
         settings = _tries(config, conf)
         # with a helper process, its half of the settings are replayed there while this process replays the rest
         half = len(settings) // 2 if helper is not None and helper.running else 0
         rest = settings[len(settings) - half :]
-        args = (capacity, device_total, target, step, capacity_high)
+        args = (against, device_total, target, step, edge_at)
         there = helper.submit(try_settings, doc, rest, *args) if half else None
-        result.tried = try_settings(doc, settings[: len(settings) - half], *args)
-        result.tried += there() if there is not None else []
+        out = try_settings(doc, settings[: len(settings) - half], *args)
+        return out + (there() if there is not None else [])
+
+    if tries and oom is not None and peak_allocated <= capacity:  # fragmentation decides: would a setting change it?
+        result.tried = tried(capacity, capacity_high)
+    elif tries and result.high_fits is False and capacity_high is not None and peak_allocated <= capacity_high:
+        # at the edge, and with the high end of the range fragmentation decides: a setting that completes there too
+        # makes the step fit whatever the range holds
+        result.tried = [replace(t, at_high=True) for t in tried(capacity_high, None)]
     result.seconds = time.perf_counter() - started
     return result
 
@@ -1099,6 +1188,7 @@ __all__ = [
     "device_question",
     "estimate_on_device",
     "free_replay",
+    "held_elsewhere",
     "high_of",
     "outside_of",
     "replay_on_device",

@@ -83,9 +83,15 @@ def test_a_named_cards_nominal_memory_is_replayed_against_its_cuda_total() -> No
     assert P.target_of(mig, int(39.5 * GiB)).cuda_total == int(39.5 * GiB)
     flag = P.target_of(a100, 20 * GiB, from_flag=True)
     assert (flag.cuda_total, flag.cuda_note) == (20 * GiB, "")
-    # named by the catalogue on the declared memory alone: 24 GiB is an RTX 4090's
+    # named by the catalogue on the declared memory alone: 24 GiB is an RTX 3090's nvidia-smi total (24576 MiB),
+    # 24564 MiB an RTX 4090's; each is replayed against its own CUDA total
     rtx = P.target_of(_doc(), 24 * GiB)
-    assert rtx.name == "NVIDIA GeForce RTX 4090" and _printed(rtx.cuda_total) == 23.64
+    assert rtx.name == "NVIDIA GeForce RTX 3090" and _printed(rtx.cuda_total) == 23.70
+    ada = P.target_of(_doc(), 24564 * MiB)
+    assert ada.name == "NVIDIA GeForce RTX 4090" and _printed(ada.cuda_total) == 23.64
+    # named on a GPU's name, at its nominal memory: no longer its marketing size (24.00 GiB)
+    ampere = P.target_of(_doc("software:\n  gpu_name: NVIDIA GeForce RTX 3090\n"), 24 * GiB)
+    assert ampere.named_by == "software.gpu_name" and _printed(ampere.cuda_total) == 23.70
     # named by software.gpu_name
     gpu = _doc("software:\n  gpu_name: NVIDIA L40S\n")
     assert _printed(P.target_of(gpu, 48 * 10**9).cuda_total) == 44.42

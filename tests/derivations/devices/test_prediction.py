@@ -103,6 +103,34 @@ def test_fragmentation_decides_when_the_tensors_fit_but_the_blocks_do_not() -> N
     assert block["verdict"]["compared"] == "x-estimate.device_peak"
 
 
+def test_a_step_at_the_edge_names_the_setting_that_completes_with_the_high_end_too() -> None:
+    """The fragmenting stream with 46 MiB for the allocator beside the typical figure (30 + 16 MiB: it completes)
+    and 41 MiB beside the high end of the range (5 MiB more outside): there it runs out, decided by fragmentation
+    (40 MiB of tensors at most). At the edge, so it does not fit; the settings are replayed against the high end's
+    41 MiB, where expandable segments reserve 40 MiB (two 20 MiB pages) and complete: named, with that margin."""
+    outside_bytes, capacity = 1 * GiB, 46 * MiB
+    r = P.replay_on_device(
+        _doc(), FRAGMENTING, outside_bytes + capacity, outside_bytes, "", outside_high=outside_bytes + 5 * MiB
+    )
+    pred = P.DevicePrediction(P.Target(outside_bytes + capacity, None, "none"), O.Figure(outside_bytes, "A", "t"), r)
+    assert pred.completes and pred.uncertain and not pred.fits and pred.decided_by == "outside"
+    tried = {t.setting: t for t in r.tried}
+    assert all(t.at_high for t in r.tried)
+    assert tried["expandable_segments:True"].fits and tried["expandable_segments:True"].margin == 1 * MiB
+    assert not tried["max_split_size_mb:64"].fits  # splittable: the same out-of-memory as without a setting
+    best = pred.best_try
+    assert best is not None and best.setting == "expandable_segments:True"
+    assert (
+        "or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: with it the replay completes with the high end"
+        in (pred.sentence())
+    )
+    assert pred.lines()[-1] == (
+        "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (software.pytorch_cuda_alloc_conf) to fit with either "
+        "figure outside the allocator"
+    )
+    assert pred.extension()["verdict"]["setting"]["conf"] == "expandable_segments:True"
+
+
 def test_the_out_of_memory_keeps_the_reserve_s_peak_before_it() -> None:
     """What ``torch.cuda.max_memory_reserved`` reads after the error: the reserve's peak, not what is left after the
     release. Forward: 20 and 12 MiB, the 20 freed (its segment cached whole; 32 reserved). Backward: 26 MiB finds no
@@ -263,8 +291,11 @@ def test_the_device_is_named_by_the_target_then_the_catalogue_then_the_declared_
     # --device-memory asking about another size than the target's: the name is not that device's
     other = P.target_of(named, 80 * GiB, from_flag=True)
     assert (other.name, other.named_by) == ("NVIDIA A100 80GB", "catalogue")  # 81920 MiB exactly
-    rtx = P.target_of(_doc(), 24 * GiB)  # nvidia-smi's 24564 MiB is within 1 % of 24 GiB
-    assert rtx.name == "NVIDIA GeForce RTX 4090"
+    rtx = P.target_of(_doc(), 24 * GiB)  # an RTX 3090's nvidia-smi total exactly (24576 MiB)
+    assert rtx.name == "NVIDIA GeForce RTX 3090" and "as near" not in rtx.how
+    ada = P.target_of(_doc(), 24 * 10**9)  # "24 GB" as sold: both cards, the first in the catalogue's order
+    assert ada.name == "NVIDIA GeForce RTX 3090" and "as near: NVIDIA GeForce RTX 4090" in ada.how
+    assert P.target_of(_doc(), 24564 * MiB).name == "NVIDIA GeForce RTX 4090"  # its nvidia-smi total
     decimal = P.target_of(_doc(), 80 * 10**9)  # "80 GB" as sold: two entries, the first in the catalogue's order
     assert decimal.name == "NVIDIA A100 80GB" and "as near: NVIDIA H100 80GB HBM3" in decimal.how
     declared = _doc("  gpu_name: NVIDIA RTX A2000\n")
@@ -277,10 +308,40 @@ def test_outside_the_allocator_the_ledger_figure_else_the_catalogue_for_the_name
     fig = P.outside_of(held, P.target_of(held, 24 * GiB))
     assert (fig.bytes, fig.source, fig.estimate) == (900 * MiB, "ASSUMPTION", None) and "our card" in fig.method
     doc = _doc()
-    fig = P.outside_of(doc, P.target_of(doc, 24 * GiB))
+    fig = P.outside_of(doc, P.target_of(doc, 24564 * MiB))
     expected = O.estimate(O.Stack(gpu_name="NVIDIA GeForce RTX 4090"))
     assert fig.estimate is not None and fig.estimate.arch == "sm_89" and fig.bytes == expected.typical
     assert fig.source == "ASSUMPTION"  # a published figure of someone else's card, not a measurement of this one
+
+
+def test_what_the_ledger_holds_outside_the_allocator_is_of_its_own_ranks_and_card() -> None:
+    """A figure measured on one A100 (``measure --device cuda`` writes the card's name and the total) is that rank's:
+    asked about eight ranks (a ``--devices`` row, ``shard --nproc 8``) NCCL's buffers are not in it, asked about an
+    H100 its context is another architecture's; both take the catalogue's figure for the rank asked about, as a
+    ledger holding nothing would, and say why."""
+    text = (
+        "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA A100-SXM4-80GB}\nparallelism: {gpu_count: 1}\n"
+        "measurement: {device_name: NVIDIA A100-SXM4-80GB}\n"
+    )
+    held = from_text(text + "outside_allocator: {total: {value: 1 GiB, source: MEASURED, method: m}}\n")
+    bare = from_text(text)
+    a100 = P.Target(80 * GiB, "NVIDIA A100-SXM4-80GB", "catalogue", "t")
+    h100 = P.Target(80 * GiB, "NVIDIA H100 80GB HBM3", "catalogue", "t")
+    assert (P.outside_of(held, a100).bytes, P.outside_of(held, a100).source) == (GiB, "MEASURED")
+    assert P.outside_of(held, a100, 1).bytes == GiB  # its own count, asked for
+    eight = P.outside_of(held, a100, 8)
+    assert eight.estimate is not None and eight.bytes == P.outside_of(bare, a100, 8).bytes
+    assert "of 1 rank(s), not 8" in eight.method
+    other = P.outside_of(held, h100)
+    assert (
+        other.estimate is not None and other.estimate.arch == "sm_90" and other.bytes == P.outside_of(bare, h100).bytes
+    )
+    assert "(sm_80), not NVIDIA H100 80GB HBM3 (sm_90)" in other.method
+    assert P.held_elsewhere(bare, h100, 8) is None  # nothing held: nothing to say
+    # a part the ledger holds follows the same rule
+    part = from_text(text + "outside_allocator: {context: {value: 700 MiB, source: MEASURED}}\n")
+    assert P.outside_of(part, a100).estimate.part("context").typical == 700 * MiB  # type: ignore[union-attr]
+    assert P.outside_of(part, h100).bytes == P.outside_of(bare, h100).bytes
 
 
 # -- the whole command on a tiny model --------------------------------------------------------------------------
