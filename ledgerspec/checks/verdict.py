@@ -239,6 +239,13 @@ def _device_qualifier(doc: Document) -> str:
             f"end{figure} the allocator model runs out of memory: measure outside_allocator "
             "(`ledgerspec measure --device cuda`) or leave more headroom"
         )
+        conf = doc.get(*v, "setting", "conf").text()
+        margin = doc.get(*v, "setting", "margin").size()
+        if conf and margin is not None and doc.get(*v, "setting", "at_high").value is True:
+            parts.append(
+                f"with PYTORCH_CUDA_ALLOC_CONF={conf} it completes with the high end too, margin {format_size(margin)} "
+                "there"
+            )
     parts.append("a model, not measured")
     return "; ".join(parts)
 

@@ -145,6 +145,33 @@ def test_a_margin_inside_the_catalogues_range_is_at_the_edge_and_does_not_fit() 
     bare: Any = _verdict(fits.replace("    outside_high: 2GiB\n", ""))  # the high end not recorded: still said
     assert bare.answer == DOES_NOT_FIT
     assert "with the catalogue's high end the allocator model runs out" in bare.sentence()
+    # a setting the estimate replayed against the high end (at_high) and found to complete there is named; one tried
+    # against the typical figure only is not (it says nothing about the high end)
+    assert "it completes with the high end too" not in text
+    named: Any = _verdict(fits.replace("margin: 512MiB}", "margin: 512MiB, at_high: true}"))
+    assert named.answer == DOES_NOT_FIT
+    assert (
+        "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it completes with the high end too, margin 512.00 MiB "
+        "there" in named.sentence()
+    )
+
+
+def test_a_device_prediction_of_other_outside_allocator_parts_is_not_compared() -> None:
+    """The estimate records the parts of ``outside_allocator`` its figure took from the ledger (``outside_held``):
+    a part edited since (here NCCL's buffers, 420 MiB then, 600 MiB now) makes that device-level prediction one of
+    other inputs, as an edited ``total`` does; the verdict falls back to the allocated peak and says why. An
+    estimate that records no parts (older ledgers) is read as before."""
+    held = DEVICE.replace(
+        "    outside_from: catalogue\n", "    outside_from: catalogue\n    outside_held: {nccl: 420MiB}\n"
+    )
+    same = held + "outside_allocator:\n  nccl: {value: 420MiB, source: ASSUMPTION, note: our NCCL log}\n"
+    v: Any = _verdict(same)
+    assert v.peak_field == "x-estimate.device_peak"
+    edited: Any = _verdict(same.replace("nccl: {value: 420MiB", "nccl: {value: 600MiB"))
+    assert edited.peak_field == "x-estimate.peak_allocated"
+    assert "other outside_allocator parts" in edited.sentence()
+    older: Any = _verdict(DEVICE + "outside_allocator:\n  nccl: {value: 600MiB, source: ASSUMPTION, note: n}\n")
+    assert older.peak_field == "x-estimate.device_peak"
 
 
 def test_without_a_device_level_prediction_for_this_device_the_verdict_says_allocated_only() -> None:

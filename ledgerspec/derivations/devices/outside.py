@@ -154,12 +154,13 @@ class Estimate:
 
     @property
     def provenance(self) -> str:
-        """The weakest of the counted parts': MEASURED when every part is (each declared as measured), CALCULATED when
-        every part is MEASURED or CALCULATED, else ASSUMPTION."""
-        kinds = {p.provenance for p in self.counted}
-        if kinds <= {"MEASURED"}:
-            return "MEASURED"
-        return "CALCULATED" if kinds <= {"MEASURED", "CALCULATED"} else "ASSUMPTION"
+        """The weakest of the counted parts' provenance (:data:`ledgerspec.contract.values.SOURCE_RANK`; a word it
+        does not rank counts as an ASSUMPTION): MEASURED only when every part is, the catalogue's own parts being
+        CALCULATED or ASSUMPTION."""
+        from ledgerspec.contract.values import SOURCE_RANK
+
+        kinds = [p.provenance for p in self.counted] or ["ASSUMPTION"]
+        return min(kinds, key=lambda k: SOURCE_RANK.get(k, SOURCE_RANK["ASSUMPTION"]))
 
     def part(self, name: str) -> Part | None:
         return next((p for p in self.parts if p.name == name), None)
@@ -478,6 +479,8 @@ class Figure:
     estimate: Estimate | None = None  # the catalogue's, when the ledger holds no figure
     #: of ``bytes``: colocated vLLM's share of the card (``prediction.vllm_share_of``), 0 when there is none
     vllm: int = 0
+    #: why what the ledger holds in ``outside_allocator`` is not used here ("": it is, or it holds nothing)
+    elsewhere: str = ""
 
 
 #: the parts of ``outside_allocator`` a ledger may hold, and the catalogue's parts each one replaces (``other``: the

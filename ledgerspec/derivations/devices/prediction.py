@@ -124,10 +124,10 @@ def cuda_total_of(total: int, name: str | None, catalogue: Any = None) -> tuple[
     )
 
 
-def catalogue_match(total: int, catalogue: Any = None) -> tuple[Any, list[str]] | None:
+def catalogue_match(total: int, catalogue: Any = None) -> tuple[Any, list[str], list[str]] | None:
     """The device catalogue's entry (the built-in one unless ``catalogue`` is given) whose total (as PyTorch reports
-    it) or vendor memory is nearest to ``total`` within :data:`NAME_TOLERANCE`, and the names of the other entries
-    as near; None: none is."""
+    it) or vendor memory is nearest to ``total`` within :data:`NAME_TOLERANCE`, the names of the other entries as
+    near, and those of the others within the tolerance; None: none is."""
     from ledgerspec.contract.units import UnitError
     from ledgerspec.derivations.devices.catalogue import load_catalogue
 
@@ -145,7 +145,11 @@ def catalogue_match(total: int, catalogue: Any = None) -> tuple[Any, list[str]] 
         return None
     found.sort(key=lambda f: (f[0], f[1]))
     best = found[0]
-    return best[2], [d.name for dist, _, d in found[1:] if dist == best[0]]
+    return (
+        best[2],
+        [d.name for dist, _, d in found[1:] if dist == best[0]],
+        [d.name for dist, _, d in found[1:] if dist != best[0]],
+    )
 
 
 def target_of(doc: Document, total: int, from_flag: bool = False, catalogue: Any = None) -> Target:
@@ -169,8 +173,9 @@ def _named(doc: Document, total: int, from_flag: bool, catalogue: Any) -> Target
         return Target(total, gpu.strip(), "software.gpu_name", "software.gpu_name (a catalogue card at its memory)")
     match = catalogue_match(total, catalogue)
     if match is not None:
-        device, others = match
+        device, others, near = match
         also = f"; as near: {', '.join(others)}" if others else ""
+        also += f"; also within {NAME_TOLERANCE:.0%}: {', '.join(near)}" if near else ""
         return Target(
             total,
             device.name,
@@ -223,8 +228,9 @@ def outside_of(
     est = outside.estimate(stack)
     if elsewhere is None:
         est = outside.with_declared(est, doc)
-    method = est.method() + (f"; {elsewhere}" if elsewhere is not None and _holds_any(doc) else "")
-    return _with_vllm(doc, target, outside.Figure(est.typical, est.provenance, method, est))
+    reason = elsewhere or ""
+    method = est.method() + (f"; {reason}" if reason else "")
+    return _with_vllm(doc, target, outside.Figure(est.typical, est.provenance, method, est, elsewhere=reason))
 
 
 def _holds_any(doc: Document) -> bool:
@@ -233,9 +239,11 @@ def _holds_any(doc: Document) -> bool:
 
 def held_elsewhere(doc: Document, target: Target, world: int | None = None) -> str | None:
     """Why what the ledger holds in ``outside_allocator`` is not this rank's (None: it is, or it holds nothing): it
-    was measured (or declared) for the ledger's own GPU count and card (``measurement.device_name``, else
-    ``software.gpu_name``, else ``result.target_device.name``); another count changes NCCL's buffers, another GPU
-    architecture the CUDA context and its modules."""
+    was measured (or declared) for the ledger's own GPU count and device. A device of another memory than the
+    ledger's ``result.target_device.memory`` (a ``--devices`` row, ``--device-memory``) is another card when its
+    GPU architecture is known and differs from the ledger's card's (``measurement.device_name`` of a CUDA
+    measurement, else ``software.gpu_name``, else ``result.target_device.name``); another count changes NCCL's
+    buffers, another architecture the CUDA context and its modules."""
     if not _holds_any(doc):
         return None
     own_world = outside.stack_of(doc).world_size
@@ -244,11 +252,14 @@ def held_elsewhere(doc: Document, target: Target, world: int | None = None) -> s
             f"the ledger's outside_allocator is of {own_world} rank(s), not {world}: the catalogue's figure for "
             f"{world} instead"
         )
+    if target.total == doc.get("result", "target_device", "memory").size():
+        return None  # the ledger's own device, however it is named
+    measured = doc.get("measurement", "device_name").text() if doc.get("measurement", "device").text() == "cuda" else ""
     own = next(
         (
             t.strip()
             for t in (
-                doc.get("measurement", "device_name").text(),
+                measured,
                 doc.get("software", "gpu_name").text(),
                 doc.get("result", "target_device", "name").text(),
             )
@@ -259,7 +270,7 @@ def held_elsewhere(doc: Document, target: Target, world: int | None = None) -> s
     if own is None or not target.name:
         return None
     mine, theirs = outside.architecture(own)[0], outside.architecture(target.name)[0]
-    if mine == theirs:
+    if mine == theirs or "unknown" in (mine, theirs):
         return None
     return (
         f"the ledger's outside_allocator is of {own} ({mine}), not {target.name} ({theirs}): the catalogue's figure "
@@ -546,11 +557,17 @@ class DevicePrediction:
         f = self.outside_figure
         if f.estimate is None:
             return f"{f.method}, as the ledger holds it"
-        parts = " + ".join(f"{p.name} {format_size(p.typical)}" for p in f.estimate.counted if p.typical)
+        parts = " + ".join(
+            f"{p.name} {format_size(p.typical)}" + (" (the ledger's)" if p.declared else "")
+            for p in f.estimate.counted
+            if p.typical or p.declared
+        )
         vllm = f" + colocated vLLM's share {format_size(f.vllm)}" if f.vllm else ""
+        elsewhere = f.elsewhere
         return (
             f"{self.device_text()}, named by {self.target.how}: {parts or 'nothing'} from the outside-allocator "
             f"catalogue, range {format_size(f.estimate.low)} to {format_size(f.estimate.high)}{vllm}"
+            + (f" ({elsewhere})" if elsewhere else "")
         )
 
     def reserved_method(self) -> str:
@@ -711,6 +728,13 @@ class DevicePrediction:
             "alloc_conf": r.alloc_conf,
             "named_by": self.target.named_by,
             "outside_from": "catalogue" if self.outside_figure.estimate is not None else "outside_allocator.total",
+            # the parts of outside_allocator the figure took from the ledger (the status ladder's check that they are
+            # still what the ledger holds)
+            "outside_held": {
+                p.name: p.typical
+                for p in (self.outside_figure.estimate.counted if self.outside_figure.estimate else ())
+                if p.declared
+            },
             "allocated": {
                 "peak": self.peak_allocated,
                 "fits": self.peak_allocated <= self.total,
@@ -734,6 +758,7 @@ class DevicePrediction:
                 }
                 | ({"oom_phase": t.oom_phase} if t.oom_phase else {})
                 | ({"uncertain": True} if t.edge else {})
+                | ({"at_high": True} if t.at_high else {})
                 for t in r.tried
             ]
             best = self.best_try
@@ -743,7 +768,7 @@ class DevicePrediction:
                     "peak_reserved": best.peak_reserved,
                     "margin": best.margin,
                     "reserved_less": r.free_peak_reserved - best.peak_reserved,
-                }
+                } | ({"at_high": True} if best.at_high else {})
         return {
             "peak_reserved": {"value": self.peak_reserved, "source": "CALCULATED", "method": self.reserved_method()},
             "reserved_phases": {k: p.reserved for k, p in self.phases.items()},

@@ -214,6 +214,14 @@ def test_each_part_the_ledger_holds_replaces_the_catalogue_s() -> None:
     fig = O.for_document(from_text(head + "outside_allocator:\n" + held))
     assert fig.estimate is not None and fig.source == "MEASURED"
     assert fig.bytes == fig.estimate.low == fig.estimate.high == 1000 * MiB
+    verified = O.for_document(
+        from_text(
+            head
+            + "outside_allocator:\n"
+            + held.replace("nccl: {value: 300 MiB, source: MEASURED", "nccl: {value: 300 MiB, source: VERIFIED")
+        )
+    )
+    assert verified.source == "VERIFIED"  # the weakest part's
     from ledgerspec.derivations.devices.prediction import high_of, outside_of, target_of
 
     doc = from_text(head + "outside_allocator:\n" + held)

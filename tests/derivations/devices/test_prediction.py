@@ -293,6 +293,7 @@ def test_the_device_is_named_by_the_target_then_the_catalogue_then_the_declared_
     assert (other.name, other.named_by) == ("NVIDIA A100 80GB", "catalogue")  # 81920 MiB exactly
     rtx = P.target_of(_doc(), 24 * GiB)  # an RTX 3090's nvidia-smi total exactly (24576 MiB)
     assert rtx.name == "NVIDIA GeForce RTX 3090" and "as near" not in rtx.how
+    assert "also within 1%: NVIDIA GeForce RTX 4090" in rtx.how  # the other card it could be, said
     ada = P.target_of(_doc(), 24 * 10**9)  # "24 GB" as sold: both cards, the first in the catalogue's order
     assert ada.name == "NVIDIA GeForce RTX 3090" and "as near: NVIDIA GeForce RTX 4090" in ada.how
     assert P.target_of(_doc(), 24564 * MiB).name == "NVIDIA GeForce RTX 4090"  # its nvidia-smi total
@@ -321,7 +322,7 @@ def test_what_the_ledger_holds_outside_the_allocator_is_of_its_own_ranks_and_car
     ledger holding nothing would, and say why."""
     text = (
         "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA A100-SXM4-80GB}\nparallelism: {gpu_count: 1}\n"
-        "measurement: {device_name: NVIDIA A100-SXM4-80GB}\n"
+        "measurement: {device: cuda, device_name: NVIDIA A100-SXM4-80GB}\n"
     )
     held = from_text(text + "outside_allocator: {total: {value: 1 GiB, source: MEASURED, method: m}}\n")
     bare = from_text(text)
@@ -342,6 +343,22 @@ def test_what_the_ledger_holds_outside_the_allocator_is_of_its_own_ranks_and_car
     part = from_text(text + "outside_allocator: {context: {value: 700 MiB, source: MEASURED}}\n")
     assert P.outside_of(part, a100).estimate.part("context").typical == 700 * MiB  # type: ignore[union-attr]
     assert P.outside_of(part, h100).bytes == P.outside_of(bare, h100).bytes
+    # the ledger's own device, however it is named: a free-form target name on its declared memory keeps the figure
+    mine = from_text(
+        "ledgerspec: ledger/v1\nresult: {target_device: {name: 24 GB card (RTX 3090 / 4090), memory: 24GiB}}\n"
+        "measurement: {device: cuda, device_name: NVIDIA GeForce RTX 4090}\n"
+        "outside_allocator: {total: {value: 900 MiB, source: MEASURED, method: m}}\n"
+    )
+    own = P.target_of(mine, 24 * GiB)
+    assert own.name == "24 GB card (RTX 3090 / 4090)" and P.outside_of(mine, own).bytes == 900 * MiB
+    # another memory, a card whose architecture is not known: nothing says it is another card, the figure is kept
+    assert P.outside_of(mine, P.Target(16 * GiB, "My lab card", "catalogue", "t")).bytes == 900 * MiB
+    # a CPU measurement's device name (the processor) is not a GPU's: the declared card decides
+    cpu = from_text(
+        text.replace("device: cuda, device_name: NVIDIA A100-SXM4-80GB", "device: cpu, device_name: x86_64")
+        + "outside_allocator: {total: {value: 1 GiB, source: ASSUMPTION, note: ours}}\n"
+    )
+    assert P.outside_of(cpu, a100).bytes == GiB and P.held_elsewhere(cpu, h100) is not None
 
 
 # -- the whole command on a tiny model --------------------------------------------------------------------------
