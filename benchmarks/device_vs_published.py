@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import machine, markdown_table  # noqa: E402
+from benchmarks.estimate_common import device_word, machine, markdown_table  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-device"
 RESULTS = ROOT / "benchmarks" / "results" / "device.md"
@@ -94,13 +94,7 @@ class Row:
             f"{(r.nvidia - r.peak) / GiB:.2f}" if r.peak else "-",
             f"{(self.device - self.allocated) / GiB:.2f}",
             "ran" if r.ran else "out of memory",
-            (
-                "fits"
-                if self.fits
-                else "does not fit, at the edge"
-                if self.decided == "outside"
-                else f"does not fit ({self.decided})"
-            ),
+            device_word(self.fits, self.decided == "outside", self.decided),
         ]
 
 

@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import machine, markdown_table, publish, shard_estimate  # noqa: E402
+from benchmarks.estimate_common import device_word, machine, markdown_table, publish, shard_estimate  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-answerai"
 RESULTS = ROOT / "benchmarks" / "results" / "device-answerai.md"
@@ -158,7 +158,7 @@ def estimate_run(run: Run) -> Row:
     d = est.device[0]
     step = est.ranks[0].step
     assert step is not None, run.key
-    word = "fits" if d.fits else "does not fit, at the edge" if d.uncertain else "does not fit"
+    word = device_word(d.fits, d.uncertain)
     return Row(
         run,
         est.ranks[0].peak,

@@ -27,7 +27,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table, publish, shard_estimate  # noqa: E402
+from benchmarks.estimate_common import (  # noqa: E402
+    FMS_A100_CSV,
+    device_word,
+    machine,
+    markdown_table,
+    publish,
+    shard_estimate,
+)
 
 LEDGERS = ROOT / "benchmarks" / "published-multi-gpu"
 RESULTS = ROOT / "benchmarks" / "results" / "device-fsdp.md"
@@ -105,7 +112,7 @@ class Row:
             f"{self.reserved / GiB:.2f}",
             f"{self.outside / GiB:.2f}",
             "ran" if r.ran else "out of memory",
-            f"{'does not fit, at the edge' if self.uncertain else 'fits' if self.fits else 'does not fit'} (margin "
+            f"{device_word(self.fits, self.uncertain)} (margin "
             f"{self.margin / GiB:.2f}"
             + (
                 f"; outside the allocator up to {self.outside_high / GiB:.2f}: out of memory)"

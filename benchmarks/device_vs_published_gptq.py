@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.device_vs_published_fsdp import HEADER, Row, Run, estimate_run  # noqa: E402
-from benchmarks.estimate_common import FMS_A100_CSV, machine, markdown_table, publish  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, device_word, machine, markdown_table, publish  # noqa: E402
 from benchmarks.estimate_vs_published_gptq import LEDGERS  # noqa: E402
 from benchmarks.estimate_vs_published_gptq import RUNS as PUBLISHED  # noqa: E402
 
@@ -92,7 +92,7 @@ def main() -> None:
         " Not predicted: "
         + "; ".join(
             f"{r.run.label} ({'ran' if r.run.ran else 'out of memory'}; predicted "
-            f"{'does not fit, at the edge' if r.uncertain else 'fits' if r.fits else 'does not fit'}, device-level "
+            f"{device_word(r.fits, r.uncertain)}, device-level "
             f"{r.device / GiB:.2f} GiB, margin {r.margin / GiB:.2f} GiB)"
             for r in wrong
         )

@@ -62,6 +62,17 @@ def shard_estimate(path: Path, text: str | None = None) -> Any:
     return _SHARDED[key]
 
 
+def device_word(fits: bool, edge: bool, decided: str | None = None) -> str:
+    """A device-level verdict in the results pages' words: ``fits``; ``does not fit, at the edge`` (the replay
+    completes only with the typical bytes outside the allocator); else ``does not fit``, with what decided it when
+    ``decided`` is given."""
+    if fits:
+        return "fits"
+    if edge:
+        return "does not fit, at the edge"
+    return f"does not fit ({decided})" if decided else "does not fit"
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     """The lines of a Markdown table: the header, its rule, one line per row of cells."""
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import FMS_A100_CSV, TRACKER_HEADER, markdown_table  # noqa: E402
+from benchmarks.estimate_common import FMS_A100_CSV, TRACKER_HEADER, device_word, markdown_table  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-gptq"
@@ -360,7 +360,7 @@ def render(rows: list[Row], elapsed: float) -> str:
         p = row.phases
         device = "-"
         if row.device is not None:
-            word = "does not fit, at the edge" if row.device[2] else "fits" if row.device[1] else "does not fit"
+            word = device_word(row.device[1], row.device[2])
             device = f"{word}, device peak {row.device[0] / 2**30:.2f} GiB"
         lines.append(
             f"| {row.run.label} | {p['after_load'] / 1e9:.2f} | {p['forward_peak'] / 1e9:.2f} | "

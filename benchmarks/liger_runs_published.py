@@ -57,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.estimate_common import machine, markdown_table  # noqa: E402
+from benchmarks.estimate_common import device_word, machine, markdown_table  # noqa: E402
 
 LEDGERS = ROOT / "benchmarks" / "published-liger-runs"
 RESULTS = ROOT / "benchmarks" / "results" / "liger-runs.md"
@@ -265,15 +265,7 @@ class Row:
             f"{r.nvidia / GiB:.2f}",
             f"{self.device / GiB:.2f}",
             diff(self.device, r.nvidia) if r.ran else "-",
-            ("ran" if r.ran else "failed")
-            + " / "
-            + (
-                "fits"
-                if self.fits
-                else "does not fit, at the edge"
-                if self.decided == "outside"
-                else f"does not fit ({self.decided})"
-            ),
+            ("ran" if r.ran else "failed") + " / " + device_word(self.fits, self.decided == "outside", self.decided),
             self.explanation(),
         ]
 

@@ -59,10 +59,6 @@ DEVICE_PEAK = "x-estimate.device_peak"
 ALLOCATED_PEAK = "x-estimate.peak_allocated"
 
 
-#: the parts of ``outside_allocator`` a ledger may hold beside ``total`` (each replaces the catalogue's part)
-OUTSIDE_PARTS = ("context", "nccl", "other")
-
-
 def device_prediction(doc: Document) -> tuple[int | None, str | None]:
     """The estimate's device-level peak (``x-estimate.device_peak``: the allocator model's peak reserved plus what
     lies outside the allocator) when it was predicted for what the document declares now: ``(bytes, None)``; else
@@ -88,8 +84,8 @@ def device_prediction(doc: Document) -> tuple[int | None, str | None]:
         return None, f"{DEVICE_PEAK} was predicted with another outside_allocator.total: {again}"
     held = doc.get("x-estimate", "verdict", "outside_held")
     if held.present and isinstance(held.value, dict) and declared is None:  # an estimate that records the parts
-        now = {k: doc.get("outside_allocator", k).size() for k in OUTSIDE_PARTS}
-        then = {k: doc.get("x-estimate", "verdict", "outside_held", k).size() for k in OUTSIDE_PARTS}
+        now = {k: doc.get("outside_allocator", k).size() for k in F.OUTSIDE_PARTS}
+        then = {k: doc.get("x-estimate", "verdict", "outside_held", k).size() for k in F.OUTSIDE_PARTS}
         if now != then:
             return (
                 None,

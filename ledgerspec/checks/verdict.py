@@ -225,10 +225,10 @@ def _device_qualifier(doc: Document) -> str:
         parts.append(f"allocated {format_size(allocated)}")
     v = ("x-estimate", "verdict")
     fragmentation = doc.get(*v, "fragmentation").size()
+    conf = doc.get(*v, "setting", "conf").text()
+    margin = doc.get(*v, "setting", "margin").size()
     if doc.get(*v, "decided_by").text() == "fragmentation" and fragmentation is not None:
         parts.append(f"decided by fragmentation ({format_size(fragmentation)} free but unusable at the out-of-memory)")
-        conf = doc.get(*v, "setting", "conf").text()
-        margin = doc.get(*v, "setting", "margin").size()
         if conf and margin is not None:
             parts.append(f"with PYTORCH_CUDA_ALLOC_CONF={conf} it fits, margin {format_size(margin)}")
     high = doc.get(*v, "outside_high").size()
@@ -239,8 +239,6 @@ def _device_qualifier(doc: Document) -> str:
             f"end{figure} the allocator model runs out of memory: measure outside_allocator "
             "(`ledgerspec measure --device cuda`) or leave more headroom"
         )
-        conf = doc.get(*v, "setting", "conf").text()
-        margin = doc.get(*v, "setting", "margin").size()
         if conf and margin is not None and doc.get(*v, "setting", "at_high").value is True:
             parts.append(
                 f"with PYTORCH_CUDA_ALLOC_CONF={conf} it completes with the high end too, margin {format_size(margin)} "

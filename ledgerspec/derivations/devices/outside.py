@@ -483,8 +483,8 @@ class Figure:
     elsewhere: str = ""
 
 
-#: the parts of ``outside_allocator`` a ledger may hold, and the catalogue's parts each one replaces (``other``: the
-#: modules loaded at their first use, handles, resident unified memory)
+#: the catalogue's parts each part of ``outside_allocator`` a ledger may hold (``contract.fields.OUTSIDE_PARTS``)
+#: replaces (``other``: the modules loaded at their first use, handles, resident unified memory)
 DECLARED_PARTS = {"context": ("context",), "nccl": ("nccl",), "other": ("other", "unified memory")}
 
 

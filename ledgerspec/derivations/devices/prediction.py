@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ledgerspec.contract.document import Document, ErrorAt
-from ledgerspec.contract.fields import AT_THE_EDGE, EDGE_WHY
+from ledgerspec.contract.fields import AT_THE_EDGE, EDGE_WHY, OUTSIDE_PARTS
 from ledgerspec.contract.units import format_size, parse_size
 from ledgerspec.derivations.devices import outside
 
@@ -234,7 +234,7 @@ def outside_of(
 
 
 def _holds_any(doc: Document) -> bool:
-    return any(doc.get("outside_allocator", k).size() is not None for k in ("total", *outside.DECLARED_PARTS))
+    return any(doc.get("outside_allocator", k).size() is not None for k in ("total", *OUTSIDE_PARTS))
 
 
 def held_elsewhere(doc: Document, target: Target, world: int | None = None) -> str | None:

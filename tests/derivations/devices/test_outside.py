@@ -229,6 +229,13 @@ def test_each_part_the_ledger_holds_replaces_the_catalogue_s() -> None:
     assert outside_of(doc, target).bytes == high_of(outside_of(doc, target)) == 1000 * MiB
 
 
+def test_the_parts_replaced_are_the_outside_allocator_fields_the_ladder_checks() -> None:
+    from ledgerspec.contract import fields as F
+
+    assert tuple(O.DECLARED_PARTS) == F.OUTSIDE_PARTS
+    assert set(F.OUTSIDE_PARTS) <= {c.name for c in F.OUTSIDE_ALLOCATOR.children}
+
+
 def test_the_ledger_s_other_replaces_resident_unified_memory_too() -> None:
     """``other`` is "everything else outside the allocator": the modules loaded at their first use and a paged
     optimizer's resident pages; held, it replaces both catalogue parts."""
