@@ -1,10 +1,12 @@
 """Each rank of a sharded step on the device: ``shard --estimate`` decided as ``estimate`` decides for one GPU.
 
 A rank runs out of memory when its caching allocator cannot get another segment, not when its tensors reach the
-card's size. :func:`ranks_on_device` takes the per-rank estimate of an FSDP step with each simulated rank's
+card's size. :func:`ranks_on_device` takes the per-rank estimate of a sharded step with each simulated rank's
 allocation stream at full depth (:func:`ledgerspec.derivations.shard.fsdp.simulate.estimate_per_rank` with
 ``streams=True``: every allocation on the stream FSDP made it on, so FSDP's all-gather, copy-in and reduce-scatter
-buffers come from pools of their own, as the caching allocator keeps one pool per stream) and replays each through
+buffers come from pools of their own, as the caching allocator keeps one pool per stream; DeepSpeed ZeRO's
+:func:`ledgerspec.derivations.shard.zero.simulate.estimate_zero_per_rank` with ``streams=True``: its allocations on
+one stream, :data:`ledgerspec.derivations.shard.zero.simulate.ONE_STREAM`) and replays each through
 the allocator model against the capacity that rank's allocator can get: the device's total (CUDA's own when the
 declared memory is a catalogue device's nominal one: :func:`ledgerspec.derivations.devices.prediction.cuda_total_of`)
 minus what lies outside the allocator on that rank (:func:`ledgerspec.derivations.devices.prediction.outside_of`:
@@ -35,7 +37,6 @@ from ledgerspec.derivations.devices.prediction import (
 
 #: why a sharded verdict compares allocated tensors (the device-level one is not available), by what is declared
 NOT_ON_DEVICE = {
-    "zero": "DeepSpeed ZeRO's step is simulated for allocated tensors only: its allocation streams are not replayed",
     "cpu": "the CPU target has no caching allocator to replay",
 }
 

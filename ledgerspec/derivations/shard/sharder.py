@@ -265,12 +265,12 @@ def shard(
             device_memory = doc.get("result", "target_device", "memory").size()
         # issue 23: with a device, the verdict is the allocator model's replay of each rank's stream plus what lies
         # outside the allocator, as `estimate` decides for one GPU; what is not replayed says why
-        not_on_device = "zero" if zero_stage(doc) is not None else "cpu" if target != "cuda" else None
+        not_on_device = "cpu" if target != "cuda" else None
         on_device = device_memory is not None and not_on_device is None
         if zero_stage(doc) is not None:  # DeepSpeed ZeRO-2/3: DeepSpeed's own engine per rank (issue 16)
             from ledgerspec.derivations.shard.zero import estimate_zero_per_rank
 
-            est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline)
+            est = estimate_zero_per_rank(doc, world, target=target, layers=layers, offline=offline, streams=on_device)
         else:
             est = estimate_per_rank(doc, group, descs, target=target, layers=layers, offline=offline, streams=on_device)
             if whole:  # one rank simulated for all: each holds what a rank of one holds

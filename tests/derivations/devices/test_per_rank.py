@@ -155,3 +155,46 @@ def test_a_paged_state_is_each_ranks_own(both: dict[str, Any]) -> None:
     want = high_of(outside_of(mine, got[0].target, 2))
     assert want is not None and want > high_of(outside_of(intake, got[0].target, 2))  # type: ignore[operator]
     assert [p.replayed.outside_high for p in got] == [want] * 3
+
+
+@pytest.mark.parametrize("case", ["zero2", "zero3-param-offload"])
+def test_a_zero_step_is_decided_on_the_device(tmp_path: Path, case: str) -> None:
+    """DeepSpeed ZeRO's ranks are decided on the device too: each simulated rank's stream (DeepSpeed's own engine,
+    every allocation it makes on the device; with ``offload_param`` the host's partitions leave no event) replayed
+    against the device. Independent of the replay: the stream's live bytes at the training peak are the rank's
+    simulated peak, and the allocated figures are those of the plain simulation (checked against real DeepSpeed
+    ranks in ``tests/derivations/shard/test_zero.py``)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("deepspeed")
+    from ledgerspec.derivations.allocator.replay import replay
+    from ledgerspec.derivations.devices.per_rank import ranks_on_device
+    from ledgerspec.derivations.shard.zero.simulate import ONE_STREAM, estimate_zero_per_rank
+    from tests.derivations.shard.test_zero import _zero_ledger
+    from tests.derivations.shard.test_zero_offload import _offload_ledger
+
+    if case == "zero2":
+        path = _zero_ledger(tmp_path, 2)
+    else:
+        path = _offload_ledger(tmp_path, 3, "  parameter_placement: cpu\n")
+    doc = load(path)
+    plain = estimate_zero_per_rank(doc, 2, target="cuda")
+    streamed = estimate_zero_per_rank(doc, 2, target="cuda", streams=True)
+    assert ONE_STREAM in streamed.method and ONE_STREAM not in plain.method
+    for a, b in zip(plain.ranks, streamed.ranks, strict=True):
+        assert a.phases == b.phases and a.components == b.components and a.activations == b.activations
+        assert a.host_phases == b.host_phases
+        assert b.step is not None
+        replayed = replay(b.step.events, granularity=512)
+        training = b.step.windows[3:]  # after the load, the adapters and the engine's creation
+        assert max(replayed.phases[w].peak_counted for w in training) == b.peak
+    memory = 4 * GiB
+    streamed.device = ranks_on_device(doc, streamed, memory, 2)
+    for r, d in zip(streamed.ranks, streamed.device, strict=True):
+        assert d.device_peak == d.peak_reserved + d.outside and d.peak_reserved >= d.peak_allocated >= r.peak
+        assert d.fits
+    tight = max(r.peak for r in streamed.ranks) + 1024  # the tensors fit; the reserve and the context do not
+    assert not any(d.fits for d in ranks_on_device(doc, streamed, tight, 2))
+    code, stdout, err = run_cli("shard", path, "--estimate", "--device-memory", "4GiB", "-o", tmp_path / "out.yaml")
+    assert code == 0, err
+    assert "2 x 4.00 GiB: fits on the device (worst rank device peak" in stdout
+    assert "allocated tensors only" not in stdout

@@ -22,8 +22,11 @@ figures. Depth: ZeRO-3 is always traced at full depth (:data:`ZERO3_FULL`: on Ll
 extrapolated to 32 layers that predicted 20.23 GiB per rank, the full trace 9.52 GiB). ZeRO-2 has no such
 thresholds (its buckets have fixed sizes) and is extrapolated from two probe depths as ``estimate`` is.
 
-Not modelled: NCCL buffers, CUDA context and allocator caching; CUDA streams (``overlap_comm`` on a GPU reduces
-gradients on a side stream: buffers live as long as the host program holds them, which is what is counted).
+Not modelled here: NCCL buffers, CUDA context and allocator caching (with a device, ``shard --estimate`` replays each
+rank's allocation stream through the allocator model and adds the catalogue's figure outside it:
+:mod:`ledgerspec.derivations.devices.per_rank`); CUDA streams (``overlap_comm`` on a GPU reduces gradients on a side
+stream: buffers live as long as the host program holds them, which is what is counted; the replay takes one stream,
+:data:`ONE_STREAM`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ledgerspec.derivations.shard.simulation import (
     fake_process_group,
     prepare_trace,
     probe_runner,
+    stream_runner,
 )
 
 _err = ErrorAt("shard")
@@ -55,6 +59,12 @@ ZERO3_FULL = (
 )
 
 
+#: what the device-level verdict's replay of a ZeRO rank's stream takes for DeepSpeed's CUDA streams
+ONE_STREAM = (
+    "the device-level verdict replays each rank's allocations on one stream: DeepSpeed's side streams (ZeRO-3's "
+    "parameter all-gathers, overlap_comm's gradient reduction) would keep pools of their own on a GPU, which the "
+    "replay does not separate"
+)
 #: how the simulated phases are split under ZeRO offload (the estimate's method text)
 ZERO_OFFLOAD_METHOD = (
     "offload: phases are the device's, each tensor on the side DeepSpeed names for it (host: what it makes with its "
@@ -108,8 +118,14 @@ def deepspeed_globals() -> Iterator[None]:
         comm.cdb = cdb
 
 
-def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world: int, rank: int) -> dict[str, int]:
-    """One simulated ZeRO protocol run for ``rank`` of ``world``: phase figures, activations, components."""
+def simulate_zero_rank(
+    doc: Document, spec: Any, source: Any, target: str, world: int, rank: int, record: list[Any] | None = None
+) -> dict[str, int]:
+    """One simulated ZeRO protocol run for ``rank`` of ``world``: phase figures, activations, components.
+
+    ``record``: a list that receives the run's allocation stream
+    (:class:`ledgerspec.derivations.allocator.step.StepEvents`, every allocation on the default stream: see
+    :data:`ONE_STREAM`); the figures are the same either way."""
     import warnings
 
     from ledgerspec.derivations.engine.backends import TrackerBackend
@@ -128,12 +144,18 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
         workload = cls(doc, run_spec, source, spec.attention, target)
         workload.options = options
         workload.stack.enter_context(fake_value_checks())
-        backend = TrackerBackend(fake=True, granularity=granularity(target))
+        if record is not None:  # the same tracker, keeping its event log (issue 23: the device-level verdict)
+            from ledgerspec.derivations.allocator.step import _event_backend_class
+
+            backend = _event_backend_class()(granularity(target))
+        else:
+            backend = TrackerBackend(fake=True, granularity=granularity(target))
         if options.offloaded:  # issue 16: ZeRO offload, each storage on the side a GPU run puts it
             from ledgerspec.derivations.shard.offload.sides import recording_sides
             from ledgerspec.derivations.shard.offload.zero import offload_sides, sides_tracker_class
 
-            backend.tracker = sides_tracker_class()(granularity=granularity(target))
+            # with the event log: the device's stream only (host storages log nothing, as under FSDP's offload)
+            backend.tracker = sides_tracker_class()(granularity=granularity(target), events=record is not None)
             workload.sides = backend.tracker
             workload.stack.enter_context(offload_sides(backend.tracker, options, target == "cuda"))
             sides = workload.stack.enter_context(recording_sides(backend))
@@ -144,6 +166,10 @@ def simulate_zero_rank(doc: Document, spec: Any, source: Any, target: str, world
         raise _err(doc, ("identity",), f"the simulated ZeRO step stopped early ({result.oom_message})")
     check_steps(doc, workload.engine, 1 + 1)
     out = {name: rec.figure for name, rec in result.phases.items()}
+    if record is not None:
+        from ledgerspec.derivations.shard.simulation import recorded
+
+        record.append(recorded(backend, run_spec, source, out))
     out["activations"] = result.activations_saved or 0
     for key, value in held.items():
         out[f"component.{key}"] = value
@@ -221,8 +247,11 @@ def estimate_zero_per_rank(
     layers: str = "auto",
     progress: Any = None,
     offline: bool = True,
+    streams: bool = False,
 ) -> ShardEstimate:
-    """The per-rank estimate of ``doc`` on ``world`` DeepSpeed ZeRO-1/2/3 ranks."""
+    """The per-rank estimate of ``doc`` on ``world`` DeepSpeed ZeRO-1/2/3 ranks. ``streams``: also each simulated
+    rank's allocation stream at full depth (:attr:`RankEstimate.step`, for the device-level verdict), the figures
+    unchanged."""
     from ledgerspec.derivations.estimate import estimator as E
     from ledgerspec.derivations.shard.options import ZeroOptions, zero_options
     from ledgerspec.derivations.shard.zero.engine import zero_refusal
@@ -243,25 +272,33 @@ def estimate_zero_per_rank(
     if layers != "full" and options.stage == 3 and est_plan.probes is not None:
         est_plan = Plan(est_plan.layers, est_plan.period, None, ZERO3_FULL)
 
-    def simulate(src: Any, rank: int) -> dict[str, int]:
-        return simulate_zero_rank(doc, spec, src, target, world, rank)
+    def simulate(src: Any, rank: int, record: list[Any] | None = None) -> dict[str, int]:
+        return simulate_zero_rank(doc, spec, src, target, world, rank, record)
 
-    run = probe_runner(doc, source, est_plan, say, f"ZeRO-{options.stage} rank {{rank}} of {world}", simulate)
+    label = f"ZeRO-{options.stage} rank {{rank}} of {world}"
+    run = probe_runner(doc, source, est_plan, say, label, simulate)
+    rank_step = stream_runner(doc, source, est_plan, say, label, simulate) if streams else None
     simulated: dict[int, dict[str, int]] = {}
+    steps: dict[int, Any] = {}
     for rep in sorted({0, world - 1}):
-        simulated[rep] = run(rep)
+        step = steps[rep] = rank_step(rep) if rank_step is not None else None
+        # with offload the stream is the device's alone: the figures (both sides) are the probes' own
+        from_step = step.estimate_figures if step is not None and not options.offloaded else None
+        simulated[rep] = from_step or run(rep)
     ranks = []
     for r in range(world):
         rep = r if r in simulated else 0
         figures = simulated[rep]
         components = {k: figures[f"component.{k}"] for k in F.RESIDENT}
         ranks.append(RankEstimate.of(r, figures, figures["activations"], components, rep))
+        ranks[-1].step = steps.get(rep)
     method = (
         f"ledgerspec shard --estimate: DeepSpeed ZeRO-{options.stage} (deepspeed "
         f"{_version()}, {options.describe()}) run per rank by DeepSpeed's own engine under torch FakeTensorMode with "
         f"a fake process group of {world} ranks: zero.Init partitions at load, deepspeed.initialize with the "
         "Trainer's optimizer, engine forward/backward/step; the gradient-norm check answered finite; ignores NCCL "
         "buffers, CUDA context, allocator caching and stream overlap; "
+        + (ONE_STREAM + "; " if streams else "")
         + (ZERO_OFFLOAD_METHOD if options.offloaded else "")
         + (CPU_ADAM_METHOD if options.cpu_adam else "")
         + E.method_text(est_plan, spec, target)
@@ -278,4 +315,4 @@ def _version() -> str:
     return version("deepspeed")
 
 
-__all__ = ["estimate_zero_per_rank", "rank_environment", "simulate_zero_rank"]
+__all__ = ["ONE_STREAM", "estimate_zero_per_rank", "rank_environment", "simulate_zero_rank"]
