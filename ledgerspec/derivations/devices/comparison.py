@@ -93,8 +93,8 @@ class Comparison:
 
 
 #: bump when the cached form of a comparison changes (2: rows say whether the verdict is uncertain; 3: a row at the
-#: edge does not fit)
-FORMAT = 3
+#: edge does not fit; 4: DeepSpeed ZeRO's GPU counts simulated, where one GPU was shown)
+FORMAT = 4
 
 
 def cached_compare(
@@ -146,7 +146,8 @@ def compare(
 ) -> Comparison:
     """Every device of ``catalogue`` for every GPU count the declared sharding supports.
 
-    ``per_rank(world) -> worst rank's peak at the declared microbatch`` simulates FSDP2 (None: the real one).
+    ``per_rank(world) -> worst rank's peak at the declared microbatch`` simulates the sharded ranks (None: the
+    real simulation: FSDP2, FSDP1, or DeepSpeed's own engine for ZeRO).
     ``on_device`` (issue 23): each device's verdict at the declared microbatch is decided on the device: the step's
     allocation stream at full depth (per simulated rank for a sharded count) replayed through the caching-allocator
     model against what that device's allocator can get (its total minus what lies outside the allocator there:
@@ -178,17 +179,19 @@ def compare(
     notes: list[str] = []
     peaks: dict[int, int] = {1: single}
     wanted = [n for n in counts if n >= 1]
-    if sharding in ("fsdp1", "fsdp2"):
+    from ledgerspec.derivations.shard.options import zero_stage
+
+    if sharding in ("fsdp1", "fsdp2") or zero_stage(doc) is not None:
         simulated: dict[int, Any] = {}
 
         def sharded(world: int) -> int:
             from ledgerspec.derivations.shard.options import no_shard
 
             if not on_device:
-                return _fsdp2_worst(doc, world)
+                return _sharded_worst(doc, world)
             ranks = 1 if no_shard(doc, world) else world  # NO_SHARD: one simulation for every GPU count
             if ranks not in simulated:
-                simulated[ranks] = _fsdp_estimate(doc, world, streams=True)
+                simulated[ranks] = _sharded_estimate(doc, world, streams=True)
             est = simulated[ranks]
             steps[world] = list({id(r.step): r.step for r in est.ranks}.values())
             states.update((id(r.step), r.components.get("optimizer")) for r in est.ranks)
@@ -212,8 +215,8 @@ def compare(
         )
     else:
         notes.append(
-            f"memory_options.sharding {sharding}: not simulated here (`ledgerspec shard` calculates the ZeRO model "
-            "state per rank); one GPU shown"
+            f"memory_options.sharding {sharding}: not simulated here (`ledgerspec shard` calculates the model state "
+            "per rank); one GPU shown"
         )
     rows: list[Row] = []
     verdict = _on_device(doc, steps, states) if on_device else None
@@ -301,18 +304,23 @@ def _largest(
     return best
 
 
-def _fsdp2_worst(doc: Document, world: int) -> int:
-    """The worst rank's predicted peak on ``world`` FSDP2 (or FSDP1) ranks (a simulated step per distinct rank
-    layout)."""
-    return int(_fsdp_estimate(doc, world).worst)
+def _sharded_worst(doc: Document, world: int) -> int:
+    """The worst rank's predicted peak on ``world`` FSDP2, FSDP1 or DeepSpeed ZeRO ranks (a simulated step per
+    distinct rank layout)."""
+    return int(_sharded_estimate(doc, world).worst)
 
 
-def _fsdp_estimate(doc: Document, world: int, streams: bool = False) -> Any:
-    """The per-rank estimate on ``world`` FSDP2 (or FSDP1) ranks (``streams``: with each rank's allocation stream)."""
+def _sharded_estimate(doc: Document, world: int, streams: bool = False) -> Any:
+    """The per-rank estimate on ``world`` FSDP2, FSDP1 or DeepSpeed ZeRO ranks (``streams``: with each rank's
+    allocation stream)."""
     from ledgerspec.derivations.shard.fsdp.simulate import estimate_per_rank
     from ledgerspec.derivations.shard.model import document_descriptors
-    from ledgerspec.derivations.shard.options import check_qlora, no_shard
+    from ledgerspec.derivations.shard.options import check_qlora, no_shard, zero_stage
 
+    if zero_stage(doc) is not None:  # DeepSpeed's own engine per rank (shard --estimate's)
+        from ledgerspec.derivations.shard.zero import estimate_zero_per_rank
+
+        return estimate_zero_per_rank(doc, world, streams=streams)
     check_qlora(doc, rule="devices")
     descs = document_descriptors(doc)
     # FSDP1's NO_SHARD: every rank holds what one rank of one holds (shard.options.no_shard)

@@ -17,6 +17,7 @@ from tests.support.estimate_docs import ledger
 
 #: totals as nvidia-smi prints them, from the sources the catalogue cites (MiB)
 NVIDIA_SMI_MIB = {
+    "NVIDIA GeForce RTX 3090": 24576,
     "NVIDIA GeForce RTX 4090": 24564,
     "NVIDIA L40S": 46068,
     "NVIDIA A100 40GB": 40960,

@@ -198,3 +198,24 @@ def test_a_zero_step_is_decided_on_the_device(tmp_path: Path, case: str) -> None
     assert code == 0, err
     assert "2 x 4.00 GiB: fits on the device (worst rank device peak" in stdout
     assert "allocated tensors only" not in stdout
+
+
+def test_devices_simulates_each_gpu_count_of_a_zero_ledger(tmp_path: Path) -> None:
+    """``estimate --devices`` of a DeepSpeed ZeRO ledger: each GPU count's worst rank is DeepSpeed's own engine
+    simulated on that many ranks and decided on each device (one GPU was shown)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("deepspeed")
+    from ledgerspec.derivations.shard.zero.simulate import estimate_zero_per_rank
+    from tests.derivations.shard.test_zero import _zero_ledger
+
+    path = _zero_ledger(tmp_path, 2)
+    out = tmp_path / "out.yaml"
+    code, stdout, err = run_cli("estimate", path, "--devices", "--no-cache", "-o", out)
+    assert code == 0, err
+    assert "zero2: each GPU count's worst rank simulated" in stdout and "one GPU shown" not in stdout
+    rows = load(out).get("x-devices", "rows").raw
+    a100 = {r["gpus"]: r for r in rows if r["name"] == "NVIDIA A100 80GB"}
+    assert sorted(a100) == [1, 2, 4, 8]
+    for n in (2, 4):
+        assert a100[n]["peak"] == estimate_zero_per_rank(load(path), n).worst
+        assert a100[n]["device_peak"] > a100[n]["peak"] and a100[n]["fits"] is True
