@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from ledgerspec.checks.stale import stale_evidence
+from ledgerspec.checks.stale import shard_again, stale_evidence
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.config import GENERATING, read
 from ledgerspec.contract.differences import stack_differences
 from ledgerspec.contract.document import Document
+from ledgerspec.contract.fingerprint import SHARD_ESTIMATE
 from ledgerspec.contract.intake import dotted, minimum_intake_gaps
 from ledgerspec.contract.values import EXACT_SOURCES, Value
 
@@ -100,6 +102,67 @@ def device_prediction(doc: Document) -> tuple[int | None, str | None]:
     return size, None
 
 
+#: the per-rank estimate's device-level figure (``shard --estimate``): its worst rank's ``device_peak``
+RANK_DEVICE_PEAK = f"{SHARD_ESTIMATE} (the worst rank's device_peak)"
+
+
+def figure_of(value: Any) -> int | None:
+    """A figure of the per-rank block as written (an integer, or ``{value: integer, ...}``)."""
+    if isinstance(value, dict):
+        value = value.get("value")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def rank_rows(doc: Document) -> list[dict[str, Any]]:
+    """The rows of the per-rank estimate (``parallelism.x-per-rank.estimate.ranks``) that hold a device-level peak
+    (``shard --estimate`` with a device, for the CUDA target); [] when there are none or any is malformed."""
+    block = doc.get(*SHARD_ESTIMATE.split(".")).raw
+    if not isinstance(block, dict) or block.get("target") != "cuda" or block.get("source") != "CALCULATED":
+        return []
+    rows = block.get("ranks")
+    if not isinstance(rows, list) or not rows:
+        return []
+    ok = all(
+        isinstance(r, dict) and figure_of(r.get("device_peak")) is not None and isinstance(r.get("verdict"), dict)
+        for r in rows
+    )
+    return rows if ok else []
+
+
+def worst_rank(doc: Document) -> dict[str, Any] | None:
+    """The per-rank estimate's row with the largest device-level peak (None: :func:`rank_rows` has none)."""
+    rows = rank_rows(doc)
+    return max(rows, key=lambda r: figure_of(r["device_peak"]) or 0) if rows else None
+
+
+def rank_prediction(doc: Document) -> tuple[int | None, str | None]:
+    """The worst rank's device-level peak of ``shard --estimate`` (:data:`RANK_DEVICE_PEAK`) when it holds for what
+    a multi-GPU document declares now: ``(bytes, None)``; else ``(None, why)`` (``why`` None: there is none). It
+    holds for as many ranks as ``parallelism.gpu_count``, for the device memory and the allocator settings it was
+    decided with, and for the ledger's ``outside_allocator.total``; its input fingerprint covers the rest (LS006)."""
+    gpus = doc.get("parallelism", "gpu_count").integer()
+    worst = worst_rank(doc)
+    if gpus is None or gpus < 2 or worst is None:
+        return None, None
+    again = f"run `{shard_again(gpus)}` again"
+    rows = rank_rows(doc)
+    if len(rows) != gpus:
+        return None, f"{SHARD_ESTIMATE} was simulated on {len(rows)} ranks, not parallelism.gpu_count {gpus}: {again}"
+    target = doc.get("result", "target_device", "memory").size()
+    judged = figure_of(doc.get(*SHARD_ESTIMATE.split("."), "device_memory").raw)
+    if target is not None and judged != target:
+        return None, f"{SHARD_ESTIMATE} was decided for another device memory: {again}"
+    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
+    if any(str(r["verdict"].get("alloc_conf") or "").strip() != conf for r in rows):
+        return None, f"{SHARD_ESTIMATE} was decided with other allocator settings (pytorch_cuda_alloc_conf): {again}"
+    declared = doc.get("outside_allocator", "total").size()
+    for r in rows:
+        from_ledger = r["verdict"].get("outside_from") == "outside_allocator.total"
+        if (declared is not None or from_ledger) and declared != figure_of(r.get("outside_allocator")):
+            return None, f"{SHARD_ESTIMATE} was decided with another outside_allocator.total: {again}"
+    return figure_of(worst["device_peak"]), None
+
+
 def compared_total(doc: Document, target: int, peak_from: str | None) -> int:
     """The device total a peak is compared with: for the estimate's device-level peak (held for this device memory:
     :func:`device_prediction`), the card's CUDA total it was decided against (``x-estimate.verdict.cuda_total``:
@@ -109,13 +172,28 @@ def compared_total(doc: Document, target: int, peak_from: str | None) -> int:
         cuda_total = doc.get("x-estimate", "verdict", "cuda_total").size()
         if cuda_total is not None and cuda_total < target:
             return cuda_total
+    if peak_from == RANK_DEVICE_PEAK and (worst := worst_rank(doc)) is not None:
+        total = figure_of(worst["verdict"].get("cuda_total"))
+        if total is not None and total < target:
+            return total
     return target
+
+
+def _uncertain_field(peak_from: str | None) -> str:
+    """Where the at-the-edge flag of the peak compared is written."""
+    return (
+        f"{SHARD_ESTIMATE}.ranks[].verdict.uncertain"
+        if peak_from == RANK_DEVICE_PEAK
+        else "x-estimate.verdict.uncertain"
+    )
 
 
 def at_the_edge(doc: Document, peak_from: str | None) -> bool:
     """The peak compared is the estimate's device-level one and its verdict is at the edge
     (``x-estimate.verdict.uncertain``: the replay completes only with the outside-allocator catalogue's typical
     figure, not with the high end of its range): it does not fit, whatever its headroom."""
+    if peak_from == RANK_DEVICE_PEAK:  # any rank at the edge: that rank does not fit
+        return any(r["verdict"].get("uncertain") is True for r in rank_rows(doc))
     return peak_from == DEVICE_PEAK and doc.get("x-estimate", "verdict", "uncertain").value is True
 
 
@@ -138,6 +216,9 @@ def best_peak(doc: Document) -> tuple[int | None, str | None]:
         v = doc.get(section, key)
         if v.source == "MEASURED" and v.size() is not None:
             return v.size(), f"{section}.{key} (MEASURED)"
+    ranked, _ = rank_prediction(doc)  # several GPUs: what one rank holds, where shard --estimate predicted it
+    if ranked is not None:
+        return ranked, RANK_DEVICE_PEAK
     device, _ = device_prediction(doc)
     if device is not None:
         return device, DEVICE_PEAK
@@ -161,7 +242,7 @@ def pilot_section(doc: Document) -> str:
     return "pilot" if doc.kind == "intake" else "x-pilot"
 
 
-def _activation_figure(doc: Document) -> bool:
+def _activationfigure_of(doc: Document) -> bool:
     """A CALCULATED estimate or a MEASURED pilot (spec: CANDIDATE): a measured peak (a pilot's, or one in
     ``metrics``) includes the activations of the run it measured."""
     act = doc.get("ledger", "activations")
@@ -216,7 +297,7 @@ def supported_status(doc: Document) -> StatusResult:
     target = doc.get("result", "target_device", "memory").size()
     if target is None:
         held.append("CANDIDATE needs result.target_device.memory")
-    if not _activation_figure(doc):
+    if not _activationfigure_of(doc):
         held.append(
             "CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
             "or MEASURED, or a MEASURED peak (a pilot's, or metrics)"
@@ -244,7 +325,8 @@ def supported_status(doc: Document) -> StatusResult:
         )
     if at_the_edge(doc, res.best_peak_from):
         held.append(
-            f"the device verdict is {F.AT_THE_EDGE}, so it does not fit (x-estimate.verdict.uncertain): {F.EDGE_WHY}, "
+            f"the device verdict is {F.AT_THE_EDGE}, so it does not fit ({_uncertain_field(res.best_peak_from)}): "
+            f"{F.EDGE_WHY}, "
             "not with the catalogue's high end; measure "
             "outside_allocator (`ledgerspec measure --device cuda`) or leave more headroom"
         )

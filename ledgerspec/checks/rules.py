@@ -711,21 +711,24 @@ SHORTCUTS: tuple[tuple[re.Pattern[str], str, str], ...] = tuple(
 @rule(
     "LS006",
     ERROR,
-    "figures computed from inputs that were edited since (resolve, estimate or measure)",
+    "figures computed from inputs that were edited since (resolve, estimate, shard --estimate or measure)",
     "run the command again: `ledgerspec resolve FILE` (exact figures), `ledgerspec estimate FILE` (activations, "
-    "x-estimate); measure again for a measurement",
+    "x-estimate), `ledgerspec shard FILE --nproc N --estimate` (the per-rank estimate); measure again for a "
+    "measurement",
     example="method:\n  rank: 64  # was 16 when resolve ran\nx-resolve:\n  inputs: {method: 0123456789abcdef}",
 )
 def ls006_stale_inputs(ctx: Context) -> Iterator[Hit]:
-    """``x-resolve`` / ``x-estimate`` / ``x-measure`` store a fingerprint of the inputs they read; an edit shows."""
+    """``x-resolve`` / ``x-estimate`` / ``x-measure`` / ``parallelism.x-per-rank.estimate`` store a fingerprint of the
+    inputs they read; an edit shows."""
     wrote = {
         "resolve": "the exact figures (ledger.frozen_base, adapter, gradients, optimizer, parameter counts)",
         "estimate": "ledger.activations and x-estimate",
         "measure": "phases, metrics and x-measure",
+        "shard": "the per-rank estimate (parallelism.x-per-rank.estimate)",
     }
     extension = {command: ext for ext, _, command in STAMPS}
     for command, sections in stale(ctx.doc).items():
-        where = ptr(sections[0]) if ctx.doc.section(sections[0]) else ptr(extension[command], "inputs")
+        where = ptr(sections[0]) if ctx.doc.section(sections[0]) else ptr(*extension[command].split("."), "inputs")
         yield Hit(where, f"{wrote[command]} describe other inputs: {edited_since(command, sections)}")
 
 

@@ -10,16 +10,33 @@ from __future__ import annotations
 
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.document import Document
-from ledgerspec.contract.fingerprint import stale
+from ledgerspec.contract.fingerprint import SHARD_ESTIMATE, stale
 
 COMPONENTS = F.RESIDENT
+#: the command that writes the per-rank estimate again (N: the ranks)
+SHARD_AGAIN = "ledgerspec shard FILE --nproc N --estimate"
+
+
+def shard_again(ranks: int | None) -> str:
+    """:data:`SHARD_AGAIN` for ``ranks`` (None: as it is)."""
+    return SHARD_AGAIN if ranks is None else SHARD_AGAIN.replace("--nproc N", f"--nproc {ranks}")
+
+
 _PEAKS = ("peak_allocated", "peak_reserved", "device_peak")
+
+
+#: how to refresh a stamp, where it is not ``ledgerspec COMMAND FILE``
+AGAIN = {
+    "measure": "measure again",
+    "shard": f"run `{SHARD_AGAIN}`",
+}
 
 
 def edited_since(command: str, sections: list[str]) -> str:
     """``method, adapter changed since `ledgerspec resolve` ran (run `ledgerspec resolve FILE`)``."""
-    again = f"run `ledgerspec {command} FILE`" if command != "measure" else "measure again"
-    return f"{', '.join(sections)} changed since `ledgerspec {command}` ran ({again})"
+    again = AGAIN.get(command, f"run `ledgerspec {command} FILE`")
+    ran = "shard --estimate" if command == "shard" else command
+    return f"{', '.join(sections)} changed since `ledgerspec {ran}` ran ({again})"
 
 
 def stale_evidence(doc: Document, level: str, best_peak_from: str | None = None) -> list[str]:
@@ -44,10 +61,13 @@ def stale_evidence(doc: Document, level: str, best_peak_from: str | None = None)
             out.append(f"ledger.activations is CALCULATED from other inputs: {why}")
         if best_peak_from in ("x-estimate.peak_allocated", "x-estimate.device_peak"):
             out.append(f"the predicted peak {best_peak_from} is from other inputs: {why}")
+    if level == "CANDIDATE" and "shard" in changed and (best_peak_from or "").startswith(SHARD_ESTIMATE):
+        why = edited_since("shard", changed["shard"])
+        out.append(f"the predicted peak {best_peak_from} is from other inputs: {why}")
     elif level == "VALIDATED" and "measure" in changed:
         why = edited_since("measure", changed["measure"])
         out.append(f"the measurement (x-measure, phases, metrics) is of other inputs: {why}")
     return out
 
 
-__all__ = ["edited_since", "stale_evidence"]
+__all__ = ["AGAIN", "SHARD_AGAIN", "edited_since", "shard_again", "stale_evidence"]

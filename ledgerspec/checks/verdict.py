@@ -16,16 +16,23 @@ from ledgerspec.checks.ladder import (
     DEVICE_PEAK,
     LADDER,
     RANK,
+    RANK_DEVICE_PEAK,
     StatusResult,
     at_the_edge,
     compared_total,
     cpu_estimate,
     device_prediction,
+    figure_of,
     pilot_section,
+    rank_prediction,
+    rank_rows,
+    worst_rank,
 )
-from ledgerspec.checks.stale import stale_evidence
+from ledgerspec.checks.stale import shard_again, stale_evidence
+from ledgerspec.contract.config import sharded_ranks
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.fields import AT_THE_EDGE, EDGE_WHY, PHASE_OOM_WORDS
+from ledgerspec.contract.fingerprint import SHARD_ESTIMATE
 from ledgerspec.contract.units import format_size
 
 FITS = "FITS"
@@ -99,7 +106,7 @@ class Verdict:
 def _provenance(peak_from: str) -> str:
     if peak_from.startswith(("x-pilot.", "pilot.")):
         return "pilot"
-    if peak_from.startswith("x-estimate."):
+    if peak_from.startswith(("x-estimate.", SHARD_ESTIMATE)):
         return "predicted"
     return "measured"
 
@@ -153,35 +160,46 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
             )
         else:
             why = "no peak figure yet: `ledgerspec estimate FILE` predicts one, `ledgerspec measure FILE` measures one"
+            why_not = rank_prediction(doc)[1]
+            if why_not:
+                why += f"; {why_not}"
         return Verdict(UNKNOWN, device, name, why=why)
     peak, peak_from = status.best_peak, status.best_peak_from
     provenance = _provenance(peak_from)
     if provenance == "predicted" and stale_evidence(doc, "CANDIDATE", peak_from):
         # a prediction of other inputs answers nothing about these: the ladder stops counting it (LS006), and so does
         # the verdict (its figure named, so the reader sees what is out of date)
+        again = shard_again(sharded_ranks(doc)) if peak_from == RANK_DEVICE_PEAK else "ledgerspec estimate FILE"
         why = (
             f"the predicted peak {format_size(peak)} ({_field(peak_from)}) is of inputs edited since: run "
-            "`ledgerspec estimate FILE` again"
+            f"`{again}` again"
         )
         return Verdict(UNKNOWN, device, name, peak, _field(peak_from), provenance, why=why)
     limit = compared_total(doc, device, peak_from)  # the card's CUDA total for a device-level prediction
     cuda_note = ""
     if limit != device:
-        cuda_note = doc.get("x-estimate", "verdict", "cuda_total_note").text() or (
-            f"its CUDA total is {format_size(limit)}, not the declared {format_size(device)}"
-        )
+        held = doc.get("x-estimate", "verdict", "cuda_total_note").text() if peak_from == DEVICE_PEAK else None
+        cuda_note = held or (f"its CUDA total is {format_size(limit)}, not the declared {format_size(device)}")
     headroom = limit - peak
     fits = headroom >= 0 and not at_the_edge(doc, peak_from)  # at the edge: the headroom is the typical figure's
     oom = None
     notes: list[str] = []
-    if not fits and provenance == "predicted":
+    if not fits and peak_from == RANK_DEVICE_PEAK:
+        worst = worst_rank(doc)
+        key = worst.get("oom_phase") if worst is not None else None
+        oom = _PHASE_WORDS.get(key, key) if isinstance(key, str) else None
+    elif not fits and provenance == "predicted":
         oom = _predicted_oom_phase(doc, device, peak_from == DEVICE_PEAK)
     pilot_oom = doc.get(pilot_section(doc), "oom_phase").text()
     if provenance == "pilot" and pilot_oom:
         fits, oom = False, pilot_oom
     qualifier = ""
     if provenance == "predicted":
-        if peak_from == DEVICE_PEAK:
+        if peak_from == RANK_DEVICE_PEAK:
+            qualifier = _rank_qualifier(doc)
+            if cuda_note:
+                qualifier = f"{cuda_note}; {qualifier}"
+        elif peak_from == DEVICE_PEAK:
             qualifier = _device_qualifier(doc)
             if cuda_note:
                 qualifier = f"{cuda_note}; {qualifier}"
@@ -190,6 +208,10 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
             why_not = device_prediction(doc)[1]
             if why_not:
                 qualifier += f"; {why_not}"
+        if peak_from.startswith("x-estimate."):
+            one = _one_gpu_note(doc)
+            if one:
+                qualifier += f"; {one}"
     elif provenance == "measured" and doc.get("measurement", "device").text() == "cpu":
         qualifier = "measured on the CPU (tensor tracking): a GPU run allocates more (kernels, workspaces)"
     elif peak_from.startswith("metrics.peak_allocated") or peak_from.startswith("phases."):
@@ -206,6 +228,50 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
         qualifier,
         notes,
     )
+
+
+def _one_gpu_note(doc: Document) -> str:
+    """For a document of several GPUs whose model state is sharded, compared by ``x-estimate`` (one GPU holding
+    the whole model): what it is, and what predicts a rank (with why the per-rank estimate there does not hold)."""
+    gpus = sharded_ranks(doc)
+    if gpus is None:
+        return ""
+    note = (
+        f"x-estimate is one GPU holding the whole model, not one of the {gpus} sharded ranks: "
+        f"`{shard_again(gpus)}` predicts each rank"
+    )
+    why_not = rank_prediction(doc)[1]
+    return f"{note} ({why_not})" if why_not else note
+
+
+def _rank_qualifier(doc: Document) -> str:
+    """What the per-rank device-level prediction is made of (its worst rank's), as :func:`_device_qualifier` says
+    it of the estimate's."""
+    worst = worst_rank(doc)
+    assert worst is not None
+    rank = worst.get("rank")
+    v = worst["verdict"]
+    reserved, out = figure_of(worst.get("peak_reserved")), worst.get("outside_allocator")
+    parts = [f"rank {rank}, the worst of {len(rank_rows(doc))} (`ledgerspec shard --estimate`)"]
+    if reserved is not None and figure_of(out) is not None:
+        source = out.get("source", "ASSUMPTION") if isinstance(out, dict) else "ASSUMPTION"
+        parts.append(
+            f"device-level: reserved {format_size(reserved)} (allocator model) + {format_size(figure_of(out) or 0)} "
+            f"outside the allocator ({source})"
+        )
+    allocated = figure_of(worst.get("peak_allocated"))
+    if allocated is not None:
+        parts.append(f"allocated {format_size(allocated)}")
+    fragmentation = figure_of(v.get("fragmentation"))
+    if v.get("decided_by") == "fragmentation" and fragmentation is not None:
+        parts.append(f"decided by fragmentation ({format_size(fragmentation)} free but unusable at the out-of-memory)")
+    if at_the_edge(doc, RANK_DEVICE_PEAK):
+        parts.append(
+            f"{AT_THE_EDGE}: {EDGE_WHY}; measure outside_allocator "
+            f"(`ledgerspec measure --device cuda --nproc {len(rank_rows(doc))}`) or leave more headroom"
+        )
+    parts.append("a model, not measured")
+    return "; ".join(parts)
 
 
 def _device_qualifier(doc: Document) -> str:

@@ -647,6 +647,22 @@ def require_dtype(doc: Document, path: Path, default: str | None = None, rule: s
     return canon
 
 
+#: the strategies under which each rank holds a share of the model state, not the whole model
+SHARDED_STRATEGIES = ("fsdp1", "fsdp2", "zero1", "zero2", "zero3")
+
+
+def sharded_ranks(doc: Document) -> int | None:
+    """How many ranks share the model state: ``parallelism.gpu_count`` when it is 2 or more and the strategy
+    (``parallelism.strategy``, else ``memory_options.sharding``) shards it (:data:`SHARDED_STRATEGIES`); None
+    otherwise (one GPU, data parallel, or not declared). Under it, one GPU's estimate of the whole model is not what
+    a rank holds: ``shard --estimate`` predicts that."""
+    gpus = _int(doc, "parallelism", "gpu_count")
+    strategy = doc.get("parallelism", "strategy").text() or doc.get("memory_options", "sharding").text() or ""
+    if gpus is None or gpus < 2 or strategy.strip().lower() not in SHARDED_STRATEGIES:
+        return None
+    return gpus
+
+
 def problem(doc: Document, path: Path, message: str, rule: str, hint: str | None = None, **kw: Any) -> LedgerspecError:
     """A one-line error at ``path`` (its nearest present ancestor), for a value a command needs."""
     return error_at(doc, path, message, rule=rule, hint=hint, **kw)
@@ -658,6 +674,7 @@ __all__ = [
     "FULL",
     "OTHER_SCHEMES",
     "QUANT",
+    "SHARDED_STRATEGIES",
     "TRAINER_DEFAULTS",
     "Config",
     "Conflict",
@@ -670,4 +687,5 @@ __all__ = [
     "problem",
     "read",
     "require_dtype",
+    "sharded_ranks",
 ]

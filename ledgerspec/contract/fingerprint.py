@@ -127,11 +127,25 @@ WORKLOAD_INPUTS: Inputs = {
     ),
 }
 
-#: each stamp: the extension that holds it, the inputs it covers, the command that refreshes it
+#: what ``shard --estimate`` reads: the workload's inputs plus how the ranks share the model (every input field of
+#: ``parallelism``; its figures, ``per_rank_peak``, are none)
+SHARD_INPUTS: Inputs = {
+    **WORKLOAD_INPUTS,
+    "memory_options": (*WORKLOAD_INPUTS["memory_options"], ("sharding",)),
+    "parallelism": tuple(
+        path for path, f in F.walk(F.PARALLELISM.children) if f.kind not in (F.OBJECT, *F.FIGURE_KINDS)
+    ),
+}
+#: where ``shard --estimate`` writes its per-rank figures and their stamp
+SHARD_ESTIMATE = "parallelism.x-per-rank.estimate"
+
+#: each stamp: the extension that holds it (a dotted path for one inside a section), the inputs it covers, the
+#: command that refreshes it
 STAMPS: tuple[tuple[str, Inputs, str], ...] = (
     ("x-resolve", RESOLVE_INPUTS, "resolve"),
     ("x-estimate", WORKLOAD_INPUTS, "estimate"),
     ("x-measure", WORKLOAD_INPUTS, "measure"),
+    (SHARD_ESTIMATE, SHARD_INPUTS, "shard"),
 )
 DIGITS = 16
 
@@ -315,8 +329,11 @@ def input_digest(doc: Document) -> str:
 
 
 def stored(doc: Document, extension: str) -> dict[str, str] | None:
-    """The fingerprint stored in ``extension`` (``x-resolve``...), or None when there is none (not checked)."""
-    block = doc.plain.get(extension)
+    """The fingerprint stored in ``extension`` (``x-resolve``..., or a dotted path such as
+    :data:`SHARD_ESTIMATE`), or None when there is none (not checked)."""
+    block: Any = doc.plain
+    for key in extension.split("."):
+        block = block.get(key) if isinstance(block, dict) else None
     inputs = block.get("inputs") if isinstance(block, dict) else None
     if not isinstance(inputs, dict) or not inputs:
         return None
@@ -359,6 +376,8 @@ __all__ = [
     "DEFAULTS",
     "DIGITS",
     "RESOLVE_INPUTS",
+    "SHARD_ESTIMATE",
+    "SHARD_INPUTS",
     "STAMPS",
     "WORKLOAD_INPUTS",
     "changed_sections",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ledgerspec.contract import fields as F
+from ledgerspec.contract.config import sharded_ranks
 from ledgerspec.contract.document import Document, ErrorAt
 from ledgerspec.contract.units import format_size
 from ledgerspec.derivations.estimate.cache import EstimateCache, cached, plain
@@ -909,7 +910,8 @@ def write_back(
             block.update(device.extension())
         if from_flag:
             changes.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
-        changes.append(set_plain(doc, ("result", "fits"), fits, force=True))
+        if sharded_ranks(doc) is None:  # sharded ranks: one GPU of the whole model is not the run's answer
+            changes.append(set_plain(doc, ("result", "fits"), fits, force=True))
     if "host.offloaded_peak" in est.figures:
         block["host_offloaded_peak"] = {
             "value": est.figures["host.offloaded_peak"],

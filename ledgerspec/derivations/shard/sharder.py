@@ -285,5 +285,17 @@ def shard(
 
             est.allocated_only = NOT_ON_DEVICE[not_on_device]
         ext["estimate"] = extension_block(est, device_memory)
+        # the inputs it read, so that the ladder and LS006 see an edit since (contract.fingerprint.SHARD_INPUTS)
+        from ledgerspec.contract.fingerprint import SHARD_INPUTS, digests
+
+        ext["estimate"]["inputs"] = digests(doc, SHARD_INPUTS)
+        if device_memory is not None:  # as `estimate` records its answer: the device asked about, the run's answer
+            from ledgerspec.contract.config import sharded_ranks
+            from ledgerspec.contract.edit import set_plain
+
+            if from_flag:
+                set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True)
+            if sharded_ranks(doc) == world:  # the declared ranks: this is the run's answer (not another count's)
+                set_plain(doc, ("result", "fits"), bool(ext["estimate"].get("fits")), force=True)
     change = set_extension(doc, EXTENSION, ext)
     return ShardResult(plan, zero, ext, change, est, device_memory)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from ledgerspec.contract.document import load
+from ledgerspec.contract.units import format_size
 from tests.support import TESTS, run_cli
 
 DATA = TESTS / "data" / "sharding"
@@ -128,6 +129,22 @@ def test_shard_says_which_figure_it_compared(both: dict[str, Any], tmp_path: Pat
     row = block["ranks"][0]
     assert row["device_peak"]["value"] == row["peak_reserved"]["value"] + row["outside_allocator"]["value"]
     assert row["verdict"]["fits"] is True and row["fits"] is True
+    # the answer recorded as `estimate` records its own, and read by validate -v: what one of the 2 ranks holds
+    written = load(out)
+    assert written.get("result", "target_device", "memory").size() == 4 * GiB
+    assert written.get("result", "fits").switch() is True
+    assert set(block["inputs"]) >= {"parallelism", "workload", "method"}
+    code, stdout, _ = run_cli("validate", "-v", out)
+    worst = max(r["device_peak"]["value"] for r in block["ranks"])
+    assert "FITS on the target device (4.00 GiB): predicted peak" in stdout
+    assert "(parallelism.x-per-rank.estimate)" in stdout and f"the worst of {len(block['ranks'])}" in stdout
+    assert format_size(worst) in stdout
+    # one GPU's estimate of the whole model records no result.fits for the sharded run
+    estimated = tmp_path / "estimated.yaml"
+    code, _, err = run_cli("estimate", both["path"], "--device-memory", "4GiB", "-o", estimated)
+    assert code == 0, err
+    assert load(estimated).get("result", "target_device", "memory").size() == 4 * GiB
+    assert not load(estimated).get("result", "fits").present
     code, stdout, _ = run_cli("shard", both["path"], "--estimate", "--device-memory", "4GiB", "--target", "cpu")
     assert "allocated tensors only: the CPU target has no caching allocator to replay" in stdout
 

@@ -1,0 +1,127 @@
+"""The verdict of a document of several GPUs reads what ONE rank holds (issue 23): the worst rank's device-level
+peak that ``shard --estimate`` wrote (``parallelism.x-per-rank.estimate.ranks[].device_peak``), not one GPU's
+estimate of the whole model; it holds only for the declared ranks, device memory, allocator settings and inputs.
+
+The per-rank blocks below are written by hand in the shape ``shard --estimate`` writes (checked against a real
+simulation in ``tests/derivations/devices/test_per_rank.py``); the figures compared are theirs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ledgerspec.checks.ladder import RANK_DEVICE_PEAK, supported_status
+from ledgerspec.checks.validate import validate
+from ledgerspec.checks.verdict import DOES_NOT_FIT, FITS, UNKNOWN, verdict
+from ledgerspec.contract.document import from_text
+from ledgerspec.contract.fields import AT_THE_EDGE
+from ledgerspec.contract.fingerprint import SHARD_INPUTS, digests
+
+GiB = 2**30
+HEAD = """ledgerspec: ledger/v1
+workload: {max_length: 4096, microbatch: 2}
+result:
+  target_device: {name: NVIDIA A100-SXM4-80GB, memory: 80GiB}
+parallelism:
+  gpu_count: 2
+  strategy: fsdp1
+"""
+
+
+def _rank(rank: int, device_peak: int, uncertain: bool = False, oom: str | None = None) -> str:
+    verdict = (
+        f"{{device_memory: {80 * GiB}, cuda_total: {int(79.25 * GiB)}, alloc_conf: '', outside_from: catalogue, "
+        f"uncertain: {str(uncertain).lower()}}}"
+    )
+    row = (
+        f"      - {{rank: {rank}, peak_allocated: {{value: {device_peak - 8 * GiB}, source: CALCULATED}}, "
+        f"peak_reserved: {{value: {device_peak - GiB}, source: CALCULATED}}, "
+        f"outside_allocator: {{value: {GiB}, source: ASSUMPTION}}, "
+        f"device_peak: {{value: {device_peak}, source: ASSUMPTION}}, verdict: {verdict}"
+    )
+    return row + (f", oom_phase: {oom}}}\n" if oom else "}\n")
+
+
+def _text(*rows: str, text: str = HEAD, device: int = 80 * GiB, stamp: bool = True) -> str:
+    """The document with a per-rank block of ``rows`` (``stamp``: with the inputs it read, as shard --estimate
+    stores them)."""
+    block = (
+        "  x-per-rank:\n    estimate:\n      source: CALCULATED\n      target: cuda\n"
+        f"      device_memory: {device}\n      ranks:\n" + "".join(r.replace("      - ", "        - ") for r in rows)
+    )
+    if stamp:
+        inputs = digests(from_text(text + block), SHARD_INPUTS)
+        block += "      inputs: {" + ", ".join(f"{k}: '{v}'" for k, v in inputs.items()) + "}\n"
+    return text + block
+
+
+def _doc(*rows: str, **kw: Any) -> Any:
+    return from_text(_text(*rows, **kw))
+
+
+def _verdict(doc: Any) -> Any:
+    return verdict(doc, supported_status(doc))
+
+
+def test_the_worst_ranks_device_peak_is_compared() -> None:
+    doc = _doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB))
+    v = _verdict(doc)
+    assert v.answer == FITS and v.peak == 72 * GiB and v.peak_field == "parallelism.x-per-rank.estimate"
+    assert v.provenance == "predicted"
+    assert v.headroom == int(79.25 * GiB) - 72 * GiB  # against the CUDA total the rank was decided against
+    assert "rank 1, the worst of 2" in v.sentence() and "reserved 71.00 GiB (allocator model)" in v.sentence()
+
+
+def test_one_gpus_estimate_of_the_whole_model_is_not_what_a_rank_holds() -> None:
+    """Without a per-rank estimate, x-estimate (one GPU holding the whole model) is compared and the verdict says
+    that it is not a rank's figure and which command predicts one."""
+    doc = from_text(HEAD + "x-estimate:\n  peak_allocated: {value: 120GiB, source: CALCULATED, method: m}\n")
+    v = _verdict(doc)
+    assert v.answer == DOES_NOT_FIT
+    assert "x-estimate is one GPU holding the whole model, not one of the 2 sharded ranks" in v.sentence()
+    assert "`ledgerspec shard FILE --nproc 2 --estimate` predicts each rank" in v.sentence()
+    # data parallel: every GPU holds the whole model, and the estimate is the rank's: no such note
+    ddp = from_text(
+        HEAD.replace("fsdp1", "ddp") + "x-estimate:\n  peak_allocated: {value: 20GiB, source: CALCULATED}\n"
+    )
+    assert "one GPU holding the whole model" not in _verdict(ddp).sentence()
+
+
+def test_a_rank_at_the_edge_does_not_fit_and_one_that_runs_out_names_its_phase() -> None:
+    edge = _verdict(_doc(_rank(0, 60 * GiB), _rank(1, 61 * GiB, uncertain=True)))
+    assert edge.answer == DOES_NOT_FIT and edge.headroom > 0 and AT_THE_EDGE in edge.sentence()
+    assert "`ledgerspec measure --device cuda --nproc 2`" in edge.sentence()
+    over = _verdict(_doc(_rank(0, 90 * GiB, oom="backward_peak"), _rank(1, 85 * GiB)))
+    assert over.answer == DOES_NOT_FIT and over.oom_phase == "backward" and over.peak == 90 * GiB
+
+
+def test_the_per_rank_estimate_holds_only_for_what_it_was_decided_with() -> None:
+    rows = (_rank(0, 70 * GiB), _rank(1, 72 * GiB))
+    other_count = _doc(*rows, text=HEAD.replace("gpu_count: 2", "gpu_count: 4"))
+    assert supported_status(other_count).best_peak_from != RANK_DEVICE_PEAK
+    v = _verdict(other_count)
+    assert v.answer == UNKNOWN and "simulated on 2 ranks, not parallelism.gpu_count 4" in v.sentence()
+    other_device = _doc(*rows, device=40 * GiB)
+    assert supported_status(other_device).best_peak_from != RANK_DEVICE_PEAK
+    settings = _doc(
+        *rows,
+        text=HEAD.replace(
+            "parallelism:", "software: {pytorch_cuda_alloc_conf: 'expandable_segments:True'}\nparallelism:"
+        ),
+    )
+    assert supported_status(settings).best_peak_from != RANK_DEVICE_PEAK
+
+
+def test_an_edit_since_makes_it_answer_nothing_and_ls006_says_so() -> None:
+    text = _text(_rank(0, 70 * GiB), _rank(1, 72 * GiB))
+    assert _verdict(from_text(text)).answer == FITS
+    edited = from_text(text.replace("microbatch: 2", "microbatch: 4"))
+    v = _verdict(edited)
+    assert v.answer == UNKNOWN and "is of inputs edited since" in v.sentence()
+    assert "`ledgerspec shard FILE --nproc 2 --estimate` again" in v.sentence()
+    found = [f for f in validate(edited).findings if f.rule == "LS006"]
+    assert any("parallelism.x-per-rank.estimate" in f.message for f in found)
+    # an edit of how the ranks share the model is one too
+    sharded = from_text(text.replace("strategy: fsdp1", "strategy: fsdp2"))
+    assert _verdict(sharded).answer == UNKNOWN
+    # and a per-rank block written before the stamp is compared as it is (old documents unchanged)
+    assert _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), stamp=False)).answer == FITS
