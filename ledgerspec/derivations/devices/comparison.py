@@ -48,6 +48,8 @@ class Row:
     #: at the edge, so ``fits`` is false: it completes with the outside-allocator catalogue's typical figure, not with
     #: its high one (:attr:`~ledgerspec.derivations.devices.prediction.DevicePrediction.uncertain`)
     uncertain: bool = False
+    #: decided by fragmentation: the reserved bytes free but in blocks that could not serve the request that failed
+    fragmentation: int | None = None
 
     def to_extension(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -64,6 +66,7 @@ class Row:
             "device_peak": self.device_peak,
             "decided_by": self.decided_by,
             "uncertain": self.uncertain or None,
+            "fragmentation": self.fragmentation if self.decided_by == "fragmentation" else None,
         }
         if self.note:
             out["note"] = self.note
@@ -93,8 +96,9 @@ class Comparison:
 
 
 #: bump when the cached form of a comparison changes (2: rows say whether the verdict is uncertain; 3: a row at the
-#: edge does not fit; 4: DeepSpeed ZeRO's GPU counts simulated, where one GPU was shown)
-FORMAT = 4
+#: edge does not fit; 4: DeepSpeed ZeRO's GPU counts simulated, where one GPU was shown; 5: a row decided by
+#: fragmentation keeps how much)
+FORMAT = 5
 
 
 def cached_compare(
@@ -232,7 +236,9 @@ def compare(
                 _largest(model, n, peak, single, per_row, declared, device.usable),
             )
             if verdict is not None and n in steps:
-                row.fits, row.headroom, row.device_peak, row.decided_by, row.uncertain = verdict(device, n)
+                row.fits, row.headroom, row.device_peak, row.decided_by, row.uncertain, row.fragmentation = verdict(
+                    device, n
+                )
             rows.append(row)
     if verdict is not None:
         notes.append(
@@ -246,7 +252,8 @@ def compare(
 
 
 def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int | None] | None = None) -> Any:
-    """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by, uncertain)`` for the worst rank of
+    """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by, uncertain, fragmentation)`` for the worst
+    rank of
     ``gpus``, each distinct stream replayed without a limit once and against a device only when its peak passes that
     device's capacity (a replay against a capacity takes the same decisions until then). ``states``: each stream's
     optimizer state from its estimate (a paged optimizer's for the catalogue's high end: the rank's own share, not
@@ -264,7 +271,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
     conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
     free = {id(step): free_replay(doc, step, conf) for group in steps.values() for step in group}
 
-    def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str, bool]:
+    def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str, bool, int | None]:
         target = Target(device.total, device.name, "catalogue", "the device catalogue's entry", device.capacity)
         figure = outside_of(doc, target, gpus)
         worst: DevicePrediction | None = None
@@ -285,7 +292,8 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
             if worst is None or (p.fits, p.completes, p.margin) < (worst.fits, worst.completes, worst.margin):
                 worst = p
         assert worst is not None
-        return worst.fits, worst.margin, worst.device_peak, worst.decided_by, worst.uncertain
+        frag = worst.fragmentation if worst.decided_by == "fragmentation" else None
+        return worst.fits, worst.margin, worst.device_peak, worst.decided_by, worst.uncertain, frag
 
     return verdict
 

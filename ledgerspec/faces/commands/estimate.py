@@ -645,9 +645,7 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
             format_size(r.device.usable),
             format_size(r.peak) if r.peak is not None else "-",
             format_size(r.device_peak) if r.device_peak is not None else "-",
-            ("yes" if r.fits else "NO")
-            + (" (fragmentation)" if r.decided_by == "fragmentation" else "")
-            + (" (at the edge)" if r.uncertain else ""),
+            fits_cell(r),
             (format_size(r.headroom) if r.headroom >= 0 else "-" + format_size(-r.headroom))
             if r.headroom is not None
             else "-",
@@ -672,6 +670,18 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
         set_extension(doc, (EXTENSION,), block)
         _save(doc, args, EXTENSION)
     return EXIT_OK
+
+
+def fits_cell(row: Any) -> str:
+    """The ``fits`` cell of a ``--devices`` row (:class:`ledgerspec.derivations.devices.comparison.Row`): yes or NO,
+    what decided a NO of the allocator's (the bytes free but unusable), and a verdict at the edge."""
+    from ledgerspec.contract.units import format_size
+
+    text = "yes" if row.fits else "NO"
+    if row.decided_by == "fragmentation":
+        amount = f": {format_size(row.fragmentation)} free but unusable" if row.fragmentation is not None else ""
+        text += f" (fragmentation{amount})"
+    return text + (" (at the edge)" if row.uncertain else "")
 
 
 def _run_what_if(doc: Any, args: argparse.Namespace, device: int | None) -> int:

@@ -429,7 +429,7 @@ def test_the_devices_comparison_says_no_at_the_edge_where_the_catalogues_high_fi
     step = _step([("alloc", 1, 9 * GiB)], [])
     verdict = _on_device(_doc(), {1: [step]})
     tight = Device("NVIDIA A100-SXM4-80GB", "80 GB", 10 * GiB, 0, "test", capacity=10 * GiB)
-    fits, margin, _, _, uncertain = verdict(tight, 1)
+    fits, margin, _, _, uncertain, _ = verdict(tight, 1)
     assert not fits and uncertain and margin == 10 * GiB - 9 * GiB - (450 + 256) * MiB
     roomy = Device("NVIDIA A100-SXM4-80GB", "80 GB", 12 * GiB, 0, "test", capacity=12 * GiB)
     assert verdict(roomy, 1)[0] is True and verdict(roomy, 1)[4] is False
@@ -453,3 +453,23 @@ def test_the_devices_comparison_takes_a_paged_state_from_the_estimate() -> None:
     assert _on_device(intake, {1: [step]})(card, 1)[4] is False  # no state known: the high end lacks it
     for doc in (intake, stating, wrong):
         assert _on_device(doc, {1: [step]}, {id(step): GiB})(card, 1) == _on_device(stating, {1: [step]})(card, 1)
+
+
+def test_a_devices_row_decided_by_fragmentation_says_how_much() -> None:
+    """``estimate --devices``: a device whose allocator can get 41 MiB beside the ledger's 1 GiB outside it runs the
+    fragmenting stream out of memory with 18 MiB free in blocks that could not serve the 16 MiB request (above): the
+    row keeps that figure, the table prints it, ``x-devices`` records it."""
+    from ledgerspec.derivations.devices.catalogue import Device
+    from ledgerspec.derivations.devices.comparison import Row, _on_device
+
+    doc = _doc("outside_allocator:\n  total: {value: 1GiB, source: MEASURED}\n")
+    card = Device("Test card", "1 GB", GiB + 41 * MiB, 0, "a test", capacity=GiB + 41 * MiB)
+    fits, headroom, _, decided_by, uncertain, fragmentation = _on_device(doc, {1: [FRAGMENTING]})(card, 1)
+    assert (fits, decided_by, uncertain, fragmentation, headroom) == (False, "fragmentation", False, 18 * MiB, -5 * MiB)
+    row = Row(card, 1, 30 * MiB, fits, headroom, None, decided_by=decided_by, fragmentation=fragmentation)
+    assert row.to_extension()["fragmentation"] == 18 * MiB
+    from ledgerspec.faces.commands.estimate import fits_cell
+
+    assert fits_cell(row) == "NO (fragmentation: 18.00 MiB free but unusable)"
+    roomy = Device("Roomy card", "2 GB", 2 * GiB, 0, "a test", capacity=2 * GiB)
+    assert _on_device(doc, {1: [FRAGMENTING]})(roomy, 1)[5] is None  # it fits: nothing decided by fragmentation
