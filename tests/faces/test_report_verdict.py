@@ -25,8 +25,8 @@ def test_the_terminal_report_opens_with_the_verdict(cli: CliRunner) -> None:
     code, out, _ = cli("report", "--plain", ESTIMATED)
     lines = out.splitlines()
     assert code == 0
-    assert lines[0].startswith("FITS on the target device (24.00 GiB): predicted peak 13.88 GiB")
-    assert "headroom 10.12 GiB" in lines[0]
+    assert lines[0].startswith("FITS on the target device (24.00 GiB): predicted peak 14.77 GiB")
+    assert "headroom 8.93 GiB" in lines[0]
     assert lines[2] == "status CANDIDATE (declared: CANDIDATE)" and lines[3] == "  to reach VALIDATED:"
     reasons = supported_status(load(ESTIMATED)).reasons
     steps = [line for line in lines if line.startswith("  - ")]
@@ -39,14 +39,15 @@ def test_the_terminal_report_opens_with_the_verdict(cli: CliRunner) -> None:
 def test_the_rich_report_opens_with_the_verdict(cli: CliRunner) -> None:
     pytest.importorskip("rich")
     code, out, _ = cli("report", ESTIMATED)
-    assert code == 0 and out.splitlines()[0].strip().startswith("FITS") and "headroom 10.12 GiB" in out.splitlines()[0]
+    assert code == 0 and out.splitlines()[0].strip().startswith("FITS") and "headroom 8.93 GiB" in out.splitlines()[0]
 
 
 def test_validate_verbose_says_the_verdict_first(cli: CliRunner) -> None:
     _, out, _ = cli("validate", "-v", ESTIMATED)
     assert out.splitlines()[0] == f"{ESTIMATED}: " + (
-        "FITS on the target device (24.00 GiB): predicted peak 13.88 GiB (x-estimate.peak_allocated), headroom "
-        "10.12 GiB (allocated tensors only: keep room for the CUDA context and the allocator's cache)"
+        "FITS on the target device (24.00 GiB): predicted peak 14.77 GiB (x-estimate.device_peak), headroom "
+        "8.93 GiB (an RTX 3090's CUDA total is 23.70 GiB, not the declared 24.00 GiB; device-level: reserved 14.27 GiB "
+        "(allocator model) + 512.00 MiB outside the allocator (ASSUMPTION); allocated 13.88 GiB; a model, not measured)"
     )
 
 
@@ -63,7 +64,7 @@ def test_the_html_page_opens_with_the_verdict_and_hides_the_full_list(cli: CliRu
     first = main[0]
     assert first.tag == f"{XHTML}h1" and first.get("data-verdict") == "FITS"
     text = "".join(first.itertext())
-    assert text.startswith("FITS") and "headroom 10.12 GiB" in text
+    assert text.startswith("FITS") and "headroom 8.93 GiB" in text
     details = main.find(f".//{XHTML}details")
     assert details is not None and "Every reason (15)" in "".join(details.itertext())
     steps = main.find(f".//{XHTML}ul[@class='reasons steps']")
@@ -209,3 +210,14 @@ def test_the_fit_table_names_the_card_its_answer_on_the_device_was_decided_on(tm
         "on the device (NVIDIA A100-SXM4-80GB, its CUDA total 79.25 GiB; allocator model + outside the allocator): "
         "largest 20;"
     ) in " ".join(out.split())
+
+
+def test_a_device_row_decided_by_fragmentation_says_how_much_in_both_reports() -> None:
+    """A ``x-devices`` row that fragmentation decided keeps the bytes free but unusable: the terminal table, the HTML
+    table and ``estimate --devices`` say them in the same words."""
+    from ledgerspec.faces.report.data import DeviceRow, fits_words
+
+    row = DeviceRow("Card", 1, 2**30, "1 GB", 2**29, False, -(2**20), None, fragmentation=18 * 2**20)
+    assert row.fits_text == fits_words(False, 18 * 2**20) == "NO (fragmentation: 18.00 MiB free but unusable)"
+    assert DeviceRow("Card", 1, 2**30, "1 GB", 2**29, False, 1, None, edge=True).fits_text == "NO (at the edge)"
+    assert DeviceRow("Card", 1, 2**30, "1 GB", None, None, None, None).fits_text == "-"

@@ -675,13 +675,10 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
 def fits_cell(row: Any) -> str:
     """The ``fits`` cell of a ``--devices`` row (:class:`ledgerspec.derivations.devices.comparison.Row`): yes or NO,
     what decided a NO of the allocator's (the bytes free but unusable), and a verdict at the edge."""
-    from ledgerspec.contract.units import format_size
+    from ledgerspec.faces.report.data import fits_words
 
-    text = "yes" if row.fits else "NO"
-    if row.decided_by == "fragmentation":
-        amount = f": {format_size(row.fragmentation)} free but unusable" if row.fragmentation is not None else ""
-        text += f" (fragmentation{amount})"
-    return text + (" (at the edge)" if row.uncertain else "")
+    fragmentation = row.fragmentation if row.decided_by == "fragmentation" else None
+    return fits_words(bool(row.fits), fragmentation, row.uncertain)
 
 
 def _run_what_if(doc: Any, args: argparse.Namespace, device: int | None) -> int:

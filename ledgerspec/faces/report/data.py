@@ -90,6 +90,22 @@ class DeviceRow:
     #: at the edge (``uncertain``): it completes only with the typical bytes outside the allocator, so ``fits`` is
     #: false (also for a row an earlier estimate wrote ``fits: true`` beside it)
     edge: bool = False
+    #: a NO that fragmentation decided: the bytes free but unusable (``x-devices.rows[].fragmentation``)
+    fragmentation: int | None = None
+
+    @property
+    def fits_text(self) -> str:
+        """The row's ``fits`` cell ("-" when it has none)."""
+        return "-" if self.fits is None else fits_words(self.fits, self.fragmentation, self.edge)
+
+
+def fits_words(fits: bool, fragmentation: int | None = None, edge: bool = False) -> str:
+    """A device row's answer in words, the same in ``estimate --devices`` and both reports: yes or NO, the bytes
+    free but unusable when fragmentation decided a NO, and a verdict at the edge."""
+    text = "yes" if fits else "NO"
+    if not fits and fragmentation is not None:
+        text += f" (fragmentation: {format_size(fragmentation)} free but unusable)"
+    return text + (" (at the edge)" if edge else "")
 
 
 @dataclass(frozen=True)
@@ -402,6 +418,7 @@ def _devices(doc: Document) -> list[DeviceRow]:
                 _int(item.get("largest_microbatch")),
                 str(item.get("note", "")),
                 edge,
+                _int(item.get("fragmentation")),
             )
         )
     return rows

@@ -272,7 +272,7 @@ def _devices_table(rows: list[DeviceRow], note: str | None) -> str:
         '<th class="num">headroom</th><th class="num">largest microbatch (allocated)</th></tr></thead><tbody>'
     ]
     for r in rows:
-        fits = "" if r.fits is None else ("yes" if r.fits else "NO (at the edge)" if r.edge else "NO")
+        fits = "" if r.fits is None else escape(r.fits_text)
         cls = "" if r.fits is None else (' class="yes"' if r.fits else ' class="no"')
         out.append(
             f'<tr{cls}><td>{escape(r.name)}</td><td class="num">{r.gpus}</td>'

@@ -282,7 +282,7 @@ def _fit_cells(r: FitRow) -> tuple[str, ...]:
 
 
 def _device_cells(r: DeviceRow) -> tuple[str, ...]:
-    fits = "-" if r.fits is None else ("yes" if r.fits else "NO (at the edge)" if r.edge else "NO")
+    fits = r.fits_text
     return (
         r.name,
         str(r.gpus),
