@@ -28,6 +28,7 @@ from ledgerspec.contract.document import Document
 from ledgerspec.derivations.devices.prediction import (
     DevicePrediction,
     _config,
+    allocator_note,
     high_of,
     outside_of,
     replay_on_device,
@@ -69,7 +70,7 @@ def ranks_on_device(doc: Document, est: Any, device_memory: int, world: int, fro
                 cuda_total=named.cuda_total,
                 outside_high=high_of(mine),
             )
-            got = by_step[id(r.step)] = DevicePrediction(named, mine, replayed)
+            got = by_step[id(r.step)] = DevicePrediction(named, mine, replayed, version_note=allocator_note(doc))
         out.append(got)
     return out
 

@@ -430,6 +430,9 @@ class DevicePrediction:
     replayed: Replayed
     #: answered from the estimate cache (the seconds the replays took then)
     cached: bool = False
+    #: the declared torch's allocator against the model's (torch 2.13's), in one phrase ("": the same version, or
+    #: none declared): :func:`allocator_note`
+    version_note: str = ""
 
     # -- figures
     @property
@@ -546,7 +549,8 @@ class DevicePrediction:
     # -- words
     def conf_text(self) -> str:
         conf = self.replayed.alloc_conf
-        return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)"
+        text = f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)"
+        return f"{text}; {self.version_note}" if self.version_note else text
 
     def device_text(self) -> str:
         est = self.outside_figure.estimate
@@ -780,6 +784,15 @@ class DevicePrediction:
 
 
 # -- computing it ----------------------------------------------------------------------------------------------------
+
+
+def allocator_note(doc: Document) -> str:
+    """:func:`ledgerspec.derivations.allocator.versions.version_note` for the document's declared torch
+    (``software.torch``) and allocator settings."""
+    from ledgerspec.derivations.allocator.versions import version_note
+
+    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
+    return version_note(doc.get("software", "torch").text(), conf)
 
 
 def _config(doc: Document, text: str) -> Any:
@@ -1084,7 +1097,7 @@ def estimate_on_device(
     answer = cached(store, doc, question, lambda: (*compute(), False), lambda a: encode((a[0], a[1])), decode)
     est, replayed, from_cache = answer
     figure = stated(doc, named, figure, est.components.get("optimizer"))
-    return est, DevicePrediction(named, figure, replayed, cached=from_cache)
+    return est, DevicePrediction(named, figure, replayed, cached=from_cache, version_note=allocator_note(doc))
 
 
 #: the cache question's mark of a verdict whose stream was synthesised (:func:`stream_on_device`)
@@ -1138,7 +1151,7 @@ def stream_on_device(
         lambda a: a[0].to_cache(),
         lambda data, _: (Replayed.from_cache(data), True),
     )
-    return DevicePrediction(named, figure, answer[0], cached=answer[1])
+    return DevicePrediction(named, figure, answer[0], cached=answer[1], version_note=allocator_note(doc))
 
 
 def keep_synthesised(
@@ -1192,7 +1205,7 @@ def cached_on_device(
             replayed = Replayed.from_cache(data if synthesised else data["device"])
         except (KeyError, TypeError, ValueError):
             continue
-        return DevicePrediction(named, figure, replayed, cached=True)
+        return DevicePrediction(named, figure, replayed, cached=True, version_note=allocator_note(doc))
     return None
 
 
