@@ -229,7 +229,9 @@ def qlora_excess(rows: list[Row]) -> str:
         + ": the loss is not where the excess is. In the replay the loss takes four logits-sized segments (the float32 "
         "logits the loop holds, the shifted copy, log_softmax's output and its gradient; the slice's gradient reuses "
         "the shifted copy's block), for LoRA and QLoRA alike, in the order torch's operators allocate and free them "
-        "(the same operators on a GPU; no GPU trace of this loss is published). What the "
+        "(the same operators on a GPU; no GPU trace of this loss is published). Nor is it the allocator's version: "
+        "under PyTorch's defaults torch 2.2.1's caching allocator, the runs', follows every rule the model (torch "
+        "2.13's) implements, compared rule by rule (`ledgerspec/derivations/allocator/versions.py`). What the "
         "4-bit rows add at large batches is not found. Above what a rank holds before the step (the 4-bit shards, "
         "unless offloaded), the simulated steps allocate "
         + ", ".join(f"{(r.allocated - r.held) / GiB:.2f} GiB ({r.run.label})" for r in (*over, *lora))
