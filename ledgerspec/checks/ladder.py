@@ -6,13 +6,13 @@ the reasons that hold it down. Pure: no I/O, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ledgerspec.checks.stale import shard_again, stale_evidence
 from ledgerspec.contract import fields as F
-from ledgerspec.contract.config import GENERATING, read
+from ledgerspec.contract.config import GENERATING, read, sharded_ranks
 from ledgerspec.contract.differences import stack_differences
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.fingerprint import SHARD_ESTIMATE
@@ -61,56 +61,70 @@ DEVICE_PEAK = "x-estimate.device_peak"
 ALLOCATED_PEAK = "x-estimate.peak_allocated"
 
 
+def _verdict_holds(
+    doc: Document, verdict: Callable[..., Value], judged: int | None, used: int | None, what: str, again: str
+) -> str | None:
+    """Why a recorded device-level verdict no longer holds for what the document declares now (None: it holds):
+    ``verdict(*keys)`` reads the verdict's entries (``x-estimate.verdict``, a rank's ``verdict``); ``judged``: the
+    device memory it was decided for; ``used``: the bytes outside the allocator it took; ``what``: its figure, for
+    the reason. It holds for the device memory, the allocator settings (``software.pytorch_cuda_alloc_conf``), the
+    figure outside the allocator (``outside_allocator.total``, or its parts) and the device's name it was decided
+    with; the input fingerprint of the command that wrote it covers the rest (LS006)."""
+    target = doc.get("result", "target_device", "memory").size()
+    if target is not None and judged != target:
+        return f"{what} for another device memory: {again}"
+    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
+    if (verdict("alloc_conf").text() or "").strip() != conf:
+        return f"{what} with other allocator settings (pytorch_cuda_alloc_conf): {again}"
+    declared = doc.get("outside_allocator", "total").size()
+    from_ledger = verdict("outside_from").text() == "outside_allocator.total"
+    if (declared is not None or from_ledger) and declared != used:
+        return f"{what} with another outside_allocator.total: {again}"
+    held = verdict("outside_held")
+    if held.present and isinstance(held.value, dict) and declared is None:  # a verdict that records the parts
+        now = {k: doc.get("outside_allocator", k).size() for k in F.OUTSIDE_PARTS}
+        then = {k: verdict("outside_held", k).size() for k in F.OUTSIDE_PARTS}
+        if now != then:
+            return f"{what} with other outside_allocator parts (context, nccl, other): {again}"
+    name = doc.get("result", "target_device", "name").text()
+    if verdict("named_by").text() == "result.target_device.name" and name != verdict("device").text():
+        return f"{what} for another result.target_device.name: {again}"
+    return None
+
+
 def device_prediction(doc: Document) -> tuple[int | None, str | None]:
     """The estimate's device-level peak (``x-estimate.device_peak``: the allocator model's peak reserved plus what
     lies outside the allocator) when it was predicted for what the document declares now: ``(bytes, None)``; else
-    ``(None, why)`` (``why`` None: there is none). It holds for the device memory, the allocator settings
-    (``software.pytorch_cuda_alloc_conf``), the figure outside the allocator (``outside_allocator.total``, or none)
-    and the device's name it was predicted with; the estimate's input fingerprint covers the rest (LS006)."""
+    ``(None, why)`` (``why`` None: there is none): :func:`_verdict_holds`."""
     v = doc.get("x-estimate", "device_peak")
     size = v.size()
     if size is None or v.effective_source(True) not in ("CALCULATED", "ASSUMPTION") or cpu_estimate(doc):
         return None, None
-    again = "run `ledgerspec estimate FILE` again"
-    target = doc.get("result", "target_device", "memory").size()
-    judged = doc.get("x-estimate", "verdict", "device_memory").size()
-    if target is not None and judged != target:
-        return None, f"{DEVICE_PEAK} was predicted for another device memory: {again}"
-    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
-    if (doc.get("x-estimate", "verdict", "alloc_conf").text() or "").strip() != conf:
-        return None, f"{DEVICE_PEAK} was predicted with other allocator settings (pytorch_cuda_alloc_conf): {again}"
-    used = doc.get("x-estimate", "outside_allocator").size()
-    declared = doc.get("outside_allocator", "total").size()
-    from_ledger = doc.get("x-estimate", "verdict", "outside_from").text() == "outside_allocator.total"
-    if (declared is not None or from_ledger) and declared != used:
-        return None, f"{DEVICE_PEAK} was predicted with another outside_allocator.total: {again}"
-    held = doc.get("x-estimate", "verdict", "outside_held")
-    if held.present and isinstance(held.value, dict) and declared is None:  # an estimate that records the parts
-        now = {k: doc.get("outside_allocator", k).size() for k in F.OUTSIDE_PARTS}
-        then = {k: doc.get("x-estimate", "verdict", "outside_held", k).size() for k in F.OUTSIDE_PARTS}
-        if now != then:
-            return (
-                None,
-                f"{DEVICE_PEAK} was predicted with other outside_allocator parts (context, nccl, other): {again}",
-            )
-    name = doc.get("result", "target_device", "name").text()
-    if (
-        doc.get("x-estimate", "verdict", "named_by").text() == "result.target_device.name"
-        and name != doc.get("x-estimate", "verdict", "device").text()
-    ):
-        return None, f"{DEVICE_PEAK} was predicted for another result.target_device.name: {again}"
-    return size, None
+    why = _verdict_holds(
+        doc,
+        lambda *keys: doc.get("x-estimate", "verdict", *keys),
+        doc.get("x-estimate", "verdict", "device_memory").size(),
+        doc.get("x-estimate", "outside_allocator").size(),
+        f"{DEVICE_PEAK} was predicted",
+        "run `ledgerspec estimate FILE` again",
+    )
+    return (None, why) if why else (size, None)
 
 
 #: the per-rank estimate's device-level figure (``shard --estimate``): its worst rank's ``device_peak``
 RANK_DEVICE_PEAK = f"{SHARD_ESTIMATE} (the worst rank's device_peak)"
 
 
+def _entry(mapping: Any, *keys: str) -> Value:
+    """The value at ``keys`` in a mapping of the per-rank block as written (absent: an absent value)."""
+    for key in keys:
+        mapping = mapping.get(key) if isinstance(mapping, dict) else None
+    return Value.of(mapping, present=mapping is not None)
+
+
 def figure_of(value: Any) -> int | None:
-    """A figure of the per-rank block as written (an integer, or ``{value: integer, ...}``)."""
-    if isinstance(value, dict):
-        value = value.get("value")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A figure of the per-rank block as written (bytes, a size with a unit, or ``{value: ..., source: ...}``)."""
+    return Value.of(value).size() if value is not None else None
 
 
 def rank_rows(doc: Document) -> list[dict[str, Any]]:
@@ -137,29 +151,31 @@ def worst_rank(doc: Document) -> dict[str, Any] | None:
 
 def rank_prediction(doc: Document) -> tuple[int | None, str | None]:
     """The worst rank's device-level peak of ``shard --estimate`` (:data:`RANK_DEVICE_PEAK`) when it holds for what
-    a multi-GPU document declares now: ``(bytes, None)``; else ``(None, why)`` (``why`` None: there is none). It
-    holds for as many ranks as ``parallelism.gpu_count``, for the device memory and the allocator settings it was
-    decided with, and for the ledger's ``outside_allocator.total``; its input fingerprint covers the rest (LS006)."""
-    gpus = doc.get("parallelism", "gpu_count").integer()
+    a document of sharded ranks (:func:`~ledgerspec.contract.config.sharded_ranks`) declares now: ``(bytes,
+    None)``; else ``(None, why)`` (``why`` None: there is none). It holds for ``parallelism.gpu_count`` ranks (the
+    world ``shard`` simulated: ``parallelism.x-per-rank.world_size``) and for what :func:`_verdict_holds` checks,
+    each rank's verdict."""
+    gpus = sharded_ranks(doc)
     worst = worst_rank(doc)
-    if gpus is None or gpus < 2 or worst is None:
+    if gpus is None or worst is None:
         return None, None
     again = f"run `{shard_again(gpus)}` again"
     rows = rank_rows(doc)
-    if len(rows) != gpus:
-        return None, f"{SHARD_ESTIMATE} was simulated on {len(rows)} ranks, not parallelism.gpu_count {gpus}: {again}"
-    target = doc.get("result", "target_device", "memory").size()
+    world = doc.get("parallelism", "x-per-rank", "world_size").integer() or len(rows)
+    if world != gpus:
+        return None, f"{SHARD_ESTIMATE} was simulated on {world} ranks, not parallelism.gpu_count {gpus}: {again}"
     judged = figure_of(doc.get(*SHARD_ESTIMATE.split("."), "device_memory").raw)
-    if target is not None and judged != target:
-        return None, f"{SHARD_ESTIMATE} was decided for another device memory: {again}"
-    conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
-    if any(str(r["verdict"].get("alloc_conf") or "").strip() != conf for r in rows):
-        return None, f"{SHARD_ESTIMATE} was decided with other allocator settings (pytorch_cuda_alloc_conf): {again}"
-    declared = doc.get("outside_allocator", "total").size()
     for r in rows:
-        from_ledger = r["verdict"].get("outside_from") == "outside_allocator.total"
-        if (declared is not None or from_ledger) and declared != figure_of(r.get("outside_allocator")):
-            return None, f"{SHARD_ESTIMATE} was decided with another outside_allocator.total: {again}"
+        why = _verdict_holds(
+            doc,
+            lambda *keys, r=r: _entry(r, "verdict", *keys),
+            judged,
+            figure_of(r.get("outside_allocator")),
+            f"{SHARD_ESTIMATE} was decided",
+            again,
+        )
+        if why:
+            return None, why
     return figure_of(worst["device_peak"]), None
 
 
@@ -242,7 +258,7 @@ def pilot_section(doc: Document) -> str:
     return "pilot" if doc.kind == "intake" else "x-pilot"
 
 
-def _activationfigure_of(doc: Document) -> bool:
+def _activation_figure(doc: Document) -> bool:
     """A CALCULATED estimate or a MEASURED pilot (spec: CANDIDATE): a measured peak (a pilot's, or one in
     ``metrics``) includes the activations of the run it measured."""
     act = doc.get("ledger", "activations")
@@ -297,7 +313,7 @@ def supported_status(doc: Document) -> StatusResult:
     target = doc.get("result", "target_device", "memory").size()
     if target is None:
         held.append("CANDIDATE needs result.target_device.memory")
-    if not _activationfigure_of(doc):
+    if not _activation_figure(doc):
         held.append(
             "CANDIDATE needs an activation figure: ledger.activations CALCULATED (ledgerspec estimate) "
             "or MEASURED, or a MEASURED peak (a pilot's, or metrics)"
@@ -323,14 +339,18 @@ def supported_status(doc: Document) -> StatusResult:
             + (f", its CUDA total; declared {target} B" if limit != target else "")
             + f"){pilot}"
         )
+    ranked = res.best_peak_from == RANK_DEVICE_PEAK
     if at_the_edge(doc, res.best_peak_from):
+        measure = "ledgerspec measure --device cuda" + (f" --nproc {sharded_ranks(doc)}" if ranked else "")
         held.append(
             f"the device verdict is {F.AT_THE_EDGE}, so it does not fit ({_uncertain_field(res.best_peak_from)}): "
             f"{F.EDGE_WHY}, "
             "not with the catalogue's high end; measure "
-            "outside_allocator (`ledgerspec measure --device cuda`) or leave more headroom"
+            f"outside_allocator (`{measure}`) or leave more headroom"
         )
-    elif doc.get("result", "fits").switch() is False:
+    elif doc.get("result", "fits").switch() is False and not ranked:
+        # the per-rank verdict holds for the inputs it read (its stamp): a result.fits an earlier one-GPU estimate
+        # of the whole model wrote is not the ranks' answer
         held.append("result.fits is false")
     pilot_oom = doc.get(pilot_section(doc), "oom_phase").text()
     if pilot_oom:

@@ -61,12 +61,14 @@ def stale_evidence(doc: Document, level: str, best_peak_from: str | None = None)
             out.append(f"ledger.activations is CALCULATED from other inputs: {why}")
         if best_peak_from in ("x-estimate.peak_allocated", "x-estimate.device_peak"):
             out.append(f"the predicted peak {best_peak_from} is from other inputs: {why}")
-    if level == "CANDIDATE" and "shard" in changed and (best_peak_from or "").startswith(SHARD_ESTIMATE):
-        why = edited_since("shard", changed["shard"])
-        out.append(f"the predicted peak {best_peak_from} is from other inputs: {why}")
     elif level == "VALIDATED" and "measure" in changed:
         why = edited_since("measure", changed["measure"])
         out.append(f"the measurement (x-measure, phases, metrics) is of other inputs: {why}")
+    if level == "CANDIDATE" and "shard" in changed and (best_peak_from or "").startswith(SHARD_ESTIMATE):
+        # the per-rank estimate's peak, beside the estimate's evidence above (each command's own stamp)
+        out.append(
+            f"the predicted peak {best_peak_from} is from other inputs: {edited_since('shard', changed['shard'])}"
+        )
     return out
 
 

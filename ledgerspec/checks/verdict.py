@@ -252,7 +252,8 @@ def _rank_qualifier(doc: Document) -> str:
     rank = worst.get("rank")
     v = worst["verdict"]
     reserved, out = figure_of(worst.get("peak_reserved")), worst.get("outside_allocator")
-    parts = [f"rank {rank}, the worst of {len(rank_rows(doc))} (`ledgerspec shard --estimate`)"]
+    which = f"rank {rank}, the worst" if isinstance(rank, int) else "the worst rank"
+    parts = [f"{which} of {len(rank_rows(doc))} (`ledgerspec shard --estimate`)"]
     if reserved is not None and figure_of(out) is not None:
         source = out.get("source", "ASSUMPTION") if isinstance(out, dict) else "ASSUMPTION"
         parts.append(

@@ -647,8 +647,10 @@ def require_dtype(doc: Document, path: Path, default: str | None = None, rule: s
     return canon
 
 
+#: ``parallelism.strategy`` values that select FSDP1 (``FullyShardedDataParallel``)
+FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
 #: the strategies under which each rank holds a share of the model state, not the whole model
-SHARDED_STRATEGIES = ("fsdp1", "fsdp2", "zero1", "zero2", "zero3")
+SHARDED_STRATEGIES = (*FSDP1_NAMES, "fsdp", "fsdp2", "zero1", "zero2", "zero3")
 
 
 def sharded_ranks(doc: Document) -> int | None:

@@ -43,7 +43,7 @@ from ledgerspec.contract import dtypes
 from ledgerspec.contract.document import Document
 
 #: ``parallelism.strategy`` values that select FSDP1 (``FullyShardedDataParallel``); anything else is FSDP2
-FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
+FSDP1_NAMES = C.FSDP1_NAMES
 POLICY = ("parallelism", "mixed_precision_policy")
 
 HINT = (

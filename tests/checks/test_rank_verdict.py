@@ -41,11 +41,15 @@ def _rank(rank: int, device_peak: int, uncertain: bool = False, oom: str | None 
     return row + (f", oom_phase: {oom}}}\n" if oom else "}\n")
 
 
-def _text(*rows: str, text: str = HEAD, device: int = 80 * GiB, stamp: bool = True) -> str:
+def _text(
+    *rows: str, text: str = HEAD, device: int | str = 80 * GiB, stamp: bool = True, world: int | None = None
+) -> str:
     """The document with a per-rank block of ``rows`` (``stamp``: with the inputs it read, as shard --estimate
-    stores them)."""
+    stores them; ``world``: the ranks shard simulated, as it writes them beside the block)."""
     block = (
-        "  x-per-rank:\n    estimate:\n      source: CALCULATED\n      target: cuda\n"
+        "  x-per-rank:\n"
+        + (f"    world_size: {world}\n" if world is not None else "")
+        + "    estimate:\n      source: CALCULATED\n      target: cuda\n"
         f"      device_memory: {device}\n      ranks:\n" + "".join(r.replace("      - ", "        - ") for r in rows)
     )
     if stamp:
@@ -125,3 +129,60 @@ def test_an_edit_since_makes_it_answer_nothing_and_ls006_says_so() -> None:
     assert _verdict(sharded).answer == UNKNOWN
     # and a per-rank block written before the stamp is compared as it is (old documents unchanged)
     assert _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), stamp=False)).answer == FITS
+
+
+def test_a_hybrid_shard_group_is_read_for_the_world_it_was_simulated_on() -> None:
+    """HSDP (a shard group of 2 on 4 GPUs) lists the group's ranks: the world ``shard`` simulated is beside the block
+    (``x-per-rank.world_size``), and that is what gpu_count is compared with."""
+    hybrid = HEAD.replace("gpu_count: 2", "gpu_count: 4").replace("strategy: fsdp1", "strategy: fsdp2")
+    v = _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), text=hybrid, world=4))
+    assert v.answer == FITS and v.peak == 72 * GiB
+    assert _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), text=hybrid, world=2)).answer == UNKNOWN
+
+
+def test_data_parallel_ranks_hold_the_whole_model_and_read_no_per_rank_block() -> None:
+    ddp = HEAD.replace("strategy: fsdp1", "strategy: ddp")
+    assert supported_status(_doc(_rank(0, 30 * GiB), _rank(1, 31 * GiB), text=ddp)).best_peak_from is None
+
+
+def test_sizes_with_units_a_renamed_card_and_edited_outside_parts() -> None:
+    row = _rank(1, 72 * GiB).replace(f"device_peak: {{value: {72 * GiB}", "device_peak: {value: 72GiB")
+    assert _verdict(_doc(_rank(0, 70 * GiB), row, device="80GiB")).peak == 72 * GiB
+    named = _rank(0, 70 * GiB).replace(
+        "alloc_conf: ''", "alloc_conf: '', named_by: result.target_device.name, device: A"
+    )
+    assert supported_status(_doc(named, _rank(1, 72 * GiB))).best_peak_from != RANK_DEVICE_PEAK
+    parts = _rank(0, 70 * GiB).replace("alloc_conf: ''", "alloc_conf: '', outside_held: {nccl: 100}")
+    assert supported_status(_doc(parts, _rank(1, 72 * GiB))).best_peak_from != RANK_DEVICE_PEAK
+
+
+def test_an_earlier_one_gpu_result_fits_does_not_hold_the_ranks_back() -> None:
+    """The bundled estimated ledger, declared on 2 FSDP1 ranks, with ``result.fits: false`` from an earlier one-GPU
+    estimate of the whole model: the per-rank verdict (it fits, its stamp current) reaches CANDIDATE; without it,
+    result.fits still holds the status down."""
+    from tests.support import EXAMPLES
+
+    text = (EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml").read_text(encoding="utf-8")
+    assert "\nresult:\n  target_device:\n    memory: 25769803776\n  fits: true\n" in text
+    assert "\nparallelism:\n  gpu_count: 1\n" in text
+    text = text.replace("  fits: true\n", "  fits: false\n", 1)
+    sharded = text.replace("\nparallelism:\n  gpu_count: 1\n", "\nparallelism:\n  gpu_count: 2\n  strategy: fsdp1\n")
+    card = {str(80 * GiB): str(24 * GiB), str(int(79.25 * GiB)): "25447681229"}
+
+    def on_the_card(row: str) -> str:
+        for old, new in card.items():
+            row = row.replace(old, new)
+        return row
+
+    rows = (on_the_card(_rank(0, 20 * GiB)), on_the_card(_rank(1, 20 * GiB)))
+    per_rank = _text(*rows, text="", device=24 * GiB, world=2, stamp=False)
+    with_block = sharded.replace("  strategy: fsdp1\n", "  strategy: fsdp1\n" + per_rank, 1)
+    inputs = digests(from_text(with_block), SHARD_INPUTS)
+    stamp = "      inputs: {" + ", ".join(f"{k}: '{v}'" for k, v in inputs.items()) + "}\n"
+    assert "\n\nledger:" in with_block
+    stamped = with_block.replace("\n\nledger:", "\n" + stamp + "\nledger:", 1)
+    assert not [f for f in validate(from_text(stamped)).findings if f.rule == "LS006"]
+    res = supported_status(from_text(stamped))
+    assert res.best_peak_from == RANK_DEVICE_PEAK and res.status == "CANDIDATE", res.reasons
+    held = supported_status(from_text(sharded))
+    assert held.status == "CALCULATED" and "result.fits is false" in held.reasons

@@ -19,20 +19,31 @@ the settings' (:data:`COMPARED`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 #: the torch version the allocator model follows
 MODELLED = "2.13"
 
 
+#: the allocator settings as written: option -> value (``expandable_segments:True,max_split_size_mb:128``)
+Settings = dict[str, str]
+
+
 @dataclass(frozen=True)
 class Compared:
-    """A torch version whose allocator was compared with the model: what was read, and how its settings differ."""
+    """A torch version whose allocator was compared with the model: what was read, and how it differs with the
+    settings that make it differ."""
 
     version: str  # the release compared, e.g. "2.2.1"
     source: str  # what was read
-    #: allocator option -> how that version differs from the model with it set (options absent: the same)
-    differs: dict[str, str] = field(default_factory=dict)
+    #: allocator option -> (whether that version differs from the model with these settings, how); options absent
+    #: here, or set where the test says no, behave as the model does
+    differs: dict[str, tuple[Callable[[Settings], bool], str]] = field(default_factory=dict)
+
+
+def _expandable(settings: Settings) -> bool:
+    return settings.get("expandable_segments", "").strip().lower() == "true"
 
 
 #: torch minor version -> the comparison
@@ -42,15 +53,30 @@ COMPARED: dict[str, Compared] = {
         "c10/cuda/CUDACachingAllocator.cpp at kdvalin/pytorch@714154d7, matched to the torch-2.2.1 wheel's assertion "
         "line numbers, and the wheel's config-parser strings",
         {
-            "roundup_power2_divisions": "a value of 1 leaves sizes above 512 B unrounded (roundup_power2_next_division "
-            "returns the size when divisions <= 1), where the model rounds them to 512 B; 2 or more: the same",
-            "max_split_size_mb": "a value of 20 is refused (torch 2.2 asks for more than 20); beside "
-            "expandable_segments:True, release_available_cached_blocks does not skip expandable blocks and reaches an "
-            "internal assert",
-            "garbage_collection_threshold": "collects only after torch.cuda.set_per_process_memory_fraction (there is "
-            "no per_process_memory_fraction option); beside expandable_segments:True it can reach the same assert",
-            "max_non_split_rounding_mb": "not an option of torch 2.2 (Unrecognized CachingAllocator option)",
-            "per_process_memory_fraction": "not an option of torch 2.2 (Unrecognized CachingAllocator option)",
+            "roundup_power2_divisions": (
+                lambda s: s.get("roundup_power2_divisions", "").strip() == "1",
+                "a value of 1 leaves sizes above 512 B unrounded (roundup_power2_next_division returns the size when "
+                "divisions <= 1), where the model rounds them to 512 B",
+            ),
+            "max_split_size_mb": (
+                lambda s: s.get("max_split_size_mb", "").strip() == "20" or _expandable(s),
+                "a value of 20 is refused (torch 2.2 asks for more than 20); beside expandable_segments:True, "
+                "release_available_cached_blocks does not skip expandable blocks and reaches an internal assert",
+            ),
+            "garbage_collection_threshold": (
+                _expandable,
+                "beside expandable_segments:True, garbage_collect_cached_blocks does not skip expandable blocks and "
+                "can reach the same internal assert",
+            ),
+            "max_non_split_rounding_mb": (
+                lambda s: True,
+                "not an option of torch 2.2 (Unrecognized CachingAllocator option)",
+            ),
+            "per_process_memory_fraction": (
+                lambda s: True,
+                "not an option of torch 2.2 (Unrecognized CachingAllocator option; torch 2.2 collects garbage only "
+                "after torch.cuda.set_per_process_memory_fraction)",
+            ),
         },
     ),
 }
@@ -62,9 +88,14 @@ def minor(version: str | None) -> str | None:
     return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
-def option_keys(conf: str) -> list[str]:
-    """The option names of a ``PYTORCH_CUDA_ALLOC_CONF`` text (``key:value,key:value``), in order."""
-    return [part.split(":", 1)[0].strip() for part in conf.split(",") if part.strip()]
+def settings_of(conf: str) -> Settings:
+    """The options of a ``PYTORCH_CUDA_ALLOC_CONF`` text (``key:value,key:value``), in order."""
+    out: Settings = {}
+    for part in conf.split(","):
+        if part.strip():
+            key, _, value = part.partition(":")
+            out[key.strip()] = value.strip()
+    return out
 
 
 def version_note(torch: str | None, conf: str = "") -> str:
@@ -80,11 +111,12 @@ def version_note(torch: str | None, conf: str = "") -> str:
             f"the declared torch {torch.strip() if torch else v}'s allocator was not compared with the model "
             f"(compared: {done}, and {MODELLED}, which it follows)"
         )
-    differing = [f"{key}: {seen.differs[key]}" for key in option_keys(conf) if key in seen.differs]
+    settings = settings_of(conf)
+    differing = [f"{key}: {how}" for key, (test, how) in seen.differs.items() if key in settings and test(settings)]
     if differing:
         return f"torch {seen.version}'s allocator differs from the model's with these settings ({'; '.join(differing)})"
     under = "PyTorch's defaults" if not conf.strip() else "these settings"
     return f"torch {seen.version}'s allocator follows the rules modelled under {under} (compared line by line)"
 
 
-__all__ = ["COMPARED", "MODELLED", "Compared", "minor", "option_keys", "version_note"]
+__all__ = ["COMPARED", "MODELLED", "Compared", "Settings", "minor", "settings_of", "version_note"]

@@ -29,6 +29,10 @@ from ledgerspec.derivations.estimate.search import EstimateFn, batch_model, padd
 from ledgerspec.errors import LedgerspecError
 
 COUNTS = (1, 2, 4, 8)
+#: what a ZeRO row's device verdict takes for DeepSpeed's streams (zero.simulate.ONE_STREAM, in the table's words)
+ONE_STREAM_NOTE = (
+    "each rank's allocations replayed on one stream (DeepSpeed's side streams would keep pools of their own on a GPU)"
+)
 EXTENSION = "x-devices"
 
 
@@ -179,13 +183,15 @@ def compare(
     model = batch_model(doc, _design(declared, pads), estimate_fn)
     single = model.peak(declared)
     per_row = model.slope()
-    sharding = (doc.get("memory_options", "sharding").text() or "none").lower()
+    sharding = _sharding(doc)
     notes: list[str] = []
     peaks: dict[int, int] = {1: single}
     wanted = [n for n in counts if n >= 1]
     from ledgerspec.derivations.shard.options import zero_stage
 
     if sharding in ("fsdp1", "fsdp2") or zero_stage(doc) is not None:
+        if zero_stage(doc) is not None and on_device:
+            notes.append(f"{sharding}: {ONE_STREAM_NOTE}")
         simulated: dict[int, Any] = {}
 
         def sharded(world: int) -> int:
@@ -310,6 +316,22 @@ def _largest(
     offset = peak - single  # what sharding saves (or costs) at every microbatch
     best = model.largest_fitting(usable - offset)
     return best
+
+
+def _sharding(doc: Document) -> str:
+    """The declared sharding in the table's words: ``memory_options.sharding``, else what ``parallelism.strategy``
+    selects (an FSDP1 name: fsdp1, fsdp: fsdp2, a ZeRO stage), else none."""
+    from ledgerspec.contract.config import FSDP1_NAMES
+
+    declared = (doc.get("memory_options", "sharding").text() or "").strip().lower()
+    if declared:
+        return declared
+    strategy = (doc.get("parallelism", "strategy").text() or "").strip().lower()
+    if strategy in FSDP1_NAMES:
+        return "fsdp1"
+    if strategy in ("fsdp", "fsdp2", "zero1", "zero2", "zero3"):
+        return "fsdp2" if strategy == "fsdp" else strategy
+    return "none"
 
 
 def _sharded_worst(doc: Document, world: int) -> int:

@@ -256,6 +256,7 @@ def shard(
 
         ext["cpu_offload"] = O.extension(plan, descs, "fsdp1" if is_fsdp1(doc) else "fsdp2", ".".join(offload))
     est = None
+    recorded: list[Any] = []  # the result fields written beside the extension
     if estimate:
         from ledgerspec.derivations.shard.fsdp import estimate_per_rank
         from ledgerspec.derivations.shard.simulation import extension_block
@@ -294,8 +295,10 @@ def shard(
             from ledgerspec.contract.edit import set_plain
 
             if from_flag:
-                set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True)
+                recorded.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
             if sharded_ranks(doc) == world:  # the declared ranks: this is the run's answer (not another count's)
-                set_plain(doc, ("result", "fits"), bool(ext["estimate"].get("fits")), force=True)
+                recorded.append(set_plain(doc, ("result", "fits"), bool(ext["estimate"].get("fits")), force=True))
     change = set_extension(doc, EXTENSION, ext)
+    if change is None:  # the result fields it wrote are a change too (for --check, and to be saved)
+        change = next((c for c in recorded if c is not None), None)
     return ShardResult(plan, zero, ext, change, est, device_memory)

@@ -149,6 +149,16 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         est = _estimate_fn(args, parallel=True)(doc)  # one estimate: its two depth probes at once
     _print(est, target_memory, prediction)
+    from ledgerspec.contract.config import sharded_ranks
+
+    ranks = sharded_ranks(doc)
+    if ranks is not None:  # the verdict above is one GPU's of the whole model, not a rank's (validate -v says so too)
+        print(
+            printable(
+                f"  note: parallelism declares {ranks} sharded ranks: this is one GPU holding the whole model; "
+                f"`ledgerspec shard {args.file} --nproc {ranks} --estimate` predicts each rank"
+            )
+        )
     code = EXIT_OK
     fits = prediction.fits if prediction is not None else target_memory is None or est.fit(target_memory).fits
     if not fits:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledgerspec.derivations.allocator.versions import COMPARED, MODELLED, minor, option_keys, version_note
+from ledgerspec.derivations.allocator.versions import COMPARED, MODELLED, minor, settings_of, version_note
 
 
 @pytest.mark.parametrize("torch", [None, "", "2.13.0", "2.13.0+cu130", "2.13"])
@@ -25,10 +25,14 @@ def test_torch_2_2_follows_the_model_under_the_defaults_and_says_where_it_differ
     assert "a value of 20 is refused" in split
     assert "unrounded" in version_note("2.2.1", "roundup_power2_divisions:1")
     assert "not an option of torch 2.2" in version_note("2.2.1", "max_non_split_rounding_mb:64")
-    assert option_keys(" expandable_segments:True , max_split_size_mb:128") == [
-        "expandable_segments",
-        "max_split_size_mb",
-    ]
+    # a setting that torch 2.2 treats as the model does is no difference
+    for same in ("roundup_power2_divisions:4", "max_split_size_mb:128", "garbage_collection_threshold:0.6"):
+        assert "follows the rules modelled under these settings" in version_note("2.2.1", same), same
+    assert "internal assert" in version_note("2.2.1", "expandable_segments:True,garbage_collection_threshold:0.6")
+    assert settings_of(" expandable_segments:True , max_split_size_mb:128") == {
+        "expandable_segments": "True",
+        "max_split_size_mb": "128",
+    }
 
 
 def test_a_version_not_compared_says_so() -> None:

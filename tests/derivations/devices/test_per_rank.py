@@ -226,13 +226,38 @@ def test_devices_simulates_each_gpu_count_of_a_zero_ledger(tmp_path: Path) -> No
     from tests.derivations.shard.test_zero import _zero_ledger
 
     path = _zero_ledger(tmp_path, 2)
+    # named by parallelism.strategy alone (memory_options.sharding is optional)
+    text = path.read_text(encoding="utf-8")
+    assert "  sharding: zero2\n" in text
+    path.write_text(text.replace("  sharding: zero2\n", ""), encoding="utf-8")
     out = tmp_path / "out.yaml"
     code, stdout, err = run_cli("estimate", path, "--devices", "--no-cache", "-o", out)
     assert code == 0, err
     assert "zero2: each GPU count's worst rank simulated" in stdout and "one GPU shown" not in stdout
+    assert "zero2: each rank's allocations replayed on one stream" in stdout
     rows = load(out).get("x-devices", "rows").raw
     a100 = {r["gpus"]: r for r in rows if r["name"] == "NVIDIA A100 80GB"}
     assert sorted(a100) == [1, 2, 4, 8]
     for n in (2, 4):
         assert a100[n]["peak"] == estimate_zero_per_rank(load(path), n).worst
         assert a100[n]["device_peak"] > a100[n]["peak"] and a100[n]["fits"] is True
+
+
+def test_without_deepspeed_a_zero_step_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed is an optional extra: without it a ZeRO ledger's simulation says so at parallelism.strategy, with the
+    install line, and ``--devices`` notes each sharded GPU count as not simulated."""
+    pytest.importorskip("peft")
+    from ledgerspec.derivations.shard.zero import engine
+    from ledgerspec.derivations.shard.zero.simulate import estimate_zero_per_rank
+    from ledgerspec.errors import LedgerspecError
+    from tests.derivations.shard.test_zero import _zero_ledger
+
+    def missing(cpu: bool = True) -> None:
+        raise ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed")
+
+    monkeypatch.setattr(engine, "import_deepspeed", missing)
+    path = _zero_ledger(tmp_path, 2)
+    with pytest.raises(LedgerspecError) as err:
+        estimate_zero_per_rank(load(path), 2)
+    assert "cannot be imported (No module named 'deepspeed')" in err.value.message
+    assert "pip install deepspeed==0.19.8" in (err.value.hint or "")

@@ -259,6 +259,7 @@ def estimate_zero_per_rank(
     started = time.perf_counter()
     say = progress or (lambda _msg: None)
     read: list[ZeroOptions] = []
+    _require_deepspeed(doc)
 
     def refuse(spec: Any) -> None:
         options = zero_options(doc)
@@ -296,8 +297,8 @@ def estimate_zero_per_rank(
         f"ledgerspec shard --estimate: DeepSpeed ZeRO-{options.stage} (deepspeed "
         f"{_version()}, {options.describe()}) run per rank by DeepSpeed's own engine under torch FakeTensorMode with "
         f"a fake process group of {world} ranks: zero.Init partitions at load, deepspeed.initialize with the "
-        "Trainer's optimizer, engine forward/backward/step; the gradient-norm check answered finite; ignores NCCL "
-        "buffers, CUDA context, allocator caching and stream overlap; "
+        "Trainer's optimizer, engine forward/backward/step; the gradient-norm check answered finite; its allocated "
+        "figures ignore NCCL buffers, CUDA context, allocator caching and stream overlap; "
         + (ONE_STREAM + "; " if streams else "")
         + (ZERO_OFFLOAD_METHOD if options.offloaded else "")
         + (CPU_ADAM_METHOD if options.cpu_adam else "")
@@ -307,6 +308,21 @@ def estimate_zero_per_rank(
     return ShardEstimate(
         world, None, target, ranks, est_plan, method, time.perf_counter() - started, notes, f"zero{options.stage}"
     )
+
+
+def _require_deepspeed(doc: Document) -> None:
+    """DeepSpeed itself, or one line at ``parallelism.strategy`` saying how to install it (an optional extra)."""
+    from ledgerspec.derivations.shard.zero.engine import import_deepspeed
+
+    try:
+        import_deepspeed()
+    except ImportError as exc:
+        raise _err(
+            doc,
+            ("parallelism", "strategy"),
+            f"DeepSpeed ZeRO's step is simulated by DeepSpeed's own engine, and it cannot be imported ({exc})",
+            "DS_BUILD_OPS=0 pip install deepspeed==0.19.8 (no compiled op is needed)",
+        ) from None
 
 
 def _version() -> str:
