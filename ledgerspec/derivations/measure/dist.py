@@ -519,7 +519,7 @@ def write_back(doc: Document, outs: list[RankOutput], command: str, reshard: boo
 
 def _write_outside(doc: Document, outs: list[RankOutput]) -> None:
     """``outside_allocator.per_rank`` (each rank's bytes outside the caching allocator at its device peak) and the
-    worst rank's ``total`` and ``context`` (never a sum), when every rank measured them (cuda)."""
+    worst rank's ``total``, ``context`` and ``after_load`` (never a sum), when every rank measured them (cuda)."""
     from ledgerspec.contract.edit import set_figure, set_plain
     from ledgerspec.derivations.measure.measurer import outside_figures
 
@@ -536,7 +536,7 @@ def _write_outside(doc: Document, outs: list[RankOutput]) -> None:
         ],
         force=True,
     )
-    for key in ("total", "context"):
+    for key in ("total", "context", "after_load"):
         known = [(f[key], o.rank) for o, f in zip(outs, figures, strict=True) if key in f]
         if len(known) == n:
             (value, method), rank = max(known, key=lambda x: x[0][0])

@@ -217,3 +217,7 @@ def test_per_rank_outside_figures_and_the_worst_rank(fake_cuda: FakeCuda, fake_n
     ]
     total = doc.get("outside_allocator", "total")
     assert total.size() == CONTEXT + 40 * 2**20 and "rank 1" in str(total.method)
+    # after the load, NVML's used less the reserve: the context alone on both ranks (the fake loads the step's
+    # modules at the first forward), written as the worst rank's reading, never a sum
+    after = doc.get("outside_allocator", "after_load")
+    assert after.source == "MEASURED" and after.size() == CONTEXT and "the worst of 2 ranks" in str(after.method)
