@@ -115,7 +115,7 @@ def device_prediction(doc: Document) -> tuple[int | None, str | None]:
 RANK_DEVICE_PEAK = f"{SHARD_ESTIMATE} (the worst rank's device_peak)"
 
 
-def _entry(mapping: Any, *keys: str) -> Value:
+def entry_of(mapping: Any, *keys: str) -> Value:
     """The value at ``keys`` in a mapping of the per-rank block as written (absent: an absent value)."""
     for key in keys:
         mapping = mapping.get(key) if isinstance(mapping, dict) else None
@@ -168,7 +168,7 @@ def rank_prediction(doc: Document) -> tuple[int | None, str | None]:
     for r in rows:
         why = _verdict_holds(
             doc,
-            lambda *keys, r=r: _entry(r, "verdict", *keys),
+            lambda *keys, r=r: entry_of(r, "verdict", *keys),
             judged,
             figure_of(r.get("outside_allocator")),
             f"{SHARD_ESTIMATE} was decided",

@@ -9,6 +9,7 @@ missing evidence, with the command that supplies it. Both are pure functions of 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,7 +23,7 @@ from ledgerspec.checks.ladder import (
     compared_total,
     cpu_estimate,
     device_prediction,
-    figure_of,
+    entry_of,
     pilot_section,
     rank_prediction,
     rank_rows,
@@ -34,6 +35,7 @@ from ledgerspec.contract.document import Document
 from ledgerspec.contract.fields import AT_THE_EDGE, EDGE_WHY, PHASE_OOM_WORDS
 from ledgerspec.contract.fingerprint import SHARD_ESTIMATE
 from ledgerspec.contract.units import format_size
+from ledgerspec.contract.values import Value
 
 FITS = "FITS"
 DOES_NOT_FIT = "DOES NOT FIT"
@@ -245,43 +247,36 @@ def _one_gpu_note(doc: Document) -> str:
 
 
 def _rank_qualifier(doc: Document) -> str:
-    """What the per-rank device-level prediction is made of (its worst rank's), as :func:`_device_qualifier` says
-    it of the estimate's."""
+    """What the per-rank device-level prediction is made of (its worst rank's), in :func:`_device_parts`' words."""
     worst = worst_rank(doc)
     assert worst is not None
-    rank = worst.get("rank")
-    v = worst["verdict"]
-    reserved, out = figure_of(worst.get("peak_reserved")), worst.get("outside_allocator")
+    rank, ranks = worst.get("rank"), len(rank_rows(doc))
     which = f"rank {rank}, the worst" if isinstance(rank, int) else "the worst rank"
-    parts = [f"{which} of {len(rank_rows(doc))} (`ledgerspec shard --estimate`)"]
-    if reserved is not None and figure_of(out) is not None:
-        source = out.get("source", "ASSUMPTION") if isinstance(out, dict) else "ASSUMPTION"
-        parts.append(
-            f"device-level: reserved {format_size(reserved)} (allocator model) + {format_size(figure_of(out) or 0)} "
-            f"outside the allocator ({source})"
-        )
-    allocated = figure_of(worst.get("peak_allocated"))
-    if allocated is not None:
-        parts.append(f"allocated {format_size(allocated)}")
-    fragmentation = figure_of(v.get("fragmentation"))
-    if v.get("decided_by") == "fragmentation" and fragmentation is not None:
-        parts.append(f"decided by fragmentation ({format_size(fragmentation)} free but unusable at the out-of-memory)")
-    if at_the_edge(doc, RANK_DEVICE_PEAK):
-        parts.append(
-            f"{AT_THE_EDGE}: {EDGE_WHY}; measure outside_allocator "
-            f"(`ledgerspec measure --device cuda --nproc {len(rank_rows(doc))}`) or leave more headroom"
-        )
-    parts.append("a model, not measured")
-    return "; ".join(parts)
+    parts = _device_parts(
+        lambda *keys: entry_of(worst, *keys),
+        at_the_edge(doc, RANK_DEVICE_PEAK),
+        f"ledgerspec measure --device cuda --nproc {ranks}",
+    )
+    return "; ".join([f"{which} of {ranks} (`ledgerspec shard --estimate`)", *parts])
 
 
 def _device_qualifier(doc: Document) -> str:
-    """What the device-level prediction is made of, and what decided it: the allocator model's reserved bytes, the
+    """What the estimate's device-level prediction is made of (``x-estimate``), in :func:`_device_parts`' words."""
+    parts = _device_parts(
+        lambda *keys: doc.get("x-estimate", *keys), at_the_edge(doc, DEVICE_PEAK), "ledgerspec measure --device cuda"
+    )
+    return "; ".join(parts)
+
+
+def _device_parts(get: Callable[..., Value], edge: bool, measure: str) -> list[str]:
+    """What a device-level prediction is made of, and what decided it: the allocator model's reserved bytes, the
     bytes outside the allocator (with their provenance), the allocated peak; the fragmentation and the setting that
-    would change the outcome when fragmentation decides."""
-    reserved = doc.get("x-estimate", "peak_reserved").size()
-    out = doc.get("x-estimate", "outside_allocator")
-    allocated = doc.get("x-estimate", "peak_allocated").size()
+    would change the outcome when fragmentation decides; at the edge (``edge``), what would decide it (``measure``:
+    the command that measures the bytes outside the allocator). ``get(*keys)`` reads the prediction's block (the
+    estimate's ``x-estimate``, a rank's row of the per-rank estimate)."""
+    reserved = get("peak_reserved").size()
+    out = get("outside_allocator")
+    allocated = get("peak_allocated").size()
     parts = []
     if reserved is not None and out.size() is not None:
         parts.append(
@@ -290,29 +285,28 @@ def _device_qualifier(doc: Document) -> str:
         )
     if allocated is not None:
         parts.append(f"allocated {format_size(allocated)}")
-    v = ("x-estimate", "verdict")
-    fragmentation = doc.get(*v, "fragmentation").size()
-    conf = doc.get(*v, "setting", "conf").text()
-    margin = doc.get(*v, "setting", "margin").size()
-    if doc.get(*v, "decided_by").text() == "fragmentation" and fragmentation is not None:
+    fragmentation = get("verdict", "fragmentation").size()
+    conf = get("verdict", "setting", "conf").text()
+    margin = get("verdict", "setting", "margin").size()
+    if get("verdict", "decided_by").text() == "fragmentation" and fragmentation is not None:
         parts.append(f"decided by fragmentation ({format_size(fragmentation)} free but unusable at the out-of-memory)")
         if conf and margin is not None:
             parts.append(f"with PYTORCH_CUDA_ALLOC_CONF={conf} it fits, margin {format_size(margin)}")
-    high = doc.get(*v, "outside_high").size()
-    if at_the_edge(doc, DEVICE_PEAK):  # this qualifier is the device-level peak's
+    high = get("verdict", "outside_high").size()
+    if edge:
         figure = f" ({format_size(high)})" if high is not None else ""
         parts.append(
             f"{AT_THE_EDGE}: {EDGE_WHY}; with the catalogue's high "
             f"end{figure} the allocator model runs out of memory: measure outside_allocator "
-            "(`ledgerspec measure --device cuda`) or leave more headroom"
+            f"(`{measure}`) or leave more headroom"
         )
-        if conf and margin is not None and doc.get(*v, "setting", "at_high").value is True:
+        if conf and margin is not None and get("verdict", "setting", "at_high").value is True:
             parts.append(
                 f"with PYTORCH_CUDA_ALLOC_CONF={conf} it completes with the high end too, margin {format_size(margin)} "
                 "there"
             )
     parts.append("a model, not measured")
-    return "; ".join(parts)
+    return parts
 
 
 def _measured_oom(
