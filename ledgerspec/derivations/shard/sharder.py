@@ -294,10 +294,13 @@ def shard(
             from ledgerspec.contract.config import sharded_ranks
             from ledgerspec.contract.edit import set_plain
 
-            if from_flag:
-                recorded.append(set_plain(doc, ("result", "target_device", "memory"), device_memory, force=True))
-            if sharded_ranks(doc) == world:  # the declared ranks: this is the run's answer (not another count's)
-                recorded.append(set_plain(doc, ("result", "fits"), bool(ext["estimate"].get("fits")), force=True))
+            memory = ("result", "target_device", "memory")
+            if from_flag and doc.get(*memory).size() != device_memory:  # an equal value is no change (--check)
+                recorded.append(set_plain(doc, memory, device_memory, force=True))
+            fits = bool(ext["estimate"].get("fits"))
+            if sharded_ranks(doc) == world and doc.get("result", "fits").switch() is not fits:
+                # the declared ranks: this is the run's answer (not another count's)
+                recorded.append(set_plain(doc, ("result", "fits"), fits, force=True))
     change = set_extension(doc, EXTENSION, ext)
     if change is None:  # the result fields it wrote are a change too (for --check, and to be saved)
         change = next((c for c in recorded if c is not None), None)

@@ -133,6 +133,9 @@ def test_shard_says_which_figure_it_compared(both: dict[str, Any], tmp_path: Pat
     written = load(out)
     assert written.get("result", "target_device", "memory").size() == 4 * GiB
     assert written.get("result", "fits").switch() is True
+    # asked again of the written ledger: nothing to change (a pre-commit hook's --check)
+    code, _, err = run_cli("shard", out, "--estimate", "--device-memory", "4GiB", "--check")
+    assert code == 0, err
     assert set(block["inputs"]) >= {"parallelism", "workload", "method"}
     code, stdout, _ = run_cli("validate", "-v", out)
     worst = max(r["device_peak"]["value"] for r in block["ranks"])
