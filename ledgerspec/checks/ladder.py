@@ -161,7 +161,12 @@ def rank_prediction(doc: Document) -> tuple[int | None, str | None]:
         return None, None
     again = f"run `{shard_again(gpus)}` again"
     rows = rank_rows(doc)
-    world = doc.get("parallelism", "x-per-rank", "world_size").integer() or len(rows)
+    # the ranks launched (written since), else the block's world (a plan of the shard group), else the rows
+    world = (
+        doc.get(*SHARD_ESTIMATE.split("."), "world").integer()
+        or doc.get("parallelism", "x-per-rank", "world_size").integer()
+        or len(rows)
+    )
     if world != gpus:
         return None, f"{SHARD_ESTIMATE} was simulated on {world} ranks, not parallelism.gpu_count {gpus}: {again}"
     judged = figure_of(doc.get(*SHARD_ESTIMATE.split("."), "device_memory").raw)

@@ -250,14 +250,14 @@ def _rank_qualifier(doc: Document) -> str:
     """What the per-rank device-level prediction is made of (its worst rank's), in :func:`_device_parts`' words."""
     worst = worst_rank(doc)
     assert worst is not None
-    rank, ranks = worst.get("rank"), len(rank_rows(doc))
+    rank, listed = worst.get("rank"), len(rank_rows(doc))
     which = f"rank {rank}, the worst" if isinstance(rank, int) else "the worst rank"
     parts = _device_parts(
         lambda *keys: entry_of(worst, *keys),
         at_the_edge(doc, RANK_DEVICE_PEAK),
-        f"ledgerspec measure --device cuda --nproc {ranks}",
+        f"ledgerspec measure --device cuda --nproc {sharded_ranks(doc) or listed}",
     )
-    return "; ".join([f"{which} of {ranks} (`ledgerspec shard --estimate`)", *parts])
+    return "; ".join([f"{which} of {listed} (`ledgerspec shard --estimate`)", *parts])
 
 
 def _device_qualifier(doc: Document) -> str:

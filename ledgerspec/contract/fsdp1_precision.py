@@ -56,7 +56,7 @@ def declares_fsdp1(doc: Document) -> bool:
     """``parallelism.strategy: fsdp1`` (or, without a strategy, ``memory_options.sharding: fsdp1``)."""
     text = doc.get("parallelism", "strategy").text()
     if text is None:
-        return (doc.get("memory_options", "sharding").text() or "").strip().lower() == "fsdp1"
+        return (doc.get("memory_options", "sharding").text() or "").strip().lower() in FSDP1_NAMES
     return text.strip().lower() in FSDP1_NAMES
 
 

@@ -42,14 +42,22 @@ def _rank(rank: int, device_peak: int, uncertain: bool = False, oom: str | None 
 
 
 def _text(
-    *rows: str, text: str = HEAD, device: int | str = 80 * GiB, stamp: bool = True, world: int | None = None
+    *rows: str,
+    text: str = HEAD,
+    device: int | str = 80 * GiB,
+    stamp: bool = True,
+    world: int | None = None,
+    group: int | None = None,
 ) -> str:
     """The document with a per-rank block of ``rows`` (``stamp``: with the inputs it read, as shard --estimate
-    stores them; ``world``: the ranks shard simulated, as it writes them beside the block)."""
+    stores them; ``world``: the ranks shard launched, as it writes them in the block; ``group``: the plan's world
+    beside it, a hybrid shard group's)."""
     block = (
         "  x-per-rank:\n"
-        + (f"    world_size: {world}\n" if world is not None else "")
+        + (f"    world_size: {group}\n" if group is not None else "")
         + "    estimate:\n      source: CALCULATED\n      target: cuda\n"
+        + (f"      world: {world}\n" if world is not None else "")
+        + ""
         f"      device_memory: {device}\n      ranks:\n" + "".join(r.replace("      - ", "        - ") for r in rows)
     )
     if stamp:
@@ -131,13 +139,21 @@ def test_an_edit_since_makes_it_answer_nothing_and_ls006_says_so() -> None:
     assert _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), stamp=False)).answer == FITS
 
 
-def test_a_hybrid_shard_group_is_read_for_the_world_it_was_simulated_on() -> None:
-    """HSDP (a shard group of 2 on 4 GPUs) lists the group's ranks: the world ``shard`` simulated is beside the block
-    (``x-per-rank.world_size``), and that is what gpu_count is compared with."""
+def test_a_hybrid_shard_group_is_read_for_the_world_it_was_launched_on() -> None:
+    """HSDP (a shard group of 2 on 4 GPUs) lists the group's ranks and plans the group (``x-per-rank.world_size``
+    2): the ranks launched are in the block (``world``), and that is what gpu_count is compared with."""
     hybrid = HEAD.replace("gpu_count: 2", "gpu_count: 4").replace("strategy: fsdp1", "strategy: fsdp2")
-    v = _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), text=hybrid, world=4))
+    v = _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), text=hybrid, world=4, group=2))
     assert v.answer == FITS and v.peak == 72 * GiB
-    assert _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), text=hybrid, world=2)).answer == UNKNOWN
+    assert (
+        "`ledgerspec measure --device cuda --nproc 4`"
+        in _verdict(
+            _doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB, uncertain=True), text=hybrid, world=4, group=2)
+        ).sentence()
+    )
+    # a block written before it recorded the ranks launched: the plan's world, here the group's
+    old = _verdict(_doc(_rank(0, 70 * GiB), _rank(1, 72 * GiB), text=hybrid, group=2))
+    assert old.answer == UNKNOWN and "simulated on 2 ranks, not parallelism.gpu_count 4" in old.sentence()
 
 
 def test_data_parallel_ranks_hold_the_whole_model_and_read_no_per_rank_block() -> None:
@@ -175,7 +191,7 @@ def test_an_earlier_one_gpu_result_fits_does_not_hold_the_ranks_back() -> None:
         return row
 
     rows = (on_the_card(_rank(0, 20 * GiB)), on_the_card(_rank(1, 20 * GiB)))
-    per_rank = _text(*rows, text="", device=24 * GiB, world=2, stamp=False)
+    per_rank = _text(*rows, text="", device=24 * GiB, world=2, group=2, stamp=False)
     with_block = sharded.replace("  strategy: fsdp1\n", "  strategy: fsdp1\n" + per_rank, 1)
     inputs = digests(from_text(with_block), SHARD_INPUTS)
     stamp = "      inputs: {" + ", ".join(f"{k}: '{v}'" for k, v in inputs.items()) + "}\n"

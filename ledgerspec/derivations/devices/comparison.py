@@ -319,19 +319,21 @@ def _largest(
 
 
 def _sharding(doc: Document) -> str:
-    """The declared sharding in the table's words: ``memory_options.sharding``, else what ``parallelism.strategy``
-    selects (an FSDP1 name: fsdp1, fsdp: fsdp2, a ZeRO stage), else none."""
+    """The declared sharding in the table's words, read as the other commands read it: ``parallelism.strategy``,
+    else ``memory_options.sharding`` (an FSDP1 name: fsdp1; fsdp: fsdp2; a ZeRO stage; anything else as written),
+    else none."""
     from ledgerspec.contract.config import FSDP1_NAMES
 
-    declared = (doc.get("memory_options", "sharding").text() or "").strip().lower()
-    if declared:
-        return declared
-    strategy = (doc.get("parallelism", "strategy").text() or "").strip().lower()
-    if strategy in FSDP1_NAMES:
+    declared = (
+        (doc.get("parallelism", "strategy").text() or doc.get("memory_options", "sharding").text() or "")
+        .strip()
+        .lower()
+    )
+    if declared in FSDP1_NAMES:
         return "fsdp1"
-    if strategy in ("fsdp", "fsdp2", "zero1", "zero2", "zero3"):
-        return "fsdp2" if strategy == "fsdp" else strategy
-    return "none"
+    if declared == "fsdp":
+        return "fsdp2"
+    return declared or "none"
 
 
 def _sharded_worst(doc: Document, world: int) -> int:

@@ -468,6 +468,7 @@ def zero_stage(doc: Document) -> int | None:
     strategy = doc.get("parallelism", "strategy").text()
     if strategy is None:
         strategy = doc.get("memory_options", "sharding").text()
+    strategy = (strategy or "").strip().lower()  # as every other reader of the strategy: ZeRO3 is zero3
     if strategy in STRATEGIES:
         return int(strategy[-1])
     return None

@@ -290,6 +290,9 @@ def shard(
         from ledgerspec.contract.fingerprint import SHARD_INPUTS, digests
 
         ext["estimate"]["inputs"] = digests(doc, SHARD_INPUTS)
+        # the ranks launched (--nproc): a hybrid shard group or NO_SHARD lists fewer rows (and world_size above is
+        # the group's), and the verdict holds for a document of this many GPUs
+        ext["estimate"]["world"] = world
         if device_memory is not None:  # as `estimate` records its answer: the device asked about, the run's answer
             from ledgerspec.contract.config import sharded_ranks
             from ledgerspec.contract.edit import set_plain

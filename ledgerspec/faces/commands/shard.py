@@ -139,7 +139,12 @@ def run_shard(args: argparse.Namespace) -> int:
     _, status_change = settle_for(doc, args)  # the status the per-rank figures support
     if args.check:
         if result.change is not None or status_change:
-            what = "parallelism.x-per-rank" if result.change is not None else "the declared status"
+            # the field it would write first: the per-rank block, else a result field it records beside it
+            what = (
+                result.change.pointer.strip("/").replace("/", ".")
+                if result.change is not None
+                else "the declared status"
+            )
             print(printable(f"{args.file}: would change {what}; run `ledgerspec shard`"), file=sys.stderr)
             return EXIT_FINDINGS
         return EXIT_OK

@@ -114,3 +114,25 @@ def test_fsdp2_rows_use_the_simulated_worst_rank_per_gpu_count() -> None:
     assert [(r.gpus, r.peak) for r in rows] == [(1, 8 << 30), (2, 7 << 30), (4, 6 << 30), (8, 5 << 30)]
     # sharding saves the same bytes at every microbatch: the largest microbatch grows with the saving
     assert [r.largest_microbatch for r in rows] == sorted(r.largest_microbatch or 0 for r in rows)
+
+
+def test_the_tables_sharding_is_read_as_the_other_commands_read_it() -> None:
+    """``parallelism.strategy`` first, then ``memory_options.sharding``; FSDP1's names are fsdp1, ``fsdp`` is
+    FSDP2 (as ``shard`` runs it), data parallel stays data parallel whatever memory_options says."""
+    from ledgerspec.contract.config import sharded_ranks
+    from ledgerspec.contract.document import from_text
+    from ledgerspec.contract.fsdp1_precision import declares_fsdp1
+    from ledgerspec.derivations.devices.comparison import _sharding
+
+    def doc(strategy: str | None, sharding: str | None, gpus: int = 2) -> object:
+        p = f"parallelism: {{gpu_count: {gpus}" + (f", strategy: '{strategy}'" if strategy else "") + "}\n"
+        m = f"memory_options: {{sharding: '{sharding}'}}\n" if sharding else ""
+        return from_text("ledgerspec: ledger/v1\n" + p + m)
+
+    assert _sharding(doc(" FullyShardedDataParallel ", None)) == "fsdp1"  # type: ignore[arg-type]
+    assert _sharding(doc("fsdp", None)) == "fsdp2"  # type: ignore[arg-type]
+    assert _sharding(doc("zero3", "fsdp2")) == "zero3"  # type: ignore[arg-type]
+    assert _sharding(doc("ddp", "fsdp2")) == "ddp" and sharded_ranks(doc("ddp", "fsdp2")) is None  # type: ignore[arg-type]
+    assert _sharding(doc(None, None)) == "none"  # type: ignore[arg-type]
+    assert declares_fsdp1(doc(None, "fsdp_v1")) and sharded_ranks(doc(None, "fsdp_v1")) == 2  # type: ignore[arg-type]
+    assert sharded_ranks(doc("fsdp2", None, gpus=1)) is None  # type: ignore[arg-type]

@@ -264,3 +264,25 @@ def test_without_deepspeed_a_zero_step_is_one_line(tmp_path: Path, monkeypatch: 
         estimate_zero_per_rank(load(path), 2)
     assert "cannot be imported (No module named 'deepspeed')" in err.value.message
     assert "pip install deepspeed==0.19.8" in (err.value.hint or "")
+
+
+def test_a_hybrid_shard_group_is_the_ranks_verdict(tmp_path: Path) -> None:
+    """HSDP: 4 GPUs in shard groups of 2. ``shard`` simulates the group's two ranks (rank r holds what rank r mod 2
+    does) and records the 4 ranks launched, so ``validate -v`` reads the group's worst rank for the document's 4 GPUs
+    (it asked for ``--nproc 4`` again, which wrote the same)."""
+    pytest.importorskip("peft")
+    path = _ledger(tmp_path, "fsdp2")
+    text = path.read_text(encoding="utf-8")
+    path.write_text(
+        text.replace("  gpu_count: 2\n", "  gpu_count: 4\n").replace(
+            "  strategy: fsdp2\n", "  strategy: fsdp2\n  shard_group_size: 2\n"
+        ),
+        encoding="utf-8",
+    )
+    out = tmp_path / "out.yaml"
+    code, _, err = run_cli("shard", path, "--estimate", "--device-memory", "4GiB", "-o", out)
+    assert code == 0, err
+    block = load(out).get("parallelism", "x-per-rank").raw
+    assert block["world_size"] == 2 and block["estimate"]["world"] == 4 and len(block["estimate"]["ranks"]) == 2
+    code, stdout, _ = run_cli("validate", "-v", out)
+    assert "(parallelism.x-per-rank.estimate)" in stdout.splitlines()[0] and "FITS" in stdout.splitlines()[0]

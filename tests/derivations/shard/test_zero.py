@@ -198,6 +198,11 @@ def test_options_read_from_the_ledger(tmp_path: Path) -> None:
     assert block["stage3_max_live_parameters"] == 1000 and block["overlap_comm"] is False
     assert zero_stage(load(_zero_ledger(tmp_path, 2))) == 2
     assert zero_stage(load(DATA / LEDGER)) is None  # fsdp2
+    # spelled as users spell it: the strategy read as every other reader of it reads it
+    from ledgerspec.contract.document import from_text
+
+    assert zero_stage(from_text("ledgerspec: ledger/v1\nparallelism: {strategy: ' ZeRO3 '}\n")) == 3
+    assert zero_stage(from_text("ledgerspec: ledger/v1\nmemory_options: {sharding: Zero2}\n")) == 2
 
 
 @needs_deepspeed
