@@ -197,12 +197,8 @@ def _verdict(doc: Document, status: StatusResult) -> Verdict:
         fits, oom = False, pilot_oom
     qualifier = ""
     if provenance == "predicted":
-        if peak_from == RANK_DEVICE_PEAK:
-            qualifier = _rank_qualifier(doc)
-            if cuda_note:
-                qualifier = f"{cuda_note}; {qualifier}"
-        elif peak_from == DEVICE_PEAK:
-            qualifier = _device_qualifier(doc)
+        if peak_from in (RANK_DEVICE_PEAK, DEVICE_PEAK):
+            qualifier = (_rank_qualifier if peak_from == RANK_DEVICE_PEAK else _device_qualifier)(doc)
             if cuda_note:
                 qualifier = f"{cuda_note}; {qualifier}"
         else:

@@ -653,14 +653,24 @@ FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
 SHARDED_STRATEGIES = (*FSDP1_NAMES, "fsdp", "fsdp2", "zero1", "zero2", "zero3")
 
 
+def declared_strategy(doc: Document) -> str:
+    """How the ranks share the model, as declared: ``parallelism.strategy``, else (absent or blank)
+    ``memory_options.sharding``, stripped and lower-cased ("" when neither is declared). Every reader of the strategy
+    reads it here (FSDP1's names, ZeRO's stages, the sharded strategies)."""
+    for path in (("parallelism", "strategy"), ("memory_options", "sharding")):
+        text = (doc.get(*path).text() or "").strip().lower()
+        if text:
+            return text
+    return ""
+
+
 def sharded_ranks(doc: Document) -> int | None:
     """How many ranks share the model state: ``parallelism.gpu_count`` when it is 2 or more and the strategy
-    (``parallelism.strategy``, else ``memory_options.sharding``) shards it (:data:`SHARDED_STRATEGIES`); None
-    otherwise (one GPU, data parallel, or not declared). Under it, one GPU's estimate of the whole model is not what
-    a rank holds: ``shard --estimate`` predicts that."""
+    (:func:`declared_strategy`) shards it (:data:`SHARDED_STRATEGIES`); None otherwise (one GPU, data parallel, or
+    not declared). Under it, one GPU's estimate of the whole model is not what a rank holds: ``shard --estimate``
+    predicts that."""
     gpus = _int(doc, "parallelism", "gpu_count")
-    strategy = doc.get("parallelism", "strategy").text() or doc.get("memory_options", "sharding").text() or ""
-    if gpus is None or gpus < 2 or strategy.strip().lower() not in SHARDED_STRATEGIES:
+    if gpus is None or gpus < 2 or declared_strategy(doc) not in SHARDED_STRATEGIES:
         return None
     return gpus
 
@@ -686,6 +696,7 @@ __all__ = [
     "Runtime",
     "Training",
     "Workload",
+    "declared_strategy",
     "problem",
     "read",
     "require_dtype",

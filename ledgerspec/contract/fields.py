@@ -940,10 +940,10 @@ GENERATION_PHASES = ("generation_peak",)
 #: a device verdict at the edge (``x-estimate.verdict.uncertain``): its word, and why such a step does not fit, in every
 #: face that says it (estimate, shard, --fit, a sweep's check, validate -v, report, the status ladder)
 AT_THE_EDGE = "AT THE EDGE"
+EDGE_WHY = "it completes only with the typical bytes outside the allocator"
 #: the parts of ``outside_allocator`` a ledger may hold beside ``total``: each replaces the catalogue's part of that
 #: name (the estimate's ``outside.with_declared``), and the status ladder checks they are still what it took
 OUTSIDE_PARTS = ("context", "nccl", "other")
-EDGE_WHY = "it completes only with the typical bytes outside the allocator"
 #: every protocol phase key in run order, with the ``result.oom_phase`` word of a run out of memory in it (the
 #: generation's decoding forwards are forwards: the spec's list has no word of its own for them)
 PHASE_OOM_WORDS = {

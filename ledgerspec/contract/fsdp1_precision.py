@@ -53,11 +53,9 @@ HINT = (
 
 
 def declares_fsdp1(doc: Document) -> bool:
-    """``parallelism.strategy: fsdp1`` (or, without a strategy, ``memory_options.sharding: fsdp1``)."""
-    text = doc.get("parallelism", "strategy").text()
-    if text is None:
-        return (doc.get("memory_options", "sharding").text() or "").strip().lower() in FSDP1_NAMES
-    return text.strip().lower() in FSDP1_NAMES
+    """``parallelism.strategy: fsdp1`` (or, without a strategy, ``memory_options.sharding: fsdp1``): one of
+    FSDP1's names (:func:`ledgerspec.contract.config.declared_strategy`)."""
+    return C.declared_strategy(doc) in FSDP1_NAMES
 
 
 @dataclass(frozen=True)

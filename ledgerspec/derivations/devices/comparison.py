@@ -319,16 +319,12 @@ def _largest(
 
 
 def _sharding(doc: Document) -> str:
-    """The declared sharding in the table's words, read as the other commands read it: ``parallelism.strategy``,
-    else ``memory_options.sharding`` (an FSDP1 name: fsdp1; fsdp: fsdp2; a ZeRO stage; anything else as written),
-    else none."""
-    from ledgerspec.contract.config import FSDP1_NAMES
+    """The declared sharding in the table's words, read as the other commands read it
+    (:func:`~ledgerspec.contract.config.declared_strategy`: an FSDP1 name: fsdp1; fsdp: fsdp2; a ZeRO stage; anything
+    else as written), else none."""
+    from ledgerspec.contract.config import FSDP1_NAMES, declared_strategy
 
-    declared = (
-        (doc.get("parallelism", "strategy").text() or doc.get("memory_options", "sharding").text() or "")
-        .strip()
-        .lower()
-    )
+    declared = declared_strategy(doc)
     if declared in FSDP1_NAMES:
         return "fsdp1"
     if declared == "fsdp":

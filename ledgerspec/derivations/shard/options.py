@@ -465,10 +465,7 @@ CPU_ADAM_TYPES = {"adamw_torch": "AdamW", "adamw_torch_fused": "AdamW", "adam": 
 
 def zero_stage(doc: Document) -> int | None:
     """1, 2 or 3 when the document runs DeepSpeed ZeRO (``parallelism.strategy``, else ``memory_options.sharding``)."""
-    strategy = doc.get("parallelism", "strategy").text()
-    if strategy is None:
-        strategy = doc.get("memory_options", "sharding").text()
-    strategy = (strategy or "").strip().lower()  # as every other reader of the strategy: ZeRO3 is zero3
+    strategy = config.declared_strategy(doc)  # as every other reader of the strategy: ZeRO3 is zero3
     if strategy in STRATEGIES:
         return int(strategy[-1])
     return None

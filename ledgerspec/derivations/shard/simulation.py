@@ -328,6 +328,17 @@ def probe_runner(
     return figures
 
 
+def simulated_rank(
+    rep: int, run: Callable[[int], dict[str, int]], rank_step: Callable[[int], Any] | None, offloaded: bool
+) -> tuple[dict[str, int], Any]:
+    """A representative rank's figures and, with ``rank_step`` (:func:`stream_runner`'s), its allocation stream: the
+    stream's own estimate figures (the same probes, one set of traces), else ``run(rep)`` (:func:`probe_runner`'s);
+    under CPU offload the stream is the device's alone, so the figures (both sides) are the probes' own."""
+    step = rank_step(rep) if rank_step is not None else None
+    from_step = step.estimate_figures if step is not None and not offloaded else None
+    return from_step or run(rep), step
+
+
 def stream_runner(
     doc: Document,
     source: Any,
@@ -452,6 +463,7 @@ __all__ = [
     "prepare_trace",
     "probe_runner",
     "recorded",
+    "simulated_rank",
     "stream_numbers",
     "stream_runner",
 ]

@@ -149,14 +149,16 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         est = _estimate_fn(args, parallel=True)(doc)  # one estimate: its two depth probes at once
     _print(est, target_memory, prediction)
+    from ledgerspec.checks.stale import shard_again
     from ledgerspec.contract.config import sharded_ranks
 
     ranks = sharded_ranks(doc)
     if ranks is not None:  # the verdict above is one GPU's of the whole model, not a rank's (validate -v says so too)
+        command = shard_again(ranks).replace("FILE", args.file, 1)
         print(
             printable(
                 f"  note: parallelism declares {ranks} sharded ranks: this is one GPU holding the whole model; "
-                f"`ledgerspec shard {args.file} --nproc {ranks} --estimate` predicts each rank"
+                f"`{command}` predicts each rank"
             )
         )
     code = EXIT_OK

@@ -54,6 +54,7 @@ from ledgerspec.derivations.shard.simulation import (
     fake_process_group,
     prepare_trace,
     probe_runner,
+    simulated_rank,
     stream_runner,
 )
 from ledgerspec.derivations.shard.state import (
@@ -239,12 +240,9 @@ def estimate_per_rank(
     rank_figures = probe_runner(doc, source, est_plan, say, f"rank {{rank}} of {world}", simulate)
     rank_step = stream_runner(doc, source, est_plan, say, f"rank {{rank}} of {world}", simulate)
     by_rank: dict[int, RankEstimate] = {}
-    # with CPU offload the stream is the device's alone: the figures (both sides) are the probes' own
     offloaded = cpu_offload(doc) is not None
     for rep, members in groups.items():
-        step = rank_step(rep) if streams else None
-        from_step = step.estimate_figures if step is not None and not offloaded else None
-        figures = from_step or rank_figures(rep)
+        figures, step = simulated_rank(rep, rank_figures, rank_step if streams else None, offloaded)
         for r in members:
             by_rank[r] = RankEstimate.of(
                 r,

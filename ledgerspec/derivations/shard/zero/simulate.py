@@ -47,6 +47,7 @@ from ledgerspec.derivations.shard.simulation import (
     fake_process_group,
     prepare_trace,
     probe_runner,
+    simulated_rank,
     stream_runner,
 )
 
@@ -282,10 +283,7 @@ def estimate_zero_per_rank(
     simulated: dict[int, dict[str, int]] = {}
     steps: dict[int, Any] = {}
     for rep in sorted({0, world - 1}):
-        step = steps[rep] = rank_step(rep) if rank_step is not None else None
-        # with offload the stream is the device's alone: the figures (both sides) are the probes' own
-        from_step = step.estimate_figures if step is not None and not options.offloaded else None
-        simulated[rep] = from_step or run(rep)
+        simulated[rep], steps[rep] = simulated_rank(rep, run, rank_step, options.offloaded)
     ranks = []
     for r in range(world):
         rep = r if r in simulated else 0
