@@ -585,22 +585,22 @@ def ls061_fsdp1_mixed_precision_without_autocast(ctx: Context) -> Iterator[Hit]:
     WARNING,
     "a checkpoint or a host wait declared where it changes nothing",
     "parallelism.activation_checkpointing places the checkpoint that memory_options.gradient_checkpointing: true "
-    "declares, under FSDP (strategy fsdp1 or fsdp2); training.loss_item_each_step describes a custom loop (the "
-    "Trainer reads its loss anyway)",
+    "declares, under FSDP (fsdp2, or FSDP1 by any of its names); training.loss_item_each_step describes a custom "
+    "loop (the Trainer reads its loss anyway)",
     example="memory_options: {gradient_checkpointing: false}\n"
     "parallelism: {strategy: fsdp1, activation_checkpointing: true}",
 )
 def ls062_setting_without_effect(ctx: Context) -> Iterator[Hit]:
     cfg = C.read(ctx.doc)
     if ctx.get("parallelism", "activation_checkpointing").switch() is True:
-        strategy = (ctx.get("parallelism", "strategy").text() or "").strip().lower()
+        strategy = C.declared_strategy(ctx.doc)
         if cfg.gradient_checkpointing is not True:
             yield Hit(
                 ptr("parallelism", "activation_checkpointing"),
                 "activation_checkpointing places a checkpoint that memory_options.gradient_checkpointing does not "
                 "declare: nothing is checkpointed",
             )
-        elif strategy not in ("fsdp1", "fsdp2"):
+        elif strategy not in (*C.FSDP1_NAMES, "fsdp", "fsdp2"):
             yield Hit(
                 ptr("parallelism", "activation_checkpointing"),
                 f"activation_checkpointing is FSDP's (strategy {strategy or 'absent'}): transformers' own "

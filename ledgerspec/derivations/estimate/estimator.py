@@ -226,7 +226,13 @@ def _estimate_workload_class() -> Any:
         declared_moe_layout = True  # a declared transformers 4's MoE blocks (stack.legacy_moe)
 
         def __init__(
-            self, doc: Document, spec: Any, source: Any, attention: str, target: str, keep_4bit_input: bool = False
+            self,
+            doc: Document,
+            spec: Any,
+            source: Any,
+            attention: str,
+            target: str,
+            keep_4bit_input: bool | None = None,
         ) -> None:
             # FlashAttention is not installed on the CPU: build with eager (every architecture has it); the
             # attention calls are routed to the FlashAttention model in ``prepare``
@@ -237,7 +243,9 @@ def _estimate_workload_class() -> Any:
             self.stack = contextlib.ExitStack()
             # the CUDA target: CUDA's optimizer defaults (and, in prepare, autocast lists) on these CPU tensors
             self.optimizer_device = target
-            self.keep_4bit_input = keep_4bit_input
+            #: bitsandbytes < 0.43.2's MatMul4Bit keeps its input (None: as the document declares, e.g. a simulated
+            #: rank of ``shard``, which once ran the installed side whatever the ledger declared)
+            self.keep_4bit_input = keeps_4bit_input(doc, spec) if keep_4bit_input is None else keep_4bit_input
             #: the 4-bit size minus the loaded size of fused expert parameters bitsandbytes leaves unquantized
             self.fused_experts = 0
             #: the declared transformers 4's MoE layout was built (``stack.legacy_moe``)
@@ -332,7 +340,12 @@ def _estimate_workload_class() -> Any:
 
 
 def trace(
-    doc: Document, spec: Any, source: Any, target: str = "cuda", keep_4bit_input: bool = False, backend: Any = None
+    doc: Document,
+    spec: Any,
+    source: Any,
+    target: str = "cuda",
+    keep_4bit_input: bool | None = None,
+    backend: Any = None,
 ) -> dict[str, int]:
     """One simulated protocol run (:func:`ledgerspec.derivations.engine.protocol.run_protocol` with fake tensors).
 
@@ -649,7 +662,7 @@ def prepare(
         est_plan = Plan(
             est_plan.layers, est_plan.period, None, "vLLM's packed weight transfer is not affine in the layers"
         )
-    return Prepared(doc, spec, source, est_plan, target, _keeps_4bit_input(doc, spec), say, started)
+    return Prepared(doc, spec, source, est_plan, target, keeps_4bit_input(doc, spec), say, started)
 
 
 def _estimate(
@@ -732,7 +745,7 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     )
 
 
-def _keeps_4bit_input(doc: Document, spec: Any) -> bool:
+def keeps_4bit_input(doc: Document, spec: Any) -> bool:
     """Model bitsandbytes < 0.43.2's MatMul4Bit (input kept for backward): declared, or installed when undeclared."""
     from ledgerspec.contract.differences import OLDER
     from ledgerspec.derivations.stack.versions import declared_side, installed_side

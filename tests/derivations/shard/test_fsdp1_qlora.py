@@ -71,6 +71,31 @@ def test_qlora_under_fsdp1_with_uint8_storage_is_refused(tmp_path: Path) -> None
     assert path.read_bytes() == before
 
 
+def test_a_rank_models_the_declared_bitsandbytes_as_one_gpu_does(tmp_path: Path) -> None:
+    """``software.bitsandbytes: 0.42.0``: a simulated rank keeps each 4-bit layer's input for backward, as versions
+    before 0.43.2 did (``ctx.tensors = (A, B)``), by the bytes the one-GPU estimate keeps for it (that estimate is
+    held to a real Trainer on the patched bitsandbytes in tests/derivations/engine/test_trainer_truth.py). Before,
+    ``shard`` ran the installed side whatever the ledger declared: the two ranks below were the same to the byte."""
+    pytest.importorskip("bitsandbytes")
+    from ledgerspec.contract.document import from_text
+    from ledgerspec.derivations.estimate import estimate
+    from ledgerspec.derivations.shard.sharder import shard
+
+    path = _ledger(tmp_path, "tiny-lora.ledger.yaml")
+    text = path.read_text(encoding="utf-8").replace("dropout: 0.0", "dropout: 0.1")
+    rank, one = {}, {}
+    for version in ("0.42.0", "0.50.0"):  # dropout: the layers' inputs are kept by nothing else
+        doc = from_text(text.replace("identity:", f"software:\n  bitsandbytes: {version}\nidentity:"), str(path))
+        est = shard(doc, estimate=True, target="cuda").estimate
+        assert est is not None
+        rank[version] = est.ranks[0].phases
+        one[version] = estimate(doc, target="cuda").phases
+    for phase in ("forward_peak", "backward_peak", "steady_state_peak"):
+        kept = one["0.42.0"][phase] - one["0.50.0"][phase]
+        assert kept > 0, phase
+        assert rank["0.42.0"][phase] - rank["0.50.0"][phase] == kept, phase
+
+
 @pytest.mark.slow
 def test_simulated_fsdp1_qlora_ranks_agree_with_the_real_run(tmp_path: Path) -> None:
     """``measure --nproc 2`` (a real FSDP1 QLoRA run per rank: torchrun, gloo, bitsandbytes 4-bit weights quantized on
