@@ -34,6 +34,7 @@ from typing import Any
 from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.config import GENERATING
+from ledgerspec.contract.differences import KNOWN
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.values import Value
 
@@ -127,10 +128,19 @@ WORKLOAD_INPUTS: Inputs = {
     ),
 }
 
-#: what ``shard --estimate`` reads: the workload's inputs plus how the ranks share the model (every input field of
-#: ``parallelism``; its figures, ``per_rank_peak``, are none)
+#: the declared versions of the packages with a known memory-relevant difference (:mod:`.differences`), read as the
+#: side of each difference they fall on: ``shard --estimate`` models the declared side and records no differences of
+#: its own (``estimate`` does, for rule LS012), so its stamp holds them (``0.43.0`` to ``0.43.1`` is no edit,
+#: ``0.43.0`` to ``0.50.0`` is one)
+VERSION_INPUTS: tuple[tuple[str, ...], ...] = tuple((package,) for package in sorted({d.package for d in KNOWN}))
+#: inputs that stamps written before they were read leave out: such a stamp is checked on the others
+LATER_INPUTS = frozenset(("software", *path) for path in VERSION_INPUTS)
+
+#: what ``shard --estimate`` reads: the workload's inputs, the declared versions (:data:`VERSION_INPUTS`), and how the
+#: ranks share the model (every input field of ``parallelism``; its figures, ``per_rank_peak``, are none)
 SHARD_INPUTS: Inputs = {
     **WORKLOAD_INPUTS,
+    "software": (*WORKLOAD_INPUTS["software"], *VERSION_INPUTS),
     "memory_options": (*WORKLOAD_INPUTS["memory_options"], ("sharding",)),
     "parallelism": tuple(
         path for path, f in F.walk(F.PARALLELISM.children) if f.kind not in (F.OBJECT, *F.FIGURE_KINDS)
@@ -259,6 +269,8 @@ def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
     """The value as the tools read it, so that spelling an input differently is no edit: ON/yes/true are one
     switch, ``bf16`` is ``bfloat16``, ``2048.0`` and ``'2048'`` are 2048, optimizer names ignore case, and the
     order of a target-module list does not matter."""
+    if path in LATER_INPUTS and not isinstance(value, bool) and isinstance(value, str | int | float):
+        return {d.id: d.side(str(value)) for d in KNOWN if (d.package,) == path[1:]}
     field = doc.field(*path)
     kind = field.kind if field is not None else None
     if kind == F.SWITCH:
@@ -291,13 +303,16 @@ def section_digest(
     keys: tuple[tuple[str, ...], ...],
     verbatim: bool = False,
     only: dict[tuple[str, ...], tuple[str, ...]] | None = None,
+    earlier: bool = False,
 ) -> str:
     """The digest of one section's input fields (their values as the tools read them, canonical JSON, SHA-256,
     first 16 hex digits). ``verbatim``: as the first version of the stamp hashed them: the values as written, and
-    only the fields it read."""
+    only the fields it read. ``earlier``: as stamps written before :data:`LATER_INPUTS` were read hashed them."""
     values: dict[str, Any] = {}
     for key in keys:
         if verbatim and (section, *key) in FIRST_VERSION_LEFT_OUT:
+            continue
+        if earlier and (section, *key) in LATER_INPUTS:
             continue
         present, value = _value(doc, (section, *key), verbatim, only)
         if present:
@@ -350,14 +365,16 @@ def changed_sections(doc: Document, extension: str, inputs: Inputs) -> list[str]
         return None
     now = digests(doc, inputs)
     # a section it did not store is not checked; a stamp hashed from the values as written (the first version of
-    # this stamp) still matches them
+    # this stamp), or before the declared versions were read, still matches them
+    only = _objective_only(inputs)
     return [
         s
         for s in now
         if (
             s in before
             and now[s] != before[s]
-            and section_digest(doc, s, inputs[s], verbatim=True, only=_objective_only(inputs)) != before[s]
+            and section_digest(doc, s, inputs[s], verbatim=True, only=only) != before[s]
+            and section_digest(doc, s, inputs[s], only=only, earlier=True) != before[s]
         )
     ]
 
@@ -375,10 +392,12 @@ def stale(doc: Document) -> dict[str, list[str]]:
 __all__ = [
     "DEFAULTS",
     "DIGITS",
+    "LATER_INPUTS",
     "RESOLVE_INPUTS",
     "SHARD_ESTIMATE",
     "SHARD_INPUTS",
     "STAMPS",
+    "VERSION_INPUTS",
     "WORKLOAD_INPUTS",
     "changed_sections",
     "digests",

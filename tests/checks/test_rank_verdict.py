@@ -14,7 +14,7 @@ from ledgerspec.checks.validate import validate
 from ledgerspec.checks.verdict import DOES_NOT_FIT, FITS, UNKNOWN, verdict
 from ledgerspec.contract.document import from_text
 from ledgerspec.contract.fields import AT_THE_EDGE
-from ledgerspec.contract.fingerprint import SHARD_INPUTS, digests
+from ledgerspec.contract.fingerprint import SHARD_INPUTS, digests, section_digest
 
 GiB = 2**30
 HEAD = """ledgerspec: ledger/v1
@@ -159,6 +159,32 @@ def test_a_hybrid_shard_group_is_read_for_the_world_it_was_launched_on() -> None
 def test_data_parallel_ranks_hold_the_whole_model_and_read_no_per_rank_block() -> None:
     ddp = HEAD.replace("strategy: fsdp1", "strategy: ddp")
     assert supported_status(_doc(_rank(0, 30 * GiB), _rank(1, 31 * GiB), text=ddp)).best_peak_from is None
+
+
+def _with(head: str, software: str) -> str:
+    return head.replace("parallelism:", f"software: {software}\nparallelism:", 1)
+
+
+def test_a_declared_version_edited_across_a_known_difference_is_an_edit() -> None:
+    """shard models the declared side of each known stack difference (bitsandbytes < 0.43.2 keeps the 4-bit layers'
+    inputs) and records none of its own: its stamp holds the side each declared version falls on. Another version on
+    the same side is no edit; one across the difference is, and so is declaring one where none was."""
+    text = _text(_rank(0, 70 * GiB), _rank(1, 72 * GiB), text=_with(HEAD, "{bitsandbytes: 0.43.0}"))
+    assert _verdict(from_text(text)).answer == FITS
+    assert _verdict(from_text(text.replace("bitsandbytes: 0.43.0", "bitsandbytes: 0.43.1"))).answer == FITS
+    across = from_text(text.replace("bitsandbytes: 0.43.0", "bitsandbytes: 0.50.0"))
+    assert _verdict(across).answer == UNKNOWN
+    assert any("software" in f.message for f in validate(across).findings if f.rule == "LS006")
+    undeclared = _text(_rank(0, 70 * GiB), _rank(1, 72 * GiB), text=_with(HEAD, "{peft: 0.10.0}"))
+    assert _verdict(from_text(undeclared.replace("{peft: 0.10.0}", "{peft: 0.10.0, transformers: 4.39.1}"))).answer == (
+        UNKNOWN
+    )
+    # a stamp written before the versions were read is checked on the rest (documents stamped then unchanged)
+    earlier = {k: section_digest(from_text(text), k, v, earlier=True) for k, v in SHARD_INPUTS.items()}
+    now = digests(from_text(text), SHARD_INPUTS)
+    assert earlier["software"] != now["software"]
+    old = text.replace(f"software: '{now['software']}'", f"software: '{earlier['software']}'")
+    assert old != text and _verdict(from_text(old)).answer == FITS
 
 
 def test_sizes_with_units_a_renamed_card_and_edited_outside_parts() -> None:
