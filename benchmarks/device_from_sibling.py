@@ -75,12 +75,15 @@ def scan(row: Row) -> list[tuple[float, bool]]:
     """(outside GiB, the replay against the CUDA total less it completes) for each of :data:`SCAN` and the row's own
     carried figure: near the top the caching allocator's free-and-retry is not monotonic in what it can get."""
     from ledgerspec.derivations.allocator import replay
+    from ledgerspec.derivations.allocator.workspaces import with_workspaces
 
     step = row.step
     assert step is not None, row.run.key  # a sharded run's stream (the missed runs are 2-GPU ones)
     total = row.capacity + row.outside
     figures = sorted({*(int(x * GiB) for x in SCAN), row.outside})
-    return [(x / GiB, replay(step.events, capacity=total - x, statistics=False).oom is None) for x in figures]
+    # with the cuBLAS workspaces the device replay adds (the stream as the verdict replays it)
+    events = with_workspaces(step.events, step.windows, *row.workspaces)
+    return [(x / GiB, replay(events, capacity=total - x, statistics=False).oom is None) for x in figures]
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Row:
     unlimited: int = 0  # the run's peak reserved replayed without a limit
     capacity: int = 0  # what the allocator can get: the card's CUDA total less ``outside``
     step: Any = field(default=None, repr=False, compare=False)  # rank 0's allocation stream (a sharded run's)
+    workspaces: Any = field(default=None, repr=False, compare=False)  # what the device replay adds to it
 
     @property
     def retried(self) -> bool:
@@ -136,6 +140,9 @@ HEADER = [
 
 
 def carry(sibling_key: str, key: str) -> Row:
+    from ledgerspec.contract.document import load
+    from ledgerspec.derivations.devices.prediction import workspaces_of
+
     started = time.perf_counter()
     sibling, run = RUNS[sibling_key], RUNS[key]
     sibling_reserved = fsdp.on_device(sibling.folder / f"{sibling.key}.ledger.yaml").devices[0].peak_reserved
@@ -157,6 +164,7 @@ def carry(sibling_key: str, key: str) -> Row:
         d.replayed.free_peak_reserved,
         d.replayed.capacity,
         got.step,
+        workspaces_of(load(path), d.target),
     )
 
 

@@ -112,13 +112,18 @@ class Row:
     held: int = 0  # rank 0's allocated bytes before the first step (after the optimizer's creation)
     #: when the replay runs out: "the phase, what it lacked, what decided it and the setting named", in words
     oom: str = ""
+    #: the cuBLAS workspaces the device replay adds to the stream (prediction.workspaces_of)
+    workspaces: Any = field(default=None, repr=False, compare=False)
 
     def at_high(self) -> int:
         """Peak reserved of the stream replayed against ``high_capacity`` (the allocator frees its cache and retries
-        near the top); replayed when asked (the text asks it of the row at the card's limit only)."""
+        near the top), with the workspaces the device replay adds; replayed when asked (the text asks it of the row
+        at the card's limit only)."""
         from ledgerspec.derivations.allocator import replay
+        from ledgerspec.derivations.allocator.workspaces import with_workspaces
 
-        return replay(self.step.events, capacity=self.high_capacity, statistics=False).peak_reserved
+        events = with_workspaces(self.step.events, self.step.windows, *self.workspaces)
+        return replay(events, capacity=self.high_capacity, statistics=False).peak_reserved
 
     def cells(self) -> list[str]:
         r = self.run
@@ -151,6 +156,9 @@ HEADER = [
 
 
 def estimate_run(run: Run) -> Row:
+    from ledgerspec.contract.document import load
+    from ledgerspec.derivations.devices.prediction import workspaces_of
+
     started = time.perf_counter()
     result = shard_estimate(LEDGERS / f"{run.key}.ledger.yaml")
     est = result.estimate
@@ -172,6 +180,7 @@ def estimate_run(run: Run) -> Row:
         step,
         est.ranks[0].phases["after_optimizer_init"],
         _oom_words(d, run.reserved),
+        workspaces_of(load(LEDGERS / f"{run.key}.ledger.yaml"), d.target),
     )
 
 

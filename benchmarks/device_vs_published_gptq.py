@@ -146,7 +146,7 @@ predicted for {len(outcome)} of {len(rows)} runs.{wrong_text}
   not with its range's {oom2.outside_high / GiB:.2f} GiB; a step whose outcome flips inside the catalogue's own range
   does not fit: `docs/estimate.md`). With the {span(two)} per GPU by which the trained 2-GPU GPTQ rows' reserve
   exceeds the prediction's it is at the edge either way: with its own trained sibling's figure
-  (`device-sibling.md`, a figure without a range) the replay completes by 0.11 GiB, and near the top its outcome
+  (`device-sibling.md`, a figure without a range) the replay completes by 0.09 GiB, and near the top its outcome
   flips with the capacity; the verdict here is the rule for the edge, not a finer prediction.
 """
     publish(body, RESULTS, partial=bool(only))

@@ -89,7 +89,10 @@ def test_the_arithmetic_and_the_summary(bench: Any) -> None:
         table = ledger_rows(bench.TABLES[key])[key]
         if ran and float(c[7]) < 75:
             assert abs(float(table[8]) + float(c[4]) - float(c[7])) <= 0.011, key
-    assert f"(median {statistics.median(diffs):+.1%}; largest {max(map(abs, diffs)):.1%})" in text
+    # the page's median is of the exact differences, the cells' of the rounded ones: within a rounding of each other
+    printed = float(text.split("runs that trained: ")[1].split("(median ")[1].split("%")[0]) / 100
+    assert abs(printed - statistics.median(diffs)) <= 0.0006
+    assert f"largest {max(map(abs, diffs)):.1%})" in text
     assert f"The published outcome is predicted for {predicted} of {len(rows)} runs" in text
 
 
@@ -106,10 +109,9 @@ def test_the_docs_cite_the_table(bench: Any) -> None:
     catalogue = [float(bench.catalogue_difference(c[5].strip("`")).rstrip("%")) for c in rows]
     text = " ".join((REPO_ROOT / "docs" / "outside-allocator.md").read_text(encoding="utf-8").split())
     assert f"from the catalogue's {min(catalogue):.1f} % to +{max(catalogue):.1f} %" in text
-    assert (
-        f"to a median of {statistics.median(carried):+.1%} (largest {max(map(abs, carried)):.1%}".replace("%", " %")
-        in text
-    )
+    median = float(text.split("to a median of ")[1].split(" %")[0]) / 100
+    assert abs(median - statistics.median(carried)) <= 0.0006  # of the exact differences, the cells' rounded
+    assert f"(largest {max(map(abs, carried)):.1%}".replace("%", " %") in text
     # device-gptq.md's 70B 2-GPU run that ran out of memory cites its carried verdict's margin here
     row = _rows()["fms-llama-2-70b-gptq-lora-2gpu-bs4"]
     margin = row[10].split("margin ")[1].rstrip(")")

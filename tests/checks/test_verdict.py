@@ -214,6 +214,6 @@ def test_a_prediction_of_inputs_edited_since_answers_nothing() -> None:
     edited = _verdict(text.replace("\n  microbatch: 1\n", "\n  microbatch: 8\n"))
     assert edited.answer == UNKNOWN  # type: ignore[attr-defined]
     assert edited.sentence() == (  # type: ignore[attr-defined]
-        "UNKNOWN: the predicted peak 14.77 GiB (x-estimate.device_peak) is of inputs edited since: run "
+        "UNKNOWN: the predicted peak 14.79 GiB (x-estimate.device_peak) is of inputs edited since: run "
         "`ledgerspec estimate FILE` again"
     )

@@ -3,6 +3,8 @@
 Events (plain tuples, JSON-friendly):
 
 - ``("alloc", id, nbytes, stream)``: a storage of ``nbytes`` (as requested, before rounding) on ``stream``;
+  ``("alloc", id, nbytes, stream, False)``: a request no tensor tracker sees (a cuBLAS workspace,
+  :mod:`.workspaces`), left out of the ``counted`` figures;
 - ``("free", id)``: its release; ``("free", id, "pending")``: its release after another stream used it
   (``record_stream``): the block returns to the pool at a later ``sync``;
 - ``("sync", keep)``: the other streams have caught up with all but the last ``keep`` pending releases;
@@ -134,7 +136,7 @@ def replay(
                 raise ValueError(f"event {n}: id {key!r} is already allocated")
             try:
                 live[key] = malloc(nbytes, stream)
-                counts[key] = size = -(-nbytes // granularity) * granularity
+                counts[key] = size = -(-nbytes // granularity) * granularity if len(event) < 5 or event[4] else 0
                 counted += size
             except OutOfMemory as exc:
                 if result.oom is None:

@@ -451,14 +451,22 @@ def replay_step(
     device_total: int | None = None,
     target: str = "cuda",
     step: StepEvents | None = None,
+    workspaces: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> StepReplay:
     """The estimate's step (traced now, or ``step``) replayed through the allocator: per protocol phase the
-    allocated figure (as the protocol defines it) and the peak reserved bytes, and the first OOM if any."""
+    allocated figure (as the protocol defines it) and the peak reserved bytes, and the first OOM if any.
+    ``workspaces``: the cuBLAS workspaces of the Python thread's and the autograd thread's handles, bytes each
+    (:func:`ledgerspec.derivations.allocator.workspaces.with_workspaces`; None: the stream as traced)."""
     from ledgerspec.derivations.estimate.estimator import granularity
 
     traced = step if step is not None else step_events(doc, layers, target)
+    events = traced.events
+    if workspaces is not None:
+        from ledgerspec.derivations.allocator.workspaces import with_workspaces
+
+        events = with_workspaces(events, traced.windows, *workspaces)
     # without the per-block counters (the replay reads allocated and reserved bytes only)
-    result = replay(traced.events, config, capacity, device_total, granularity=granularity(target), statistics=False)
+    result = replay(events, config, capacity, device_total, granularity=granularity(target), statistics=False)
     phases: dict[str, PhaseFigures] = {}
     windows = protocol_windows(traced.windows, traced.accumulation)
     for name, labels in windows.items():
@@ -488,15 +496,24 @@ def reserved_step(
     device_total: int | None = None,
     offline: bool = True,
     parallel: bool = False,
+    workspaces: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> StepReplay:
     """``doc``'s step at the model's full depth (:func:`full_depth_events`) replayed through the allocator model
     (``config``: an :class:`AllocatorConfig` or a ``PYTORCH_CUDA_ALLOC_CONF`` string): per protocol phase the
     allocated bytes (the estimate's count, and the allocator's), the peak reserved bytes, and with a ``capacity``
     (the bytes cudaMalloc can get) the first out-of-memory after the allocator's free-and-retry path (the step
     stops there: later phases have no figures). :attr:`StepEvents.fallback` says why the stream was traced in full
-    where it was to be built from probes."""
+    where it was to be built from probes. ``workspaces``: as :func:`replay_step`'s."""
     step = full_depth_events(doc, target, offline, parallel)
-    return replay_step(doc, config=config, capacity=capacity, device_total=device_total, target=target, step=step)
+    return replay_step(
+        doc,
+        config=config,
+        capacity=capacity,
+        device_total=device_total,
+        target=target,
+        step=step,
+        workspaces=workspaces,
+    )
 
 
 __all__ = [

@@ -272,14 +272,23 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
         outside_of,
         replay_on_device,
         stated,
+        workspaces_of,
     )
 
     conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
-    free = {id(step): free_replay(doc, step, conf) for group in steps.values() for step in group}
+    # each step's replay without a limit, once per set of cuBLAS workspaces (they differ by GPU architecture)
+    free: dict[tuple[int, Any], Any] = {}
+
+    def free_of(step: Any, workspaces: Any) -> Any:
+        key = (id(step), workspaces)
+        if key not in free:
+            free[key] = free_replay(doc, step, conf, workspaces=workspaces)
+        return free[key]
 
     def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str, bool, int | None]:
         target = Target(device.total, device.name, "catalogue", "the device catalogue's entry", device.capacity)
         figure = outside_of(doc, target, gpus)
+        workspaces = workspaces_of(doc, target)
         worst: DevicePrediction | None = None
         for step in steps[gpus]:
             mine = stated(doc, target, figure, (states or {}).get(id(step)), gpus)
@@ -289,10 +298,11 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
                 device.total,
                 mine.bytes,
                 conf,
-                free=free[id(step)],
+                free=free_of(step, workspaces),
                 tries=False,
                 cuda_total=device.capacity,
                 outside_high=high_of(mine),
+                workspaces=workspaces,
             )
             p = DevicePrediction(target, mine, replayed)
             if worst is None or (p.fits, p.completes, p.margin) < (worst.fits, worst.completes, worst.margin):

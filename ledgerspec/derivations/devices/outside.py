@@ -402,14 +402,29 @@ def _paged(stack: Stack, cat: Catalogue) -> Part | None:
     )
 
 
-def _cublas(arch: str, stack: Stack, cat: Catalogue) -> Part:
+def _handle_workspaces(arch: str, stack: Stack, cat: Catalogue) -> tuple[int, int, int]:
+    """(cuBLAS workspace per handle, hipBLASLt's own per handle on ROCm else 0, handles) from the catalogue."""
     c = cat.cublas
     ws = c["workspace"]
     each = _size(ws.get(arch, ws["default"]), "cublas.workspace")
-    handles = int(c["handles"])
-    total = each * handles
-    if stack.rocm is not None:
-        total += handles * _size(c["lt_workspace_rocm"], "cublas.lt_workspace_rocm")
+    lt = _size(c["lt_workspace_rocm"], "cublas.lt_workspace_rocm") if stack.rocm is not None else 0
+    return each, lt, int(c["handles"])
+
+
+def cublas_workspaces(stack: Stack, catalogue: Catalogue | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The workspaces (bytes each) of the Python thread's cuBLAS handle and of the autograd thread's, on the compute
+    stream, for the replay (:mod:`ledgerspec.derivations.allocator.workspaces`): inside the allocator, so never in
+    this module's sums; the step's tensor stream lacks them."""
+    cat = catalogue or load()
+    each, lt, handles = _handle_workspaces(architecture(stack.gpu_name, cat)[0], stack, cat)
+    one = (each, lt) if lt else (each,)
+    return one, (one if handles > 1 else ())
+
+
+def _cublas(arch: str, stack: Stack, cat: Catalogue) -> Part:
+    c = cat.cublas
+    each, lt, handles = _handle_workspaces(arch, stack, cat)
+    total = (each + lt) * handles
     return Part(
         "cuBLAS workspaces",
         total,
@@ -641,6 +656,7 @@ __all__ = [
     "Source",
     "Stack",
     "architecture",
+    "cublas_workspaces",
     "eager_loading",
     "estimate",
     "for_document",

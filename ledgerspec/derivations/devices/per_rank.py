@@ -34,6 +34,7 @@ from ledgerspec.derivations.devices.prediction import (
     replay_on_device,
     stated,
     target_of,
+    workspaces_of,
 )
 
 #: why a sharded verdict compares allocated tensors (the device-level one is not available), by what is declared
@@ -69,6 +70,7 @@ def ranks_on_device(doc: Document, est: Any, device_memory: int, world: int, fro
                 est.target,
                 cuda_total=named.cuda_total,
                 outside_high=high_of(mine),
+                workspaces=workspaces_of(doc, named),
             )
             got = by_step[id(r.step)] = DevicePrediction(named, mine, replayed, version_note=allocator_note(doc))
         out.append(got)

@@ -54,8 +54,11 @@ EXPANDABLE = "expandable_segments:True"
 #: how near a catalogue device's total (or its vendor memory) must be to the asked memory to name it
 NAME_TOLERANCE = 0.01
 #: bump when the cached form of a device prediction changes (4: a setting tried is checked at the range's high end;
-#: 5: an out-of-memory keeps the reserve's peak before it; 6: a step at the edge tries the settings at the high end)
-FORMAT = 6
+#: 5: an out-of-memory keeps the reserve's peak before it; 6: a step at the edge tries the settings at the high end;
+#: 7: the replay adds the cuBLAS workspaces)
+FORMAT = 7
+#: the cuBLAS workspaces of the Python thread's handle and of the autograd thread's, bytes each
+Workspaces = tuple[tuple[int, ...], tuple[int, ...]]
 
 _err = ErrorAt("estimate")
 
@@ -404,6 +407,8 @@ class Replayed:
     outside_high: int = 0
     #: whether the replay also completes against ``cuda_total - outside_high`` (None: not asked, no range)
     high_fits: bool | None = None
+    #: the cuBLAS workspaces the replay added to the stream, bytes in all (:func:`workspaces_of`)
+    workspaces: int = 0
 
     def __post_init__(self) -> None:
         if self.cuda_total <= 0:
@@ -582,9 +587,10 @@ class DevicePrediction:
             else "the replay without a limit (the one against the device stopped at its out-of-memory)"
         )
         return (
-            f"the step's allocation stream at full depth ({r.stream}) replayed through ledgerspec's model of "
-            f"PyTorch 2.13's CUDA caching allocator, {self.conf_text()}; per phase from {how}; a model, not a "
-            "measurement"
+            f"the step's allocation stream at full depth ({r.stream})"
+            + (f" with the cuBLAS handles' workspaces ({format_size(r.workspaces)})" if r.workspaces else "")
+            + f" replayed through ledgerspec's model of PyTorch 2.13's CUDA caching allocator, {self.conf_text()}; "
+            f"per phase from {how}; a model, not a measurement"
         )
 
     def sentence(self) -> str:
@@ -834,6 +840,7 @@ def replay_on_device(
     cuda_total: int | None = None,
     outside_high: int | None = None,
     helper: Any = None,
+    workspaces: Workspaces | None = None,
 ) -> Replayed:
     """Replay ``step`` (a full-depth :class:`~ledgerspec.derivations.allocator.step.StepEvents`) for a device of
     ``total`` bytes with ``outside_bytes`` outside the allocator (see the module docstring). ``free``: the replay
@@ -844,7 +851,8 @@ def replay_on_device(
     outside-allocator catalogue's range for ``outside_bytes``: when the step fits, whether it still fits with that
     much outside the allocator (:attr:`DevicePrediction.uncertain`; replayed again only when the margin is smaller
     than the range above the typical figure); ``helper``: a :class:`~ledgerspec.derivations.engine.beside.Helper`
-    that replays half of the settings tried (the same answers as here)."""
+    that replays half of the settings tried (the same answers as here); ``workspaces``: the cuBLAS workspaces to add
+    to the stream (:func:`workspaces_of`; ``free`` must have them too)."""
     from ledgerspec.derivations.allocator.step import replay_step
 
     started = time.perf_counter()
@@ -852,12 +860,22 @@ def replay_on_device(
     device_total = cuda_total or total
     capacity = max(0, device_total - outside_bytes)
     if free is None or depends_on_total(config):
-        free = replay_step(doc, config=config, device_total=device_total, target=target, step=step)
+        free = replay_step(
+            doc, config=config, device_total=device_total, target=target, step=step, workspaces=workspaces
+        )
     free_peak = max((p.reserved for p in free.phases.values()), default=0)
     if free.oom is None and free_peak <= capacity:
         on = free  # no cudaMalloc passes the capacity: the replay against it takes the same decisions
     else:
-        on = replay_step(doc, config=config, capacity=capacity, device_total=device_total, target=target, step=step)
+        on = replay_step(
+            doc,
+            config=config,
+            capacity=capacity,
+            device_total=device_total,
+            target=target,
+            step=step,
+            workspaces=workspaces,
+        )
     shown = on if on.oom is None else free
     phases = {
         k: PhaseDevice(p.allocated, p.allocator_allocated, p.reserved, p.reserved + outside_bytes)
@@ -882,6 +900,7 @@ def replay_on_device(
         fallback=step.fallback,
         events=len(step.events),
         cuda_total=device_total,
+        workspaces=sum(sum(w) for w in workspaces) if workspaces else 0,
     )
     # what the allocator can get beside the high end of the catalogue's range (None: no range, a figure the ledger
     # holds): the step and each setting tried are at the edge when they complete against the capacity, not against it
@@ -894,7 +913,13 @@ def replay_on_device(
                 result.high_fits = True  # no cudaMalloc passes the lower capacity either: the same decisions
             else:
                 high = replay_step(
-                    doc, config=config, capacity=capacity_high, device_total=device_total, target=target, step=step
+                    doc,
+                    config=config,
+                    capacity=capacity_high,
+                    device_total=device_total,
+                    target=target,
+                    step=step,
+                    workspaces=workspaces,
                 )
                 result.high_fits = high.oom is None
     peak_allocated = max((p.allocated for p in phases.values()), default=0)
@@ -904,7 +929,7 @@ def replay_on_device(
         # with a helper process, its half of the settings are replayed there while this process replays the rest
         half = len(settings) // 2 if helper is not None and helper.running else 0
         rest = settings[len(settings) - half :]
-        args = (against, device_total, target, step, edge_at)
+        args = (against, device_total, target, step, edge_at, workspaces)
         there = helper.submit(try_settings, doc, rest, *args) if half else None
         out = try_settings(doc, settings[: len(settings) - half], *args)
         return out + (there() if there is not None else [])
@@ -927,11 +952,13 @@ def try_settings(
     target: str,
     step: Any,
     capacity_high: int | None = None,
+    workspaces: Workspaces | None = None,
 ) -> list[Tried]:
     """``step`` replayed against ``capacity`` with each of ``settings`` (setting, whole conf: :func:`_tries`), in
     order (a task a helper process can run: its arguments pickle). ``capacity_high``: what the allocator can get
     beside the high end of the outside-allocator catalogue's range; a setting whose replay completes is replayed
-    against it too, and one that runs out there is at the edge (:attr:`Tried.edge`)."""
+    against it too, and one that runs out there is at the edge (:attr:`Tried.edge`); ``workspaces``: as
+    :func:`replay_on_device`'s."""
     from ledgerspec.derivations.allocator.config import AllocatorConfig
     from ledgerspec.derivations.allocator.step import replay_step
     from ledgerspec.derivations.estimate.fit import OOM_PHASE
@@ -939,12 +966,15 @@ def try_settings(
     out = []
     for setting, whole in settings:
         config = AllocatorConfig.parse(whole)
-        again = replay_step(doc, None, config, capacity, device_total, target, step)
+        again = replay_step(doc, None, config, capacity, device_total, target, step, workspaces)
         reserved = max((p.reserved for p in again.phases.values()), default=0)
         if again.oom is None:
             edge = False
             if capacity_high is not None and capacity_high < capacity:
-                edge = replay_step(doc, None, config, capacity_high, device_total, target, step).oom is not None
+                edge = (
+                    replay_step(doc, None, config, capacity_high, device_total, target, step, workspaces).oom
+                    is not None
+                )
             out.append(Tried(setting, whole, True, reserved, capacity - reserved, edge=edge))
         else:
             a = again.oom
@@ -998,11 +1028,18 @@ def depends_on_total(config: Any) -> bool:
     return bool(config.expandable_segments) or config.per_process_memory_fraction < 1.0
 
 
-def free_replay(doc: Document, step: Any, conf: str, target: str = "cuda") -> Any:
-    """``step`` replayed without a limit (for :func:`replay_on_device`'s ``free``)."""
+def free_replay(doc: Document, step: Any, conf: str, target: str = "cuda", workspaces: Workspaces | None = None) -> Any:
+    """``step`` replayed without a limit (for :func:`replay_on_device`'s ``free``), with ``workspaces``."""
     from ledgerspec.derivations.allocator.step import replay_step
 
-    return replay_step(doc, config=_config(doc, conf), target=target, step=step)
+    return replay_step(doc, config=_config(doc, conf), target=target, step=step, workspaces=workspaces)
+
+
+def workspaces_of(doc: Document, target: Target) -> Workspaces:
+    """The cuBLAS workspaces of ``doc``'s step on ``target``, the Python thread's handle's and the autograd thread's
+    (the outside-allocator catalogue's sizes for its GPU architecture): blocks of the caching allocator that the
+    traced tensor stream lacks (:mod:`ledgerspec.derivations.allocator.workspaces`)."""
+    return outside.cublas_workspaces(replace(outside.stack_of(doc), gpu_name=target.name))
 
 
 def device_question(
@@ -1086,6 +1123,7 @@ def estimate_on_device(
             cuda_total=named.cuda_total,
             outside_high=high_of(now),
             helper=helper,
+            workspaces=workspaces_of(doc, named),
         )
 
     def encode(answer: tuple[Any, Replayed]) -> dict[str, Any]:
@@ -1140,6 +1178,7 @@ def stream_on_device(
             cuda_total=named.cuda_total,
             outside_high=high_of(figure),
             helper=helper,
+            workspaces=workspaces_of(doc, named),
         )
         return replayed, False
 
