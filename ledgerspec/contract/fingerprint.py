@@ -317,6 +317,10 @@ def section_digest(
         present, value = _value(doc, (section, *key), verbatim, only)
         if present:
             values[".".join(key)] = value
+        elif (section, *key) in LATER_INPUTS and not (verbatim or earlier):
+            # undeclared is the installed side: explicit, so that a stamp written with none declared is not the
+            # earlier form's (which would let a version declared since pass unseen)
+            values[".".join(key)] = None
     text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGITS]
 

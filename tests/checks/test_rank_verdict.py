@@ -179,6 +179,9 @@ def test_a_declared_version_edited_across_a_known_difference_is_an_edit() -> Non
     assert _verdict(from_text(undeclared.replace("{peft: 0.10.0}", "{peft: 0.10.0, transformers: 4.39.1}"))).answer == (
         UNKNOWN
     )
+    none = _text(_rank(0, 70 * GiB), _rank(1, 72 * GiB))  # no version declared: the installed side was modelled
+    assert _verdict(from_text(none)).answer == FITS
+    assert _verdict(from_text(_with(none, "{bitsandbytes: 0.42.0}"))).answer == UNKNOWN
     # a stamp written before the versions were read is checked on the rest (documents stamped then unchanged)
     earlier = {k: section_digest(from_text(text), k, v, earlier=True) for k, v in SHARD_INPUTS.items()}
     now = digests(from_text(text), SHARD_INPUTS)

@@ -101,8 +101,8 @@ class Comparison:
 
 #: bump when the cached form of a comparison changes (2: rows say whether the verdict is uncertain; 3: a row at the
 #: edge does not fit; 4: DeepSpeed ZeRO's GPU counts simulated, where one GPU was shown; 5: a row decided by
-#: fragmentation keeps how much)
-FORMAT = 5
+#: fragmentation keeps how much; 6: the replays add the cuBLAS workspaces)
+FORMAT = 6
 
 
 def cached_compare(
@@ -121,7 +121,11 @@ def cached_compare(
     from ledgerspec.derivations.estimate.cache import cached
 
     devices = [asdict(d) for d in catalogue.devices]
-    full_question = {**question, "devices": {"format": FORMAT, "catalogue": devices}}
+    from ledgerspec.derivations.devices import outside
+
+    # the cuBLAS workspaces' sizes come from the outside catalogue (a YAML file, which the code digest does not cover)
+    workspaces = outside.load().cublas
+    full_question = {**question, "devices": {"format": FORMAT, "catalogue": devices, "cublas": workspaces}}
     by_name = {d.name: d for d in catalogue.devices}
 
     def encode(c: Comparison) -> dict[str, Any]:

@@ -411,12 +411,18 @@ def _handle_workspaces(arch: str, stack: Stack, cat: Catalogue) -> tuple[int, in
     return each, lt, int(c["handles"])
 
 
+def _arch_link(stack: Stack, cat: Catalogue) -> tuple[str, str]:
+    """The stack's GPU architecture and link (:func:`architecture`); an unnamed GPU under ROCm is taken as gfx942."""
+    arch, link = architecture(stack.gpu_name, cat)
+    return ("gfx942" if stack.rocm is not None and arch == "unknown" else arch), link
+
+
 def cublas_workspaces(stack: Stack, catalogue: Catalogue | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The workspaces (bytes each) of the Python thread's cuBLAS handle and of the autograd thread's, on the compute
     stream, for the replay (:mod:`ledgerspec.derivations.allocator.workspaces`): inside the allocator, so never in
     this module's sums; the step's tensor stream lacks them."""
     cat = catalogue or load()
-    each, lt, handles = _handle_workspaces(architecture(stack.gpu_name, cat)[0], stack, cat)
+    each, lt, handles = _handle_workspaces(_arch_link(stack, cat)[0], stack, cat)
     one = (each, lt) if lt else (each,)
     return one, (one if handles > 1 else ())
 
@@ -442,9 +448,7 @@ def _cublas(arch: str, stack: Stack, cat: Catalogue) -> Part:
 def estimate(stack: Stack, catalogue: Catalogue | None = None) -> Estimate:
     """The per-rank figure outside the caching allocator for ``stack``, with its parts."""
     cat = catalogue or load()
-    arch, link = architecture(stack.gpu_name, cat)
-    if stack.rocm is not None and arch == "unknown":
-        arch = "gfx942"
+    arch, link = _arch_link(stack, cat)
     parts = [_context(stack, arch, cat), _lazy_modules(stack, cat), _nccl(stack, arch, link, cat)]
     paged = _paged(stack, cat)
     if paged is not None:

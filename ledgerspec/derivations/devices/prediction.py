@@ -491,6 +491,16 @@ class DevicePrediction:
         return max(p.allocator_allocated for p in self.phases.values())
 
     @property
+    def needed(self) -> int:
+        """What the allocator must hold at least: the allocated peak and the cuBLAS workspaces the replay added."""
+        return self.peak_allocated + self.replayed.workspaces
+
+    def _needed_words(self) -> str:
+        return f"the allocated peak {format_size(self.needed)}" + (
+            " (the cuBLAS workspaces included)" if self.replayed.workspaces else ""
+        )
+
+    @property
     def peak_reserved(self) -> int:
         return max(p.reserved for p in self.phases.values())
 
@@ -521,7 +531,7 @@ class DevicePrediction:
             return "none"
         if self.completes:
             return "outside"
-        return "fragmentation" if self.peak_allocated <= self.capacity else "allocated"
+        return "fragmentation" if self.needed <= self.capacity else "allocated"
 
     @property
     def best_try(self) -> Tried | None:
@@ -645,8 +655,8 @@ class DevicePrediction:
             )
             if self.uncertain and self.replayed.tried:
                 out.append(
-                    "at the edge, and with the high end of the range fragmentation decides: the allocated peak "
-                    f"{format_size(self.peak_allocated)} fits what the allocator can get there, its blocks do not"
+                    "at the edge, and with the high end of the range fragmentation decides: "
+                    f"{self._needed_words()} fits what the allocator can get there, its blocks do not"
                 )
                 for t in self.replayed.tried:
                     out.append(
@@ -679,7 +689,7 @@ class DevicePrediction:
             )
             if self.decided_by == "fragmentation":
                 out.append(
-                    f"decided by fragmentation: the allocated peak {format_size(self.peak_allocated)} fits the "
+                    f"decided by fragmentation: {self._needed_words()} fits the "
                     f"{format_size(self.capacity)} the allocator can get, the allocator's blocks do not"
                 )
                 for t in self.replayed.tried:
@@ -707,7 +717,7 @@ class DevicePrediction:
                 )
             else:
                 out.append(
-                    f"decided by the tensors: the allocated peak {format_size(self.peak_allocated)} alone is more "
+                    f"decided by the tensors: {self._needed_words()} alone is more "
                     f"than the {format_size(self.capacity)} the allocator can get; no allocator setting changes that"
                 )
         return out
@@ -922,7 +932,8 @@ def replay_on_device(
                     workspaces=workspaces,
                 )
                 result.high_fits = high.oom is None
-    peak_allocated = max((p.allocated for p in phases.values()), default=0)
+    # what the allocator must hold at least: the tensors' peak and the cuBLAS workspaces
+    peak_allocated = max((p.allocated for p in phases.values()), default=0) + result.workspaces
 
     def tried(against: int, edge_at: int | None) -> list[Tried]:
         settings = _tries(config, conf)
@@ -1074,6 +1085,8 @@ def device_question(
             "outside": figure.bytes,
             "outside_high": high_of(figure),
             "alloc_conf": conf,
+            # from the outside catalogue (a YAML file, which the code digest does not cover)
+            "workspaces": [list(w) for w in workspaces_of(doc, named)],
         },
     }
     return named, figure, conf, question

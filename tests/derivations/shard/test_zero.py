@@ -550,3 +550,27 @@ def test_shard_of_a_zero_ledger_names_its_row_not_fsdp_offload(tmp_path: Path) -
     assert "CPUOffloadPolicy" not in out
     ext = load(path).plain["parallelism"]["x-per-rank"]
     assert "cpu_offload" not in ext and ext["zero"]["zero3_offload"]["host"]["value"] > 0
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")
+def test_a_zero_rank_models_the_declared_transformers_loss_as_one_gpu_does(tmp_path: Path) -> None:
+    """``software.transformers: 4.45.0``: the causal-LM loss of transformers < 4.49 (the float32 logits' shifted copy)
+    and < 4.46 (the upcast in the model's forward). A ZeRO-2 rank runs the microbatch one GPU runs, so it holds what
+    the one-GPU estimate holds for it, beside the same ledger declaring 4.57.0 (held to real runs in
+    tests/derivations/estimate/test_legacy_loss.py). Before, FSDP's ranks modelled the declared loss and ZeRO's the
+    installed one."""
+    from ledgerspec.contract.document import from_text
+    from ledgerspec.derivations.estimate import estimate
+    from ledgerspec.derivations.shard.zero.simulate import estimate_zero_per_rank
+
+    path = _zero_ledger(tmp_path, 2)
+    text = path.read_text(encoding="utf-8")
+    rank, one = {}, {}
+    for version in ("4.45.0", "4.57.0"):
+        doc = from_text(text.replace("\nsoftware:\n", f"\nsoftware:\n  transformers: {version}\n", 1), str(path))
+        rank[version] = estimate_zero_per_rank(doc, 2, target="cpu").ranks[0].phases
+        one[version] = estimate(doc, target="cpu").phases
+    assert one["4.45.0"]["forward_peak"] > one["4.57.0"]["forward_peak"]  # the shifted copy at the loss
+    for phase in ("forward_peak", "backward_peak"):  # the step's own peaks (the steady state adds ZeRO's buckets)
+        older = one["4.45.0"][phase] - one["4.57.0"][phase]
+        assert rank["4.45.0"][phase] - rank["4.57.0"][phase] == older, phase
