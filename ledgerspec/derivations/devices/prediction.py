@@ -869,23 +869,26 @@ def replay_on_device(
     config = _config(doc, conf)
     device_total = cuda_total or total
     capacity = max(0, device_total - outside_bytes)
-    if free is None or depends_on_total(config):
-        free = replay_step(
-            doc, config=config, device_total=device_total, target=target, step=step, workspaces=workspaces
-        )
-    free_peak = max((p.reserved for p in free.phases.values()), default=0)
-    if free.oom is None and free_peak <= capacity:
-        on = free  # no cudaMalloc passes the capacity: the replay against it takes the same decisions
-    else:
-        on = replay_step(
+
+    def against(limit: int | None) -> Any:
+        """The stream replayed with these settings when cudaMalloc can get ``limit`` bytes (None: no limit)."""
+        return replay_step(
             doc,
             config=config,
-            capacity=capacity,
+            capacity=limit,
             device_total=device_total,
             target=target,
             step=step,
             workspaces=workspaces,
         )
+
+    if free is None or depends_on_total(config):
+        free = against(None)
+    free_peak = max((p.reserved for p in free.phases.values()), default=0)
+    if free.oom is None and free_peak <= capacity:
+        on = free  # no cudaMalloc passes the capacity: the replay against it takes the same decisions
+    else:
+        on = against(capacity)
     shown = on if on.oom is None else free
     phases = {
         k: PhaseDevice(p.allocated, p.allocator_allocated, p.reserved, p.reserved + outside_bytes)
@@ -922,16 +925,7 @@ def replay_on_device(
             if free.oom is None and free_peak <= capacity_high:
                 result.high_fits = True  # no cudaMalloc passes the lower capacity either: the same decisions
             else:
-                high = replay_step(
-                    doc,
-                    config=config,
-                    capacity=capacity_high,
-                    device_total=device_total,
-                    target=target,
-                    step=step,
-                    workspaces=workspaces,
-                )
-                result.high_fits = high.oom is None
+                result.high_fits = against(capacity_high).oom is None
     # what the allocator must hold at least: the tensors' peak and the cuBLAS workspaces
     peak_allocated = max((p.allocated for p in phases.values()), default=0) + result.workspaces
 

@@ -295,6 +295,11 @@ def _estimate_workload_class() -> Any:
                 self.stack.enter_context(EmulatedAutocast(CUDA_POLICY, getattr(torch, self.spec.autocast_dtype)))
             self.stack.enter_context(_unpacked_rows())
             self.stack.enter_context(_no_meta_failure_log())
+            from ledgerspec.derivations.estimate.legacy_loss import declared_loss
+
+            # transformers < 4.49's loss (and < 4.46's upcast) when the ledger declares it: every step simulated from
+            # this workload (one GPU, FSDP's and ZeRO's ranks) runs the declared one
+            self.stack.enter_context(declared_loss(self.doc, self))
             from ledgerspec.derivations.estimate.grouped_mm import grouped_mm_any_float
 
             grouped_mm_any_float()  # fp16 / fp32 experts: the meta kernel takes what the kernels take
@@ -361,9 +366,7 @@ def trace(
     run_spec = spec.changed(accumulation=min(spec.accumulation, 2), prefetch=spec.accumulation)
     workload = _estimate_workload_class()(doc, run_spec, source, spec.attention, target, keep_4bit_input)
     backend = backend if backend is not None else TrackerBackend(fake=True, granularity=granularity(target))
-    from ledgerspec.derivations.estimate.legacy_loss import declared_loss
-
-    with workload.stack, warnings.catch_warnings(), declared_loss(doc, workload):  # transformers < 4.49 loss
+    with workload.stack, warnings.catch_warnings():
         # the simulation builds a paged optimizer on the CPU, where bitsandbytes warns that paging falls back;
         # the estimate models the paged state itself, so the warning is about the simulation, not the user's run
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU", category=UserWarning)

@@ -153,9 +153,7 @@ def simulate_rank(
                 if record is not None:  # and the host waits for the gradients' copies to it
                     extra.enter_context(O.waiting_for_gradient_copies(split))
             sides = extra.enter_context(recording_sides(backend))
-        from ledgerspec.derivations.estimate.legacy_loss import declared_loss
-
-        with workload.stack, declared_loss(doc, workload):  # transformers < 4.49 loss when the ledger declares it
+        with workload.stack:  # the declared transformers' loss: the workload's (EstimateWorkload.prepare)
             result = run_protocol(workload, backend, device="cpu", steps=1)
     if result.oom or not result.complete:
         raise _err(doc, ("identity",), f"the simulated FSDP2 step stopped early ({result.oom_message})")

@@ -160,9 +160,7 @@ def simulate_zero_rank(
             workload.sides = backend.tracker
             workload.stack.enter_context(offload_sides(backend.tracker, options, target == "cuda"))
             sides = workload.stack.enter_context(recording_sides(backend))
-        from ledgerspec.derivations.estimate.legacy_loss import declared_loss
-
-        with workload.stack, declared_loss(doc, workload):  # transformers < 4.49 loss when the ledger declares it
+        with workload.stack:  # the declared transformers' loss: the workload's (EstimateWorkload.prepare)
             result = run_protocol(workload, backend, device="cpu", steps=1)
             held = zero_components(workload) if result.complete else {}
     if result.oom or not result.complete:
