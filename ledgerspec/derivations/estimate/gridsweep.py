@@ -116,19 +116,6 @@ def _variant(doc: Document, regime: _Regime, p: Point, swept: tuple[bool, bool])
     return probe(doc, p.b if by_b else None, p.length if by_n else None, p.typical, regime.others)
 
 
-_PENDING: tuple[Sequence[tuple[Document, tuple[int | None, ...]]], Callable[..., Probes]] | None = None
-
-
-def _run_job(index: int) -> Probes | None:
-    assert _PENDING is not None
-    jobs, fn = _PENDING
-    try:
-        doc, depths = jobs[index]
-        return fn(doc, depths)
-    except BaseException:  # the parent runs it again (and reports its error)
-        return None
-
-
 @cache
 def _side_backend_class() -> Any:
     """The event backend of :mod:`ledgerspec.derivations.allocator.step` whose tracker also logs what
@@ -207,10 +194,10 @@ def run_jobs(
 ) -> list[Probes]:
     """Every job's probes, in ``processes`` forked workers (as :func:`.search.run_estimates` forks: only before this
     process has traced anything; a job that fails there is run again here)."""
-    global _PENDING
     import multiprocessing
 
     from ledgerspec.derivations.engine import protocol
+    from ledgerspec.derivations.estimate.forked import forked_map
 
     serial = processes <= 1 or len(jobs) < 2 or "fork" not in multiprocessing.get_all_start_methods()
     if serial or protocol.RUNS_STARTED:
@@ -219,12 +206,7 @@ def run_jobs(
         warm()
     # the longest jobs first: the workers finish together
     order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][1]))
-    _PENDING = ([jobs[i] for i in order], fn)
-    try:
-        with multiprocessing.get_context("fork").Pool(min(processes, len(jobs))) as pool:
-            got = pool.map(_run_job, range(len(jobs)), chunksize=1)
-    finally:
-        _PENDING = None
+    got = forked_map(lambda k: fn(*jobs[order[k]]), len(jobs), processes)
     out: list[Probes | None] = [None] * len(jobs)
     for i, g in zip(order, got, strict=True):
         out[i] = g if g is not None else fn(*jobs[i])

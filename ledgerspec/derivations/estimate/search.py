@@ -412,17 +412,6 @@ def probe(doc: Document, b: int | None, length: int | None, typical: int | None,
 
 #: bytes of the figures of one estimate, as the parallel runner returns them
 Figures = dict[str, int]
-_PENDING: tuple[Sequence[Document], EstimateFn] | None = None
-
-
-def _run_one(index: int) -> Figures | None:
-    """One pending estimate, in a worker process (None when it failed: the parent runs it again to report it)."""
-    assert _PENDING is not None
-    docs, estimate_fn = _PENDING
-    try:
-        return dict(estimate_fn(docs[index]).figures)
-    except BaseException:  # reported by the parent's own run of the same estimate
-        return None
 
 
 def warm_stack(docs: Sequence[Document], store: Any = None, question: dict[str, Any] | None = None) -> None:
@@ -462,22 +451,17 @@ def run_estimates(
     trace. An estimate that fails in
     a worker is run again here, so its error is reported as a serial run reports it.
     """
-    global _PENDING
     import multiprocessing
 
     from ledgerspec.derivations.engine import protocol
+    from ledgerspec.derivations.estimate.forked import forked_map
 
     serial = jobs <= 1 or len(docs) < 2 or "fork" not in multiprocessing.get_all_start_methods()
     if serial or protocol.RUNS_STARTED:  # never fork after a trace in this process (see the docstring)
         return [dict(estimate_fn(d).figures) for d in docs]
     if warm is not None:
         warm(docs)
-    _PENDING = (docs, estimate_fn)
-    try:
-        with multiprocessing.get_context("fork").Pool(min(jobs, len(docs))) as pool:
-            got = pool.map(_run_one, range(len(docs)), chunksize=1)
-    finally:
-        _PENDING = None
+    got = forked_map(lambda i: dict(estimate_fn(docs[i]).figures), len(docs), jobs)
     return [g if g is not None else dict(estimate_fn(d).figures) for g, d in zip(got, docs, strict=True)]
 
 
