@@ -23,7 +23,7 @@ def schema_hits(doc: Document) -> Iterator[Hit]:
     seen: set[str] = set()
     for err in sorted(validator(kind).iter_errors(doc.plain), key=lambda e: list(e.absolute_path)):
         path = tuple(str(p) for p in err.absolute_path)
-        hit = _explain(kind, path, err)
+        hit = _explain(kind, path, err, _as_written(doc.data, path))
         key = hit.pointer + hit.message
         if key not in seen:
             seen.add(key)
@@ -50,14 +50,30 @@ def _size_hits(doc: Document, kind: str) -> Iterator[Hit]:
                     yield Hit(pointer(*where), f"{'.'.join(where)}: {exc}", ERROR)
 
 
-def _explain(kind: str, path: tuple[str, ...], err: Any) -> Hit:
+def _as_written(data: Any, path: tuple[str, ...]) -> str | None:
+    """A number's text as the file wrote it (``4.50``, which YAML reads as 4.5), at ``path`` or in its long form."""
+    node = data
+    for part in path:
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    if isinstance(node, dict):
+        node = node.get("value")
+    source = getattr(node, "source", None)
+    return source if isinstance(source, str) else None
+
+
+def _explain(kind: str, path: tuple[str, ...], err: Any, written: str | None = None) -> Hit:
     where = pointer(*path)
     dotted = ".".join(path) or "document"
     if err.validator == "additionalProperties":
         return _unknown_keys(kind, path, err)
     field = F.lookup(kind, tuple(p for p in path if not p.isdigit()))
     if err.validator == "anyOf" and field is not None:
-        return Hit(where, f"{dotted}: {_expected(field, err.instance)}", ERROR)
+        return Hit(where, f"{dotted}: {_expected(field, err.instance, written)}", ERROR)
     if err.validator == "required" and path == ():
         return Hit(where, "missing header `ledgerspec:` (ledger/v1 or intake/v1)", ERROR)
     if err.validator == "type" and err.validator_value == "object" and field is not None:
@@ -88,7 +104,7 @@ def _unknown_keys(kind: str, path: tuple[str, ...], err: Any) -> Hit:
     )
 
 
-def _expected(field: F.Field, value: Any) -> str:
+def _expected(field: F.Field, value: Any, written: str | None = None) -> str:
     if isinstance(value, dict):
         src = value.get("source")
         if "source" not in value:
@@ -111,11 +127,11 @@ def _expected(field: F.Field, value: Any) -> str:
             return f"unknown key(s) {', '.join(map(repr, stray))} in a long-form value; use value, source, note, method"
         if "value" not in value:
             return f"source {src} needs a `value`"
-        return _expected_plain(field, value.get("value"), long_form=True)
-    return _expected_plain(field, value)
+        return _expected_plain(field, value.get("value"), long_form=True, written=written)
+    return _expected_plain(field, value, written=written)
 
 
-def _expected_plain(field: F.Field, value: Any, long_form: bool = False) -> str:
+def _expected_plain(field: F.Field, value: Any, long_form: bool = False, written: str | None = None) -> str:
     k = field.kind
     got = _show(value)
     if k in (F.MEMORY, F.SIZE) or (k == F.FIGURES and not isinstance(value, list)):
@@ -150,6 +166,10 @@ def _expected_plain(field: F.Field, value: Any, long_form: bool = False) -> str:
     if k in (F.INTMAP, F.NUMMAP):
         return f"expected a mapping of module pattern -> {'integer' if k == F.INTMAP else 'number'}, got {got}"
     if k == F.STRING:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            # YAML reads a bare 4.50 as the number 4.5: a version or a name written as a number loses its text
+            written = written or str(value)
+            return f"expected a string, got the number {written}; quote it to keep it as written: '{written}'"
         return f"expected a string, got {got}"
     words = " or ".join(UNKNOWN_WORDS)
     return f"invalid value {got}; write a plain value, {words}, or the long form"

@@ -91,6 +91,13 @@ CASES: dict[str, tuple[int, str, int, str]] = {
     "long_form_stray_key": (1, "schema", 4, "unknown key(s) 'unit'"),
     "unknown_status": (1, "schema", 2, "'DONE' is not one of"),
     "enum_typo": (1, "schema", 4, "did you mean 'QLoRA'?"),
+    # YAML reads a bare 4.50 as the number 4.5: the message shows it as written and says to quote it
+    "version_as_number": (
+        1,
+        "schema",
+        4,
+        "expected a string, got the number 4.50; quote it to keep it as written: '4.50'",
+    ),
     # issue 15: hostile strings; report used to fail on them (KeyError, MarkupError) or print them raw
     "source_is_a_status": (1, "schema", 5, "unknown source 'CANDIDATE'"),
     "rich_markup": (1, "schema", 6, "unknown source '[/red]'"),
