@@ -34,6 +34,16 @@ ONE_STREAM_NOTE = (
     "each rank's allocations replayed on one stream (DeepSpeed's side streams would keep pools of their own on a GPU)"
 )
 EXTENSION = "x-devices"
+#: how a ``--devices`` table decided on the device reads (issue 23): what "usable" is there, and the largest microbatch
+ON_DEVICE_NOTE = (
+    "decided on the device: usable = what the caching allocator can get there (the device's CUDA total, what "
+    "cudaMemGetInfo reports, below nvidia-smi's total, less what lies outside the allocator: the CUDA context and "
+    "modules, NCCL's buffers); fits and headroom at the declared microbatch: the step's allocation stream replayed "
+    "through the caching-allocator model against it, headroom = CUDA total - device peak; the largest microbatch is "
+    "at most (<=) the largest whose allocated tensors and cuBLAS workspaces fit the usable memory (the allocator holds "
+    "at least those; fragmentation may leave less: `estimate --fit microbatch --device-memory SIZE` checks it on the "
+    "device)"
+)
 
 
 @dataclass
@@ -54,6 +64,18 @@ class Row:
     uncertain: bool = False
     #: decided by fragmentation: the reserved bytes free but in blocks that could not serve the request that failed
     fragmentation: int | None = None
+    #: decided on the device: what the caching allocator can get there (the device's CUDA total less what lies outside
+    #: the allocator), the memory the row's figures are judged against; None: the catalogue's usable memory
+    usable: int | None = None
+    #: decided on the device: ``largest_microbatch`` is an upper bound, the largest whose allocated tensors (and the
+    #: cuBLAS workspaces) fit what the allocator can get; the allocator holds at least those, so no larger one fits,
+    #: and fragmentation may leave a smaller one (``estimate --fit microbatch`` checks it on the device)
+    largest_at_most: bool = False
+
+    @property
+    def memory(self) -> int:
+        """The memory the row is judged against: :attr:`usable` on the device, else the catalogue's usable memory."""
+        return self.usable if self.usable is not None else self.device.usable
 
     def to_extension(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -62,11 +84,12 @@ class Row:
             "vendor_memory": self.device.vendor_memory,
             "total": self.device.total,
             "capacity": self.device.capacity,
-            "memory": self.device.usable,
+            "memory": self.memory,
             "peak": self.peak,
             "fits": self.fits,
             "headroom": self.headroom,
             "largest_microbatch": self.largest_microbatch,
+            "largest_at_most": self.largest_at_most or None,
             "device_peak": self.device_peak,
             "decided_by": self.decided_by,
             "uncertain": self.uncertain or None,
@@ -92,7 +115,9 @@ class Comparison:
             "source": "CALCULATED",
             "microbatch": self.microbatch,
             "sharding": self.sharding,
-            "usable_memory": usable_note(self.catalogue),
+            "usable_memory": ON_DEVICE_NOTE
+            if any(r.usable is not None for r in self.rows)
+            else usable_note(self.catalogue),
             "rows": [r.to_extension() for r in self.rows],
             "notes": list(self.notes),
             "catalogue": self.catalogue.files,
@@ -101,8 +126,9 @@ class Comparison:
 
 #: bump when the cached form of a comparison changes (2: rows say whether the verdict is uncertain; 3: a row at the
 #: edge does not fit; 4: DeepSpeed ZeRO's GPU counts simulated, where one GPU was shown; 5: a row decided by
-#: fragmentation keeps how much; 6: the replays add the cuBLAS workspaces)
-FORMAT = 6
+#: fragmentation keeps how much; 6: the replays add the cuBLAS workspaces; 7: a row decided on the device is judged
+#: against what the allocator can get there, and its largest microbatch is an upper bound against that)
+FORMAT = 7
 
 
 def cached_compare(
@@ -246,24 +272,20 @@ def compare(
                 _largest(model, n, peak, single, per_row, declared, device.usable),
             )
             if verdict is not None and n in steps:
-                row.fits, row.headroom, row.device_peak, row.decided_by, row.uncertain, row.fragmentation = verdict(
-                    device, n
-                )
+                v = verdict(device, n)
+                row.fits, row.headroom, row.device_peak, row.decided_by, row.uncertain, row.fragmentation = v[:6]
+                can_get, workspaces = v[6], v[7]
+                row.usable, row.largest_at_most = can_get, True
+                row.largest_microbatch = _largest(model, n, peak, single, per_row, declared, can_get - workspaces)
             rows.append(row)
     if verdict is not None:
-        notes.append(
-            "fits and headroom: decided on the device at the declared microbatch (the step's allocation stream "
-            "replayed through the caching-allocator model against each device's CUDA total (its capacity in the "
-            "catalogue: what cudaMemGetInfo reports, below nvidia-smi's total) less what lies outside the allocator "
-            "there: the CUDA context and modules, NCCL's buffers); headroom = capacity - device-level peak; "
-            "the largest microbatch: the allocated tensors against the usable memory"
-        )
+        notes.append(ON_DEVICE_NOTE)
     return Comparison(rows, declared, sharding, notes, catalogue, sorted(s.microbatch for s in model.samples))
 
 
 def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int | None] | None = None) -> Any:
-    """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by, uncertain, fragmentation)`` for the worst
-    rank of
+    """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by, uncertain, fragmentation, what the
+    allocator can get, the cuBLAS workspaces' bytes)`` for the worst rank of
     ``gpus``, each distinct stream replayed without a limit once and against a device only when its peak passes that
     device's capacity (a replay against a capacity takes the same decisions until then). ``states``: each stream's
     optimizer state from its estimate (a paged optimizer's for the catalogue's high end: the rank's own share, not
@@ -289,7 +311,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
             free[key] = free_replay(doc, step, conf, workspaces=workspaces)
         return free[key]
 
-    def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str, bool, int | None]:
+    def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str, bool, int | None, int, int]:
         target = Target(device.total, device.name, "catalogue", "the device catalogue's entry", device.capacity)
         figure = outside_of(doc, target, gpus)
         workspaces = workspaces_of(doc, target)
@@ -313,7 +335,17 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
                 worst = p
         assert worst is not None
         frag = worst.fragmentation if worst.decided_by == "fragmentation" else None
-        return worst.fits, worst.margin, worst.device_peak, worst.decided_by, worst.uncertain, frag
+        r = worst.replayed
+        return (
+            worst.fits,
+            worst.margin,
+            worst.device_peak,
+            worst.decided_by,
+            worst.uncertain,
+            frag,
+            r.capacity,
+            r.workspaces,
+        )
 
     return verdict
 

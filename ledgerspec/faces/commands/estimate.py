@@ -647,21 +647,21 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
         "device peak",
         "fits",
         "headroom",
-        "largest microbatch (allocated)",
+        "largest microbatch" if on_device else "largest microbatch (allocated)",
     )
     cells = [
         (
             r.device.name,
             str(r.gpus),
             r.device.vendor_memory,
-            format_size(r.device.usable),
+            format_size(r.memory),
             format_size(r.peak) if r.peak is not None else "-",
             format_size(r.device_peak) if r.device_peak is not None else "-",
             fits_cell(r),
             (format_size(r.headroom) if r.headroom >= 0 else "-" + format_size(-r.headroom))
             if r.headroom is not None
             else "-",
-            str(r.largest_microbatch) if r.largest_microbatch is not None else "none",
+            largest_cell(r.largest_microbatch, r.largest_at_most),
         )
         for r in result.rows
     ]
@@ -671,7 +671,8 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     for note in result.notes:
         print(f"  note: {note}")
-    print(f"  {usable_note(catalogue)}")
+    if not any(r.usable is not None for r in result.rows):  # rows judged against the catalogue's usable memory
+        print(f"  {usable_note(catalogue)}")
     print(f"  (traced at microbatch {', '.join(map(str, result.traced))}; {time.perf_counter() - started:.1f} s)")
     if writes:
         from ledgerspec.contract.edit import set_extension
@@ -682,6 +683,13 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
         set_extension(doc, (EXTENSION,), block)
         _save(doc, args, EXTENSION)
     return EXIT_OK
+
+
+def largest_cell(largest: int | None, at_most: bool) -> str:
+    """The largest microbatch of a ``--devices`` row: ``<= N`` when it is an upper bound (decided on the device)."""
+    if largest is None:
+        return "none"
+    return f"<= {largest}" if at_most else str(largest)
 
 
 def fits_cell(row: Any) -> str:

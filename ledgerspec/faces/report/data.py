@@ -92,6 +92,18 @@ class DeviceRow:
     edge: bool = False
     #: a NO that fragmentation decided: the bytes free but unusable (``x-devices.rows[].fragmentation``)
     fragmentation: int | None = None
+    #: decided on the device: the device-level peak (the allocator model's reserved bytes + what lies outside it)
+    device_peak: int | None = None
+    #: ``largest_microbatch`` is an upper bound (decided on the device: the allocated tensors against what the
+    #: allocator can get; ``x-devices.rows[].largest_at_most``)
+    largest_at_most: bool = False
+
+    @property
+    def largest_text(self) -> str:
+        """The row's largest-microbatch cell: ``<= N`` for an upper bound, "-" when it has none."""
+        if self.largest_microbatch is None:
+            return "-"
+        return f"<= {self.largest_microbatch:,}" if self.largest_at_most else f"{self.largest_microbatch:,}"
 
     @property
     def fits_text(self) -> str:
@@ -419,6 +431,8 @@ def _devices(doc: Document) -> list[DeviceRow]:
                 str(item.get("note", "")),
                 edge,
                 _int(item.get("fragmentation")),
+                _int(item.get("device_peak")),
+                item.get("largest_at_most") is True,
             )
         )
     return rows

@@ -268,8 +268,8 @@ def _fits_table(rows: list[FitRow]) -> str:
 def _devices_table(rows: list[DeviceRow], note: str | None) -> str:
     out = [
         '<table class="devices"><thead><tr><th>device</th><th class="num">GPUs</th><th class="num">memory '
-        '(vendor)</th><th class="num">usable</th><th class="num">peak per GPU</th><th>fits</th>'
-        '<th class="num">headroom</th><th class="num">largest microbatch (allocated)</th></tr></thead><tbody>'
+        '(vendor)</th><th class="num">usable</th><th class="num">peak per GPU</th><th class="num">device peak</th>'
+        '<th>fits</th><th class="num">headroom</th><th class="num">largest microbatch</th></tr></thead><tbody>'
     ]
     for r in rows:
         fits = "" if r.fits is None else escape(r.fits_text)
@@ -277,8 +277,8 @@ def _devices_table(rows: list[DeviceRow], note: str | None) -> str:
         out.append(
             f'<tr{cls}><td>{escape(r.name)}</td><td class="num">{r.gpus}</td>'
             f'<td class="num">{escape(r.vendor_memory)}</td><td class="num">{_size(r.memory)}</td>'
-            f'<td class="num">{_size(r.peak)}</td><td>{fits}</td><td class="num">{_size(r.headroom)}</td>'
-            f'<td class="num">{_opt(r.largest_microbatch)}</td></tr>'
+            f'<td class="num">{_size(r.peak)}</td><td class="num">{_size(r.device_peak)}</td><td>{fits}</td>'
+            f'<td class="num">{_size(r.headroom)}</td><td class="num">{escape(r.largest_text)}</td></tr>'
         )
     out.append("</tbody></table>")
     if note:

@@ -255,7 +255,17 @@ FIT_HEAD = (
     "device",
     "note",
 )
-DEVICE_HEAD = ("device", "GPUs", "vendor", "usable", "peak/GPU", "fits", "headroom", "largest microbatch (allocated)")
+DEVICE_HEAD = (
+    "device",
+    "GPUs",
+    "vendor",
+    "usable",
+    "peak/GPU",
+    "device peak",
+    "fits",
+    "headroom",
+    "largest microbatch",
+)
 
 
 def _size(n: int | None) -> str:
@@ -289,9 +299,10 @@ def _device_cells(r: DeviceRow) -> tuple[str, ...]:
         r.vendor_memory,
         _size(r.memory),
         _size(r.peak),
+        _size(r.device_peak),
         fits,
         _size(r.headroom),
-        _count(r.largest_microbatch),
+        r.largest_text,
     )
 
 

@@ -139,7 +139,7 @@ def test_devices_rows_decide_against_each_entrys_capacity() -> None:
     doc = _doc("outside_allocator:\n  total: {value: 2 MiB, source: ASSUMPTION, note: a test figure}\n")
     verdict = _on_device(doc, {1: [step]})
     tight = Device("Card", "84 MiB", 84 * MiB, 0, "", capacity=60 * MiB)
-    fits, margin, peak, _, _, _ = verdict(tight, 1)
+    fits, margin, peak, *_ = verdict(tight, 1)
     assert (fits, peak, margin) == (False, 68 * MiB, 60 * MiB - 68 * MiB)
     roomy = Device("Card", "84 MiB", 84 * MiB, 0, "")  # no capacity: the total stands in
     assert verdict(roomy, 1)[:2] == (True, 16 * MiB)

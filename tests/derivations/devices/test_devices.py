@@ -136,3 +136,44 @@ def test_the_tables_sharding_is_read_as_the_other_commands_read_it() -> None:
     assert _sharding(doc(None, None)) == "none"  # type: ignore[arg-type]
     assert declares_fsdp1(doc(None, "fsdp_v1")) and sharded_ranks(doc(None, "fsdp_v1")) == 2  # type: ignore[arg-type]
     assert sharded_ranks(doc("fsdp2", None, gpus=1)) is None  # type: ignore[arg-type]
+
+
+def test_a_row_decided_on_the_device_is_judged_against_what_the_allocator_can_get_and_bounds_the_largest() -> None:
+    """Issue 23, found by a newcomer trial: on the device the table showed the catalogue's usable memory (nvidia-smi's
+    total less a flat reserve) beside a verdict replayed against CUDA's total less what lies outside the allocator,
+    and a largest microbatch from the allocated tensors that the device then did not hold (``--fit`` answered 6
+    where the row said 8). Now ``usable`` is what the allocator can get, and the largest microbatch is an upper
+    bound against it: the allocated tensors and the cuBLAS workspaces (two of 8,519,680 B, or 32 MiB each on
+    Hopper and later) fit it, one more row does not."""
+    from types import SimpleNamespace
+
+    from ledgerspec.derivations.allocator.step import StepEvents
+
+    windows = ["0:frozen_params", "1:adapter", "2:optimizer", "3:activations", "4:temporary", "5:optimizer"]
+    windows += ["6:activations", "7:temporary", "8:optimizer"]
+    events: list[tuple[object, ...]] = []
+    for label in windows:
+        events.append(("phase", label))
+        if label == "3:activations":  # the whole step: one 8 GiB tensor (the model's peak at microbatch 2)
+            events += [("alloc", 1, 8 << 30), ("free", 1)]
+    step = StepEvents(events, windows, 1, {}, method="by hand")
+    doc = ledger(microbatch=2, seq=1024)
+    single = SimpleNamespace(components={})
+    result = compare(doc, load_catalogue(), _fn(2 << 30), on_device=True, single_step=lambda: (single, step))  # type: ignore[arg-type]
+    hopper = {"NVIDIA H100 80GB HBM3", "NVIDIA H200", "AMD Instinct MI300X"}  # 32 MiB workspaces (gfx942 too)
+    for r in result.rows:
+        assert r.usable is not None and r.largest_at_most and r.memory == r.usable
+        # the replay reserves the tensor's 8 GiB segment and the Python thread's workspace's own, taken at the first
+        # forward: 20 MiB for a request of 1-10 MiB (the autograd thread's, at the first backward, fits what is left)
+        # or, on Hopper, 32 MiB (a request over 10 MiB, rounded to 2 MiB; the autograd thread's 32 MiB is split from
+        # the tensor's cached 8 GiB segment, freed by then: best fit)
+        workspaces = 2 * (32 << 20) if r.device.name in hopper else 2 * 8_519_680
+        segments = (8 << 30) + (32 << 20 if r.device.name in hopper else 20 << 20)
+        outside = r.device_peak - segments
+        assert r.usable == r.device.capacity - outside < r.device.usable + (1 << 30), r.device.name
+        assert r.headroom == r.device.capacity - r.device_peak
+        best = r.largest_microbatch or 0
+        assert (4 << 30) + best * (2 << 30) + workspaces <= r.usable < (4 << 30) + (best + 1) * (2 << 30) + workspaces
+    ext = result.to_extension()
+    assert ext["rows"][0]["largest_at_most"] is True and ext["rows"][0]["memory"] == result.rows[0].usable
+    assert ext["usable_memory"].startswith("decided on the device: usable = what the caching allocator can get")

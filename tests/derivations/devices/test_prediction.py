@@ -433,7 +433,7 @@ def test_the_devices_comparison_says_no_at_the_edge_where_the_catalogues_high_fi
     step = _step([("alloc", 1, 9 * GiB)], [])
     verdict = _on_device(_doc(), {1: [step]})
     tight = Device("NVIDIA A100-SXM4-80GB", "80 GB", 10 * GiB, 0, "test", capacity=10 * GiB)
-    fits, margin, _, _, uncertain, _ = verdict(tight, 1)
+    fits, margin, _, _, uncertain, *_ = verdict(tight, 1)
     # the two cuBLAS workspaces (8,519,680 B each) share one 20 MiB segment: the first takes a new one (a request of
     # 1 to 10 MiB), the second fits in what it leaves
     assert not fits and uncertain and margin == 10 * GiB - 9 * GiB - 20 * MiB - (450 + 256) * MiB
@@ -471,7 +471,7 @@ def test_a_devices_row_decided_by_fragmentation_says_how_much() -> None:
 
     doc = _doc("outside_allocator:\n  total: {value: 1GiB, source: MEASURED}\n")
     card = Device("Test card", "1 GB", GiB + 61 * MiB, 0, "a test", capacity=GiB + 61 * MiB)
-    fits, headroom, _, decided_by, uncertain, fragmentation = _on_device(doc, {1: [FRAGMENTING]})(card, 1)
+    fits, headroom, _, decided_by, uncertain, fragmentation, *_ = _on_device(doc, {1: [FRAGMENTING]})(card, 1)
     left = 20 * MiB - 2 * 8_519_680
     assert (fits, decided_by, uncertain, headroom) == (False, "fragmentation", False, -5 * MiB)
     assert fragmentation == 18 * MiB + left

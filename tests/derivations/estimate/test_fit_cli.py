@@ -60,7 +60,9 @@ def test_fit_microbatch_answers_and_records_it(cli: CliRunner, tiny: Path) -> No
 def test_devices_answers_which_server_and_records_it(cli: CliRunner, tiny: Path) -> None:
     code, out, err = cli("estimate", tiny, "--devices")
     assert code == 0, err
-    assert "NVIDIA GeForce RTX 4090" in out and "AMD Instinct MI300X" in out and "usable memory =" in out
+    assert "NVIDIA GeForce RTX 4090" in out and "AMD Instinct MI300X" in out
+    # decided on the device: usable is what the allocator can get there, the largest microbatch an upper bound
+    assert "usable = what the caching allocator can get there" in out and "usable memory =" not in out
     rows = load(tiny).get("x-devices", "rows").raw
     assert {r["name"] for r in rows} >= {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
     assert all(r["fits"] and r["largest_microbatch"] >= 1 for r in rows)
@@ -78,6 +80,8 @@ def test_devices_answers_which_server_and_records_it(cli: CliRunner, tiny: Path)
     _, single = estimate_on_device(load(tiny), rtx["total"], from_flag=True)  # the catalogue names the same card
     assert single.target.name == rtx["name"] and single.device_peak == rtx["device_peak"]
     assert single.cuda_total == rtx["capacity"] < rtx["total"] and single.margin == rtx["headroom"]
+    assert single.replayed.capacity == rtx["memory"] and rtx["largest_at_most"] is True  # "the X GiB it can get"
+    assert f"<= {rtx['largest_microbatch']}" in out
 
 
 @pytest.mark.slow
