@@ -162,7 +162,7 @@ def test_a_row_decided_on_the_device_is_judged_against_what_the_allocator_can_ge
     result = compare(doc, load_catalogue(), _fn(2 << 30), on_device=True, single_step=lambda: (single, step))  # type: ignore[arg-type]
     hopper = {"NVIDIA H100 80GB HBM3", "NVIDIA H200", "AMD Instinct MI300X"}  # 32 MiB workspaces (gfx942 too)
     for r in result.rows:
-        assert r.usable is not None and r.largest_at_most and r.memory == r.usable
+        assert r.usable is not None and r.device_peak is not None and r.largest_at_most and r.memory == r.usable
         # the replay reserves the tensor's 8 GiB segment and the Python thread's workspace's own, taken at the first
         # forward: 20 MiB for a request of 1-10 MiB (the autograd thread's, at the first backward, fits what is left)
         # or, on Hopper, 32 MiB (a request over 10 MiB, rounded to 2 MiB; the autograd thread's 32 MiB is split from
