@@ -270,6 +270,8 @@ def _print_device(est: Any, p: Any) -> None:
     print(f"  {p.sentence()}", file=out)
     for line in p.lines():
         print(printable(f"  {line}"), file=out)
+    # the allocated answer stays against the declared memory (as the ledger's result.fits and x-estimate.verdict's
+    # allocated part are): said so where the device verdict replayed against another total (CUDA's, the card's)
     allocated = est.fit(p.total)
     print(
         f"  allocated only: {'fits' if allocated.fits else 'does NOT fit'}, peak {format_size(est.peak_allocated)}, "
@@ -277,7 +279,8 @@ def _print_device(est: Any, p: Any) -> None:
             f"headroom {format_size(allocated.headroom)}"
             if allocated.fits
             else f"{format_size(-allocated.headroom)} over"
-        ),
+        )
+        + (f" (of the declared {format_size(p.total)}, not the CUDA total)" if p.cuda_total != p.total else ""),
         file=out,
     )
     print(

@@ -200,9 +200,12 @@ def test_status_reaches_candidate(tmp_path: Path, cli: CliRunner) -> None:
     text = text.replace("config_sha256: UNKNOWN", f"config_sha256: {pin}")
     path = _copy(tmp_path, text)
     assert supported_status(load(path)).status == "CALCULATED"
-    code, _, err = cli("estimate", path, "--device-memory", "80GB")
+    code, out, err = cli("estimate", path, "--device-memory", "80GB")
     assert code == 0, err
     assert supported_status(load(path)).status == "CANDIDATE"
+    # 80 GB (74.51 GiB) is replayed as the catalogue's A100 80GB, against its CUDA total: the allocated-only answer
+    # stays against the declared memory, and says so (a newcomer read its smaller headroom as a contradiction)
+    assert "CUDA total is 79.25 GiB" in out and "(of the declared 74.51 GiB, not the CUDA total)" in out
 
 
 @pytest.mark.slow  # traces or starts processes: the full suite, not the edit loop
