@@ -1,5 +1,5 @@
 """The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012-LS014, LS023, LS032, LS043,
-LS061, LS062 and LS090. One function per rule, named after it.
+LS061, LS062, LS063 and LS090. One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
 :class:`~ledgerspec.checks.findings.Hit`; the validator adds positions and severities.
@@ -612,6 +612,30 @@ def ls062_setting_without_effect(ctx: Context) -> Iterator[Hit]:
             "loss_item_each_step describes a custom loop: the Trainer reads each micro-step's loss anyway",
             INFO,
         )
+
+
+@rule(
+    "LS063",
+    WARNING,
+    "workload.dp_world_size is not parallelism.gpu_count under a data-parallel strategy",
+    "under DDP, FSDP and DeepSpeed ZeRO every rank is a data-parallel replica with its own microbatch "
+    "(sharding splits the model state, not the batch): dp_world_size is the number of ranks, which the global "
+    "batch (LS010) and the per-GPU figures read",
+    example="parallelism: {gpu_count: 2, strategy: fsdp2}\nworkload: {dp_world_size: 1}",
+)
+def ls063_replicas_are_the_ranks(ctx: Context) -> Iterator[Hit]:
+    gpus = ctx.get("parallelism", "gpu_count").integer()
+    replicas = ctx.get("workload", "dp_world_size").integer()
+    strategy = C.declared_strategy(ctx.doc)
+    if gpus is None or replicas is None or gpus == replicas:
+        return
+    if strategy not in (*C.SHARDED_STRATEGIES, "ddp"):  # device_map across GPUs, or not declared: one replica may be
+        return
+    yield Hit(
+        ptr("workload", "dp_world_size"),
+        f"dp_world_size {replicas} with gpu_count {gpus} under {strategy}: each of the {gpus} ranks is a "
+        f"data-parallel replica, so dp_world_size is {gpus}",
+    )
 
 
 @rule(

@@ -926,7 +926,7 @@ def test_rules_beyond_the_minimum_set_are_additions() -> None:
     13; LS012: the declared stack of issue 11; LS013: kernels the estimate does not model, issue 25; LS014: objectives
     it does not simulate, issue 24; LS015: DPO adapters TRL casts, issue 24; LS061: FSDP1
     mixed precision without autocast, issue 16; LS062: a checkpoint or host wait declared where it changes nothing,
-    issue 23)."""
+    issue 23; LS063: data-parallel replicas that are not the ranks, issue 23's newcomer trial)."""
     assert {r.id for r in all_rules()} - set(SPEC_RULES) == {
         "LS005",
         "LS006",
@@ -942,6 +942,7 @@ def test_rules_beyond_the_minimum_set_are_additions() -> None:
         "LS043",
         "LS061",
         "LS062",
+        "LS063",
         "LS090",
     }
 
