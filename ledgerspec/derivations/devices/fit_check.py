@@ -117,6 +117,15 @@ class DeviceFit:
         for c in self.checked:
             line, said_declared = checked_line(f"{self.name} {c.value}", c, self.device_memory, said_declared)
             out.append(line)
+        # the largest checked value above the answer that an allocator setting makes fit (fragmentation decided it)
+        rescued = max(
+            (c for c in self.checked if not c.fits and c.setting and c.value > (self.largest or 0)),
+            key=lambda c: c.value,
+            default=None,
+        )
+        with_setting = (
+            f"; {rescued.value} with PYTORCH_CUDA_ALLOC_CONF={rescued.setting}" if rescued is not None else ""
+        )
         if self.largest is not None and self.largest != self.allocated_largest:
             failing = [c.value for c in self.checked if not c.fits and c.value > (self.largest or 0)]
             between = (
@@ -126,7 +135,7 @@ class DeviceFit:
             )
             out.append(
                 f"largest {self.name} that fits on the device: {self.largest} (the "
-                f"allocated tensors alone allow {self.allocated_largest}{between})"
+                f"allocated tensors alone allow {self.allocated_largest}{with_setting}{between})"
             )
         elif self.largest is not None:
             out.append(f"largest {self.name} that fits on the device: {self.largest} (as the allocated tensors allow)")
@@ -135,6 +144,7 @@ class DeviceFit:
             out.append(
                 f"no {self.name} checked fits on the device (down to {lowest}"
                 + (f", after {TRIES} values" if self.exhausted else "")
+                + with_setting
                 + ")"
             )
         return out

@@ -104,6 +104,22 @@ def test_a_checked_value_at_the_edge_does_not_fit() -> None:
         [Checked(5, False, 81 * 2**30, -(2**30), "allocated"), edge, Checked(3, True, 70 * 2**30, 2**30, "none")],
     )
     assert stepped.lines()[-1] == "largest microbatch that fits on the device: 3 (the allocated tensors alone allow 5)"
+    # a value above the answer that an allocator setting makes fit is named with it (fragmentation decided it)
+    rescued = DeviceFit(
+        "microbatch",
+        80 * 2**30,
+        8,
+        6,
+        [
+            Checked(8, False, 84 * 2**30, -(2**30), "fragmentation"),
+            Checked(6, True, 75 * 2**30, 2**30, "none"),
+            Checked(7, False, 80 * 2**30, -(2**28), "fragmentation", "expandable_segments:True"),
+        ],
+    )
+    assert rescued.lines()[-1] == (
+        "largest microbatch that fits on the device: 6 (the allocated tensors alone allow 8; 7 with "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
+    )
     plain = DeviceFit("microbatch", 80 * 2**30, 4, 4, [Checked(4, True, 70 * 2**30, 2**30, "none")])
     assert "AT THE EDGE" not in plain.lines()[0] and "uncertain" not in plain.to_extension()["checked"]["4"]
 
