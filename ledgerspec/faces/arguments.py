@@ -28,23 +28,59 @@ MIN_DEVICE_MEMORY = 2**20
 
 
 class DeviceMemory(int):
-    """A ``--device-memory`` value in bytes that remembers how it was written (for :func:`decimal_unit_note`)."""
+    """A ``--device-memory`` value in bytes that remembers how it was written (for :func:`decimal_unit_note`), and
+    the device catalogue's card it named, if it named one (``--device-memory "RTX 4090"``)."""
 
     text: str
+    card: str | None
 
-    def __new__(cls, value: int, text: str) -> DeviceMemory:
+    def __new__(cls, value: int, text: str, card: str | None = None) -> DeviceMemory:
         obj = super().__new__(cls, value)
         obj.text = text
+        obj.card = card
         return obj
 
 
+def _card(text: str) -> DeviceMemory | str:
+    """A card of the built-in device catalogue named instead of a size: its total as nvidia-smi prints it (the
+    commands then take that card: the catalogue's entry nearest to the memory is the one named). Its name's words
+    (less the vendor's) among the words given, or the words given among one entry's (``H100``, not ``A100``: two).
+    None found: why, in words."""
+    from ledgerspec.derivations.devices.catalogue import device_named, load_catalogue, name_tokens
+
+    devices = load_catalogue().devices
+    device = device_named(text, devices)
+    words = name_tokens(text)
+    if device is None and words:
+        within = [d for d in devices if words <= name_tokens(d.name)]
+        if len(within) > 1:
+            return f"names several cards of the device catalogue ({', '.join(d.name for d in within)}): say which"
+        device = within[0] if within else None
+    if device is None:
+        return "or name a card of the device catalogue (" + ", ".join(d.name for d in devices) + ")"
+    return DeviceMemory(device.total, text, device.name)
+
+
 def device_memory(text: str) -> DeviceMemory:
-    """``--device-memory``: a positive size of at least 1 MiB (a bare ``24`` is 24 bytes: surely a missing unit)."""
+    """``--device-memory``: a positive size of at least 1 MiB (a bare ``24`` is 24 bytes: surely a missing unit), or
+    a card of the device catalogue by name (``"RTX 4090"``, ``H100``: :func:`_card`)."""
     if re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", text) and not float(text).is_integer():  # 24.5: a unit is missing
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a whole number of bytes; give a unit (did you mean {text.strip()}GiB?)"
         )
-    value = positive_size(text)
+    try:
+        value = positive_size(text)
+    except argparse.ArgumentTypeError as exc:
+        if not re.search(r"[A-Za-z]", text):
+            raise
+        card = _card(text)  # words: perhaps a card's name
+        if isinstance(card, DeviceMemory):
+            return card
+        if card.startswith("names several"):
+            raise argparse.ArgumentTypeError(f"{text!r} {card}") from None
+        if text.strip()[:1].isdigit():  # a number with a unit that is wrong: the size's own message
+            raise
+        raise argparse.ArgumentTypeError(f"{exc}; {card}") from None
     if value < MIN_DEVICE_MEMORY:
         bare = re.fullmatch(r"\s*[0-9.]+\s*", text) is not None
         hint = f" (did you mean {text.strip()}GiB or {text.strip()}GB?)" if bare else ""
@@ -57,6 +93,11 @@ def device_memory(text: str) -> DeviceMemory:
 def decimal_unit_note(size: int | None) -> str | None:
     """A reminder when a device memory was given in decimal units: a card sold as "24 GB" holds 24 GiB."""
     text = getattr(size, "text", None)
+    card = getattr(size, "card", None)
+    if size is not None and card is not None and text is not None:
+        from ledgerspec.contract.units import format_size
+
+        return f"note: --device-memory {text.strip()!r} is the device catalogue's {card}, {format_size(int(size))}"
     if size is None or text is None or not re.fullmatch(r"\s*[0-9.]+\s*[GT]B\s*", text):  # cards: GB (or TB)
         return None
     note = decimal_note(text, "--device-memory", "pass")

@@ -36,6 +36,37 @@ def test_a_bad_device_memory_is_a_usage_error(text: str, phrase: str) -> None:
         device_memory(text)
 
 
+#: totals as nvidia-smi prints them (MiB), from the sources the device catalogue cites (tests/derivations/devices)
+@pytest.mark.parametrize(
+    ("text", "card", "mib"),
+    [
+        ("RTX 4090", "NVIDIA GeForce RTX 4090", 24564),
+        ("NVIDIA GeForce RTX 3090", "NVIDIA GeForce RTX 3090", 24576),
+        ("H100", "NVIDIA H100 80GB HBM3", 81559),
+        ("a100 40gb", "NVIDIA A100 40GB", 40960),
+        ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB", 81920),  # as nvidia-smi names it
+    ],
+)
+def test_a_card_of_the_device_catalogue_is_its_total(text: str, card: str, mib: int) -> None:
+    """A newcomer typed ``--device-memory "RTX 3090"`` and got "is not a size"."""
+    value = device_memory(text)
+    assert (value, value.card) == (mib * 2**20, card)
+    note = decimal_unit_note(value)
+    assert note is not None and f"is the device catalogue's {card}" in note
+
+
+@pytest.mark.parametrize(
+    ("text", "phrase"),
+    [
+        ("A100", "names several cards of the device catalogue \\(NVIDIA A100 40GB, NVIDIA A100 80GB\\): say which"),
+        ("RTX 5090", "is not a size; .*; or name a card of the device catalogue \\(NVIDIA GeForce RTX 3090, "),
+    ],
+)
+def test_a_card_name_that_is_no_one_card_is_a_usage_error(text: str, phrase: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=phrase):
+        device_memory(text)
+
+
 def test_a_memory_limit_may_be_small_but_not_zero() -> None:
     assert positive_size("1536KiB") == 1536 * 1024 and positive_size("1") == 1
     with pytest.raises(argparse.ArgumentTypeError, match="positive"):

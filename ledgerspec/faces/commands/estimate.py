@@ -23,7 +23,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("file", metavar="FILE")
     p.add_argument(
-        "--device-memory", metavar="SIZE", type=device_memory, help="target device memory, e.g. 24GiB or 80GB"
+        "--device-memory",
+        metavar="SIZE",
+        type=device_memory,
+        help="target device memory, e.g. 24GiB or 80GB, or a card of the device catalogue by name, e.g. 'RTX 4090'",
     )
     p.add_argument("-o", "--output", metavar="OUT", help="write the updated ledger here instead of in place")
     p.add_argument(

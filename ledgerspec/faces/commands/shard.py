@@ -39,7 +39,8 @@ def register(subparsers: Any) -> None:
         "--device-memory",
         metavar="SIZE",
         type=device_memory,
-        help="with --estimate: memory of ONE device, e.g. 24GiB (default: result.target_device.memory)",
+        help="with --estimate: memory of ONE device, e.g. 24GiB, or a card of the device catalogue by name, e.g. "
+        "'RTX 4090' (default: result.target_device.memory)",
     )
     p.add_argument(
         "--target",
