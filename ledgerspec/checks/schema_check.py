@@ -23,7 +23,7 @@ def schema_hits(doc: Document) -> Iterator[Hit]:
     seen: set[str] = set()
     for err in sorted(validator(kind).iter_errors(doc.plain), key=lambda e: list(e.absolute_path)):
         path = tuple(str(p) for p in err.absolute_path)
-        hit = _explain(kind, path, err, _as_written(doc.data, path))
+        hit = _explain(kind, path, err, doc.as_written(*path))
         key = hit.pointer + hit.message
         if key not in seen:
             seen.add(key)
@@ -48,22 +48,6 @@ def _size_hits(doc: Document, kind: str) -> Iterator[Hit]:
                 except UnitError as exc:
                     where = (*path, str(i)) if i is not None else path
                     yield Hit(pointer(*where), f"{'.'.join(where)}: {exc}", ERROR)
-
-
-def _as_written(data: Any, path: tuple[str, ...]) -> str | None:
-    """A number's text as the file wrote it (``4.50``, which YAML reads as 4.5), at ``path`` or in its long form."""
-    node = data
-    for part in path:
-        if isinstance(node, dict):
-            node = node.get(part)
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    if isinstance(node, dict):
-        node = node.get("value")
-    source = getattr(node, "source", None)
-    return source if isinstance(source, str) else None
 
 
 def _explain(kind: str, path: tuple[str, ...], err: Any, written: str | None = None) -> Hit:

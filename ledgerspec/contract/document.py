@@ -61,6 +61,22 @@ class Document:
         self._cache[path] = value
         return value
 
+    def as_written(self, *path: str) -> str | None:
+        """A number's text as the file wrote it (``4.50``, which YAML reads as 4.5), at ``path`` or in the long form
+        there; None for anything else (not a number, not in the file, or written as Python would print it)."""
+        node = self.data
+        for part in path:
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        if isinstance(node, dict):
+            node = node.get("value")
+        source = getattr(node, "source", None)
+        return source if isinstance(source, str) else None
+
     def section(self, name: str) -> dict[str, Any]:
         node = self.plain.get(name)
         return node if isinstance(node, dict) else {}

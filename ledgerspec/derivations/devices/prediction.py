@@ -1008,11 +1008,27 @@ def step_and_estimate(
     filled with the probes' streams by depth; ``elsewhere``: where the third probe runs; ``pattern``: the depth pattern
     of a step of the same structure; ``defer``, ``idle``: the stream built later, work to do while a probe runs
     elsewhere (:func:`ledgerspec.derivations.allocator.step.full_depth`)."""
+    from ledgerspec.derivations.allocator import stream_cache
     from ledgerspec.derivations.allocator.step import full_depth_from
     from ledgerspec.derivations.estimate import estimator
     from ledgerspec.derivations.estimate.cache import key as cache_key
     from ledgerspec.derivations.estimate.extrapolate import extend_all
 
+    plain_question = {"target": target, "layers": layers, "offline": offline}
+    # the stream depends on the question, never on the device: a device asked about first replays the stream kept
+    # for another (a caller that wants the probes, or builds the stream its own way, traces)
+    reuse = store is not None and probes is None and elsewhere is None and pattern is None and not defer
+    stream_key = cache_key(doc, {**plain_question, "stream": stream_cache.FORMAT}) if reuse else None
+    plain_key = cache_key(doc, plain_question) if reuse else None
+    if stream_key is not None and plain_key is not None:
+        started = time.perf_counter()
+        kept, plain = store.get(stream_key), store.get(plain_key)
+        if kept is not None and plain is not None:
+            try:
+                step = stream_cache.decode(kept)
+                return estimator.Estimate.from_cache(plain, time.perf_counter() - started), step
+            except (KeyError, TypeError, ValueError):
+                pass  # an entry this version cannot read: traced again and overwritten
     p = estimator.prepare(doc, target, layers, progress, offline)
     step = full_depth_from(p, parallel, probes, elsewhere, pattern, defer, idle)
     figures = step.estimate_figures
@@ -1021,9 +1037,10 @@ def step_and_estimate(
         n1, n2 = p.plan.probes
         figures = extend_all(p.trace(n1), p.trace(n2), n1, n2, p.plan.layers)
     est = estimator.assemble(p, figures)
-    plain_question = {"target": target, "layers": layers, "offline": offline}
     if store is not None and (plain_key := cache_key(doc, plain_question)) is not None:
         store.put(plain_key, est.to_cache())  # the plain question is answered by these traces too
+        if stream_key is not None and (kept := stream_cache.encode(step)) is not None:
+            store.put(stream_key, kept)
     return est, step
 
 
