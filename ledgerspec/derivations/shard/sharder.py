@@ -19,6 +19,7 @@ from ledgerspec.contract.edit import Change, set_extension
 from ledgerspec.derivations.shard import state as S
 from ledgerspec.derivations.shard.options import (
     FSDP2_DEFAULT,
+    ZeroOptions,
     check_fsdp1_mixed_precision,
     check_qlora,
     cpu_offload,
@@ -30,6 +31,7 @@ from ledgerspec.derivations.shard.options import (
     separate_reference,
     shard_group,
     world_size,
+    zero_options,
     zero_stage,
 )
 from ledgerspec.derivations.shard.plans import fsdp_plan, reshard_after_forward
@@ -164,6 +166,15 @@ def compute(
     spec = optimizer_spec(optimizer)
     fp32 = [TensorShape(p.shape, max(p.itemsize, 4)) for p in descs if p.trainable and p.kind == "param"]
     ds_state = state_bytes(spec, fp32).device if spec is not None else t["optimizer"]
+    # ZeRO-3's persistent parameters (at most stage3_param_persistence_threshold elements): whole on every device
+    threshold = (
+        zero_options(doc).param_persistence_threshold
+        if zero_stage(doc) is not None
+        else ZeroOptions(3).param_persistence_threshold
+    )
+    small = [p for p in descs if p.kind == "param" and p.numel <= threshold]
+    persistent_frozen = sum(p.nbytes for p in small if not p.trainable)
+    persistent_trainable = sum(p.nbytes for p in small if p.trainable)
     zero = {
         f"zero{stage}{'_offload' if off else ''}": S.zero(
             stage,
@@ -177,6 +188,8 @@ def compute(
             master_bytes=master,
             accumulation=cfg.workload.gradient_accumulation or 1,
             recompute=bool(cfg.gradient_checkpointing),
+            persistent_frozen=persistent_frozen,
+            persistent_trainable=persistent_trainable,
         )
         for stage in (1, 2, 3)
         for off in (False, True)

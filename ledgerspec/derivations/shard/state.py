@@ -569,6 +569,8 @@ def zero(
     master_bytes: int = 0,
     accumulation: int = 1,
     recompute: bool = False,
+    persistent_frozen: int = 0,
+    persistent_trainable: int = 0,
 ) -> ZeroState:
     """Per-rank model state of ZeRO stage 1/2/3 (``ceil(bytes / world)`` per partitioned component).
 
@@ -582,6 +584,13 @@ def zero(
     ``single_partition_of_fp32_groups``, stage 3: ``fp32_partitioned_groups_flat``), and its optimizer steps it:
     ``optimizer_bytes`` is then the state of fp32 parameters; the master partition is part of ``optimizer`` (of
     ``host`` with offload).
+    ``persistent_frozen``/``persistent_trainable``: ZeRO-3's persistent parameters, the bytes (part of
+    ``frozen_bytes``/``trainable_bytes``) of those of at most ``stage3_param_persistence_threshold`` elements:
+    DeepSpeed replicates them through training, whole on every rank's device beside their partitions, and keeps
+    those partitions on the device under ``offload_param`` too (DeepSpeed 0.19.8 ``partition_parameters.py``:
+    ``Init._convert_to_deepspeed_param`` sets ``ds_persist``, "replicated throughout training and only partitioned
+    before the step"; ``_partition_param``: ``if param.ds_persist: device = self.local_device``); they are never
+    fetched from the host.
     """
     if stage not in (1, 2, 3):
         raise ValueError("ZeRO stage must be 1, 2 or 3")
@@ -589,7 +598,8 @@ def zero(
     def part(n: int) -> int:
         return ceil(n / world)
 
-    params = frozen_bytes + trainable_bytes if stage < 3 else part(frozen_bytes) + part(trainable_bytes)
+    persistent = persistent_frozen + persistent_trainable if stage == 3 else 0
+    params = frozen_bytes + trainable_bytes if stage < 3 else part(frozen_bytes) + part(trainable_bytes) + persistent
     grads = gradient_bytes if stage == 1 else part(gradient_bytes)
     master = part(master_bytes) if master_bytes else 0
     opt = part(optimizer_bytes) + master
@@ -600,7 +610,7 @@ def zero(
             stage,
             part(gradient_bytes),
             part(master_bytes),
-            part(frozen_bytes) + part(trainable_bytes),
+            part(frozen_bytes - persistent_frozen) + part(trainable_bytes - persistent_trainable),
             accumulation,
             recompute,
         )
@@ -609,9 +619,10 @@ def zero(
         if stage >= 2:
             host += grads
             grads = 0
-        if stage == 3:
-            host += params
-            params = 0
+        if stage == 3:  # the partitions go to the host, the persistent parameters' stay, beside their whole copies
+            kept = part(persistent_frozen) + part(persistent_trainable) + persistent if persistent else 0
+            host += params - kept
+            params = kept
     return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host, **moves, master=master)
 
 

@@ -102,4 +102,6 @@ def test_shard_lists_one_rank_and_compares_zero_over_every_rank(tmp_path: Path) 
     whole = S.fsdp1(S.peft_fsdp1_units(document_descriptors(load(tmp_path / "no_shard.ledger.yaml"))), 1)
     assert [r.frozen_base for r in ns.plan.ranks] == [whole.ranks[0].frozen_base]
     assert ns.plan.ranks[0].gathered == 0
-    assert ns.zero == full.zero and ns.zero["zero3"].device_total < whole.ranks[0].with_gathered
+    # partitioned over the run's 2 ranks (the gradients: every parameter of the tiny model is below ZeRO-3's
+    # persistence threshold, so its ZeRO-3 row keeps them whole on every rank, as DeepSpeed does)
+    assert ns.zero == full.zero and 0 < ns.zero["zero2"].gradients < whole.ranks[0].gradients
