@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import TYPE_CHECKING
 
 from ledgerspec.contract.units import UnitError, decimal_note, parse_size
+
+if TYPE_CHECKING:
+    from ledgerspec.contract.document import Document
 
 
 def positive_size(text: str) -> int:
@@ -112,6 +116,20 @@ def device_memory_bytes(value: DeviceMemory | None, file: str) -> int | None:
     if note:
         print(f"{file}: {note}", file=sys.stderr)
     return int(value) if value is not None else None
+
+
+def name_the_card(doc: Document, value: DeviceMemory | None) -> None:
+    """A card named with ``--device-memory "RTX 4090"`` is the device asked about: recorded in the document as
+    ``result.target_device`` (its name and total), so that every verdict names that card, not the one the total alone,
+    ``software.gpu_name`` or an earlier ``result.target_device.name`` would (an RTX 3090's total is 24 GiB, one of an
+    RTX 4090's nominal memories); written back with the answer, as a ``--device-memory`` size is."""
+    card = getattr(value, "card", None)
+    if value is None or card is None:
+        return
+    from ledgerspec.contract.edit import set_plain
+
+    set_plain(doc, ("result", "target_device", "name"), card, force=True)
+    set_plain(doc, ("result", "target_device", "memory"), int(value), force=True)
 
 
 #: what ``--force`` means for every command that writes a file (docs: "Writing files back")

@@ -9,7 +9,13 @@ import sys
 from typing import Any
 
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, printable
-from ledgerspec.faces.arguments import add_force, device_memory, device_memory_bytes, target_memory_note
+from ledgerspec.faces.arguments import (
+    add_force,
+    device_memory,
+    device_memory_bytes,
+    name_the_card,
+    target_memory_note,
+)
 from ledgerspec.faces.status import add_keep_status
 
 
@@ -99,6 +105,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     doc = load_for(args.file, "estimate")  # before torch is imported
     device = device_memory_bytes(args.device_memory, args.file)
     preflight(doc, "estimate")  # validate's input checks, before torch is imported
+    name_the_card(doc, args.device_memory)
     import_stack_quietly()
     if device is None:
         target_memory_note(doc, args.file)

@@ -18,7 +18,7 @@ from typing import Any
 
 from ledgerspec.contract.fields import AT_THE_EDGE, EDGE_WHY
 from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, LedgerspecError, printable
-from ledgerspec.faces.arguments import add_force, device_memory, device_memory_bytes
+from ledgerspec.faces.arguments import add_force, device_memory, device_memory_bytes, name_the_card
 from ledgerspec.faces.status import add_keep_status
 
 
@@ -75,6 +75,7 @@ def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.faces.preflight import import_stack_quietly, preflight
 
     preflight(doc, "shard")  # validate's input checks, before torch is imported
+    name_the_card(doc, args.device_memory)
     import_stack_quietly()
     result = shard(
         doc,

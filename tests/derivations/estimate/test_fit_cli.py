@@ -119,3 +119,19 @@ def test_devices_asked_again_is_read_from_the_cache(
     )
     code, _, err = cli("estimate", tiny, "--devices", mine, "--dry-run")  # another catalogue: traced (and refused here)
     assert code != 0 and "traced again" in err
+
+
+@pytest.mark.slow
+def test_a_card_named_on_the_command_line_is_the_card_decided_on(cli: CliRunner, tiny: Path) -> None:
+    """``--device-memory "RTX 3090"`` on a ledger declaring an RTX 4090 (``software.gpu_name``): the 3090's total,
+    24 GiB, is one of the 4090's nominal memories, so the total alone named the 4090 (found by a fresh-eyes review).
+    The card asked about is the one decided on, and recorded as the target device."""
+    text = tiny.read_text(encoding="utf-8")
+    assert "\nsoftware:\n" in text
+    tiny.write_text(text.replace("\nsoftware:\n", "\nsoftware:\n  gpu_name: NVIDIA GeForce RTX 4090\n", 1), "utf-8")
+    code, out, err = cli("estimate", tiny, "--device-memory", "RTX 3090")
+    assert code == 0, err
+    assert "is the device catalogue's NVIDIA GeForce RTX 3090, 24.00 GiB" in err
+    assert "on the device: NVIDIA GeForce RTX 3090 (sm_86)" in out and "RTX 4090" not in out
+    target = load(tiny).get("result", "target_device").raw
+    assert dict(target) == {"name": "NVIDIA GeForce RTX 3090", "memory": 24 * 2**30}
