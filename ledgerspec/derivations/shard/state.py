@@ -586,11 +586,12 @@ def zero(
     ``host`` with offload).
     ``persistent_frozen``/``persistent_trainable``: ZeRO-3's persistent parameters, the bytes (part of
     ``frozen_bytes``/``trainable_bytes``) of those of at most ``stage3_param_persistence_threshold`` elements:
-    DeepSpeed replicates them through training, whole on every rank's device beside their partitions, and keeps
-    those partitions on the device under ``offload_param`` too (DeepSpeed 0.19.8 ``partition_parameters.py``:
-    ``Init._convert_to_deepspeed_param`` sets ``ds_persist``, "replicated throughout training and only partitioned
-    before the step"; ``_partition_param``: ``if param.ds_persist: device = self.local_device``); they are never
-    fetched from the host.
+    once gathered they are not released through the micro-steps, whole on every rank's device beside their
+    partitions (DeepSpeed 0.19.8 ``parameter_offload.py`` ``mark_persistent_parameters``, ``ds_persist``). Their
+    partitions are where the others' are: the parameters are partitioned before they are marked
+    (``_convert_to_zero_parameters`` runs first, and ``Init.apply_param_persistence`` stays False:
+    ``_update_persist_config`` has no caller), so under ``offload_param`` on the host; the whole copies are released
+    with the rest at the optimizer step (``_partition_all_parameters``) and gathered again in the next forward.
     """
     if stage not in (1, 2, 3):
         raise ValueError("ZeRO stage must be 1, 2 or 3")
@@ -610,7 +611,7 @@ def zero(
             stage,
             part(gradient_bytes),
             part(master_bytes),
-            part(frozen_bytes - persistent_frozen) + part(trainable_bytes - persistent_trainable),
+            part(frozen_bytes) + part(trainable_bytes),
             accumulation,
             recompute,
         )
@@ -619,10 +620,9 @@ def zero(
         if stage >= 2:
             host += grads
             grads = 0
-        if stage == 3:  # the partitions go to the host, the persistent parameters' stay, beside their whole copies
-            kept = part(persistent_frozen) + part(persistent_trainable) + persistent if persistent else 0
-            host += params - kept
-            params = kept
+        if stage == 3:  # every partition goes to the host; the persistent parameters' whole copies stay on the device
+            host += params - persistent
+            params = persistent
     return ZeroState(stage, offload, params + replicated_bytes, grads, opt, host, **moves, master=master)
 
 

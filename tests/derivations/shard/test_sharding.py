@@ -90,13 +90,13 @@ def test_zero_stages_by_hand() -> None:
     o3 = S.zero(3, 4, 1000, 101, 101, 808, offload=True)
     assert (o3.device_total, o3.host) == (0, 202 + 26 + 250 + 26)
     # ZeRO-3's persistent parameters (at most stage3_param_persistence_threshold elements; here 200 B of the frozen
-    # and 41 B of the trainable): whole on every device beside their partitions, which stay on the device under
-    # offload_param too (DeepSpeed's _partition_param: `if param.ds_persist: device = self.local_device`)
+    # and 41 B of the trainable): whole on every device beside their partitions; under offload_param the partitions,
+    # theirs too, are on the host (DeepSpeed 0.19.8 marks them persistent after partitioning them)
     p3 = S.zero(3, 4, 1000, 101, 101, 808, persistent_frozen=200, persistent_trainable=41)
     assert p3.parameters == 250 + 26 + 200 + 41
     po = S.zero(3, 4, 1000, 101, 101, 808, offload=True, persistent_frozen=200, persistent_trainable=41)
-    assert (po.parameters, po.host) == (50 + 11 + 200 + 41, 202 + 26 + (250 + 26 + 241) - (50 + 11 + 241))
-    assert po.to_device_per_micro_step == 2 * (200 + 15)  # only the other partitions are fetched: 800 B, 60 B
+    assert (po.parameters, po.host) == (200 + 41, 202 + 26 + 250 + 26)
+    assert po.to_device_per_micro_step == o3.to_device_per_micro_step  # an upper bound: every partition fetched
     # stages 1 and 2 keep whole parameters: persistence changes nothing there
     assert S.zero(2, 4, 1000, 101, 101, 808, persistent_frozen=200) == S.zero(2, 4, 1000, 101, 101, 808)
 
