@@ -38,6 +38,7 @@ _KINDS = {"phase": 2, "alloc": 4, "free": 2}
 def _plain(event: Any) -> bool:
     return (
         isinstance(event, tuple)
+        and len(event) > 0
         and len(event) == _KINDS.get(event[0], -1)
         and all(isinstance(x, str | int) and not isinstance(x, bool) for x in event)
     )

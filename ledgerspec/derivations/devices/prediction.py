@@ -1027,8 +1027,8 @@ def step_and_estimate(
             try:
                 step = stream_cache.decode(kept)
                 return estimator.Estimate.from_cache(plain, time.perf_counter() - started), step
-            except (KeyError, TypeError, ValueError):
-                pass  # an entry this version cannot read: traced again and overwritten
+            except Exception:  # any entry this version cannot read: traced again and overwritten
+                pass
     p = estimator.prepare(doc, target, layers, progress, offline)
     step = full_depth_from(p, parallel, probes, elsewhere, pattern, defer, idle)
     figures = step.estimate_figures

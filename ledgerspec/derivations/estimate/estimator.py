@@ -88,8 +88,12 @@ class Estimate:
         return fit(self.phases, device_memory)
 
     def to_cache(self) -> dict[str, Any]:
-        """JSON-ready data for :mod:`.cache` (``seconds`` is the time the trace took)."""
-        return plain(self)
+        """JSON-ready data for :mod:`.cache` (``seconds`` is the time the trace took: for an estimate read back from
+        the cache and stored again under another question, the trace's, not the look-up's)."""
+        data = plain(self)
+        if self.cached_from is not None:
+            data["seconds"] = self.cached_from
+        return data
 
     @classmethod
     def from_cache(cls, data: dict[str, Any], seconds: float) -> Estimate:

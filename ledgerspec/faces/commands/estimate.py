@@ -232,7 +232,14 @@ def _print(est: Any, device: int | None, prediction: Any = None) -> None:
         )
     for note in est.notes:  # the declared stack's known differences (docs: Declared stack)
         print(printable(f"  stack: {note}"), file=out)
-    if est.cached_from is not None:
+    if est.cached_from is not None and prediction is not None and not prediction.cached:
+        # a device asked about first: the step's stream kept in the cache, replayed for this device
+        print(
+            f"  time: {est.seconds + prediction.replayed.seconds:.1f} s (the step's stream from the estimate cache, "
+            f"traced in {est.cached_from:.1f} s; the allocator replays {prediction.replayed.seconds:.1f} s)",
+            file=out,
+        )
+    elif est.cached_from is not None:
         print(f"  time: {est.seconds:.1f} s (from the estimate cache; traced in {est.cached_from:.1f} s)", file=out)
     elif prediction is not None:
         print(

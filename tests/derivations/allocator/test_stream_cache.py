@@ -62,6 +62,10 @@ def test_a_second_device_replays_the_kept_stream_and_answers_as_a_fresh_trace(
     est, again = P.estimate_on_device(load(path), 80 * 2**30, from_flag=True, store=store)
     monkeypatch.setattr(estimator, "prepare", traced)
     assert not again.cached  # a new device question: replayed, from the stream kept for the first
+    assert est.cached_from == first_est.seconds  # the trace's seconds, not the look-up's
+    # asked again: the device answer itself from the cache, still saying how long the trace took
+    third, _ = P.estimate_on_device(load(path), 80 * 2**30, from_flag=True, store=store)
+    assert third.cached_from == first_est.seconds
     assert est.phases == fresh_est.phases == first_est.phases
     assert (again.fits, again.device_peak, again.margin, again.peak_reserved) == (
         fresh.fits,
