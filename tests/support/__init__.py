@@ -46,17 +46,34 @@ def fresh_python(
     return launch.run([str(a) for a in args], env, timeout, cwd=str(cwd) if cwd is not None else None)
 
 
-def python_json(code: str) -> Any:
+def python_json(code: str, timeout: float = 300) -> Any:
     """The JSON value the last line of ``python -c CODE`` prints, in a fresh interpreter (nothing imported or traced
-    yet, as a command starts) with the repository on its path; its exit code must be 0."""
+    yet, as a command starts) with the repository on its path; its exit code must be 0. After ``timeout`` seconds
+    its whole process group is killed (a hang fails the test, it does not hold the suite: children it forked would
+    keep the output pipes open)."""
     import json
+    import signal
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"python -c ... did not end in {timeout} s: {err[-3000:]}") from None
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def load_script(path: Path, name: str) -> Any:
