@@ -189,8 +189,9 @@ def compare(
     ``on_device`` (issue 23): each device's verdict at the declared microbatch is decided on the device: the step's
     allocation stream at full depth (per simulated rank for a sharded count) replayed through the caching-allocator
     model against what that device's allocator can get (its total minus what lies outside the allocator there:
-    :func:`ledgerspec.derivations.devices.prediction.outside_of`), as ``estimate`` decides for one device; the
-    largest microbatch stays the allocated tensors' answer against the usable memory. ``single_step() -> (estimate,
+    :func:`ledgerspec.derivations.devices.prediction.outside_of`), as ``estimate`` decides for one device; the usable
+    memory is then what the allocator can get there, and the largest microbatch an upper bound against it (the
+    allocated tensors and the cuBLAS workspaces; :attr:`Row.largest_at_most`). ``single_step() -> (estimate,
     StepEvents)``: one GPU's estimate and stream (default: the stream traced here, no estimate; the command passes
     :func:`ledgerspec.derivations.devices.prediction.step_and_estimate`'s, which leaves the declared microbatch's
     estimate in the cache for the microbatch model), called before the microbatch model traces."""
@@ -316,6 +317,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
         figure = outside_of(doc, target, gpus)
         workspaces = workspaces_of(doc, target)
         worst: DevicePrediction | None = None
+        most = 0
         for step in steps[gpus]:
             mine = stated(doc, target, figure, (states or {}).get(id(step)), gpus)
             replayed = replay_on_device(
@@ -331,10 +333,13 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
                 workspaces=workspaces,
             )
             p = DevicePrediction(target, mine, replayed)
+            most = max(most, replayed.capacity)
             if worst is None or (p.fits, p.completes, p.margin) < (worst.fits, worst.completes, worst.margin):
                 worst = p
         assert worst is not None
         frag = worst.fragmentation if worst.decided_by == "fragmentation" else None
+        # the most any rank's allocator can get (ranks differ in what lies outside it: a paged optimizer's share), so
+        # that the largest microbatch against it stays an upper bound for the rank whose peak the row shows
         r = worst.replayed
         return (
             worst.fits,
@@ -343,7 +348,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
             worst.decided_by,
             worst.uncertain,
             frag,
-            r.capacity,
+            most,
             r.workspaces,
         )
 

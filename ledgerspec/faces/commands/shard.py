@@ -153,9 +153,10 @@ def run_shard(args: argparse.Namespace) -> int:
     if result.change is not None or args.output or status_change:
         target = args.output or args.file
         written = save(doc, target, force=args.force)
-        # what was written, as `estimate` says it: the per-rank block (and the fit verdict beside it, with a device)
-        told = "parallelism.x-per-rank written" + (" (and result.fits)" if result.estimate is not None else "")
-        print(printable(f"{target}: {told if written else 'up to date'}"), file=sys.stderr)
+        # what was written, as `estimate` says it: the per-rank block when it changed (the status line says the rest)
+        if result.change is not None or not written:
+            told = "parallelism.x-per-rank written" if written else "up to date"
+            print(printable(f"{target}: {told}"), file=sys.stderr)
         if status_change:
             print(printable(status_change), file=sys.stderr)
     return code

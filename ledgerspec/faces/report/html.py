@@ -269,7 +269,9 @@ def _devices_table(rows: list[DeviceRow], note: str | None) -> str:
     out = [
         '<table class="devices"><thead><tr><th>device</th><th class="num">GPUs</th><th class="num">memory '
         '(vendor)</th><th class="num">usable</th><th class="num">peak per GPU</th><th class="num">device peak</th>'
-        '<th>fits</th><th class="num">headroom</th><th class="num">largest microbatch</th></tr></thead><tbody>'
+        '<th>fits</th><th class="num">headroom</th><th class="num">largest microbatch'
+        + ("" if any(r.largest_at_most for r in rows) else " (allocated)")
+        + "</th></tr></thead><tbody>"
     ]
     for r in rows:
         fits = "" if r.fits is None else escape(r.fits_text)

@@ -163,7 +163,7 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH, verbose: bo
         w(f"\nwhat if (estimate --what-if): {d.what_if_device}\n")
     if d.devices:
         w("\nwhich device (estimate --devices)\n")
-        _plain_table(out, DEVICE_HEAD, [_device_cells(r) for r in d.devices])
+        _plain_table(out, device_head(d.devices), [_device_cells(r) for r in d.devices])
         if d.devices_note:
             w(textwrap.fill(d.devices_note, PLAIN_WIDTH, initial_indent="  ", subsequent_indent="  ") + "\n")
     w("\nmemory components (ledger)\n")
@@ -264,8 +264,16 @@ DEVICE_HEAD = (
     "device peak",
     "fits",
     "headroom",
-    "largest microbatch",
+    "largest microbatch (allocated)",
 )
+
+
+def device_head(rows: list[DeviceRow]) -> tuple[str, ...]:
+    """The device table's head: its last column is the allocated answer, unless the rows were decided on the device
+    (an upper bound, ``<= N``)."""
+    if any(r.largest_at_most for r in rows):
+        return (*DEVICE_HEAD[:-1], "largest microbatch")
+    return DEVICE_HEAD
 
 
 def _size(n: int | None) -> str:
@@ -367,7 +375,7 @@ def render_rich(
         console.print(Text(step))
     for title, head_cells, rows in (
         ("largest that fits (estimate --fit)", FIT_HEAD, [_fit_cells(r) for r in d.fits]),
-        ("which device (estimate --devices)", DEVICE_HEAD, [_device_cells(r) for r in d.devices]),
+        ("which device (estimate --devices)", device_head(d.devices), [_device_cells(r) for r in d.devices]),
     ):
         if rows:
             t = Table(title=title, title_justify="left", box=SIMPLE_HEAD)
