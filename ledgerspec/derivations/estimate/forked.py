@@ -2,17 +2,23 @@
 
 A worker is forked from a command's process, so it inherits the command's handlers: SIGTERM raising
 ``SystemExit`` (``faces.cli``, so that a write in progress unwinds) and Ctrl-C raising ``KeyboardInterrupt``. A
-worker must not: ``multiprocessing.Pool.terminate()`` ends the workers it cannot stop otherwise with SIGTERM, and a
-worker that unwinds instead of dying can block on the pool's queue locks (held by the parent while it drains the
-task queue). Seen once in the test suite: a worker waiting in ``SemLock.acquire`` and the parent in ``terminate()``,
-for good. So each worker is forked with SIGTERM's default action (the command's handler set aside meanwhile) and
-keeps it (its initializer), leaves Ctrl-C to the parent (which then terminates the pool), and neither signal is held
-back; and the pool is closed and joined when its work is done, so that a normal end sends no signal at all.
+worker must not keep them: one that unwinds instead of dying can block on the pool's queue locks while the command
+waits for it, for good (seen once in the test suite with ``multiprocessing.Pool``: a worker in ``SemLock.acquire``,
+the command in ``Pool.terminate()``). So each worker is forked with SIGTERM's default action (the command's handler
+set aside meanwhile: a SIGTERM that reached a worker before it reset the handler itself was taken by Python's
+C-level handler and then dropped) and keeps it (its initializer), leaves Ctrl-C to the command, and neither signal
+is held back.
+
+The workers are a ``concurrent.futures.ProcessPoolExecutor``'s: a worker that dies (the kernel's out-of-memory
+killer, a SIGKILL) breaks the pool, and every item it had not answered comes back as None, which the caller runs
+again itself (``multiprocessing.Pool`` waits for a lost task for ever). A normal end shuts the pool down (each
+worker takes its sentinel and exits, no signal sent); an interrupted map ends the workers with SIGTERM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -31,13 +37,10 @@ def _worker_signals() -> None:
         unblock(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
-def _pool(processes: int) -> Any:
-    """A fork pool whose workers are born with SIGTERM's default action: the command's handler is set aside while
-    they are forked. The initializer alone leaves a race: a SIGTERM that reaches a worker before its initializer
-    runs is taken by Python's C-level handler, and by the time Python looks for a handler it finds the default one,
-    which it does not call: the signal is dropped, the worker lives on and blocks on the pool's queue lock while
-    the parent waits for it (seen: ``Pool.terminate()`` right after the pool started, the parent in ``waitpid``)."""
-    import multiprocessing
+@contextmanager
+def _sigterm_set_aside() -> Iterator[None]:
+    """SIGTERM's default action in this process while the workers are forked (they are born with it), the command's
+    handler back after."""
     import signal
     import threading
 
@@ -46,7 +49,7 @@ def _pool(processes: int) -> Any:
     if previous is not None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        return multiprocessing.get_context("fork").Pool(processes, initializer=_worker_signals)
+        yield
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -64,16 +67,35 @@ def _run(index: int) -> Any:
 def forked_map(fn: Callable[[int], T], count: int, processes: int) -> list[T | None]:
     """``fn(i)`` for each ``i`` below ``count`` in ``processes`` workers forked from this process (they inherit its
     modules and ``fn``'s closure: nothing is pickled on the way in, only the results on the way back); None where
-    it raised in a worker. The caller decides whether forking is safe (see :func:`.search.run_estimates`)."""
+    it raised in a worker, or where a worker died before answering it. The caller decides whether forking is safe
+    (see :func:`.search.run_estimates`)."""
     global _PENDING
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     _PENDING = fn
+    pool = ProcessPoolExecutor(
+        max_workers=min(processes, count),
+        mp_context=multiprocessing.get_context("fork"),
+        initializer=_worker_signals,
+    )
     try:
-        pool = _pool(min(processes, count))
-        with pool:
-            got = pool.map(_run, range(count), chunksize=1)
-            pool.close()  # a normal end: the workers take their sentinels and exit, and are joined
-            pool.join()
+        with _sigterm_set_aside():  # a fork pool starts every worker at the first submit
+            futures = [pool.submit(_run, i) for i in range(count)]
+        got: list[T | None] = []
+        for future in futures:
+            try:
+                got.append(future.result())
+            except BrokenProcessPool:  # a worker died: what it had not answered is run again by the caller
+                got.append(None)
+    except BaseException:  # interrupted: the workers end now, not after their current item
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            if process.is_alive():
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
     finally:
         _PENDING = None
+    pool.shutdown(wait=True)  # each worker takes its sentinel and exits
     return got

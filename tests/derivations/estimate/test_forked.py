@@ -107,17 +107,13 @@ def test_the_workers_are_born_with_sigterms_default_action(tmp_path: Path) -> No
         _COMMAND_HANDLERS
         + f"""
 import os
-from ledgerspec.derivations.estimate.forked import _pool
 
 def at_fork():
     default = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     open(os.path.join({str(seen)!r}, f"{{os.getpid()}}-{{default}}"), "w").close()
 
 os.register_at_fork(after_in_child=at_fork)
-with _pool(2) as pool:
-    pool.map(abs, range(4), chunksize=1)
-    pool.close()
-    pool.join()
+forked_map(abs, 4, 2)
 print(json.dumps(signal.getsignal(signal.SIGTERM) is unwind))
 """,
         timeout=120,
@@ -125,3 +121,25 @@ print(json.dumps(signal.getsignal(signal.SIGTERM) is unwind))
     assert got is True  # the command's handler is back
     born = [p.name.split("-")[1] for p in seen.iterdir()]
     assert born and set(born) == {"True"}, born
+
+
+def test_a_worker_that_dies_leaves_its_items_to_the_caller() -> None:
+    # the kernel's out-of-memory killer or a SIGKILL: multiprocessing.Pool waited for the lost item for ever; the
+    # broken pool now answers None for every item not answered, and the caller runs those itself
+    got = python_json(
+        _COMMAND_HANDLERS
+        + """
+import os
+
+def item(i):
+    if i == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i * 10
+
+print(json.dumps([forked_map(item, 6, 2), [p.name for p in multiprocessing.active_children()]]))
+""",
+        timeout=120,
+    )
+    answers, children = got
+    assert len(answers) == 6 and answers[1] is None and children == []
+    assert all(a is None or a == 10 * i for i, a in enumerate(answers))
