@@ -206,6 +206,39 @@ def test_no_adapter_is_a_full_fine_tune() -> None:
     assert not [f for f in validate(doc).findings if f.severity == "error"]
 
 
+def test_lora_settings_without_an_adapter_are_a_finding(tmp_path: Path) -> None:
+    """A forgotten ``adapter:`` makes axolotl fine-tune every parameter, many times a LoRA run's memory: sized as
+    the full fine-tune it is, and said at the first ``lora_*`` key (a newcomer trial: it was filed as a setting that
+    does not change memory)."""
+    path = tmp_path / "forgot.yml"
+    path.write_text((IMPORTS / "axolotl" / "full.yml").read_text() + "lora_r: 16\nlora_alpha: 32\n")
+    doc, result = imported(path)
+    assert plain(doc, "method", "kind") == "full"
+    found = [f for f in result.findings if f.key == "lora_r"]
+    assert len(found) == 1 and "did you forget `adapter: lora`" in found[0].message and found[0].kind == "conflict"
+
+
+def test_target_modules_written_as_one_string_are_a_finding(tmp_path: Path) -> None:
+    """PEFT matches a string as one regular expression against each module's whole name: 'q_proj,v_proj' matches
+    no module, and ``resolve`` failed on it seconds later, pointing at the intake (a newcomer trial)."""
+    text = (IMPORTS / "axolotl" / "lora.yml").read_text()
+    path = tmp_path / "string.yml"
+    lines = [ln for ln in text.splitlines() if not ln.startswith(("lora_target_modules", "  - ", "lora_target_linear"))]
+    path.write_text("\n".join(lines) + "\nlora_target_modules: q_proj,v_proj\n")
+    _, result = imported(path)
+    found = [f for f in result.findings if f.key == "lora_target_modules"]
+    assert len(found) == 1 and "write a list" in found[0].message
+
+
+def test_a_missing_base_model_is_a_finding(tmp_path: Path) -> None:
+    text = (IMPORTS / "axolotl" / "lora.yml").read_text()
+    path = tmp_path / "nobase.yml"
+    path.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("base_model:")) + "\n")
+    doc, result = imported(path)
+    assert doc.get("identity", "model_id").unknown
+    assert [f.key for f in result.findings if f.key == "base_model"] == ["base_model"]
+
+
 def test_a_full_fine_tune_of_a_quantized_base_is_refused_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "full-4bit.yml"
     path.write_text((IMPORTS / "axolotl" / "full.yml").read_text() + "load_in_4bit: true\n")

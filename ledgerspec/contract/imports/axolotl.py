@@ -59,6 +59,14 @@ def convert(src: Source, b: Builder) -> None:
         b.set(("identity", "model_id"), str(src.take("base_model")), o + "base_model", src.path, at("base_model"))
     else:
         b.unknown(("identity", "model_id"), "axolotl: base_model missing", src.path)
+        b.finding(
+            src.path,
+            (None, None),
+            "base_model",
+            "base_model missing: axolotl requires it (the model to fine-tune); the intake's identity.model_id is "
+            "UNKNOWN until you set it (or identity.config_path)",
+            "unknown",
+        )
     if src.has("revision_of_model"):
         b.set(("identity", "revision"), str(src.take("revision_of_model")), o + "revision_of_model", src.path)
     else:
@@ -114,7 +122,17 @@ def convert(src: Source, b: Builder) -> None:
         )
     if full:
         b.set(("method", "kind"), "full", o + "no adapter: every parameter trained", src.path)
-        for key in [k for k in src.left() if k.startswith(("lora_", "peft_"))]:  # read with an adapter only
+        lora_keys = [k for k in src.left() if k.startswith(("lora_", "peft_"))]  # read with an adapter only
+        if lora_keys:  # a forgotten `adapter:` turns a LoRA run into a full fine-tune: many times the memory
+            b.finding(
+                src.path,
+                src.position(lora_keys[0]),
+                lora_keys[0],
+                f"{', '.join(lora_keys)} without adapter: axolotl ignores them and fine-tunes every parameter (sized "
+                "here as a full fine-tune); did you forget `adapter: lora` (or `adapter: qlora`)?",
+                "conflict",
+            )
+        for key in lora_keys:
             src.take(key)
             b.ignored.setdefault(src.path, []).append(key)
     elif adapter == "qlora" or (adapter == "lora" and load8):
@@ -295,6 +313,15 @@ def _lora(src: Source, b: Builder, o: str) -> None:
             )
     elif targets:
         b.set((*m, "target_modules"), targets, o + "lora_target_modules", src.path, src.position("lora_target_modules"))
+        if isinstance(targets, str) and "," in targets:  # a list written as one string (a regex has no use for it)
+            b.finding(
+                src.path,
+                src.position("lora_target_modules"),
+                "lora_target_modules",
+                f"{targets!r} is one string: PEFT matches a string as one regular expression against each module's "
+                "whole name (a comma-separated list matches none); write a list, e.g. [q_proj, v_proj]",
+                "conflict",
+            )
     if src.has("lora_target_parameters"):
         b.set((*m, "target_parameters"), src.take("lora_target_parameters"), o + "lora_target_parameters", src.path)
     if not linear and not targets and not b.read_from_file((*m, "target_parameters")):
