@@ -71,6 +71,12 @@ def optimizer_spec(name: str) -> OptimizerSpec | None:
 
 
 def suggest(name: str) -> str | None:
-    """The known name closest to ``name`` (for a did-you-mean), or None."""
-    close = difflib.get_close_matches(name.strip().lower(), list(OPTIMIZERS), n=1, cutoff=0.6)
+    """The known name closest to ``name`` (for a did-you-mean), or None: first a known name of the same words in
+    another order (``adamw_8bit_paged`` is ``paged_adamw_8bit``), else the closest spelling."""
+    key = name.strip().lower()
+    words = sorted(w for w in key.replace("-", "_").split("_") if w)
+    same = [known for known in OPTIMIZERS if sorted(w for w in known.split("_") if w) == words]
+    if same:
+        return same[0]
+    close = difflib.get_close_matches(key, list(OPTIMIZERS), n=1, cutoff=0.6)
     return close[0] if close else None

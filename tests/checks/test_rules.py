@@ -265,3 +265,9 @@ def test_ls030_asks_what_the_minimum_intake_asks(quantization: str, missing: lis
         return
     assert len(findings) == 1 and findings[0].pointer == "/base_model/quantization"
     assert ", ".join(f"quantization.{k}" for k in missing) + ":" in findings[0].message
+
+
+def test_an_optimizer_named_in_another_word_order_gets_the_known_name() -> None:
+    """A newcomer trial: ``adamw_8bit_paged`` was told "did you mean 'adamw_8bit'?" (the closest spelling)."""
+    findings = [f for f in _findings(CASES / "LS023.pos-word-order.ledger.yaml") if f.rule == "LS023"]
+    assert len(findings) == 1 and "did you mean 'paged_adamw_8bit'?" in findings[0].message

@@ -245,3 +245,14 @@ def test_a_full_fine_tune_of_a_quantized_base_is_refused_in_one_line(tmp_path: P
     with pytest.raises(LedgerspecError, match="load_in_4bit without an adapter") as exc:
         imported(path)
     assert exc.value.exit_code == 2 and "\n" not in str(exc.value)
+
+
+def test_an_unknown_optimizer_gets_the_did_you_mean_validate_gives(tmp_path: Path) -> None:
+    text = (IMPORTS / "axolotl" / "lora.yml").read_text()
+    path = tmp_path / "opt.yml"
+    path.write_text(
+        "\n".join(ln for ln in text.splitlines() if not ln.startswith("optimizer:")) + "\noptimizer: adamw_8bit_paged\n"
+    )
+    _, result = imported(path)
+    found = [f for f in result.findings if f.key == "optimizer"]
+    assert len(found) == 1 and "(did you mean 'paged_adamw_8bit'?)" in found[0].message

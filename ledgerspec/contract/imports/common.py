@@ -316,12 +316,17 @@ def optimizer(src: Source, b: Builder, key: str, name: Any, origin: str) -> None
     canon = OPTIMIZER_ALIASES.get(text.lower(), text.lower())
     b.set(("optimizer", "name"), canon, origin, src.path, src.position(key))
     if canon not in OPTIMIZERS:
+        from ledgerspec.contract.optimizers import suggest
+
+        near = suggest(canon)
         b.finding(
             src.path,
             src.position(key),
             key,
-            f"optimizer {text!r} is not in ledgerspec's optimizer catalogue: its state cannot be sized; give "
-            "optimizer.bits (and state_format) by hand, or use a catalogue optimizer",
+            f"optimizer {text!r} is not in ledgerspec's optimizer catalogue"
+            + (f" (did you mean {near!r}?)" if near else "")
+            + ": its state cannot be sized; give optimizer.bits (and state_format) by hand, or use a catalogue "
+            "optimizer",
             "not-modelled",
         )
 
