@@ -50,19 +50,30 @@ def _card(text: str) -> DeviceMemory | str:
     commands then take that card: the catalogue's entry nearest to the memory is the one named). Its name's words
     (less the vendor's) among the words given, or the words given among one entry's (``H100``, not ``A100``: two).
     None found: why, in words."""
-    from ledgerspec.derivations.devices.catalogue import device_named, load_catalogue, name_tokens
+    from ledgerspec.derivations.devices.catalogue import device_named, load_catalogue, name_tokens, packed_name
 
     devices = load_catalogue().devices
     device = device_named(text, devices)
     words = name_tokens(text)
     if device is None and words:
         within = [d for d in devices if words <= name_tokens(d.name)]
+        if not within:  # the words run together (rtx4090, a10080gb): the names compared without separators
+            packed = "".join(sorted(words))
+            within = [d for d in devices if packed and packed in packed_name(d.name)]
         if len(within) > 1:
             return f"names several cards of the device catalogue ({', '.join(d.name for d in within)}): say which"
         device = within[0] if within else None
     if device is None:
         return "or name a card of the device catalogue (" + ", ".join(d.name for d in devices) + ")"
     return DeviceMemory(device.total, text, device.name)
+
+
+def _cards_numbered(text: str) -> list[str]:
+    """The catalogue's cards whose name has the number ``text`` as a word (``4090``: the RTX 4090)."""
+    from ledgerspec.derivations.devices.catalogue import load_catalogue, name_tokens
+
+    number = text.strip()
+    return [d.name for d in load_catalogue().devices if number in name_tokens(d.name)]
 
 
 def device_memory(text: str) -> DeviceMemory:
@@ -87,7 +98,14 @@ def device_memory(text: str) -> DeviceMemory:
         raise argparse.ArgumentTypeError(f"{exc}; {card}") from None
     if value < MIN_DEVICE_MEMORY:
         bare = re.fullmatch(r"\s*[0-9.]+\s*", text) is not None
-        hint = f" (did you mean {text.strip()}GiB or {text.strip()}GB?)" if bare else ""
+        cards = _cards_numbered(text) if bare else []
+        hint = (
+            f" (did you mean the card {cards[0]!r}?)"
+            if len(cards) == 1
+            else f" (did you mean {text.strip()}GiB or {text.strip()}GB?)"
+            if bare
+            else ""
+        )
         raise argparse.ArgumentTypeError(
             f"{text!r} is {value} bytes, too small for a device; give a device's memory{hint}"
         )

@@ -45,6 +45,7 @@ def test_a_bad_device_memory_is_a_usage_error(text: str, phrase: str) -> None:
         ("H100", "NVIDIA H100 80GB HBM3", 81559),
         ("a100 40gb", "NVIDIA A100 40GB", 40960),
         ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB", 81920),  # as nvidia-smi names it
+        ("rtx4090", "NVIDIA GeForce RTX 4090", 24564),  # the words run together (a newcomer trial)
     ],
 )
 def test_a_card_of_the_device_catalogue_is_its_total(text: str, card: str, mib: int) -> None:
@@ -60,6 +61,7 @@ def test_a_card_of_the_device_catalogue_is_its_total(text: str, card: str, mib: 
     [
         ("A100", "names several cards of the device catalogue \\(NVIDIA A100 40GB, NVIDIA A100 80GB\\): say which"),
         ("RTX 5090", "is not a size; .*; or name a card of the device catalogue \\(NVIDIA GeForce RTX 3090, "),
+        ("4090", "did you mean the card 'NVIDIA GeForce RTX 4090'\\?"),  # a bare number that is one card's
     ],
 )
 def test_a_card_name_that_is_no_one_card_is_a_usage_error(text: str, phrase: str) -> None:

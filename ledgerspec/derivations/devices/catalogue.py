@@ -65,6 +65,11 @@ def name_tokens(name: str) -> frozenset[str]:
     return frozenset(t for t in re.split(r"[^0-9a-z]+", name.lower()) if t and t not in _VENDOR_WORDS)
 
 
+def packed_name(name: str) -> str:
+    """A device name's words (less the vendor's) run together: ``NVIDIA GeForce RTX 4090`` -> ``rtx4090``."""
+    return "".join(t for t in re.split(r"[^0-9a-z]+", name.lower()) if t and t not in _VENDOR_WORDS)
+
+
 def device_named(name: str, devices: list[Device]) -> Device | None:
     """The catalogue entry a reported device name is: the entry whose name's words (less the vendor) are all among
     the reported name's words, the one with the most words when several are (``NVIDIA A100-SXM4-80GB`` and ``NVIDIA
