@@ -122,3 +122,16 @@ def test_init_from_an_intake_escapes_its_comments_controls_on_the_terminal_only(
     code, _, err = run_cli("init", "--from", intake, "-o", written)
     assert code == 0, err
     assert "# a\tb" in written.read_text(encoding="utf-8")
+
+
+def test_an_intake_validate_refuses_is_written_and_exits_1(tmp_path: Path) -> None:
+    """``micro_batch_size: 0`` was imported with exit 0 and "the intake supports INSUFFICIENT DATA"; validate then
+    said INVALID (a newcomer trial). The intake is still written, for the user to fix; the exit status and the
+    summary say it is invalid, as the command-line contract has it for an invalid document."""
+    src = tmp_path / "zero.yml"
+    src.write_text((IMPORTS / "axolotl/qlora.yml").read_text().replace("micro_batch_size: 1", "micro_batch_size: 0"))
+    assert "micro_batch_size: 0" in src.read_text()
+    out = tmp_path / "zero.intake.yaml"
+    code, _, err = run_cli("import", src, "-o", out)
+    assert code == 1 and out.is_file()
+    assert "INVALID (1 error(s): `ledgerspec validate` lists them)" in err.splitlines()[-1]

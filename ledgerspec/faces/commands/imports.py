@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from ledgerspec.errors import EXIT_OK, LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, LedgerspecError
 from ledgerspec.faces.arguments import add_force
 
 
@@ -47,9 +47,11 @@ def run_import(args: argparse.Namespace) -> int:
 
         _refuse_existing(args.output, args.force)
         check_writable(args.output, force=args.force)
-    text, _ = convert(args.files, args, args.output)
+    text, doc = convert(args.files, args, args.output)
     write(text, args.output, args.force)
-    return EXIT_OK
+    # an intake that validate refuses (micro_batch_size: 0, an unknown optimizer) is written for the user to fix,
+    # and the exit status says so, as the command-line contract has it for an invalid document
+    return EXIT_OK if validate_ok(doc) else EXIT_FINDINGS
 
 
 def convert(files: list[str], args: argparse.Namespace, output: str | None) -> tuple[str, Any]:
@@ -73,12 +75,21 @@ def convert(files: list[str], args: argparse.Namespace, output: str | None) -> t
     doc = from_text(result.text, output or "<import>")
     report = validate(doc)
     held = f" ({len(report.reasons)} reason(s): `ledgerspec validate -v`)" if report.reasons else ""
+    errors = sum(1 for f in report.findings if f.severity == "error")
+    invalid = f", INVALID ({errors} error(s): `ledgerspec validate` lists them)" if errors else ""
     print(
         f"ledgerspec: imported {len(files)} file(s): {len(result.findings)} finding(s), recorded in x-import; "
-        f"the intake supports {report.supported_status}{held}",
+        f"the intake supports {report.supported_status}{held}{invalid}",
         file=sys.stderr,
     )
     return result.text, doc
+
+
+def validate_ok(doc: Any) -> bool:
+    """Whether ``validate`` finds no error in the imported intake."""
+    from ledgerspec.checks.validate import validate
+
+    return validate(doc).ok
 
 
 def _refuse_existing(output: str, force: bool) -> None:
