@@ -378,7 +378,8 @@ class MicrobatchSteps:
                 step = self.synthesise(b, wait=False)
             except (NotPolynomial, ValueError) as exc:
                 if isinstance(exc, NotPolynomial):
-                    self.notes.append(f"microbatch {b} traced: {exc}")
+                    # why this value cost a trace (the answer is the trace's either way)
+                    self.notes.append(f"microbatch {b}: traced, its stream not written from the traced ones ({exc})")
             else:
                 if self.regime(b) in self.checked:  # its line is checked: the verdict is kept at once
                     return stream_on_device(
