@@ -306,7 +306,10 @@ def test_values_replayed_before_their_lines_check_are_traced_when_the_check_fail
     assert not steps.unconfirmed and not steps.synthesised
     again = steps.on_device(5, memory)
     assert 5 in steps.steps and again.replayed.stream.startswith("built from the probes"), again.replayed.stream
-    assert any(n.startswith(f"microbatch 5 traced: event {first} ") for n in steps.notes), steps.notes
+    assert any(
+        n.startswith(f"microbatch 5: traced, its stream not written from the traced ones (event {first} ")
+        for n in steps.notes
+    ), steps.notes
     kept = cached_on_device(apply(doc, {"microbatch": 5}), memory, store=store)
     assert kept is not None and kept.replayed.stream == again.replayed.stream  # the traced verdict, not the written
     assert steps.settle() is True
