@@ -45,35 +45,24 @@ class DeviceMemory(int):
         return obj
 
 
-def _card(text: str) -> DeviceMemory | str:
+def _card(text: str) -> DeviceMemory | None:
     """A card of the built-in device catalogue named instead of a size: its total as nvidia-smi prints it (the
-    commands then take that card: the catalogue's entry nearest to the memory is the one named). Its name's words
-    (less the vendor's) among the words given, or the words given among one entry's (``H100``, not ``A100``: two).
-    None found: why, in words."""
-    from ledgerspec.derivations.devices.catalogue import device_named, load_catalogue, name_tokens, packed_name
+    commands then take that card: :func:`name_the_card`); None when the text names none
+    (:func:`~ledgerspec.derivations.devices.catalogue.cards_asked`), a usage error when it names several."""
+    from ledgerspec.derivations.devices.catalogue import cards_asked, load_catalogue
 
-    devices = load_catalogue().devices
-    device = device_named(text, devices)
-    words = name_tokens(text)
-    if device is None and words:
-        within = [d for d in devices if words <= name_tokens(d.name)]
-        if not within:  # the words run together (rtx4090, a10080gb): the names compared without separators
-            packed = "".join(sorted(words))
-            within = [d for d in devices if packed and packed in packed_name(d.name)]
-        if len(within) > 1:
-            return f"names several cards of the device catalogue ({', '.join(d.name for d in within)}): say which"
-        device = within[0] if within else None
-    if device is None:
-        return "or name a card of the device catalogue (" + ", ".join(d.name for d in devices) + ")"
-    return DeviceMemory(device.total, text, device.name)
+    found = cards_asked(text, load_catalogue().devices)
+    if len(found) > 1:
+        names = ", ".join(d.name for d in found)
+        raise argparse.ArgumentTypeError(f"{text!r} names several cards of the device catalogue ({names}): say which")
+    return DeviceMemory(found[0].total, text, found[0].name) if found else None
 
 
 def _cards_numbered(text: str) -> list[str]:
     """The catalogue's cards whose name has the number ``text`` as a word (``4090``: the RTX 4090)."""
-    from ledgerspec.derivations.devices.catalogue import load_catalogue, name_tokens
+    from ledgerspec.derivations.devices.catalogue import cards_with_words, load_catalogue
 
-    number = text.strip()
-    return [d.name for d in load_catalogue().devices if number in name_tokens(d.name)]
+    return [d.name for d in cards_with_words(frozenset({text.strip()}), load_catalogue().devices)]
 
 
 def device_memory(text: str) -> DeviceMemory:
@@ -89,13 +78,14 @@ def device_memory(text: str) -> DeviceMemory:
         if not re.search(r"[A-Za-z]", text):
             raise
         card = _card(text)  # words: perhaps a card's name
-        if isinstance(card, DeviceMemory):
+        if card is not None:
             return card
-        if card.startswith("names several"):
-            raise argparse.ArgumentTypeError(f"{text!r} {card}") from None
         if text.strip()[:1].isdigit():  # a number with a unit that is wrong: the size's own message
             raise
-        raise argparse.ArgumentTypeError(f"{exc}; {card}") from None
+        from ledgerspec.derivations.devices.catalogue import load_catalogue
+
+        names = ", ".join(d.name for d in load_catalogue().devices)
+        raise argparse.ArgumentTypeError(f"{exc}; or name a card of the device catalogue ({names})") from None
     if value < MIN_DEVICE_MEMORY:
         bare = re.fullmatch(r"\s*[0-9.]+\s*", text) is not None
         cards = _cards_numbered(text) if bare else []

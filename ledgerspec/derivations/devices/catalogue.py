@@ -70,6 +70,26 @@ def packed_name(name: str) -> str:
     return "".join(t for t in re.split(r"[^0-9a-z]+", name.lower()) if t and t not in _VENDOR_WORDS)
 
 
+def cards_with_words(words: frozenset[str], devices: list[Device]) -> list[Device]:
+    """The entries whose name has every one of ``words`` (less the vendor's; ``{"h100"}``: the H100)."""
+    return [d for d in devices if words and words <= name_tokens(d.name)]
+
+
+def cards_asked(text: str, devices: list[Device]) -> list[Device]:
+    """The entries a name typed by a user may mean: the one :func:`device_named` picks; else those whose name has
+    every word given (``H100``; ``A100``: two); else those whose words run together hold the words given
+    (``rtx4090``)."""
+    device = device_named(text, devices)
+    if device is not None:
+        return [device]
+    words = name_tokens(text)
+    within = cards_with_words(words, devices)
+    if within or not words:
+        return within
+    packed = "".join(sorted(words))
+    return [d for d in devices if packed in packed_name(d.name)]
+
+
 def device_named(name: str, devices: list[Device]) -> Device | None:
     """The catalogue entry a reported device name is: the entry whose name's words (less the vendor) are all among
     the reported name's words, the one with the most words when several are (``NVIDIA A100-SXM4-80GB`` and ``NVIDIA

@@ -1017,9 +1017,9 @@ def step_and_estimate(
     plain_question = {"target": target, "layers": layers, "offline": offline}
     # the stream depends on the question, never on the device: a device asked about first replays the stream kept
     # for another (a caller that wants the probes, or builds the stream its own way, traces)
-    reuse = store is not None and probes is None and elsewhere is None and pattern is None and not defer
-    stream_key = cache_key(doc, {**plain_question, "stream": stream_cache.FORMAT}) if reuse else None
-    plain_key = cache_key(doc, plain_question) if reuse else None
+    reuse = probes is None and elsewhere is None and pattern is None and not defer
+    plain_key = cache_key(doc, plain_question) if store is not None else None
+    stream_key = cache_key(doc, {**plain_question, "stream": stream_cache.FORMAT}) if reuse and plain_key else None
     if stream_key is not None and plain_key is not None:
         started = time.perf_counter()
         kept, plain = store.get(stream_key), store.get(plain_key)
@@ -1037,7 +1037,7 @@ def step_and_estimate(
         n1, n2 = p.plan.probes
         figures = extend_all(p.trace(n1), p.trace(n2), n1, n2, p.plan.layers)
     est = estimator.assemble(p, figures)
-    if store is not None and (plain_key := cache_key(doc, plain_question)) is not None:
+    if store is not None and plain_key is not None:
         store.put(plain_key, est.to_cache())  # the plain question is answered by these traces too
         if stream_key is not None and (kept := stream_cache.encode(step)) is not None:
             store.put(stream_key, kept)

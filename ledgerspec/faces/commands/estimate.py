@@ -658,17 +658,9 @@ def _run_devices(doc: Any, args: argparse.Namespace) -> int:
             doc, catalogue, _estimate_fn(args, parallel=True), on_device=on_device, single_step=single_step
         ),
     )
-    head = (
-        "device",
-        "GPUs",
-        "vendor",
-        "usable",
-        "peak/GPU",
-        "device peak",
-        "fits",
-        "headroom",
-        "largest microbatch" if on_device else "largest microbatch (allocated)",
-    )
+    from ledgerspec.faces.report.terminal import device_head
+
+    head = device_head(on_device)
     cells = [
         (
             r.device.name,

@@ -47,17 +47,19 @@ def run_import(args: argparse.Namespace) -> int:
 
         _refuse_existing(args.output, args.force)
         check_writable(args.output, force=args.force)
-    text, doc = convert(args.files, args, args.output)
+    text, _, valid = convert(args.files, args, args.output)
     write(text, args.output, args.force)
     # an intake that validate refuses (micro_batch_size: 0, an unknown optimizer) is written for the user to fix,
     # and the exit status says so, as the command-line contract has it for an invalid document
-    return EXIT_OK if validate_ok(doc) else EXIT_FINDINGS
+    return EXIT_OK if valid else EXIT_FINDINGS
 
 
-def convert(files: list[str], args: argparse.Namespace, output: str | None) -> tuple[str, Any]:
-    """Import ``files``; print the findings and the status the intake supports to standard error."""
+def convert(files: list[str], args: argparse.Namespace, output: str | None) -> tuple[str, Any, bool]:
+    """Import ``files``; print the findings and the status the intake supports to standard error. The intake's
+    text, its document, and whether ``validate`` finds no error in it."""
     from pathlib import Path
 
+    from ledgerspec.checks.findings import ERROR
     from ledgerspec.checks.validate import validate
     from ledgerspec.contract.document import from_text
     from ledgerspec.contract.imports import import_files
@@ -75,21 +77,14 @@ def convert(files: list[str], args: argparse.Namespace, output: str | None) -> t
     doc = from_text(result.text, output or "<import>")
     report = validate(doc)
     held = f" ({len(report.reasons)} reason(s): `ledgerspec validate -v`)" if report.reasons else ""
-    errors = sum(1 for f in report.findings if f.severity == "error")
+    errors = sum(1 for f in report.findings if f.severity == ERROR)
     invalid = f", INVALID ({errors} error(s): `ledgerspec validate` lists them)" if errors else ""
     print(
         f"ledgerspec: imported {len(files)} file(s): {len(result.findings)} finding(s), recorded in x-import; "
         f"the intake supports {report.supported_status}{held}{invalid}",
         file=sys.stderr,
     )
-    return result.text, doc
-
-
-def validate_ok(doc: Any) -> bool:
-    """Whether ``validate`` finds no error in the imported intake."""
-    from ledgerspec.checks.validate import validate
-
-    return validate(doc).ok
+    return result.text, doc, report.ok
 
 
 def _refuse_existing(output: str, force: bool) -> None:

@@ -56,7 +56,7 @@ def run_init(args: argparse.Namespace) -> int:
 
         if args.gpu_count is not None and args.gpu_count < 1:
             raise LedgerspecError(f"--gpu-count must be at least 1, got {args.gpu_count}", rule="init")
-        _, intake = convert(files, args, args.output)
+        _, intake, _ = convert(files, args, args.output)
     from ledgerspec.faces.commands.imports import write
 
     write(skeleton(intake, args.output), args.output, args.force)

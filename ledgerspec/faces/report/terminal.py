@@ -163,7 +163,7 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH, verbose: bo
         w(f"\nwhat if (estimate --what-if): {d.what_if_device}\n")
     if d.devices:
         w("\nwhich device (estimate --devices)\n")
-        _plain_table(out, device_head(d.devices), [_device_cells(r) for r in d.devices])
+        _plain_table(out, device_head(_on_device(d.devices)), [_device_cells(r) for r in d.devices])
         if d.devices_note:
             w(textwrap.fill(d.devices_note, PLAIN_WIDTH, initial_indent="  ", subsequent_indent="  ") + "\n")
     w("\nmemory components (ledger)\n")
@@ -268,12 +268,14 @@ DEVICE_HEAD = (
 )
 
 
-def device_head(rows: list[DeviceRow]) -> tuple[str, ...]:
-    """The device table's head: its last column is the allocated answer, unless the rows were decided on the device
-    (an upper bound, ``<= N``)."""
-    if any(r.largest_at_most for r in rows):
-        return (*DEVICE_HEAD[:-1], "largest microbatch")
-    return DEVICE_HEAD
+def device_head(on_device: bool) -> tuple[str, ...]:
+    """The device table's head (the report's and ``estimate --devices``'): its last column is the allocated answer,
+    unless the rows were decided on the device (an upper bound, ``<= N``)."""
+    return (*DEVICE_HEAD[:-1], "largest microbatch") if on_device else DEVICE_HEAD
+
+
+def _on_device(rows: list[DeviceRow]) -> bool:
+    return any(r.largest_at_most for r in rows)
 
 
 def _size(n: int | None) -> str:
@@ -375,7 +377,11 @@ def render_rich(
         console.print(Text(step))
     for title, head_cells, rows in (
         ("largest that fits (estimate --fit)", FIT_HEAD, [_fit_cells(r) for r in d.fits]),
-        ("which device (estimate --devices)", device_head(d.devices), [_device_cells(r) for r in d.devices]),
+        (
+            "which device (estimate --devices)",
+            device_head(_on_device(d.devices)),
+            [_device_cells(r) for r in d.devices],
+        ),
     ):
         if rows:
             t = Table(title=title, title_justify="left", box=SIMPLE_HEAD)

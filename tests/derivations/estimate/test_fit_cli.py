@@ -74,7 +74,7 @@ def test_devices_answers_which_server_and_records_it(cli: CliRunner, tiny: Path)
     from ledgerspec.faces.report.terminal import device_head
 
     older = DeviceRow("a card", 1, 2**30, "1 GB", 2**29, True, 2**29, 3)  # an x-devices block without the bound
-    assert device_head([older])[-1] == "largest microbatch (allocated)" and older.largest_text == "3"
+    assert device_head(older.largest_at_most)[-1] == "largest microbatch (allocated)" and older.largest_text == "3"
     # issue 23: decided on the device, each row as `estimate --device-memory` decides for that device
     assert "device peak" in out and "decided on the device" in out
     for r in rows:
