@@ -3,6 +3,7 @@ and (slow) resolves offline against the shipped config of its model."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,25 @@ def test_an_intake_validate_refuses_is_written_and_exits_1(tmp_path: Path) -> No
     code, _, err = run_cli("import", src, "-o", out)
     assert code == 1 and out.is_file()
     assert "INVALID (1 error(s): `ledgerspec validate` lists them)" in err.splitlines()[-1]
+
+
+def test_init_from_a_tool_config_says_what_the_ledger_it_writes_supports(tmp_path: Path) -> None:
+    """``init --from axolotl.yml -o run.ledger.yaml`` ended with "the intake supports INSUFFICIENT DATA (1
+    reason(s))" while the file written was a ledger that validate holds for other reasons (a newcomer trial): the
+    last line names the ledger, with the status and reasons ``validate`` gives that file; a ledger validate refuses
+    is written and exits 1, as ``import`` does."""
+    out = tmp_path / "run.ledger.yaml"
+    code, _, err = run_cli("init", "--from", IMPORTS / "axolotl/qlora.yml", "-o", out)
+    assert code == 0, err
+    last = err.splitlines()[-1]
+    assert "the ledger supports" in last and "intake" not in last
+    code, stdout, _ = run_cli("validate", "-v", out)
+    status = re.search(r"status (\S+(?: DATA)?) \(declared", stdout)
+    reasons = re.search(r"every reason \((\d+)\)", stdout)
+    assert status and reasons
+    assert f"supports {status.group(1)} ({reasons.group(1)} reason(s)" in last
+    src = tmp_path / "zero.yml"
+    src.write_text((IMPORTS / "axolotl/qlora.yml").read_text().replace("micro_batch_size: 1", "micro_batch_size: 0"))
+    code, _, err = run_cli("init", "--from", src, "-o", tmp_path / "zero.ledger.yaml")
+    assert code == 1 and (tmp_path / "zero.ledger.yaml").is_file()
+    assert "the ledger supports" in err.splitlines()[-1] and "INVALID" in err.splitlines()[-1]

@@ -47,20 +47,21 @@ def run_import(args: argparse.Namespace) -> int:
 
         _refuse_existing(args.output, args.force)
         check_writable(args.output, force=args.force)
-    text, _, valid = convert(args.files, args, args.output)
+    text, _, _, valid = convert(args.files, args, args.output)
     write(text, args.output, args.force)
     # an intake that validate refuses (micro_batch_size: 0, an unknown optimizer) is written for the user to fix,
     # and the exit status says so, as the command-line contract has it for an invalid document
     return EXIT_OK if valid else EXIT_FINDINGS
 
 
-def convert(files: list[str], args: argparse.Namespace, output: str | None) -> tuple[str, Any, bool]:
-    """Import ``files``; print the findings and the status the intake supports to standard error. The intake's
-    text, its document, and whether ``validate`` finds no error in it."""
+def convert(
+    files: list[str], args: argparse.Namespace, output: str | None, say_status: bool = True
+) -> tuple[str, Any, int, bool]:
+    """Import ``files``; print the findings and (``say_status``) the status the intake supports to standard error.
+    The intake's text, its document, the number of findings, and whether ``validate`` finds no error in it (True
+    when the status is left to the caller: ``init --from`` says what the ledger it writes supports, :func:`summary`)."""
     from pathlib import Path
 
-    from ledgerspec.checks.findings import ERROR
-    from ledgerspec.checks.validate import validate
     from ledgerspec.contract.document import from_text
     from ledgerspec.contract.imports import import_files
 
@@ -75,16 +76,26 @@ def convert(files: list[str], args: argparse.Namespace, output: str | None) -> t
     for f in result.findings:
         print(f.format(), file=sys.stderr)
     doc = from_text(result.text, output or "<import>")
+    valid = summary(len(files), len(result.findings), doc, "intake") if say_status else True
+    return result.text, doc, len(result.findings), valid
+
+
+def summary(files: int, findings: int, doc: Any, written: str) -> bool:
+    """The import's last line: what was imported and the status the document written (the ``intake``, or the
+    ``ledger`` ``init --from`` makes of it) supports. Whether ``validate`` finds no error in that document."""
+    from ledgerspec.checks.findings import ERROR
+    from ledgerspec.checks.validate import validate
+
     report = validate(doc)
     held = f" ({len(report.reasons)} reason(s): `ledgerspec validate -v`)" if report.reasons else ""
     errors = sum(1 for f in report.findings if f.severity == ERROR)
     invalid = f", INVALID ({errors} error(s): `ledgerspec validate` lists them)" if errors else ""
     print(
-        f"ledgerspec: imported {len(files)} file(s): {len(result.findings)} finding(s), recorded in x-import; "
-        f"the intake supports {report.supported_status}{held}{invalid}",
+        f"ledgerspec: imported {files} file(s): {findings} finding(s), recorded in x-import; "
+        f"the {written} supports {report.supported_status}{held}{invalid}",
         file=sys.stderr,
     )
-    return result.text, doc, report.ok
+    return report.ok
 
 
 def _refuse_existing(output: str, force: bool) -> None:

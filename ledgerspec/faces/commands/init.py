@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ledgerspec.errors import EXIT_OK, LedgerspecError
+from ledgerspec.errors import EXIT_FINDINGS, EXIT_OK, LedgerspecError
 from ledgerspec.faces.arguments import add_force
 
 
@@ -56,10 +56,19 @@ def run_init(args: argparse.Namespace) -> int:
 
         if args.gpu_count is not None and args.gpu_count < 1:
             raise LedgerspecError(f"--gpu-count must be at least 1, got {args.gpu_count}", rule="init")
-        _, intake, _ = convert(files, args, args.output)
+        _, intake, findings, _ = convert(files, args, args.output, say_status=False)
     from ledgerspec.faces.commands.imports import write
 
-    write(skeleton(intake, args.output), args.output, args.force)
+    text = skeleton(intake, args.output)
+    write(text, args.output, args.force)
+    if intake is not None and files and not _ledgerspec_document(files[0]):
+        from ledgerspec.contract.document import from_text
+        from ledgerspec.faces.commands.imports import summary
+
+        # what the ledger written supports, not the intake it was made from; one validate refuses is written for
+        # the user to fix, and the exit status says so (as import's does)
+        if not summary(len(files), findings, from_text(text, args.output or "<init>"), "ledger"):
+            return EXIT_FINDINGS
     return EXIT_OK
 
 
