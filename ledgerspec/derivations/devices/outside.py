@@ -598,7 +598,8 @@ def markdown(catalogue: Catalogue | None = None) -> str:
         f"| modules loaded during the step (`other`) | outside | {_mib(lz.typical)} | {_mib(lz.low)} to "
         f"{_mib(lz.high)} | {lz.basis} | {_refs(lz.sources)} | {_cell(lz.note)} |",
         f"| cuBLAS/cuBLASLt workspace | **inside** the allocator | {_mib(_size(ws['default'], 'ws'))} per handle and "
-        f"stream ({_mib(_size(ws['sm_90'], 'ws'))} on sm_90/sm_100; ROCm {_mib(_size(ws['gfx942'], 'ws'))} + "
+        f"stream ({_mib(_size(ws['sm_90'], 'ws'))} on sm_90, sm_100 and sm_120; "
+        f"ROCm {_mib(_size(ws['gfx942'], 'ws'))} + "
         f"hipBLASLt {_mib(_size(c['lt_workspace_rocm'], 'lt'))}) x {c['handles']} handles | exact | {c['basis']} | "
         f"{_refs(c['sources'])} | in `memory_allocated` and `memory_reserved`: never added outside; the estimate's "
         "tensor tracking does not see it, a measurement does |",

@@ -30,6 +30,12 @@ PUBLISHED = {
     "NVIDIA A100 40GB": 39.50,  # TianheWu/CoSeR#10 (39.59 in raoyongming/DenseCLIP#52: a tie, the lowest)
     "NVIDIA A100 80GB": 79.25,  # levihsu/OOTDiffusion#235, wbfwonderful/Vad-R1#11
     "NVIDIA H100 80GB HBM3": 79.11,  # vllm-project/vllm#27508
+    # the cards added for renters (issue 23's left items): the sources a helper collected, each naming its card
+    "Tesla T4": 14.56,  # Zheng-Chong/CatVTON#133, AlphaGPU/leetgpu-challenges#52 (14.74 twice on Colab: a tie)
+    "NVIDIA GeForce RTX 5090": 31.35,  # vllm-project/vllm#40291 (31.36 and 31.37 once each: the lowest)
+    "NVIDIA A10G": 21.99,  # aws-samples/...-remote-decorator#2, bigcode-project/starcoder#151
+    "NVIDIA L4": 22.03,  # ArcInstitute/evo2#190 (22.05 in vllm-project/vllm#20214: a tie, the lowest)
+    "NVIDIA RTX A6000": 47.54,  # vllm-project/vllm#1201, vllm-project/vllm#4417
 }
 
 
@@ -65,6 +71,14 @@ def test_names_as_torch_reports_them_are_the_catalogue_entries() -> None:
         "NVIDIA L40S": "NVIDIA L40S",
         "NVIDIA L40": None,  # another board
         "NVIDIA A100": None,  # which one?
+        "Tesla T4": "Tesla T4",
+        "T4": "Tesla T4",
+        "NVIDIA L4": "NVIDIA L4",  # not the L40S
+        "NVIDIA A10G": "NVIDIA A10G",
+        "NVIDIA A10": None,  # the A10 is not the A10G
+        "NVIDIA RTX A6000": "NVIDIA RTX A6000",
+        "NVIDIA RTX 6000 Ada Generation": None,  # not the RTX A6000
+        "NVIDIA GeForce RTX 5090": "NVIDIA GeForce RTX 5090",
     }
     for reported, entry in cases.items():
         found = device_named(reported, devices)

@@ -24,6 +24,11 @@ NVIDIA_SMI_MIB = {
     "NVIDIA A100 80GB": 81920,
     "NVIDIA H100 80GB HBM3": 81559,
     "NVIDIA H200": 143771,
+    "Tesla T4": 15360,  # robbyant-research/MagicQuill#57
+    "NVIDIA GeForce RTX 5090": 32607,  # noonghunna/club-3090#617
+    "NVIDIA A10G": 23028,  # NVIDIA/DCGM#232
+    "NVIDIA L4": 23034,  # NVIDIA/TensorRT-LLM#2398, vllm-project/vllm#4959
+    "NVIDIA RTX A6000": 49140,  # vllm-project/vllm#1201
 }
 
 
@@ -160,7 +165,8 @@ def test_a_row_decided_on_the_device_is_judged_against_what_the_allocator_can_ge
     doc = ledger(microbatch=2, seq=1024)
     single = SimpleNamespace(components={})
     result = compare(doc, load_catalogue(), _fn(2 << 30), on_device=True, single_step=lambda: (single, step))  # type: ignore[arg-type]
-    hopper = {"NVIDIA H100 80GB HBM3", "NVIDIA H200", "AMD Instinct MI300X"}  # 32 MiB workspaces (gfx942 too)
+    # 32 MiB workspaces: compute capability 9.x, 10.x and 12.x (the RTX 5090: pytorch/pytorch#175344), gfx942 too
+    hopper = {"NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GeForce RTX 5090", "AMD Instinct MI300X"}
     for r in result.rows:
         assert r.usable is not None and r.device_peak is not None and r.largest_at_most and r.memory == r.usable
         # the replay reserves the tensor's 8 GiB segment and the Python thread's workspace's own, taken at the first
