@@ -316,8 +316,8 @@ Device-level peak against nvidia-smi, runs that trained: {", ".join(r.cells()[7]
   allocations), so the gap above stays. The rest (the CUDA context's modules with NCCL's kernels loaded, what the
   allocator held from the loading) is not known without a GPU run of this step (`scripts/gpu-check`; `measure
   --device cuda` records `outside_allocator`). Where a published 2-GPU FSDP1 run logs the allocator's own peak
-  (`device-answerai.md`: Answer.AI's runs on another stack, eleven of fifteen within 4.7 %, median -1.3 %), the replay
-  gives it: a hint that the missing part lies outside the allocator here, not a proof (the stacks differ).
+  (`device-answerai.md`: Answer.AI's runs on another stack, thirteen of seventeen within 4.7 %, median -0.9 %), the
+  replay gives it: a hint that the missing part lies outside the allocator here, not a proof (the stacks differ).
 - **Full fine-tuning** (`method.kind: full`): its allocated peak is the published one (the optimizer step: weights,
   gradients, AdamW's two bf16 moments and one weight-sized set of foreach temporaries), and on 2 GPUs the replay
   finds most of the 10-19 GiB nvidia-smi shows above it. The 1-GPU runs had no FSDP (fms-acceleration's

@@ -76,6 +76,8 @@ def _resolve(text: str) -> Any:
         ("gemma-3-1b-it", "AutoModelForCausalLM", "Gemma3ForCausalLM", 999_885_952),
         ("gpt-oss-20b", "AutoModelForCausalLM", "GptOssForCausalLM", 20_914_757_184),
         ("yi-34b", "AutoModelForCausalLM", "LlamaForCausalLM", 34_388_917_248),  # the model card's 34.4B
+        # v0.1's architecture and count (the model card's 7.24B), with rope_theta 1e6 and no sliding window
+        ("mistral-7b-v0.2", "AutoModelForCausalLM", "MistralForCausalLM", 7_241_732_096),
     ],
 )
 def test_the_auto_class_builds_the_class_the_config_names(name: str, auto: str, cls: str, published: int) -> None:
