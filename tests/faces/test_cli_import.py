@@ -158,3 +158,6 @@ def test_init_from_a_tool_config_says_what_the_ledger_it_writes_supports(tmp_pat
     code, _, err = run_cli("init", "--from", src, "-o", tmp_path / "zero.ledger.yaml")
     assert code == 1 and (tmp_path / "zero.ledger.yaml").is_file()
     assert "the ledger supports" in err.splitlines()[-1] and "INVALID" in err.splitlines()[-1]
+    # written over the file it imports (--force): the same line and exit status (it read the file written before)
+    code, _, err = run_cli("init", "--from", src, "-o", src, "--force")
+    assert code == 1 and "the ledger supports" in err.splitlines()[-1] and "INVALID" in err.splitlines()[-1]

@@ -38,6 +38,7 @@ def run_init(args: argparse.Namespace) -> int:
 
     files: list[str] = args.from_files or []
     intake = None
+    imported = False  # from a tool's configuration (not an intake): the summary line says what the ledger supports
     if args.output:
         if os.path.lexists(args.output) and not args.force:
             raise LedgerspecError("file exists", args.output, rule="init", hint="pass --force to overwrite")
@@ -52,6 +53,7 @@ def run_init(args: argparse.Namespace) -> int:
                 rule="init",
             )
     elif files:
+        imported = True
         from ledgerspec.faces.commands.imports import convert
 
         if args.gpu_count is not None and args.gpu_count < 1:
@@ -61,7 +63,7 @@ def run_init(args: argparse.Namespace) -> int:
 
     text = skeleton(intake, args.output)
     write(text, args.output, args.force)
-    if intake is not None and files and not _ledgerspec_document(files[0]):
+    if imported:  # decided before the write: `-o` may name the file imported (`--force`)
         from ledgerspec.contract.document import from_text
         from ledgerspec.faces.commands.imports import summary
 

@@ -60,6 +60,12 @@ def test_every_entry_names_listed_sources_with_a_url() -> None:
         ("NVIDIA L4", "sm_89", "pcie"),
         ("NVIDIA GeForce RTX 5090", "sm_120", "pcie"),
         ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "sm_120", "pcie"),
+        # the workstation cards whose numbers look like GeForce ones (a fresh-eyes review)
+        ("NVIDIA RTX 5000 Ada Generation", "sm_89", "pcie"),
+        ("Quadro RTX 5000", "sm_75", "pcie"),
+        ("Quadro RTX 4000", "sm_75", "pcie"),
+        ("NVIDIA RTX 4000 Ada Generation", "sm_89", "pcie"),
+        ("NVIDIA GeForce RTX 4060 Ti", "sm_89", "pcie"),
         ("AMD Instinct MI300X", "gfx942", "nvlink"),
         ("Some Future GPU", "unknown", "pcie"),
     ],

@@ -299,6 +299,12 @@ def test_the_device_is_named_by_the_target_then_the_catalogue_then_the_declared_
     assert P.target_of(_doc(), 24564 * MiB).name == "NVIDIA GeForce RTX 4090"  # its nvidia-smi total
     decimal = P.target_of(_doc(), 80 * 10**9)  # "80 GB" as sold: two entries, the first in the catalogue's order
     assert decimal.name == "NVIDIA A100 80GB" and "as near: NVIDIA H100 80GB HBM3" in decimal.how
+    # the rented cards of the catalogue are named by their memory too, and the 24 GB ones are said as near: a size
+    # alone names the first card of the catalogue's order, and the line says which others it could be
+    assert "as near: NVIDIA GeForce RTX 4090, NVIDIA A10G, NVIDIA L4" in ada.how
+    assert P.target_of(_doc(), 16 * 10**9).name == "Tesla T4"  # "16 GB" as sold (a V100 16GB is not catalogued)
+    assert P.target_of(_doc(), 32 * 10**9).name == "NVIDIA GeForce RTX 5090"
+    assert P.target_of(_doc(), 48 * GiB).name == "NVIDIA RTX A6000"  # 49140 MiB, within 1 %; the L40S is 46068
     declared = _doc("  gpu_name: NVIDIA RTX A2000\n")
     assert P.target_of(declared, 6 * GiB).named_by == "software.gpu_name"
     assert P.target_of(_doc(), 6 * GiB).named_by == "none"
