@@ -194,9 +194,104 @@ def estimate_run(run: Run) -> Row:
         time.perf_counter() - started,
         step,
         est.ranks[0].phases["after_optimizer_init"],
-        _oom_words(d, run.reserved),
+        _oom_words(d, run.reserved)
+        + _deciding_block(step, workspaces_of(load(LEDGERS / f"{run.key}.ledger.yaml"), d.target), d),
         workspaces_of(load(LEDGERS / f"{run.key}.ledger.yaml"), d.target),
     )
+
+
+#: the protocol's windows in words (allocator.step: activations = a forward, temporary = a backward)
+_WINDOW_WORDS = {"activations": "forward", "temporary": "backward", "optimizer": "optimizer step"}
+#: the most live blocks tried one by one (each costs a replay of the whole step)
+_MOST_TRIED = 8
+
+
+def _deciding_block(step: Any, workspaces: Any, d: Any) -> str:
+    """When rank 0's replay runs out by fragmentation: whether one block decides it. The stream is replayed as the
+    verdict replays it (the same settings, against the same capacity) up to its out-of-memory; each live block then
+    inside a segment at least as large as the failing request (a segment that would otherwise serve it; at most
+    :data:`_MOST_TRIED`) is replayed again with its allocation refused every cached block (a segment of its own); the
+    first with which the step completes is named: its size, where it was allocated, the segment it was cut from (the
+    allocator's best fit for it), and the peak reserved of the replay that completes. Empty when none does, or when
+    the replay here does not fail where the verdict's did."""
+    if d.oom is None or d.decided_by != "fragmentation":
+        return ""
+    from ledgerspec.derivations.allocator.caching import CachingAllocator, OutOfMemory
+    from ledgerspec.derivations.allocator.config import AllocatorConfig
+    from ledgerspec.derivations.allocator.replay import replay
+    from ledgerspec.derivations.allocator.step import protocol_windows
+    from ledgerspec.derivations.allocator.workspaces import with_workspaces
+
+    events = with_workspaces(step.events, step.windows, *workspaces)
+    config = AllocatorConfig.parse(d.replayed.alloc_conf)
+    capacity, total = d.replayed.capacity, d.replayed.cuda_total
+    alloc = CachingAllocator(config, capacity, total)
+    live: dict[Any, Any] = {}
+    born: dict[Any, tuple[int, str]] = {}
+    window, n_alloc, request = "", 0, 0
+    for ev in events:
+        kind = ev[0]
+        if kind == "phase":
+            window = str(ev[1])
+        elif kind == "alloc":
+            n_alloc += 1
+            try:
+                live[ev[1]] = alloc.malloc(int(ev[2]), int(ev[3]) if len(ev) > 3 else 0)
+            except OutOfMemory:
+                request = int(ev[2])
+                break
+            born[ev[1]] = (n_alloc, window)
+        elif kind == "free":
+            alloc.free(live.pop(ev[1]), len(ev) > 2 and ev[2] == "pending")
+        elif kind == "sync":
+            alloc.complete_pending(int(ev[1]))
+        elif kind == "settings":
+            alloc.set_allocator_settings(str(ev[1]))
+        elif kind == "empty_cache":
+            alloc.empty_cache()
+    if request != d.oom.requested:
+        return ""
+    by_ptr = {b.ptr: k for k, b in live.items() if b is not None}
+    candidates = [
+        (b, seg["total_size"])
+        for seg in alloc.segments()
+        if seg["total_size"] >= request and seg["allocated_size"] < seg["total_size"]
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated" and b["address"] in by_ptr
+    ][:_MOST_TRIED]
+
+    class _OwnSegment(CachingAllocator):
+        """The allocator with one allocation (the ``forced``-th) refused every cached block."""
+
+        forced = 0
+        count = 0
+        own = False
+
+        def malloc(self, nbytes: int, stream: int = 0) -> Any:
+            type(self).count += 1
+            self.own = type(self).count == type(self).forced
+            return super().malloc(nbytes, stream)
+
+        def _get_free_block(self, p: Any) -> bool:
+            return False if self.own else super()._get_free_block(p)
+
+    phases = protocol_windows(step.windows, step.accumulation)
+    for block, segment in candidates:
+        index, where = born[by_ptr[block["address"]]]
+        _OwnSegment.forced, _OwnSegment.count = index, 0
+        done = replay(events, config, allocator=_OwnSegment(config, capacity, total))
+        if done.oom is None:
+            phase = next((name for name, labels in phases.items() if where in labels), "")
+            first = phase in ("forward_peak", "backward_peak", "optimizer_step_peak", "generation_peak")
+            when = "the first iteration's" if first else "a later iteration's" if phase else "the set-up's"
+            kind = _WINDOW_WORDS.get(where.split(":", 1)[-1], where)
+            return (
+                f"; one block decides it: a {block['size'] / 2**20:.0f} MiB allocation of {when} {kind} (window "
+                f"{where}, {phase or 'before the step'}), cut from a cached {segment / GiB:.2f} GiB segment (the "
+                "allocator's best fit for it); given a segment of its own, the replay completes against the card, "
+                f"peak reserved {done.peak_reserved / GiB:.2f} GiB"
+            )
+    return ""
 
 
 def _oom_words(d: Any, published: float) -> str:
