@@ -46,6 +46,10 @@ def test_a_bad_device_memory_is_a_usage_error(text: str, phrase: str) -> None:
         ("a100 40gb", "NVIDIA A100 40GB", 40960),
         ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB", 81920),  # as nvidia-smi names it
         ("rtx4090", "NVIDIA GeForce RTX 4090", 24564),  # the words run together (a newcomer trial)
+        ("RTX 5090", "NVIDIA GeForce RTX 5090", 32607),  # the cards people rent or buy besides the data centre's
+        ("T4", "Tesla T4", 15360),
+        ("L4", "NVIDIA L4", 23034),
+        ("A10G", "NVIDIA A10G", 23028),
     ],
 )
 def test_a_card_of_the_device_catalogue_is_its_total(text: str, card: str, mib: int) -> None:
@@ -60,7 +64,11 @@ def test_a_card_of_the_device_catalogue_is_its_total(text: str, card: str, mib: 
     ("text", "phrase"),
     [
         ("A100", "names several cards of the device catalogue \\(NVIDIA A100 40GB, NVIDIA A100 80GB\\): say which"),
-        ("RTX 5090", "is not a size; .*; or name a card of the device catalogue \\(NVIDIA GeForce RTX 3090, "),
+        (
+            "RTX 3060",
+            "is not a size; .*; or name a card of the device catalogue \\(Tesla T4, NVIDIA GeForce RTX 3090, ",
+        ),
+        ("A10", "names several cards of the device catalogue \\(NVIDIA A10G, NVIDIA A100 40GB, NVIDIA A100 80GB\\)"),
         ("4090", "did you mean the card 'NVIDIA GeForce RTX 4090'\\?"),  # a bare number that is one card's
     ],
 )
