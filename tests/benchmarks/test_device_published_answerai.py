@@ -173,15 +173,12 @@ def test_the_arithmetic_and_the_summary() -> None:
                 assert f"a {size} MiB float32 block" in line and f"(peak reserved {done:.2f} GiB, " in line, key
 
 
-@pytest.mark.slow  # a 7B LoRA FSDP1 step on two ranks, every layer traced, and two replays: about 15 s
-@pytest.mark.parametrize(
-    "key",
-    [
-        "aai-llama-2-7b-lora-2gpu-512-bs1",
-        # CPU offload: the device's stream alone, the wrapping on the device (about 40 s)
-        "aai-llama-2-7b-lora-2gpu-2048-bs10-offload",
-    ],
-)
+# one row re-estimated (a 7B LoRA FSDP1 step on two ranks, every layer traced, and its replays: about 25 s): the one
+# with CPU offload, which takes the most of the simulation (the device's stream alone, the wrapping on the device); the
+# other rows' cells are held by the arithmetic above and by the benchmark's own run (CI time: the 512-token row's
+# re-estimate, 25 s more, was dropped at stop 56)
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["aai-llama-2-7b-lora-2gpu-2048-bs10-offload"])
 def test_a_row_re_estimated_gives_the_committed_cells(bench: Any, key: str) -> None:
     run = next(r for r in bench.RUNS if r.key == key)
     assert bench.estimate_run(run).cells() == ledger_rows(RESULTS)[run.key]
