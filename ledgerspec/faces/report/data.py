@@ -111,6 +111,17 @@ class DeviceRow:
         return "-" if self.fits is None else fits_words(self.fits, self.fragmentation, self.edge)
 
 
+def decided_on_device(rows: list[DeviceRow]) -> bool:
+    """Whether a device table's rows were decided on the device (their largest microbatch an upper bound)."""
+    return any(r.largest_at_most for r in rows)
+
+
+def largest_label(on_device: bool) -> str:
+    """The device table's last column, in the terminal and the HTML report alike: the allocated tensors' answer,
+    unless the rows were decided on the device (an upper bound, ``<= N``)."""
+    return "largest microbatch" if on_device else "largest microbatch (allocated)"
+
+
 def fits_words(fits: bool, fragmentation: int | None = None, edge: bool = False) -> str:
     """A device row's answer in words, the same in ``estimate --devices`` and both reports: yes or NO, the bytes
     free but unusable when fragmentation decided a NO, and a verdict at the edge."""

@@ -24,6 +24,8 @@ from ledgerspec.faces.report.data import (
     PhasePoint,
     ReportData,
     WhatIfData,
+    decided_on_device,
+    largest_label,
     shown,
 )
 from ledgerspec.version import __version__
@@ -269,9 +271,8 @@ def _devices_table(rows: list[DeviceRow], note: str | None) -> str:
     out = [
         '<table class="devices"><thead><tr><th>device</th><th class="num">GPUs</th><th class="num">memory '
         '(vendor)</th><th class="num">usable</th><th class="num">peak per GPU</th><th class="num">device peak</th>'
-        '<th>fits</th><th class="num">headroom</th><th class="num">largest microbatch'
-        + ("" if any(r.largest_at_most for r in rows) else " (allocated)")
-        + "</th></tr></thead><tbody>"
+        f'<th>fits</th><th class="num">headroom</th><th class="num">{escape(largest_label(decided_on_device(rows)))}'
+        "</th></tr></thead><tbody>"
     ]
     for r in rows:
         fits = "" if r.fits is None else escape(r.fits_text)

@@ -22,6 +22,8 @@ from ledgerspec.faces.report.data import (
     FitRow,
     PhasePoint,
     ReportData,
+    decided_on_device,
+    largest_label,
     shown,
 )
 
@@ -163,7 +165,7 @@ def render_plain(d: ReportData, out: TextIO, width: int = BAR_WIDTH, verbose: bo
         w(f"\nwhat if (estimate --what-if): {d.what_if_device}\n")
     if d.devices:
         w("\nwhich device (estimate --devices)\n")
-        _plain_table(out, device_head(_on_device(d.devices)), [_device_cells(r) for r in d.devices])
+        _plain_table(out, device_head(decided_on_device(d.devices)), [_device_cells(r) for r in d.devices])
         if d.devices_note:
             w(textwrap.fill(d.devices_note, PLAIN_WIDTH, initial_indent="  ", subsequent_indent="  ") + "\n")
     w("\nmemory components (ledger)\n")
@@ -264,18 +266,14 @@ DEVICE_HEAD = (
     "device peak",
     "fits",
     "headroom",
-    "largest microbatch (allocated)",
+    largest_label(False),
 )
 
 
 def device_head(on_device: bool) -> tuple[str, ...]:
-    """The device table's head (the report's and ``estimate --devices``'): its last column is the allocated answer,
-    unless the rows were decided on the device (an upper bound, ``<= N``)."""
-    return (*DEVICE_HEAD[:-1], "largest microbatch") if on_device else DEVICE_HEAD
-
-
-def _on_device(rows: list[DeviceRow]) -> bool:
-    return any(r.largest_at_most for r in rows)
+    """The device table's head (the report's and ``estimate --devices``'): its last column is
+    :func:`~ledgerspec.faces.report.data.largest_label`'s."""
+    return (*DEVICE_HEAD[:-1], largest_label(on_device))
 
 
 def _size(n: int | None) -> str:
@@ -379,7 +377,7 @@ def render_rich(
         ("largest that fits (estimate --fit)", FIT_HEAD, [_fit_cells(r) for r in d.fits]),
         (
             "which device (estimate --devices)",
-            device_head(_on_device(d.devices)),
+            device_head(decided_on_device(d.devices)),
             [_device_cells(r) for r in d.devices],
         ),
     ):
