@@ -216,7 +216,7 @@ def _deciding_block(step: Any, workspaces: Any, d: Any) -> str:
     the replay here does not fail where the verdict's did."""
     if d.oom is None or d.decided_by != "fragmentation":
         return ""
-    from ledgerspec.derivations.allocator.caching import CachingAllocator, OutOfMemory
+    from ledgerspec.derivations.allocator.caching import CachingAllocator
     from ledgerspec.derivations.allocator.config import AllocatorConfig
     from ledgerspec.derivations.allocator.replay import replay
     from ledgerspec.derivations.allocator.step import protocol_windows
@@ -225,36 +225,23 @@ def _deciding_block(step: Any, workspaces: Any, d: Any) -> str:
     events = with_workspaces(step.events, step.windows, *workspaces)
     config = AllocatorConfig.parse(d.replayed.alloc_conf)
     capacity, total = d.replayed.capacity, d.replayed.cuda_total
-    alloc = CachingAllocator(config, capacity, total)
-    live: dict[Any, Any] = {}
-    born: dict[Any, tuple[int, str]] = {}
-    window, n_alloc, request = "", 0, 0
-    for ev in events:
-        kind = ev[0]
-        if kind == "phase":
-            window = str(ev[1])
-        elif kind == "alloc":
-            n_alloc += 1
-            try:
-                live[ev[1]] = alloc.malloc(int(ev[2]), int(ev[3]) if len(ev) > 3 else 0)
-            except OutOfMemory:
-                request = int(ev[2])
-                break
-            born[ev[1]] = (n_alloc, window)
-        elif kind == "free":
-            alloc.free(live.pop(ev[1]), len(ev) > 2 and ev[2] == "pending")
-        elif kind == "sync":
-            alloc.complete_pending(int(ev[1]))
-        elif kind == "settings":
-            alloc.set_allocator_settings(str(ev[1]))
-        elif kind == "empty_cache":
-            alloc.empty_cache()
-    if request != d.oom.requested:
+    failed = replay(events, config, allocator=CachingAllocator(config, capacity, total))
+    if failed.oom is None or failed.oom.requested != d.oom.requested:
         return ""
-    by_ptr = {b.ptr: k for k, b in live.items() if b is not None}
+    request = failed.oom.requested
+    # each allocation before the failing one: its number among the allocations and the window it was made in
+    born: dict[Any, tuple[int, str]] = {}
+    window, n_alloc = "", 0
+    for ev in events[: failed.oom.event]:
+        if ev[0] == "phase":
+            window = str(ev[1])
+        elif ev[0] == "alloc":
+            n_alloc += 1
+            born[ev[1]] = (n_alloc, window)
+    by_ptr = {b.ptr: k for k, b in failed.live.items() if b is not None}
     candidates = [
         (b, seg["total_size"])
-        for seg in alloc.segments()
+        for seg in failed.segments
         if seg["total_size"] >= request and seg["allocated_size"] < seg["total_size"]
         for b in seg["blocks"]
         if b["state"] == "active_allocated" and b["address"] in by_ptr

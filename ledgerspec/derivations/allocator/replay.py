@@ -78,6 +78,9 @@ class ReplayResult:
     stats: dict[str, int] = field(default_factory=dict)
     segments: list[dict[str, Any]] = field(default_factory=list)
     events: int = 0  # events replayed (up to and including the OOM)
+    #: the blocks still allocated when the replay ended (by the events' ids): at an out-of-memory, what held the
+    #: segments (``segments``' addresses are the blocks' ``ptr``)
+    live: dict[Any, Block | None] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -205,6 +208,7 @@ def replay(
         "allocated_bytes.all.peak", max(p.peak_allocated for p in result.phases.values())
     )
     result.segments = alloc.segments()
+    result.live = live
     return result
 
 
