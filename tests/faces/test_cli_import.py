@@ -125,13 +125,19 @@ def test_init_from_an_intake_escapes_its_comments_controls_on_the_terminal_only(
     assert "# a\tb" in written.read_text(encoding="utf-8")
 
 
+def _zero_microbatch(tmp_path: Path) -> Path:
+    """The axolotl QLoRA fixture with ``micro_batch_size: 0``: an intake (and a ledger) that validate refuses."""
+    src = tmp_path / "zero.yml"
+    src.write_text((IMPORTS / "axolotl/qlora.yml").read_text().replace("micro_batch_size: 1", "micro_batch_size: 0"))
+    assert "micro_batch_size: 0" in src.read_text()
+    return src
+
+
 def test_an_intake_validate_refuses_is_written_and_exits_1(tmp_path: Path) -> None:
     """``micro_batch_size: 0`` was imported with exit 0 and "the intake supports INSUFFICIENT DATA"; validate then
     said INVALID (a newcomer trial). The intake is still written, for the user to fix; the exit status and the
     summary say it is invalid, as the command-line contract has it for an invalid document."""
-    src = tmp_path / "zero.yml"
-    src.write_text((IMPORTS / "axolotl/qlora.yml").read_text().replace("micro_batch_size: 1", "micro_batch_size: 0"))
-    assert "micro_batch_size: 0" in src.read_text()
+    src = _zero_microbatch(tmp_path)
     out = tmp_path / "zero.intake.yaml"
     code, _, err = run_cli("import", src, "-o", out)
     assert code == 1 and out.is_file()
@@ -153,8 +159,7 @@ def test_init_from_a_tool_config_says_what_the_ledger_it_writes_supports(tmp_pat
     reasons = re.search(r"every reason \((\d+)\)", stdout)
     assert status and reasons
     assert f"supports {status.group(1)} ({reasons.group(1)} reason(s)" in last
-    src = tmp_path / "zero.yml"
-    src.write_text((IMPORTS / "axolotl/qlora.yml").read_text().replace("micro_batch_size: 1", "micro_batch_size: 0"))
+    src = _zero_microbatch(tmp_path)
     code, _, err = run_cli("init", "--from", src, "-o", tmp_path / "zero.ledger.yaml")
     assert code == 1 and (tmp_path / "zero.ledger.yaml").is_file()
     assert "the ledger supports" in err.splitlines()[-1] and "INVALID" in err.splitlines()[-1]
