@@ -182,6 +182,7 @@ def estimate_run(run: Run) -> Row:
     step = est.ranks[0].step
     assert step is not None, run.key
     word = device_word(d.fits, d.uncertain)
+    workspaces = workspaces_of(load(LEDGERS / f"{run.key}.ledger.yaml"), d.target)
     return Row(
         run,
         est.ranks[0].peak,
@@ -194,9 +195,8 @@ def estimate_run(run: Run) -> Row:
         time.perf_counter() - started,
         step,
         est.ranks[0].phases["after_optimizer_init"],
-        _oom_words(d, run.reserved)
-        + _deciding_block(step, workspaces_of(load(LEDGERS / f"{run.key}.ledger.yaml"), d.target), d),
-        workspaces_of(load(LEDGERS / f"{run.key}.ledger.yaml"), d.target),
+        _oom_words(d, run.reserved) + _deciding_block(step, workspaces, d),
+        workspaces,
     )
 
 
@@ -250,13 +250,13 @@ def _deciding_block(step: Any, workspaces: Any, d: Any) -> str:
     class _OwnSegment(CachingAllocator):
         """The allocator with one allocation (the ``forced``-th) refused every cached block."""
 
-        forced = 0
-        count = 0
-        own = False
+        def __init__(self, forced: int) -> None:
+            super().__init__(config, capacity, total)
+            self.forced, self.count, self.own = forced, 0, False
 
         def malloc(self, nbytes: int, stream: int = 0) -> Any:
-            type(self).count += 1
-            self.own = type(self).count == type(self).forced
+            self.count += 1
+            self.own = self.count == self.forced
             return super().malloc(nbytes, stream)
 
         def _get_free_block(self, p: Any) -> bool:
@@ -265,8 +265,7 @@ def _deciding_block(step: Any, workspaces: Any, d: Any) -> str:
     phases = protocol_windows(step.windows, step.accumulation)
     for block, segment in candidates:
         index, where = born[by_ptr[block["address"]]]
-        _OwnSegment.forced, _OwnSegment.count = index, 0
-        done = replay(events, config, allocator=_OwnSegment(config, capacity, total))
+        done = replay(events, config, allocator=_OwnSegment(index))
         if done.oom is None:
             phase = next((name for name, labels in phases.items() if where in labels), "")
             first = phase in ("forward_peak", "backward_peak", "optimizer_step_peak", "generation_peak")

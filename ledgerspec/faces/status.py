@@ -1,10 +1,12 @@
 """The declared status follows the evidence: after a command changed a ledger, validate it and set ``status`` to
 what the checks say it should be, up or down (:func:`ledgerspec.checks.fix.status_fix`), unless the user keeps
-their own (``--keep-status``). Every command that writes a ledger calls :func:`settle` right before it saves."""
+their own (``--keep-status``). Every command that writes a ledger calls :func:`settle` right before it saves
+(:func:`save_settled`: the save and what it says)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ledgerspec.checks.fix import status_fix
@@ -12,6 +14,7 @@ from ledgerspec.checks.ladder import RANK
 from ledgerspec.checks.validate import Report, validate
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.edit import set_status
+from ledgerspec.errors import printable
 
 KEEP_STATUS_HELP = (
     "keep the declared status as written (by default it is set to what the evidence supports, up or down, with "
@@ -51,4 +54,21 @@ def settle_for(doc: Document, args: argparse.Namespace) -> tuple[Report, str | N
     return report, change_line(getattr(args, "output", None) or doc.path, before, report.declared_status)
 
 
-__all__ = ["KEEP_STATUS_HELP", "add_keep_status", "change_line", "settle", "settle_for"]
+def save_settled(
+    doc: Document, target: str, force: bool, status_change: str | None, written: str | None, unchanged: str
+) -> bool:
+    """Save ``doc`` (settled by :func:`settle_for`, whose line is ``status_change``) to ``target`` and say so on
+    stderr: ``TARGET: {written}`` when the save changed the file (None: nothing to say), ``TARGET: {unchanged}``
+    when the file already held it, then the status line. Whether the file was written."""
+    from ledgerspec.contract.writer import save
+
+    changed = save(doc, target, force=force)
+    told = written if changed else unchanged
+    if told:
+        print(printable(f"{target}: {told}"), file=sys.stderr)
+    if status_change:
+        print(printable(status_change), file=sys.stderr)
+    return changed
+
+
+__all__ = ["KEEP_STATUS_HELP", "add_keep_status", "change_line", "save_settled", "settle", "settle_for"]

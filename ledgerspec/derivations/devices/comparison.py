@@ -17,7 +17,7 @@ ZeRO stages are calculated by ``ledgerspec shard`` (model state only) and are no
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -189,7 +189,7 @@ def compare(
     ``on_device`` (issue 23): each device's verdict at the declared microbatch is decided on the device: the step's
     allocation stream at full depth (per simulated rank for a sharded count) replayed through the caching-allocator
     model against what that device's allocator can get (its total minus what lies outside the allocator there:
-    :func:`ledgerspec.derivations.devices.prediction.outside_of`), as ``estimate`` decides for one device; the usable
+    :func:`ledgerspec.derivations.devices.target.outside_of`), as ``estimate`` decides for one device; the usable
     memory is then what the allocator can get there, and the largest microbatch an upper bound against it (the
     allocated tensors and the cuBLAS workspaces; :attr:`Row.largest_at_most`). ``single_step() -> (estimate,
     StepEvents)``: one GPU's estimate and stream (default: the stream traced here, no estimate; the command passes
@@ -274,33 +274,40 @@ def compare(
             )
             if verdict is not None and n in steps:
                 v = verdict(device, n)
-                row.fits, row.headroom, row.device_peak, row.decided_by, row.uncertain, row.fragmentation = v[:6]
-                can_get, workspaces = v[6], v[7]
-                row.usable, row.largest_at_most = can_get, True
-                row.largest_microbatch = _largest(model, n, peak, single, per_row, declared, can_get - workspaces)
+                row.fits, row.headroom, row.device_peak = v.fits, v.headroom, v.device_peak
+                row.decided_by, row.uncertain, row.fragmentation = v.decided_by, v.uncertain, v.fragmentation
+                row.usable, row.largest_at_most = v.can_get, True
+                row.largest_microbatch = _largest(model, n, peak, single, per_row, declared, v.can_get - v.workspaces)
             rows.append(row)
     if verdict is not None:
         notes.append(ON_DEVICE_NOTE)
     return Comparison(rows, declared, sharding, notes, catalogue, sorted(s.microbatch for s in model.samples))
 
 
-def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int | None] | None = None) -> Any:
-    """``verdict(device, gpus) -> (fits, headroom, device peak, decided_by, uncertain, fragmentation, what the
-    allocator can get, the cuBLAS workspaces' bytes)`` for the worst rank of
+@dataclass(frozen=True)
+class DeviceVerdict:
+    """One row's verdict on the device: the worst rank's, as :class:`Row` shows it."""
+
+    fits: bool
+    headroom: int  # the device's CUDA total less the device-level peak (the margin)
+    device_peak: int
+    decided_by: str
+    uncertain: bool  # at the edge
+    fragmentation: int | None  # decided by fragmentation: the reserved bytes free in blocks that could not serve
+    can_get: int  # the most any rank's allocator can get on that device
+    workspaces: int  # the cuBLAS workspaces' bytes the replay added
+
+
+def _on_device(
+    doc: Document, steps: dict[int, list[Any]], states: dict[int, int | None] | None = None
+) -> Callable[[Device, int], DeviceVerdict]:
+    """``verdict(device, gpus) ->`` :class:`DeviceVerdict` for the worst rank of
     ``gpus``, each distinct stream replayed without a limit once and against a device only when its peak passes that
     device's capacity (a replay against a capacity takes the same decisions until then). ``states``: each stream's
     optimizer state from its estimate (a paged optimizer's for the catalogue's high end: the rank's own share, not
     the ledger's ``ledger.optimizer``, which an intake lacks; None: the ledger's)."""
-    from ledgerspec.derivations.devices.prediction import (
-        DevicePrediction,
-        Target,
-        free_replay,
-        high_of,
-        outside_of,
-        replay_on_device,
-        stated,
-        workspaces_of,
-    )
+    from ledgerspec.derivations.devices.prediction import DevicePrediction, free_replay, replay_on_device, workspaces_of
+    from ledgerspec.derivations.devices.target import Target, high_of, outside_of, stated
 
     conf = (doc.get("software", "pytorch_cuda_alloc_conf").text() or "").strip()
     # each step's replay without a limit, once per set of cuBLAS workspaces (they differ by GPU architecture)
@@ -312,7 +319,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
             free[key] = free_replay(doc, step, conf, workspaces=workspaces)
         return free[key]
 
-    def verdict(device: Device, gpus: int) -> tuple[bool, int, int, str, bool, int | None, int, int]:
+    def verdict(device: Device, gpus: int) -> DeviceVerdict:
         target = Target(device.total, device.name, "catalogue", "the device catalogue's entry", device.capacity)
         figure = outside_of(doc, target, gpus)
         workspaces = workspaces_of(doc, target)
@@ -340,8 +347,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
         frag = worst.fragmentation if worst.decided_by == "fragmentation" else None
         # the most any rank's allocator can get (ranks differ in what lies outside it: a paged optimizer's share), so
         # that the largest microbatch against it stays an upper bound for the rank whose peak the row shows
-        r = worst.replayed
-        return (
+        return DeviceVerdict(
             worst.fits,
             worst.margin,
             worst.device_peak,
@@ -349,7 +355,7 @@ def _on_device(doc: Document, steps: dict[int, list[Any]], states: dict[int, int
             worst.uncertain,
             frag,
             most,
-            r.workspaces,
+            worst.replayed.workspaces,
         )
 
     return verdict

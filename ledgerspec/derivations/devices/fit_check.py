@@ -191,7 +191,7 @@ def check_on_device(
     ``along``: a :class:`~ledgerspec.derivations.devices.along.MicrobatchSteps` of ``doc`` (microbatch only): each
     value's stream from it, synthesised from the microbatches the search traced where that is exact (else traced).
     ``from_flag``: the device memory was asked with ``--device-memory`` (it names the device as the plain estimate
-    does: :func:`~ledgerspec.derivations.devices.prediction.target_of`); ``layers``: as the estimate takes it."""
+    does: :func:`~ledgerspec.derivations.devices.target.target_of`); ``layers``: as the estimate takes it."""
     import math
 
     from ledgerspec.derivations.devices.prediction import estimate_on_device

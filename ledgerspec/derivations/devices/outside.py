@@ -496,7 +496,7 @@ class Figure:
     source: str  # MEASURED | CALCULATED | ASSUMPTION | ...
     method: str
     estimate: Estimate | None = None  # the catalogue's, when the ledger holds no figure
-    #: of ``bytes``: colocated vLLM's share of the card (``prediction.vllm_share_of``), 0 when there is none
+    #: of ``bytes``: colocated vLLM's share of the card (``target.vllm_share_of``), 0 when there is none
     vllm: int = 0
     #: why what the ledger holds in ``outside_allocator`` is not used here ("": it is, or it holds nothing)
     elsewhere: str = ""

@@ -8,8 +8,8 @@ buffers come from pools of their own, as the caching allocator keeps one pool pe
 :func:`ledgerspec.derivations.shard.zero.simulate.estimate_zero_per_rank` with ``streams=True``: its allocations on
 one stream, :data:`ledgerspec.derivations.shard.zero.simulate.ONE_STREAM`) and replays each through
 the allocator model against the capacity that rank's allocator can get: the device's total (CUDA's own when the
-declared memory is a catalogue device's nominal one: :func:`ledgerspec.derivations.devices.prediction.cuda_total_of`)
-minus what lies outside the allocator on that rank (:func:`ledgerspec.derivations.devices.prediction.outside_of`:
+declared memory is a catalogue device's nominal one: :func:`ledgerspec.derivations.devices.target.cuda_total_of`)
+minus what lies outside the allocator on that rank (:func:`ledgerspec.derivations.devices.target.outside_of`:
 the ledger's ``outside_allocator.total``, else the catalogue for the named device with NCCL's buffers for the world
 size). It is :func:`ledgerspec.derivations.devices.prediction.replay_on_device`, the single-GPU verdict, per rank:
 the same free-and-retry, the same settings tried when fragmentation decides, and the same check that a margin is
@@ -29,13 +29,10 @@ from ledgerspec.derivations.devices.prediction import (
     DevicePrediction,
     _config,
     allocator_note,
-    high_of,
-    outside_of,
     replay_on_device,
-    stated,
-    target_of,
     workspaces_of,
 )
+from ledgerspec.derivations.devices.target import high_of, outside_of, stated, target_of
 
 #: why a sharded verdict compares allocated tensors (the device-level one is not available), by what is declared
 NOT_ON_DEVICE = {

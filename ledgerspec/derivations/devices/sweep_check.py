@@ -139,7 +139,7 @@ def check_configurations(
 ) -> ConfigurationsOnDevice:
     """Check ``rows`` (each configuration of ``doc`` as :func:`ledgerspec.derivations.estimate.sweep.apply` makes
     it, with its allocated peak) on a device of ``device_memory`` bytes (``from_flag``: asked with
-    ``--device-memory``, see :func:`~ledgerspec.derivations.devices.prediction.target_of`): those whose allocated peak
+    ``--device-memory``, see :func:`~ledgerspec.derivations.devices.target.target_of`): those whose allocated peak
     fits, best first, until one fits on the device, at most :data:`TRIES` replayed (``layers``: as the estimate takes
     it). One whose allocated peak exceeds what the allocator can get there (the device's CUDA total less what lies
     outside the allocator, known without a trace) by more than :data:`MODELLED` cannot fit: it is said so and not

@@ -27,7 +27,7 @@ With vLLM (``use_vllm``, server or colocate mode) the generation phase holds no 
 ``unmerge_adapter`` around the parameter walk, in server mode vLLM's packed broadcast chunks), the completions and
 their log-probs back as lists, and TRL's importance-sampling correction (the old policy's log-probs always, the
 sequence ratio buffered with the batch and applied to the loss, :2639-2706, :3146-3147). Colocated vLLM's share of
-the card is the device verdict's (``devices.prediction.vllm_share_of``), not a tensor of this step.
+the card is the device verdict's (``devices.target.vllm_share_of``), not a tensor of this step.
 
 The simulation runs transformers' own ``generate`` and TRL's ``pad``, ``nanstd``, ``shuffle_sequence_dict`` and
 ``split_tensor_dict``. Every completion is ``max_completion_length`` tokens (the worst case: generation runs with an

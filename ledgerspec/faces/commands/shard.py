@@ -62,7 +62,6 @@ def register(subparsers: Any) -> None:
 def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load_for
     from ledgerspec.contract.units import format_size
-    from ledgerspec.contract.writer import save
     from ledgerspec.derivations.shard.options import cpu_offload
     from ledgerspec.derivations.shard.sharder import shard
 
@@ -136,7 +135,7 @@ def run_shard(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return code
-    from ledgerspec.faces.status import settle_for
+    from ledgerspec.faces.status import save_settled, settle_for
 
     _, status_change = settle_for(doc, args)  # the status the per-rank figures support
     if args.check:
@@ -151,14 +150,9 @@ def run_shard(args: argparse.Namespace) -> int:
             return EXIT_FINDINGS
         return EXIT_OK
     if result.change is not None or args.output or status_change:
-        target = args.output or args.file
-        written = save(doc, target, force=args.force)
         # what was written, as `estimate` says it: the per-rank block when it changed (the status line says the rest)
-        if result.change is not None or not written:
-            told = "parallelism.x-per-rank written" if written else "up to date"
-            print(printable(f"{target}: {told}"), file=sys.stderr)
-        if status_change:
-            print(printable(status_change), file=sys.stderr)
+        block = "parallelism.x-per-rank written" if result.change is not None else None
+        save_settled(doc, args.output or args.file, args.force, status_change, block, "up to date")
     return code
 
 

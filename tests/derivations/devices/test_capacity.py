@@ -17,6 +17,7 @@ import pytest
 from ledgerspec.contract.document import Document, from_text, load
 from ledgerspec.derivations.allocator.step import StepEvents
 from ledgerspec.derivations.devices import prediction as P
+from ledgerspec.derivations.devices import target as T
 from ledgerspec.derivations.devices.catalogue import Catalogue, Device, device_named, load_catalogue
 from ledgerspec.errors import LedgerspecError
 
@@ -87,30 +88,30 @@ def test_names_as_torch_reports_them_are_the_catalogue_entries() -> None:
 
 def test_a_named_cards_nominal_memory_is_replayed_against_its_cuda_total() -> None:
     a100 = _doc("result:\n  target_device: {name: NVIDIA A100-SXM4-80GB, memory: 80 GiB}\n")
-    t = P.target_of(a100, 80 * GiB)
+    t = T.target_of(a100, 80 * GiB)
     assert _printed(t.cuda_total) == 79.25 and t.total == 80 * GiB
     assert t.cuda_note == "an A100 80GB's CUDA total is 79.25 GiB, not the declared 80.00 GiB"
-    assert _printed(P.target_of(a100, 80 * 10**9).cuda_total) == 79.25  # "80 GB" as sold
-    assert _printed(P.target_of(a100, 81920 * MiB).cuda_total) == 79.25  # nvidia-smi's total
+    assert _printed(T.target_of(a100, 80 * 10**9).cuda_total) == 79.25  # "80 GB" as sold
+    assert _printed(T.target_of(a100, 81920 * MiB).cuda_total) == 79.25  # nvidia-smi's total
     # a declared memory that is not the card's nominal one is used as it is: a MIG slice, --device-memory 20GiB
     mig = _doc("result:\n  target_device: {name: NVIDIA A100-SXM4-80GB, memory: 39.5 GiB}\n")
-    assert P.target_of(mig, int(39.5 * GiB)).cuda_total == int(39.5 * GiB)
-    flag = P.target_of(a100, 20 * GiB, from_flag=True)
+    assert T.target_of(mig, int(39.5 * GiB)).cuda_total == int(39.5 * GiB)
+    flag = T.target_of(a100, 20 * GiB, from_flag=True)
     assert (flag.cuda_total, flag.cuda_note) == (20 * GiB, "")
     # named by the catalogue on the declared memory alone: 24 GiB is an RTX 3090's nvidia-smi total (24576 MiB),
     # 24564 MiB an RTX 4090's; each is replayed against its own CUDA total
-    rtx = P.target_of(_doc(), 24 * GiB)
+    rtx = T.target_of(_doc(), 24 * GiB)
     assert rtx.name == "NVIDIA GeForce RTX 3090" and _printed(rtx.cuda_total) == 23.70
-    ada = P.target_of(_doc(), 24564 * MiB)
+    ada = T.target_of(_doc(), 24564 * MiB)
     assert ada.name == "NVIDIA GeForce RTX 4090" and _printed(ada.cuda_total) == 23.64
     # named on a GPU's name, at its nominal memory: no longer its marketing size (24.00 GiB)
-    ampere = P.target_of(_doc("software:\n  gpu_name: NVIDIA GeForce RTX 3090\n"), 24 * GiB)
+    ampere = T.target_of(_doc("software:\n  gpu_name: NVIDIA GeForce RTX 3090\n"), 24 * GiB)
     assert ampere.named_by == "software.gpu_name" and _printed(ampere.cuda_total) == 23.70
     # named by software.gpu_name
     gpu = _doc("software:\n  gpu_name: NVIDIA L40S\n")
-    assert _printed(P.target_of(gpu, 48 * 10**9).cuda_total) == 44.42
+    assert _printed(T.target_of(gpu, 48 * 10**9).cuda_total) == 44.42
     # an H100 declared on 80 GiB is the H100 (79.11 GiB), not the A100 80GB the memory alone would name
-    h100 = P.target_of(_doc("software:\n  gpu_name: NVIDIA H100 80GB HBM3\n"), 80 * GiB)
+    h100 = T.target_of(_doc("software:\n  gpu_name: NVIDIA H100 80GB HBM3\n"), 80 * GiB)
     assert (h100.name, h100.named_by, _printed(h100.cuda_total)) == (
         "NVIDIA H100 80GB HBM3",
         "software.gpu_name",
@@ -125,7 +126,7 @@ def test_a_user_catalogue_without_capacity_falls_back_to_total_and_says_so(tmp_p
     card = next(d for d in cat.devices if d.name == "Lab Card 16GB")
     assert card.capacity_assumed and card.capacity == 16 * GiB
     doc = _doc("result:\n  target_device: {name: Lab Card 16GB, memory: 16 GiB}\n")
-    t = P.target_of(doc, 16 * GiB, catalogue=cat)
+    t = T.target_of(doc, 16 * GiB, catalogue=cat)
     assert t.cuda_total == 16 * GiB and t.cuda_note.startswith("ASSUMPTION")
     bad = tmp_path / "bad.yaml"
     bad.write_text("devices:\n  - {name: Odd, total: 16 GiB, capacity: 17 GiB}\n")
@@ -153,10 +154,10 @@ def test_devices_rows_decide_against_each_entrys_capacity() -> None:
     doc = _doc("outside_allocator:\n  total: {value: 2 MiB, source: ASSUMPTION, note: a test figure}\n")
     verdict = _on_device(doc, {1: [step]})
     tight = Device("Card", "84 MiB", 84 * MiB, 0, "", capacity=60 * MiB)
-    fits, margin, peak, *_ = verdict(tight, 1)
-    assert (fits, peak, margin) == (False, 68 * MiB, 60 * MiB - 68 * MiB)
+    v = verdict(tight, 1)
+    assert (v.fits, v.device_peak, v.headroom) == (False, 68 * MiB, 60 * MiB - 68 * MiB)
     roomy = Device("Card", "84 MiB", 84 * MiB, 0, "")  # no capacity: the total stands in
-    assert verdict(roomy, 1)[:2] == (True, 16 * MiB)
+    assert (verdict(roomy, 1).fits, verdict(roomy, 1).headroom) == (True, 16 * MiB)
 
 
 @pytest.mark.slow  # traces a model

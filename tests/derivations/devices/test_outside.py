@@ -232,7 +232,7 @@ def test_each_part_the_ledger_holds_replaces_the_catalogue_s() -> None:
         )
     )
     assert verified.source == "VERIFIED"  # the weakest part's
-    from ledgerspec.derivations.devices.prediction import high_of, outside_of, target_of
+    from ledgerspec.derivations.devices.target import high_of, outside_of, target_of
 
     doc = from_text(head + "outside_allocator:\n" + held)
     target = target_of(doc, 80 * 2**30)
@@ -291,7 +291,7 @@ def test_a_paged_state_the_ledger_lacks_is_taken_from_the_estimate() -> None:
     configuration's: the verdict's high end takes the paged state from the estimate it is computed with
     (``stated``), as the resolved ledger holds it; the typical figure (0 resident) does not move; a declared figure
     or an optimizer without paged state is kept as it is."""
-    from ledgerspec.derivations.devices.prediction import high_of, outside_of, stated, target_of
+    from ledgerspec.derivations.devices.target import high_of, outside_of, stated, target_of
 
     head = "ledgerspec: ledger/v1\nsoftware: {gpu_name: NVIDIA A100-SXM4-80GB}\noptimizer: {name: paged_adamw_8bit}\n"
     resolved = from_text(head + "ledger: {optimizer: {value: 3 GiB, source: CALCULATED, method: m}}\n")
@@ -318,7 +318,8 @@ def test_an_intake_and_its_resolved_ledger_get_the_same_high_end(tmp_path: Path)
     pytest.importorskip("torch")
     import shutil
 
-    from ledgerspec.derivations.devices.prediction import estimate_on_device, high_of, outside_of
+    from ledgerspec.derivations.devices.prediction import estimate_on_device
+    from ledgerspec.derivations.devices.target import high_of, outside_of
     from tests.support.estimate_docs import DATA, ledger_text
 
     shutil.copytree(DATA / "tiny-llama-gqa", tmp_path / "tiny-llama-gqa")

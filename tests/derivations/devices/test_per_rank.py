@@ -158,7 +158,7 @@ def test_a_paged_state_is_each_ranks_own(both: dict[str, Any]) -> None:
     ``ledger.optimizer`` (``resolve``'s whole-model figure, or nothing in an intake) or not."""
     from ledgerspec.contract.document import from_text
     from ledgerspec.derivations.devices.per_rank import ranks_on_device
-    from ledgerspec.derivations.devices.prediction import high_of, outside_of
+    from ledgerspec.derivations.devices.target import high_of, outside_of
 
     est = both["streamed"]
     path = both["path"]

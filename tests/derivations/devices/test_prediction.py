@@ -21,6 +21,7 @@ from ledgerspec.contract.document import Document, from_text, load
 from ledgerspec.derivations.allocator.step import StepEvents
 from ledgerspec.derivations.devices import outside as O
 from ledgerspec.derivations.devices import prediction as P
+from ledgerspec.derivations.devices import target as T
 from tests.support import CliRunner
 
 MiB = 2**20
@@ -78,7 +79,7 @@ def test_fragmentation_decides_when_the_tensors_fit_but_the_blocks_do_not() -> N
     assert (r.oom.phase, r.oom.requested, r.oom.alloc_size) == ("backward_peak", 16 * MiB, 16 * MiB)
     assert (r.oom.reserved, r.oom.allocated, r.oom.fragmentation) == (30 * MiB, 12 * MiB, 18 * MiB)
     assert r.oom.short == 30 * MiB + 16 * MiB - capacity == 5 * MiB
-    pred = P.DevicePrediction(P.Target(outside_bytes + capacity, None, "none"), O.Figure(outside_bytes, "X", "t"), r)
+    pred = P.DevicePrediction(T.Target(outside_bytes + capacity, None, "none"), O.Figure(outside_bytes, "X", "t"), r)
     assert pred.peak_allocated == 30 * MiB <= capacity  # the tensors alone fit
     assert pred.decided_by == "fragmentation" and pred.fragmentation == 18 * MiB
     assert pred.device_peak == 46 * MiB + outside_bytes and pred.margin == -5 * MiB
@@ -112,7 +113,7 @@ def test_a_step_at_the_edge_names_the_setting_that_completes_with_the_high_end_t
     r = P.replay_on_device(
         _doc(), FRAGMENTING, outside_bytes + capacity, outside_bytes, "", outside_high=outside_bytes + 5 * MiB
     )
-    pred = P.DevicePrediction(P.Target(outside_bytes + capacity, None, "none"), O.Figure(outside_bytes, "A", "t"), r)
+    pred = P.DevicePrediction(T.Target(outside_bytes + capacity, None, "none"), O.Figure(outside_bytes, "A", "t"), r)
     assert pred.completes and pred.uncertain and not pred.fits and pred.decided_by == "outside"
     tried = {t.setting: t for t in r.tried}
     assert all(t.at_high for t in r.tried)
@@ -146,7 +147,7 @@ def test_the_out_of_memory_keeps_the_reserve_s_peak_before_it() -> None:
     r = P.replay_on_device(_doc(), step, outside_bytes + capacity, outside_bytes, "", tries=False)
     assert r.oom is not None and (r.oom.reserved, r.oom.short) == (12 * MiB, 1 * MiB)
     assert r.oom.peak_reserved == 38 * MiB
-    pred = P.DevicePrediction(P.Target(outside_bytes + capacity, None, "none"), O.Figure(outside_bytes, "X", "t"), r)
+    pred = P.DevicePrediction(T.Target(outside_bytes + capacity, None, "none"), O.Figure(outside_bytes, "X", "t"), r)
     assert "the reserve peaked at 38.00 MiB before it" in pred.lines()[0]
 
 
@@ -162,7 +163,7 @@ def test_a_setting_that_fits_only_with_the_typical_figure_outside_is_not_named()
     tried = {t.setting: t for t in r.tried}
     assert tried["expandable_segments:True"].fits and tried["expandable_segments:True"].edge
     assert tried["max_split_size_mb:20"].fits and not tried["max_split_size_mb:20"].edge
-    pred = P.DevicePrediction(P.Target(total, None, "none"), O.Figure(outside_bytes, "ASSUMPTION", "t"), r)
+    pred = P.DevicePrediction(T.Target(total, None, "none"), O.Figure(outside_bytes, "ASSUMPTION", "t"), r)
     assert pred.best_try is not None and pred.best_try.setting == "max_split_size_mb:20"
     lines = pred.lines()
     assert "with expandable_segments:True: at the edge, does not fit" in " ".join(lines)
@@ -176,7 +177,7 @@ def test_a_setting_that_fits_only_with_the_typical_figure_outside_is_not_named()
     }
     narrow = P.replay_on_device(_doc(), FRAGMENTING, total, outside_bytes, "", outside_high=outside_bytes + MiB)
     assert not any(t.edge for t in narrow.tried)
-    best = P.DevicePrediction(P.Target(total, None, "none"), O.Figure(outside_bytes, "ASSUMPTION", "t"), narrow)
+    best = P.DevicePrediction(T.Target(total, None, "none"), O.Figure(outside_bytes, "ASSUMPTION", "t"), narrow)
     assert best.best_try is not None and best.best_try.setting == "expandable_segments:True"
 
 
@@ -218,7 +219,7 @@ def test_free_and_retry_makes_it_fit_below_the_unlimited_reserve() -> None:
     assert r.free_peak_reserved == 38 * MiB
     assert r.fits and r.oom is None and r.tried == []
     assert max(p.reserved for p in r.phases.values()) == 26 * MiB  # the device's own replay, not the unlimited one
-    pred = P.DevicePrediction(P.Target(30 * MiB, None, "none"), O.Figure(0, "MEASURED", "t"), r)
+    pred = P.DevicePrediction(T.Target(30 * MiB, None, "none"), O.Figure(0, "MEASURED", "t"), r)
     assert pred.margin == 4 * MiB and pred.decided_by == "none"
     # fits: the reserve above the allocated peak (12 + 14 MiB of tensors in the backward: every reserved byte)
     assert pred.peak_allocator_allocated == 26 * MiB and pred.fragmentation == 0
@@ -236,19 +237,19 @@ def test_a_margin_inside_the_outside_catalogues_range_is_at_the_edge_and_does_no
     assert still.fits and still.high_fits is True and still.outside_high == 6 * MiB
     r = P.replay_on_device(doc, step, 40 * MiB, 2 * MiB, "", outside_high=16 * MiB)
     assert r.fits and r.high_fits is False
-    pred = P.DevicePrediction(P.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "ASSUMPTION", "t"), r)
+    pred = P.DevicePrediction(T.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "ASSUMPTION", "t"), r)
     assert pred.completes and pred.uncertain and not pred.fits and pred.margin == 0
     assert pred.decided_by == "outside" and pred.oom is None
     assert pred.sentence().startswith("does NOT fit on the device, AT THE EDGE: it completes only with the typical")
     assert pred.lines()[0].startswith("reserve above the allocated peak: ")
     assert pred.extension()["verdict"]["uncertain"] is True and pred.extension()["verdict"]["fits"] is False
-    assert P.DevicePrediction(P.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "ASSUMPTION", "t"), still).fits
+    assert P.DevicePrediction(T.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "ASSUMPTION", "t"), still).fits
     assert pred.extension()["verdict"]["outside_high"] == 16 * MiB
     # a margin larger than the range: no second replay is needed (no cudaMalloc passes the lower capacity)
     roomy = P.replay_on_device(doc, step, 80 * MiB, 2 * MiB, "", outside_high=16 * MiB)
     assert (
         roomy.high_fits is True
-        and not P.DevicePrediction(P.Target(80 * MiB, None, "none"), O.Figure(0, "A", "t"), roomy).uncertain
+        and not P.DevicePrediction(T.Target(80 * MiB, None, "none"), O.Figure(0, "A", "t"), roomy).uncertain
     )
     # a figure the ledger holds has no range: nothing is asked
     held = P.replay_on_device(doc, step, 40 * MiB, 2 * MiB, "")
@@ -256,16 +257,16 @@ def test_a_margin_inside_the_outside_catalogues_range_is_at_the_edge_and_does_no
         held.high_fits is None
         and "uncertain"
         not in P.DevicePrediction(
-            P.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "MEASURED", "t"), held
+            T.Target(40 * MiB, None, "none"), O.Figure(2 * MiB, "MEASURED", "t"), held
         ).extension()["verdict"]
     )
-    assert P.high_of(O.Figure(1, "MEASURED", "t")) is None
+    assert T.high_of(O.Figure(1, "MEASURED", "t")) is None
 
 
 def test_tensors_alone_over_the_capacity_try_no_setting() -> None:
     step = _step([("alloc", 1, 30 * MiB)], [])
     r = P.replay_on_device(_doc(), step, 20 * MiB, 0, "")
-    pred = P.DevicePrediction(P.Target(20 * MiB, None, "none"), O.Figure(0, "MEASURED", "t"), r)
+    pred = P.DevicePrediction(T.Target(20 * MiB, None, "none"), O.Figure(0, "MEASURED", "t"), r)
     assert not pred.fits and pred.decided_by == "allocated" and r.tried == []
     assert any("no allocator setting changes that" in line for line in pred.lines())
 
@@ -287,35 +288,35 @@ def test_the_declared_allocator_settings_are_replayed_and_a_bad_one_is_refused_a
 
 def test_the_device_is_named_by_the_target_then_the_catalogue_then_the_declared_gpu() -> None:
     named = _doc("result:\n  target_device: {name: My card, memory: 24 GiB}\n")
-    assert P.target_of(named, 24 * GiB).named_by == "result.target_device.name"
+    assert T.target_of(named, 24 * GiB).named_by == "result.target_device.name"
     # --device-memory asking about another size than the target's: the name is not that device's
-    other = P.target_of(named, 80 * GiB, from_flag=True)
+    other = T.target_of(named, 80 * GiB, from_flag=True)
     assert (other.name, other.named_by) == ("NVIDIA A100 80GB", "catalogue")  # 81920 MiB exactly
-    rtx = P.target_of(_doc(), 24 * GiB)  # an RTX 3090's nvidia-smi total exactly (24576 MiB)
+    rtx = T.target_of(_doc(), 24 * GiB)  # an RTX 3090's nvidia-smi total exactly (24576 MiB)
     assert rtx.name == "NVIDIA GeForce RTX 3090" and "as near" not in rtx.how
     assert "also within 1%: NVIDIA GeForce RTX 4090" in rtx.how  # the other card it could be, said
-    ada = P.target_of(_doc(), 24 * 10**9)  # "24 GB" as sold: both cards, the first in the catalogue's order
+    ada = T.target_of(_doc(), 24 * 10**9)  # "24 GB" as sold: both cards, the first in the catalogue's order
     assert ada.name == "NVIDIA GeForce RTX 3090" and "as near: NVIDIA GeForce RTX 4090" in ada.how
-    assert P.target_of(_doc(), 24564 * MiB).name == "NVIDIA GeForce RTX 4090"  # its nvidia-smi total
-    decimal = P.target_of(_doc(), 80 * 10**9)  # "80 GB" as sold: two entries, the first in the catalogue's order
+    assert T.target_of(_doc(), 24564 * MiB).name == "NVIDIA GeForce RTX 4090"  # its nvidia-smi total
+    decimal = T.target_of(_doc(), 80 * 10**9)  # "80 GB" as sold: two entries, the first in the catalogue's order
     assert decimal.name == "NVIDIA A100 80GB" and "as near: NVIDIA H100 80GB HBM3" in decimal.how
     # the rented cards of the catalogue are named by their memory too, and the 24 GB ones are said as near: a size
     # alone names the first card of the catalogue's order, and the line says which others it could be
     assert "as near: NVIDIA GeForce RTX 4090, NVIDIA A10G, NVIDIA L4" in ada.how
-    assert P.target_of(_doc(), 16 * 10**9).name == "Tesla T4"  # "16 GB" as sold (a V100 16GB is not catalogued)
-    assert P.target_of(_doc(), 32 * 10**9).name == "NVIDIA GeForce RTX 5090"
-    assert P.target_of(_doc(), 48 * GiB).name == "NVIDIA RTX A6000"  # 49140 MiB, within 1 %; the L40S is 46068
+    assert T.target_of(_doc(), 16 * 10**9).name == "Tesla T4"  # "16 GB" as sold (a V100 16GB is not catalogued)
+    assert T.target_of(_doc(), 32 * 10**9).name == "NVIDIA GeForce RTX 5090"
+    assert T.target_of(_doc(), 48 * GiB).name == "NVIDIA RTX A6000"  # 49140 MiB, within 1 %; the L40S is 46068
     declared = _doc("  gpu_name: NVIDIA RTX A2000\n")
-    assert P.target_of(declared, 6 * GiB).named_by == "software.gpu_name"
-    assert P.target_of(_doc(), 6 * GiB).named_by == "none"
+    assert T.target_of(declared, 6 * GiB).named_by == "software.gpu_name"
+    assert T.target_of(_doc(), 6 * GiB).named_by == "none"
 
 
 def test_outside_the_allocator_the_ledger_figure_else_the_catalogue_for_the_named_device() -> None:
     held = _doc("outside_allocator:\n  total: {value: 900 MiB, source: ASSUMPTION, note: our card}\n")
-    fig = P.outside_of(held, P.target_of(held, 24 * GiB))
+    fig = T.outside_of(held, T.target_of(held, 24 * GiB))
     assert (fig.bytes, fig.source, fig.estimate) == (900 * MiB, "ASSUMPTION", None) and "our card" in fig.method
     doc = _doc()
-    fig = P.outside_of(doc, P.target_of(doc, 24564 * MiB))
+    fig = T.outside_of(doc, T.target_of(doc, 24564 * MiB))
     expected = O.estimate(O.Stack(gpu_name="NVIDIA GeForce RTX 4090"))
     assert fig.estimate is not None and fig.estimate.arch == "sm_89" and fig.bytes == expected.typical
     assert fig.source == "ASSUMPTION"  # a published figure of someone else's card, not a measurement of this one
@@ -332,39 +333,39 @@ def test_what_the_ledger_holds_outside_the_allocator_is_of_its_own_ranks_and_car
     )
     held = from_text(text + "outside_allocator: {total: {value: 1 GiB, source: MEASURED, method: m}}\n")
     bare = from_text(text)
-    a100 = P.Target(80 * GiB, "NVIDIA A100-SXM4-80GB", "catalogue", "t")
-    h100 = P.Target(80 * GiB, "NVIDIA H100 80GB HBM3", "catalogue", "t")
-    assert (P.outside_of(held, a100).bytes, P.outside_of(held, a100).source) == (GiB, "MEASURED")
-    assert P.outside_of(held, a100, 1).bytes == GiB  # its own count, asked for
-    eight = P.outside_of(held, a100, 8)
-    assert eight.estimate is not None and eight.bytes == P.outside_of(bare, a100, 8).bytes
+    a100 = T.Target(80 * GiB, "NVIDIA A100-SXM4-80GB", "catalogue", "t")
+    h100 = T.Target(80 * GiB, "NVIDIA H100 80GB HBM3", "catalogue", "t")
+    assert (T.outside_of(held, a100).bytes, T.outside_of(held, a100).source) == (GiB, "MEASURED")
+    assert T.outside_of(held, a100, 1).bytes == GiB  # its own count, asked for
+    eight = T.outside_of(held, a100, 8)
+    assert eight.estimate is not None and eight.bytes == T.outside_of(bare, a100, 8).bytes
     assert "of 1 rank(s), not 8" in eight.method
-    other = P.outside_of(held, h100)
+    other = T.outside_of(held, h100)
     assert (
-        other.estimate is not None and other.estimate.arch == "sm_90" and other.bytes == P.outside_of(bare, h100).bytes
+        other.estimate is not None and other.estimate.arch == "sm_90" and other.bytes == T.outside_of(bare, h100).bytes
     )
     assert "(sm_80), not NVIDIA H100 80GB HBM3 (sm_90)" in other.method
-    assert P.held_elsewhere(bare, h100, 8) is None  # nothing held: nothing to say
+    assert T.held_elsewhere(bare, h100, 8) is None  # nothing held: nothing to say
     # a part the ledger holds follows the same rule
     part = from_text(text + "outside_allocator: {context: {value: 700 MiB, source: MEASURED}}\n")
-    assert P.outside_of(part, a100).estimate.part("context").typical == 700 * MiB  # type: ignore[union-attr]
-    assert P.outside_of(part, h100).bytes == P.outside_of(bare, h100).bytes
+    assert T.outside_of(part, a100).estimate.part("context").typical == 700 * MiB  # type: ignore[union-attr]
+    assert T.outside_of(part, h100).bytes == T.outside_of(bare, h100).bytes
     # the ledger's own device, however it is named: a free-form target name on its declared memory keeps the figure
     mine = from_text(
         "ledgerspec: ledger/v1\nresult: {target_device: {name: 24 GB card (RTX 3090 / 4090), memory: 24GiB}}\n"
         "measurement: {device: cuda, device_name: NVIDIA GeForce RTX 4090}\n"
         "outside_allocator: {total: {value: 900 MiB, source: MEASURED, method: m}}\n"
     )
-    own = P.target_of(mine, 24 * GiB)
-    assert own.name == "24 GB card (RTX 3090 / 4090)" and P.outside_of(mine, own).bytes == 900 * MiB
+    own = T.target_of(mine, 24 * GiB)
+    assert own.name == "24 GB card (RTX 3090 / 4090)" and T.outside_of(mine, own).bytes == 900 * MiB
     # another memory, a card whose architecture is not known: nothing says it is another card, the figure is kept
-    assert P.outside_of(mine, P.Target(16 * GiB, "My lab card", "catalogue", "t")).bytes == 900 * MiB
+    assert T.outside_of(mine, T.Target(16 * GiB, "My lab card", "catalogue", "t")).bytes == 900 * MiB
     # a CPU measurement's device name (the processor) is not a GPU's: the declared card decides
     cpu = from_text(
         text.replace("device: cuda, device_name: NVIDIA A100-SXM4-80GB", "device: cpu, device_name: x86_64")
         + "outside_allocator: {total: {value: 1 GiB, source: ASSUMPTION, note: ours}}\n"
     )
-    assert P.outside_of(cpu, a100).bytes == GiB and P.held_elsewhere(cpu, h100) is not None
+    assert T.outside_of(cpu, a100).bytes == GiB and T.held_elsewhere(cpu, h100) is not None
 
 
 # -- the whole command on a tiny model --------------------------------------------------------------------------
@@ -439,12 +440,13 @@ def test_the_devices_comparison_says_no_at_the_edge_where_the_catalogues_high_fi
     step = _step([("alloc", 1, 9 * GiB)], [])
     verdict = _on_device(_doc(), {1: [step]})
     tight = Device("NVIDIA A100-SXM4-80GB", "80 GB", 10 * GiB, 0, "test", capacity=10 * GiB)
-    fits, margin, _, _, uncertain, *_ = verdict(tight, 1)
+    v = verdict(tight, 1)
+    fits, margin, uncertain = v.fits, v.headroom, v.uncertain
     # the two cuBLAS workspaces (8,519,680 B each) share one 20 MiB segment: the first takes a new one (a request of
     # 1 to 10 MiB), the second fits in what it leaves
     assert not fits and uncertain and margin == 10 * GiB - 9 * GiB - 20 * MiB - (450 + 256) * MiB
     roomy = Device("NVIDIA A100-SXM4-80GB", "80 GB", 12 * GiB, 0, "test", capacity=12 * GiB)
-    assert verdict(roomy, 1)[0] is True and verdict(roomy, 1)[4] is False
+    assert verdict(roomy, 1).fits is True and verdict(roomy, 1).uncertain is False
 
 
 def test_the_devices_comparison_takes_a_paged_state_from_the_estimate() -> None:
@@ -461,8 +463,8 @@ def test_the_devices_comparison_takes_a_paged_state_from_the_estimate() -> None:
     wrong = _doc(paged + ledger.format(8 * GiB))
     card = Device("NVIDIA A100-SXM4-80GB", "80 GB", 10 * GiB, 0, "test", capacity=10 * GiB)
     # the paged state decides: 8 GiB + the typical outside fit; with 1 GiB of paged state resident they do not
-    assert _on_device(stating, {1: [step]})(card, 1)[4] is True
-    assert _on_device(intake, {1: [step]})(card, 1)[4] is False  # no state known: the high end lacks it
+    assert _on_device(stating, {1: [step]})(card, 1).uncertain is True
+    assert _on_device(intake, {1: [step]})(card, 1).uncertain is False  # no state known: the high end lacks it
     for doc in (intake, stating, wrong):
         assert _on_device(doc, {1: [step]}, {id(step): GiB})(card, 1) == _on_device(stating, {1: [step]})(card, 1)
 
@@ -477,14 +479,15 @@ def test_a_devices_row_decided_by_fragmentation_says_how_much() -> None:
 
     doc = _doc("outside_allocator:\n  total: {value: 1GiB, source: MEASURED}\n")
     card = Device("Test card", "1 GB", GiB + 61 * MiB, 0, "a test", capacity=GiB + 61 * MiB)
-    fits, headroom, _, decided_by, uncertain, fragmentation, *_ = _on_device(doc, {1: [FRAGMENTING]})(card, 1)
+    v = _on_device(doc, {1: [FRAGMENTING]})(card, 1)
     left = 20 * MiB - 2 * 8_519_680
-    assert (fits, decided_by, uncertain, headroom) == (False, "fragmentation", False, -5 * MiB)
-    assert fragmentation == 18 * MiB + left
-    row = Row(card, 1, 30 * MiB, fits, headroom, None, decided_by=decided_by, fragmentation=fragmentation)
+    assert (v.fits, v.decided_by, v.uncertain, v.headroom) == (False, "fragmentation", False, -5 * MiB)
+    assert v.fragmentation == 18 * MiB + left
+    row = Row(card, 1, 30 * MiB, v.fits, v.headroom, None, decided_by=v.decided_by, fragmentation=v.fragmentation)
     assert row.to_extension()["fragmentation"] == 18 * MiB + left
-    from ledgerspec.faces.commands.estimate import fits_cell
+    from ledgerspec.faces.commands.estimate.devices import fits_cell
 
     assert fits_cell(row) == "NO (fragmentation: 21.75 MiB free but unusable)"
     roomy = Device("Roomy card", "2 GB", 2 * GiB, 0, "a test", capacity=2 * GiB)
-    assert _on_device(doc, {1: [FRAGMENTING]})(roomy, 1)[5] is None  # it fits: nothing decided by fragmentation
+    # it fits: nothing decided by fragmentation
+    assert _on_device(doc, {1: [FRAGMENTING]})(roomy, 1).fragmentation is None

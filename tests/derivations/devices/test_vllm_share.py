@@ -29,13 +29,13 @@ def _trl_default(config: str, name: str) -> Any:
 
 
 def _target() -> Any:
-    from ledgerspec.derivations.devices.prediction import Target
+    from ledgerspec.derivations.devices.target import Target
 
     return Target(80 * 2**30, "NVIDIA H100 80GB HBM3", "software.gpu_name", cuda_total=CUDA_TOTAL)
 
 
 def _share(training: str) -> int:
-    from ledgerspec.derivations.devices.prediction import vllm_share_of
+    from ledgerspec.derivations.devices.target import vllm_share_of
 
     return vllm_share_of(_doc(training), _target())
 
@@ -66,7 +66,7 @@ def test_no_share_without_a_colocated_awake_engine(training: str) -> None:
 
 
 def test_the_share_is_added_to_what_lies_outside_the_allocator() -> None:
-    from ledgerspec.derivations.devices.prediction import high_of, outside_of
+    from ledgerspec.derivations.devices.target import high_of, outside_of
 
     server = outside_of(
         _doc("  objective: grpo\n  objective_settings: {use_vllm: true, vllm_mode: server}\n"), _target()
