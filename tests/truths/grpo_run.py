@@ -149,7 +149,7 @@ def _stub_vllm(vocab: int) -> None:
     from trl.generation import vllm_generation
 
     _StubServer.vocab = vocab
-    vllm_generation.VLLMClient = _StubServer  # type: ignore[misc,assignment]
+    vllm_generation.VLLMClient = _StubServer
     vllm_generation.is_vllm_available = lambda *_a, **_k: True
 
 

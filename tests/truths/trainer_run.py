@@ -353,7 +353,7 @@ def trainer_for(
 
     class Ordered(Trainer):
         def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
-            return torch.utils.data.SequentialSampler(self.train_dataset)  # type: ignore[arg-type]
+            return torch.utils.data.SequentialSampler(self.train_dataset)
 
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
@@ -375,7 +375,7 @@ def trainer_for(
                         raise RuntimeError("a bug in the user's optimizer")
                     return original(*a, **kw)
 
-                optimizer.step = broken  # type: ignore[method-assign]
+                optimizer.step = broken
             return optimizer
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

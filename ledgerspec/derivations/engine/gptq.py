@@ -172,7 +172,7 @@ def use_older_lora_forward(model: Any) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, GPTQLoraLinear):
-            module.forward = types.MethodType(older_lora_forward, module)  # type: ignore[method-assign]
+            module.forward = types.MethodType(older_lora_forward, module)
             count += 1
     return count
 

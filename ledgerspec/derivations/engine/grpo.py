@@ -74,12 +74,12 @@ def _fake_host_reads(length: int) -> Any:
         return now >= length
 
     table[op] = read
-    gen_utils.StopCheck.__call__ = check  # type: ignore[method-assign,assignment]
+    gen_utils.StopCheck.__call__ = check
     try:
         yield
     finally:
         table[op] = original_read
-        gen_utils.StopCheck.__call__ = original_check  # type: ignore[method-assign]
+        gen_utils.StopCheck.__call__ = original_check
 
 
 def _masked_seq_mean(x: Any, mask: Any) -> Any:
@@ -384,7 +384,7 @@ class GRPOLoop(DPOLoop):
         completion_mask = pad(completion_mask, padding_value=0, padding_side="right")
         if self.importance_sampling:  # vLLM's log-probs of the sampled tokens (:2463-2476), float32
             sampling: Any = [torch.full((completion,), -1.0, device=device) for _ in range(rows)]
-            self.sampling_per_token_logps = pad(sampling, padding_value=0.0, padding_side="right")  # type: ignore[arg-type]
+            self.sampling_per_token_logps = pad(sampling, padding_value=0.0, padding_side="right")
             del sampling
         return prompt_ids, prompt_mask, completion_ids, completion_mask
 

@@ -82,7 +82,7 @@ def _trl(mode: str) -> tuple[list[tuple[Any, ...]], int, int]:
     generation.enable_sleep_mode = False
     generation._dist, generation._weight_metadata = DistributedBackend(accelerator), None
     if mode == "server":
-        generation.vllm_client = _StubServer()  # type: ignore[assignment]
+        generation.vllm_client = _StubServer()
     else:
         runner = types.SimpleNamespace(model=types.SimpleNamespace(load_weights=lambda weights: None))
         executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(model_runner=runner))
