@@ -55,11 +55,16 @@ def settle_for(doc: Document, args: argparse.Namespace) -> tuple[Report, str | N
 
 
 def save_settled(
-    doc: Document, target: str, force: bool, status_change: str | None, written: str | None, unchanged: str
+    doc: Document,
+    target: str,
+    force: bool,
+    status_change: str | None,
+    written: str | None = None,
+    unchanged: str | None = None,
 ) -> bool:
     """Save ``doc`` (settled by :func:`settle_for`, whose line is ``status_change``) to ``target`` and say so on
-    stderr: ``TARGET: {written}`` when the save changed the file (None: nothing to say), ``TARGET: {unchanged}``
-    when the file already held it, then the status line. Whether the file was written."""
+    stderr: ``TARGET: {written}`` when the save changed the file, ``TARGET: {unchanged}`` when the file already held
+    it (None: nothing to say), then the status line. Whether the file was written."""
     from ledgerspec.contract.writer import save
 
     changed = save(doc, target, force=force)

@@ -116,13 +116,10 @@ def _open(args: argparse.Namespace, command: str) -> tuple[Any, str]:
 
 def _save(doc: Any, target: str, args: argparse.Namespace) -> Any:
     """Set the status the measurement supports (up or down; ``--keep-status`` keeps it), then write the ledger."""
-    from ledgerspec.contract.writer import save
-    from ledgerspec.faces.status import settle_for
+    from ledgerspec.faces.status import save_settled, settle_for
 
     report, change = settle_for(doc, args)
-    save(doc, target, force=args.force)
-    if change:
-        print(printable(change), file=sys.stderr)
+    save_settled(doc, target, args.force, change)
     return report
 
 
