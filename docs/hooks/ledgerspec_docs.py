@@ -161,13 +161,13 @@ def rule_example_document(example: str) -> str:
 
 
 def differences_markdown() -> str:
-    from ledgerspec.contract.differences import KNOWN
+    from ledgerspec.contract.differences import KNOWN, NEWER, OLDER
 
-    out = ["| id | package | changed in | before | from that version | moves | sources |", "| --- " * 7 + "|"]
+    out = ["| id | versions | what they hold | what the other versions hold | moves | sources |", "| --- " * 6 + "|"]
     for d in KNOWN:
         sources = "<br>".join(_cell(s) for s in d.sources)
         out.append(
-            f"| `{d.id}` | {d.package} | {d.changed_in} | {_cell(d.older)} | {_cell(d.newer)} | "
+            f"| `{d.id}` | {_cell(d.span(OLDER))} | {_cell(d.older)} | {_cell(d.span(NEWER))}: {_cell(d.newer)} | "
             f"{_cell(d.figures)} | {sources} |"
         )
     return "\n".join(out) + "\n"

@@ -26,25 +26,41 @@ OLDER, NEWER = "older", "newer"
 
 @dataclass(frozen=True)
 class KnownDifference:
+    """One version change that moves memory. Most have one edge: versions before ``changed_in`` hold ``older``,
+    ``changed_in`` and later hold ``newer``. A window (``introduced_in`` set) was a behaviour of a few releases
+    only: versions from ``introduced_in`` up to ``changed_in`` (excluded) hold ``older``, every other version,
+    before or after, holds ``newer``; the two sides keep their names so that records and the rule read both kinds
+    alike."""
+
     id: str
     package: str  # the ``software.*`` key
-    changed_in: str  # the first version with the newer behaviour
-    older: str  # what versions before ``changed_in`` hold
-    newer: str  # what ``changed_in`` and later hold
+    changed_in: str  # the first version with the newer behaviour (a window's first version after it)
+    older: str  # what versions before ``changed_in`` hold (a window: the versions inside it)
+    newer: str  # what ``changed_in`` and later hold (a window: every version outside it)
     figures: str  # which figures it moves
     sources: tuple[str, ...]
+    introduced_in: str | None = None  # a window's first version (None: one edge)
 
     def side(self, version: str) -> str | None:
         """``older``/``newer`` for a version string (``0.42.0``, ``4.48``, ``2.13.0+cpu``); None if unreadable."""
         v, edge = version_tuple(version), version_tuple(self.changed_in)
         if v is None or edge is None:
             return None
+        if self.introduced_in is not None:
+            start = version_tuple(self.introduced_in)
+            if start is None:
+                return None
+            return OLDER if start <= v < edge else NEWER
         return NEWER if v >= edge else OLDER
 
     def behaviour(self, side: str) -> str:
         return self.older if side == OLDER else self.newer
 
     def span(self, side: str) -> str:
+        if self.introduced_in is not None:
+            if side == OLDER:
+                return f"{self.introduced_in} <= {self.package} < {self.changed_in}"
+            return f"{self.package} < {self.introduced_in} or >= {self.changed_in}"
         return f"{self.package} < {self.changed_in}" if side == OLDER else f"{self.package} >= {self.changed_in}"
 
 
@@ -144,6 +160,26 @@ KNOWN: tuple[KnownDifference, ...] = (
         sources=(
             "https://github.com/huggingface/peft/blob/v0.13.2/src/peft/tuners/lora/gptq.py (GPTQLoraLinear.forward)",
             "https://github.com/huggingface/peft/pull/2571 (commit e34852f, first released in 0.16.0)",
+        ),
+    ),
+    KnownDifference(
+        id="transformers-sdpa-explicit-causal-mask",
+        package="transformers",
+        introduced_in="4.38.0",
+        changed_in="4.40.0",
+        older="Llama and Gemma models (and 4.39's Cohere) hand SDPA an explicit causal mask even when nothing is "
+        "padded, so PyTorch runs its memory-efficient kernel (q, k and v copied contiguous first, the mask's additive "
+        "bias saved for backward) instead of flash with `is_causal`; 4.38 also materialises a batch x 1 x "
+        "max_position_embeddings x max_position_embeddings mask in the model's dtype in every forward and indexes a "
+        "batch x 1 x length x length copy of it in every layer",
+        newer="an unpadded batch gets no mask: SDPA is called with `is_causal` and runs flash (fp16/bf16)",
+        figures="the attention's saved tensors and backward buffers on a CUDA device, and at 4.38 the forward peak "
+        "(Llama, Gemma and Cohere with SDPA attention; not modelled: the estimate is that of the versions outside "
+        "the window)",
+        sources=(
+            "https://github.com/huggingface/transformers/issues/30010",
+            "src/transformers/models/llama/modeling_llama.py (LlamaModel._update_causal_mask, "
+            "LlamaSdpaAttention.forward) at 4.37.2, 4.38.2, 4.39.1 and 4.40.0",
         ),
     ),
 )

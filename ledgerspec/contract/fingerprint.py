@@ -34,7 +34,7 @@ from typing import Any
 from ledgerspec.contract import dtypes
 from ledgerspec.contract import fields as F
 from ledgerspec.contract.config import GENERATING
-from ledgerspec.contract.differences import KNOWN
+from ledgerspec.contract.differences import KNOWN, OLDER
 from ledgerspec.contract.document import Document
 from ledgerspec.contract.values import Value
 
@@ -265,12 +265,41 @@ def _value(
     return True, v.value if verbatim else _meaning(doc, path, v.value)
 
 
+#: the known differences a declared version's digest names whichever side it is on: those known when the digest took
+#: this form. One added since is named only where the version is on its older side, so that adding it leaves every
+#: stamp of a version it does not concern valid, and makes those of a version it does concern stale (their figures
+#: were computed before anyone knew of it)
+DIGEST_EVERY_SIDE = frozenset(
+    (
+        "bitsandbytes-4bit-matmul-input",
+        "transformers-moe-fused-experts",
+        "transformers-causal-lm-loss-shift-copy",
+        "transformers-causal-lm-float-logits-in-model",
+        "transformers-checkpoint-outside-fsdp-unit",
+        "peft-gptq-lora-input-cast",
+    )
+)
+
+
+def version_meaning(package: str, version: str) -> dict[str, str | None]:
+    """A declared version as the tools read it: the side of each known difference of ``package`` it is on (so that
+    0.43.0 and 0.50.0 of bitsandbytes are one input), by :data:`DIGEST_EVERY_SIDE`'s rule."""
+    out: dict[str, str | None] = {}
+    for d in KNOWN:
+        if d.package != package:
+            continue
+        side = d.side(version)
+        if d.id in DIGEST_EVERY_SIDE or side == OLDER:
+            out[d.id] = side
+    return out
+
+
 def _meaning(doc: Document, path: tuple[str, ...], value: Any) -> Any:
     """The value as the tools read it, so that spelling an input differently is no edit: ON/yes/true are one
     switch, ``bf16`` is ``bfloat16``, ``2048.0`` and ``'2048'`` are 2048, optimizer names ignore case, and the
     order of a target-module list does not matter."""
     if path in LATER_INPUTS and not isinstance(value, bool) and isinstance(value, str | int | float):
-        return {d.id: d.side(str(value)) for d in KNOWN if (d.package,) == path[1:]}
+        return version_meaning(path[1], str(value))
     field = doc.field(*path)
     kind = field.kind if field is not None else None
     if kind == F.SWITCH:

@@ -457,3 +457,27 @@ def test_resolve_reads_the_objective_and_a_separate_reference_model(a: str, b: s
     # an older stamp has no training section: not checked, so the ledger is not stale after the upgrade
     doc = from_text(f"ledgerspec: ledger/v1\ntraining:\n  {b}\nx-resolve:\n  inputs: {{method: x}}\n")
     assert "training" not in (changed_sections(doc, "x-resolve", RESOLVE_INPUTS) or [])
+
+
+@pytest.mark.parametrize(
+    ("version", "stale"),
+    [("4.37.2", False), ("4.38.2", True), ("4.39.1", True), ("4.40.0", False), ("5.24.0", False), ("main", False)],
+)
+def test_a_difference_known_later_makes_stale_only_the_stamps_of_the_versions_it_concerns(
+    monkeypatch: pytest.MonkeyPatch, version: str, stale: bool
+) -> None:
+    """``shard --estimate`` stamps the declared versions (as the sides of the known differences they fall on): a stamp
+    written before transformers-sdpa-explicit-causal-mask was known (the catalogue without it) still matches for a
+    transformers outside its window, and not for one inside (its figures were computed as the others')."""
+    from ledgerspec.contract import fingerprint
+    from ledgerspec.contract.differences import KNOWN
+    from ledgerspec.contract.fingerprint import SHARD_INPUTS
+
+    doc = from_text(
+        f"ledgerspec: ledger/v1\nsoftware:\n  transformers: '{version}'\n  attention_implementation: sdpa\n"
+    )
+    now = section_digest(doc, "software", SHARD_INPUTS["software"])
+    before = tuple(d for d in KNOWN if d.id != "transformers-sdpa-explicit-causal-mask")
+    assert len(before) == len(KNOWN) - 1
+    monkeypatch.setattr(fingerprint, "KNOWN", before)
+    assert (section_digest(doc, "software", SHARD_INPUTS["software"]) != now) is stale

@@ -38,6 +38,13 @@ def test_version_tuple_reads_the_leading_release_numbers(text: str, expected: tu
         ("transformers-moe-fused-experts", "4.57.1", OLDER),
         ("transformers-moe-fused-experts", "5.0.0rc1", NEWER),
         ("transformers-moe-fused-experts", "main", None),
+        # a window: 4.38 and 4.39 built the explicit causal mask, 4.37 and 4.40 did not (transformers#30010)
+        ("transformers-sdpa-explicit-causal-mask", "4.37.2", NEWER),
+        ("transformers-sdpa-explicit-causal-mask", "4.38.0", OLDER),
+        ("transformers-sdpa-explicit-causal-mask", "4.39.3", OLDER),
+        ("transformers-sdpa-explicit-causal-mask", "4.40.0", NEWER),
+        ("transformers-sdpa-explicit-causal-mask", "5.25.0", NEWER),
+        ("transformers-sdpa-explicit-causal-mask", "main", None),
     ],
 )
 def test_each_version_falls_on_one_side(difference: str, version: str, side: str | None) -> None:
@@ -48,6 +55,8 @@ def test_every_known_difference_names_an_upstream_source_and_a_version() -> None
     for d in KNOWN:
         assert d.sources and all(s for s in d.sources)
         assert version_tuple(d.changed_in) is not None
+        if d.introduced_in is not None:  # a window opens before it closes
+            assert (version_tuple(d.introduced_in) or ()) < (version_tuple(d.changed_in) or ())
         assert d.older != d.newer
 
 
@@ -104,3 +113,16 @@ def test_a_non_integer_size_is_dropped_not_trusted() -> None:
 def test_accepted_ids_are_marked() -> None:
     [diff] = stack_differences(from_text(_doc("4.48", "{computed_as: newer}")), ("transformers-moe-fused-experts",))
     assert diff.accepted
+
+
+def test_a_window_names_its_versions_on_both_sides() -> None:
+    text = (
+        "ledgerspec: ledger/v1\nsoftware:\n  transformers: '4.39.1'\n"
+        "x-estimate:\n  differences:\n    transformers-sdpa-explicit-causal-mask: {computed_as: newer}\n"
+    )
+    [diff] = stack_differences(from_text(text), ())
+    message = diff.message()
+    assert "computed with transformers < 4.38.0 or >= 4.40.0" in message
+    assert "declares 4.39.1: there Llama and Gemma models" in message and "memory-efficient kernel" in message
+    assert stack_differences(from_text(text.replace("4.39.1", "4.40.0")), ()) == []
+    assert stack_differences(from_text(text.replace("4.39.1", "4.37.2")), ()) == []

@@ -697,9 +697,15 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
     figures = dict(figures)
     legacy_moe = bool(figures.pop("stack.legacy_moe", 0))
     moe_family = bool(figures.pop("stack.moe_family", 0))
+    text_config = p.source.config.get_text_config() if hasattr(p.source.config, "get_text_config") else None
+    model_type = getattr(p.source.config, "model_type", None) or getattr(text_config, "model_type", None)
     differences, notes = _differences(
         doc, spec, p.keep_input, figures.pop("stack.fused_experts", 0), legacy_moe, moe_family
     )
+    if mask := causal_mask_window(doc, spec.attention, model_type):
+        key, entry, note = mask
+        differences[key] = entry
+        notes += [note] if note else []
     phases = {k: figures[k] for k in ALL_PHASES if k in figures}
     components = {k: figures[f"component.{k}"] for k in COMPONENTS}
     components["activations"] = figures["activations"]
@@ -722,8 +728,6 @@ def assemble(p: Prepared, figures: dict[str, int]) -> Estimate:
 
     if kernels_note(spec.kernels):
         method += "; " + str(kernels_note(spec.kernels))
-    text_config = p.source.config.get_text_config() if hasattr(p.source.config, "get_text_config") else None
-    model_type = getattr(p.source.config, "model_type", None) or getattr(text_config, "model_type", None)
     if unpatched := unpatched_note(spec.kernels, model_type):
         method += "; " + unpatched
     if spec.offload:
@@ -812,6 +816,35 @@ def _differences(
                 f"not modelled) [{key}]"
             )
     return out, notes
+
+
+#: the model types whose transformers 4.38-4.39 code builds an explicit causal mask for SDPA
+#: (``transformers-sdpa-explicit-causal-mask``: ``_update_causal_mask`` in 4.38.2 and 4.39.1; Cohere from 4.39)
+EXPLICIT_MASK_MODEL_TYPES = frozenset({"llama", "gemma", "cohere"})
+
+
+def causal_mask_window(
+    doc: Document, attention: str | None, model_type: Any
+) -> tuple[str, dict[str, Any], str | None] | None:
+    """The record of ``transformers-sdpa-explicit-causal-mask`` for an SDPA estimate of a model type it concerns
+    (the side the installed transformers computed; not modelled), and a note when ``software.transformers``
+    declares the other side. None where it does not apply."""
+    from ledgerspec.contract.differences import BY_ID
+    from ledgerspec.derivations.stack.versions import declared_side, installed_side, record
+
+    key = "transformers-sdpa-explicit-causal-mask"
+    if attention != "sdpa" or model_type not in EXPLICIT_MASK_MODEL_TYPES:
+        return None
+    side = installed_side(key)
+    note = None
+    if declared_side(doc, key) not in (None, side):
+        d = BY_ID[key]
+        note = (
+            f"software.transformers declares {doc.get('software', 'transformers').value}: "
+            f"{d.behaviour(declared_side(doc, key) or side)}; this estimate ran transformers "
+            f"{installed_stack().get('transformers')}: {d.behaviour(side)} (not modelled) [{key}]"
+        )
+    return key, record(side), note
 
 
 def check_document(doc: Document) -> None:
