@@ -173,6 +173,16 @@ def rows_of(page: Page, results: Path = RESULTS_DIR) -> list[Row]:
     return out
 
 
+#: rows within the outlier bound that agree through the allocator's free-and-retry at the top of the card, not
+#: through the reserve below it (``device-answerai.md`` gives their figures without a limit)
+CAPPED_AGREEMENT = (
+    "Within 5 % by the free-and-retry: the two Mistral-7B v0.2 QLoRA rows on 2 x RTX 4090 replay well above the "
+    "published peak without a limit, as the Llama-2-7B QLoRA rows at 10 to 12 sequences do, and meet the published "
+    "figure because their replays reach the top of the card, free the cache and retry (`device-answerai.md`, under "
+    "the rows more than 5 % off): they check that path, not the reserve below the top."
+)
+
+
 def _summary(rows: list[Row]) -> str:
     diffs = [r.difference for r in rows if r.difference is not None]
     misses = [r for r in rows if not r.outcome_predicted]
@@ -237,6 +247,8 @@ Outliers, more than {OUTLIER:.0%} off, each discussed on its page (under "What t
             if r.difference is not None
         )
         + f"""
+
+{CAPPED_AGREEMENT}
 
 {chr(10).join(markdown_table(header, [r.cells() for r in modelled]))}
 
