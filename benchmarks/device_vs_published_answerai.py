@@ -348,14 +348,44 @@ def qlora_excess(rows: list[Row]) -> str:
         + " GiB, where the replay reserves "
         + ", ".join(f"{(r.unlimited - r.allocated) / GiB:.2f}" for r in over)
         + " GiB without a limit. Runs that reached the top of their card and freed their cache would reserve less "
-        "(below); whether these did is not published, and a GPU run of one of them would tell. " + capped_alike(rows)
+        "(below); whether these did is not published, and a GPU run of one of them would tell. "
+        + capped_alike(rows)
+        + at_the_4090s_top(rows)
     )
 
 
-def capped_alike(rows: list[Row]) -> str:
-    """The other model's QLoRA rows whose replay passes the card without a limit and completes by freeing its cache
-    (Mistral-7B v0.2, the dual 4090's bonus rows): their agreement is the free-and-retry's, not the reserve's."""
-    capped = [
+def at_the_4090s_top(rows: list[Row]) -> str:
+    """The RTX 4090 rows: every published peak near what the allocator can get on the card, and which replays need
+    more than that without a limit (those runs can only have trained by freeing their cache at the top)."""
+    on_4090 = [r for r in rows if r.run.card == "RTX 4090"]
+    if not on_4090:
+        return ""
+    reach = min(r.capacity for r in on_4090)
+    beyond = [r for r in on_4090 if r.unlimited > r.capacity]
+    under = [r for r in on_4090 if r.unlimited <= r.capacity]
+    return (
+        "Every published peak on the RTX 4090s lies within "
+        f"{max(reach / GiB - r.run.reserved for r in on_4090):.2f} GiB of what the allocator can get there "
+        f"({reach / GiB:.2f} GiB beside the catalogue's typical figure outside it): "
+        + ", ".join(f"{r.run.reserved:.2f} ({r.run.label})" for r in on_4090)
+        + ". The replays of "
+        + ", ".join(r.run.label for r in beyond)
+        + " need more than that without a limit: if the replayed streams are the runs', those runs can only have "
+        "trained by freeing their cache at the top, and their published peaks measure the top of the card rather than "
+        "the reserve the step builds below it"
+        + (
+            "; the replay of " + ", ".join(r.run.label for r in under) + " stays under it, and that row measures its "
+            "reserve. "
+            if under
+            else ". "
+        )
+    )
+
+
+def capped_rows(rows: list[Row]) -> list[Row]:
+    """The QLoRA rows of other models than Llama-2-7B within 5 % of the published figure whose replay passes the
+    card without a limit and completes by freeing its cache."""
+    return [
         r
         for r in rows
         if LLAMA_7B not in r.run.key
@@ -364,6 +394,12 @@ def capped_alike(rows: list[Row]) -> str:
         and not r.verdict.startswith("does not fit")
         and abs(r.reserved / GiB - r.run.reserved) / r.run.reserved <= 0.05
     ]
+
+
+def capped_alike(rows: list[Row]) -> str:
+    """The other model's QLoRA rows whose replay passes the card without a limit and completes by freeing its cache
+    (Mistral-7B v0.2, the dual 4090's bonus rows): their agreement is the free-and-retry's, not the reserve's."""
+    capped = capped_rows(rows)
     if not capped:
         return ""
     return (
