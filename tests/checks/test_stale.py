@@ -481,3 +481,11 @@ def test_a_difference_known_later_makes_stale_only_the_stamps_of_the_versions_it
     assert len(before) == len(KNOWN) - 1
     monkeypatch.setattr(fingerprint, "KNOWN", before)
     assert (section_digest(doc, "software", SHARD_INPUTS["software"]) != now) is stale
+
+
+def test_the_ids_named_on_every_side_are_known_differences() -> None:
+    """A renamed or removed id would silently change what every shard stamp of its package hashed."""
+    from ledgerspec.contract.differences import BY_ID
+    from ledgerspec.contract.fingerprint import DIGEST_EVERY_SIDE
+
+    assert set(DIGEST_EVERY_SIDE) <= set(BY_ID)
