@@ -30,7 +30,8 @@ class KnownDifference:
     ``changed_in`` and later hold ``newer``. A window (``introduced_in`` set) was a behaviour of a few releases
     only: versions from ``introduced_in`` up to ``changed_in`` (excluded) hold ``older``, every other version,
     before or after, holds ``newer``; the two sides keep their names so that records and the rule read both kinds
-    alike."""
+    alike. A pre-release counts as the release it leads to (``4.40.0rc1`` is 4.40.0), as :func:`version_tuple`
+    reads it."""
 
     id: str
     package: str  # the ``software.*`` key
@@ -40,6 +41,9 @@ class KnownDifference:
     figures: str  # which figures it moves
     sources: tuple[str, ...]
     introduced_in: str | None = None  # a window's first version (None: one edge)
+    #: whether a derivation can compute the declared side (``older`` where installed is ``newer``, or the reverse);
+    #: False: the figures are always the installed side's, and the record only says so
+    modelled: bool = True
 
     def side(self, version: str) -> str | None:
         """``older``/``newer`` for a version string (``0.42.0``, ``4.48``, ``2.13.0+cpu``); None if unreadable."""
@@ -174,13 +178,13 @@ KNOWN: tuple[KnownDifference, ...] = (
         "batch x 1 x length x length copy of it in every layer",
         newer="an unpadded batch gets no mask: SDPA is called with `is_causal` and runs flash (fp16/bf16)",
         figures="the attention's saved tensors and backward buffers on a CUDA device, and at 4.38 the forward peak "
-        "(Llama, Gemma and Cohere with SDPA attention; not modelled: the estimate is that of the versions outside "
-        "the window)",
+        "(Llama, Gemma and Cohere with SDPA attention)",
         sources=(
             "https://github.com/huggingface/transformers/issues/30010",
             "src/transformers/models/llama/modeling_llama.py (LlamaModel._update_causal_mask, "
             "LlamaSdpaAttention.forward) at 4.37.2, 4.38.2, 4.39.1 and 4.40.0",
         ),
+        modelled=False,
     ),
 )
 
@@ -221,9 +225,10 @@ class StackDifference:
 
             sign = "+" if self.bytes >= 0 else "-"
             size = f"; with the declared stack it differs by {sign}{format_size(abs(self.bytes))}"
+        unmodelled = "" if d.modelled else f"; ledgerspec does not model {d.span(declared_side)}"
         return (
             f"{self.record} was computed with {d.span(self.computed_as)}, but software.{d.package} declares "
-            f"{self.declared}: there {d.behaviour(declared_side)} (moves {d.figures}{size}) [{d.id}]"
+            f"{self.declared}: there {d.behaviour(declared_side)} (moves {d.figures}{size}{unmodelled}) [{d.id}]"
         )
 
 

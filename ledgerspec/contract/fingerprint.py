@@ -266,9 +266,10 @@ def _value(
 
 
 #: the known differences a declared version's digest names whichever side it is on: those known when the digest took
-#: this form. One added since is named only where the version is on its older side, so that adding it leaves every
-#: stamp of a version it does not concern valid, and makes those of a version it does concern stale (their figures
-#: were computed before anyone knew of it)
+#: this form. One added since is named only where the version is on its older side, and only if a derivation models
+#: it (one that is not modelled changes no figure: the record beside the figures and LS012 say it), so that adding it
+#: leaves every stamp of a version it does not concern valid, and makes those of a version whose figures it changes
+#: stale (they were computed before anyone knew of it)
 DIGEST_EVERY_SIDE = frozenset(
     (
         "bitsandbytes-4bit-matmul-input",
@@ -289,7 +290,7 @@ def version_meaning(package: str, version: str) -> dict[str, str | None]:
         if d.package != package:
             continue
         side = d.side(version)
-        if d.id in DIGEST_EVERY_SIDE or side == OLDER:
+        if d.id in DIGEST_EVERY_SIDE or (side == OLDER and d.modelled):
             out[d.id] = side
     return out
 

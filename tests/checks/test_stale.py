@@ -459,33 +459,59 @@ def test_resolve_reads_the_objective_and_a_separate_reference_model(a: str, b: s
     assert "training" not in (changed_sections(doc, "x-resolve", RESOLVE_INPUTS) or [])
 
 
+#: ``shard --estimate``'s ``software`` digest of a ledger declaring one version (and SDPA attention), as ledgerspec
+#: computed it at d51a3e3, before the first window difference was known
+STAMPED_BEFORE = {
+    ("transformers", "4.37.2"): "72a03ff47f5eca0b",
+    ("transformers", "4.39.1"): "72a03ff47f5eca0b",
+    ("transformers", "5.24.0"): "618a35c53ae507d7",
+    ("transformers", "main"): "3f14ee0f38a05beb",
+    ("bitsandbytes", "0.43.0"): "6ef8d3675f5d6ec5",
+    ("peft", "0.10.0"): "e846ba5b406826bd",
+}
+
+
+def _software(package: str, version: str) -> Document:
+    return from_text(f"ledgerspec: ledger/v1\nsoftware:\n  {package}: '{version}'\n  attention_implementation: sdpa\n")
+
+
+@pytest.mark.parametrize(("package", "version"), list(STAMPED_BEFORE))
+def test_a_shard_stamp_written_before_the_window_difference_still_matches(package: str, version: str) -> None:
+    """transformers-sdpa-explicit-causal-mask is not modelled: it changes no shard figure, so it enters no stamp, and
+    every stamp written before it was known matches, inside its window too."""
+    from ledgerspec.contract.fingerprint import SHARD_INPUTS
+
+    doc = _software(package, version)
+    assert section_digest(doc, "software", SHARD_INPUTS["software"]) == STAMPED_BEFORE[(package, version)]
+
+
 @pytest.mark.parametrize(
     ("version", "stale"),
     [("4.37.2", False), ("4.38.2", True), ("4.39.1", True), ("4.40.0", False), ("5.24.0", False), ("main", False)],
 )
-def test_a_difference_known_later_makes_stale_only_the_stamps_of_the_versions_it_concerns(
+def test_a_modelled_difference_known_later_makes_stale_only_the_stamps_of_its_older_side(
     monkeypatch: pytest.MonkeyPatch, version: str, stale: bool
 ) -> None:
-    """``shard --estimate`` stamps the declared versions (as the sides of the known differences they fall on): a stamp
-    written before transformers-sdpa-explicit-causal-mask was known (the catalogue without it) still matches for a
-    transformers outside its window, and not for one inside (its figures were computed as the others')."""
+    """Were a modelled difference added now (here: the window, as if a derivation modelled it), a stamp written before
+    still matches for a transformers outside its older side and not for one inside it (its figures would change)."""
+    import dataclasses
+
     from ledgerspec.contract import fingerprint
     from ledgerspec.contract.differences import KNOWN
     from ledgerspec.contract.fingerprint import SHARD_INPUTS
 
-    doc = from_text(
-        f"ledgerspec: ledger/v1\nsoftware:\n  transformers: '{version}'\n  attention_implementation: sdpa\n"
-    )
-    now = section_digest(doc, "software", SHARD_INPUTS["software"])
-    before = tuple(d for d in KNOWN if d.id != "transformers-sdpa-explicit-causal-mask")
-    assert len(before) == len(KNOWN) - 1
-    monkeypatch.setattr(fingerprint, "KNOWN", before)
-    assert (section_digest(doc, "software", SHARD_INPUTS["software"]) != now) is stale
+    before = section_digest(_software("transformers", version), "software", SHARD_INPUTS["software"])
+    window = next(d for d in KNOWN if d.introduced_in is not None)
+    modelled = dataclasses.replace(window, id="a-modelled-window", modelled=True)
+    monkeypatch.setattr(fingerprint, "KNOWN", (*KNOWN, modelled))
+    now = section_digest(_software("transformers", version), "software", SHARD_INPUTS["software"])
+    assert (now != before) is stale
 
 
-def test_the_ids_named_on_every_side_are_known_differences() -> None:
-    """A renamed or removed id would silently change what every shard stamp of its package hashed."""
+def test_the_ids_named_on_every_side_are_the_differences_known_before_the_rule() -> None:
+    """Renaming, removing or adding an id here would change what every shard stamp of its package hashed."""
     from ledgerspec.contract.differences import BY_ID
     from ledgerspec.contract.fingerprint import DIGEST_EVERY_SIDE
 
     assert set(DIGEST_EVERY_SIDE) <= set(BY_ID)
+    assert len(DIGEST_EVERY_SIDE) == 6 and "transformers-sdpa-explicit-causal-mask" not in DIGEST_EVERY_SIDE

@@ -55,8 +55,9 @@ def test_every_known_difference_names_an_upstream_source_and_a_version() -> None
     for d in KNOWN:
         assert d.sources and all(s for s in d.sources)
         assert version_tuple(d.changed_in) is not None
-        if d.introduced_in is not None:  # a window opens before it closes
-            assert (version_tuple(d.introduced_in) or ()) < (version_tuple(d.changed_in) or ())
+        if d.introduced_in is not None:  # a window opens (at a version that reads) before it closes
+            start, end = version_tuple(d.introduced_in), version_tuple(d.changed_in)
+            assert start is not None and end is not None and start < end
         assert d.older != d.newer
 
 
@@ -124,5 +125,6 @@ def test_a_window_names_its_versions_on_both_sides() -> None:
     message = diff.message()
     assert "computed with transformers < 4.38.0 or >= 4.40.0" in message
     assert "declares 4.39.1: there Llama and Gemma models" in message and "memory-efficient kernel" in message
+    assert "ledgerspec does not model 4.38.0 <= transformers < 4.40.0" in message
     assert stack_differences(from_text(text.replace("4.39.1", "4.40.0")), ()) == []
     assert stack_differences(from_text(text.replace("4.39.1", "4.37.2")), ()) == []

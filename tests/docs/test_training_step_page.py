@@ -79,3 +79,4 @@ def test_the_differences_table_is_the_rules_data() -> None:
     assert "<!-- ledgerspec:differences -->" in PAGE.read_text(encoding="utf-8")
     for d in KNOWN:
         assert f"`{d.id}`" in table and d.changed_in in table and d.sources[0] in table
+        assert d.introduced_in is None or f"{d.introduced_in} <= {d.package} < {d.changed_in}" in table
