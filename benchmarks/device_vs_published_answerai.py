@@ -382,10 +382,10 @@ def at_the_4090s_top(rows: list[Row]) -> str:
     )
 
 
-def capped_rows(rows: list[Row]) -> list[Row]:
-    """The QLoRA rows of other models than Llama-2-7B within 5 % of the published figure whose replay passes the
-    card without a limit and completes by freeing its cache."""
-    return [
+def capped_alike(rows: list[Row]) -> str:
+    """The other model's QLoRA rows whose replay passes the card without a limit and completes by freeing its cache
+    (Mistral-7B v0.2, the dual 4090's bonus rows): their agreement is the free-and-retry's, not the reserve's."""
+    capped = [
         r
         for r in rows
         if LLAMA_7B not in r.run.key
@@ -394,12 +394,6 @@ def capped_rows(rows: list[Row]) -> list[Row]:
         and not r.verdict.startswith("does not fit")
         and abs(r.reserved / GiB - r.run.reserved) / r.run.reserved <= 0.05
     ]
-
-
-def capped_alike(rows: list[Row]) -> str:
-    """The other model's QLoRA rows whose replay passes the card without a limit and completes by freeing its cache
-    (Mistral-7B v0.2, the dual 4090's bonus rows): their agreement is the free-and-retry's, not the reserve's."""
-    capped = capped_rows(rows)
     if not capped:
         return ""
     return (

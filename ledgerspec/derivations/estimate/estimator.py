@@ -835,13 +835,13 @@ def causal_mask_window(
     key = "transformers-sdpa-explicit-causal-mask"
     if attention != "sdpa" or model_type not in EXPLICIT_MASK_MODEL_TYPES:
         return None
-    side = installed_side(key)
+    side, declared = installed_side(key), declared_side(doc, key)
     note = None
-    if declared_side(doc, key) not in (None, side):
+    if declared not in (None, side):
         d = BY_ID[key]
         note = (
             f"software.transformers declares {doc.get('software', 'transformers').value}: "
-            f"{d.behaviour(declared_side(doc, key) or side)}; this estimate ran transformers "
+            f"{d.behaviour(str(declared))}; this estimate ran transformers "
             f"{installed_stack().get('transformers')}: {d.behaviour(side)} (not modelled) [{key}]"
         )
     return key, record(side), note
