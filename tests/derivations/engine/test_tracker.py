@@ -283,6 +283,34 @@ def test_a_step_that_cannot_run_is_reported_as_such_not_simulated(tmp_path: Any,
     assert "bfloat16" in str(caught.value) and "float32" in str(caught.value)
 
 
+def test_a_profiler_range_in_a_fake_session_skips_the_fake_mode_and_still_reaches_the_profiler() -> None:
+    """``record_function`` (FSDP1 opens one around each hook of each unit) takes and makes no tensor: in a session of
+    fake tensors the tracker runs it below the Python modes (``tracker._profiler_marks``), so PyTorch's fake mode no
+    longer dispatches it (it counted each as a dispatch-cache bypass, "non-builtin"), and a running profiler still
+    records the range; the tensors inside it are tracked as before."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def bypasses() -> int:
+        return FakeTensorMode.cache_info().bypasses.get("non-builtin", 0)
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with FakeTensorMode(), MemoryTracker() as tr:
+            before = bypasses()
+            with record_function("ledgerspec-range"):
+                a = torch.empty(256)
+            assert bypasses() == before
+            assert tr.current == 1024
+            del a
+    assert "ledgerspec-range" in {e.name for e in prof.events()}
+
+    with FakeTensorMode():  # the stock fake mode, without the tracker: PyTorch's fake mode dispatches the range
+        before = bypasses()
+        with record_function("ledgerspec-range"):
+            pass
+        assert bypasses() > before
+
+
 # -- the allocation event log (replayed by ledgerspec.derivations.allocator) ---------------------------------------
 
 
