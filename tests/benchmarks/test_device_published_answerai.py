@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import REPO_ROOT, load_script
+from tests.support import REPO_ROOT, load_script, outside_ci_sample
 from tests.support.results import ledger_rows
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "device-answerai.md"
@@ -178,6 +178,7 @@ def test_the_arithmetic_and_the_summary() -> None:
 # other rows' cells are held by the arithmetic above and by the benchmark's own run (CI time: the 512-token row's
 # re-estimate, 25 s more, was dropped at stop 56)
 @pytest.mark.slow
+@outside_ci_sample("FSDP1 CPU offload: real runs in shard/test_offload_real.py, its device verdict in test_offload.py")
 @pytest.mark.parametrize("key", ["aai-llama-2-7b-lora-2gpu-2048-bs10-offload"])
 def test_a_row_re_estimated_gives_the_committed_cells(bench: Any, key: str) -> None:
     run = next(r for r in bench.RUNS if r.key == key)

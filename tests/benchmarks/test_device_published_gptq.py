@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.benchmarks.test_published_gptq import SOURCE
-from tests.support import REPO_ROOT, load_script
+from tests.support import REPO_ROOT, load_script, outside_ci_sample
 from tests.support.results import ledger_rows
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "device-gptq.md"
@@ -102,6 +102,7 @@ def test_a_row_re_estimated_gives_the_committed_cells(bench: Any) -> None:
 
 
 @pytest.mark.slow  # a 7B GPTQ FSDP1 step on two ranks, every layer traced: about 10 s
+@outside_ci_sample("the GPTQ step: the one-GPU row; two FSDP1 ranks' device figures: device-fsdp.md's row")
 def test_a_two_gpu_row_re_estimated_gives_the_committed_cells(bench: Any) -> None:
     """The rows the declared NCCL moves (its buffers are outside the allocator on two ranks only)."""
     run = next(r for r in bench.RUNS if r.key == "fms-mistral-7b-gptq-lora-2gpu-bs2")
