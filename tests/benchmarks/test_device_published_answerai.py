@@ -176,7 +176,7 @@ def test_the_arithmetic_and_the_summary() -> None:
 # one row re-estimated (a 7B LoRA FSDP1 step on two ranks, every layer traced, and its replays: about 25 s): the one
 # with CPU offload, which takes the most of the simulation (the device's stream alone, the wrapping on the device); the
 # other rows' cells are held by the arithmetic above and by the benchmark's own run (CI time: the 512-token row's
-# re-estimate, 25 s more, was dropped at stop 56)
+# re-estimate, 25 s more, was dropped at stop 56; CI skips this one too since stop 57: CONTRIBUTING.md)
 @pytest.mark.slow
 @outside_ci_sample("FSDP1 CPU offload: real runs in shard/test_offload_real.py, its device verdict in test_offload.py")
 @pytest.mark.parametrize("key", ["aai-llama-2-7b-lora-2gpu-2048-bs10-offload"])

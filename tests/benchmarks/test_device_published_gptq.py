@@ -102,7 +102,7 @@ def test_a_row_re_estimated_gives_the_committed_cells(bench: Any) -> None:
 
 
 @pytest.mark.slow  # a 7B GPTQ FSDP1 step on two ranks, every layer traced: about 10 s
-@outside_ci_sample("the GPTQ step: the one-GPU row; two FSDP1 ranks' device figures: device-fsdp.md's row")
+@outside_ci_sample("GPTQ on two FSDP1 ranks: engine/test_gptq.py against a real FSDP1 run")
 def test_a_two_gpu_row_re_estimated_gives_the_committed_cells(bench: Any) -> None:
     """The rows the declared NCCL moves (its buffers are outside the allocator on two ranks only)."""
     run = next(r for r in bench.RUNS if r.key == "fms-mistral-7b-gptq-lora-2gpu-bs2")

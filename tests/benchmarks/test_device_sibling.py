@@ -100,7 +100,7 @@ def test_the_arithmetic_and_the_summary(bench: Any) -> None:
 # the sibling (bs2) is the row device-fsdp.md's and published-multi-gpu.md's tests re-estimate: in their group, one
 # simulation of it serves all three (estimate_common.shard_estimate, per process)
 @pytest.mark.xdist_group("fms-mistral-7b-qlora-2gpu-bs2")
-@outside_ci_sample("the sibling's own row (bs2) is re-derived by test_device_published_fsdp.py in CI")
+@outside_ci_sample("its bs2 half: test_device_published_fsdp.py; a ledger's outside figure: devices/test_outside.py")
 def test_a_pair_re_estimated_gives_the_committed_cells(bench: Any) -> None:
     pair = ("fms-mistral-7b-qlora-2gpu-bs2", "fms-mistral-7b-qlora-2gpu-bs4")
     assert bench.carry(*pair).cells() == _rows()[pair[1]]

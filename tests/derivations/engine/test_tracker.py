@@ -283,32 +283,41 @@ def test_a_step_that_cannot_run_is_reported_as_such_not_simulated(tmp_path: Any,
     assert "bfloat16" in str(caught.value) and "float32" in str(caught.value)
 
 
-def test_a_profiler_range_in_a_fake_session_skips_the_fake_mode_and_still_reaches_the_profiler() -> None:
+def test_a_profiler_range_in_a_fake_session_skips_the_modes_below_the_tracker_and_still_reaches_the_profiler() -> None:
     """``record_function`` (FSDP1 opens one around each hook of each unit) takes and makes no tensor: in a session of
-    fake tensors the tracker runs it below the Python modes (``tracker._profiler_marks``), so PyTorch's fake mode no
-    longer dispatches it (it counted each as a dispatch-cache bypass, "non-builtin"), and a running profiler still
-    records the range; the tensors inside it are tracked as before."""
+    fake tensors the tracker runs its two operators below the Python modes (``tracker._profiler_marks``), so no mode
+    under the tracker (PyTorch's fake mode among them) dispatches them, and a running profiler still records the
+    range; the tensors inside it are tracked as before."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def bypasses() -> int:
-        return FakeTensorMode.cache_info().bypasses.get("non-builtin", 0)
+    class Seen(TorchDispatchMode):  # between the fake mode and the tracker: what the tracker passes down
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with FakeTensorMode(), MemoryTracker() as tr:
-            before = bypasses()
+        with FakeTensorMode(), Seen() as seen, MemoryTracker() as tr:
             with record_function("ledgerspec-range"):
                 a = torch.empty(256)
-            assert bypasses() == before
             assert tr.current == 1024
             del a
     assert "ledgerspec-range" in {e.name for e in prof.events()}
+    assert [op for op in seen.ops if "profiler" in op] == []
+    assert any("empty" in op for op in seen.ops)  # what the range holds still goes down
 
-    with FakeTensorMode():  # the stock fake mode, without the tracker: PyTorch's fake mode dispatches the range
-        before = bypasses()
+    with FakeTensorMode(), Seen() as seen:  # without the tracker both operators go down the modes
         with record_function("ledgerspec-range"):
             pass
-        assert bypasses() > before
+    assert [op for op in seen.ops if "profiler" in op] == [
+        "profiler._record_function_enter_new.default",
+        "profiler._record_function_exit._RecordFunction",
+    ]
 
 
 # -- the allocation event log (replayed by ledgerspec.derivations.allocator) ---------------------------------------
