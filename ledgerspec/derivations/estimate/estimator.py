@@ -807,15 +807,24 @@ def _differences(
         key = "transformers-moe-fused-experts"
         side = installed_side(key)
         out[key] = record(side, fused_experts if side == NEWER else None)
-        if declared_side(doc, key) not in (None, side):
-            d = BY_ID[key]
-            notes.append(
-                f"software.transformers declares {doc.get('software', 'transformers').value}: {d.older}; this "
-                f"estimate ran transformers {installed_stack().get('transformers')}: {d.newer} (frozen base "
-                f"{'+' if fused_experts < 0 else '-'}{format_size(abs(fused_experts))} against the declared stack; "
-                f"not modelled) [{key}]"
-            )
+        if (declared := declared_side(doc, key)) not in (None, side):
+            sign = "+" if fused_experts < 0 else "-"
+            moves = f"frozen base {sign}{format_size(abs(fused_experts))} against the declared stack; "
+            notes.append(_unmodelled_note(doc, key, str(declared), side, moves))
     return out, notes
+
+
+def _unmodelled_note(doc: Document, key: str, declared: str, installed: str, moves: str = "") -> str:
+    """The note for a known difference the estimate does not model, where ``software.<package>`` declares the side
+    (``declared``) the installed stack is not on (``installed``); ``moves``: what it moves, when known."""
+    from ledgerspec.contract.differences import BY_ID
+
+    d = BY_ID[key]
+    return (
+        f"software.{d.package} declares {doc.get('software', d.package).value}: {d.behaviour(declared)}; this "
+        f"estimate ran {d.package} {installed_stack().get(d.package)}: {d.behaviour(installed)} ({moves}not "
+        f"modelled) [{key}]"
+    )
 
 
 #: the model types whose transformers 4.38-4.39 code builds an explicit causal mask for SDPA
@@ -829,21 +838,13 @@ def causal_mask_window(
     """The record of ``transformers-sdpa-explicit-causal-mask`` for an SDPA estimate of a model type it concerns
     (the side the installed transformers computed; not modelled), and a note when ``software.transformers``
     declares the other side. None where it does not apply."""
-    from ledgerspec.contract.differences import BY_ID
     from ledgerspec.derivations.stack.versions import declared_side, installed_side, record
 
     key = "transformers-sdpa-explicit-causal-mask"
     if attention != "sdpa" or model_type not in EXPLICIT_MASK_MODEL_TYPES:
         return None
     side, declared = installed_side(key), declared_side(doc, key)
-    note = None
-    if declared not in (None, side):
-        d = BY_ID[key]
-        note = (
-            f"software.transformers declares {doc.get('software', 'transformers').value}: "
-            f"{d.behaviour(str(declared))}; this estimate ran transformers "
-            f"{installed_stack().get('transformers')}: {d.behaviour(side)} (not modelled) [{key}]"
-        )
+    note = _unmodelled_note(doc, key, declared, side) if declared not in (None, side) else None
     return key, record(side), note
 
 
