@@ -15,8 +15,9 @@ from typing import Any
 
 from ledgerspec.contract import config
 from ledgerspec.contract.document import Document, ErrorAt
+from ledgerspec.derivations.stack import targets as target_names
 from ledgerspec.derivations.stack.quiet import quiet_bitsandbytes
-from ledgerspec.errors import first_line, joined_lines
+from ledgerspec.errors import LedgerspecError, first_line, joined_lines
 
 _err = ErrorAt("resolve")
 
@@ -169,6 +170,8 @@ def load_config(doc: Document, offline: bool = False, trust_remote_code: bool = 
         msg = first_line(exc)
         if unreachable and "trust_remote_code" not in msg:
             msg = f"{unreachable}, and it is not in the local Hugging Face cache"
+        elif offline and "trust_remote_code" not in msg and ("connect" in msg or "local_files_only" in msg):
+            msg = "it is not in the local Hugging Face cache, and --offline asks nothing of the Hub"
         hint = "set identity.config_path to a local config.json (nothing is downloaded with --offline)"
         if "trust_remote_code" in msg:
             hint = "pass --trust-remote-code if you trust this model's code"
@@ -538,11 +541,12 @@ def inject_adapters(
     try:
         with warnings.catch_warnings(), peft_as_v4(model):
             warnings.simplefilter("ignore")
-            if on_meta:
-                return get_peft_model(model, cfg, low_cpu_mem_usage=True)
-            return get_peft_model(model, cfg)
+            wrapped = get_peft_model(model, cfg, low_cpu_mem_usage=True) if on_meta else get_peft_model(model, cfg)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         msg = first_line(exc)
+        unmatched = _unmatched_targets(doc, cfg, model, adapted=[]) if "not found in the base model" in msg else None
+        if unmatched is not None:
+            raise unmatched from None
         if "lora_dropout != 0" in msg:  # peft.tuners.lora.layer.ParamWrapper.update_layer (PEFT 0.21)
             raise _err(
                 doc,
@@ -559,7 +563,32 @@ def inject_adapters(
             if "target" in msg.lower()
             else None
         )
+        regex = isinstance(cfg.target_modules, str) and cfg.target_modules.strip().lower() != target_names.ALL_LINEAR
+        if hint and regex:
+            hint = (
+                f"a string is one regular expression PEFT matches against each module's whole name: write a list "
+                f"([{cfg.target_modules}]) to match by name, or a pattern such as '.*\\.{cfg.target_modules}'"
+            )
         raise _err(doc, where, f"PEFT cannot inject these adapters: {msg}", hint) from None
+    unmatched = _unmatched_targets(doc, cfg, model, adapted=list(wrapped.targeted_module_names))
+    if unmatched is not None:
+        raise unmatched
+    return wrapped
+
+
+def _unmatched_targets(doc: Document, cfg: Any, model: Any, adapted: list[str]) -> LedgerspecError | None:
+    """The error for a name of a declared ``target_modules`` list that PEFT adapted nothing for (it skips such a name in
+    silence while another matches: :mod:`~ledgerspec.derivations.stack.targets`). ``cfg``: the LoraConfig after the
+    injection, whose ``target_modules`` PEFT has left without the expert names it converted to parameters."""
+    declared = doc.get("method", "target_modules")
+    if not (declared.known and isinstance(declared.value, list)):
+        return None
+    kept = cfg.target_modules if isinstance(cfg.target_modules, (set, list, tuple)) else ()
+    missing = target_names.unmatched([str(t) for t in declared.value if str(t) in kept], adapted)
+    if not missing:  # in the declared order (LoraConfig keeps a set)
+        return None
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    return _err(doc, ("method", "target_modules"), *target_names.problem(missing, names, type(model).__name__))
 
 
 def cast_module_dtypes(model: Any, pairs: tuple[tuple[str, str], ...], skip: set[int] | None = None) -> int:

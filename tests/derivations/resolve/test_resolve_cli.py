@@ -116,6 +116,10 @@ BAD = [
     ("unknown_architecture", 3, "transformers cannot read"),
     ("remote_code", 3, "--trust-remote-code"),
     ("target_matches_nothing", 7, "nonexistent_proj"),
+    # PEFT injects q_proj and skips v_prj in silence: an adapter smaller than the ledger says
+    ("target_misspelt_among_others", 7, "'v_prj' matches no module of LlamaForCausalLM"),
+    # PEFT reads a string as one regular expression matched against the whole name
+    ("target_a_string", 7, "a string is one regular expression"),
     ("rank_zero", 6, "method.rank"),
     ("unknown_optimizer", 11, "adamw_magic"),
 ]
@@ -133,6 +137,11 @@ def test_bad_input_is_one_clear_error_at_the_field(work: Path, cli, name: str, l
     assert words in lines[0]
     assert "Traceback" not in err
     assert path.read_bytes() == before
+
+
+def test_a_misspelt_target_names_the_module_it_resembles(work: Path, cli) -> None:
+    _, _, err = cli("resolve", work / "bad" / "target_misspelt_among_others.yaml")
+    assert "did you mean 'v_proj'?" in err
 
 
 def test_unknown_optimizer_lists_the_supported_names(work: Path, cli) -> None:

@@ -77,6 +77,8 @@ def test_offline_model_missing_from_the_cache_is_one_clear_line(tmp_path: Path) 
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"{tmp_path / 'x.intake.yaml'}:3:")
     assert "cannot load the config of 'nobody/nothing'" in lines[0] and "Traceback" not in proc.stderr
+    # not transformers' "We couldn't connect to 'https://huggingface.co'": --offline asked nothing of it
+    assert "not in the local Hugging Face cache, and --offline asks nothing of the Hub" in lines[0]
     assert "Retrying" not in proc.stderr  # --offline: no network attempts
     assert not (tmp_path / "x.ledger.yaml").exists()
 
