@@ -26,7 +26,8 @@ VERDICT_INPUTS = ("/result/target_device", "/outside_allocator")
 
 def blocking(finding: Finding) -> bool:
     """An error in the inputs: a schema error inside an input section or a verdict input (:data:`VERDICT_INPUTS`),
-    or one of :data:`INPUT_RULES`."""
+    an unknown top-level key (a section the command would not read, perhaps an input section misspelt), or one of
+    :data:`INPUT_RULES`."""
     if finding.severity != ERROR:
         return False
     if finding.rule in INPUT_RULES:
@@ -35,6 +36,8 @@ def blocking(finding: Finding) -> bool:
         return False
     pointer = finding.pointer
     section = pointer.split("/")[1] if pointer.count("/") >= 1 else ""
+    if pointer.count("/") == 1 and finding.message.startswith("unknown key"):
+        return True  # an unknown section: a misspelt input section (optimiser:) would be read as absent
     return section in INPUT_SECTIONS or any(pointer == p or pointer.startswith(p + "/") for p in VERDICT_INPUTS)
 
 

@@ -107,6 +107,8 @@ BAD_INPUTS = {
     "typo-key": (("target_modules:", "target_module:"), "(did you mean 'target_modules'?)"),
     "optimizer-typo": (("name: adamw_torch", "name: adamw_trch"), "unknown optimizer 'adamw_trch': did you mean"),
     "config-missing": (("config_path: tiny-llama/config.json", "config_path: nowhere/config.json"), "[LS008]"),
+    # a misspelt section was read as absent: resolve wrote its figures, estimate blamed line 1 for the missing one
+    "section-typo": (("\noptimizer:", "\noptimiser:"), "unknown key 'optimiser' (did you mean 'optimizer'?)"),
     # what the device verdict reads as declared: unreadable, it was passed over (no verdict, the catalogue's figure)
     "device-memory-fraction": (
         ("ledgerspec: ledger/v1\n", "ledgerspec: ledger/v1\nresult: {target_device: {memory: 24.3 GiB}}\n"),
