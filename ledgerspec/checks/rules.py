@@ -1,4 +1,4 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012-LS014, LS023, LS032, LS043,
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012-LS016, LS023, LS032, LS043,
 LS061, LS062, LS063 and LS090. One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
@@ -278,6 +278,26 @@ def _orpo_qlora_preparation(ctx: Context, cfg: C.Config) -> Iterator[Hit]:
             f"to float32 and lm_head/embed_tokens to bfloat16 after wrapping it (peft_module_casting_to_bf16) and runs "
             f"its loss in an autocast region of its own: declare {{{casts}}}, or the casts of the tool that wrapped "
             "the model (axolotl's rl: orpo hands TRL a PEFT model)",
+        )
+
+
+@rule(
+    "LS016",
+    WARNING,
+    "the sequence lengths contradict each other: sequence_p50 above sequence_p95, or sequence_p95 above max_length",
+    "percentiles of the tokenized data are ordered (p50 <= p95); a p95 above max_length means more than 5% of the "
+    "rows are cut to max_length (the estimate uses max_length, the longest row the step sees): check max_length or "
+    "the percentiles",
+    example="workload: {max_length: 512, sequence_p50: 300, sequence_p95: 2048, microbatch: 1}",
+)
+def ls016_sequence_lengths(ctx: Context) -> Iterator[Hit]:
+    p50, p95, longest = (ctx.get("workload", k).integer() for k in ("sequence_p50", "sequence_p95", "max_length"))
+    if p50 is not None and p95 is not None and p50 > p95:
+        yield Hit(ptr("workload", "sequence_p50"), f"sequence_p50 {p50} is above sequence_p95 {p95}")
+    if p95 is not None and longest is not None and p95 > longest:
+        yield Hit(
+            ptr("workload", "sequence_p95"),
+            f"sequence_p95 {p95} is above max_length {longest}: more than 5% of the rows are cut to {longest} tokens",
         )
 
 
