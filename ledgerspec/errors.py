@@ -118,17 +118,22 @@ def json_text(text: str) -> str:
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
+def _cut(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters, an ellipsis where it was cut (so a cut message does not read whole)."""
+    return text if len(text) <= limit else text[: max(limit - 3, 0)].rstrip() + "..."
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """The first line of an exception's message, cut at ``limit`` characters (its type's name when empty)."""
     lines = str(exc).strip().splitlines()
-    return (lines[0] if lines else type(exc).__name__)[:limit]
+    return _cut(lines[0] if lines else type(exc).__name__, limit)
 
 
 def joined_lines(exc: BaseException, limit: int = 300) -> str:
     """Every line of an exception's message on one line (transformers' config validation puts the reason on the
     second line), cut at ``limit`` characters."""
     parts = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return (" ".join(parts) or type(exc).__name__)[:limit]
+    return _cut(" ".join(parts) or type(exc).__name__, limit)
 
 
 def described(exc: BaseException, limit: int = 300) -> str:

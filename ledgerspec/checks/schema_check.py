@@ -116,6 +116,13 @@ def _expected(field: F.Field, value: Any, written: str | None = None) -> str:
 
 
 def _expected_plain(field: F.Field, value: Any, long_form: bool = False, written: str | None = None) -> str:
+    message = _expected_plain_of(field, value, written)
+    if isinstance(value, str) and value.strip() not in UNKNOWN_WORDS and value.strip().upper() in UNKNOWN_WORDS:
+        message += f" ({value.strip().upper()} is written in capitals)"
+    return message
+
+
+def _expected_plain_of(field: F.Field, value: Any, written: str | None) -> str:
     k = field.kind
     got = _show(value)
     if k in (F.MEMORY, F.SIZE) or (k == F.FIGURES and not isinstance(value, list)):

@@ -1194,7 +1194,8 @@ LEDGER_SECTIONS = (
 )
 
 #: the sections whose fields are configuration inputs (ASSUMPTION there caps the status at CANDIDATE)
-INPUT_SECTION_NAMES = frozenset(s.name for s in INTAKE_SECTIONS)
+#: the input sections' names, in catalogue order (what is listed from them reads the same on every run)
+INPUT_SECTION_NAMES = tuple(s.name for s in INTAKE_SECTIONS)
 
 KINDS = {
     "ledger": (TOP_STATUS, TOP_TITLE, TOP_NOTES, *LEDGER_SECTIONS),

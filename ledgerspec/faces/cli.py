@@ -37,8 +37,31 @@ class _Parser(argparse.ArgumentParser):
         # minus and a digit as a value, as Python 3.13's argparse does (3.11 takes only plain numbers)
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._seen = list(sys.argv[1:] if args is None else args)  # for :meth:`_took_the_file`
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> Any:  # one line, exit 2, no usage dump; a bad argument shown escaped
-        self.exit(EXIT_USAGE, printable(f"ledgerspec: usage: {message} (see `{self.prog} --help`)") + "\n")
+        took = self._took_the_file(message)
+        self.exit(EXIT_USAGE, printable(f"ledgerspec: usage: {message}{took} (see `{self.prog} --help`)") + "\n")
+
+    def _took_the_file(self, message: str) -> str:
+        """Where FILE is missing because a flag with an optional value (``--devices [CATALOGUE]``) took it: which
+        flag took which word, and how to write it."""
+        if not message.endswith("required: FILE"):
+            return ""
+        seen = [str(a) for a in getattr(self, "_seen", [])]
+        for action in self._actions:
+            if action.nargs != "?" or not action.option_strings:
+                continue
+            for i, word in enumerate(seen[:-1]):
+                if word in action.option_strings and not seen[i + 1].startswith("-"):
+                    flag, value = word, seen[i + 1]
+                    return (
+                        f" ({flag} took {value!r} as its {action.metavar or 'value'}: write FILE first, "
+                        f"`{self.prog} {value} {flag}`, or {flag}={action.metavar or 'VALUE'})"
+                    )
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:

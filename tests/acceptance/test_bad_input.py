@@ -91,6 +91,7 @@ CASES: dict[str, tuple[int, str, int, str]] = {
     "long_form_stray_key": (1, "schema", 4, "unknown key(s) 'unit'"),
     "unknown_status": (1, "schema", 2, "'DONE' is not one of"),
     "enum_typo": (1, "schema", 4, "did you mean 'QLoRA'?"),
+    "unknown_in_lower_case": (1, "schema", 4, "got 'unknown' (UNKNOWN is written in capitals)"),
     # YAML reads a bare 4.50 as the number 4.5: the message shows it as written and says to quote it
     "version_as_number": (
         1,

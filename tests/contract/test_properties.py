@@ -338,3 +338,14 @@ def test_schema_and_parse_size_agree_on_sizes(value: Any) -> None:
         readable = False
     rejected = any(h.pointer.startswith("/ledger/frozen_base") for h in schema_hits(doc))
     assert rejected != readable, (plain, readable)
+
+
+@given(st.text(min_size=1, max_size=400))
+def test_a_library_message_is_cut_with_an_ellipsis_never_mid_word_silently(message: str) -> None:
+    from ledgerspec.errors import first_line, joined_lines
+
+    exc = ValueError(message)
+    text, whole = first_line(exc, 120), (message.strip().splitlines() or ["ValueError"])[0]
+    assert len(text) <= 120
+    assert text == whole or (len(whole) > 120 and text.endswith("..."))
+    assert len(joined_lines(exc, 120)) <= 120

@@ -74,6 +74,11 @@ def test_output_exists_needs_force(tmp_path: Path) -> None:
     assert run_cli("import", IMPORTS / "axolotl/qlora.yml", "-o", out, "--force")[0] == 0
 
 
+def test_output_into_a_folder_says_so_at_once(tmp_path: Path) -> None:
+    code, _, stderr = run_cli("import", IMPORTS / "axolotl/qlora.yml", "-o", tmp_path)
+    assert code == 2 and stderr.strip() == f"{tmp_path}: write: is a folder (hint: give a file name)"
+
+
 def test_init_from_a_tool_config_is_the_skeleton_of_the_imported_intake(tmp_path: Path) -> None:
     out = tmp_path / "run.ledger.yaml"
     code, _, stderr = run_cli("init", "--from", IMPORTS / "axolotl/qlora.yml", "-o", out)

@@ -76,6 +76,15 @@ def test_usage_errors_exit_2(cli: CliRunner, args: tuple[str, ...]) -> None:
     assert "usage" in err and "Traceback" not in err
 
 
+def test_a_flag_that_took_the_file_is_named(cli: CliRunner) -> None:
+    """``--devices`` takes an optional CATALOGUE: written before the ledger, it takes the ledger."""
+    code, out, err = cli("estimate", "--devices", OK_FILE)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"required: FILE (--devices took '{OK_FILE}' as its CATALOGUE: write FILE first" in err
+    assert f"`ledgerspec estimate {OK_FILE} --devices`, or --devices=CATALOGUE)" in err
+    assert "took" not in cli("estimate")[2]  # FILE simply missing: nothing taken
+
+
 def test_text_format_names_file_line_and_rule(cli: CliRunner) -> None:
     _, out, _ = cli("validate", BAD_FILE)
     line = line_of(BAD_FILE, "  parameters:", after="gradients:")
@@ -83,6 +92,35 @@ def test_text_format_names_file_line_and_rule(cli: CliRunner) -> None:
     assert "INVALID" in out and "info finding(s) hidden" in out
     assert "LS002" not in out  # info is shown with -v only
     assert "LS002" in cli("validate", "-v", BAD_FILE)[1]
+
+
+def test_the_same_document_reads_the_same_on_every_run(tmp_path: Path) -> None:
+    """A CI diff or a golden file needs the same output for the same input: the UNKNOWN intake fields that hold a
+    CANDIDATE below VALIDATED are listed in catalogue order, whatever the interpreter's string hashing (a set of
+    section names once listed them in a different order from one process to the next)."""
+    text = (EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml").read_text(encoding="utf-8")
+    for section, field in (("software", "trl"), ("workload", "padding_free"), ("optimizer", "paged")):
+        text = text.replace(f"\n{section}:\n", f"\n{section}:\n  {field}: UNKNOWN\n", 1)
+    text = text.replace("config_path: configs/", f"config_path: {EXAMPLES.as_posix()}/configs/", 1)
+    doc = tmp_path / "unknowns.ledger.yaml"
+    doc.write_text(text, encoding="utf-8")
+
+    def run(seed: int) -> str:
+        env = {**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "ledgerspec", "validate", "-v", str(doc)],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    outputs = {run(seed) for seed in range(6)}
+    assert len(outputs) == 1
+    assert "no UNKNOWN in the intake (software.trl, workload.padding_free, optimizer.paged)" in outputs.pop()
 
 
 # -- --format json ---------------------------------------------------------------------------------
@@ -417,6 +455,13 @@ def test_init_does_not_overwrite_without_force(cli: CliRunner, tmp_path: Path) -
     assert out.read_text(encoding="utf-8").count("UNKNOWN") > 50
 
 
+def test_init_into_a_folder_says_so_at_once(cli: CliRunner, tmp_path: Path) -> None:
+    """Not "file exists (pass --force)", which only led to "is a folder" on the second try."""
+    for extra in ((), ("--force",)):
+        code, _, err = cli("init", "-o", tmp_path, *extra)
+        assert code == 2 and err.strip() == f"{tmp_path}: write: is a folder (hint: give a file name)"
+
+
 def test_init_from_an_intake_copies_its_sections(cli: CliRunner, tmp_path: Path) -> None:
     intake = EXAMPLES / "llama-2-7b-lora.intake.yaml"
     out = tmp_path / "sub" / "from-intake.ledger.yaml"
@@ -498,6 +543,7 @@ def test_init_from_a_ledger_is_refused_in_one_line(cli: CliRunner) -> None:
     code, out, err = cli("init", "--from", OK_FILE)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "--from expects an intake/v1 document" in err and str(OK_FILE) in err
+    assert "(hint: --from takes an intake or a tool's configuration" in err
 
 
 # -- validate stays light: no torch, no network ------------------------------------------------------

@@ -408,3 +408,17 @@ def test_html_never_overwrites_the_ledger(cli: CliRunner, tmp_path: Path) -> Non
     code, _out, err = cli("report", src, "--html", src)
     assert code == 2 and "refusing to overwrite" in err
     assert src.read_text(encoding="utf-8") == text
+
+
+def test_the_temporary_row_points_at_the_transient_the_estimate_found() -> None:
+    """ledger.temporary is MEASURED only; beside an estimate its row says what the estimate found at its peak."""
+    from ledgerspec.contract.document import load
+    from ledgerspec.faces.report.data import gather
+
+    path = EXAMPLES / "llama-2-7b-lora.estimated.ledger.yaml"
+    doc = load(path)
+    row = next(e for e in gather(doc).components if e.path == ("ledger", "temporary"))
+    alive = YAML(typ="safe").load(path.read_text(encoding="utf-8"))["x-estimate"]["at_peak"]["temporary"]
+    assert row.display == "missing" and f": {format_size(alive)} (x-estimate.at_peak.temporary)" in row.detail
+    plain = next(e for e in gather(load(EXAMPLES / "llama-2-7b-lora.ledger.yaml")).components if e.name == "temporary")
+    assert plain.detail == ""  # no estimate, nothing to point at

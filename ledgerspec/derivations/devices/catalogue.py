@@ -146,8 +146,22 @@ def load_catalogue(extra: str | None = None) -> Catalogue:
             data = YAML(typ="safe").load(path.read_text(encoding="utf-8"))
         except OSError as exc:
             raise _bad(shown, f"cannot read the device catalogue: {exc.strerror or exc}") from None
-        except Exception as exc:  # ruamel's parse errors: one line
-            raise _bad(shown, f"not a YAML device catalogue: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:  # ruamel's parse errors: one line, at the place ruamel names
+            mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            err = _bad(shown, f"not a YAML device catalogue: {problem}")
+            if mark is not None:
+                err.line, err.column = mark.line + 1, mark.column + 1
+            raise err from None
+        if isinstance(data, dict) and "ledgerspec" in data:
+            raise LedgerspecError(
+                f"a ledgerspec document ({data['ledgerspec']!r}), not a device catalogue",
+                shown,
+                rule="devices",
+                exit_code=EXIT_USAGE,
+                hint="--devices takes an optional CATALOGUE: write the ledger first, `ledgerspec estimate FILE "
+                "--devices`",
+            )
         if not isinstance(data, dict) or not isinstance(data.get("devices", []), list):
             raise _bad(shown, "a device catalogue is a mapping with a list `devices`")
         if "default_reserve" in data:

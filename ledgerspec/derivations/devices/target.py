@@ -134,7 +134,9 @@ def _named(doc: Document, total: int, from_flag: bool, catalogue: Any) -> Target
     match = catalogue_match(total, catalogue)
     if match is not None:
         device, others, near = match
-        also = f"; as near: {', '.join(others)}" if others else ""
+        also = (
+            f"; as near: {', '.join(others)}: name the card (--device-memory 'NAME') to decide on it" if others else ""
+        )
         also += f"; also within {NAME_TOLERANCE:.0%}: {', '.join(near)}" if near else ""
         return Target(
             total,

@@ -101,7 +101,7 @@ def summary(files: int, findings: int, doc: Any, written: str) -> bool:
 def _refuse_existing(output: str, force: bool) -> None:
     import os
 
-    if os.path.lexists(output) and not force:
+    if os.path.lexists(output) and not os.path.isdir(output) and not force:  # a folder: the writer refuses it
         raise LedgerspecError("file exists", output, rule="import", hint="pass --force to overwrite")
 
 

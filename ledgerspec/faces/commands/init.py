@@ -40,7 +40,7 @@ def run_init(args: argparse.Namespace) -> int:
     intake = None
     imported = False  # from a tool's configuration (not an intake): the summary line says what the ledger supports
     if args.output:
-        if os.path.lexists(args.output) and not args.force:
+        if os.path.lexists(args.output) and not os.path.isdir(args.output) and not args.force:  # a folder: below
             raise LedgerspecError("file exists", args.output, rule="init", hint="pass --force to overwrite")
         check_writable(args.output, force=args.force)
     if len(files) == 1 and _ledgerspec_document(files[0]):
@@ -51,6 +51,8 @@ def run_init(args: argparse.Namespace) -> int:
                 files[0],
                 *intake.position("/ledgerspec"),
                 rule="init",
+                hint="--from takes an intake or a tool's configuration (axolotl, LLaMA-Factory, TrainingArguments); "
+                "a ledger needs no skeleton: edit it, or `ledgerspec validate -v` it",
             )
     elif files:
         imported = True

@@ -332,6 +332,22 @@ def _predicted_on_device(doc: Document, group: str, key: str, peak: str) -> Entr
     return replace(e, source=shown(source))
 
 
+def _transient_said(doc: Document, e: Entry) -> Entry:
+    """``ledger.temporary`` is MEASURED only (the estimate never writes it: docs "estimate"); where it is missing or
+    UNKNOWN and the estimate found what no component owns at its peak (``x-estimate.at_peak.temporary``), the row
+    says so rather than stand empty beside it."""
+    at_peak = doc.get(ESTIMATE, "at_peak", "temporary")
+    if e.path != ("ledger", "temporary") or e.detail or e.nbytes is not None or at_peak.size() is None:
+        return e
+    phase = doc.get(ESTIMATE, "at_peak", "phase").text()
+    where = f" ({shown(phase)})" if phase else ""
+    return replace(
+        e,
+        detail=f"measured only (`ledgerspec measure`); the estimate's transient memory alive at its peak{where}: "
+        f"{format_size(at_peak.size() or 0)} (x-estimate.at_peak.temporary)",
+    )
+
+
 def _measured(doc: Document, *path: str) -> Entry | None:
     e = entry(doc, path)
     return e if e.source == "MEASURED" else None
@@ -352,7 +368,7 @@ def gather(doc: Document, report: Report | None = None) -> ReportData:
     kind = doc.kind
     ledger_field = F.lookup("ledger", ("ledger",))
     assert ledger_field is not None
-    components = [entry(doc, ("ledger", f.name), f) for f in ledger_field.children]
+    components = [_transient_said(doc, entry(doc, ("ledger", f.name), f)) for f in ledger_field.children]
 
     sections = tuple(f for f in F.top_fields(kind) if f.kind == F.OBJECT and f.name not in ("ledger", "phases"))
     leaves = _present_leaves(doc, sections)

@@ -260,7 +260,7 @@ FIT_HEAD = (
 DEVICE_HEAD = (
     "device",
     "GPUs",
-    "vendor",
+    "sold as",
     "usable",
     "peak/GPU",
     "device peak",

@@ -63,6 +63,14 @@ def test_a_user_file_adds_and_replaces_devices(tmp_path: Path) -> None:
     assert cat.files == ["ledgerspec derivations/devices/devices.yaml", str(mine)]
 
 
+def test_a_catalogue_that_is_not_yaml_is_refused_at_its_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("devices: [{name: x, total: 1GiB}\nfoo: 1\n", encoding="utf-8")
+    with pytest.raises(LedgerspecError) as err:
+        load_catalogue(str(bad))
+    assert (err.value.line, err.value.column) == (2, 1) and "not a YAML device catalogue" in err.value.message
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -70,6 +78,8 @@ def test_a_user_file_adds_and_replaces_devices(tmp_path: Path) -> None:
         ("devices: [{name: x, total: 1GiB, reserve: 2GiB}]", "is not below total"),
         ("devices: [{name: x, total: 24 gb}]", "unknown unit"),
         ("[1, 2]", "a mapping with a list `devices`"),
+        # a ledger where the catalogue goes (`estimate --devices FILE` took it as CATALOGUE, or named twice)
+        ("ledgerspec: ledger/v1\nmethod: {kind: LoRA}\n", "a ledgerspec document ('ledger/v1'), not a device"),
     ],
 )
 def test_a_bad_catalogue_is_one_line(tmp_path: Path, text: str, message: str) -> None:

@@ -35,6 +35,9 @@ def test_fit_needs_a_device_and_asks_one_question_at_a_time(cli: CliRunner, tiny
     assert code == 2 and "--fit needs a device memory" in err and "--device-memory" in err
     code, _, err = cli("estimate", tiny, "--fit", "microbatch", "--devices", "--device-memory", "1GiB")
     assert code == 2 and "ask one at a time" in err
+    for fit in ((), ("--fit", "max_length")):  # --exact alone was accepted and did nothing
+        code, out, err = cli("estimate", tiny, "--exact", *fit, "--device-memory", "1GiB")
+        assert code == 2 and out == "" and "--exact traces the answer of --fit microbatch" in err
 
 
 @pytest.mark.slow

@@ -129,6 +129,14 @@ def run_estimate(args: argparse.Namespace) -> int:
             rule="usage",
             exit_code=EXIT_USAGE,
         )
+    if args.exact and "microbatch" not in (args.fit or ()):
+        raise LedgerspecError(
+            "--exact traces the answer of --fit microbatch: without it there is nothing to trace again",
+            args.file,
+            rule="usage",
+            exit_code=EXIT_USAGE,
+            hint="add --fit microbatch, or leave --exact out",
+        )
     from ledgerspec.faces.commands.estimate.common import refuse_chosen_microbatches
     from ledgerspec.faces.commands.estimate.devices import run_devices
     from ledgerspec.faces.commands.estimate.fit import run_fit
