@@ -284,20 +284,23 @@ def _orpo_qlora_preparation(ctx: Context, cfg: C.Config) -> Iterator[Hit]:
 @rule(
     "LS016",
     WARNING,
-    "the sequence lengths contradict each other: sequence_p50 above sequence_p95, or sequence_p95 above max_length",
+    "the sequence lengths disagree: sequence_p50 above sequence_p95, or a percentile above max_length",
     "percentiles of the tokenized data are ordered (p50 <= p95); a p95 above max_length means more than 5% of the "
-    "rows are cut to max_length (the estimate uses max_length, the longest row the step sees): check max_length or "
-    "the percentiles",
+    "sequences are longer than the step's rows (cut to max_length, or split at it when packed; the estimate uses "
+    "max_length): check max_length or the percentiles",
     example="workload: {max_length: 512, sequence_p50: 300, sequence_p95: 2048, microbatch: 1}",
 )
 def ls016_sequence_lengths(ctx: Context) -> Iterator[Hit]:
     p50, p95, longest = (ctx.get("workload", k).integer() for k in ("sequence_p50", "sequence_p95", "max_length"))
     if p50 is not None and p95 is not None and p50 > p95:
         yield Hit(ptr("workload", "sequence_p50"), f"sequence_p50 {p50} is above sequence_p95 {p95}")
-    if p95 is not None and longest is not None and p95 > longest:
+    share, above = ("more than 5%", p95) if p95 is not None else ("half or more", p50)
+    if above is not None and longest is not None and above > longest:
+        cut = "split at" if ctx.switch("workload", "packing") else "cut to"
+        which = "sequence_p95" if p95 is not None else "sequence_p50"
         yield Hit(
-            ptr("workload", "sequence_p95"),
-            f"sequence_p95 {p95} is above max_length {longest}: more than 5% of the rows are cut to {longest} tokens",
+            ptr("workload", which),
+            f"{which} {above} is above max_length {longest}: {share} of the sequences are {cut} {longest} tokens",
         )
 
 

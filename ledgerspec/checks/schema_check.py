@@ -77,8 +77,14 @@ def _unknown_keys(kind: str, path: tuple[str, ...], err: Any) -> Hit:
         where_kind = f"section {'.'.join(path)}" if path else "the top level"
     extras = [k for k in err.instance if k not in known and not str(k).startswith("x-")]
     parts = []
+    other = "intake" if kind == "ledger" else "ledger"
+    elsewhere = {f.name for f in F.top_fields(other)} - set(known) if not path else set()
     for k in extras:
         guess = difflib.get_close_matches(str(k), known, n=1)
+        if k in elsewhere:  # a ledger's section in an intake: not a typo
+            a, b = ("an", "a") if other == "intake" else ("a", "an")
+            parts.append(f"{k!r} (a section of {a} {other}/v1 document, not of {b} {kind}/v1 one)")
+            continue
         parts.append(f"{k!r}" + (f" (did you mean {guess[0]!r}?)" if guess else ""))
     first = pointer(*path, extras[0]) if extras else pointer(*path)
     return Hit(
@@ -117,7 +123,8 @@ def _expected(field: F.Field, value: Any, written: str | None = None) -> str:
 
 def _expected_plain(field: F.Field, value: Any, long_form: bool = False, written: str | None = None) -> str:
     message = _expected_plain_of(field, value, written)
-    if isinstance(value, str) and value.strip() not in UNKNOWN_WORDS and value.strip().upper() in UNKNOWN_WORDS:
+    lower = isinstance(value, str) and value.strip() not in UNKNOWN_WORDS and value.strip().upper() in UNKNOWN_WORDS
+    if lower and not long_form:  # a long form's value is never UNKNOWN, in any case
         message += f" ({value.strip().upper()} is written in capitals)"
     return message
 

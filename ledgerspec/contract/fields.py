@@ -1193,8 +1193,8 @@ LEDGER_SECTIONS = (
     TRIAGE,
 )
 
-#: the sections whose fields are configuration inputs (ASSUMPTION there caps the status at CANDIDATE)
-#: the input sections' names, in catalogue order (what is listed from them reads the same on every run)
+#: the sections whose fields are configuration inputs (ASSUMPTION there caps the status at CANDIDATE), in catalogue
+#: order (what is listed from them reads the same on every run)
 INPUT_SECTION_NAMES = tuple(s.name for s in INTAKE_SECTIONS)
 
 KINDS = {

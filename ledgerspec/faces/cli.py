@@ -57,9 +57,10 @@ class _Parser(argparse.ArgumentParser):
             for i, word in enumerate(seen[:-1]):
                 if word in action.option_strings and not seen[i + 1].startswith("-"):
                     flag, value = word, seen[i + 1]
+                    meta = action.metavar or "VALUE"
                     return (
-                        f" ({flag} took {value!r} as its {action.metavar or 'value'}: write FILE first, "
-                        f"`{self.prog} {value} {flag}`, or {flag}={action.metavar or 'VALUE'})"
+                        f" ({flag} took {value!r} as its {meta}; if it is the FILE, write it before {flag}: "
+                        f"`{self.prog} {value} {flag} ...`, or {flag}={meta})"
                     )
         return ""
 

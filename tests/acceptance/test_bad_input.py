@@ -92,6 +92,8 @@ CASES: dict[str, tuple[int, str, int, str]] = {
     "unknown_status": (1, "schema", 2, "'DONE' is not one of"),
     "enum_typo": (1, "schema", 4, "did you mean 'QLoRA'?"),
     "unknown_in_lower_case": (1, "schema", 4, "got 'unknown' (UNKNOWN is written in capitals)"),
+    # not a typo (no did-you-mean 'title'): the other kind's section
+    "pilot_in_a_ledger": (1, "schema", 2, "'pilot' (a section of an intake/v1 document, not of a ledger/v1 one)"),
     # YAML reads a bare 4.50 as the number 4.5: the message shows it as written and says to quote it
     "version_as_number": (
         1,

@@ -349,3 +349,14 @@ def test_a_library_message_is_cut_with_an_ellipsis_never_mid_word_silently(messa
     assert len(text) <= 120
     assert text == whole or (len(whole) > 120 and text.endswith("..."))
     assert len(joined_lines(exc, 120)) <= 120
+
+
+@pytest.mark.parametrize(
+    ("value", "note"),
+    [("unknown", True), ("Unknown", True), ("{value: unknown, source: ASSUMPTION}", False), ("maybe", False)],
+)
+def test_a_lower_case_unknown_is_told_to_be_written_in_capitals(value: str, note: bool) -> None:
+    """Only where UNKNOWN would be valid: a long form's value is never UNKNOWN, so the note would mislead there."""
+    doc = from_text(f"ledgerspec: ledger/v1\nbase_model:\n  quantized: {value}\n")
+    (hit,) = [h for h in schema_hits(doc) if h.pointer.startswith("/base_model/quantized")]
+    assert ("(UNKNOWN is written in capitals)" in hit.message) is note

@@ -80,8 +80,8 @@ def test_a_flag_that_took_the_file_is_named(cli: CliRunner) -> None:
     """``--devices`` takes an optional CATALOGUE: written before the ledger, it takes the ledger."""
     code, out, err = cli("estimate", "--devices", OK_FILE)
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert f"required: FILE (--devices took '{OK_FILE}' as its CATALOGUE: write FILE first" in err
-    assert f"`ledgerspec estimate {OK_FILE} --devices`, or --devices=CATALOGUE)" in err
+    assert f"required: FILE (--devices took '{OK_FILE}' as its CATALOGUE; if it is the FILE, write it before" in err
+    assert f"`ledgerspec estimate {OK_FILE} --devices ...`, or --devices=CATALOGUE)" in err
     assert "took" not in cli("estimate")[2]  # FILE simply missing: nothing taken
 
 

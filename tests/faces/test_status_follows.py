@@ -159,3 +159,13 @@ def test_a_bad_input_fails_before_torch_is_imported(tmp_path: Path) -> None:
     assert len(err) == len(runs), err  # one line per run
     for run, line in zip(runs, err, strict=True):
         assert line.startswith(f"{run[1]}:") and f": {run[0]}: " in line and lines[run[1]] in line, line
+
+
+def test_extension_keys_and_notes_at_the_top_level_do_not_stop_a_command(tmp_path: Path) -> None:
+    """An unknown top-level key stops a command (a misspelt section); what the schema allows there does not."""
+    from ledgerspec.faces.preflight import preflight
+
+    text = _tiny(tmp_path).read_text(encoding="utf-8")
+    preflight(from_text(text + "x-mine: {anything: 1}\nnotes: free text\n", str(tmp_path / "ok.ledger.yaml")), "t")
+    with pytest.raises(Exception, match=r"unknown key 'optimiser'"):
+        preflight(from_text(text.replace("\noptimizer:", "\noptimiser:"), str(tmp_path / "t.ledger.yaml")), "t")

@@ -134,9 +134,8 @@ def _named(doc: Document, total: int, from_flag: bool, catalogue: Any) -> Target
     match = catalogue_match(total, catalogue)
     if match is not None:
         device, others, near = match
-        also = (
-            f"; as near: {', '.join(others)}: name the card (--device-memory 'NAME') to decide on it" if others else ""
-        )
+        named = "--device-memory 'NAME'" if from_flag else "result.target_device.name"
+        also = f"; as near: {', '.join(others)} (to decide on one of them, name it: {named})" if others else ""
         also += f"; also within {NAME_TOLERANCE:.0%}: {', '.join(near)}" if near else ""
         return Target(
             total,

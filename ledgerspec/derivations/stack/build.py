@@ -538,16 +538,26 @@ def inject_adapters(
     cfg = lora_config(doc)
     if custom_modules:  # layers PEFT wraps through LoRA's custom-module dispatch (a GPTQ QuantLinear's GPTQLoraLinear)
         cfg._register_custom_module(custom_modules)
+    names = [n for n, _ in model.named_modules(remove_duplicate=False)] + [n for n, _ in model.named_parameters()]
+    for field, rule in (("modules_to_save", target_names.ends), ("exclude_modules", target_names.matches)):
+        declared = doc.get("method", field)
+        if declared.known and isinstance(declared.value, list):
+            missing = target_names.unmatched([str(t) for t in declared.value], names, rule)
+            if missing:
+                raise _err(doc, ("method", field), *target_names.problem(field, missing, names, _name(model), True))
     try:
         with warnings.catch_warnings(), peft_as_v4(model):
             warnings.simplefilter("ignore")
             wrapped = get_peft_model(model, cfg, low_cpu_mem_usage=True) if on_meta else get_peft_model(model, cfg)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         msg = first_line(exc)
-        unmatched = _unmatched_targets(doc, cfg, model, adapted=[]) if "not found in the base model" in msg else None
+        whole = str(exc)  # PEFT's message may start with a long set of targets: its phrases can lie past the cut
+        unmatched = (
+            _unmatched_targets(doc, cfg, names, [], _name(model)) if "not found in the base model" in whole else None
+        )
         if unmatched is not None:
             raise unmatched from None
-        if "lora_dropout != 0" in msg:  # peft.tuners.lora.layer.ParamWrapper.update_layer (PEFT 0.21)
+        if "lora_dropout != 0" in whole:  # peft.tuners.lora.layer.ParamWrapper.update_layer (PEFT 0.21)
             raise _err(
                 doc,
                 ("method", "dropout") if doc.get("method", "dropout").present else ("method",),
@@ -557,38 +567,48 @@ def inject_adapters(
                 "set method.dropout: 0 to adapt the experts, or list only the attention modules in "
                 "method.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj]) to leave them alone",
             ) from None
-        where: tuple[str, ...] = ("method", "target_modules") if "target" in msg.lower() else ("method",)
+        where: tuple[str, ...] = ("method", "target_modules") if "target" in whole.lower() else ("method",)
         hint = (
             "check module names against the architecture (e.g. q_proj, v_proj, or all-linear)"
-            if "target" in msg.lower()
+            if "target" in whole.lower()
             else None
         )
-        regex = isinstance(cfg.target_modules, str) and cfg.target_modules.strip().lower() != target_names.ALL_LINEAR
-        if hint and regex:
-            hint = (
-                f"a string is one regular expression PEFT matches against each module's whole name: write a list "
-                f"([{cfg.target_modules}]) to match by name, or a pattern such as '.*\\.{cfg.target_modules}'"
-            )
+        if hint and isinstance(cfg.target_modules, str):
+            hint = target_names.string_hint(cfg.target_modules) or hint
         raise _err(doc, where, f"PEFT cannot inject these adapters: {msg}", hint) from None
-    unmatched = _unmatched_targets(doc, cfg, model, adapted=list(wrapped.targeted_module_names))
+    after = next(iter(wrapped.peft_config.values()), cfg)  # the config PEFT injected with (converted in place)
+    unmatched = _unmatched_targets(doc, after, names, list(wrapped.targeted_module_names), _name(model))
     if unmatched is not None:
         raise unmatched
     return wrapped
 
 
-def _unmatched_targets(doc: Document, cfg: Any, model: Any, adapted: list[str]) -> LedgerspecError | None:
-    """The error for a name of a declared ``target_modules`` list that PEFT adapted nothing for (it skips such a name in
-    silence while another matches: :mod:`~ledgerspec.derivations.stack.targets`). ``cfg``: the LoraConfig after the
-    injection, whose ``target_modules`` PEFT has left without the expert names it converted to parameters."""
+def _name(model: Any) -> str:
+    return type(model).__name__
+
+
+def _unmatched_targets(
+    doc: Document, cfg: Any, names: list[str], adapted: list[str], model: str
+) -> LedgerspecError | None:
+    """The error for the names of a declared ``target_modules`` list that match no module (nor parameter) of the
+    model and that PEFT adapted nothing for: it skips such a name in silence while another matches
+    (:mod:`~ledgerspec.derivations.stack.targets`). ``cfg``: the LoraConfig after the injection; PEFT has taken out
+    of its ``target_modules`` the expert names it converted to parameters (transformers 5's fused MoE experts) and,
+    for 20 names or more, shortened each to the shortest ending that still tells it apart, so a declared name is
+    asked about when one of the names kept is it or its ending. ``names``: the model's module and parameter names
+    before the injection; a name that matches one of them but was adapted nothing for was left out by
+    ``exclude_modules`` or ``modules_to_save``, as declared."""
     declared = doc.get("method", "target_modules")
     if not (declared.known and isinstance(declared.value, list)):
         return None
-    kept = cfg.target_modules if isinstance(cfg.target_modules, (set, list, tuple)) else ()
-    missing = target_names.unmatched([str(t) for t in declared.value if str(t) in kept], adapted)
+    kept = list(cfg.target_modules) if isinstance(cfg.target_modules, (set, list, tuple)) else []
+    asked = [str(t) for t in declared.value if any(target_names.matches(k, str(t)) for k in kept)]
+    missing = target_names.unmatched(target_names.unmatched(asked, adapted), names)
     if not missing:  # in the declared order (LoraConfig keeps a set)
         return None
-    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
-    return _err(doc, ("method", "target_modules"), *target_names.problem(missing, names, type(model).__name__))
+    return _err(
+        doc, ("method", "target_modules"), *target_names.problem("target_modules", missing, names, model, bool(adapted))
+    )
 
 
 def cast_module_dtypes(model: Any, pairs: tuple[tuple[str, str], ...], skip: set[int] | None = None) -> int:

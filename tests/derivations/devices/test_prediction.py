@@ -302,7 +302,10 @@ def test_the_device_is_named_by_the_target_then_the_catalogue_then_the_declared_
     assert decimal.name == "NVIDIA A100 80GB" and "as near: NVIDIA H100 80GB HBM3" in decimal.how
     # the rented cards of the catalogue are named by their memory too, and the 24 GB ones are said as near: a size
     # alone names the first card of the catalogue's order, and the line says which others it could be
-    assert "as near: NVIDIA GeForce RTX 4090, NVIDIA A10G, NVIDIA L4: name the card (--device-memory 'NAME')" in ada.how
+    assert "as near: NVIDIA GeForce RTX 4090, NVIDIA A10G, NVIDIA L4 (to decide on one of them, name it: " in ada.how
+    assert "name it: result.target_device.name)" in ada.how  # the size came from the ledger
+    asked = T.target_of(_doc(), 24 * 10**9, from_flag=True)
+    assert "(to decide on one of them, name it: --device-memory 'NAME')" in asked.how
     assert T.target_of(_doc(), 16 * 10**9).name == "Tesla T4"  # "16 GB" as sold (a V100 16GB is not catalogued)
     assert T.target_of(_doc(), 32 * 10**9).name == "NVIDIA GeForce RTX 5090"
     assert T.target_of(_doc(), 48 * GiB).name == "NVIDIA RTX A6000"  # 49140 MiB, within 1 %; the L40S is 46068

@@ -21,7 +21,9 @@ from tests.support import DATA  # noqa: E402
 CONFIGS = DATA / "resolve" / "configs"
 
 
-def _inject(config: str, names: list[str], tmp_path: Path) -> object:
+def _inject(config: str, names: list[str] | str, tmp_path: Path, **method: str) -> object:
+    targets_yaml = f"[{', '.join(names)}]" if isinstance(names, list) else f"'{names}'"
+    extra = "".join(f"  {k}: {v}\n" for k, v in method.items())
     doc = from_text(
         f"""ledgerspec: intake/v1
 identity:
@@ -29,8 +31,8 @@ identity:
 method:
   kind: LoRA
   rank: 4
-  target_modules: [{", ".join(names)}]
-base_model:
+  target_modules: {targets_yaml}
+{extra}base_model:
   loaded_dtype: bfloat16
 """,
         str(tmp_path / "t.intake.yaml"),
@@ -39,9 +41,9 @@ base_model:
     return inject_adapters(doc, model, on_meta=True)
 
 
-def _refused(config: str, names: list[str], tmp_path: Path) -> str:
+def _refused(config: str, names: list[str] | str, tmp_path: Path, **method: str) -> str:
     with pytest.raises(LedgerspecError) as err:
-        _inject(config, names, tmp_path)
+        _inject(config, names, tmp_path, **method)
     return str(err.value)
 
 
@@ -66,7 +68,46 @@ def test_the_expert_names_peft_converts_count_as_matched(tmp_path: Path) -> None
 
 
 def test_nothing_matched_gets_the_same_message(tmp_path: Path) -> None:
-    assert "'nope_proj' matches no module" in _refused("llama_gqa.json", ["nope_proj"], tmp_path)
+    msg = _refused("llama_gqa.json", ["nope_proj"], tmp_path)
+    assert "'nope_proj' matches no module" in msg and "smaller than declared" not in msg  # PEFT refused outright
+    # PEFT's own message starts with the whole set of targets: long names push its phrase past the one-line cut
+    long = [f"model.layers.{i}.self_attn.q_prj" for i in range(8)]
+    assert "'model.layers.0.self_attn.q_prj', 'model.layers.1" in _refused("llama_gqa.json", long, tmp_path)
+
+
+def test_twenty_names_or_more_are_checked_too(tmp_path: Path) -> None:
+    """From 20 names PEFT shortens target_modules in place to the shortest endings that tell them apart."""
+    parts = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    names = [f"model.layers.{i}.{part}" for i in range(2) for part in parts] + list(parts[:6])
+    names.append("model.layers.0.self_attn.v_prj")
+    assert len(set(names)) == 21
+    assert "'model.layers.0.self_attn.v_prj' matches no module" in _refused("llama_gqa.json", names, tmp_path)
+
+
+def test_a_name_left_out_on_purpose_is_not_refused_and_a_misspelt_exclusion_is(tmp_path: Path) -> None:
+    wrapped = _inject("llama_gqa.json", ["q_proj", "o_proj"], tmp_path, exclude_modules="[o_proj]")
+    assert not any(a.endswith("o_proj") for a in wrapped.targeted_module_names)  # type: ignore[attr-defined]
+    msg = _refused("llama_gqa.json", ["q_proj", "o_proj"], tmp_path, exclude_modules="[o_prj]")
+    assert "method.exclude_modules: 'o_prj' matches no module" in msg and "did you mean 'o_proj'?" in msg
+
+
+def test_a_misspelt_module_to_save_is_refused(tmp_path: Path) -> None:
+    """PEFT skips it in silence: a whole trainable copy of lm_head and its optimizer state would be missing."""
+    _inject("llama_gqa.json", ["q_proj"], tmp_path, modules_to_save="[lm_head]")
+    msg = _refused("llama_gqa.json", ["q_proj"], tmp_path, modules_to_save="[lm_haed]")
+    assert "method.modules_to_save: 'lm_haed' matches no module" in msg and "did you mean 'lm_head'?" in msg
+
+
+@pytest.mark.parametrize(
+    ("value", "hint"),
+    [
+        ("q_proj", "a string is one regular expression"),
+        ("all_linear", "did you mean 'all-linear'?"),
+        (".*\\.(q_prj|v_proj)x", "check module names against the architecture"),  # a pattern: not told to list it
+    ],
+)
+def test_a_string_that_matches_nothing_gets_the_hint_that_fits(tmp_path: Path, value: str, hint: str) -> None:
+    assert hint in _refused("llama_gqa.json", value, tmp_path)
 
 
 def test_the_rule_is_a_name_or_a_dotted_suffix() -> None:
