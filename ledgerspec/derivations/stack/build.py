@@ -539,10 +539,15 @@ def inject_adapters(
     if custom_modules:  # layers PEFT wraps through LoRA's custom-module dispatch (a GPTQ QuantLinear's GPTQLoraLinear)
         cfg._register_custom_module(custom_modules)
     names = [n for n, _ in model.named_modules(remove_duplicate=False)] + [n for n, _ in model.named_parameters()]
+    # PEFT's sequence classifier (a reward model) adds both of its head names to modules_to_save, the one the model
+    # lacks included (peft_model.py, PeftModelForSequenceClassification: ["classifier", "score"]), and a ledger
+    # written from that config lists both: they are PEFT's, not the user's
+    own = target_names.CLASSIFIER_HEADS if is_reward_model(doc) else ()
     for field, rule in (("modules_to_save", target_names.ends), ("exclude_modules", target_names.matches)):
         declared = doc.get("method", field)
         if declared.known and isinstance(declared.value, list):
-            missing = target_names.unmatched([str(t) for t in declared.value], names, rule)
+            listed = [str(t) for t in declared.value if field != "modules_to_save" or str(t) not in own]
+            missing = target_names.unmatched(listed, names, rule)
             if missing:
                 raise _err(doc, ("method", field), *target_names.problem(field, missing, names, _name(model), True))
     try:

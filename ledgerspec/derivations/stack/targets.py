@@ -20,6 +20,9 @@ from collections.abc import Callable, Iterable
 
 #: PEFT's shorthand for every linear layer but the output head, a string value only
 ALL_LINEAR = "all-linear"
+#: the head names PEFT's sequence classifier adds to modules_to_save, both, whichever the model has
+#: (``PeftModelForSequenceClassification.__init__``, ``peft/peft_model.py``, PEFT 0.21)
+CLASSIFIER_HEADS = ("classifier", "score")
 
 
 def matches(target: str, name: str) -> bool:
@@ -95,4 +98,14 @@ def string_hint(value: str) -> str | None:
     return None
 
 
-__all__ = ["ALL_LINEAR", "ends", "guesses", "matches", "plain_name", "problem", "string_hint", "unmatched"]
+__all__ = [
+    "ALL_LINEAR",
+    "CLASSIFIER_HEADS",
+    "ends",
+    "guesses",
+    "matches",
+    "plain_name",
+    "problem",
+    "string_hint",
+    "unmatched",
+]
