@@ -582,9 +582,18 @@ def inject_adapters(
             hint = target_names.string_hint(cfg.target_modules) or hint
         raise _err(doc, where, f"PEFT cannot inject these adapters: {msg}", hint) from None
     after = next(iter(wrapped.peft_config.values()), cfg)  # the config PEFT injected with (converted in place)
-    unmatched = _unmatched_targets(doc, after, names, list(wrapped.targeted_module_names), _name(model))
+    adapted = list(wrapped.targeted_module_names)
+    unmatched = _unmatched_targets(doc, after, names, adapted, _name(model))
     if unmatched is not None:
         raise unmatched
+    adapted += list(getattr(wrapped, "targeted_parameter_names", None) or [])
+    for field in ("rank_pattern", "alpha_pattern"):  # PEFT only warns of a key that matches no adapted module
+        declared = doc.get("method", field)
+        if declared.known and isinstance(declared.value, dict):
+            keys = [str(k) for k in declared.value if not str(k).startswith("x-")]
+            missing = target_names.unmatched(keys, adapted, target_names.pattern_matches)
+            if missing:
+                raise _err(doc, ("method", field), *target_names.problem(field, missing, names, _name(model), True))
     return wrapped
 
 

@@ -41,6 +41,16 @@ def unmatched(targets: Iterable[str], names: Iterable[str], rule: Callable[[str,
     return [t for t in dict.fromkeys(targets) if not any(rule(t, n) for n in names)]
 
 
+def pattern_matches(key: str, name: str) -> bool:
+    """PEFT's rule for a key of ``rank_pattern``/``alpha_pattern``: a regular expression for the name's last dotted
+    parts (``get_pattern_key``; the same test warns of unmatched keys in ``inject_adapter``, PEFT 0.21); a key that
+    is no regular expression matches nothing."""
+    try:
+        return re.match(rf"(.*\.)?({key})$", name) is not None
+    except re.error:
+        return False
+
+
 def plain_name(text: str) -> bool:
     """A module name (letters, digits, ``_``, ``.``, ``-``), not a regular expression."""
     return re.fullmatch(r"[\w.\-]+", text) is not None
@@ -77,8 +87,13 @@ def problem(field: str, missing: list[str], names: Iterable[str], model: str, ot
         "nothing, so the trainable copy and its optimizer state would be missing",
         "exclude_modules": "PEFT leaves out a module whose name is it or ends in '.' + it, and ignores a name that "
         "matches nothing, so what it was to leave out would be adapted",
+        "rank_pattern": "PEFT gives a pattern's rank to the adapted modules whose name ends in a match of it and "
+        "ignores a pattern that matches none of them: misspelt, or a module the targets do not adapt",
+        "alpha_pattern": "PEFT gives a pattern's alpha to the adapted modules whose name ends in a match of it and "
+        "ignores a pattern that matches none of them: misspelt, or a module the targets do not adapt",
     }[field]
-    message = f"method.{field}: {listed} {verb} no module of {model} ({why})"
+    whose = "no adapted module" if field in ("rank_pattern", "alpha_pattern") else "no module"
+    message = f"method.{field}: {listed} {verb} {whose} of {model} ({why})"
     found = guesses(missing, names)
     hint = "; ".join(found) if found else "correct the name or remove it; `print(model)` lists the modules"
     return message, hint

@@ -113,3 +113,35 @@ def test_a_string_that_matches_nothing_gets_the_hint_that_fits(tmp_path: Path, v
 def test_the_rule_is_a_name_or_a_dotted_suffix() -> None:
     names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.kq_proj"]
     assert targets.unmatched(["q_proj", "self_attn.q_proj", "proj", "attn.q_proj"], names) == ["proj", "attn.q_proj"]
+
+
+def test_a_rank_or_alpha_pattern_that_matches_no_adapted_module_is_refused(tmp_path: Path) -> None:
+    """PEFT warns and ignores such a key: the module keeps method.rank (or was never adapted)."""
+    wrapped = _inject("llama_gqa.json", ["q_proj", "o_proj"], tmp_path, rank_pattern="{o_proj: 2}")
+    assert any(a.endswith("o_proj") for a in wrapped.targeted_module_names)  # type: ignore[attr-defined]
+    msg = _refused("llama_gqa.json", ["q_proj", "o_proj"], tmp_path, rank_pattern="{o_prj: 2}")
+    assert "method.rank_pattern: 'o_prj' matches no adapted module of LlamaForCausalLM" in msg
+    assert "did you mean 'o_proj'?" in msg
+    not_adapted = _refused("llama_gqa.json", ["q_proj"], tmp_path, alpha_pattern="{v_proj: 4}")
+    assert "method.alpha_pattern: 'v_proj' matches no adapted module" in not_adapted
+    # a regular expression, as PEFT reads the keys: layer 1's projections only
+    _inject("llama_gqa.json", ["q_proj", "o_proj"], tmp_path, rank_pattern="{'layers\\.1\\.self_attn\\.o_proj': 2}")
+
+
+def test_peft_itself_warns_of_the_keys_the_check_refuses(tmp_path: Path) -> None:
+    """The rule is PEFT's own: its warning names exactly the key refused above."""
+    import warnings
+
+    from ledgerspec.derivations.stack.build import lora_config
+
+    doc = from_text(
+        f"ledgerspec: intake/v1\nidentity:\n  config_path: {CONFIGS / 'llama_gqa.json'}\nmethod:\n  kind: LoRA\n"
+        "  rank: 4\n  target_modules: [q_proj, o_proj]\n  rank_pattern: {o_prj: 2, o_proj: 3}\n"
+        "base_model:\n  loaded_dtype: bfloat16\n",
+        str(tmp_path / "t.intake.yaml"),
+    )
+    model = build_meta_model(doc, load_config(doc, offline=True))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        peft.get_peft_model(model, lora_config(doc), low_cpu_mem_usage=True)
+    assert any("rank_pattern keys did not match" in str(w.message) and "['o_prj']" in str(w.message) for w in seen)
