@@ -1,4 +1,4 @@
-"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012-LS016, LS023, LS032, LS043,
+"""The rule catalogue LS001-LS080 (spec: "Rule catalogue") plus LS005-LS009, LS012-LS017, LS023, LS032, LS043,
 LS061, LS062, LS063 and LS090. One function per rule, named after it.
 
 Each rule is a pure function of a :class:`~ledgerspec.checks.context.Context` that yields
@@ -302,6 +302,41 @@ def ls016_sequence_lengths(ctx: Context) -> Iterator[Hit]:
             ptr("workload", which),
             f"{which} {above} is above max_length {longest}: {share} of the sequences are {cut} {longest} tokens",
         )
+
+
+@rule(
+    "LS017",
+    "error / warning",
+    "parallelism.strategy (or memory_options.sharding) names no strategy ledgerspec knows (error); the two name "
+    "different ones (warning)",
+    "write one of none, ddp, fsdp1 (or FullyShardedDataParallel), fsdp2, zero1, zero2, zero3: an unknown name was "
+    "simulated as FSDP2 by shard and measure",
+    example="parallelism:\n  gpu_count: 2\n  strategy: zero-3",
+)
+def ls017_unknown_strategy(ctx: Context) -> Iterator[Hit]:
+    both = [
+        (ctx.get(*p).text() or "").strip().lower()
+        for p in (("parallelism", "strategy"), ("memory_options", "sharding"))
+    ]
+    same = {"fsdp1" if n in C.FSDP1_NAMES else "fsdp2" if n == "fsdp" else n for n in both if n in C.KNOWN_STRATEGIES}
+    if all(both) and len(same) == 2:
+        yield Hit(
+            ptr("memory_options", "sharding"),
+            f"memory_options.sharding {both[1]} disagrees with parallelism.strategy {both[0]}, which every command "
+            "reads: declare one strategy",
+            WARNING,
+        )
+    for path in (("parallelism", "strategy"), ("memory_options", "sharding")):
+        v = ctx.get(*path)
+        name = (v.text() or "").strip() if v.known else ""
+        if not name:
+            continue
+        if name.lower() not in C.KNOWN_STRATEGIES:
+            guess = C.strategy_guess(name)
+            known = ", ".join(C.KNOWN_STRATEGIES)
+            mean = f": did you mean {guess!r}?" if guess else ""
+            yield Hit(ptr(*path), f"unknown strategy {name!r}{mean} (known: {known})", ERROR)
+        return  # the first one declared is the one read (contract.config.declared_strategy)
 
 
 @rule(

@@ -156,7 +156,8 @@ def _expected_plain_of(field: F.Field, value: Any, written: str | None) -> str:
     if k == F.SWITCH:
         return f"expected a switch (true/false, ON/OFF, YES/NO), got {got}"
     if k == F.ENUM:
-        guess = difflib.get_close_matches(str(value), field.enum, n=1)
+        lower = str(value).strip().lower()
+        guess = [lower] if lower in field.enum else difflib.get_close_matches(str(value), field.enum, n=1)
         hint = f" (did you mean {guess[0]!r}?)" if guess else ""
         return f"{got} is not one of {', '.join(field.enum)}{hint}"
     if k == F.STRINGS:

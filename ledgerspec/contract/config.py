@@ -651,6 +651,20 @@ def require_dtype(doc: Document, path: Path, default: str | None = None, rule: s
 FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
 #: the strategies under which each rank holds a share of the model state, not the whole model
 SHARDED_STRATEGIES = (*FSDP1_NAMES, "fsdp", "fsdp2", "zero1", "zero2", "zero3")
+#: every strategy name the commands read (lower case): the sharded ones, and one GPU or data parallel replicas
+KNOWN_STRATEGIES = ("none", "ddp", *SHARDED_STRATEGIES)
+
+
+def strategy_guess(name: str) -> str | None:
+    """The known strategy a name that is none resembles (``zero-3``, ``ZeRO_3``, ``fsdp_2``), or None."""
+    import difflib
+
+    squeezed = "".join(ch for ch in name.strip().lower() if ch.isalnum())
+    for known in KNOWN_STRATEGIES:
+        if squeezed == "".join(ch for ch in known if ch.isalnum()):
+            return known
+    close = difflib.get_close_matches(squeezed, KNOWN_STRATEGIES, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def declared_strategy(doc: Document) -> str:
@@ -684,6 +698,7 @@ __all__ = [
     "BNB4_BLOCKSIZE",
     "DEFAULT_STORAGE",
     "FULL",
+    "KNOWN_STRATEGIES",
     "OTHER_SCHEMES",
     "QUANT",
     "SHARDED_STRATEGIES",
@@ -701,4 +716,5 @@ __all__ = [
     "read",
     "require_dtype",
     "sharded_ranks",
+    "strategy_guess",
 ]

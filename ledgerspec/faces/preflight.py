@@ -15,7 +15,10 @@ from ledgerspec.contract.document import Document
 from ledgerspec.errors import EXIT_FINDINGS, LedgerspecError
 
 #: rules about the inputs themselves: a command cannot build the configuration while they fail
-INPUT_RULES = frozenset({"LS008", "LS023", "LS030", "LS032"})
+INPUT_RULES = frozenset({"LS008", "LS017", "LS023", "LS030", "LS032"})
+#: rules whose warnings change what an estimate answers (LS013: a kernel it does not model or know runs as
+#: transformers' own op): ``estimate`` and ``shard --estimate`` print them beside the answer
+ANSWER_RULES = ("LS013",)
 #: sections a command reads its configuration from (a schema error there is a bad input)
 INPUT_SECTIONS = frozenset({*F.INPUT_SECTION_NAMES, "training"})
 #: outside the configuration, what the device verdict reads as declared: the target device (its name and memory)
@@ -41,11 +44,23 @@ def blocking(finding: Finding) -> bool:
     return section in INPUT_SECTIONS or any(pointer == p or pointer.startswith(p + "/") for p in VERDICT_INPUTS)
 
 
-def preflight(doc: Document, command: str) -> None:
+def preflight(doc: Document, command: str, echo: tuple[str, ...] = ()) -> None:
     """Raise the first input error of ``doc`` as ``FILE:LINE:COL: COMMAND: message [RULE]`` (the others counted in
-    the hint), before ``command`` imports anything heavy; nothing when the inputs are readable."""
-    problems = [f for f in validate(doc).findings if blocking(f)]
+    the hint), before ``command`` imports anything heavy; nothing when the inputs are readable. ``echo``: rules
+    whose findings change what the command answers (LS013: a kernel the estimate replaces by transformers' own op),
+    printed on stderr as validate prints them, so that the answer does not come without them."""
+    findings = validate(doc).findings
+    problems = [f for f in findings if blocking(f)]
     if not problems:
+        import sys
+
+        from ledgerspec.errors import printable
+
+        for f in findings:
+            if f.rule in echo:
+                print(
+                    printable(f"{doc.path}:{f.line}:{f.column}: {f.rule}: {f.severity}: {f.message}"), file=sys.stderr
+                )
         return
     first = problems[0]
     more = len(problems) - 1
@@ -71,4 +86,4 @@ def import_stack_quietly() -> None:
     imports.PAUSE_GC = True
 
 
-__all__ = ["INPUT_RULES", "blocking", "import_stack_quietly", "preflight"]
+__all__ = ["ANSWER_RULES", "INPUT_RULES", "blocking", "import_stack_quietly", "preflight"]

@@ -91,6 +91,12 @@ CASES: dict[str, tuple[int, str, int, str]] = {
     "long_form_stray_key": (1, "schema", 4, "unknown key(s) 'unit'"),
     "unknown_status": (1, "schema", 2, "'DONE' is not one of"),
     "enum_typo": (1, "schema", 4, "did you mean 'QLoRA'?"),
+    "enum_in_capitals": (
+        1,
+        "schema",
+        4,
+        "'DPO' is not one of sft, dpo, kto, orpo, cpo, grpo, rloo, ppo, reward (did you mean 'dpo'?)",
+    ),
     "unknown_in_lower_case": (1, "schema", 4, "got 'unknown' (UNKNOWN is written in capitals)"),
     # not a typo (no did-you-mean 'title'): the other kind's section
     "pilot_in_a_ledger": (1, "schema", 2, "'pilot' (a section of an intake/v1 document, not of a ledger/v1 one)"),

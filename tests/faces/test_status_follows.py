@@ -169,3 +169,21 @@ def test_extension_keys_and_notes_at_the_top_level_do_not_stop_a_command(tmp_pat
     preflight(from_text(text + "x-mine: {anything: 1}\nnotes: free text\n", str(tmp_path / "ok.ledger.yaml")), "t")
     with pytest.raises(Exception, match=r"unknown key 'optimiser'"):
         preflight(from_text(text.replace("\noptimizer:", "\noptimiser:"), str(tmp_path / "t.ledger.yaml")), "t")
+
+
+@pytest.mark.slow  # traces the tiny model
+def test_an_estimate_says_beside_its_answer_that_a_declared_kernel_is_not_modelled(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    """A misspelt kernel runs as transformers' own op: the answer is the eager step's, and it says so (LS013), not
+    only `validate` afterwards."""
+    path = _tiny(tmp_path)
+    text = path.read_text(encoding="utf-8").replace(
+        "software:\n", "software:\n  kernels: {cross_entropy: liger_fused_linear_crossentropy}\n", 1
+    )
+    path.write_text(text, encoding="utf-8")
+    code, _, err = cli("estimate", path, "--dry-run", "--target", "cpu")
+    assert code == 0, err
+    (line,) = [ln for ln in err.splitlines() if ": LS013: " in ln]
+    assert line.startswith(f"{path}:") and "did you mean liger_fused_linear_cross_entropy?" in line
+    assert "the estimate runs the eager cross_entropy instead" in line

@@ -322,11 +322,13 @@ class WorkloadSpec:
             raise _err(
                 doc,
                 where,
-                f"{what}: the training step (estimate, measure, shard) simulates supervised fine-tuning and TRL 1.16's "
-                "DPO (its reference from the policy, a separate model or precomputed) and reward models; this one "
-                "runs other forwards or tensors (other batches, generation, full logits) it does not model yet",
-                "size the run with a measurement of the real trainer (LedgerCallback), or estimate its SFT step as a "
-                "lower bound with training.objective: sft",
+                f"{what}: the training step (estimate, measure, shard) simulates supervised fine-tuning and TRL "
+                f"1.16's DPO and KTO (reference {', '.join(config.DPO_REFERENCES)}), ORPO, CPO, GRPO and RLOO "
+                f"(reference {', '.join(config.GRPO_REFERENCES)}) and reward models; this one runs other forwards "
+                "or tensors (other batches, generation, full logits) it does not model yet",
+                "declare one of those settings if it is what the run does, else size the run with a measurement of "
+                "the real trainer (LedgerCallback), or estimate its SFT step as a lower bound with "
+                "training.objective: sft",
             )
         kernels = cfg.kernels
         if t.objective in REFERENCED and t.dpo_reference == "model" and gptq is not None:

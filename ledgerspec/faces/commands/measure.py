@@ -136,9 +136,28 @@ def _measure_ranks(args: argparse.Namespace) -> int:
             exit_code=EXIT_USAGE,
         )
     doc, target = _open(args, "measure")
+    from ledgerspec.contract.config import declared_strategy
+
+    declared = declared_strategy(doc)
+    if declared in ("ddp", "none"):  # it ran FSDP2 ranks and wrote strategy: fsdp2 over the declared one
+        raise LedgerspecError(
+            f"--nproc runs FSDP1, FSDP2 or ZeRO ranks; the declared strategy {declared} shards nothing",
+            args.file,
+            rule="usage",
+            exit_code=EXIT_USAGE,
+            hint="each data-parallel rank holds the whole model: `ledgerspec measure FILE` measures one; or declare "
+            "the sharded strategy to measure",
+        )
+    gpus = doc.get("parallelism", "gpu_count").integer()
     outcome = measure_dist(doc, args.nproc, device=args.device, steps=args.steps, command=_command("measure", args))
     report = _save(doc, target, args)
     err = PrintableLines(sys.stderr)  # paths and messages quote user strings
+    if gpus is not None and gpus != args.nproc:
+        print(
+            f"{target}: note: parallelism.gpu_count {gpus} is now {args.nproc}, the ranks measured (the ledger records "
+            "the run)",
+            file=err,
+        )
     for note in outcome.notes:
         print(f"{target}: note: {note}", file=err)
     for out in outcome.ranks:

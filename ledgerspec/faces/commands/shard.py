@@ -71,9 +71,9 @@ def run_shard(args: argparse.Namespace) -> int:
         raise LedgerspecError(
             "--device-memory, --target and --layers need --estimate", args.file, rule="usage", exit_code=EXIT_USAGE
         )
-    from ledgerspec.faces.preflight import import_stack_quietly, preflight
+    from ledgerspec.faces.preflight import ANSWER_RULES, import_stack_quietly, preflight
 
-    preflight(doc, "shard")  # validate's input checks, before torch is imported
+    preflight(doc, "shard", echo=ANSWER_RULES if args.estimate else ())  # validate's input checks, before torch
     name_the_card(doc, args.device_memory)
     import_stack_quietly()
     result = shard(
@@ -91,6 +91,13 @@ def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.shard.options import zero_stage
 
     stage = zero_stage(doc)
+    from ledgerspec.contract.config import declared_strategy
+
+    if declared_strategy(doc) in ("ddp", "none"):  # the declared strategy shards nothing: the table is a what-if
+        print(
+            f"declared: {declared_strategy(doc)} (every rank holds the whole model and its state: `ledgerspec "
+            "estimate` sizes one); for comparison, if the model were sharded:"
+        )
     if stage is not None:  # the declared strategy first: its row is below the FSDP table
         row = f"zero{stage}_offload" if cpu_offload(doc) is not None else f"zero{stage}"
         print(f"declared: DeepSpeed ZeRO-{stage} (its model state per rank: the {row} row below); for comparison:")

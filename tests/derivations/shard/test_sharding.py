@@ -166,6 +166,34 @@ def test_shard_writes_calculated_per_rank_figures(tmp_path: Path, cli: CliRunner
     assert cli("shard", path, "--nproc", "2", "--check", "--offline")[0] == 1
 
 
+@pytest.mark.parametrize(
+    ("strategy", "code", "first"), [("ddp", 0, "declared: ddp (every rank holds"), ("zero-3", 1, "")]
+)
+def test_a_strategy_that_shards_nothing_is_said_and_an_unknown_one_refused(
+    tmp_path: Path, cli: CliRunner, strategy: str, code: int, first: str
+) -> None:
+    """The table below is FSDP2's: for ddp it is a what-if, said first; an unknown name (once simulated as FSDP2,
+    ZeRO-3's 1.86 GiB per rank read as 2.22 MiB) is LS017, before torch."""
+    path = _copy(tmp_path, "tiny-lora.ledger.yaml")
+    path.write_text(path.read_text("utf-8").replace("  strategy: fsdp2\n", f"  strategy: {strategy}\n"), "utf-8")
+    got, out, err = cli("shard", path, "--nproc", "2", "--offline")
+    assert got == code, err
+    if first:
+        assert out.splitlines()[0].startswith(first) and "FSDP2 on 2 ranks" in out.splitlines()[1]
+    else:
+        assert "unknown strategy 'zero-3': did you mean 'zero3'?" in err and out == ""
+
+
+def test_measure_of_ranks_refuses_a_strategy_that_shards_nothing(tmp_path: Path, cli: CliRunner) -> None:
+    """It ran FSDP2 ranks for ``strategy: ddp`` and wrote ``strategy: fsdp2`` over the declared one."""
+    path = _copy(tmp_path, "tiny-lora.ledger.yaml")
+    path.write_text(path.read_text("utf-8").replace("  strategy: fsdp2\n", "  strategy: ddp\n"), "utf-8")
+    before = path.read_bytes()
+    code, _, err = cli("measure", path, "--nproc", "2", "--device", "cpu")
+    assert code == 2 and "the declared strategy ddp shards nothing" in err and "`ledgerspec measure FILE`" in err
+    assert path.read_bytes() == before
+
+
 @pytest.mark.slow
 def test_shard_qlora_with_float_storage_shards_the_packed_weights(tmp_path: Path, cli: CliRunner) -> None:
     path = _copy(tmp_path, "tiny-qlora-bf16-storage.ledger.yaml")

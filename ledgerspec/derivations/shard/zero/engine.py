@@ -105,7 +105,8 @@ def zero_refusal(spec: Any, options: ZeroOptions | None = None, on_cpu: bool = F
             "them through a second ZeRO-3 engine of the policy that it keeps (dpo_trainer.py:1196-1201, "
             "kto_trainer.py:1248-1252), and that sequence (TRL's prepare_deepspeed of the policy, then the Trainer's "
             "engine over the same model) fails inside DeepSpeed 0.19.8 when run here on two ranks (IndexError in the "
-            "parameter coordinator's record_parameters at the first training forward); ZeRO-1/2 are"
+            "parameter coordinator's record_parameters at the first training forward); ZeRO-1/2 are simulated with "
+            "them, or compute the reference on the fly (training.objective_settings.reference)"
         )
     return None
 

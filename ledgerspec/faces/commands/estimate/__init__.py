@@ -103,11 +103,11 @@ def register(subparsers: Any) -> None:
 
 def run_estimate(args: argparse.Namespace) -> int:
     from ledgerspec.contract.document import load_for
-    from ledgerspec.faces.preflight import import_stack_quietly, preflight
+    from ledgerspec.faces.preflight import ANSWER_RULES, import_stack_quietly, preflight
 
     doc = load_for(args.file, "estimate")  # before torch is imported
     device = device_memory_bytes(args.device_memory, args.file)
-    preflight(doc, "estimate")  # validate's input checks, before torch is imported
+    preflight(doc, "estimate", echo=ANSWER_RULES)  # validate's input checks, before torch is imported
     name_the_card(doc, args.device_memory)
     import_stack_quietly()
     if device is None:
