@@ -307,36 +307,31 @@ def ls016_sequence_lengths(ctx: Context) -> Iterator[Hit]:
 @rule(
     "LS017",
     "error / warning",
-    "parallelism.strategy (or memory_options.sharding) names no strategy ledgerspec knows (error); the two name "
-    "different ones (warning)",
-    "write one of none, ddp, fsdp1 (or FullyShardedDataParallel), fsdp2, zero1, zero2, zero3: an unknown name was "
-    "simulated as FSDP2 by shard and measure",
+    "parallelism.strategy names no strategy ledgerspec knows (error); memory_options.sharding says another (warning)",
+    "write one of none, ddp, device_map, fsdp1 (or FullyShardedDataParallel), fsdp2, zero1, zero2, zero3: an unknown "
+    "name was simulated as FSDP2 by shard and measure (memory_options.sharding's names are the schema's)",
     example="parallelism:\n  gpu_count: 2\n  strategy: zero-3",
 )
 def ls017_unknown_strategy(ctx: Context) -> Iterator[Hit]:
-    both = [
-        (ctx.get(*p).text() or "").strip().lower()
-        for p in (("parallelism", "strategy"), ("memory_options", "sharding"))
-    ]
-    same = {"fsdp1" if n in C.FSDP1_NAMES else "fsdp2" if n == "fsdp" else n for n in both if n in C.KNOWN_STRATEGIES}
-    if all(both) and len(same) == 2:
+    v = ctx.get("parallelism", "strategy")
+    name = (v.text() or "").strip() if v.known else ""
+    if not name:
+        return
+    if name.lower() not in C.KNOWN_STRATEGIES:
+        guess = C.strategy_guess(name)
+        mean = f": did you mean {guess!r}?" if guess else ""
+        yield Hit(
+            ptr("parallelism", "strategy"), f"unknown strategy {name!r}{mean} (known: {C.SHOWN_STRATEGIES})", ERROR
+        )
+        return
+    sharding = (ctx.get("memory_options", "sharding").text() or "").strip().lower()
+    if sharding in C.KNOWN_STRATEGIES and not C.same_strategy(name.lower(), sharding):
         yield Hit(
             ptr("memory_options", "sharding"),
-            f"memory_options.sharding {both[1]} disagrees with parallelism.strategy {both[0]}, which every command "
+            f"memory_options.sharding {sharding} disagrees with parallelism.strategy {name}, which every command "
             "reads: declare one strategy",
             WARNING,
         )
-    for path in (("parallelism", "strategy"), ("memory_options", "sharding")):
-        v = ctx.get(*path)
-        name = (v.text() or "").strip() if v.known else ""
-        if not name:
-            continue
-        if name.lower() not in C.KNOWN_STRATEGIES:
-            guess = C.strategy_guess(name)
-            known = ", ".join(C.KNOWN_STRATEGIES)
-            mean = f": did you mean {guess!r}?" if guess else ""
-            yield Hit(ptr(*path), f"unknown strategy {name!r}{mean} (known: {known})", ERROR)
-        return  # the first one declared is the one read (contract.config.declared_strategy)
 
 
 @rule(

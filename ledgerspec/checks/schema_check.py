@@ -156,8 +156,9 @@ def _expected_plain_of(field: F.Field, value: Any, written: str | None) -> str:
     if k == F.SWITCH:
         return f"expected a switch (true/false, ON/OFF, YES/NO), got {got}"
     if k == F.ENUM:
+        by_case = {str(e).lower(): e for e in field.enum}
         lower = str(value).strip().lower()
-        guess = [lower] if lower in field.enum else difflib.get_close_matches(str(value), field.enum, n=1)
+        guess = [by_case[lower]] if lower in by_case else difflib.get_close_matches(str(value), field.enum, n=1)
         hint = f" (did you mean {guess[0]!r}?)" if guess else ""
         return f"{got} is not one of {', '.join(field.enum)}{hint}"
     if k == F.STRINGS:

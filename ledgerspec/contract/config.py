@@ -651,20 +651,56 @@ def require_dtype(doc: Document, path: Path, default: str | None = None, rule: s
 FSDP1_NAMES = ("fsdp1", "fsdp_v1", "fsdp-v1", "fullyshardeddataparallel")
 #: the strategies under which each rank holds a share of the model state, not the whole model
 SHARDED_STRATEGIES = (*FSDP1_NAMES, "fsdp", "fsdp2", "zero1", "zero2", "zero3")
-#: every strategy name the commands read (lower case): the sharded ones, and one GPU or data parallel replicas
-KNOWN_STRATEGIES = ("none", "ddp", *SHARDED_STRATEGIES)
+#: the strategy names under which every rank (or the one process) holds the whole model: one GPU, data-parallel
+#: replicas, or transformers' device_map across GPUs (one replica split by layers)
+UNSHARDED_STRATEGIES = ("none", "ddp", "device_map")
+#: every strategy name the commands read (lower case): the sharded ones and the unsharded ones
+KNOWN_STRATEGIES = (*UNSHARDED_STRATEGIES, *SHARDED_STRATEGIES)
+#: the strategies as a message lists them (FSDP1's other names are accepted too)
+SHOWN_STRATEGIES = "none, ddp, device_map, fsdp1 (or FullyShardedDataParallel), fsdp2, zero1, zero2, zero3"
+#: what other tools call them, squeezed (letters and digits, lower case) -> the name here
+_STRATEGY_ALIASES = {
+    "zero0": "ddp",  # DeepSpeed's stage 0: no sharding (the importers write ddp for it)
+    "stage0": "ddp",
+    "dataparallel": "ddp",
+    "distributeddataparallel": "ddp",
+    "multigpu": "ddp",
+    "single": "none",
+    "singlegpu": "none",
+    "off": "none",
+    "no": "none",
+    "devicemap": "device_map",
+    "zero1offload": "zero1",
+    "zero2offload": "zero2",
+    "zero3offload": "zero3",
+}
 
 
 def strategy_guess(name: str) -> str | None:
-    """The known strategy a name that is none resembles (``zero-3``, ``ZeRO_3``, ``fsdp_2``), or None."""
+    """The known strategy a name that is none resembles (``zero-3``, ``ZeRO_3``, ``zero0``, ``single_gpu``), or
+    None."""
     import difflib
 
     squeezed = "".join(ch for ch in name.strip().lower() if ch.isalnum())
+    if squeezed in _STRATEGY_ALIASES:
+        return _STRATEGY_ALIASES[squeezed]
     for known in KNOWN_STRATEGIES:
         if squeezed == "".join(ch for ch in known if ch.isalnum()):
             return known
+    if squeezed.startswith(("zero", "stage")):  # a ZeRO stage other than 1-3: no near miss stands for it
+        return None
     close = difflib.get_close_matches(squeezed, KNOWN_STRATEGIES, n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def same_strategy(a: str, b: str) -> bool:
+    """Whether two known strategy names mean the same sharding (FSDP1's names; ``fsdp`` is FSDP2; none, ddp and
+    device_map all shard nothing, as ``memory_options.sharding: none`` beside ``strategy: ddp`` says)."""
+
+    def kind(n: str) -> str:
+        return "fsdp1" if n in FSDP1_NAMES else "fsdp2" if n == "fsdp" else "none" if n in UNSHARDED_STRATEGIES else n
+
+    return kind(a) == kind(b)
 
 
 def declared_strategy(doc: Document) -> str:
@@ -702,7 +738,9 @@ __all__ = [
     "OTHER_SCHEMES",
     "QUANT",
     "SHARDED_STRATEGIES",
+    "SHOWN_STRATEGIES",
     "TRAINER_DEFAULTS",
+    "UNSHARDED_STRATEGIES",
     "Config",
     "Conflict",
     "Nccl",
@@ -715,6 +753,7 @@ __all__ = [
     "problem",
     "read",
     "require_dtype",
+    "same_strategy",
     "sharded_ranks",
     "strategy_guess",
 ]

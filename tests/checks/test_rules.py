@@ -271,3 +271,43 @@ def test_an_optimizer_named_in_another_word_order_gets_the_known_name() -> None:
     """A newcomer trial: ``adamw_8bit_paged`` was told "did you mean 'adamw_8bit'?" (the closest spelling)."""
     findings = [f for f in _findings(CASES / "LS023.pos-word-order.ledger.yaml") if f.rule == "LS023"]
     assert len(findings) == 1 and "did you mean 'paged_adamw_8bit'?" in findings[0].message
+
+
+def test_no_committed_document_names_a_strategy_ledgerspec_does_not_know() -> None:
+    """LS017 stops commands: every strategy a committed ledger, intake or rule case declares (device_map beside
+    LS063's, ddp with sharding none as the importers write it) must be one the commands read, unless the file is a
+    case of LS017 itself or of the bad-input corpus."""
+    from tests.support import REPO_ROOT
+
+    files = [
+        p
+        for p in REPO_ROOT.glob("**/*.yaml")
+        if p.name.endswith((".ledger.yaml", ".intake.yaml"))
+        and ".venv" not in p.parts
+        and "bad" not in p.parts
+        and not p.name.startswith("LS017.pos")
+    ]
+    assert len(files) > 200
+    flagged = [(p.name, f.message) for p in files for f in validate(load(p)).findings if f.rule == "LS017"]
+    assert flagged == []
+
+
+@pytest.mark.parametrize(
+    ("name", "guess"),
+    [
+        ("zero-3", "zero3"),
+        ("ZeRO_2", "zero2"),
+        ("zero0", "ddp"),  # DeepSpeed stage 0 shards nothing: never zero3
+        ("stage-0", "ddp"),
+        ("single_gpu", "none"),
+        ("data_parallel", "ddp"),  # not FullyShardedDataParallel
+        ("zero3_offload", "zero3"),
+        ("fsdp_2", "fsdp2"),
+        ("zero5", None),
+        ("deepspeed", None),
+    ],
+)
+def test_a_strategy_guess_never_points_at_another_sharding(name: str, guess: str | None) -> None:
+    from ledgerspec.contract.config import strategy_guess
+
+    assert strategy_guess(name) == guess

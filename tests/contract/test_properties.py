@@ -360,3 +360,13 @@ def test_a_lower_case_unknown_is_told_to_be_written_in_capitals(value: str, note
     doc = from_text(f"ledgerspec: ledger/v1\nbase_model:\n  quantized: {value}\n")
     (hit,) = [h for h in schema_hits(doc) if h.pointer.startswith("/base_model/quantized")]
     assert ("(UNKNOWN is written in capitals)" in hit.message) is note
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "guess"), [("method.kind", "lora", "LoRA"), ("training.objective", "DPO", "dpo")]
+)
+def test_an_enum_in_the_wrong_case_gets_its_spelling(path: str, value: str, guess: str) -> None:
+    section, key = path.split(".")
+    doc = from_text(f"ledgerspec: ledger/v1\n{section}:\n  {key}: {value}\n")
+    (hit,) = [h for h in schema_hits(doc) if h.pointer == f"/{section}/{key}"]
+    assert hit.message.endswith(f"(did you mean {guess!r}?)")

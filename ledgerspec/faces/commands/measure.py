@@ -136,10 +136,10 @@ def _measure_ranks(args: argparse.Namespace) -> int:
             exit_code=EXIT_USAGE,
         )
     doc, target = _open(args, "measure")
-    from ledgerspec.contract.config import declared_strategy
+    from ledgerspec.contract.config import UNSHARDED_STRATEGIES, declared_strategy
 
     declared = declared_strategy(doc)
-    if declared in ("ddp", "none"):  # it ran FSDP2 ranks and wrote strategy: fsdp2 over the declared one
+    if declared in UNSHARDED_STRATEGIES:  # it ran FSDP2 ranks and wrote strategy: fsdp2 over the declared one
         raise LedgerspecError(
             f"--nproc runs FSDP1, FSDP2 or ZeRO ranks; the declared strategy {declared} shards nothing",
             args.file,

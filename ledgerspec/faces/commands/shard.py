@@ -91,9 +91,9 @@ def run_shard(args: argparse.Namespace) -> int:
     from ledgerspec.derivations.shard.options import zero_stage
 
     stage = zero_stage(doc)
-    from ledgerspec.contract.config import declared_strategy
+    from ledgerspec.contract.config import UNSHARDED_STRATEGIES, declared_strategy
 
-    if declared_strategy(doc) in ("ddp", "none"):  # the declared strategy shards nothing: the table is a what-if
+    if declared_strategy(doc) in UNSHARDED_STRATEGIES:  # the declared strategy shards nothing: the table is a what-if
         print(
             f"declared: {declared_strategy(doc)} (every rank holds the whole model and its state: `ledgerspec "
             "estimate` sizes one); for comparison, if the model were sharded:"
