@@ -20,6 +20,11 @@ class Finding:
     line: int = 1
     column: int = 1
 
+    def located(self, path: str) -> str:
+        """The finding as one line of ``validate``'s text: ``PATH:LINE:COL: RULE: SEVERITY: MESSAGE`` (the caller
+        makes it printable)."""
+        return f"{path}:{self.line}:{self.column}: {self.rule}: {self.severity}: {self.message}"
+
     def to_json(self) -> dict[str, Any]:
         """The JSON report's finding, keys in the spec's order."""
         return {

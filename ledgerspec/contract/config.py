@@ -681,11 +681,14 @@ def strategy_guess(name: str) -> str | None:
     None."""
     import difflib
 
-    squeezed = "".join(ch for ch in name.strip().lower() if ch.isalnum())
+    def squeezed_of(text: str) -> str:
+        return "".join(ch for ch in text.strip().lower() if ch.isalnum())
+
+    squeezed = squeezed_of(name)
     if squeezed in _STRATEGY_ALIASES:
         return _STRATEGY_ALIASES[squeezed]
     for known in KNOWN_STRATEGIES:
-        if squeezed == "".join(ch for ch in known if ch.isalnum()):
+        if squeezed == squeezed_of(known):
             return known
     if squeezed.startswith(("zero", "stage")):  # a ZeRO stage other than 1-3: no near miss stands for it
         return None

@@ -58,9 +58,7 @@ def preflight(doc: Document, command: str, echo: tuple[str, ...] = ()) -> None:
 
         for f in findings:
             if f.rule in echo:
-                print(
-                    printable(f"{doc.path}:{f.line}:{f.column}: {f.rule}: {f.severity}: {f.message}"), file=sys.stderr
-                )
+                print(printable(f.located(str(doc.path))), file=sys.stderr)
         return
     first = problems[0]
     more = len(problems) - 1

@@ -46,7 +46,7 @@ def text_report(reports: list[Report], out: TextIO, verbose: bool) -> None:
         for f in r.findings:
             if f.severity == INFO and not verbose:
                 continue
-            line(f"{r.path}:{f.line}:{f.column}: {f.rule}: {f.severity}: {f.message}")
+            line(f.located(r.path))
         if r.supported_status is not None:
             declared = r.declared_status or "none declared"
             line(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -543,13 +544,8 @@ def inject_adapters(
     # lacks included (peft_model.py, PeftModelForSequenceClassification: ["classifier", "score"]), and a ledger
     # written from that config lists both: they are PEFT's, not the user's
     own = target_names.CLASSIFIER_HEADS if is_reward_model(doc) else ()
-    for field, rule in (("modules_to_save", target_names.ends), ("exclude_modules", target_names.matches)):
-        declared = doc.get("method", field)
-        if declared.known and isinstance(declared.value, list):
-            listed = [str(t) for t in declared.value if field != "modules_to_save" or str(t) not in own]
-            missing = target_names.unmatched(listed, names, rule)
-            if missing:
-                raise _err(doc, ("method", field), *target_names.problem(field, missing, names, _name(model), True))
+    _refuse_unmatched(doc, "modules_to_save", names, target_names.ends, names, model, skip=own)
+    _refuse_unmatched(doc, "exclude_modules", names, target_names.matches, names, model)
     try:
         with warnings.catch_warnings(), peft_as_v4(model):
             warnings.simplefilter("ignore")
@@ -588,17 +584,36 @@ def inject_adapters(
         raise unmatched
     adapted += list(getattr(wrapped, "targeted_parameter_names", None) or [])
     for field in ("rank_pattern", "alpha_pattern"):  # PEFT only warns of a key that matches no adapted module
-        declared = doc.get("method", field)
-        if declared.known and isinstance(declared.value, dict):
-            keys = [str(k) for k in declared.value if not str(k).startswith("x-")]
-            missing = target_names.unmatched(keys, adapted, target_names.pattern_matches)
-            if missing:
-                raise _err(doc, ("method", field), *target_names.problem(field, missing, names, _name(model), True))
+        _refuse_unmatched(doc, field, adapted, target_names.pattern_matches, names, model, mapping=True)
     return wrapped
 
 
 def _name(model: Any) -> str:
     return type(model).__name__
+
+
+def _refuse_unmatched(
+    doc: Document,
+    field: str,
+    against: list[str],
+    rule: Callable[[str, str], bool],
+    names: list[str],
+    model: Any,
+    skip: tuple[str, ...] = (),
+    mapping: bool = False,
+) -> None:
+    """Refuse the names of ``method.FIELD`` (a list, or with ``mapping`` a mapping's keys) that no name of ``against``
+    matches by ``rule`` (:mod:`~ledgerspec.derivations.stack.targets`); a mapping's ``x-`` keys and ``skip`` are not
+    asked about; ``names``: the model's names before the injection, for the guesses."""
+    declared = doc.get("method", field)
+    value = declared.value
+    if not (declared.known and isinstance(value, dict if mapping else list)):
+        return
+    # a mapping's x- keys are the document's, not PEFT's (lora_config drops them)
+    listed = [str(t) for t in value if not (mapping and str(t).startswith("x-")) and str(t) not in skip]
+    missing = target_names.unmatched(listed, against, rule)
+    if missing:
+        raise _err(doc, ("method", field), *target_names.problem(field, missing, names, _name(model), True))
 
 
 def _unmatched_targets(

@@ -119,6 +119,7 @@ __all__ = [
     "ends",
     "guesses",
     "matches",
+    "pattern_matches",
     "plain_name",
     "problem",
     "string_hint",

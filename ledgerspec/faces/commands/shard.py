@@ -93,9 +93,10 @@ def run_shard(args: argparse.Namespace) -> int:
     stage = zero_stage(doc)
     from ledgerspec.contract.config import UNSHARDED_STRATEGIES, declared_strategy
 
-    if declared_strategy(doc) in UNSHARDED_STRATEGIES:  # the declared strategy shards nothing: the table is a what-if
+    declared = declared_strategy(doc)
+    if declared in UNSHARDED_STRATEGIES:  # the declared strategy shards nothing: the table is a what-if
         print(
-            f"declared: {declared_strategy(doc)} (every rank holds the whole model and its state: `ledgerspec "
+            f"declared: {declared} (every rank holds the whole model and its state: `ledgerspec "
             "estimate` sizes one); for comparison, if the model were sharded:"
         )
     if stage is not None:  # the declared strategy first: its row is below the FSDP table
